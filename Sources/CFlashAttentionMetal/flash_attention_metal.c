@@ -1,0 +1,52 @@
+#include "flash_attention_metal.h"
+#include "flash_attention_internal.h"
+
+#include <string.h>
+
+#define FA_VERSION "0.1.0"
+
+static _Thread_local char last_error[1024];
+
+const char *fa_version(void) { return FA_VERSION; }
+
+uint32_t fa_max_head_dim(void) { return FA_MAX_HEAD_DIM; }
+
+const char *fa_status_name(fa_status status) {
+    switch (status) {
+    case FA_STATUS_SUCCESS: return "FA_STATUS_SUCCESS";
+    case FA_STATUS_INVALID_ARGUMENT: return "FA_STATUS_INVALID_ARGUMENT";
+    case FA_STATUS_UNSUPPORTED: return "FA_STATUS_UNSUPPORTED";
+    case FA_STATUS_BACKEND_UNAVAILABLE: return "FA_STATUS_BACKEND_UNAVAILABLE";
+    case FA_STATUS_OUT_OF_MEMORY: return "FA_STATUS_OUT_OF_MEMORY";
+    case FA_STATUS_EXECUTION_FAILED: return "FA_STATUS_EXECUTION_FAILED";
+    case FA_STATUS_INTERNAL_ERROR: return "FA_STATUS_INTERNAL_ERROR";
+    }
+    return "FA_STATUS_UNKNOWN";
+}
+
+const char *fa_last_error_message(void) { return last_error; }
+
+void fa_set_last_error(const char *message) {
+    if (message == NULL) {
+        last_error[0] = '\0';
+        return;
+    }
+    strncpy(last_error, message, sizeof last_error - 1);
+    last_error[sizeof last_error - 1] = '\0';
+}
+
+int fa_bucket_for_head_dim(uint32_t head_dim, FlashAttentionBucket *bucket) {
+    static const FlashAttentionBucket table[] = {
+#define FA_BUCKET_ROW(dmax, fbq, fbk, bbq, bbk) {dmax, fbq, fbk, bbq, bbk},
+        FA_HEAD_DIM_BUCKETS(FA_BUCKET_ROW)
+#undef FA_BUCKET_ROW
+    };
+    if (head_dim == 0) return 0;
+    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
+        if (table[i].head_dim_max >= head_dim) {
+            *bucket = table[i];
+            return 1;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,32 @@
+/* Internal to the library (not part of the ABI): the kernel parameter table for the Swift dispatch
+ * plan, and the per-thread error message behind fa_last_error_message(). */
+#ifndef FLASH_ATTENTION_INTERNAL_H
+#define FLASH_ATTENTION_INTERNAL_H
+
+#include "../../../Shaders/flash_attention_params.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One row of FA_HEAD_DIM_BUCKETS. */
+typedef struct FlashAttentionBucket {
+    uint32_t head_dim_max;
+    uint32_t forward_block_q;
+    uint32_t forward_block_k;
+    uint32_t backward_block_q;
+    uint32_t backward_block_k;
+} FlashAttentionBucket;
+
+/* The first bucket whose head_dim_max >= head_dim. Returns 0 (and leaves *bucket alone) when
+ * head_dim is 0 or above FA_MAX_HEAD_DIM. */
+int fa_bucket_for_head_dim(uint32_t head_dim, FlashAttentionBucket *bucket);
+
+/* Sets this thread's fa_last_error_message(); null clears it. Copies the text. */
+void fa_set_last_error(const char *message);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,116 @@
+/*
+ * libFlashAttentionMetal: exact, memory-efficient attention for Apple GPUs, with a CPU engine that
+ * runs the same Metal kernels anywhere. This header is the one ABI contract for C, C++,
+ * Objective-C, Swift and Python (whose cffi binding reads the declarations between the
+ * FA_CDEF_BEGIN and FA_CDEF_END markers; keep them free of preprocessor lines).
+ *
+ * Math: FlashAttention-2 (Dao, 2023), Algorithm 1 (forward) and Algorithm 2 (backward).
+ *
+ * Layout (row-major, contiguous, no padding):
+ *   q, out, dout, dq  float16 (uint16_t bit patterns)  [batch][num_heads][seqlen_q][head_dim]
+ *   k, v, dk, dv      float16                           [batch][num_kv_heads][seqlen_k][head_dim]
+ *   lse               float32                           [batch][num_heads][seqlen_q]
+ * lse is the natural log of sum_j exp(softmax_scale * q_i . k_j) over the keys row i sees.
+ * causal masks are aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+ * A row that sees no key gets out = 0, lse = -inf and zero gradients.
+ * GQA/MQA: num_heads % num_kv_heads == 0; query head h reads KV head h / (num_heads / num_kv_heads).
+ *
+ * Errors: every function returns an fa_status; on failure fa_last_error_message() (per thread)
+ * says what was wrong, naming the argument and the rule. Output buffers of a call that fails after
+ * validation are filled with NaN so that nothing half-written looks valid. No function aborts or
+ * prints.
+ */
+#ifndef FLASH_ATTENTION_METAL_H
+#define FLASH_ATTENTION_METAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* FA_CDEF_BEGIN */
+
+/* Result of every call. */
+typedef enum fa_status {
+    FA_STATUS_SUCCESS = 0,
+    FA_STATUS_INVALID_ARGUMENT = 1,    /* a null pointer, a bad dimension or scale */
+    FA_STATUS_UNSUPPORTED = 2,         /* valid but outside what the kernels support (head_dim) */
+    FA_STATUS_BACKEND_UNAVAILABLE = 3, /* e.g. FA_BACKEND_METAL where Metal is absent */
+    FA_STATUS_OUT_OF_MEMORY = 4,
+    FA_STATUS_EXECUTION_FAILED = 5,    /* the device or the CPU engine reported an error */
+    FA_STATUS_INTERNAL_ERROR = 6
+} fa_status;
+
+typedef enum fa_backend {
+    FA_BACKEND_AUTO = 0,  /* Metal where available, else CPU */
+    FA_BACKEND_METAL = 1, /* an Apple GPU through Metal */
+    FA_BACKEND_CPU = 2    /* the CPU engine running the same .metal kernels */
+} fa_backend;
+
+/* Opaque. A context may be used from several threads at once. */
+typedef struct fa_context fa_context;
+
+/* One attention problem. Set struct_size to sizeof(fa_problem) so the ABI can grow. */
+typedef struct fa_problem {
+    uint32_t struct_size;
+    uint32_t batch;
+    uint32_t num_heads;
+    uint32_t num_kv_heads;
+    uint32_t seqlen_q;
+    uint32_t seqlen_k;
+    uint32_t head_dim;      /* 1 ... fa_max_head_dim() */
+    uint32_t causal;        /* 0 or 1 */
+    float softmax_scale;    /* finite; the usual value is 1 / sqrt(head_dim) */
+} fa_problem;
+
+/* Library version, "MAJOR.MINOR.PATCH". Static storage. */
+const char *fa_version(void);
+
+/* Largest head_dim the kernels support. */
+uint32_t fa_max_head_dim(void);
+
+/* A short name for a status, e.g. "FA_STATUS_UNSUPPORTED". Static storage. */
+const char *fa_status_name(fa_status status);
+
+/* The message of the last failed call on this thread ("" if none). Valid until the next call on
+ * this thread. */
+const char *fa_last_error_message(void);
+
+/* Creates a context for backend. On success *out_context owns a device, a command queue and the
+ * compiled kernels (Metal) or the CPU engine. Errors: INVALID_ARGUMENT (null out_context, unknown
+ * backend), BACKEND_UNAVAILABLE. */
+fa_status fa_context_create(fa_backend backend, fa_context **out_context);
+
+/* Destroys a context; null is ignored. */
+void fa_context_destroy(fa_context *context);
+
+/* "metal" or "cpu". Static storage; null for a null context. */
+const char *fa_context_backend_name(const fa_context *context);
+
+/* The device: the Metal device name, or a description of the CPU engine. Valid while the context
+ * lives; null for a null context. */
+const char *fa_context_device_name(const fa_context *context);
+
+/* Forward pass: out = softmax(softmax_scale * q k^T, masked) v, and lse.
+ * Shapes in the layout above. Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED. */
+fa_status fa_forward(fa_context *context, const fa_problem *problem,
+                     const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                     uint16_t *out, float *lse);
+
+/* Backward pass: dq, dk, dv from dout and the q, k, v, out, lse of the forward pass.
+ * dk and dv sum over the query heads that share a KV head. Deterministic.
+ * Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED. */
+fa_status fa_backward(fa_context *context, const fa_problem *problem,
+                      const uint16_t *dout, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                      const uint16_t *out, const float *lse,
+                      uint16_t *dq, uint16_t *dk, uint16_t *dv);
+
+/* FA_CDEF_END */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
