@@ -1,0 +1,71 @@
+// Entries that let the engine run the kernels of Shaders/flash_attention.metal, compiled here from
+// the unmodified source: each entry binds the kernel's [[buffer(i)]] arguments and built-ins.
+#include "msl_kernel_registry.hpp"
+
+#include "../../Shaders/flash_attention.metal"
+
+namespace {
+
+using msl_engine::builtins;
+using msl_engine::kernel_args;
+
+using ForwardKernel = void (*)(const half *, const half *, const half *, half *, float *,
+                               const FlashAttentionParams &, uint3, uint);
+using BackwardDqKernel = void (*)(const half *, const half *, const half *, const half *,
+                                  const half *, const float *, const FlashAttentionParams &, half *,
+                                  uint3, uint);
+using BackwardDkvKernel = void (*)(const half *, const half *, const half *, const half *,
+                                   const half *, const float *, const FlashAttentionParams &,
+                                   half *, half *, uint3, uint);
+
+template <ForwardKernel Kernel>
+void run_forward(const kernel_args &a, const builtins &t) {
+    Kernel(a.buffer<const half>(FA_FORWARD_BUFFER_Q), a.buffer<const half>(FA_FORWARD_BUFFER_K),
+           a.buffer<const half>(FA_FORWARD_BUFFER_V), a.buffer<half>(FA_FORWARD_BUFFER_OUT),
+           a.buffer<float>(FA_FORWARD_BUFFER_LSE),
+           a.constant_ref<const FlashAttentionParams>(FA_FORWARD_BUFFER_PARAMS),
+           t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
+}
+
+template <BackwardDqKernel Kernel>
+void run_backward_dq(const kernel_args &a, const builtins &t) {
+    Kernel(a.buffer<const half>(FA_BACKWARD_BUFFER_DOUT), a.buffer<const half>(FA_BACKWARD_BUFFER_Q),
+           a.buffer<const half>(FA_BACKWARD_BUFFER_K), a.buffer<const half>(FA_BACKWARD_BUFFER_V),
+           a.buffer<const half>(FA_BACKWARD_BUFFER_OUT),
+           a.buffer<const float>(FA_BACKWARD_BUFFER_LSE),
+           a.constant_ref<const FlashAttentionParams>(FA_BACKWARD_BUFFER_PARAMS),
+           a.buffer<half>(FA_BACKWARD_BUFFER_DQ), t.threadgroup_position_in_grid,
+           t.thread_index_in_threadgroup);
+}
+
+template <BackwardDkvKernel Kernel>
+void run_backward_dkv(const kernel_args &a, const builtins &t) {
+    Kernel(a.buffer<const half>(FA_BACKWARD_BUFFER_DOUT), a.buffer<const half>(FA_BACKWARD_BUFFER_Q),
+           a.buffer<const half>(FA_BACKWARD_BUFFER_K), a.buffer<const half>(FA_BACKWARD_BUFFER_V),
+           a.buffer<const half>(FA_BACKWARD_BUFFER_OUT),
+           a.buffer<const float>(FA_BACKWARD_BUFFER_LSE),
+           a.constant_ref<const FlashAttentionParams>(FA_BACKWARD_BUFFER_PARAMS),
+           a.buffer<half>(FA_BACKWARD_BUFFER_DK), a.buffer<half>(FA_BACKWARD_BUFFER_DV),
+           t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
+}
+
+constexpr const char *kSource = "Shaders/flash_attention.metal";
+
+#define FA_KERNEL_ENTRY(NAME, RUN, BUFFERS)                                                        \
+    {#NAME, RUN<NAME>, BUFFERS, sizeof(NAME##_threadgroup), kSource, 0},
+
+#define FA_BUCKET_ENTRIES(DP, FWD_BQ, FWD_BK, BWD_BQ, BWD_BK)                                      \
+    FA_KERNEL_ENTRY(flash_attention_forward_d##DP, run_forward, FA_FORWARD_BUFFER_COUNT)           \
+    FA_KERNEL_ENTRY(flash_attention_backward_dq_d##DP, run_backward_dq,                            \
+                    FA_BACKWARD_DQ_BUFFER_COUNT)                                                   \
+    FA_KERNEL_ENTRY(flash_attention_backward_dkv_d##DP, run_backward_dkv,                          \
+                    FA_BACKWARD_DKV_BUFFER_COUNT)
+
+const msl_engine::kernel_entry kTable[] = {FA_HEAD_DIM_BUCKETS(FA_BUCKET_ENTRIES)};
+
+} // namespace
+
+const msl_engine::kernel_entry *msl_engine::flash_attention_kernel_table(size_t *count) {
+    *count = sizeof kTable / sizeof kTable[0];
+    return kTable;
+}
