@@ -1,0 +1,128 @@
+import CFlashAttentionMetal
+
+// The C entry points of flash_attention_metal.h that are not in flash_attention_metal.c. Each one
+// validates its own arguments, reports failures through fa_set_last_error and a status, and never
+// traps on user input. Swift names carry an `export` prefix so they do not collide with the C
+// declarations imported from the header.
+
+/// Converts a thrown error to a status and records its message for fa_last_error_message().
+private func report(_ error: Error) -> fa_status {
+    let failure = error as? FlashAttentionError ?? .internalError("unexpected error: \(error)")
+    fa_set_last_error(failure.message)
+    return failure.status
+}
+
+/// The context behind a handle, or an `invalidArgument` error for null.
+private func context(_ handle: OpaquePointer?) throws -> Context {
+    guard let handle else { throw FlashAttentionError.invalidArgument("context must not be null") }
+    return Unmanaged<Context>.fromOpaque(UnsafeRawPointer(handle)).takeUnretainedValue()
+}
+
+/// `name` must not be null; returns it unwrapped.
+private func required<P>(_ pointer: P?, _ name: String) throws -> P {
+    guard let pointer else { throw FlashAttentionError.invalidArgument("\(name) must not be null") }
+    return pointer
+}
+
+/// fa_context_create: see flash_attention_metal.h.
+@_cdecl("fa_context_create")
+public func exportContextCreate(_ backend: fa_backend, _ outContext: UnsafeMutablePointer<OpaquePointer?>?)
+    -> fa_status {
+    withAutoreleasePool {
+        do {
+            let out = try required(outContext, "out_context")
+            let kind: Backend
+            switch backend {
+            case FA_BACKEND_AUTO: kind = .auto
+            case FA_BACKEND_METAL: kind = .metal
+            case FA_BACKEND_CPU: kind = .cpu
+            default:
+                throw FlashAttentionError.invalidArgument(
+                    "backend (\(backend.rawValue)) must be FA_BACKEND_AUTO, FA_BACKEND_METAL or FA_BACKEND_CPU")
+            }
+            out.pointee = nil
+            let created = try Context(kind)
+            out.pointee = OpaquePointer(Unmanaged.passRetained(created).toOpaque())
+            return FA_STATUS_SUCCESS
+        } catch {
+            return report(error)
+        }
+    }
+}
+
+/// fa_context_destroy: see flash_attention_metal.h.
+@_cdecl("fa_context_destroy")
+public func exportContextDestroy(_ handle: OpaquePointer?) {
+    guard let handle else { return }
+    withAutoreleasePool {
+        Unmanaged<Context>.fromOpaque(UnsafeRawPointer(handle)).release()
+    }
+}
+
+/// fa_context_backend_name: see flash_attention_metal.h.
+@_cdecl("fa_context_backend_name")
+public func exportContextBackendName(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
+    guard let ctx = try? context(handle) else { return nil }
+    // StaticString literals are NUL-terminated and live in the binary's constant data.
+    return UnsafeRawPointer(ctx.backend.name.utf8Start).assumingMemoryBound(to: CChar.self)
+}
+
+/// fa_context_device_name: see flash_attention_metal.h.
+@_cdecl("fa_context_device_name")
+public func exportContextDeviceName(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
+    guard let ctx = try? context(handle) else { return nil }
+    return UnsafePointer(ctx.deviceNameCString)
+}
+
+/// fa_forward: see flash_attention_metal.h.
+@_cdecl("fa_forward")
+public func exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_problem>?,
+                          _ q: UnsafePointer<UInt16>?, _ k: UnsafePointer<UInt16>?, _ v: UnsafePointer<UInt16>?,
+                          _ out: UnsafeMutablePointer<UInt16>?, _ lse: UnsafeMutablePointer<Float>?) -> fa_status {
+    withAutoreleasePool {
+        do {
+            let ctx = try context(handle)
+            let p = try Problem.validate(problem)
+            var buffers = HostBuffers()
+            try buffers.bindInput(.q, required(q, "q"), for: p)
+            try buffers.bindInput(.k, required(k, "k"), for: p)
+            try buffers.bindInput(.v, required(v, "v"), for: p)
+            try buffers.bindOutput(.out, required(out, "out"), for: p)
+            try buffers.bindOutput(.lse, required(lse, "lse"), for: p)
+            try ctx.run(DispatchPlan.forward(p), buffers: buffers)
+            return FA_STATUS_SUCCESS
+        } catch {
+            return report(error)
+        }
+    }
+}
+
+/// fa_backward: see flash_attention_metal.h.
+@_cdecl("fa_backward")
+public func exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_problem>?,
+                           _ dout: UnsafePointer<UInt16>?, _ q: UnsafePointer<UInt16>?,
+                           _ k: UnsafePointer<UInt16>?, _ v: UnsafePointer<UInt16>?,
+                           _ out: UnsafePointer<UInt16>?, _ lse: UnsafePointer<Float>?,
+                           _ dq: UnsafeMutablePointer<UInt16>?, _ dk: UnsafeMutablePointer<UInt16>?,
+                           _ dv: UnsafeMutablePointer<UInt16>?) -> fa_status {
+    withAutoreleasePool {
+        do {
+            let ctx = try context(handle)
+            let p = try Problem.validate(problem)
+            var buffers = HostBuffers()
+            try buffers.bindInput(.dout, required(dout, "dout"), for: p)
+            try buffers.bindInput(.q, required(q, "q"), for: p)
+            try buffers.bindInput(.k, required(k, "k"), for: p)
+            try buffers.bindInput(.v, required(v, "v"), for: p)
+            try buffers.bindInput(.out, required(out, "out"), for: p)
+            try buffers.bindInput(.lse, required(lse, "lse"), for: p)
+            try buffers.bindOutput(.dq, required(dq, "dq"), for: p)
+            try buffers.bindOutput(.dk, required(dk, "dk"), for: p)
+            try buffers.bindOutput(.dv, required(dv, "dv"), for: p)
+            try ctx.run(DispatchPlan.backward(p), buffers: buffers)
+            return FA_STATUS_SUCCESS
+        } catch {
+            return report(error)
+        }
+    }
+}

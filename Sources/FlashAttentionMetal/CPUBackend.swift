@@ -1,0 +1,60 @@
+import CFlashAttentionMetal
+import MSLEngine
+
+/// Runs the plan on the CPU engine, which executes the same `Shaders/flash_attention.metal` source
+/// with Metal's threadgroup semantics (see Sources/MSLEngine).
+final class CPUBackend: ExecutionBackend {
+    let name: StaticString = "cpu"
+    let deviceName: String
+
+    /// Fails with `backendUnavailable` when the engine was built without the attention kernels.
+    init() throws {
+        let probe = "flash_attention_forward_d\(FA_MAX_HEAD_DIM)"
+        guard msl_engine_has_kernel(probe) != 0 else {
+            throw FlashAttentionError.backendUnavailable("the CPU engine has no kernel named \(probe)")
+        }
+        deviceName = "CPU engine (MSL on \(msl_engine_worker_count()) worker threads)"
+    }
+
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+        for dispatch in plan.dispatches {
+            try run(dispatch, buffers: buffers)
+        }
+    }
+
+    private func run(_ dispatch: Dispatch, buffers: HostBuffers) throws {
+        var params = dispatch.params
+        try withUnsafeMutableBytes(of: &params) { paramBytes in
+            var slots = [msl_engine_buffer](repeating: msl_engine_buffer(contents: nil, length: 0),
+                                            count: dispatch.bufferCount)
+            for binding in dispatch.bindings {
+                guard let buffer = buffers[binding.role] else {
+                    throw FlashAttentionError.internalError(
+                        "\(dispatch.kernelName): no buffer for \(binding.role.name)")
+                }
+                slots[binding.index] = msl_engine_buffer(contents: buffer.baseAddress, length: buffer.count)
+            }
+            slots[dispatch.paramsIndex] = msl_engine_buffer(contents: paramBytes.baseAddress,
+                                                            length: paramBytes.count)
+            var message = [CChar](repeating: 0, count: 1024)
+            let status = msl_engine_dispatch(
+                dispatch.kernelName, slots, UInt32(slots.count),
+                msl_engine_size(width: dispatch.threadgroupsPerGrid.width,
+                                height: dispatch.threadgroupsPerGrid.height,
+                                depth: dispatch.threadgroupsPerGrid.depth),
+                msl_engine_size(width: dispatch.threadsPerThreadgroup.width,
+                                height: dispatch.threadsPerThreadgroup.height,
+                                depth: dispatch.threadsPerThreadgroup.depth),
+                &message, message.count)
+            guard status != MSL_ENGINE_SUCCESS else { return }
+            let text = "CPU engine: " + String(decoding: message.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) },
+                                                   as: UTF8.self)
+            switch status {
+            case MSL_ENGINE_OUT_OF_MEMORY: throw FlashAttentionError.outOfMemory(text)
+            // A kernel the plan names but the engine lacks is a build defect, not a user error.
+            case MSL_ENGINE_UNKNOWN_KERNEL: throw FlashAttentionError.internalError(text)
+            default: throw FlashAttentionError.executionFailed(text)
+            }
+        }
+    }
+}

@@ -1,0 +1,102 @@
+/* Reuse from a non-Swift app: this program is compiled against flash_attention_metal.h and linked to
+ * the built libFlashAttentionMetal. It runs forward and backward on the CPU backend (a small causal
+ * GQA problem), checks the outputs are finite and that a query seeing one key copies that key's
+ * value row, and checks one error path (its status and message). Exit status 0 on success. */
+#include "flash_attention_metal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+enum { B = 1, H = 2, HKV = 1, NQ = 5, NK = 7, D = 16 };
+
+static int failures = 0;
+
+static void check(int condition, const char *what) {
+    if (!condition) {
+        fprintf(stderr, "FAIL: %s\n", what);
+        failures++;
+    }
+}
+
+/* float16 bits -> float, for the checks (normal and zero values only; enough here). */
+static float half_to_float(uint16_t h) {
+    int exponent = (h >> 10) & 0x1f;
+    float mantissa = (float)(h & 0x3ff);
+    float sign = (h & 0x8000) ? -1.0f : 1.0f;
+    if (exponent == 0) return sign * ldexpf(mantissa, -24);
+    if (exponent == 31) return mantissa ? NAN : sign * INFINITY;
+    return sign * ldexpf(1.0f + mantissa / 1024.0f, exponent - 15);
+}
+
+/* Small values with an exact float16 form: (n % 17 - 8) / 16. */
+static void fill(uint16_t *x, size_t n, unsigned seed) {
+    for (size_t i = 0; i < n; i++) {
+        int v = (int)((i * 7 + seed * 13) % 17) - 8;
+        /* v / 16 as float16: sign, exponent and mantissa built from the integer. */
+        uint16_t bits = 0;
+        if (v != 0) {
+            int a = v < 0 ? -v : v, e = 0;
+            while ((a >> e) > 1) e++;
+            bits = (uint16_t)(((v < 0) << 15) | ((e - 4 + 15) << 10) | (((a << 10) >> e) & 0x3ff));
+        }
+        x[i] = bits;
+    }
+}
+
+int main(void) {
+    static uint16_t q[B * H * NQ * D], k[B * HKV * NK * D], v[B * HKV * NK * D], out[B * H * NQ * D];
+    static uint16_t dout[B * H * NQ * D], dq[B * H * NQ * D], dk[B * HKV * NK * D], dv[B * HKV * NK * D];
+    static float lse[B * H * NQ];
+    fill(q, sizeof q / 2, 1);
+    fill(k, sizeof k / 2, 2);
+    fill(v, sizeof v / 2, 3);
+    fill(dout, sizeof dout / 2, 4);
+
+    fa_context *ctx = NULL;
+    fa_status status = fa_context_create(FA_BACKEND_CPU, &ctx);
+    if (status != FA_STATUS_SUCCESS) {
+        fprintf(stderr, "FAIL: fa_context_create: %s: %s\n", fa_status_name(status), fa_last_error_message());
+        return 1;
+    }
+    printf("libFlashAttentionMetal %s, backend %s, device %s\n", fa_version(), fa_context_backend_name(ctx),
+           fa_context_device_name(ctx));
+
+    fa_problem problem = {sizeof(fa_problem), B, H, HKV, NQ, NK, D, 1, 0.25f};
+    status = fa_forward(ctx, &problem, q, k, v, out, lse);
+    check(status == FA_STATUS_SUCCESS, fa_last_error_message());
+    for (size_t i = 0; i < sizeof out / 2; i++) check(isfinite(half_to_float(out[i])), "out finite");
+    for (size_t i = 0; i < sizeof lse / 4; i++) check(isfinite(lse[i]), "lse finite (NK >= NQ: every row sees a key)");
+
+    /* Causal with seqlen_q 1 sees every key; with one key, out equals that value row. */
+    fa_problem one = {sizeof(fa_problem), 1, 1, 1, 1, 1, D, 1, 0.25f};
+    static uint16_t out1[D];
+    float lse1;
+    check(fa_forward(ctx, &one, q, k, v, out1, &lse1) == FA_STATUS_SUCCESS, "single key forward");
+    check(memcmp(out1, v, sizeof out1) == 0, "one visible key: out equals its value row");
+
+    status = fa_backward(ctx, &problem, dout, q, k, v, out, lse, dq, dk, dv);
+    check(status == FA_STATUS_SUCCESS, fa_last_error_message());
+    for (size_t i = 0; i < sizeof dq / 2; i++) check(isfinite(half_to_float(dq[i])), "dq finite");
+    for (size_t i = 0; i < sizeof dk / 2; i++) check(isfinite(half_to_float(dk[i])), "dk finite");
+    for (size_t i = 0; i < sizeof dv / 2; i++) check(isfinite(half_to_float(dv[i])), "dv finite");
+
+    fa_problem bad = problem;
+    bad.num_heads = 3;
+    bad.num_kv_heads = 2;
+    status = fa_forward(ctx, &bad, q, k, v, out, lse);
+    check(status == FA_STATUS_INVALID_ARGUMENT, "bad GQA ratio gives FA_STATUS_INVALID_ARGUMENT");
+    check(strcmp(fa_last_error_message(), "num_heads (3) must be a multiple of num_kv_heads (2)") == 0,
+          "error message names the arguments and the rule");
+    bad = problem;
+    bad.head_dim = fa_max_head_dim() + 1;
+    check(fa_forward(ctx, &bad, q, k, v, out, lse) == FA_STATUS_UNSUPPORTED, "head_dim 257 unsupported");
+
+    fa_context_destroy(ctx);
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("C ABI smoke test passed\n");
+    return 0;
+}

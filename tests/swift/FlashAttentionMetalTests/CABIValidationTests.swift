@@ -1,0 +1,215 @@
+import Foundation
+import CFlashAttentionMetal
+import XCTest
+
+@testable import FlashAttentionMetal
+
+/// Every validation error path of the C ABI: the status and the message text.
+final class CABIValidationTests: XCTestCase {
+    private var context: OpaquePointer?
+
+    override func setUpWithError() throws {
+        XCTAssertEqual(fa_context_create(FA_BACKEND_CPU, &context), FA_STATUS_SUCCESS,
+                       String(cString: fa_last_error_message()))
+    }
+
+    override func tearDown() {
+        fa_context_destroy(context)
+        context = nil
+    }
+
+    private func validProblem() -> fa_problem {
+        fa_problem(struct_size: UInt32(MemoryLayout<fa_problem>.size), batch: 1, num_heads: 2, num_kv_heads: 1,
+                   seqlen_q: 3, seqlen_k: 4, head_dim: 8, causal: 0, softmax_scale: 0.5)
+    }
+
+    /// Calls fa_forward and fa_backward with buffers large enough for `validProblem()` and returns
+    /// both statuses; `nulls` names the pointer arguments passed as null.
+    private func call(_ problem: fa_problem?, nulls: Set<String> = [], context: OpaquePointer?? = nil)
+        -> (forward: fa_status, forwardMessage: String, backward: fa_status, backwardMessage: String) {
+        let ctx = context ?? self.context
+        var half = [UInt16](repeating: 0x3C00, count: 1024)
+        var float = [Float](repeating: 0, count: 1024)
+        var outs = (0..<5).map { _ in [UInt16](repeating: 0, count: 1024) }
+        var lse = [Float](repeating: 0, count: 1024)
+        return half.withUnsafeMutableBufferPointer { h in
+            float.withUnsafeMutableBufferPointer { f in
+                lse.withUnsafeMutableBufferPointer { l in
+                    outs.withUnsafeMutableBufferPointer { o in
+                        o[0].withUnsafeMutableBufferPointer { o0 in
+                            o[1].withUnsafeMutableBufferPointer { o1 in
+                                o[2].withUnsafeMutableBufferPointer { o2 in
+                                    o[3].withUnsafeMutableBufferPointer { o3 in
+                                        func ptr<T>(_ name: String, _ p: UnsafeMutableBufferPointer<T>) -> UnsafeMutablePointer<T>? {
+                                            nulls.contains(name) ? nil : p.baseAddress
+                                        }
+                                        var prob = problem ?? validProblem()
+                                        return withUnsafePointer(to: &prob) { pp in
+                                            let pr = problem == nil ? nil : pp
+                                            let fs = fa_forward(ctx, pr, ptr("q", h), ptr("k", h), ptr("v", h),
+                                                                ptr("out", o0), ptr("lse", l))
+                                            let fm = String(cString: fa_last_error_message())
+                                            let bs = fa_backward(ctx, pr, ptr("dout", h), ptr("q", h), ptr("k", h),
+                                                                 ptr("v", h), ptr("out", h), ptr("lse", f),
+                                                                 ptr("dq", o1), ptr("dk", o2), ptr("dv", o3))
+                                            let bm = String(cString: fa_last_error_message())
+                                            return (fs, fm, bs, bm)
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    private func expect(_ problem: fa_problem?, _ status: fa_status, _ message: String, nulls: Set<String> = [],
+                        file: StaticString = #filePath, line: UInt = #line) {
+        let r = call(problem, nulls: nulls)
+        XCTAssertEqual(r.forward, status, "forward", file: file, line: line)
+        XCTAssertEqual(r.forwardMessage, message, "forward", file: file, line: line)
+        XCTAssertEqual(r.backward, status, "backward", file: file, line: line)
+        XCTAssertEqual(r.backwardMessage, message, "backward", file: file, line: line)
+    }
+
+    private func modified(_ change: (inout fa_problem) -> Void) -> fa_problem {
+        var p = validProblem()
+        change(&p)
+        return p
+    }
+
+    func testValidProblemSucceeds() {
+        let r = call(validProblem())
+        XCTAssertEqual(r.forward, FA_STATUS_SUCCESS, r.forwardMessage)
+        XCTAssertEqual(r.backward, FA_STATUS_SUCCESS, r.backwardMessage)
+    }
+
+    func testNullContext() {
+        let r = call(validProblem(), context: .some(nil))
+        XCTAssertEqual(r.forward, FA_STATUS_INVALID_ARGUMENT)
+        XCTAssertEqual(r.forwardMessage, "context must not be null")
+        XCTAssertEqual(r.backward, FA_STATUS_INVALID_ARGUMENT)
+    }
+
+    func testNullProblem() {
+        expect(nil, FA_STATUS_INVALID_ARGUMENT, "problem must not be null")
+    }
+
+    func testStructSize() {
+        expect(modified { $0.struct_size = 0 }, FA_STATUS_INVALID_ARGUMENT,
+               "problem->struct_size (0) must be at least sizeof(fa_problem) (36)")
+        expect(modified { $0.struct_size = 35 }, FA_STATUS_INVALID_ARGUMENT,
+               "problem->struct_size (35) must be at least sizeof(fa_problem) (36)")
+        // A larger struct from a newer header is accepted.
+        let r = call(modified { $0.struct_size = 64 })
+        XCTAssertEqual(r.forward, FA_STATUS_SUCCESS, r.forwardMessage)
+    }
+
+    func testZeroDimensions() {
+        let fields: [(String, WritableKeyPath<fa_problem, UInt32>)] = [
+            ("batch", \.batch), ("num_heads", \.num_heads), ("num_kv_heads", \.num_kv_heads),
+            ("seqlen_q", \.seqlen_q), ("seqlen_k", \.seqlen_k), ("head_dim", \.head_dim),
+        ]
+        for (name, field) in fields {
+            expect(modified { $0[keyPath: field] = 0 }, FA_STATUS_INVALID_ARGUMENT, "\(name) (0) must be at least 1")
+        }
+    }
+
+    func testHeadsMustDivide() {
+        expect(modified { $0.num_heads = 12; $0.num_kv_heads = 5 }, FA_STATUS_INVALID_ARGUMENT,
+               "num_heads (12) must be a multiple of num_kv_heads (5)")
+    }
+
+    func testHeadDimAboveTheLimitIsUnsupported() {
+        XCTAssertEqual(fa_max_head_dim(), 256)
+        expect(modified { $0.head_dim = 257 }, FA_STATUS_UNSUPPORTED,
+               "head_dim (257) must be at most fa_max_head_dim() (256)")
+        expect(modified { $0.head_dim = UInt32.max }, FA_STATUS_UNSUPPORTED,
+               "head_dim (4294967295) must be at most fa_max_head_dim() (256)")
+    }
+
+    func testCausalFlag() {
+        expect(modified { $0.causal = 2 }, FA_STATUS_INVALID_ARGUMENT, "causal (2) must be 0 or 1")
+    }
+
+    func testSoftmaxScaleMustBeFinite() {
+        expect(modified { $0.softmax_scale = .nan }, FA_STATUS_INVALID_ARGUMENT, "softmax_scale (nan) must be finite")
+        expect(modified { $0.softmax_scale = .infinity }, FA_STATUS_INVALID_ARGUMENT,
+               "softmax_scale (inf) must be finite")
+        expect(modified { $0.softmax_scale = -.infinity }, FA_STATUS_INVALID_ARGUMENT,
+               "softmax_scale (-inf) must be finite")
+    }
+
+    /// Sizes whose byte counts overflow a 64-bit size are rejected before any pointer is touched.
+    func testElementCountOverflow() {
+        expect(modified {
+            $0.batch = UInt32.max; $0.num_heads = UInt32.max; $0.num_kv_heads = 1; $0.seqlen_q = UInt32.max
+            $0.head_dim = 256
+        }, FA_STATUS_INVALID_ARGUMENT, "q has more elements than fit in a 64-bit size")
+        expect(modified {
+            $0.batch = 1 << 30; $0.num_heads = 1 << 30; $0.num_kv_heads = 1; $0.seqlen_q = 1; $0.head_dim = 4
+        }, FA_STATUS_INVALID_ARGUMENT, "q (4611686018427387904 elements) has more bytes than fit in a 64-bit size")
+        expect(modified {
+            $0.batch = UInt32.max; $0.num_heads = 1; $0.num_kv_heads = 1; $0.seqlen_q = 1
+            $0.seqlen_k = UInt32.max; $0.head_dim = 256
+        }, FA_STATUS_INVALID_ARGUMENT, "k has more elements than fit in a 64-bit size")
+    }
+
+    func testNullBuffers() {
+        for name in ["q", "k", "v", "out", "lse"] {
+            let r = call(validProblem(), nulls: [name])
+            XCTAssertEqual(r.forward, FA_STATUS_INVALID_ARGUMENT, name)
+            XCTAssertEqual(r.forwardMessage, "\(name) must not be null")
+        }
+        for name in ["dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv"] {
+            let r = call(validProblem(), nulls: [name])
+            XCTAssertEqual(r.backward, FA_STATUS_INVALID_ARGUMENT, name)
+            XCTAssertEqual(r.backwardMessage, "\(name) must not be null")
+        }
+    }
+
+    func testContextCreateErrors() {
+        XCTAssertEqual(fa_context_create(FA_BACKEND_CPU, nil), FA_STATUS_INVALID_ARGUMENT)
+        XCTAssertEqual(String(cString: fa_last_error_message()), "out_context must not be null")
+        var ctx: OpaquePointer?
+        XCTAssertEqual(fa_context_create(fa_backend(rawValue: 7), &ctx), FA_STATUS_INVALID_ARGUMENT)
+        XCTAssertEqual(String(cString: fa_last_error_message()),
+                       "backend (7) must be FA_BACKEND_AUTO, FA_BACKEND_METAL or FA_BACKEND_CPU")
+        XCTAssertNil(ctx)
+        #if !canImport(Metal)
+        XCTAssertEqual(fa_context_create(FA_BACKEND_METAL, &ctx), FA_STATUS_BACKEND_UNAVAILABLE)
+        XCTAssertEqual(String(cString: fa_last_error_message()), "Metal is not available on this platform")
+        XCTAssertNil(ctx)
+        XCTAssertEqual(fa_context_create(FA_BACKEND_AUTO, &ctx), FA_STATUS_SUCCESS)
+        XCTAssertEqual(String(cString: fa_context_backend_name(ctx)), "cpu")
+        fa_context_destroy(ctx)
+        #endif
+    }
+
+    func testContextNames() {
+        XCTAssertEqual(String(cString: fa_context_backend_name(context)), "cpu")
+        XCTAssertTrue(String(cString: fa_context_device_name(context)).hasPrefix("CPU engine"))
+        XCTAssertNil(fa_context_backend_name(nil))
+        XCTAssertNil(fa_context_device_name(nil))
+        fa_context_destroy(nil)
+    }
+
+    /// Messages are per thread: a failure on another thread leaves this thread's message alone.
+    func testLastErrorIsPerThread() {
+        expect(modified { $0.causal = 2 }, FA_STATUS_INVALID_ARGUMENT, "causal (2) must be 0 or 1")
+        let other = Thread {
+            var ctx: OpaquePointer?
+            _ = fa_context_create(fa_backend(rawValue: 9), &ctx)
+        }
+        other.start()
+        while !other.isFinished { usleep(1000) }
+        XCTAssertEqual(String(cString: fa_last_error_message()), "causal (2) must be 0 or 1")
+    }
+
+    func testStatusNamesAndVersion() {
+        XCTAssertEqual(String(cString: fa_status_name(FA_STATUS_UNSUPPORTED)), "FA_STATUS_UNSUPPORTED")
+        XCTAssertEqual(String(cString: fa_version()).split(separator: ".").count, 3)
+    }
+}

@@ -1,0 +1,113 @@
+import CFlashAttentionMetal
+import XCTest
+
+@testable import FlashAttentionMetal
+
+/// The dispatch plan: kernel names per head-dim bucket, grids, bindings and parameter values.
+final class DispatchPlanTests: XCTestCase {
+    private func problem(batch: Int = 2, heads: Int = 6, kvHeads: Int = 3, seqlenQ: Int = 100,
+                         seqlenK: Int = 33, headDim: Int = 64, causal: Bool = true,
+                         scale: Float? = 0.25) throws -> Problem {
+        try Problem.validate(AttentionShape(batch: batch, numHeads: heads, numKVHeads: kvHeads, seqlenQ: seqlenQ,
+                                            seqlenK: seqlenK, headDim: headDim),
+                             causal: causal, softmaxScale: scale)
+    }
+
+    /// Every bucket boundary: head_dim -> the bucket's head_dim_max, and 257 rejected.
+    func testBucketBoundaries() throws {
+        let expected: [(Int, UInt32)] = [(1, 32), (32, 32), (33, 64), (64, 64), (65, 96), (96, 96), (97, 128),
+                                         (128, 128), (129, 192), (192, 192), (193, 256), (256, 256)]
+        for (headDim, bucket) in expected {
+            let p = try problem(headDim: headDim)
+            XCTAssertEqual(p.bucket.head_dim_max, bucket, "head_dim \(headDim)")
+            let forward = DispatchPlan.forward(p)
+            XCTAssertEqual(forward.dispatches.map(\.kernelName), ["flash_attention_forward_d\(bucket)"])
+            let backward = DispatchPlan.backward(p)
+            XCTAssertEqual(backward.dispatches.map(\.kernelName),
+                           ["flash_attention_backward_dq_d\(bucket)", "flash_attention_backward_dkv_d\(bucket)"])
+            XCTAssertEqual(forward.dispatches[0].params.head_dim, UInt32(headDim))
+        }
+        XCTAssertThrowsError(try problem(headDim: 257)) { error in
+            XCTAssertEqual(error as? FlashAttentionError,
+                           .unsupported("head_dim (257) must be at most fa_max_head_dim() (256)"))
+        }
+    }
+
+    /// The block sizes of the plan are the rows of FA_HEAD_DIM_BUCKETS, read through the C table.
+    func testBlockSizesComeFromTheBucketTable() throws {
+        let table: [(UInt32, UInt32, UInt32, UInt32, UInt32)] = [
+            (32, 64, 64, 32, 64), (64, 64, 64, 32, 64), (96, 64, 32, 32, 64), (128, 64, 32, 32, 64),
+            (192, 32, 32, 32, 32), (256, 32, 16, 16, 32),
+        ]
+        for (dmax, fbq, _, bbq, bbk) in table {
+            let p = try problem(seqlenQ: 100, seqlenK: 33, headDim: Int(dmax))
+            let f = DispatchPlan.forward(p).dispatches[0]
+            XCTAssertEqual(f.threadsPerThreadgroup, GridSize(width: fbq, height: 1, depth: 1))
+            XCTAssertEqual(f.threadgroupsPerGrid, GridSize(width: (100 + fbq - 1) / fbq, height: 6, depth: 2))
+            let b = DispatchPlan.backward(p).dispatches
+            XCTAssertEqual(b[0].threadsPerThreadgroup, GridSize(width: bbq, height: 1, depth: 1))
+            XCTAssertEqual(b[0].threadgroupsPerGrid, GridSize(width: (100 + bbq - 1) / bbq, height: 6, depth: 2))
+            XCTAssertEqual(b[1].threadsPerThreadgroup, GridSize(width: bbk, height: 1, depth: 1))
+            // dK/dV runs over key blocks and KV heads, not query heads.
+            XCTAssertEqual(b[1].threadgroupsPerGrid, GridSize(width: (33 + bbk - 1) / bbk, height: 3, depth: 2))
+        }
+    }
+
+    func testForwardBindingsAndParams() throws {
+        let p = try problem()
+        let plan = DispatchPlan.forward(p)
+        let d = plan.dispatches[0]
+        XCTAssertEqual(d.bindings, [BufferBinding(index: 0, role: .q), BufferBinding(index: 1, role: .k),
+                                    BufferBinding(index: 2, role: .v), BufferBinding(index: 3, role: .out),
+                                    BufferBinding(index: 4, role: .lse)])
+        XCTAssertEqual(d.paramsIndex, Int(FA_FORWARD_BUFFER_PARAMS))
+        XCTAssertEqual(d.bufferCount, Int(FA_FORWARD_BUFFER_COUNT))
+        XCTAssertEqual(plan.outputs, [.out, .lse])
+        let params = d.params
+        XCTAssertEqual([params.batch, params.num_heads, params.num_kv_heads, params.seqlen_q, params.seqlen_k,
+                        params.head_dim, params.causal], [2, 6, 3, 100, 33, 64, 1])
+        XCTAssertEqual(params.softmax_scale, 0.25)
+    }
+
+    func testBackwardBindingsAndParams() throws {
+        let p = try problem(causal: false, scale: nil)
+        let plan = DispatchPlan.backward(p)
+        let inputs = [BufferBinding(index: 0, role: .dout), BufferBinding(index: 1, role: .q),
+                      BufferBinding(index: 2, role: .k), BufferBinding(index: 3, role: .v),
+                      BufferBinding(index: 4, role: .out), BufferBinding(index: 5, role: .lse)]
+        XCTAssertEqual(plan.dispatches[0].bindings, inputs + [BufferBinding(index: 7, role: .dq)])
+        XCTAssertEqual(plan.dispatches[1].bindings,
+                       inputs + [BufferBinding(index: 7, role: .dk), BufferBinding(index: 8, role: .dv)])
+        XCTAssertEqual(plan.dispatches.map(\.paramsIndex), [6, 6])
+        XCTAssertEqual(plan.dispatches.map(\.bufferCount),
+                       [Int(FA_BACKWARD_DQ_BUFFER_COUNT), Int(FA_BACKWARD_DKV_BUFFER_COUNT)])
+        XCTAssertEqual(plan.outputs, [.dq, .dk, .dv])
+        for d in plan.dispatches {
+            XCTAssertEqual(d.params.causal, 0)
+            XCTAssertEqual(d.params.softmax_scale, 1 / Float(64).squareRoot())
+        }
+    }
+
+    /// Every buffer slot of every dispatch is bound exactly once, the parameter struct included.
+    func testSlotsAreDense() throws {
+        let p = try problem()
+        for d in DispatchPlan.forward(p).dispatches + DispatchPlan.backward(p).dispatches {
+            let indices = (d.bindings.map(\.index) + [d.paramsIndex]).sorted()
+            XCTAssertEqual(indices, Array(0..<d.bufferCount), d.kernelName)
+        }
+    }
+
+    /// Sizes near 2^32 do not overflow the block count.
+    func testGridNearUInt32Limit() throws {
+        let p = try problem(batch: 1, heads: 1, kvHeads: 1, seqlenQ: Int(UInt32.max), seqlenK: 1, headDim: 1)
+        let d = DispatchPlan.forward(p).dispatches[0]
+        XCTAssertEqual(d.threadgroupsPerGrid.width, UInt32((Int(UInt32.max) + 63) / 64))
+    }
+
+    func testBufferByteCounts() throws {
+        let p = try problem(batch: 2, heads: 6, kvHeads: 3, seqlenQ: 5, seqlenK: 7, headDim: 40)
+        XCTAssertEqual(BufferRole.q.byteCount(for: p), 2 * 6 * 5 * 40 * 2)
+        XCTAssertEqual(BufferRole.dv.byteCount(for: p), 2 * 3 * 7 * 40 * 2)
+        XCTAssertEqual(BufferRole.lse.byteCount(for: p), 2 * 6 * 5 * 4)
+    }
+}

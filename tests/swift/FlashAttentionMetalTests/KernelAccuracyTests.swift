@@ -1,0 +1,130 @@
+import Foundation
+import XCTest
+
+@testable import FlashAttentionMetal
+
+/// The three attention kernels of Shaders/flash_attention.metal, run by the CPU engine through the
+/// Swift API, against the float64 reference under the accuracy rule of design.md.
+final class KernelAccuracyTests: XCTestCase {
+    /// Small enough to run under the sanitizers, covering seqlen 1, 17, 33, 100, head_dim 16, 40, 64,
+    /// 80, 128, causal with seqlen_q above and below seqlen_k (rows with no key), GQA and MQA.
+    static let cases: [AttentionCase] = [
+        AttentionCase(batch: 1, heads: 2, kvHeads: 2, seqlenQ: 1, seqlenK: 17, headDim: 16, causal: true),
+        AttentionCase(batch: 2, heads: 2, kvHeads: 1, seqlenQ: 17, seqlenK: 17, headDim: 40, causal: false),
+        AttentionCase(batch: 1, heads: 2, kvHeads: 2, seqlenQ: 33, seqlenK: 33, headDim: 64, causal: true),
+        AttentionCase(batch: 1, heads: 4, kvHeads: 2, seqlenQ: 100, seqlenK: 100, headDim: 80, causal: false),
+        AttentionCase(batch: 1, heads: 1, kvHeads: 1, seqlenQ: 100, seqlenK: 33, headDim: 128, causal: true),
+        AttentionCase(batch: 1, heads: 2, kvHeads: 1, seqlenQ: 33, seqlenK: 100, headDim: 16, causal: true),
+        AttentionCase(batch: 1, heads: 1, kvHeads: 1, seqlenQ: 17, seqlenK: 1, headDim: 128, causal: false),
+    ]
+
+    private func inputs(_ c: AttentionCase, seed: UInt64) -> (q: [Float16], k: [Float16], v: [Float16], dout: [Float16]) {
+        var rng = Normal16(seed: seed)
+        return (rng.next(c.qCount), rng.next(c.kvCount), rng.next(c.kvCount), rng.next(c.qCount))
+    }
+
+    private func shape(_ c: AttentionCase) -> AttentionShape {
+        AttentionShape(batch: c.batch, numHeads: c.heads, numKVHeads: c.kvHeads, seqlenQ: c.seqlenQ,
+                       seqlenK: c.seqlenK, headDim: c.headDim)
+    }
+
+    func testForwardAndBackwardMatchTheReference() throws {
+        let attention = try FlashAttention(backend: .cpu)
+        for (n, c) in Self.cases.enumerated() {
+            let x = inputs(c, seed: UInt64(n + 1))
+            let ours = try attention.forward(q: x.q, k: x.k, v: x.v, shape: shape(c), causal: c.causal)
+            let ref = Reference.forward(c, q: x.q, k: x.k, v: x.v)
+            let base = Reference.baseForward(c, q: x.q, k: x.k, v: x.v).out
+            let outError = Reference.maxError(ours.out.map(Double.init), ref.out)
+            let outBound = 2 * Reference.maxError(base, ref.out) + 1e-5
+            XCTAssertLessThanOrEqual(outError, outBound, "out, \(c)")
+            for (mine, exact) in zip(ours.lse, ref.lse) {
+                if exact == -.infinity {
+                    XCTAssertEqual(mine, -.infinity, "lse of a row without keys, \(c)")
+                } else {
+                    XCTAssertLessThanOrEqual(abs(Double(mine) - exact), 1e-4 * max(1, abs(exact)), "lse, \(c)")
+                }
+            }
+
+            let grads = try attention.backward(dout: x.dout, q: x.q, k: x.k, v: x.v, out: ours.out, lse: ours.lse,
+                                               shape: shape(c), causal: c.causal)
+            let gradRef = Reference.backward(c, dout: x.dout, q: x.q, k: x.k, v: x.v)
+            let gradBase = Reference.baseBackward(c, dout: x.dout, q: x.q, k: x.k, v: x.v)
+            for (name, mine, exact, framework) in [
+                ("dq", grads.dq, gradRef.dq, gradBase.dq), ("dk", grads.dk, gradRef.dk, gradBase.dk),
+                ("dv", grads.dv, gradRef.dv, gradBase.dv),
+            ] {
+                let error = Reference.maxError(mine.map(Double.init), exact)
+                let bound = 3 * Reference.maxError(framework, exact) + 1e-5
+                XCTAssertLessThanOrEqual(error, bound, "\(name), \(c)")
+            }
+        }
+    }
+
+    /// Bottom-right causal with seqlen_q > seqlen_k: the first rows see no key and give out 0,
+    /// lse -inf and zero dq, with no NaN anywhere.
+    func testRowsWithoutKeys() throws {
+        let c = AttentionCase(batch: 1, heads: 1, kvHeads: 1, seqlenQ: 40, seqlenK: 8, headDim: 16, causal: true)
+        let x = inputs(c, seed: 99)
+        let attention = try FlashAttention(backend: .cpu)
+        let f = try attention.forward(q: x.q, k: x.k, v: x.v, shape: shape(c), causal: true)
+        let g = try attention.backward(dout: x.dout, q: x.q, k: x.k, v: x.v, out: f.out, lse: f.lse,
+                                       shape: shape(c), causal: true)
+        let emptyRows = c.seqlenQ - c.seqlenK
+        XCTAssertEqual(Array(f.lse[..<emptyRows]), [Float](repeating: -.infinity, count: emptyRows))
+        XCTAssertTrue(f.out[..<(emptyRows * c.headDim)].allSatisfy { $0 == 0 })
+        XCTAssertTrue(g.dq[..<(emptyRows * c.headDim)].allSatisfy { $0 == 0 })
+        XCTAssertFalse((f.out + g.dq + g.dk + g.dv).contains { $0.isNaN })
+        XCTAssertTrue(f.lse[emptyRows...].allSatisfy { $0.isFinite })
+    }
+
+    /// Two runs give bit-identical outputs.
+    func testDeterministic() throws {
+        let c = AttentionCase(batch: 1, heads: 4, kvHeads: 2, seqlenQ: 33, seqlenK: 40, headDim: 40, causal: true)
+        let x = inputs(c, seed: 7)
+        let attention = try FlashAttention(backend: .cpu)
+        func run() throws -> (halves: [UInt16], lse: [UInt32]) {
+            let f = try attention.forward(q: x.q, k: x.k, v: x.v, shape: shape(c), causal: true)
+            let g = try attention.backward(dout: x.dout, q: x.q, k: x.k, v: x.v, out: f.out, lse: f.lse,
+                                           shape: shape(c), causal: true)
+            return ((f.out + g.dq + g.dk + g.dv).map(\.bitPattern), f.lse.map(\.bitPattern))
+        }
+        let first = try run()
+        let second = try run()
+        XCTAssertEqual(first.halves, second.halves)
+        XCTAssertEqual(first.lse, second.lse)
+    }
+
+    /// Several threads on one context at once give the single-threaded results.
+    func testConcurrentCallsOnOneContext() throws {
+        let c = AttentionCase(batch: 1, heads: 2, kvHeads: 1, seqlenQ: 17, seqlenK: 33, headDim: 64, causal: false)
+        let attention = try FlashAttention(backend: .cpu)
+        let inputsPerThread = (0..<4).map { inputs(c, seed: 1000 + UInt64($0)) }
+        let shape = self.shape(c)
+        let expected = try inputsPerThread.map {
+            try attention.forward(q: $0.q, k: $0.k, v: $0.v, shape: shape).out.map(\.bitPattern)
+        }
+        let results = ResultBox(count: inputsPerThread.count * 3)
+        DispatchQueue.concurrentPerform(iterations: results.count) { n in
+            let x = inputsPerThread[n % inputsPerThread.count]
+            let out = try? attention.forward(q: x.q, k: x.k, v: x.v, shape: shape).out.map(\.bitPattern)
+            results.set(n, out)
+        }
+        for n in 0..<results.count {
+            XCTAssertEqual(results.get(n), expected[n % expected.count], "thread \(n)")
+        }
+    }
+}
+
+/// Per-thread result slots written from concurrentPerform.
+private final class ResultBox: @unchecked Sendable {
+    private let lock = NSLock()
+    private var values: [[UInt16]?]
+    let count: Int
+    init(count: Int) {
+        self.count = count
+        values = Array(repeating: nil, count: count)
+    }
+    func set(_ n: Int, _ value: [UInt16]?) { lock.withLock { values[n] = value } }
+    func get(_ n: Int) -> [UInt16]? { lock.withLock { values[n] } }
+}
