@@ -1,0 +1,50 @@
+"""flash_attention_metal: exact, memory-efficient attention (FlashAttention-2) on Apple GPUs, with
+a CPU engine that runs the same Metal kernels anywhere. NumPy float16 in, NumPy out.
+
+Shapes: q (batch, num_heads, seqlen_q, head_dim); k, v (batch, num_kv_heads, seqlen_k, head_dim);
+out float16 like q; lse float32 (batch, num_heads, seqlen_q). See ``Context`` for the semantics.
+
+The module functions run on a default Context created on first use; ``$FLASH_ATTENTION_METAL_BACKEND``
+(auto, metal, cpu) picks its backend.
+"""
+
+from __future__ import annotations
+
+from . import accuracy, reference
+from ._default import BACKEND_ENV, default_backend, default_context
+from ._native import LIBRARY_ENV
+from .context import BACKENDS, Context
+from .errors import FlashAttentionError
+
+__version__ = "0.1.0"
+
+
+def forward(q, k, v, *, causal=False, softmax_scale=None):
+    """``Context.forward`` on the default context: returns (out float16, lse float32)."""
+    return default_context().forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None):
+    """``Context.backward`` on the default context: returns (dq, dk, dv), float16."""
+    return default_context().backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None):
+    """``Context.attention`` on the default context: returns out, float16 like q."""
+    return default_context().attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "LIBRARY_ENV",
+    "Context",
+    "FlashAttentionError",
+    "accuracy",
+    "attention",
+    "backward",
+    "default_backend",
+    "default_context",
+    "forward",
+    "reference",
+]

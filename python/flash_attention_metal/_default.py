@@ -1,0 +1,33 @@
+"""The default Context behind the module-level functions, created on first use."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .context import BACKENDS, Context
+
+BACKEND_ENV = "FLASH_ATTENTION_METAL_BACKEND"
+
+_lock = threading.Lock()
+_context: Context | None = None
+
+
+def default_backend() -> str:
+    """The backend named by ``$FLASH_ATTENTION_METAL_BACKEND`` ("auto" when unset or empty).
+
+    Raises ValueError naming the variable when it holds anything but auto, metal or cpu.
+    """
+    value = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(BACKENDS)}, got {value!r}")
+    return value
+
+
+def default_context() -> Context:
+    """The process-wide Context, created on first call (thread-safe) on ``default_backend()``."""
+    global _context
+    with _lock:
+        if _context is None:
+            _context = Context(default_backend())
+        return _context

@@ -1,0 +1,140 @@
+"""Loading libFlashAttentionMetal with cffi (ABI mode).
+
+The declarations come from the shipped C header, the text between its ``FA_CDEF_BEGIN`` and
+``FA_CDEF_END`` markers, so the binding cannot drift from the ABI. cffi releases the GIL during
+every call into the library.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import cffi
+
+from .errors import FlashAttentionError
+
+HEADER_NAME = "flash_attention_metal.h"
+LIBRARY_ENV = "FLASH_ATTENTION_METAL_LIBRARY"
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+# python/flash_attention_metal -> python -> repository root (an editable or in-tree checkout).
+_REPO_ROOT = _PACKAGE_DIR.parent.parent
+_CDEF_BEGIN = "/* FA_CDEF_BEGIN */"
+_CDEF_END = "/* FA_CDEF_END */"
+
+
+def library_file_name() -> str:
+    """The platform's file name of the library: ``.dylib`` on macOS, ``.so`` elsewhere."""
+    return "libFlashAttentionMetal.dylib" if sys.platform == "darwin" else "libFlashAttentionMetal.so"
+
+
+def header_candidates() -> list[Path]:
+    """Where the C header is looked for, in order: next to the package, then the source tree."""
+    return [
+        _PACKAGE_DIR / HEADER_NAME,
+        _REPO_ROOT / "Sources" / "CFlashAttentionMetal" / "include" / HEADER_NAME,
+    ]
+
+
+def library_candidates() -> list[Path]:
+    """Where the library is looked for, in order.
+
+    ``$FLASH_ATTENTION_METAL_LIBRARY`` (a file path) alone when it is set, since a user who names a
+    file means that file; otherwise next to the package, then the SwiftPM release build tree of the
+    repository (``.build/release``).
+    """
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        return [Path(override)]
+    name = library_file_name()
+    return [_PACKAGE_DIR / name, _REPO_ROOT / ".build" / "release" / name]
+
+
+def extract_cdef(header_text: str) -> str:
+    """The declarations between the FA_CDEF markers of the header text.
+
+    Raises FlashAttentionError when a marker is missing.
+    """
+    begin = header_text.find(_CDEF_BEGIN)
+    end = header_text.find(_CDEF_END)
+    if begin < 0 or end < begin:
+        raise FlashAttentionError(
+            f"the C header has no {_CDEF_BEGIN} ... {_CDEF_END} section", status_name="BAD_HEADER"
+        )
+    return header_text[begin + len(_CDEF_BEGIN) : end]
+
+
+def _find_first(candidates: list[Path]) -> Path | None:
+    return next((path for path in candidates if path.is_file()), None)
+
+
+class NativeLibrary:
+    """The loaded library: ``ffi`` (the cffi FFI with the header's cdef), ``lib`` (its functions)
+    and ``path`` (the file that was loaded)."""
+
+    def __init__(self, ffi: cffi.FFI, lib, path: Path, header_path: Path) -> None:
+        self.ffi = ffi
+        self.lib = lib
+        self.path = path
+        self.header_path = header_path
+
+    def raise_for_status(self, status: int) -> None:
+        """Raises FlashAttentionError with this thread's last library message unless status is 0.
+
+        Must run on the thread that made the failing call: the message is thread-local.
+        """
+        if status == self.lib.FA_STATUS_SUCCESS:
+            return
+        message = self.ffi.string(self.lib.fa_last_error_message()).decode("utf-8", "replace")
+        name = self.ffi.string(self.lib.fa_status_name(status)).decode("ascii", "replace")
+        raise FlashAttentionError(message or "the library reported an error without a message",
+                                  status, name)
+
+
+def load() -> NativeLibrary:
+    """Finds the header and the library and loads them (no caching; see ``native()``).
+
+    Raises FlashAttentionError (status_name ``LIBRARY_NOT_FOUND`` or ``HEADER_NOT_FOUND``) with the
+    paths tried and the fix: run ``./build.sh`` at the repository root.
+    """
+    header_path = _find_first(header_candidates())
+    if header_path is None:
+        tried = ", ".join(str(p) for p in header_candidates())
+        raise FlashAttentionError(
+            f"C header {HEADER_NAME} not found (tried {tried}); run ./build.sh at the repository root",
+            status_name="HEADER_NOT_FOUND",
+        )
+    library_path = _find_first(library_candidates())
+    if library_path is None:
+        tried = ", ".join(str(p) for p in library_candidates())
+        raise FlashAttentionError(
+            f"{library_file_name()} not found (tried {tried}); run ./build.sh at the repository "
+            f"root to build it, or set {LIBRARY_ENV} to the path of a built library",
+            status_name="LIBRARY_NOT_FOUND",
+        )
+    ffi = cffi.FFI()
+    ffi.cdef(extract_cdef(header_path.read_text(encoding="utf-8")))
+    try:
+        lib = ffi.dlopen(str(library_path))
+    except OSError as error:
+        raise FlashAttentionError(
+            f"cannot load {library_path}: {error}; rebuild it with ./build.sh",
+            status_name="LIBRARY_NOT_LOADABLE",
+        ) from error
+    return NativeLibrary(ffi, lib, library_path.resolve(), header_path.resolve())
+
+
+_lock = threading.Lock()
+_native: NativeLibrary | None = None
+
+
+def native() -> NativeLibrary:
+    """The library, loaded once per process on first use (thread-safe)."""
+    global _native
+    with _lock:
+        if _native is None:
+            _native = load()
+        return _native

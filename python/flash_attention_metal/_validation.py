@@ -1,0 +1,105 @@
+"""Argument checks that run before any native call.
+
+One rule per check; each error names the argument and the rule. Types and dtypes raise TypeError
+(never a silent cast), shapes and values raise ValueError. The C ABI repeats the checks so that C and
+Swift callers get them too.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+_UINT32_MAX = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The dimensions of one attention problem, as the C ABI's fa_problem takes them."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+
+
+def check_array(name: str, array, dtype=np.float16, ndim: int = 4) -> None:
+    """Checks that ``array`` is a NumPy array of ``dtype`` with ``ndim`` dimensions, none empty or
+    beyond uint32."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
+    if array.dtype != dtype:
+        raise TypeError(
+            f"{name} must have dtype {np.dtype(dtype).name}, got {array.dtype.name} "
+            f"(convert it explicitly, e.g. {name}.astype(numpy.{np.dtype(dtype).name}))"
+        )
+    if array.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got {array.ndim}-D with shape {array.shape}")
+    if 0 in array.shape:
+        raise ValueError(f"{name} has a zero-sized dimension (shape {array.shape}); every dimension must be >= 1")
+    if max(array.shape) > _UINT32_MAX:
+        raise ValueError(f"{name} has a dimension above 2**32 - 1 (shape {array.shape})")
+
+
+def check_causal(causal) -> bool:
+    """``causal`` must be a bool (Python or NumPy); returns it as a Python bool."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    return bool(causal)
+
+
+def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The scale to use: 1/sqrt(head_dim) for None, else a finite real number (not a bool) that
+    stays finite as a float32."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
+    value = float(softmax_scale)
+    if not math.isfinite(value):
+        raise ValueError(f"softmax_scale must be finite, got {value}")
+    with np.errstate(over="ignore"):
+        if not np.isfinite(np.float32(value)):
+            raise ValueError(f"softmax_scale must be finite as a float32, got {value}")
+    return value
+
+
+def check_qkv(q, k, v, max_head_dim: int) -> Shape:
+    """Checks q (B, H, Nq, D), k and v (B, H_kv, Nk, D), all float16, and returns the shape."""
+    for name, array in (("q", q), ("k", k), ("v", v)):
+        check_array(name, array)
+    batch, num_heads, seqlen_q, head_dim = q.shape
+    _, num_kv_heads, seqlen_k, _ = k.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"k batch size {k.shape[0]} must equal q batch size {batch}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k head_dim {k.shape[3]} must equal q head_dim {head_dim}")
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {v.shape} must equal k shape {k.shape} (batch, num_kv_heads, seqlen_k, head_dim)")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q num_heads {num_heads} must be divisible by k/v num_kv_heads {num_kv_heads} (GQA/MQA)"
+        )
+    if not 1 <= head_dim <= max_head_dim:
+        raise ValueError(f"head_dim {head_dim} is outside the supported range 1..{max_head_dim}")
+    return Shape(batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim)
+
+
+def check_like_q(name: str, array, q_shape: tuple) -> None:
+    """Checks a float16 tensor that must have q's shape (dout, out)."""
+    check_array(name, array)
+    if array.shape != q_shape:
+        raise ValueError(f"{name} shape {array.shape} must equal q shape {q_shape}")
+
+
+def check_lse(lse, shape: Shape) -> None:
+    """Checks lse: float32 of shape (batch, num_heads, seqlen_q), as forward returned it."""
+    check_array("lse", lse, dtype=np.float32, ndim=3)
+    expected = (shape.batch, shape.num_heads, shape.seqlen_q)
+    if lse.shape != expected:
+        raise ValueError(f"lse shape {lse.shape} must be (batch, num_heads, seqlen_q) = {expected}")

@@ -1,0 +1,57 @@
+"""The command line: ``python -m flash_attention_metal {info,check,bench}``.
+
+- ``info``: version, backend, device, library path, largest head_dim.
+- ``check [--backend B]``: forward and backward on the built-in real input (attention inputs
+  captured from all-MiniLM-L6-v2), causal and not, judged by the accuracy rule; exit status 1 on
+  any failure.
+- ``bench [--backend B] [--plot FILE.png]``: time and TFLOP/s of forward and backward over a range
+  of sequence lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..context import BACKENDS
+from ..errors import FlashAttentionError
+
+
+def _add_backend(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=None,
+        help="backend to use (default: $FLASH_ATTENTION_METAL_BACKEND, else auto)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of all subcommands."""
+    from . import bench, check
+
+    parser = argparse.ArgumentParser(
+        prog="python -m flash_attention_metal",
+        description="FlashAttention-2 on Apple GPUs (Metal) or on the CPU engine running the same kernels.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench}")
+    info_parser = commands.add_parser("info", help="version, backend, device and library path")
+    _add_backend(info_parser)
+    check_parser = commands.add_parser(
+        "check", help="forward and backward on real attention inputs against the float64 reference")
+    _add_backend(check_parser)
+    check.add_arguments(check_parser)
+    bench_parser = commands.add_parser("bench", help="time and TFLOP/s of forward and backward")
+    _add_backend(bench_parser)
+    bench.add_arguments(bench_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (0 ok, 1 a failed check or an error)."""
+    from . import bench, check, info
+
+    args = build_parser().parse_args(argv)
+    try:
+        command = {"info": info.run, "check": check.run, "bench": bench.run}[args.command]
+        return command(args)
+    except (FlashAttentionError, OSError) as error:
+        print(f"error: {error}")
+        return 1

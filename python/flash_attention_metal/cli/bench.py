@@ -1,0 +1,130 @@
+"""``bench``: time and TFLOP/s of forward and backward over a range of sequence lengths.
+
+FLOPs are counted as FlashAttention's benchmark counts them: 4 * B * H * Nq * Nk * D for the
+forward pass (the two matrix products), halved when causal, and 2.5 times that for the backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ._context import context_for
+from .progress import track
+
+_CPU_SEQLENS = (128, 256, 512, 1024)
+_GPU_SEQLENS = (512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One timed configuration: the best of ``repeats`` runs, in milliseconds."""
+
+    seqlen: int
+    causal: bool
+    forward_ms: float
+    backward_ms: float
+    forward_flops: float
+
+    @property
+    def forward_tflops(self) -> float:
+        return self.forward_flops / (self.forward_ms * 1e-3) / 1e12
+
+    @property
+    def backward_tflops(self) -> float:
+        return 2.5 * self.forward_flops / (self.backward_ms * 1e-3) / 1e12
+
+
+def forward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
+    """FlashAttention's forward FLOP count: 4 B H Nq Nk D, halved for causal (backward: 2.5x)."""
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops / 2 if causal else flops
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``bench``."""
+    parser.add_argument("--seqlens", type=int, nargs="+", default=None,
+                        help=f"sequence lengths (default: {' '.join(map(str, _CPU_SEQLENS))} on the CPU "
+                             f"engine, {' '.join(map(str, _GPU_SEQLENS))} on Metal)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the best counts")
+    parser.add_argument("--causal", choices=("both", "on", "off"), default="both")
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                        help="save a TFLOP/s plot (needs matplotlib: pip install 'flash_attention_metal[bench]')")
+
+
+def _best_ms(function, repeats: int) -> float:
+    function()  # warm-up: pipelines, caches, first-touch of the outputs
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def measure(context, seqlen: int, causal: bool, args: argparse.Namespace) -> Result:
+    """Times forward and backward for one sequence length (Nq = Nk = seqlen)."""
+    rng = np.random.default_rng(seqlen)
+    shape = (args.batch, args.heads, seqlen, args.head_dim)
+    q, k, v, dout = (rng.standard_normal(shape).astype(np.float16) for _ in range(4))
+    out, lse = context.forward(q, k, v, causal=causal)
+    forward_ms = _best_ms(lambda: context.forward(q, k, v, causal=causal), args.repeats)
+    backward_ms = _best_ms(lambda: context.backward(dout, q, k, v, out, lse, causal=causal), args.repeats)
+    flops = forward_flops(args.batch, args.heads, seqlen, seqlen, args.head_dim, causal)
+    return Result(seqlen, causal, forward_ms, backward_ms, flops)
+
+
+def plot(results: list[Result], path: Path, title: str) -> None:
+    """Saves TFLOP/s against sequence length, forward and backward, causal and not, to ``path``."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise OSError("--plot needs matplotlib: pip install 'flash_attention_metal[bench]'") from error
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, axes = pyplot.subplots(figsize=(7, 4.5))
+    for causal in sorted({r.causal for r in results}):
+        rows = [r for r in results if r.causal == causal]
+        label = "causal" if causal else "non-causal"
+        axes.plot([r.seqlen for r in rows], [r.forward_tflops for r in rows], "o-", label=f"forward, {label}")
+        axes.plot([r.seqlen for r in rows], [r.backward_tflops for r in rows], "s--", label=f"backward, {label}")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("sequence length (Nq = Nk)")
+    axes.set_ylabel("TFLOP/s")
+    axes.set_title(title)
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints one row per configuration (ms and TFLOP/s) and optionally saves the plot; returns 0."""
+    for name in ("batch", "heads", "head_dim", "repeats"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    context = context_for(args.backend)
+    seqlens = args.seqlens or (_CPU_SEQLENS if context.backend == "cpu" else _GPU_SEQLENS)
+    modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]
+    configs = [(seqlen, causal) for seqlen in seqlens for causal in modes]
+    title = (f"{context.backend} ({context.device}): B={args.batch} H={args.heads} D={args.head_dim}")
+    print(title)
+    results = [measure(context, seqlen, causal, args)
+               for seqlen, causal in track(configs, len(configs), "bench")]
+    print(f"{'seqlen':>7} {'causal':>6} {'fwd ms':>10} {'fwd TFLOP/s':>12} {'bwd ms':>10} {'bwd TFLOP/s':>12}")
+    for r in results:
+        print(f"{r.seqlen:>7} {str(r.causal):>6} {r.forward_ms:>10.3f} {r.forward_tflops:>12.4f} "
+              f"{r.backward_ms:>10.3f} {r.backward_tflops:>12.4f}")
+    if args.plot is not None:
+        plot(results, args.plot, title)
+        print(f"plot saved to {args.plot}")
+    return 0

@@ -1,0 +1,30 @@
+"""``info``: what library, backend and device this installation uses."""
+
+from __future__ import annotations
+
+import argparse
+
+from .._native import native
+from ._context import context_for
+
+
+def run(args: argparse.Namespace) -> int:
+    """Prints version, backend, device, library and header paths, largest head_dim; returns 0."""
+    loaded = native()
+    context = context_for(args.backend)
+    version = loaded.ffi.string(loaded.lib.fa_version()).decode()
+    from .. import __version__
+
+    rows = [
+        ("library version", version),
+        ("package version", __version__),
+        ("backend", context.backend),
+        ("device", context.device),
+        ("library", str(loaded.path)),
+        ("header", str(loaded.header_path)),
+        ("max head_dim", str(context.max_head_dim)),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0

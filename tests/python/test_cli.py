@@ -1,0 +1,95 @@
+"""The command line: info, check (real input, fallback, failure exit status) and bench."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flash_attention_metal as fam
+from flash_attention_metal.cli import bench, check, main
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(fam.__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "flash_attention_metal", *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_info_reports_version_backend_device_and_library():
+    result = _cli("info", "--backend", "cpu")
+    assert result.returncode == 0, result.stderr
+    fields = dict(line.split(None, 1) if "  " not in line else [part.strip() for part in line.split("  ", 1)]
+                  for line in result.stdout.splitlines())
+    assert fields["backend"] == "cpu"
+    assert fields["library"].endswith(("libFlashAttentionMetal.so", "libFlashAttentionMetal.dylib"))
+    assert fields["max head_dim"] == "256"
+    assert fields["library version"].count(".") == 2
+    assert fields["device"]
+
+
+def test_check_on_the_builtin_real_input_passes():
+    assert check.BUILTIN_INPUT.is_file(), "the built-in input data/minilm_attention.npz is missing"
+    result = _cli("check", "--backend", "cpu")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "real attention inputs" in result.stdout
+    with np.load(check.BUILTIN_INPUT) as data:
+        runs = 2 * len(data["cases"])
+    assert f"{runs} of {runs} runs within the accuracy rule" in result.stdout
+
+
+def test_check_falls_back_to_seeded_random_input_and_says_so(tmp_path):
+    cases, source = check.load_cases(tmp_path / "missing.npz")
+    assert "not found: using seeded random" in source
+    assert all(c.q.shape == (1, 12, c.q.shape[2], 32) and c.q.dtype == np.float16 for c in cases)
+    again, _ = check.load_cases(tmp_path / "missing.npz")
+    np.testing.assert_array_equal(cases[0].q, again[0].q)
+
+
+class _WrongContext:
+    """Returns zeros: every gradient and out are far outside the rule."""
+
+    backend, device = "cpu", "stub"
+
+    def forward(self, q, k, v, *, causal):
+        return np.zeros_like(q), np.zeros(q.shape[:3], dtype=np.float32)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal):
+        return np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+
+
+def test_check_fails_on_wrong_results(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(check, "context_for", lambda backend: _WrongContext())
+    assert main(["check", "--input", str(tmp_path / "missing.npz")]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_bench_times_and_counts_flops(tmp_path):
+    result = _cli("bench", "--backend", "cpu", "--seqlens", "16", "33", "--heads", "2", "--head-dim", "32",
+                  "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["16"], ["33"])]
+    assert [(r[0], r[1]) for r in rows] == [("16", "False"), ("16", "True"), ("33", "False"), ("33", "True")]
+    assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)
+
+
+def test_flop_count_follows_flash_attention():
+    assert bench.forward_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
+    assert bench.forward_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
+    result = bench.Result(seqlen=8, causal=False, forward_ms=1.0, backward_ms=2.0, forward_flops=1e9)
+    assert result.forward_tflops == pytest.approx(1.0)  # 1e9 FLOP in 1 ms
+    assert result.backward_tflops == pytest.approx(1.25)  # 2.5e9 FLOP in 2 ms
+
+
+def test_bench_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    results = [bench.Result(n, c, 1.0 + n, 2.0 + n, 1e9 * n) for n in (16, 32) for c in (False, True)]
+    bench.plot(results, path, "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

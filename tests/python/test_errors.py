@@ -1,0 +1,71 @@
+"""Errors from the library and from loading it become FlashAttentionError with the library's text."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import flash_attention_metal as fam
+from flash_attention_metal import _native
+
+
+def test_unknown_backend_name_is_a_value_error():
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'metal', 'cpu', got 'gpu'"):
+        fam.Context("gpu")
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="Metal may be available on macOS")
+def test_metal_backend_off_apple_is_backend_unavailable():
+    with pytest.raises(fam.FlashAttentionError) as caught:
+        fam.Context("metal")
+    error = caught.value
+    assert error.status_name == "FA_STATUS_BACKEND_UNAVAILABLE"
+    assert error.status == 3
+    assert error.message and error.message in str(error)
+
+
+def test_library_error_carries_status_and_message(ctx):
+    loaded = _native.native()
+    ffi, lib = loaded.ffi, loaded.lib
+    problem = ctx._problem(fam.context._validation.Shape(1, 1, 1, 4, 4, 8), False, 0.5)
+    buffer = np.zeros(32, dtype=np.float16)
+    lse = np.zeros(4, dtype=np.float32)
+    half = ffi.from_buffer("uint16_t[]", buffer)
+    status = lib.fa_forward(ctx._handle, problem, ffi.NULL, half, half, half, ffi.from_buffer("float[]", lse))
+    with pytest.raises(fam.FlashAttentionError) as caught:
+        loaded.raise_for_status(status)
+    assert caught.value.status_name == "FA_STATUS_INVALID_ARGUMENT"
+    assert caught.value.message
+
+
+def test_library_rejects_head_dim_beyond_the_kernels(ctx):
+    loaded = _native.native()
+    ffi, lib = loaded.ffi, loaded.lib
+    head_dim = ctx.max_head_dim + 1
+    problem = ctx._problem(fam.context._validation.Shape(1, 1, 1, 1, 1, head_dim), False, 0.5)
+    half = ffi.from_buffer("uint16_t[]", np.zeros(head_dim, dtype=np.float16))
+    lse = ffi.from_buffer("float[]", np.zeros(1, dtype=np.float32))
+    with pytest.raises(fam.FlashAttentionError) as caught:
+        loaded.raise_for_status(lib.fa_forward(ctx._handle, problem, half, half, half, half, lse))
+    assert caught.value.status_name in ("FA_STATUS_UNSUPPORTED", "FA_STATUS_INVALID_ARGUMENT")
+    assert "head_dim" in caught.value.message
+
+
+def test_missing_library_says_to_run_build_sh(monkeypatch, tmp_path):
+    missing = tmp_path / "libFlashAttentionMetal.so"
+    monkeypatch.setenv(fam.LIBRARY_ENV, str(missing))
+    with pytest.raises(fam.FlashAttentionError, match=r"\./build\.sh") as caught:
+        _native.load()
+    assert caught.value.status_name == "LIBRARY_NOT_FOUND"
+    assert str(missing) in caught.value.message
+
+
+def test_cdef_comes_from_the_header_markers():
+    header = _native.header_candidates()
+    path = next(p for p in header if p.is_file())
+    cdef = _native.extract_cdef(path.read_text())
+    assert "fa_forward" in cdef and "FA_CDEF" not in cdef and "#" not in cdef
+    with pytest.raises(fam.FlashAttentionError, match="FA_CDEF_BEGIN"):
+        _native.extract_cdef("int f(void);")

@@ -1,0 +1,134 @@
+"""The float64 reference and the float16 baseline, checked without the library."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flash_attention_metal import accuracy, reference
+
+from conftest import make_inputs
+
+
+def _naive_forward(q, k, v, causal, scale):
+    """Loop-per-row attention, written independently of reference.forward."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    group = heads // k.shape[1]
+    seqlen_k = k.shape[2]
+    out = np.zeros(q.shape)
+    lse = np.full(q.shape[:3], -np.inf)
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(seqlen_q):
+                keys = [j for j in range(seqlen_k) if not causal or j <= i + seqlen_k - seqlen_q]
+                if not keys:
+                    continue
+                s = np.array([scale * np.dot(q[b, h, i].astype(float), k[b, h // group, j].astype(float)) for j in keys])
+                w = np.exp(s - s.max())
+                lse[b, h, i] = s.max() + np.log(w.sum())
+                out[b, h, i] = (w / w.sum()) @ v[b, h // group, keys].astype(float)
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 5, 9, 8), (1, 3, 1, 9, 4, 5), (1, 2, 2, 1, 6, 3)])
+def test_forward_matches_naive_loops(shape, causal):
+    q, k, v, _ = make_inputs(1, *shape)
+    out, lse = reference.forward(q, k, v, causal=causal, softmax_scale=0.3)
+    want_out, want_lse = _naive_forward(q, k, v, causal, 0.3)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_matches_finite_differences(causal):
+    q, k, v, dout = make_inputs(2, 1, 4, 2, 5, 7, 3)
+    q, k, v, dout = (a.astype(np.float64) for a in (q, k, v, dout))
+    grads = reference.backward(dout, q, k, v, causal=causal)
+
+    def loss(q_, k_, v_):
+        return float(np.sum(dout * reference.forward(q_, k_, v_, causal=causal, softmax_scale=1 / np.sqrt(3))[0]))
+
+    step = 1e-6
+    for index, (name, grad) in enumerate(zip("qkv", grads)):
+        tensors = [q, k, v]
+        numeric = np.zeros_like(tensors[index])
+        for position in np.ndindex(*numeric.shape):
+            plus = [t.copy() for t in tensors]
+            minus = [t.copy() for t in tensors]
+            plus[index][position] += step
+            minus[index][position] -= step
+            numeric[position] = (loss(*plus) - loss(*minus)) / (2 * step)
+        np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7, err_msg=f"d{name}")
+
+
+def test_causal_is_bottom_right_and_empty_rows_are_zero():
+    q, k, v, dout = make_inputs(3, 1, 2, 2, 6, 3, 4)
+    out, lse = reference.forward(q, k, v, causal=True)
+    # Query i sees key j iff j <= i + 3 - 6: rows 0..2 see nothing, row 3 sees key 0 only.
+    assert np.all(out[:, :, :3] == 0) and np.all(np.isneginf(lse[:, :, :3]))
+    np.testing.assert_allclose(out[:, :, 3], v[:, :, 0].astype(float), rtol=1e-12)
+    dq, dk, dv = reference.backward(dout, q, k, v, causal=True)
+    assert np.all(dq[:, :, :3] == 0)
+    assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
+
+
+def test_decode_causal_equals_non_causal():
+    q, k, v, _ = make_inputs(4, 1, 2, 2, 1, 64, 16)
+    causal, _ = reference.forward(q, k, v, causal=True)
+    full, _ = reference.forward(q, k, v, causal=False)
+    np.testing.assert_array_equal(causal, full)
+
+
+def test_gqa_maps_head_h_to_kv_head_h_div_group():
+    q, k, v, _ = make_inputs(5, 1, 8, 2, 4, 4, 8)
+    out, _ = reference.forward(q, k, v)
+    for h in range(8):
+        alone, _ = reference.forward(q[:, h : h + 1], k[:, h // 4 : h // 4 + 1], v[:, h // 4 : h // 4 + 1])
+        np.testing.assert_allclose(out[:, h : h + 1], alone, rtol=1e-12)
+
+
+def test_gqa_gradients_sum_over_the_group():
+    q, k, v, dout = make_inputs(6, 1, 4, 2, 5, 5, 8)
+    _, dk, dv = reference.backward(dout, q, k, v)
+    _, dk_full, dv_full = reference.backward(dout, q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1))
+    np.testing.assert_allclose(dk, dk_full[:, 0::2] + dk_full[:, 1::2], rtol=1e-12)
+    np.testing.assert_allclose(dv, dv_full[:, 0::2] + dv_full[:, 1::2], rtol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_float16_baseline_is_close_to_reference_but_not_exact(causal):
+    q, k, v, dout = make_inputs(7, 2, 2, 1, 33, 40, 32)
+    base_out, _ = accuracy.base_forward(q, k, v, causal=causal)
+    ref_out, _ = reference.forward(q, k, v, causal=causal)
+    assert base_out.dtype == np.float16
+    error = accuracy.max_abs_error(base_out, ref_out)
+    assert 1e-5 < error < 1e-2
+    for base, ref in zip(accuracy.base_backward(dout, q, k, v, causal=causal),
+                         reference.backward(dout, q, k, v, causal=causal)):
+        assert base.dtype == np.float16
+        assert 1e-5 < accuracy.max_abs_error(base, ref) < 5e-2
+
+
+def test_rule_accepts_the_reference_and_rejects_a_perturbed_result():
+    q, k, v, dout = make_inputs(8, 1, 2, 2, 16, 16, 16)
+    out, lse = reference.forward(q, k, v)
+    assert all(m.passed for m in accuracy.evaluate_forward(q, k, v, out.astype(np.float16), lse.astype(np.float32)))
+    worse = out + 10 * accuracy.max_abs_error(accuracy.base_forward(q, k, v)[0], out)
+    metrics = {m.name: m for m in accuracy.evaluate_forward(q, k, v, worse, lse + 1e-3 * np.maximum(1, abs(lse)))}
+    assert not metrics["out"].passed and not metrics["lse"].passed
+
+
+def test_rule_fails_nan_and_misplaced_infinities():
+    q, k, v, dout = make_inputs(9, 1, 1, 1, 4, 2, 8)
+    out, lse = reference.forward(q, k, v, causal=True)
+    nan_out = out.copy()
+    nan_out[0, 0, 3, 0] = np.nan
+    assert not accuracy.evaluate_forward(q, k, v, nan_out, lse, causal=True)[0].passed
+    finite_lse = np.where(np.isneginf(lse), -1e4, lse)
+    assert not accuracy.lse_metric(finite_lse, lse).passed
+    grads = [g.copy() for g in reference.backward(dout, q, k, v, causal=True)]
+    grads[1][0, 0, 0, 0] = np.inf
+    assert not accuracy.evaluate_backward(dout, q, k, v, *grads, causal=True)[1].passed

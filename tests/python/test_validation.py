@@ -1,0 +1,198 @@
+"""One test per validation rule; each runs before any native call."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import flash_attention_metal as fam
+
+from conftest import make_inputs
+
+
+class _Spy:
+    """Stands in for the loaded library and records any compute call."""
+
+    def __init__(self, real):
+        self._real = real
+        self.calls = []
+
+    def __getattr__(self, name):
+        attribute = getattr(self._real, name)
+        if name in ("fa_forward", "fa_backward"):
+            def record(*args):
+                self.calls.append(name)
+                return attribute(*args)
+            return record
+        return attribute
+
+
+@pytest.fixture()
+def guarded(monkeypatch):
+    """A Context whose native compute calls are recorded; the test fails if any happens."""
+    context = fam.Context(fam.default_backend())
+    spy = _Spy(context._native.lib)
+    native = type(context._native)(context._native.ffi, spy, context._native.path, context._native.header_path)
+    monkeypatch.setattr(context, "_native", native)
+    yield context
+    assert spy.calls == [], "a native call ran despite invalid arguments"
+
+
+@pytest.fixture()
+def inputs():
+    q, k, v, dout = make_inputs(0, 2, 4, 2, 5, 6, 8)
+    out = np.zeros_like(q)
+    lse = np.zeros(q.shape[:3], dtype=np.float32)
+    return dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+
+
+def _forward(context, args, **kwargs):
+    context.forward(args["q"], args["k"], args["v"], **kwargs)
+
+
+def _backward(context, args, **kwargs):
+    context.backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"], **kwargs)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int16])
+def test_qkv_must_be_float16(guarded, inputs, name, dtype):
+    inputs[name] = inputs[name].astype(dtype)
+    with pytest.raises(TypeError, match=rf"{name} must have dtype float16, got {np.dtype(dtype).name}"):
+        _forward(guarded, inputs)
+    with pytest.raises(TypeError, match=rf"{name} must have dtype float16"):
+        _backward(guarded, inputs)
+
+
+@pytest.mark.parametrize("name", ["dout", "out"])
+def test_dout_and_out_must_be_float16(guarded, inputs, name):
+    inputs[name] = inputs[name].astype(np.float32)
+    with pytest.raises(TypeError, match=rf"{name} must have dtype float16, got float32"):
+        _backward(guarded, inputs)
+
+
+def test_inputs_must_be_arrays(guarded, inputs):
+    inputs["q"] = inputs["q"].tolist()
+    with pytest.raises(TypeError, match="q must be a numpy.ndarray, got list"):
+        _forward(guarded, inputs)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_inputs_must_be_4d(guarded, inputs, name):
+    inputs[name] = inputs[name][0]
+    with pytest.raises(ValueError, match=rf"{name} must be 4-D, got 3-D"):
+        _forward(guarded, inputs)
+
+
+def test_zero_sized_dimensions_are_rejected(guarded, inputs):
+    inputs["q"] = inputs["q"][:, :, :0]
+    with pytest.raises(ValueError, match="q has a zero-sized dimension"):
+        _forward(guarded, inputs)
+
+
+def test_batch_must_match(guarded, inputs):
+    inputs["k"] = inputs["k"][:1]
+    with pytest.raises(ValueError, match="k batch size 1 must equal q batch size 2"):
+        _forward(guarded, inputs)
+
+
+def test_head_dim_must_match(guarded, inputs):
+    inputs["k"] = inputs["k"][..., :4]
+    with pytest.raises(ValueError, match="k head_dim 4 must equal q head_dim 8"):
+        _forward(guarded, inputs)
+
+
+def test_v_must_match_k_seqlen(guarded, inputs):
+    inputs["v"] = inputs["v"][:, :, :3]
+    with pytest.raises(ValueError, match=r"v shape .* must equal k shape"):
+        _forward(guarded, inputs)
+
+
+def test_heads_must_be_divisible_by_kv_heads(guarded):
+    q, k, v, _ = make_inputs(0, 1, 3, 2, 4, 4, 8)
+    with pytest.raises(ValueError, match="num_heads 3 must be divisible by k/v num_kv_heads 2"):
+        guarded.forward(q, k, v)
+
+
+def test_head_dim_above_the_supported_range_is_rejected(guarded):
+    head_dim = fam.default_context().max_head_dim + 1
+    q, k, v, _ = make_inputs(0, 1, 1, 1, 2, 2, head_dim)
+    with pytest.raises(ValueError, match=rf"head_dim {head_dim} is outside the supported range 1..{head_dim - 1}"):
+        guarded.forward(q, k, v)
+
+
+def test_lse_must_be_float32(guarded, inputs):
+    inputs["lse"] = inputs["lse"].astype(np.float64)
+    with pytest.raises(TypeError, match="lse must have dtype float32, got float64"):
+        _backward(guarded, inputs)
+
+
+def test_lse_shape_must_be_batch_heads_seqlen_q(guarded, inputs):
+    inputs["lse"] = inputs["lse"][:, :2]
+    with pytest.raises(ValueError, match=r"lse shape \(2, 2, 5\) must be \(batch, num_heads, seqlen_q\)"):
+        _backward(guarded, inputs)
+
+
+@pytest.mark.parametrize("name", ["dout", "out"])
+def test_dout_and_out_must_have_q_shape(guarded, inputs, name):
+    inputs[name] = inputs[name][:, :, :4]
+    with pytest.raises(ValueError, match=rf"{name} shape .* must equal q shape"):
+        _backward(guarded, inputs)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), 1e39])
+def test_softmax_scale_must_be_finite(guarded, inputs, scale):
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        _forward(guarded, inputs, softmax_scale=scale)
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        _backward(guarded, inputs, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["0.5", True, np.bool_(False), [0.5], 1j])
+def test_softmax_scale_must_be_a_real_number(guarded, inputs, scale):
+    with pytest.raises(TypeError, match="softmax_scale must be a real number or None"):
+        _forward(guarded, inputs, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("causal", [1, 0, "yes", None, 1.0])
+def test_causal_must_be_a_bool(guarded, inputs, causal):
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        _forward(guarded, inputs, causal=causal)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        _backward(guarded, inputs, causal=causal)
+
+
+def test_numpy_scalars_are_accepted(ctx, inputs):
+    out, _ = ctx.forward(inputs["q"], inputs["k"], inputs["v"], causal=np.bool_(True), softmax_scale=np.float32(0.25))
+    want, _ = ctx.forward(inputs["q"], inputs["k"], inputs["v"], causal=True, softmax_scale=0.25)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_non_contiguous_inputs_are_copied(ctx):
+    q, k, v, dout = make_inputs(1, 2, 2, 2, 12, 10, 16)
+    # Transposed storage (B, N, H, D) viewed as (B, H, N, D), and a strided slice.
+    q_t = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    k_wide = np.zeros(k.shape[:3] + (32,), dtype=np.float16)
+    k_wide[..., ::2] = k
+    k_s = k_wide[..., ::2]
+    assert not q_t.flags.c_contiguous and not k_s.flags.c_contiguous
+    out, lse = ctx.forward(q_t, k_s, v, causal=True)
+    want_out, want_lse = ctx.forward(q, k, v, causal=True)
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(lse, want_lse)
+    dout_reversed = dout[:, :, ::-1].copy()[:, :, ::-1]
+    assert not dout_reversed.flags.c_contiguous
+    grads = ctx.backward(dout_reversed, q_t, k_s, v, out, lse, causal=True)
+    for got, want in zip(grads, ctx.backward(dout, q, k, v, want_out, want_lse, causal=True)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_read_only_inputs_work_and_outputs_are_fresh(ctx):
+    q, k, v, dout = make_inputs(2, 1, 2, 2, 8, 8, 8)
+    for a in (q, k, v, dout):
+        a.flags.writeable = False
+    out, lse = ctx.forward(q, k, v)
+    grads = ctx.backward(dout, q, k, v, out, lse)
+    for result in (out, lse, *grads):
+        assert result.flags.owndata and result.flags.writeable and result.flags.c_contiguous
+        assert not any(np.shares_memory(result, a) for a in (q, k, v, dout))
