@@ -71,6 +71,8 @@ struct DispatchPlan {
     let dispatches: [Dispatch]
     /// The roles the pass writes; every other bound role is read only.
     let outputs: [BufferRole]
+    /// The problem the plan was made for (buffer sizes follow from it).
+    let problem: Problem
 
     /// Forward: `flash_attention_forward_d<DP>` over (ceil(seqlen_q / forward_block_q), num_heads,
     /// batch) threadgroups of forward_block_q threads.
@@ -88,7 +90,7 @@ struct DispatchPlan {
             threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
                                           height: problem.numHeads, depth: problem.batch),
             threadsPerThreadgroup: GridSize(width: b.forward_block_q, height: 1, depth: 1))
-        return DispatchPlan(dispatches: [dispatch], outputs: [.out, .lse])
+        return DispatchPlan(dispatches: [dispatch], outputs: [.out, .lse], problem: problem)
     }
 
     /// Backward: `flash_attention_backward_dq_d<DP>` over (ceil(seqlen_q / backward_block_q),
@@ -120,7 +122,7 @@ struct DispatchPlan {
             threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenK, b.backward_block_k),
                                           height: problem.numKVHeads, depth: problem.batch),
             threadsPerThreadgroup: GridSize(width: b.backward_block_k, height: 1, depth: 1))
-        return DispatchPlan(dispatches: [dq, dkv], outputs: [.dq, .dk, .dv])
+        return DispatchPlan(dispatches: [dq, dkv], outputs: [.dq, .dk, .dv], problem: problem)
     }
 
     /// ceil(length / block), computed without the overflow of `length + block - 1` near 2^32.
