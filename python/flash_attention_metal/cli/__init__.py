@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ..context import BACKENDS
 from ..errors import FlashAttentionError
@@ -52,6 +53,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         command = {"info": info.run, "check": check.run, "bench": bench.run}[args.command]
         return command(args)
-    except (FlashAttentionError, OSError) as error:
-        print(f"error: {error}")
+    except (FlashAttentionError, OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
         return 1

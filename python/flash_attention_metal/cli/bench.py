@@ -122,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
                for seqlen, causal in track(configs, len(configs), "bench")]
     print(f"{'seqlen':>7} {'causal':>6} {'fwd ms':>10} {'fwd TFLOP/s':>12} {'bwd ms':>10} {'bwd TFLOP/s':>12}")
     for r in results:
-        print(f"{r.seqlen:>7} {str(r.causal):>6} {r.forward_ms:>10.3f} {r.forward_tflops:>12.4f} "
-              f"{r.backward_ms:>10.3f} {r.backward_tflops:>12.4f}")
+        print(f"{r.seqlen:>7} {str(r.causal):>6} {r.forward_ms:>10.3f} {r.forward_tflops:>12.4g} "
+              f"{r.backward_ms:>10.3f} {r.backward_tflops:>12.4g}")
     if args.plot is not None:
         plot(results, args.plot, title)
         print(f"plot saved to {args.plot}")
