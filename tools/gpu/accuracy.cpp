@@ -1,0 +1,77 @@
+// The accuracy rule and the empty-row checks (see accuracy.h).
+#include "accuracy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "half_bits.h"
+
+namespace {
+
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+template <typename Value>
+double max_abs_error(const std::vector<Value> &ours, const std::vector<double> &ref) {
+    double worst = 0.0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        const double diff = std::fabs(double(ours[i]) - ref[i]);
+        if (!std::isfinite(diff)) {
+            return kInfinity;
+        }
+        worst = std::max(worst, diff);
+    }
+    return worst;
+}
+
+}  // namespace
+
+bool Metric::passed() const { return std::isfinite(error) && error <= bound; }
+
+Metric tensor_metric(const std::string &name, const std::vector<uint16_t> &ours,
+                     const std::vector<float> &base, const std::vector<double> &ref, double factor) {
+    std::vector<float> ours_float(ours.size());
+    std::transform(ours.begin(), ours.end(), ours_float.begin(), half_bits_to_float);
+    const double base_error = max_abs_error(base, ref);
+    return Metric{name, max_abs_error(ours_float, ref), base_error,
+                  factor * base_error + kAbsSlack};
+}
+
+Metric lse_metric(const std::vector<float> &ours, const std::vector<double> &ref) {
+    double worst = 0.0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        if (!std::isfinite(ref[i])) {
+            if (!(std::isinf(ours[i]) && ours[i] < 0)) {
+                worst = kInfinity;
+            }
+            continue;
+        }
+        const double diff = std::fabs(double(ours[i]) - ref[i]) / std::max(1.0, std::fabs(ref[i]));
+        worst = std::isfinite(diff) ? std::max(worst, diff) : kInfinity;
+    }
+    return Metric{"lse", worst, 0.0, kLseRelative};
+}
+
+bool empty_rows_correct(const AttentionShape &s, const std::vector<uint16_t> &out,
+                        const std::vector<float> &lse, const std::vector<uint16_t> &dq,
+                        int *empty_rows) {
+    bool correct = true;
+    int count = 0;
+    for (int bh = 0; bh < s.batch * s.num_heads; ++bh) {
+        for (int i = 0; i < s.seqlen_q; ++i) {
+            if (visible_keys(s, i) != 0) {
+                continue;
+            }
+            ++count;
+            const size_t row = (size_t(bh) * s.seqlen_q + i) * s.head_dim;
+            const float row_lse = lse[size_t(bh) * s.seqlen_q + i];
+            correct = correct && std::isinf(row_lse) && row_lse < 0;
+            for (int d = 0; d < s.head_dim; ++d) {
+                // +0 and -0 both count as zero.
+                correct = correct && (out[row + d] & 0x7fffu) == 0 && (dq[row + d] & 0x7fffu) == 0;
+            }
+        }
+    }
+    *empty_rows = count;
+    return correct;
+}

@@ -1,0 +1,43 @@
+// The accuracy rule of the project (design.md, "Accuracy rule"; python/flash_attention_metal/
+// accuracy.py is the same rule in NumPy) and the empty-row checks, for the CUDA harness.
+#ifndef FA_GPU_ACCURACY_H
+#define FA_GPU_ACCURACY_H
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "reference.h"
+
+constexpr double kOutFactor = 2.0;     // out: max|ours - ref| <= 2 * max|base - ref| + slack
+constexpr double kGradFactor = 3.0;    // dq, dk, dv: factor 3
+constexpr double kAbsSlack = 1e-5;
+constexpr double kLseRelative = 1e-4;  // lse: |ours - ref| <= 1e-4 * max(1, |ref|) per element
+
+// One tensor's verdict: error against bound. For lse, error is the largest relative error and
+// base_error is unused (0).
+struct Metric {
+    std::string name;
+    double error;
+    double base_error;
+    double bound;
+
+    // False for a NaN or infinite error (any non-finite value where ref is finite).
+    bool passed() const;
+};
+
+// out or a gradient: `ours` are float16 bits from the GPU, `base` the float16 baseline, `ref`
+// float64; bound = factor * max|base - ref| + kAbsSlack.
+Metric tensor_metric(const std::string &name, const std::vector<uint16_t> &ours,
+                     const std::vector<float> &base, const std::vector<double> &ref, double factor);
+
+// lse: relative error where ref is finite; ours must be exactly -inf where ref is -inf.
+Metric lse_metric(const std::vector<float> &ours, const std::vector<double> &ref);
+
+// Rows that see no key: out and dq must be exactly zero, lse exactly -inf. Returns the number of
+// such rows in *empty_rows and whether all of them are right.
+bool empty_rows_correct(const AttentionShape &shape, const std::vector<uint16_t> &out,
+                        const std::vector<float> &lse, const std::vector<uint16_t> &dq,
+                        int *empty_rows);
+
+#endif

@@ -1,0 +1,311 @@
+// CUDA accuracy harness for the kernels of Shaders/flash_attention.metal (see kernels.cu).
+//
+// For every case of the grid (cases.cpp): seeded float16 inputs, forward then backward on the GPU
+// (backward takes the out and lse the forward returned), compared with the float64 reference
+// under the accuracy rule with the float16 baseline (reference.cpp, accuracy.cpp); rows that see
+// no key must give out 0, lse -inf and dq 0; a second run with differently poisoned output buffers
+// must be bit-identical (determinism, and no output element left unwritten).
+//
+// Usage: harness [--small] [--case SUBSTRING] [--once] [--bench]
+//   --small   the 12-case sanitizer grid instead of the full one
+//   --case S  only cases whose name contains S (e.g. d40_, causal, h8x2)
+//   --once    one GPU run per case (no determinism rerun; for the slow sanitizer tools)
+//   --bench   instead of the grid, time forward and backward on larger shapes (no checks)
+// Prints one line per case and "cuda-accuracy: N cases, M mismatches"; exits 1 on any mismatch or
+// CUDA error, 2 on bad arguments.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "accuracy.h"
+#include "cases.h"
+#include "kernels.h"
+
+namespace {
+
+struct Options {
+    bool small = false;
+    bool repeat = true;
+    bool bench = false;
+    std::string filter;
+};
+
+// A CUDA failure: the message names the call. After an error like an illegal address the
+// context is unusable, so the harness stops at the first one.
+struct CudaFailure {
+    std::string message;
+};
+
+void check(cudaError_t status, const char *what) {
+    if (status != cudaSuccess) {
+        throw CudaFailure{std::string(what) + ": " + cudaGetErrorName(status) + " (" +
+                          cudaGetErrorString(status) + ")"};
+    }
+}
+
+// Device memory for `count` elements of T, freed on scope exit.
+template <typename T>
+class DeviceArray {
+public:
+    explicit DeviceArray(size_t count) : count_(count) {
+        check(cudaMalloc(&data_, std::max<size_t>(count, 1) * sizeof(T)), "cudaMalloc");
+    }
+    ~DeviceArray() { cudaFree(data_); }
+    DeviceArray(const DeviceArray &) = delete;
+    DeviceArray &operator=(const DeviceArray &) = delete;
+
+    T *get() const { return data_; }
+    void upload(const std::vector<T> &host) {
+        check(cudaMemcpy(data_, host.data(), count_ * sizeof(T), cudaMemcpyHostToDevice),
+              "cudaMemcpy to device");
+    }
+    std::vector<T> download() const {
+        std::vector<T> host(count_);
+        check(cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost),
+              "cudaMemcpy to host");
+        return host;
+    }
+    // Fills every byte with `byte`: 0xff is NaN in float16 and float32, so an element a kernel
+    // forgets to write fails the finiteness part of the rule.
+    void poison(unsigned char byte) {
+        check(cudaMemset(data_, byte, count_ * sizeof(T)), "cudaMemset");
+    }
+
+private:
+    T *data_ = nullptr;
+    size_t count_;
+};
+
+struct GpuResult {
+    std::vector<uint16_t> out, dq, dk, dv;
+    std::vector<float> lse;
+
+    bool operator==(const GpuResult &o) const {
+        return out == o.out && dq == o.dq && dk == o.dk && dv == o.dv &&
+               std::memcmp(lse.data(), o.lse.data(), lse.size() * sizeof(float)) == 0;
+    }
+};
+
+FlashAttentionParams params_of(const AttentionShape &s) {
+    FlashAttentionParams p;
+    p.batch = fa_u32(s.batch);
+    p.num_heads = fa_u32(s.num_heads);
+    p.num_kv_heads = fa_u32(s.num_kv_heads);
+    p.seqlen_q = fa_u32(s.seqlen_q);
+    p.seqlen_k = fa_u32(s.seqlen_k);
+    p.head_dim = fa_u32(s.head_dim);
+    p.causal = s.causal ? 1u : 0u;
+    p.softmax_scale = s.softmax_scale;
+    return p;
+}
+
+// Forward, then backward on the forward's out and lse, with outputs pre-filled with `poison`.
+GpuResult run_on_gpu(const AttentionShape &s, const AttentionInputs &in, unsigned char poison) {
+    DeviceArray<uint16_t> q(s.q_elements()), k(s.kv_elements()), v(s.kv_elements()),
+        dout(s.q_elements()), out(s.q_elements()), dq(s.q_elements()), dk(s.kv_elements()),
+        dv(s.kv_elements());
+    DeviceArray<float> lse(s.lse_elements());
+    q.upload(in.q);
+    k.upload(in.k);
+    v.upload(in.v);
+    dout.upload(in.dout);
+    out.poison(poison);
+    lse.poison(poison);
+    dq.poison(poison);
+    dk.poison(poison);
+    dv.poison(poison);
+    const FlashAttentionParams p = params_of(s);
+    check(fa_cuda_forward(p, q.get(), k.get(), v.get(), out.get(), lse.get()), "forward launch");
+    check(cudaDeviceSynchronize(), "forward");
+    check(fa_cuda_backward(p, dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(), dq.get(),
+                           dk.get(), dv.get()),
+          "backward launch");
+    check(cudaDeviceSynchronize(), "backward");
+    return GpuResult{out.download(), dq.download(), dk.download(), dv.download(), lse.download()};
+}
+
+// Runs and judges one case; prints its line and returns whether it passed.
+bool run_case(const TestCase &c, const Options &options) {
+    const AttentionInputs in = random_inputs(c);
+    const GpuResult gpu = run_on_gpu(c.shape, in, 0xff);
+    const bool deterministic = !options.repeat || run_on_gpu(c.shape, in, 0x7f) == gpu;
+    const ReferenceResult ref = reference_attention(c.shape, in);
+    const BaseResult base = base_attention(c.shape, in);
+    const std::vector<Metric> metrics = {
+        tensor_metric("out", gpu.out, base.out, ref.out, kOutFactor),
+        lse_metric(gpu.lse, ref.lse),
+        tensor_metric("dq", gpu.dq, base.dq, ref.dq, kGradFactor),
+        tensor_metric("dk", gpu.dk, base.dk, ref.dk, kGradFactor),
+        tensor_metric("dv", gpu.dv, base.dv, ref.dv, kGradFactor),
+    };
+    int empty_rows = 0;
+    const bool empty_ok = empty_rows_correct(c.shape, gpu.out, gpu.lse, gpu.dq, &empty_rows);
+    bool passed = empty_ok && deterministic;
+    std::string detail;
+    char text[160];
+    for (const Metric &m : metrics) {
+        passed = passed && m.passed();
+        if (m.name == "lse") {
+            std::snprintf(text, sizeof text, " lse %.1e%s", m.error, m.passed() ? "" : "(FAIL)");
+        } else {
+            // error / base error, and the ratio the rule bounds (2 for out, 3 for gradients).
+            std::snprintf(text, sizeof text, " %s %.2e/%.2e=%.2f%s", m.name.c_str(), m.error,
+                          m.base_error, m.base_error > 0 ? m.error / m.base_error : 0.0,
+                          m.passed() ? "" : "(FAIL)");
+        }
+        detail += text;
+    }
+    std::snprintf(text, sizeof text, " empty %d%s%s", empty_rows, empty_ok ? "" : "(FAIL)",
+                  !options.repeat ? "" : deterministic ? " deterministic" : " NONDETERMINISTIC");
+    detail += text;
+    std::printf("%-4s %-36s%s\n", passed ? "ok" : "FAIL", c.name.c_str(), detail.c_str());
+    std::fflush(stdout);
+    return passed;
+}
+
+// Times forward and backward (median of 5 after a warm-up) on shapes of real models.
+void run_bench() {
+    struct Shape {
+        int batch, heads, seqlen, head_dim;
+        bool causal;
+    };
+    const Shape shapes[] = {{4, 16, 1024, 64, false},  {4, 16, 1024, 64, true},
+                            {4, 16, 2048, 128, false}, {4, 16, 2048, 128, true},
+                            {2, 8, 2048, 256, true}};
+    cudaEvent_t start, stop;
+    check(cudaEventCreate(&start), "cudaEventCreate");
+    check(cudaEventCreate(&stop), "cudaEventCreate");
+    for (const Shape &b : shapes) {
+        const AttentionShape s{b.batch, b.heads, b.heads, b.seqlen, b.seqlen, b.head_dim,
+                               b.causal, 0.125f};
+        DeviceArray<uint16_t> q(s.q_elements()), k(s.kv_elements()), v(s.kv_elements()),
+            dout(s.q_elements()), out(s.q_elements()), dq(s.q_elements()), dk(s.kv_elements()),
+            dv(s.kv_elements());
+        DeviceArray<float> lse(s.lse_elements());
+        // 0x3c00 bytes would be 1.0; 0x20 per byte is a small positive half (~0.008): finite work.
+        for (DeviceArray<uint16_t> *a : {&q, &k, &v, &dout}) {
+            a->poison(0x20);
+        }
+        const FlashAttentionParams p = params_of(s);
+        float times[2][5];
+        for (int rep = -1; rep < 5; ++rep) {
+            for (int pass = 0; pass < 2; ++pass) {
+                check(cudaEventRecord(start), "cudaEventRecord");
+                if (pass == 0) {
+                    check(fa_cuda_forward(p, q.get(), k.get(), v.get(), out.get(), lse.get()),
+                          "forward launch");
+                } else {
+                    check(fa_cuda_backward(p, dout.get(), q.get(), k.get(), v.get(), out.get(),
+                                           lse.get(), dq.get(), dk.get(), dv.get()),
+                          "backward launch");
+                }
+                check(cudaEventRecord(stop), "cudaEventRecord");
+                check(cudaEventSynchronize(stop), "bench");
+                if (rep >= 0) {
+                    check(cudaEventElapsedTime(&times[pass][rep], start, stop), "elapsed");
+                }
+            }
+        }
+        // FlashAttention's convention: forward 4*B*H*N*N*D flops (half when causal),
+        // backward 2.5 times the forward.
+        const double forward_flops = 4.0 * b.batch * b.heads * double(b.seqlen) * b.seqlen *
+                                     b.head_dim / (b.causal ? 2.0 : 1.0);
+        double ms[2];
+        for (int pass = 0; pass < 2; ++pass) {
+            std::sort(times[pass], times[pass] + 5);
+            ms[pass] = times[pass][2];
+        }
+        std::printf("bench d%d b%d h%d n%d %-6s forward %8.2f ms %6.2f TFLOP/s  backward %8.2f ms "
+                    "%6.2f TFLOP/s\n",
+                    b.head_dim, b.batch, b.heads, b.seqlen, b.causal ? "causal" : "full", ms[0],
+                    forward_flops / (ms[0] * 1e9), ms[1], 2.5 * forward_flops / (ms[1] * 1e9));
+        std::fflush(stdout);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+}
+
+bool parse(int argc, char **argv, Options *options) {
+    for (int i = 1; i < argc; ++i) {
+        const std::string arg = argv[i];
+        if (arg == "--small") {
+            options->small = true;
+        } else if (arg == "--once") {
+            options->repeat = false;
+        } else if (arg == "--bench") {
+            options->bench = true;
+        } else if (arg == "--case" && i + 1 < argc) {
+            options->filter = argv[++i];
+        } else {
+            std::fprintf(stderr,
+                         "harness: unknown argument '%s'\n"
+                         "usage: harness [--small] [--case SUBSTRING] [--once] [--bench]\n",
+                         arg.c_str());
+            return false;
+        }
+    }
+    return true;
+}
+
+void print_device() {
+    int index = 0;
+    cudaDeviceProp prop;
+    int runtime = 0, driver = 0;
+    check(cudaGetDevice(&index), "cudaGetDevice");
+    check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties");
+    check(cudaRuntimeGetVersion(&runtime), "cudaRuntimeGetVersion");
+    check(cudaDriverGetVersion(&driver), "cudaDriverGetVersion");
+    std::printf("device: %s (sm_%d%d), CUDA runtime %d.%d, driver %d.%d\n", prop.name, prop.major,
+                prop.minor, runtime / 1000, runtime % 1000 / 10, driver / 1000,
+                driver % 1000 / 10);
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    Options options;
+    if (!parse(argc, argv, &options)) {
+        return 2;
+    }
+    if (options.bench) {
+        try {
+            print_device();
+            run_bench();
+        } catch (const CudaFailure &failure) {
+            std::printf("bench: CUDA error: %s\n", failure.message.c_str());
+            return 1;
+        }
+        return 0;
+    }
+    std::vector<TestCase> cases = options.small ? small_grid() : full_grid();
+    cases.erase(std::remove_if(cases.begin(), cases.end(),
+                               [&](const TestCase &c) {
+                                   return c.name.find(options.filter) == std::string::npos;
+                               }),
+                cases.end());
+    if (cases.empty()) {
+        std::fprintf(stderr, "harness: no case name contains '%s'\n", options.filter.c_str());
+        return 2;
+    }
+    int run = 0;
+    int mismatches = 0;
+    try {
+        print_device();
+        for (const TestCase &c : cases) {
+            ++run;
+            mismatches += run_case(c, options) ? 0 : 1;
+        }
+        std::printf("cuda-accuracy: %d cases, %d mismatches\n", run, mismatches);
+    } catch (const CudaFailure &failure) {
+        std::printf("FAIL %-36s CUDA error: %s\n", run > 0 ? cases[run - 1].name.c_str() : "-",
+                    failure.message.c_str());
+        std::printf("cuda-accuracy: %d cases, %d mismatches (stopped at a CUDA error)\n", run,
+                    mismatches + 1);
+        return 1;
+    }
+    return mismatches == 0 ? 0 : 1;
+}
