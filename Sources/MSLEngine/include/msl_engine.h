@@ -40,18 +40,46 @@ typedef struct msl_engine_size {
  * like dispatchThreadgroups:threadsPerThreadgroup:. buffers[i] is bound at [[buffer(i)]].
  * Returns when every threadgroup has finished or the first error stopped the dispatch; on error a
  * message naming the kernel (and the source line, where there is one) is written to message
- * (NUL-terminated, truncated to message_capacity; message may be null). Thread-safe. */
+ * (NUL-terminated, truncated to message_capacity; message may be null). Thread-safe.
+ * Errors: MSL_ENGINE_UNKNOWN_KERNEL (name not registered); MSL_ENGINE_INVALID_DISPATCH (a zero
+ * size, more than 1024 threads per threadgroup, fewer buffers than the kernel reads or a null
+ * one); MSL_ENGINE_THREADGROUP_MEMORY_EXCEEDED (the kernel declares more than 32 KiB);
+ * MSL_ENGINE_BARRIER_DIVERGENCE / MSL_ENGINE_SIMDGROUP_DIVERGENCE (a threadgroup broke the MSL
+ * rules; the message names the threadgroup and the call sites); MSL_ENGINE_OUT_OF_MEMORY.
+ * After an error, output buffers may be partly written. When several threadgroups fail, the one
+ * with the lowest linear index (x fastest) is reported, so the message is deterministic. */
 msl_engine_status msl_engine_dispatch(const char *kernel_name,
                                       const msl_engine_buffer *buffers, uint32_t buffer_count,
                                       msl_engine_size threadgroups_per_grid,
                                       msl_engine_size threads_per_threadgroup,
                                       char *message, size_t message_capacity);
 
-/* Whether a kernel of that name is registered. */
+/* Whether a kernel of that name is registered (1) or not (0). */
 int msl_engine_has_kernel(const char *kernel_name);
 
-/* Worker threads a dispatch uses (the number of cores). */
+/* Worker threads a dispatch uses: the value set with msl_engine_set_worker_count, else the number
+ * of cores this process may run on. A dispatch never uses more workers than threadgroups. */
 uint32_t msl_engine_worker_count(void);
+
+/* Sets the number of worker threads for later dispatches; 0 restores one per core. Results do not
+ * depend on it (threadgroups are independent); tests use it to show that. */
+void msl_engine_set_worker_count(uint32_t workers);
+
+/* What the calling thread's last msl_engine_dispatch did. */
+typedef struct msl_engine_dispatch_stats {
+    uint32_t workers;        /* OS threads that ran threadgroups */
+    uint64_t threadgroups;   /* threadgroups run to completion */
+    uint64_t fiber_switches; /* context switches between threads (both directions counted) */
+    double seconds;          /* wall time of the dispatch */
+} msl_engine_dispatch_stats;
+
+/* Copies the statistics of the calling thread's last dispatch (zeros before the first one). */
+void msl_engine_last_dispatch_stats(msl_engine_dispatch_stats *stats);
+
+/* Apple GPU limits the engine enforces. */
+#define MSL_ENGINE_MAX_THREADS_PER_THREADGROUP 1024u
+#define MSL_ENGINE_MAX_THREADGROUP_MEMORY 32768u
+#define MSL_ENGINE_SIMD_WIDTH 32u
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,223 @@
+// The engine's C API (msl_engine.h): validates a dispatch, spreads its threadgroups over worker
+// threads (the calling thread plus one new thread per further core) and collects the first error.
+//
+// Threadgroups are claimed in linear order (x fastest) from a shared counter; each worker runs
+// one threadgroup at a time on its own OS thread, which is what keeps `threadgroup` variables
+// (static thread_local) private to a threadgroup. Results do not depend on which worker runs a
+// threadgroup, so they are deterministic for race-free kernels.
+#include <sched.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "msl_engine.h"
+#include "msl_kernel_registry.hpp"
+#include "msl_text.hpp"
+#include "msl_threadgroup.hpp"
+
+namespace msl_engine {
+namespace {
+
+std::atomic<uint32_t> configured_workers{0};
+thread_local msl_engine_dispatch_stats last_stats{};
+
+uint32_t detected_cores() {
+#if defined(__linux__)
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        const int n = CPU_COUNT(&set);
+        if (n > 0) return uint32_t(n);
+    }
+#endif
+    const unsigned n = std::thread::hardware_concurrency();
+    return n > 0 ? n : 1;
+}
+
+void copy_message(const std::string &text, char *message, size_t capacity) {
+    if (message == nullptr || capacity == 0) return;
+    const size_t n = text.size() < capacity - 1 ? text.size() : capacity - 1;
+    memcpy(message, text.data(), n);
+    message[n] = '\0';
+}
+
+// The first failure of a dispatch by threadgroup index, shared by its workers.
+struct dispatch_outcome {
+    std::mutex mutex;
+    std::atomic<bool> failed{false};
+    uint64_t index = UINT64_MAX;
+    msl_engine_status status = MSL_ENGINE_SUCCESS;
+    std::string message;
+    std::atomic<uint64_t> completed{0};
+    std::atomic<uint64_t> switches{0};
+
+    void record(uint64_t at, msl_engine_status s, std::string text) {
+        std::lock_guard<std::mutex> lock(mutex);
+        failed.store(true, std::memory_order_relaxed);
+        if (at < index) {
+            index = at;
+            status = s;
+            message = std::move(text);
+        }
+    }
+};
+
+struct dispatch_job {
+    const kernel_entry *kernel;
+    kernel_args args;
+    metal::uint3 groups;
+    metal::uint3 threads;
+    uint64_t total;
+    std::atomic<uint64_t> next{0};
+    dispatch_outcome outcome;
+
+    void work() {
+        threadgroup_runner runner;
+        std::string text;
+        uint64_t done = 0;
+        while (!outcome.failed.load(std::memory_order_relaxed)) {
+            const uint64_t i = next.fetch_add(1, std::memory_order_relaxed);
+            if (i >= total) break;
+            const metal::uint3 position(uint32_t(i % groups.x), uint32_t((i / groups.x) % groups.y),
+                                        uint32_t(i / (uint64_t(groups.x) * groups.y)));
+            const msl_engine_status s = runner.run(*kernel, args, position, threads, groups, &text);
+            if (s != MSL_ENGINE_SUCCESS) {
+                outcome.record(i, s, text);
+                break;
+            }
+            ++done;
+        }
+        outcome.completed.fetch_add(done, std::memory_order_relaxed);
+        outcome.switches.fetch_add(runner.switches(), std::memory_order_relaxed);
+    }
+};
+
+msl_engine_status validate(const kernel_entry &k, const msl_engine_buffer *buffers,
+                           uint32_t buffer_count, msl_engine_size groups,
+                           msl_engine_size threads, std::string *text) {
+    const std::string where = format("kernel '%s' (%s)", k.name,
+                                     source_location(k.file, k.line).c_str());
+    if (threads.width == 0 || threads.height == 0 || threads.depth == 0) {
+        *text = format("%s: threads per threadgroup (%u, %u, %u) has a zero size", where.c_str(),
+                       threads.width, threads.height, threads.depth);
+        return MSL_ENGINE_INVALID_DISPATCH;
+    }
+    if (groups.width == 0 || groups.height == 0 || groups.depth == 0) {
+        *text = format("%s: threadgroups per grid (%u, %u, %u) has a zero size", where.c_str(),
+                       groups.width, groups.height, groups.depth);
+        return MSL_ENGINE_INVALID_DISPATCH;
+    }
+    const uint64_t per_group = uint64_t(threads.width) * threads.height * threads.depth;
+    if (per_group > MSL_ENGINE_MAX_THREADS_PER_THREADGROUP) {
+        *text = format("%s: %llu threads per threadgroup (%u x %u x %u) exceed the limit of %u",
+                       where.c_str(), (unsigned long long)per_group, threads.width, threads.height,
+                       threads.depth, MSL_ENGINE_MAX_THREADS_PER_THREADGROUP);
+        return MSL_ENGINE_INVALID_DISPATCH;
+    }
+    if (k.threadgroup_memory_length > MSL_ENGINE_MAX_THREADGROUP_MEMORY) {
+        *text = format("%s declares %zu bytes of threadgroup memory; the limit is %u bytes (32 KiB)",
+                       where.c_str(), k.threadgroup_memory_length,
+                       MSL_ENGINE_MAX_THREADGROUP_MEMORY);
+        return MSL_ENGINE_THREADGROUP_MEMORY_EXCEEDED;
+    }
+    if (buffer_count < k.buffer_count || (k.buffer_count > 0 && buffers == nullptr)) {
+        *text = format("%s reads %u buffers but the dispatch binds %u", where.c_str(),
+                       k.buffer_count, buffers == nullptr ? 0u : buffer_count);
+        return MSL_ENGINE_INVALID_DISPATCH;
+    }
+    for (uint32_t i = 0; i < k.buffer_count; ++i) {
+        if (buffers[i].contents == nullptr) {
+            *text = format("%s: buffer %u is null", where.c_str(), i);
+            return MSL_ENGINE_INVALID_DISPATCH;
+        }
+    }
+    return MSL_ENGINE_SUCCESS;
+}
+
+} // namespace
+} // namespace msl_engine
+
+using namespace msl_engine;
+
+extern "C" msl_engine_status msl_engine_dispatch(const char *kernel_name,
+                                                 const msl_engine_buffer *buffers,
+                                                 uint32_t buffer_count,
+                                                 msl_engine_size threadgroups_per_grid,
+                                                 msl_engine_size threads_per_threadgroup,
+                                                 char *message, size_t message_capacity) {
+    const auto start = std::chrono::steady_clock::now();
+    last_stats = msl_engine_dispatch_stats{};
+    copy_message(std::string(), message, message_capacity);
+    const kernel_entry *kernel = kernel_name == nullptr ? nullptr : find_kernel(kernel_name);
+    if (kernel == nullptr) {
+        copy_message(kernel_name == nullptr
+                         ? std::string("kernel name is null")
+                         : format("unknown kernel '%s': no kernel of that name is registered",
+                                  kernel_name),
+                     message, message_capacity);
+        return MSL_ENGINE_UNKNOWN_KERNEL;
+    }
+    std::string text;
+    const msl_engine_status invalid = validate(*kernel, buffers, buffer_count,
+                                               threadgroups_per_grid, threads_per_threadgroup,
+                                               &text);
+    if (invalid != MSL_ENGINE_SUCCESS) {
+        copy_message(text, message, message_capacity);
+        return invalid;
+    }
+
+    dispatch_job job;
+    job.kernel = kernel;
+    job.args = kernel_args{buffers, buffer_count};
+    job.groups = metal::uint3(threadgroups_per_grid.width, threadgroups_per_grid.height,
+                              threadgroups_per_grid.depth);
+    job.threads = metal::uint3(threads_per_threadgroup.width, threads_per_threadgroup.height,
+                               threads_per_threadgroup.depth);
+    job.total = uint64_t(job.groups.x) * job.groups.y * job.groups.z;
+
+    uint64_t wanted = msl_engine_worker_count();
+    if (wanted > job.total) wanted = job.total;
+    std::vector<std::thread> helpers;
+    for (uint64_t w = 1; w < wanted; ++w) {
+        try {
+            helpers.emplace_back([&job] { job.work(); });
+        } catch (const std::system_error &) {
+            break; // fewer workers still finish the dispatch
+        }
+    }
+    job.work();
+    for (std::thread &t : helpers) t.join();
+
+    last_stats.workers = uint32_t(helpers.size() + 1);
+    last_stats.threadgroups = job.outcome.completed.load();
+    last_stats.fiber_switches = job.outcome.switches.load();
+    last_stats.seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (job.outcome.failed.load()) {
+        copy_message(job.outcome.message, message, message_capacity);
+        return job.outcome.status;
+    }
+    return MSL_ENGINE_SUCCESS;
+}
+
+extern "C" int msl_engine_has_kernel(const char *kernel_name) {
+    return kernel_name != nullptr && find_kernel(kernel_name) != nullptr;
+}
+
+extern "C" uint32_t msl_engine_worker_count(void) {
+    const uint32_t configured = configured_workers.load();
+    return configured > 0 ? configured : detected_cores();
+}
+
+extern "C" void msl_engine_set_worker_count(uint32_t workers) { configured_workers.store(workers); }
+
+extern "C" void msl_engine_last_dispatch_stats(msl_engine_dispatch_stats *stats) {
+    if (stats != nullptr) *stats = last_stats;
+}

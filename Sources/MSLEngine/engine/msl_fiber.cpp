@@ -1,0 +1,296 @@
+// Fiber context switch, stack mapping and the stack cache (see msl_fiber.hpp).
+#include "msl_fiber.hpp"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <mutex>
+#include <vector>
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MSL_ENGINE_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) && !defined(MSL_ENGINE_ASAN)
+#define MSL_ENGINE_ASAN 1
+#endif
+
+#ifdef MSL_ENGINE_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+namespace msl_engine {
+namespace {
+
+#ifdef MSL_ENGINE_ASAN
+// ASan's instrumentation makes frames several times larger.
+constexpr size_t kStackSize = 1024 * 1024;
+#else
+constexpr size_t kStackSize = 256 * 1024;
+#endif
+
+std::mutex stack_cache_mutex;
+std::vector<fiber_stack> &stack_cache() {
+    static std::vector<fiber_stack> *cache = new std::vector<fiber_stack>();
+    return *cache;
+}
+
+void announce_switch(fiber &from, const fiber &to, bool from_ends) {
+#ifdef MSL_ENGINE_ASAN
+    __sanitizer_start_switch_fiber(from_ends ? nullptr : &from.sanitizer_fake_stack, to.stack.base,
+                                   to.stack.size);
+#else
+    (void)from;
+    (void)to;
+    (void)from_ends;
+#endif
+}
+
+void complete_switch(fiber &self) {
+#ifdef MSL_ENGINE_ASAN
+    __sanitizer_finish_switch_fiber(self.sanitizer_fake_stack, nullptr, nullptr);
+#else
+    (void)self;
+#endif
+}
+
+} // namespace
+
+#ifdef MSL_ENGINE_FIBER_UCONTEXT
+
+namespace {
+// makecontext passes int arguments only, so the fiber's address travels as two halves.
+void ucontext_start(unsigned high, unsigned low) {
+    fiber *f = reinterpret_cast<fiber *>((static_cast<unsigned long>(high) << 32) | low);
+    f->entry(f->entry_arg);
+}
+} // namespace
+
+void fiber_prepare(fiber &f, fiber_stack stack, void (*entry)(void *), void *arg) {
+    f.stack = stack;
+    f.sanitizer_fake_stack = nullptr;
+    f.entry = entry;
+    f.entry_arg = arg;
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = stack.base;
+    f.context.uc_stack.ss_size = stack.size;
+    f.context.uc_link = nullptr;
+    const unsigned long address = reinterpret_cast<unsigned long>(&f);
+    makecontext(&f.context, reinterpret_cast<void (*)()>(ucontext_start), 2,
+                unsigned(address >> 32), unsigned(address & 0xffffffffu));
+#ifdef MSL_ENGINE_ASAN
+    __asan_unpoison_memory_region(stack.base, stack.size);
+#endif
+}
+
+void fiber_switch(fiber &from, fiber &to) {
+    announce_switch(from, to, false);
+    swapcontext(&from.context, &to.context);
+    complete_switch(from);
+}
+
+[[noreturn]] void fiber_exit(fiber &self, fiber &to) {
+    announce_switch(self, to, true);
+    setcontext(&to.context);
+    __builtin_trap();
+}
+
+#else
+
+extern "C" {
+// Saves callee-saved registers on the current stack, stores the stack pointer in *save, switches
+// to load and restores what was saved there.
+void msl_engine_fiber_switch(void **save, void *load);
+// First code of a new fiber: calls the entry (register slot 1) with the argument (slot 0).
+void msl_engine_fiber_trampoline();
+}
+
+#if defined(__APPLE__)
+#define MSL_ASM_SYMBOL(name) "_" #name
+#define MSL_ASM_PRIVATE(name) ".private_extern " MSL_ASM_SYMBOL(name) "\n"
+#else
+#define MSL_ASM_SYMBOL(name) #name
+#define MSL_ASM_PRIVATE(name) ".hidden " #name "\n.type " #name ", @function\n"
+#endif
+
+#if defined(__x86_64__)
+// Frame: [mxcsr, x87 control word] r15 r14 r13 r12 rbx rbp, return address.
+__asm__(".text\n"
+        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_switch) "\n"
+        MSL_ASM_PRIVATE(msl_engine_fiber_switch)
+        ".p2align 4\n"
+        MSL_ASM_SYMBOL(msl_engine_fiber_switch) ":\n"
+        "  pushq %rbp\n"
+        "  pushq %rbx\n"
+        "  pushq %r12\n"
+        "  pushq %r13\n"
+        "  pushq %r14\n"
+        "  pushq %r15\n"
+        "  subq $8, %rsp\n"
+        "  stmxcsr (%rsp)\n"
+        "  fnstcw 4(%rsp)\n"
+        "  movq %rsp, (%rdi)\n"
+        "  movq %rsi, %rsp\n"
+        "  ldmxcsr (%rsp)\n"
+        "  fldcw 4(%rsp)\n"
+        "  addq $8, %rsp\n"
+        "  popq %r15\n"
+        "  popq %r14\n"
+        "  popq %r13\n"
+        "  popq %r12\n"
+        "  popq %rbx\n"
+        "  popq %rbp\n"
+        "  ret\n"
+        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_trampoline) "\n"
+        MSL_ASM_PRIVATE(msl_engine_fiber_trampoline)
+        ".p2align 4\n"
+        MSL_ASM_SYMBOL(msl_engine_fiber_trampoline) ":\n"
+        "  movq %r12, %rdi\n"
+        "  callq *%r13\n"
+        "  ud2\n");
+
+void fiber_prepare(fiber &f, fiber_stack stack, void (*entry)(void *), void *arg) {
+    f.stack = stack;
+    f.sanitizer_fake_stack = nullptr;
+    // The top is 16-byte aligned; after `ret` pops the trampoline address the stack pointer is
+    // 16-byte aligned again, as the trampoline's call requires.
+    auto *top = reinterpret_cast<unsigned long *>(
+        (reinterpret_cast<unsigned long>(stack.base + stack.size) & ~15ul) - 16);
+    unsigned long *frame = top - 8;
+    frame[0] = 0x037F00001F80ul; // default MXCSR (low half) and x87 control word (bits 32..47)
+    frame[1] = 0;                // r15
+    frame[2] = 0;                // r14
+    frame[3] = reinterpret_cast<unsigned long>(entry); // r13
+    frame[4] = reinterpret_cast<unsigned long>(arg);   // r12
+    frame[5] = 0;                // rbx
+    frame[6] = 0;                // rbp
+    frame[7] = reinterpret_cast<unsigned long>(&msl_engine_fiber_trampoline);
+    f.stack_pointer = frame;
+#ifdef MSL_ENGINE_ASAN
+    __asan_unpoison_memory_region(stack.base, stack.size);
+#endif
+}
+
+#elif defined(__aarch64__)
+// Frame (176 bytes): x19..x28, x29, x30, d8..d15, fpcr.
+__asm__(".text\n"
+        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_switch) "\n"
+        MSL_ASM_PRIVATE(msl_engine_fiber_switch)
+        ".p2align 4\n"
+        MSL_ASM_SYMBOL(msl_engine_fiber_switch) ":\n"
+        "  sub sp, sp, #176\n"
+        "  stp x19, x20, [sp, #0]\n"
+        "  stp x21, x22, [sp, #16]\n"
+        "  stp x23, x24, [sp, #32]\n"
+        "  stp x25, x26, [sp, #48]\n"
+        "  stp x27, x28, [sp, #64]\n"
+        "  stp x29, x30, [sp, #80]\n"
+        "  stp d8, d9, [sp, #96]\n"
+        "  stp d10, d11, [sp, #112]\n"
+        "  stp d12, d13, [sp, #128]\n"
+        "  stp d14, d15, [sp, #144]\n"
+        "  mrs x9, fpcr\n"
+        "  str x9, [sp, #160]\n"
+        "  mov x9, sp\n"
+        "  str x9, [x0]\n"
+        "  mov sp, x1\n"
+        "  ldr x9, [sp, #160]\n"
+        "  msr fpcr, x9\n"
+        "  ldp x19, x20, [sp, #0]\n"
+        "  ldp x21, x22, [sp, #16]\n"
+        "  ldp x23, x24, [sp, #32]\n"
+        "  ldp x25, x26, [sp, #48]\n"
+        "  ldp x27, x28, [sp, #64]\n"
+        "  ldp x29, x30, [sp, #80]\n"
+        "  ldp d8, d9, [sp, #96]\n"
+        "  ldp d10, d11, [sp, #112]\n"
+        "  ldp d12, d13, [sp, #128]\n"
+        "  ldp d14, d15, [sp, #144]\n"
+        "  add sp, sp, #176\n"
+        "  ret\n"
+        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_trampoline) "\n"
+        MSL_ASM_PRIVATE(msl_engine_fiber_trampoline)
+        ".p2align 4\n"
+        MSL_ASM_SYMBOL(msl_engine_fiber_trampoline) ":\n"
+        "  mov x0, x19\n"
+        "  blr x20\n"
+        "  brk #0\n");
+
+void fiber_prepare(fiber &f, fiber_stack stack, void (*entry)(void *), void *arg) {
+    f.stack = stack;
+    f.sanitizer_fake_stack = nullptr;
+    auto *top = reinterpret_cast<unsigned long *>(
+        reinterpret_cast<unsigned long>(stack.base + stack.size) & ~15ul);
+    unsigned long *frame = top - 22; // 176 bytes
+    for (int i = 0; i < 22; ++i) frame[i] = 0;
+    frame[0] = reinterpret_cast<unsigned long>(arg);    // x19
+    frame[1] = reinterpret_cast<unsigned long>(entry);  // x20
+    frame[11] = reinterpret_cast<unsigned long>(&msl_engine_fiber_trampoline); // x30
+    f.stack_pointer = frame;
+#ifdef MSL_ENGINE_ASAN
+    __asan_unpoison_memory_region(stack.base, stack.size);
+#endif
+}
+#endif
+
+void fiber_switch(fiber &from, fiber &to) {
+    announce_switch(from, to, false);
+    msl_engine_fiber_switch(&from.stack_pointer, to.stack_pointer);
+    complete_switch(from);
+}
+
+[[noreturn]] void fiber_exit(fiber &self, fiber &to) {
+    announce_switch(self, to, true);
+    void *discarded = nullptr;
+    msl_engine_fiber_switch(&discarded, to.stack_pointer);
+    __builtin_trap();
+}
+
+#endif
+
+void fiber_started(fiber &scheduler) {
+#ifdef MSL_ENGINE_ASAN
+    const void *bottom = nullptr;
+    size_t size = 0;
+    __sanitizer_finish_switch_fiber(nullptr, &bottom, &size);
+    scheduler.stack.base = static_cast<char *>(const_cast<void *>(bottom));
+    scheduler.stack.size = size;
+#else
+    (void)scheduler;
+#endif
+}
+
+fiber_stack acquire_fiber_stack() {
+    {
+        std::lock_guard<std::mutex> lock(stack_cache_mutex);
+        auto &cache = stack_cache();
+        if (!cache.empty()) {
+            fiber_stack s = cache.back();
+            cache.pop_back();
+            return s;
+        }
+    }
+    const size_t page = size_t(sysconf(_SC_PAGESIZE));
+    int flags = MAP_PRIVATE | MAP_ANON;
+#ifdef MAP_NORESERVE
+    flags |= MAP_NORESERVE;
+#endif
+    void *region = mmap(nullptr, kStackSize + page, PROT_READ | PROT_WRITE, flags, -1, 0);
+    if (region == MAP_FAILED) return fiber_stack{};
+    // The lowest page traps a stack overflow instead of letting it run into other memory.
+    if (mprotect(region, page, PROT_NONE) != 0) {
+        munmap(region, kStackSize + page);
+        return fiber_stack{};
+    }
+    return fiber_stack{static_cast<char *>(region) + page, kStackSize};
+}
+
+void release_fiber_stacks(const fiber_stack *stacks, size_t count) {
+    std::lock_guard<std::mutex> lock(stack_cache_mutex);
+    auto &cache = stack_cache();
+    cache.insert(cache.end(), stacks, stacks + count);
+}
+
+} // namespace msl_engine

@@ -1,0 +1,67 @@
+// Fibers for the engine: cooperative execution contexts, each on its own mmap'ed stack with a
+// guard page. The context switch is a few instructions of assembly on x86-64 (System V) and
+// arm64 (AAPCS64, Linux and macOS): it saves the callee-saved registers and the floating-point
+// control word on the old stack and loads them from the new one, no system call. Elsewhere, or
+// with MSL_ENGINE_USE_UCONTEXT defined, it uses POSIX ucontext (makecontext/swapcontext), which
+// is slower because swapcontext changes the signal mask with a system call.
+// Under AddressSanitizer every switch is announced with __sanitizer_start_switch_fiber /
+// __sanitizer_finish_switch_fiber, so ASan tracks the stack in use.
+#ifndef MSL_FIBER_HPP
+#define MSL_FIBER_HPP
+
+#include <stddef.h>
+
+#if defined(MSL_ENGINE_USE_UCONTEXT) || !(defined(__x86_64__) || defined(__aarch64__))
+#define MSL_ENGINE_FIBER_UCONTEXT 1
+#ifndef _XOPEN_SOURCE
+#define _XOPEN_SOURCE 700
+#endif
+#include <ucontext.h>
+#endif
+
+namespace msl_engine {
+
+/// A stack region [base, base + size) with an inaccessible guard page below base.
+struct fiber_stack {
+    char *base = nullptr;
+    size_t size = 0;
+};
+
+/// An execution context. A default-constructed fiber stands for the OS thread's own context (the
+/// scheduler) and needs no stack; others are prepared on a stack with fiber_prepare.
+struct fiber {
+#ifdef MSL_ENGINE_FIBER_UCONTEXT
+    ucontext_t context;
+    void (*entry)(void *) = nullptr; // makecontext passes only ints: the start reads these
+    void *entry_arg = nullptr;
+#else
+    void *stack_pointer = nullptr;
+#endif
+    fiber_stack stack;                      ///< empty for the OS thread's context
+    void *sanitizer_fake_stack = nullptr;   ///< ASan bookkeeping while switched away
+};
+
+/// Arranges for `f` to run entry(arg) on `stack` when first switched to. entry must never return;
+/// it ends with fiber_exit.
+void fiber_prepare(fiber &f, fiber_stack stack, void (*entry)(void *), void *arg);
+
+/// Saves the current context into `from` and continues `to`. Returns when something switches back.
+void fiber_switch(fiber &from, fiber &to);
+
+/// Called first by a fiber's entry function: completes the switch that started it (ASan).
+/// `scheduler` receives the bounds of the stack that switched in.
+void fiber_started(fiber &scheduler);
+
+/// Leaves the current fiber `self` for good and continues `to`; never returns.
+[[noreturn]] void fiber_exit(fiber &self, fiber &to);
+
+/// A stack for a fiber: reused from earlier dispatches or newly mapped. Returns an empty stack
+/// when the system refuses the memory.
+fiber_stack acquire_fiber_stack();
+
+/// Gives stacks back for reuse by later dispatches.
+void release_fiber_stacks(const fiber_stack *stacks, size_t count);
+
+} // namespace msl_engine
+
+#endif

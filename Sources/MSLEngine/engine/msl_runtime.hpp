@@ -1,0 +1,60 @@
+// The interface between <metal_stdlib> (compiled into kernel translation units) and the engine
+// that runs the kernel's threads as fibers: barriers and SIMD-group collective operations.
+//
+// A collective is a rendezvous of the active lanes of one 32-lane SIMD-group: each lane deposits
+// a slot (pointers to its input and output, one integer argument) and suspends; when every active
+// lane has arrived at the same call site, the engine runs the operation's combine function once
+// over all slots, then resumes the lanes. Inputs and outputs live on the lanes' own fiber stacks,
+// which stay valid while the lanes are suspended.
+#ifndef MSL_RUNTIME_HPP
+#define MSL_RUNTIME_HPP
+
+#include <stddef.h>
+#include <stdint.h>
+
+namespace msl_engine {
+
+/// One lane's part of a SIMD-group collective operation.
+struct simd_slot {
+    const void *in; ///< the lane's input value (type known to the combine function)
+    void *out;      ///< where the lane's result goes
+    uint32_t arg;   ///< lane index, shuffle delta or mask, depending on the operation
+};
+
+/// What a combine function found wrong; the engine turns it into the error message.
+enum class simd_fault_kind {
+    inactive_source, ///< a lane reads a lane that is inactive (returned, or past a partial group)
+    invalid_lane,    ///< a lane index outside 0..31
+    nonuniform_lane, ///< simd_broadcast with different source lanes in one SIMD-group
+    partial_matrix,  ///< a simdgroup_matrix operation without all 32 lanes active
+};
+
+struct simd_fault {
+    simd_fault_kind kind;
+    uint32_t lane;   ///< the lane that asked
+    uint32_t source; ///< the lane (or index) it asked for
+};
+
+/// Computes a collective's results: slots[l] is valid for each set bit l of active_mask. Returns
+/// false and fills *fault when the lanes ask for something MSL leaves undefined.
+typedef bool (*simd_combine_fn)(const simd_slot *slots, uint32_t active_mask, simd_fault *fault);
+
+namespace runtime {
+
+/// Suspends the calling thread until every thread of its threadgroup reaches a barrier at the
+/// same call site (file:line); a mismatch or a returned thread fails the threadgroup. A no-op
+/// outside a dispatch.
+void threadgroup_barrier(const char *file, unsigned line);
+
+/// Runs one collective operation named `operation` for the calling lane (see the file comment).
+/// Outside a dispatch the caller is lane 0 of a one-lane SIMD-group and faults are ignored.
+void simd_collective(const char *operation, simd_combine_fn combine, const void *in, void *out,
+                     uint32_t arg, const char *file, unsigned line);
+
+/// The calling thread's index in its SIMD-group (0..31); 0 outside a dispatch.
+uint32_t simd_lane();
+
+} // namespace runtime
+} // namespace msl_engine
+
+#endif

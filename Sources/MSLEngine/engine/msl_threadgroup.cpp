@@ -1,0 +1,339 @@
+// The threadgroup scheduler (see msl_threadgroup.hpp) and the runtime entry points that
+// <metal_stdlib> calls from kernel code (msl_runtime.hpp).
+//
+// Scheduling: runnable threads run in index order until they block (barrier or SIMD collective)
+// or return. A barrier releases when all threads of the threadgroup wait at the same call site;
+// a collective completes when all active lanes of the SIMD-group wait at the same call site.
+// Every divergence the MSL rules forbid is reported as soon as it is certain: a thread reaching a
+// barrier at another site than the threads already waiting, a thread returning while others wait
+// at a barrier (or reaching a barrier after another returned), lanes calling different
+// collectives; and when nothing can run any more but threads still wait (lanes of a SIMD-group
+// split between a collective and a barrier), the stall is reported with every waiting site.
+// The order is fixed, so runs are deterministic.
+#include "msl_threadgroup.hpp"
+
+#include <string.h>
+
+#include "msl_text.hpp"
+
+namespace msl_engine {
+
+enum class lane_state : uint8_t { ready, at_barrier, at_simd, returned };
+
+/// One thread of the threadgroup being run.
+struct lane {
+    fiber context;
+    builtins ids;
+    lane_state state = lane_state::ready;
+    uint32_t thread = 0;
+    uint32_t group = 0;
+    uint32_t lane_id = 0;
+    threadgroup_runner *runner = nullptr;
+    // Where the lane waits, and its part of the collective.
+    const char *operation = nullptr;
+    const char *file = nullptr;
+    unsigned line = 0;
+    simd_combine_fn combine = nullptr;
+    simd_slot slot{};
+};
+
+namespace {
+
+thread_local lane *current_lane = nullptr;
+
+bool same_site(const char *file_a, unsigned line_a, const char *file_b, unsigned line_b) {
+    return line_a == line_b && (file_a == file_b || strcmp(file_a, file_b) == 0);
+}
+
+std::string fault_text(const simd_fault &f) {
+    switch (f.kind) {
+    case simd_fault_kind::inactive_source:
+        return format("lane %u reads lane %u, which is inactive (past the end of a partial "
+                      "SIMD-group, or returned); MSL leaves that value undefined",
+                      f.lane, f.source);
+    case simd_fault_kind::invalid_lane:
+        return format("lane %u asks for lane %u; SIMD lane IDs are 0..31", f.lane, f.source);
+    case simd_fault_kind::nonuniform_lane:
+        return format("lane %u broadcasts from lane %u while a lower lane names another source "
+                      "lane; the source lane must be the same in every lane",
+                      f.lane, f.source);
+    case simd_fault_kind::partial_matrix:
+        return format("simdgroup_matrix operations need all 32 lanes of the SIMD-group, and "
+                      "lane %u is inactive (past the end of a partial SIMD-group, or returned)",
+                      f.lane);
+    }
+    return "unknown fault";
+}
+
+} // namespace
+
+threadgroup_runner::threadgroup_runner() = default;
+
+threadgroup_runner::~threadgroup_runner() {
+    release_fiber_stacks(stacks_.data(), stacks_.size());
+}
+
+void threadgroup_runner::lane_main(void *arg) {
+    lane *l = static_cast<lane *>(arg);
+    threadgroup_runner *runner = l->runner;
+    fiber_started(runner->scheduler_);
+    runner->kernel_->run(*runner->args_, l->ids);
+    l->state = lane_state::returned;
+    fiber_exit(l->context, runner->scheduler_);
+}
+
+bool threadgroup_runner::prepare(uint32_t count) {
+    if (count > lane_capacity_) {
+        lanes_.reset(new lane[count]);
+        lane_capacity_ = count;
+    }
+    while (stacks_.size() < count) {
+        const fiber_stack s = acquire_fiber_stack();
+        if (s.base == nullptr) return false;
+        stacks_.push_back(s);
+    }
+    if (ready_.size() < count) ready_.resize(count);
+    return true;
+}
+
+void threadgroup_runner::make_ready(uint32_t thread) {
+    lanes_[thread].state = lane_state::ready;
+    ready_[(ready_head_ + ready_count_) % count_] = thread;
+    ++ready_count_;
+}
+
+msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kernel_args &args,
+                                          metal::uint3 position, metal::uint3 threads,
+                                          metal::uint3 groups, std::string *message) {
+    const uint32_t count = threads.x * threads.y * threads.z;
+    if (!prepare(count)) {
+        *message = format("kernel '%s': cannot map %u fiber stacks for a threadgroup", kernel.name,
+                          count);
+        return MSL_ENGINE_OUT_OF_MEMORY;
+    }
+    kernel_ = &kernel;
+    args_ = &args;
+    position_ = position;
+    count_ = count;
+    returned_ = 0;
+    barrier_waiting_ = 0;
+    status_ = MSL_ENGINE_SUCCESS;
+    message_.clear();
+    ready_head_ = 0;
+    ready_count_ = 0;
+
+    const uint32_t simd_groups = (count + 31) / 32;
+    groups_.assign(simd_groups, simd_group{});
+    for (uint32_t g = 0; g < simd_groups; ++g) {
+        const uint32_t lanes = count - g * 32 < 32 ? count - g * 32 : 32;
+        groups_[g].first_thread = g * 32;
+        groups_[g].active = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+    }
+    for (uint32_t i = 0; i < count; ++i) {
+        lane &l = lanes_[i];
+        l.thread = i;
+        l.group = i / 32;
+        l.lane_id = i % 32;
+        l.runner = this;
+        const metal::uint3 local(i % threads.x, (i / threads.x) % threads.y,
+                                 i / (threads.x * threads.y));
+        l.ids.threadgroup_position_in_grid = position;
+        l.ids.thread_position_in_threadgroup = local;
+        l.ids.thread_position_in_grid = position * threads + local;
+        l.ids.threads_per_threadgroup = threads;
+        l.ids.threadgroups_per_grid = groups;
+        l.ids.thread_index_in_threadgroup = i;
+        l.ids.thread_index_in_simdgroup = i % 32;
+        l.ids.simdgroup_index_in_threadgroup = i / 32;
+        l.ids.threads_per_simdgroup = 32;
+        l.ids.simdgroups_per_threadgroup = simd_groups;
+        fiber_prepare(l.context, stacks_[i], &threadgroup_runner::lane_main, &l);
+        make_ready(i);
+    }
+
+    while (ready_count_ > 0 && status_ == MSL_ENGINE_SUCCESS) {
+        lane &l = lanes_[ready_[ready_head_]];
+        ready_head_ = (ready_head_ + 1) % count_;
+        --ready_count_;
+        current_lane = &l;
+        fiber_switch(scheduler_, l.context);
+        current_lane = nullptr;
+        switches_ += 2;
+        switch (l.state) {
+        case lane_state::returned: on_return(l); break;
+        case lane_state::at_barrier: on_barrier(l); break;
+        case lane_state::at_simd: on_simd(l); break;
+        case lane_state::ready: break;
+        }
+    }
+    if (status_ == MSL_ENGINE_SUCCESS && returned_ < count_) diagnose_stall();
+    if (status_ != MSL_ENGINE_SUCCESS) *message = message_;
+    return status_;
+}
+
+void threadgroup_runner::fail(msl_engine_status status, const std::string &what) {
+    if (status_ != MSL_ENGINE_SUCCESS) return;
+    status_ = status;
+    message_ = format("kernel '%s' (%s), threadgroup (%u, %u, %u): %s", kernel_->name,
+                      source_location(kernel_->file, kernel_->line).c_str(), position_.x,
+                      position_.y, position_.z, what.c_str());
+}
+
+std::string threadgroup_runner::describe_wait(const lane &l) const {
+    return format("%s at %s", l.operation, source_location(l.file, l.line).c_str());
+}
+
+void threadgroup_runner::on_return(lane &l) {
+    ++returned_;
+    simd_group &g = groups_[l.group];
+    g.active &= ~(1u << l.lane_id);
+    if (barrier_waiting_ > 0) {
+        const lane &waiting = lanes_[barrier_first_thread_];
+        fail(MSL_ENGINE_BARRIER_DIVERGENCE,
+             format("thread %u returned while threads %s wait at %s; every thread of a "
+                    "threadgroup must reach each barrier",
+                    l.thread,
+                    index_ranges(count_, [&](uint32_t i) {
+                        return lanes_[i].state == lane_state::at_barrier;
+                    }).c_str(),
+                    describe_wait(waiting).c_str()));
+        return;
+    }
+    if (g.arrived != 0 && g.arrived == g.active) complete(g);
+}
+
+void threadgroup_runner::on_barrier(lane &l) {
+    if (returned_ > 0) {
+        fail(MSL_ENGINE_BARRIER_DIVERGENCE,
+             format("thread %u waits at %s, but threads %s returned without reaching it; every "
+                    "thread of a threadgroup must reach each barrier",
+                    l.thread, describe_wait(l).c_str(),
+                    index_ranges(count_, [&](uint32_t i) {
+                        return lanes_[i].state == lane_state::returned;
+                    }).c_str()));
+        return;
+    }
+    if (barrier_waiting_ == 0) {
+        barrier_file_ = l.file;
+        barrier_line_ = l.line;
+        barrier_first_thread_ = l.thread;
+    } else if (!same_site(barrier_file_, barrier_line_, l.file, l.line)) {
+        fail(MSL_ENGINE_BARRIER_DIVERGENCE,
+             format("threads wait at different barriers: threads %s at %s, thread %u at %s; "
+                    "every thread of a threadgroup must reach the same barrier",
+                    index_ranges(count_, [&](uint32_t i) {
+                        return lanes_[i].state == lane_state::at_barrier && i != l.thread;
+                    }).c_str(),
+                    describe_wait(lanes_[barrier_first_thread_]).c_str(), l.thread,
+                    describe_wait(l).c_str()));
+        return;
+    }
+    if (++barrier_waiting_ == count_) {
+        barrier_waiting_ = 0;
+        for (uint32_t i = 0; i < count_; ++i) make_ready(i);
+    }
+}
+
+void threadgroup_runner::on_simd(lane &l) {
+    simd_group &g = groups_[l.group];
+    if (g.arrived == 0) {
+        g.operation = l.operation;
+        g.file = l.file;
+        g.line = l.line;
+        g.combine = l.combine;
+    } else if (g.combine != l.combine || !same_site(g.file, g.line, l.file, l.line)) {
+        fail(MSL_ENGINE_SIMDGROUP_DIVERGENCE,
+             format("SIMD-group %u: lanes %s wait at %s at %s, but lane %u calls %s; every active "
+                    "lane must reach the same SIMD-group function",
+                    l.group,
+                    index_ranges(32, [&](uint32_t i) { return ((g.arrived >> i) & 1u) != 0; }).c_str(),
+                    g.operation, source_location(g.file, g.line).c_str(), l.lane_id,
+                    describe_wait(l).c_str()));
+        return;
+    }
+    g.arrived |= 1u << l.lane_id;
+    if (g.arrived == g.active) complete(g);
+}
+
+void threadgroup_runner::complete(simd_group &g) {
+    simd_slot slots[32];
+    for (uint32_t i = 0; i < 32; ++i) {
+        slots[i] = ((g.arrived >> i) & 1u) ? lanes_[g.first_thread + i].slot : simd_slot{};
+    }
+    simd_fault fault{};
+    if (!g.combine(slots, g.arrived, &fault)) {
+        fail(MSL_ENGINE_SIMDGROUP_DIVERGENCE,
+             format("SIMD-group %u: %s at %s: %s", g.first_thread / 32, g.operation,
+                    source_location(g.file, g.line).c_str(), fault_text(fault).c_str()));
+        return;
+    }
+    const uint32_t arrived = g.arrived;
+    g.arrived = 0;
+    for (uint32_t i = 0; i < 32; ++i) {
+        if ((arrived >> i) & 1u) make_ready(g.first_thread + i);
+    }
+}
+
+void threadgroup_runner::diagnose_stall() {
+    for (uint32_t gi = 0; gi < groups_.size(); ++gi) {
+        const simd_group &g = groups_[gi];
+        if (g.arrived == 0) continue;
+        const uint32_t missing = g.active & ~g.arrived;
+        const uint32_t other = g.first_thread + uint32_t(__builtin_ctz(missing));
+        fail(MSL_ENGINE_SIMDGROUP_DIVERGENCE,
+             format("SIMD-group %u: lanes %s wait at %s at %s, but lanes %s never reach it "
+                    "(lane %u waits at %s); every active lane must reach the same SIMD-group "
+                    "function",
+                    gi,
+                    index_ranges(32, [&](uint32_t i) { return ((g.arrived >> i) & 1u) != 0; }).c_str(),
+                    g.operation, source_location(g.file, g.line).c_str(),
+                    index_ranges(32, [&](uint32_t i) { return ((missing >> i) & 1u) != 0; }).c_str(),
+                    other - g.first_thread, describe_wait(lanes_[other]).c_str()));
+        return;
+    }
+    fail(MSL_ENGINE_BARRIER_DIVERGENCE,
+         format("threads %s wait at %s and can never be released",
+                index_ranges(count_, [&](uint32_t i) {
+                    return lanes_[i].state == lane_state::at_barrier;
+                }).c_str(),
+                describe_wait(lanes_[barrier_first_thread_]).c_str()));
+}
+
+namespace runtime {
+
+void threadgroup_barrier(const char *file, unsigned line) {
+    lane *l = current_lane;
+    if (l == nullptr) return;
+    l->state = lane_state::at_barrier;
+    l->operation = "threadgroup_barrier";
+    l->file = file;
+    l->line = line;
+    fiber_switch(l->context, l->runner->scheduler_context());
+}
+
+void simd_collective(const char *operation, simd_combine_fn combine, const void *in, void *out,
+                     uint32_t arg, const char *file, unsigned line) {
+    lane *l = current_lane;
+    if (l == nullptr) {
+        simd_slot slots[32] = {};
+        slots[0] = simd_slot{in, out, arg};
+        simd_fault ignored{};
+        combine(slots, 1u, &ignored);
+        return;
+    }
+    l->state = lane_state::at_simd;
+    l->operation = operation;
+    l->file = file;
+    l->line = line;
+    l->combine = combine;
+    l->slot = simd_slot{in, out, arg};
+    fiber_switch(l->context, l->runner->scheduler_context());
+}
+
+uint32_t simd_lane() {
+    const lane *l = current_lane;
+    return l == nullptr ? 0 : l->lane_id;
+}
+
+} // namespace runtime
+} // namespace msl_engine

@@ -1,0 +1,93 @@
+// Runs one threadgroup at a time on the calling OS thread with Metal's execution model: one fiber
+// per thread, threadgroup barriers, SIMD-groups of 32 lanes with collective operations, and the
+// divergence checks that turn a kernel bug into an error instead of a hang.
+#ifndef MSL_THREADGROUP_HPP
+#define MSL_THREADGROUP_HPP
+
+#include <stdint.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "msl_engine.h"
+#include "msl_fiber.hpp"
+#include "msl_kernel_registry.hpp"
+#include "msl_runtime.hpp"
+
+namespace msl_engine {
+
+struct lane;
+
+/// Executes threadgroups of kernels on the calling OS thread. One runner per worker thread; it
+/// keeps its fiber stacks between threadgroups and gives them back to the cache when destroyed.
+/// Not thread-safe: a runner belongs to one OS thread.
+class threadgroup_runner {
+  public:
+    threadgroup_runner();
+    ~threadgroup_runner();
+    threadgroup_runner(const threadgroup_runner &) = delete;
+    threadgroup_runner &operator=(const threadgroup_runner &) = delete;
+
+    /// Runs threadgroup `position` of a grid of `groups` threadgroups of `threads` threads each
+    /// (all sizes non-zero, at most 1024 threads: the caller validated them). On failure returns
+    /// the status and sets *message (naming kernel, threadgroup and source line). The runner is
+    /// usable again afterwards: fibers of a failed threadgroup are abandoned, their stacks reused.
+    msl_engine_status run(const kernel_entry &kernel, const kernel_args &args, metal::uint3 position,
+                          metal::uint3 threads, metal::uint3 groups, std::string *message);
+
+    /// Fiber switches done so far (both directions counted).
+    uint64_t switches() const { return switches_; }
+
+    /// The OS thread's own context, to which blocked or returning lanes switch.
+    fiber &scheduler_context() { return scheduler_; }
+
+  private:
+    struct simd_group {
+        uint32_t first_thread = 0; ///< thread index of lane 0
+        uint32_t active = 0;       ///< lanes that exist and have not returned
+        uint32_t arrived = 0;      ///< lanes waiting at the pending collective
+        const char *operation = nullptr;
+        const char *file = nullptr;
+        unsigned line = 0;
+        simd_combine_fn combine = nullptr;
+    };
+
+    friend struct lane;
+    static void lane_main(void *arg);
+
+    bool prepare(uint32_t count);
+    void make_ready(uint32_t thread);
+    void on_return(lane &l);
+    void on_barrier(lane &l);
+    void on_simd(lane &l);
+    void complete(simd_group &g);
+    void diagnose_stall();
+    void fail(msl_engine_status status, const std::string &what);
+    std::string describe_wait(const lane &l) const;
+
+    fiber scheduler_;
+    std::unique_ptr<lane[]> lanes_;
+    uint32_t lane_capacity_ = 0;
+    std::vector<fiber_stack> stacks_;
+    std::vector<simd_group> groups_;
+    std::vector<uint32_t> ready_; ///< ring buffer of runnable thread indices
+    uint32_t ready_head_ = 0, ready_count_ = 0;
+
+    const kernel_entry *kernel_ = nullptr;
+    const kernel_args *args_ = nullptr;
+    metal::uint3 position_;
+    uint32_t count_ = 0;
+    uint32_t returned_ = 0;
+    uint32_t barrier_waiting_ = 0;
+    const char *barrier_file_ = nullptr;
+    unsigned barrier_line_ = 0;
+    uint32_t barrier_first_thread_ = 0;
+    msl_engine_status status_ = MSL_ENGINE_SUCCESS;
+    std::string message_;
+    uint64_t switches_ = 0;
+};
+
+} // namespace msl_engine
+
+#endif

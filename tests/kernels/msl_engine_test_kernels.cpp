@@ -1,0 +1,123 @@
+// Engine entries for the test kernels: each binds the kernel's [[buffer(i)]] arguments and
+// built-ins, and reports sizeof() of the kernel's threadgroup struct (0 when it declares none).
+#include "msl_kernel_registry.hpp"
+
+#include "barrier.metal"
+#include "limits.metal"
+#include "matrix.metal"
+#include "planted_out_of_bounds.metal"
+#include "simd.metal"
+
+#include "include/msl_engine_test_kernels.h"
+
+namespace {
+
+using msl_engine::builtins;
+using msl_engine::kernel_args;
+
+void run_barrier_visibility(const kernel_args &a, const builtins &t) {
+    barrier_visibility(a.buffer<uint>(0), t.thread_index_in_threadgroup,
+                       t.threadgroup_position_in_grid, t.threads_per_threadgroup);
+}
+void run_threadgroup_private(const kernel_args &a, const builtins &t) {
+    threadgroup_private(a.buffer<uint>(0), t.thread_index_in_threadgroup,
+                        t.threadgroup_position_in_grid, t.threads_per_threadgroup);
+}
+void run_divergent_return(const kernel_args &a, const builtins &t) {
+    divergent_return(a.buffer<uint>(0), t.thread_index_in_threadgroup);
+}
+void run_divergent_barrier_sites(const kernel_args &a, const builtins &t) {
+    divergent_barrier_sites(a.buffer<uint>(0), t.thread_index_in_threadgroup);
+}
+void run_divergent_loop_barrier(const kernel_args &a, const builtins &t) {
+    divergent_loop_barrier(a.buffer<uint>(0), a.constant_ref<const uint>(1),
+                           t.thread_index_in_threadgroup);
+}
+void run_barrier_storm(const kernel_args &a, const builtins &t) {
+    barrier_storm(a.buffer<uint>(0), a.constant_ref<const uint>(1), t.thread_index_in_threadgroup);
+}
+void run_simd_functions(const kernel_args &a, const builtins &t) {
+    simd_functions(a.buffer<uint>(0), t.thread_index_in_threadgroup, t.thread_index_in_simdgroup,
+                   t.threads_per_simdgroup);
+}
+void run_simd_partial(const kernel_args &a, const builtins &t) {
+    simd_partial(a.buffer<uint>(0), t.thread_index_in_threadgroup, t.thread_index_in_simdgroup,
+                 t.simdgroup_index_in_threadgroup, t.simdgroups_per_threadgroup);
+}
+void run_simd_partial_shuffle_down(const kernel_args &a, const builtins &t) {
+    simd_partial_shuffle_down(a.buffer<uint>(0), t.thread_index_in_threadgroup);
+}
+void run_simd_after_return(const kernel_args &a, const builtins &t) {
+    simd_after_return(a.buffer<uint>(0), t.thread_index_in_threadgroup,
+                      t.thread_index_in_simdgroup);
+}
+void run_simd_half_lanes(const kernel_args &a, const builtins &t) {
+    simd_half_lanes(a.buffer<uint>(0), t.thread_index_in_threadgroup, t.thread_index_in_simdgroup);
+}
+void run_simd_different_functions(const kernel_args &a, const builtins &t) {
+    simd_different_functions(a.buffer<uint>(0), t.thread_index_in_threadgroup,
+                             t.thread_index_in_simdgroup);
+}
+void run_simd_invalid_lane(const kernel_args &a, const builtins &t) {
+    simd_invalid_lane(a.buffer<uint>(0), t.thread_index_in_threadgroup);
+}
+void run_matrix_multiply_float(const kernel_args &a, const builtins &t) {
+    matrix_multiply_float(a.buffer<const float>(0), a.buffer<const float>(1),
+                          a.buffer<const float>(2), a.buffer<float>(3), a.buffer<float>(4),
+                          t.thread_index_in_simdgroup);
+}
+void run_matrix_multiply_half(const kernel_args &a, const builtins &) {
+    matrix_multiply_half(a.buffer<const half>(0), a.buffer<const half>(1), a.buffer<const half>(2),
+                         a.buffer<half>(3));
+}
+void run_matrix_layout(const kernel_args &a, const builtins &t) {
+    matrix_layout(a.buffer<const float>(0), a.buffer<float>(1), t.thread_index_in_simdgroup);
+}
+void run_matrix_partial_group(const kernel_args &a, const builtins &) {
+    matrix_partial_group(a.buffer<const float>(0), a.buffer<float>(1));
+}
+void run_oversized_threadgroup_memory(const kernel_args &a, const builtins &t) {
+    oversized_threadgroup_memory(a.buffer<float>(0), t.thread_index_in_threadgroup);
+}
+void run_float_reduction(const kernel_args &a, const builtins &t) {
+    float_reduction(a.buffer<const float>(0), a.buffer<float>(1), t.thread_index_in_threadgroup,
+                    t.thread_index_in_simdgroup, t.simdgroup_index_in_threadgroup,
+                    t.simdgroups_per_threadgroup, t.threadgroup_position_in_grid,
+                    t.threads_per_threadgroup);
+}
+void run_planted_out_of_bounds_read(const kernel_args &a, const builtins &t) {
+    planted_out_of_bounds_read(a.buffer<const float>(0), a.buffer<float>(1),
+                               a.constant_ref<const uint>(2), t.thread_position_in_grid.x);
+}
+
+#define TEST_KERNEL(NAME, BUFFERS, THREADGROUP_BYTES, FILE)                                        \
+    msl_engine::kernel_entry { #NAME, run_##NAME, BUFFERS, THREADGROUP_BYTES, "tests/kernels/" FILE, 0 }
+
+const msl_engine::kernel_entry kTestKernels[] = {
+    TEST_KERNEL(barrier_visibility, 1, sizeof(exchange_threadgroup), "barrier.metal"),
+    TEST_KERNEL(threadgroup_private, 1, sizeof(exchange_threadgroup), "barrier.metal"),
+    TEST_KERNEL(divergent_return, 1, 0, "barrier.metal"),
+    TEST_KERNEL(divergent_barrier_sites, 1, 0, "barrier.metal"),
+    TEST_KERNEL(divergent_loop_barrier, 2, 0, "barrier.metal"),
+    TEST_KERNEL(barrier_storm, 2, 0, "barrier.metal"),
+    TEST_KERNEL(simd_functions, 1, 0, "simd.metal"),
+    TEST_KERNEL(simd_partial, 1, 0, "simd.metal"),
+    TEST_KERNEL(simd_partial_shuffle_down, 1, 0, "simd.metal"),
+    TEST_KERNEL(simd_after_return, 1, 0, "simd.metal"),
+    TEST_KERNEL(simd_half_lanes, 1, 0, "simd.metal"),
+    TEST_KERNEL(simd_different_functions, 1, 0, "simd.metal"),
+    TEST_KERNEL(simd_invalid_lane, 1, 0, "simd.metal"),
+    TEST_KERNEL(matrix_multiply_float, 5, 0, "matrix.metal"),
+    TEST_KERNEL(matrix_multiply_half, 4, 0, "matrix.metal"),
+    TEST_KERNEL(matrix_layout, 2, 0, "matrix.metal"),
+    TEST_KERNEL(matrix_partial_group, 2, 0, "matrix.metal"),
+    TEST_KERNEL(oversized_threadgroup_memory, 1, sizeof(oversized_threadgroup), "limits.metal"),
+    TEST_KERNEL(float_reduction, 2, sizeof(partial_sums_threadgroup), "limits.metal"),
+    TEST_KERNEL(planted_out_of_bounds_read, 3, 0, "planted_out_of_bounds.metal"),
+};
+
+} // namespace
+
+extern "C" void msl_engine_test_kernels_register(void) {
+    msl_engine::register_kernels(kTestKernels, sizeof kTestKernels / sizeof kTestKernels[0]);
+}

@@ -1,0 +1,126 @@
+import Foundation
+import MSLEngine
+import XCTest
+
+/// Dispatch validation, limits, determinism, worker threads and fiber switch throughput.
+final class EngineTests: XCTestCase {
+    override func tearDown() {
+        msl_engine_set_worker_count(0)
+        super.tearDown()
+    }
+
+    func testUnknownKernelIsReported() {
+        let r = dispatch("no_such_kernel", [], threads: (32, 1, 1))
+        XCTAssertEqual(r.status, MSL_ENGINE_UNKNOWN_KERNEL)
+        XCTAssertTrue(r.message.contains("'no_such_kernel'"), r.message)
+        XCTAssertEqual(msl_engine_has_kernel("no_such_kernel"), 0)
+        XCTAssertEqual(msl_engine_has_kernel("barrier_visibility"), 1)
+        XCTAssertEqual(msl_engine_has_kernel("flash_attention_forward_d64"), 1)
+    }
+
+    func testMoreThan1024ThreadsIsReported() {
+        let out = HostBuffer<UInt32>(count: 2048, zero: 0)
+        let r = dispatch("barrier_visibility", [out.binding], threads: (1025, 1, 1))
+        XCTAssertEqual(r.status, MSL_ENGINE_INVALID_DISPATCH)
+        XCTAssertTrue(r.message.contains("'barrier_visibility' (tests/kernels/barrier.metal)"), r.message)
+        XCTAssertTrue(r.message.contains("1025 threads per threadgroup"), r.message)
+        let wide = dispatch("barrier_visibility", [out.binding], threads: (32, 8, 5))
+        XCTAssertEqual(wide.status, MSL_ENGINE_INVALID_DISPATCH, "32 x 8 x 5 = 1280 threads")
+        let limit = dispatch("barrier_visibility", [out.binding], threads: (1024, 1, 1))
+        XCTAssertEqual(limit.status, MSL_ENGINE_SUCCESS, limit.message)
+    }
+
+    func testZeroSizesAreReported() {
+        let out = HostBuffer<UInt32>(count: 32, zero: 0)
+        let noThreads = dispatch("barrier_visibility", [out.binding], threads: (0, 1, 1))
+        XCTAssertEqual(noThreads.status, MSL_ENGINE_INVALID_DISPATCH)
+        XCTAssertTrue(noThreads.message.contains("'barrier_visibility'"), noThreads.message)
+        let noGroups = dispatch("barrier_visibility", [out.binding], groups: (1, 0, 1), threads: (32, 1, 1))
+        XCTAssertEqual(noGroups.status, MSL_ENGINE_INVALID_DISPATCH)
+        XCTAssertTrue(noGroups.message.contains("zero size"), noGroups.message)
+    }
+
+    func testMissingBuffersAreReported() {
+        let out = HostBuffer<UInt32>(count: 32, zero: 0)
+        let r = dispatch("barrier_storm", [out.binding], threads: (32, 1, 1))
+        XCTAssertEqual(r.status, MSL_ENGINE_INVALID_DISPATCH)
+        XCTAssertTrue(r.message.contains("'barrier_storm'") && r.message.contains("reads 2 buffers"), r.message)
+        let null = msl_engine_buffer(contents: nil, length: 0)
+        let nullBuffer = dispatch("barrier_storm", [out.binding, null], threads: (32, 1, 1))
+        XCTAssertEqual(nullBuffer.status, MSL_ENGINE_INVALID_DISPATCH)
+        XCTAssertTrue(nullBuffer.message.contains("buffer 1 is null"), nullBuffer.message)
+    }
+
+    func testThreadgroupMemoryLimitIsReported() {
+        let out = HostBuffer<Float>(count: 32, zero: 0)
+        let r = dispatch("oversized_threadgroup_memory", [out.binding], threads: (32, 1, 1))
+        XCTAssertEqual(r.status, MSL_ENGINE_THREADGROUP_MEMORY_EXCEEDED)
+        XCTAssertTrue(r.message.contains("'oversized_threadgroup_memory' (tests/kernels/limits.metal)"), r.message)
+        XCTAssertTrue(r.message.contains("32772 bytes"), r.message)
+    }
+
+    /// The attention kernels' table is registered without any call (no static initialisers).
+    func testAttentionKernelsAreRegistered() {
+        for dim in [32, 64, 96, 128, 192, 256] {
+            for kernel in ["flash_attention_forward", "flash_attention_backward_dq", "flash_attention_backward_dkv"] {
+                XCTAssertEqual(msl_engine_has_kernel("\(kernel)_d\(dim)"), 1, "\(kernel)_d\(dim)")
+            }
+        }
+    }
+
+    func testResultsAreDeterministicAcrossRunsAndWorkerCounts() {
+        let groups = 64, threads = 96
+        let input = HostBuffer((0..<groups * threads).map { Float(sin(Double($0) * 0.37)) * 3 })
+        func run(workers: UInt32) -> [UInt32] {
+            msl_engine_set_worker_count(workers)
+            let out = HostBuffer<Float>(count: groups, zero: 0)
+            let r = dispatch("float_reduction", [input.binding, out.binding], groups: (UInt32(groups), 1, 1),
+                             threads: (UInt32(threads), 1, 1))
+            XCTAssertEqual(r.status, MSL_ENGINE_SUCCESS, r.message)
+            XCTAssertEqual(r.stats.workers, min(workers, UInt32(groups)))
+            return out.values.map(\.bitPattern)
+        }
+        let first = run(workers: 1)
+        XCTAssertEqual(run(workers: 1), first)
+        XCTAssertEqual(run(workers: 2), first)
+        XCTAssertEqual(run(workers: 5), first)
+        XCTAssertNotEqual(first, [UInt32](repeating: 0, count: groups))
+    }
+
+    func testDispatchUsesOneWorkerPerCore() {
+        let cores = UInt32(ProcessInfo.processInfo.activeProcessorCount)
+        XCTAssertEqual(msl_engine_worker_count(), cores)
+        let out = HostBuffer<UInt32>(count: 32 * 64, zero: 0)
+        let r = dispatch("barrier_visibility", [out.binding], groups: (64, 1, 1), threads: (32, 1, 1))
+        XCTAssertEqual(r.status, MSL_ENGINE_SUCCESS, r.message)
+        XCTAssertEqual(r.stats.workers, cores)
+        XCTAssertEqual(r.stats.threadgroups, 64)
+    }
+
+    /// Fiber switches per second with barriers and almost no work (printed for the report).
+    func testFiberSwitchThroughput() {
+        let rounds = HostBuffer<UInt32>([2000])
+        let out = HostBuffer<UInt32>(count: 1024, zero: 0)
+        msl_engine_set_worker_count(1)
+        let r = dispatch("barrier_storm", [out.binding, rounds.binding], threads: (1024, 1, 1))
+        XCTAssertEqual(r.status, MSL_ENGINE_SUCCESS, r.message)
+        XCTAssertEqual(r.stats.fiber_switches, 2 * 1024 * 2001)
+        let rate = Double(r.stats.fiber_switches) / r.stats.seconds
+        print(String(format: "fiber switches: %llu in %.3f s = %.1f million/s (1 worker)",
+                     r.stats.fiber_switches, r.stats.seconds, rate / 1e6))
+        XCTAssertGreaterThan(rate, 1e6)
+    }
+
+    /// A deliberate out-of-bounds read for tests/run_sanitized.sh, which runs this test alone with
+    /// MSL_ENGINE_PLANTED_OOB=1 under AddressSanitizer and expects a heap-buffer-overflow report.
+    func testPlantedOutOfBoundsRead() throws {
+        guard ProcessInfo.processInfo.environment["MSL_ENGINE_PLANTED_OOB"] == "1" else {
+            throw XCTSkip("set MSL_ENGINE_PLANTED_OOB=1 to run the planted out-of-bounds read")
+        }
+        let input = HostBuffer<Float>(count: 64, zero: 1)
+        let out = HostBuffer<Float>(count: 64, zero: 0)
+        let count = HostBuffer<UInt32>([1])
+        let r = dispatch("planted_out_of_bounds_read", [input.binding, out.binding, count.binding], threads: (64, 1, 1))
+        XCTAssertEqual(r.status, MSL_ENGINE_SUCCESS, r.message)
+    }
+}
