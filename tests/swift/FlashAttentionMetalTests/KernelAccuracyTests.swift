@@ -12,7 +12,7 @@ final class KernelAccuracyTests: XCTestCase {
         AttentionCase(batch: 1, heads: 2, kvHeads: 2, seqlenQ: 1, seqlenK: 17, headDim: 16, causal: true),
         AttentionCase(batch: 2, heads: 2, kvHeads: 1, seqlenQ: 17, seqlenK: 17, headDim: 40, causal: false),
         AttentionCase(batch: 1, heads: 2, kvHeads: 2, seqlenQ: 33, seqlenK: 33, headDim: 64, causal: true),
-        AttentionCase(batch: 1, heads: 4, kvHeads: 2, seqlenQ: 100, seqlenK: 100, headDim: 80, causal: false),
+        AttentionCase(batch: 1, heads: 2, kvHeads: 1, seqlenQ: 100, seqlenK: 100, headDim: 80, causal: false),
         AttentionCase(batch: 1, heads: 1, kvHeads: 1, seqlenQ: 100, seqlenK: 33, headDim: 128, causal: true),
         AttentionCase(batch: 1, heads: 2, kvHeads: 1, seqlenQ: 33, seqlenK: 100, headDim: 16, causal: true),
         AttentionCase(batch: 1, heads: 1, kvHeads: 1, seqlenQ: 17, seqlenK: 1, headDim: 128, causal: false),

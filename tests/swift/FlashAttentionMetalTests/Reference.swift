@@ -34,14 +34,14 @@ enum Reference {
     }
 
     /// Softmax probabilities of one row in float64, nil when the row sees no key.
-    private static func exactRow(_ c: AttentionCase, _ q: [Float16], _ k: [Float16], b: Int, hd: Int, i: Int)
+    private static func exactRow(_ c: AttentionCase, _ q: [Double], _ k: [Double], b: Int, hd: Int, i: Int)
         -> (p: [Double], lse: Double)? {
         let hk = hd / (c.heads / c.kvHeads)
         var s = [Double](repeating: -.infinity, count: c.seqlenK)
         for j in 0..<c.seqlenK where c.visible(i, j) {
             var dot = 0.0
             for d in 0..<c.headDim {
-                dot += Double(q[qi(c, b, hd, i) + d]) * Double(k[ki(c, b, hk, j) + d])
+                dot += q[qi(c, b, hd, i) + d] * k[ki(c, b, hk, j) + d]
             }
             s[j] = c.scale * dot
         }
@@ -53,6 +53,8 @@ enum Reference {
     }
 
     static func forward(_ c: AttentionCase, q: [Float16], k: [Float16], v: [Float16]) -> ForwardResult {
+        // float16 -> float64 is exact; converting once keeps the debug-build loops fast.
+        let q = q.map(Double.init), k = k.map(Double.init), v = v.map(Double.init)
         var out = [Double](repeating: 0, count: c.qCount)
         var lse = [Double](repeating: -.infinity, count: c.lseCount)
         for b in 0..<c.batch {
@@ -63,7 +65,7 @@ enum Reference {
                     lse[(b * c.heads + hd) * c.seqlenQ + i] = row.lse
                     for j in 0..<c.seqlenK where row.p[j] != 0 {
                         for d in 0..<c.headDim {
-                            out[qi(c, b, hd, i) + d] += row.p[j] * Double(v[ki(c, b, hk, j) + d])
+                            out[qi(c, b, hd, i) + d] += row.p[j] * v[ki(c, b, hk, j) + d]
                         }
                     }
                 }
@@ -75,6 +77,7 @@ enum Reference {
     static func backward(_ c: AttentionCase, dout: [Float16], q: [Float16], k: [Float16], v: [Float16])
         -> BackwardResult {
         let out = forward(c, q: q, k: k, v: v).out
+        let dout = dout.map(Double.init), q = q.map(Double.init), k = k.map(Double.init), v = v.map(Double.init)
         var dq = [Double](repeating: 0, count: c.qCount)
         var dk = [Double](repeating: 0, count: c.kvCount)
         var dv = [Double](repeating: 0, count: c.kvCount)
@@ -85,16 +88,16 @@ enum Reference {
                     guard let row = exactRow(c, q, k, b: b, hd: hd, i: i) else { continue }
                     let qo = qi(c, b, hd, i)
                     var dsum = 0.0
-                    for d in 0..<c.headDim { dsum += Double(dout[qo + d]) * out[qo + d] }
+                    for d in 0..<c.headDim { dsum += dout[qo + d] * out[qo + d] }
                     for j in 0..<c.seqlenK where c.visible(i, j) {
                         let ko = ki(c, b, hk, j)
                         var dp = 0.0
-                        for d in 0..<c.headDim { dp += Double(dout[qo + d]) * Double(v[ko + d]) }
+                        for d in 0..<c.headDim { dp += dout[qo + d] * v[ko + d] }
                         let ds = row.p[j] * (dp - dsum)
                         for d in 0..<c.headDim {
-                            dq[qo + d] += c.scale * ds * Double(k[ko + d])
-                            dk[ko + d] += c.scale * ds * Double(q[qo + d])
-                            dv[ko + d] += row.p[j] * Double(dout[qo + d])
+                            dq[qo + d] += c.scale * ds * k[ko + d]
+                            dk[ko + d] += c.scale * ds * q[qo + d]
+                            dv[ko + d] += row.p[j] * dout[qo + d]
                         }
                     }
                 }
@@ -107,6 +110,7 @@ enum Reference {
     /// fp16(softmax_fp32(S)), O = fp16(P v).
     static func baseForward(_ c: AttentionCase, q: [Float16], k: [Float16], v: [Float16])
         -> (out: [Double], p: [[Float]]) {
+        let q = q.map(Float.init), k = k.map(Float.init), v = v.map(Float.init)
         var out = [Double](repeating: 0, count: c.qCount)
         var probabilities = [[Float]]()
         for b in 0..<c.batch {
@@ -117,7 +121,7 @@ enum Reference {
                     var s = [Float](repeating: -.infinity, count: c.seqlenK)
                     for j in 0..<c.seqlenK where c.visible(i, j) {
                         var dot: Float = 0
-                        for d in 0..<c.headDim { dot += Float(q[qo + d]) * Float(k[ki(c, b, hk, j) + d]) }
+                        for d in 0..<c.headDim { dot += q[qo + d] * k[ki(c, b, hk, j) + d] }
                         s[j] = h(Float(c.scale) * dot)
                     }
                     let m = s.max() ?? -.infinity
@@ -130,7 +134,7 @@ enum Reference {
                     probabilities.append(p)
                     for d in 0..<c.headDim {
                         var acc: Float = 0
-                        for j in 0..<c.seqlenK { acc += p[j] * Float(v[ki(c, b, hk, j) + d]) }
+                        for j in 0..<c.seqlenK { acc += p[j] * v[ki(c, b, hk, j) + d] }
                         out[qo + d] = Double(h(acc))
                     }
                 }
@@ -145,6 +149,7 @@ enum Reference {
     static func baseBackward(_ c: AttentionCase, dout: [Float16], q: [Float16], k: [Float16], v: [Float16])
         -> BackwardResult {
         let p = baseForward(c, q: q, k: k, v: v).p
+        let dout = dout.map(Float.init), q = q.map(Float.init), k = k.map(Float.init), v = v.map(Float.init)
         var dq = [Double](repeating: 0, count: c.qCount)
         var dkSum = [Float](repeating: 0, count: c.kvCount)
         var dvSum = [Float](repeating: 0, count: c.kvCount)
@@ -158,7 +163,7 @@ enum Reference {
                     var dp = [Float](repeating: 0, count: c.seqlenK)
                     for j in 0..<c.seqlenK {
                         var acc: Float = 0
-                        for d in 0..<c.headDim { acc += Float(dout[qo + d]) * Float(v[ki(c, b, hk, j) + d]) }
+                        for d in 0..<c.headDim { acc += dout[qo + d] * v[ki(c, b, hk, j) + d] }
                         dp[j] = h(acc)
                     }
                     var rowSum: Float = 0
@@ -166,7 +171,7 @@ enum Reference {
                     for j in 0..<c.seqlenK { ds[i][j] = h(row[j] * (dp[j] - rowSum)) }
                     for d in 0..<c.headDim {
                         var acc: Float = 0
-                        for j in 0..<c.seqlenK { acc += ds[i][j] * Float(k[ki(c, b, hk, j) + d]) }
+                        for j in 0..<c.seqlenK { acc += ds[i][j] * k[ki(c, b, hk, j) + d] }
                         dq[qo + d] = Double(h(Float(c.scale) * acc))
                     }
                 }
@@ -177,8 +182,8 @@ enum Reference {
                         var accV: Float = 0
                         for i in 0..<c.seqlenQ {
                             let qo = qi(c, b, hd, i)
-                            accK += ds[i][j] * Float(q[qo + d])
-                            accV += p[(b * c.heads + hd) * c.seqlenQ + i][j] * Float(dout[qo + d])
+                            accK += ds[i][j] * q[qo + d]
+                            accV += p[(b * c.heads + hd) * c.seqlenQ + i][j] * dout[qo + d]
                         }
                         dkSum[ko + d] += h(Float(c.scale) * accK)
                         dvSum[ko + d] += h(accV)
