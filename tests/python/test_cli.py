@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +26,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_info_reports_version_backend_device_and_library():
     result = _cli("info", "--backend", "cpu")
     assert result.returncode == 0, result.stderr
-    fields = dict(line.split(None, 1) if "  " not in line else [part.strip() for part in line.split("  ", 1)]
-                  for line in result.stdout.splitlines())
+    fields = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in result.stdout.splitlines())
     assert fields["backend"] == "cpu"
     assert fields["library"].endswith(("libFlashAttentionMetal.so", "libFlashAttentionMetal.dylib"))
     assert fields["max head_dim"] == "256"
@@ -65,9 +65,13 @@ class _WrongContext:
 
 
 def test_check_fails_on_wrong_results(tmp_path, capsys, monkeypatch):
+    rng = np.random.default_rng(0)
+    parts = {f"tiny_{part}": rng.standard_normal((1, 12, 9, 32)).astype(np.float16) for part in ("q", "k", "v", "dout")}
+    np.savez(tmp_path / "tiny.npz", cases=np.array(["tiny"]), **parts)
     monkeypatch.setattr(check, "context_for", lambda backend: _WrongContext())
-    assert main(["check", "--input", str(tmp_path / "missing.npz")]) == 1
-    assert "FAIL" in capsys.readouterr().out
+    assert main(["check", "--input", str(tmp_path / "tiny.npz")]) == 1
+    output = capsys.readouterr().out
+    assert output.count("FAIL") == 2 and "0 of 2 runs within the accuracy rule" in output
 
 
 def test_bench_times_and_counts_flops(tmp_path):
