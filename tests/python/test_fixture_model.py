@@ -64,3 +64,22 @@ def test_regenerated_fixture_matches_the_committed_one(model):
                                        rtol=2e-3, atol=2e-3, err_msg=key)
         else:
             np.testing.assert_array_equal(array, committed[key], err_msg=key)
+
+
+def test_embeddings_example_passes_on_the_library(capsys):
+    import flash_attention_metal as fa
+    import minilm_embeddings
+
+    try:
+        fa.default_context()
+    except fa.FlashAttentionError as error:
+        if error.status_name == "LIBRARY_NOT_FOUND":
+            pytest.skip(f"libFlashAttentionMetal is not built: {error.message}")
+        raise
+    status = minilm_embeddings.main(["--model-dir", str(MODEL_DIR)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    rows = [line for line in printed.splitlines() if line.rstrip().endswith(tuple("0123456789"))
+            and len(line.split()) >= 4]
+    assert len(rows) == len(minilm_embeddings.SAMPLE_TEXTS), printed
+    assert min(float(row.split()[-3]) for row in rows) >= 0.9999
