@@ -55,6 +55,11 @@ void fiber_started(fiber &scheduler);
 /// Leaves the current fiber `self` for good and continues `to`; never returns.
 [[noreturn]] void fiber_exit(fiber &self, fiber &to);
 
+/// Forgets a fiber that was suspended and will never be resumed (its threadgroup failed), so
+/// its stack can be reused. Frames on it are abandoned without running destructors, which MSL
+/// kernel code does not have.
+void fiber_discard(fiber &f);
+
 /// A stack for a fiber: reused from earlier dispatches or newly mapped. Returns an empty stack
 /// when the system refuses the memory.
 fiber_stack acquire_fiber_stack();

@@ -167,7 +167,12 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
         }
     }
     if (status_ == MSL_ENGINE_SUCCESS && returned_ < count_) diagnose_stall();
-    if (status_ != MSL_ENGINE_SUCCESS) *message = message_;
+    if (status_ != MSL_ENGINE_SUCCESS) {
+        for (uint32_t i = 0; i < count_; ++i) {
+            if (lanes_[i].state != lane_state::returned) fiber_discard(lanes_[i].context);
+        }
+        *message = message_;
+    }
     return status_;
 }
 
