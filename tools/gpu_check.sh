@@ -5,11 +5,16 @@
 # synccheck and initcheck on the small grid. Prints one summary line per tool and exits non-zero on
 # any mismatch, error, hazard, crash or timeout. Not part of ./build.sh test: CI has no GPU.
 #
-# Usage: tools/gpu_check.sh [--no-bench]
+# Two planted faults then show that the checks can fail: the kernels built with every
+# threadgroup_barrier deleted must make racecheck report hazards, and built with exp replaced by
+# exp2 must make the accuracy check report mismatches. A detector that misses its fault fails the
+# run too.
+#
+# Usage: tools/gpu_check.sh [--no-bench] [--no-mutants]
 # Environment:
 #   NVCC               nvcc to use (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc)
 #   COMPUTE_SANITIZER  compute-sanitizer to use (default: next to nvcc, else on PATH)
-#   FA_GPU_ARCH        -arch value (default: native; use e.g. sm_90 to build without a GPU)
+#   FA_GPU_ARCH        -arch value (default: native; e.g. sm_90 to build where no GPU is visible)
 #   FA_GPU_BUILD_DIR   build folder (default: a new temporary folder, kept for its logs)
 # Needs: bash, GNU sed, timeout (coreutils), a C++17 host compiler that nvcc accepts.
 set -uo pipefail
@@ -17,10 +22,13 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 GPU_DIR="$ROOT/tools/gpu"
 BENCH=1
+MUTANTS=1
 for arg in "$@"; do
     case "$arg" in
         --no-bench) BENCH=0 ;;
-        *) echo "gpu_check: unknown argument '$arg' (usage: tools/gpu_check.sh [--no-bench])" >&2; exit 2 ;;
+        --no-mutants) MUTANTS=0 ;;
+        *) echo "gpu_check: unknown argument '$arg' (usage: tools/gpu_check.sh [--no-bench] [--no-mutants])" >&2
+           exit 2 ;;
     esac
 done
 
@@ -37,38 +45,63 @@ fi
 command -v timeout >/dev/null || die "timeout (coreutils) not found"
 ARCH=${FA_GPU_ARCH:-native}
 BUILD=${FA_GPU_BUILD_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/fa-gpu-check.XXXXXX")}
-mkdir -p "$BUILD/src" || die "cannot create $BUILD"
+mkdir -p "$BUILD" || die "cannot create $BUILD"
 echo "gpu_check: build folder $BUILD (logs: *.log)"
 echo "gpu_check: $("$NVCC" --version | tail -n 1), arch $ARCH"
 
-# The one source rewrite: MSL's address-space word `device` becomes `fa_device` (a macro named
-# `device` would break CUDA's own __device__, which expands to __location__(device)). Everything
-# else in the copies is byte-for-byte Shaders/.
-for source in "$ROOT"/Shaders/*; do
-    sed 's/\bdevice\b/fa_device/g' "$source" >"$BUILD/src/$(basename "$source")" \
-        || die "cannot copy $source"
-done
+FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo -I"$GPU_DIR/include" -I"$GPU_DIR")
 
-# Build: the kernels (slow: every head-dim bucket, fully unrolled loops) in parallel with the
-# host-only files.
-FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo -I"$BUILD/src" -I"$GPU_DIR/include" -I"$GPU_DIR")
-compile() {  # compile SOURCE OBJECT [extra flags]
-    local source=$1 object=$2
-    shift 2
-    "$NVCC" "${FLAGS[@]}" "$@" -c "$source" -o "$object" >"$object.log" 2>&1
+# Copies Shaders/ into folder $1 with the one rewrite every build needs: MSL's address-space word
+# `device` becomes `fa_device` (a macro named `device` would break CUDA's own __device__, which
+# expands to __location__(device)). Further sed expressions ($2, optional) plant a fault.
+copy_sources() {
+    local folder=$1 fault=${2:-}
+    mkdir -p "$folder"
+    local source
+    for source in "$ROOT"/Shaders/*; do
+        sed -e 's/\bdevice\b/fa_device/g' ${fault:+-e "$fault"} "$source" \
+            >"$folder/$(basename "$source")" || return 1
+    done
 }
+
+# Compiles the kernels of source folder $1 into object $2 (slow: every head-dim bucket, fully
+# unrolled loops; its log holds ptxas' register and spill report).
+compile_kernels() {
+    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/kernels.cu" -o "$2" >"$2.log" 2>&1
+}
+
 SECONDS=0
-compile "$GPU_DIR/kernels.cu" "$BUILD/kernels.o" --resource-usage &
-kernels_job=$!
-host_ok=1
+copy_sources "$BUILD/src" || die "cannot copy Shaders/ into $BUILD/src"
+compile_kernels "$BUILD/src" "$BUILD/kernels.o" &
+build_jobs=("$!")
+if [ "$MUTANTS" = 1 ]; then
+    copy_sources "$BUILD/no-barrier" 's/threadgroup_barrier([^;]*);//g' || die "cannot copy Shaders/"
+    copy_sources "$BUILD/exp2" 's/\bexp(/exp2(/g' || die "cannot copy Shaders/"
+    compile_kernels "$BUILD/no-barrier" "$BUILD/kernels-no-barrier.o" &
+    build_jobs+=("$!")
+    compile_kernels "$BUILD/exp2" "$BUILD/kernels-exp2.o" &
+    build_jobs+=("$!")
+fi
+host_objects=()
 for unit in harness.cu reference.cpp accuracy.cpp cases.cpp; do
-    compile "$GPU_DIR/$unit" "$BUILD/${unit%.*}.o" || { host_ok=0; cat "$BUILD/${unit%.*}.o.log" >&2; }
+    object="$BUILD/host-${unit%.*}.o"
+    "$NVCC" "${FLAGS[@]}" -I"$BUILD/src" -c "$GPU_DIR/$unit" -o "$object" >"$object.log" 2>&1 \
+        || { cat "$object.log" >&2; die "compiling tools/gpu/$unit failed"; }
+    host_objects+=("$object")
 done
-wait "$kernels_job" || { cat "$BUILD/kernels.o.log" >&2; die "compiling the kernels failed"; }
-[ "$host_ok" = 1 ] || die "compiling the harness failed"
-"$NVCC" "${FLAGS[@]}" "$BUILD"/{kernels,harness,reference,accuracy,cases}.o -o "$BUILD/harness" \
-    || die "linking the harness failed"
-echo "gpu_check: built in ${SECONDS}s (register and spill report: $BUILD/kernels.o.log)"
+for job in "${build_jobs[@]}"; do
+    wait "$job" || { cat "$BUILD"/kernels*.o.log >&2; die "compiling the kernels failed"; }
+done
+link() {  # link KERNELS_OBJECT EXECUTABLE
+    "$NVCC" "${FLAGS[@]}" "$1" "${host_objects[@]}" -o "$2" || die "linking $2 failed"
+}
+link "$BUILD/kernels.o" "$BUILD/harness"
+if [ "$MUTANTS" = 1 ]; then
+    link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier"
+    link "$BUILD/kernels-exp2.o" "$BUILD/harness-exp2"
+fi
+cat "$BUILD"/*.o.log >"$BUILD/build.log"
+echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/build.log)"
 
 failures=0
 summaries=()
@@ -86,44 +119,92 @@ fi
 [ "$status" = 0 ] || failures=$((failures + 1))
 summaries+=("$line (${SECONDS}s)")
 
-# compute-sanitizer on the small grid, one GPU run per case. A tool passes when the harness
-# passes under it and the tool's own summaries report nothing.
-sanitize() {  # sanitize TOOL LIMIT_SECONDS [tool options]
+# Runs harness $2 under compute-sanitizer tool $1 (limit $3 seconds, tool options after that),
+# writing $BUILD/$LOG_NAME.log, and sets: SAN_STATUS (exit status, 124 on timeout), SAN_CASES
+# ("N cases, M mismatches"), SAN_ERRORS (ERROR SUMMARY count), SAN_HAZARDS (racecheck's
+# "N hazards (E errors, W warnings)").
+sanitize() {
+    local tool=$1 harness=$2 limit=$3
+    shift 3
+    local log="$BUILD/$LOG_NAME.log"
+    echo "gpu_check: compute-sanitizer --tool $tool $(basename "$harness") $HARNESS_ARGS (log: $log)"
+    # shellcheck disable=SC2086  # HARNESS_ARGS is a list of words on purpose
+    timeout "$limit" "$COMPUTE_SANITIZER" --tool "$tool" "$@" "$harness" $HARNESS_ARGS >"$log" 2>&1
+    SAN_STATUS=$?
+    SAN_CASES=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$log" | tail -n 1)
+    SAN_ERRORS=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$log" | tail -n 1)
+    # racecheck prints "RACECHECK SUMMARY: D hazards displayed (E errors, W warnings)", where D is
+    # capped by the print limit; E + W counts them all.
+    local counts
+    counts=$(sed -nE 's/^========= RACECHECK SUMMARY: [0-9]+ hazards? displayed \(([0-9]+) errors?, ([0-9]+) warnings?\).*/\1 \2/p' "$log" | tail -n 1)
+    SAN_HAZARDS=""
+    if [ -n "$counts" ]; then
+        # shellcheck disable=SC2086  # two numbers, split on purpose
+        set -- $counts
+        SAN_HAZARDS="$(($1 + $2)) hazards ($1 errors, $2 warnings)"
+    fi
+}
+
+# One sanitizer step on the small grid: passes when the harness passes under the tool and the
+# tool's summaries report nothing.
+check_tool() {  # check_tool TOOL LIMIT [tool options]
     local tool=$1 limit=$2
     shift 2
-    local log="$BUILD/$tool.log"
     SECONDS=0
-    echo "gpu_check: compute-sanitizer --tool $tool (log: $log)"
-    timeout "$limit" "$COMPUTE_SANITIZER" --tool "$tool" "$@" "$BUILD/harness" --small --once \
-        >"$log" 2>&1
-    local status=$?
-    local cases errors hazards summary
-    cases=$(sed -nE 's/^cuda-accuracy: ([0-9]+) cases, ([0-9]+) mismatches.*/\1 cases, \2 mismatches/p' "$log" | tail -n 1)
-    errors=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$log" | tail -n 1)
-    hazards=$(sed -nE 's/^========= RACECHECK SUMMARY: ([0-9]+) hazard.*\(([0-9]+) error.*, ([0-9]+) warning.*/\1 hazards (\2 errors, \3 warnings)/p' "$log" | tail -n 1)
-    if [ "$status" = 124 ]; then
+    LOG_NAME=$tool HARNESS_ARGS="--small --once" sanitize "$tool" "$BUILD/harness" "$limit" "$@"
+    local ok=1 summary
+    if [ "$SAN_STATUS" = 124 ]; then
         summary="$tool: TIMEOUT after $limit s"
-    elif [ -z "$cases" ] || [ -z "$errors" ]; then
-        summary="$tool: incomplete run (exit status $status; see $log)"
-        status=1
+        ok=0
+    elif [ -z "$SAN_CASES" ] || { [ -z "$SAN_ERRORS" ] && [ -z "$SAN_HAZARDS" ]; }; then
+        summary="$tool: incomplete run (exit status $SAN_STATUS; see $BUILD/$tool.log)"
+        ok=0
     else
-        summary="$tool: $cases, $errors errors"
-        [ -n "$hazards" ] && summary="$summary, $hazards"
-        [ "$errors" = 0 ] || status=1
-        case "$hazards" in "" | "0 hazards"*) ;; *) status=1 ;; esac
-        case "$cases" in *", 0 mismatches") ;; *) status=1 ;; esac
+        summary="$tool: $SAN_CASES"
+        [ -n "$SAN_ERRORS" ] && summary="$summary, $SAN_ERRORS errors"
+        [ -n "$SAN_HAZARDS" ] && summary="$summary, $SAN_HAZARDS"
+        [ "$SAN_STATUS" = 0 ] || ok=0
+        case "$SAN_ERRORS" in "" | 0) ;; *) ok=0 ;; esac
+        case "$SAN_HAZARDS" in "" | "0 hazards"*) ;; *) ok=0 ;; esac
+        case "$SAN_CASES" in *", 0 mismatches") ;; *) ok=0 ;; esac
     fi
-    grep -E '^(FAIL|=========  *(Invalid|Race|Barrier|Uninitialized|Program hit|Leaked))' "$log" | head -n 20
-    [ "$status" = 0 ] || failures=$((failures + 1))
+    grep -E '^(FAIL|========= +[A-Z][a-z]+.*(hazard|Invalid|Barrier|Uninitialized|Leaked|error))' \
+        "$BUILD/$tool.log" | head -n 20
+    [ "$ok" = 1 ] || failures=$((failures + 1))
     summaries+=("$summary (${SECONDS}s)")
 }
-sanitize memcheck 150 --leak-check full
-sanitize racecheck 150 --racecheck-report all
-sanitize synccheck 120
-sanitize initcheck 120
+check_tool memcheck 150 --leak-check full
+check_tool racecheck 150 --racecheck-report all
+check_tool synccheck 120
+check_tool initcheck 120
+
+if [ "$MUTANTS" = 1 ]; then
+    # Planted race: no barriers at all. One small case suffices; racecheck must see hazards.
+    SECONDS=0
+    LOG_NAME=mutant-no-barrier HARNESS_ARGS="--small --once --case d1_" \
+        sanitize racecheck "$BUILD/harness-no-barrier" 150 --racecheck-report all
+    if [ -n "$SAN_HAZARDS" ] && [ "${SAN_HAZARDS%% *}" != 0 ]; then
+        summaries+=("planted race (no barriers): racecheck found $SAN_HAZARDS, as it must (${SECONDS}s)")
+    else
+        summaries+=("planted race (no barriers): racecheck MISSED it (${SAN_HAZARDS:-no summary}; see $BUILD/mutant-no-barrier.log)")
+        failures=$((failures + 1))
+    fi
+    # Planted arithmetic fault: exp -> exp2. The accuracy check must report mismatches.
+    SECONDS=0
+    timeout 120 "$BUILD/harness-exp2" --small --once >"$BUILD/mutant-exp2.log" 2>&1
+    line=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$BUILD/mutant-exp2.log")
+    # Counts only when the cases ran and the rule, not a CUDA error, rejected them.
+    if [[ "$line" =~ ^([1-9][0-9]*)\ cases,\ ([1-9][0-9]*)\ mismatches$ ]] \
+        && ! grep -q 'CUDA error' "$BUILD/mutant-exp2.log"; then
+        summaries+=("planted fault (exp -> exp2): accuracy check found $line, as it must (${SECONDS}s)")
+    else
+        summaries+=("planted fault (exp -> exp2): accuracy check MISSED it (${line:-no summary}; see $BUILD/mutant-exp2.log)")
+        failures=$((failures + 1))
+    fi
+fi
 
 if [ "$BENCH" = 1 ]; then
-    # Throughput of the scalar kernels on an H200: describes their structure, not Apple GPUs.
+    # Throughput of these kernels on an H200: describes their structure, not Apple GPUs.
     timeout 120 "$BUILD/harness" --bench 2>&1 | tee "$BUILD/bench.log" \
         || echo "gpu_check: bench did not finish (not a failure)"
 fi
@@ -134,5 +215,5 @@ if [ "$failures" = 0 ]; then
     echo "gpu_check: PASS"
     exit 0
 fi
-echo "gpu_check: FAIL ($failures of ${#summaries[@]} steps)"
+echo "gpu_check: FAIL ($failures of ${#summaries[@]} checks)"
 exit 1

@@ -87,12 +87,18 @@ std::vector<TestCase> full_grid() {
 
 std::vector<TestCase> small_grid() {
     return {
-        make_case(3, 2, 3, 3, 100, 100, true),   make_case(32, 2, 4, 1, 77, 33, true),
-        make_case(40, 1, 8, 2, 33, 77, true),    make_case(64, 2, 2, 2, 1, 99, true),
-        make_case(80, 2, 2, 2, 65, 65, false),   make_case(96, 1, 4, 2, 50, 17, true),
+        make_case(1, 2, 2, 2, 37, 37, false),    make_case(3, 2, 3, 3, 100, 100, true),
+        make_case(32, 2, 4, 1, 77, 33, true),    make_case(32, 1, 2, 2, 1, 64, true),
+        make_case(40, 1, 8, 2, 33, 77, true),    make_case(59, 2, 3, 3, 100, 100, false),
+        make_case(64, 2, 2, 2, 1, 99, true),     make_case(64, 1, 4, 1, 65, 64, true),
+        make_case(80, 2, 2, 2, 65, 65, false),   make_case(72, 1, 6, 3, 31, 31, true, 0.5f),
+        make_case(96, 1, 4, 2, 50, 17, true),    make_case(96, 2, 2, 2, 17, 50, false),
         make_case(104, 2, 2, 1, 17, 50, false),  make_case(128, 2, 3, 3, 100, 100, true),
-        make_case(160, 1, 4, 2, 40, 90, true),   make_case(192, 2, 2, 2, 33, 33, false),
-        make_case(200, 1, 2, 1, 70, 45, true),   make_case(256, 2, 2, 2, 45, 70, true),
+        make_case(128, 1, 8, 2, 70, 45, true),   make_case(160, 1, 4, 2, 40, 90, true),
+        make_case(160, 2, 2, 1, 90, 40, false),  make_case(192, 2, 2, 2, 33, 33, false),
+        make_case(192, 1, 4, 4, 50, 20, true),   make_case(200, 1, 2, 1, 70, 45, true),
+        make_case(200, 2, 2, 2, 1, 100, true),   make_case(256, 2, 2, 2, 45, 70, true),
+        make_case(256, 1, 4, 1, 100, 33, true),  make_case(256, 2, 2, 2, 17, 17, false),
     };
 }
 

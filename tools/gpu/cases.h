@@ -19,7 +19,8 @@ struct TestCase {
 // empty rows), decode (seqlen_q 1), batch 2, odd lengths, a few longer sequences and scales.
 std::vector<TestCase> full_grid();
 
-// The sanitizer grid: 12 cases, seqlen <= 100, one or two per bucket, the same kinds of shape.
+// The sanitizer grid: 24 cases, seqlen <= 100, at least three per head-dim bucket, the same kinds
+// of shape (GQA, MQA, cross-attention both ways, decode, causal empty rows, a custom scale).
 std::vector<TestCase> small_grid();
 
 // q, k, v and dout drawn from N(0, 1) and rounded to float16, seeded by the case name (so a

@@ -6,8 +6,8 @@
 // no key must give out 0, lse -inf and dq 0; a second run with differently poisoned output buffers
 // must be bit-identical (determinism, and no output element left unwritten).
 //
-// Usage: harness [--small] [--case SUBSTRING] [--once] [--bench]
-//   --small   the 12-case sanitizer grid instead of the full one
+// Usage: harness [--small] [--case SUBSTRING] [--once] [--bench] [--help]
+//   --small   the 24-case sanitizer grid instead of the full one
 //   --case S  only cases whose name contains S (e.g. d40_, causal, h8x2)
 //   --once    one GPU run per case (no determinism rerun; for the slow sanitizer tools)
 //   --bench   instead of the grid, time forward and backward on larger shapes (no checks)
@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -128,8 +129,30 @@ GpuResult run_on_gpu(const AttentionShape &s, const AttentionInputs &in, unsigne
     return GpuResult{out.download(), dq.download(), dk.download(), dv.download(), lse.download()};
 }
 
-// Runs and judges one case; prints its line and returns whether it passed.
-bool run_case(const TestCase &c, const Options &options) {
+// The closest any case came to the bounds of the rule: the largest ratio error / base error for
+// out and for the gradients, and the largest lse relative error, each with its case.
+struct Margins {
+    double out_ratio = 0.0, grad_ratio = 0.0, lse_error = 0.0;
+    std::string out_case, grad_case, lse_case;
+
+    void add(const std::string &name, const Metric &m) {
+        if (m.name == "lse") {
+            keep(m.error, name, &lse_error, &lse_case);
+        } else if (m.base_error > 0) {
+            keep(m.error / m.base_error, name, m.name == "out" ? &out_ratio : &grad_ratio,
+                 m.name == "out" ? &out_case : &grad_case);
+        }
+    }
+    static void keep(double value, const std::string &name, double *worst, std::string *where) {
+        if (value > *worst) {
+            *worst = value;
+            *where = name;
+        }
+    }
+};
+
+// Runs and judges one case; prints its line, records its margins and returns whether it passed.
+bool run_case(const TestCase &c, const Options &options, Margins *margins) {
     const AttentionInputs in = random_inputs(c);
     const GpuResult gpu = run_on_gpu(c.shape, in, 0xff);
     const bool deterministic = !options.repeat || run_on_gpu(c.shape, in, 0x7f) == gpu;
@@ -149,6 +172,7 @@ bool run_case(const TestCase &c, const Options &options) {
     char text[160];
     for (const Metric &m : metrics) {
         passed = passed && m.passed();
+        margins->add(c.name, m);
         if (m.name == "lse") {
             std::snprintf(text, sizeof text, " lse %.1e%s", m.error, m.passed() ? "" : "(FAIL)");
         } else {
@@ -240,10 +264,17 @@ bool parse(int argc, char **argv, Options *options) {
             options->bench = true;
         } else if (arg == "--case" && i + 1 < argc) {
             options->filter = argv[++i];
+        } else if (arg == "--help") {
+            std::printf("usage: harness [--small] [--case SUBSTRING] [--once] [--bench]\n"
+                        "  --small   the 24-case sanitizer grid instead of the full one\n"
+                        "  --case S  only cases whose name contains S\n"
+                        "  --once    no determinism rerun\n"
+                        "  --bench   time larger shapes instead of checking\n");
+            std::exit(0);
         } else {
             std::fprintf(stderr,
                          "harness: unknown argument '%s'\n"
-                         "usage: harness [--small] [--case SUBSTRING] [--once] [--bench]\n",
+                         "usage: harness [--small] [--case SUBSTRING] [--once] [--bench] [--help]\n",
                          arg.c_str());
             return false;
         }
@@ -293,12 +324,17 @@ int main(int argc, char **argv) {
     }
     int run = 0;
     int mismatches = 0;
+    Margins margins;
     try {
         print_device();
         for (const TestCase &c : cases) {
             ++run;
-            mismatches += run_case(c, options) ? 0 : 1;
+            mismatches += run_case(c, options, &margins) ? 0 : 1;
         }
+        std::printf("worst ratio to base: out %.2f (%s; bound 2), gradients %.2f (%s; bound 3); "
+                    "worst lse relative error %.1e (%s; bound 1e-4)\n",
+                    margins.out_ratio, margins.out_case.c_str(), margins.grad_ratio,
+                    margins.grad_case.c_str(), margins.lse_error, margins.lse_case.c_str());
         std::printf("cuda-accuracy: %d cases, %d mismatches\n", run, mismatches);
     } catch (const CudaFailure &failure) {
         std::printf("FAIL %-36s CUDA error: %s\n", run > 0 ? cases[run - 1].name.c_str() : "-",
