@@ -6,7 +6,9 @@ size); the library's kernels keep it in threadgroup-sized tiles. For each sequen
 prints the best-of-N time of forward and forward+backward for both, and the peak memory each call
 adds, measured in a fresh child process per call as the growth of the peak resident set size over
 the resident size just before the call (after a small warm-up call, so one-time set-up such as the
-engine's worker stacks is not counted). Ratios are reference / library.
+engine's worker stacks is not counted). On Linux the peak is VmHWM of /proc/self/status, reset
+through /proc/self/clear_refs just before the call (ru_maxrss would carry the parent's peak across
+fork and exec); elsewhere it is ru_maxrss. Ratios are reference / library.
 
 Usage: python benchmarks/compare_reference.py [--backend cpu] [--seqlens 256 512 1024]
        [--batch 1] [--heads 8] [--head-dim 64] [--repeats 3] [--causal]
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -58,16 +59,26 @@ def _operations(context, args, seqlen: int):
     }
 
 
-def _current_rss_bytes() -> int:
-    statm = Path("/proc/self/statm")
-    if statm.is_file():
-        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return _peak_rss_bytes()  # macOS: no cheap current RSS; the peak so far is the baseline
+_STATUS = Path("/proc/self/status")
 
 
-def _peak_rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * _KIB  # Linux reports KiB, macOS bytes
+def _status_bytes(field: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * _KIB
+    raise RuntimeError(f"{field} missing from {_STATUS}")
+
+
+def _measure_peak_growth(operation) -> int:
+    """Bytes by which the peak resident set size during operation() exceeds the size before it."""
+    if _STATUS.is_file():
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+        before = _status_bytes("VmRSS")
+        operation()
+        return max(0, _status_bytes("VmHWM") - before)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    operation()
+    return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)  # bytes on macOS
 
 
 def _child(args) -> None:
@@ -75,9 +86,7 @@ def _child(args) -> None:
     context = fam.Context(args.backend)
     _operations(context, args, 16)[args.child_operation]()
     operation = _operations(context, args, args.child_seqlen)[args.child_operation]
-    before = _current_rss_bytes()
-    operation()
-    print(json.dumps({"peak_growth_bytes": max(0, _peak_rss_bytes() - before)}))
+    print(json.dumps({"peak_growth_bytes": _measure_peak_growth(operation)}))
 
 
 def _peak_growth(args, operation: str, seqlen: int) -> int:
