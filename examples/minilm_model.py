@@ -131,8 +131,9 @@ class MiniLM:
         st_config = directory / "sentence_bert_config.json"
         if st_config.is_file():
             max_tokens = int(json.loads(st_config.read_text())["max_seq_length"])
-        weights = {name: np.asarray(a, dtype=np.float32) for name, a in load_file(str(directory / "model.safetensors")).items()
-                   if a.dtype.kind == "f"}
+        # The file also holds the integer buffer embeddings.position_ids, which the math does not use.
+        tensors = load_file(str(directory / "model.safetensors"))
+        weights = {name: a.astype(np.float32) for name, a in tensors.items() if a.dtype.kind == "f"}
         tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
         # tokenizer.json ships with fixed padding to 128 and truncation at 128; sentence-transformers
         # overrides both (no padding for a single text, truncation at max_seq_length).
@@ -157,6 +158,9 @@ class MiniLM:
     def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
         return x @ self._w[name + ".weight"].T + self._w[name + ".bias"]
 
+    def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
+        return _layer_norm(x, self._w[name + ".weight"], self._w[name + ".bias"], self.layer_norm_eps)
+
     def token_states(self, ids: np.ndarray, attention: AttentionFn,
                      observer: Optional[AttentionObserver] = None) -> np.ndarray:
         """Last hidden states, float32 (tokens, 384), for one unpadded sequence of token ids.
@@ -173,7 +177,7 @@ class MiniLM:
         x = (w["embeddings.word_embeddings.weight"][ids]
              + w["embeddings.position_embeddings.weight"][: ids.size]
              + w["embeddings.token_type_embeddings.weight"][0])
-        x = _layer_norm(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], self.layer_norm_eps)
+        x = self._norm(x, "embeddings.LayerNorm")
         for layer in range(self.num_layers):
             p = f"encoder.layer.{layer}."
             q = self._split_heads(self._linear(x, p + "attention.self.query"))
@@ -185,12 +189,10 @@ class MiniLM:
             if observer is not None:
                 observer(layer, q, k, v, out)
             context = out[0].transpose(1, 0, 2).reshape(ids.size, self.hidden_size)
-            x = _layer_norm(self._linear(context, p + "attention.output.dense") + x,
-                            w[p + "attention.output.LayerNorm.weight"], w[p + "attention.output.LayerNorm.bias"],
-                            self.layer_norm_eps)
+            attended = self._linear(context, p + "attention.output.dense")
+            x = self._norm(attended + x, p + "attention.output.LayerNorm")
             hidden = _gelu(self._linear(x, p + "intermediate.dense"))
-            x = _layer_norm(self._linear(hidden, p + "output.dense") + x,
-                            w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"], self.layer_norm_eps)
+            x = self._norm(self._linear(hidden, p + "output.dense") + x, p + "output.LayerNorm")
         return x
 
     def embed(self, ids: np.ndarray, attention: AttentionFn = numpy_attention,
