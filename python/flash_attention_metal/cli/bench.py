@@ -16,7 +16,7 @@ import numpy as np
 from ._context import context_for
 from .progress import track
 
-_CPU_SEQLENS = (128, 256, 512, 1024)
+_CPU_SEQLENS = (64, 128, 256, 512)
 _GPU_SEQLENS = (512, 1024, 2048, 4096, 8192)
 
 
