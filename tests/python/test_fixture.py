@@ -32,7 +32,7 @@ CASES = [str(name) for name in ARRAYS["cases"]]
 @pytest.fixture(scope="module")
 def context():
     try:
-        return fa.Context()
+        return fa.default_context()
     except fa.FlashAttentionError as error:
         if error.status_name == "LIBRARY_NOT_FOUND":
             pytest.skip(f"libFlashAttentionMetal is not built: {error.message}")
