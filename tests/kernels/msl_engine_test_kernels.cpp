@@ -90,30 +90,33 @@ void run_planted_out_of_bounds_read(const kernel_args &a, const builtins &t) {
                                a.constant_ref<const uint>(2), t.thread_position_in_grid.x);
 }
 
-#define TEST_KERNEL(NAME, BUFFERS, THREADGROUP_BYTES, FILE)                                        \
-    msl_engine::kernel_entry { #NAME, run_##NAME, BUFFERS, THREADGROUP_BYTES, "tests/kernels/" FILE, 0 }
+// LINE is where the kernel is defined; EngineTests checks every one against the .metal source.
+#define TEST_KERNEL(NAME, BUFFERS, THREADGROUP_BYTES, FILE, LINE)                                  \
+    msl_engine::kernel_entry {                                                                     \
+        #NAME, run_##NAME, BUFFERS, THREADGROUP_BYTES, "tests/kernels/" FILE, LINE                 \
+    }
 
 const msl_engine::kernel_entry kTestKernels[] = {
-    TEST_KERNEL(barrier_visibility, 1, sizeof(exchange_threadgroup), "barrier.metal"),
-    TEST_KERNEL(threadgroup_private, 1, sizeof(exchange_threadgroup), "barrier.metal"),
-    TEST_KERNEL(divergent_return, 1, 0, "barrier.metal"),
-    TEST_KERNEL(divergent_barrier_sites, 1, 0, "barrier.metal"),
-    TEST_KERNEL(divergent_loop_barrier, 2, 0, "barrier.metal"),
-    TEST_KERNEL(barrier_storm, 2, 0, "barrier.metal"),
-    TEST_KERNEL(simd_functions, 1, 0, "simd.metal"),
-    TEST_KERNEL(simd_partial, 1, 0, "simd.metal"),
-    TEST_KERNEL(simd_partial_shuffle_down, 1, 0, "simd.metal"),
-    TEST_KERNEL(simd_after_return, 1, 0, "simd.metal"),
-    TEST_KERNEL(simd_half_lanes, 1, 0, "simd.metal"),
-    TEST_KERNEL(simd_different_functions, 1, 0, "simd.metal"),
-    TEST_KERNEL(simd_invalid_lane, 1, 0, "simd.metal"),
-    TEST_KERNEL(matrix_multiply_float, 5, 0, "matrix.metal"),
-    TEST_KERNEL(matrix_multiply_half, 4, 0, "matrix.metal"),
-    TEST_KERNEL(matrix_layout, 2, 0, "matrix.metal"),
-    TEST_KERNEL(matrix_partial_group, 2, 0, "matrix.metal"),
-    TEST_KERNEL(oversized_threadgroup_memory, 1, sizeof(oversized_threadgroup), "limits.metal"),
-    TEST_KERNEL(float_reduction, 2, sizeof(partial_sums_threadgroup), "limits.metal"),
-    TEST_KERNEL(planted_out_of_bounds_read, 3, 0, "planted_out_of_bounds.metal"),
+    TEST_KERNEL(barrier_visibility, 1, sizeof(exchange_threadgroup), "barrier.metal", 12),
+    TEST_KERNEL(threadgroup_private, 1, sizeof(exchange_threadgroup), "barrier.metal", 25),
+    TEST_KERNEL(divergent_return, 1, 0, "barrier.metal", 44),
+    TEST_KERNEL(divergent_barrier_sites, 1, 0, "barrier.metal", 54),
+    TEST_KERNEL(divergent_loop_barrier, 2, 0, "barrier.metal", 66),
+    TEST_KERNEL(barrier_storm, 2, 0, "barrier.metal", 83),
+    TEST_KERNEL(simd_functions, 1, 0, "simd.metal", 8),
+    TEST_KERNEL(simd_partial, 1, 0, "simd.metal", 32),
+    TEST_KERNEL(simd_partial_shuffle_down, 1, 0, "simd.metal", 49),
+    TEST_KERNEL(simd_after_return, 1, 0, "simd.metal", 55),
+    TEST_KERNEL(simd_half_lanes, 1, 0, "simd.metal", 66),
+    TEST_KERNEL(simd_different_functions, 1, 0, "simd.metal", 78),
+    TEST_KERNEL(simd_invalid_lane, 1, 0, "simd.metal", 91),
+    TEST_KERNEL(matrix_multiply_float, 5, 0, "matrix.metal", 6),
+    TEST_KERNEL(matrix_multiply_half, 4, 0, "matrix.metal", 23),
+    TEST_KERNEL(matrix_layout, 2, 0, "matrix.metal", 38),
+    TEST_KERNEL(matrix_partial_group, 2, 0, "matrix.metal", 53),
+    TEST_KERNEL(oversized_threadgroup_memory, 1, sizeof(oversized_threadgroup), "limits.metal", 10),
+    TEST_KERNEL(float_reduction, 2, sizeof(partial_sums_threadgroup), "limits.metal", 23),
+    TEST_KERNEL(planted_out_of_bounds_read, 3, 0, "planted_out_of_bounds.metal", 6),
 };
 
 } // namespace

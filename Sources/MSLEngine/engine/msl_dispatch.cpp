@@ -211,6 +211,13 @@ extern "C" int msl_engine_has_kernel(const char *kernel_name) {
     return kernel_name != nullptr && find_kernel(kernel_name) != nullptr;
 }
 
+extern "C" int msl_engine_describe_kernel(const char *kernel_name, msl_engine_kernel_info *info) {
+    const kernel_entry *k = kernel_name == nullptr ? nullptr : find_kernel(kernel_name);
+    if (k == nullptr || info == nullptr) return 0;
+    *info = msl_engine_kernel_info{k->buffer_count, k->threadgroup_memory_length, k->file, k->line};
+    return 1;
+}
+
 extern "C" uint32_t msl_engine_worker_count(void) {
     const uint32_t configured = configured_workers.load();
     return configured > 0 ? configured : detected_cores();

@@ -57,6 +57,18 @@ msl_engine_status msl_engine_dispatch(const char *kernel_name,
 /* Whether a kernel of that name is registered (1) or not (0). */
 int msl_engine_has_kernel(const char *kernel_name);
 
+/* A registered kernel, as its engine entry describes it. */
+typedef struct msl_engine_kernel_info {
+    uint32_t buffer_count;            /* buffers the kernel reads: indices 0..buffer_count-1 */
+    size_t threadgroup_memory_length; /* bytes of threadgroup storage it declares */
+    const char *file;                 /* where it is defined (static storage) */
+    unsigned line;                    /* 0 when the entry does not say */
+} msl_engine_kernel_info;
+
+/* Fills *info for the kernel named kernel_name and returns 1; returns 0 when no kernel of that
+ * name is registered (info untouched). */
+int msl_engine_describe_kernel(const char *kernel_name, msl_engine_kernel_info *info);
+
 /* Worker threads a dispatch uses: the value set with msl_engine_set_worker_count, else the number
  * of cores this process may run on. A dispatch never uses more workers than threadgroups. */
 uint32_t msl_engine_worker_count(void);

@@ -53,20 +53,33 @@ func dispatch(_ kernel: String, _ buffers: [msl_engine_buffer], groups: (UInt32,
     return DispatchResult(status: status, message: String(cString: message), stats: stats)
 }
 
-/// The line of tests/kernels/`file` that carries the comment "SITE: `marker`" (1-based).
-func siteLine(_ marker: String, in file: String, sourceFile: StaticString = #filePath) -> Int {
-    let kernels = URL(fileURLWithPath: "\(sourceFile)").deletingLastPathComponent()
+/// The lines of tests/kernels/`file`.
+func kernelSourceLines(_ file: String, sourceFile: StaticString = #filePath) -> [String] {
+    let url = URL(fileURLWithPath: "\(sourceFile)").deletingLastPathComponent()
         .appendingPathComponent("../../kernels/\(file)").standardized
-    guard let text = try? String(contentsOf: kernels, encoding: .utf8) else {
-        XCTFail("cannot read \(kernels.path)")
-        return -1
+    guard let text = try? String(contentsOf: url, encoding: .utf8) else {
+        XCTFail("cannot read \(url.path)")
+        return []
     }
-    let lines = text.components(separatedBy: "\n")
-    guard let index = lines.firstIndex(where: { $0.hasSuffix("// SITE: \(marker)") }) else {
+    return text.components(separatedBy: "\n")
+}
+
+/// The line of tests/kernels/`file` that carries the comment "SITE: `marker`" (1-based).
+func siteLine(_ marker: String, in file: String) -> Int {
+    guard let index = kernelSourceLines(file).firstIndex(where: { $0.hasSuffix("// SITE: \(marker)") }) else {
         XCTFail("no SITE: \(marker) in \(file)")
         return -1
     }
     return index + 1
+}
+
+/// "tests/kernels/`file`:line" of the definition of `kernel` ("kernel void <kernel>(").
+func definitionSite(_ kernel: String, in file: String) -> String {
+    guard let index = kernelSourceLines(file).firstIndex(where: { $0.hasPrefix("kernel void \(kernel)(") }) else {
+        XCTFail("no kernel \(kernel) in \(file)")
+        return "?"
+    }
+    return "tests/kernels/\(file):\(index + 1)"
 }
 
 /// Asserts that a dispatch failed with `status` and that its message names the kernel and each

@@ -1,5 +1,6 @@
 import Foundation
 import MSLEngine
+import MSLEngineTestKernels
 import XCTest
 
 /// Dispatch validation, limits, determinism, worker threads and fiber switch throughput.
@@ -22,7 +23,8 @@ final class EngineTests: XCTestCase {
         let out = HostBuffer<UInt32>(count: 2048, zero: 0)
         let r = dispatch("barrier_visibility", [out.binding], threads: (1025, 1, 1))
         XCTAssertEqual(r.status, MSL_ENGINE_INVALID_DISPATCH)
-        XCTAssertTrue(r.message.contains("'barrier_visibility' (tests/kernels/barrier.metal)"), r.message)
+        XCTAssertTrue(r.message.contains("'barrier_visibility' (\(definitionSite("barrier_visibility", in: "barrier.metal")))"),
+                      r.message)
         XCTAssertTrue(r.message.contains("1025 threads per threadgroup"), r.message)
         let wide = dispatch("barrier_visibility", [out.binding], threads: (32, 8, 5))
         XCTAssertEqual(wide.status, MSL_ENGINE_INVALID_DISPATCH, "32 x 8 x 5 = 1280 threads")
@@ -44,7 +46,8 @@ final class EngineTests: XCTestCase {
         let out = HostBuffer<UInt32>(count: 32, zero: 0)
         let r = dispatch("barrier_storm", [out.binding], threads: (32, 1, 1))
         XCTAssertEqual(r.status, MSL_ENGINE_INVALID_DISPATCH)
-        XCTAssertTrue(r.message.contains("'barrier_storm'") && r.message.contains("reads 2 buffers"), r.message)
+        XCTAssertTrue(r.message.contains("'barrier_storm' (\(definitionSite("barrier_storm", in: "barrier.metal")))"), r.message)
+        XCTAssertTrue(r.message.contains("reads 2 buffers but the dispatch binds 1"), r.message)
         let null = msl_engine_buffer(contents: nil, length: 0)
         let nullBuffer = dispatch("barrier_storm", [out.binding, null], threads: (32, 1, 1))
         XCTAssertEqual(nullBuffer.status, MSL_ENGINE_INVALID_DISPATCH)
@@ -55,15 +58,41 @@ final class EngineTests: XCTestCase {
         let out = HostBuffer<Float>(count: 32, zero: 0)
         let r = dispatch("oversized_threadgroup_memory", [out.binding], threads: (32, 1, 1))
         XCTAssertEqual(r.status, MSL_ENGINE_THREADGROUP_MEMORY_EXCEEDED)
-        XCTAssertTrue(r.message.contains("'oversized_threadgroup_memory' (tests/kernels/limits.metal)"), r.message)
+        let site = definitionSite("oversized_threadgroup_memory", in: "limits.metal")
+        XCTAssertTrue(r.message.contains("'oversized_threadgroup_memory' (\(site))"), r.message)
         XCTAssertTrue(r.message.contains("32772 bytes"), r.message)
     }
 
-    /// The attention kernels' table is registered without any call (no static initialisers).
-    func testAttentionKernelsAreRegistered() {
+    /// The attention kernels' table is registered without any call (no static initialisers), and
+    /// every kernel declares non-empty threadgroup storage within Apple's 32 KiB.
+    func testAttentionKernelsAreRegisteredWithinThreadgroupMemory() {
+        let buffers = ["flash_attention_forward": 6, "flash_attention_backward_dq": 8, "flash_attention_backward_dkv": 9]
         for dim in [32, 64, 96, 128, 192, 256] {
-            for kernel in ["flash_attention_forward", "flash_attention_backward_dq", "flash_attention_backward_dkv"] {
-                XCTAssertEqual(msl_engine_has_kernel("\(kernel)_d\(dim)"), 1, "\(kernel)_d\(dim)")
+            for (kernel, count) in buffers {
+                var info = msl_engine_kernel_info()
+                XCTAssertEqual(msl_engine_describe_kernel("\(kernel)_d\(dim)", &info), 1, "\(kernel)_d\(dim)")
+                XCTAssertEqual(info.buffer_count, UInt32(count), "\(kernel)_d\(dim)")
+                XCTAssertTrue((1...32768).contains(info.threadgroup_memory_length),
+                              "\(kernel)_d\(dim): \(info.threadgroup_memory_length) bytes")
+            }
+        }
+        var info = msl_engine_kernel_info()
+        XCTAssertEqual(msl_engine_describe_kernel("no_such_kernel", &info), 0)
+    }
+
+    /// Every test kernel's entry names the line where the kernel is defined.
+    func testTestKernelEntriesNameTheirDefinitions() {
+        msl_engine_test_kernels_register()
+        for file in ["barrier.metal", "simd.metal", "matrix.metal", "limits.metal", "planted_out_of_bounds.metal"] {
+            let kernels = kernelSourceLines(file).compactMap { line -> String? in
+                guard line.hasPrefix("kernel void ") else { return nil }
+                return String(line.dropFirst("kernel void ".count).prefix { $0 != "(" })
+            }
+            XCTAssertFalse(kernels.isEmpty, file)
+            for kernel in kernels {
+                var info = msl_engine_kernel_info()
+                XCTAssertEqual(msl_engine_describe_kernel(kernel, &info), 1, kernel)
+                XCTAssertEqual("\(String(cString: info.file)):\(info.line)", definitionSite(kernel, in: file))
             }
         }
     }
