@@ -12,7 +12,6 @@ import numpy as np
 
 from . import _validation
 from ._native import NativeLibrary, native
-from .errors import FlashAttentionError
 
 BACKENDS = ("auto", "metal", "cpu")
 
@@ -156,4 +155,4 @@ def _half_out(ffi, array: np.ndarray):
     return ffi.from_buffer("uint16_t[]", array, require_writable=True)
 
 
-__all__ = ["BACKENDS", "Context", "FlashAttentionError"]
+__all__ = ["BACKENDS", "Context"]
