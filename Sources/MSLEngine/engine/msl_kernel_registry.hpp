@@ -34,7 +34,7 @@ struct kernel_args {
 /// Metal's kernel built-ins (MSL specification 5.2.3.6) for the thread being run.
 struct builtins {
     metal::uint3 threadgroup_position_in_grid, thread_position_in_threadgroup,
-        thread_position_in_grid, threads_per_threadgroup, threadgroups_per_grid;
+        thread_position_in_grid, threads_per_threadgroup, threadgroups_per_grid, threads_per_grid;
     uint32_t thread_index_in_threadgroup, thread_index_in_simdgroup, simdgroup_index_in_threadgroup,
         threads_per_simdgroup, simdgroups_per_threadgroup;
 };

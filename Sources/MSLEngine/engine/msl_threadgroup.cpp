@@ -142,6 +142,7 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
         l.ids.thread_position_in_grid = position * threads + local;
         l.ids.threads_per_threadgroup = threads;
         l.ids.threadgroups_per_grid = groups;
+        l.ids.threads_per_grid = groups * threads;
         l.ids.thread_index_in_threadgroup = i;
         l.ids.thread_index_in_simdgroup = i % 32;
         l.ids.simdgroup_index_in_threadgroup = i / 32;

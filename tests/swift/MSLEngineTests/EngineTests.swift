@@ -126,6 +126,21 @@ final class EngineTests: XCTestCase {
         XCTAssertEqual(r.stats.threadgroups, 64)
     }
 
+    /// Dispatches from several threads at once each get their own workers and threadgroup memory.
+    func testConcurrentDispatchesAreIndependent() {
+        let threads = 128, groups = 8
+        let outputs = (0..<4).map { _ in HostBuffer<UInt32>(count: threads * groups, zero: 0) }
+        let statuses = HostBuffer<Int32>(count: outputs.count, zero: -1)
+        DispatchQueue.concurrentPerform(iterations: outputs.count) { i in
+            let r = dispatch("barrier_visibility", [outputs[i].binding], groups: (UInt32(groups), 1, 1),
+                             threads: (UInt32(threads), 1, 1))
+            statuses.pointer[i] = Int32(r.status.rawValue)
+        }
+        XCTAssertEqual(statuses.values, [Int32](repeating: 0, count: outputs.count))
+        let expected = (0..<groups).flatMap { g in (0..<threads).map { UInt32((threads - 1 - $0) * 7 + g) } }
+        for out in outputs { XCTAssertEqual(out.values, expected) }
+    }
+
     /// Fiber switches per second with barriers and almost no work (printed for the report).
     func testFiberSwitchThroughput() {
         let rounds = HostBuffer<UInt32>([2000])
