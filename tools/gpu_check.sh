@@ -5,7 +5,8 @@
 # synccheck and initcheck on the small grid. Prints one summary line per tool and exits non-zero on
 # any mismatch, error, hazard, crash or timeout. Not part of ./build.sh test: CI has no GPU.
 #
-# Two planted faults then show that the checks can fail: the kernels built with every
+# Before that, the harness's C++ reference is compared with the Python package's. Two planted
+# faults afterwards show that the checks can fail: the kernels built with every
 # threadgroup_barrier deleted must make racecheck report hazards, and built with exp replaced by
 # exp2 must make the accuracy check report mismatches. A detector that misses its fault fails the
 # run too.
@@ -105,6 +106,20 @@ echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/b
 
 failures=0
 summaries=()
+
+# The harness's C++ reference and baseline against python/flash_attention_metal's (one rule in
+# every layer). Needs python3 with numpy and a host C++ compiler; skipped without them.
+if command -v python3 >/dev/null && python3 -c 'import numpy' 2>/dev/null; then
+    SECONDS=0
+    python3 "$GPU_DIR/check_reference.py" >"$BUILD/reference-check.log" 2>&1
+    status=$?
+    line=$(grep -E '^reference-check:' "$BUILD/reference-check.log" | tail -n 1)
+    [ -n "$line" ] || line="reference-check: no summary (exit status $status; see $BUILD/reference-check.log)"
+    [ "$status" = 0 ] || { failures=$((failures + 1)); cat "$BUILD/reference-check.log"; }
+    summaries+=("$line (${SECONDS}s)")
+else
+    summaries+=("reference-check: skipped (no python3 with numpy)")
+fi
 
 # Accuracy grid: the harness prints its own summary line "cuda-accuracy: N cases, M mismatches".
 SECONDS=0

@@ -70,9 +70,10 @@ public:
               "cudaMemcpy to host");
         return host;
     }
-    // Fills every byte with `byte`: 0xff is NaN in float16 and float32, so an element a kernel
-    // forgets to write fails the finiteness part of the rule.
-    void poison(unsigned char byte) {
+    // Sets every byte to `byte`. Outputs get 0xff (NaN in float16 and float32) or 0x7f (NaN in
+    // float16, 3.4e38 in float32) before a run: an element a kernel forgets to write fails the
+    // rule, and differs between the two runs.
+    void fill_bytes(unsigned char byte) {
         check(cudaMemset(data_, byte, count_ * sizeof(T)), "cudaMemset");
     }
 
@@ -114,11 +115,11 @@ GpuResult run_on_gpu(const AttentionShape &s, const AttentionInputs &in, unsigne
     k.upload(in.k);
     v.upload(in.v);
     dout.upload(in.dout);
-    out.poison(poison);
-    lse.poison(poison);
-    dq.poison(poison);
-    dk.poison(poison);
-    dv.poison(poison);
+    out.fill_bytes(poison);
+    lse.fill_bytes(poison);
+    dq.fill_bytes(poison);
+    dk.fill_bytes(poison);
+    dv.fill_bytes(poison);
     const FlashAttentionParams p = params_of(s);
     check(fa_cuda_forward(p, q.get(), k.get(), v.get(), out.get(), lse.get()), "forward launch");
     check(cudaDeviceSynchronize(), "forward");
@@ -210,9 +211,9 @@ void run_bench() {
             dout(s.q_elements()), out(s.q_elements()), dq(s.q_elements()), dk(s.kv_elements()),
             dv(s.kv_elements());
         DeviceArray<float> lse(s.lse_elements());
-        // 0x3c00 bytes would be 1.0; 0x20 per byte is a small positive half (~0.008): finite work.
+        // Bytes 0x20 make every half 0x2020, about 0.008: finite inputs, which is all timing needs.
         for (DeviceArray<uint16_t> *a : {&q, &k, &v, &dout}) {
-            a->poison(0x20);
+            a->fill_bytes(0x20);
         }
         const FlashAttentionParams p = params_of(s);
         float times[2][5];
