@@ -8,17 +8,36 @@ final class EmbeddedShadersTests: XCTestCase {
     private let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent()
         .deletingLastPathComponent().deletingLastPathComponent()
 
-    /// The checked-in Generated/EmbeddedShaders.swift matches Shaders/ (tools/embed_shaders.py --check).
+    /// The checked-in Generated/EmbeddedShaders.swift holds exactly Shaders/flash_attention.metal with
+    /// each quoted #include replaced by the header's text, as tools/embed_shaders.py writes it. (Done
+    /// in Swift rather than by running the script: a child process would need Foundation.Process,
+    /// whose own allocations the sanitized run would report.)
     func testEmbeddedSourceIsUpToDate() throws {
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
-        process.arguments = ["python3", root.appendingPathComponent("tools/embed_shaders.py").path, "--check"]
-        let stderr = Pipe()
-        process.standardError = stderr
-        try process.run()
-        process.waitUntilExit()
-        let message = String(decoding: stderr.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
-        XCTAssertEqual(process.terminationStatus, 0, message)
+        let shaders = root.appendingPathComponent("Shaders")
+        let metal = try String(contentsOf: shaders.appendingPathComponent("flash_attention.metal"), encoding: .utf8)
+        var lines: [String] = []
+        for line in metal.split(separator: "\n", omittingEmptySubsequences: false).dropLast(metal.hasSuffix("\n") ? 1 : 0) {
+            if let header = quotedInclude(String(line)) {
+                let text = try String(contentsOf: shaders.appendingPathComponent(header), encoding: .utf8)
+                lines.append("// ---- begin \(header) (spliced by tools/embed_shaders.py) ----")
+                lines += text.split(separator: "\n", omittingEmptySubsequences: false)
+                    .dropLast(text.hasSuffix("\n") ? 1 : 0).map(String.init)
+                lines.append("// ---- end \(header) ----")
+            } else {
+                lines.append(String(line))
+            }
+        }
+        // A multi-line string literal ends before the newline that precedes its closing delimiter.
+        let expected = lines.joined(separator: "\n")
+        XCTAssertTrue(EmbeddedShaders.source == expected,
+                      "Sources/FlashAttentionMetal/Generated/EmbeddedShaders.swift is stale: run tools/embed_shaders.py")
+    }
+
+    /// The file name of a `#include "name"` line, else nil.
+    private func quotedInclude(_ line: String) -> String? {
+        let compact = line.filter { $0 != " " && $0 != "\t" }
+        guard compact.hasPrefix("#include\""), compact.hasSuffix("\""), compact.count > 10 else { return nil }
+        return String(compact.dropFirst(9).dropLast())
     }
 
     /// makeLibrary(source:) has no include path: only angle-bracket system headers may remain, and
