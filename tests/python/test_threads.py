@@ -8,6 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+import flash_attention_metal as fam
+
 from conftest import make_inputs
 
 
@@ -32,19 +34,18 @@ def test_concurrent_calls_match_serial_calls(ctx):
             np.testing.assert_array_equal(a, b)
 
 
-def test_gil_is_released_during_native_calls(ctx):
-    q, k, v, dout = make_inputs(0, 1, 4, 4, 256, 256, 64)
-    ctx.forward(q, k, v)
-    start = time.perf_counter()
-    ctx.forward(q, k, v)
-    call_seconds = time.perf_counter() - start
+def test_gil_is_released_during_native_calls():
+    # The CPU engine makes one call long on any machine (about 0.1 s or more), so the main thread
+    # can count how often it ran meanwhile; with the GIL held through the call it could not run at
+    # all. The binding, not the backend, releases the GIL, so the CPU backend stands for both.
+    cpu = fam.Context("cpu")
+    q, k, v, _ = make_inputs(0, 1, 4, 4, 1024, 1024, 64)
     ticks = 0
     done = threading.Event()
-    worker = threading.Thread(target=lambda: (ctx.forward(q, k, v), done.set()))
+    worker = threading.Thread(target=lambda: (cpu.forward(q, k, v), done.set()))
     worker.start()
     while not done.is_set():
         ticks += 1
         time.sleep(0.001)
     worker.join()
-    # With the GIL held through the call this loop could not run while the worker computes.
-    assert ticks >= min(20, int(call_seconds * 1000) // 4), (ticks, call_seconds)
+    assert ticks >= 10, ticks
