@@ -30,14 +30,11 @@ public final class MetalFlashAttention: @unchecked Sendable {
     /// - Throws: ``FlashAttentionError/executionFailed(_:)`` with the compiler's message.
     public init(device: MTLDevice) throws {
         self.device = device
-        // MTLCompileOptions.mathMode (macOS 15 / iOS 18) replaces fastMathEnabled; .safe keeps
-        // IEEE semantics (the kernels rely on -inf for rows without keys) as the CPU engine does.
+        // fastMathEnabled = false gives mathMode .safe and precise exp/log on every OS version (the
+        // newer mathMode property is missing from the macOS 14 SDK); rows without keys store -inf,
+        // which fast math may treat as poison.
         let options = MTLCompileOptions()
-        if #available(macOS 15.0, iOS 18.0, *) {
-            options.mathMode = .safe
-        } else {
-            options.fastMathEnabled = false
-        }
+        options.fastMathEnabled = false
         do {
             library = try device.makeLibrary(source: EmbeddedShaders.source, options: options)
         } catch {
@@ -183,7 +180,7 @@ final class MetalBackend: ExecutionBackend {
     /// MTLCopyAllDevices() still lists the GPUs (it exists on iOS only from iOS 18).
     private static func defaultDevice() -> MTLDevice? {
         if let device = MTLCreateSystemDefaultDevice() { return device }
-        #if os(macOS)
+        #if os(macOS) || targetEnvironment(macCatalyst)
         return MTLCopyAllDevices().first
         #else
         return nil
@@ -204,24 +201,27 @@ final class MetalBackend: ExecutionBackend {
                         + "(maxBufferLength \(device.maxBufferLength))")
             }
             // MTLDevice.makeBuffer(bytesNoCopy:length:options:deallocator:) needs a page-aligned
-            // pointer and a length that keeps the region page-aligned; otherwise
-            // makeBuffer(bytes:length:options:) copies inputs and makeBuffer(length:options:)
+            // pointer and length, and may still refuse memory (Apple: one VM region, not malloc);
+            // then makeBuffer(bytes:length:options:) copies inputs and makeBuffer(length:options:)
             // provides outputs that are copied back after the command buffer completes.
             let shared = MTLResourceOptions.storageModeShared
-            let buffer: MTLBuffer?
+            var buffer: MTLBuffer?
             if Int(bitPattern: base) % pageSize == 0 && host.count % pageSize == 0 {
                 buffer = device.makeBuffer(bytesNoCopy: base, length: host.count, options: shared, deallocator: nil)
-            } else if plan.outputs.contains(role) {
-                buffer = device.makeBuffer(length: host.count, options: shared)
-                if let buffer { copyBack.append((host, buffer)) }
-            } else {
-                buffer = device.makeBuffer(bytes: base, length: host.count, options: shared)
             }
-            guard let buffer else {
+            if buffer == nil {
+                if plan.outputs.contains(role) {
+                    buffer = device.makeBuffer(length: host.count, options: shared)
+                    if let buffer { copyBack.append((host, buffer)) }
+                } else {
+                    buffer = device.makeBuffer(bytes: base, length: host.count, options: shared)
+                }
+            }
+            guard let metalBuffer = buffer else {
                 throw FlashAttentionError.outOfMemory(
                     "Metal could not allocate \(host.count) bytes on \(device.name) for \(role.name)")
             }
-            wrapped[role] = buffer
+            wrapped[role] = metalBuffer
         }
         // MTLCommandQueue.makeCommandBuffer(); MTLCommandBuffer commit(), waitUntilCompleted(),
         // status (.completed or .error) and error (MTLCommandBufferError, code .outOfMemory etc.).
@@ -233,8 +233,18 @@ final class MetalBackend: ExecutionBackend {
         commandBuffer.waitUntilCompleted()
         guard commandBuffer.status == .completed else {
             let text = commandBuffer.error?.localizedDescription ?? "status \(commandBuffer.status.rawValue)"
-            if let error = commandBuffer.error as? MTLCommandBufferError, error.code == .outOfMemory {
-                throw FlashAttentionError.outOfMemory("Metal command buffer failed: \(text)")
+            if let error = commandBuffer.error as? MTLCommandBufferError {
+                switch error.code {
+                case .outOfMemory:
+                    throw FlashAttentionError.outOfMemory("Metal command buffer failed: \(text)")
+                case .timeout:
+                    // One pass is one command buffer; the GPU watchdog bounds how long it may run.
+                    throw FlashAttentionError.executionFailed(
+                        "Metal command buffer failed: \(text) (the GPU watchdog stopped it: split the batch "
+                            + "or the heads over several calls)")
+                default:
+                    break
+                }
             }
             throw FlashAttentionError.executionFailed("Metal command buffer failed: \(text)")
         }
