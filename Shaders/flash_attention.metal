@@ -104,25 +104,56 @@ struct QueryTiles {
     float delta[BQ];
 };
 
+// Where one thread of a query-row kernel (forward, backward dQ) works: row `row` of query head `h`
+// of batch `b`, in a threadgroup that owns BQ consecutive rows.
+struct QueryRow {
+    uint b;
+    uint h;
+    uint row;
+    bool valid;           // row < seqlen_q
+    uint keys;            // keys this row sees (0 for an invalid row)
+    uint block_keys;      // keys the block's last row sees: the tiles the threadgroup must visit
+    ulong row_start;      // element offset of the row in q/out/dout/dq (row 0 when invalid)
+    ulong kv_head_start;  // element offset of the row's KV head in k/v
+};
+
+template <uint BQ>
+inline QueryRow query_row(constant FlashAttentionParams &p, uint3 tgid, uint tid) {
+    QueryRow r;
+    r.b = tgid.z;
+    r.h = tgid.y;
+    r.row = tgid.x * BQ + tid;
+    r.valid = r.row < p.seqlen_q;
+    r.keys = r.valid ? visible_keys(p, r.row) : 0;
+    r.block_keys = visible_keys(p, min(tgid.x * BQ + BQ, p.seqlen_q) - 1);
+    r.row_start = head_offset(r.b, p.num_heads, r.h, p.seqlen_q, p.head_dim) +
+                  ulong(r.valid ? r.row : 0) * p.head_dim;
+    const uint kv_head = r.h / (p.num_heads / p.num_kv_heads);
+    r.kv_head_start = head_offset(r.b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+    return r;
+}
+
+// Loads the K and V tiles of keys [kv0, kv0 + BK) for the threadgroup; returns how many of them
+// the calling thread's row sees. Called the same number of times by every thread (its barriers).
+template <uint DP, uint BQ, uint BK, typename Tiles>
+inline uint load_key_value_tiles(Tiles tiles, device const half *k, device const half *v,
+                                 constant FlashAttentionParams &p, QueryRow r, uint kv0, uint tid) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    load_tile<BK, DP, BQ>(tiles->k, k + r.kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
+    load_tile<BK, DP, BQ>(tiles->v, v + r.kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    return r.keys > kv0 ? min(BK, r.keys - kv0) : 0u;
+}
+
 // Forward: one thread per query row of a BQ-row block; K/V tiles of BK keys.
 template <uint DP, uint BQ, uint BK, typename Tiles>
 inline void attention_forward(device const half *q, device const half *k, device const half *v,
                               device half *out, device float *lse,
                               constant FlashAttentionParams &p, Tiles tiles, uint3 tgid, uint tid) {
-    const uint b = tgid.z;
-    const uint h = tgid.y;
-    const uint kv_head = h / (p.num_heads / p.num_kv_heads);
-    const uint row = tgid.x * BQ + tid;
-    const bool row_valid = row < p.seqlen_q;
-    const uint last_row = min(tgid.x * BQ + BQ, p.seqlen_q) - 1;
-    const uint block_keys = visible_keys(p, last_row);
-    const uint row_keys = row_valid ? visible_keys(p, row) : 0;
-    const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
-    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+    const QueryRow r = query_row<BQ>(p, tgid, tid);
 
     float q_row[DP];
-    load_row<DP>(q_row, q + q_head + ulong(row_valid ? row : 0) * p.head_dim,
-                 row_valid ? p.head_dim : 0);
+    load_row<DP>(q_row, q + r.row_start, r.valid ? p.head_dim : 0);
     float o[DP];
     for (uint d = 0; d < DP; ++d) {
         o[d] = 0.0f;
@@ -130,13 +161,8 @@ inline void attention_forward(device const half *q, device const half *k, device
     float m = -1.0e30f;  // running max of the scores seen so far; finite on purpose
     float l = 0.0f;      // running sum of exp(score - m)
 
-    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile<BK, DP, BQ>(tiles->k, k + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-        load_tile<BK, DP, BQ>(tiles->v, v + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-
-        const uint n = row_keys > kv0 ? min(BK, row_keys - kv0) : 0u;
+    for (uint kv0 = 0; kv0 < r.block_keys; kv0 += BK) {
+        const uint n = load_key_value_tiles<DP, BQ, BK>(tiles, k, v, p, r, kv0, tid);
         if (n > 0) {
             float s[BK];
             float tile_max = m;
@@ -160,14 +186,13 @@ inline void attention_forward(device const half *q, device const half *k, device
         }
     }
 
-    if (row_valid) {
-        const ulong o_row = q_head + ulong(row) * p.head_dim;
-        const float inv_l = row_keys > 0 ? 1.0f / l : 0.0f;
+    if (r.valid) {
+        const float inv_l = r.keys > 0 ? 1.0f / l : 0.0f;
         for (uint d = 0; d < p.head_dim; ++d) {
-            out[o_row + d] = half(o[d] * inv_l);
+            out[r.row_start + d] = half(o[d] * inv_l);
         }
-        const ulong lse_index = (ulong(b) * p.num_heads + h) * p.seqlen_q + row;
-        lse[lse_index] = row_keys > 0 ? m + log(l) : -INFINITY;
+        const ulong lse_index = (ulong(r.b) * p.num_heads + r.h) * p.seqlen_q + r.row;
+        lse[lse_index] = r.keys > 0 ? m + log(l) : -INFINITY;
     }
 }
 
@@ -178,37 +203,23 @@ inline void attention_backward_dq(device const half *dout, device const half *q,
                                   device const half *out, device const float *lse,
                                   constant FlashAttentionParams &p, device half *dq, Tiles tiles,
                                   uint3 tgid, uint tid) {
-    const uint b = tgid.z;
-    const uint h = tgid.y;
-    const uint kv_head = h / (p.num_heads / p.num_kv_heads);
-    const uint row = tgid.x * BQ + tid;
-    const bool row_valid = row < p.seqlen_q;
-    const uint last_row = min(tgid.x * BQ + BQ, p.seqlen_q) - 1;
-    const uint block_keys = visible_keys(p, last_row);
-    const uint row_keys = row_valid ? visible_keys(p, row) : 0;
-    const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
-    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
-    const ulong q_row_start = q_head + ulong(row_valid ? row : 0) * p.head_dim;
-    const uint row_dim = row_valid ? p.head_dim : 0;
+    const QueryRow r = query_row<BQ>(p, tgid, tid);
+    const uint row_dim = r.valid ? p.head_dim : 0;
 
     float q_row[DP];
     float do_row[DP];
     float dq_acc[DP];
-    load_row<DP>(q_row, q + q_row_start, row_dim);
-    load_row<DP>(do_row, dout + q_row_start, row_dim);
+    load_row<DP>(q_row, q + r.row_start, row_dim);
+    load_row<DP>(do_row, dout + r.row_start, row_dim);
     for (uint d = 0; d < DP; ++d) {
         dq_acc[d] = 0.0f;
     }
-    const float delta = row_delta(dout + q_row_start, out + q_row_start, row_dim);
-    const float row_lse = row_keys > 0 ? lse[(ulong(b) * p.num_heads + h) * p.seqlen_q + row] : 0.0f;
+    const float delta = row_delta(dout + r.row_start, out + r.row_start, row_dim);
+    const float row_lse =
+        r.keys > 0 ? lse[(ulong(r.b) * p.num_heads + r.h) * p.seqlen_q + r.row] : 0.0f;
 
-    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile<BK, DP, BQ>(tiles->k, k + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-        load_tile<BK, DP, BQ>(tiles->v, v + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-
-        const uint n = row_keys > kv0 ? min(BK, row_keys - kv0) : 0u;
+    for (uint kv0 = 0; kv0 < r.block_keys; kv0 += BK) {
+        const uint n = load_key_value_tiles<DP, BQ, BK>(tiles, k, v, p, r, kv0, tid);
         for (uint j = 0; j < n; ++j) {
             const float pj = exp(dot_row<DP>(q_row, tiles->k[j]) * p.softmax_scale - row_lse);
             const float dp = dot_row<DP>(do_row, tiles->v[j]);
@@ -219,9 +230,9 @@ inline void attention_backward_dq(device const half *dout, device const half *q,
         }
     }
 
-    if (row_valid) {
+    if (r.valid) {
         for (uint d = 0; d < p.head_dim; ++d) {
-            dq[q_row_start + d] = half(dq_acc[d] * p.softmax_scale);
+            dq[r.row_start + d] = half(dq_acc[d] * p.softmax_scale);
         }
     }
 }
