@@ -28,6 +28,7 @@ import numpy as np
 
 import flash_attention_metal as fam
 from flash_attention_metal import reference
+from flash_attention_metal.cli.bench import best_ms
 
 _KIB = 1024
 
@@ -97,16 +98,6 @@ def _peak_growth(args, operation: str, seqlen: int) -> int:
     return json.loads(result.stdout.strip().splitlines()[-1])["peak_growth_bytes"]
 
 
-def _best_ms(function, repeats: int) -> float:
-    function()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
-
-
 def _mib(n: float) -> str:
     return f"{n / _KIB / _KIB:9.1f}"
 
@@ -136,8 +127,8 @@ def main() -> int:
         operations = _operations(context, args, seqlen)
         matrix_bytes = args.batch * args.heads * seqlen * seqlen * 8  # one float64 (B, H, N, N)
         for label in ("forward", "fwd+bwd"):
-            lib_ms = _best_ms(operations[f"library {label}"], args.repeats)
-            ref_ms = _best_ms(operations[f"reference {label}"], args.repeats)
+            lib_ms = best_ms(operations[f"library {label}"], args.repeats)
+            ref_ms = best_ms(operations[f"reference {label}"], args.repeats)
             lib_mem = _peak_growth(args, f"library {label}", seqlen)
             ref_mem = _peak_growth(args, f"reference {label}", seqlen)
             memory_ratio = f"{ref_mem / lib_mem:8.1f}" if lib_mem else f"{'inf':>8}"

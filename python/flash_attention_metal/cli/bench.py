@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="save a TFLOP/s plot (needs matplotlib: pip install 'flash_attention_metal[bench]')")
 
 
-def _best_ms(function, repeats: int) -> float:
+def best_ms(function, repeats: int) -> float:
+    """Best wall time of `repeats` calls of `function` after one warm-up call, in milliseconds."""
     function()  # warm-up: pipelines, caches, first-touch of the outputs
     best = float("inf")
     for _ in range(repeats):
@@ -75,8 +76,8 @@ def measure(context, seqlen: int, causal: bool, args: argparse.Namespace) -> Res
     shape = (args.batch, args.heads, seqlen, args.head_dim)
     q, k, v, dout = (rng.standard_normal(shape).astype(np.float16) for _ in range(4))
     out, lse = context.forward(q, k, v, causal=causal)
-    forward_ms = _best_ms(lambda: context.forward(q, k, v, causal=causal), args.repeats)
-    backward_ms = _best_ms(lambda: context.backward(dout, q, k, v, out, lse, causal=causal), args.repeats)
+    forward_ms = best_ms(lambda: context.forward(q, k, v, causal=causal), args.repeats)
+    backward_ms = best_ms(lambda: context.backward(dout, q, k, v, out, lse, causal=causal), args.repeats)
     flops = forward_flops(args.batch, args.heads, seqlen, seqlen, args.head_dim, causal)
     return Result(seqlen, causal, forward_ms, backward_ms, flops)
 
