@@ -11,7 +11,13 @@
 # exp2 must make the accuracy check report mismatches. A detector that misses its fault fails the
 # run too.
 #
-# Usage: tools/gpu_check.sh [--no-bench] [--no-mutants]
+# Opt-in, --large: tools/gpu/large_offsets.cu runs forward and backward dQ on q, out, dout and dq
+# of more than 2^32 elements (seqlen_q 2^25 + 5, head_dim 128; about 35 GB of device memory) and
+# checks sampled rows, those past element 2^32 included, against the float64 reference. Its planted
+# fault, the kernels built with every ulong replaced by uint (32-bit offsets), must fail it.
+# --large-only builds and runs just that step (and its planted fault).
+#
+# Usage: tools/gpu_check.sh [--no-bench] [--no-mutants] [--large | --large-only]
 # Environment:
 #   NVCC               nvcc to use (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc)
 #   COMPUTE_SANITIZER  compute-sanitizer to use (default: next to nvcc, else on PATH)
@@ -24,11 +30,15 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 GPU_DIR="$ROOT/tools/gpu"
 BENCH=1
 MUTANTS=1
+LARGE=0     # the 2^32-element step (large_offsets.cu)
+DEFAULT=1   # the default steps: reference check, accuracy grid, sanitizers, planted faults, bench
 for arg in "$@"; do
     case "$arg" in
         --no-bench) BENCH=0 ;;
         --no-mutants) MUTANTS=0 ;;
-        *) echo "gpu_check: unknown argument '$arg' (usage: tools/gpu_check.sh [--no-bench] [--no-mutants])" >&2
+        --large) LARGE=1 ;;
+        --large-only) LARGE=1; DEFAULT=0 ;;
+        *) echo "gpu_check: unknown argument '$arg' (usage: tools/gpu_check.sh [--no-bench] [--no-mutants] [--large | --large-only])" >&2
            exit 2 ;;
     esac
 done
@@ -37,12 +47,14 @@ die() { echo "gpu_check: $*" >&2; exit 2; }
 
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 command -v "$NVCC" >/dev/null || die "nvcc not found: install the CUDA toolkit or set NVCC=/path/to/nvcc"
-if [ -z "${COMPUTE_SANITIZER:-}" ]; then
-    COMPUTE_SANITIZER="$(dirname "$(command -v "$NVCC")")/compute-sanitizer"
-    [ -x "$COMPUTE_SANITIZER" ] || COMPUTE_SANITIZER=$(command -v compute-sanitizer || true)
+if [ "$DEFAULT" = 1 ]; then
+    if [ -z "${COMPUTE_SANITIZER:-}" ]; then
+        COMPUTE_SANITIZER="$(dirname "$(command -v "$NVCC")")/compute-sanitizer"
+        [ -x "$COMPUTE_SANITIZER" ] || COMPUTE_SANITIZER=$(command -v compute-sanitizer || true)
+    fi
+    [ -n "$COMPUTE_SANITIZER" ] && command -v "$COMPUTE_SANITIZER" >/dev/null \
+        || die "compute-sanitizer not found: set COMPUTE_SANITIZER=/path/to/compute-sanitizer"
 fi
-[ -n "$COMPUTE_SANITIZER" ] && command -v "$COMPUTE_SANITIZER" >/dev/null \
-    || die "compute-sanitizer not found: set COMPUTE_SANITIZER=/path/to/compute-sanitizer"
 command -v timeout >/dev/null || die "timeout (coreutils) not found"
 ARCH=${FA_GPU_ARCH:-native}
 BUILD=${FA_GPU_BUILD_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/fa-gpu-check.XXXXXX")}
@@ -75,7 +87,7 @@ SECONDS=0
 copy_sources "$BUILD/src" || die "cannot copy Shaders/ into $BUILD/src"
 compile_kernels "$BUILD/src" "$BUILD/kernels.o" &
 build_jobs=("$!")
-if [ "$MUTANTS" = 1 ]; then
+if [ "$DEFAULT" = 1 ] && [ "$MUTANTS" = 1 ]; then
     copy_sources "$BUILD/no-barrier" 's/threadgroup_barrier([^;]*);//g' || die "cannot copy Shaders/"
     copy_sources "$BUILD/exp2" 's/\bexp(/exp2(/g' || die "cannot copy Shaders/"
     compile_kernels "$BUILD/no-barrier" "$BUILD/kernels-no-barrier.o" &
@@ -83,23 +95,46 @@ if [ "$MUTANTS" = 1 ]; then
     compile_kernels "$BUILD/exp2" "$BUILD/kernels-exp2.o" &
     build_jobs+=("$!")
 fi
-host_objects=()
-for unit in harness.cu reference.cpp accuracy.cpp cases.cpp; do
-    object="$BUILD/host-${unit%.*}.o"
-    "$NVCC" "${FLAGS[@]}" -I"$BUILD/src" -c "$GPU_DIR/$unit" -o "$object" >"$object.log" 2>&1 \
-        || { cat "$object.log" >&2; die "compiling tools/gpu/$unit failed"; }
-    host_objects+=("$object")
+if [ "$LARGE" = 1 ] && [ "$MUTANTS" = 1 ]; then
+    # 32-bit offsets: every ulong of the kernels becomes uint, so offsets wrap at 2^32 elements.
+    copy_sources "$BUILD/offset32" 's/\bulong\b/uint/g' || die "cannot copy Shaders/"
+    compile_kernels "$BUILD/offset32" "$BUILD/kernels-offset32.o" &
+    build_jobs+=("$!")
+fi
+compile_host() {  # compile_host UNIT: compiles tools/gpu/UNIT into $BUILD/host-UNIT.o
+    local object="$BUILD/host-${1%.*}.o"
+    "$NVCC" "${FLAGS[@]}" -I"$BUILD/src" -c "$GPU_DIR/$1" -o "$object" >"$object.log" 2>&1 \
+        || { cat "$object.log" >&2; die "compiling tools/gpu/$1 failed"; }
+}
+for unit in reference.cpp accuracy.cpp; do
+    compile_host "$unit"
 done
+if [ "$DEFAULT" = 1 ]; then
+    compile_host harness.cu
+    compile_host cases.cpp
+fi
+[ "$LARGE" = 1 ] && compile_host large_offsets.cu
 for job in "${build_jobs[@]}"; do
     wait "$job" || { cat "$BUILD"/kernels*.o.log >&2; die "compiling the kernels failed"; }
 done
-link() {  # link KERNELS_OBJECT EXECUTABLE
-    "$NVCC" "${FLAGS[@]}" "$1" "${host_objects[@]}" -o "$2" || die "linking $2 failed"
+link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
+    local kernels=$1 executable=$2 unit objects=()
+    shift 2
+    for unit in "$@" reference accuracy; do
+        objects+=("$BUILD/host-$unit.o")
+    done
+    "$NVCC" "${FLAGS[@]}" "$kernels" "${objects[@]}" -o "$executable" || die "linking $executable failed"
 }
-link "$BUILD/kernels.o" "$BUILD/harness"
-if [ "$MUTANTS" = 1 ]; then
-    link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier"
-    link "$BUILD/kernels-exp2.o" "$BUILD/harness-exp2"
+if [ "$DEFAULT" = 1 ]; then
+    link "$BUILD/kernels.o" "$BUILD/harness" harness cases
+    if [ "$MUTANTS" = 1 ]; then
+        link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases
+        link "$BUILD/kernels-exp2.o" "$BUILD/harness-exp2" harness cases
+    fi
+fi
+if [ "$LARGE" = 1 ]; then
+    link "$BUILD/kernels.o" "$BUILD/large_offsets" large_offsets
+    [ "$MUTANTS" = 1 ] && link "$BUILD/kernels-offset32.o" "$BUILD/large_offsets-offset32" large_offsets
 fi
 cat "$BUILD"/*.o.log >"$BUILD/build.log"
 echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/build.log)"
@@ -107,121 +142,152 @@ echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/b
 failures=0
 summaries=()
 
-# The harness's C++ reference and baseline against python/flash_attention_metal's (one rule in
-# every layer). Needs python3 with numpy and a host C++ compiler; skipped without them.
-if command -v python3 >/dev/null && python3 -c 'import numpy' 2>/dev/null; then
+if [ "$DEFAULT" = 1 ]; then
+    # The harness's C++ reference and baseline against python/flash_attention_metal's (one rule in
+    # every layer). Needs python3 with numpy and a host C++ compiler; skipped without them.
+    if command -v python3 >/dev/null && python3 -c 'import numpy' 2>/dev/null; then
+        SECONDS=0
+        python3 "$GPU_DIR/check_reference.py" >"$BUILD/reference-check.log" 2>&1
+        status=$?
+        line=$(grep -E '^reference-check:' "$BUILD/reference-check.log" | tail -n 1)
+        [ -n "$line" ] || line="reference-check: no summary (exit status $status; see $BUILD/reference-check.log)"
+        [ "$status" = 0 ] || { failures=$((failures + 1)); cat "$BUILD/reference-check.log"; }
+        summaries+=("$line (${SECONDS}s)")
+    else
+        summaries+=("reference-check: skipped (no python3 with numpy)")
+    fi
+
+    # Accuracy grid: the harness prints its own summary line "cuda-accuracy: N cases, M mismatches".
     SECONDS=0
-    python3 "$GPU_DIR/check_reference.py" >"$BUILD/reference-check.log" 2>&1
-    status=$?
-    line=$(grep -E '^reference-check:' "$BUILD/reference-check.log" | tail -n 1)
-    [ -n "$line" ] || line="reference-check: no summary (exit status $status; see $BUILD/reference-check.log)"
-    [ "$status" = 0 ] || { failures=$((failures + 1)); cat "$BUILD/reference-check.log"; }
+    timeout 300 "$BUILD/harness" 2>&1 | tee "$BUILD/accuracy.log"
+    status=${PIPESTATUS[0]}
+    line=$(grep -E '^cuda-accuracy:' "$BUILD/accuracy.log" | tail -n 1)
+    if [ "$status" = 124 ]; then
+        line="cuda-accuracy: TIMEOUT after 300 s (a hang, e.g. a barrier not every thread reaches)"
+    elif [ -z "$line" ]; then
+        line="cuda-accuracy: no summary (harness exit status $status)"
+    fi
+    [ "$status" = 0 ] || failures=$((failures + 1))
     summaries+=("$line (${SECONDS}s)")
-else
-    summaries+=("reference-check: skipped (no python3 with numpy)")
-fi
 
-# Accuracy grid: the harness prints its own summary line "cuda-accuracy: N cases, M mismatches".
-SECONDS=0
-timeout 300 "$BUILD/harness" 2>&1 | tee "$BUILD/accuracy.log"
-status=${PIPESTATUS[0]}
-line=$(grep -E '^cuda-accuracy:' "$BUILD/accuracy.log" | tail -n 1)
-if [ "$status" = 124 ]; then
-    line="cuda-accuracy: TIMEOUT after 300 s (a hang, e.g. a barrier not every thread reaches)"
-elif [ -z "$line" ]; then
-    line="cuda-accuracy: no summary (harness exit status $status)"
-fi
-[ "$status" = 0 ] || failures=$((failures + 1))
-summaries+=("$line (${SECONDS}s)")
+    # Runs harness $2 under compute-sanitizer tool $1 (limit $3 seconds, tool options after that),
+    # writing $BUILD/$LOG_NAME.log, and sets: SAN_STATUS (exit status, 124 on timeout), SAN_CASES
+    # ("N cases, M mismatches"), SAN_ERRORS (ERROR SUMMARY count), SAN_HAZARDS (racecheck's
+    # "N hazards (E errors, W warnings)").
+    sanitize() {
+        local tool=$1 harness=$2 limit=$3
+        shift 3
+        local log="$BUILD/$LOG_NAME.log"
+        echo "gpu_check: compute-sanitizer --tool $tool $(basename "$harness") $HARNESS_ARGS (log: $log)"
+        # shellcheck disable=SC2086  # HARNESS_ARGS is a list of words on purpose
+        timeout "$limit" "$COMPUTE_SANITIZER" --tool "$tool" "$@" "$harness" $HARNESS_ARGS >"$log" 2>&1
+        SAN_STATUS=$?
+        SAN_CASES=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$log" | tail -n 1)
+        SAN_ERRORS=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$log" | tail -n 1)
+        # racecheck prints "RACECHECK SUMMARY: D hazards displayed (E errors, W warnings)", where D is
+        # capped by the print limit; E + W counts them all.
+        local counts
+        counts=$(sed -nE 's/^========= RACECHECK SUMMARY: [0-9]+ hazards? displayed \(([0-9]+) errors?, ([0-9]+) warnings?\).*/\1 \2/p' "$log" | tail -n 1)
+        SAN_HAZARDS=""
+        if [ -n "$counts" ]; then
+            # shellcheck disable=SC2086  # two numbers, split on purpose
+            set -- $counts
+            SAN_HAZARDS="$(($1 + $2)) hazards ($1 errors, $2 warnings)"
+        fi
+    }
 
-# Runs harness $2 under compute-sanitizer tool $1 (limit $3 seconds, tool options after that),
-# writing $BUILD/$LOG_NAME.log, and sets: SAN_STATUS (exit status, 124 on timeout), SAN_CASES
-# ("N cases, M mismatches"), SAN_ERRORS (ERROR SUMMARY count), SAN_HAZARDS (racecheck's
-# "N hazards (E errors, W warnings)").
-sanitize() {
-    local tool=$1 harness=$2 limit=$3
-    shift 3
-    local log="$BUILD/$LOG_NAME.log"
-    echo "gpu_check: compute-sanitizer --tool $tool $(basename "$harness") $HARNESS_ARGS (log: $log)"
-    # shellcheck disable=SC2086  # HARNESS_ARGS is a list of words on purpose
-    timeout "$limit" "$COMPUTE_SANITIZER" --tool "$tool" "$@" "$harness" $HARNESS_ARGS >"$log" 2>&1
-    SAN_STATUS=$?
-    SAN_CASES=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$log" | tail -n 1)
-    SAN_ERRORS=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$log" | tail -n 1)
-    # racecheck prints "RACECHECK SUMMARY: D hazards displayed (E errors, W warnings)", where D is
-    # capped by the print limit; E + W counts them all.
-    local counts
-    counts=$(sed -nE 's/^========= RACECHECK SUMMARY: [0-9]+ hazards? displayed \(([0-9]+) errors?, ([0-9]+) warnings?\).*/\1 \2/p' "$log" | tail -n 1)
-    SAN_HAZARDS=""
-    if [ -n "$counts" ]; then
-        # shellcheck disable=SC2086  # two numbers, split on purpose
-        set -- $counts
-        SAN_HAZARDS="$(($1 + $2)) hazards ($1 errors, $2 warnings)"
+    # One sanitizer step on the small grid: passes when the harness passes under the tool and the
+    # tool's summaries report nothing.
+    check_tool() {  # check_tool TOOL LIMIT [tool options]
+        local tool=$1 limit=$2
+        shift 2
+        SECONDS=0
+        LOG_NAME=$tool HARNESS_ARGS="--small --once" sanitize "$tool" "$BUILD/harness" "$limit" "$@"
+        local ok=1 summary
+        if [ "$SAN_STATUS" = 124 ]; then
+            summary="$tool: TIMEOUT after $limit s"
+            ok=0
+        elif [ -z "$SAN_CASES" ] || { [ -z "$SAN_ERRORS" ] && [ -z "$SAN_HAZARDS" ]; }; then
+            summary="$tool: incomplete run (exit status $SAN_STATUS; see $BUILD/$tool.log)"
+            ok=0
+        else
+            summary="$tool: $SAN_CASES"
+            [ -n "$SAN_ERRORS" ] && summary="$summary, $SAN_ERRORS errors"
+            [ -n "$SAN_HAZARDS" ] && summary="$summary, $SAN_HAZARDS"
+            [ "$SAN_STATUS" = 0 ] || ok=0
+            case "$SAN_ERRORS" in "" | 0) ;; *) ok=0 ;; esac
+            case "$SAN_HAZARDS" in "" | "0 hazards"*) ;; *) ok=0 ;; esac
+            case "$SAN_CASES" in *", 0 mismatches") ;; *) ok=0 ;; esac
+        fi
+        grep -E '^(FAIL|========= +[A-Z][a-z]+.*(hazard|Invalid|Barrier|Uninitialized|Leaked|error))' \
+            "$BUILD/$tool.log" | head -n 20
+        [ "$ok" = 1 ] || failures=$((failures + 1))
+        summaries+=("$summary (${SECONDS}s)")
+    }
+    check_tool memcheck 150 --leak-check full
+    check_tool racecheck 150 --racecheck-report all
+    check_tool synccheck 120
+    check_tool initcheck 120
+
+    if [ "$MUTANTS" = 1 ]; then
+        # Planted race: no barriers at all. One small case suffices; racecheck must see hazards.
+        SECONDS=0
+        LOG_NAME=mutant-no-barrier HARNESS_ARGS="--small --once --case d1_" \
+            sanitize racecheck "$BUILD/harness-no-barrier" 150 --racecheck-report all
+        if [ -n "$SAN_HAZARDS" ] && [ "${SAN_HAZARDS%% *}" != 0 ]; then
+            summaries+=("planted race (no barriers): racecheck found $SAN_HAZARDS, as it must (${SECONDS}s)")
+        else
+            summaries+=("planted race (no barriers): racecheck MISSED it (${SAN_HAZARDS:-no summary}; see $BUILD/mutant-no-barrier.log)")
+            failures=$((failures + 1))
+        fi
+        # Planted arithmetic fault: exp -> exp2. The accuracy check must report mismatches.
+        SECONDS=0
+        timeout 120 "$BUILD/harness-exp2" --small --once >"$BUILD/mutant-exp2.log" 2>&1
+        line=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$BUILD/mutant-exp2.log")
+        # Counts only when the cases ran and the rule, not a CUDA error, rejected them.
+        if [[ "$line" =~ ^([1-9][0-9]*)\ cases,\ ([1-9][0-9]*)\ mismatches$ ]] \
+            && ! grep -q 'CUDA error' "$BUILD/mutant-exp2.log"; then
+            summaries+=("planted fault (exp -> exp2): accuracy check found $line, as it must (${SECONDS}s)")
+        else
+            summaries+=("planted fault (exp -> exp2): accuracy check MISSED it (${line:-no summary}; see $BUILD/mutant-exp2.log)")
+            failures=$((failures + 1))
+        fi
     fi
-}
 
-# One sanitizer step on the small grid: passes when the harness passes under the tool and the
-# tool's summaries report nothing.
-check_tool() {  # check_tool TOOL LIMIT [tool options]
-    local tool=$1 limit=$2
-    shift 2
-    SECONDS=0
-    LOG_NAME=$tool HARNESS_ARGS="--small --once" sanitize "$tool" "$BUILD/harness" "$limit" "$@"
-    local ok=1 summary
-    if [ "$SAN_STATUS" = 124 ]; then
-        summary="$tool: TIMEOUT after $limit s"
-        ok=0
-    elif [ -z "$SAN_CASES" ] || { [ -z "$SAN_ERRORS" ] && [ -z "$SAN_HAZARDS" ]; }; then
-        summary="$tool: incomplete run (exit status $SAN_STATUS; see $BUILD/$tool.log)"
-        ok=0
-    else
-        summary="$tool: $SAN_CASES"
-        [ -n "$SAN_ERRORS" ] && summary="$summary, $SAN_ERRORS errors"
-        [ -n "$SAN_HAZARDS" ] && summary="$summary, $SAN_HAZARDS"
-        [ "$SAN_STATUS" = 0 ] || ok=0
-        case "$SAN_ERRORS" in "" | 0) ;; *) ok=0 ;; esac
-        case "$SAN_HAZARDS" in "" | "0 hazards"*) ;; *) ok=0 ;; esac
-        case "$SAN_CASES" in *", 0 mismatches") ;; *) ok=0 ;; esac
-    fi
-    grep -E '^(FAIL|========= +[A-Z][a-z]+.*(hazard|Invalid|Barrier|Uninitialized|Leaked|error))' \
-        "$BUILD/$tool.log" | head -n 20
-    [ "$ok" = 1 ] || failures=$((failures + 1))
-    summaries+=("$summary (${SECONDS}s)")
-}
-check_tool memcheck 150 --leak-check full
-check_tool racecheck 150 --racecheck-report all
-check_tool synccheck 120
-check_tool initcheck 120
-
-if [ "$MUTANTS" = 1 ]; then
-    # Planted race: no barriers at all. One small case suffices; racecheck must see hazards.
-    SECONDS=0
-    LOG_NAME=mutant-no-barrier HARNESS_ARGS="--small --once --case d1_" \
-        sanitize racecheck "$BUILD/harness-no-barrier" 150 --racecheck-report all
-    if [ -n "$SAN_HAZARDS" ] && [ "${SAN_HAZARDS%% *}" != 0 ]; then
-        summaries+=("planted race (no barriers): racecheck found $SAN_HAZARDS, as it must (${SECONDS}s)")
-    else
-        summaries+=("planted race (no barriers): racecheck MISSED it (${SAN_HAZARDS:-no summary}; see $BUILD/mutant-no-barrier.log)")
-        failures=$((failures + 1))
-    fi
-    # Planted arithmetic fault: exp -> exp2. The accuracy check must report mismatches.
-    SECONDS=0
-    timeout 120 "$BUILD/harness-exp2" --small --once >"$BUILD/mutant-exp2.log" 2>&1
-    line=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$BUILD/mutant-exp2.log")
-    # Counts only when the cases ran and the rule, not a CUDA error, rejected them.
-    if [[ "$line" =~ ^([1-9][0-9]*)\ cases,\ ([1-9][0-9]*)\ mismatches$ ]] \
-        && ! grep -q 'CUDA error' "$BUILD/mutant-exp2.log"; then
-        summaries+=("planted fault (exp -> exp2): accuracy check found $line, as it must (${SECONDS}s)")
-    else
-        summaries+=("planted fault (exp -> exp2): accuracy check MISSED it (${line:-no summary}; see $BUILD/mutant-exp2.log)")
-        failures=$((failures + 1))
+    if [ "$BENCH" = 1 ]; then
+        # Throughput of these kernels on an H200: describes their structure, not Apple GPUs.
+        timeout 120 "$BUILD/harness" --bench 2>&1 | tee "$BUILD/bench.log" \
+            || echo "gpu_check: bench did not finish (not a failure)"
     fi
 fi
 
-if [ "$BENCH" = 1 ]; then
-    # Throughput of these kernels on an H200: describes their structure, not Apple GPUs.
-    timeout 120 "$BUILD/harness" --bench 2>&1 | tee "$BUILD/bench.log" \
-        || echo "gpu_check: bench did not finish (not a failure)"
+# Opt-in: offsets above 2^32 elements, and the planted 32-bit-offset fault that must fail it.
+if [ "$LARGE" = 1 ]; then
+    SECONDS=0
+    timeout 300 "$BUILD/large_offsets" 2>&1 | tee "$BUILD/large-offsets.log"
+    status=${PIPESTATUS[0]}
+    line=$(grep -E '^large-offsets:' "$BUILD/large-offsets.log" | tail -n 1)
+    if [ "$status" = 124 ]; then
+        line="large-offsets: TIMEOUT after 300 s"
+    elif [ -z "$line" ]; then
+        line="large-offsets: no summary (exit status $status)"
+    fi
+    [ "$status" = 0 ] || failures=$((failures + 1))
+    summaries+=("$line (${SECONDS}s)")
+    if [ "$MUTANTS" = 1 ]; then
+        SECONDS=0
+        timeout 300 "$BUILD/large_offsets-offset32" >"$BUILD/mutant-offset32.log" 2>&1
+        line=$(sed -nE 's/^large-offsets: ([0-9]+ rows checked, [0-9]+ mismatches).*/\1/p' \
+            "$BUILD/mutant-offset32.log")
+        # Counts only when the rows were checked and the rule, not a CUDA error, rejected them.
+        if [[ "$line" =~ ^[1-9][0-9]*\ rows\ checked,\ [1-9][0-9]*\ mismatches$ ]] \
+            && ! grep -q 'CUDA error' "$BUILD/mutant-offset32.log"; then
+            summaries+=("planted fault (32-bit offsets): large-offsets found $line, as it must (${SECONDS}s)")
+        else
+            summaries+=("planted fault (32-bit offsets): large-offsets MISSED it (${line:-no summary}; see $BUILD/mutant-offset32.log)")
+            failures=$((failures + 1))
+        fi
+    fi
 fi
 
 echo "==== gpu_check summary"

@@ -75,27 +75,46 @@ cudaError_t fa_cuda_forward(const FlashAttentionParams &p, const uint16_t *q, co
     return cudaErrorInvalidValue;
 }
 
+cudaError_t fa_cuda_backward_dq(const FlashAttentionParams &p, const uint16_t *dout,
+                                const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                const uint16_t *out, const float *lse, uint16_t *dq) {
+#define FA_CUDA_BACKWARD_DQ(DP, FWD_BQ, FWD_BK, BWD_BQ, BWD_BK)                                  \
+    if (p.head_dim >= 1 && p.head_dim <= DP) {                                                   \
+        const dim3 grid(ceil_div(p.seqlen_q, BWD_BQ), p.num_heads, p.batch);                     \
+        fa_cuda_backward_dq_d##DP<<<grid, BWD_BQ>>>(as_half(dout), as_half(q), as_half(k),       \
+                                                    as_half(v), as_half(out), lse, p,            \
+                                                    as_half(dq));                                \
+        return cudaGetLastError();                                                               \
+    }
+    FA_HEAD_DIM_BUCKETS(FA_CUDA_BACKWARD_DQ)
+#undef FA_CUDA_BACKWARD_DQ
+    return cudaErrorInvalidValue;
+}
+
+cudaError_t fa_cuda_backward_dkv(const FlashAttentionParams &p, const uint16_t *dout,
+                                 const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                 const uint16_t *out, const float *lse, uint16_t *dk,
+                                 uint16_t *dv) {
+#define FA_CUDA_BACKWARD_DKV(DP, FWD_BQ, FWD_BK, BWD_BQ, BWD_BK)                                 \
+    if (p.head_dim >= 1 && p.head_dim <= DP) {                                                   \
+        const dim3 grid(ceil_div(p.seqlen_k, BWD_BK), p.num_kv_heads, p.batch);                  \
+        fa_cuda_backward_dkv_d##DP<<<grid, BWD_BK>>>(as_half(dout), as_half(q), as_half(k),      \
+                                                     as_half(v), as_half(out), lse, p,           \
+                                                     as_half(dk), as_half(dv));                  \
+        return cudaGetLastError();                                                               \
+    }
+    FA_HEAD_DIM_BUCKETS(FA_CUDA_BACKWARD_DKV)
+#undef FA_CUDA_BACKWARD_DKV
+    return cudaErrorInvalidValue;
+}
+
 cudaError_t fa_cuda_backward(const FlashAttentionParams &p, const uint16_t *dout,
                              const uint16_t *q, const uint16_t *k, const uint16_t *v,
                              const uint16_t *out, const float *lse, uint16_t *dq, uint16_t *dk,
                              uint16_t *dv) {
-#define FA_CUDA_BACKWARD(DP, FWD_BQ, FWD_BK, BWD_BQ, BWD_BK)                                     \
-    if (p.head_dim >= 1 && p.head_dim <= DP) {                                                   \
-        const dim3 dq_grid(ceil_div(p.seqlen_q, BWD_BQ), p.num_heads, p.batch);                  \
-        fa_cuda_backward_dq_d##DP<<<dq_grid, BWD_BQ>>>(as_half(dout), as_half(q), as_half(k),    \
-                                                       as_half(v), as_half(out), lse, p,         \
-                                                       as_half(dq));                             \
-        const cudaError_t dq_error = cudaGetLastError();                                         \
-        if (dq_error != cudaSuccess) {                                                           \
-            return dq_error;                                                                     \
-        }                                                                                        \
-        const dim3 dkv_grid(ceil_div(p.seqlen_k, BWD_BK), p.num_kv_heads, p.batch);              \
-        fa_cuda_backward_dkv_d##DP<<<dkv_grid, BWD_BK>>>(as_half(dout), as_half(q), as_half(k),  \
-                                                         as_half(v), as_half(out), lse, p,       \
-                                                         as_half(dk), as_half(dv));              \
-        return cudaGetLastError();                                                               \
+    const cudaError_t dq_error = fa_cuda_backward_dq(p, dout, q, k, v, out, lse, dq);
+    if (dq_error != cudaSuccess) {
+        return dq_error;
     }
-    FA_HEAD_DIM_BUCKETS(FA_CUDA_BACKWARD)
-#undef FA_CUDA_BACKWARD
-    return cudaErrorInvalidValue;
+    return fa_cuda_backward_dkv(p, dout, q, k, v, out, lse, dk, dv);
 }

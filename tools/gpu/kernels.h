@@ -36,4 +36,19 @@ cudaError_t fa_cuda_backward(const FlashAttentionParams &params, const uint16_t 
                              const uint16_t *out, const float *lse, uint16_t *dq, uint16_t *dk,
                              uint16_t *dv);
 
+// Backward dQ alone: one launch of flash_attention_backward_dq_d<DP> (grid (ceil(Nq /
+// backward_block_q), H, B), backward_block_q threads) writing dq (like q). For tests whose dK/dV
+// would cost too much, e.g. large_offsets.cu. Asynchronous; cudaErrorInvalidValue for an
+// unsupported head_dim.
+cudaError_t fa_cuda_backward_dq(const FlashAttentionParams &params, const uint16_t *dout,
+                                const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                const uint16_t *out, const float *lse, uint16_t *dq);
+
+// Backward dK/dV alone: one launch of flash_attention_backward_dkv_d<DP> (grid (ceil(Nk /
+// backward_block_k), Hkv, B), backward_block_k threads) writing dk and dv (like k).
+cudaError_t fa_cuda_backward_dkv(const FlashAttentionParams &params, const uint16_t *dout,
+                                 const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                                 const uint16_t *out, const float *lse, uint16_t *dk,
+                                 uint16_t *dv);
+
 #endif

@@ -1,0 +1,304 @@
+// 64-bit offsets on a tensor of more than 2^32 elements (issue 5: "a tensor of more than 2^32
+// elements is either right or rejected"): the kernels of Shaders/flash_attention.metal (CUDA build,
+// kernels.cu) on q, out, dout and dq of 2^32 + 640 elements each, checked row by row.
+//
+// Shape: batch 1, one head, one KV head, head_dim 128, seqlen_k 16, seqlen_q 2^25 + 5, causal off,
+// softmax_scale 1/sqrt(128). Row 2^25 starts at element 2^32, so every row from there on needs an
+// offset above 32 bits; the last threadgroup holds only those 5 rows. q, out, dout and dq take
+// 8.6 GB each as float16 (34.4 GB of device memory in all).
+//
+// q and dout are filled on the device by a hash of the 64-bit element index (so two rows 2^25
+// apart differ), k and v on the host. out, lse and dq are poisoned with NaN before the run, so a
+// row a kernel never writes fails. Forward, then backward dQ on the forward's out and lse. dK/dV
+// is not run: each key's gradient sums over all 33.5 M query rows, so its reference would need
+// every row on the host, and a single 16-thread threadgroup would walk all of q.
+//
+// Only sampled rows come back to the host: rows 0..3; around 2^30 and 2^31 elements (32-bit byte
+// and signed-int boundaries); 2^25 - 2 .. 2^25 + 4 around the 2^32-element boundary (the last
+// rows); a few seeded random rows. Their q and dout rows are read back from the device and the
+// rows recomputed on the host (reference.cpp): with causal off, rows are independent given k and v,
+// so each is a one-row problem. The accuracy rule applies to the sampled rows taken together
+// (bound = factor * max|base - ref| over them, the same bound checked on every row); lse per row.
+// Rows 0..3 must also not hold the result of row 2^25 + i, which is where a 32-bit write offset
+// of that row lands.
+//
+// Prints one line per sampled row and "large-offsets: N rows checked, M mismatches (q elements E
+// > 2^32)"; exits 1 on any mismatch or CUDA error (including too little device memory).
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "accuracy.h"
+#include "half_bits.h"
+#include "kernels.h"
+#include "reference.h"
+
+namespace {
+
+constexpr uint32_t kHeadDim = 128;
+constexpr uint32_t kSeqlenK = 16;
+constexpr uint32_t kBoundaryRow = 1u << 25;  // first row at element 2^32 (2^25 * 128)
+constexpr uint32_t kSeqlenQ = kBoundaryRow + 5;
+constexpr size_t kQElements = size_t(kSeqlenQ) * kHeadDim;
+constexpr size_t kKvElements = size_t(kSeqlenK) * kHeadDim;
+constexpr uint64_t kQSeed = 1, kDoutSeed = 2, kKSeed = 3, kVSeed = 4;
+static_assert(kQElements > (size_t(1) << 32), "the test needs more than 2^32 elements");
+
+struct CudaFailure {
+    std::string message;
+};
+
+void check(cudaError_t status, const char *what) {
+    if (status != cudaSuccess) {
+        throw CudaFailure{std::string(what) + ": " + cudaGetErrorName(status) + " (" +
+                          cudaGetErrorString(status) + ")"};
+    }
+}
+
+// Device memory for `count` elements of T, freed on scope exit (also when a check throws).
+template <typename T>
+class DeviceArray {
+public:
+    explicit DeviceArray(size_t count) : count_(count) {
+        check(cudaMalloc(&data_, count * sizeof(T)), "cudaMalloc");
+    }
+    ~DeviceArray() { cudaFree(data_); }
+    DeviceArray(const DeviceArray &) = delete;
+    DeviceArray &operator=(const DeviceArray &) = delete;
+
+    T *get() const { return data_; }
+    void upload(const std::vector<T> &host) {
+        check(cudaMemcpy(data_, host.data(), count_ * sizeof(T), cudaMemcpyHostToDevice),
+              "cudaMemcpy to device");
+    }
+    // Elements [first, first + count) back to the host.
+    std::vector<T> download(size_t first, size_t count) const {
+        std::vector<T> host(count);
+        check(cudaMemcpy(host.data(), data_ + first, count * sizeof(T), cudaMemcpyDeviceToHost),
+              "cudaMemcpy to host");
+        return host;
+    }
+    // Every byte 0xff: NaN in float16 and float32, so an element no kernel writes fails the rule.
+    void poison() { check(cudaMemset(data_, 0xff, count_ * sizeof(T)), "cudaMemset"); }
+
+private:
+    T *data_ = nullptr;
+    size_t count_;
+};
+
+// SplitMix64 (Steele, Lea, Flood 2014): a full-avalanche hash of the 64-bit index, so values of
+// elements 2^32 apart are unrelated.
+__host__ __device__ uint64_t splitmix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+// The value of element `index` of the tensor seeded `seed`: uniform on [-2, 2) in steps of 2^-14
+// (callers round it to float16).
+__host__ __device__ float hashed_value(uint64_t seed, uint64_t index) {
+    const uint64_t bits = splitmix64(index ^ (seed << 56)) >> 48;
+    return -2.0f + float(bits) * (4.0f / 65536.0f);
+}
+
+// Fills x[0, n) with hashed_value(seed, i) as float16 bits; grid-stride over 64-bit indices.
+__global__ void fill_hashed(uint16_t *x, size_t n, uint64_t seed) {
+    const size_t stride = size_t(gridDim.x) * blockDim.x;
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+        x[i] = __half_as_ushort(__float2half_rn(hashed_value(seed, i)));
+    }
+}
+
+void fill_on_device(DeviceArray<uint16_t> &x, size_t n, uint64_t seed) {
+    fill_hashed<<<4096, 256>>>(x.get(), n, seed);
+    check(cudaGetLastError(), "fill launch");
+}
+
+// k and v are small: filled on the host, scaled to [-1, 1).
+std::vector<uint16_t> host_values(size_t n, uint64_t seed) {
+    std::vector<uint16_t> x(n);
+    for (size_t i = 0; i < n; ++i) {
+        x[i] = float_to_half_bits(0.5f * hashed_value(seed, i));
+    }
+    return x;
+}
+
+// The query rows to check, ascending and unique.
+std::vector<uint32_t> sampled_rows() {
+    std::set<uint32_t> rows = {0, 1, 2, 3};
+    for (uint32_t boundary : {1u << 23, 1u << 24}) {  // 2^30 and 2^31 elements
+        rows.insert(boundary - 1);
+        rows.insert(boundary);
+    }
+    for (uint32_t row = kBoundaryRow - 2; row < kSeqlenQ; ++row) {
+        rows.insert(row);
+    }
+    std::mt19937_64 random(20261130);
+    std::uniform_int_distribution<uint32_t> any_row(0, kSeqlenQ - 1);
+    for (int i = 0; i < 8; ++i) {
+        rows.insert(any_row(random));
+    }
+    return std::vector<uint32_t>(rows.begin(), rows.end());
+}
+
+// One sampled row: what the GPU wrote and the host's float64 reference and float16 base.
+struct RowCheck {
+    uint32_t row;
+    std::vector<uint16_t> out, dq;
+    float lse;
+    ReferenceResult ref;
+    BaseResult base;
+};
+
+template <typename T>
+void append(std::vector<T> *all, const std::vector<T> &part) {
+    all->insert(all->end(), part.begin(), part.end());
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Runs the kernels and judges the sampled rows; returns the number of rows that fail.
+int run(int *rows_checked) {
+    int index = 0;
+    cudaDeviceProp prop;
+    check(cudaGetDevice(&index), "cudaGetDevice");
+    check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties");
+    size_t free_bytes = 0, total_bytes = 0;
+    check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+    const size_t needed = 4 * kQElements * sizeof(uint16_t) + size_t(kSeqlenQ) * sizeof(float);
+    std::printf("device: %s (sm_%d%d), %.1f GB free; needs %.1f GB\n", prop.name, prop.major,
+                prop.minor, free_bytes / 1e9, needed / 1e9);
+    if (free_bytes < needed) {
+        throw CudaFailure{"not enough free device memory for the 2^32-element tensors"};
+    }
+
+    const AttentionShape shape{1, 1, 1, int(kSeqlenQ), int(kSeqlenK), int(kHeadDim), false,
+                               1.0f / std::sqrt(float(kHeadDim))};
+    FlashAttentionParams p;
+    p.batch = 1;
+    p.num_heads = 1;
+    p.num_kv_heads = 1;
+    p.seqlen_q = kSeqlenQ;
+    p.seqlen_k = kSeqlenK;
+    p.head_dim = kHeadDim;
+    p.causal = 0;
+    p.softmax_scale = shape.softmax_scale;
+
+    DeviceArray<uint16_t> q(kQElements), dout(kQElements), out(kQElements), dq(kQElements),
+        k(kKvElements), v(kKvElements);
+    DeviceArray<float> lse(kSeqlenQ);
+    const std::vector<uint16_t> k_host = host_values(kKvElements, kKSeed),
+                                v_host = host_values(kKvElements, kVSeed);
+    k.upload(k_host);
+    v.upload(v_host);
+
+    auto start = std::chrono::steady_clock::now();
+    fill_on_device(q, kQElements, kQSeed);
+    fill_on_device(dout, kQElements, kDoutSeed);
+    out.poison();
+    dq.poison();
+    lse.poison();
+    check(cudaDeviceSynchronize(), "fill");
+    std::printf("filled q and dout, poisoned out, lse and dq: %.2f s\n", seconds_since(start));
+
+    start = std::chrono::steady_clock::now();
+    check(fa_cuda_forward(p, q.get(), k.get(), v.get(), out.get(), lse.get()), "forward launch");
+    check(cudaDeviceSynchronize(), "forward");
+    std::printf("forward: %.2f s\n", seconds_since(start));
+    start = std::chrono::steady_clock::now();
+    check(fa_cuda_backward_dq(p, dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(),
+                              dq.get()),
+          "backward dq launch");
+    check(cudaDeviceSynchronize(), "backward dq");
+    std::printf("backward dq: %.2f s\n", seconds_since(start));
+
+    // Each sampled row is a one-row problem with the same k and v (causal off).
+    AttentionShape one_row = shape;
+    one_row.seqlen_q = 1;
+    std::vector<RowCheck> checks;
+    std::vector<uint16_t> all_out, all_dq;
+    std::vector<float> base_out, base_dq;
+    std::vector<double> ref_out, ref_dq;
+    for (uint32_t row : sampled_rows()) {
+        const size_t first = size_t(row) * kHeadDim;
+        const AttentionInputs in{q.download(first, kHeadDim), k_host, v_host,
+                                 dout.download(first, kHeadDim)};
+        RowCheck c{row, out.download(first, kHeadDim), dq.download(first, kHeadDim),
+                   lse.download(row, 1)[0], reference_attention(one_row, in),
+                   base_attention(one_row, in)};
+        append(&all_out, c.out);
+        append(&all_dq, c.dq);
+        append(&base_out, c.base.out);
+        append(&base_dq, c.base.dq);
+        append(&ref_out, c.ref.out);
+        append(&ref_dq, c.ref.dq);
+        checks.push_back(std::move(c));
+    }
+    const Metric out_all = tensor_metric("out", all_out, base_out, ref_out, kOutFactor);
+    const Metric dq_all = tensor_metric("dq", all_dq, base_dq, ref_dq, kGradFactor);
+    std::printf("sampled rows together: out error %.2e, base %.2e, bound %.2e; dq error %.2e, "
+                "base %.2e, bound %.2e\n",
+                out_all.error, out_all.base_error, out_all.bound, dq_all.error, dq_all.base_error,
+                dq_all.bound);
+
+    int mismatches = 0;
+    for (const RowCheck &c : checks) {
+        const double out_error = tensor_metric("out", c.out, c.base.out, c.ref.out, 0).error;
+        const double dq_error = tensor_metric("dq", c.dq, c.base.dq, c.ref.dq, 0).error;
+        const Metric lse_row = lse_metric({c.lse}, c.ref.lse);
+        const bool out_ok = std::isfinite(out_error) && out_error <= out_all.bound;
+        const bool dq_ok = std::isfinite(dq_error) && dq_error <= dq_all.bound;
+        // Row i < 4 holding row 2^25 + i's result: that row's write offset wrapped at 2^32.
+        bool wrapped = false;
+        if (c.row < 4) {
+            for (const RowCheck &high : checks) {
+                if (high.row == kBoundaryRow + c.row) {
+                    const double error =
+                        tensor_metric("out", c.out, high.base.out, high.ref.out, 0).error;
+                    wrapped = std::isfinite(error) && error <= out_all.bound;
+                }
+            }
+        }
+        const bool passed = out_ok && dq_ok && lse_row.passed() && !wrapped;
+        mismatches += passed ? 0 : 1;
+        std::printf("%-4s row %9u (element %11zu) out %.2e%s dq %.2e%s lse %.1e%s%s\n",
+                    passed ? "ok" : "FAIL", c.row, size_t(c.row) * kHeadDim, out_error,
+                    out_ok ? "" : "(FAIL)", dq_error, dq_ok ? "" : "(FAIL)", lse_row.error,
+                    lse_row.passed() ? "" : "(FAIL)",
+                    wrapped ? " OVERWRITTEN by the row 2^32 elements above" : "");
+    }
+    *rows_checked = int(checks.size());
+    return mismatches;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    if (argc > 1) {
+        std::fprintf(stderr, "usage: %s (no arguments; needs about 35 GB of device memory)\n",
+                     argv[0]);
+        return 2;
+    }
+    int rows = 0;
+    int mismatches = 0;
+    try {
+        mismatches = run(&rows);
+    } catch (const CudaFailure &failure) {
+        std::printf("FAIL CUDA error: %s\n", failure.message.c_str());
+        mismatches = rows + 1;
+    }
+    std::printf("large-offsets: %d rows checked, %d mismatches (q elements %zu > 2^32)\n", rows,
+                mismatches, kQElements);
+    return mismatches == 0 ? 0 : 1;
+}
