@@ -2,8 +2,9 @@ import CFlashAttentionMetal
 
 // The C entry points of flash_attention_metal.h that are not in flash_attention_metal.c. Each one
 // validates its own arguments, reports failures through fa_set_last_error and a status, and never
-// traps on user input. Swift names carry an `export` prefix so they do not collide with the C
-// declarations imported from the header.
+// traps on user input. Swift names carry an `_export` prefix so they do not collide with the C
+// declarations imported from the header; they are public only so that the dynamic library exports
+// their C symbols, and the underscore keeps them out of the Swift API's completion and docs.
 
 /// Converts a thrown error to a status and records its message for fa_last_error_message().
 private func report(_ error: Error) -> fa_status {
@@ -26,7 +27,7 @@ private func required<P>(_ pointer: P?, _ name: String) throws -> P {
 
 /// fa_context_create: see flash_attention_metal.h.
 @_cdecl("fa_context_create")
-public func exportContextCreate(_ backend: fa_backend, _ outContext: UnsafeMutablePointer<OpaquePointer?>?)
+public func _exportContextCreate(_ backend: fa_backend, _ outContext: UnsafeMutablePointer<OpaquePointer?>?)
     -> fa_status {
     withAutoreleasePool {
         do {
@@ -52,7 +53,7 @@ public func exportContextCreate(_ backend: fa_backend, _ outContext: UnsafeMutab
 
 /// fa_context_destroy: see flash_attention_metal.h.
 @_cdecl("fa_context_destroy")
-public func exportContextDestroy(_ handle: OpaquePointer?) {
+public func _exportContextDestroy(_ handle: OpaquePointer?) {
     guard let handle else { return }
     withAutoreleasePool {
         Unmanaged<Context>.fromOpaque(UnsafeRawPointer(handle)).release()
@@ -61,7 +62,7 @@ public func exportContextDestroy(_ handle: OpaquePointer?) {
 
 /// fa_context_backend_name: see flash_attention_metal.h.
 @_cdecl("fa_context_backend_name")
-public func exportContextBackendName(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
+public func _exportContextBackendName(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
     guard let ctx = try? context(handle) else { return nil }
     // StaticString literals are NUL-terminated and live in the binary's constant data.
     return UnsafeRawPointer(ctx.backend.name.utf8Start).assumingMemoryBound(to: CChar.self)
@@ -69,14 +70,14 @@ public func exportContextBackendName(_ handle: OpaquePointer?) -> UnsafePointer<
 
 /// fa_context_device_name: see flash_attention_metal.h.
 @_cdecl("fa_context_device_name")
-public func exportContextDeviceName(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
+public func _exportContextDeviceName(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
     guard let ctx = try? context(handle) else { return nil }
     return UnsafePointer(ctx.deviceNameCString)
 }
 
 /// fa_forward: see flash_attention_metal.h.
 @_cdecl("fa_forward")
-public func exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_problem>?,
+public func _exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_problem>?,
                           _ q: UnsafePointer<UInt16>?, _ k: UnsafePointer<UInt16>?, _ v: UnsafePointer<UInt16>?,
                           _ out: UnsafeMutablePointer<UInt16>?, _ lse: UnsafeMutablePointer<Float>?) -> fa_status {
     withAutoreleasePool {
@@ -99,7 +100,7 @@ public func exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_
 
 /// fa_backward: see flash_attention_metal.h.
 @_cdecl("fa_backward")
-public func exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_problem>?,
+public func _exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_problem>?,
                            _ dout: UnsafePointer<UInt16>?, _ q: UnsafePointer<UInt16>?,
                            _ k: UnsafePointer<UInt16>?, _ v: UnsafePointer<UInt16>?,
                            _ out: UnsafePointer<UInt16>?, _ lse: UnsafePointer<Float>?,

@@ -9,6 +9,9 @@
 extern "C" {
 #endif
 
+/* Linked inside the library only: not exported from the shared object. */
+#define FA_INTERNAL __attribute__((visibility("hidden")))
+
 /* One row of FA_HEAD_DIM_BUCKETS. */
 typedef struct FlashAttentionBucket {
     uint32_t head_dim_max;
@@ -20,10 +23,10 @@ typedef struct FlashAttentionBucket {
 
 /* The first bucket whose head_dim_max >= head_dim. Returns 0 (and leaves *bucket alone) when
  * head_dim is 0 or above FA_MAX_HEAD_DIM. */
-int fa_bucket_for_head_dim(uint32_t head_dim, FlashAttentionBucket *bucket);
+FA_INTERNAL int fa_bucket_for_head_dim(uint32_t head_dim, FlashAttentionBucket *bucket);
 
 /* Sets this thread's fa_last_error_message(); null clears it. Copies the text. */
-void fa_set_last_error(const char *message);
+FA_INTERNAL void fa_set_last_error(const char *message);
 
 #ifdef __cplusplus
 }
