@@ -71,6 +71,21 @@ def _find_first(candidates: list[Path]) -> Path | None:
     return next((path for path in candidates if path.is_file()), None)
 
 
+def missing_symbols(lib) -> list[str]:
+    """The names the cdef declares that the loaded library does not define, sorted.
+
+    cffi resolves ABI-mode symbols lazily, so without this check a file that loads but is some
+    other library would fail only on its first call, with cffi's AttributeError.
+    """
+    missing = []
+    for name in sorted(dir(lib)):
+        try:
+            getattr(lib, name)
+        except AttributeError:
+            missing.append(name)
+    return missing
+
+
 class NativeLibrary:
     """The loaded library: ``ffi`` (the cffi FFI with the header's cdef), ``lib`` (its functions)
     and ``path`` (the file that was loaded)."""
@@ -98,7 +113,9 @@ def load() -> NativeLibrary:
     """Finds the header and the library and loads them (no caching; see ``native()``).
 
     Raises FlashAttentionError (status_name ``LIBRARY_NOT_FOUND`` or ``HEADER_NOT_FOUND``) with the
-    paths tried and the fix: run ``./build.sh`` at the repository root.
+    paths tried and the fix: run ``./build.sh`` at the repository root; ``LIBRARY_NOT_LOADABLE``
+    when the file cannot be loaded or lacks any function the header declares (it is not
+    libFlashAttentionMetal, or a build older than the header).
     """
     header_path = _find_first(header_candidates())
     if header_path is None:
@@ -124,6 +141,14 @@ def load() -> NativeLibrary:
             f"cannot load {library_path}: {error}; rebuild it with ./build.sh",
             status_name="LIBRARY_NOT_LOADABLE",
         ) from error
+    missing = missing_symbols(lib)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise FlashAttentionError(
+            f"{library_path} is not {library_file_name()}: it lacks {shown} declared by {header_path}; "
+            f"set {LIBRARY_ENV} to a library built by ./build.sh (or rebuild it if it is an old build)",
+            status_name="LIBRARY_NOT_LOADABLE",
+        )
     return NativeLibrary(ffi, lib, library_path.resolve(), header_path.resolve())
 
 

@@ -69,3 +69,17 @@ def test_cdef_comes_from_the_header_markers():
     assert "fa_forward" in cdef and "FA_CDEF" not in cdef and "#" not in cdef
     with pytest.raises(fam.FlashAttentionError, match="FA_CDEF_BEGIN"):
         _native.extract_cdef("int f(void);")
+
+
+def test_a_loadable_file_that_is_not_the_library_is_rejected_at_load(monkeypatch):
+    # Any shared object without the fa_* functions will do; cffi's own extension is always present.
+    import _cffi_backend
+
+    other = _cffi_backend.__file__
+    monkeypatch.setenv(fam.LIBRARY_ENV, other)
+    with pytest.raises(fam.FlashAttentionError) as caught:
+        _native.load()
+    assert caught.value.status_name == "LIBRARY_NOT_LOADABLE"
+    assert other in caught.value.message
+    assert f"is not {_native.library_file_name()}" in caught.value.message
+    assert "fa_version" in caught.value.message or "more" in caught.value.message
