@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "accuracy.h"
+#include "device_array.h"
 #include "cases.h"
 #include "kernels.h"
 
@@ -33,53 +34,6 @@ struct Options {
     bool repeat = true;
     bool bench = false;
     std::string filter;
-};
-
-// A CUDA failure: the message names the call. After an error like an illegal address the
-// context is unusable, so the harness stops at the first one.
-struct CudaFailure {
-    std::string message;
-};
-
-void check(cudaError_t status, const char *what) {
-    if (status != cudaSuccess) {
-        throw CudaFailure{std::string(what) + ": " + cudaGetErrorName(status) + " (" +
-                          cudaGetErrorString(status) + ")"};
-    }
-}
-
-// Device memory for `count` elements of T, freed on scope exit.
-template <typename T>
-class DeviceArray {
-public:
-    explicit DeviceArray(size_t count) : count_(count) {
-        check(cudaMalloc(&data_, std::max<size_t>(count, 1) * sizeof(T)), "cudaMalloc");
-    }
-    ~DeviceArray() { cudaFree(data_); }
-    DeviceArray(const DeviceArray &) = delete;
-    DeviceArray &operator=(const DeviceArray &) = delete;
-
-    T *get() const { return data_; }
-    void upload(const std::vector<T> &host) {
-        check(cudaMemcpy(data_, host.data(), count_ * sizeof(T), cudaMemcpyHostToDevice),
-              "cudaMemcpy to device");
-    }
-    std::vector<T> download() const {
-        std::vector<T> host(count_);
-        check(cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost),
-              "cudaMemcpy to host");
-        return host;
-    }
-    // Sets every byte to `byte`. Outputs get 0xff (NaN in float16 and float32) or 0x7f (NaN in
-    // float16, 3.4e38 in float32) before a run: an element a kernel forgets to write fails the
-    // rule, and differs between the two runs.
-    void fill_bytes(unsigned char byte) {
-        check(cudaMemset(data_, byte, count_ * sizeof(T)), "cudaMemset");
-    }
-
-private:
-    T *data_ = nullptr;
-    size_t count_;
 };
 
 struct GpuResult {

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "accuracy.h"
+#include "device_array.h"
 #include "half_bits.h"
 #include "kernels.h"
 #include "reference.h"
@@ -52,47 +53,6 @@ constexpr size_t kKvElements = size_t(kSeqlenK) * kHeadDim;
 constexpr uint64_t kQSeed = 1, kDoutSeed = 2, kKSeed = 3, kVSeed = 4;
 static_assert(kQElements > (size_t(1) << 32), "the test needs more than 2^32 elements");
 
-struct CudaFailure {
-    std::string message;
-};
-
-void check(cudaError_t status, const char *what) {
-    if (status != cudaSuccess) {
-        throw CudaFailure{std::string(what) + ": " + cudaGetErrorName(status) + " (" +
-                          cudaGetErrorString(status) + ")"};
-    }
-}
-
-// Device memory for `count` elements of T, freed on scope exit (also when a check throws).
-template <typename T>
-class DeviceArray {
-public:
-    explicit DeviceArray(size_t count) : count_(count) {
-        check(cudaMalloc(&data_, count * sizeof(T)), "cudaMalloc");
-    }
-    ~DeviceArray() { cudaFree(data_); }
-    DeviceArray(const DeviceArray &) = delete;
-    DeviceArray &operator=(const DeviceArray &) = delete;
-
-    T *get() const { return data_; }
-    void upload(const std::vector<T> &host) {
-        check(cudaMemcpy(data_, host.data(), count_ * sizeof(T), cudaMemcpyHostToDevice),
-              "cudaMemcpy to device");
-    }
-    // Elements [first, first + count) back to the host.
-    std::vector<T> download(size_t first, size_t count) const {
-        std::vector<T> host(count);
-        check(cudaMemcpy(host.data(), data_ + first, count * sizeof(T), cudaMemcpyDeviceToHost),
-              "cudaMemcpy to host");
-        return host;
-    }
-    // Every byte 0xff: NaN in float16 and float32, so an element no kernel writes fails the rule.
-    void poison() { check(cudaMemset(data_, 0xff, count_ * sizeof(T)), "cudaMemset"); }
-
-private:
-    T *data_ = nullptr;
-    size_t count_;
-};
 
 // SplitMix64 (Steele, Lea, Flood 2014): a full-avalanche hash of the 64-bit index, so values of
 // elements 2^32 apart are unrelated.
@@ -206,9 +166,9 @@ int run(int *rows_checked) {
     auto start = std::chrono::steady_clock::now();
     fill_on_device(q, kQElements, kQSeed);
     fill_on_device(dout, kQElements, kDoutSeed);
-    out.poison();
-    dq.poison();
-    lse.poison();
+    out.fill_bytes(0xff);
+    dq.fill_bytes(0xff);
+    lse.fill_bytes(0xff);
     check(cudaDeviceSynchronize(), "fill");
     std::printf("filled q and dout, poisoned out, lse and dq: %.2f s\n", seconds_since(start));
 
