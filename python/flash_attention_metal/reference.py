@@ -48,19 +48,44 @@ def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head_dim")
 
 
+def masked_matmul(a: np.ndarray, mask: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """sum over k with mask[m, k] of a[..., m, k] * b[..., k, n], for a (..., M, K), mask (M, K) bool
+    and b (..., K, N).
+
+    A plain ``a @ b`` with a zeroed at masked entries would still turn a NaN or infinity of b at a
+    masked k into NaN (0 * inf); the library never reads masked keys, so neither may the reference.
+    Rows that meet a non-finite b at an unmasked k are recomputed over their unmasked k alone.
+    """
+    a = np.where(mask, a, 0.0)
+    finite = np.isfinite(b)
+    result = a @ np.where(finite, b, 0.0)
+    if finite.all():
+        return result
+    hits = (mask.astype(np.float64) @ (~finite).astype(np.float64)).any(axis=-1)
+    for index in zip(*np.nonzero(hits)):
+        keep = mask[index[-1]]
+        with np.errstate(invalid="ignore"):
+            result[index] = a[index][keep] @ b[index[:-1]][keep]
+    return result
+
+
 def _probabilities(q64, k64, causal: bool, scale: float):
-    """Softmax probabilities P (B, H, Nq, Nk) and lse (B, H, Nq), float64, empty rows -> 0 / -inf."""
+    """Softmax probabilities P (B, H, Nq, Nk) and lse (B, H, Nq), float64.
+
+    Whether a row sees any key comes from the mask alone: such rows get P 0 and lse -inf, while
+    a NaN or infinity in the inputs of a row that does see keys propagates (P and lse NaN) instead
+    of being mistaken for an empty row.
+    """
     scores = scale * (q64 @ np.swapaxes(expand_kv(k64, q64.shape[1]), -1, -2))
     visible = visible_keys(q64.shape[2], k64.shape[2], causal)
+    has_keys = visible.any(axis=-1, keepdims=True)
     scores = np.where(visible, scores, -np.inf)
-    row_max = scores.max(axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    weights = np.exp(scores - row_max)
-    total = weights.sum(axis=-1, keepdims=True)
-    has_keys = total > 0
-    with np.errstate(divide="ignore"):
+    with np.errstate(invalid="ignore"):
+        row_max = np.where(has_keys, scores.max(axis=-1, keepdims=True), 0.0)
+        weights = np.exp(scores - row_max)
+        total = weights.sum(axis=-1, keepdims=True)
         lse = np.where(has_keys, row_max + np.log(np.where(has_keys, total, 1.0)), -np.inf)
-    return weights / np.where(has_keys, total, 1.0), lse[..., 0]
+        return weights / np.where(has_keys, total, 1.0), lse[..., 0]
 
 
 def forward(q, k, v, *, causal: bool = False, softmax_scale=None):
@@ -73,13 +98,15 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale=None):
 
     Returns:
         (out, lse): float64 (B, H, Nq, D) and (B, H, Nq); lse is the natural log of the softmax
-        denominator, -inf for rows that see no key (whose out is 0).
+        denominator, -inf for rows that the mask leaves without keys (whose out is 0); NaN or
+        infinite inputs seen by a row make its out and lse NaN.
     """
     _check_shapes(q, k, v)
     scale = default_scale(q.shape[3], softmax_scale)
     q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     probabilities, lse = _probabilities(q64, k64, causal, scale)
-    return probabilities @ expand_kv(v64, q.shape[1]), lse
+    visible = visible_keys(q.shape[2], k.shape[2], causal)
+    return masked_matmul(probabilities, visible, expand_kv(v64, q.shape[1])), lse
 
 
 def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None):
@@ -92,8 +119,9 @@ def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None):
         dout: like q; q, k, v, causal, softmax_scale: as for ``forward``.
 
     Returns:
-        (dq, dk, dv), float64, shaped like q, k, v; dk and dv sum over each GQA group; rows with no
-        visible key contribute zero.
+        (dq, dk, dv), float64, shaped like q, k, v; dk and dv sum over each GQA group; rows the
+        mask leaves without keys contribute zero (even when the inputs hold NaN); NaN or infinite
+        inputs seen by a row propagate as NaN.
     """
     _check_shapes(q, k, v)
     if np.shape(dout) != q.shape:
@@ -103,11 +131,14 @@ def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None):
     dout64, q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
     k_full, v_full = expand_kv(k64, num_heads), expand_kv(v64, num_heads)
     probabilities, _ = _probabilities(q64, k64, causal, scale)
-    out = probabilities @ v_full
+    visible = visible_keys(q.shape[2], k.shape[2], causal)
+    out = masked_matmul(probabilities, visible, v_full)
     dprobabilities = dout64 @ np.swapaxes(v_full, -1, -2)
-    delta = np.sum(dout64 * out, axis=-1, keepdims=True)
-    dscores = probabilities * (dprobabilities - delta)
-    dq = scale * (dscores @ k_full)
-    dk = scale * (np.swapaxes(dscores, -1, -2) @ q64)
-    dv = np.swapaxes(probabilities, -1, -2) @ dout64
+    # Masked entries are exactly zero even where dP holds a NaN from a key the row never sees.
+    with np.errstate(invalid="ignore"):
+        delta = np.sum(dout64 * out, axis=-1, keepdims=True)
+        dscores = np.where(visible, probabilities * (dprobabilities - delta), 0.0)
+    dq = scale * masked_matmul(dscores, visible, k_full)
+    dk = scale * masked_matmul(np.swapaxes(dscores, -1, -2), visible.T, q64)
+    dv = masked_matmul(np.swapaxes(probabilities, -1, -2), visible.T, dout64)
     return dq, reduce_kv(dk, num_kv_heads), reduce_kv(dv, num_kv_heads)

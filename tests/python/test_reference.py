@@ -75,6 +75,25 @@ def test_causal_is_bottom_right_and_empty_rows_are_zero():
     assert all(np.all(np.isfinite(g)) for g in (dq, dk, dv))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_keys_propagate_and_only_the_mask_makes_a_row_empty(bad):
+    q, k, v, dout = make_inputs(3, 1, 2, 2, 6, 3, 4)
+    k[:, :, 2, 1] = bad  # key 2 is seen by query row 5 only (bottom-right causal, Nq 6, Nk 3)
+    v[:, :, 2, 0] = bad  # rows that never see key 2 must not read its value either (0 * nan)
+    q[:, :, 5, 1] = 1  # so that an infinite key makes the score +inf (exp(inf - inf) is NaN)
+    out, lse = reference.forward(q, k, v, causal=True)
+    # Rows 0..2 see no key: the mask, not the values, makes them empty.
+    assert np.all(out[:, :, :3] == 0) and np.all(np.isneginf(lse[:, :, :3]))
+    # Rows 3 and 4 do not see key 2: untouched by it.
+    assert np.all(np.isfinite(out[:, :, 3:5])) and np.all(np.isfinite(lse[:, :, 3:5]))
+    # Row 5 sees it: NaN in out and lse alike, never the empty-row marker -inf or a bare +inf.
+    assert np.all(np.isnan(out[:, :, 5])) and np.all(np.isnan(lse[:, :, 5]))
+    dq, dk, dv = reference.backward(dout, q, k, v, causal=True)
+    assert np.all(dq[:, :, :3] == 0)
+    assert np.all(np.isfinite(dq[:, :, 3:5])) and np.all(np.isnan(dq[:, :, 5]))
+    assert np.all(np.isnan(dk)) and np.all(np.isnan(dv[:, :, 2]))
+
+
 def test_decode_causal_equals_non_causal():
     q, k, v, _ = make_inputs(4, 1, 2, 2, 1, 64, 16)
     causal, _ = reference.forward(q, k, v, causal=True)
