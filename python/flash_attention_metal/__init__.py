@@ -10,7 +10,7 @@ The module functions run on a default Context created on first use; ``$FLASH_ATT
 
 from __future__ import annotations
 
-from . import accuracy, reference
+from . import _validation, accuracy, reference
 from ._default import BACKEND_ENV, default_backend, default_context
 from ._native import LIBRARY_ENV
 from .context import BACKENDS, Context
@@ -20,17 +20,26 @@ __version__ = "0.1.0"
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None):
-    """``Context.forward`` on the default context: returns (out float16, lse float32)."""
+    """``Context.forward`` on the default context: returns (out float16, lse float32).
+
+    The arguments are checked before the library is loaded, so a wrong dtype or shape is reported
+    as such even where the library is missing.
+    """
+    _validation.check_forward(q, k, v, causal, softmax_scale)
     return default_context().forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None):
-    """``Context.backward`` on the default context: returns (dq, dk, dv), float16."""
+    """``Context.backward`` on the default context: returns (dq, dk, dv), float16 (arguments
+    checked before the library is loaded, as for ``forward``)."""
+    _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale)
     return default_context().backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None):
-    """``Context.attention`` on the default context: returns out, float16 like q."""
+    """``Context.attention`` on the default context: returns out, float16 like q (arguments
+    checked before the library is loaded, as for ``forward``)."""
+    _validation.check_forward(q, k, v, causal, softmax_scale)
     return default_context().attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 
-from .context import BACKENDS, Context
+from .context import Context, normalize_backend
 
 BACKEND_ENV = "FLASH_ATTENTION_METAL_BACKEND"
 
@@ -14,14 +14,13 @@ _context: Context | None = None
 
 
 def default_backend() -> str:
-    """The backend named by ``$FLASH_ATTENTION_METAL_BACKEND`` ("auto" when unset or empty).
+    """The backend named by ``$FLASH_ATTENTION_METAL_BACKEND`` ("auto" when unset or blank),
+    normalized as ``Context`` normalizes its argument.
 
     Raises ValueError naming the variable when it holds anything but auto, metal or cpu.
     """
-    value = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV} must be one of {', '.join(BACKENDS)}, got {value!r}")
-    return value
+    value = os.environ.get(BACKEND_ENV, "")
+    return normalize_backend(value, BACKEND_ENV) if value.strip() else "auto"
 
 
 def default_context() -> Context:

@@ -31,8 +31,20 @@ class Shape:
 def check_array(name: str, array, dtype=np.float16, ndim: int = 4) -> None:
     """Checks that ``array`` is a NumPy array of ``dtype`` with ``ndim`` dimensions, none empty or
     beyond uint32."""
+    if isinstance(array, np.ma.MaskedArray):
+        raise TypeError(
+            f"{name} is a numpy masked array; masked arrays are not supported (the mask would be "
+            f"ignored): pass {name}.filled(value) or {name}.data"
+        )
     if not isinstance(array, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
+    if array.dtype != dtype and array.dtype.newbyteorder("=") == dtype:
+        order = {">": "big-endian", "<": "little-endian"}.get(array.dtype.byteorder, array.dtype.byteorder)
+        raise TypeError(
+            f"{name} must be native-byte-order {np.dtype(dtype).name}, got {order} "
+            f"{array.dtype.name} ({array.dtype.str!r}); convert it explicitly, "
+            f"e.g. {name}.astype(numpy.{np.dtype(dtype).name})"
+        )
     if array.dtype != dtype:
         raise TypeError(
             f"{name} must have dtype {np.dtype(dtype).name}, got {array.dtype.name} "
@@ -53,24 +65,36 @@ def check_causal(causal) -> bool:
     return bool(causal)
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
-    """The scale to use: 1/sqrt(head_dim) for None, else a finite real number (not a bool) that
-    stays finite as a float32."""
+    """The scale to use: 1/sqrt(head_dim) for None, else a real number (not a bool) that is finite
+    and representable as a float32 (the ABI's type)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    value = float(softmax_scale)
-    if not math.isfinite(value):
-        raise ValueError(f"softmax_scale must be finite, got {value}")
-    with np.errstate(over="ignore"):
-        if not np.isfinite(np.float32(value)):
-            raise ValueError(f"softmax_scale must be finite as a float32, got {value}")
+    rule = f"softmax_scale must be finite and representable as float32 (|softmax_scale| <= {_FLOAT32_MAX:.7g})"
+    try:
+        value = float(softmax_scale)
+    except OverflowError:
+        raise ValueError(f"{rule}, got {_short_repr(softmax_scale)}") from None
+    if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+        raise ValueError(f"{rule}, got {value}")
     return value
 
 
-def check_qkv(q, k, v, max_head_dim: int) -> Shape:
-    """Checks q (B, H, Nq, D), k and v (B, H_kv, Nk, D), all float16, and returns the shape."""
+def _short_repr(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
+def check_qkv(q, k, v) -> Shape:
+    """Checks q (B, H, Nq, D), k and v (B, H_kv, Nk, D), all float16, and returns the shape.
+
+    Needs no library; the upper bound of head_dim does (``check_head_dim``).
+    """
     for name, array in (("q", q), ("k", k), ("v", v)):
         check_array(name, array)
     batch, num_heads, seqlen_q, head_dim = q.shape
@@ -85,9 +109,28 @@ def check_qkv(q, k, v, max_head_dim: int) -> Shape:
         raise ValueError(
             f"q num_heads {num_heads} must be divisible by k/v num_kv_heads {num_kv_heads} (GQA/MQA)"
         )
-    if not 1 <= head_dim <= max_head_dim:
-        raise ValueError(f"head_dim {head_dim} is outside the supported range 1..{max_head_dim}")
     return Shape(batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim)
+
+
+def check_head_dim(shape: Shape, max_head_dim: int) -> None:
+    """head_dim must be within 1..max_head_dim, the library's ``fa_max_head_dim()``."""
+    if not 1 <= shape.head_dim <= max_head_dim:
+        raise ValueError(f"head_dim {shape.head_dim} is outside the supported range 1..{max_head_dim}")
+
+
+def check_forward(q, k, v, causal, softmax_scale) -> tuple[Shape, bool, float]:
+    """Every forward check that needs no library: returns (shape, causal, softmax_scale)."""
+    shape = check_qkv(q, k, v)
+    return shape, check_causal(causal), resolve_softmax_scale(softmax_scale, shape.head_dim)
+
+
+def check_backward(dout, q, k, v, out, lse, causal, softmax_scale) -> tuple[Shape, bool, float]:
+    """Every backward check that needs no library: returns (shape, causal, softmax_scale)."""
+    shape = check_qkv(q, k, v)
+    check_like_q("dout", dout, q.shape)
+    check_like_q("out", out, q.shape)
+    check_lse(lse, shape)
+    return shape, check_causal(causal), resolve_softmax_scale(softmax_scale, shape.head_dim)
 
 
 def check_like_q(name: str, array, q_shape: tuple) -> None:

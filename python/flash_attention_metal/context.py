@@ -16,26 +16,46 @@ from ._native import NativeLibrary, native
 BACKENDS = ("auto", "metal", "cpu")
 
 
+def normalize_backend(value, name: str = "backend") -> str:
+    """A backend name as every entry point takes it: a str, case and surrounding spaces ignored.
+
+    ``name`` is what the error calls the value (the argument, or the environment variable).
+    Raises TypeError for a non-str, ValueError for a name outside ``BACKENDS``.
+    """
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{name} must be a str (one of {', '.join(map(repr, BACKENDS))}), got {type(value).__name__}"
+        )
+    normalized = value.strip().lower()
+    if normalized not in BACKENDS:
+        raise ValueError(
+            f"{name} must be one of {', '.join(map(repr, BACKENDS))} (case and surrounding spaces "
+            f"ignored), got {value!r}"
+        )
+    return normalized
+
+
 class Context:
     """A library context on one backend; safe to use from several threads at once.
 
     Args:
-        backend: ``"auto"`` (Metal where available, else the CPU engine), ``"metal"`` or ``"cpu"``.
+        backend: ``"auto"`` (Metal where available, else the CPU engine), ``"metal"`` or ``"cpu"``;
+            case and surrounding spaces are ignored (``normalize_backend``).
 
     Attributes:
         backend: the backend in use, ``"metal"`` or ``"cpu"``.
         device: the Metal device name, or a description of the CPU engine.
-        requested_backend: the ``backend`` argument.
+        requested_backend: the ``backend`` argument, normalized.
 
     Raises:
+        TypeError: backend is not a str.
         ValueError: an unknown backend name.
         FlashAttentionError: the library cannot be loaded, or the backend is unavailable
             (``FA_STATUS_BACKEND_UNAVAILABLE``, e.g. ``"metal"`` off Apple GPUs).
     """
 
     def __init__(self, backend: str = "auto") -> None:
-        if not isinstance(backend, str) or backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+        backend = normalize_backend(backend)
         self._native: NativeLibrary = native()
         ffi, lib = self._native.ffi, self._native.lib
         holder = ffi.new("fa_context **")
@@ -76,9 +96,8 @@ class Context:
             TypeError, ValueError: invalid arguments (checked before any native call).
             FlashAttentionError: the library reported an error.
         """
-        shape = _validation.check_qkv(q, k, v, self.max_head_dim)
-        causal = _validation.check_causal(causal)
-        scale = _validation.resolve_softmax_scale(softmax_scale, shape.head_dim)
+        shape, causal, scale = _validation.check_forward(q, k, v, causal, softmax_scale)
+        _validation.check_head_dim(shape, self.max_head_dim)
         q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
         out = np.empty(q.shape, dtype=np.float16)
         lse = np.empty(q.shape[:3], dtype=np.float32)
@@ -108,12 +127,8 @@ class Context:
             TypeError, ValueError: invalid arguments (checked before any native call).
             FlashAttentionError: the library reported an error.
         """
-        shape = _validation.check_qkv(q, k, v, self.max_head_dim)
-        _validation.check_like_q("dout", dout, q.shape)
-        _validation.check_like_q("out", out, q.shape)
-        _validation.check_lse(lse, shape)
-        causal = _validation.check_causal(causal)
-        scale = _validation.resolve_softmax_scale(softmax_scale, shape.head_dim)
+        shape, causal, scale = _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+        _validation.check_head_dim(shape, self.max_head_dim)
         dout, q, k, v, out, lse = (np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse))
         dq = np.empty(q.shape, dtype=np.float16)
         dk = np.empty(k.shape, dtype=np.float16)
@@ -155,4 +170,4 @@ def _half_out(ffi, array: np.ndarray):
     return ffi.from_buffer("uint16_t[]", array, require_writable=True)
 
 
-__all__ = ["BACKENDS", "Context"]
+__all__ = ["BACKENDS", "Context", "normalize_backend"]

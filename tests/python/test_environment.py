@@ -54,4 +54,13 @@ def test_metal_selected_off_apple_fails_with_backend_unavailable():
 
 
 def test_invalid_value_names_the_variable():
-    assert _probe("cuda") == f"ValueError {fam.BACKEND_ENV} must be one of auto, metal, cpu, got 'cuda'"
+    assert _probe("cuda") == (f"ValueError {fam.BACKEND_ENV} must be one of 'auto', 'metal', 'cpu' "
+                              "(case and surrounding spaces ignored), got 'cuda'")
+
+
+def test_surrounding_spaces_are_ignored():
+    assert _probe(" CPU ") == "backend cpu (1, 1, 2, 4)"
+
+
+def test_blank_means_auto():
+    assert _probe("  ") == _probe(None)

@@ -12,8 +12,24 @@ from flash_attention_metal import _native
 
 
 def test_unknown_backend_name_is_a_value_error():
-    with pytest.raises(ValueError, match="backend must be one of 'auto', 'metal', 'cpu', got 'gpu'"):
+    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'metal', 'cpu' \(case and surrounding "
+                                         r"spaces ignored\), got 'gpu'"):
         fam.Context("gpu")
+
+
+def test_backend_names_are_trimmed_and_case_insensitive_like_the_variable():
+    context = fam.Context(" CPU ")
+    assert context.backend == "cpu" and context.requested_backend == "cpu"
+    if sys.platform != "darwin":
+        with pytest.raises(fam.FlashAttentionError) as caught:
+            fam.Context("METAL")
+        assert caught.value.status_name == "FA_STATUS_BACKEND_UNAVAILABLE"
+
+
+@pytest.mark.parametrize("backend", [None, 1, b"cpu"])
+def test_backend_of_the_wrong_type_is_a_type_error(backend):
+    with pytest.raises(TypeError, match=f"backend must be a str .*got {type(backend).__name__}"):
+        fam.Context(backend)
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="Metal may be available on macOS")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
 import flash_attention_metal as fam
+from flash_attention_metal import _default, _native
 
 from conftest import make_inputs
 
@@ -140,12 +143,57 @@ def test_dout_and_out_must_have_q_shape(guarded, inputs, name):
         _backward(guarded, inputs)
 
 
-@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), 1e39])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), 1e39, -1e39,
+                                   pytest.param(10**400, id="10**400"),
+                                   pytest.param(Fraction(-(10**400), 3), id="-10**400/3")])
 def test_softmax_scale_must_be_finite(guarded, inputs, scale):
-    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+    rule = r"softmax_scale must be finite and representable as float32 \(\|softmax_scale\| <= 3.402823e\+38\)"
+    with pytest.raises(ValueError, match=rule):
         _forward(guarded, inputs, softmax_scale=scale)
-    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+    with pytest.raises(ValueError, match=rule):
         _backward(guarded, inputs, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "dout", "out", "lse"])
+def test_non_native_byte_order_is_rejected_and_named(guarded, inputs, name):
+    inputs[name] = inputs[name].astype(inputs[name].dtype.newbyteorder(">"))
+    expected = "float32" if name == "lse" else "float16"
+    rule = f"{name} must be native-byte-order {expected}, got big-endian {expected}"
+    with pytest.raises(TypeError, match=rule):
+        _backward(guarded, inputs)
+    if name in ("q", "k", "v"):
+        with pytest.raises(TypeError, match=rule):
+            _forward(guarded, inputs)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "dout", "out", "lse"])
+def test_masked_arrays_are_rejected(guarded, inputs, name):
+    inputs[name] = np.ma.masked_array(inputs[name], mask=np.zeros(inputs[name].shape, dtype=bool))
+    rule = rf"{name} is a numpy masked array; masked arrays are not supported .*{name}\.filled\(value\) or {name}\.data"
+    with pytest.raises(TypeError, match=rule):
+        _backward(guarded, inputs)
+    if name in ("q", "k", "v"):
+        with pytest.raises(TypeError, match=rule):
+            _forward(guarded, inputs)
+
+
+def test_arguments_are_checked_before_the_library_is_loaded(monkeypatch, tmp_path, inputs):
+    monkeypatch.setenv(fam.LIBRARY_ENV, str(tmp_path / "missing.so"))
+    monkeypatch.setattr(_native, "_native", None)
+    monkeypatch.setattr(_default, "_context", None)
+    wrong = {name: array.astype(np.float32) for name, array in inputs.items()}
+    with pytest.raises(TypeError, match="q must have dtype float16, got float32"):
+        fam.forward(wrong["q"], wrong["k"], wrong["v"])
+    with pytest.raises(TypeError, match="q must have dtype float16, got float32"):
+        fam.attention(wrong["q"], wrong["k"], wrong["v"])
+    with pytest.raises(TypeError, match="dout must have dtype float16, got float32"):
+        fam.backward(wrong["dout"], inputs["q"], inputs["k"], inputs["v"], inputs["out"], inputs["lse"])
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        fam.forward(inputs["q"], inputs["k"], inputs["v"], softmax_scale=float("nan"))
+    # Valid arguments then need the library, which is missing.
+    with pytest.raises(fam.FlashAttentionError) as caught:
+        fam.forward(inputs["q"], inputs["k"], inputs["v"])
+    assert caught.value.status_name == "LIBRARY_NOT_FOUND"
 
 
 @pytest.mark.parametrize("scale", ["0.5", True, np.bool_(False), [0.5], 1j])
