@@ -97,3 +97,56 @@ def test_bench_plot_writes_a_png(tmp_path):
     results = [bench.Result(n, c, 1.0 + n, 2.0 + n, 1e9 * n) for n in (16, 32) for c in (False, True)]
     bench.plot(results, path, "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("option, value, rule", [
+    ("--seqlens", "-5", "must be an integer in 1..4294967295"),
+    ("--seqlens", "0", "must be an integer in 1..4294967295"),
+    ("--seqlens", "5000000000", "must be an integer in 1..4294967295"),
+    ("--seqlens", "ten", "must be an integer, got 'ten'"),
+    ("--batch", "0", "must be an integer in 1..4294967295"),
+    ("--heads", "-1", "must be an integer in 1..4294967295"),
+    ("--head-dim", "0", "must be an integer in 1..4294967295"),
+    ("--repeats", "0", "must be an integer in 1..4294967295"),
+])
+def test_bench_rejects_bad_sizes_while_parsing(capsys, option, value, rule):
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "--backend", "cpu", option, value])
+    assert caught.value.code == 2
+    assert f"argument {option}: {rule}" in capsys.readouterr().err
+
+
+def test_bench_plot_directory_must_exist_before_running(tmp_path, capsys):
+    target = tmp_path / "missing" / "bench.png"
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "--backend", "cpu", "--plot", str(target)])
+    assert caught.value.code == 2
+    assert f"argument --plot: the directory '{target.parent}'" in capsys.readouterr().err
+
+
+def test_bench_head_dim_above_the_library_limit_fails_before_any_progress(ctx, capsys):
+    assert main(["bench", "--backend", "cpu", "--head-dim", str(ctx.max_head_dim + 1)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == f"error: --head-dim must be in 1..{ctx.max_head_dim} (the library's largest " \
+                           f"head_dim), got {ctx.max_head_dim + 1}\n"
+    assert captured.out == ""
+
+
+class _NoMemory:
+    def standard_normal(self, shape):
+        raise MemoryError
+
+
+def test_bench_out_of_memory_is_a_clean_error_on_its_own_line(monkeypatch, capsys):
+    monkeypatch.setattr(bench.np.random, "default_rng", lambda seed: _NoMemory())
+    assert main(["bench", "--backend", "cpu", "--seqlens", "4000000000", "--repeats", "1"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    errors = [line for line in lines if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: cannot allocate the inputs of seqlen 4000000000")
+    assert "use smaller --seqlens" in errors[0]
+
+
+def test_backend_option_is_normalized_like_the_context():
+    from flash_attention_metal.cli import build_parser
+
+    assert build_parser().parse_args(["info", "--backend", " CPU "]).backend == "cpu"

@@ -15,11 +15,12 @@ import sys
 
 from ..context import BACKENDS
 from ..errors import FlashAttentionError
+from . import _types
 
 
 def _add_backend(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--backend", choices=BACKENDS, default=None,
+        "--backend", type=_types.backend, choices=BACKENDS, default=None,
         help="backend to use (default: $FLASH_ATTENTION_METAL_BACKEND, else auto)",
     )
 
@@ -53,6 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         command = {"info": info.run, "check": check.run, "bench": bench.run}[args.command]
         return command(args)
-    except (FlashAttentionError, OSError, ValueError) as error:
+    except (FlashAttentionError, OSError, ValueError, MemoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from . import _types
 from ._context import context_for
 from .progress import track
 
@@ -47,15 +49,17 @@ def forward_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``bench``."""
-    parser.add_argument("--seqlens", type=int, nargs="+", default=None,
+    parser.add_argument("--seqlens", type=_types.positive_int, nargs="+", default=None,
                         help=f"sequence lengths (default: {' '.join(map(str, _CPU_SEQLENS))} on the CPU "
                              f"engine, {' '.join(map(str, _GPU_SEQLENS))} on Metal)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration; the best counts")
+    parser.add_argument("--batch", type=_types.positive_int, default=1)
+    parser.add_argument("--heads", type=_types.positive_int, default=8)
+    parser.add_argument("--head-dim", type=_types.positive_int, default=64,
+                        help="1..the library's largest head_dim (see `info`)")
+    parser.add_argument("--repeats", type=_types.positive_int, default=3,
+                        help="timed runs per configuration; the best counts")
     parser.add_argument("--causal", choices=("both", "on", "off"), default="both")
-    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+    parser.add_argument("--plot", type=_types.output_file, default=None, metavar="FILE.png",
                         help="save a TFLOP/s plot (needs matplotlib: pip install 'flash_attention_metal[bench]')")
 
 
@@ -70,11 +74,24 @@ def best_ms(function, repeats: int) -> float:
     return best * 1e3
 
 
+def _inputs(seqlen: int, args: argparse.Namespace) -> list[np.ndarray]:
+    """Seeded N(0, 1) float16 q, k, v, dout; MemoryError with the sizes when they do not fit."""
+    shape = (args.batch, args.heads, seqlen, args.head_dim)
+    rng = np.random.default_rng(seqlen)
+    try:
+        return [rng.standard_normal(shape).astype(np.float16) for _ in range(4)]
+    except (MemoryError, ValueError) as error:
+        gib = 4 * 2 * float(np.prod(shape, dtype=np.float64)) / 2**30
+        raise MemoryError(
+            f"cannot allocate the inputs of seqlen {seqlen} (q, k, v, dout of shape {shape}: "
+            f"{gib:.3g} GiB in float16, plus float64 scratch while generating them); "
+            f"use smaller --seqlens, --batch, --heads or --head-dim"
+        ) from error
+
+
 def measure(context, seqlen: int, causal: bool, args: argparse.Namespace) -> Result:
     """Times forward and backward for one sequence length (Nq = Nk = seqlen)."""
-    rng = np.random.default_rng(seqlen)
-    shape = (args.batch, args.heads, seqlen, args.head_dim)
-    q, k, v, dout = (rng.standard_normal(shape).astype(np.float16) for _ in range(4))
+    q, k, v, dout = _inputs(seqlen, args)
     out, lse = context.forward(q, k, v, causal=causal)
     forward_ms = best_ms(lambda: context.forward(q, k, v, causal=causal), args.repeats)
     backward_ms = best_ms(lambda: context.backward(dout, q, k, v, out, lse, causal=causal), args.repeats)
@@ -82,12 +99,17 @@ def measure(context, seqlen: int, causal: bool, args: argparse.Namespace) -> Res
     return Result(seqlen, causal, forward_ms, backward_ms, flops)
 
 
-def plot(results: list[Result], path: Path, title: str) -> None:
-    """Saves TFLOP/s against sequence length, forward and backward, causal and not, to ``path``."""
+def _require_matplotlib():
     try:
         import matplotlib
     except ImportError as error:
         raise OSError("--plot needs matplotlib: pip install 'flash_attention_metal[bench]'") from error
+    return matplotlib
+
+
+def plot(results: list[Result], path: Path, title: str) -> None:
+    """Saves TFLOP/s against sequence length, forward and backward, causal and not, to ``path``."""
+    matplotlib = _require_matplotlib()
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
@@ -110,17 +132,20 @@ def plot(results: list[Result], path: Path, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints one row per configuration (ms and TFLOP/s) and optionally saves the plot; returns 0."""
-    for name in ("batch", "heads", "head_dim", "repeats"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     context = context_for(args.backend)
+    if args.head_dim > context.max_head_dim:
+        raise ValueError(f"--head-dim must be in 1..{context.max_head_dim} (the library's largest head_dim), "
+                         f"got {args.head_dim}")
+    if args.plot is not None:
+        _require_matplotlib()
     seqlens = args.seqlens or (_CPU_SEQLENS if context.backend == "cpu" else _GPU_SEQLENS)
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]
     configs = [(seqlen, causal) for seqlen in seqlens for causal in modes]
     title = (f"{context.backend} ({context.device}): B={args.batch} H={args.heads} D={args.head_dim}")
     print(title)
-    results = [measure(context, seqlen, causal, args)
-               for seqlen, causal in track(configs, len(configs), "bench")]
+    # closing() clears the progress line before an error propagates, so the message gets its own line.
+    with closing(track(configs, len(configs), "bench")) as progress:
+        results = [measure(context, seqlen, causal, args) for seqlen, causal in progress]
     print(f"{'seqlen':>7} {'causal':>6} {'fwd ms':>10} {'fwd TFLOP/s':>12} {'bwd ms':>10} {'bwd TFLOP/s':>12}")
     for r in results:
         print(f"{r.seqlen:>7} {str(r.causal):>6} {r.forward_ms:>10.3f} {r.forward_tflops:>12.4g} "

@@ -7,7 +7,11 @@ from collections.abc import Iterable, Iterator
 
 
 def track(items: Iterable, total: int, description: str) -> Iterator:
-    """Yields ``items`` while showing progress on stderr."""
+    """Yields ``items`` while showing progress on stderr.
+
+    Close the generator (``contextlib.closing``) when the loop can end early: closing removes the
+    progress line, so whatever is printed next starts on a line of its own.
+    """
     try:
         from tqdm import tqdm
     except ImportError:
@@ -22,7 +26,9 @@ def track(items: Iterable, total: int, description: str) -> Iterator:
     else:
         yield from rich_track(items, total=total, description=description, transient=True)
         return
-    for index, item in enumerate(items, start=1):
-        print(f"\r{description} {index}/{total}", end="", file=sys.stderr, flush=True)
-        yield item
-    print(file=sys.stderr)
+    try:
+        for index, item in enumerate(items, start=1):
+            print(f"\r{description} {index}/{total}", end="", file=sys.stderr, flush=True)
+            yield item
+    finally:
+        print(file=sys.stderr, flush=True)
