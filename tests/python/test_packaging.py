@@ -1,0 +1,46 @@
+"""python/pyproject.toml: every package directory and data file is declared, in forms current
+setuptools accepts without deprecation warnings."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from pathlib import Path
+
+import pytest
+
+import flash_attention_metal as fam
+
+tomllib = pytest.importorskip("tomllib")
+
+_PACKAGE_DIR = Path(fam.__file__).resolve().parent
+_PYPROJECT = _PACKAGE_DIR.parent / "pyproject.toml"
+
+
+@pytest.fixture(scope="module")
+def project() -> dict:
+    return tomllib.loads(_PYPROJECT.read_text(encoding="utf-8"))
+
+
+def test_license_is_an_spdx_string_and_setuptools_supports_it(project):
+    assert isinstance(project["project"]["license"], str), "project.license as a table is deprecated"
+    floors = [re.fullmatch(r"setuptools>=(\d+).*", r) for r in project["build-system"]["requires"]]
+    assert any(f and int(f.group(1)) >= 77 for f in floors), "SPDX license strings need setuptools >= 77"
+
+
+def test_every_package_directory_is_listed(project):
+    listed = set(project["tool"]["setuptools"]["packages"])
+    directories = {
+        ".".join((_PACKAGE_DIR.name, *path.relative_to(_PACKAGE_DIR).parts))
+        for path in [_PACKAGE_DIR, *_PACKAGE_DIR.rglob("*")]
+        if path.is_dir() and path.name != "__pycache__"
+    }
+    assert directories <= listed, f"not in [tool.setuptools] packages: {sorted(directories - listed)}"
+
+
+def test_every_data_file_is_package_data_of_its_own_package(project):
+    package_data = project["tool"]["setuptools"]["package-data"]
+    for path in _PACKAGE_DIR.rglob("*.npz"):
+        package = ".".join((_PACKAGE_DIR.name, *path.parent.relative_to(_PACKAGE_DIR).parts))
+        patterns = package_data.get(package, [])
+        assert any(fnmatch.fnmatch(path.name, p) for p in patterns), f"{path.name} not in package-data of {package}"
