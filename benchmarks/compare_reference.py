@@ -8,7 +8,8 @@ adds, measured in a fresh child process per call as the growth of the peak resid
 the resident size just before the call (after a small warm-up call, so one-time set-up such as the
 engine's worker stacks is not counted). On Linux the peak is VmHWM of /proc/self/status, reset
 through /proc/self/clear_refs just before the call (ru_maxrss would carry the parent's peak across
-fork and exec); elsewhere it is ru_maxrss. Ratios are reference / library.
+fork and exec); elsewhere it is ru_maxrss. Ratios are reference / library; a library growth below
+the measurement resolution shows the memory ratio as a lower bound ("> N").
 
 Usage: python benchmarks/compare_reference.py [--backend cpu] [--seqlens 256 512 1024]
        [--batch 1] [--heads 8] [--head-dim 64] [--repeats 3] [--causal]
@@ -98,6 +99,23 @@ def _peak_growth(args, operation: str, seqlen: int) -> int:
     return json.loads(result.stdout.strip().splitlines()[-1])["peak_growth_bytes"]
 
 
+def resolution_bytes() -> int:
+    """Smallest nonzero growth _measure_peak_growth can report: 1 KiB on Linux (/proc counts in
+    kB), a page elsewhere (ru_maxrss grows page by page)."""
+    return _KIB if _STATUS.is_file() else resource.getpagesize()
+
+
+def memory_ratio(ref_bytes: int, lib_bytes: int, resolution: int) -> str:
+    """ref/lib as an 8-wide column. A library growth below the measurement resolution (reported
+    as 0) bounds the ratio only from below: "> N" with N = ref / resolution, or "n/a" when the
+    reference grew by nothing measurable either."""
+    if lib_bytes >= resolution:
+        return f"{ref_bytes / lib_bytes:8.1f}"
+    if ref_bytes >= resolution:
+        return f"{'> ' + format(ref_bytes / resolution, '.0f'):>8}"
+    return f"{'n/a':>8}"
+
+
 def _mib(n: float) -> str:
     return f"{n / _KIB / _KIB:9.1f}"
 
@@ -131,9 +149,9 @@ def main() -> int:
             ref_ms = best_ms(operations[f"reference {label}"], args.repeats)
             lib_mem = _peak_growth(args, f"library {label}", seqlen)
             ref_mem = _peak_growth(args, f"reference {label}", seqlen)
-            memory_ratio = f"{ref_mem / lib_mem:8.1f}" if lib_mem else f"{'inf':>8}"
+            ratio = memory_ratio(ref_mem, lib_mem, resolution_bytes())
             print(f"{seqlen:>6} {label:<9} {lib_ms:9.2f} {ref_ms:9.2f} {ref_ms / lib_ms:8.2f}   "
-                  f"{_mib(lib_mem)} {_mib(ref_mem)} {memory_ratio}   {_mib(matrix_bytes):>12}")
+                  f"{_mib(lib_mem)} {_mib(ref_mem)} {ratio}   {_mib(matrix_bytes):>12}")
     return 0
 
 
