@@ -46,7 +46,17 @@ build_library() {
     say "building the release library"
     swift build -c release --product FlashAttentionMetal
     if [[ "$(uname -s)" == Darwin ]]; then build_metallib; fi
+    link_into_python_package
     say "built $(library_path)"
+}
+
+# Links the library and the C header next to the Python package (ignored by git): an editable
+# install follows the links to the current build, and `pip install ./python` copies the files into
+# the installed package.
+link_into_python_package() {
+    local package=python/flash_attention_metal
+    ln -sf "$(library_path)" "$package/$(basename "$(library_path)")"
+    ln -sf "$ROOT/Sources/CFlashAttentionMetal/include/flash_attention_metal.h" "$package/flash_attention_metal.h"
 }
 
 # .venv at the repository root with the package (editable), its test, bench and examples extras
