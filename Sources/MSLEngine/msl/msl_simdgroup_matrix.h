@@ -30,6 +30,14 @@ constexpr uint32_t row_of_lane(uint32_t l) { return ((l / 4) & 4) + (l / 2) % 4;
 /// Column of the first of lane l's two elements; the second is the next column.
 constexpr uint32_t column_of_lane(uint32_t l) { return ((l / 4) & 2) * 2 + (l % 2) * 2; }
 
+/// Memory index of element e (0 or 1) of the calling lane's pair, for simdgroup_load/store.
+inline ulong element_index(uint32_t e, ulong elements_per_row, ulong2 origin, bool transpose) {
+    const uint32_t l = msl_engine::runtime::simd_lane();
+    const ulong r = row_of_lane(l), c = column_of_lane(l) + e;
+    return transpose ? (origin.x + c) * elements_per_row + origin.y + r
+                     : (origin.y + r) * elements_per_row + origin.x + c;
+}
+
 inline bool require_all_lanes(uint32_t mask, msl_engine::simd_fault *fault) {
     if (mask == 0xffffffffu) return true;
     const uint32_t missing = uint32_t(__builtin_ctz(~mask));
@@ -113,13 +121,9 @@ void simdgroup_load(simdgroup_matrix<T, Cols, Rows> &d, const T *src, ulong elem
                     MSL_SIMD_SITE) {
     msl_engine::runtime::simd_collective("simdgroup_load", matrix_detail::all_lanes, nullptr,
                                          nullptr, 0, file, line);
-    const uint32_t l = msl_engine::runtime::simd_lane();
-    const ulong r = matrix_detail::row_of_lane(l), c = matrix_detail::column_of_lane(l);
-    for (ulong e = 0; e < 2; ++e) {
-        const ulong index = transpose_matrix
-                                ? (matrix_origin.x + c + e) * elements_per_row + matrix_origin.y + r
-                                : (matrix_origin.y + r) * elements_per_row + matrix_origin.x + c + e;
-        d.elements[unsigned(e)] = src[index];
+    for (uint32_t e = 0; e < 2; ++e) {
+        d.elements[e] = src[matrix_detail::element_index(e, elements_per_row, matrix_origin,
+                                                          transpose_matrix)];
     }
 }
 
@@ -130,13 +134,9 @@ void simdgroup_store(const simdgroup_matrix<T, Cols, Rows> &a, T *dst,
                      bool transpose_matrix = false, MSL_SIMD_SITE) {
     msl_engine::runtime::simd_collective("simdgroup_store", matrix_detail::all_lanes, nullptr,
                                          nullptr, 0, file, line);
-    const uint32_t l = msl_engine::runtime::simd_lane();
-    const ulong r = matrix_detail::row_of_lane(l), c = matrix_detail::column_of_lane(l);
-    for (ulong e = 0; e < 2; ++e) {
-        const ulong index = transpose_matrix
-                                ? (matrix_origin.x + c + e) * elements_per_row + matrix_origin.y + r
-                                : (matrix_origin.y + r) * elements_per_row + matrix_origin.x + c + e;
-        dst[index] = a.elements[unsigned(e)];
+    for (uint32_t e = 0; e < 2; ++e) {
+        dst[matrix_detail::element_index(e, elements_per_row, matrix_origin, transpose_matrix)] =
+            a.elements[e];
     }
 }
 
