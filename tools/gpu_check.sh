@@ -142,6 +142,24 @@ echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/b
 failures=0
 summaries=()
 
+# Runs check program $2 (limit 300 s) with its output shown and logged to $3, and records its last
+# line starting with "$1:" as the step's summary (a timeout means a hang, e.g. a barrier not every
+# thread reaches); a non-zero exit status counts as a failure.
+run_checked_step() {
+    local name=$1 program=$2 log=$3 status line
+    SECONDS=0
+    timeout 300 "$program" 2>&1 | tee "$log"
+    status=${PIPESTATUS[0]}
+    line=$(grep -E "^$name:" "$log" | tail -n 1)
+    if [ "$status" = 124 ]; then
+        line="$name: TIMEOUT after 300 s (a hang, e.g. a barrier not every thread reaches)"
+    elif [ -z "$line" ]; then
+        line="$name: no summary (exit status $status)"
+    fi
+    [ "$status" = 0 ] || failures=$((failures + 1))
+    summaries+=("$line (${SECONDS}s)")
+}
+
 if [ "$DEFAULT" = 1 ]; then
     # The harness's C++ reference and baseline against python/flash_attention_metal's (one rule in
     # every layer). Needs python3 with numpy and a host C++ compiler; skipped without them.
@@ -158,17 +176,7 @@ if [ "$DEFAULT" = 1 ]; then
     fi
 
     # Accuracy grid: the harness prints its own summary line "cuda-accuracy: N cases, M mismatches".
-    SECONDS=0
-    timeout 300 "$BUILD/harness" 2>&1 | tee "$BUILD/accuracy.log"
-    status=${PIPESTATUS[0]}
-    line=$(grep -E '^cuda-accuracy:' "$BUILD/accuracy.log" | tail -n 1)
-    if [ "$status" = 124 ]; then
-        line="cuda-accuracy: TIMEOUT after 300 s (a hang, e.g. a barrier not every thread reaches)"
-    elif [ -z "$line" ]; then
-        line="cuda-accuracy: no summary (harness exit status $status)"
-    fi
-    [ "$status" = 0 ] || failures=$((failures + 1))
-    summaries+=("$line (${SECONDS}s)")
+    run_checked_step cuda-accuracy "$BUILD/harness" "$BUILD/accuracy.log"
 
     # Runs harness $2 under compute-sanitizer tool $1 (limit $3 seconds, tool options after that),
     # writing $BUILD/$LOG_NAME.log, and sets: SAN_STATUS (exit status, 124 on timeout), SAN_CASES
@@ -263,17 +271,7 @@ fi
 
 # Opt-in: offsets above 2^32 elements, and the planted 32-bit-offset fault that must fail it.
 if [ "$LARGE" = 1 ]; then
-    SECONDS=0
-    timeout 300 "$BUILD/large_offsets" 2>&1 | tee "$BUILD/large-offsets.log"
-    status=${PIPESTATUS[0]}
-    line=$(grep -E '^large-offsets:' "$BUILD/large-offsets.log" | tail -n 1)
-    if [ "$status" = 124 ]; then
-        line="large-offsets: TIMEOUT after 300 s"
-    elif [ -z "$line" ]; then
-        line="large-offsets: no summary (exit status $status)"
-    fi
-    [ "$status" = 0 ] || failures=$((failures + 1))
-    summaries+=("$line (${SECONDS}s)")
+    run_checked_step large-offsets "$BUILD/large_offsets" "$BUILD/large-offsets.log"
     if [ "$MUTANTS" = 1 ]; then
         SECONDS=0
         timeout 300 "$BUILD/large_offsets-offset32" >"$BUILD/mutant-offset32.log" 2>&1
