@@ -25,6 +25,8 @@
 
 using namespace metal;
 
+#include "flash_attention_merge.h"
+
 // Number of keys query row `row` sees: all of them, or with the causal mask the prefix
 // j <= row + seqlen_k - seqlen_q (possibly empty).
 inline uint visible_keys(constant FlashAttentionParams &p, uint row) {
@@ -366,3 +368,17 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
     }
 
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_KERNELS)
+
+// fa_merge_attention: two results over disjoint key sets -> the result over their union
+// (flash_attention_merge.h).
+kernel void flash_attention_merge(device const half *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],
+                                  device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],
+                                  device const half *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],
+                                  device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],
+                                  device half *out [[buffer(FA_MERGE_BUFFER_OUT)]],
+                                  device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],
+                                  constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],
+                                  uint3 tgid [[threadgroup_position_in_grid]],
+                                  uint tid [[thread_index_in_threadgroup]]) {
+    attention_merge(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);
+}

@@ -32,6 +32,22 @@ typedef struct FlashAttentionParams {
 #define FA_FORWARD_BUFFER_PARAMS 5
 #define FA_FORWARD_BUFFER_COUNT 6
 
+// Buffer indices: flash_attention_merge (fa_merge_attention), out and lse of two parts in, their
+// merge out; rows laid out as forward's out and lse.
+#define FA_MERGE_BUFFER_OUT_A 0
+#define FA_MERGE_BUFFER_LSE_A 1
+#define FA_MERGE_BUFFER_OUT_B 2
+#define FA_MERGE_BUFFER_LSE_B 3
+#define FA_MERGE_BUFFER_OUT 4
+#define FA_MERGE_BUFFER_LSE 5
+#define FA_MERGE_BUFFER_PARAMS 6
+#define FA_MERGE_BUFFER_COUNT 7
+// flash_attention_merge threadgroups: FA_MERGE_ROWS_PER_THREADGROUP rows, each row's head_dim
+// elements strided over FA_MERGE_THREADS_PER_ROW threads (a SIMD-group on Apple GPUs, so a row's
+// loads and stores are contiguous), 128 threads in all.
+#define FA_MERGE_ROWS_PER_THREADGROUP 4
+#define FA_MERGE_THREADS_PER_ROW 32
+
 // Buffer indices: both backward kernels read these.
 #define FA_BACKWARD_BUFFER_DOUT 0
 #define FA_BACKWARD_BUFFER_Q 1

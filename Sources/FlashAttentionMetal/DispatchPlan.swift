@@ -1,11 +1,18 @@
 import CFlashAttentionMetal
 
-/// What a kernel buffer holds. `lse` is float32; every other role is float16.
+/// What a kernel buffer holds. The lse roles are float32; every other role is float16.
+/// `outA`, `lseA`, `outB`, `lseB` are the two parts that `fa_merge_attention` merges into `out`
+/// and `lse`.
 enum BufferRole: Int, CaseIterable {
-    case q, k, v, out, lse, dout, dq, dk, dv
+    case q, k, v, out, lse, dout, dq, dk, dv, outA, lseA, outB, lseB
 
     /// Bytes per element.
-    var elementSize: Int { self == .lse ? 4 : 2 }
+    var elementSize: Int {
+        switch self {
+        case .lse, .lseA, .lseB: return 4
+        default: return 2
+        }
+    }
 
     /// The C argument name, for messages.
     var name: String {
@@ -19,6 +26,10 @@ enum BufferRole: Int, CaseIterable {
         case .dq: return "dq"
         case .dk: return "dk"
         case .dv: return "dv"
+        case .outA: return "out_a"
+        case .lseA: return "lse_a"
+        case .outB: return "out_b"
+        case .lseB: return "lse_b"
         }
     }
 
@@ -26,9 +37,9 @@ enum BufferRole: Int, CaseIterable {
     /// k-like roles the KV heads and key length.
     func elementCount(for problem: Problem) -> Int {
         switch self {
-        case .q, .out, .dout, .dq: return problem.queryElements
+        case .q, .out, .dout, .dq, .outA, .outB: return problem.queryElements
         case .k, .v, .dk, .dv: return problem.keyValueElements
-        case .lse: return problem.lseElements
+        case .lse, .lseA, .lseB: return problem.lseElements
         }
     }
 
@@ -123,6 +134,28 @@ struct DispatchPlan {
                                           height: problem.numKVHeads, depth: problem.batch),
             threadsPerThreadgroup: GridSize(width: b.backward_block_k, height: 1, depth: 1))
         return DispatchPlan(dispatches: [dq, dkv], outputs: [.dq, .dk, .dv], problem: problem)
+    }
+
+    /// Merge (`fa_merge_attention`): `flash_attention_merge` over (ceil(seqlen_q /
+    /// FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch) threadgroups of
+    /// FA_MERGE_ROWS_PER_THREADGROUP * FA_MERGE_THREADS_PER_ROW threads; `problem` gives the row
+    /// layout (``Problem/merge(rows:headDim:)``).
+    static func merge(_ problem: Problem) -> DispatchPlan {
+        let rows = UInt32(FA_MERGE_ROWS_PER_THREADGROUP)
+        let dispatch = Dispatch(
+            kernelName: "flash_attention_merge",
+            bindings: [BufferBinding(index: Int(FA_MERGE_BUFFER_OUT_A), role: .outA),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE_A), role: .lseA),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_OUT_B), role: .outB),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE_B), role: .lseB),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_OUT), role: .out),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE), role: .lse)],
+            paramsIndex: Int(FA_MERGE_BUFFER_PARAMS),
+            params: problem.params,
+            threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenQ, rows), height: problem.numHeads,
+                                          depth: problem.batch),
+            threadsPerThreadgroup: GridSize(width: rows * UInt32(FA_MERGE_THREADS_PER_ROW), height: 1, depth: 1))
+        return DispatchPlan(dispatches: [dispatch], outputs: [.out, .lse], problem: problem)
     }
 
     /// ceil(length / block), computed without the overflow of `length + block - 1` near 2^32.

@@ -43,6 +43,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None):
     return default_context().attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """``Context.merge_attention`` on the default context: merges two attention results over
+    disjoint key sets into the result over their union; returns (out float16, lse float32)
+    (arguments checked before the library is loaded, as for ``forward``)."""
+    _validation.check_merge(out_a, lse_a, out_b, lse_b)
+    return default_context().merge_attention(out_a, lse_a, out_b, lse_b)
+
+
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
@@ -55,5 +63,6 @@ __all__ = [
     "default_backend",
     "default_context",
     "forward",
+    "merge_attention",
     "reference",
 ]

@@ -107,6 +107,25 @@ fa_status fa_backward(fa_context *context, const fa_problem *problem,
                       const uint16_t *out, const float *lse,
                       uint16_t *dq, uint16_t *dk, uint16_t *dv);
 
+/* Merges two attention results over disjoint key sets of the same queries into the result over
+ * their union: the log-sum-exp combine of split-KV decoding and ring attention (FlashAttention-2's
+ * online-softmax rescaling applied to whole parts). Per row, with m = max(lse_a, lse_b),
+ * w_a = exp(lse_a - m), w_b = exp(lse_b - m):
+ *   out = (w_a out_a + w_b out_b) / (w_a + w_b),   lse = m + log(w_a + w_b),
+ * computed in float32 and rounded once to float16. A part with lse = -inf (it saw no key)
+ * contributes nothing and its out is not used (it may hold anything, NaN included); a row that is
+ * empty in both parts gets out = 0 and lse = -inf; no NaN comes from -inf. A NaN lse propagates.
+ * Layout: out_a, out_b, out float16 [rows][head_dim]; lse_a, lse_b, lse float32 [rows]. The out
+ * and lse of fa_forward are such arrays with rows = batch * num_heads * seqlen_q, so merging
+ * fa_forward over keys k[:, :, :s] with fa_forward over k[:, :, s:] gives fa_forward over all
+ * keys (for causal masks, choose parts whose masks are the restriction of the full mask).
+ * rows in 1 ... 2^32 - 1, head_dim in 1 ... fa_max_head_dim(); out and lse must not overlap any
+ * input. Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED. */
+fa_status fa_merge_attention(fa_context *context, uint64_t rows, uint32_t head_dim,
+                             const uint16_t *out_a, const float *lse_a,
+                             const uint16_t *out_b, const float *lse_b,
+                             uint16_t *out, float *lse);
+
 /* FA_CDEF_END */
 
 #ifdef __cplusplus

@@ -69,6 +69,26 @@ public final class MetalFlashAttention: @unchecked Sendable {
                    into: commandBuffer)
     }
 
+    /// Encodes the merge of two attention results over disjoint key sets (see
+    /// ``FlashAttention/mergeAttention(outA:lseA:outB:lseB:out:lse:headDim:)``): `outA`, `outB`,
+    /// `out` float16 `[rows][headDim]`, `lseA`, `lseB`, `lse` float32 `[rows]`; `out` and `lse`
+    /// must not share memory with the inputs.
+    /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:causal:softmaxScale:)``.
+    public func encodeMerge(into commandBuffer: MTLCommandBuffer, outA: MTLBuffer, lseA: MTLBuffer, outB: MTLBuffer,
+                            lseB: MTLBuffer, out: MTLBuffer, lse: MTLBuffer, rows: Int, headDim: Int) throws {
+        guard rows >= 1 else { throw FlashAttentionError.invalidArgument("rows (\(rows)) must be at least 1") }
+        let problem = try Problem.merge(rows: UInt64(rows), headDim: headDim)
+        for (name, output) in [("out", out), ("lse", lse)] {
+            for (inputName, input) in [("out_a", outA), ("lse_a", lseA), ("out_b", outB), ("lse_b", lseB)]
+            where input === output {
+                throw FlashAttentionError.invalidArgument("\(name) must not be the same buffer as \(inputName)")
+            }
+        }
+        try encode(DispatchPlan.merge(problem),
+                   buffers: [.outA: outA, .lseA: lseA, .outB: outB, .lseB: lseB, .out: out, .lse: lse],
+                   into: commandBuffer)
+    }
+
     /// Encodes every dispatch of `plan` in one compute encoder. All checks run before the encoder
     /// exists, so a failure leaves the command buffer untouched.
     func encode(_ plan: DispatchPlan, buffers: [BufferRole: MTLBuffer], into commandBuffer: MTLCommandBuffer) throws {
