@@ -53,13 +53,13 @@ static void fill(uint16_t *x, size_t n, unsigned seed) {
     }
 }
 
-/* Reads the calling thread's last profile on ctx, prints it, and checks it describes `dispatches`
- * kernels whose names start with `prefix`, measured by the CPU engine (counters present, barriers
- * executed, times that add up). */
-static void check_profile(fa_context *ctx, uint32_t dispatches, const char *prefix) {
+/* Reads the calling thread's last profile on ctx, prints it, and checks it describes at least
+ * `min_dispatches` kernels whose names start with `prefix`, measured by the CPU engine (counters
+ * present, barriers executed, times that add up). */
+static void check_profile(fa_context *ctx, uint32_t min_dispatches, const char *prefix) {
     fa_profile profile = {sizeof(fa_profile), 0, 0.0};
     check(fa_context_last_profile(ctx, &profile) == FA_STATUS_SUCCESS, fa_last_error_message());
-    check(profile.dispatch_count == dispatches, "profile: number of dispatches");
+    check(profile.dispatch_count >= min_dispatches, "profile: number of dispatches");
     check(profile.seconds > 0, "profile: seconds > 0");
     double sum = 0;
     uint64_t barriers = 0;
@@ -128,11 +128,8 @@ int main(void) {
     check_finite(dq, sizeof dq / 2, "dq");
     check_finite(dk, sizeof dk / 2, "dk");
     check_finite(dv, sizeof dv / 2, "dv");
-    fa_profile backward_profile = {sizeof(fa_profile), 0, 0.0};
-    check(fa_context_last_profile(ctx, &backward_profile) == FA_STATUS_SUCCESS, fa_last_error_message());
-    check(backward_profile.dispatch_count >= 2, "backward profile: dQ and dK/dV kernels (at least)");
     printf("backward profile:\n");
-    check_profile(ctx, backward_profile.dispatch_count, "flash_attention_backward_");
+    check_profile(ctx, 2, "flash_attention_backward_"); /* dQ and dK/dV kernels, at least */
 
     fa_problem bad = problem;
     bad.num_heads = 3;

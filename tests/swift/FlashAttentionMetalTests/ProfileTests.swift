@@ -66,6 +66,14 @@ final class ProfileTests: XCTestCase {
 
     func testForwardAndBackwardProfilesFollowThePlan() throws {
         let attention = try FlashAttention(backend: .cpu)
+        // The second shape is a decode step (two queries over a longer KV cache), whose plan may differ.
+        let decode = AttentionShape(batch: 1, numHeads: 4, numKVHeads: 2, seqlenQ: 2, seqlenK: 600, headDim: 64)
+        for shape in [shape, decode] {
+            try assertProfilesFollowThePlan(attention, shape)
+        }
+    }
+
+    private func assertProfilesFollowThePlan(_ attention: FlashAttention, _ shape: AttentionShape) throws {
         for causal in [false, true] {
             let problem = try Problem.validate(shape, causal: causal, softmaxScale: nil)
             let forward = try forwardProfile(attention, shape, causal: causal)
