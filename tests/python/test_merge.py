@@ -204,3 +204,16 @@ def test_checked_before_the_library_is_loaded(monkeypatch, tmp_path, parts):
     with pytest.raises(fam.FlashAttentionError) as caught:
         _merge(parts)
     assert caught.value.status_name == "LIBRARY_NOT_FOUND"
+
+
+def test_profile_of_a_merge(ctx):
+    rng = np.random.default_rng(8)
+    out_a = rng.standard_normal((3, 5, 64)).astype(np.float16)
+    lse_a = rng.standard_normal((3, 5)).astype(np.float32)
+    ctx.merge_attention(out_a, lse_a, out_a, lse_a)
+    (dispatch,) = ctx.last_profile.dispatches
+    assert dispatch.kernel == "flash_attention_merge"
+    assert dispatch.threadgroups == (4, 1, 1)  # 15 rows, 4 per threadgroup
+    assert dispatch.threads_per_threadgroup == (128, 1, 1)
+    if ctx.backend == "cpu":
+        assert dispatch.simdgroup_multiply_accumulates == 0 and dispatch.threadgroup_barriers == 0
