@@ -1,4 +1,5 @@
-"""``bench``: time and TFLOP/s of forward and backward over a range of sequence lengths.
+"""``bench``: time and TFLOP/s of forward and backward over a range of sequence lengths, or with
+``--decode`` the forward time of decode shapes (``bench_decode``).
 
 FLOPs are counted as FlashAttention's benchmark counts them: 4 * B * H * Nq * Nk * D for the
 forward pass (the two matrix products), halved when causal, and 2.5 times that for the backward.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _types, bench_profile
+from . import _types, bench_decode, bench_profile
 from ._context import context_for
 from .progress import track
 
@@ -53,15 +54,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sequence lengths (default: {' '.join(map(str, _CPU_SEQLENS))} on the CPU "
                              f"engine, {' '.join(map(str, _GPU_SEQLENS))} on Metal)")
     parser.add_argument("--batch", type=_types.positive_int, default=1)
-    parser.add_argument("--heads", type=_types.positive_int, default=8)
-    parser.add_argument("--head-dim", type=_types.positive_int, default=64,
-                        help="1..the library's largest head_dim (see `info`)")
+    parser.add_argument("--heads", type=_types.positive_int, default=None,
+                        help=f"query heads (default: 8, or {bench_decode.HEADS} with --decode)")
+    parser.add_argument("--head-dim", type=_types.positive_int, default=None,
+                        help=f"1..the library's largest head_dim (see `info`; default: 64, or "
+                             f"{bench_decode.HEAD_DIM} with --decode)")
     parser.add_argument("--repeats", type=_types.positive_int, default=3,
                         help="timed runs per configuration; the best counts")
     parser.add_argument("--causal", choices=("both", "on", "off"), default="both")
     parser.add_argument("--plot", type=_types.output_file, default=None, metavar="FILE.png",
                         help="save a TFLOP/s plot (needs matplotlib: pip install 'flash_attention_metal[bench]')")
     bench_profile.add_argument(parser)
+    bench_decode.add_arguments(parser)
+
+
+def resolve_shape(args: argparse.Namespace) -> None:
+    """Fills the defaults of --heads, --kv-heads and --head-dim, which depend on --decode, and
+    checks that the KV heads divide the query heads."""
+    if args.heads is None:
+        args.heads = bench_decode.HEADS if args.decode else 8
+    if args.head_dim is None:
+        args.head_dim = bench_decode.HEAD_DIM if args.decode else 64
+    if args.kv_heads is None:
+        gqa = args.decode and args.heads % bench_decode.KV_HEADS == 0
+        args.kv_heads = bench_decode.KV_HEADS if gqa else args.heads
+    if args.heads % args.kv_heads != 0:
+        raise ValueError(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
 
 
 def best_ms(function, repeats: int) -> float:
@@ -78,9 +96,10 @@ def best_ms(function, repeats: int) -> float:
 def _inputs(seqlen: int, args: argparse.Namespace) -> list[np.ndarray]:
     """Seeded N(0, 1) float16 q, k, v, dout; MemoryError with the sizes when they do not fit."""
     shape = (args.batch, args.heads, seqlen, args.head_dim)
+    kv_shape = (args.batch, args.kv_heads, seqlen, args.head_dim)
     rng = np.random.default_rng(seqlen)
     try:
-        return [rng.standard_normal(shape).astype(np.float16) for _ in range(4)]
+        return [rng.standard_normal(s).astype(np.float16) for s in (shape, kv_shape, kv_shape, shape)]
     except (MemoryError, ValueError) as error:
         gib = 4 * 2 * float(np.prod(shape, dtype=np.float64)) / 2**30
         raise MemoryError(
@@ -133,18 +152,27 @@ def plot(results: list[Result], path: Path, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Prints one row per configuration (ms and TFLOP/s) and optionally saves the plot; returns 0."""
+    resolve_shape(args)
+    if args.decode and args.plot is not None:
+        raise ValueError("--plot draws TFLOP/s over sequence lengths; it does not apply to --decode")
     context = context_for(args.backend)
     if args.profile:
         context = bench_profile.ProfileRecorder(context)
     if args.head_dim > context.max_head_dim:
         raise ValueError(f"--head-dim must be in 1..{context.max_head_dim} (the library's largest head_dim), "
                          f"got {args.head_dim}")
+    if args.decode:
+        bench_decode.run(context, args, best_ms)
+        if args.profile:
+            bench_profile.print_profiles(context)
+        return 0
     if args.plot is not None:
         _require_matplotlib()
     seqlens = args.seqlens or (_CPU_SEQLENS if context.backend == "cpu" else _GPU_SEQLENS)
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]
     configs = [(seqlen, causal) for seqlen in seqlens for causal in modes]
-    title = (f"{context.backend} ({context.device}): B={args.batch} H={args.heads} D={args.head_dim}")
+    kv = f" H_kv={args.kv_heads}" if args.kv_heads != args.heads else ""
+    title = f"{context.backend} ({context.device}): B={args.batch} H={args.heads}{kv} D={args.head_dim}"
     print(title)
     # closing() clears the progress line before an error propagates, so the message gets its own line.
     with closing(track(configs, len(configs), "bench")) as progress:
