@@ -44,7 +44,7 @@ protocol ExecutionBackend: AnyObject {
     /// The device the kernels run on, for users.
     var deviceName: String { get }
     /// Runs every dispatch of `plan` in order and returns when all have finished. Throws
-    /// `FlashAttentionError` with the device's or engine's message on failure (outputs then hold
-    /// unspecified values; the caller poisons them).
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws
+    /// `FlashAttentionError` with the device's or engine's message on failure, `.cancelled` when
+    /// `cancellation` stopped it (outputs then hold unspecified values; the caller poisons them).
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws
 }

@@ -18,13 +18,14 @@ final class CPUBackend: ExecutionBackend {
         deviceName = "CPU engine (MSL on \(msl_engine_worker_count()) worker threads)"
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws {
         for dispatch in plan.dispatches {
-            try run(dispatch, buffers: buffers)
+            try run(dispatch, buffers: buffers, cancellation: cancellation)
         }
     }
 
-    private func run(_ dispatch: Dispatch, buffers: HostBuffers) throws {
+    /// The engine checks `cancellation` before every threadgroup, the first one included.
+    private func run(_ dispatch: Dispatch, buffers: HostBuffers, cancellation: CancellationToken) throws {
         var params = dispatch.params
         try withUnsafeMutableBytes(of: &params) { paramBytes in
             var slots = [msl_engine_buffer](repeating: msl_engine_buffer(contents: nil, length: 0),
@@ -39,7 +40,7 @@ final class CPUBackend: ExecutionBackend {
             slots[dispatch.paramsIndex] = msl_engine_buffer(contents: paramBytes.baseAddress,
                                                             length: paramBytes.count)
             var message = [CChar](repeating: 0, count: 1024)
-            let status = msl_engine_dispatch(
+            let status = msl_engine_dispatch_cancellable(
                 dispatch.kernelName, slots, UInt32(slots.count),
                 msl_engine_size(width: dispatch.threadgroupsPerGrid.width,
                                 height: dispatch.threadgroupsPerGrid.height,
@@ -47,12 +48,13 @@ final class CPUBackend: ExecutionBackend {
                 msl_engine_size(width: dispatch.threadsPerThreadgroup.width,
                                 height: dispatch.threadsPerThreadgroup.height,
                                 depth: dispatch.threadsPerThreadgroup.depth),
-                &message, message.count)
+                cancellation.state, cancellation.startEpoch, &message, message.count)
             guard status != MSL_ENGINE_SUCCESS else { return }
             let text = "CPU engine: " + String(decoding: message.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) },
                                                    as: UTF8.self)
             switch status {
             case MSL_ENGINE_OUT_OF_MEMORY: throw FlashAttentionError.outOfMemory(text)
+            case MSL_ENGINE_CANCELLED: throw FlashAttentionError.cancelled("cancelled by fa_context_cancel: \(text)")
             // A kernel the plan names but the engine lacks is a build defect, not a user error.
             case MSL_ENGINE_UNKNOWN_KERNEL: throw FlashAttentionError.internalError(text)
             default: throw FlashAttentionError.executionFailed(text)

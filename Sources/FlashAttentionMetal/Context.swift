@@ -24,6 +24,8 @@ final class Context {
     let backend: ExecutionBackend
     /// `strdup` of the device name: valid while the context lives, as the header promises.
     let deviceNameCString: UnsafeMutablePointer<CChar>?
+    /// What `cancel()` advances and every call's token reads.
+    private let cancellation = Cancellation()
 
     init(_ kind: Backend) throws {
         switch kind {
@@ -59,15 +61,18 @@ final class Context {
         #endif
     }
 
-    /// Runs `plan`; on failure poisons its outputs and rethrows.
+    /// Runs `plan`; on failure (cancellation included) poisons its outputs and rethrows.
     func run(_ plan: DispatchPlan, buffers: HostBuffers) throws {
         do {
-            try backend.execute(plan, buffers: buffers)
+            try backend.execute(plan, buffers: buffers, cancellation: cancellation.token())
         } catch {
             buffers.poisonOutputs(of: plan)
             throw error
         }
     }
+
+    /// Cancels the calls in flight (see fa_context_cancel); thread-safe, returns at once.
+    func cancel() { cancellation.cancel() }
 }
 
 /// Runs `body` inside an autorelease pool where Objective-C exists: Metal objects are autoreleased,

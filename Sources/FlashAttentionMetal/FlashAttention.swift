@@ -24,6 +24,12 @@ public final class FlashAttention: @unchecked Sendable {
     /// The Metal device name, or a description of the CPU engine.
     public var deviceName: String { context.backend.deviceName }
 
+    /// Cancels the calls in flight on this instance, from any thread: each stops early (the CPU
+    /// engine before its next threadgroup, Metal before its next command buffer) and throws
+    /// ``FlashAttentionError/cancelled(_:)`` with its outputs set to NaN, unless it had already
+    /// finished its work. Calls that start afterwards run normally. Returns at once.
+    public func cancel() { context.cancel() }
+
     /// Forward pass into caller-owned memory: `out` (float16 bit patterns, like `q`) and `lse`
     /// (float32, `[batch][numHeads][seqlenQ]`).
     /// - Parameters:
