@@ -25,7 +25,7 @@ public final class FlashAttention: @unchecked Sendable {
     public var deviceName: String { context.backend.deviceName }
 
     /// Cancels the calls in flight on this instance, from any thread: each stops early (the CPU
-    /// engine before its next threadgroup, Metal before its next command buffer) and throws
+    /// engine within its current threadgroups, Metal before its next command buffer) and throws
     /// ``FlashAttentionError/cancelled(_:)`` with its outputs set to NaN, unless it had already
     /// finished its work. Calls that start afterwards run normally. Returns at once.
     public func cancel() { context.cancel() }

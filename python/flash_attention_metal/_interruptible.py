@@ -4,7 +4,7 @@ Python runs signal handlers only in the main thread and only between bytecodes, 
 arrives while the main thread is inside a long library call would wait for the call to finish. A
 call made from the main thread therefore runs on a worker thread while the main thread waits on an
 Event, which signals interrupt on POSIX: a KeyboardInterrupt raised during the wait cancels the
-call through the library (``fa_context_cancel``: the CPU engine stops before its next threadgroup,
+call through the library (``fa_context_cancel``: the CPU engine stops within its current threadgroups,
 Metal before its next command buffer), waits for it to stop and propagates. Calls from other
 threads run directly: signals never interrupt them.
 
@@ -90,7 +90,7 @@ def call(function: Callable[[], T], cancel: Callable[[], None]) -> T:
     except BaseException:
         # Cancel again until the call has stopped: a cancel that lands before the native call has
         # started reaches nothing (the library cancels only calls in flight). Once cancelled, the
-        # call stops within one threadgroup (CPU engine) or command buffer (Metal).
+        # call stops within microseconds on the CPU engine, within one command buffer on Metal.
         cancel()
         while not job.done.wait(_CANCEL_RETRY_SECONDS):
             cancel()

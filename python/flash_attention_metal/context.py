@@ -150,7 +150,7 @@ class Context:
     def cancel(self) -> None:
         """Cancels the calls in flight on this context, from any thread (``fa_context_cancel``).
 
-        Each call that started before stops early (the CPU engine before its next threadgroup,
+        Each call that started before stops early (the CPU engine within its current threadgroups,
         Metal before its next command buffer) and raises FlashAttentionError with status_name
         ``FA_STATUS_CANCELLED``, unless it had already finished its work; calls that start
         afterwards run normally. Returns at once. Ctrl-C during a call made from the main thread

@@ -1,7 +1,7 @@
 """Cancelling long calls: Ctrl-C (SIGINT) in the main thread and Context.cancel() from another thread.
 
 These run on the CPU engine, where one call at seqlen 32768 takes tens of seconds and the engine
-checks for cancellation before each threadgroup (a Metal call of that size is over before a signal
+checks for cancellation between threadgroups and inside them (a Metal call of that size is over before a signal
 could reach it). Uncancelled, each call below would run for far longer than the bounds asserted.
 """
 
@@ -21,7 +21,7 @@ import pytest
 import flash_attention_metal as fam
 
 LONG_SEQLEN = 32768  # one head, head_dim 64: tens of seconds per call on the CPU engine
-# From SIGINT to the child's exit; the cancelled call stops within one threadgroup per worker
+# From SIGINT to the child's exit; the cancelled call stops within a few dozen fiber switches
 # (well under a second), the rest is slack for a loaded machine.
 EXIT_BOUND_SECONDS = 3.0
 

@@ -95,8 +95,8 @@ const char *fa_context_backend_name(const fa_context *context);
 const char *fa_context_device_name(const fa_context *context);
 
 /* Cancels the calls in flight on context: every fa_forward or fa_backward that started on it before
- * this call stops early (the CPU engine before its next threadgroup, Metal before its next command
- * buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN, unless it had already
+ * this call stops early (the CPU engine within its current threadgroups, Metal before its next
+ * command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN, unless it had already
  * finished its work. Calls that start afterwards run normally. Thread-safe, lock-free; returns at
  * once without waiting for the calls to stop. Errors: INVALID_ARGUMENT (null context). */
 fa_status fa_context_cancel(fa_context *context);

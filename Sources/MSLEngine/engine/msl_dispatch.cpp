@@ -87,6 +87,7 @@ struct dispatch_job {
 
     void work() {
         threadgroup_runner runner;
+        runner.watch(cancellation, start_epoch);
         std::string text;
         uint64_t done = 0;
         while (!outcome.failed.load(std::memory_order_relaxed)) {
@@ -99,6 +100,10 @@ struct dispatch_job {
             const metal::uint3 position(uint32_t(i % groups.x), uint32_t((i / groups.x) % groups.y),
                                         uint32_t(i / (uint64_t(groups.x) * groups.y)));
             const msl_engine_status s = runner.run(*kernel, args, position, threads, groups, &text);
+            if (s == MSL_ENGINE_CANCELLED) {
+                outcome.cancelled.store(true, std::memory_order_relaxed);
+                break;
+            }
             if (s != MSL_ENGINE_SUCCESS) {
                 outcome.record(i, s, text);
                 break;

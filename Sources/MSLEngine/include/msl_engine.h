@@ -22,7 +22,7 @@ typedef enum msl_engine_status {
     MSL_ENGINE_BARRIER_DIVERGENCE = 4,        /* a barrier not reached by every thread, or at different sites */
     MSL_ENGINE_SIMDGROUP_DIVERGENCE = 5,      /* a SIMD-group function not reached by every lane alike */
     MSL_ENGINE_OUT_OF_MEMORY = 6,
-    MSL_ENGINE_CANCELLED = 7                  /* msl_engine_dispatch_cancellable: cancelled before every threadgroup ran */
+    MSL_ENGINE_CANCELLED = 7                  /* msl_engine_dispatch_cancellable: stopped before every threadgroup finished */
 } msl_engine_status;
 
 /* A buffer bound at index i of the kernel's [[buffer(i)]] arguments. */
@@ -67,16 +67,16 @@ typedef struct msl_engine_cancellation {
 /* The current epoch of cancellation. */
 uint64_t msl_engine_cancellation_epoch(const msl_engine_cancellation *cancellation);
 
-/* Advances the epoch: every dispatch started at an earlier epoch stops before its next threadgroup.
+/* Advances the epoch: every dispatch started at an earlier epoch stops (see below).
  * Returns at once; it does not wait for the dispatches to stop. */
 void msl_engine_cancel(msl_engine_cancellation *cancellation);
 
 /* msl_engine_dispatch that cancellation can stop (null: never): every worker reads the epoch before
- * it starts a threadgroup and stops when it differs from start_epoch, so a cancel takes effect within
- * the time of one threadgroup; a threadgroup that has started always finishes. Returns
- * MSL_ENGINE_CANCELLED (message: the kernel and how many threadgroups ran) when threadgroups were
- * left unrun; a cancel that comes after the last threadgroup started leaves a successful dispatch.
- * Everything else as msl_engine_dispatch. */
+ * it starts a threadgroup and every few dozen fiber switches inside one, and stops once it differs
+ * from start_epoch, abandoning the threadgroup it runs part-way (as after an error). Returns
+ * MSL_ENGINE_CANCELLED (message: the kernel and how many threadgroups completed) when any
+ * threadgroup was left unrun or unfinished; a cancel after the last threadgroup finished leaves a
+ * successful dispatch. Everything else as msl_engine_dispatch. */
 msl_engine_status msl_engine_dispatch_cancellable(const char *kernel_name,
                                                   const msl_engine_buffer *buffers,
                                                   uint32_t buffer_count,

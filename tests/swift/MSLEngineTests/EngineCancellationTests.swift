@@ -2,7 +2,8 @@ import MSLEngine
 import MSLEngineTestKernels
 import XCTest
 
-/// msl_engine_dispatch_cancellable: an advanced epoch stops a dispatch before its next threadgroup.
+/// msl_engine_dispatch_cancellable: an advanced epoch stops a dispatch, between
+/// threadgroups and inside one.
 final class EngineCancellationTests: XCTestCase {
     private func dispatchCancellable(_ cancellation: UnsafeMutablePointer<msl_engine_cancellation>,
                                      startEpoch: UInt64, out: HostBuffer<UInt32>, groups: UInt32)
