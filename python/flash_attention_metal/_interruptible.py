@@ -9,7 +9,9 @@ Metal before its next command buffer), waits for it to stop and propagates. Call
 threads run directly: signals never interrupt them.
 
 One worker thread serves the main thread's calls (the main thread makes one at a time); it starts on
-first use and again in a forked child, where threads do not survive.
+first use and again in a forked child, where threads do not survive. The library keeps some state
+per thread (the last call's profile), so the main thread reads it through ``call`` too: on the
+thread that made its calls.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 T = TypeVar("T")
 
@@ -73,13 +75,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_worker)
 
 
-def call(function: Callable[[], T], cancel: Callable[[], None]) -> T:
+def call(function: Callable[[], T], cancel: Optional[Callable[[], None]] = None) -> T:
     """Returns ``function()``, a native call that raises for a failed status itself (the library's
     error message is per thread, so the thread that made the call must read it).
 
     In the main thread, an exception raised while waiting (KeyboardInterrupt from Ctrl-C, or whatever
     a signal handler raises) calls ``cancel()``, waits for the call to stop and propagates; the
-    cancelled call's own outcome (``FA_STATUS_CANCELLED``, outputs NaN) is discarded with it.
+    cancelled call's own outcome (``FA_STATUS_CANCELLED``, outputs NaN) is discarded with it. A
+    ``function`` without ``cancel`` (a quick read of per-thread state) is waited for, then the
+    exception propagates.
     """
     if threading.current_thread() is not threading.main_thread():
         return function()
@@ -91,9 +95,10 @@ def call(function: Callable[[], T], cancel: Callable[[], None]) -> T:
         # Cancel again until the call has stopped: a cancel that lands before the native call has
         # started reaches nothing (the library cancels only calls in flight). Once cancelled, the
         # call stops within microseconds on the CPU engine, within one command buffer on Metal.
-        cancel()
-        while not job.done.wait(_CANCEL_RETRY_SECONDS):
+        while cancel is not None and not job.done.wait(0):
             cancel()
+            job.done.wait(_CANCEL_RETRY_SECONDS)
+        job.done.wait()
         raise
     error, result = job.error, job.result
     if error is not None:

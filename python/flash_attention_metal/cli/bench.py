@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _types
+from . import _types, bench_profile
 from ._context import context_for
 from .progress import track
 
@@ -75,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"save a plot; .png is added to a name without a suffix (needs matplotlib: "
                              f"{MATPLOTLIB_HINT})")
     compare.add_arguments(parser)
+    bench_profile.add_argument(parser)
 
 
 def best_ms(function, repeats: int) -> float:
@@ -199,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
 
     context = context_for(args.backend)
     check_head_dim(args, context)
+    if args.profile:
+        context = bench_profile.ProfileRecorder(context)
     plot_file = None
     if args.plot is not None:
         try:
@@ -206,7 +209,10 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as error:
             args.usage_error(f"argument --plot: {error}")
     if args.compare is not None:
-        return compare.run(args, context, plot_file)
+        status = compare.run(args, context, plot_file)
+        if args.profile:
+            bench_profile.print_profiles(context)
+        return status
     args.head_dim = args.head_dim or _HEAD_DIM
     seqlens = args.seqlens or (_CPU_SEQLENS if context.backend == "cpu" else _GPU_SEQLENS)
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]
@@ -220,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r.seqlen:>7} {str(r.causal):>6} {r.forward_ms:>10.3f} {r.forward_tflops:>12.4g} "
               f"{r.backward_ms:>10.3f} {r.backward_tflops:>12.4g}")
+    if args.profile:
+        bench_profile.print_profiles(context)
     if plot_file is not None:
         plot(results, plot_file, title)
         print(f"plot saved to {plot_file}")

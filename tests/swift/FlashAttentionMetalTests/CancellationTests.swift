@@ -85,8 +85,8 @@ private final class CancellingBackend: ExecutionBackend {
 
     init(wrapping backend: ExecutionBackend) { wrapped = backend }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
         if cancelsNextCall { context?.cancel() }
-        try wrapped.execute(plan, buffers: buffers, cancellation: cancellation)
+        return try wrapped.execute(plan, buffers: buffers, cancellation: cancellation)
     }
 }
