@@ -150,7 +150,7 @@ def print_table(results: list[dict], names: list[str], resolution: int) -> None:
     """One row per case, operation and implementation; peers carry their ratios to the library."""
     rates = [entry["tflops"] for r in results for entry in _entries(r) if "tflops" in entry]
     factor, unit = throughput_unit(rates)
-    print(f"{'case':<38} {'operation':<9} {'impl':<8} {'ms':>10} {unit:>9} {'device ms':>10} "
+    print(f"{'case':<40} {'operation':<9} {'impl':<8} {'ms':>10} {unit:>9} {'device ms':>10} "
           f"{'peak MiB':>9} {'ms/lib':>8} {'MiB/lib':>8}")
     for r in results:
         for operation in OPERATIONS:
@@ -159,7 +159,7 @@ def print_table(results: list[dict], names: list[str], resolution: int) -> None:
                 figures = r["implementations"].get(name)
                 if figures is None:
                     continue
-                head = f"{r['label'] if name == 'library' and operation == OPERATIONS[0] else '':<38} " \
+                head = f"{r['label'] if name == 'library' and operation == OPERATIONS[0] else '':<40} " \
                        f"{operation if name == 'library' else '':<9} {name:<8}"
                 if "error" in figures:
                     print(f"{head} error: {figures['error']}")
