@@ -1,15 +1,17 @@
 // CUDA accuracy harness for the kernels of Shaders/flash_attention.metal (see kernels.cu).
 //
 // For every case of the grid (cases.cpp): seeded float16 inputs, forward then backward on the GPU
-// (backward takes the out and lse the forward returned), compared with the float64 reference
-// under the accuracy rule with the float16 baseline (reference.cpp, accuracy.cpp); rows that see
-// no key must give out 0, lse -inf and dq 0; a second run with differently poisoned output buffers
-// must be bit-identical (determinism, and no output element left unwritten).
+// (three dispatches: delta, dQ, dK/dV, on the out and lse the forward returned), compared with the
+// float64 reference under the accuracy rule with the float16 baseline (reference.cpp,
+// accuracy.cpp); rows that see no key must give out 0, lse -inf and dq 0; a second run with
+// differently poisoned output buffers must be bit-identical (determinism, and no output element
+// left unwritten).
 //
 // Usage: harness [--small] [--case SUBSTRING] [--once] [--bench] [--help]
 //   --small   the 24-case sanitizer grid instead of the full one
 //   --case S  only cases whose name contains S (e.g. d40_, causal, h8x2)
-//   --once    one GPU run per case (no determinism rerun; for the slow sanitizer tools)
+//   --once    one GPU run per case (no determinism rerun; for the slow sanitizer tools), the
+//             delta workspace left unwritten before the backward (for initcheck)
 //   --bench   instead of the grid, time forward and backward on larger shapes (no checks)
 // Prints one line per case and "cuda-accuracy: N cases, M mismatches"; exits 1 on any mismatch or
 // CUDA error, 2 on bad arguments.
@@ -59,12 +61,17 @@ FlashAttentionParams params_of(const AttentionShape &s) {
     return p;
 }
 
-// Forward, then backward on the forward's out and lse, with outputs pre-filled with `poison`.
-GpuResult run_on_gpu(const AttentionShape &s, const AttentionInputs &in, unsigned char poison) {
+// Forward, then backward (delta, dQ, dK/dV) on the forward's out and lse, with outputs pre-filled
+// with `poison`. The delta workspace gets the poison too when `poison_workspace` (a dQ or dK/dV
+// kernel reading an element the delta kernel did not write then fails the rule); without it, it
+// stays as cudaMalloc returns it, so that initcheck reports such a read.
+GpuResult run_on_gpu(const AttentionShape &s, const AttentionInputs &in, unsigned char poison,
+                     bool poison_workspace) {
+    const FlashAttentionParams p = params_of(s);
     DeviceArray<uint16_t> q(s.q_elements()), k(s.kv_elements()), v(s.kv_elements()),
         dout(s.q_elements()), out(s.q_elements()), dq(s.q_elements()), dk(s.kv_elements()),
         dv(s.kv_elements());
-    DeviceArray<float> lse(s.lse_elements());
+    DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p));
     q.upload(in.q);
     k.upload(in.k);
     v.upload(in.v);
@@ -74,11 +81,13 @@ GpuResult run_on_gpu(const AttentionShape &s, const AttentionInputs &in, unsigne
     dq.fill_bytes(poison);
     dk.fill_bytes(poison);
     dv.fill_bytes(poison);
-    const FlashAttentionParams p = params_of(s);
+    if (poison_workspace) {
+        delta.fill_bytes(poison);
+    }
     check(fa_cuda_forward(p, q.get(), k.get(), v.get(), out.get(), lse.get()), "forward launch");
     check(cudaDeviceSynchronize(), "forward");
-    check(fa_cuda_backward(p, dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(), dq.get(),
-                           dk.get(), dv.get()),
+    check(fa_cuda_backward(p, dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(),
+                           delta.get(), dq.get(), dk.get(), dv.get()),
           "backward launch");
     check(cudaDeviceSynchronize(), "backward");
     return GpuResult{out.download(), dq.download(), dk.download(), dv.download(), lse.download()};
@@ -109,8 +118,9 @@ struct Margins {
 // Runs and judges one case; prints its line, records its margins and returns whether it passed.
 bool run_case(const TestCase &c, const Options &options, Margins *margins) {
     const AttentionInputs in = random_inputs(c);
-    const GpuResult gpu = run_on_gpu(c.shape, in, 0xff);
-    const bool deterministic = !options.repeat || run_on_gpu(c.shape, in, 0x7f) == gpu;
+    // --once is the sanitizer run: the workspace stays unwritten for initcheck (see run_on_gpu).
+    const GpuResult gpu = run_on_gpu(c.shape, in, 0xff, options.repeat);
+    const bool deterministic = !options.repeat || run_on_gpu(c.shape, in, 0x7f, true) == gpu;
     const ReferenceResult ref = reference_attention(c.shape, in);
     const BaseResult base = base_attention(c.shape, in);
     const std::vector<Metric> metrics = {
@@ -164,12 +174,12 @@ void run_bench() {
         DeviceArray<uint16_t> q(s.q_elements()), k(s.kv_elements()), v(s.kv_elements()),
             dout(s.q_elements()), out(s.q_elements()), dq(s.q_elements()), dk(s.kv_elements()),
             dv(s.kv_elements());
-        DeviceArray<float> lse(s.lse_elements());
+        const FlashAttentionParams p = params_of(s);
+        DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p));
         // Bytes 0x20 make every half 0x2020, about 0.008: finite inputs, which is all timing needs.
         for (DeviceArray<uint16_t> *a : {&q, &k, &v, &dout}) {
             a->fill_bytes(0x20);
         }
-        const FlashAttentionParams p = params_of(s);
         float times[2][5];
         for (int rep = -1; rep < 5; ++rep) {
             for (int pass = 0; pass < 2; ++pass) {
@@ -179,7 +189,7 @@ void run_bench() {
                           "forward launch");
                 } else {
                     check(fa_cuda_backward(p, dout.get(), q.get(), k.get(), v.get(), out.get(),
-                                           lse.get(), dq.get(), dk.get(), dv.get()),
+                                           lse.get(), delta.get(), dq.get(), dk.get(), dv.get()),
                           "backward launch");
                 }
                 check(cudaEventRecord(stop), "cudaEventRecord");
@@ -223,7 +233,7 @@ bool parse(int argc, char **argv, Options *options) {
             std::printf("usage: harness [--small] [--case SUBSTRING] [--once] [--bench]\n"
                         "  --small   the 24-case sanitizer grid instead of the full one\n"
                         "  --case S  only cases whose name contains S\n"
-                        "  --once    no determinism rerun\n"
+                        "  --once    no determinism rerun, delta workspace not poisoned\n"
                         "  --bench   time larger shapes instead of checking\n");
             std::exit(0);
         } else {
