@@ -1,3 +1,8 @@
+#if canImport(Glibc)
+import Glibc
+#elseif canImport(Darwin)
+import Darwin
+#endif
 import CFlashAttentionMetal
 import MSLEngine
 
@@ -19,6 +24,17 @@ final class CPUBackend: ExecutionBackend {
     }
 
     func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+        var buffers = buffers
+        var workspace: [UnsafeMutableRawPointer] = []
+        defer { workspace.forEach { free($0) } }
+        for role in plan.workspace {
+            let bytes = role.byteCount(for: plan.problem)
+            guard let memory = malloc(max(bytes, 1)) else {
+                throw FlashAttentionError.outOfMemory("CPU engine: cannot allocate \(bytes) bytes for \(role.name)")
+            }
+            workspace.append(memory)
+            buffers[role] = UnsafeMutableRawBufferPointer(start: memory, count: bytes)
+        }
         for dispatch in plan.dispatches {
             try run(dispatch, buffers: buffers)
         }

@@ -1,11 +1,12 @@
 import CFlashAttentionMetal
 
-/// What a kernel buffer holds. `lse` is float32; every other role is float16.
+/// What a kernel buffer holds. `lse` and `delta` are float32; every other role is float16.
 enum BufferRole: Int, CaseIterable {
-    case q, k, v, out, lse, dout, dq, dk, dv
+    /// `delta` is the backward pass's workspace: D_i = rowsum(dout * out) per query row.
+    case q, k, v, out, lse, dout, dq, dk, dv, delta
 
     /// Bytes per element.
-    var elementSize: Int { self == .lse ? 4 : 2 }
+    var elementSize: Int { self == .lse || self == .delta ? 4 : 2 }
 
     /// The C argument name, for messages.
     var name: String {
@@ -19,6 +20,7 @@ enum BufferRole: Int, CaseIterable {
         case .dq: return "dq"
         case .dk: return "dk"
         case .dv: return "dv"
+        case .delta: return "delta"
         }
     }
 
@@ -28,7 +30,7 @@ enum BufferRole: Int, CaseIterable {
         switch self {
         case .q, .out, .dout, .dq: return problem.queryElements
         case .k, .v, .dk, .dv: return problem.keyValueElements
-        case .lse: return problem.lseElements
+        case .lse, .delta: return problem.lseElements
         }
     }
 
@@ -64,18 +66,22 @@ struct Dispatch {
 }
 
 /// The dispatches of one pass, computed once for every backend (FlashAttention-2: forward is
-/// Algorithm 1, one kernel; backward is Algorithm 2 split into a dQ kernel over query blocks and a
-/// dK/dV kernel over key blocks, so that no two threadgroups write the same output element and the
-/// result is deterministic without atomics).
+/// Algorithm 1, one kernel; backward is Algorithm 2 split into a D pre-pass, a dQ kernel over query
+/// blocks and a dK/dV kernel over key blocks, so that no two threadgroups write the same output
+/// element and the result is deterministic without atomics). Every kernel runs
+/// `fa_threads_per_threadgroup()` threads per threadgroup.
 struct DispatchPlan {
     let dispatches: [Dispatch]
-    /// The roles the pass writes; every other bound role is read only.
+    /// The roles the pass writes for the caller; every other bound role is read only.
     let outputs: [BufferRole]
+    /// Roles the backend allocates for the duration of the pass (written and read by its kernels,
+    /// never by the caller): `delta` for backward.
+    let workspace: [BufferRole]
     /// The problem the plan was made for (buffer sizes follow from it).
     let problem: Problem
 
     /// Forward: `flash_attention_forward_d<DP>` over (ceil(seqlen_q / forward_block_q), num_heads,
-    /// batch) threadgroups of forward_block_q threads.
+    /// batch) threadgroups.
     static func forward(_ problem: Problem) -> DispatchPlan {
         let b = problem.bucket
         let dispatch = Dispatch(
@@ -89,14 +95,15 @@ struct DispatchPlan {
             params: problem.params,
             threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
                                           height: problem.numHeads, depth: problem.batch),
-            threadsPerThreadgroup: GridSize(width: b.forward_block_q, height: 1, depth: 1))
-        return DispatchPlan(dispatches: [dispatch], outputs: [.out, .lse], problem: problem)
+            threadsPerThreadgroup: threadgroupSize)
+        return DispatchPlan(dispatches: [dispatch], outputs: [.out, .lse], workspace: [], problem: problem)
     }
 
-    /// Backward: `flash_attention_backward_dq_d<DP>` over (ceil(seqlen_q / backward_block_q),
-    /// num_heads, batch) threadgroups of backward_block_q threads, then
-    /// `flash_attention_backward_dkv_d<DP>` over (ceil(seqlen_k / backward_block_k), num_kv_heads,
-    /// batch) threadgroups of backward_block_k threads. Neither reads what the other writes.
+    /// Backward, three dispatches in order: `flash_attention_backward_delta` over
+    /// (ceil(seqlen_q / FA_DELTA_BLOCK_ROWS), num_heads, batch) threadgroups writes `delta`;
+    /// `flash_attention_backward_dq_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
+    /// threadgroups writes `dq`; `flash_attention_backward_dkv_d<DP>` over
+    /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`.
     static func backward(_ problem: Problem) -> DispatchPlan {
         let b = problem.bucket
         let inputs = [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DOUT), role: .dout),
@@ -104,25 +111,32 @@ struct DispatchPlan {
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_K), role: .k),
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_V), role: .v),
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_OUT), role: .out),
-                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE), role: .lse)]
-        let dq = Dispatch(
-            kernelName: "flash_attention_backward_dq_d\(b.head_dim_max)",
-            bindings: inputs + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
-            paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS),
-            params: problem.params,
-            threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenQ, b.backward_block_q),
-                                          height: problem.numHeads, depth: problem.batch),
-            threadsPerThreadgroup: GridSize(width: b.backward_block_q, height: 1, depth: 1))
-        let dkv = Dispatch(
-            kernelName: "flash_attention_backward_dkv_d\(b.head_dim_max)",
-            bindings: inputs + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
-                                BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
-            paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS),
-            params: problem.params,
-            threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenK, b.backward_block_k),
-                                          height: problem.numKVHeads, depth: problem.batch),
-            threadsPerThreadgroup: GridSize(width: b.backward_block_k, height: 1, depth: 1))
-        return DispatchPlan(dispatches: [dq, dkv], outputs: [.dq, .dk, .dv], problem: problem)
+                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE), role: .lse),
+                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_DELTA), role: .delta)]
+        func dispatch(_ kernel: String, _ outputs: [BufferBinding], rows: UInt32, block: UInt32,
+                      heads: UInt32) -> Dispatch {
+            Dispatch(kernelName: kernel, bindings: inputs + outputs,
+                     paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
+                     threadgroupsPerGrid: GridSize(width: blocks(rows, block), height: heads,
+                                                   depth: problem.batch),
+                     threadsPerThreadgroup: threadgroupSize)
+        }
+        let delta = dispatch("flash_attention_backward_delta", [], rows: problem.seqlenQ,
+                             block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads)
+        let dq = dispatch("flash_attention_backward_dq_d\(b.head_dim_max)",
+                          [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
+                          rows: problem.seqlenQ, block: b.dq_block_q, heads: problem.numHeads)
+        let dkv = dispatch("flash_attention_backward_dkv_d\(b.head_dim_max)",
+                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
+                            BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
+                           rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads)
+        return DispatchPlan(dispatches: [delta, dq, dkv], outputs: [.dq, .dk, .dv], workspace: [.delta],
+                            problem: problem)
+    }
+
+    /// Threads per threadgroup of every kernel.
+    private static var threadgroupSize: GridSize {
+        GridSize(width: fa_threads_per_threadgroup(), height: 1, depth: 1)
     }
 
     /// ceil(length / block), computed without the overflow of `length + block - 1` near 2^32.

@@ -64,9 +64,10 @@ final class EngineTests: XCTestCase {
     }
 
     /// The attention kernels' table is registered without any call (no static initialisers), and
-    /// every kernel declares non-empty threadgroup storage within Apple's 32 KiB.
+    /// every kernel of a head-dim bucket declares non-empty threadgroup storage within Apple's 32 KiB;
+    /// the D pre-pass declares none.
     func testAttentionKernelsAreRegisteredWithinThreadgroupMemory() {
-        let buffers = ["flash_attention_forward": 6, "flash_attention_backward_dq": 8, "flash_attention_backward_dkv": 9]
+        let buffers = ["flash_attention_forward": 6, "flash_attention_backward_dq": 9, "flash_attention_backward_dkv": 10]
         for dim in [32, 64, 96, 128, 192, 256] {
             for (kernel, count) in buffers {
                 var info = msl_engine_kernel_info()
@@ -77,6 +78,9 @@ final class EngineTests: XCTestCase {
             }
         }
         var info = msl_engine_kernel_info()
+        XCTAssertEqual(msl_engine_describe_kernel("flash_attention_backward_delta", &info), 1)
+        XCTAssertEqual(info.buffer_count, 8)
+        XCTAssertEqual(info.threadgroup_memory_length, 0)
         XCTAssertEqual(msl_engine_describe_kernel("no_such_kernel", &info), 0)
     }
 
