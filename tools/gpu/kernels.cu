@@ -91,8 +91,7 @@ cudaError_t fa_cuda_backward_delta(const FlashAttentionParams &p, const uint16_t
     if (p.head_dim < 1 || p.head_dim > FA_MAX_HEAD_DIM) {
         return cudaErrorInvalidValue;
     }
-    // One thread per query row.
-    const dim3 grid(ceil_div(p.seqlen_q, kThreads), p.num_heads, p.batch);
+    const dim3 grid(ceil_div(p.seqlen_q, FA_DELTA_BLOCK_ROWS), p.num_heads, p.batch);
     fa_cuda_backward_delta_kernel<<<grid, kThreads>>>(as_half(dout), as_half(q), as_half(k),
                                                       as_half(v), as_half(out), lse, p, delta);
     return cudaGetLastError();
