@@ -97,7 +97,8 @@ std::string mismatch(const char *what, int index, double got, double expected) {
 // MatrixTests.owner: the lane holding element (row, column) by Apple's mapping.
 int owner(int row, int column) {
     for (int l = 0; l < 32; ++l) {
-        if (((l / 4) & 4) + (l / 2) % 4 == row && ((l / 4) & 2) * 2 + (l % 2) * 2 == column - column % 2) {
+        if (((l / 4) & 4) + (l / 2) % 4 == row &&
+            ((l / 4) & 2) * 2 + (l % 2) * 2 == column - column % 2) {
             return l;
         }
     }
@@ -127,7 +128,8 @@ void check_multiply_float(Report *report) {
     da.upload(a);
     db.upload(b);
     dc.upload(c);
-    launch_matrix_multiply_float<<<1, 32>>>(da.get(), db.get(), dc.get(), dd.get(), delements.get());
+    launch_matrix_multiply_float<<<1, 32>>>(da.get(), db.get(), dc.get(), dd.get(),
+                                            delements.get());
     check(cudaGetLastError(), "matrix_multiply_float launch");
     check(cudaDeviceSynchronize(), "matrix_multiply_float");
     const std::vector<float> d = dd.download(), elements = delements.download();

@@ -87,9 +87,9 @@ using fast::log2;
 using fast::rsqrt;
 }  // namespace precise
 
-// ---- Vectors (MSL specification 2.2): vec<T, 2> and vec<T, 4> with members x, y (z, w), element
-// indexing, element-wise arithmetic with vectors and scalars, and explicit element conversion
-// (float2(h) for a half2 h). Aligned to their size like Metal's.
+// ---- Vectors (MSL specification, section 2): vec<T, 2> and vec<T, 4> with members x, y (z, w),
+// element indexing, element-wise arithmetic with vectors and scalars, and explicit element
+// conversion (float2(h) for a half2 h). Aligned to their size like Metal's.
 namespace detail {
 // Blocks template argument deduction, so `v * 2.0` converts the scalar to the element type.
 template <class T> struct identity { typedef T type; };
@@ -171,9 +171,9 @@ FA_VEC_ALIASES(ushort, ushort)
 FA_VEC_ALIASES(ulong, ulong)
 #undef FA_VEC_ALIASES
 
-// ---- SIMD-group functions (MSL specification 6.9.2): a SIMD-group is a 32-lane warp. Every call
-// uses the full mask, so, as in MSL, all 32 lanes must reach it together; synccheck reports a call
-// that some lanes skip.
+// ---- SIMD-group functions: a SIMD-group is a 32-lane warp. Every call uses the full mask, so all
+// 32 lanes must reach it together (the kernels' rule too); a call that some lanes skip is undefined
+// behaviour in CUDA, the kind of misuse compute-sanitizer synccheck looks for.
 namespace simd_detail {
 constexpr unsigned kAllLanes = 0xffffffffu;
 
@@ -184,7 +184,8 @@ __device__ __forceinline__ unsigned lane_id() {
     return lane;
 }
 
-// Scalars go through one warp shuffle; vectors element by element. Kind: 0 index, 1 xor, 2 down, 3 up.
+// Scalars go through one warp shuffle, vectors element by element. Kind: 0 index, 1 xor, 2 down,
+// 3 up.
 template <int Kind, class T> __device__ __forceinline__ T shuffle(T v, unsigned arg) {
     if (Kind == 0) return __shfl_sync(kAllLanes, v, arg);
     if (Kind == 1) return __shfl_xor_sync(kAllLanes, v, arg);
@@ -240,7 +241,9 @@ template <class T> __device__ __forceinline__ T simd_min(T v) {
 // columns (q & 2) * 2 + (l % 2) * 2 and the one after, as its thread_elements(). In bits:
 // l = r2 c2 r1 r0 c1 for row r2 r1 r0 and column c2 c1 c0.
 namespace matrix_detail {
-__host__ __device__ constexpr unsigned row_of_lane(unsigned l) { return ((l / 4) & 4) + (l / 2) % 4; }
+__host__ __device__ constexpr unsigned row_of_lane(unsigned l) {
+    return ((l / 4) & 4) + (l / 2) % 4;
+}
 __host__ __device__ constexpr unsigned column_of_lane(unsigned l) {
     return ((l / 4) & 2) * 2 + (l % 2) * 2;
 }
@@ -324,8 +327,9 @@ __device__ __forceinline__ void simdgroup_store(const simdgroup_matrix<T, Cols, 
 }
 
 // d = a * b + c, the engine's arithmetic: element (i, j) starts from c(i, j) in float and adds
-// a(i, k) * b(k, j) for k = 0..7 by fused multiply-add, then rounds once to d's type. Lane l fetches
-// row i of a and columns j, j + 1 of b from their owners with warp shuffles. d may alias an input.
+// a(i, k) * b(k, j) for k = 0..7 by fused multiply-add, then rounds once to d's type. Lane l
+// fetches row i of a and columns j, j + 1 of b from their owners with warp shuffles. d may alias
+// an input.
 template <class TD, class TA, class TB, class TC>
 __device__ __forceinline__ void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8> &d,
                                                               const simdgroup_matrix<TA, 8, 8> &a,
@@ -340,7 +344,8 @@ __device__ __forceinline__ void simdgroup_multiply_accumulate(simdgroup_matrix<T
 #pragma unroll
     for (unsigned k = 0; k < 8; ++k) {
         // Every lane shuffles the same element index (k % 2), read from the owner of (row, k).
-        const float a_k = __shfl_sync(kAllLanes, k % 2 == 0 ? a0 : a1, matrix_detail::lane_of(row, k));
+        const float a_k =
+            __shfl_sync(kAllLanes, k % 2 == 0 ? a0 : a1, matrix_detail::lane_of(row, k));
         const unsigned b_owner = matrix_detail::lane_of(k, column);
         const float b_k0 = __shfl_sync(kAllLanes, b0, b_owner);
         const float b_k1 = __shfl_sync(kAllLanes, b1, b_owner);
