@@ -107,6 +107,100 @@ struct ForwardStorage {
     float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
 };
 
+// The online softmax of one lane's row (Algorithm 1): running max m of the scaled scores (base 2),
+// this lane's part of the running sum l of exp2(score - m), and the SIMD-group's 8-row block of the
+// unnormalised output over its head_dim slice.
+template <uint ND>
+struct RowState {
+    float m;
+    float l;
+    Fragments<ND> o;
+};
+
+template <uint ND>
+inline void start_rows(thread RowState<ND> &r) {
+    r.m = -INFINITY;
+    r.l = 0.0f;
+    clear(r.o);
+}
+
+// One K/V tile of the forward pass, keys [kv0, kv0 + BK) of the KV head whose rows start at k_head
+// and v_head: loads the tiles (every thread calls it), S = Q K^T over the slice and then over all
+// of head_dim, masks (only when `masked`; the lane's row is query `row`), online softmax update,
+// O += P V.
+template <uint DP, uint BQ, uint BK, uint ND, typename Storage>
+inline void forward_tile(thread RowState<ND> &r, Storage tg, device const half *k_head,
+                         device const half *v_head, constant FlashAttentionParams &p, uint kv0,
+                         bool masked, uint row, SimdgroupSlice s, FragmentCoord at, uint sgid,
+                         uint tid) {
+    constexpr uint NK = BK / 8;  // fragments across a key tile
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.head_dim, tid);
+    load_rows<BK, DP>(tg->v, v_head, kv0, p.seqlen_k, p.head_dim, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    Fragments<NK> sc;
+    clear(sc);
+    for (uint d = 0; d < ND; ++d) {
+        if (d < s.active) {
+            simdgroup_float8x8 qf;
+            load_fragment(qf, tg->q, s.row0, s.col0 + d * 8, at);
+            for (uint j = 0; j < NK; ++j) {
+                simdgroup_float8x8 kt;
+                load_fragment_transposed(kt, tg->k, j * 8, s.col0 + d * 8, at);
+                simdgroup_multiply_accumulate(sc.f[j], qf, kt, sc.f[j]);
+            }
+        }
+    }
+    sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
+
+    // Online softmax; P replaces S in place.
+    const float scale2 = p.softmax_scale * M_LOG2E_F;
+    float tile_max = -INFINITY;
+    for (uint j = 0; j < NK; ++j) {
+        for (uint e = 0; e < 2; ++e) {
+            float x = sc.f[j].thread_elements()[e] * scale2;
+            if (masked && !is_visible(p, row, kv0 + j * 8 + at.col + e)) {
+                x = -INFINITY;
+            }
+            sc.f[j].thread_elements()[e] = x;
+            tile_max = max(tile_max, x);
+        }
+    }
+    const float m_next = max(r.m, row_max(tile_max));
+    // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp2 at 0, not NaN.
+    const float m_base = m_next == -INFINITY ? 0.0f : m_next;
+    const float correction = exp2(r.m - m_base);
+    r.l *= correction;
+    for (uint d = 0; d < ND; ++d) {
+        r.o.f[d].thread_elements()[0] *= correction;
+        r.o.f[d].thread_elements()[1] *= correction;
+    }
+    for (uint j = 0; j < NK; ++j) {
+        for (uint e = 0; e < 2; ++e) {
+            const float pe = exp2(sc.f[j].thread_elements()[e] - m_base);
+            sc.f[j].thread_elements()[e] = pe;
+            r.l += pe;
+        }
+    }
+    r.m = m_next;
+
+    for (uint d = 0; d < ND; ++d) {
+        if (d < s.active) {
+            for (uint j = 0; j < NK; ++j) {
+                simdgroup_float8x8 vf;
+                load_fragment(vf, tg->v, j * 8, s.col0 + d * 8, at);
+                simdgroup_multiply_accumulate(r.o.f[d], sc.f[j], vf, r.o.f[d]);
+            }
+        }
+    }
+}
+
+// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
+inline float row_lse(float m, float l) {
+    return l > 0.0f ? m * M_LN2_F + log(l) : -INFINITY;
+}
+
 template <uint DP, uint BQ, uint BK, typename Storage>
 inline void attention_forward(device const half *q, device const half *k, device const half *v,
                               device half *out, device float *lse,
@@ -114,7 +208,6 @@ inline void attention_forward(device const half *q, device const half *k, device
                               uint sgid, uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;  // fragments across the slice
-    constexpr uint NK = BK / 8;           // fragments across a key tile
     const uint tid = sgid * 32 + lane;
     const FragmentCoord at = fragment_coord(lane);
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
@@ -128,88 +221,158 @@ inline void attention_forward(device const half *q, device const half *k, device
     const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
     // Keys seen by the block's last row: the tiles the threadgroup visits (none past it).
     const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
 
     load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
-
-    Fragments<ND> o;
-    clear(o);
-    float m = -INFINITY;  // running row max of the scaled scores
-    float l = 0.0f;       // this lane's part of the running row sum of exp2(score - m)
-
+    RowState<ND> r;
+    start_rows(r);
     for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_rows<BK, DP>(tg->k, k + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-        load_rows<BK, DP>(tg->v, v + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-        threadgroup_barrier(mem_flags::mem_threadgroup);
-
-        // S = Q K^T over this slice, then over all of head_dim.
-        Fragments<NK> sc;
-        clear(sc);
-        for (uint d = 0; d < ND; ++d) {
-            if (d < s.active) {
-                simdgroup_float8x8 qf;
-                load_fragment(qf, tg->q, s.row0, s.col0 + d * 8, at);
-                for (uint j = 0; j < NK; ++j) {
-                    simdgroup_float8x8 kt;
-                    load_fragment_transposed(kt, tg->k, j * 8, s.col0 + d * 8, at);
-                    simdgroup_multiply_accumulate(sc.f[j], qf, kt, sc.f[j]);
-                }
-            }
-        }
-        sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
-
-        // Online softmax; P replaces S in place.
-        const bool masked = !tile_unmasked(p, q0, BQ, kv0, BK);
-        float tile_max = -INFINITY;
-        for (uint j = 0; j < NK; ++j) {
-            for (uint e = 0; e < 2; ++e) {
-                float x = sc.f[j].thread_elements()[e] * scale2;
-                if (masked && !is_visible(p, row, kv0 + j * 8 + at.col + e)) {
-                    x = -INFINITY;
-                }
-                sc.f[j].thread_elements()[e] = x;
-                tile_max = max(tile_max, x);
-            }
-        }
-        const float m_next = max(m, row_max(tile_max));
-        // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp2 at 0, not NaN.
-        const float m_base = m_next == -INFINITY ? 0.0f : m_next;
-        const float correction = exp2(m - m_base);
-        l *= correction;
-        for (uint d = 0; d < ND; ++d) {
-            o.f[d].thread_elements()[0] *= correction;
-            o.f[d].thread_elements()[1] *= correction;
-        }
-        for (uint j = 0; j < NK; ++j) {
-            for (uint e = 0; e < 2; ++e) {
-                const float pe = exp2(sc.f[j].thread_elements()[e] - m_base);
-                sc.f[j].thread_elements()[e] = pe;
-                l += pe;
-            }
-        }
-        m = m_next;
-
-        // O += P V over this slice.
-        for (uint d = 0; d < ND; ++d) {
-            if (d < s.active) {
-                for (uint j = 0; j < NK; ++j) {
-                    simdgroup_float8x8 vf;
-                    load_fragment(vf, tg->v, j * 8, s.col0 + d * 8, at);
-                    simdgroup_multiply_accumulate(o.f[d], sc.f[j], vf, o.f[d]);
-                }
-            }
-        }
+        forward_tile<DP, BQ, BK>(r, tg, k + kv_head_start, v + kv_head_start, p, kv0,
+                                 !tile_unmasked(p, q0, BQ, kv0, BK), row, s, at, sgid, tid);
     }
 
-    l = row_sum(l);
+    const float l = row_sum(r.l);
     if (row < p.seqlen_q) {
-        store_row(out, o, l > 0.0f ? 1.0f / l : 0.0f, q_head + ulong(row) * p.head_dim,
+        store_row(out, r.o, l > 0.0f ? 1.0f / l : 0.0f, q_head + ulong(row) * p.head_dim,
                   p.head_dim, s, at);
         if (s.col0 == 0 && at.col == 0) {
-            lse[row_index(b, p.num_heads, h, p.seqlen_q, row)] =
-                l > 0.0f ? m * M_LN2_F + log(l) : -INFINITY;
+            lse[row_index(b, p.num_heads, h, p.seqlen_q, row)] = row_lse(r.m, l);
         }
+    }
+}
+
+// ---- split-KV forward (decode) ---------------------------------------------------------------
+
+// The rows of a split-KV threadgroup: the query rows of all heads of one GQA group, packed as
+// index g * seqlen_q + i (head kv_head * group + g, query row i), BQ of them per block.
+struct PackedRows {
+    uint group;  // query heads per KV head
+    uint count;  // group * seqlen_q
+    uint first;  // the block's first packed index
+    uint i_min;  // smallest and largest query row i among the block's rows
+    uint i_max;
+    bool full;   // the block has no padding rows
+};
+
+template <uint BQ>
+inline PackedRows packed_rows(constant FlashAttentionParams &p, uint block) {
+    PackedRows r;
+    r.group = p.num_heads / p.num_kv_heads;
+    r.count = r.group * p.seqlen_q;
+    r.first = block * BQ;
+    const uint last = min(r.first + BQ, r.count) - 1;
+    const bool one_head = r.first / p.seqlen_q == last / p.seqlen_q;
+    r.i_min = one_head ? r.first % p.seqlen_q : 0;
+    r.i_max = one_head ? last % p.seqlen_q : p.seqlen_q - 1;
+    r.full = r.first + BQ <= r.count;
+    return r;
+}
+
+// Element offset of packed row `packed` in q (batch b, KV head kv_head).
+inline ulong packed_row_offset(constant FlashAttentionParams &p, PackedRows r, uint b,
+                               uint kv_head, uint packed) {
+    const uint h = kv_head * r.group + packed / p.seqlen_q;
+    return head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim) +
+           ulong(packed % p.seqlen_q) * p.head_dim;
+}
+
+// Index of (packed row, chunk) in partial_lse; times head_dim, in partial_out.
+inline ulong partial_index(constant FlashAttentionParams &p, PackedRows r, uint b, uint kv_head,
+                           uint packed, uint chunk) {
+    const uint h = kv_head * r.group + packed / p.seqlen_q;
+    return ((ulong(b) * p.num_heads + h) * p.kv_chunks + chunk) * p.seqlen_q + packed % p.seqlen_q;
+}
+
+// One chunk of keys for one block of packed rows: threadgroups (row blocks x chunks, KV heads,
+// batch), x = chunk * row_blocks + row block. Writes the chunk's normalised output and lse.
+template <uint DP, uint BQ, uint BK, typename Storage>
+inline void attention_forward_split(device const half *q, device const half *k,
+                                    device const half *v, device float *partial_out,
+                                    device float *partial_lse, constant FlashAttentionParams &p,
+                                    Storage tg, uint3 tgid, uint sgid, uint lane) {
+    constexpr uint SLICES = FA_SLICES(BQ);
+    constexpr uint ND = DP / SLICES / 8;
+    const uint tid = sgid * 32 + lane;
+    const FragmentCoord at = fragment_coord(lane);
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
+
+    const uint b = tgid.z;
+    const uint kv_head = tgid.y;
+    const uint group = p.num_heads / p.num_kv_heads;
+    const uint row_blocks = (group * p.seqlen_q + BQ - 1) / BQ;
+    const uint chunk = tgid.x / row_blocks;
+    const PackedRows rows = packed_rows<BQ>(p, tgid.x % row_blocks);
+    const uint packed = rows.first + s.row0 + at.row;
+    const bool valid = packed < rows.count;
+    const uint row = valid ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
+    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+    const uint key_begin = chunk * p.kv_chunk_keys;
+    const uint key_end = min(key_begin + p.kv_chunk_keys, visible_keys(p, rows.i_max));
+
+    for (uint e = tid; e < BQ * DP; e += FA_THREADS_PER_THREADGROUP) {
+        const uint r = e / DP;
+        const uint d = e % DP;
+        const uint at_row = rows.first + r;
+        tg->q[r][d] = (at_row < rows.count && d < p.head_dim)
+                          ? q[packed_row_offset(p, rows, b, kv_head, at_row) + d]
+                          : half(0);
+    }
+    RowState<ND> r;
+    start_rows(r);
+    for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
+        const bool masked = !rows.full || !tile_unmasked(p, rows.i_min, rows.i_max - rows.i_min + 1,
+                                                         kv0, BK);
+        forward_tile<DP, BQ, BK>(r, tg, k + kv_head_start, v + kv_head_start, p, kv0, masked, row,
+                                 s, at, sgid, tid);
+    }
+
+    const float l = row_sum(r.l);
+    if (valid) {
+        const ulong index = partial_index(p, rows, b, kv_head, packed, chunk);
+        const float scale = l > 0.0f ? 1.0f / l : 0.0f;
+        for (uint d = 0; d < ND; ++d) {
+            for (uint e = 0; e < 2; ++e) {
+                const uint col = s.col0 + d * 8 + at.col + e;
+                if (col < p.head_dim) {
+                    partial_out[index * p.head_dim + col] = r.o.f[d].thread_elements()[e] * scale;
+                }
+            }
+        }
+        if (s.col0 == 0 && at.col == 0) {
+            partial_lse[index] = row_lse(r.m, l);
+        }
+    }
+}
+
+// Combines the chunks of one query row (threadgroup (i, h, b)): out = sum_c w_c O_c / sum_c w_c
+// with w_c = exp(lse_c - max_c lse_c), lse = max + log(sum_c w_c), chunks in order. A chunk with
+// lse -inf weighs 0; a row without any key gets out 0, lse -inf.
+inline void attention_forward_combine(device const float *partial_out,
+                                      device const float *partial_lse, device half *out,
+                                      device float *lse, constant FlashAttentionParams &p,
+                                      uint3 tgid, uint tid) {
+    const ulong first = (ulong(tgid.z) * p.num_heads + tgid.y) * p.kv_chunks * p.seqlen_q + tgid.x;
+    float top = -INFINITY;
+    for (uint c = 0; c < p.kv_chunks; ++c) {
+        top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
+    }
+    float total = 0.0f;
+    for (uint c = 0; c < p.kv_chunks; ++c) {
+        const float part = partial_lse[first + ulong(c) * p.seqlen_q];
+        total += part == -INFINITY ? 0.0f : exp(part - top);
+    }
+    const ulong row = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, tgid.x);
+    for (uint d = tid; d < p.head_dim; d += FA_THREADS_PER_THREADGROUP) {
+        float acc = 0.0f;
+        for (uint c = 0; c < p.kv_chunks; ++c) {
+            const ulong part = first + ulong(c) * p.seqlen_q;
+            if (partial_lse[part] != -INFINITY) {
+                acc = fma(exp(partial_lse[part] - top), partial_out[part * p.head_dim + d], acc);
+            }
+        }
+        out[row * p.head_dim + d] = half(total > 0.0f ? acc / total : 0.0f);
+    }
+    if (tid == 0) {
+        lse[row] = total > 0.0f ? top + log(total) : -INFINITY;
     }
 }
 
@@ -467,10 +630,25 @@ kernel void flash_attention_backward_delta(
     attention_backward_delta(dout, out, delta, params, tgid, tid);
 }
 
+kernel void flash_attention_forward_combine(
+    device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],
+    device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],
+    device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],
+    device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
+    constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
+    device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],
+    device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+    attention_forward_combine(partial_out, partial_lse, out, lse, params, tgid, tid);
+}
+
 // The kernels of one head-dim bucket. The threadgroup storage type of kernel K is K_threadgroup,
 // so a host (the CPU engine) can size it.
 #define FA_DEFINE_KERNELS(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                        \
     typedef ForwardStorage<DP, FWD_BQ, FWD_BK> flash_attention_forward_d##DP##_threadgroup;        \
+    typedef ForwardStorage<DP, FWD_BQ, FWD_BK> flash_attention_forward_split_d##DP##_threadgroup;  \
     typedef BackwardQueryStorage<DP, DQ_BQ, DQ_BK>                                                 \
         flash_attention_backward_dq_d##DP##_threadgroup;                                           \
     typedef BackwardKeyValueStorage<DP, DKV_BK, DKV_BQ>                                            \
@@ -497,6 +675,24 @@ kernel void flash_attention_backward_delta(
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_d##DP##_threadgroup tg;                                \
         attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, params, &tg, tgid, sgid, lane);   \
+    }                                                                                              \
+                                                                                                   \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
+    kernel void flash_attention_forward_split_d##DP(                                               \
+        device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                      \
+        device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],                                      \
+        device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],                                      \
+        device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                        \
+        device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
+        constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
+        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_split_d##DP##_threadgroup tg;                          \
+        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, partial_out, partial_lse, params,     \
+                                                    &tg, tgid, sgid, lane);                        \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \

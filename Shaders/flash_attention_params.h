@@ -21,6 +21,8 @@ typedef struct FlashAttentionParams {
     fa_u32 head_dim;
     fa_u32 causal;        // 0 or 1; bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
     float softmax_scale;  // applied to q . k before the softmax
+    fa_u32 kv_chunks;     // split-KV forward only: chunks of keys per (batch, KV head), else 1
+    fa_u32 kv_chunk_keys; // split-KV forward only: keys per chunk (a multiple of the key tile)
 } FlashAttentionParams;
 
 // Buffer indices: forward.
@@ -31,6 +33,14 @@ typedef struct FlashAttentionParams {
 #define FA_FORWARD_BUFFER_LSE 4
 #define FA_FORWARD_BUFFER_PARAMS 5
 #define FA_FORWARD_BUFFER_COUNT 6
+// Split-KV forward (short queries over long KV caches): both of its kernels bind 0 ... 7.
+// forward_split writes one partial result per chunk of keys: partial_out (float32
+// [batch][num_heads][kv_chunks][seqlen_q][head_dim], normalised) and partial_lse (float32
+// [batch][num_heads][kv_chunks][seqlen_q], -inf for a chunk the row does not see), workspaces the
+// backend allocates; forward_combine merges them into out and lse.
+#define FA_FORWARD_BUFFER_PARTIAL_OUT 6
+#define FA_FORWARD_BUFFER_PARTIAL_LSE 7
+#define FA_FORWARD_SPLIT_BUFFER_COUNT 8
 
 // Buffer indices: every backward kernel binds 0 ... FA_BACKWARD_BUFFER_DELTA. A backward pass is
 // three dispatches: backward_delta writes delta (D_i = rowsum(dout * out), float32
@@ -65,6 +75,17 @@ typedef struct FlashAttentionParams {
 #define FA_THREADS_PER_THREADGROUP (FA_SIMDGROUPS * 32)
 // Rows of one threadgroup of the backward_delta kernel (one thread per row).
 #define FA_DELTA_BLOCK_ROWS FA_THREADS_PER_THREADGROUP
+
+// Split-KV forward (decode). Chosen when seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS: with that few rows
+// per head the dense forward fills one mostly padded row block per head and launches only
+// batch x num_heads threadgroups, each streaming the whole cache alone. The split kernel packs
+// the query rows of a GQA group into one block per KV head (each K/V element is read once per
+// chunk and KV head, not once per query head) and splits the keys into chunks of at least
+// FA_SPLIT_MIN_CHUNK_KEYS, as many as give FA_SPLIT_TARGET_THREADGROUPS threadgroups (4 per core
+// of an 80-core GPU). The chunking is a function of the shape alone, so results are deterministic.
+#define FA_SPLIT_MAX_QUERY_ROWS 8
+#define FA_SPLIT_MIN_CHUNK_KEYS 256
+#define FA_SPLIT_TARGET_THREADGROUPS 320
 // Threadgroup tiles of half are stored with rows padded by 8 halves (16 bytes), against bank
 // conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
 #define FA_TILE_PAD 8

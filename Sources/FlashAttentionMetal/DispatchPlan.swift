@@ -1,12 +1,18 @@
 import CFlashAttentionMetal
 
-/// What a kernel buffer holds. `lse` and `delta` are float32; every other role is float16.
+/// What a kernel buffer holds. `lse` and the workspaces are float32; every other role is float16.
 enum BufferRole: Int, CaseIterable {
-    /// `delta` is the backward pass's workspace: D_i = rowsum(dout * out) per query row.
-    case q, k, v, out, lse, dout, dq, dk, dv, delta
+    /// Workspaces: `delta`, D_i = rowsum(dout * out) per query row (backward); `partialOut` and
+    /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward).
+    case q, k, v, out, lse, dout, dq, dk, dv, delta, partialOut, partialLse
 
     /// Bytes per element.
-    var elementSize: Int { self == .lse || self == .delta ? 4 : 2 }
+    var elementSize: Int {
+        switch self {
+        case .lse, .delta, .partialOut, .partialLse: return 4
+        default: return 2
+        }
+    }
 
     /// The C argument name, for messages.
     var name: String {
@@ -21,6 +27,8 @@ enum BufferRole: Int, CaseIterable {
         case .dk: return "dk"
         case .dv: return "dv"
         case .delta: return "delta"
+        case .partialOut: return "partial_out"
+        case .partialLse: return "partial_lse"
         }
     }
 
@@ -31,6 +39,9 @@ enum BufferRole: Int, CaseIterable {
         case .q, .out, .dout, .dq: return problem.queryElements
         case .k, .v, .dk, .dv: return problem.keyValueElements
         case .lse, .delta: return problem.lseElements
+        // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, so these products stay small.
+        case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDim)
+        case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
         }
     }
 
@@ -80,23 +91,37 @@ struct DispatchPlan {
     /// The problem the plan was made for (buffer sizes follow from it).
     let problem: Problem
 
-    /// Forward: `flash_attention_forward_d<DP>` over (ceil(seqlen_q / forward_block_q), num_heads,
-    /// batch) threadgroups.
+    /// Forward. Dense: `flash_attention_forward_d<DP>` over (ceil(seqlen_q / forward_block_q),
+    /// num_heads, batch) threadgroups. Split-KV (`problem.split`, decode shapes):
+    /// `flash_attention_forward_split_d<DP>` over (chunks x row blocks, num_kv_heads, batch)
+    /// threadgroups writes one partial result per chunk, then `flash_attention_forward_combine`
+    /// over (seqlen_q, num_heads, batch) threadgroups merges them into out and lse.
     static func forward(_ problem: Problem) -> DispatchPlan {
         let b = problem.bucket
-        let dispatch = Dispatch(
-            kernelName: "flash_attention_forward_d\(b.head_dim_max)",
-            bindings: [BufferBinding(index: Int(FA_FORWARD_BUFFER_Q), role: .q),
-                       BufferBinding(index: Int(FA_FORWARD_BUFFER_K), role: .k),
-                       BufferBinding(index: Int(FA_FORWARD_BUFFER_V), role: .v),
-                       BufferBinding(index: Int(FA_FORWARD_BUFFER_OUT), role: .out),
-                       BufferBinding(index: Int(FA_FORWARD_BUFFER_LSE), role: .lse)],
-            paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
-            params: problem.params,
-            threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
-                                          height: problem.numHeads, depth: problem.batch),
-            threadsPerThreadgroup: threadgroupSize)
-        return DispatchPlan(dispatches: [dispatch], outputs: [.out, .lse], workspace: [], problem: problem)
+        var bindings = [BufferBinding(index: Int(FA_FORWARD_BUFFER_Q), role: .q),
+                        BufferBinding(index: Int(FA_FORWARD_BUFFER_K), role: .k),
+                        BufferBinding(index: Int(FA_FORWARD_BUFFER_V), role: .v),
+                        BufferBinding(index: Int(FA_FORWARD_BUFFER_OUT), role: .out),
+                        BufferBinding(index: Int(FA_FORWARD_BUFFER_LSE), role: .lse)]
+        func dispatch(_ kernel: String, _ grid: GridSize) -> Dispatch {
+            Dispatch(kernelName: kernel, bindings: bindings, paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
+                     params: problem.params, threadgroupsPerGrid: grid, threadsPerThreadgroup: threadgroupSize)
+        }
+        guard let split = problem.split else {
+            let dense = dispatch("flash_attention_forward_d\(b.head_dim_max)",
+                                 GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
+                                          height: problem.numHeads, depth: problem.batch))
+            return DispatchPlan(dispatches: [dense], outputs: [.out, .lse], workspace: [], problem: problem)
+        }
+        bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
+                     BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
+        let chunks = dispatch("flash_attention_forward_split_d\(b.head_dim_max)",
+                              GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
+                                       depth: problem.batch))
+        let combine = dispatch("flash_attention_forward_combine",
+                               GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch))
+        return DispatchPlan(dispatches: [chunks, combine], outputs: [.out, .lse],
+                            workspace: [.partialOut, .partialLse], problem: problem)
     }
 
     /// Backward, three dispatches in order: `flash_attention_backward_delta` over

@@ -59,6 +59,8 @@ struct Problem {
     let queryElements: Int
     let keyValueElements: Int
     let lseElements: Int
+    /// The split-KV chunking of the forward pass, or nil for the dense forward.
+    let split: KeyValueSplit?
 
     /// Validates a C descriptor. `pointer` may be null; its `struct_size` is read first so that no
     /// byte past what the caller declared is read.
@@ -130,6 +132,8 @@ struct Problem {
         self.queryElements = query
         self.keyValueElements = keyValue
         self.lseElements = lse
+        split = KeyValueSplit(batch: self.batch, numHeads: self.numHeads, numKVHeads: self.numKVHeads,
+                              seqlenQ: self.seqlenQ, seqlenK: self.seqlenK, bucket: bucket)
     }
 
     /// The product of `factors`, checked so that the byte size of a buffer of that many elements
@@ -153,7 +157,8 @@ struct Problem {
     var params: FlashAttentionParams {
         FlashAttentionParams(batch: batch, num_heads: numHeads, num_kv_heads: numKVHeads, seqlen_q: seqlenQ,
                              seqlen_k: seqlenK, head_dim: headDim, causal: causal ? 1 : 0,
-                             softmax_scale: softmaxScale)
+                             softmax_scale: softmaxScale, kv_chunks: split?.chunks ?? 1,
+                             kv_chunk_keys: split?.chunkKeys ?? seqlenK)
     }
 
     /// The Swift shape of this problem.

@@ -121,4 +121,45 @@ final class DispatchPlanTests: XCTestCase {
         XCTAssertEqual(BufferRole.dv.byteCount(for: p), 2 * 3 * 7 * 40 * 2)
         XCTAssertEqual(BufferRole.lse.byteCount(for: p), 2 * 6 * 5 * 4)
     }
+
+    /// Decode shapes take the split-KV forward: for B=1, H=32, KV heads 8, seqlen_q 1, seqlen_k 32768,
+    /// head_dim 128 at least 320 threadgroups (4 per core of an 80-core GPU), the query heads of a
+    /// GQA group packed into one block, and every K/V element read exactly once per call.
+    func testDecodeTakesTheSplitKVForward() throws {
+        let p = try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 32768, headDim: 128,
+                            causal: true, scale: nil)
+        let split = try XCTUnwrap(p.split)
+        let plan = DispatchPlan.forward(p)
+        XCTAssertEqual(plan.dispatches.map(\.kernelName),
+                       ["flash_attention_forward_split_d128", "flash_attention_forward_combine"])
+        XCTAssertEqual(plan.workspace, [.partialOut, .partialLse])
+        let grid = plan.dispatches[0].threadgroupsPerGrid
+        XCTAssertEqual(grid, GridSize(width: split.chunks, height: 8, depth: 1))
+        XCTAssertGreaterThanOrEqual(grid.width * grid.height * grid.depth, 320)
+        XCTAssertEqual(split.rowBlocks, 1)
+        XCTAssertEqual(split.chunkKeys % p.bucket.forward_block_k, 0)
+        // Keys each threadgroup streams: its chunk (the last one shorter); the chunks tile the cache.
+        let streamed = (0..<split.chunks).map { min(split.chunkKeys, p.seqlenK - $0 * split.chunkKeys) }
+        XCTAssertEqual(streamed.reduce(0, +) * split.rowBlocks, p.seqlenK)
+        XCTAssertEqual(plan.dispatches[1].threadgroupsPerGrid, GridSize(width: 1, height: 32, depth: 1))
+        XCTAssertEqual([plan.dispatches[0].params.kv_chunks, plan.dispatches[0].params.kv_chunk_keys],
+                       [split.chunks, split.chunkKeys])
+        XCTAssertEqual(BufferRole.partialLse.elementCount(for: p), 32 * Int(split.chunks))
+        XCTAssertEqual(BufferRole.partialOut.elementCount(for: p), 32 * Int(split.chunks) * 128)
+    }
+
+    /// The split-KV rule: at most FA_SPLIT_MAX_QUERY_ROWS query rows, chunks of at least
+    /// FA_SPLIT_MIN_CHUNK_KEYS keys, no split when fewer than two chunks would result.
+    func testSplitKVThresholds() throws {
+        XCTAssertNotNil(try problem(seqlenQ: 8, seqlenK: 512).split)
+        XCTAssertNil(try problem(seqlenQ: 9, seqlenK: 100_000).split)
+        XCTAssertNil(try problem(seqlenQ: 1, seqlenK: 511).split)
+        let many = try XCTUnwrap(try problem(batch: 1, heads: 4, kvHeads: 1, seqlenQ: 1, seqlenK: 1024).split)
+        XCTAssertEqual(many.chunks, 4)
+        // Rows of a GQA group beyond one block: 16 heads per KV head x 8 rows = 128 packed rows.
+        let packed = try XCTUnwrap(try problem(batch: 1, heads: 16, kvHeads: 1, seqlenQ: 8, seqlenK: 4096,
+                                               headDim: 64).split)
+        XCTAssertEqual(packed.rowBlocks, 4)
+        XCTAssertEqual(try problem(seqlenQ: 100, seqlenK: 33).params.kv_chunks, 1)
+    }
 }

@@ -67,7 +67,8 @@ final class EngineTests: XCTestCase {
     /// every kernel of a head-dim bucket declares non-empty threadgroup storage within Apple's 32 KiB;
     /// the D pre-pass declares none.
     func testAttentionKernelsAreRegisteredWithinThreadgroupMemory() {
-        let buffers = ["flash_attention_forward": 6, "flash_attention_backward_dq": 9, "flash_attention_backward_dkv": 10]
+        let buffers = ["flash_attention_forward": 6, "flash_attention_forward_split": 8,
+                       "flash_attention_backward_dq": 9, "flash_attention_backward_dkv": 10]
         for dim in [32, 64, 96, 128, 192, 256] {
             for (kernel, count) in buffers {
                 var info = msl_engine_kernel_info()
@@ -78,9 +79,11 @@ final class EngineTests: XCTestCase {
             }
         }
         var info = msl_engine_kernel_info()
-        XCTAssertEqual(msl_engine_describe_kernel("flash_attention_backward_delta", &info), 1)
-        XCTAssertEqual(info.buffer_count, 8)
-        XCTAssertEqual(info.threadgroup_memory_length, 0)
+        for (kernel, count) in [("flash_attention_backward_delta", 8), ("flash_attention_forward_combine", 8)] {
+            XCTAssertEqual(msl_engine_describe_kernel(kernel, &info), 1, kernel)
+            XCTAssertEqual(info.buffer_count, UInt32(count), kernel)
+            XCTAssertEqual(info.threadgroup_memory_length, 0, kernel)
+        }
         XCTAssertEqual(msl_engine_describe_kernel("no_such_kernel", &info), 0)
     }
 
