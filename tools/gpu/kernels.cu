@@ -32,6 +32,14 @@ half *as_half(uint16_t *p) { return reinterpret_cast<half *>(p); }
 // as blockIdx/threadIdx). The parameter struct travels by value (kernel parameter space,
 // read-only like Metal's constant address space).
 __global__ void __launch_bounds__(kThreads)
+    fa_cuda_forward_combine_kernel(const half *q, const half *k, const half *v, half *out,
+                                   float *lse, FlashAttentionParams params,
+                                   const float *partial_out, const float *partial_lse) {
+    flash_attention_forward_combine(q, k, v, out, lse, params, partial_out, partial_lse,
+                                    FA_CUDA_TGID, threadIdx.x);
+}
+
+__global__ void __launch_bounds__(kThreads)
     fa_cuda_backward_delta_kernel(const half *dout, const half *q, const half *k, const half *v,
                                   const half *out, const float *lse, FlashAttentionParams params,
                                   float *delta) {
@@ -45,6 +53,12 @@ __global__ void __launch_bounds__(kThreads)
                               FlashAttentionParams params) {                                       \
         flash_attention_forward_d##DP(q, k, v, out, lse, params, FA_CUDA_TGID, FA_CUDA_SGID,      \
                                       FA_CUDA_LANE);                                               \
+    }                                                                                              \
+    __global__ void __launch_bounds__(kThreads) fa_cuda_forward_split_d##DP(                       \
+        const half *q, const half *k, const half *v, half *out, float *lse,                       \
+        FlashAttentionParams params, float *partial_out, float *partial_lse) {                    \
+        flash_attention_forward_split_d##DP(q, k, v, out, lse, params, partial_out, partial_lse,  \
+                                            FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);             \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dq_d##DP(                         \
         const half *dout, const half *q, const half *k, const half *v, const half *out,           \
@@ -78,6 +92,44 @@ cudaError_t fa_cuda_forward(const FlashAttentionParams &p, const uint16_t *q, co
     }
     FA_HEAD_DIM_BUCKETS(FA_CUDA_FORWARD)
 #undef FA_CUDA_FORWARD
+    return cudaErrorInvalidValue;
+}
+
+bool fa_cuda_split_keys(FlashAttentionParams *p, unsigned chunks) {
+    if (chunks == 0) {
+        return false;
+    }
+#define FA_CUDA_SPLIT_KEYS(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                       \
+    if (p->head_dim >= 1 && p->head_dim <= DP) {                                                   \
+        p->kv_chunk_keys = ceil_div(ceil_div(p->seqlen_k, chunks), FWD_BK) * FWD_BK;               \
+        p->kv_chunks = ceil_div(p->seqlen_k, p->kv_chunk_keys);                                    \
+        return true;                                                                               \
+    }
+    FA_HEAD_DIM_BUCKETS(FA_CUDA_SPLIT_KEYS)
+#undef FA_CUDA_SPLIT_KEYS
+    return false;
+}
+
+cudaError_t fa_cuda_forward_split(const FlashAttentionParams &p, const uint16_t *q,
+                                  const uint16_t *k, const uint16_t *v, uint16_t *out, float *lse,
+                                  float *partial_out, float *partial_lse) {
+#define FA_CUDA_FORWARD_SPLIT(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                    \
+    if (p.head_dim >= 1 && p.head_dim <= DP) {                                                     \
+        const unsigned row_blocks = ceil_div(p.num_heads / p.num_kv_heads * p.seqlen_q, FWD_BQ);   \
+        const dim3 grid(p.kv_chunks * row_blocks, p.num_kv_heads, p.batch);                        \
+        fa_cuda_forward_split_d##DP<<<grid, kThreads>>>(as_half(q), as_half(k), as_half(v),        \
+                                                        as_half(out), lse, p, partial_out,         \
+                                                        partial_lse);                              \
+        const cudaError_t error = cudaGetLastError();                                              \
+        if (error != cudaSuccess) {                                                                \
+            return error;                                                                          \
+        }                                                                                          \
+        fa_cuda_forward_combine_kernel<<<dim3(p.seqlen_q, p.num_heads, p.batch), kThreads>>>(      \
+            as_half(q), as_half(k), as_half(v), as_half(out), lse, p, partial_out, partial_lse);   \
+        return cudaGetLastError();                                                                 \
+    }
+    FA_HEAD_DIM_BUCKETS(FA_CUDA_FORWARD_SPLIT)
+#undef FA_CUDA_FORWARD_SPLIT
     return cudaErrorInvalidValue;
 }
 

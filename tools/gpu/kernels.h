@@ -18,6 +18,23 @@
 cudaError_t fa_cuda_forward(const FlashAttentionParams &params, const uint16_t *q,
                             const uint16_t *k, const uint16_t *v, uint16_t *out, float *lse);
 
+// Split-KV forward (decode), the Metal plan's two dispatches for short queries:
+// flash_attention_forward_split_d<DP> over (kv_chunks x row blocks, Hkv, B), where a row block is
+// FWD_BQ of the (H / Hkv) x Nq query rows of one KV head, writes one normalised partial result
+// per chunk of params.kv_chunk_keys keys into partial_out (B, H, kv_chunks, Nq, D) and partial_lse
+// (B, H, kv_chunks, Nq), float32 workspaces; flash_attention_forward_combine over (Nq, H, B)
+// merges them into out and lse. params.kv_chunks and kv_chunk_keys come from fa_cuda_split_keys.
+cudaError_t fa_cuda_forward_split(const FlashAttentionParams &params, const uint16_t *q,
+                                  const uint16_t *k, const uint16_t *v, uint16_t *out, float *lse,
+                                  float *partial_out, float *partial_lse);
+
+// Splits the keys into at most `chunks` chunks of whole forward key tiles (FWD_BK of the bucket):
+// sets params->kv_chunk_keys to the smallest such multiple that covers seqlen_k in `chunks`
+// chunks, and params->kv_chunks to the number of chunks that gives. The Metal plan picks its own
+// count (a function of the shape); the kernels must be right for any. False for an unsupported
+// head_dim or chunks == 0.
+bool fa_cuda_split_keys(FlashAttentionParams *params, unsigned chunks);
+
 // Elements of the backward pass's delta workspace (D_i = rowsum(dout * out), float32): B * H * Nq.
 size_t fa_cuda_delta_elements(const FlashAttentionParams &params);
 

@@ -156,6 +156,8 @@ int run(int *rows_checked) {
     p.head_dim = kHeadDim;
     p.causal = 0;
     p.softmax_scale = shape.softmax_scale;
+    p.kv_chunks = 1;  // dense kernels
+    p.kv_chunk_keys = kSeqlenK;
 
     DeviceArray<uint16_t> q(kQElements), dout(kQElements), out(kQElements), dq(kQElements),
         k(kKvElements), v(kKvElements);
