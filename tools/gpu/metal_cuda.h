@@ -12,12 +12,12 @@
 // simdgroup_index_in_threadgroup, thread_index_in_simdgroup) as parameters, which a CUDA
 // __global__ function cannot. So `kernel` becomes __device__ and tools/gpu/kernels.cu generates
 // thin __global__ launchers passing blockIdx, threadIdx.x, threadIdx.x / 32 and threadIdx.x % 32.
+// Attributes such as [[buffer(0)]] are unknown to nvcc and ignored (C++11 [dcl.attr.grammar]).
 //
 // Vector names (float2, half2, ulong2, ...) are macros for metal::vec types while the MSL source is
 // compiled: CUDA declares its own ::float2 and ::half2, which `using namespace metal` would make
 // ambiguous. SIMD-group functions and simdgroup_matrix are warp shuffles with Apple's lane mapping
 // (see the section below).
-// Attributes such as [[buffer(0)]] are unknown to nvcc and ignored (C++11 [dcl.attr.grammar]).
 //
 // Include this header first (the .metal file does so through <metal_stdlib>, see include/), and
 // include metal_cuda_end.h after the Metal source: the keyword macros below must not leak into
