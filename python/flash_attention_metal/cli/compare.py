@@ -5,9 +5,9 @@ non-causal and causal), prefill with GQA (a quarter as many KV heads, causal) an
 against Nk keys, GQA). Each implementation (``peers.py``) runs forward and forward+backward on the
 same float16 inputs; the table shows per run the best time of ``--repeats`` after a warm-up call
 (``bench.best_ms``), the throughput (FlashAttention's FLOP count), the peak memory of one call
-(``_peak_memory``) and, for the peers, the ratios peer/library of time and memory. Where the
-library reports a profile of its calls (``Context.last_profile``), the library's device time is
-shown too: GPU time on Metal, the engine's wall time on the CPU. Peers that are not installed are
+(``_peak_memory``) and, for the peers, the ratios peer/library of time and memory. The library's
+device time comes from its profile of one more run (``Context.last_profile``): GPU time on Metal,
+the engine's wall time on the CPU. Peers that are not installed are
 named and skipped; a peer that fails on a case shows the error for that case.
 
 ``--json FILE`` writes every figure with the machine, chip, OS and versions: the record a Mac user
@@ -27,7 +27,7 @@ from contextlib import closing
 from pathlib import Path
 
 from . import _peak_memory, _types
-from .bench import best_ms, plot_path, pyplot, throughput_unit
+from .bench import best_ms, pyplot, throughput_unit
 from .peers import OPERATIONS, PEERS, Case, Library, Unavailable, load_peer
 from .progress import track
 
@@ -75,7 +75,7 @@ def cases(args: argparse.Namespace, backend: str) -> list[Case]:
 
 def _measure(implementation, case: Case, arrays, repeats: int, backend: str) -> dict:
     """Every figure of one implementation on one case: per operation ms, tflops, peak memory bytes
-    (None where the measurement failed), and for the library its device ms where profiled."""
+    (None where the measurement failed), and for the library its device ms."""
     figures = {}
     for operation, function in implementation.operations(case, *arrays).items():
         ms = best_ms(function, repeats)

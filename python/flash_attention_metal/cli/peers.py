@@ -101,12 +101,10 @@ class Library:
 
         return {"forward": lambda: context.forward(q, k, v, causal=causal), "fwd+bwd": both}
 
-    def device_ms(self, case: Case, q, k, v, dout, operation: str) -> float | None:
-        """The library's own time of one more run of ``operation`` from its profile (GPU time on
-        Metal, engine wall time on the CPU), or None where the library keeps no profile."""
+    def device_ms(self, case: Case, q, k, v, dout, operation: str) -> float:
+        """The library's own time of one more run of ``operation`` from its profile
+        (``Context.last_profile``: GPU time on Metal, engine wall time on the CPU)."""
         context, causal = self.context, case.causal
-        if not hasattr(context, "last_profile"):
-            return None
         out, lse = context.forward(q, k, v, causal=causal)
         seconds = context.last_profile.seconds
         if operation == "fwd+bwd":
