@@ -21,6 +21,14 @@ def test_peer_list_is_checked_while_parsing():
         compare.peer_list("mlx,jax")
 
 
+def test_json_without_compare_is_a_usage_error(tmp_path, capsys):
+    from flash_attention_metal.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "--json", str(tmp_path / "record.json")])
+    assert caught.value.code == 2 and "argument --json: needs --compare" in capsys.readouterr().err
+
+
 def test_cases_cover_prefill_decode_causal_gqa_and_both_head_dims():
     args = argparse.Namespace(seqlens=None, head_dim=None, causal="both", heads=8, batch=1)
     cases = compare.cases(args, "cpu")

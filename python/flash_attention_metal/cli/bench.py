@@ -198,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
     With --compare, runs ``compare.run`` instead."""
     from . import compare
 
+    if args.json is not None and args.compare is None:
+        args.usage_error("argument --json: needs --compare (the sweep prints its table only)")
     context = context_for(args.backend)
     check_head_dim(args, context)
     if args.profile:
