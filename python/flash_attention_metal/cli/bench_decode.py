@@ -41,14 +41,30 @@ class DecodeResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``bench --decode`` (``--seqlens`` then gives the cached keys)."""
     parser.add_argument("--decode", action="store_true",
-                        help=f"time decode shapes instead: --query-rows queries against --seqlens cached keys "
+                        help=f"time decode shapes: --query-rows queries against --seqlens cached keys "
                              f"(default {' '.join(map(str, _CPU_KEYS))} on the CPU engine, "
                              f"{' '.join(map(str, _GPU_KEYS))} on Metal), causal, GQA; default "
                              f"--heads {HEADS} --kv-heads {KV_HEADS} --head-dim {HEAD_DIM}")
-    parser.add_argument("--query-rows", type=_types.positive_int, nargs="+", default=list(QUERY_ROWS),
-                        help="seqlen_q of the decode shapes (default: 1 4)")
+    parser.add_argument("--query-rows", type=_types.positive_int, nargs="+", default=None,
+                        help=f"seqlen_q of the --decode shapes (default: {' '.join(map(str, QUERY_ROWS))})")
     parser.add_argument("--kv-heads", type=_types.positive_int, default=None,
-                        help=f"KV heads (default: --heads, or {KV_HEADS} with --decode); must divide --heads")
+                        help=f"KV heads of the --decode shapes, dividing --heads (default: {KV_HEADS} when it "
+                             f"divides --heads, else --heads)")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Usage errors for options that need --decode or do not go with it."""
+    if not args.decode:
+        for option, value in (("--query-rows", args.query_rows), ("--kv-heads", args.kv_heads)):
+            if value is not None:
+                args.usage_error(f"argument {option}: needs --decode")
+        return
+    for option, value in (("--compare", args.compare), ("--plot", args.plot), ("--json", args.json)):
+        if value is not None:
+            args.usage_error(f"argument {option}: not allowed with --decode")
+    heads = args.heads or HEADS
+    if args.kv_heads is not None and heads % args.kv_heads != 0:
+        args.usage_error(f"argument --kv-heads: must divide --heads ({heads}), got {args.kv_heads}")
 
 
 def cache_keys(args: argparse.Namespace, backend: str) -> tuple:
@@ -56,21 +72,13 @@ def cache_keys(args: argparse.Namespace, backend: str) -> tuple:
     return tuple(args.seqlens) if args.seqlens else (_CPU_KEYS if backend == "cpu" else _GPU_KEYS)
 
 
-def _inputs(seqlen_q: int, seqlen_k: int, args: argparse.Namespace) -> list:
-    """Seeded N(0, 1) float16 q (B, H, Nq, D) and k, v (B, H_kv, Nk, D)."""
-    rng = np.random.default_rng(seqlen_q * 1_000_003 + seqlen_k)
-    shapes = [(args.batch, args.heads, seqlen_q, args.head_dim)] + [(args.batch, args.kv_heads, seqlen_k, args.head_dim)] * 2
-    try:
-        return [rng.standard_normal(shape, dtype=np.float32).astype(np.float16) for shape in shapes]
-    except (MemoryError, ValueError) as error:
-        gib = 2 * 2 * float(np.prod(shapes[1], dtype=np.float64)) / 2**30
-        raise MemoryError(f"cannot allocate a KV cache of {seqlen_k} keys ({gib:.3g} GiB of k and v in "
-                          f"float16); use smaller --seqlens, --batch, --kv-heads or --head-dim") from error
-
-
-def measure(context, seqlen_q: int, seqlen_k: int, args: argparse.Namespace, best_ms) -> DecodeResult:
+def measure(context, seqlen_q: int, seqlen_k: int, args: argparse.Namespace) -> DecodeResult:
     """Times the causal forward of one decode shape and reads the profile of its last run."""
-    q, k, v = _inputs(seqlen_q, seqlen_k, args)
+    from .bench import best_ms, random_inputs
+
+    shapes = [(args.batch, args.heads, seqlen_q, args.head_dim)]
+    shapes += [(args.batch, args.kv_heads, seqlen_k, args.head_dim)] * 2
+    q, k, v = random_inputs(shapes, seqlen_q * 1_000_003 + seqlen_k, f"{seqlen_q} queries over {seqlen_k} keys")
     forward_ms = best_ms(lambda: context.forward(q, k, v, causal=True), args.repeats)
     profile = context.last_profile
     dispatches = profile.dispatches if profile is not None else []
@@ -79,13 +87,17 @@ def measure(context, seqlen_q: int, seqlen_k: int, args: argparse.Namespace, bes
                         tuple(d.kernel for d in dispatches))
 
 
-def run(context, args: argparse.Namespace, best_ms) -> list:
-    """Prints one row per (seqlen_q, seqlen_k) and returns the results."""
-    configs = [(rows, keys) for keys in cache_keys(args, context.backend) for rows in args.query_rows]
+def run(args: argparse.Namespace, context) -> list:
+    """Prints one row per (seqlen_q, seqlen_k) and returns the results (--heads resolved)."""
+    args.head_dim = args.head_dim or HEAD_DIM
+    if args.kv_heads is None:
+        args.kv_heads = KV_HEADS if args.heads % KV_HEADS == 0 else args.heads
+    query_rows = args.query_rows or QUERY_ROWS
+    configs = [(rows, keys) for keys in cache_keys(args, context.backend) for rows in query_rows]
     print(f"{context.backend} ({context.device}): decode, B={args.batch} H={args.heads} H_kv={args.kv_heads} "
           f"D={args.head_dim}, causal")
     with closing(track(configs, len(configs), "bench --decode")) as progress:
-        results = [measure(context, rows, keys, args, best_ms) for rows, keys in progress]
+        results = [measure(context, rows, keys, args) for rows, keys in progress]
     rate = "cache GB/s" if context.backend == "metal" else "cache GB/s (CPU)"
     print(f"{'seqlen_q':>8} {'seqlen_k':>8} {'fwd ms':>10} {'cache MB':>9} {rate:>16} {'threadgroups':>12}  kernels")
     for r in results:
