@@ -6,11 +6,11 @@ cache) greedy-decodes an answer twice: once with the library's attention (prefil
 the prompt, 9 query heads on 3 KV heads; then one call per layer and token with seqlen_q = 1 over
 the cache) and once with the float64 reference attention on the same float16 inputs. The default
 prompt is a document and a question (``smollm2_texts``): 590 tokens, so that every decode call
-attends over more than 512 keys and takes the library's split-KV path. It checks
-that the first --check-tokens generated tokens are identical and that every library attention call
-is within the project's accuracy rule (flash_attention_metal.accuracy, judged after the run so the
-timing is the generation's own), then prints the answer, tokens/s and the time spent in the
-library's attention.
+attends over more than 512 keys and takes the library's split-KV path. It checks that the first
+--check-tokens generated tokens are identical and that every library attention call is within the
+project's accuracy rule (flash_attention_metal.accuracy, judged after the run so the timing is the
+generation's own), then prints the answer, tokens/s, the time spent in the library's attention and
+the kernels the decode calls ran (from their profiles).
 
 Exit status: 0 when both checks pass, 1 when either fails, 2 when the library or the model cannot
 be loaded.
