@@ -78,8 +78,8 @@ class Context:
     @property
     def last_profile(self) -> Profile | None:
         """The profile of the calling thread's last successful ``forward``, ``backward`` or
-        ``merge_attention`` on this context (each thread sees its own calls), or None before one; a failed call leaves it
-        unchanged. See ``flash_attention_metal.profile.Profile``: ``seconds`` (Metal: GPU time;
+        ``merge_attention`` on this context (each thread sees its own calls), or None before one;
+        a failed call leaves it unchanged. See ``flash_attention_metal.profile.Profile``: ``seconds`` (Metal: GPU time;
         CPU engine: wall time) and one record per dispatched kernel (name, grid, threads,
         threadgroup memory, and on the CPU engine its SIMD-group matrix products and barriers)."""
         # The main thread's calls run on the interruptible-call worker, which holds their profile.
@@ -194,7 +194,9 @@ class Context:
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
-            FlashAttentionError: the library reported an error.
+            FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
+                when ``cancel`` stopped the call).
+            KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
         rows, head_dim = _validation.check_merge(out_a, lse_a, out_b, lse_b)
         if head_dim > self.max_head_dim:
@@ -205,13 +207,13 @@ class Context:
         lse = np.empty(lse_a.shape, dtype=np.float32)
         out_a, lse_a, out_b, lse_b = (np.ascontiguousarray(a) for a in (out_a, lse_a, out_b, lse_b))
         ffi, lib = self._native.ffi, self._native.lib
-        status = lib.fa_merge_attention(
+        arguments = (
             self._handle, rows, head_dim,
             _half_in(ffi, out_a), ffi.from_buffer("float[]", lse_a),
             _half_in(ffi, out_b), ffi.from_buffer("float[]", lse_b),
             _half_out(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True),
         )
-        self._native.raise_for_status(status)
+        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_merge_attention(*arguments)), self.cancel)
         return out, lse
 
     def _problem(self, shape: _validation.Shape, causal: bool, scale: float):

@@ -94,10 +94,10 @@ const char *fa_context_backend_name(const fa_context *context);
  * lives; null for a null context. */
 const char *fa_context_device_name(const fa_context *context);
 
-/* Cancels the calls in flight on context: every fa_forward or fa_backward that started on it before
- * this call stops early (the CPU engine within its current threadgroups, Metal before its next
- * command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN, unless it had already
- * finished its work. Calls that start afterwards run normally. Thread-safe, lock-free; returns at
+/* Cancels the calls in flight on context: every fa_forward, fa_backward or fa_merge_attention that
+ * started on it before this call stops early (the CPU engine within its current threadgroups, Metal
+ * before its next command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN,
+ * unless it had already finished its work. Calls that start afterwards run normally. Thread-safe, lock-free; returns at
  * once without waiting for the calls to stop. Errors: INVALID_ARGUMENT (null context). */
 fa_status fa_context_cancel(fa_context *context);
 
@@ -128,7 +128,7 @@ fa_status fa_backward(fa_context *context, const fa_problem *problem,
  * fa_forward over keys k[:, :, :s] with fa_forward over k[:, :, s:] gives fa_forward over all
  * keys (for causal masks, choose parts whose masks are the restriction of the full mask).
  * rows in 1 ... 2^32 - 1, head_dim in 1 ... fa_max_head_dim(); out and lse must not overlap any
- * input. Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED. */
+ * input. Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
 fa_status fa_merge_attention(fa_context *context, uint64_t rows, uint32_t head_dim,
                              const uint16_t *out_a, const float *lse_a,
                              const uint16_t *out_b, const float *lse_b,
