@@ -6,10 +6,14 @@ import MSLEngine
 final class CPUBackend: ExecutionBackend {
     let name: StaticString = "cpu"
     let deviceName: String
+    /// Work per piece of a plan (`DispatchPlan.pieces(maxFlops:)`). The CPU has no watchdog, so
+    /// a plan runs whole; tests lower it to run the pieces the Metal backend would.
+    let flopsPerPiece: Int
 
     /// Fails with `backendUnavailable` when the engine lacks the attention kernels (a build defect, or
     /// on x86-64 a CPU without AVX2, F16C and FMA).
-    init() throws {
+    init(flopsPerPiece: Int = .max) throws {
+        self.flopsPerPiece = flopsPerPiece
         let probe = "flash_attention_forward_d\(FA_MAX_HEAD_DIM)"
         guard msl_engine_has_kernel(probe) != 0 else {
             throw FlashAttentionError.backendUnavailable(
@@ -19,12 +23,14 @@ final class CPUBackend: ExecutionBackend {
     }
 
     func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws {
-        for dispatch in plan.dispatches {
-            try run(dispatch, buffers: buffers)
+        for piece in plan.pieces(maxFlops: flopsPerPiece) {
+            for dispatch in piece.plan.dispatches {
+                try run(dispatch, of: piece, buffers: buffers)
+            }
         }
     }
 
-    private func run(_ dispatch: Dispatch, buffers: HostBuffers) throws {
+    private func run(_ dispatch: Dispatch, of piece: PlanPiece, buffers: HostBuffers) throws {
         var params = dispatch.params
         try withUnsafeMutableBytes(of: &params) { paramBytes in
             var slots = [msl_engine_buffer](repeating: msl_engine_buffer(contents: nil, length: 0),
@@ -34,7 +40,9 @@ final class CPUBackend: ExecutionBackend {
                     throw FlashAttentionError.internalError(
                         "\(dispatch.kernelName): no buffer for \(binding.role.name)")
                 }
-                slots[binding.index] = msl_engine_buffer(contents: buffer.baseAddress, length: buffer.count)
+                slots[binding.index] = msl_engine_buffer(
+                    contents: buffer.baseAddress.map { $0 + piece.byteOffset(of: binding.role) },
+                    length: binding.role.byteCount(for: piece.plan.problem))
             }
             slots[dispatch.paramsIndex] = msl_engine_buffer(contents: paramBytes.baseAddress,
                                                             length: paramBytes.count)

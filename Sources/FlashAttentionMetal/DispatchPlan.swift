@@ -34,6 +34,21 @@ enum BufferRole: Int, CaseIterable {
 
     /// Bytes of this buffer for `problem`; never overflows for a validated problem.
     func byteCount(for problem: Problem) -> Int { elementCount(for: problem) * elementSize }
+
+    /// Element offset of the data of batch entry `batch`, KV head `kvHead` (and its first query
+    /// head, `kvHead * groupSize`) in this buffer of `problem`: where a piece of a split plan that
+    /// starts there binds the buffer.
+    func elementOffset(batch: UInt32, kvHead: UInt32, in problem: Problem) -> Int {
+        let b = Int(batch), kv = Int(kvHead), g = Int(problem.groupSize)
+        switch self {
+        case .q, .out, .dout, .dq:
+            return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ) * Int(problem.headDim)
+        case .k, .v, .dk, .dv:
+            return (b * Int(problem.numKVHeads) + kv) * Int(problem.seqlenK) * Int(problem.headDim)
+        case .lse:
+            return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ)
+        }
+    }
 }
 
 /// A 3-D size, as in `MTLSize` and `msl_engine_size`.
@@ -63,16 +78,41 @@ struct Dispatch {
     var bufferCount: Int { bindings.count + 1 }
 }
 
+/// The passes a plan can run.
+enum Pass {
+    case forward, backward
+
+    /// Floating-point operations per (query row, key, head_dim element) of one head, as
+    /// FlashAttention's benchmarks count them: forward 2 matrix products (QK^T, PV), backward 2.5x
+    /// that. The causal mask is ignored (an upper bound), as is the padding of head_dim.
+    var flopsPerScoreElement: Int {
+        switch self {
+        case .forward: return 4
+        case .backward: return 10
+        }
+    }
+}
+
 /// The dispatches of one pass, computed once for every backend (FlashAttention-2: forward is
 /// Algorithm 1, one kernel; backward is Algorithm 2 split into a dQ kernel over query blocks and a
 /// dK/dV kernel over key blocks, so that no two threadgroups write the same output element and the
 /// result is deterministic without atomics).
 struct DispatchPlan {
+    /// The pass; `make(pass, problem)` rebuilds the plan for a slice of the problem.
+    let pass: Pass
     let dispatches: [Dispatch]
     /// The roles the pass writes; every other bound role is read only.
     let outputs: [BufferRole]
     /// The problem the plan was made for (buffer sizes follow from it).
     let problem: Problem
+
+    /// The plan of `pass` for `problem`.
+    static func make(_ pass: Pass, _ problem: Problem) -> DispatchPlan {
+        switch pass {
+        case .forward: return forward(problem)
+        case .backward: return backward(problem)
+        }
+    }
 
     /// Forward: `flash_attention_forward_d<DP>` over (ceil(seqlen_q / forward_block_q), num_heads,
     /// batch) threadgroups of forward_block_q threads.
@@ -90,7 +130,7 @@ struct DispatchPlan {
             threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
                                           height: problem.numHeads, depth: problem.batch),
             threadsPerThreadgroup: GridSize(width: b.forward_block_q, height: 1, depth: 1))
-        return DispatchPlan(dispatches: [dispatch], outputs: [.out, .lse], problem: problem)
+        return DispatchPlan(pass: .forward, dispatches: [dispatch], outputs: [.out, .lse], problem: problem)
     }
 
     /// Backward: `flash_attention_backward_dq_d<DP>` over (ceil(seqlen_q / backward_block_q),
@@ -122,7 +162,7 @@ struct DispatchPlan {
             threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenK, b.backward_block_k),
                                           height: problem.numKVHeads, depth: problem.batch),
             threadsPerThreadgroup: GridSize(width: b.backward_block_k, height: 1, depth: 1))
-        return DispatchPlan(dispatches: [dq, dkv], outputs: [.dq, .dk, .dv], problem: problem)
+        return DispatchPlan(pass: .backward, dispatches: [dq, dkv], outputs: [.dq, .dk, .dv], problem: problem)
     }
 
     /// ceil(length / block), computed without the overflow of `length + block - 1` near 2^32.
