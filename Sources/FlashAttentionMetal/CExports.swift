@@ -72,7 +72,14 @@ public func _exportContextBackendName(_ handle: OpaquePointer?) -> UnsafePointer
 @_cdecl("fa_context_device_name")
 public func _exportContextDeviceName(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
     guard let ctx = try? context(handle) else { return nil }
-    return UnsafePointer(ctx.deviceNameCString)
+    return ctx.cString(ctx.backend.deviceName)
+}
+
+/// fa_context_backend_note: see flash_attention_metal.h.
+@_cdecl("fa_context_backend_note")
+public func _exportContextBackendNote(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
+    guard let ctx = try? context(handle) else { return nil }
+    return ctx.cString(ctx.backend.note)
 }
 
 /// fa_forward: see flash_attention_metal.h.

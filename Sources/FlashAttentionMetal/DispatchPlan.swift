@@ -106,6 +106,15 @@ struct DispatchPlan {
     /// The problem the plan was made for (buffer sizes follow from it).
     let problem: Problem
 
+    /// Every role some dispatch binds, in order of first binding.
+    var boundRoles: [BufferRole] {
+        var roles: [BufferRole] = []
+        for binding in dispatches.flatMap(\.bindings) where !roles.contains(binding.role) {
+            roles.append(binding.role)
+        }
+        return roles
+    }
+
     /// The plan of `pass` for `problem`.
     static func make(_ pass: Pass, _ problem: Problem) -> DispatchPlan {
         switch pass {

@@ -24,6 +24,12 @@ public final class FlashAttention: @unchecked Sendable {
     /// The Metal device name, or a description of the CPU engine.
     public var deviceName: String { context.backend.deviceName }
 
+    /// Why the backend is what it is ("" when there is nothing to say): where the Metal kernels came
+    /// from (a `.metallib` next to the library, or the embedded source compiled at creation), or why
+    /// `.auto` runs (some) kernels on the CPU engine. With `.auto`, `backendName`, `deviceName` and
+    /// this note can change after a call: when the GPU is lost, later calls run on the CPU engine.
+    public var backendNote: String { context.backend.note }
+
     /// Forward pass into caller-owned memory: `out` (float16 bit patterns, like `q`) and `lse`
     /// (float32, `[batch][numHeads][seqlenQ]`).
     /// - Parameters:

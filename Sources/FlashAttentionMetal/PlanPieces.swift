@@ -15,6 +15,18 @@ struct PlanPiece {
     /// The problem the offsets refer to.
     let full: Problem
 
+    init(plan: DispatchPlan, firstBatch: UInt32, firstKVHead: UInt32, full: Problem) {
+        self.plan = plan
+        self.firstBatch = firstBatch
+        self.firstKVHead = firstKVHead
+        self.full = full
+    }
+
+    /// All of `plan` as one piece.
+    init(whole plan: DispatchPlan) {
+        self.init(plan: plan, firstBatch: 0, firstKVHead: 0, full: plan.problem)
+    }
+
     /// Bytes from the start of the full buffer of `role` to the start of this piece's part. A
     /// multiple of the element size and of head_dim elements, so a kernel's alignment assumptions
     /// about row starts hold in every piece.
@@ -46,7 +58,7 @@ extension DispatchPlan {
         let unitsPerPiece = UInt64(max(1, maxFlops / flopsPerUnit))
         let kvHeads = UInt64(p.numKVHeads)
         if unitsPerPiece >= UInt64(p.batch) * kvHeads {
-            return [PlanPiece(plan: self, firstBatch: 0, firstKVHead: 0, full: p)]
+            return [PlanPiece(whole: self)]
         }
         var pieces: [PlanPiece] = []
         func add(batches: Range<UInt32>, kvHeads: Range<UInt32>) {
