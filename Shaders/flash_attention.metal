@@ -1,324 +1,668 @@
-// FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and the two backward kernels.
+// FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, dQ,
+// dK/dV), on simdgroup_matrix tiles.
 //
-// Math: FlashAttention-2 (Dao, 2023). Forward is Algorithm 1: each threadgroup owns a block of query
-// rows and streams key/value tiles through threadgroup memory, keeping an online softmax (running
-// max m, running sum l, unnormalised output o) per row. Backward is Algorithm 2 split into two
-// kernels without atomics: dQ per query block, dK/dV per key block; both recompute
-// P = exp(softmax_scale * q . k - lse) and use D_i = rowsum(dout * out) in float32.
+// Math: FlashAttention-2 (Dao, 2023). Operands: Q, K, V, O (out), L (lse), dO (dout), D (delta),
+// S = Q K^T, P = softmax(S), dP = dO V^T, dS = P (dP - D). Scores are kept in base 2: S is scaled by
+// softmax_scale * log2(e), so exp2 gives the softmax and lse = m ln 2 + log(l).
 //
-// Semantics (shared with every layer, see flash_attention_metal.h): causal masks are aligned
-// bottom-right (query i sees key j iff j <= i + seqlen_k - seqlen_q); a row that sees no key gets
-// out = 0, lse = -inf and zero gradients; GQA/MQA query head h reads KV head
-// h / (num_heads / num_kv_heads); offsets are 64-bit.
+//   forward (Algorithm 1), one threadgroup per BQ query rows:
+//     load Q block; m = -inf, l = 0, O = 0
+//     for each K/V tile of BK keys that some row of the block sees:
+//       load K, V tiles; S = Q K^T (scaled); element masks only on tiles crossing the diagonal or
+//       the end; m' = max(m, rowmax S); P = exp2(S - m'); l = l exp2(m - m') + rowsum P;
+//       O = O exp2(m - m') + P V; m = m'
+//     out = O / l, lse = m ln 2 + log l (a row that sees no key: out 0, lse -inf)
+//   backward_delta: D_i = rowsum(dO_i * O_i), once per row, in float32
+//   backward_dq (Algorithm 2, the dQ half), one threadgroup per BQ query rows:
+//     for each visible K/V tile: S = Q K^T, P = exp2(S - L), dP = dO V^T, dS = P (dP - D),
+//     dQ += dS K; dq = softmax_scale dQ
+//   backward_dkv (the dK/dV half), one threadgroup per BK keys of one KV head:
+//     for each query head of the GQA group, in order, and each Q/dO tile that sees the keys:
+//       S^T = K Q^T, P^T = exp2(S^T - L), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
+//       dK += dS^T Q; dk = softmax_scale dK
+//   No atomics: every output element has one writer, and sums run in a fixed order, so results
+//   are bit-identical from run to run.
 //
-// Structure rules: every barrier sits in a loop whose trip count is the same for all threads of
-// the threadgroup (Metal requires a barrier to be reached by all of them); per-thread work that
-// depends on the row is guarded inside the loop body, never around a barrier. Threadgroup storage
-// is one struct per kernel, declared in the kernel and named <kernel>_threadgroup. Arithmetic does
-// not rely on infinities, so fast-math compilation keeps empty rows exact.
+// Structure: 4 SIMD-groups per threadgroup; each owns 8 rows and a head_dim slice (see
+// flash_attention_params.h). Tiles are copied from device memory into threadgroup memory once per
+// threadgroup and read by all SIMD-groups; the accumulators (O, dQ, dK, dV), the running max and
+// sum live in registers. Every barrier is reached by all threads (loop trip counts and branches
+// around barriers are the same for the whole threadgroup); every simdgroup_matrix and SIMD
+// shuffle call is reached by all 32 lanes (edges are zero-filled tiles and masks, never per-lane
+// branches). Minus infinity is used only as the masked score and the initial running max, and
+// never enters an inf - inf: fast math must stay off (the host compiles with it off).
 //
-// One instance per head-dim bucket of FA_HEAD_DIM_BUCKETS (flash_attention_params.h), named
-// <kernel>_d<head_dim_max>; vectors are padded with zeros to head_dim_max.
+// Semantics (flash_attention_metal.h): bottom-right causal masks; a row that sees no key gets
+// out 0, lse -inf and zero gradients; GQA/MQA query head h reads KV head
+// h / (num_heads / num_kv_heads); 64-bit offsets; head_dim 1 to FA_MAX_HEAD_DIM, zero-padded to
+// the bucket's multiple of 8 inside threadgroup memory, never read past the tensor.
+//
+// One instance per head-dim bucket of FA_HEAD_DIM_BUCKETS, named <kernel>_d<head_dim_max>.
+// Threadgroup storage is one struct per kernel, named <kernel>_threadgroup.
 
 #include <metal_stdlib>
-#include "flash_attention_params.h"
 
 using namespace metal;
 
-// Number of keys query row `row` sees: all of them, or with the causal mask the prefix
-// j <= row + seqlen_k - seqlen_q (possibly empty).
-inline uint visible_keys(constant FlashAttentionParams &p, uint row) {
-    if (p.causal == 0) {
-        return p.seqlen_k;
-    }
-    const long n = long(row) + long(p.seqlen_k) - long(p.seqlen_q) + 1;
-    return n <= 0 ? 0u : (n >= long(p.seqlen_k) ? p.seqlen_k : uint(n));
-}
+#include "flash_attention_params.h"
+#include "flash_attention_fragment.h"
+#include "flash_attention_blocks.h"
 
-// First query row that sees key `key` (seqlen_q when none does). Rows see a prefix of the keys, so
-// the rows seeing a key form a suffix.
-inline uint first_row_seeing(constant FlashAttentionParams &p, uint key) {
-    if (p.causal == 0) {
-        return 0;
-    }
-    const long i = long(key) - long(p.seqlen_k) + long(p.seqlen_q);
-    return i <= 0 ? 0u : (i >= long(p.seqlen_q) ? p.seqlen_q : uint(i));
-}
+// Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
+#define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
 
-// Element offset of the first row of head `head` of batch `b` in a [batch][heads][seqlen][head_dim]
-// tensor.
-inline ulong head_offset(uint b, uint heads, uint head, uint seqlen, uint head_dim) {
-    return (ulong(b) * heads + head) * seqlen * head_dim;
-}
-
-// Copies rows [first, first + ROWS) of one head (src points at its row 0) into tile[ROWS][DP],
-// zero past seqlen and past head_dim. The THREADS threads of the threadgroup share the copy.
-template <uint ROWS, uint DP, uint THREADS, typename Tile>
-inline void load_tile(Tile tile, device const half *src, uint first, uint seqlen, uint head_dim,
-                      uint tid) {
-    for (uint e = tid; e < ROWS * DP; e += THREADS) {
-        const uint r = e / DP;
-        const uint d = e % DP;
-        const uint row = first + r;
-        tile[r][d] = (row < seqlen && d < head_dim) ? src[ulong(row) * head_dim + d] : half(0);
-    }
-}
-
-// Reads one row of head_dim halves (zero-padded to DP) as float.
-template <uint DP>
-inline void load_row(thread float *dst, device const half *src, uint head_dim) {
-    for (uint d = 0; d < DP; ++d) {
-        dst[d] = d < head_dim ? float(src[d]) : 0.0f;
-    }
-}
-
-template <uint DP, typename Row>
-inline float dot_row(thread const float *a, Row b) {
-    float acc = 0.0f;
-    for (uint d = 0; d < DP; ++d) {
-        acc = fma(a[d], float(b[d]), acc);
-    }
-    return acc;
-}
-
-// D_i = sum_d dout[i][d] * out[i][d], accumulated in float32.
-inline float row_delta(device const half *dout, device const half *out, uint head_dim) {
-    float acc = 0.0f;
-    for (uint d = 0; d < head_dim; ++d) {
-        acc = fma(float(dout[d]), float(out[d]), acc);
-    }
-    return acc;
-}
-
-template <uint BK, uint DP>
-struct KeyValueTiles {
-    half k[BK][DP];
-    half v[BK][DP];
+// Where one SIMD-group works: rows [row0, row0 + 8) of the threadgroup's block and head_dim
+// columns [col0, col0 + 8 * fragments) of its slice, of which `active` fragments lie inside
+// head_dim.
+struct SimdgroupSlice {
+    uint row0;
+    uint col0;
+    uint active;
+    uint first_sgid;  // the SIMD-group holding slice 0 of the same rows
 };
 
-template <uint BQ, uint DP>
-struct QueryTiles {
-    half q[BQ][DP];
-    half dout[BQ][DP];
-    float lse[BQ];
-    float delta[BQ];
+template <uint DP, uint SLICES>
+inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgid) {
+    SimdgroupSlice s;
+    s.row0 = (sgid / SLICES) * 8;
+    s.col0 = (sgid % SLICES) * (DP / SLICES);
+    s.active = active_fragments(p.head_dim, s.col0, DP / SLICES / 8);
+    s.first_sgid = sgid - sgid % SLICES;
+    return s;
+}
+
+// Sums the head_dim slices' partial products (no-op for one slice). All threads call it.
+template <uint SLICES, uint N, typename Partials>
+inline void sum_over_slices(thread Fragments<N> &x, Partials partials, uint sgid,
+                            SimdgroupSlice s, FragmentCoord at) {
+    if (SLICES > 1) {
+        store_partial(x, partials, sgid, at);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        sum_partials<N, SLICES>(x, partials, s.first_sgid, at);
+    }
+}
+
+// Stores rows of an 8 x 8N accumulator times `scale` as half: row `row` of a head (row_start is its
+// element offset), columns below head_dim only.
+template <uint N>
+inline void store_row(device half *dst, thread Fragments<N> &x, float scale, ulong row_start,
+                      uint head_dim, SimdgroupSlice s, FragmentCoord at) {
+    for (uint d = 0; d < N; ++d) {
+        for (uint e = 0; e < 2; ++e) {
+            const uint col = s.col0 + d * 8 + at.col + e;
+            if (col < head_dim) {
+                dst[row_start + col] = half(x.f[d].thread_elements()[e] * scale);
+            }
+        }
+    }
+}
+
+// ---- forward ---------------------------------------------------------------------------------
+
+template <uint DP, uint BQ, uint BK>
+struct ForwardStorage {
+    half q[BQ][DP + FA_TILE_PAD];
+    half k[BK][DP + FA_TILE_PAD];
+    half v[BK][DP + FA_TILE_PAD];
+    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
 };
 
-// Where one thread of a query-row kernel (forward, backward dQ) works: row `row` of query head `h`
-// of batch `b`, in a threadgroup that owns BQ consecutive rows.
-struct QueryRow {
-    uint b;
-    uint h;
-    uint row;
-    bool valid;           // row < seqlen_q
-    uint keys;            // keys this row sees (0 for an invalid row)
-    uint block_keys;      // keys the block's last row sees: the tiles the threadgroup must visit
-    ulong row_start;      // element offset of the row in q/out/dout/dq (row 0 when invalid)
-    ulong kv_head_start;  // element offset of the row's KV head in k/v
+// The online softmax of one lane's row (Algorithm 1): running max m of the scaled scores (base 2),
+// this lane's part of the running sum l of exp2(score - m), and the SIMD-group's 8-row block of the
+// unnormalised output over its head_dim slice.
+template <uint ND>
+struct RowState {
+    float m;
+    float l;
+    Fragments<ND> o;
+};
+
+template <uint ND>
+inline void start_rows(thread RowState<ND> &r) {
+    r.m = -INFINITY;
+    r.l = 0.0f;
+    clear(r.o);
+}
+
+// One K/V tile of the forward pass, keys [kv0, kv0 + BK) of the KV head whose rows start at k_head
+// and v_head: loads the tiles (every thread calls it), S = Q K^T over the slice and then over all
+// of head_dim, masks (only when `masked`; the lane's row is query `row`), online softmax update,
+// O += P V.
+template <uint DP, uint BQ, uint BK, uint ND, typename Storage>
+inline void forward_tile(thread RowState<ND> &r, Storage tg, device const half *k_head,
+                         device const half *v_head, constant FlashAttentionParams &p, uint kv0,
+                         bool masked, uint row, SimdgroupSlice s, FragmentCoord at, uint sgid,
+                         uint tid) {
+    constexpr uint NK = BK / 8;  // fragments across a key tile
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.head_dim, tid);
+    load_rows<BK, DP>(tg->v, v_head, kv0, p.seqlen_k, p.head_dim, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    Fragments<NK> sc;
+    clear(sc);
+    for (uint d = 0; d < ND; ++d) {
+        if (d < s.active) {
+            simdgroup_float8x8 qf;
+            load_fragment(qf, tg->q, s.row0, s.col0 + d * 8, at);
+            for (uint j = 0; j < NK; ++j) {
+                simdgroup_float8x8 kt;
+                load_fragment_transposed(kt, tg->k, j * 8, s.col0 + d * 8, at);
+                simdgroup_multiply_accumulate(sc.f[j], qf, kt, sc.f[j]);
+            }
+        }
+    }
+    sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
+
+    // Online softmax; P replaces S in place.
+    const float scale2 = p.softmax_scale * M_LOG2E_F;
+    float tile_max = -INFINITY;
+    for (uint j = 0; j < NK; ++j) {
+        for (uint e = 0; e < 2; ++e) {
+            float x = sc.f[j].thread_elements()[e] * scale2;
+            if (masked && !is_visible(p, row, kv0 + j * 8 + at.col + e)) {
+                x = -INFINITY;
+            }
+            sc.f[j].thread_elements()[e] = x;
+            tile_max = max(tile_max, x);
+        }
+    }
+    const float m_next = max(r.m, row_max(tile_max));
+    // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp2 at 0, not NaN.
+    const float m_base = m_next == -INFINITY ? 0.0f : m_next;
+    const float correction = exp2(r.m - m_base);
+    r.l *= correction;
+    for (uint d = 0; d < ND; ++d) {
+        r.o.f[d].thread_elements()[0] *= correction;
+        r.o.f[d].thread_elements()[1] *= correction;
+    }
+    for (uint j = 0; j < NK; ++j) {
+        for (uint e = 0; e < 2; ++e) {
+            const float pe = exp2(sc.f[j].thread_elements()[e] - m_base);
+            sc.f[j].thread_elements()[e] = pe;
+            r.l += pe;
+        }
+    }
+    r.m = m_next;
+
+    for (uint d = 0; d < ND; ++d) {
+        if (d < s.active) {
+            for (uint j = 0; j < NK; ++j) {
+                simdgroup_float8x8 vf;
+                load_fragment(vf, tg->v, j * 8, s.col0 + d * 8, at);
+                simdgroup_multiply_accumulate(r.o.f[d], sc.f[j], vf, r.o.f[d]);
+            }
+        }
+    }
+}
+
+// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
+inline float row_lse(float m, float l) {
+    return l > 0.0f ? m * M_LN2_F + log(l) : -INFINITY;
+}
+
+template <uint DP, uint BQ, uint BK, typename Storage>
+inline void attention_forward(device const half *q, device const half *k, device const half *v,
+                              device half *out, device float *lse,
+                              constant FlashAttentionParams &p, Storage tg, uint3 tgid,
+                              uint sgid, uint lane) {
+    constexpr uint SLICES = FA_SLICES(BQ);
+    constexpr uint ND = DP / SLICES / 8;  // fragments across the slice
+    const uint tid = sgid * 32 + lane;
+    const FragmentCoord at = fragment_coord(lane);
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
+
+    const uint b = tgid.z;
+    const uint h = tgid.y;
+    const uint q0 = tgid.x * BQ;
+    const uint row = q0 + s.row0 + at.row;
+    const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
+    const uint kv_head = h / (p.num_heads / p.num_kv_heads);
+    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+    // Keys seen by the block's last row: the tiles the threadgroup visits (none past it).
+    const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
+
+    load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
+    RowState<ND> r;
+    start_rows(r);
+    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
+        forward_tile<DP, BQ, BK>(r, tg, k + kv_head_start, v + kv_head_start, p, kv0,
+                                 !tile_unmasked(p, q0, BQ, kv0, BK), row, s, at, sgid, tid);
+    }
+
+    const float l = row_sum(r.l);
+    if (row < p.seqlen_q) {
+        store_row(out, r.o, l > 0.0f ? 1.0f / l : 0.0f, q_head + ulong(row) * p.head_dim,
+                  p.head_dim, s, at);
+        if (s.col0 == 0 && at.col == 0) {
+            lse[row_index(b, p.num_heads, h, p.seqlen_q, row)] = row_lse(r.m, l);
+        }
+    }
+}
+
+// ---- split-KV forward (decode) ---------------------------------------------------------------
+
+// The rows of a split-KV threadgroup: the query rows of all heads of one GQA group, packed as
+// index g * seqlen_q + i (head kv_head * group + g, query row i), BQ of them per block.
+struct PackedRows {
+    uint group;  // query heads per KV head
+    uint count;  // group * seqlen_q
+    uint first;  // the block's first packed index
+    uint i_min;  // smallest and largest query row i among the block's rows
+    uint i_max;
+    bool full;   // the block has no padding rows
 };
 
 template <uint BQ>
-inline QueryRow query_row(constant FlashAttentionParams &p, uint3 tgid, uint tid) {
-    QueryRow r;
-    r.b = tgid.z;
-    r.h = tgid.y;
-    r.row = tgid.x * BQ + tid;
-    r.valid = r.row < p.seqlen_q;
-    r.keys = r.valid ? visible_keys(p, r.row) : 0;
-    r.block_keys = visible_keys(p, min(tgid.x * BQ + BQ, p.seqlen_q) - 1);
-    r.row_start = head_offset(r.b, p.num_heads, r.h, p.seqlen_q, p.head_dim) +
-                  ulong(r.valid ? r.row : 0) * p.head_dim;
-    const uint kv_head = r.h / (p.num_heads / p.num_kv_heads);
-    r.kv_head_start = head_offset(r.b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+inline PackedRows packed_rows(constant FlashAttentionParams &p, uint block) {
+    PackedRows r;
+    r.group = p.num_heads / p.num_kv_heads;
+    r.count = r.group * p.seqlen_q;
+    r.first = block * BQ;
+    const uint last = min(r.first + BQ, r.count) - 1;
+    const bool one_head = r.first / p.seqlen_q == last / p.seqlen_q;
+    r.i_min = one_head ? r.first % p.seqlen_q : 0;
+    r.i_max = one_head ? last % p.seqlen_q : p.seqlen_q - 1;
+    r.full = r.first + BQ <= r.count;
     return r;
 }
 
-// Loads the K and V tiles of keys [kv0, kv0 + BK) for the threadgroup; returns how many of them
-// the calling thread's row sees. Called the same number of times by every thread (its barriers).
-template <uint DP, uint BQ, uint BK, typename Tiles>
-inline uint load_key_value_tiles(Tiles tiles, device const half *k, device const half *v,
-                                 constant FlashAttentionParams &p, QueryRow r, uint kv0, uint tid) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    load_tile<BK, DP, BQ>(tiles->k, k + r.kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-    load_tile<BK, DP, BQ>(tiles->v, v + r.kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    return r.keys > kv0 ? min(BK, r.keys - kv0) : 0u;
+// Element offset of packed row `packed` in q (batch b, KV head kv_head).
+inline ulong packed_row_offset(constant FlashAttentionParams &p, PackedRows r, uint b,
+                               uint kv_head, uint packed) {
+    const uint h = kv_head * r.group + packed / p.seqlen_q;
+    return head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim) +
+           ulong(packed % p.seqlen_q) * p.head_dim;
 }
 
-// Forward: one thread per query row of a BQ-row block; K/V tiles of BK keys.
-template <uint DP, uint BQ, uint BK, typename Tiles>
-inline void attention_forward(device const half *q, device const half *k, device const half *v,
-                              device half *out, device float *lse,
-                              constant FlashAttentionParams &p, Tiles tiles, uint3 tgid, uint tid) {
-    const QueryRow r = query_row<BQ>(p, tgid, tid);
-
-    float q_row[DP];
-    load_row<DP>(q_row, q + r.row_start, r.valid ? p.head_dim : 0);
-    float o[DP];
-    for (uint d = 0; d < DP; ++d) {
-        o[d] = 0.0f;
-    }
-    float m = -1.0e30f;  // running max of the scores seen so far; finite on purpose
-    float l = 0.0f;      // running sum of exp(score - m)
-
-    for (uint kv0 = 0; kv0 < r.block_keys; kv0 += BK) {
-        const uint n = load_key_value_tiles<DP, BQ, BK>(tiles, k, v, p, r, kv0, tid);
-        if (n > 0) {
-            float s[BK];
-            float tile_max = m;
-            for (uint j = 0; j < n; ++j) {
-                s[j] = dot_row<DP>(q_row, tiles->k[j]) * p.softmax_scale;
-                tile_max = max(tile_max, s[j]);
-            }
-            const float correction = exp(m - tile_max);
-            l *= correction;
-            for (uint d = 0; d < DP; ++d) {
-                o[d] *= correction;
-            }
-            for (uint j = 0; j < n; ++j) {
-                const float pj = exp(s[j] - tile_max);
-                l += pj;
-                for (uint d = 0; d < DP; ++d) {
-                    o[d] = fma(pj, float(tiles->v[j][d]), o[d]);
-                }
-            }
-            m = tile_max;
-        }
-    }
-
-    if (r.valid) {
-        const float inv_l = r.keys > 0 ? 1.0f / l : 0.0f;
-        for (uint d = 0; d < p.head_dim; ++d) {
-            out[r.row_start + d] = half(o[d] * inv_l);
-        }
-        const ulong lse_index = (ulong(r.b) * p.num_heads + r.h) * p.seqlen_q + r.row;
-        lse[lse_index] = r.keys > 0 ? m + log(l) : -INFINITY;
-    }
+// Index of (packed row, chunk) in partial_lse; times head_dim, in partial_out.
+inline ulong partial_index(constant FlashAttentionParams &p, PackedRows r, uint b, uint kv_head,
+                           uint packed, uint chunk) {
+    const uint h = kv_head * r.group + packed / p.seqlen_q;
+    return ((ulong(b) * p.num_heads + h) * p.kv_chunks + chunk) * p.seqlen_q + packed % p.seqlen_q;
 }
 
-// Backward dQ: one thread per query row; dq = softmax_scale * sum_j P_ij (dP_ij - D_i) k_j.
-template <uint DP, uint BQ, uint BK, typename Tiles>
-inline void attention_backward_dq(device const half *dout, device const half *q,
-                                  device const half *k, device const half *v,
-                                  device const half *out, device const float *lse,
-                                  constant FlashAttentionParams &p, device half *dq, Tiles tiles,
-                                  uint3 tgid, uint tid) {
-    const QueryRow r = query_row<BQ>(p, tgid, tid);
-    const uint row_dim = r.valid ? p.head_dim : 0;
+// One chunk of keys for one block of packed rows: threadgroups (row blocks x chunks, KV heads,
+// batch), x = chunk * row_blocks + row block. Writes the chunk's normalised output and lse.
+template <uint DP, uint BQ, uint BK, typename Storage>
+inline void attention_forward_split(device const half *q, device const half *k,
+                                    device const half *v, device float *partial_out,
+                                    device float *partial_lse, constant FlashAttentionParams &p,
+                                    Storage tg, uint3 tgid, uint sgid, uint lane) {
+    constexpr uint SLICES = FA_SLICES(BQ);
+    constexpr uint ND = DP / SLICES / 8;
+    const uint tid = sgid * 32 + lane;
+    const FragmentCoord at = fragment_coord(lane);
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
 
-    float q_row[DP];
-    float do_row[DP];
-    float dq_acc[DP];
-    load_row<DP>(q_row, q + r.row_start, row_dim);
-    load_row<DP>(do_row, dout + r.row_start, row_dim);
-    for (uint d = 0; d < DP; ++d) {
-        dq_acc[d] = 0.0f;
-    }
-    const float delta = row_delta(dout + r.row_start, out + r.row_start, row_dim);
-    const float row_lse =
-        r.keys > 0 ? lse[(ulong(r.b) * p.num_heads + r.h) * p.seqlen_q + r.row] : 0.0f;
-
-    for (uint kv0 = 0; kv0 < r.block_keys; kv0 += BK) {
-        const uint n = load_key_value_tiles<DP, BQ, BK>(tiles, k, v, p, r, kv0, tid);
-        for (uint j = 0; j < n; ++j) {
-            const float pj = exp(dot_row<DP>(q_row, tiles->k[j]) * p.softmax_scale - row_lse);
-            const float dp = dot_row<DP>(do_row, tiles->v[j]);
-            const float ds = pj * (dp - delta);
-            for (uint d = 0; d < DP; ++d) {
-                dq_acc[d] = fma(ds, float(tiles->k[j][d]), dq_acc[d]);
-            }
-        }
-    }
-
-    if (r.valid) {
-        for (uint d = 0; d < p.head_dim; ++d) {
-            dq[r.row_start + d] = half(dq_acc[d] * p.softmax_scale);
-        }
-    }
-}
-
-// Backward dK/dV: one thread per key row of a BK-key block of one KV head; loops over the query
-// heads of its GQA group in order, so the sums over the group are deterministic.
-// dv_j = sum_i P_ij dout_i; dk_j = softmax_scale * sum_i P_ij (dP_ij - D_i) q_i.
-template <uint DP, uint BQ, uint BK, typename Tiles>
-inline void attention_backward_dkv(device const half *dout, device const half *q,
-                                   device const half *k, device const half *v,
-                                   device const half *out, device const float *lse,
-                                   constant FlashAttentionParams &p, device half *dk,
-                                   device half *dv, Tiles tiles, uint3 tgid, uint tid) {
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
-    const uint key = tgid.x * BK + tid;
-    const bool key_valid = key < p.seqlen_k;
-    const uint block_first_row = first_row_seeing(p, tgid.x * BK);
-    const uint key_first_row = key_valid ? first_row_seeing(p, key) : p.seqlen_q;
+    const uint row_blocks = (group * p.seqlen_q + BQ - 1) / BQ;
+    const uint chunk = tgid.x / row_blocks;
+    const PackedRows rows = packed_rows<BQ>(p, tgid.x % row_blocks);
+    const uint packed = rows.first + s.row0 + at.row;
+    const bool valid = packed < rows.count;
+    const uint row = valid ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
     const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
-    const ulong key_start = kv_head_start + ulong(key_valid ? key : 0) * p.head_dim;
-    const uint key_dim = key_valid ? p.head_dim : 0;
+    const uint key_begin = chunk * p.kv_chunk_keys;
+    const uint key_end = min(key_begin + p.kv_chunk_keys, visible_keys(p, rows.i_max));
 
-    float k_row[DP];
-    float v_row[DP];
-    float dk_acc[DP];
-    float dv_acc[DP];
-    load_row<DP>(k_row, k + key_start, key_dim);
-    load_row<DP>(v_row, v + key_start, key_dim);
-    for (uint d = 0; d < DP; ++d) {
-        dk_acc[d] = 0.0f;
-        dv_acc[d] = 0.0f;
+    for (uint e = tid; e < BQ * DP; e += FA_THREADS_PER_THREADGROUP) {
+        const uint r = e / DP;
+        const uint d = e % DP;
+        const uint at_row = rows.first + r;
+        tg->q[r][d] = (at_row < rows.count && d < p.head_dim)
+                          ? q[packed_row_offset(p, rows, b, kv_head, at_row) + d]
+                          : half(0);
+    }
+    RowState<ND> r;
+    start_rows(r);
+    for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
+        const bool masked = !rows.full || !tile_unmasked(p, rows.i_min, rows.i_max - rows.i_min + 1,
+                                                         kv0, BK);
+        forward_tile<DP, BQ, BK>(r, tg, k + kv_head_start, v + kv_head_start, p, kv0, masked, row,
+                                 s, at, sgid, tid);
     }
 
+    const float l = row_sum(r.l);
+    if (valid) {
+        const ulong index = partial_index(p, rows, b, kv_head, packed, chunk);
+        const float scale = l > 0.0f ? 1.0f / l : 0.0f;
+        for (uint d = 0; d < ND; ++d) {
+            for (uint e = 0; e < 2; ++e) {
+                const uint col = s.col0 + d * 8 + at.col + e;
+                if (col < p.head_dim) {
+                    partial_out[index * p.head_dim + col] = r.o.f[d].thread_elements()[e] * scale;
+                }
+            }
+        }
+        if (s.col0 == 0 && at.col == 0) {
+            partial_lse[index] = row_lse(r.m, l);
+        }
+    }
+}
+
+// Combines the chunks of one query row (threadgroup (i, h, b)): out = sum_c w_c O_c / sum_c w_c
+// with w_c = exp(lse_c - max_c lse_c), lse = max + log(sum_c w_c), chunks in order. A chunk with
+// lse -inf weighs 0; a row without any key gets out 0, lse -inf.
+inline void attention_forward_combine(device const float *partial_out,
+                                      device const float *partial_lse, device half *out,
+                                      device float *lse, constant FlashAttentionParams &p,
+                                      uint3 tgid, uint tid) {
+    const ulong first = (ulong(tgid.z) * p.num_heads + tgid.y) * p.kv_chunks * p.seqlen_q + tgid.x;
+    float top = -INFINITY;
+    for (uint c = 0; c < p.kv_chunks; ++c) {
+        top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
+    }
+    float total = 0.0f;
+    for (uint c = 0; c < p.kv_chunks; ++c) {
+        const float part = partial_lse[first + ulong(c) * p.seqlen_q];
+        total += part == -INFINITY ? 0.0f : exp(part - top);
+    }
+    const ulong row = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, tgid.x);
+    for (uint d = tid; d < p.head_dim; d += FA_THREADS_PER_THREADGROUP) {
+        float acc = 0.0f;
+        for (uint c = 0; c < p.kv_chunks; ++c) {
+            const ulong part = first + ulong(c) * p.seqlen_q;
+            if (partial_lse[part] != -INFINITY) {
+                acc = fma(exp(partial_lse[part] - top), partial_out[part * p.head_dim + d], acc);
+            }
+        }
+        out[row * p.head_dim + d] = half(total > 0.0f ? acc / total : 0.0f);
+    }
+    if (tid == 0) {
+        lse[row] = total > 0.0f ? top + log(total) : -INFINITY;
+    }
+}
+
+// ---- backward: D = rowsum(dO * O) ------------------------------------------------------------
+
+// One thread per query row; D in float32, read by both gradient kernels.
+inline void attention_backward_delta(device const half *dout, device const half *out,
+                                     device float *delta, constant FlashAttentionParams &p,
+                                     uint3 tgid, uint tid) {
+    const uint row = tgid.x * FA_DELTA_BLOCK_ROWS + tid;
+    if (row < p.seqlen_q) {
+        const ulong start =
+            head_offset(tgid.z, p.num_heads, tgid.y, p.seqlen_q, p.head_dim) + ulong(row) * p.head_dim;
+        float acc = 0.0f;
+        for (uint d = 0; d < p.head_dim; ++d) {
+            acc = fma(float(dout[start + d]), float(out[start + d]), acc);
+        }
+        delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] = acc;
+    }
+}
+
+// ---- backward: dQ ----------------------------------------------------------------------------
+
+template <uint DP, uint BQ, uint BK>
+struct BackwardQueryStorage {
+    half q[BQ][DP + FA_TILE_PAD];
+    half dout[BQ][DP + FA_TILE_PAD];
+    half k[BK][DP + FA_TILE_PAD];
+    half v[BK][DP + FA_TILE_PAD];
+    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+    float dp_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+};
+
+template <uint DP, uint BQ, uint BK, typename Storage>
+inline void attention_backward_dq(device const half *dout, device const half *q,
+                                  device const half *k, device const half *v,
+                                  device const float *lse, device const float *delta,
+                                  constant FlashAttentionParams &p, device half *dq, Storage tg,
+                                  uint3 tgid, uint sgid, uint lane) {
+    constexpr uint SLICES = FA_SLICES(BQ);
+    constexpr uint ND = DP / SLICES / 8;
+    constexpr uint NK = BK / 8;
+    const uint tid = sgid * 32 + lane;
+    const FragmentCoord at = fragment_coord(lane);
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
+
+    const uint b = tgid.z;
+    const uint h = tgid.y;
+    const uint q0 = tgid.x * BQ;
+    const uint row = q0 + s.row0 + at.row;
+    const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
+    const uint kv_head = h / (p.num_heads / p.num_kv_heads);
+    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+    const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
+    const float scale2 = p.softmax_scale * M_LOG2E_F;
+    // Rows past the end or without keys have every element masked: their L and D are not read.
+    const bool has_keys = row < p.seqlen_q && visible_keys(p, row) > 0;
+    const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? row : 0);
+    const float row_lse2 = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
+    const float row_delta = has_keys ? delta[at_row] : 0.0f;
+
+    load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
+    load_rows<BQ, DP>(tg->dout, dout + q_head, q0, p.seqlen_q, p.head_dim, tid);
+
+    Fragments<ND> dq_acc;
+    clear(dq_acc);
+    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        load_rows<BK, DP>(tg->k, k + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
+        load_rows<BK, DP>(tg->v, v + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+
+        // S = Q K^T and dP = dO V^T.
+        Fragments<NK> sc;
+        Fragments<NK> dp;
+        clear(sc);
+        clear(dp);
+        for (uint d = 0; d < ND; ++d) {
+            if (d < s.active) {
+                simdgroup_float8x8 qf;
+                simdgroup_float8x8 dof;
+                load_fragment(qf, tg->q, s.row0, s.col0 + d * 8, at);
+                load_fragment(dof, tg->dout, s.row0, s.col0 + d * 8, at);
+                for (uint j = 0; j < NK; ++j) {
+                    simdgroup_float8x8 t;
+                    load_fragment_transposed(t, tg->k, j * 8, s.col0 + d * 8, at);
+                    simdgroup_multiply_accumulate(sc.f[j], qf, t, sc.f[j]);
+                    load_fragment_transposed(t, tg->v, j * 8, s.col0 + d * 8, at);
+                    simdgroup_multiply_accumulate(dp.f[j], dof, t, dp.f[j]);
+                }
+            }
+        }
+        sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
+        sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
+
+        // dS = P (dP - D), in place of S.
+        const bool masked = !tile_unmasked(p, q0, BQ, kv0, BK);
+        for (uint j = 0; j < NK; ++j) {
+            for (uint e = 0; e < 2; ++e) {
+                const bool hidden = masked && !is_visible(p, row, kv0 + j * 8 + at.col + e);
+                const float pe =
+                    hidden ? 0.0f : exp2(sc.f[j].thread_elements()[e] * scale2 - row_lse2);
+                sc.f[j].thread_elements()[e] = pe * (dp.f[j].thread_elements()[e] - row_delta);
+            }
+        }
+
+        // dQ += dS K.
+        for (uint d = 0; d < ND; ++d) {
+            if (d < s.active) {
+                for (uint j = 0; j < NK; ++j) {
+                    simdgroup_float8x8 kf;
+                    load_fragment(kf, tg->k, j * 8, s.col0 + d * 8, at);
+                    simdgroup_multiply_accumulate(dq_acc.f[d], sc.f[j], kf, dq_acc.f[d]);
+                }
+            }
+        }
+    }
+
+    if (row < p.seqlen_q) {
+        store_row(dq, dq_acc, p.softmax_scale, q_head + ulong(row) * p.head_dim, p.head_dim, s, at);
+    }
+}
+
+// ---- backward: dK and dV ---------------------------------------------------------------------
+
+template <uint DP, uint BK, uint BQ>
+struct BackwardKeyValueStorage {
+    half k[BK][DP + FA_TILE_PAD];
+    half v[BK][DP + FA_TILE_PAD];
+    half q[BQ][DP + FA_TILE_PAD];
+    half dout[BQ][DP + FA_TILE_PAD];
+    float lse2[BQ];   // L of the tile's rows in base 2 (0 for rows past the end or without keys)
+    float delta[BQ];  // D of the tile's rows (0 likewise)
+    float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
+    float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
+};
+
+template <uint DP, uint BK, uint BQ, typename Storage>
+inline void attention_backward_dkv(device const half *dout, device const half *q,
+                                   device const half *k, device const half *v,
+                                   device const float *lse, device const float *delta,
+                                   constant FlashAttentionParams &p, device half *dk,
+                                   device half *dv, Storage tg, uint3 tgid, uint sgid,
+                                   uint lane) {
+    constexpr uint SLICES = FA_SLICES(BK);
+    constexpr uint ND = DP / SLICES / 8;
+    constexpr uint NQ = BQ / 8;  // fragments across a query tile
+    const uint tid = sgid * 32 + lane;
+    const FragmentCoord at = fragment_coord(lane);
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
+
+    const uint b = tgid.z;
+    const uint kv_head = tgid.y;
+    const uint group = p.num_heads / p.num_kv_heads;
+    const uint k0 = tgid.x * BK;
+    const uint key = k0 + s.row0 + at.row;
+    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+    const uint first_row = first_row_seeing(p, k0);
+    const float scale2 = p.softmax_scale * M_LOG2E_F;
+
+    load_rows<BK, DP>(tg->k, k + kv_head_start, k0, p.seqlen_k, p.head_dim, tid);
+    load_rows<BK, DP>(tg->v, v + kv_head_start, k0, p.seqlen_k, p.head_dim, tid);
+
+    Fragments<ND> dk_acc;
+    Fragments<ND> dv_acc;
+    clear(dk_acc);
+    clear(dv_acc);
     for (uint g = 0; g < group; ++g) {
         const uint h = kv_head * group + g;
         const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
-        const ulong lse_head = (ulong(b) * p.num_heads + h) * p.seqlen_q;
-        for (uint q0 = block_first_row; q0 < p.seqlen_q; q0 += BQ) {
+        for (uint q0 = first_row; q0 < p.seqlen_q; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_tile<BQ, DP, BK>(tiles->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
-            load_tile<BQ, DP, BK>(tiles->dout, dout + q_head, q0, p.seqlen_q, p.head_dim, tid);
-            for (uint i = tid; i < BQ; i += BK) {
-                const uint row = q0 + i;
-                const bool seen = row < p.seqlen_q && visible_keys(p, row) > 0;
-                const ulong row_start = q_head + ulong(seen ? row : 0) * p.head_dim;
-                tiles->lse[i] = seen ? lse[lse_head + row] : 0.0f;
-                tiles->delta[i] = row_delta(dout + row_start, out + row_start, seen ? p.head_dim : 0);
+            load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
+            load_rows<BQ, DP>(tg->dout, dout + q_head, q0, p.seqlen_q, p.head_dim, tid);
+            if (tid < BQ) {
+                const uint r = q0 + tid;
+                const bool has_keys = r < p.seqlen_q && visible_keys(p, r) > 0;
+                const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? r : 0);
+                tg->lse2[tid] = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
+                tg->delta[tid] = has_keys ? delta[at_row] : 0.0f;
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
 
-            const uint rows = min(BQ, p.seqlen_q - q0);
-            const uint first = key_first_row > q0 ? min(key_first_row - q0, rows) : 0u;
-            for (uint i = first; i < rows; ++i) {
-                float s = 0.0f;
-                float dp = 0.0f;
-                for (uint d = 0; d < DP; ++d) {
-                    s = fma(float(tiles->q[i][d]), k_row[d], s);
-                    dp = fma(float(tiles->dout[i][d]), v_row[d], dp);
+            // S^T = K Q^T and dP^T = V dO^T.
+            Fragments<NQ> st;
+            Fragments<NQ> dpt;
+            clear(st);
+            clear(dpt);
+            for (uint d = 0; d < ND; ++d) {
+                if (d < s.active) {
+                    simdgroup_float8x8 kf;
+                    simdgroup_float8x8 vf;
+                    load_fragment(kf, tg->k, s.row0, s.col0 + d * 8, at);
+                    load_fragment(vf, tg->v, s.row0, s.col0 + d * 8, at);
+                    for (uint j = 0; j < NQ; ++j) {
+                        simdgroup_float8x8 t;
+                        load_fragment_transposed(t, tg->q, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(st.f[j], kf, t, st.f[j]);
+                        load_fragment_transposed(t, tg->dout, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dpt.f[j], vf, t, dpt.f[j]);
+                    }
                 }
-                const float pij = exp(s * p.softmax_scale - tiles->lse[i]);
-                const float ds = pij * (dp - tiles->delta[i]);
-                for (uint d = 0; d < DP; ++d) {
-                    dv_acc[d] = fma(pij, float(tiles->dout[i][d]), dv_acc[d]);
-                    dk_acc[d] = fma(ds, float(tiles->q[i][d]), dk_acc[d]);
+            }
+            sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
+            sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
+
+            // P^T in place of S^T, dS^T in place of dP^T.
+            const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
+            for (uint j = 0; j < NQ; ++j) {
+                for (uint e = 0; e < 2; ++e) {
+                    const uint i = j * 8 + at.col + e;
+                    const bool hidden = masked && !is_visible(p, q0 + i, key);
+                    const float pe =
+                        hidden ? 0.0f : exp2(st.f[j].thread_elements()[e] * scale2 - tg->lse2[i]);
+                    st.f[j].thread_elements()[e] = pe;
+                    dpt.f[j].thread_elements()[e] = pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]);
+                }
+            }
+
+            // dV += P^T dO and dK += dS^T Q.
+            for (uint d = 0; d < ND; ++d) {
+                if (d < s.active) {
+                    for (uint j = 0; j < NQ; ++j) {
+                        simdgroup_float8x8 t;
+                        load_fragment(t, tg->dout, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dv_acc.f[d], st.f[j], t, dv_acc.f[d]);
+                        load_fragment(t, tg->q, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dk_acc.f[d], dpt.f[j], t, dk_acc.f[d]);
+                    }
                 }
             }
         }
     }
 
-    if (key_valid) {
-        for (uint d = 0; d < p.head_dim; ++d) {
-            dk[key_start + d] = half(dk_acc[d] * p.softmax_scale);
-            dv[key_start + d] = half(dv_acc[d]);
-        }
+    if (key < p.seqlen_k) {
+        const ulong key_start = kv_head_start + ulong(key) * p.head_dim;
+        store_row(dk, dk_acc, p.softmax_scale, key_start, p.head_dim, s, at);
+        store_row(dv, dv_acc, 1.0f, key_start, p.head_dim, s, at);
     }
+}
+
+// ---- instances -------------------------------------------------------------------------------
+
+kernel void flash_attention_backward_delta(
+    device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
+    device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
+    device const half *k [[buffer(FA_BACKWARD_BUFFER_K)]],
+    device const half *v [[buffer(FA_BACKWARD_BUFFER_V)]],
+    device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],
+    device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
+    constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
+    device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+    attention_backward_delta(dout, out, delta, params, tgid, tid);
+}
+
+kernel void flash_attention_forward_combine(
+    device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],
+    device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],
+    device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],
+    device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
+    constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
+    device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],
+    device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+    attention_forward_combine(partial_out, partial_lse, out, lse, params, tgid, tid);
 }
 
 // The kernels of one head-dim bucket. The threadgroup storage type of kernel K is K_threadgroup,
 // so a host (the CPU engine) can size it.
-#define FA_DEFINE_KERNELS(DP, FWD_BQ, FWD_BK, BWD_BQ, BWD_BK)                                      \
-    typedef KeyValueTiles<FWD_BK, DP> flash_attention_forward_d##DP##_threadgroup;                 \
-    typedef KeyValueTiles<FWD_BK, DP> flash_attention_backward_dq_d##DP##_threadgroup;             \
-    typedef QueryTiles<BWD_BQ, DP> flash_attention_backward_dkv_d##DP##_threadgroup;               \
+#define FA_DEFINE_KERNELS(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                        \
+    typedef ForwardStorage<DP, FWD_BQ, FWD_BK> flash_attention_forward_d##DP##_threadgroup;        \
+    typedef ForwardStorage<DP, FWD_BQ, FWD_BK> flash_attention_forward_split_d##DP##_threadgroup;  \
+    typedef BackwardQueryStorage<DP, DQ_BQ, DQ_BK>                                                 \
+        flash_attention_backward_dq_d##DP##_threadgroup;                                           \
+    typedef BackwardKeyValueStorage<DP, DKV_BK, DKV_BQ>                                            \
+        flash_attention_backward_dkv_d##DP##_threadgroup;                                          \
+    static_assert(sizeof(flash_attention_forward_d##DP##_threadgroup) <= 32768 &&                  \
+                      sizeof(flash_attention_backward_dq_d##DP##_threadgroup) <= 32768 &&          \
+                      sizeof(flash_attention_backward_dkv_d##DP##_threadgroup) <= 32768,           \
+                  "threadgroup storage above 32 KiB");                                             \
+    static_assert(DP % (8 * FA_SLICES(FWD_BQ)) == 0 && DP % (8 * FA_SLICES(DQ_BQ)) == 0 &&         \
+                      DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
+                      DKV_BQ % 8 == 0,                                                             \
+                  "blocks must split into 8x8 fragments");                                         \
                                                                                                    \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_d##DP(                                                     \
         device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                      \
         device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],                                      \
@@ -327,11 +671,31 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        threadgroup flash_attention_forward_d##DP##_threadgroup tiles;                             \
-        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, params, &tiles, tgid, tid);       \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_d##DP##_threadgroup tg;                                \
+        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, params, &tg, tgid, sgid, lane);   \
     }                                                                                              \
                                                                                                    \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
+    kernel void flash_attention_forward_split_d##DP(                                               \
+        device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                      \
+        device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],                                      \
+        device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],                                      \
+        device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                        \
+        device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
+        constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
+        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_split_d##DP##_threadgroup tg;                          \
+        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, partial_out, partial_lse, params,     \
+                                                    &tg, tgid, sgid, lane);                        \
+    }                                                                                              \
+                                                                                                   \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_dq_d##DP(                                                 \
         device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                               \
         device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                     \
@@ -340,14 +704,17 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
         device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                 \
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
+        device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
         device half *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],                                         \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        threadgroup flash_attention_backward_dq_d##DP##_threadgroup tiles;                         \
-        attention_backward_dq<DP, BWD_BQ, FWD_BK>(dout, q, k, v, out, lse, params, dq, &tiles,     \
-                                                  tgid, tid);                                      \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_backward_dq_d##DP##_threadgroup tg;                            \
+        attention_backward_dq<DP, DQ_BQ, DQ_BK>(dout, q, k, v, lse, delta, params, dq, &tg, tgid,  \
+                                                sgid, lane);                                       \
     }                                                                                              \
                                                                                                    \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_dkv_d##DP(                                                \
         device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                               \
         device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                     \
@@ -356,13 +723,15 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
         device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                 \
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
+        device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
         device half *dk [[buffer(FA_BACKWARD_BUFFER_DK)]],                                         \
         device half *dv [[buffer(FA_BACKWARD_BUFFER_DV)]],                                         \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        threadgroup flash_attention_backward_dkv_d##DP##_threadgroup tiles;                        \
-        attention_backward_dkv<DP, BWD_BQ, BWD_BK>(dout, q, k, v, out, lse, params, dk, dv,        \
-                                                   &tiles, tgid, tid);                             \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_backward_dkv_d##DP##_threadgroup tg;                           \
+        attention_backward_dkv<DP, DKV_BK, DKV_BQ>(dout, q, k, v, lse, delta, params, dk, dv,      \
+                                                   &tg, tgid, sgid, lane);                         \
     }
 
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_KERNELS)

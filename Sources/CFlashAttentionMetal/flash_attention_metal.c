@@ -37,7 +37,7 @@ void fa_set_last_error(const char *message) {
 
 int fa_bucket_for_head_dim(uint32_t head_dim, FlashAttentionBucket *bucket) {
     static const FlashAttentionBucket table[] = {
-#define FA_BUCKET_ROW(dmax, fbq, fbk, bbq, bbk) {dmax, fbq, fbk, bbq, bbk},
+#define FA_BUCKET_ROW(dmax, fbq, fbk, dqbq, dqbk, dkvbk, dkvbq) {dmax, fbq, fbk, dqbq, dqbk, dkvbk, dkvbq},
         FA_HEAD_DIM_BUCKETS(FA_BUCKET_ROW)
 #undef FA_BUCKET_ROW
     };

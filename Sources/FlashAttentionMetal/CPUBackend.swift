@@ -1,3 +1,8 @@
+#if canImport(Glibc)
+import Glibc
+#elseif canImport(Darwin)
+import Darwin
+#endif
 import CFlashAttentionMetal
 import MSLEngine
 
@@ -23,6 +28,18 @@ final class CPUBackend: ExecutionBackend {
     }
 
     func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+        var buffers = buffers
+        var workspace: [UnsafeMutableRawPointer] = []
+        defer { workspace.forEach { free($0) } }
+        // For the whole problem; each piece uses its part, as it does of the caller's buffers.
+        for role in plan.workspace {
+            let bytes = role.byteCount(for: plan.problem)
+            guard let memory = malloc(max(bytes, 1)) else {
+                throw FlashAttentionError.outOfMemory("CPU engine: cannot allocate \(bytes) bytes for \(role.name)")
+            }
+            workspace.append(memory)
+            buffers[role] = UnsafeMutableRawBufferPointer(start: memory, count: bytes)
+        }
         for piece in plan.pieces(maxFlops: flopsPerPiece) {
             for dispatch in piece.plan.dispatches {
                 try run(dispatch, of: piece, buffers: buffers)

@@ -1,11 +1,18 @@
 import CFlashAttentionMetal
 
-/// What a kernel buffer holds. `lse` is float32; every other role is float16.
+/// What a kernel buffer holds. `lse` and the workspaces are float32; every other role is float16.
 enum BufferRole: Int, CaseIterable {
-    case q, k, v, out, lse, dout, dq, dk, dv
+    /// Workspaces: `delta`, D_i = rowsum(dout * out) per query row (backward); `partialOut` and
+    /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward).
+    case q, k, v, out, lse, dout, dq, dk, dv, delta, partialOut, partialLse
 
     /// Bytes per element.
-    var elementSize: Int { self == .lse ? 4 : 2 }
+    var elementSize: Int {
+        switch self {
+        case .lse, .delta, .partialOut, .partialLse: return 4
+        default: return 2
+        }
+    }
 
     /// The C argument name, for messages.
     var name: String {
@@ -19,6 +26,9 @@ enum BufferRole: Int, CaseIterable {
         case .dq: return "dq"
         case .dk: return "dk"
         case .dv: return "dv"
+        case .delta: return "delta"
+        case .partialOut: return "partial_out"
+        case .partialLse: return "partial_lse"
         }
     }
 
@@ -28,7 +38,10 @@ enum BufferRole: Int, CaseIterable {
         switch self {
         case .q, .out, .dout, .dq: return problem.queryElements
         case .k, .v, .dk, .dv: return problem.keyValueElements
-        case .lse: return problem.lseElements
+        case .lse, .delta: return problem.lseElements
+        // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, so these products stay small.
+        case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDim)
+        case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
         }
     }
 
@@ -45,8 +58,14 @@ enum BufferRole: Int, CaseIterable {
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ) * Int(problem.headDim)
         case .k, .v, .dk, .dv:
             return (b * Int(problem.numKVHeads) + kv) * Int(problem.seqlenK) * Int(problem.headDim)
-        case .lse:
+        case .lse, .delta:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ)
+        // [batch][num_heads][chunk][seqlen_q] (times head_dim for partial_out).
+        case .partialLse:
+            return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
+        case .partialOut:
+            return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
+                * Int(problem.headDim)
         }
     }
 }
@@ -94,15 +113,19 @@ enum Pass {
 }
 
 /// The dispatches of one pass, computed once for every backend (FlashAttention-2: forward is
-/// Algorithm 1, one kernel; backward is Algorithm 2 split into a dQ kernel over query blocks and a
-/// dK/dV kernel over key blocks, so that no two threadgroups write the same output element and the
-/// result is deterministic without atomics).
+/// Algorithm 1, one kernel; backward is Algorithm 2 split into a D pre-pass, a dQ kernel over query
+/// blocks and a dK/dV kernel over key blocks, so that no two threadgroups write the same output
+/// element and the result is deterministic without atomics). Every kernel runs
+/// `fa_threads_per_threadgroup()` threads per threadgroup.
 struct DispatchPlan {
     /// The pass; `make(pass, problem)` rebuilds the plan for a slice of the problem.
     let pass: Pass
     let dispatches: [Dispatch]
-    /// The roles the pass writes; every other bound role is read only.
+    /// The roles the pass writes for the caller; every other bound role is read only.
     let outputs: [BufferRole]
+    /// Roles the backend allocates for the duration of the pass (written and read by its kernels,
+    /// never by the caller): `delta` for backward.
+    let workspace: [BufferRole]
     /// The problem the plan was made for (buffer sizes follow from it).
     let problem: Problem
 
@@ -123,29 +146,45 @@ struct DispatchPlan {
         }
     }
 
-    /// Forward: `flash_attention_forward_d<DP>` over (ceil(seqlen_q / forward_block_q), num_heads,
-    /// batch) threadgroups of forward_block_q threads.
+    /// Forward. Dense: `flash_attention_forward_d<DP>` over (ceil(seqlen_q / forward_block_q),
+    /// num_heads, batch) threadgroups. Split-KV (`problem.split`, decode shapes):
+    /// `flash_attention_forward_split_d<DP>` over (chunks x row blocks, num_kv_heads, batch)
+    /// threadgroups writes one partial result per chunk, then `flash_attention_forward_combine`
+    /// over (seqlen_q, num_heads, batch) threadgroups merges them into out and lse.
     static func forward(_ problem: Problem) -> DispatchPlan {
         let b = problem.bucket
-        let dispatch = Dispatch(
-            kernelName: "flash_attention_forward_d\(b.head_dim_max)",
-            bindings: [BufferBinding(index: Int(FA_FORWARD_BUFFER_Q), role: .q),
-                       BufferBinding(index: Int(FA_FORWARD_BUFFER_K), role: .k),
-                       BufferBinding(index: Int(FA_FORWARD_BUFFER_V), role: .v),
-                       BufferBinding(index: Int(FA_FORWARD_BUFFER_OUT), role: .out),
-                       BufferBinding(index: Int(FA_FORWARD_BUFFER_LSE), role: .lse)],
-            paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
-            params: problem.params,
-            threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
-                                          height: problem.numHeads, depth: problem.batch),
-            threadsPerThreadgroup: GridSize(width: b.forward_block_q, height: 1, depth: 1))
-        return DispatchPlan(pass: .forward, dispatches: [dispatch], outputs: [.out, .lse], problem: problem)
+        var bindings = [BufferBinding(index: Int(FA_FORWARD_BUFFER_Q), role: .q),
+                        BufferBinding(index: Int(FA_FORWARD_BUFFER_K), role: .k),
+                        BufferBinding(index: Int(FA_FORWARD_BUFFER_V), role: .v),
+                        BufferBinding(index: Int(FA_FORWARD_BUFFER_OUT), role: .out),
+                        BufferBinding(index: Int(FA_FORWARD_BUFFER_LSE), role: .lse)]
+        func dispatch(_ kernel: String, _ grid: GridSize) -> Dispatch {
+            Dispatch(kernelName: kernel, bindings: bindings, paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
+                     params: problem.params, threadgroupsPerGrid: grid, threadsPerThreadgroup: threadgroupSize)
+        }
+        guard let split = problem.split else {
+            let dense = dispatch("flash_attention_forward_d\(b.head_dim_max)",
+                                 GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
+                                          height: problem.numHeads, depth: problem.batch))
+            return DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse], workspace: [],
+                                problem: problem)
+        }
+        bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
+                     BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
+        let chunks = dispatch("flash_attention_forward_split_d\(b.head_dim_max)",
+                              GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
+                                       depth: problem.batch))
+        let combine = dispatch("flash_attention_forward_combine",
+                               GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch))
+        return DispatchPlan(pass: .forward, dispatches: [chunks, combine], outputs: [.out, .lse],
+                            workspace: [.partialOut, .partialLse], problem: problem)
     }
 
-    /// Backward: `flash_attention_backward_dq_d<DP>` over (ceil(seqlen_q / backward_block_q),
-    /// num_heads, batch) threadgroups of backward_block_q threads, then
-    /// `flash_attention_backward_dkv_d<DP>` over (ceil(seqlen_k / backward_block_k), num_kv_heads,
-    /// batch) threadgroups of backward_block_k threads. Neither reads what the other writes.
+    /// Backward, three dispatches in order: `flash_attention_backward_delta` over
+    /// (ceil(seqlen_q / FA_DELTA_BLOCK_ROWS), num_heads, batch) threadgroups writes `delta`;
+    /// `flash_attention_backward_dq_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
+    /// threadgroups writes `dq`; `flash_attention_backward_dkv_d<DP>` over
+    /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`.
     static func backward(_ problem: Problem) -> DispatchPlan {
         let b = problem.bucket
         let inputs = [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DOUT), role: .dout),
@@ -153,25 +192,32 @@ struct DispatchPlan {
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_K), role: .k),
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_V), role: .v),
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_OUT), role: .out),
-                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE), role: .lse)]
-        let dq = Dispatch(
-            kernelName: "flash_attention_backward_dq_d\(b.head_dim_max)",
-            bindings: inputs + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
-            paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS),
-            params: problem.params,
-            threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenQ, b.backward_block_q),
-                                          height: problem.numHeads, depth: problem.batch),
-            threadsPerThreadgroup: GridSize(width: b.backward_block_q, height: 1, depth: 1))
-        let dkv = Dispatch(
-            kernelName: "flash_attention_backward_dkv_d\(b.head_dim_max)",
-            bindings: inputs + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
-                                BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
-            paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS),
-            params: problem.params,
-            threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenK, b.backward_block_k),
-                                          height: problem.numKVHeads, depth: problem.batch),
-            threadsPerThreadgroup: GridSize(width: b.backward_block_k, height: 1, depth: 1))
-        return DispatchPlan(pass: .backward, dispatches: [dq, dkv], outputs: [.dq, .dk, .dv], problem: problem)
+                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE), role: .lse),
+                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_DELTA), role: .delta)]
+        func dispatch(_ kernel: String, _ outputs: [BufferBinding], rows: UInt32, block: UInt32,
+                      heads: UInt32) -> Dispatch {
+            Dispatch(kernelName: kernel, bindings: inputs + outputs,
+                     paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
+                     threadgroupsPerGrid: GridSize(width: blocks(rows, block), height: heads,
+                                                   depth: problem.batch),
+                     threadsPerThreadgroup: threadgroupSize)
+        }
+        let delta = dispatch("flash_attention_backward_delta", [], rows: problem.seqlenQ,
+                             block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads)
+        let dq = dispatch("flash_attention_backward_dq_d\(b.head_dim_max)",
+                          [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
+                          rows: problem.seqlenQ, block: b.dq_block_q, heads: problem.numHeads)
+        let dkv = dispatch("flash_attention_backward_dkv_d\(b.head_dim_max)",
+                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
+                            BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
+                           rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads)
+        return DispatchPlan(pass: .backward, dispatches: [delta, dq, dkv], outputs: [.dq, .dk, .dv],
+                            workspace: [.delta], problem: problem)
+    }
+
+    /// Threads per threadgroup of every kernel.
+    private static var threadgroupSize: GridSize {
+        GridSize(width: fa_threads_per_threadgroup(), height: 1, depth: 1)
     }
 
     /// ceil(length / block), computed without the overflow of `length + block - 1` near 2^32.

@@ -59,6 +59,8 @@ struct Problem {
     let queryElements: Int
     let keyValueElements: Int
     let lseElements: Int
+    /// The split-KV chunking of the forward pass, or nil for the dense forward.
+    let split: KeyValueSplit?
 
     /// Validates a C descriptor. `pointer` may be null; its `struct_size` is read first so that no
     /// byte past what the caller declared is read.
@@ -92,7 +94,7 @@ struct Problem {
     /// Memberwise: the checked initializer below and `slice` end here.
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, causal: Bool, softmaxScale: Float, bucket: FlashAttentionBucket,
-                 queryElements: Int, keyValueElements: Int, lseElements: Int) {
+                 queryElements: Int, keyValueElements: Int, lseElements: Int, split: KeyValueSplit?) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -105,6 +107,7 @@ struct Problem {
         self.queryElements = queryElements
         self.keyValueElements = keyValueElements
         self.lseElements = lseElements
+        self.split = split
     }
 
     private init(batch: Int, numHeads: Int, numKVHeads: Int, seqlenQ: Int, seqlenK: Int, headDim: Int,
@@ -139,7 +142,10 @@ struct Problem {
         self.init(batch: UInt32(batch), numHeads: UInt32(numHeads), numKVHeads: UInt32(numKVHeads),
                   seqlenQ: UInt32(seqlenQ), seqlenK: UInt32(seqlenK), headDim: UInt32(headDim), causal: causal,
                   softmaxScale: softmaxScale, bucket: bucket, queryElements: query, keyValueElements: keyValue,
-                  lseElements: lse)
+                  lseElements: lse,
+                  split: KeyValueSplit(batch: UInt32(batch), numHeads: UInt32(numHeads),
+                                       numKVHeads: UInt32(numKVHeads), seqlenQ: UInt32(seqlenQ),
+                                       seqlenK: UInt32(seqlenK), bucket: bucket))
     }
 
     /// The product of `factors`, checked so that the byte size of a buffer of that many elements
@@ -162,6 +168,8 @@ struct Problem {
     /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their
     /// query heads (whole GQA groups): what one piece of a split plan runs. Its buffers are the
     /// parts of this problem's buffers that start at `BufferRole.elementOffset` (see `PlanPiece`).
+    /// The split-KV chunking stays the whole problem's (it would otherwise follow the smaller grid),
+    /// so that a piece computes exactly what the whole plan computes for its rows.
     func slice(batches: Range<UInt32>, kvHeads: Range<UInt32>) -> Problem {
         precondition(!batches.isEmpty && batches.upperBound <= batch, "batch range outside the problem")
         precondition(!kvHeads.isEmpty && kvHeads.upperBound <= numKVHeads, "KV head range outside the problem")
@@ -171,7 +179,7 @@ struct Problem {
                        seqlenK: seqlenK, headDim: headDim, causal: causal, softmaxScale: softmaxScale,
                        bucket: bucket, queryElements: b * h * Int(seqlenQ) * Int(headDim),
                        keyValueElements: b * kv * Int(seqlenK) * Int(headDim),
-                       lseElements: b * h * Int(seqlenQ))
+                       lseElements: b * h * Int(seqlenQ), split: split)
     }
 
     /// Query heads per KV head (the GQA group).
@@ -181,7 +189,8 @@ struct Problem {
     var params: FlashAttentionParams {
         FlashAttentionParams(batch: batch, num_heads: numHeads, num_kv_heads: numKVHeads, seqlen_q: seqlenQ,
                              seqlen_k: seqlenK, head_dim: headDim, causal: causal ? 1 : 0,
-                             softmax_scale: softmaxScale)
+                             softmax_scale: softmaxScale, kv_chunks: split?.chunks ?? 1,
+                             kv_chunk_keys: split?.chunkKeys ?? seqlenK)
     }
 
     /// The Swift shape of this problem.

@@ -82,3 +82,25 @@ def test_scores_far_from_zero(ctx, sign):
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True), f"scores {sign:+}")
     grads = ctx.backward(dout, q, k, v, out, lse, causal=True)
     assert_within_rule(accuracy.evaluate_backward(dout, q, k, v, *grads, causal=True), f"scores {sign:+}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_scores_below_any_finite_stand_in_for_minus_infinity(ctx, causal):
+    # Every score is below -1e30: a kernel that masks with a finite "minus infinity" (-1e30) would
+    # treat every key as masked (out 0 or NaN, lse -inf). The reference picks the best key.
+    rng = np.random.default_rng(25)
+    q = np.ones((1, 1, 4, 16), np.float16)
+    k = (-(np.abs(rng.standard_normal((1, 1, 8, 16))) + 0.5)).astype(np.float16)
+    v = rng.standard_normal((1, 1, 8, 16)).astype(np.float16)
+    out, lse = ctx.forward(q, k, v, causal=causal, softmax_scale=1e29)
+    ref_out, ref_lse = reference.forward(q, k, v, causal=causal, softmax_scale=1e29)
+    assert np.all(ref_lse < -1e30) and np.all(np.isfinite(lse))
+    np.testing.assert_array_equal(out, ref_out.astype(np.float16))
+    assert_within_rule([accuracy.lse_metric(lse, ref_lse)], "lse at scores below -1e30")
+    # Backward: each row puts all its weight on one key, so the reference's dq and dk are exactly 0;
+    # ours too, and nothing is NaN. dv is only required to be finite: at |lse| ~ 1e30 a float32 lse
+    # is off by ~1e23 from the exact one, so no kernel recomputing P = exp(S - lse) in float32
+    # (FlashAttention-2 included) can recover P there.
+    dout = rng.standard_normal(out.shape).astype(np.float16)
+    dq, dk, dv = ctx.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=1e29)
+    assert not np.any(dq) and not np.any(dk) and np.all(np.isfinite(dv))

@@ -15,11 +15,16 @@ extern "C" {
 /* One row of FA_HEAD_DIM_BUCKETS. */
 typedef struct FlashAttentionBucket {
     uint32_t head_dim_max;
-    uint32_t forward_block_q;
-    uint32_t forward_block_k;
-    uint32_t backward_block_q;
-    uint32_t backward_block_k;
+    uint32_t forward_block_q;  /* query rows per forward threadgroup */
+    uint32_t forward_block_k;  /* keys per K/V tile */
+    uint32_t dq_block_q;       /* query rows per backward dQ threadgroup */
+    uint32_t dq_block_k;       /* keys per K/V tile */
+    uint32_t dkv_block_k;      /* key rows per backward dK/dV threadgroup */
+    uint32_t dkv_block_q;      /* query rows per Q/dO tile */
 } FlashAttentionBucket;
+
+/* Threads per threadgroup of every kernel (FA_SIMDGROUPS SIMD-groups of 32). */
+static inline uint32_t fa_threads_per_threadgroup(void) { return FA_THREADS_PER_THREADGROUP; }
 
 /* The first bucket whose head_dim_max >= head_dim. Returns 0 (and leaves *bucket alone) when
  * head_dim is 0 or above FA_MAX_HEAD_DIM. */

@@ -5,32 +5,55 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "017dc06540e9c95a"
+    static let sourceHash = "7b304845e46fff02"
 
     static let source: String = #"""
-// FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and the two backward kernels.
+// FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, dQ,
+// dK/dV), on simdgroup_matrix tiles.
 //
-// Math: FlashAttention-2 (Dao, 2023). Forward is Algorithm 1: each threadgroup owns a block of query
-// rows and streams key/value tiles through threadgroup memory, keeping an online softmax (running
-// max m, running sum l, unnormalised output o) per row. Backward is Algorithm 2 split into two
-// kernels without atomics: dQ per query block, dK/dV per key block; both recompute
-// P = exp(softmax_scale * q . k - lse) and use D_i = rowsum(dout * out) in float32.
+// Math: FlashAttention-2 (Dao, 2023). Operands: Q, K, V, O (out), L (lse), dO (dout), D (delta),
+// S = Q K^T, P = softmax(S), dP = dO V^T, dS = P (dP - D). Scores are kept in base 2: S is scaled by
+// softmax_scale * log2(e), so exp2 gives the softmax and lse = m ln 2 + log(l).
 //
-// Semantics (shared with every layer, see flash_attention_metal.h): causal masks are aligned
-// bottom-right (query i sees key j iff j <= i + seqlen_k - seqlen_q); a row that sees no key gets
-// out = 0, lse = -inf and zero gradients; GQA/MQA query head h reads KV head
-// h / (num_heads / num_kv_heads); offsets are 64-bit.
+//   forward (Algorithm 1), one threadgroup per BQ query rows:
+//     load Q block; m = -inf, l = 0, O = 0
+//     for each K/V tile of BK keys that some row of the block sees:
+//       load K, V tiles; S = Q K^T (scaled); element masks only on tiles crossing the diagonal or
+//       the end; m' = max(m, rowmax S); P = exp2(S - m'); l = l exp2(m - m') + rowsum P;
+//       O = O exp2(m - m') + P V; m = m'
+//     out = O / l, lse = m ln 2 + log l (a row that sees no key: out 0, lse -inf)
+//   backward_delta: D_i = rowsum(dO_i * O_i), once per row, in float32
+//   backward_dq (Algorithm 2, the dQ half), one threadgroup per BQ query rows:
+//     for each visible K/V tile: S = Q K^T, P = exp2(S - L), dP = dO V^T, dS = P (dP - D),
+//     dQ += dS K; dq = softmax_scale dQ
+//   backward_dkv (the dK/dV half), one threadgroup per BK keys of one KV head:
+//     for each query head of the GQA group, in order, and each Q/dO tile that sees the keys:
+//       S^T = K Q^T, P^T = exp2(S^T - L), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
+//       dK += dS^T Q; dk = softmax_scale dK
+//   No atomics: every output element has one writer, and sums run in a fixed order, so results
+//   are bit-identical from run to run.
 //
-// Structure rules: every barrier sits in a loop whose trip count is the same for all threads of
-// the threadgroup (Metal requires a barrier to be reached by all of them); per-thread work that
-// depends on the row is guarded inside the loop body, never around a barrier. Threadgroup storage
-// is one struct per kernel, declared in the kernel and named <kernel>_threadgroup. Arithmetic does
-// not rely on infinities, so fast-math compilation keeps empty rows exact.
+// Structure: 4 SIMD-groups per threadgroup; each owns 8 rows and a head_dim slice (see
+// flash_attention_params.h). Tiles are copied from device memory into threadgroup memory once per
+// threadgroup and read by all SIMD-groups; the accumulators (O, dQ, dK, dV), the running max and
+// sum live in registers. Every barrier is reached by all threads (loop trip counts and branches
+// around barriers are the same for the whole threadgroup); every simdgroup_matrix and SIMD
+// shuffle call is reached by all 32 lanes (edges are zero-filled tiles and masks, never per-lane
+// branches). Minus infinity is used only as the masked score and the initial running max, and
+// never enters an inf - inf: fast math must stay off (the host compiles with it off).
 //
-// One instance per head-dim bucket of FA_HEAD_DIM_BUCKETS (flash_attention_params.h), named
-// <kernel>_d<head_dim_max>; vectors are padded with zeros to head_dim_max.
+// Semantics (flash_attention_metal.h): bottom-right causal masks; a row that sees no key gets
+// out 0, lse -inf and zero gradients; GQA/MQA query head h reads KV head
+// h / (num_heads / num_kv_heads); 64-bit offsets; head_dim 1 to FA_MAX_HEAD_DIM, zero-padded to
+// the bucket's multiple of 8 inside threadgroup memory, never read past the tensor.
+//
+// One instance per head-dim bucket of FA_HEAD_DIM_BUCKETS, named <kernel>_d<head_dim_max>.
+// Threadgroup storage is one struct per kernel, named <kernel>_threadgroup.
 
 #include <metal_stdlib>
+
+using namespace metal;
+
 // ---- begin flash_attention_params.h (spliced by tools/embed_shaders.py) ----
 // The one definition of what the host passes to the FlashAttention kernels: the parameter struct,
 // the buffer indices and the table of head-dim buckets. Included by flash_attention.metal (Metal,
@@ -62,6 +85,8 @@ typedef struct FlashAttentionParams {
     fa_u32 head_dim;
     fa_u32 causal;        // 0 or 1; bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
     float softmax_scale;  // applied to q . k before the softmax
+    fa_u32 kv_chunks;     // split-KV forward only: chunks of keys per (batch, KV head), else 1
+    fa_u32 kv_chunk_keys; // split-KV forward only: keys per chunk (a multiple of the key tile)
 } FlashAttentionParams;
 
 // Buffer indices: forward.
@@ -72,8 +97,19 @@ typedef struct FlashAttentionParams {
 #define FA_FORWARD_BUFFER_LSE 4
 #define FA_FORWARD_BUFFER_PARAMS 5
 #define FA_FORWARD_BUFFER_COUNT 6
+// Split-KV forward (short queries over long KV caches): both of its kernels bind 0 ... 7.
+// forward_split writes one partial result per chunk of keys: partial_out (float32
+// [batch][num_heads][kv_chunks][seqlen_q][head_dim], normalised) and partial_lse (float32
+// [batch][num_heads][kv_chunks][seqlen_q], -inf for a chunk the row does not see), workspaces the
+// backend allocates; forward_combine merges them into out and lse.
+#define FA_FORWARD_BUFFER_PARTIAL_OUT 6
+#define FA_FORWARD_BUFFER_PARTIAL_LSE 7
+#define FA_FORWARD_SPLIT_BUFFER_COUNT 8
 
-// Buffer indices: both backward kernels read these.
+// Buffer indices: every backward kernel binds 0 ... FA_BACKWARD_BUFFER_DELTA. A backward pass is
+// three dispatches: backward_delta writes delta (D_i = rowsum(dout * out), float32
+// [batch][num_heads][seqlen_q], a workspace the backend allocates), then backward_dq writes dq and
+// backward_dkv writes dk and dv, both reading delta.
 #define FA_BACKWARD_BUFFER_DOUT 0
 #define FA_BACKWARD_BUFFER_Q 1
 #define FA_BACKWARD_BUFFER_K 2
@@ -81,36 +117,186 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_BUFFER_OUT 4
 #define FA_BACKWARD_BUFFER_LSE 5
 #define FA_BACKWARD_BUFFER_PARAMS 6
-// backward_dq writes dq; backward_dkv writes dk and dv.
-#define FA_BACKWARD_BUFFER_DQ 7
-#define FA_BACKWARD_BUFFER_DK 7
-#define FA_BACKWARD_BUFFER_DV 8
-#define FA_BACKWARD_DQ_BUFFER_COUNT 8
-#define FA_BACKWARD_DKV_BUFFER_COUNT 9
+#define FA_BACKWARD_BUFFER_DELTA 7
+#define FA_BACKWARD_BUFFER_DQ 8
+#define FA_BACKWARD_BUFFER_DK 8
+#define FA_BACKWARD_BUFFER_DV 9
+#define FA_BACKWARD_DELTA_BUFFER_COUNT 8
+#define FA_BACKWARD_DQ_BUFFER_COUNT 9
+#define FA_BACKWARD_DKV_BUFFER_COUNT 10
 
 // Largest supported head_dim; the last bucket of the table below.
 #define FA_MAX_HEAD_DIM 256
 
-// Head-dim buckets: X(head_dim_max, forward_block_q, forward_block_k, backward_block_q,
-// backward_block_k). A problem uses the first bucket whose head_dim_max >= head_dim. Each kernel
-// instance is named <kernel>_d<head_dim_max>, e.g. flash_attention_forward_d64.
-// Threads per threadgroup: forward and backward_dq use one thread per query row (block_q);
-// backward_dkv uses one thread per key row (backward_block_k).
-// Threadgroup memory (half = 2 bytes, must stay within 32 KiB):
-//   forward, backward_dq: K and V tiles, 2 * block_k * head_dim_max * 2 bytes
-//   backward_dkv:        Q and dout tiles, 2 * block_q * head_dim_max * 2 bytes, plus 8 * block_q
-#define FA_HEAD_DIM_BUCKETS(X) \
-    X(32, 64, 64, 32, 64)      \
-    X(64, 64, 64, 32, 64)      \
-    X(96, 64, 32, 32, 64)      \
-    X(128, 64, 32, 32, 64)     \
-    X(192, 32, 32, 32, 32)     \
-    X(256, 32, 16, 16, 32)
+// Every kernel runs FA_SIMDGROUPS SIMD-groups of 32 threads per threadgroup. A kernel owns a block
+// of rows (query rows for forward and dQ, key rows for dK/dV); each SIMD-group owns 8 of them and
+// a slice of head_dim: with B owned rows, the 4 SIMD-groups form (B / 8) row groups x (32 / B)
+// head_dim slices, so the float32 accumulators of a lane cover 8 x (head_dim_max * B / 32)
+// elements. Blocking the accumulators over head_dim (32 / B = 2 slices at head_dim 192 and 256)
+// keeps them in registers without recomputing S: the slices' partial products Q K^T (and dO V^T)
+// are summed through threadgroup memory.
+#define FA_SIMDGROUPS 4
+#define FA_THREADS_PER_THREADGROUP (FA_SIMDGROUPS * 32)
+// Rows of one threadgroup of the backward_delta kernel (one thread per row).
+#define FA_DELTA_BLOCK_ROWS FA_THREADS_PER_THREADGROUP
+
+// Split-KV forward (decode). Chosen when seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS: with that few rows
+// per head the dense forward fills one mostly padded row block per head and launches only
+// batch x num_heads threadgroups, each streaming the whole cache alone. The split kernel packs
+// the query rows of a GQA group into one block per KV head (each K/V element is read once per
+// chunk and KV head, not once per query head) and splits the keys into chunks of at least
+// FA_SPLIT_MIN_CHUNK_KEYS, as many as give FA_SPLIT_TARGET_THREADGROUPS threadgroups (4 per core
+// of an 80-core GPU). The chunking is a function of the shape alone, so results are deterministic.
+#define FA_SPLIT_MAX_QUERY_ROWS 8
+#define FA_SPLIT_MIN_CHUNK_KEYS 256
+#define FA_SPLIT_TARGET_THREADGROUPS 320
+// Threadgroup tiles of half are stored with rows padded by 8 halves (16 bytes), against bank
+// conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
+#define FA_TILE_PAD 8
+
+// Head-dim buckets: X(head_dim_max, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ): per kernel the
+// rows it owns and the rows of the tiles it streams (forward: BQ query rows, K/V tiles of BK keys;
+// dQ: BQ query rows, K/V tiles of BK keys; dK/dV: BK key rows, Q/dO tiles of BQ query rows). A
+// problem uses the first bucket whose head_dim_max >= head_dim; kernel instances are named
+// <kernel>_d<head_dim_max>, e.g. flash_attention_forward_d64.
+// Why these sizes: the forward follows MLX's steel attention (BQ 32 = 4 SIMD-groups x 8 rows; K/V
+// tiles of 32 keys, 16 from head_dim 128), whose published throughput on M-series GPUs is 87-97 %
+// of a measured f16 matmul ceiling. From head_dim 192 the accumulators are split over two head_dim
+// slices (BQ 16, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. The
+// backward follows metal-flash-attention's three kernels (D pre-pass, dQ over query blocks, dK/dV
+// over key blocks with K, V, dK, dV resident); its tiles are the largest that keep each kernel's
+// threadgroup storage within 32 KiB (static_assert at the instantiation):
+//   forward: (BQ + 2 BK) (DP + 8) halves (+ 4 x 8 x BK floats when split over head_dim)
+//   dQ:      2 (BQ + BK) (DP + 8) halves + 2 x 8 x BK floats per partial set
+//   dK/dV:   2 (BK + BQ) (DP + 8) halves + 2 x BQ floats + 2 x 8 x BQ floats per partial set
+#define FA_HEAD_DIM_BUCKETS(X)           \
+    X(32, 32, 32, 32, 32, 32, 32)        \
+    X(64, 32, 32, 32, 32, 32, 32)        \
+    X(96, 32, 32, 32, 32, 32, 32)        \
+    X(128, 32, 16, 32, 16, 32, 16)       \
+    X(192, 16, 16, 16, 16, 16, 16)       \
+    X(256, 16, 16, 16, 8, 16, 8)
 
 #endif
 // ---- end flash_attention_params.h ----
+// ---- begin flash_attention_fragment.h (spliced by tools/embed_shaders.py) ----
+// The 8x8 fragment layer of the kernels: simdgroup_float8x8 values, the lane mapping Apple GPUs
+// use for them, loads from threadgroup tiles of half, and reductions over a fragment row.
+//
+// Every fragment holds float32 (MLX's steel attention does the same: half elements are converted
+// as they are read from threadgroup memory), so each simdgroup_multiply_accumulate has one element
+// type and accumulates in float32. A lane reads and writes its own two elements through
+// thread_elements(): element loads are per lane, never collective, and need no alignment.
+//
+// Lane mapping (design.md; MLX steel mma.h, metal-flash-attention): with q = lane / 4, a lane holds
+// (row, col) and (row, col + 1) where row = (q & 4) + (lane / 2) % 4 and col = (q & 2) * 2 +
+// (lane % 2) * 2. The four lanes of a row are l, l ^ 1, l ^ 8 and l ^ 9.
 
-using namespace metal;
+// Where a lane's two elements of every 8x8 fragment lie: (row, col) and (row, col + 1).
+struct FragmentCoord {
+    uint row;
+    uint col;
+};
+
+inline FragmentCoord fragment_coord(uint lane) {
+    const uint q = lane / 4;
+    FragmentCoord at;
+    at.row = (q & 4) + (lane / 2) % 4;
+    at.col = (q & 2) * 2 + (lane % 2) * 2;
+    return at;
+}
+
+// N fragments side by side: an 8 x 8N block of one SIMD-group (a struct, so kernels pass it by
+// reference and index it only with loop counters that unroll).
+template <uint N>
+struct Fragments {
+    simdgroup_float8x8 f[N];
+};
+
+template <uint N>
+inline void clear(thread Fragments<N> &x) {
+    for (uint j = 0; j < N; ++j) {
+        x.f[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+}
+
+// f = tile[row0, row0 + 8) x [col0, col0 + 8), as float. `Tile` is a threadgroup array of rows of
+// half (a template parameter: see metal_stdlib of the CPU engine for why).
+template <typename Tile>
+inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint col0,
+                          FragmentCoord at) {
+    f.thread_elements()[0] = float(tile[row0 + at.row][col0 + at.col]);
+    f.thread_elements()[1] = float(tile[row0 + at.row][col0 + at.col + 1]);
+}
+
+// f = the transpose of tile[row0, row0 + 8) x [col0, col0 + 8), as float.
+template <typename Tile>
+inline void load_fragment_transposed(thread simdgroup_float8x8 &f, Tile tile, uint row0,
+                                     uint col0, FragmentCoord at) {
+    f.thread_elements()[0] = float(tile[row0 + at.col][col0 + at.row]);
+    f.thread_elements()[1] = float(tile[row0 + at.col + 1][col0 + at.row]);
+}
+
+// The maximum and the sum of x over the four lanes that hold one fragment row.
+inline float row_max(float x) {
+    x = max(x, simd_shuffle_xor(x, ushort(1)));
+    return max(x, simd_shuffle_xor(x, ushort(8)));
+}
+
+inline float row_sum(float x) {
+    x += simd_shuffle_xor(x, ushort(1));
+    return x + simd_shuffle_xor(x, ushort(8));
+}
+
+// Head_dim slices. A SIMD-group that owns an 8-row group and one of SLICES slices of head_dim
+// holds products over its slice only; these two steps sum them over the slices of its row group.
+// The sum runs in slice order, so every SIMD-group of a row group ends with the same values.
+// Between the two calls the caller places a threadgroup barrier (all threads reach it).
+template <uint N, typename Partials>
+inline void store_partial(thread Fragments<N> &x, Partials partials, uint sgid, FragmentCoord at) {
+    for (uint j = 0; j < N; ++j) {
+        partials[sgid][at.row][j * 8 + at.col] = x.f[j].thread_elements()[0];
+        partials[sgid][at.row][j * 8 + at.col + 1] = x.f[j].thread_elements()[1];
+    }
+}
+
+template <uint N, uint SLICES, typename Partials>
+inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_sgid,
+                         FragmentCoord at) {
+    for (uint j = 0; j < N; ++j) {
+        for (uint e = 0; e < 2; ++e) {
+            float sum = 0.0f;
+            for (uint w = 0; w < SLICES; ++w) {
+                sum += partials[first_sgid + w][at.row][j * 8 + at.col + e];
+            }
+            x.f[j].thread_elements()[e] = sum;
+        }
+    }
+}
+// ---- end flash_attention_fragment.h ----
+// ---- begin flash_attention_blocks.h (spliced by tools/embed_shaders.py) ----
+// The block layer of the kernels: where rows live in device memory, which (query, key) pairs are
+// visible, which tiles need an element mask, and the copy of a block of rows from device memory
+// into a threadgroup tile.
+//
+// Masks (bottom-right aligned, as FlashAttention >= 2.1, MLX and PyTorch's lower-right causal):
+// query i sees key j iff j < seqlen_k and, when causal, j <= i + seqlen_k - seqlen_q.
+
+// Element offset of the first row of head `head` of batch `b` in a [batch][heads][seqlen][head_dim]
+// tensor (64-bit: tensors may hold more than 2^32 elements).
+inline ulong head_offset(uint b, uint heads, uint head, uint seqlen, uint head_dim) {
+    return (ulong(b) * heads + head) * seqlen * head_dim;
+}
+
+// Index of row `row` of head `head` of batch `b` in a [batch][heads][seqlen] tensor (lse, delta).
+inline ulong row_index(uint b, uint heads, uint head, uint seqlen, uint row) {
+    return (ulong(b) * heads + head) * seqlen + row;
+}
+
+// Key j is visible to query i iff j <= i + causal_shift(p) (with causal masks).
+inline long causal_shift(constant FlashAttentionParams &p) {
+    return long(p.seqlen_k) - long(p.seqlen_q);
+}
 
 // Number of keys query row `row` sees: all of them, or with the causal mask the prefix
 // j <= row + seqlen_k - seqlen_q (possibly empty).
@@ -118,294 +304,673 @@ inline uint visible_keys(constant FlashAttentionParams &p, uint row) {
     if (p.causal == 0) {
         return p.seqlen_k;
     }
-    const long n = long(row) + long(p.seqlen_k) - long(p.seqlen_q) + 1;
+    const long n = long(row) + causal_shift(p) + 1;
     return n <= 0 ? 0u : (n >= long(p.seqlen_k) ? p.seqlen_k : uint(n));
 }
 
-// First query row that sees key `key` (seqlen_q when none does). Rows see a prefix of the keys, so
-// the rows seeing a key form a suffix.
+// First query row that sees key `key` (seqlen_q when none does). Rows see a prefix of the keys,
+// so the rows seeing a key form a suffix.
 inline uint first_row_seeing(constant FlashAttentionParams &p, uint key) {
     if (p.causal == 0) {
         return 0;
     }
-    const long i = long(key) - long(p.seqlen_k) + long(p.seqlen_q);
+    const long i = long(key) - causal_shift(p);
     return i <= 0 ? 0u : (i >= long(p.seqlen_q) ? p.seqlen_q : uint(i));
 }
 
-// Element offset of the first row of head `head` of batch `b` in a [batch][heads][seqlen][head_dim]
-// tensor.
-inline ulong head_offset(uint b, uint heads, uint head, uint seqlen, uint head_dim) {
-    return (ulong(b) * heads + head) * seqlen * head_dim;
+// Whether query `row` sees key `key`; rows and keys past the end see nothing.
+inline bool is_visible(constant FlashAttentionParams &p, uint row, uint key) {
+    return row < p.seqlen_q && key < p.seqlen_k &&
+           (p.causal == 0 || long(key) <= long(row) + causal_shift(p));
 }
 
-// Copies rows [first, first + ROWS) of one head (src points at its row 0) into tile[ROWS][DP],
-// zero past seqlen and past head_dim. The THREADS threads of the threadgroup share the copy.
-template <uint ROWS, uint DP, uint THREADS, typename Tile>
-inline void load_tile(Tile tile, device const half *src, uint first, uint seqlen, uint head_dim,
+// Whether every pair of rows [row0, row0 + rows) x keys [key0, key0 + keys) exists and is
+// visible: then the tile needs no element mask. The same for every thread of a threadgroup.
+inline bool tile_unmasked(constant FlashAttentionParams &p, uint row0, uint rows, uint key0,
+                          uint keys) {
+    if (ulong(row0) + rows > p.seqlen_q || ulong(key0) + keys > p.seqlen_k) {
+        return false;
+    }
+    return p.causal == 0 || long(key0) + long(keys) - 1 <= long(row0) + causal_shift(p);
+}
+
+// Fragments of 8 columns of a head_dim slice [col0, col0 + 8 * n) that hold columns below
+// head_dim: the rest are zero padding, skipped by every product (same for the whole SIMD-group).
+inline uint active_fragments(uint head_dim, uint col0, uint n) {
+    const uint padded = (head_dim + 7) / 8 * 8;
+    return padded <= col0 ? 0u : min(n, (padded - col0) / 8);
+}
+
+// Copies rows [first, first + ROWS) of a [seqlen][head_dim] matrix of half (src points at its row
+// 0) into tile[ROWS][>= DP], zero past seqlen and past head_dim. The threadgroup's threads share
+// the copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
+template <uint ROWS, uint DP, typename Tile>
+inline void load_rows(Tile tile, device const half *src, uint first, uint seqlen, uint head_dim,
                       uint tid) {
-    for (uint e = tid; e < ROWS * DP; e += THREADS) {
+    for (uint e = tid; e < ROWS * DP; e += FA_THREADS_PER_THREADGROUP) {
         const uint r = e / DP;
         const uint d = e % DP;
-        const uint row = first + r;
-        tile[r][d] = (row < seqlen && d < head_dim) ? src[ulong(row) * head_dim + d] : half(0);
+        const ulong row = ulong(first) + r;
+        tile[r][d] = (row < seqlen && d < head_dim) ? src[row * head_dim + d] : half(0);
     }
 }
+// ---- end flash_attention_blocks.h ----
 
-// Reads one row of head_dim halves (zero-padded to DP) as float.
-template <uint DP>
-inline void load_row(thread float *dst, device const half *src, uint head_dim) {
-    for (uint d = 0; d < DP; ++d) {
-        dst[d] = d < head_dim ? float(src[d]) : 0.0f;
-    }
-}
+// Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
+#define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
 
-template <uint DP, typename Row>
-inline float dot_row(thread const float *a, Row b) {
-    float acc = 0.0f;
-    for (uint d = 0; d < DP; ++d) {
-        acc = fma(a[d], float(b[d]), acc);
-    }
-    return acc;
-}
-
-// D_i = sum_d dout[i][d] * out[i][d], accumulated in float32.
-inline float row_delta(device const half *dout, device const half *out, uint head_dim) {
-    float acc = 0.0f;
-    for (uint d = 0; d < head_dim; ++d) {
-        acc = fma(float(dout[d]), float(out[d]), acc);
-    }
-    return acc;
-}
-
-template <uint BK, uint DP>
-struct KeyValueTiles {
-    half k[BK][DP];
-    half v[BK][DP];
+// Where one SIMD-group works: rows [row0, row0 + 8) of the threadgroup's block and head_dim
+// columns [col0, col0 + 8 * fragments) of its slice, of which `active` fragments lie inside
+// head_dim.
+struct SimdgroupSlice {
+    uint row0;
+    uint col0;
+    uint active;
+    uint first_sgid;  // the SIMD-group holding slice 0 of the same rows
 };
 
-template <uint BQ, uint DP>
-struct QueryTiles {
-    half q[BQ][DP];
-    half dout[BQ][DP];
-    float lse[BQ];
-    float delta[BQ];
+template <uint DP, uint SLICES>
+inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgid) {
+    SimdgroupSlice s;
+    s.row0 = (sgid / SLICES) * 8;
+    s.col0 = (sgid % SLICES) * (DP / SLICES);
+    s.active = active_fragments(p.head_dim, s.col0, DP / SLICES / 8);
+    s.first_sgid = sgid - sgid % SLICES;
+    return s;
+}
+
+// Sums the head_dim slices' partial products (no-op for one slice). All threads call it.
+template <uint SLICES, uint N, typename Partials>
+inline void sum_over_slices(thread Fragments<N> &x, Partials partials, uint sgid,
+                            SimdgroupSlice s, FragmentCoord at) {
+    if (SLICES > 1) {
+        store_partial(x, partials, sgid, at);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        sum_partials<N, SLICES>(x, partials, s.first_sgid, at);
+    }
+}
+
+// Stores rows of an 8 x 8N accumulator times `scale` as half: row `row` of a head (row_start is its
+// element offset), columns below head_dim only.
+template <uint N>
+inline void store_row(device half *dst, thread Fragments<N> &x, float scale, ulong row_start,
+                      uint head_dim, SimdgroupSlice s, FragmentCoord at) {
+    for (uint d = 0; d < N; ++d) {
+        for (uint e = 0; e < 2; ++e) {
+            const uint col = s.col0 + d * 8 + at.col + e;
+            if (col < head_dim) {
+                dst[row_start + col] = half(x.f[d].thread_elements()[e] * scale);
+            }
+        }
+    }
+}
+
+// ---- forward ---------------------------------------------------------------------------------
+
+template <uint DP, uint BQ, uint BK>
+struct ForwardStorage {
+    half q[BQ][DP + FA_TILE_PAD];
+    half k[BK][DP + FA_TILE_PAD];
+    half v[BK][DP + FA_TILE_PAD];
+    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
 };
 
-// Where one thread of a query-row kernel (forward, backward dQ) works: row `row` of query head `h`
-// of batch `b`, in a threadgroup that owns BQ consecutive rows.
-struct QueryRow {
-    uint b;
-    uint h;
-    uint row;
-    bool valid;           // row < seqlen_q
-    uint keys;            // keys this row sees (0 for an invalid row)
-    uint block_keys;      // keys the block's last row sees: the tiles the threadgroup must visit
-    ulong row_start;      // element offset of the row in q/out/dout/dq (row 0 when invalid)
-    ulong kv_head_start;  // element offset of the row's KV head in k/v
+// The online softmax of one lane's row (Algorithm 1): running max m of the scaled scores (base 2),
+// this lane's part of the running sum l of exp2(score - m), and the SIMD-group's 8-row block of the
+// unnormalised output over its head_dim slice.
+template <uint ND>
+struct RowState {
+    float m;
+    float l;
+    Fragments<ND> o;
+};
+
+template <uint ND>
+inline void start_rows(thread RowState<ND> &r) {
+    r.m = -INFINITY;
+    r.l = 0.0f;
+    clear(r.o);
+}
+
+// One K/V tile of the forward pass, keys [kv0, kv0 + BK) of the KV head whose rows start at k_head
+// and v_head: loads the tiles (every thread calls it), S = Q K^T over the slice and then over all
+// of head_dim, masks (only when `masked`; the lane's row is query `row`), online softmax update,
+// O += P V.
+template <uint DP, uint BQ, uint BK, uint ND, typename Storage>
+inline void forward_tile(thread RowState<ND> &r, Storage tg, device const half *k_head,
+                         device const half *v_head, constant FlashAttentionParams &p, uint kv0,
+                         bool masked, uint row, SimdgroupSlice s, FragmentCoord at, uint sgid,
+                         uint tid) {
+    constexpr uint NK = BK / 8;  // fragments across a key tile
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.head_dim, tid);
+    load_rows<BK, DP>(tg->v, v_head, kv0, p.seqlen_k, p.head_dim, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    Fragments<NK> sc;
+    clear(sc);
+    for (uint d = 0; d < ND; ++d) {
+        if (d < s.active) {
+            simdgroup_float8x8 qf;
+            load_fragment(qf, tg->q, s.row0, s.col0 + d * 8, at);
+            for (uint j = 0; j < NK; ++j) {
+                simdgroup_float8x8 kt;
+                load_fragment_transposed(kt, tg->k, j * 8, s.col0 + d * 8, at);
+                simdgroup_multiply_accumulate(sc.f[j], qf, kt, sc.f[j]);
+            }
+        }
+    }
+    sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
+
+    // Online softmax; P replaces S in place.
+    const float scale2 = p.softmax_scale * M_LOG2E_F;
+    float tile_max = -INFINITY;
+    for (uint j = 0; j < NK; ++j) {
+        for (uint e = 0; e < 2; ++e) {
+            float x = sc.f[j].thread_elements()[e] * scale2;
+            if (masked && !is_visible(p, row, kv0 + j * 8 + at.col + e)) {
+                x = -INFINITY;
+            }
+            sc.f[j].thread_elements()[e] = x;
+            tile_max = max(tile_max, x);
+        }
+    }
+    const float m_next = max(r.m, row_max(tile_max));
+    // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp2 at 0, not NaN.
+    const float m_base = m_next == -INFINITY ? 0.0f : m_next;
+    const float correction = exp2(r.m - m_base);
+    r.l *= correction;
+    for (uint d = 0; d < ND; ++d) {
+        r.o.f[d].thread_elements()[0] *= correction;
+        r.o.f[d].thread_elements()[1] *= correction;
+    }
+    for (uint j = 0; j < NK; ++j) {
+        for (uint e = 0; e < 2; ++e) {
+            const float pe = exp2(sc.f[j].thread_elements()[e] - m_base);
+            sc.f[j].thread_elements()[e] = pe;
+            r.l += pe;
+        }
+    }
+    r.m = m_next;
+
+    for (uint d = 0; d < ND; ++d) {
+        if (d < s.active) {
+            for (uint j = 0; j < NK; ++j) {
+                simdgroup_float8x8 vf;
+                load_fragment(vf, tg->v, j * 8, s.col0 + d * 8, at);
+                simdgroup_multiply_accumulate(r.o.f[d], sc.f[j], vf, r.o.f[d]);
+            }
+        }
+    }
+}
+
+// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
+inline float row_lse(float m, float l) {
+    return l > 0.0f ? m * M_LN2_F + log(l) : -INFINITY;
+}
+
+template <uint DP, uint BQ, uint BK, typename Storage>
+inline void attention_forward(device const half *q, device const half *k, device const half *v,
+                              device half *out, device float *lse,
+                              constant FlashAttentionParams &p, Storage tg, uint3 tgid,
+                              uint sgid, uint lane) {
+    constexpr uint SLICES = FA_SLICES(BQ);
+    constexpr uint ND = DP / SLICES / 8;  // fragments across the slice
+    const uint tid = sgid * 32 + lane;
+    const FragmentCoord at = fragment_coord(lane);
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
+
+    const uint b = tgid.z;
+    const uint h = tgid.y;
+    const uint q0 = tgid.x * BQ;
+    const uint row = q0 + s.row0 + at.row;
+    const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
+    const uint kv_head = h / (p.num_heads / p.num_kv_heads);
+    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+    // Keys seen by the block's last row: the tiles the threadgroup visits (none past it).
+    const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
+
+    load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
+    RowState<ND> r;
+    start_rows(r);
+    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
+        forward_tile<DP, BQ, BK>(r, tg, k + kv_head_start, v + kv_head_start, p, kv0,
+                                 !tile_unmasked(p, q0, BQ, kv0, BK), row, s, at, sgid, tid);
+    }
+
+    const float l = row_sum(r.l);
+    if (row < p.seqlen_q) {
+        store_row(out, r.o, l > 0.0f ? 1.0f / l : 0.0f, q_head + ulong(row) * p.head_dim,
+                  p.head_dim, s, at);
+        if (s.col0 == 0 && at.col == 0) {
+            lse[row_index(b, p.num_heads, h, p.seqlen_q, row)] = row_lse(r.m, l);
+        }
+    }
+}
+
+// ---- split-KV forward (decode) ---------------------------------------------------------------
+
+// The rows of a split-KV threadgroup: the query rows of all heads of one GQA group, packed as
+// index g * seqlen_q + i (head kv_head * group + g, query row i), BQ of them per block.
+struct PackedRows {
+    uint group;  // query heads per KV head
+    uint count;  // group * seqlen_q
+    uint first;  // the block's first packed index
+    uint i_min;  // smallest and largest query row i among the block's rows
+    uint i_max;
+    bool full;   // the block has no padding rows
 };
 
 template <uint BQ>
-inline QueryRow query_row(constant FlashAttentionParams &p, uint3 tgid, uint tid) {
-    QueryRow r;
-    r.b = tgid.z;
-    r.h = tgid.y;
-    r.row = tgid.x * BQ + tid;
-    r.valid = r.row < p.seqlen_q;
-    r.keys = r.valid ? visible_keys(p, r.row) : 0;
-    r.block_keys = visible_keys(p, min(tgid.x * BQ + BQ, p.seqlen_q) - 1);
-    r.row_start = head_offset(r.b, p.num_heads, r.h, p.seqlen_q, p.head_dim) +
-                  ulong(r.valid ? r.row : 0) * p.head_dim;
-    const uint kv_head = r.h / (p.num_heads / p.num_kv_heads);
-    r.kv_head_start = head_offset(r.b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+inline PackedRows packed_rows(constant FlashAttentionParams &p, uint block) {
+    PackedRows r;
+    r.group = p.num_heads / p.num_kv_heads;
+    r.count = r.group * p.seqlen_q;
+    r.first = block * BQ;
+    const uint last = min(r.first + BQ, r.count) - 1;
+    const bool one_head = r.first / p.seqlen_q == last / p.seqlen_q;
+    r.i_min = one_head ? r.first % p.seqlen_q : 0;
+    r.i_max = one_head ? last % p.seqlen_q : p.seqlen_q - 1;
+    r.full = r.first + BQ <= r.count;
     return r;
 }
 
-// Loads the K and V tiles of keys [kv0, kv0 + BK) for the threadgroup; returns how many of them
-// the calling thread's row sees. Called the same number of times by every thread (its barriers).
-template <uint DP, uint BQ, uint BK, typename Tiles>
-inline uint load_key_value_tiles(Tiles tiles, device const half *k, device const half *v,
-                                 constant FlashAttentionParams &p, QueryRow r, uint kv0, uint tid) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    load_tile<BK, DP, BQ>(tiles->k, k + r.kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-    load_tile<BK, DP, BQ>(tiles->v, v + r.kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    return r.keys > kv0 ? min(BK, r.keys - kv0) : 0u;
+// Element offset of packed row `packed` in q (batch b, KV head kv_head).
+inline ulong packed_row_offset(constant FlashAttentionParams &p, PackedRows r, uint b,
+                               uint kv_head, uint packed) {
+    const uint h = kv_head * r.group + packed / p.seqlen_q;
+    return head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim) +
+           ulong(packed % p.seqlen_q) * p.head_dim;
 }
 
-// Forward: one thread per query row of a BQ-row block; K/V tiles of BK keys.
-template <uint DP, uint BQ, uint BK, typename Tiles>
-inline void attention_forward(device const half *q, device const half *k, device const half *v,
-                              device half *out, device float *lse,
-                              constant FlashAttentionParams &p, Tiles tiles, uint3 tgid, uint tid) {
-    const QueryRow r = query_row<BQ>(p, tgid, tid);
-
-    float q_row[DP];
-    load_row<DP>(q_row, q + r.row_start, r.valid ? p.head_dim : 0);
-    float o[DP];
-    for (uint d = 0; d < DP; ++d) {
-        o[d] = 0.0f;
-    }
-    float m = -1.0e30f;  // running max of the scores seen so far; finite on purpose
-    float l = 0.0f;      // running sum of exp(score - m)
-
-    for (uint kv0 = 0; kv0 < r.block_keys; kv0 += BK) {
-        const uint n = load_key_value_tiles<DP, BQ, BK>(tiles, k, v, p, r, kv0, tid);
-        if (n > 0) {
-            float s[BK];
-            float tile_max = m;
-            for (uint j = 0; j < n; ++j) {
-                s[j] = dot_row<DP>(q_row, tiles->k[j]) * p.softmax_scale;
-                tile_max = max(tile_max, s[j]);
-            }
-            const float correction = exp(m - tile_max);
-            l *= correction;
-            for (uint d = 0; d < DP; ++d) {
-                o[d] *= correction;
-            }
-            for (uint j = 0; j < n; ++j) {
-                const float pj = exp(s[j] - tile_max);
-                l += pj;
-                for (uint d = 0; d < DP; ++d) {
-                    o[d] = fma(pj, float(tiles->v[j][d]), o[d]);
-                }
-            }
-            m = tile_max;
-        }
-    }
-
-    if (r.valid) {
-        const float inv_l = r.keys > 0 ? 1.0f / l : 0.0f;
-        for (uint d = 0; d < p.head_dim; ++d) {
-            out[r.row_start + d] = half(o[d] * inv_l);
-        }
-        const ulong lse_index = (ulong(r.b) * p.num_heads + r.h) * p.seqlen_q + r.row;
-        lse[lse_index] = r.keys > 0 ? m + log(l) : -INFINITY;
-    }
+// Index of (packed row, chunk) in partial_lse; times head_dim, in partial_out.
+inline ulong partial_index(constant FlashAttentionParams &p, PackedRows r, uint b, uint kv_head,
+                           uint packed, uint chunk) {
+    const uint h = kv_head * r.group + packed / p.seqlen_q;
+    return ((ulong(b) * p.num_heads + h) * p.kv_chunks + chunk) * p.seqlen_q + packed % p.seqlen_q;
 }
 
-// Backward dQ: one thread per query row; dq = softmax_scale * sum_j P_ij (dP_ij - D_i) k_j.
-template <uint DP, uint BQ, uint BK, typename Tiles>
-inline void attention_backward_dq(device const half *dout, device const half *q,
-                                  device const half *k, device const half *v,
-                                  device const half *out, device const float *lse,
-                                  constant FlashAttentionParams &p, device half *dq, Tiles tiles,
-                                  uint3 tgid, uint tid) {
-    const QueryRow r = query_row<BQ>(p, tgid, tid);
-    const uint row_dim = r.valid ? p.head_dim : 0;
+// One chunk of keys for one block of packed rows: threadgroups (row blocks x chunks, KV heads,
+// batch), x = chunk * row_blocks + row block. Writes the chunk's normalised output and lse.
+template <uint DP, uint BQ, uint BK, typename Storage>
+inline void attention_forward_split(device const half *q, device const half *k,
+                                    device const half *v, device float *partial_out,
+                                    device float *partial_lse, constant FlashAttentionParams &p,
+                                    Storage tg, uint3 tgid, uint sgid, uint lane) {
+    constexpr uint SLICES = FA_SLICES(BQ);
+    constexpr uint ND = DP / SLICES / 8;
+    const uint tid = sgid * 32 + lane;
+    const FragmentCoord at = fragment_coord(lane);
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
 
-    float q_row[DP];
-    float do_row[DP];
-    float dq_acc[DP];
-    load_row<DP>(q_row, q + r.row_start, row_dim);
-    load_row<DP>(do_row, dout + r.row_start, row_dim);
-    for (uint d = 0; d < DP; ++d) {
-        dq_acc[d] = 0.0f;
-    }
-    const float delta = row_delta(dout + r.row_start, out + r.row_start, row_dim);
-    const float row_lse =
-        r.keys > 0 ? lse[(ulong(r.b) * p.num_heads + r.h) * p.seqlen_q + r.row] : 0.0f;
-
-    for (uint kv0 = 0; kv0 < r.block_keys; kv0 += BK) {
-        const uint n = load_key_value_tiles<DP, BQ, BK>(tiles, k, v, p, r, kv0, tid);
-        for (uint j = 0; j < n; ++j) {
-            const float pj = exp(dot_row<DP>(q_row, tiles->k[j]) * p.softmax_scale - row_lse);
-            const float dp = dot_row<DP>(do_row, tiles->v[j]);
-            const float ds = pj * (dp - delta);
-            for (uint d = 0; d < DP; ++d) {
-                dq_acc[d] = fma(ds, float(tiles->k[j][d]), dq_acc[d]);
-            }
-        }
-    }
-
-    if (r.valid) {
-        for (uint d = 0; d < p.head_dim; ++d) {
-            dq[r.row_start + d] = half(dq_acc[d] * p.softmax_scale);
-        }
-    }
-}
-
-// Backward dK/dV: one thread per key row of a BK-key block of one KV head; loops over the query
-// heads of its GQA group in order, so the sums over the group are deterministic.
-// dv_j = sum_i P_ij dout_i; dk_j = softmax_scale * sum_i P_ij (dP_ij - D_i) q_i.
-template <uint DP, uint BQ, uint BK, typename Tiles>
-inline void attention_backward_dkv(device const half *dout, device const half *q,
-                                   device const half *k, device const half *v,
-                                   device const half *out, device const float *lse,
-                                   constant FlashAttentionParams &p, device half *dk,
-                                   device half *dv, Tiles tiles, uint3 tgid, uint tid) {
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
-    const uint key = tgid.x * BK + tid;
-    const bool key_valid = key < p.seqlen_k;
-    const uint block_first_row = first_row_seeing(p, tgid.x * BK);
-    const uint key_first_row = key_valid ? first_row_seeing(p, key) : p.seqlen_q;
+    const uint row_blocks = (group * p.seqlen_q + BQ - 1) / BQ;
+    const uint chunk = tgid.x / row_blocks;
+    const PackedRows rows = packed_rows<BQ>(p, tgid.x % row_blocks);
+    const uint packed = rows.first + s.row0 + at.row;
+    const bool valid = packed < rows.count;
+    const uint row = valid ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
     const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
-    const ulong key_start = kv_head_start + ulong(key_valid ? key : 0) * p.head_dim;
-    const uint key_dim = key_valid ? p.head_dim : 0;
+    const uint key_begin = chunk * p.kv_chunk_keys;
+    const uint key_end = min(key_begin + p.kv_chunk_keys, visible_keys(p, rows.i_max));
 
-    float k_row[DP];
-    float v_row[DP];
-    float dk_acc[DP];
-    float dv_acc[DP];
-    load_row<DP>(k_row, k + key_start, key_dim);
-    load_row<DP>(v_row, v + key_start, key_dim);
-    for (uint d = 0; d < DP; ++d) {
-        dk_acc[d] = 0.0f;
-        dv_acc[d] = 0.0f;
+    for (uint e = tid; e < BQ * DP; e += FA_THREADS_PER_THREADGROUP) {
+        const uint r = e / DP;
+        const uint d = e % DP;
+        const uint at_row = rows.first + r;
+        tg->q[r][d] = (at_row < rows.count && d < p.head_dim)
+                          ? q[packed_row_offset(p, rows, b, kv_head, at_row) + d]
+                          : half(0);
+    }
+    RowState<ND> r;
+    start_rows(r);
+    for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
+        const bool masked = !rows.full || !tile_unmasked(p, rows.i_min, rows.i_max - rows.i_min + 1,
+                                                         kv0, BK);
+        forward_tile<DP, BQ, BK>(r, tg, k + kv_head_start, v + kv_head_start, p, kv0, masked, row,
+                                 s, at, sgid, tid);
     }
 
+    const float l = row_sum(r.l);
+    if (valid) {
+        const ulong index = partial_index(p, rows, b, kv_head, packed, chunk);
+        const float scale = l > 0.0f ? 1.0f / l : 0.0f;
+        for (uint d = 0; d < ND; ++d) {
+            for (uint e = 0; e < 2; ++e) {
+                const uint col = s.col0 + d * 8 + at.col + e;
+                if (col < p.head_dim) {
+                    partial_out[index * p.head_dim + col] = r.o.f[d].thread_elements()[e] * scale;
+                }
+            }
+        }
+        if (s.col0 == 0 && at.col == 0) {
+            partial_lse[index] = row_lse(r.m, l);
+        }
+    }
+}
+
+// Combines the chunks of one query row (threadgroup (i, h, b)): out = sum_c w_c O_c / sum_c w_c
+// with w_c = exp(lse_c - max_c lse_c), lse = max + log(sum_c w_c), chunks in order. A chunk with
+// lse -inf weighs 0; a row without any key gets out 0, lse -inf.
+inline void attention_forward_combine(device const float *partial_out,
+                                      device const float *partial_lse, device half *out,
+                                      device float *lse, constant FlashAttentionParams &p,
+                                      uint3 tgid, uint tid) {
+    const ulong first = (ulong(tgid.z) * p.num_heads + tgid.y) * p.kv_chunks * p.seqlen_q + tgid.x;
+    float top = -INFINITY;
+    for (uint c = 0; c < p.kv_chunks; ++c) {
+        top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
+    }
+    float total = 0.0f;
+    for (uint c = 0; c < p.kv_chunks; ++c) {
+        const float part = partial_lse[first + ulong(c) * p.seqlen_q];
+        total += part == -INFINITY ? 0.0f : exp(part - top);
+    }
+    const ulong row = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, tgid.x);
+    for (uint d = tid; d < p.head_dim; d += FA_THREADS_PER_THREADGROUP) {
+        float acc = 0.0f;
+        for (uint c = 0; c < p.kv_chunks; ++c) {
+            const ulong part = first + ulong(c) * p.seqlen_q;
+            if (partial_lse[part] != -INFINITY) {
+                acc = fma(exp(partial_lse[part] - top), partial_out[part * p.head_dim + d], acc);
+            }
+        }
+        out[row * p.head_dim + d] = half(total > 0.0f ? acc / total : 0.0f);
+    }
+    if (tid == 0) {
+        lse[row] = total > 0.0f ? top + log(total) : -INFINITY;
+    }
+}
+
+// ---- backward: D = rowsum(dO * O) ------------------------------------------------------------
+
+// One thread per query row; D in float32, read by both gradient kernels.
+inline void attention_backward_delta(device const half *dout, device const half *out,
+                                     device float *delta, constant FlashAttentionParams &p,
+                                     uint3 tgid, uint tid) {
+    const uint row = tgid.x * FA_DELTA_BLOCK_ROWS + tid;
+    if (row < p.seqlen_q) {
+        const ulong start =
+            head_offset(tgid.z, p.num_heads, tgid.y, p.seqlen_q, p.head_dim) + ulong(row) * p.head_dim;
+        float acc = 0.0f;
+        for (uint d = 0; d < p.head_dim; ++d) {
+            acc = fma(float(dout[start + d]), float(out[start + d]), acc);
+        }
+        delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] = acc;
+    }
+}
+
+// ---- backward: dQ ----------------------------------------------------------------------------
+
+template <uint DP, uint BQ, uint BK>
+struct BackwardQueryStorage {
+    half q[BQ][DP + FA_TILE_PAD];
+    half dout[BQ][DP + FA_TILE_PAD];
+    half k[BK][DP + FA_TILE_PAD];
+    half v[BK][DP + FA_TILE_PAD];
+    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+    float dp_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+};
+
+template <uint DP, uint BQ, uint BK, typename Storage>
+inline void attention_backward_dq(device const half *dout, device const half *q,
+                                  device const half *k, device const half *v,
+                                  device const float *lse, device const float *delta,
+                                  constant FlashAttentionParams &p, device half *dq, Storage tg,
+                                  uint3 tgid, uint sgid, uint lane) {
+    constexpr uint SLICES = FA_SLICES(BQ);
+    constexpr uint ND = DP / SLICES / 8;
+    constexpr uint NK = BK / 8;
+    const uint tid = sgid * 32 + lane;
+    const FragmentCoord at = fragment_coord(lane);
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
+
+    const uint b = tgid.z;
+    const uint h = tgid.y;
+    const uint q0 = tgid.x * BQ;
+    const uint row = q0 + s.row0 + at.row;
+    const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
+    const uint kv_head = h / (p.num_heads / p.num_kv_heads);
+    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+    const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
+    const float scale2 = p.softmax_scale * M_LOG2E_F;
+    // Rows past the end or without keys have every element masked: their L and D are not read.
+    const bool has_keys = row < p.seqlen_q && visible_keys(p, row) > 0;
+    const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? row : 0);
+    const float row_lse2 = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
+    const float row_delta = has_keys ? delta[at_row] : 0.0f;
+
+    load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
+    load_rows<BQ, DP>(tg->dout, dout + q_head, q0, p.seqlen_q, p.head_dim, tid);
+
+    Fragments<ND> dq_acc;
+    clear(dq_acc);
+    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        load_rows<BK, DP>(tg->k, k + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
+        load_rows<BK, DP>(tg->v, v + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+
+        // S = Q K^T and dP = dO V^T.
+        Fragments<NK> sc;
+        Fragments<NK> dp;
+        clear(sc);
+        clear(dp);
+        for (uint d = 0; d < ND; ++d) {
+            if (d < s.active) {
+                simdgroup_float8x8 qf;
+                simdgroup_float8x8 dof;
+                load_fragment(qf, tg->q, s.row0, s.col0 + d * 8, at);
+                load_fragment(dof, tg->dout, s.row0, s.col0 + d * 8, at);
+                for (uint j = 0; j < NK; ++j) {
+                    simdgroup_float8x8 t;
+                    load_fragment_transposed(t, tg->k, j * 8, s.col0 + d * 8, at);
+                    simdgroup_multiply_accumulate(sc.f[j], qf, t, sc.f[j]);
+                    load_fragment_transposed(t, tg->v, j * 8, s.col0 + d * 8, at);
+                    simdgroup_multiply_accumulate(dp.f[j], dof, t, dp.f[j]);
+                }
+            }
+        }
+        sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
+        sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
+
+        // dS = P (dP - D), in place of S.
+        const bool masked = !tile_unmasked(p, q0, BQ, kv0, BK);
+        for (uint j = 0; j < NK; ++j) {
+            for (uint e = 0; e < 2; ++e) {
+                const bool hidden = masked && !is_visible(p, row, kv0 + j * 8 + at.col + e);
+                const float pe =
+                    hidden ? 0.0f : exp2(sc.f[j].thread_elements()[e] * scale2 - row_lse2);
+                sc.f[j].thread_elements()[e] = pe * (dp.f[j].thread_elements()[e] - row_delta);
+            }
+        }
+
+        // dQ += dS K.
+        for (uint d = 0; d < ND; ++d) {
+            if (d < s.active) {
+                for (uint j = 0; j < NK; ++j) {
+                    simdgroup_float8x8 kf;
+                    load_fragment(kf, tg->k, j * 8, s.col0 + d * 8, at);
+                    simdgroup_multiply_accumulate(dq_acc.f[d], sc.f[j], kf, dq_acc.f[d]);
+                }
+            }
+        }
+    }
+
+    if (row < p.seqlen_q) {
+        store_row(dq, dq_acc, p.softmax_scale, q_head + ulong(row) * p.head_dim, p.head_dim, s, at);
+    }
+}
+
+// ---- backward: dK and dV ---------------------------------------------------------------------
+
+template <uint DP, uint BK, uint BQ>
+struct BackwardKeyValueStorage {
+    half k[BK][DP + FA_TILE_PAD];
+    half v[BK][DP + FA_TILE_PAD];
+    half q[BQ][DP + FA_TILE_PAD];
+    half dout[BQ][DP + FA_TILE_PAD];
+    float lse2[BQ];   // L of the tile's rows in base 2 (0 for rows past the end or without keys)
+    float delta[BQ];  // D of the tile's rows (0 likewise)
+    float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
+    float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
+};
+
+template <uint DP, uint BK, uint BQ, typename Storage>
+inline void attention_backward_dkv(device const half *dout, device const half *q,
+                                   device const half *k, device const half *v,
+                                   device const float *lse, device const float *delta,
+                                   constant FlashAttentionParams &p, device half *dk,
+                                   device half *dv, Storage tg, uint3 tgid, uint sgid,
+                                   uint lane) {
+    constexpr uint SLICES = FA_SLICES(BK);
+    constexpr uint ND = DP / SLICES / 8;
+    constexpr uint NQ = BQ / 8;  // fragments across a query tile
+    const uint tid = sgid * 32 + lane;
+    const FragmentCoord at = fragment_coord(lane);
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
+
+    const uint b = tgid.z;
+    const uint kv_head = tgid.y;
+    const uint group = p.num_heads / p.num_kv_heads;
+    const uint k0 = tgid.x * BK;
+    const uint key = k0 + s.row0 + at.row;
+    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+    const uint first_row = first_row_seeing(p, k0);
+    const float scale2 = p.softmax_scale * M_LOG2E_F;
+
+    load_rows<BK, DP>(tg->k, k + kv_head_start, k0, p.seqlen_k, p.head_dim, tid);
+    load_rows<BK, DP>(tg->v, v + kv_head_start, k0, p.seqlen_k, p.head_dim, tid);
+
+    Fragments<ND> dk_acc;
+    Fragments<ND> dv_acc;
+    clear(dk_acc);
+    clear(dv_acc);
     for (uint g = 0; g < group; ++g) {
         const uint h = kv_head * group + g;
         const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
-        const ulong lse_head = (ulong(b) * p.num_heads + h) * p.seqlen_q;
-        for (uint q0 = block_first_row; q0 < p.seqlen_q; q0 += BQ) {
+        for (uint q0 = first_row; q0 < p.seqlen_q; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_tile<BQ, DP, BK>(tiles->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
-            load_tile<BQ, DP, BK>(tiles->dout, dout + q_head, q0, p.seqlen_q, p.head_dim, tid);
-            for (uint i = tid; i < BQ; i += BK) {
-                const uint row = q0 + i;
-                const bool seen = row < p.seqlen_q && visible_keys(p, row) > 0;
-                const ulong row_start = q_head + ulong(seen ? row : 0) * p.head_dim;
-                tiles->lse[i] = seen ? lse[lse_head + row] : 0.0f;
-                tiles->delta[i] = row_delta(dout + row_start, out + row_start, seen ? p.head_dim : 0);
+            load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
+            load_rows<BQ, DP>(tg->dout, dout + q_head, q0, p.seqlen_q, p.head_dim, tid);
+            if (tid < BQ) {
+                const uint r = q0 + tid;
+                const bool has_keys = r < p.seqlen_q && visible_keys(p, r) > 0;
+                const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? r : 0);
+                tg->lse2[tid] = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
+                tg->delta[tid] = has_keys ? delta[at_row] : 0.0f;
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
 
-            const uint rows = min(BQ, p.seqlen_q - q0);
-            const uint first = key_first_row > q0 ? min(key_first_row - q0, rows) : 0u;
-            for (uint i = first; i < rows; ++i) {
-                float s = 0.0f;
-                float dp = 0.0f;
-                for (uint d = 0; d < DP; ++d) {
-                    s = fma(float(tiles->q[i][d]), k_row[d], s);
-                    dp = fma(float(tiles->dout[i][d]), v_row[d], dp);
+            // S^T = K Q^T and dP^T = V dO^T.
+            Fragments<NQ> st;
+            Fragments<NQ> dpt;
+            clear(st);
+            clear(dpt);
+            for (uint d = 0; d < ND; ++d) {
+                if (d < s.active) {
+                    simdgroup_float8x8 kf;
+                    simdgroup_float8x8 vf;
+                    load_fragment(kf, tg->k, s.row0, s.col0 + d * 8, at);
+                    load_fragment(vf, tg->v, s.row0, s.col0 + d * 8, at);
+                    for (uint j = 0; j < NQ; ++j) {
+                        simdgroup_float8x8 t;
+                        load_fragment_transposed(t, tg->q, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(st.f[j], kf, t, st.f[j]);
+                        load_fragment_transposed(t, tg->dout, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dpt.f[j], vf, t, dpt.f[j]);
+                    }
                 }
-                const float pij = exp(s * p.softmax_scale - tiles->lse[i]);
-                const float ds = pij * (dp - tiles->delta[i]);
-                for (uint d = 0; d < DP; ++d) {
-                    dv_acc[d] = fma(pij, float(tiles->dout[i][d]), dv_acc[d]);
-                    dk_acc[d] = fma(ds, float(tiles->q[i][d]), dk_acc[d]);
+            }
+            sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
+            sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
+
+            // P^T in place of S^T, dS^T in place of dP^T.
+            const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
+            for (uint j = 0; j < NQ; ++j) {
+                for (uint e = 0; e < 2; ++e) {
+                    const uint i = j * 8 + at.col + e;
+                    const bool hidden = masked && !is_visible(p, q0 + i, key);
+                    const float pe =
+                        hidden ? 0.0f : exp2(st.f[j].thread_elements()[e] * scale2 - tg->lse2[i]);
+                    st.f[j].thread_elements()[e] = pe;
+                    dpt.f[j].thread_elements()[e] = pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]);
+                }
+            }
+
+            // dV += P^T dO and dK += dS^T Q.
+            for (uint d = 0; d < ND; ++d) {
+                if (d < s.active) {
+                    for (uint j = 0; j < NQ; ++j) {
+                        simdgroup_float8x8 t;
+                        load_fragment(t, tg->dout, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dv_acc.f[d], st.f[j], t, dv_acc.f[d]);
+                        load_fragment(t, tg->q, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dk_acc.f[d], dpt.f[j], t, dk_acc.f[d]);
+                    }
                 }
             }
         }
     }
 
-    if (key_valid) {
-        for (uint d = 0; d < p.head_dim; ++d) {
-            dk[key_start + d] = half(dk_acc[d] * p.softmax_scale);
-            dv[key_start + d] = half(dv_acc[d]);
-        }
+    if (key < p.seqlen_k) {
+        const ulong key_start = kv_head_start + ulong(key) * p.head_dim;
+        store_row(dk, dk_acc, p.softmax_scale, key_start, p.head_dim, s, at);
+        store_row(dv, dv_acc, 1.0f, key_start, p.head_dim, s, at);
     }
+}
+
+// ---- instances -------------------------------------------------------------------------------
+
+kernel void flash_attention_backward_delta(
+    device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
+    device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
+    device const half *k [[buffer(FA_BACKWARD_BUFFER_K)]],
+    device const half *v [[buffer(FA_BACKWARD_BUFFER_V)]],
+    device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],
+    device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
+    constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
+    device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+    attention_backward_delta(dout, out, delta, params, tgid, tid);
+}
+
+kernel void flash_attention_forward_combine(
+    device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],
+    device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],
+    device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],
+    device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
+    constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
+    device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],
+    device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+    attention_forward_combine(partial_out, partial_lse, out, lse, params, tgid, tid);
 }
 
 // The kernels of one head-dim bucket. The threadgroup storage type of kernel K is K_threadgroup,
 // so a host (the CPU engine) can size it.
-#define FA_DEFINE_KERNELS(DP, FWD_BQ, FWD_BK, BWD_BQ, BWD_BK)                                      \
-    typedef KeyValueTiles<FWD_BK, DP> flash_attention_forward_d##DP##_threadgroup;                 \
-    typedef KeyValueTiles<FWD_BK, DP> flash_attention_backward_dq_d##DP##_threadgroup;             \
-    typedef QueryTiles<BWD_BQ, DP> flash_attention_backward_dkv_d##DP##_threadgroup;               \
+#define FA_DEFINE_KERNELS(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                        \
+    typedef ForwardStorage<DP, FWD_BQ, FWD_BK> flash_attention_forward_d##DP##_threadgroup;        \
+    typedef ForwardStorage<DP, FWD_BQ, FWD_BK> flash_attention_forward_split_d##DP##_threadgroup;  \
+    typedef BackwardQueryStorage<DP, DQ_BQ, DQ_BK>                                                 \
+        flash_attention_backward_dq_d##DP##_threadgroup;                                           \
+    typedef BackwardKeyValueStorage<DP, DKV_BK, DKV_BQ>                                            \
+        flash_attention_backward_dkv_d##DP##_threadgroup;                                          \
+    static_assert(sizeof(flash_attention_forward_d##DP##_threadgroup) <= 32768 &&                  \
+                      sizeof(flash_attention_backward_dq_d##DP##_threadgroup) <= 32768 &&          \
+                      sizeof(flash_attention_backward_dkv_d##DP##_threadgroup) <= 32768,           \
+                  "threadgroup storage above 32 KiB");                                             \
+    static_assert(DP % (8 * FA_SLICES(FWD_BQ)) == 0 && DP % (8 * FA_SLICES(DQ_BQ)) == 0 &&         \
+                      DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
+                      DKV_BQ % 8 == 0,                                                             \
+                  "blocks must split into 8x8 fragments");                                         \
                                                                                                    \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_d##DP(                                                     \
         device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                      \
         device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],                                      \
@@ -414,11 +979,31 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        threadgroup flash_attention_forward_d##DP##_threadgroup tiles;                             \
-        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, params, &tiles, tgid, tid);       \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_d##DP##_threadgroup tg;                                \
+        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, params, &tg, tgid, sgid, lane);   \
     }                                                                                              \
                                                                                                    \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
+    kernel void flash_attention_forward_split_d##DP(                                               \
+        device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                      \
+        device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],                                      \
+        device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],                                      \
+        device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                        \
+        device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
+        constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
+        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_split_d##DP##_threadgroup tg;                          \
+        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, partial_out, partial_lse, params,     \
+                                                    &tg, tgid, sgid, lane);                        \
+    }                                                                                              \
+                                                                                                   \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_dq_d##DP(                                                 \
         device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                               \
         device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                     \
@@ -427,14 +1012,17 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
         device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                 \
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
+        device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
         device half *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],                                         \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        threadgroup flash_attention_backward_dq_d##DP##_threadgroup tiles;                         \
-        attention_backward_dq<DP, BWD_BQ, FWD_BK>(dout, q, k, v, out, lse, params, dq, &tiles,     \
-                                                  tgid, tid);                                      \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_backward_dq_d##DP##_threadgroup tg;                            \
+        attention_backward_dq<DP, DQ_BQ, DQ_BK>(dout, q, k, v, lse, delta, params, dq, &tg, tgid,  \
+                                                sgid, lane);                                       \
     }                                                                                              \
                                                                                                    \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_dkv_d##DP(                                                \
         device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                               \
         device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                     \
@@ -443,13 +1031,15 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
         device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                 \
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
+        device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
         device half *dk [[buffer(FA_BACKWARD_BUFFER_DK)]],                                         \
         device half *dv [[buffer(FA_BACKWARD_BUFFER_DV)]],                                         \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        threadgroup flash_attention_backward_dkv_d##DP##_threadgroup tiles;                        \
-        attention_backward_dkv<DP, BWD_BQ, BWD_BK>(dout, q, k, v, out, lse, params, dk, dv,        \
-                                                   &tiles, tgid, tid);                             \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_backward_dkv_d##DP##_threadgroup tg;                           \
+        attention_backward_dkv<DP, DKV_BK, DKV_BQ>(dout, q, k, v, lse, delta, params, dk, dv,      \
+                                                   &tg, tgid, sgid, lane);                         \
     }
 
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_KERNELS)

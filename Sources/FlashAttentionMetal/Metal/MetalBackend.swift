@@ -75,18 +75,20 @@ final class MetalBackend: ExecutionBackend {
         }
     }
 
-    /// MTLBuffers for every role the plan binds. Inputs without a copy when pointer and length are
-    /// page multiples (MTLDevice.makeBuffer(bytesNoCopy:length:options:deallocator:) needs that and
-    /// may still refuse memory that is not one VM region), else copied (makeBuffer(bytes:...)).
+    /// MTLBuffers for every role the plan binds. The workspace in GPU-only memory for the whole
+    /// problem (each piece binds its part, as of the caller's buffers). Inputs without a copy when
+    /// pointer and length are page multiples (MTLDevice.makeBuffer(bytesNoCopy:length:options:
+    /// deallocator:) needs that and may still refuse memory that is not one VM region), else copied
+    /// (makeBuffer(bytes:length:options:)).
     /// Outputs always in Metal's own memory (makeBuffer(length:options:)), copied back only after
     /// every command buffer succeeded: the GPU never writes the caller's memory, even when a call
     /// times out and returns while the GPU still runs.
     private func wrap(_ buffers: HostBuffers, for plan: DispatchPlan) throws
         -> (metal: [BufferRole: MTLBuffer], copyBack: [(host: UnsafeMutableRawBufferPointer, buffer: MTLBuffer)]) {
         let device = kernels.device
-        var metal: [BufferRole: MTLBuffer] = [:]
+        var metal = try kernels.makeWorkspace(for: plan)
         var copyBack: [(host: UnsafeMutableRawBufferPointer, buffer: MTLBuffer)] = []
-        for role in plan.boundRoles {
+        for role in plan.boundRoles where !plan.workspace.contains(role) {
             guard let host = buffers[role], let base = host.baseAddress else {
                 throw FlashAttentionError.internalError("no host buffer for \(role.name)")
             }

@@ -27,7 +27,8 @@ import Metal
 ///   heap default): then order the commands that write the inputs before, and those that read the
 ///   outputs after, the encoders of this call yourself (an `MTLFence` within a queue, an `MTLEvent`
 ///   across queues). Between its own kernels the library passes data only through a workspace it
-///   allocates (tracked, private).
+///   allocates per call (tracked, `.storageModePrivate`: D_i of the backward pass, the partial
+///   results of the split-KV forward).
 /// - Lifetimes: a command buffer made with `makeCommandBufferWithUnretainedReferences()` does not
 ///   keep the buffers alive; keep them until it completes. The library keeps its own workspace alive
 ///   until then either way.
@@ -166,8 +167,8 @@ public final class MetalFlashAttention: @unchecked Sendable {
                 do {
                     built = .success(try device.makeComputePipelineState(function: function))
                 } catch {
-                    built = .failure(.executionFailed(
-                        "Metal could not build the pipeline of \(name) on \(device.name): \(error.localizedDescription)"))
+                    built = .failure(.executionFailed("Metal could not build the pipeline of \(name) on "
+                                                          + "\(device.name): \(error.localizedDescription)"))
                 }
             } else {
                 built = .failure(.internalError("the Metal library has no kernel named \(name)"))
@@ -219,9 +220,8 @@ public final class MetalFlashAttention: @unchecked Sendable {
                 "the command buffer belongs to \(commandBuffer.device.name), not to \(device.name), the device "
                     + "the kernels were compiled for")
         }
-        let roles = plan.boundRoles
         var ranges: [(role: BufferRole, start: UInt64, end: UInt64)] = []
-        for role in roles {
+        for role in plan.boundRoles where !plan.workspace.contains(role) {
             guard let buffer = buffers[role] else {
                 throw FlashAttentionError.internalError("no buffer for \(role.name)")
             }
@@ -238,13 +238,40 @@ public final class MetalFlashAttention: @unchecked Sendable {
             ranges.append((role, buffer.gpuAddress, buffer.gpuAddress + UInt64(needed)))
         }
         for output in ranges where plan.outputs.contains(output.role) {
-            for other in ranges where other.role != output.role && other.start < output.end && output.start < other.end {
+            for other in ranges
+            where other.role != output.role && other.start < output.end && output.start < other.end {
                 throw FlashAttentionError.invalidArgument(
                     "\(output.role.name) shares memory with \(other.role.name): an output may not alias another "
                         + "output or an input")
             }
         }
-        try encode(PlanPiece(whole: plan), buffers: buffers, into: commandBuffer)
+        let workspace = try makeWorkspace(for: plan)
+        try encode(PlanPiece(whole: plan), buffers: buffers.merging(workspace) { app, _ in app },
+                   into: commandBuffer)
+        // The command buffer may not retain its resources (unretained references): this closure
+        // keeps the workspace alive until it completes.
+        commandBuffer.addCompletedHandler { _ in withExtendedLifetime(workspace) {} }
+    }
+
+    /// The plan's workspace roles for the whole problem, in GPU-only memory: MTLDevice
+    /// makeBuffer(length:options:) with .storageModePrivate, tracked by Metal's hazard tracking
+    /// (the default), so a kernel that reads it waits for the one that wrote it.
+    func makeWorkspace(for plan: DispatchPlan) throws -> [BufferRole: MTLBuffer] {
+        var workspace: [BufferRole: MTLBuffer] = [:]
+        for role in plan.workspace {
+            let bytes = role.byteCount(for: plan.problem)
+            guard bytes <= device.maxBufferLength else {
+                throw FlashAttentionError.unsupported(
+                    "the \(role.name) workspace (\(bytes) bytes) exceeds the largest buffer of \(device.name) "
+                        + "(maxBufferLength \(device.maxBufferLength))")
+            }
+            guard let buffer = device.makeBuffer(length: max(bytes, 1), options: .storageModePrivate) else {
+                throw FlashAttentionError.outOfMemory(
+                    "Metal could not allocate \(bytes) bytes on \(device.name) for the \(role.name) workspace")
+            }
+            workspace[role] = buffer
+        }
+        return workspace
     }
 
     /// Encodes `piece` into `commandBuffer`: one compute encoder per dispatch, in order, labelled
@@ -267,7 +294,8 @@ public final class MetalFlashAttention: @unchecked Sendable {
             encoder.label = dispatch.kernelName
             encoder.setComputePipelineState(state)
             for binding in dispatch.bindings {
-                encoder.setBuffer(buffers[binding.role], offset: piece.byteOffset(of: binding.role), index: binding.index)
+                encoder.setBuffer(buffers[binding.role], offset: piece.byteOffset(of: binding.role),
+                                  index: binding.index)
             }
             var params = dispatch.params
             encoder.setBytes(&params, length: MemoryLayout<FlashAttentionParams>.size, index: dispatch.paramsIndex)

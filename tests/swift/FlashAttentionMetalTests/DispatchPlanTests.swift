@@ -24,7 +24,8 @@ final class DispatchPlanTests: XCTestCase {
             XCTAssertEqual(forward.dispatches.map(\.kernelName), ["flash_attention_forward_d\(bucket)"])
             let backward = DispatchPlan.backward(p)
             XCTAssertEqual(backward.dispatches.map(\.kernelName),
-                           ["flash_attention_backward_dq_d\(bucket)", "flash_attention_backward_dkv_d\(bucket)"])
+                           ["flash_attention_backward_delta", "flash_attention_backward_dq_d\(bucket)",
+                            "flash_attention_backward_dkv_d\(bucket)"])
             XCTAssertEqual(forward.dispatches[0].params.head_dim, UInt32(headDim))
         }
         XCTAssertThrowsError(try problem(headDim: 257)) { error in
@@ -33,23 +34,26 @@ final class DispatchPlanTests: XCTestCase {
         }
     }
 
-    /// The block sizes of the plan are the rows of FA_HEAD_DIM_BUCKETS, read through the C table.
+    /// The block sizes of the plan are the rows of FA_HEAD_DIM_BUCKETS, read through the C table;
+    /// every kernel runs 4 SIMD-groups of 32 threads.
     func testBlockSizesComeFromTheBucketTable() throws {
-        let table: [(UInt32, UInt32, UInt32, UInt32, UInt32)] = [
-            (32, 64, 64, 32, 64), (64, 64, 64, 32, 64), (96, 64, 32, 32, 64), (128, 64, 32, 32, 64),
-            (192, 32, 32, 32, 32), (256, 32, 16, 16, 32),
+        // (head_dim_max, forward BQ, dQ BQ, dK/dV BK)
+        let table: [(UInt32, UInt32, UInt32, UInt32)] = [
+            (32, 32, 32, 32), (64, 32, 32, 32), (96, 32, 32, 32), (128, 32, 32, 32), (192, 16, 16, 16),
+            (256, 16, 16, 16),
         ]
-        for (dmax, fbq, _, bbq, bbk) in table {
+        let threads = GridSize(width: 128, height: 1, depth: 1)
+        for (dmax, fbq, dqbq, dkvbk) in table {
             let p = try problem(seqlenQ: 100, seqlenK: 33, headDim: Int(dmax))
             let f = DispatchPlan.forward(p).dispatches[0]
-            XCTAssertEqual(f.threadsPerThreadgroup, GridSize(width: fbq, height: 1, depth: 1))
+            XCTAssertEqual(f.threadsPerThreadgroup, threads)
             XCTAssertEqual(f.threadgroupsPerGrid, GridSize(width: (100 + fbq - 1) / fbq, height: 6, depth: 2))
             let b = DispatchPlan.backward(p).dispatches
-            XCTAssertEqual(b[0].threadsPerThreadgroup, GridSize(width: bbq, height: 1, depth: 1))
-            XCTAssertEqual(b[0].threadgroupsPerGrid, GridSize(width: (100 + bbq - 1) / bbq, height: 6, depth: 2))
-            XCTAssertEqual(b[1].threadsPerThreadgroup, GridSize(width: bbk, height: 1, depth: 1))
+            XCTAssertEqual(b.map(\.threadsPerThreadgroup), [threads, threads, threads])
+            XCTAssertEqual(b[0].threadgroupsPerGrid, GridSize(width: 1, height: 6, depth: 2))
+            XCTAssertEqual(b[1].threadgroupsPerGrid, GridSize(width: (100 + dqbq - 1) / dqbq, height: 6, depth: 2))
             // dK/dV runs over key blocks and KV heads, not query heads.
-            XCTAssertEqual(b[1].threadgroupsPerGrid, GridSize(width: (33 + bbk - 1) / bbk, height: 3, depth: 2))
+            XCTAssertEqual(b[2].threadgroupsPerGrid, GridSize(width: (33 + dkvbk - 1) / dkvbk, height: 3, depth: 2))
         }
     }
 
@@ -63,6 +67,7 @@ final class DispatchPlanTests: XCTestCase {
         XCTAssertEqual(d.paramsIndex, Int(FA_FORWARD_BUFFER_PARAMS))
         XCTAssertEqual(d.bufferCount, Int(FA_FORWARD_BUFFER_COUNT))
         XCTAssertEqual(plan.outputs, [.out, .lse])
+        XCTAssertEqual(plan.workspace, [])
         let params = d.params
         XCTAssertEqual([params.batch, params.num_heads, params.num_kv_heads, params.seqlen_q, params.seqlen_k,
                         params.head_dim, params.causal], [2, 6, 3, 100, 33, 64, 1])
@@ -74,14 +79,20 @@ final class DispatchPlanTests: XCTestCase {
         let plan = DispatchPlan.backward(p)
         let inputs = [BufferBinding(index: 0, role: .dout), BufferBinding(index: 1, role: .q),
                       BufferBinding(index: 2, role: .k), BufferBinding(index: 3, role: .v),
-                      BufferBinding(index: 4, role: .out), BufferBinding(index: 5, role: .lse)]
-        XCTAssertEqual(plan.dispatches[0].bindings, inputs + [BufferBinding(index: 7, role: .dq)])
-        XCTAssertEqual(plan.dispatches[1].bindings,
-                       inputs + [BufferBinding(index: 7, role: .dk), BufferBinding(index: 8, role: .dv)])
-        XCTAssertEqual(plan.dispatches.map(\.paramsIndex), [6, 6])
+                      BufferBinding(index: 4, role: .out), BufferBinding(index: 5, role: .lse),
+                      BufferBinding(index: 7, role: .delta)]
+        XCTAssertEqual(plan.dispatches[0].bindings, inputs)
+        XCTAssertEqual(plan.dispatches[1].bindings, inputs + [BufferBinding(index: 8, role: .dq)])
+        XCTAssertEqual(plan.dispatches[2].bindings,
+                       inputs + [BufferBinding(index: 8, role: .dk), BufferBinding(index: 9, role: .dv)])
+        XCTAssertEqual(plan.dispatches.map(\.paramsIndex), [6, 6, 6])
         XCTAssertEqual(plan.dispatches.map(\.bufferCount),
-                       [Int(FA_BACKWARD_DQ_BUFFER_COUNT), Int(FA_BACKWARD_DKV_BUFFER_COUNT)])
+                       [Int(FA_BACKWARD_DELTA_BUFFER_COUNT), Int(FA_BACKWARD_DQ_BUFFER_COUNT),
+                        Int(FA_BACKWARD_DKV_BUFFER_COUNT)])
         XCTAssertEqual(plan.outputs, [.dq, .dk, .dv])
+        // D = rowsum(dout * out) lives in a workspace the backend allocates, one float per query row.
+        XCTAssertEqual(plan.workspace, [.delta])
+        XCTAssertEqual(BufferRole.delta.byteCount(for: p), BufferRole.lse.byteCount(for: p))
         for d in plan.dispatches {
             XCTAssertEqual(d.params.causal, 0)
             XCTAssertEqual(d.params.softmax_scale, 1 / Float(64).squareRoot())
@@ -101,7 +112,7 @@ final class DispatchPlanTests: XCTestCase {
     func testGridNearUInt32Limit() throws {
         let p = try problem(batch: 1, heads: 1, kvHeads: 1, seqlenQ: Int(UInt32.max), seqlenK: 1, headDim: 1)
         let d = DispatchPlan.forward(p).dispatches[0]
-        XCTAssertEqual(d.threadgroupsPerGrid.width, UInt32((Int(UInt32.max) + 63) / 64))
+        XCTAssertEqual(d.threadgroupsPerGrid.width, UInt32((Int(UInt32.max) + 31) / 32))
     }
 
     func testBufferByteCounts() throws {
@@ -109,5 +120,46 @@ final class DispatchPlanTests: XCTestCase {
         XCTAssertEqual(BufferRole.q.byteCount(for: p), 2 * 6 * 5 * 40 * 2)
         XCTAssertEqual(BufferRole.dv.byteCount(for: p), 2 * 3 * 7 * 40 * 2)
         XCTAssertEqual(BufferRole.lse.byteCount(for: p), 2 * 6 * 5 * 4)
+    }
+
+    /// Decode shapes take the split-KV forward: for B=1, H=32, KV heads 8, seqlen_q 1, seqlen_k 32768,
+    /// head_dim 128 at least 320 threadgroups (4 per core of an 80-core GPU), the query heads of a
+    /// GQA group packed into one block, and every K/V element read exactly once per call.
+    func testDecodeTakesTheSplitKVForward() throws {
+        let p = try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 32768, headDim: 128,
+                            causal: true, scale: nil)
+        let split = try XCTUnwrap(p.split)
+        let plan = DispatchPlan.forward(p)
+        XCTAssertEqual(plan.dispatches.map(\.kernelName),
+                       ["flash_attention_forward_split_d128", "flash_attention_forward_combine"])
+        XCTAssertEqual(plan.workspace, [.partialOut, .partialLse])
+        let grid = plan.dispatches[0].threadgroupsPerGrid
+        XCTAssertEqual(grid, GridSize(width: split.chunks, height: 8, depth: 1))
+        XCTAssertGreaterThanOrEqual(grid.width * grid.height * grid.depth, 320)
+        XCTAssertEqual(split.rowBlocks, 1)
+        XCTAssertEqual(split.chunkKeys % p.bucket.forward_block_k, 0)
+        // Keys each threadgroup streams: its chunk (the last one shorter); the chunks tile the cache.
+        let streamed = (0..<split.chunks).map { min(split.chunkKeys, p.seqlenK - $0 * split.chunkKeys) }
+        XCTAssertEqual(streamed.reduce(0, +) * split.rowBlocks, p.seqlenK)
+        XCTAssertEqual(plan.dispatches[1].threadgroupsPerGrid, GridSize(width: 1, height: 32, depth: 1))
+        XCTAssertEqual([plan.dispatches[0].params.kv_chunks, plan.dispatches[0].params.kv_chunk_keys],
+                       [split.chunks, split.chunkKeys])
+        XCTAssertEqual(BufferRole.partialLse.elementCount(for: p), 32 * Int(split.chunks))
+        XCTAssertEqual(BufferRole.partialOut.elementCount(for: p), 32 * Int(split.chunks) * 128)
+    }
+
+    /// The split-KV rule: at most FA_SPLIT_MAX_QUERY_ROWS query rows, chunks of at least
+    /// FA_SPLIT_MIN_CHUNK_KEYS keys, no split when fewer than two chunks would result.
+    func testSplitKVThresholds() throws {
+        XCTAssertNotNil(try problem(seqlenQ: 8, seqlenK: 512).split)
+        XCTAssertNil(try problem(seqlenQ: 9, seqlenK: 100_000).split)
+        XCTAssertNil(try problem(seqlenQ: 1, seqlenK: 511).split)
+        let many = try XCTUnwrap(try problem(batch: 1, heads: 4, kvHeads: 1, seqlenQ: 1, seqlenK: 1024).split)
+        XCTAssertEqual(many.chunks, 4)
+        // Rows of a GQA group beyond one block: 16 heads per KV head x 8 rows = 128 packed rows.
+        let packed = try XCTUnwrap(try problem(batch: 1, heads: 16, kvHeads: 1, seqlenQ: 8, seqlenK: 4096,
+                                               headDim: 64).split)
+        XCTAssertEqual(packed.rowBlocks, 4)
+        XCTAssertEqual(try problem(seqlenQ: 100, seqlenK: 33).params.kv_chunks, 1)
     }
 }

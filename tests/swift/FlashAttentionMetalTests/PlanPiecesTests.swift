@@ -57,6 +57,9 @@ final class PlanPiecesTests: XCTestCase {
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .q) }, [0, 6 * 5 * 8 * 2, 12 * 5 * 8 * 2])
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .dk) }, [0, 3 * 5 * 8 * 2, 6 * 5 * 8 * 2])
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .lse) }, [0, 6 * 5 * 4, 12 * 5 * 4])
+        // The backward's workspace: D_i per query row, laid out like lse.
+        XCTAssertEqual(plan.workspace, [.delta])
+        XCTAssertEqual(pieces.map { $0.byteOffset(of: .delta) }, [0, 6 * 5 * 4, 12 * 5 * 4])
     }
 
     /// Each piece is the plan of its slice (same pass, grids over the slice's heads and batch),
@@ -85,29 +88,94 @@ final class PlanPiecesTests: XCTestCase {
     }
 
     /// The CPU engine running the pieces gives the results of the whole plan, bit for bit, for
-    /// every way of cutting this problem, forward and backward, causal and not.
+    /// every way of cutting a problem (per KV head, per batch entry, whole), forward and backward,
+    /// causal and not; the backward's `delta` workspace is cut like lse.
     func testPiecesGiveBitIdenticalResults() throws {
         let whole = Context(backend: try CPUBackend())
         for causal in [false, true] {
-            let p = try problem(causal: causal)
+            let p = try Problem.validate(AttentionShape(batch: 2, numHeads: 4, numKVHeads: 2, seqlenQ: 19, seqlenK: 23,
+                                                        headDim: 24),
+                                         causal: causal, softmaxScale: nil)
             var rng = Normal16(seed: causal ? 11 : 12)
             let q = rng.next(p.queryElements), k = rng.next(p.keyValueElements), v = rng.next(p.keyValueElements)
             let dout = rng.next(p.queryElements)
             let reference = try forwardAndBackward(whole, p, q: q, k: k, v: v, dout: dout)
-            // Forward / backward pieces: per KV head / per KV head, 2 batch entries / 1 batch entry,
-            // whole / 2 batch entries.
-            let backwardUnit = DispatchPlan.backward(p).flopsPerUnit
-            for budget in [DispatchPlan.forward(p).flopsPerUnit, 2 * backwardUnit, 4 * backwardUnit] {
+            // Forward / backward pieces: per KV head / per KV head, per batch entry / per KV head,
+            // whole / per batch entry.
+            let forwardUnit = DispatchPlan.forward(p).flopsPerUnit
+            for budget in [forwardUnit, 2 * forwardUnit, 2 * DispatchPlan.backward(p).flopsPerUnit] {
                 let split = Context(backend: try CPUBackend(flopsPerPiece: budget))
                 let result = try forwardAndBackward(split, p, q: q, k: k, v: v, dout: dout)
-                for (name, (mine, whole)) in zip(["out", "dq", "dk", "dv", "lse"], zip(result, reference)) {
-                    let first = mine.indices.first { mine[$0] != whole[$0] }
-                    XCTAssertNil(first, "\(name) differs first at element \(first ?? 0): causal \(causal), "
-                                 + "\(budget) flops per piece")
+                assertSame(result, reference, "causal \(causal), \(budget) flops per piece")
+            }
+        }
+    }
+
+    /// The split-KV forward (decode) in pieces keeps the whole problem's chunks of keys (a piece
+    /// alone would choose more, and so another summation order), and its partial workspaces are cut
+    /// per query head: bit for bit the whole plan's out and lse.
+    func testSplitKeyValuePiecesKeepTheChunks() throws {
+        let shape = AttentionShape(batch: 3, numHeads: 4, numKVHeads: 2, seqlenQ: 2, seqlenK: 16_384, headDim: 8)
+        let p = try Problem.validate(shape, causal: true, softmaxScale: nil)
+        let alone = try Problem.validate(AttentionShape(batch: 1, numHeads: 2, numKVHeads: 1, seqlenQ: 2,
+                                                        seqlenK: 16_384, headDim: 8),
+                                         causal: true, softmaxScale: nil)
+        let chunks = try XCTUnwrap(p.split).chunks
+        XCTAssertNotEqual(try XCTUnwrap(alone.split).chunks, chunks, "the test needs a shape whose pieces differ")
+        let plan = DispatchPlan.forward(p)
+        let pieces = plan.pieces(maxFlops: plan.flopsPerUnit)
+        XCTAssertEqual(pieces.count, 6)
+        XCTAssertTrue(pieces.allSatisfy { $0.plan.problem.split == p.split })
+        XCTAssertEqual(pieces[1].byteOffset(of: .partialLse), 2 * Int(chunks) * 2 * 4)
+        XCTAssertEqual(pieces[1].byteOffset(of: .partialOut), 2 * Int(chunks) * 2 * 8 * 4)
+
+
+        // Run on a shorter cache (2 chunks, cheap on the CPU engine): the pieces bind their parts of
+        // the partial workspaces.
+        let short = try Problem.validate(AttentionShape(batch: 3, numHeads: 4, numKVHeads: 2, seqlenQ: 2,
+                                                        seqlenK: 600, headDim: 8),
+                                         causal: true, softmaxScale: nil)
+        XCTAssertEqual(short.split?.chunks, 2)
+        var rng = Normal16(seed: 5)
+        let q = rng.next(short.queryElements), k = rng.next(short.keyValueElements)
+        let v = rng.next(short.keyValueElements)
+        let reference = try forward(Context(backend: try CPUBackend()), short, q: q, k: k, v: v)
+        let perHead = try CPUBackend(flopsPerPiece: DispatchPlan.forward(short).flopsPerUnit)
+        let result = try forward(Context(backend: perHead), short, q: q, k: k, v: v)
+        assertSame(result, reference, "split-KV forward in 6 pieces")
+    }
+
+    private func assertSame(_ result: [[UInt32]], _ reference: [[UInt32]], _ label: String,
+                            file: StaticString = #filePath, line: UInt = #line) {
+        for (n, (mine, whole)) in zip(result, reference).enumerated() {
+            let first = mine.indices.first { mine[$0] != whole[$0] }
+            XCTAssertNil(first, "output \(n) differs first at element \(first ?? 0): \(label)", file: file, line: line)
+        }
+    }
+}
+
+/// Forward on `context`; out and lse as bit patterns.
+private func forward(_ context: Context, _ p: Problem, q: [Float16], k: [Float16], v: [Float16]) throws -> [[UInt32]] {
+    var out = [Float16](repeating: 0, count: p.queryElements)
+    var lse = [Float](repeating: 0, count: p.lseElements)
+    try q.withUnsafeBytes { q in
+        try k.withUnsafeBytes { k in
+            try v.withUnsafeBytes { v in
+                try out.withUnsafeMutableBytes { out in
+                    try lse.withUnsafeMutableBytes { lse in
+                        var f = HostBuffers()
+                        f.bindInput(.q, q.baseAddress!, for: p)
+                        f.bindInput(.k, k.baseAddress!, for: p)
+                        f.bindInput(.v, v.baseAddress!, for: p)
+                        f.bindOutput(.out, out.baseAddress!, for: p)
+                        f.bindOutput(.lse, lse.baseAddress!, for: p)
+                        try context.run(DispatchPlan.forward(p), buffers: f)
+                    }
                 }
             }
         }
     }
+    return [out.map { UInt32($0.bitPattern) }, lse.map(\.bitPattern)]
 }
 
 /// Forward then backward on `context`; every output as bit patterns.

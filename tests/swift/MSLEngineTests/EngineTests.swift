@@ -64,9 +64,11 @@ final class EngineTests: XCTestCase {
     }
 
     /// The attention kernels' table is registered without any call (no static initialisers), and
-    /// every kernel declares non-empty threadgroup storage within Apple's 32 KiB.
+    /// every kernel of a head-dim bucket declares non-empty threadgroup storage within Apple's 32 KiB;
+    /// the D pre-pass declares none.
     func testAttentionKernelsAreRegisteredWithinThreadgroupMemory() {
-        let buffers = ["flash_attention_forward": 6, "flash_attention_backward_dq": 8, "flash_attention_backward_dkv": 9]
+        let buffers = ["flash_attention_forward": 6, "flash_attention_forward_split": 8,
+                       "flash_attention_backward_dq": 9, "flash_attention_backward_dkv": 10]
         for dim in [32, 64, 96, 128, 192, 256] {
             for (kernel, count) in buffers {
                 var info = msl_engine_kernel_info()
@@ -77,6 +79,11 @@ final class EngineTests: XCTestCase {
             }
         }
         var info = msl_engine_kernel_info()
+        for (kernel, count) in [("flash_attention_backward_delta", 8), ("flash_attention_forward_combine", 8)] {
+            XCTAssertEqual(msl_engine_describe_kernel(kernel, &info), 1, kernel)
+            XCTAssertEqual(info.buffer_count, UInt32(count), kernel)
+            XCTAssertEqual(info.threadgroup_memory_length, 0, kernel)
+        }
         XCTAssertEqual(msl_engine_describe_kernel("no_such_kernel", &info), 0)
     }
 

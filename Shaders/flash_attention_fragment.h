@@ -1,0 +1,93 @@
+// The 8x8 fragment layer of the kernels: simdgroup_float8x8 values, the lane mapping Apple GPUs
+// use for them, loads from threadgroup tiles of half, and reductions over a fragment row.
+//
+// Every fragment holds float32 (MLX's steel attention does the same: half elements are converted
+// as they are read from threadgroup memory), so each simdgroup_multiply_accumulate has one element
+// type and accumulates in float32. A lane reads and writes its own two elements through
+// thread_elements(): element loads are per lane, never collective, and need no alignment.
+//
+// Lane mapping (design.md; MLX steel mma.h, metal-flash-attention): with q = lane / 4, a lane holds
+// (row, col) and (row, col + 1) where row = (q & 4) + (lane / 2) % 4 and col = (q & 2) * 2 +
+// (lane % 2) * 2. The four lanes of a row are l, l ^ 1, l ^ 8 and l ^ 9.
+
+// Where a lane's two elements of every 8x8 fragment lie: (row, col) and (row, col + 1).
+struct FragmentCoord {
+    uint row;
+    uint col;
+};
+
+inline FragmentCoord fragment_coord(uint lane) {
+    const uint q = lane / 4;
+    FragmentCoord at;
+    at.row = (q & 4) + (lane / 2) % 4;
+    at.col = (q & 2) * 2 + (lane % 2) * 2;
+    return at;
+}
+
+// N fragments side by side: an 8 x 8N block of one SIMD-group (a struct, so kernels pass it by
+// reference and index it only with loop counters that unroll).
+template <uint N>
+struct Fragments {
+    simdgroup_float8x8 f[N];
+};
+
+template <uint N>
+inline void clear(thread Fragments<N> &x) {
+    for (uint j = 0; j < N; ++j) {
+        x.f[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+    }
+}
+
+// f = tile[row0, row0 + 8) x [col0, col0 + 8), as float. `Tile` is a threadgroup array of rows of
+// half (a template parameter: see metal_stdlib of the CPU engine for why).
+template <typename Tile>
+inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint col0,
+                          FragmentCoord at) {
+    f.thread_elements()[0] = float(tile[row0 + at.row][col0 + at.col]);
+    f.thread_elements()[1] = float(tile[row0 + at.row][col0 + at.col + 1]);
+}
+
+// f = the transpose of tile[row0, row0 + 8) x [col0, col0 + 8), as float.
+template <typename Tile>
+inline void load_fragment_transposed(thread simdgroup_float8x8 &f, Tile tile, uint row0,
+                                     uint col0, FragmentCoord at) {
+    f.thread_elements()[0] = float(tile[row0 + at.col][col0 + at.row]);
+    f.thread_elements()[1] = float(tile[row0 + at.col + 1][col0 + at.row]);
+}
+
+// The maximum and the sum of x over the four lanes that hold one fragment row.
+inline float row_max(float x) {
+    x = max(x, simd_shuffle_xor(x, ushort(1)));
+    return max(x, simd_shuffle_xor(x, ushort(8)));
+}
+
+inline float row_sum(float x) {
+    x += simd_shuffle_xor(x, ushort(1));
+    return x + simd_shuffle_xor(x, ushort(8));
+}
+
+// Head_dim slices. A SIMD-group that owns an 8-row group and one of SLICES slices of head_dim
+// holds products over its slice only; these two steps sum them over the slices of its row group.
+// The sum runs in slice order, so every SIMD-group of a row group ends with the same values.
+// Between the two calls the caller places a threadgroup barrier (all threads reach it).
+template <uint N, typename Partials>
+inline void store_partial(thread Fragments<N> &x, Partials partials, uint sgid, FragmentCoord at) {
+    for (uint j = 0; j < N; ++j) {
+        partials[sgid][at.row][j * 8 + at.col] = x.f[j].thread_elements()[0];
+        partials[sgid][at.row][j * 8 + at.col + 1] = x.f[j].thread_elements()[1];
+    }
+}
+
+template <uint N, uint SLICES, typename Partials>
+inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_sgid,
+                         FragmentCoord at) {
+    for (uint j = 0; j < N; ++j) {
+        for (uint e = 0; e < 2; ++e) {
+            float sum = 0.0f;
+            for (uint w = 0; w < SLICES; ++w) {
+                sum += partials[first_sgid + w][at.row][j * 8 + at.col + e];
+            }
+            x.f[j].thread_elements()[e] = sum;
+        }
+    }
+}
