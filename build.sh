@@ -101,7 +101,7 @@ link_into_python_package() {
     # The library looks for its .metallib next to the file it was loaded from.
     rm -f "$package"/flash_attention-*.metallib
     for metallib in .build/release/flash_attention-*.metallib; do
-        [[ -f $metallib ]] && ln -sf "$ROOT/$metallib" "$package/$(basename "$metallib")"
+        if [[ -f $metallib ]]; then ln -sf "$ROOT/$metallib" "$package/$(basename "$metallib")"; fi
     done
 }
 

@@ -27,7 +27,7 @@ final class AutoBackend: ExecutionBackend {
     }
 
     var note: String {
-        lock.withLock { (notes.isEmpty ? [metal?.note ?? ""] : notes).joined(separator: "; ") }
+        lock.withLock { ([metal?.note ?? ""] + notes).filter { !$0.isEmpty }.joined(separator: "; ") }
     }
 
     func prepare(_ plan: DispatchPlan) throws {

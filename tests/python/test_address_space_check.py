@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHECK = ROOT / "tools" / "check_address_spaces.py"
 
@@ -34,7 +36,12 @@ kernel void fixture_kernel(device float *out [[buffer(0)]], uint tid [[thread_in
 
 
 def run_check(*sources: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CHECK), *map(str, sources)], capture_output=True, text=True)
+    """The check's result; skips the test when no clang here compiles C++ for OpenCL (exit 2), as
+    ./build.sh test does, loudly."""
+    result = subprocess.run([sys.executable, str(CHECK), *map(str, sources)], capture_output=True, text=True)
+    if result.returncode == 2:
+        pytest.skip(result.stderr.strip())
+    return result
 
 
 def plant(text: str) -> str:
