@@ -34,7 +34,7 @@ final class AutoBackend: ExecutionBackend {
         try runner(for: plan).prepare(plan)
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
         try runner(for: plan).execute(plan, buffers: buffers)
     }
 

@@ -51,9 +51,10 @@ protocol ExecutionBackend: AnyObject {
     /// Throws `FlashAttentionError`.
     func prepare(_ plan: DispatchPlan) throws
     /// Runs every dispatch of `plan` in order (in pieces, see `DispatchPlan.pieces(maxFlops:)`) and
-    /// returns when all have finished. Throws `FlashAttentionError` with the device's or engine's
-    /// message on failure (outputs then hold unspecified values; the caller poisons them).
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws
+    /// returns when all have finished, with what ran (one `DispatchProfile` per dispatch of the plan,
+    /// in order, and the number of pieces). Throws `FlashAttentionError` with the device's or
+    /// engine's message on failure (outputs then hold unspecified values; the caller poisons them).
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile
 }
 
 extension ExecutionBackend {

@@ -27,7 +27,7 @@ final class CPUBackend: ExecutionBackend {
         deviceName = "CPU engine (MSL on \(msl_engine_worker_count()) worker threads)"
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
         var buffers = buffers
         var workspace: [UnsafeMutableRawPointer] = []
         defer { workspace.forEach { free($0) } }
@@ -40,11 +40,30 @@ final class CPUBackend: ExecutionBackend {
             workspace.append(memory)
             buffers[role] = UnsafeMutableRawBufferPointer(start: memory, count: bytes)
         }
-        for piece in plan.pieces(maxFlops: flopsPerPiece) {
-            for dispatch in piece.plan.dispatches {
+        // The pieces run the plan's dispatches on slices; each dispatch's record sums its pieces.
+        let pieces = plan.pieces(maxFlops: flopsPerPiece)
+        var profile = Profile(seconds: 0, dispatches: plan.dispatches.map(Self.emptyRecord),
+                              commandBuffers: pieces.count)
+        for piece in pieces {
+            for (n, dispatch) in piece.plan.dispatches.enumerated() {
                 try run(dispatch, of: piece, buffers: buffers)
+                var stats = msl_engine_dispatch_stats()
+                msl_engine_last_dispatch_stats(&stats)
+                profile.dispatches[n].simdgroupMultiplyAccumulates? += stats.simdgroup_multiply_accumulates
+                profile.dispatches[n].threadgroupBarriers? += stats.threadgroup_barriers
+                profile.dispatches[n].seconds? += stats.seconds
+                profile.seconds += stats.seconds
             }
         }
+        return profile
+    }
+
+    /// The record of `dispatch` before it runs: its threadgroup storage, zero counts and time.
+    private static func emptyRecord(_ dispatch: Dispatch) -> DispatchProfile {
+        var info = msl_engine_kernel_info()
+        let memory = msl_engine_describe_kernel(dispatch.kernelName, &info) != 0 ? info.threadgroup_memory_length : 0
+        return DispatchProfile(dispatch, threadgroupMemoryLength: memory, simdgroupMultiplyAccumulates: 0,
+                               threadgroupBarriers: 0, seconds: 0)
     }
 
     private func run(_ dispatch: Dispatch, of piece: PlanPiece, buffers: HostBuffers) throws {

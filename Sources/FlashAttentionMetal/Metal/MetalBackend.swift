@@ -66,13 +66,31 @@ final class MetalBackend: ExecutionBackend {
         }
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
         try prepare(plan)
         let wrapped = try wrap(buffers, for: plan)
-        try run(plan.pieces(maxFlops: MetalBackend.flopsPerCommandBuffer), buffers: wrapped.metal)
+        let commandBuffers = try run(plan.pieces(maxFlops: MetalBackend.flopsPerCommandBuffer),
+                                     buffers: wrapped.metal)
         for (host, buffer) in wrapped.copyBack {
             host.copyMemory(from: UnsafeRawBufferPointer(start: buffer.contents(), count: host.count))
         }
+        return try profile(plan, commandBuffers: commandBuffers)
+    }
+
+    /// The profile of a completed call. MTLCommandBuffer gpuStartTime and gpuEndTime (host time in
+    /// seconds, set once the GPU has finished the command buffer) give the GPU time, summed over the
+    /// call's command buffers, one per piece; MTLComputePipelineState staticThreadgroupMemoryLength
+    /// gives each kernel's threadgroup memory. Metal has no counters of SIMD-group matrix products
+    /// or barriers, and the kernels share command buffers, so those and per-dispatch times are left
+    /// unmeasured (nil). The dispatches are the plan's, for the whole problem.
+    private func profile(_ plan: DispatchPlan, commandBuffers: [MTLCommandBuffer]) throws -> Profile {
+        let dispatches = try plan.dispatches.map { dispatch in
+            let state = try kernels.checkedPipeline(for: dispatch)
+            return DispatchProfile(dispatch, threadgroupMemoryLength: state.staticThreadgroupMemoryLength,
+                                   simdgroupMultiplyAccumulates: nil, threadgroupBarriers: nil, seconds: nil)
+        }
+        return Profile(seconds: commandBuffers.reduce(0.0) { $0 + ($1.gpuEndTime - $1.gpuStartTime) },
+                       dispatches: dispatches, commandBuffers: commandBuffers.count)
     }
 
     /// MTLBuffers for every role the plan binds. The workspace in GPU-only memory for the whole
@@ -120,11 +138,12 @@ final class MetalBackend: ExecutionBackend {
         return (metal, copyBack)
     }
 
-    /// Commits one command buffer per piece, in order, then waits once for all of them: the one place
-    /// where command buffers are made, committed and their completion collected. Every committed
-    /// command buffer is waited for, even when encoding a later piece fails, because it reads the
-    /// caller's memory; the wait for each completion is bounded by `completionTimeoutSeconds`.
-    private func run(_ pieces: [PlanPiece], buffers: [BufferRole: MTLBuffer]) throws {
+    /// Commits one command buffer per piece, in order, then waits once for all of them, and returns
+    /// them: the one place where command buffers are made, committed and their completion collected
+    /// (the profile reads their GPU times). Every committed command buffer is waited for, even when
+    /// encoding a later piece fails, because it reads the caller's memory; the wait for each
+    /// completion is bounded by `completionTimeoutSeconds`.
+    private func run(_ pieces: [PlanPiece], buffers: [BufferRole: MTLBuffer]) throws -> [MTLCommandBuffer] {
         let completions = DispatchSemaphore(value: 0)
         var committed: [MTLCommandBuffer] = []
         var encodingError: Error?
@@ -153,6 +172,7 @@ final class MetalBackend: ExecutionBackend {
         for (n, commandBuffer) in committed.enumerated() {
             try check(commandBuffer, piece: pieces[n], number: n + 1, of: pieces.count)
         }
+        return committed
     }
 
     /// MTLCommandQueue.makeCommandBuffer(descriptor:) with MTLCommandBufferDescriptor.errorOptions

@@ -26,21 +26,22 @@ final class AutoBackendTests: XCTestCase {
         XCTAssertEqual(auto.note, "kernels from a stand-in")
         let forward = DispatchPlan.forward(problem)
         let memory = ZeroBuffers(problem)
-        try auto.execute(forward, buffers: memory.buffers)
+        let profile = try auto.execute(forward, buffers: memory.buffers)
         XCTAssertEqual(metal.executed, 0)
+        XCTAssertGreaterThan(profile.dispatches.first?.simdgroupMultiplyAccumulates ?? 0, 0, "the CPU engine ran it")
         XCTAssertEqual(auto.name.description, "metal", "other plans stay on Metal")
         XCTAssertEqual(auto.note, "kernels from a stand-in; the CPU engine runs flash_attention_forward_d32: Metal "
                        + "could not build the pipeline of flash_attention_forward_d32: X")
         XCTAssertTrue(memory.lse.allSatisfy { abs($0 - log(3)) < 1e-6 }, "zero scores over 3 keys: lse = log 3")
         metal.refuse = nil
-        try auto.execute(forward, buffers: memory.buffers)
+        _ = try auto.execute(forward, buffers: memory.buffers)
         XCTAssertEqual(metal.executed, 1)
     }
 
     func testALostDeviceMovesEveryLaterCallToTheCPU() throws {
         let metal = StandInMetal()
         let auto = try AutoBackend { metal }
-        try auto.execute(DispatchPlan.forward(problem), buffers: HostBuffers())
+        _ = try auto.execute(DispatchPlan.forward(problem), buffers: HostBuffers())
         XCTAssertEqual(metal.executed, 1)
         metal.refuse = .backendUnavailable("access to the GPU was revoked")
         XCTAssertThrowsError(try auto.execute(DispatchPlan.backward(problem), buffers: HostBuffers()))
@@ -50,7 +51,7 @@ final class AutoBackendTests: XCTestCase {
         XCTAssertEqual(auto.note, "the CPU engine runs the kernels since Metal became unusable: access to the GPU "
                        + "was revoked")
         let memory = ZeroBuffers(problem)
-        try auto.execute(DispatchPlan.forward(problem), buffers: memory.buffers)
+        _ = try auto.execute(DispatchPlan.forward(problem), buffers: memory.buffers)
         XCTAssertEqual(metal.executed, 1, "Metal is not asked again")
         XCTAssertTrue(memory.lse.allSatisfy { abs($0 - log(3)) < 1e-6 }, "the CPU engine ran it")
     }
@@ -93,7 +94,8 @@ private final class StandInMetal: ExecutionBackend {
         if let refuse { throw refuse }
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
         executed += 1
+        return Profile(seconds: 0, dispatches: [])
     }
 }

@@ -145,6 +145,29 @@ final class PlanPiecesTests: XCTestCase {
         assertSame(result, reference, "split-KV forward in 6 pieces")
     }
 
+    /// The profile of a pass run in pieces counts them (Metal: one command buffer each) and keeps
+    /// one record per dispatch of the plan, for the whole problem: its grid, and counts summed over
+    /// the pieces that equal the whole run's.
+    func testProfileShowsThePieces() throws {
+        let p = try problem()
+        var rng = Normal16(seed: 3)
+        let q = rng.next(p.queryElements), k = rng.next(p.keyValueElements), v = rng.next(p.keyValueElements)
+        let dout = rng.next(p.queryElements)
+        let whole = Context(backend: try CPUBackend())
+        _ = try forwardAndBackward(whole, p, q: q, k: k, v: v, dout: dout)
+        let split = Context(backend: try CPUBackend(flopsPerPiece: DispatchPlan.backward(p).flopsPerUnit))
+        _ = try forwardAndBackward(split, p, q: q, k: k, v: v, dout: dout)
+        let (one, six) = (try XCTUnwrap(whole.lastProfile), try XCTUnwrap(split.lastProfile))
+        XCTAssertEqual(one.commandBuffers, 1)
+        XCTAssertEqual(six.commandBuffers, 6, "batch 3 x 2 KV heads, one each")
+        let plan = DispatchPlan.backward(p)
+        XCTAssertEqual(six.dispatches.map(\.kernelName), plan.dispatches.map(\.kernelName))
+        XCTAssertEqual(six.dispatches.map(\.threadgroupsPerGrid), plan.dispatches.map { .init($0.threadgroupsPerGrid) })
+        XCTAssertEqual(six.dispatches.map(\.simdgroupMultiplyAccumulates), one.dispatches.map(\.simdgroupMultiplyAccumulates))
+        XCTAssertEqual(six.dispatches.map(\.threadgroupBarriers), one.dispatches.map(\.threadgroupBarriers))
+        XCTAssertTrue(six.dispatches.allSatisfy { ($0.simdgroupMultiplyAccumulates ?? 0) > 0 || $0.kernelName.hasSuffix("delta") })
+    }
+
     private func assertSame(_ result: [[UInt32]], _ reference: [[UInt32]], _ label: String,
                             file: StaticString = #filePath, line: UInt = #line) {
         for (n, (mine, whole)) in zip(result, reference).enumerated() {
