@@ -97,10 +97,10 @@ final class MetalBackend: ExecutionBackend {
     /// problem (each piece binds its part, as of the caller's buffers). Inputs without a copy when
     /// pointer and length are page multiples (MTLDevice.makeBuffer(bytesNoCopy:length:options:
     /// deallocator:) needs that and may still refuse memory that is not one VM region), else copied
-    /// (makeBuffer(bytes:length:options:)).
-    /// Outputs always in Metal's own memory (makeBuffer(length:options:)), copied back only after
-    /// every command buffer succeeded: the GPU never writes the caller's memory, even when a call
-    /// times out and returns while the GPU still runs.
+    /// (makeBuffer(bytes:length:options:)). Outputs always in Metal's own memory
+    /// (makeBuffer(length:options:)), copied back only after every command buffer succeeded: the
+    /// GPU never writes the caller's memory, even when a call times out and returns while the GPU
+    /// still runs.
     private func wrap(_ buffers: HostBuffers, for plan: DispatchPlan) throws
         -> (metal: [BufferRole: MTLBuffer], copyBack: [(host: UnsafeMutableRawBufferPointer, buffer: MTLBuffer)]) {
         let device = kernels.device

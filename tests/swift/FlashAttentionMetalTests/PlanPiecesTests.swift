@@ -162,10 +162,14 @@ final class PlanPiecesTests: XCTestCase {
         XCTAssertEqual(six.commandBuffers, 6, "batch 3 x 2 KV heads, one each")
         let plan = DispatchPlan.backward(p)
         XCTAssertEqual(six.dispatches.map(\.kernelName), plan.dispatches.map(\.kernelName))
-        XCTAssertEqual(six.dispatches.map(\.threadgroupsPerGrid), plan.dispatches.map { .init($0.threadgroupsPerGrid) })
-        XCTAssertEqual(six.dispatches.map(\.simdgroupMultiplyAccumulates), one.dispatches.map(\.simdgroupMultiplyAccumulates))
+        XCTAssertEqual(six.dispatches.map(\.threadgroupsPerGrid),
+                       plan.dispatches.map { .init($0.threadgroupsPerGrid) })
+        XCTAssertEqual(six.dispatches.map(\.simdgroupMultiplyAccumulates),
+                       one.dispatches.map(\.simdgroupMultiplyAccumulates))
         XCTAssertEqual(six.dispatches.map(\.threadgroupBarriers), one.dispatches.map(\.threadgroupBarriers))
-        XCTAssertTrue(six.dispatches.allSatisfy { ($0.simdgroupMultiplyAccumulates ?? 0) > 0 || $0.kernelName.hasSuffix("delta") })
+        XCTAssertTrue(six.dispatches.allSatisfy {
+            ($0.simdgroupMultiplyAccumulates ?? 0) > 0 || $0.kernelName.hasSuffix("delta")
+        })
     }
 
     private func assertSame(_ result: [[UInt32]], _ reference: [[UInt32]], _ label: String,
