@@ -34,8 +34,8 @@ final class AutoBackend: ExecutionBackend {
         try runner(for: plan).prepare(plan)
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
-        try runner(for: plan).execute(plan, buffers: buffers)
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
+        try runner(for: plan).execute(plan, buffers: buffers, cancellation: cancellation)
     }
 
     /// Metal when it can run `plan`, else the CPU engine (recording why).

@@ -53,8 +53,9 @@ protocol ExecutionBackend: AnyObject {
     /// Runs every dispatch of `plan` in order (in pieces, see `DispatchPlan.pieces(maxFlops:)`) and
     /// returns when all have finished, with what ran (one `DispatchProfile` per dispatch of the plan,
     /// in order, and the number of pieces). Throws `FlashAttentionError` with the device's or
-    /// engine's message on failure (outputs then hold unspecified values; the caller poisons them).
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile
+    /// engine's message on failure, `.cancelled` when `cancellation` stopped it (outputs then hold
+    /// unspecified values; the caller poisons them).
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile
 }
 
 extension ExecutionBackend {

@@ -27,7 +27,7 @@ final class CPUBackend: ExecutionBackend {
         deviceName = "CPU engine (MSL on \(msl_engine_worker_count()) worker threads)"
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
         var buffers = buffers
         var workspace: [UnsafeMutableRawPointer] = []
         defer { workspace.forEach { free($0) } }
@@ -46,7 +46,7 @@ final class CPUBackend: ExecutionBackend {
                               commandBuffers: pieces.count)
         for piece in pieces {
             for (n, dispatch) in piece.plan.dispatches.enumerated() {
-                try run(dispatch, of: piece, buffers: buffers)
+                try run(dispatch, of: piece, buffers: buffers, cancellation: cancellation)
                 var stats = msl_engine_dispatch_stats()
                 msl_engine_last_dispatch_stats(&stats)
                 profile.dispatches[n].simdgroupMultiplyAccumulates? += stats.simdgroup_multiply_accumulates
@@ -66,7 +66,9 @@ final class CPUBackend: ExecutionBackend {
                                threadgroupBarriers: 0, seconds: 0)
     }
 
-    private func run(_ dispatch: Dispatch, of piece: PlanPiece, buffers: HostBuffers) throws {
+    /// The engine checks `cancellation` before every threadgroup, the first one included.
+    private func run(_ dispatch: Dispatch, of piece: PlanPiece, buffers: HostBuffers,
+                     cancellation: CancellationToken) throws {
         var params = dispatch.params
         try withUnsafeMutableBytes(of: &params) { paramBytes in
             var slots = [msl_engine_buffer](repeating: msl_engine_buffer(contents: nil, length: 0),
@@ -83,7 +85,7 @@ final class CPUBackend: ExecutionBackend {
             slots[dispatch.paramsIndex] = msl_engine_buffer(contents: paramBytes.baseAddress,
                                                             length: paramBytes.count)
             var message = [CChar](repeating: 0, count: 1024)
-            let status = msl_engine_dispatch(
+            let status = msl_engine_dispatch_cancellable(
                 dispatch.kernelName, slots, UInt32(slots.count),
                 msl_engine_size(width: dispatch.threadgroupsPerGrid.width,
                                 height: dispatch.threadgroupsPerGrid.height,
@@ -91,12 +93,13 @@ final class CPUBackend: ExecutionBackend {
                 msl_engine_size(width: dispatch.threadsPerThreadgroup.width,
                                 height: dispatch.threadsPerThreadgroup.height,
                                 depth: dispatch.threadsPerThreadgroup.depth),
-                &message, message.count)
+                cancellation.state, cancellation.startEpoch, &message, message.count)
             guard status != MSL_ENGINE_SUCCESS else { return }
             let text = "CPU engine: " + String(decoding: message.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) },
                                                    as: UTF8.self)
             switch status {
             case MSL_ENGINE_OUT_OF_MEMORY: throw FlashAttentionError.outOfMemory(text)
+            case MSL_ENGINE_CANCELLED: throw FlashAttentionError.cancelled("cancelled by fa_context_cancel: \(text)")
             // A kernel the plan names but the engine lacks is a build defect, not a user error.
             case MSL_ENGINE_UNKNOWN_KERNEL: throw FlashAttentionError.internalError(text)
             default: throw FlashAttentionError.executionFailed(text)

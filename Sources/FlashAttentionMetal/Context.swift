@@ -27,6 +27,8 @@ final class Context {
     /// `strdup` copies of the names and notes handed to C: valid while the context lives, as the
     /// header promises (with `auto` the device name and the note can change after a call).
     private var cStrings: [String: UnsafeMutablePointer<CChar>] = [:]
+    /// What `cancel()` advances and every call's token reads.
+    private let cancellation = Cancellation()
 
     init(_ kind: Backend) throws {
         switch kind {
@@ -65,17 +67,21 @@ final class Context {
     }
 
     /// Runs `plan` and keeps its profile as the calling thread's last one on this context; on
-    /// failure poisons its outputs and rethrows (the last profile stays that of the last success).
+    /// failure (cancellation included) poisons its outputs and rethrows (the last profile stays
+    /// that of the last success).
     func run(_ plan: DispatchPlan, buffers: HostBuffers) throws {
         let profile: Profile
         do {
-            profile = try backend.execute(plan, buffers: buffers)
+            profile = try backend.execute(plan, buffers: buffers, cancellation: cancellation.token())
         } catch {
             buffers.poisonOutputs(of: plan)
             throw error
         }
         ProfileStore.record(profile, for: self)
     }
+
+    /// Cancels the calls in flight (see fa_context_cancel); thread-safe, returns at once.
+    func cancel() { cancellation.cancel() }
 
     /// The profile of the calling thread's last successful call on this context; nil before one.
     var lastProfile: Profile? { ProfileStore.last(for: self) }

@@ -66,11 +66,11 @@ final class MetalBackend: ExecutionBackend {
         }
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
         try prepare(plan)
         let wrapped = try wrap(buffers, for: plan)
         let commandBuffers = try run(plan.pieces(maxFlops: MetalBackend.flopsPerCommandBuffer),
-                                     buffers: wrapped.metal)
+                                     buffers: wrapped.metal, cancellation: cancellation)
         for (host, buffer) in wrapped.copyBack {
             host.copyMemory(from: UnsafeRawBufferPointer(start: buffer.contents(), count: host.count))
         }
@@ -140,10 +140,12 @@ final class MetalBackend: ExecutionBackend {
 
     /// Commits one command buffer per piece, in order, then waits once for all of them, and returns
     /// them: the one place where command buffers are made, committed and their completion collected
-    /// (the profile reads their GPU times). Every committed command buffer is waited for, even when
-    /// encoding a later piece fails, because it reads the caller's memory; the wait for each
-    /// completion is bounded by `completionTimeoutSeconds`.
-    private func run(_ pieces: [PlanPiece], buffers: [BufferRole: MTLBuffer]) throws -> [MTLCommandBuffer] {
+    /// (the profile reads their GPU times). Cancellation is checked before each commit: a committed
+    /// command buffer runs to completion. Every committed command buffer is waited for, even when
+    /// encoding a later piece fails or the call is cancelled, because it reads the caller's memory;
+    /// the wait for each completion is bounded by `completionTimeoutSeconds`.
+    private func run(_ pieces: [PlanPiece], buffers: [BufferRole: MTLBuffer],
+                     cancellation: CancellationToken) throws -> [MTLCommandBuffer] {
         let completions = DispatchSemaphore(value: 0)
         var committed: [MTLCommandBuffer] = []
         var encodingError: Error?
@@ -151,6 +153,11 @@ final class MetalBackend: ExecutionBackend {
             do {
                 let commandBuffer = try makeCommandBuffer(label: "flash_attention \(n + 1)/\(pieces.count)")
                 try kernels.encode(piece, buffers: buffers, into: commandBuffer)
+                guard !cancellation.isCancelled else {
+                    throw FlashAttentionError.cancelled(
+                        "cancelled by fa_context_cancel before command buffer \(n + 1) of \(pieces.count) was "
+                            + "committed")
+                }
                 // MTLCommandBuffer.addCompletedHandler(_:) before commit(); it runs after an error too.
                 commandBuffer.addCompletedHandler { _ in completions.signal() }
                 commandBuffer.commit()

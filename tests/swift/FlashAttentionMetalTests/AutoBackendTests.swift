@@ -8,6 +8,9 @@ import XCTest
 final class AutoBackendTests: XCTestCase {
     private let problem = try! Problem.validate(AttentionShape(batch: 1, numHeads: 2, seqlenQ: 3, headDim: 8),
                                                 causal: false, softmaxScale: nil)
+    /// A token nobody cancels.
+    private let cancellation = Cancellation()
+    private var token: CancellationToken { cancellation.token() }
 
     func testNoMetalMeansTheCPUEngineWithTheReason() throws {
         let auto = try AutoBackend { throw FlashAttentionError.backendUnavailable("no Metal device found") }
@@ -26,7 +29,7 @@ final class AutoBackendTests: XCTestCase {
         XCTAssertEqual(auto.note, "kernels from a stand-in")
         let forward = DispatchPlan.forward(problem)
         let memory = ZeroBuffers(problem)
-        let profile = try auto.execute(forward, buffers: memory.buffers)
+        let profile = try auto.execute(forward, buffers: memory.buffers, cancellation: token)
         XCTAssertEqual(metal.executed, 0)
         XCTAssertGreaterThan(profile.dispatches.first?.simdgroupMultiplyAccumulates ?? 0, 0, "the CPU engine ran it")
         XCTAssertEqual(auto.name.description, "metal", "other plans stay on Metal")
@@ -34,24 +37,25 @@ final class AutoBackendTests: XCTestCase {
                        + "could not build the pipeline of flash_attention_forward_d32: X")
         XCTAssertTrue(memory.lse.allSatisfy { abs($0 - log(3)) < 1e-6 }, "zero scores over 3 keys: lse = log 3")
         metal.refuse = nil
-        _ = try auto.execute(forward, buffers: memory.buffers)
+        _ = try auto.execute(forward, buffers: memory.buffers, cancellation: token)
         XCTAssertEqual(metal.executed, 1)
     }
 
     func testALostDeviceMovesEveryLaterCallToTheCPU() throws {
         let metal = StandInMetal()
         let auto = try AutoBackend { metal }
-        _ = try auto.execute(DispatchPlan.forward(problem), buffers: HostBuffers())
+        _ = try auto.execute(DispatchPlan.forward(problem), buffers: HostBuffers(), cancellation: token)
         XCTAssertEqual(metal.executed, 1)
         metal.refuse = .backendUnavailable("access to the GPU was revoked")
-        XCTAssertThrowsError(try auto.execute(DispatchPlan.backward(problem), buffers: HostBuffers()))
+        XCTAssertThrowsError(try auto.execute(DispatchPlan.backward(problem), buffers: HostBuffers(),
+                                              cancellation: token))
         metal.refuse = nil
         XCTAssertEqual(auto.name.description, "cpu")
         XCTAssertTrue(auto.deviceName.hasPrefix("CPU engine"))
         XCTAssertEqual(auto.note, "the CPU engine runs the kernels since Metal became unusable: access to the GPU "
                        + "was revoked")
         let memory = ZeroBuffers(problem)
-        _ = try auto.execute(DispatchPlan.forward(problem), buffers: memory.buffers)
+        _ = try auto.execute(DispatchPlan.forward(problem), buffers: memory.buffers, cancellation: token)
         XCTAssertEqual(metal.executed, 1, "Metal is not asked again")
         XCTAssertTrue(memory.lse.allSatisfy { abs($0 - log(3)) < 1e-6 }, "the CPU engine ran it")
     }
@@ -94,7 +98,7 @@ private final class StandInMetal: ExecutionBackend {
         if let refuse { throw refuse }
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
         executed += 1
         return Profile(seconds: 0, dispatches: [])
     }
