@@ -27,9 +27,9 @@ struct PlanPiece {
         self.init(plan: plan, firstBatch: 0, firstKVHead: 0, full: plan.problem)
     }
 
-    /// Bytes from the start of the full buffer of `role` to the start of this piece's part. A
-    /// multiple of the element size and of head_dim elements, so a kernel's alignment assumptions
-    /// about row starts hold in every piece.
+    /// Bytes from the start of the full buffer of `role` to the start of this piece's part: the
+    /// start of a (batch entry, head) block, so a multiple of the element size and of a row, and
+    /// a kernel's alignment assumptions about row starts hold in every piece.
     func byteOffset(of role: BufferRole) -> Int {
         role.elementOffset(batch: firstBatch, kvHead: firstKVHead, in: full) * role.elementSize
     }
