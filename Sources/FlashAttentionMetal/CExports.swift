@@ -207,3 +207,31 @@ public func _exportContextLastProfileDispatch(_ handle: OpaquePointer?, _ index:
         return report(error)
     }
 }
+
+/// fa_merge_attention: see flash_attention_metal.h.
+@_cdecl("fa_merge_attention")
+public func _exportMergeAttention(_ handle: OpaquePointer?, _ rows: UInt64, _ headDim: UInt32,
+                                 _ outA: UnsafePointer<UInt16>?, _ lseA: UnsafePointer<Float>?,
+                                 _ outB: UnsafePointer<UInt16>?, _ lseB: UnsafePointer<Float>?,
+                                 _ out: UnsafeMutablePointer<UInt16>?, _ lse: UnsafeMutablePointer<Float>?)
+    -> fa_status {
+    withAutoreleasePool {
+        do {
+            let ctx = try context(handle)
+            let p = try Problem.merge(rows: rows, headDim: Int(headDim))
+            var buffers = HostBuffers()
+            try buffers.bindInput(.outA, required(outA, "out_a"), for: p)
+            try buffers.bindInput(.lseA, required(lseA, "lse_a"), for: p)
+            try buffers.bindInput(.outB, required(outB, "out_b"), for: p)
+            try buffers.bindInput(.lseB, required(lseB, "lse_b"), for: p)
+            try buffers.bindOutput(.out, required(out, "out"), for: p)
+            try buffers.bindOutput(.lse, required(lse, "lse"), for: p)
+            let plan = DispatchPlan.merge(p)
+            try buffers.checkOutputsDisjoint(plan)
+            try ctx.run(plan, buffers: buffers)
+            return FA_STATUS_SUCCESS
+        } catch {
+            return report(error)
+        }
+    }
+}

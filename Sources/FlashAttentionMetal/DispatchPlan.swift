@@ -1,15 +1,17 @@
 import CFlashAttentionMetal
 
-/// What a kernel buffer holds. `lse` and the workspaces are float32; every other role is float16.
+/// What a kernel buffer holds. `lse`, `lseA`, `lseB` and the workspaces are float32; every other
+/// role is float16. `outA`, `lseA`, `outB`, `lseB` are the two parts that `fa_merge_attention`
+/// merges into `out` and `lse`.
 enum BufferRole: Int, CaseIterable {
     /// Workspaces: `delta`, D_i = rowsum(dout * out) per query row (backward); `partialOut` and
     /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward).
-    case q, k, v, out, lse, dout, dq, dk, dv, delta, partialOut, partialLse
+    case q, k, v, out, lse, dout, dq, dk, dv, delta, partialOut, partialLse, outA, lseA, outB, lseB
 
     /// Bytes per element.
     var elementSize: Int {
         switch self {
-        case .lse, .delta, .partialOut, .partialLse: return 4
+        case .lse, .lseA, .lseB, .delta, .partialOut, .partialLse: return 4
         default: return 2
         }
     }
@@ -29,6 +31,10 @@ enum BufferRole: Int, CaseIterable {
         case .delta: return "delta"
         case .partialOut: return "partial_out"
         case .partialLse: return "partial_lse"
+        case .outA: return "out_a"
+        case .lseA: return "lse_a"
+        case .outB: return "out_b"
+        case .lseB: return "lse_b"
         }
     }
 
@@ -36,9 +42,9 @@ enum BufferRole: Int, CaseIterable {
     /// k-like roles the KV heads and key length.
     func elementCount(for problem: Problem) -> Int {
         switch self {
-        case .q, .out, .dout, .dq: return problem.queryElements
+        case .q, .out, .dout, .dq, .outA, .outB: return problem.queryElements
         case .k, .v, .dk, .dv: return problem.keyValueElements
-        case .lse, .delta: return problem.lseElements
+        case .lse, .lseA, .lseB, .delta: return problem.lseElements
         // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, so these products stay small.
         case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDim)
         case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
@@ -54,11 +60,11 @@ enum BufferRole: Int, CaseIterable {
     func elementOffset(batch: UInt32, kvHead: UInt32, in problem: Problem) -> Int {
         let b = Int(batch), kv = Int(kvHead), g = Int(problem.groupSize)
         switch self {
-        case .q, .out, .dout, .dq:
+        case .q, .out, .dout, .dq, .outA, .outB:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ) * Int(problem.headDim)
         case .k, .v, .dk, .dv:
             return (b * Int(problem.numKVHeads) + kv) * Int(problem.seqlenK) * Int(problem.headDim)
-        case .lse, .delta:
+        case .lse, .delta, .lseA, .lseB:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ)
         // [batch][num_heads][chunk][seqlen_q] (times head_dim for partial_out).
         case .partialLse:
@@ -99,7 +105,7 @@ struct Dispatch {
 
 /// The passes a plan can run.
 enum Pass {
-    case forward, backward
+    case forward, backward, merge
 
     /// Floating-point operations per (query row, key, head_dim element) of one head, as
     /// FlashAttention's benchmarks count them: forward 2 matrix products (QK^T, PV), backward 2.5x
@@ -108,6 +114,8 @@ enum Pass {
         switch self {
         case .forward: return 4
         case .backward: return 10
+        // Two multiply-adds per output element; its problem has seqlen_k 1.
+        case .merge: return 4
         }
     }
 }
@@ -143,6 +151,7 @@ struct DispatchPlan {
         switch pass {
         case .forward: return forward(problem)
         case .backward: return backward(problem)
+        case .merge: return merge(problem)
         }
     }
 
@@ -218,6 +227,29 @@ struct DispatchPlan {
     /// Threads per threadgroup of every kernel.
     private static var threadgroupSize: GridSize {
         GridSize(width: fa_threads_per_threadgroup(), height: 1, depth: 1)
+    }
+
+    /// Merge (`fa_merge_attention`): `flash_attention_merge` over (ceil(seqlen_q /
+    /// FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch) threadgroups, FA_MERGE_THREADS_PER_ROW
+    /// threads per row; `problem` gives the row layout (``Problem/merge(rows:headDim:)``).
+    static func merge(_ problem: Problem) -> DispatchPlan {
+        let rows = UInt32(FA_MERGE_ROWS_PER_THREADGROUP)
+        assert(rows * UInt32(FA_MERGE_THREADS_PER_ROW) == threadgroupSize.width)
+        let dispatch = Dispatch(
+            kernelName: "flash_attention_merge",
+            bindings: [BufferBinding(index: Int(FA_MERGE_BUFFER_OUT_A), role: .outA),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE_A), role: .lseA),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_OUT_B), role: .outB),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE_B), role: .lseB),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_OUT), role: .out),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE), role: .lse)],
+            paramsIndex: Int(FA_MERGE_BUFFER_PARAMS),
+            params: problem.params,
+            threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenQ, rows), height: problem.numHeads,
+                                          depth: problem.batch),
+            threadsPerThreadgroup: threadgroupSize)
+        return DispatchPlan(pass: .merge, dispatches: [dispatch], outputs: [.out, .lse], workspace: [],
+                            problem: problem)
     }
 
     /// ceil(length / block), computed without the overflow of `length + block - 1` near 2^32.

@@ -95,6 +95,44 @@ public final class FlashAttention: @unchecked Sendable {
     }
 }
 
+extension FlashAttention {
+    /// Merges two attention results over disjoint key sets of the same queries into the result
+    /// over their union, into caller-owned memory: the log-sum-exp combine of split-KV decoding and
+    /// ring attention. Per row, with `m = max(lseA, lseB)`, `wA = exp(lseA - m)`,
+    /// `wB = exp(lseB - m)`: `out = (wA outA + wB outB) / (wA + wB)` and `lse = m + log(wA + wB)`.
+    /// A part with lse `-inf` (it saw no key) contributes nothing and its out is not used; a row
+    /// empty in both parts gets `out = 0`, `lse = -inf`.
+    ///
+    /// - Parameters:
+    ///   - outA, outB: float16 bit patterns, `rows * headDim` elements (`[rows][headDim]`), e.g. the
+    ///     `out` of ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)`` over each key set.
+    ///   - lseA, lseB: float32, `rows` elements, the matching `lse`; `rows = lseA.count`.
+    ///   - out, lse: the merge, sized like `outA` and `lseA`; must not overlap any input.
+    ///   - headDim: `1...256`.
+    /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for mismatched counts, `rows` outside
+    ///   `1...UInt32.max` or overlapping buffers, ``FlashAttentionError/unsupported(_:)`` for
+    ///   `headDim > 256`, ``FlashAttentionError/executionFailed(_:)`` when the device fails
+    ///   (outputs are then NaN).
+    public func mergeAttention(outA: UnsafeBufferPointer<UInt16>, lseA: UnsafeBufferPointer<Float>,
+                               outB: UnsafeBufferPointer<UInt16>, lseB: UnsafeBufferPointer<Float>,
+                               out: UnsafeMutableBufferPointer<UInt16>, lse: UnsafeMutableBufferPointer<Float>,
+                               headDim: Int) throws {
+        try withAutoreleasePool {
+            let p = try Problem.merge(rows: UInt64(lseA.count), headDim: headDim)
+            var buffers = HostBuffers()
+            try buffers.bindInput(.outA, checked(UnsafeRawBufferPointer(outA), .outA, p), for: p)
+            try buffers.bindInput(.lseA, checked(UnsafeRawBufferPointer(lseA), .lseA, p), for: p)
+            try buffers.bindInput(.outB, checked(UnsafeRawBufferPointer(outB), .outB, p), for: p)
+            try buffers.bindInput(.lseB, checked(UnsafeRawBufferPointer(lseB), .lseB, p), for: p)
+            try buffers.bindOutput(.out, checked(UnsafeMutableRawBufferPointer(out), .out, p), for: p)
+            try buffers.bindOutput(.lse, checked(UnsafeMutableRawBufferPointer(lse), .lse, p), for: p)
+            let plan = DispatchPlan.merge(p)
+            try buffers.checkOutputsDisjoint(plan)
+            try context.run(plan, buffers: buffers)
+        }
+    }
+}
+
 /// Throws unless a buffer of `count` elements is exactly what `role` needs for `problem`.
 private func expect(_ count: Int, _ role: BufferRole, _ problem: Problem) throws {
     let needed = role.elementCount(for: problem)
@@ -181,6 +219,34 @@ extension FlashAttention {
             }
         }
         return (dq, dk, dv)
+    }
+}
+
+extension FlashAttention {
+    /// Merges two attention results over disjoint key sets into the result over their union;
+    /// returns `out` (float16, like `outA`) and `lse` (float32, like `lseA`). See
+    /// ``mergeAttention(outA:lseA:outB:lseB:out:lse:headDim:)``.
+    public func mergeAttention(outA: [Float16], lseA: [Float], outB: [Float16], lseB: [Float],
+                               headDim: Int) throws -> (out: [Float16], lse: [Float]) {
+        let p = try Problem.merge(rows: UInt64(lseA.count), headDim: headDim)
+        try expect(outA.count, .outA, p)
+        var out = [Float16](repeating: 0, count: p.queryElements)
+        var lse = [Float](repeating: 0, count: p.lseElements)
+        try outA.asBits { outA in
+            try lseA.withUnsafeBufferPointer { lseA in
+                try outB.asBits { outB in
+                    try lseB.withUnsafeBufferPointer { lseB in
+                        try out.asMutableBits { out in
+                            try lse.withUnsafeMutableBufferPointer { lse in
+                                try mergeAttention(outA: outA, lseA: lseA, outB: outB, lseB: lseB, out: out,
+                                                   lse: lse, headDim: headDim)
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        return (out, lse)
     }
 }
 

@@ -91,6 +91,20 @@ struct Problem {
                            causal: causal, softmaxScale: scale)
     }
 
+    /// Validates the sizes of a merge (`fa_merge_attention`): `rows` rows of `headDim` elements,
+    /// laid out as the `out` and `lse` of a forward problem with one sequence of `rows` queries in
+    /// one head (the merge kernel reads only batch, num_heads, seqlen_q and head_dim).
+    static func merge(rows: UInt64, headDim: Int) throws -> Problem {
+        guard rows >= 1 else {
+            throw FlashAttentionError.invalidArgument("rows (0) must be at least 1")
+        }
+        guard rows <= UInt64(UInt32.max) else {
+            throw FlashAttentionError.invalidArgument("rows (\(rows)) must be at most \(UInt32.max)")
+        }
+        return try Problem(batch: 1, numHeads: 1, numKVHeads: 1, seqlenQ: Int(rows), seqlenK: 1, headDim: headDim,
+                           causal: false, softmaxScale: 1)
+    }
+
     /// Memberwise: the checked initializer below and `slice` end here.
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, causal: Bool, softmaxScale: Float, bucket: FlashAttentionBucket,

@@ -29,6 +29,8 @@ using BackwardDqKernel = void (*)(const half *, const half *, const half *, cons
 using BackwardDkvKernel = void (*)(const half *, const half *, const half *, const half *,
                                    const half *, const float *, const FlashAttentionParams &,
                                    const float *, half *, half *, uint3, uint, uint);
+using MergeKernel = void (*)(const half *, const float *, const half *, const float *, half *, float *,
+                             const FlashAttentionParams &, uint3, uint);
 
 template <ForwardKernel Kernel>
 void run_forward(const kernel_args &a, const builtins &t) {
@@ -89,6 +91,15 @@ void run_backward_dkv(const kernel_args &a, const builtins &t) {
            t.thread_index_in_simdgroup);
 }
 
+template <MergeKernel Kernel>
+void run_merge(const kernel_args &a, const builtins &t) {
+    Kernel(a.buffer<const half>(FA_MERGE_BUFFER_OUT_A), a.buffer<const float>(FA_MERGE_BUFFER_LSE_A),
+           a.buffer<const half>(FA_MERGE_BUFFER_OUT_B), a.buffer<const float>(FA_MERGE_BUFFER_LSE_B),
+           a.buffer<half>(FA_MERGE_BUFFER_OUT), a.buffer<float>(FA_MERGE_BUFFER_LSE),
+           a.constant_ref<const FlashAttentionParams>(FA_MERGE_BUFFER_PARAMS),
+           t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
+}
+
 constexpr const char *kSource = "Shaders/flash_attention.metal";
 
 #define FA_KERNEL_ENTRY(NAME, RUN, BUFFERS)                                                        \
@@ -103,10 +114,11 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
     FA_KERNEL_ENTRY(flash_attention_backward_dkv_d##DP, run_backward_dkv,                          \
                     FA_BACKWARD_DKV_BUFFER_COUNT)
 
-// The combine and delta kernels declare no threadgroup storage.
+// The combine, delta and merge kernels declare no threadgroup storage.
 const msl_engine::kernel_entry kTable[] = {
     {"flash_attention_forward_combine", run_forward_combine, FA_FORWARD_SPLIT_BUFFER_COUNT, 0, kSource, 0},
     {"flash_attention_backward_delta", run_backward_delta, FA_BACKWARD_DELTA_BUFFER_COUNT, 0, kSource, 0},
+    {"flash_attention_merge", run_merge<flash_attention_merge>, FA_MERGE_BUFFER_COUNT, 0, kSource, 0},
     FA_HEAD_DIM_BUCKETS(FA_BUCKET_ENTRIES)};
 
 } // namespace

@@ -46,9 +46,18 @@ def attention(q, k, v, *, causal=False, softmax_scale=None):
 
 def last_profile():
     """``Context.last_profile`` of the default context: the profile of the calling thread's last
-    successful module-level ``forward``/``backward``/``attention`` call, or None before one."""
+    successful module-level ``forward``/``backward``/``attention``/``merge_attention`` call, or
+    None before one."""
     context = _default.existing_default_context()
     return None if context is None else context.last_profile
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """``Context.merge_attention`` on the default context: merges two attention results over
+    disjoint key sets into the result over their union; returns (out float16, lse float32)
+    (arguments checked before the library is loaded, as for ``forward``)."""
+    _validation.check_merge(out_a, lse_a, out_b, lse_b)
+    return default_context().merge_attention(out_a, lse_a, out_b, lse_b)
 
 
 __all__ = [
@@ -66,5 +75,6 @@ __all__ = [
     "default_context",
     "forward",
     "last_profile",
+    "merge_attention",
     "reference",
 ]

@@ -28,9 +28,9 @@ class Shape:
     head_dim: int
 
 
-def check_array(name: str, array, dtype=np.float16, ndim: int = 4) -> None:
-    """Checks that ``array`` is a NumPy array of ``dtype`` with ``ndim`` dimensions, none empty or
-    beyond uint32."""
+def check_array(name: str, array, dtype=np.float16, ndim: int | None = 4) -> None:
+    """Checks that ``array`` is a NumPy array of ``dtype`` with ``ndim`` dimensions (any number for
+    None), none empty or beyond uint32."""
     if isinstance(array, np.ma.MaskedArray):
         raise TypeError(
             f"{name} is a numpy masked array; masked arrays are not supported (the mask would be "
@@ -50,11 +50,11 @@ def check_array(name: str, array, dtype=np.float16, ndim: int = 4) -> None:
             f"{name} must have dtype {np.dtype(dtype).name}, got {array.dtype.name} "
             f"(convert it explicitly, e.g. {name}.astype(numpy.{np.dtype(dtype).name}))"
         )
-    if array.ndim != ndim:
+    if ndim is not None and array.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got {array.ndim}-D with shape {array.shape}")
     if 0 in array.shape:
         raise ValueError(f"{name} has a zero-sized dimension (shape {array.shape}); every dimension must be >= 1")
-    if max(array.shape) > _UINT32_MAX:
+    if max(array.shape, default=0) > _UINT32_MAX:
         raise ValueError(f"{name} has a dimension above 2**32 - 1 (shape {array.shape})")
 
 
@@ -146,3 +146,25 @@ def check_lse(lse, shape: Shape) -> None:
     expected = (shape.batch, shape.num_heads, shape.seqlen_q)
     if lse.shape != expected:
         raise ValueError(f"lse shape {lse.shape} must be (batch, num_heads, seqlen_q) = {expected}")
+
+
+def check_merge(out_a, lse_a, out_b, lse_b) -> tuple[int, int]:
+    """Checks the two parts of ``merge_attention``: out_a, out_b float16 of one shape
+    (..., head_dim); lse_a, lse_b float32 of shape (...), the same leading shape. Returns
+    (rows, head_dim), rows being the product of the leading dimensions (at most 2**32 - 1)."""
+    check_array("out_a", out_a, ndim=None)
+    if out_a.ndim < 1:
+        raise ValueError("out_a must have at least 1 dimension (..., head_dim), got a 0-D array")
+    check_array("out_b", out_b, ndim=None)
+    if out_b.shape != out_a.shape:
+        raise ValueError(f"out_b shape {out_b.shape} must equal out_a shape {out_a.shape}")
+    leading = out_a.shape[:-1]
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        check_array(name, lse, dtype=np.float32, ndim=None)
+        if lse.shape != leading:
+            raise ValueError(f"{name} shape {lse.shape} must be out_a's shape without head_dim, {leading}")
+    rows = math.prod(leading)
+    if rows > _UINT32_MAX:
+        raise ValueError(f"out_a has {rows} rows (the product of its leading dimensions {leading}); "
+                         f"at most 2**32 - 1 are supported")
+    return rows, out_a.shape[-1]

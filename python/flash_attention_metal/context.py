@@ -98,9 +98,9 @@ class Context:
 
     @property
     def last_profile(self) -> Profile | None:
-        """The profile of the calling thread's last successful ``forward``/``backward`` on this
-        context (each thread sees its own calls), or None before one; a failed call leaves it
-        unchanged. See ``flash_attention_metal.profile.Profile``: ``seconds`` (Metal: GPU time;
+        """The profile of the calling thread's last successful ``forward``, ``backward`` or
+        ``merge_attention`` on this context (each thread sees its own calls), or None before one;
+        a failed call leaves it unchanged. See ``flash_attention_metal.profile.Profile``: ``seconds`` (Metal: GPU time;
         CPU engine: wall time) and one record per dispatched kernel (name, grid, threads,
         threadgroup memory, and on the CPU engine its SIMD-group matrix products and barriers)."""
         # The main thread's calls run on the interruptible-call worker, which holds their profile.
@@ -194,6 +194,48 @@ class Context:
     def attention(self, q, k, v, *, causal=False, softmax_scale=None):
         """``forward`` without lse: returns out, float16 like q."""
         return self.forward(q, k, v, causal=causal, softmax_scale=softmax_scale)[0]
+
+    def merge_attention(self, out_a, lse_a, out_b, lse_b):
+        """Merges two attention results over disjoint key sets of the same queries into the result
+        over their union (the log-sum-exp combine of split-KV decoding and ring attention).
+
+        Per row, with m = max(lse_a, lse_b), w_a = exp(lse_a - m), w_b = exp(lse_b - m):
+        out = (w_a out_a + w_b out_b) / (w_a + w_b) and lse = m + log(w_a + w_b), in float32 with
+        one rounding of out to float16. A part with lse -inf (it saw no key) contributes nothing
+        and its out is not used; a row empty in both parts gets out 0 and lse -inf (no NaN).
+        ``forward`` over keys k[:, :, :s] merged with ``forward`` over k[:, :, s:] is ``forward``
+        over all keys (for causal masks, when each part's mask is the restriction of the full one).
+
+        Args:
+            out_a, out_b: float16, one shape (..., head_dim), e.g. ``forward``'s out.
+            lse_a, lse_b: float32 of shape (...), the leading shape of out_a, e.g. ``forward``'s lse.
+
+        Returns:
+            (out, lse): out float16 like out_a, lse float32 like lse_a. Fresh arrays.
+
+        Raises:
+            TypeError, ValueError: invalid arguments (checked before any native call).
+            FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
+                when ``cancel`` stopped the call).
+            KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
+        """
+        rows, head_dim = _validation.check_merge(out_a, lse_a, out_b, lse_b)
+        if head_dim > self.max_head_dim:
+            raise ValueError(f"head_dim {head_dim} (the last dimension of out_a) is outside the supported "
+                             f"range 1..{self.max_head_dim}")
+        # Shapes first: np.ascontiguousarray turns a 0-D lse (one row) into shape (1,).
+        out = np.empty(out_a.shape, dtype=np.float16)
+        lse = np.empty(lse_a.shape, dtype=np.float32)
+        out_a, lse_a, out_b, lse_b = (np.ascontiguousarray(a) for a in (out_a, lse_a, out_b, lse_b))
+        ffi, lib = self._native.ffi, self._native.lib
+        arguments = (
+            self._handle, rows, head_dim,
+            _half_in(ffi, out_a), ffi.from_buffer("float[]", lse_a),
+            _half_in(ffi, out_b), ffi.from_buffer("float[]", lse_b),
+            _half_out(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True),
+        )
+        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_merge_attention(*arguments)), self.cancel)
+        return out, lse
 
     def _problem(self, shape: _validation.Shape, causal: bool, scale: float):
         problem = self._native.ffi.new("fa_problem *")

@@ -1,9 +1,9 @@
 """The profile of the last call: what ``fa_context_last_profile`` reports, as dataclasses.
 
 Per context and per thread: ``Context.last_profile`` reads the profile of the calling thread's last
-successful forward or backward on that context. Times are measured: on Metal the GPU time of the
-call's command buffers (gpuEndTime - gpuStartTime), on the CPU engine the engine's wall time (not
-an Apple GPU figure). SIMD-group matrix products and barriers are counted by the CPU engine only.
+successful forward, backward or merge on that context. Times are measured: on Metal the GPU time
+of the call's command buffers (gpuEndTime - gpuStartTime), on the CPU engine the engine's wall
+time (not an Apple GPU figure). SIMD-group matrix products and barriers are counted by the CPU engine only.
 """
 
 from __future__ import annotations

@@ -142,3 +142,28 @@ def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None):
     dk = scale * masked_matmul(np.swapaxes(dscores, -1, -2), visible.T, q64)
     dv = masked_matmul(np.swapaxes(probabilities, -1, -2), visible.T, dout64)
     return dq, reduce_kv(dk, num_kv_heads), reduce_kv(dv, num_kv_heads)
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """The merge of two attention results over disjoint key sets, in float64 (what
+    ``flash_attention_metal.merge_attention`` computes).
+
+    Args:
+        out_a, out_b: (..., D); lse_a, lse_b: (...); any real dtype, computed in float64.
+
+    Returns:
+        (out, lse): float64; per row lse = log(exp(lse_a) + exp(lse_b)) and
+        out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b. A part with lse -inf contributes
+        nothing (its out is not read, even if NaN); rows with both -inf get out 0 and lse -inf; a
+        NaN lse propagates.
+    """
+    lse_a, lse_b = np.asarray(lse_a, dtype=np.float64), np.asarray(lse_b, dtype=np.float64)
+    out_a, out_b = np.asarray(out_a, dtype=np.float64), np.asarray(out_b, dtype=np.float64)
+    empty_a, empty_b = np.isneginf(lse_a), np.isneginf(lse_b)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lse = np.where(empty_a, lse_b, np.where(empty_b, lse_a, np.logaddexp(lse_a, lse_b)))
+        weight_a = np.where(empty_a, 0.0, np.exp(np.where(empty_a, 0.0, lse_a) - lse))
+        weight_b = np.where(empty_b, 0.0, np.exp(np.where(empty_b, 0.0, lse_b) - lse))
+        out = (np.where(weight_a[..., None] != 0, weight_a[..., None] * out_a, 0.0)
+               + np.where(weight_b[..., None] != 0, weight_b[..., None] * out_b, 0.0))
+    return out, lse

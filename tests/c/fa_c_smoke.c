@@ -1,8 +1,8 @@
 /* Reuse from a non-Swift app: this program is compiled against flash_attention_metal.h and linked to
  * the built libFlashAttentionMetal. It runs forward and backward on the CPU backend (a small causal
  * GQA problem), checks the outputs are finite and that a query seeing one key copies that key's
- * value row, reads and prints the profile of each pass, and checks one error path (its status and
- * message). Exit status 0 on success. */
+ * value row, reads and prints the profile of each pass, merges a result with an empty part, and
+ * checks one error path (its status and message). Exit status 0 on success. */
 #include "flash_attention_metal.h"
 
 #include <math.h>
@@ -131,6 +131,15 @@ int main(void) {
     check_finite(dv, sizeof dv / 2, "dv");
     printf("backward profile:\n");
     check_profile(ctx, 2, "flash_attention_backward_"); /* dQ and dK/dV kernels, at least */
+
+    /* Merging out with a part that saw no key (lse -inf) gives out and lse back unchanged. */
+    static uint16_t merged[B * H * NQ * D];
+    static float empty_lse[B * H * NQ], merged_lse[B * H * NQ];
+    for (size_t i = 0; i < sizeof empty_lse / 4; i++) empty_lse[i] = -INFINITY;
+    status = fa_merge_attention(ctx, B * H * NQ, D, out, lse, dq, empty_lse, merged, merged_lse);
+    check(status == FA_STATUS_SUCCESS, fa_last_error_message());
+    check(memcmp(merged, out, sizeof out) == 0 && memcmp(merged_lse, lse, sizeof lse) == 0,
+          "merge with an empty part returns the other part");
 
     fa_problem bad = problem;
     bad.num_heads = 3;

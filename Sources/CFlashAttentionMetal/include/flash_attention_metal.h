@@ -105,11 +105,12 @@ const char *fa_context_device_name(const fa_context *context);
  * stays valid while the context lives. Null for a null context. */
 const char *fa_context_backend_note(const fa_context *context);
 
-/* Cancels the calls in flight on context: every fa_forward or fa_backward that started on it before
- * this call stops early (the CPU engine within its current threadgroups, Metal before its next
- * command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN, unless it had already
- * finished its work. Calls that start afterwards run normally. Thread-safe, lock-free; returns at
- * once without waiting for the calls to stop. Errors: INVALID_ARGUMENT (null context). */
+/* Cancels the calls in flight on context: every fa_forward, fa_backward or fa_merge_attention that
+ * started on it before this call stops early (the CPU engine within its current threadgroups, Metal
+ * before its next command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN,
+ * unless it had already finished its work. Calls that start afterwards run normally. Thread-safe,
+ * lock-free; returns at once without waiting for the calls to stop. Errors: INVALID_ARGUMENT (null
+ * context). */
 fa_status fa_context_cancel(fa_context *context);
 
 /* Forward pass: out = softmax(softmax_scale * q k^T, masked) v, and lse.
@@ -126,10 +127,29 @@ fa_status fa_backward(fa_context *context, const fa_problem *problem,
                       const uint16_t *out, const float *lse,
                       uint16_t *dq, uint16_t *dk, uint16_t *dv);
 
+/* Merges two attention results over disjoint key sets of the same queries into the result over
+ * their union: the log-sum-exp combine of split-KV decoding and ring attention (FlashAttention-2's
+ * online-softmax rescaling applied to whole parts). Per row, with m = max(lse_a, lse_b),
+ * w_a = exp(lse_a - m), w_b = exp(lse_b - m):
+ *   out = (w_a out_a + w_b out_b) / (w_a + w_b),   lse = m + log(w_a + w_b),
+ * computed in float32 and rounded once to float16. A part with lse = -inf (it saw no key)
+ * contributes nothing and its out is not used (it may hold anything, NaN included); a row that is
+ * empty in both parts gets out = 0 and lse = -inf; no NaN comes from -inf. A NaN lse propagates.
+ * Layout: out_a, out_b, out float16 [rows][head_dim]; lse_a, lse_b, lse float32 [rows]. The out
+ * and lse of fa_forward are such arrays with rows = batch * num_heads * seqlen_q, so merging
+ * fa_forward over keys k[:, :, :s] with fa_forward over k[:, :, s:] gives fa_forward over all
+ * keys (for causal masks, choose parts whose masks are the restriction of the full mask).
+ * rows in 1 ... 2^32 - 1, head_dim in 1 ... fa_max_head_dim(); out and lse must not overlap any
+ * input. Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
+fa_status fa_merge_attention(fa_context *context, uint64_t rows, uint32_t head_dim,
+                             const uint16_t *out_a, const float *lse_a,
+                             const uint16_t *out_b, const float *lse_b,
+                             uint16_t *out, float *lse);
+
 /* Profiling. A context keeps, for each thread, the profile of that thread's last successful
- * fa_forward or fa_backward on it: the kernels it dispatched, in order, and the time they took.
- * A failed call leaves the previous profile in place. Read it on the thread that made the call:
- * fa_context_last_profile gives the time and the number of dispatches, then
+ * fa_forward, fa_backward or fa_merge_attention on it: the kernels it dispatched, in order, and
+ * the time they took. A failed call leaves the previous profile in place. Read it on the thread
+ * that made the call: fa_context_last_profile gives the time and the number of dispatches, then
  * fa_context_last_profile_dispatch reads dispatch 0 ... dispatch_count - 1 (the two agree as long
  * as the thread makes no call on the context in between). */
 

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "7b304845e46fff02"
+    static let sourceHash = "34b74018951d49ac"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, dQ,
@@ -105,6 +105,22 @@ typedef struct FlashAttentionParams {
 #define FA_FORWARD_BUFFER_PARTIAL_OUT 6
 #define FA_FORWARD_BUFFER_PARTIAL_LSE 7
 #define FA_FORWARD_SPLIT_BUFFER_COUNT 8
+
+// Buffer indices: flash_attention_merge (fa_merge_attention), out and lse of two parts in, their
+// merge out; rows laid out as forward's out and lse.
+#define FA_MERGE_BUFFER_OUT_A 0
+#define FA_MERGE_BUFFER_LSE_A 1
+#define FA_MERGE_BUFFER_OUT_B 2
+#define FA_MERGE_BUFFER_LSE_B 3
+#define FA_MERGE_BUFFER_OUT 4
+#define FA_MERGE_BUFFER_LSE 5
+#define FA_MERGE_BUFFER_PARAMS 6
+#define FA_MERGE_BUFFER_COUNT 7
+// flash_attention_merge threadgroups: FA_MERGE_ROWS_PER_THREADGROUP rows, each row's head_dim
+// elements strided over FA_MERGE_THREADS_PER_ROW threads (a SIMD-group on Apple GPUs, so a row's
+// loads and stores are contiguous): FA_THREADS_PER_THREADGROUP threads, like every kernel.
+#define FA_MERGE_ROWS_PER_THREADGROUP FA_SIMDGROUPS
+#define FA_MERGE_THREADS_PER_ROW 32
 
 // Buffer indices: every backward kernel binds 0 ... FA_BACKWARD_BUFFER_DELTA. A backward pass is
 // three dispatches: backward_delta writes delta (D_i = rowsum(dout * out), float32
@@ -355,6 +371,78 @@ inline void load_rows(Tile tile, device const half *src, uint first, uint seqlen
     }
 }
 // ---- end flash_attention_blocks.h ----
+// ---- begin flash_attention_merge.h (spliced by tools/embed_shaders.py) ----
+// Merging attention results over disjoint key sets: the log-sum-exp combine behind split-KV
+// decoding, ring attention and fa_merge_attention. Included by flash_attention.metal after
+// <metal_stdlib>, flash_attention_params.h and `using namespace metal` (it includes nothing
+// itself, so that tools/embed_shaders.py can splice it).
+//
+// Math (FlashAttention-2, Dao 2023, the rescaling of its online softmax; Flash-Decoding): a part
+// computed over key set K_i has out_i = sum_{j in K_i} exp(s_j - lse_i) v_j and
+// lse_i = log sum_{j in K_i} exp(s_j). Over the union of the key sets:
+//   m = max_i lse_i,  w_i = exp(lse_i - m),  lse = m + log(sum_i w_i),
+//   out = sum_i w_i out_i / sum_i w_i.
+// A part that saw no key (lse_i = -inf) has weight 0 and its out_i is never read; a row whose
+// parts are all empty gets out = 0 and lse = -inf. -inf is compared, never subtracted from -inf,
+// so no NaN arises from empty parts, while a NaN lse still propagates to out and lse.
+
+// The weight of a part relative to the largest lse m of the parts being merged: exp(lse - m), and
+// exactly 0 for an empty part (lse = -inf), whatever m is.
+inline float merge_weight(float part_lse, float max_lse) {
+    return part_lse == -INFINITY ? 0.0f : exp(part_lse - max_lse);
+}
+
+// The merged lse from the largest part lse and the sum of the weights: m + log(sum), or -inf when
+// every part is empty (sum 0).
+inline float merged_lse(float max_lse, float weight_sum) {
+    return weight_sum == 0.0f ? -INFINITY : max_lse + log(weight_sum);
+}
+
+// Adds one part's element to a merge accumulator. A zero weight (an empty part, or one whose
+// share underflows) leaves the accumulator as it is, so an empty part's out may hold anything,
+// NaN included (a split-KV chunk without keys need not write its partial output).
+inline float merge_accumulate(float acc, float weight, float part_out) {
+    return weight != 0.0f ? fma(weight, part_out, acc) : acc;
+}
+
+// 1 / sum of the weights, 0 for a row whose parts are all empty (its accumulator is 0).
+inline float merge_normalizer(float weight_sum) {
+    return weight_sum == 0.0f ? 0.0f : 1.0f / weight_sum;
+}
+
+// flash_attention_merge: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b), rows laid out
+// as fa_forward's out and lse for p (batch, num_heads, seqlen_q, head_dim; the other fields are
+// not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch), threadgroups
+// of FA_MERGE_ROWS_PER_THREADGROUP * FA_MERGE_THREADS_PER_ROW threads; the threads of a row stride
+// over head_dim, so consecutive threads touch consecutive elements. No barriers, no SIMD-group
+// functions: every thread's work is independent.
+inline void attention_merge(device const half *out_a, device const float *lse_a,
+                            device const half *out_b, device const float *lse_b,
+                            device half *out, device float *lse,
+                            constant FlashAttentionParams &p, uint3 tgid, uint tid) {
+    const uint row = tgid.x * FA_MERGE_ROWS_PER_THREADGROUP + tid / FA_MERGE_THREADS_PER_ROW;
+    if (row >= p.seqlen_q) {
+        return;
+    }
+    const ulong r = (ulong(tgid.z) * p.num_heads + tgid.y) * p.seqlen_q + row;
+    const float la = lse_a[r];
+    const float lb = lse_b[r];
+    const float m = max(la, lb);
+    const float wa = merge_weight(la, m);
+    const float wb = merge_weight(lb, m);
+    const float sum = wa + wb;
+    const float scale = merge_normalizer(sum);
+    const ulong start = r * p.head_dim;
+    for (uint d = tid % FA_MERGE_THREADS_PER_ROW; d < p.head_dim; d += FA_MERGE_THREADS_PER_ROW) {
+        float acc = merge_accumulate(0.0f, wa, float(out_a[start + d]));
+        acc = merge_accumulate(acc, wb, float(out_b[start + d]));
+        out[start + d] = half(acc * scale);
+    }
+    if (tid % FA_MERGE_THREADS_PER_ROW == 0) {
+        lse[r] = merged_lse(m, sum);
+    }
+}
+// ---- end flash_attention_merge.h ----
 
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
@@ -651,9 +739,10 @@ inline void attention_forward_split(device const half *q, device const half *k,
     }
 }
 
-// Combines the chunks of one query row (threadgroup (i, h, b)): out = sum_c w_c O_c / sum_c w_c
-// with w_c = exp(lse_c - max_c lse_c), lse = max + log(sum_c w_c), chunks in order. A chunk with
-// lse -inf weighs 0; a row without any key gets out 0, lse -inf.
+// Combines the chunks of one query row (threadgroup (i, h, b)) with the log-sum-exp merge of
+// flash_attention_merge.h: out = sum_c w_c O_c / sum_c w_c with w_c = exp(lse_c - max_c lse_c),
+// lse = max + log(sum_c w_c), chunks in order. A chunk with lse -inf weighs 0 (its partial output
+// is not used); a row without any key gets out 0, lse -inf.
 inline void attention_forward_combine(device const float *partial_out,
                                       device const float *partial_lse, device half *out,
                                       device float *lse, constant FlashAttentionParams &p,
@@ -665,22 +754,20 @@ inline void attention_forward_combine(device const float *partial_out,
     }
     float total = 0.0f;
     for (uint c = 0; c < p.kv_chunks; ++c) {
-        const float part = partial_lse[first + ulong(c) * p.seqlen_q];
-        total += part == -INFINITY ? 0.0f : exp(part - top);
+        total += merge_weight(partial_lse[first + ulong(c) * p.seqlen_q], top);
     }
+    const float scale = merge_normalizer(total);
     const ulong row = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, tgid.x);
     for (uint d = tid; d < p.head_dim; d += FA_THREADS_PER_THREADGROUP) {
         float acc = 0.0f;
         for (uint c = 0; c < p.kv_chunks; ++c) {
             const ulong part = first + ulong(c) * p.seqlen_q;
-            if (partial_lse[part] != -INFINITY) {
-                acc = fma(exp(partial_lse[part] - top), partial_out[part * p.head_dim + d], acc);
-            }
+            acc = merge_accumulate(acc, merge_weight(partial_lse[part], top), partial_out[part * p.head_dim + d]);
         }
-        out[row * p.head_dim + d] = half(total > 0.0f ? acc / total : 0.0f);
+        out[row * p.head_dim + d] = half(acc * scale);
     }
     if (tid == 0) {
-        lse[row] = total > 0.0f ? top + log(total) : -INFINITY;
+        lse[row] = merged_lse(top, total);
     }
 }
 
@@ -1043,5 +1130,19 @@ kernel void flash_attention_forward_combine(
     }
 
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_KERNELS)
+
+// fa_merge_attention: two results over disjoint key sets -> the result over their union
+// (flash_attention_merge.h).
+kernel void flash_attention_merge(device const half *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],
+                                  device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],
+                                  device const half *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],
+                                  device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],
+                                  device half *out [[buffer(FA_MERGE_BUFFER_OUT)]],
+                                  device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],
+                                  constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],
+                                  uint3 tgid [[threadgroup_position_in_grid]],
+                                  uint tid [[thread_index_in_threadgroup]]) {
+    attention_merge(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);
+}
 """#
 }

@@ -212,6 +212,22 @@ public final class MetalFlashAttention: @unchecked Sendable {
         }
     }
 
+    /// Encodes the merge of two attention results over disjoint key sets (see
+    /// ``FlashAttention/mergeAttention(outA:lseA:outB:lseB:out:lse:headDim:)``): `outA`, `outB`,
+    /// `out` float16 `[rows][headDim]`, `lseA`, `lseB`, `lse` float32 `[rows]`.
+    /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:causal:softmaxScale:)``, and
+    ///   ``FlashAttentionError/invalidArgument(_:)`` for `rows` outside `1...UInt32.max`.
+    public func encodeMerge(into commandBuffer: MTLCommandBuffer, outA: MTLBuffer, lseA: MTLBuffer, outB: MTLBuffer,
+                            lseB: MTLBuffer, out: MTLBuffer, lse: MTLBuffer, rows: Int, headDim: Int) throws {
+        try withAutoreleasePool {
+            guard rows >= 1 else { throw FlashAttentionError.invalidArgument("rows (\(rows)) must be at least 1") }
+            let problem = try Problem.merge(rows: UInt64(rows), headDim: headDim)
+            try encode(DispatchPlan.merge(problem),
+                       buffers: [.outA: outA, .lseA: lseA, .outB: outB, .lseB: lseB, .out: out, .lse: lse],
+                       into: commandBuffer)
+        }
+    }
+
     /// The app path: every check, then the whole plan into `commandBuffer`.
     private func encode(_ plan: DispatchPlan, buffers: [BufferRole: MTLBuffer],
                         into commandBuffer: MTLCommandBuffer) throws {

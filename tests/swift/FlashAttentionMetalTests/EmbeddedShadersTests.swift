@@ -52,5 +52,8 @@ final class EmbeddedShadersTests: XCTestCase {
         for name in ["flash_attention_forward_d", "flash_attention_backward_dq_d", "flash_attention_backward_dkv_d"] {
             XCTAssertTrue(source.contains(name), name)
         }
+        // The merge kernel and its header (spliced, not included).
+        XCTAssertTrue(source.contains("kernel void flash_attention_merge("))
+        XCTAssertTrue(source.contains("inline float merge_weight("))
     }
 }
