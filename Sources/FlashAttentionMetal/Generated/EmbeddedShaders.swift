@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "28c1729e799f7f59"
+    static let sourceHash = "576a20341b4b7d70"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, dQ,
@@ -330,7 +330,7 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
 
 // Element offset of row 0 of head `head` of batch `b` in a tensor laid out by `s` (64-bit:
 // tensors may span more than 2^32 elements).
-inline ulong head_offset(FlashAttentionStrides s, uint b, uint head) {
+inline ulong head_offset(constant FlashAttentionStrides &s, uint b, uint head) {
     return ulong(b) * s.batch + ulong(head) * s.head;
 }
 
