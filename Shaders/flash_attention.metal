@@ -106,6 +106,26 @@ inline void store_row(device T *dst, thread Fragments<N> &x, float scale, uint c
     }
 }
 
+// ---- base 2 ----------------------------------------------------------------------------------
+
+// log2(e) and ln(2) as float pairs hi + lo (hi the float nearest, lo the rest): a product with them
+// in two terms is exact to about float precision, where a product with the rounded constant would
+// put the same relative error of up to 2^-24 on every score of a row, a bias that float32 inputs
+// would see in their gradients.
+#define FA_LOG2E_HI 1.44269502162933349609375f
+#define FA_LOG2E_LO 1.925963033500011079e-8f
+#define FA_LN2_HI 0.693147182464599609375f
+#define FA_LN2_LO -1.904654323148236e-9f
+
+// x * log2(e) and x * ln(2), to about float precision.
+inline float to_base2(float x) {
+    return fma(x, FA_LOG2E_HI, x * FA_LOG2E_LO);
+}
+
+inline float from_base2(float x) {
+    return fma(x, FA_LN2_HI, x * FA_LN2_LO);
+}
+
 // ---- forward ---------------------------------------------------------------------------------
 
 template <typename T, uint DP, uint BQ, uint BK>
@@ -164,11 +184,10 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
 
     // Online softmax; P replaces S in place.
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
     float tile_max = -INFINITY;
     for (uint j = 0; j < NK; ++j) {
         for (uint e = 0; e < 2; ++e) {
-            float x = sc.f[j].thread_elements()[e] * scale2;
+            float x = to_base2(sc.f[j].thread_elements()[e] * p.softmax_scale);
             if (masked && !is_visible(p, row, kv0 + j * 8 + at.col + e)) {
                 x = -INFINITY;
             }
@@ -207,7 +226,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
 
 // The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
 inline float row_lse(float m, float l) {
-    return l > 0.0f ? m * M_LN2_F + log(l) : -INFINITY;
+    return l > 0.0f ? from_base2(m) + log(l) : -INFINITY;
 }
 
 template <uint DP, uint BQ, uint BK, typename T, typename Storage>
@@ -392,11 +411,18 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
     if (row < p.seqlen_q) {
         device const T *dout_row = dout + head_offset(p.dout, tgid.z, tgid.y) + ulong(row) * p.dout.seq;
         device const T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(row) * p.out.seq;
-        float acc = 0.0f;
-        for (uint d = 0; d < p.head_dim_v; ++d) {
-            acc = fma(float(dout_row[d]), float(out_row[d]), acc);
+        // Eight interleaved partial sums added pairwise (NumPy's float32 summation): a single
+        // running sum over head_dim loses bits that dP - D, often a near-cancellation, exposes.
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (uint d = 0; d < p.head_dim_v; d += 8) {
+            for (uint j = 0; j < 8; ++j) {
+                if (d + j < p.head_dim_v) {
+                    acc[j] = fma(float(dout_row[d + j]), float(out_row[d + j]), acc[j]);
+                }
+            }
         }
-        delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] = acc;
+        delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] =
+            ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
 }
 
@@ -435,11 +461,10 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     device const T *k_head = k + head_offset(p.k, b, kv_head);
     device const T *v_head = v + head_offset(p.v, b, kv_head);
     const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
     // Rows past the end or without keys have every element masked: their L and D are not read.
     const bool has_keys = row < p.seqlen_q && visible_keys(p, row) > 0;
     const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? row : 0);
-    const float row_lse2 = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
+    const float row_lse2 = has_keys ? to_base2(lse[at_row]) : 0.0f;
     const float row_delta = has_keys ? delta[at_row] : 0.0f;
 
     load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
@@ -499,7 +524,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
             for (uint e = 0; e < 2; ++e) {
                 const bool hidden = masked && !is_visible(p, row, kv0 + j * 8 + at.col + e);
                 const float pe =
-                    hidden ? 0.0f : exp2(sc.f[j].thread_elements()[e] * scale2 - row_lse2);
+                    hidden ? 0.0f : exp2(to_base2(sc.f[j].thread_elements()[e] * p.softmax_scale) - row_lse2);
                 sc.f[j].thread_elements()[e] = pe * (dp.f[j].thread_elements()[e] - row_delta);
             }
         }
@@ -558,7 +583,6 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_k - k0);
     const uint key = k0 + s.row0 + at.row;
     const uint first_row = first_row_seeing(p, k0);
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
 
     load_rows<BK, DP>(tg->k, k + head_offset(p.k, b, kv_head), k0, p.seqlen_k, p.k.seq, p.head_dim,
                       tid);
@@ -583,7 +607,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                 const uint r = q0 + tid;
                 const bool has_keys = r < p.seqlen_q && visible_keys(p, r) > 0;
                 const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? r : 0);
-                tg->lse2[tid] = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
+                tg->lse2[tid] = has_keys ? to_base2(lse[at_row]) : 0.0f;
                 tg->delta[tid] = has_keys ? delta[at_row] : 0.0f;
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -632,7 +656,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                     const uint i = j * 8 + at.col + e;
                     const bool hidden = masked && !is_visible(p, q0 + i, key);
                     const float pe =
-                        hidden ? 0.0f : exp2(st.f[j].thread_elements()[e] * scale2 - tg->lse2[i]);
+                        hidden ? 0.0f : exp2(to_base2(st.f[j].thread_elements()[e] * p.softmax_scale) - tg->lse2[i]);
                     st.f[j].thread_elements()[e] = pe;
                     dpt.f[j].thread_elements()[e] = pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]);
                 }
