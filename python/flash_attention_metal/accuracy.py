@@ -12,12 +12,12 @@ passes when
     |lse_ours - lse_ref| <= 1e-4 * max(1, |lse_ref|) elementwise (and -inf exactly where ref is),
 
 with slack 1e-5 for float16 and bfloat16 (1/100 of float16's epsilon, as FlashAttention's tests) and
-1e-7 for float32 (about one float32 epsilon at the O(1) outputs of N(0, 1) inputs). The 16-bit
-roundings of base dominate its error, so there slack matters only where base happens to be exact;
-in float32 the kernel's own float32 roundings are of the size of base's, and a textbook
-FlashAttention-2 in float32 (online softmax, P recomputed from the float32 lse) lands up to about
-3x base + 1e-8 on random shapes: the slack keeps that honest algorithm inside the rule while any
-rounding to a 16-bit type (errors >= 1e-4) fails. Any NaN or infinity in ``ours`` where ``ref`` is
+1e-6 for float32. The 16-bit roundings of base dominate its error, so there slack matters only
+where base happens to be exact. In float32, FlashAttention-2's backward recomputes every P from the
+float32 lse that the forward returned, which carries up to half an ulp of |lse| (1.2e-7 relative at
+|lse| in [2, 4)) that base, normalising its softmax directly, does not have; every probability of the
+row inherits it, so O(1) gradients carry a few 1e-7 beyond base (measured: up to 4x base at base
+errors near 3e-7). 1e-6 covers that floor while any rounding to a 16-bit type (errors >= 1e-4) fails. Any NaN or infinity in ``ours`` where ``ref`` is
 finite fails. Inputs are in the (B, H, N, D) order, v, out and dout with head_dim_v last.
 """
 
@@ -32,7 +32,7 @@ from . import reference
 OUT_FACTOR = 2.0
 GRAD_FACTOR = 3.0
 #: The rule's additive slack per dtype name.
-ABS_SLACK = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-7}
+ABS_SLACK = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-6}
 LSE_RELATIVE = 1e-4
 
 _F32 = np.float32
