@@ -111,7 +111,7 @@ std::vector<TestCase> full_grid() {
     for (int d : {1, 3, 32, 40, 59, 64, 80, 96, 104, 128, 160, 192, 200, 256}) {
         cases.push_back(make_case(f16, d, 2, 3, 3, 100, 100, false));
         cases.push_back(make_case(f16, d, 2, 3, 3, 100, 100, true));  // where the seed kernels hung
-        cases.push_back(make_case(f16, d, 1, 8, 2, 33, 77, true));    // GQA 8/2, seqlen_q < seqlen_k
+        cases.push_back(make_case(f16, d, 1, 8, 2, 33, 77, true));    // GQA 8/2, Nq < Nk
         cases.push_back(make_case(f16, d, 2, 4, 1, 77, 33, true));    // MQA, 44 empty rows per head
         cases.push_back(make_case(f16, d, 2, 4, 1, 77, 33, false));
         cases.push_back(make_case(f16, d, 2, 2, 2, 1, 129, true));    // decode: sees every key
@@ -200,7 +200,8 @@ std::vector<TestCase> small_grid() {
         // float16
         make_case(f16, 1, 2, 2, 2, 37, 37, false),    make_case(f16, 3, 2, 3, 3, 100, 100, true),
         make_case(f16, 32, 2, 4, 1, 77, 33, true),    make_case(f16, 40, 1, 8, 2, 33, 77, true),
-        make_case(f16, 64, 2, 2, 2, 1, 99, true),     make_case(f16, 72, 1, 6, 3, 31, 31, true, scaled(0.5f)),
+        make_case(f16, 64, 2, 2, 2, 1, 99, true),     make_case(f16, 72, 1, 6, 3, 31, 31, true,
+                                                                scaled(0.5f)),
         make_case(f16, 96, 1, 4, 2, 50, 17, true),    make_case(f16, 128, 2, 3, 3, 100, 100, true),
         make_case(f16, 160, 1, 4, 2, 40, 90, true),   make_case(f16, 200, 2, 2, 2, 1, 100, true),
         make_case(f16, 256, 2, 2, 2, 45, 70, true),   make_case(f16, 256, 1, 6, 2, 5, 90, true),

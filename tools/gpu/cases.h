@@ -11,10 +11,10 @@
 // reference.h are always contiguous):
 //   bhsd    contiguous (batch, heads, seqlen, head_dim), the library's default;
 //   bshd    FlashAttention's (batch, seqlen, heads, head_dim) for every tensor;
-//   qkv     q, k and v slices of one packed (batch, seqlen, heads + 2 kv_heads, head_dim) projection
-//           (q = qkv[:, :, :H], k = qkv[:, :, H:H+Hkv], v = the rest), dq, dk and dv the same
-//           slices of one packed gradient; out and dout bshd (needs seqlen_q = seqlen_k and
-//           head_dim_v = head_dim);
+//   qkv     q, k and v slices of one packed (batch, seqlen, heads + 2 kv_heads, head_dim)
+//           projection (q = qkv[:, :, :H], k = qkv[:, :, H:H+Hkv], v = the rest), dq, dk and
+//           dv the same slices of one packed gradient; out and dout bshd (needs seqlen_q =
+//           seqlen_k and head_dim_v = head_dim);
 //   gapped  every tensor with padding between rows, heads and batches (odd strides).
 enum class Layout { bhsd, bshd, qkv, gapped };
 

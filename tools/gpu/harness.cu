@@ -59,7 +59,8 @@ struct GpuResult {
     }
     // Bitwise (decoding a dtype to float is injective, so equal floats mean equal elements).
     static bool same_bits(const std::vector<float> &a, const std::vector<float> &b) {
-        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+        return a.size() == b.size() &&
+               std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
     }
 };
 

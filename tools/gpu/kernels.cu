@@ -208,7 +208,8 @@ cudaError_t split_keys(const DtypeKernels<T> &kernels, FlashAttentionParams *p, 
     if (b == nullptr || chunks == 0) {
         return cudaErrorInvalidValue;
     }
-    p->kv_chunk_keys = ceil_div(ceil_div(p->seqlen_k, chunks), b->forward_block_k) * b->forward_block_k;
+    const unsigned tile = b->forward_block_k;
+    p->kv_chunk_keys = ceil_div(ceil_div(p->seqlen_k, chunks), tile) * tile;
     p->kv_chunks = ceil_div(p->seqlen_k, p->kv_chunk_keys);
     return cudaSuccess;
 }
@@ -221,7 +222,8 @@ cudaError_t forward_split(const DtypeKernels<T> &kernels, const FlashAttentionPa
     if (b == nullptr) {
         return cudaErrorInvalidValue;
     }
-    const unsigned row_blocks = ceil_div(p.num_heads / p.num_kv_heads * p.seqlen_q, b->forward_block_q);
+    const unsigned rows = p.num_heads / p.num_kv_heads * p.seqlen_q;
+    const unsigned row_blocks = ceil_div(rows, b->forward_block_q);
     const dim3 grid(p.kv_chunks * row_blocks, p.num_kv_heads, p.batch);
     b->forward_split<<<grid, kThreads>>>(typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse,
                                          p, partial_out, partial_lse);
@@ -242,8 +244,8 @@ cudaError_t backward_delta(const DtypeKernels<T> &kernels, const FlashAttentionP
         return cudaErrorInvalidValue;
     }
     const dim3 grid(ceil_div(p.seqlen_q, FA_DELTA_BLOCK_ROWS), p.num_heads, p.batch);
-    kernels.backward_delta<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k), typed<T>(v),
-                                               typed<T>(out), lse, p, delta);
+    kernels.backward_delta<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k),
+                                               typed<T>(v), typed<T>(out), lse, p, delta);
     return cudaGetLastError();
 }
 
@@ -290,7 +292,9 @@ unsigned fa_cuda_bucket(const FlashAttentionParams &p, int dtype) {
 
 cudaError_t fa_cuda_forward(const FlashAttentionParams &p, int dtype, const void *q, const void *k,
                             const void *v, void *out, float *lse) {
-    return with_dtype(dtype, [&](const auto &kernels) { return forward(kernels, p, q, k, v, out, lse); });
+    return with_dtype(dtype, [&](const auto &kernels) {
+        return forward(kernels, p, q, k, v, out, lse);
+    });
 }
 
 bool fa_cuda_split_keys(FlashAttentionParams *p, int dtype, unsigned chunks) {

@@ -40,10 +40,10 @@ cudaError_t fa_cuda_forward(const FlashAttentionParams &params, int dtype, const
 // Split-KV forward (decode), the Metal plan's two dispatches for short queries:
 // flash_attention_forward_split_<dtype>_d<DP> over (kv_chunks x row blocks, Hkv, B), where a row
 // block is FWD_BQ of the (H / Hkv) x Nq query rows of one KV head, writes one normalised partial
-// result per chunk of params.kv_chunk_keys keys into partial_out (B, H, kv_chunks, Nq, head_dim_v)
-// and partial_lse (B, H, kv_chunks, Nq), float32 workspaces; flash_attention_forward_combine_<dtype>
-// over (Nq, H, B) merges them into out and lse. params.kv_chunks and kv_chunk_keys come from
-// fa_cuda_split_keys.
+// result per chunk of params.kv_chunk_keys keys into partial_out (B, H, kv_chunks, Nq,
+// head_dim_v) and partial_lse (B, H, kv_chunks, Nq), float32 workspaces;
+// flash_attention_forward_combine_<dtype> over (Nq, H, B) merges them into out and lse.
+// params.kv_chunks and kv_chunk_keys come from fa_cuda_split_keys.
 cudaError_t fa_cuda_forward_split(const FlashAttentionParams &params, int dtype, const void *q,
                                   const void *k, const void *v, void *out, float *lse,
                                   float *partial_out, float *partial_lse);

@@ -11,7 +11,8 @@ void dims_of(const AttentionShape &s, Role role, int *heads, int *seqlen, int *c
     const bool query_side = role == kQ || role == kOut || role == kDout || role == kDq;
     *heads = query_side ? s.num_heads : s.num_kv_heads;
     *seqlen = query_side ? s.seqlen_q : s.seqlen_k;
-    *cols = (role == kV || role == kOut || role == kDout || role == kDv) ? s.head_dim_v : s.head_dim;
+    const bool value_side = role == kV || role == kOut || role == kDout || role == kDv;
+    *cols = value_side ? s.head_dim_v : s.head_dim;
 }
 
 FlashAttentionStrides strides(uint64_t batch, uint64_t head, uint64_t seq) {

@@ -17,7 +17,7 @@
 struct AttentionShape {
     int batch;
     int num_heads;
-    int num_kv_heads;  // divides num_heads; query head h reads KV head h / (num_heads / num_kv_heads)
+    int num_kv_heads;  // divides num_heads; query head h reads KV head h / (num_heads / kv_heads)
     int seqlen_q;
     int seqlen_k;
     int head_dim;    // of q and k
