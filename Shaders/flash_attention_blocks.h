@@ -74,6 +74,6 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
         const uint r = e / DP;
         const uint d = e % DP;
         const ulong row = ulong(first) + r;
-        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0);
+        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0.0f);
     }
 }

@@ -384,7 +384,7 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
         const uint r = e / DP;
         const uint d = e % DP;
         const ulong row = ulong(first) + r;
-        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0);
+        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0.0f);
     }
 }
 // ---- end flash_attention_blocks.h ----
@@ -653,7 +653,7 @@ inline void attention_forward_split(device const T *q, device const T *k, device
         tg->q[r][d] = (at_row < rows.count && d < p.head_dim)
                           ? q[head_offset(p.q, b, packed_head(p, rows, kv_head, at_row)) +
                               ulong(at_row % p.seqlen_q) * p.q.seq + d]
-                          : T(0);
+                          : T(0.0f);
     }
     RowState<ND> r;
     start_rows(r);
