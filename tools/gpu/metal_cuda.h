@@ -43,9 +43,10 @@
 
 // MSL scalar names. cuda_fp16.h already declares `typedef __half half`; MSL 3.1's `bfloat` is
 // cuda_bf16.h's __nv_bfloat16. Both convert from float with round-to-nearest-even (__float2half,
-// __float2bfloat16, like Metal and the CPU engine) and widen to float exactly, and both convert
-// from integers (T(0)); the kernels do all arithmetic in float. The integer names match glibc's
-// typedefs.
+// __float2bfloat16, like Metal and the CPU engine; matrix_check.cu checks both) and widen to float
+// exactly; the kernels do all arithmetic in float. __nv_bfloat16 also converts from integers,
+// which MSL's bfloat does not: this build accepts bfloat(0) where Metal would not. The integer
+// names match glibc's typedefs.
 typedef __nv_bfloat16 bfloat;
 static_assert(sizeof(bfloat) == 2, "MSL bfloat is 16-bit");
 typedef unsigned short ushort;
