@@ -77,21 +77,19 @@ __global__ void row_max(const float *m, float *out) {
 }
 
 // Thread i rounds in[i] to half and to bfloat (MSL's conversions, as the kernels store outputs)
-// and widens bfloat encoding i to float.
-__global__ void convert(const float *in, size_t n, uint16_t *as_half, uint16_t *as_bfloat,
+// and widens bfloat encoding i to float. The results are stored as whole 16-bit elements, as the
+// kernels store them: nvcc 13.0.88 compiles a byte store of the low byte of a cvt.rn.f16.f32 (or
+// .bf16) result for sm_90 into F2I.U8.F16 (a float-to-integer conversion), so a memcpy of the two
+// bytes here stored a wrong low byte (seen on the H200; not in the kernels, which store 16 bits).
+__global__ void convert(const float *in, size_t n, half *as_half, bfloat *as_bfloat,
                         float *widened) {
     const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i < n) {
-        const half h = half(in[i]);
-        const bfloat b = bfloat(in[i]);
-        std::memcpy(&as_half[i], &h, 2);
-        std::memcpy(&as_bfloat[i], &b, 2);
+        as_half[i] = half(in[i]);
+        as_bfloat[i] = bfloat(in[i]);
     }
     if (i < 65536) {
-        const uint16_t bits = uint16_t(i);
-        bfloat b;
-        std::memcpy(&b, &bits, 2);
-        widened[i] = float(b);
+        widened[i] = float(__ushort_as_bfloat16(static_cast<unsigned short>(i)));
     }
 }
 
@@ -291,37 +289,30 @@ bool same_element(float got, float want) {
     return std::memcmp(&got, &want, 4) == 0 || (std::isnan(got) && std::isnan(want));
 }
 
-// Mismatches of one conversion, split by where IEEE 754 puts the input: `normal` where the
-// rounded result is a normal number, infinity or NaN of the 16-bit type (and the float input
-// normal), `underflow` where the input is a float subnormal or the result is a subnormal or zero
-// of the 16-bit type.
+// The first mismatch of a conversion and how many there are ("" when none).
 struct ConversionMismatches {
-    size_t normal = 0, underflow = 0;
-    std::string first_normal, first_underflow;
+    size_t count = 0;
+    std::string first;
 
-    void add(uint32_t input_bits, float got, float want, float smallest_normal) {
-        float input;
-        std::memcpy(&input, &input_bits, 4);
-        const bool in_underflow = std::fabs(want) < smallest_normal ||
-                                  (input != 0.0f && std::fabs(input) < 1.17549435e-38f);
-        char text[160];
-        std::snprintf(text, sizeof text,
-                      "input 0x%08x (%.9g): got %.9g, IEEE round-to-nearest-even %.9g", input_bits,
-                      double(input), double(got), double(want));
-        ++(in_underflow ? underflow : normal);
-        std::string &first = in_underflow ? first_underflow : first_normal;
-        if (first.empty()) {
+    void add(uint32_t input_bits, float got, float want) {
+        if (count++ == 0) {
+            float input;
+            std::memcpy(&input, &input_bits, 4);
+            char text[160];
+            std::snprintf(text, sizeof text,
+                          "input 0x%08x (%.9g): got %.9g, IEEE round-to-nearest-even %.9g",
+                          input_bits, double(input), double(got), double(want));
             first = text;
         }
+    }
+    std::string failure(size_t inputs) const {
+        return count == 0 ? "" : std::to_string(count) + " of " + std::to_string(inputs) +
+                                     " inputs differ; first: " + first;
     }
 };
 
 // Every upper half of a float's bits with low halves 0, 0x7fff, 0x8000 (a tie for bfloat), 0x8001
-// and 0xffff: ties, overflow to infinity, subnormals, NaN, for both 16-bit types. A mismatch for a
-// normal result fails the check; mismatches in the underflow range (results below the 16-bit
-// type's smallest normal, or float subnormal inputs) are counted and reported apart: the
-// attention kernels' accuracy does not depend on them (at most 2^-14 absolutely for half, 2^-126
-// for bfloat), and the harness judges what the GPU wrote.
+// and 0xffff: ties, overflow to infinity, subnormals, NaN, for both 16-bit types.
 void check_conversions(Report *report) {
     std::vector<uint32_t> inputs;
     for (uint32_t upper = 0; upper < 65536; ++upper) {
@@ -335,7 +326,8 @@ void check_conversions(Report *report) {
     DeviceArray<uint16_t> dhalf(in.size()), dbfloat(in.size());
     din.upload(in);
     const unsigned blocks = unsigned((in.size() + 255) / 256);
-    convert<<<blocks, 256>>>(din.get(), in.size(), dhalf.get(), dbfloat.get(), dwidened.get());
+    convert<<<blocks, 256>>>(din.get(), in.size(), reinterpret_cast<half *>(dhalf.get()),
+                             reinterpret_cast<bfloat *>(dbfloat.get()), dwidened.get());
     check(cudaGetLastError(), "convert launch");
     check(cudaDeviceSynchronize(), "convert");
     const std::vector<uint16_t> halves = dhalf.download(), bfloats = dbfloat.download();
@@ -344,12 +336,12 @@ void check_conversions(Report *report) {
     for (size_t i = 0; i < in.size(); ++i) {
         const float half_got = half_bits_to_float(halves[i]), half_want = round_to_half(in[i]);
         if (!same_element(half_got, half_want)) {
-            half_mismatches.add(inputs[i], half_got, half_want, 6.10351562e-05f);
+            half_mismatches.add(inputs[i], half_got, half_want);
         }
         const float bfloat_got = bfloat_bits_to_float(bfloats[i]);
         const float bfloat_want = round_to_bfloat(in[i]);
         if (!same_element(bfloat_got, bfloat_want)) {
-            bfloat_mismatches.add(inputs[i], bfloat_got, bfloat_want, 1.17549435e-38f);
+            bfloat_mismatches.add(inputs[i], bfloat_got, bfloat_want);
         }
     }
     std::string widen_failure;
@@ -359,19 +351,10 @@ void check_conversions(Report *report) {
             widen_failure = mismatch("encoding", int(bits), widened[bits], want);
         }
     }
-    const std::pair<const char *, const ConversionMismatches *> conversions[] = {
-        {"half(float)", &half_mismatches}, {"bfloat(float)", &bfloat_mismatches}};
-    for (const auto &c : conversions) {
-        std::printf("     %s: %zu of %zu inputs differ from IEEE round-to-nearest-even in the "
-                    "underflow range%s%s\n",
-                    c.first, c.second->underflow, in.size(), c.second->underflow ? "; first: " : "",
-                    c.second->first_underflow.c_str());
-        char text[64];
-        std::snprintf(text, sizeof text, "%zu normal-range mismatches; first: ", c.second->normal);
-        report->add(std::string(c.first) + ": round to nearest even above the underflow range, as "
-                    "the host's rule",
-                    c.second->normal == 0 ? "" : text + c.second->first_normal);
-    }
+    report->add("half(float): round to nearest even, as the host's rule",
+                half_mismatches.failure(in.size()));
+    report->add("bfloat(float): round to nearest even, as the host's rule",
+                bfloat_mismatches.failure(in.size()));
     report->add("float(bfloat): exact for all 65536 encodings", widen_failure);
 }
 
