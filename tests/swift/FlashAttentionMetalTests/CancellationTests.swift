@@ -43,7 +43,7 @@ final class CancellationTests: XCTestCase {
         guard case .cancelled(let message)? = cancelled.error as? FlashAttentionError else {
             return XCTFail("expected cancelled, got \(String(describing: cancelled.error))")
         }
-        XCTAssertTrue(message.hasPrefix("cancelled by fa_context_cancel: CPU engine: kernel 'flash_attention_forward_d32"
+        XCTAssertTrue(message.hasPrefix("cancelled by fa_context_cancel: CPU engine: kernel 'flash_attention_forward_f16_d32"
                                         + "' cancelled after 0 of "), message)
         XCTAssertTrue(cancelled.out.allSatisfy { $0 == 0x7E00 })
         XCTAssertTrue(cancelled.lse.allSatisfy(\.isNaN))
