@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "8f5424606f54bd50"
+    static let sourceHash = "ab35a576487091a5"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, dQ,
@@ -503,6 +503,26 @@ inline void store_row(device T *dst, thread Fragments<N> &x, float scale, uint c
     }
 }
 
+// ---- base 2 ----------------------------------------------------------------------------------
+
+// log2(e) and ln(2) as float pairs hi + lo (hi the float nearest, lo the rest): a product with them
+// in two terms is exact to about float precision, where a product with the rounded constant would
+// put the same relative error of up to 2^-24 on every score of a row, a bias that float32 inputs
+// would see in their gradients.
+#define FA_LOG2E_HI 1.44269502162933349609375f
+#define FA_LOG2E_LO 1.925963033500011079e-8f
+#define FA_LN2_HI 0.693147182464599609375f
+#define FA_LN2_LO -1.904654323148236e-9f
+
+// x * log2(e) and x * ln(2), to about float precision.
+inline float to_base2(float x) {
+    return fma(x, FA_LOG2E_HI, x * FA_LOG2E_LO);
+}
+
+inline float from_base2(float x) {
+    return fma(x, FA_LN2_HI, x * FA_LN2_LO);
+}
+
 // ---- scores ----------------------------------------------------------------------------------
 
 // What shapes one lane's scores besides q . k: the ALiBi slope of its row's head and where its row of
@@ -536,7 +556,7 @@ inline float score2(constant FlashAttentionParams &p, device const uchar *mask, 
         return -INFINITY;
     }
     if (p.softcap == 0.0f && p.has_alibi == 0 && p.mask_type == FA_MASK_NONE) {
-        return raw * (p.softmax_scale * M_LOG2E_F);
+        return to_base2(raw * p.softmax_scale);
     }
     float x = raw * p.softmax_scale;
     if (p.softcap > 0.0f) {
@@ -551,7 +571,7 @@ inline float score2(constant FlashAttentionParams &p, device const uchar *mask, 
     } else if (p.mask_type == FA_MASK_ADDITIVE_F32) {
         x += ((device const float *)mask)[at];
     }
-    return x * M_LOG2E_F;
+    return to_base2(x);
 }
 
 // dS with respect to softmax_scale * q . k from dS with respect to the final score: the softcap
@@ -590,7 +610,7 @@ struct RowState {
 // with that key's weight (one lane of the four holding the row counts it).
 template <uint ND>
 inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, FragmentCoord at) {
-    r.m = with_sink ? sink * M_LOG2E_F : -INFINITY;
+    r.m = with_sink ? to_base2(sink) : -INFINITY;
     r.l = with_sink && at.col == 0 ? 1.0f : 0.0f;
     clear(r.o);
 }
@@ -668,7 +688,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
 
 // The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
 inline float row_lse(float m, float l) {
-    return l > 0.0f ? m * M_LN2_F + log(l) : -INFINITY;
+    return l > 0.0f ? from_base2(m) + log(l) : -INFINITY;
 }
 
 template <uint DP, uint BQ, uint BK, typename T, typename Storage>
@@ -863,11 +883,18 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
     if (row < p.seqlen_q) {
         device const T *dout_row = dout + head_offset(p.dout, tgid.z, tgid.y) + ulong(row) * p.dout.seq;
         device const T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(row) * p.out.seq;
-        float acc = 0.0f;
-        for (uint d = 0; d < p.head_dim_v; ++d) {
-            acc = fma(float(dout_row[d]), float(out_row[d]), acc);
+        // Eight interleaved partial sums added pairwise (NumPy's float32 summation): a single
+        // running sum over head_dim loses bits that dP - D, often a near-cancellation, exposes.
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (uint d = 0; d < p.head_dim_v; d += 8) {
+            for (uint j = 0; j < 8; ++j) {
+                if (d + j < p.head_dim_v) {
+                    acc[j] = fma(float(dout_row[d + j]), float(out_row[d + j]), acc[j]);
+                }
+            }
         }
-        delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] = acc;
+        delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] =
+            ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
 }
 
@@ -943,7 +970,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
     // Rows past the end have every element hidden: their L and D are not read.
     const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, row < p.seqlen_q ? row : 0);
-    const float row_lse2 = row < p.seqlen_q ? lse[at_row] * M_LOG2E_F : 0.0f;
+    const float row_lse2 = row < p.seqlen_q ? to_base2(lse[at_row]) : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
 
     load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
@@ -1090,7 +1117,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             if (tid < BQ) {
                 const uint r = q0 + tid;
                 const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, r < p.seqlen_q ? r : 0);
-                tg->lse2[tid] = r < p.seqlen_q ? lse[at_row] * M_LOG2E_F : 0.0f;
+                tg->lse2[tid] = r < p.seqlen_q ? to_base2(lse[at_row]) : 0.0f;
                 tg->delta[tid] = r < p.seqlen_q ? delta[at_row] : 0.0f;
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
