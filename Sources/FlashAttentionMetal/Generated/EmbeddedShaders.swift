@@ -5,30 +5,31 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "ab35a576487091a5"
+    static let sourceHash = "8b4fb0f984e06ddb"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, dQ,
 // dK/dV), on simdgroup_matrix tiles.
 //
 // Math: FlashAttention-2 (Dao, 2023). Operands: Q, K, V, O (out), L (lse), dO (dout), D (delta),
-// S = Q K^T, P = softmax(S), dP = dO V^T, dS = P (dP - D). Scores are kept in base 2: S is scaled by
-// softmax_scale * log2(e), so exp2 gives the softmax and lse = m ln 2 + log(l).
+// S = Q K^T, P = softmax(S), dP = dO V^T, dS = P (dP - D). Every exponential is exp2 of a
+// difference x - m (<= 0) times log2(e) (exp_of): the hardware's exp2, while scores, maxima and
+// lse stay in natural units.
 //
 //   forward (Algorithm 1), one threadgroup per BQ query rows:
 //     load Q block; m = -inf, l = 0, O = 0
 //     for each K/V tile of BK keys that some row of the block sees:
 //       load K, V tiles; S = Q K^T (scaled); element masks only on tiles crossing the diagonal or
-//       the end; m' = max(m, rowmax S); P = exp2(S - m'); l = l exp2(m - m') + rowsum P;
-//       O = O exp2(m - m') + P V; m = m'
+//       the end; m' = max(m, rowmax S); P = exp(S - m'); l = l exp(m - m') + rowsum P;
+//       O = O exp(m - m') + P V; m = m'
 //     out = O / l, lse = m ln 2 + log l (a row that sees no key: out 0, lse -inf)
 //   backward_delta: D_i = rowsum(dO_i * O_i), once per row, in float32
 //   backward_dq (Algorithm 2, the dQ half), one threadgroup per BQ query rows:
-//     for each visible K/V tile: S = Q K^T, P = exp2(S - L), dP = dO V^T, dS = P (dP - D),
+//     for each visible K/V tile: S = Q K^T, P = exp(S - L), dP = dO V^T, dS = P (dP - D),
 //     dQ += dS K; dq = softmax_scale dQ
 //   backward_dkv (the dK/dV half), one threadgroup per BK keys of one KV head:
 //     for each query head of the GQA group, in order, and each Q/dO tile that sees the keys:
-//       S^T = K Q^T, P^T = exp2(S^T - L), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
+//       S^T = K Q^T, P^T = exp(S^T - L), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
 //       dK += dS^T Q; dk = softmax_scale dK
 //   No atomics: every output element has one writer, and sums run in a fixed order, so results
 //   are bit-identical from run to run.
@@ -503,24 +504,19 @@ inline void store_row(device T *dst, thread Fragments<N> &x, float scale, uint c
     }
 }
 
-// ---- base 2 ----------------------------------------------------------------------------------
+// ---- exponentials ----------------------------------------------------------------------------
 
-// log2(e) and ln(2) as float pairs hi + lo (hi the float nearest, lo the rest): a product with them
-// in two terms is exact to about float precision, where a product with the rounded constant would
-// put the same relative error of up to 2^-24 on every score of a row, a bias that float32 inputs
-// would see in their gradients.
+// log2(e) as a float pair hi + lo (hi the float nearest, lo the rest).
 #define FA_LOG2E_HI 1.44269502162933349609375f
 #define FA_LOG2E_LO 1.925963033500011079e-8f
-#define FA_LN2_HI 0.693147182464599609375f
-#define FA_LN2_LO -1.904654323148236e-9f
 
-// x * log2(e) and x * ln(2), to about float precision.
-inline float to_base2(float x) {
-    return fma(x, FA_LOG2E_HI, x * FA_LOG2E_LO);
-}
-
-inline float from_base2(float x) {
-    return fma(x, FA_LN2_HI, x * FA_LN2_LO);
+// exp(x) as exp2 of x * log2(e), the product in two terms. Scores, running maxima and lse stay in
+// natural units and only differences x = score - max (<= 0) go to base 2: a product with a rounded
+// log2(e) would put the same relative error on every score of a row (a bias float32 gradients
+// see), and a finite score beyond FLT_MAX / log2(e) (Hugging Face's float32-minimum masks) would
+// overflow in base 2.
+inline float exp_of(float x) {
+    return exp2(fma(x, FA_LOG2E_HI, x * FA_LOG2E_LO));
 }
 
 // ---- scores ----------------------------------------------------------------------------------
@@ -540,12 +536,12 @@ inline RowModifiers row_modifiers(constant FlashAttentionParams &p, device const
     return m;
 }
 
-// The score of (row, key) in base 2 from its raw product q . k: softcap(softmax_scale * raw),
+// The score of (row, key) from its raw product q . k: softcap(softmax_scale * raw),
 // minus slope * |row + seqlen_k - seqlen_q - key|, plus the additive mask; -inf where the pair is
 // hidden (outside the window when `checked`, which every tile that needs element masks sets, or by
 // a boolean mask). *t receives tanh(softmax_scale * raw / softcap) for the softcap backward.
 template <typename T>
-inline float score2(constant FlashAttentionParams &p, device const uchar *mask, float raw,
+inline float score(constant FlashAttentionParams &p, device const uchar *mask, float raw,
                     uint row, uint key, RowModifiers m, bool checked, thread float &t) {
     t = 0.0f;
     if (checked && !in_window(p, row, key)) {
@@ -556,7 +552,7 @@ inline float score2(constant FlashAttentionParams &p, device const uchar *mask, 
         return -INFINITY;
     }
     if (p.softcap == 0.0f && p.has_alibi == 0 && p.mask_type == FA_MASK_NONE) {
-        return to_base2(raw * p.softmax_scale);
+        return raw * p.softmax_scale;
     }
     float x = raw * p.softmax_scale;
     if (p.softcap > 0.0f) {
@@ -571,7 +567,7 @@ inline float score2(constant FlashAttentionParams &p, device const uchar *mask, 
     } else if (p.mask_type == FA_MASK_ADDITIVE_F32) {
         x += ((device const float *)mask)[at];
     }
-    return to_base2(x);
+    return x;
 }
 
 // dS with respect to softmax_scale * q . k from dS with respect to the final score: the softcap
@@ -580,10 +576,9 @@ inline float through_softcap(constant FlashAttentionParams &p, float ds, float t
     return p.softcap > 0.0f ? ds * (1.0f - t * t) : ds;
 }
 
-// P = exp2(score - L) with L = lse in base 2; 0 for a hidden pair (whose score is -inf, also when
-// the row's L is -inf).
-inline float probability(float score2, float lse2) {
-    return score2 == -INFINITY ? 0.0f : exp2(score2 - lse2);
+// P = exp(score - lse); 0 for a hidden pair (whose score is -inf, also when the row's lse is -inf).
+inline float probability(float score, float lse) {
+    return score == -INFINITY ? 0.0f : exp_of(score - lse);
 }
 
 // ---- forward ---------------------------------------------------------------------------------
@@ -596,8 +591,8 @@ struct ForwardStorage {
     float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
 };
 
-// The online softmax of one lane's row (Algorithm 1): running max m of the scaled scores (base 2),
-// this lane's part of the running sum l of exp2(score - m), and the SIMD-group's 8-row block of the
+// The online softmax of one lane's row (Algorithm 1): running max m of the scores, this lane's part
+// of the running sum l of exp(score - m), and the SIMD-group's 8-row block of the
 // unnormalised output over its head_dim slice.
 template <uint ND>
 struct RowState {
@@ -610,7 +605,7 @@ struct RowState {
 // with that key's weight (one lane of the four holding the row counts it).
 template <uint ND>
 inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, FragmentCoord at) {
-    r.m = with_sink ? to_base2(sink) : -INFINITY;
+    r.m = with_sink ? sink : -INFINITY;
     r.l = with_sink && at.col == 0 ? 1.0f : 0.0f;
     clear(r.o);
 }
@@ -651,16 +646,16 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     for (uint j = 0; j < NK; ++j) {
         for (uint e = 0; e < 2; ++e) {
             float t;
-            const float x = score2<T>(p, mask, sc.f[j].thread_elements()[e], row,
+            const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
                                       kv0 + j * 8 + at.col + e, mods, masked, t);
             sc.f[j].thread_elements()[e] = x;
             tile_max = max(tile_max, x);
         }
     }
     const float m_next = max(r.m, row_max(tile_max));
-    // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp2 at 0, not NaN.
+    // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0, not NaN.
     const float m_base = m_next == -INFINITY ? 0.0f : m_next;
-    const float correction = exp2(r.m - m_base);
+    const float correction = exp_of(r.m - m_base);
     r.l *= correction;
     for (uint d = 0; d < ND; ++d) {
         r.o.f[d].thread_elements()[0] *= correction;
@@ -668,7 +663,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     }
     for (uint j = 0; j < NK; ++j) {
         for (uint e = 0; e < 2; ++e) {
-            const float pe = exp2(sc.f[j].thread_elements()[e] - m_base);
+            const float pe = exp_of(sc.f[j].thread_elements()[e] - m_base);
             sc.f[j].thread_elements()[e] = pe;
             r.l += pe;
         }
@@ -688,7 +683,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
 
 // The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
 inline float row_lse(float m, float l) {
-    return l > 0.0f ? from_base2(m) + log(l) : -INFINITY;
+    return l > 0.0f ? m + log(l) : -INFINITY;
 }
 
 template <uint DP, uint BQ, uint BK, typename T, typename Storage>
@@ -970,7 +965,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
     // Rows past the end have every element hidden: their L and D are not read.
     const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, row < p.seqlen_q ? row : 0);
-    const float row_lse2 = row < p.seqlen_q ? to_base2(lse[at_row]) : 0.0f;
+    const float row_lse = row < p.seqlen_q ? lse[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
 
     load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
@@ -1029,9 +1024,9 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         for (uint j = 0; j < NK; ++j) {
             for (uint e = 0; e < 2; ++e) {
                 float t;
-                const float x = score2<T>(p, mask, sc.f[j].thread_elements()[e], row,
+                const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
                                           kv0 + j * 8 + at.col + e, mods, masked, t);
-                const float pe = probability(x, row_lse2);
+                const float pe = probability(x, row_lse);
                 sc.f[j].thread_elements()[e] =
                     through_softcap(p, pe * (dp.f[j].thread_elements()[e] - row_delta), t);
             }
@@ -1065,7 +1060,7 @@ struct BackwardKeyValueStorage {
     T v[BK][DP + FA_TILE_PAD];
     T q[BQ][DP + FA_TILE_PAD];
     T dout[SHARED ? 1 : BQ][DP + FA_TILE_PAD];
-    float lse2[BQ];   // L of the tile's rows in base 2 (0 for rows past the end)
+    float lse[BQ];    // lse of the tile's rows (0 for rows past the end)
     float delta[BQ];  // D of the tile's rows (0 likewise)
     float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
     float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
@@ -1117,7 +1112,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             if (tid < BQ) {
                 const uint r = q0 + tid;
                 const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, r < p.seqlen_q ? r : 0);
-                tg->lse2[tid] = r < p.seqlen_q ? to_base2(lse[at_row]) : 0.0f;
+                tg->lse[tid] = r < p.seqlen_q ? lse[at_row] : 0.0f;
                 tg->delta[tid] = r < p.seqlen_q ? delta[at_row] : 0.0f;
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -1168,9 +1163,9 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                     mods.slope = slope;
                     mods.mask_row = head_offset(p.mask, b, h) + ulong(q0 + i) * p.mask.seq;
                     float t;
-                    const float x = score2<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
+                    const float x = score<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
                                               mods, masked, t);
-                    const float pe = probability(x, tg->lse2[i]);
+                    const float pe = probability(x, tg->lse[i]);
                     st.f[j].thread_elements()[e] = pe;
                     dpt.f[j].thread_elements()[e] =
                         through_softcap(p, pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]), t);
