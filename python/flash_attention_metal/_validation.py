@@ -3,6 +3,10 @@
 One rule per check; each error names the argument and the rule. Types and dtypes raise TypeError
 (never a silent cast), shapes and values raise ValueError. The C ABI repeats the checks so that C and
 Swift callers get them too.
+
+Shapes are given in the call's ``layout``: ``"bhsd"`` (batch, heads, seqlen, head_dim), PyTorch's
+and MLX's order, or ``"bshd"`` (batch, seqlen, heads, head_dim), FlashAttention's. v, out and dout
+have head_dim_v as their last axis, which may differ from head_dim (DeepSeek's MLA: 192 and 128).
 """
 
 from __future__ import annotations
@@ -11,14 +15,26 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 _UINT32_MAX = 2**32 - 1
 
+#: The dtypes of q, k, v, dout and the outputs (one per call); lse is always float32.
+DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
+#: The axis orders a call accepts, by name.
+LAYOUTS = {
+    "bhsd": ("batch", "num_heads", "seqlen", "head_dim"),
+    "bshd": ("batch", "seqlen", "num_heads", "head_dim"),
+}
+
 
 @dataclass(frozen=True)
 class Shape:
-    """The dimensions of one attention problem, as the C ABI's fa_problem takes them."""
+    """The dimensions of one attention problem, as the C ABI's fa_problem takes them.
+
+    head_dim_v (the last axis of v, out, dout, dv) is head_dim when left at None.
+    """
 
     batch: int
     num_heads: int
@@ -26,11 +42,38 @@ class Shape:
     seqlen_q: int
     seqlen_k: int
     head_dim: int
+    head_dim_v: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
 
-def check_array(name: str, array, dtype=np.float16, ndim: int = 4) -> None:
-    """Checks that ``array`` is a NumPy array of ``dtype`` with ``ndim`` dimensions, none empty or
-    beyond uint32."""
+def check_layout(layout) -> str:
+    """``layout`` must be ``"bhsd"`` or ``"bshd"``; returns it."""
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be a str ('bhsd' or 'bshd'), got {type(layout).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"layout must be 'bhsd' (batch, num_heads, seqlen, head_dim) or 'bshd' "
+            f"(batch, seqlen, num_heads, head_dim), got {layout!r}"
+        )
+    return layout
+
+
+def to_bhsd(array: np.ndarray, layout: str) -> np.ndarray:
+    """The (batch, heads, seqlen, head_dim) view of a 4-D array given in ``layout`` (no copy)."""
+    return array if layout == "bhsd" else array.transpose(0, 2, 1, 3)
+
+
+def _dtype_names(dtypes) -> str:
+    names = [d.name for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def check_array(name: str, array, dtypes=DTYPES, ndim: int = 4) -> None:
+    """Checks that ``array`` is a NumPy array of one of ``dtypes`` with ``ndim`` dimensions, none
+    empty or beyond uint32."""
     if isinstance(array, np.ma.MaskedArray):
         raise TypeError(
             f"{name} is a numpy masked array; masked arrays are not supported (the mask would be "
@@ -38,17 +81,18 @@ def check_array(name: str, array, dtype=np.float16, ndim: int = 4) -> None:
         )
     if not isinstance(array, np.ndarray):
         raise TypeError(f"{name} must be a numpy.ndarray, got {type(array).__name__}")
-    if array.dtype != dtype and array.dtype.newbyteorder("=") == dtype:
+    native = array.dtype.newbyteorder("=")
+    if array.dtype not in dtypes and native in dtypes:
         order = {">": "big-endian", "<": "little-endian"}.get(array.dtype.byteorder, array.dtype.byteorder)
         raise TypeError(
-            f"{name} must be native-byte-order {np.dtype(dtype).name}, got {order} "
+            f"{name} must be native-byte-order {native.name}, got {order} "
             f"{array.dtype.name} ({array.dtype.str!r}); convert it explicitly, "
-            f"e.g. {name}.astype(numpy.{np.dtype(dtype).name})"
+            f"e.g. {name}.astype(numpy.{native.name})"
         )
-    if array.dtype != dtype:
+    if array.dtype not in dtypes:
         raise TypeError(
-            f"{name} must have dtype {np.dtype(dtype).name}, got {array.dtype.name} "
-            f"(convert it explicitly, e.g. {name}.astype(numpy.{np.dtype(dtype).name}))"
+            f"{name} must have dtype {_dtype_names(dtypes)}, got {array.dtype.name} "
+            f"(convert it explicitly, e.g. {name}.astype(numpy.{dtypes[0].name}))"
         )
     if array.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got {array.ndim}-D with shape {array.shape}")
@@ -90,59 +134,82 @@ def _short_repr(value) -> str:
     return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
-def check_qkv(q, k, v) -> Shape:
-    """Checks q (B, H, Nq, D), k and v (B, H_kv, Nk, D), all float16, and returns the shape.
+def check_same_dtype(name: str, array: np.ndarray, q: np.ndarray) -> None:
+    """``array`` (k, v, dout, out) must have q's dtype: one dtype per call."""
+    if array.dtype != q.dtype:
+        raise TypeError(
+            f"{name} must have q's dtype {q.dtype.name}, got {array.dtype.name} (q, k, v, dout and "
+            f"out share one dtype; convert explicitly, e.g. {name}.astype(q.dtype))"
+        )
+
+
+def check_qkv(q, k, v, layout: str = "bhsd") -> Shape:
+    """Checks q (B, H, Nq, D), k (B, H_kv, Nk, D) and v (B, H_kv, Nk, Dv), axes in ``layout``
+    order, all of one dtype of ``DTYPES``, and returns the shape.
 
     Needs no library; the upper bound of head_dim does (``check_head_dim``).
     """
+    layout = check_layout(layout)
     for name, array in (("q", q), ("k", k), ("v", v)):
         check_array(name, array)
-    batch, num_heads, seqlen_q, head_dim = q.shape
-    _, num_kv_heads, seqlen_k, _ = k.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"k batch size {k.shape[0]} must equal q batch size {batch}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k head_dim {k.shape[3]} must equal q head_dim {head_dim}")
-    if v.shape != k.shape:
-        raise ValueError(f"v shape {v.shape} must equal k shape {k.shape} (batch, num_kv_heads, seqlen_k, head_dim)")
+    check_same_dtype("k", k, q)
+    check_same_dtype("v", v, q)
+    batch, num_heads, seqlen_q, head_dim = to_bhsd(q, layout).shape
+    k_batch, num_kv_heads, seqlen_k, k_head_dim = to_bhsd(k, layout).shape
+    if k_batch != batch:
+        raise ValueError(f"k batch size {k_batch} must equal q batch size {batch}")
+    if k_head_dim != head_dim:
+        raise ValueError(f"k head_dim {k_head_dim} must equal q head_dim {head_dim}")
+    if v.shape[:3] != k.shape[:3]:
+        axes = ", ".join(LAYOUTS[layout][:3])
+        raise ValueError(
+            f"v shape {v.shape} must equal k shape {k.shape} but for the last axis (head_dim_v): "
+            f"({axes}) in layout {layout!r}"
+        )
     if num_heads % num_kv_heads != 0:
         raise ValueError(
             f"q num_heads {num_heads} must be divisible by k/v num_kv_heads {num_kv_heads} (GQA/MQA)"
         )
-    return Shape(batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim)
+    return Shape(batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim, v.shape[3])
 
 
 def check_head_dim(shape: Shape, max_head_dim: int) -> None:
-    """head_dim must be within 1..max_head_dim, the library's ``fa_max_head_dim()``."""
-    if not 1 <= shape.head_dim <= max_head_dim:
-        raise ValueError(f"head_dim {shape.head_dim} is outside the supported range 1..{max_head_dim}")
+    """head_dim and head_dim_v must be within 1..max_head_dim, the library's ``fa_max_head_dim()``."""
+    for name, value in (("head_dim", shape.head_dim), ("head_dim_v", shape.head_dim_v)):
+        if not 1 <= value <= max_head_dim:
+            raise ValueError(f"{name} {value} is outside the supported range 1..{max_head_dim}")
 
 
-def check_forward(q, k, v, causal, softmax_scale) -> tuple[Shape, bool, float]:
+def check_forward(q, k, v, causal, softmax_scale, layout="bhsd") -> tuple[Shape, bool, float]:
     """Every forward check that needs no library: returns (shape, causal, softmax_scale)."""
-    shape = check_qkv(q, k, v)
+    shape = check_qkv(q, k, v, layout)
     return shape, check_causal(causal), resolve_softmax_scale(softmax_scale, shape.head_dim)
 
 
-def check_backward(dout, q, k, v, out, lse, causal, softmax_scale) -> tuple[Shape, bool, float]:
+def check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout="bhsd") -> tuple[Shape, bool, float]:
     """Every backward check that needs no library: returns (shape, causal, softmax_scale)."""
-    shape = check_qkv(q, k, v)
-    check_like_q("dout", dout, q.shape)
-    check_like_q("out", out, q.shape)
+    shape = check_qkv(q, k, v, layout)
+    check_like_q("dout", dout, q, shape.head_dim_v)
+    check_like_q("out", out, q, shape.head_dim_v)
     check_lse(lse, shape)
     return shape, check_causal(causal), resolve_softmax_scale(softmax_scale, shape.head_dim)
 
 
-def check_like_q(name: str, array, q_shape: tuple) -> None:
-    """Checks a float16 tensor that must have q's shape (dout, out)."""
+def check_like_q(name: str, array, q: np.ndarray, head_dim_v: int) -> None:
+    """Checks a tensor that must have q's dtype and q's shape with head_dim_v last (dout, out)."""
     check_array(name, array)
-    if array.shape != q_shape:
-        raise ValueError(f"{name} shape {array.shape} must equal q shape {q_shape}")
+    check_same_dtype(name, array, q)
+    expected = q.shape[:3] + (head_dim_v,)
+    if array.shape != expected:
+        raise ValueError(
+            f"{name} shape {array.shape} must equal q shape {q.shape} with head_dim_v {head_dim_v} "
+            f"as the last axis: {expected}"
+        )
 
 
 def check_lse(lse, shape: Shape) -> None:
     """Checks lse: float32 of shape (batch, num_heads, seqlen_q), as forward returned it."""
-    check_array("lse", lse, dtype=np.float32, ndim=3)
+    check_array("lse", lse, dtypes=(np.dtype(np.float32),), ndim=3)
     expected = (shape.batch, shape.num_heads, shape.seqlen_q)
     if lse.shape != expected:
         raise ValueError(f"lse shape {lse.shape} must be (batch, num_heads, seqlen_q) = {expected}")

@@ -1,14 +1,20 @@
-"""The accuracy rule (the FlashAttention test-suite pattern) and its float16 baseline.
+"""The accuracy rule (the FlashAttention test-suite pattern) and its per-dtype baseline.
 
-``ref`` is float64 math on the same float16 inputs (``reference``). ``base`` is the same math as a
-float16 framework does it: every matrix product accumulated in float32 and rounded to float16
-(S, P, O; dP, dS, dQ, dK, dV), softmax in float32. A result passes when
+``ref`` is float64 math on the same inputs (``reference``), whatever their dtype. ``base`` is the
+same math as a framework does it in the inputs' dtype (float16, bfloat16 or float32): every matrix
+product accumulated in float32 and rounded to the dtype (S, P, O; dP, dS, dQ, dK, dV), softmax in
+float32, D = rowsum(dout * out) in float32, GQA gradients summed in float32 and rounded once. For
+float32 the roundings are to float32 itself, so base is the plain float32 computation. A result
+passes when
 
-    max|ours - ref| <= 2 * max|base - ref| + 1e-5   for out,
-    max|ours - ref| <= 3 * max|base - ref| + 1e-5   for dq, dk, dv,
-    |lse_ours - lse_ref| <= 1e-4 * max(1, |lse_ref|) elementwise (and -inf exactly where ref is).
+    max|ours - ref| <= 2 * max|base - ref| + slack   for out,
+    max|ours - ref| <= 3 * max|base - ref| + slack   for dq, dk, dv,
+    |lse_ours - lse_ref| <= 1e-4 * max(1, |lse_ref|) elementwise (and -inf exactly where ref is),
 
-Any NaN or infinity in ``ours`` where ``ref`` is finite fails.
+with slack 1e-5 for float16 and bfloat16 (about 1/100 of float16's epsilon) and 1e-8 for float32
+(about 1/10 of its epsilon): only where base happens to be (nearly) exact does slack matter. Any
+NaN or infinity in ``ours`` where ``ref`` is finite fails. Inputs are in the (B, H, N, D) order,
+v, out and dout with head_dim_v last.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from . import reference
 
 OUT_FACTOR = 2.0
 GRAD_FACTOR = 3.0
-ABS_SLACK = 1e-5
+#: The rule's additive slack per dtype name.
+ABS_SLACK = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-8}
 LSE_RELATIVE = 1e-4
 
-_F16, _F32 = np.float16, np.float32
+_F32 = np.float32
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,8 @@ class Metric:
         return bool(np.isfinite(self.error) and self.error <= self.bound)
 
 
-def _softmax_f32(scores16: np.ndarray, visible: np.ndarray):
-    scores = np.where(visible, scores16.astype(_F32), _F32(-np.inf))
+def _softmax_f32(scores: np.ndarray, visible: np.ndarray):
+    scores = np.where(visible, scores.astype(_F32), _F32(-np.inf))
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, _F32(0))
     weights = np.exp(scores - row_max)
@@ -58,44 +65,45 @@ def _softmax_f32(scores16: np.ndarray, visible: np.ndarray):
     return (weights / np.where(has_keys, total, _F32(1))).astype(_F32), lse[..., 0].astype(_F32)
 
 
-def _matmul16(a, b) -> np.ndarray:
-    # float32 accumulation (NumPy's float32 matmul), then one rounding to float16.
-    return (a.astype(_F32) @ b.astype(_F32)).astype(_F16)
+def _matmul(a, b, dtype) -> np.ndarray:
+    # float32 accumulation (NumPy's float32 matmul), then one rounding to the dtype.
+    return (a.astype(_F32) @ b.astype(_F32)).astype(dtype)
 
 
 def _base_probabilities(q, k, causal, scale):
     k_full = reference.expand_kv(k, q.shape[1])
-    scores16 = ((q.astype(_F32) @ np.swapaxes(k_full, -1, -2).astype(_F32)) * _F32(scale)).astype(_F16)
-    probabilities, lse = _softmax_f32(scores16, reference.visible_keys(q.shape[2], k.shape[2], causal))
-    return probabilities.astype(_F16), lse
+    scores = ((q.astype(_F32) @ np.swapaxes(k_full, -1, -2).astype(_F32)) * _F32(scale)).astype(q.dtype)
+    probabilities, lse = _softmax_f32(scores, reference.visible_keys(q.shape[2], k.shape[2], causal))
+    return probabilities.astype(q.dtype), lse
 
 
-def _reduce_kv16(x16: np.ndarray, num_kv_heads: int) -> np.ndarray:
-    # A framework's backward of repeat-over-heads sums float16 grads in float32 and rounds once.
-    return reference.reduce_kv(x16.astype(_F32), num_kv_heads).astype(_F16)
+def _reduce_kv(x: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    # A framework's backward of repeat-over-heads sums the grads in float32 and rounds once.
+    return reference.reduce_kv(x.astype(_F32), num_kv_heads).astype(x.dtype)
 
 
 def base_forward(q, k, v, *, causal=False, softmax_scale=None):
-    """The float16 baseline forward: (out float16, lse float32) on float16 q, k, v."""
+    """The baseline forward in q's dtype: (out in that dtype, lse float32)."""
     scale = reference.default_scale(q.shape[3], softmax_scale)
-    probabilities16, lse = _base_probabilities(q, k, causal, scale)
-    return _matmul16(probabilities16, reference.expand_kv(v, q.shape[1])), lse
+    probabilities, lse = _base_probabilities(q, k, causal, scale)
+    return _matmul(probabilities, reference.expand_kv(v, q.shape[1]), q.dtype), lse
 
 
 def base_backward(dout, q, k, v, *, causal=False, softmax_scale=None):
-    """The float16 baseline backward: (dq, dk, dv) float16, D = rowsum(dout * out) in float32."""
+    """The baseline backward in q's dtype: (dq, dk, dv), D = rowsum(dout * out) in float32."""
+    dtype = q.dtype
     scale = reference.default_scale(q.shape[3], softmax_scale)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     k_full, v_full = reference.expand_kv(k, num_heads), reference.expand_kv(v, num_heads)
-    probabilities16, _ = _base_probabilities(q, k, causal, scale)
-    out16 = _matmul16(probabilities16, v_full)
-    dprobabilities16 = _matmul16(dout, np.swapaxes(v_full, -1, -2))
-    delta = np.sum(dout.astype(_F32) * out16.astype(_F32), axis=-1, keepdims=True)
-    dscores16 = (probabilities16.astype(_F32) * (dprobabilities16.astype(_F32) - delta)).astype(_F16)
-    dq = ((dscores16.astype(_F32) @ k_full.astype(_F32)) * _F32(scale)).astype(_F16)
-    dk = ((np.swapaxes(dscores16, -1, -2).astype(_F32) @ q.astype(_F32)) * _F32(scale)).astype(_F16)
-    dv = _matmul16(np.swapaxes(probabilities16, -1, -2), dout)
-    return dq, _reduce_kv16(dk, num_kv_heads), _reduce_kv16(dv, num_kv_heads)
+    probabilities, _ = _base_probabilities(q, k, causal, scale)
+    out = _matmul(probabilities, v_full, dtype)
+    dprobabilities = _matmul(dout, np.swapaxes(v_full, -1, -2), dtype)
+    delta = np.sum(dout.astype(_F32) * out.astype(_F32), axis=-1, keepdims=True)
+    dscores = (probabilities.astype(_F32) * (dprobabilities.astype(_F32) - delta)).astype(dtype)
+    dq = ((dscores.astype(_F32) @ k_full.astype(_F32)) * _F32(scale)).astype(dtype)
+    dk = ((np.swapaxes(dscores, -1, -2).astype(_F32) @ q.astype(_F32)) * _F32(scale)).astype(dtype)
+    dv = _matmul(np.swapaxes(probabilities, -1, -2), dout, dtype)
+    return dq, _reduce_kv(dk, num_kv_heads), _reduce_kv(dv, num_kv_heads)
 
 
 def max_abs_error(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -116,20 +124,26 @@ def lse_metric(ours: np.ndarray, ref: np.ndarray) -> Metric:
     return Metric("lse", error, float("nan"), LSE_RELATIVE)
 
 
+def slack(dtype) -> float:
+    """The rule's additive slack for a dtype (``ABS_SLACK``)."""
+    return ABS_SLACK[np.dtype(dtype).name]
+
+
 def _metric(name: str, ours, base, ref, factor: float) -> Metric:
     base_error = max_abs_error(base, ref)
-    return Metric(name, max_abs_error(ours, ref), base_error, factor * base_error + ABS_SLACK)
+    return Metric(name, max_abs_error(ours, ref), base_error, factor * base_error + slack(base.dtype))
 
 
 def evaluate_forward(q, k, v, out, lse, *, causal=False, softmax_scale=None) -> list[Metric]:
-    """Judges a forward result (out, lse) for float16 q, k, v: metrics for out and lse."""
+    """Judges a forward result (out, lse) for q, k, v of one dtype: metrics for out and lse."""
     ref_out, ref_lse = reference.forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
     base_out, _ = base_forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
     return [_metric("out", out, base_out, ref_out, OUT_FACTOR), lse_metric(lse, ref_lse)]
 
 
 def evaluate_backward(dout, q, k, v, dq, dk, dv, *, causal=False, softmax_scale=None) -> list[Metric]:
-    """Judges a backward result (dq, dk, dv) for float16 dout, q, k, v: one metric per gradient."""
+    """Judges a backward result (dq, dk, dv) for dout, q, k, v of one dtype: one metric per
+    gradient."""
     refs = reference.backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale)
     bases = base_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale)
     return [

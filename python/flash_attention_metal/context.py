@@ -1,5 +1,6 @@
 """Context: one libFlashAttentionMetal context (a Metal device and its kernels, or the CPU engine)
-and the NumPy forward/backward calls on it.
+and the NumPy forward/backward calls on it: float16, bfloat16 (``ml_dtypes.bfloat16``) or float32,
+layout "bhsd" or "bshd", head_dim_v != head_dim.
 
 Math: FlashAttention-2 (Dao, 2023), Algorithms 1 and 2. Semantics as in the C header
 flash_attention_metal.h: bottom-right causal alignment, rows without visible keys give out 0,
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _validation
+from . import _layout, _validation
 from ._native import NativeLibrary, native
 
 BACKENDS = ("auto", "metal", "cpu")
@@ -79,77 +80,94 @@ class Context:
         """The file the library was loaded from."""
         return str(self._native.path)
 
-    def forward(self, q, k, v, *, causal=False, softmax_scale=None):
+    def forward(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd"):
         """Attention forward pass.
 
         Args:
-            q: float16 (batch, num_heads, seqlen_q, head_dim).
-            k, v: float16 (batch, num_kv_heads, seqlen_k, head_dim); num_heads % num_kv_heads == 0.
+            q: (batch, num_heads, seqlen_q, head_dim) for ``layout="bhsd"``, or
+                (batch, seqlen_q, num_heads, head_dim) for ``"bshd"``; numpy.float16,
+                ml_dtypes.bfloat16 or numpy.float32.
+            k: (batch, num_kv_heads, seqlen_k, head_dim) in the same layout and dtype;
+                num_heads % num_kv_heads == 0.
+            v: like k, but with head_dim_v (1 ... max_head_dim, may differ from head_dim) last.
             causal: bool; bottom-right aligned (query i sees key j iff j <= i + seqlen_k - seqlen_q).
             softmax_scale: finite real number; None means 1 / sqrt(head_dim).
+            layout: ``"bhsd"`` (PyTorch, MLX) or ``"bshd"`` (FlashAttention).
+
+        Any view whose last axis is contiguous (e.g. ``qkv[:, :, 0]`` of a (B, L, 3, H, D)
+        projection) is read in place; other arrays are copied once (``_layout``).
 
         Returns:
-            (out, lse): out float16 like q; lse float32 (batch, num_heads, seqlen_q), the natural
-            log of the softmax denominator (-inf for rows that see no key). Fresh arrays.
+            (out, lse): out in q's dtype and layout, with head_dim_v last, laid out in memory like
+            q; lse float32 (batch, num_heads, seqlen_q) in either layout, the natural log of the
+            softmax denominator (-inf for rows that see no key). Fresh arrays. Accumulation is in
+            float32; out is rounded once to the dtype.
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
             FlashAttentionError: the library reported an error.
         """
-        shape, causal, scale = _validation.check_forward(q, k, v, causal, softmax_scale)
+        shape, causal, scale = _validation.check_forward(q, k, v, causal, softmax_scale, layout)
         _validation.check_head_dim(shape, self.max_head_dim)
-        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
-        out = np.empty(q.shape, dtype=np.float16)
-        lse = np.empty(q.shape[:3], dtype=np.float32)
+        out = _layout.new_output(q, shape.head_dim_v)
+        lse = np.empty((shape.batch, shape.num_heads, shape.seqlen_q), dtype=np.float32)
+        inputs = [_layout.as_input(a, layout) for a in (q, k, v)]
+        written = _layout.as_output(out, layout)
         ffi, lib = self._native.ffi, self._native.lib
+        problem = self._problem(shape, causal, scale, q.dtype, dict(zip(("q", "k", "v", "out"), (*inputs, written))))
         status = lib.fa_forward(
-            self._handle, self._problem(shape, causal, scale),
-            _half_in(ffi, q), _half_in(ffi, k), _half_in(ffi, v),
-            _half_out(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True),
+            self._handle, problem, *(_pointer(ffi, t) for t in (*inputs, written)),
+            ffi.from_buffer("float[]", lse, require_writable=True),
         )
         self._native.raise_for_status(status)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None):
+    def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd"):
         """Attention backward pass (FlashAttention-2, Algorithm 2; D_i = rowsum(dout * out)).
 
         Args:
-            dout: float16 like q, the gradient of the loss with respect to out.
+            dout: like out (q's dtype and layout, head_dim_v last), the gradient of the loss with
+                respect to out.
             q, k, v: as for ``forward``.
             out, lse: as ``forward`` returned them for the same q, k, v, causal and softmax_scale.
-            causal, softmax_scale: as for ``forward``.
+            causal, softmax_scale, layout: as for ``forward`` (views read in place likewise).
 
         Returns:
-            (dq, dk, dv): float16 like q, k, v; dk and dv sum over the query heads that share a KV
-            head. Deterministic. Fresh arrays.
+            (dq, dk, dv): in the dtype and layout of q, k, v and shaped like them, each laid out in
+            memory like its input; dk and dv sum over the query heads that share a KV head.
+            Deterministic. Fresh arrays.
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
             FlashAttentionError: the library reported an error.
         """
-        shape, causal, scale = _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+        shape, causal, scale = _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout)
         _validation.check_head_dim(shape, self.max_head_dim)
-        dout, q, k, v, out, lse = (np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse))
-        dq = np.empty(q.shape, dtype=np.float16)
-        dk = np.empty(k.shape, dtype=np.float16)
-        dv = np.empty(v.shape, dtype=np.float16)
+        grads = [_layout.new_output(a, a.shape[3]) for a in (q, k, v)]
+        inputs = [_layout.as_input(a, layout) for a in (dout, q, k, v, out)]
+        written = [_layout.as_output(g, layout) for g in grads]
+        lse = np.ascontiguousarray(lse)
         ffi, lib = self._native.ffi, self._native.lib
+        names = ("dout", "q", "k", "v", "out", "dq", "dk", "dv")
+        tensors = dict(zip(names, (*inputs, *written)))
         status = lib.fa_backward(
-            self._handle, self._problem(shape, causal, scale),
-            _half_in(ffi, dout), _half_in(ffi, q), _half_in(ffi, k), _half_in(ffi, v),
-            _half_in(ffi, out), ffi.from_buffer("float[]", lse),
-            _half_out(ffi, dq), _half_out(ffi, dk), _half_out(ffi, dv),
+            self._handle, self._problem(shape, causal, scale, q.dtype, tensors),
+            *(_pointer(ffi, t) for t in inputs), ffi.from_buffer("float[]", lse),
+            *(_pointer(ffi, t) for t in written),
         )
         self._native.raise_for_status(status)
-        return dq, dk, dv
+        return tuple(grads)
 
-    def attention(self, q, k, v, *, causal=False, softmax_scale=None):
-        """``forward`` without lse: returns out, float16 like q."""
-        return self.forward(q, k, v, causal=causal, softmax_scale=softmax_scale)[0]
+    def attention(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd"):
+        """``forward`` without lse: returns out, in q's dtype and layout."""
+        return self.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)[0]
 
-    def _problem(self, shape: _validation.Shape, causal: bool, scale: float):
-        problem = self._native.ffi.new("fa_problem *")
-        problem.struct_size = self._native.ffi.sizeof("fa_problem")
+    def _problem(self, shape: _validation.Shape, causal: bool, scale: float, dtype=np.float16, tensors=None):
+        """The fa_problem of a call; ``tensors`` maps fa_problem's stride fields (q, k, v, out,
+        dout, dq, dk, dv) to their ``_layout.Tensor`` (absent ones: contiguous)."""
+        ffi, lib = self._native.ffi, self._native.lib
+        problem = ffi.new("fa_problem *")
+        problem.struct_size = ffi.sizeof("fa_problem")
         problem.batch = shape.batch
         problem.num_heads = shape.num_heads
         problem.num_kv_heads = shape.num_kv_heads
@@ -158,16 +176,20 @@ class Context:
         problem.head_dim = shape.head_dim
         problem.causal = int(causal)
         problem.softmax_scale = scale
+        problem.dtype = getattr(lib, _DTYPE_CODES[np.dtype(dtype).name])
+        problem.head_dim_v = shape.head_dim_v
+        for name, tensor in (tensors or {}).items():
+            strides = getattr(problem, name)
+            strides.batch, strides.head, strides.seq = tensor.strides
         return problem
 
 
-def _half_in(ffi, array: np.ndarray):
-    # float16 has no C type; the ABI takes the bit patterns as uint16_t.
-    return ffi.from_buffer("uint16_t[]", array)
+_DTYPE_CODES = {"float16": "FA_DTYPE_FLOAT16", "bfloat16": "FA_DTYPE_BFLOAT16", "float32": "FA_DTYPE_FLOAT32"}
 
 
-def _half_out(ffi, array: np.ndarray):
-    return ffi.from_buffer("uint16_t[]", array, require_writable=True)
+def _pointer(ffi, tensor: _layout.Tensor):
+    # Element [0, 0, 0, 0] of the view; the ABI takes elements of the problem's dtype as void *.
+    return ffi.cast("void *", tensor.address)
 
 
 __all__ = ["BACKENDS", "Context", "normalize_backend"]

@@ -1,9 +1,15 @@
 """Float64 NumPy reference attention, the ground truth of the accuracy rule.
 
-Same semantics as the library: q (B, H, Nq, D); k, v (B, H_kv, Nk, D); causal aligned bottom-right
-(query i sees key j iff j <= i + Nk - Nq); a row with no visible key gives out 0, lse -inf and zero
-gradients; GQA: query head h reads KV head h // (H // H_kv) and dk, dv sum over the group.
-Materializes the (B, H, Nq, Nk) attention matrix: for checking, not for speed.
+Same semantics as the library: q (B, H, Nq, D); k (B, H_kv, Nk, D); v (B, H_kv, Nk, Dv), where the
+value head dim Dv (head_dim_v) may differ from D (DeepSeek's MLA: D 192, Dv 128); out and dout
+(B, H, Nq, Dv). Causal is aligned bottom-right (query i sees key j iff j <= i + Nk - Nq); a row with
+no visible key gives out 0, lse -inf and zero gradients; GQA: query head h reads KV head
+h // (H // H_kv) and dk, dv sum over the group. The default softmax_scale is 1/sqrt(D).
+
+Inputs of any real dtype (float16, ml_dtypes.bfloat16, float32, float64) are converted exactly to
+float64 and computed in float64, whatever the dtype the library ran in. Arrays are in the (B, H, N, D)
+order; pass a (B, N, H, D) array as ``x.transpose(0, 2, 1, 3)``. Materializes the (B, H, Nq, Nk)
+attention matrix: for checking, not for speed.
 """
 
 from __future__ import annotations
@@ -42,8 +48,10 @@ def default_scale(head_dim: int, softmax_scale) -> float:
 
 
 def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"expected q (B, H, Nq, D) and k, v (B, H_kv, Nk, D), got {q.shape}, {k.shape}, {v.shape}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"expected q (B, H, Nq, D), k (B, H_kv, Nk, D) and v (B, H_kv, Nk, Dv), got {q.shape}, {k.shape}, {v.shape}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head_dim")
 
@@ -92,12 +100,13 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale=None):
     """Attention forward in float64.
 
     Args:
-        q: (B, H, Nq, D); k, v: (B, H_kv, Nk, D); any real dtype, computed in float64.
+        q: (B, H, Nq, D); k: (B, H_kv, Nk, D); v: (B, H_kv, Nk, Dv); any real dtype, computed in
+            float64.
         causal: bottom-right aligned mask.
         softmax_scale: None means 1/sqrt(D).
 
     Returns:
-        (out, lse): float64 (B, H, Nq, D) and (B, H, Nq); lse is the natural log of the softmax
+        (out, lse): float64 (B, H, Nq, Dv) and (B, H, Nq); lse is the natural log of the softmax
         denominator, -inf for rows that the mask leaves without keys (whose out is 0); NaN or
         infinite inputs seen by a row make its out and lse NaN.
     """
@@ -116,7 +125,7 @@ def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None):
     uses D = rowsum(dout * out), as FlashAttention-2 Algorithm 2.
 
     Args:
-        dout: like q; q, k, v, causal, softmax_scale: as for ``forward``.
+        dout: like out, (B, H, Nq, Dv); q, k, v, causal, softmax_scale: as for ``forward``.
 
     Returns:
         (dq, dk, dv), float64, shaped like q, k, v; dk and dv sum over each GQA group; rows the
@@ -124,8 +133,8 @@ def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None):
         inputs seen by a row propagate as NaN.
     """
     _check_shapes(q, k, v)
-    if np.shape(dout) != q.shape:
-        raise ValueError(f"dout shape {np.shape(dout)} must equal q shape {q.shape}")
+    if np.shape(dout) != q.shape[:3] + v.shape[3:]:
+        raise ValueError(f"dout shape {np.shape(dout)} must be (B, H, Nq, Dv) = {q.shape[:3] + v.shape[3:]}")
     scale = default_scale(q.shape[3], softmax_scale)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     dout64, q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
