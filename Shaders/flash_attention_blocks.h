@@ -5,10 +5,10 @@
 // Masks (bottom-right aligned, as FlashAttention >= 2.1, MLX and PyTorch's lower-right causal):
 // query i sees key j iff j < seqlen_k and, when causal, j <= i + seqlen_k - seqlen_q.
 
-// Element offset of the first row of head `head` of batch `b` in a [batch][heads][seqlen][head_dim]
-// tensor (64-bit: tensors may hold more than 2^32 elements).
-inline ulong head_offset(uint b, uint heads, uint head, uint seqlen, uint head_dim) {
-    return (ulong(b) * heads + head) * seqlen * head_dim;
+// Element offset of row 0 of head `head` of batch `b` in a tensor laid out by `s` (64-bit:
+// tensors may span more than 2^32 elements).
+inline ulong head_offset(FlashAttentionStrides s, uint b, uint head) {
+    return ulong(b) * s.batch + ulong(head) * s.head;
 }
 
 // Index of row `row` of head `head` of batch `b` in a [batch][heads][seqlen] tensor (lse, delta).
@@ -64,16 +64,16 @@ inline uint active_fragments(uint head_dim, uint col0, uint n) {
     return padded <= col0 ? 0u : min(n, (padded - col0) / 8);
 }
 
-// Copies rows [first, first + ROWS) of a [seqlen][head_dim] matrix of half (src points at its row
-// 0) into tile[ROWS][>= DP], zero past seqlen and past head_dim. The threadgroup's threads share
-// the copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
-template <uint ROWS, uint DP, typename Tile>
-inline void load_rows(Tile tile, device const half *src, uint first, uint seqlen, uint head_dim,
-                      uint tid) {
+// Copies rows [first, first + ROWS) of a [seqlen][cols] matrix whose rows lie `stride` elements
+// apart (src points at its row 0) into tile[ROWS][>= DP], zero past seqlen and past cols. The
+// threadgroup's threads share the copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
+template <uint ROWS, uint DP, typename T, typename Tile>
+inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, ulong stride,
+                      uint cols, uint tid) {
     for (uint e = tid; e < ROWS * DP; e += FA_THREADS_PER_THREADGROUP) {
         const uint r = e / DP;
         const uint d = e % DP;
         const ulong row = ulong(first) + r;
-        tile[r][d] = (row < seqlen && d < head_dim) ? src[row * head_dim + d] : half(0);
+        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0);
     }
 }

@@ -6,24 +6,50 @@
 
 #if defined(__METAL_VERSION__)
 typedef uint fa_u32;
+typedef ulong fa_u64;
 #else
 #include <stdint.h>
 typedef uint32_t fa_u32;
+typedef uint64_t fa_u64;
 #endif
 
-// Every field is 4 bytes, so the layout is the same in MSL, C, C++ and Swift.
+// Where a [batch][heads][seqlen][head_dim] tensor's rows are: element (b, h, i, d) is at
+// b * batch + h * head + i * seq + d (in elements; the last axis is contiguous).
+typedef struct FlashAttentionStrides {
+    fa_u64 batch;
+    fa_u64 head;
+    fa_u64 seq;
+} FlashAttentionStrides;
+
+// The 8-byte fields come first and the 4-byte ones after, so MSL, C, C++ and Swift lay the struct
+// out identically (natural alignment, no padding between fields).
 typedef struct FlashAttentionParams {
+    FlashAttentionStrides q;
+    FlashAttentionStrides k;
+    FlashAttentionStrides v;
+    FlashAttentionStrides out;
+    FlashAttentionStrides dout;  // backward only, like the three below
+    FlashAttentionStrides dq;
+    FlashAttentionStrides dk;
+    FlashAttentionStrides dv;
     fa_u32 batch;
     fa_u32 num_heads;
     fa_u32 num_kv_heads;
     fa_u32 seqlen_q;
     fa_u32 seqlen_k;
-    fa_u32 head_dim;
+    fa_u32 head_dim;      // of q and k (and dq, dk)
+    fa_u32 head_dim_v;    // of v, out, dout and dv
     fa_u32 causal;        // 0 or 1; bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
     float softmax_scale;  // applied to q . k before the softmax
     fa_u32 kv_chunks;     // split-KV forward only: chunks of keys per (batch, KV head), else 1
     fa_u32 kv_chunk_keys; // split-KV forward only: keys per chunk (a multiple of the key tile)
 } FlashAttentionParams;
+
+// Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
+// Kernel instances are named with the dtype's suffix: f16 (half), bf16 (bfloat, MSL 3.1) and f32.
+#define FA_DTYPE_F16 0
+#define FA_DTYPE_BF16 1
+#define FA_DTYPE_F32 2
 
 // Buffer indices: forward.
 #define FA_FORWARD_BUFFER_Q 0
@@ -61,7 +87,7 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_DQ_BUFFER_COUNT 9
 #define FA_BACKWARD_DKV_BUFFER_COUNT 10
 
-// Largest supported head_dim; the last bucket of the table below.
+// Largest supported head_dim and head_dim_v; the last bucket of the tables below.
 #define FA_MAX_HEAD_DIM 256
 
 // Every kernel runs FA_SIMDGROUPS SIMD-groups of 32 threads per threadgroup. A kernel owns a block
@@ -90,11 +116,13 @@ typedef struct FlashAttentionParams {
 // conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
 #define FA_TILE_PAD 8
 
-// Head-dim buckets: X(head_dim_max, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ): per kernel the
+// Head-dim buckets of the 2-byte dtypes (f16, bf16):
+// X(head_dim_max, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ): per kernel the
 // rows it owns and the rows of the tiles it streams (forward: BQ query rows, K/V tiles of BK keys;
 // dQ: BQ query rows, K/V tiles of BK keys; dK/dV: BK key rows, Q/dO tiles of BQ query rows). A
-// problem uses the first bucket whose head_dim_max >= head_dim; kernel instances are named
-// <kernel>_d<head_dim_max>, e.g. flash_attention_forward_d64.
+// problem uses the first bucket whose head_dim_max >= max(head_dim, head_dim_v) (V tiles are as
+// wide as K tiles; products skip the zero columns past either); kernel instances are named
+// <kernel>_<dtype>_d<head_dim_max>, e.g. flash_attention_forward_f16_d64.
 // Why these sizes: the forward follows MLX's steel attention (BQ 32 = 4 SIMD-groups x 8 rows; K/V
 // tiles of 32 keys, 16 from head_dim 128), whose published throughput on M-series GPUs is 87-97 %
 // of a measured f16 matmul ceiling. From head_dim 192 the accumulators are split over two head_dim
@@ -112,5 +140,16 @@ typedef struct FlashAttentionParams {
     X(128, 32, 16, 32, 16, 32, 16)       \
     X(192, 16, 16, 16, 16, 16, 16)       \
     X(256, 16, 16, 16, 8, 16, 8)
+
+// Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
+// (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB
+// (the backward kernels at 256) the two streamed tiles share one buffer (see the storage structs).
+#define FA_HEAD_DIM_BUCKETS_F32(X)       \
+    X(32, 32, 32, 32, 32, 32, 32)        \
+    X(64, 32, 32, 32, 16, 32, 16)        \
+    X(96, 32, 16, 16, 16, 16, 16)        \
+    X(128, 16, 16, 16, 8, 16, 8)         \
+    X(192, 8, 8, 8, 8, 8, 8)             \
+    X(256, 8, 8, 8, 8, 8, 8)
 
 #endif

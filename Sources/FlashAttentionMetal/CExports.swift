@@ -78,8 +78,8 @@ public func _exportContextDeviceName(_ handle: OpaquePointer?) -> UnsafePointer<
 /// fa_forward: see flash_attention_metal.h.
 @_cdecl("fa_forward")
 public func _exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_problem>?,
-                          _ q: UnsafePointer<UInt16>?, _ k: UnsafePointer<UInt16>?, _ v: UnsafePointer<UInt16>?,
-                          _ out: UnsafeMutablePointer<UInt16>?, _ lse: UnsafeMutablePointer<Float>?) -> fa_status {
+                          _ q: UnsafeRawPointer?, _ k: UnsafeRawPointer?, _ v: UnsafeRawPointer?,
+                          _ out: UnsafeMutableRawPointer?, _ lse: UnsafeMutablePointer<Float>?) -> fa_status {
     withAutoreleasePool {
         do {
             let ctx = try context(handle)
@@ -101,11 +101,11 @@ public func _exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa
 /// fa_backward: see flash_attention_metal.h.
 @_cdecl("fa_backward")
 public func _exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_problem>?,
-                           _ dout: UnsafePointer<UInt16>?, _ q: UnsafePointer<UInt16>?,
-                           _ k: UnsafePointer<UInt16>?, _ v: UnsafePointer<UInt16>?,
-                           _ out: UnsafePointer<UInt16>?, _ lse: UnsafePointer<Float>?,
-                           _ dq: UnsafeMutablePointer<UInt16>?, _ dk: UnsafeMutablePointer<UInt16>?,
-                           _ dv: UnsafeMutablePointer<UInt16>?) -> fa_status {
+                           _ dout: UnsafeRawPointer?, _ q: UnsafeRawPointer?,
+                           _ k: UnsafeRawPointer?, _ v: UnsafeRawPointer?,
+                           _ out: UnsafeRawPointer?, _ lse: UnsafePointer<Float>?,
+                           _ dq: UnsafeMutableRawPointer?, _ dk: UnsafeMutableRawPointer?,
+                           _ dv: UnsafeMutableRawPointer?) -> fa_status {
     withAutoreleasePool {
         do {
             let ctx = try context(handle)

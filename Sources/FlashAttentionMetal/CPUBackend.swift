@@ -15,7 +15,7 @@ final class CPUBackend: ExecutionBackend {
     /// Fails with `backendUnavailable` when the engine lacks the attention kernels (a build defect, or
     /// on x86-64 a CPU without AVX2, F16C and FMA).
     init() throws {
-        let probe = "flash_attention_forward_d\(FA_MAX_HEAD_DIM)"
+        let probe = "flash_attention_forward_f16_d\(FA_MAX_HEAD_DIM)"
         guard msl_engine_has_kernel(probe) != 0 else {
             throw FlashAttentionError.backendUnavailable(
                 "the CPU engine has no kernel named \(probe) (on x86-64 it needs AVX2, F16C and FMA)")

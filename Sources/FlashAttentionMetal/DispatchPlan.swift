@@ -1,18 +1,22 @@
 import CFlashAttentionMetal
 
-/// What a kernel buffer holds. `lse` and the workspaces are float32; every other role is float16.
+/// What a kernel buffer holds. `lse` and the workspaces are float32; every other role holds the
+/// problem's dtype.
 enum BufferRole: Int, CaseIterable {
     /// Workspaces: `delta`, D_i = rowsum(dout * out) per query row (backward); `partialOut` and
     /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward).
     case q, k, v, out, lse, dout, dq, dk, dv, delta, partialOut, partialLse
 
-    /// Bytes per element.
-    var elementSize: Int {
+    /// Whether the role holds float32 whatever the problem's dtype.
+    var isFloat32: Bool {
         switch self {
-        case .lse, .delta, .partialOut, .partialLse: return 4
-        default: return 2
+        case .lse, .delta, .partialOut, .partialLse: return true
+        default: return false
         }
     }
+
+    /// Bytes per element for `problem`.
+    func elementSize(for problem: Problem) -> Int { isFloat32 ? 4 : problem.dtype.size }
 
     /// The C argument name, for messages.
     var name: String {
@@ -32,21 +36,20 @@ enum BufferRole: Int, CaseIterable {
         }
     }
 
-    /// Elements of this buffer for `problem`: q-like roles follow the query heads and length,
-    /// k-like roles the KV heads and key length.
+    /// Elements of this buffer for `problem`: for a tensor, the elements its layout spans from
+    /// element [0][0][0][0] to the last one.
     func elementCount(for problem: Problem) -> Int {
         switch self {
-        case .q, .out, .dout, .dq: return problem.queryElements
-        case .k, .v, .dk, .dv: return problem.keyValueElements
+        case .q, .k, .v, .out, .dout, .dq, .dk, .dv: return problem.layouts[self]!.extent
         case .lse, .delta: return problem.lseElements
         // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, so these products stay small.
-        case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDim)
+        case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDimV)
         case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
         }
     }
 
     /// Bytes of this buffer for `problem`; never overflows for a validated problem.
-    func byteCount(for problem: Problem) -> Int { elementCount(for: problem) * elementSize }
+    func byteCount(for problem: Problem) -> Int { elementCount(for: problem) * elementSize(for: problem) }
 }
 
 /// A 3-D size, as in `MTLSize` and `msl_engine_size`.
@@ -91,10 +94,10 @@ struct DispatchPlan {
     /// The problem the plan was made for (buffer sizes follow from it).
     let problem: Problem
 
-    /// Forward. Dense: `flash_attention_forward_d<DP>` over (ceil(seqlen_q / forward_block_q),
+    /// Forward. Dense: `flash_attention_forward_<dtype>_d<DP>` over (ceil(seqlen_q / forward_block_q),
     /// num_heads, batch) threadgroups. Split-KV (`problem.split`, decode shapes):
-    /// `flash_attention_forward_split_d<DP>` over (chunks x row blocks, num_kv_heads, batch)
-    /// threadgroups writes one partial result per chunk, then `flash_attention_forward_combine`
+    /// `flash_attention_forward_split_<dtype>_d<DP>` over (chunks x row blocks, num_kv_heads, batch)
+    /// threadgroups writes one partial result per chunk, then `flash_attention_forward_combine_<dtype>`
     /// over (seqlen_q, num_heads, batch) threadgroups merges them into out and lse.
     static func forward(_ problem: Problem) -> DispatchPlan {
         let b = problem.bucket
@@ -108,26 +111,26 @@ struct DispatchPlan {
                      params: problem.params, threadgroupsPerGrid: grid, threadsPerThreadgroup: threadgroupSize)
         }
         guard let split = problem.split else {
-            let dense = dispatch("flash_attention_forward_d\(b.head_dim_max)",
+            let dense = dispatch("flash_attention_forward_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                                  GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
                                           height: problem.numHeads, depth: problem.batch))
             return DispatchPlan(dispatches: [dense], outputs: [.out, .lse], workspace: [], problem: problem)
         }
         bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
                      BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
-        let chunks = dispatch("flash_attention_forward_split_d\(b.head_dim_max)",
+        let chunks = dispatch("flash_attention_forward_split_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                               GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
                                        depth: problem.batch))
-        let combine = dispatch("flash_attention_forward_combine",
+        let combine = dispatch("flash_attention_forward_combine_\(problem.dtype.kernelSuffix)",
                                GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch))
         return DispatchPlan(dispatches: [chunks, combine], outputs: [.out, .lse],
                             workspace: [.partialOut, .partialLse], problem: problem)
     }
 
-    /// Backward, three dispatches in order: `flash_attention_backward_delta` over
+    /// Backward, three dispatches in order: `flash_attention_backward_delta_<dtype>` over
     /// (ceil(seqlen_q / FA_DELTA_BLOCK_ROWS), num_heads, batch) threadgroups writes `delta`;
-    /// `flash_attention_backward_dq_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
-    /// threadgroups writes `dq`; `flash_attention_backward_dkv_d<DP>` over
+    /// `flash_attention_backward_dq_<dtype>_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
+    /// threadgroups writes `dq`; `flash_attention_backward_dkv_<dtype>_d<DP>` over
     /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`.
     static func backward(_ problem: Problem) -> DispatchPlan {
         let b = problem.bucket
@@ -146,12 +149,12 @@ struct DispatchPlan {
                                                    depth: problem.batch),
                      threadsPerThreadgroup: threadgroupSize)
         }
-        let delta = dispatch("flash_attention_backward_delta", [], rows: problem.seqlenQ,
-                             block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads)
-        let dq = dispatch("flash_attention_backward_dq_d\(b.head_dim_max)",
+        let delta = dispatch("flash_attention_backward_delta_\(problem.dtype.kernelSuffix)", [],
+                             rows: problem.seqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads)
+        let dq = dispatch("flash_attention_backward_dq_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
                           rows: problem.seqlenQ, block: b.dq_block_q, heads: problem.numHeads)
-        let dkv = dispatch("flash_attention_backward_dkv_d\(b.head_dim_max)",
+        let dkv = dispatch("flash_attention_backward_dkv_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                            [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
                            rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads)

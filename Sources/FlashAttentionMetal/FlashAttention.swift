@@ -1,5 +1,6 @@
-/// Exact, memory-efficient attention (FlashAttention-2, Dao 2023) over float16 host buffers, run
-/// by Metal on Apple GPUs or by the CPU engine that executes the same Metal kernels.
+/// Exact, memory-efficient attention (FlashAttention-2, Dao 2023) over float16, bfloat16 or float32
+/// host buffers, run by Metal on Apple GPUs or by the CPU engine that executes the same Metal
+/// kernels.
 ///
 /// Semantics: `out = softmax(softmaxScale * q kᵀ, masked) v` per head, with `lse` the natural log
 /// of the softmax denominator (float32). `causal` masks are aligned bottom-right: query `i` sees key
@@ -24,19 +25,23 @@ public final class FlashAttention: @unchecked Sendable {
     /// The Metal device name, or a description of the CPU engine.
     public var deviceName: String { context.backend.deviceName }
 
-    /// Forward pass into caller-owned memory: `out` (float16 bit patterns, like `q`) and `lse`
-    /// (float32, `[batch][numHeads][seqlenQ]`).
+    /// Forward pass into caller-owned memory: `out` (like `v`'s element type, `[batch][numHeads]
+    /// [seqlenQ][headDimV]`) and `lse` (float32, `[batch][numHeads][seqlenQ]`). All tensors are
+    /// contiguous with the element type `Element` (its ``AttentionElement/attentionDType``).
     /// - Parameters:
     ///   - softmaxScale: any finite value; nil means `1 / sqrt(headDim)`.
     /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for a bad shape, scale or buffer length,
-    ///   ``FlashAttentionError/unsupported(_:)`` for `headDim > 256`,
-    ///   ``FlashAttentionError/executionFailed(_:)`` when the device fails (outputs are then NaN).
-    public func forward(q: UnsafeBufferPointer<UInt16>, k: UnsafeBufferPointer<UInt16>,
-                        v: UnsafeBufferPointer<UInt16>, out: UnsafeMutableBufferPointer<UInt16>,
-                        lse: UnsafeMutableBufferPointer<Float>, shape: AttentionShape,
-                        causal: Bool = false, softmaxScale: Float? = nil) throws {
+    ///   ``FlashAttentionError/unsupported(_:)`` for `headDim` or `headDimV` above 256 (or bfloat16
+    ///   where Metal lacks it), ``FlashAttentionError/executionFailed(_:)`` when the device fails
+    ///   (outputs are then NaN).
+    public func forward<Element: AttentionElement>(
+        q: UnsafeBufferPointer<Element>, k: UnsafeBufferPointer<Element>, v: UnsafeBufferPointer<Element>,
+        out: UnsafeMutableBufferPointer<Element>, lse: UnsafeMutableBufferPointer<Float>, shape: AttentionShape,
+        causal: Bool = false, softmaxScale: Float? = nil
+    ) throws {
         try withAutoreleasePool {
-            let p = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
+            let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal,
+                                         softmaxScale: softmaxScale)
             var buffers = HostBuffers()
             try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
             try buffers.bindInput(.k, checked(UnsafeRawBufferPointer(k), .k, p), for: p)
@@ -47,18 +52,20 @@ public final class FlashAttention: @unchecked Sendable {
         }
     }
 
-    /// Backward pass into caller-owned memory: `dq` (like `q`), `dk` and `dv` (like `k`) from
-    /// `dout` and the `q, k, v, out, lse` of the forward pass. `dk` and `dv` sum over the query
+    /// Backward pass into caller-owned memory: `dq` (like `q`), `dk` (like `k`) and `dv` (like `v`)
+    /// from `dout` and the `q, k, v, out, lse` of the forward pass. `dk` and `dv` sum over the query
     /// heads that share a KV head.
     /// - Throws: as ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)``.
-    public func backward(dout: UnsafeBufferPointer<UInt16>, q: UnsafeBufferPointer<UInt16>,
-                         k: UnsafeBufferPointer<UInt16>, v: UnsafeBufferPointer<UInt16>,
-                         out: UnsafeBufferPointer<UInt16>, lse: UnsafeBufferPointer<Float>,
-                         dq: UnsafeMutableBufferPointer<UInt16>, dk: UnsafeMutableBufferPointer<UInt16>,
-                         dv: UnsafeMutableBufferPointer<UInt16>, shape: AttentionShape,
-                         causal: Bool = false, softmaxScale: Float? = nil) throws {
+    public func backward<Element: AttentionElement>(
+        dout: UnsafeBufferPointer<Element>, q: UnsafeBufferPointer<Element>, k: UnsafeBufferPointer<Element>,
+        v: UnsafeBufferPointer<Element>, out: UnsafeBufferPointer<Element>, lse: UnsafeBufferPointer<Float>,
+        dq: UnsafeMutableBufferPointer<Element>, dk: UnsafeMutableBufferPointer<Element>,
+        dv: UnsafeMutableBufferPointer<Element>, shape: AttentionShape, causal: Bool = false,
+        softmaxScale: Float? = nil
+    ) throws {
         try withAutoreleasePool {
-            let p = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
+            let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal,
+                                         softmaxScale: softmaxScale)
             var buffers = HostBuffers()
             try buffers.bindInput(.dout, checked(UnsafeRawBufferPointer(dout), .dout, p), for: p)
             try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
@@ -72,49 +79,23 @@ public final class FlashAttention: @unchecked Sendable {
             try context.run(DispatchPlan.backward(p), buffers: buffers)
         }
     }
-}
 
-/// Throws unless a buffer of `count` elements is exactly what `role` needs for `problem`.
-private func expect(_ count: Int, _ role: BufferRole, _ problem: Problem) throws {
-    let needed = role.elementCount(for: problem)
-    guard count == needed else {
-        throw FlashAttentionError.invalidArgument("\(role.name) has \(count) elements; the shape needs \(needed)")
-    }
-}
-
-/// The start of `buffer` after checking that it holds exactly the elements `role` needs.
-private func checked(_ buffer: UnsafeRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
-    -> UnsafeRawPointer {
-    try expect(buffer.count / role.elementSize, role, problem)
-    guard let base = buffer.baseAddress else {
-        throw FlashAttentionError.invalidArgument("\(role.name) must not be null")
-    }
-    return base
-}
-
-private func checked(_ buffer: UnsafeMutableRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
-    -> UnsafeMutableRawPointer {
-    UnsafeMutableRawPointer(mutating: try checked(UnsafeRawBufferPointer(buffer), role, problem))
-}
-
-// Float16 does not exist on macOS for x86_64; there the UInt16 bit-pattern API above serves.
-#if !((os(macOS) || targetEnvironment(macCatalyst)) && arch(x86_64))
-extension FlashAttention {
-    /// Forward pass over arrays; returns `out` (float16, like `q`) and `lse` (float32,
-    /// `[batch][numHeads][seqlenQ]`). See ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)``.
-    public func forward(q: [Float16], k: [Float16], v: [Float16], shape: AttentionShape,
-                        causal: Bool = false, softmaxScale: Float? = nil) throws
-        -> (out: [Float16], lse: [Float]) {
+    /// Forward pass over arrays; returns `out` (`[batch][numHeads][seqlenQ][headDimV]`) and `lse`
+    /// (float32, `[batch][numHeads][seqlenQ]`). See
+    /// ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)``.
+    public func forward<Element: AttentionElement>(q: [Element], k: [Element], v: [Element], shape: AttentionShape,
+                                                   causal: Bool = false, softmaxScale: Float? = nil) throws
+        -> (out: [Element], lse: [Float]) {
         // Outputs are allocated only once the inputs match a valid shape, so a bad shape cannot
         // ask for an absurd allocation.
-        let p = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
+        let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal, softmaxScale: softmaxScale)
         try expect(q.count, .q, p)
-        var out = [Float16](repeating: 0, count: p.queryElements)
+        var out = [Element](repeating: Element(), count: BufferRole.out.elementCount(for: p))
         var lse = [Float](repeating: 0, count: p.lseElements)
-        try q.asBits { q in
-            try k.asBits { k in
-                try v.asBits { v in
-                    try out.asMutableBits { out in
+        try q.withUnsafeBufferPointer { q in
+            try k.withUnsafeBufferPointer { k in
+                try v.withUnsafeBufferPointer { v in
+                    try out.withUnsafeMutableBufferPointer { out in
                         try lse.withUnsafeMutableBufferPointer { lse in
                             try forward(q: q, k: k, v: v, out: out, lse: lse, shape: shape, causal: causal,
                                         softmaxScale: softmaxScale)
@@ -126,27 +107,28 @@ extension FlashAttention {
         return (out, lse)
     }
 
-    /// Backward pass over arrays; returns `dq` (like `q`), `dk` and `dv` (like `k`). See
+    /// Backward pass over arrays; returns `dq` (like `q`), `dk` (like `k`) and `dv` (like `v`). See
     /// ``backward(dout:q:k:v:out:lse:dq:dk:dv:shape:causal:softmaxScale:)``.
-    public func backward(dout: [Float16], q: [Float16], k: [Float16], v: [Float16], out: [Float16],
-                         lse: [Float], shape: AttentionShape, causal: Bool = false,
-                         softmaxScale: Float? = nil) throws -> (dq: [Float16], dk: [Float16], dv: [Float16]) {
-        let p = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
+    public func backward<Element: AttentionElement>(
+        dout: [Element], q: [Element], k: [Element], v: [Element], out: [Element], lse: [Float],
+        shape: AttentionShape, causal: Bool = false, softmaxScale: Float? = nil
+    ) throws -> (dq: [Element], dk: [Element], dv: [Element]) {
+        let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal, softmaxScale: softmaxScale)
         try expect(q.count, .q, p)
         try expect(k.count, .k, p)
         try expect(v.count, .v, p)
-        var dq = [Float16](repeating: 0, count: q.count)
-        var dk = [Float16](repeating: 0, count: k.count)
-        var dv = [Float16](repeating: 0, count: v.count)
-        try dout.asBits { dout in
-            try q.asBits { q in
-                try k.asBits { k in
-                    try v.asBits { v in
-                        try out.asBits { out in
+        var dq = [Element](repeating: Element(), count: q.count)
+        var dk = [Element](repeating: Element(), count: k.count)
+        var dv = [Element](repeating: Element(), count: v.count)
+        try dout.withUnsafeBufferPointer { dout in
+            try q.withUnsafeBufferPointer { q in
+                try k.withUnsafeBufferPointer { k in
+                    try v.withUnsafeBufferPointer { v in
+                        try out.withUnsafeBufferPointer { out in
                             try lse.withUnsafeBufferPointer { lse in
-                                try dq.asMutableBits { dq in
-                                    try dk.asMutableBits { dk in
-                                        try dv.asMutableBits { dv in
+                                try dq.withUnsafeMutableBufferPointer { dq in
+                                    try dk.withUnsafeMutableBufferPointer { dk in
+                                        try dv.withUnsafeMutableBufferPointer { dv in
                                             try backward(dout: dout, q: q, k: k, v: v, out: out, lse: lse,
                                                          dq: dq, dk: dk, dv: dv, shape: shape, causal: causal,
                                                          softmaxScale: softmaxScale)
@@ -163,15 +145,25 @@ extension FlashAttention {
     }
 }
 
-extension Array where Element == Float16 {
-    /// The elements as float16 bit patterns, without a copy.
-    fileprivate func asBits<R>(_ body: (UnsafeBufferPointer<UInt16>) throws -> R) rethrows -> R {
-        try withUnsafeBufferPointer { try $0.withMemoryRebound(to: UInt16.self, body) }
-    }
-
-    fileprivate mutating func asMutableBits<R>(_ body: (UnsafeMutableBufferPointer<UInt16>) throws -> R) rethrows
-        -> R {
-        try withUnsafeMutableBufferPointer { try $0.withMemoryRebound(to: UInt16.self, body) }
+/// Throws unless a buffer of `count` elements is exactly what `role` needs for `problem`.
+private func expect(_ count: Int, _ role: BufferRole, _ problem: Problem) throws {
+    let needed = role.elementCount(for: problem)
+    guard count == needed else {
+        throw FlashAttentionError.invalidArgument("\(role.name) has \(count) elements; the shape needs \(needed)")
     }
 }
-#endif
+
+/// The start of `buffer` after checking that it holds exactly the elements `role` needs.
+private func checked(_ buffer: UnsafeRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
+    -> UnsafeRawPointer {
+    try expect(buffer.count / role.elementSize(for: problem), role, problem)
+    guard let base = buffer.baseAddress else {
+        throw FlashAttentionError.invalidArgument("\(role.name) must not be null")
+    }
+    return base
+}
+
+private func checked(_ buffer: UnsafeMutableRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
+    -> UnsafeMutableRawPointer {
+    UnsafeMutableRawPointer(mutating: try checked(UnsafeRawBufferPointer(buffer), role, problem))
+}

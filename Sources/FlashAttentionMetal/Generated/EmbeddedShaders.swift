@@ -41,11 +41,15 @@ enum EmbeddedShaders {
 //
 // Semantics (flash_attention_metal.h): bottom-right causal masks; a row that sees no key gets
 // out 0, lse -inf and zero gradients; GQA/MQA query head h reads KV head
-// h / (num_heads / num_kv_heads); 64-bit offsets; head_dim 1 to FA_MAX_HEAD_DIM, zero-padded to
-// the bucket's multiple of 8 inside threadgroup memory, never read past the tensor.
+// h / (num_heads / num_kv_heads); 64-bit offsets from per-tensor strides (any layout whose last
+// axis is contiguous); head_dim (q, k) and head_dim_v (v, out) 1 to FA_MAX_HEAD_DIM, zero-padded
+// to the bucket's width inside threadgroup memory, never read past the tensor. Element type T of
+// the tensors: half, bfloat or float; every product accumulates in float32 and every output is
+// rounded to T once.
 //
-// One instance per head-dim bucket of FA_HEAD_DIM_BUCKETS, named <kernel>_d<head_dim_max>.
-// Threadgroup storage is one struct per kernel, named <kernel>_threadgroup.
+// One instance per dtype and head-dim bucket (FA_HEAD_DIM_BUCKETS for half and bfloat,
+// FA_HEAD_DIM_BUCKETS_F32 for float), named <kernel>_<dtype>_d<head_dim_max>. Threadgroup storage
+// is one struct per kernel, named <kernel>_threadgroup.
 
 #include <metal_stdlib>
 
@@ -60,24 +64,50 @@ using namespace metal;
 
 #if defined(__METAL_VERSION__)
 typedef uint fa_u32;
+typedef ulong fa_u64;
 #else
 #include <stdint.h>
 typedef uint32_t fa_u32;
+typedef uint64_t fa_u64;
 #endif
 
-// Every field is 4 bytes, so the layout is the same in MSL, C, C++ and Swift.
+// Where a [batch][heads][seqlen][head_dim] tensor's rows are: element (b, h, i, d) is at
+// b * batch + h * head + i * seq + d (in elements; the last axis is contiguous).
+typedef struct FlashAttentionStrides {
+    fa_u64 batch;
+    fa_u64 head;
+    fa_u64 seq;
+} FlashAttentionStrides;
+
+// The 8-byte fields come first and the 4-byte ones after, so MSL, C, C++ and Swift lay the struct
+// out identically (natural alignment, no padding between fields).
 typedef struct FlashAttentionParams {
+    FlashAttentionStrides q;
+    FlashAttentionStrides k;
+    FlashAttentionStrides v;
+    FlashAttentionStrides out;
+    FlashAttentionStrides dout;  // backward only, like the three below
+    FlashAttentionStrides dq;
+    FlashAttentionStrides dk;
+    FlashAttentionStrides dv;
     fa_u32 batch;
     fa_u32 num_heads;
     fa_u32 num_kv_heads;
     fa_u32 seqlen_q;
     fa_u32 seqlen_k;
-    fa_u32 head_dim;
+    fa_u32 head_dim;      // of q and k (and dq, dk)
+    fa_u32 head_dim_v;    // of v, out, dout and dv
     fa_u32 causal;        // 0 or 1; bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
     float softmax_scale;  // applied to q . k before the softmax
     fa_u32 kv_chunks;     // split-KV forward only: chunks of keys per (batch, KV head), else 1
     fa_u32 kv_chunk_keys; // split-KV forward only: keys per chunk (a multiple of the key tile)
 } FlashAttentionParams;
+
+// Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
+// Kernel instances are named with the dtype's suffix: f16 (half), bf16 (bfloat, MSL 3.1) and f32.
+#define FA_DTYPE_F16 0
+#define FA_DTYPE_BF16 1
+#define FA_DTYPE_F32 2
 
 // Buffer indices: forward.
 #define FA_FORWARD_BUFFER_Q 0
@@ -115,7 +145,7 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_DQ_BUFFER_COUNT 9
 #define FA_BACKWARD_DKV_BUFFER_COUNT 10
 
-// Largest supported head_dim; the last bucket of the table below.
+// Largest supported head_dim and head_dim_v; the last bucket of the tables below.
 #define FA_MAX_HEAD_DIM 256
 
 // Every kernel runs FA_SIMDGROUPS SIMD-groups of 32 threads per threadgroup. A kernel owns a block
@@ -144,11 +174,13 @@ typedef struct FlashAttentionParams {
 // conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
 #define FA_TILE_PAD 8
 
-// Head-dim buckets: X(head_dim_max, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ): per kernel the
+// Head-dim buckets of the 2-byte dtypes (f16, bf16):
+// X(head_dim_max, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ): per kernel the
 // rows it owns and the rows of the tiles it streams (forward: BQ query rows, K/V tiles of BK keys;
 // dQ: BQ query rows, K/V tiles of BK keys; dK/dV: BK key rows, Q/dO tiles of BQ query rows). A
-// problem uses the first bucket whose head_dim_max >= head_dim; kernel instances are named
-// <kernel>_d<head_dim_max>, e.g. flash_attention_forward_d64.
+// problem uses the first bucket whose head_dim_max >= max(head_dim, head_dim_v) (V tiles are as
+// wide as K tiles; products skip the zero columns past either); kernel instances are named
+// <kernel>_<dtype>_d<head_dim_max>, e.g. flash_attention_forward_f16_d64.
 // Why these sizes: the forward follows MLX's steel attention (BQ 32 = 4 SIMD-groups x 8 rows; K/V
 // tiles of 32 keys, 16 from head_dim 128), whose published throughput on M-series GPUs is 87-97 %
 // of a measured f16 matmul ceiling. From head_dim 192 the accumulators are split over two head_dim
@@ -166,6 +198,17 @@ typedef struct FlashAttentionParams {
     X(128, 32, 16, 32, 16, 32, 16)       \
     X(192, 16, 16, 16, 16, 16, 16)       \
     X(256, 16, 16, 16, 8, 16, 8)
+
+// Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
+// (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB
+// (the backward kernels at 256) the two streamed tiles share one buffer (see the storage structs).
+#define FA_HEAD_DIM_BUCKETS_F32(X)       \
+    X(32, 32, 32, 32, 32, 32, 32)        \
+    X(64, 32, 32, 32, 16, 32, 16)        \
+    X(96, 32, 16, 16, 16, 16, 16)        \
+    X(128, 16, 16, 16, 8, 16, 8)         \
+    X(192, 8, 8, 8, 8, 8, 8)             \
+    X(256, 8, 8, 8, 8, 8, 8)
 
 #endif
 // ---- end flash_attention_params.h ----
@@ -272,10 +315,10 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
 // Masks (bottom-right aligned, as FlashAttention >= 2.1, MLX and PyTorch's lower-right causal):
 // query i sees key j iff j < seqlen_k and, when causal, j <= i + seqlen_k - seqlen_q.
 
-// Element offset of the first row of head `head` of batch `b` in a [batch][heads][seqlen][head_dim]
-// tensor (64-bit: tensors may hold more than 2^32 elements).
-inline ulong head_offset(uint b, uint heads, uint head, uint seqlen, uint head_dim) {
-    return (ulong(b) * heads + head) * seqlen * head_dim;
+// Element offset of row 0 of head `head` of batch `b` in a tensor laid out by `s` (64-bit:
+// tensors may span more than 2^32 elements).
+inline ulong head_offset(FlashAttentionStrides s, uint b, uint head) {
+    return ulong(b) * s.batch + ulong(head) * s.head;
 }
 
 // Index of row `row` of head `head` of batch `b` in a [batch][heads][seqlen] tensor (lse, delta).
@@ -331,17 +374,17 @@ inline uint active_fragments(uint head_dim, uint col0, uint n) {
     return padded <= col0 ? 0u : min(n, (padded - col0) / 8);
 }
 
-// Copies rows [first, first + ROWS) of a [seqlen][head_dim] matrix of half (src points at its row
-// 0) into tile[ROWS][>= DP], zero past seqlen and past head_dim. The threadgroup's threads share
-// the copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
-template <uint ROWS, uint DP, typename Tile>
-inline void load_rows(Tile tile, device const half *src, uint first, uint seqlen, uint head_dim,
-                      uint tid) {
+// Copies rows [first, first + ROWS) of a [seqlen][cols] matrix whose rows lie `stride` elements
+// apart (src points at its row 0) into tile[ROWS][>= DP], zero past seqlen and past cols. The
+// threadgroup's threads share the copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
+template <uint ROWS, uint DP, typename T, typename Tile>
+inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, ulong stride,
+                      uint cols, uint tid) {
     for (uint e = tid; e < ROWS * DP; e += FA_THREADS_PER_THREADGROUP) {
         const uint r = e / DP;
         const uint d = e % DP;
         const ulong row = ulong(first) + r;
-        tile[r][d] = (row < seqlen && d < head_dim) ? src[row * head_dim + d] : half(0);
+        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0);
     }
 }
 // ---- end flash_attention_blocks.h ----
@@ -349,13 +392,14 @@ inline void load_rows(Tile tile, device const half *src, uint first, uint seqlen
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
 
-// Where one SIMD-group works: rows [row0, row0 + 8) of the threadgroup's block and head_dim
-// columns [col0, col0 + 8 * fragments) of its slice, of which `active` fragments lie inside
-// head_dim.
+// Where one SIMD-group works: rows [row0, row0 + 8) of the threadgroup's block and columns
+// [col0, col0 + 8 * fragments) of its head_dim slice, of which `active` fragments lie inside
+// head_dim (q, k) and `active_v` inside head_dim_v (v, out).
 struct SimdgroupSlice {
     uint row0;
     uint col0;
     uint active;
+    uint active_v;
     uint first_sgid;  // the SIMD-group holding slice 0 of the same rows
 };
 
@@ -365,6 +409,7 @@ inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgi
     s.row0 = (sgid / SLICES) * 8;
     s.col0 = (sgid % SLICES) * (DP / SLICES);
     s.active = active_fragments(p.head_dim, s.col0, DP / SLICES / 8);
+    s.active_v = active_fragments(p.head_dim_v, s.col0, DP / SLICES / 8);
     s.first_sgid = sgid - sgid % SLICES;
     return s;
 }
@@ -380,16 +425,16 @@ inline void sum_over_slices(thread Fragments<N> &x, Partials partials, uint sgid
     }
 }
 
-// Stores rows of an 8 x 8N accumulator times `scale` as half: row `row` of a head (row_start is its
-// element offset), columns below head_dim only.
-template <uint N>
-inline void store_row(device half *dst, thread Fragments<N> &x, float scale, ulong row_start,
-                      uint head_dim, SimdgroupSlice s, FragmentCoord at) {
+// Stores the lane's row of an 8 x 8N accumulator times `scale`, rounded to T: dst points at the
+// row, columns below `cols` only.
+template <uint N, typename T>
+inline void store_row(device T *dst, thread Fragments<N> &x, float scale, uint cols,
+                      SimdgroupSlice s, FragmentCoord at) {
     for (uint d = 0; d < N; ++d) {
         for (uint e = 0; e < 2; ++e) {
             const uint col = s.col0 + d * 8 + at.col + e;
-            if (col < head_dim) {
-                dst[row_start + col] = half(x.f[d].thread_elements()[e] * scale);
+            if (col < cols) {
+                dst[col] = T(x.f[d].thread_elements()[e] * scale);
             }
         }
     }
@@ -397,11 +442,11 @@ inline void store_row(device half *dst, thread Fragments<N> &x, float scale, ulo
 
 // ---- forward ---------------------------------------------------------------------------------
 
-template <uint DP, uint BQ, uint BK>
+template <typename T, uint DP, uint BQ, uint BK>
 struct ForwardStorage {
-    half q[BQ][DP + FA_TILE_PAD];
-    half k[BK][DP + FA_TILE_PAD];
-    half v[BK][DP + FA_TILE_PAD];
+    T q[BQ][DP + FA_TILE_PAD];
+    T k[BK][DP + FA_TILE_PAD];
+    T v[BK][DP + FA_TILE_PAD];
     float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
 };
 
@@ -426,15 +471,15 @@ inline void start_rows(thread RowState<ND> &r) {
 // and v_head: loads the tiles (every thread calls it), S = Q K^T over the slice and then over all
 // of head_dim, masks (only when `masked`; the lane's row is query `row`), online softmax update,
 // O += P V.
-template <uint DP, uint BQ, uint BK, uint ND, typename Storage>
-inline void forward_tile(thread RowState<ND> &r, Storage tg, device const half *k_head,
-                         device const half *v_head, constant FlashAttentionParams &p, uint kv0,
+template <uint DP, uint BQ, uint BK, uint ND, typename T, typename Storage>
+inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_head,
+                         device const T *v_head, constant FlashAttentionParams &p, uint kv0,
                          bool masked, uint row, SimdgroupSlice s, FragmentCoord at, uint sgid,
                          uint tid) {
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.head_dim, tid);
-    load_rows<BK, DP>(tg->v, v_head, kv0, p.seqlen_k, p.head_dim, tid);
+    load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+    load_rows<BK, DP>(tg->v, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     Fragments<NK> sc;
@@ -484,7 +529,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const half *
     r.m = m_next;
 
     for (uint d = 0; d < ND; ++d) {
-        if (d < s.active) {
+        if (d < s.active_v) {
             for (uint j = 0; j < NK; ++j) {
                 simdgroup_float8x8 vf;
                 load_fragment(vf, tg->v, j * 8, s.col0 + d * 8, at);
@@ -499,11 +544,10 @@ inline float row_lse(float m, float l) {
     return l > 0.0f ? m * M_LN2_F + log(l) : -INFINITY;
 }
 
-template <uint DP, uint BQ, uint BK, typename Storage>
-inline void attention_forward(device const half *q, device const half *k, device const half *v,
-                              device half *out, device float *lse,
-                              constant FlashAttentionParams &p, Storage tg, uint3 tgid,
-                              uint sgid, uint lane) {
+template <uint DP, uint BQ, uint BK, typename T, typename Storage>
+inline void attention_forward(device const T *q, device const T *k, device const T *v,
+                              device T *out, device float *lse, constant FlashAttentionParams &p,
+                              Storage tg, uint3 tgid, uint sgid, uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;  // fragments across the slice
     const uint tid = sgid * 32 + lane;
@@ -514,24 +558,23 @@ inline void attention_forward(device const half *q, device const half *k, device
     const uint h = tgid.y;
     const uint q0 = tgid.x * BQ;
     const uint row = q0 + s.row0 + at.row;
-    const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
-    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
     // Keys seen by the block's last row: the tiles the threadgroup visits (none past it).
     const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
 
-    load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
+    load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
     RowState<ND> r;
     start_rows(r);
     for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
-        forward_tile<DP, BQ, BK>(r, tg, k + kv_head_start, v + kv_head_start, p, kv0,
+        forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
+                                 v + head_offset(p.v, b, kv_head), p, kv0,
                                  !tile_unmasked(p, q0, BQ, kv0, BK), row, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);
     if (row < p.seqlen_q) {
-        store_row(out, r.o, l > 0.0f ? 1.0f / l : 0.0f, q_head + ulong(row) * p.head_dim,
-                  p.head_dim, s, at);
+        store_row(out + head_offset(p.out, b, h) + ulong(row) * p.out.seq, r.o,
+                  l > 0.0f ? 1.0f / l : 0.0f, p.head_dim_v, s, at);
         if (s.col0 == 0 && at.col == 0) {
             lse[row_index(b, p.num_heads, h, p.seqlen_q, row)] = row_lse(r.m, l);
         }
@@ -565,28 +608,25 @@ inline PackedRows packed_rows(constant FlashAttentionParams &p, uint block) {
     return r;
 }
 
-// Element offset of packed row `packed` in q (batch b, KV head kv_head).
-inline ulong packed_row_offset(constant FlashAttentionParams &p, PackedRows r, uint b,
-                               uint kv_head, uint packed) {
-    const uint h = kv_head * r.group + packed / p.seqlen_q;
-    return head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim) +
-           ulong(packed % p.seqlen_q) * p.head_dim;
+// The query head of packed row `packed` of KV head kv_head.
+inline uint packed_head(constant FlashAttentionParams &p, PackedRows r, uint kv_head, uint packed) {
+    return kv_head * r.group + packed / p.seqlen_q;
 }
 
-// Index of (packed row, chunk) in partial_lse; times head_dim, in partial_out.
+// Index of (packed row, chunk) in partial_lse; times head_dim_v, in partial_out.
 inline ulong partial_index(constant FlashAttentionParams &p, PackedRows r, uint b, uint kv_head,
                            uint packed, uint chunk) {
-    const uint h = kv_head * r.group + packed / p.seqlen_q;
+    const uint h = packed_head(p, r, kv_head, packed);
     return ((ulong(b) * p.num_heads + h) * p.kv_chunks + chunk) * p.seqlen_q + packed % p.seqlen_q;
 }
 
 // One chunk of keys for one block of packed rows: threadgroups (row blocks x chunks, KV heads,
 // batch), x = chunk * row_blocks + row block. Writes the chunk's normalised output and lse.
-template <uint DP, uint BQ, uint BK, typename Storage>
-inline void attention_forward_split(device const half *q, device const half *k,
-                                    device const half *v, device float *partial_out,
-                                    device float *partial_lse, constant FlashAttentionParams &p,
-                                    Storage tg, uint3 tgid, uint sgid, uint lane) {
+template <uint DP, uint BQ, uint BK, typename T, typename Storage>
+inline void attention_forward_split(device const T *q, device const T *k, device const T *v,
+                                    device float *partial_out, device float *partial_lse,
+                                    constant FlashAttentionParams &p, Storage tg, uint3 tgid,
+                                    uint sgid, uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;
     const uint tid = sgid * 32 + lane;
@@ -602,7 +642,6 @@ inline void attention_forward_split(device const half *q, device const half *k,
     const uint packed = rows.first + s.row0 + at.row;
     const bool valid = packed < rows.count;
     const uint row = valid ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
-    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
     const uint key_begin = chunk * p.kv_chunk_keys;
     const uint key_end = min(key_begin + p.kv_chunk_keys, visible_keys(p, rows.i_max));
 
@@ -611,16 +650,18 @@ inline void attention_forward_split(device const half *q, device const half *k,
         const uint d = e % DP;
         const uint at_row = rows.first + r;
         tg->q[r][d] = (at_row < rows.count && d < p.head_dim)
-                          ? q[packed_row_offset(p, rows, b, kv_head, at_row) + d]
-                          : half(0);
+                          ? q[head_offset(p.q, b, packed_head(p, rows, kv_head, at_row)) +
+                              ulong(at_row % p.seqlen_q) * p.q.seq + d]
+                          : T(0);
     }
     RowState<ND> r;
     start_rows(r);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         const bool masked = !rows.full || !tile_unmasked(p, rows.i_min, rows.i_max - rows.i_min + 1,
                                                          kv0, BK);
-        forward_tile<DP, BQ, BK>(r, tg, k + kv_head_start, v + kv_head_start, p, kv0, masked, row,
-                                 s, at, sgid, tid);
+        forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
+                                 v + head_offset(p.v, b, kv_head), p, kv0, masked, row, s, at,
+                                 sgid, tid);
     }
 
     const float l = row_sum(r.l);
@@ -630,8 +671,8 @@ inline void attention_forward_split(device const half *q, device const half *k,
         for (uint d = 0; d < ND; ++d) {
             for (uint e = 0; e < 2; ++e) {
                 const uint col = s.col0 + d * 8 + at.col + e;
-                if (col < p.head_dim) {
-                    partial_out[index * p.head_dim + col] = r.o.f[d].thread_elements()[e] * scale;
+                if (col < p.head_dim_v) {
+                    partial_out[index * p.head_dim_v + col] = r.o.f[d].thread_elements()[e] * scale;
                 }
             }
         }
@@ -644,8 +685,9 @@ inline void attention_forward_split(device const half *q, device const half *k,
 // Combines the chunks of one query row (threadgroup (i, h, b)): out = sum_c w_c O_c / sum_c w_c
 // with w_c = exp(lse_c - max_c lse_c), lse = max + log(sum_c w_c), chunks in order. A chunk with
 // lse -inf weighs 0; a row without any key gets out 0, lse -inf.
+template <typename T>
 inline void attention_forward_combine(device const float *partial_out,
-                                      device const float *partial_lse, device half *out,
+                                      device const float *partial_lse, device T *out,
                                       device float *lse, constant FlashAttentionParams &p,
                                       uint3 tgid, uint tid) {
     const ulong first = (ulong(tgid.z) * p.num_heads + tgid.y) * p.kv_chunks * p.seqlen_q + tgid.x;
@@ -658,35 +700,37 @@ inline void attention_forward_combine(device const float *partial_out,
         const float part = partial_lse[first + ulong(c) * p.seqlen_q];
         total += part == -INFINITY ? 0.0f : exp(part - top);
     }
-    const ulong row = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, tgid.x);
-    for (uint d = tid; d < p.head_dim; d += FA_THREADS_PER_THREADGROUP) {
+    device T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(tgid.x) * p.out.seq;
+    for (uint d = tid; d < p.head_dim_v; d += FA_THREADS_PER_THREADGROUP) {
         float acc = 0.0f;
         for (uint c = 0; c < p.kv_chunks; ++c) {
             const ulong part = first + ulong(c) * p.seqlen_q;
             if (partial_lse[part] != -INFINITY) {
-                acc = fma(exp(partial_lse[part] - top), partial_out[part * p.head_dim + d], acc);
+                acc = fma(exp(partial_lse[part] - top), partial_out[part * p.head_dim_v + d], acc);
             }
         }
-        out[row * p.head_dim + d] = half(total > 0.0f ? acc / total : 0.0f);
+        out_row[d] = T(total > 0.0f ? acc / total : 0.0f);
     }
     if (tid == 0) {
-        lse[row] = total > 0.0f ? top + log(total) : -INFINITY;
+        lse[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, tgid.x)] =
+            total > 0.0f ? top + log(total) : -INFINITY;
     }
 }
 
 // ---- backward: D = rowsum(dO * O) ------------------------------------------------------------
 
 // One thread per query row; D in float32, read by both gradient kernels.
-inline void attention_backward_delta(device const half *dout, device const half *out,
+template <typename T>
+inline void attention_backward_delta(device const T *dout, device const T *out,
                                      device float *delta, constant FlashAttentionParams &p,
                                      uint3 tgid, uint tid) {
     const uint row = tgid.x * FA_DELTA_BLOCK_ROWS + tid;
     if (row < p.seqlen_q) {
-        const ulong start =
-            head_offset(tgid.z, p.num_heads, tgid.y, p.seqlen_q, p.head_dim) + ulong(row) * p.head_dim;
+        device const T *dout_row = dout + head_offset(p.dout, tgid.z, tgid.y) + ulong(row) * p.dout.seq;
+        device const T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(row) * p.out.seq;
         float acc = 0.0f;
-        for (uint d = 0; d < p.head_dim; ++d) {
-            acc = fma(float(dout[start + d]), float(out[start + d]), acc);
+        for (uint d = 0; d < p.head_dim_v; ++d) {
+            acc = fma(float(dout_row[d]), float(out_row[d]), acc);
         }
         delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] = acc;
     }
@@ -694,36 +738,38 @@ inline void attention_backward_delta(device const half *dout, device const half 
 
 // ---- backward: dQ ----------------------------------------------------------------------------
 
-template <uint DP, uint BQ, uint BK>
+// SHARED: the K and V tiles share one buffer (when both would not fit in 32 KiB): V is loaded
+// first for dP, then K for S and dQ, so each is still read once per tile.
+template <typename T, uint DP, uint BQ, uint BK, bool SHARED>
 struct BackwardQueryStorage {
-    half q[BQ][DP + FA_TILE_PAD];
-    half dout[BQ][DP + FA_TILE_PAD];
-    half k[BK][DP + FA_TILE_PAD];
-    half v[BK][DP + FA_TILE_PAD];
+    T q[BQ][DP + FA_TILE_PAD];
+    T dout[BQ][DP + FA_TILE_PAD];
+    T k[BK][DP + FA_TILE_PAD];
+    T v[SHARED ? 1 : BK][DP + FA_TILE_PAD];
     float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
     float dp_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
 };
 
-template <uint DP, uint BQ, uint BK, typename Storage>
-inline void attention_backward_dq(device const half *dout, device const half *q,
-                                  device const half *k, device const half *v,
-                                  device const float *lse, device const float *delta,
-                                  constant FlashAttentionParams &p, device half *dq, Storage tg,
-                                  uint3 tgid, uint sgid, uint lane) {
+template <uint DP, uint BQ, uint BK, bool SHARED, typename T, typename Storage>
+inline void attention_backward_dq(device const T *dout, device const T *q, device const T *k,
+                                  device const T *v, device const float *lse,
+                                  device const float *delta, constant FlashAttentionParams &p,
+                                  device T *dq, Storage tg, uint3 tgid, uint sgid, uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;
     constexpr uint NK = BK / 8;
     const uint tid = sgid * 32 + lane;
     const FragmentCoord at = fragment_coord(lane);
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
+    auto v_tile = SHARED ? tg->k : tg->v;
 
     const uint b = tgid.z;
     const uint h = tgid.y;
     const uint q0 = tgid.x * BQ;
     const uint row = q0 + s.row0 + at.row;
-    const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
-    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
+    device const T *k_head = k + head_offset(p.k, b, kv_head);
+    device const T *v_head = v + head_offset(p.v, b, kv_head);
     const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
     const float scale2 = p.softmax_scale * M_LOG2E_F;
     // Rows past the end or without keys have every element masked: their L and D are not read.
@@ -732,34 +778,51 @@ inline void attention_backward_dq(device const half *dout, device const half *q,
     const float row_lse2 = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
     const float row_delta = has_keys ? delta[at_row] : 0.0f;
 
-    load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
-    load_rows<BQ, DP>(tg->dout, dout + q_head, q0, p.seqlen_q, p.head_dim, tid);
+    load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+    load_rows<BQ, DP>(tg->dout, dout + head_offset(p.dout, b, h), q0, p.seqlen_q, p.dout.seq,
+                      p.head_dim_v, tid);
 
     Fragments<ND> dq_acc;
     clear(dq_acc);
     for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_rows<BK, DP>(tg->k, k + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-        load_rows<BK, DP>(tg->v, v + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
+        load_rows<BK, DP>(v_tile, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+        if (!SHARED) {
+            load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+        }
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
-        // S = Q K^T and dP = dO V^T.
-        Fragments<NK> sc;
+        // dP = dO V^T.
         Fragments<NK> dp;
-        clear(sc);
         clear(dp);
+        for (uint d = 0; d < ND; ++d) {
+            if (d < s.active_v) {
+                simdgroup_float8x8 dof;
+                load_fragment(dof, tg->dout, s.row0, s.col0 + d * 8, at);
+                for (uint j = 0; j < NK; ++j) {
+                    simdgroup_float8x8 vt;
+                    load_fragment_transposed(vt, v_tile, j * 8, s.col0 + d * 8, at);
+                    simdgroup_multiply_accumulate(dp.f[j], dof, vt, dp.f[j]);
+                }
+            }
+        }
+        if (SHARED) {
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+            load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+        }
+
+        // S = Q K^T.
+        Fragments<NK> sc;
+        clear(sc);
         for (uint d = 0; d < ND; ++d) {
             if (d < s.active) {
                 simdgroup_float8x8 qf;
-                simdgroup_float8x8 dof;
                 load_fragment(qf, tg->q, s.row0, s.col0 + d * 8, at);
-                load_fragment(dof, tg->dout, s.row0, s.col0 + d * 8, at);
                 for (uint j = 0; j < NK; ++j) {
-                    simdgroup_float8x8 t;
-                    load_fragment_transposed(t, tg->k, j * 8, s.col0 + d * 8, at);
-                    simdgroup_multiply_accumulate(sc.f[j], qf, t, sc.f[j]);
-                    load_fragment_transposed(t, tg->v, j * 8, s.col0 + d * 8, at);
-                    simdgroup_multiply_accumulate(dp.f[j], dof, t, dp.f[j]);
+                    simdgroup_float8x8 kt;
+                    load_fragment_transposed(kt, tg->k, j * 8, s.col0 + d * 8, at);
+                    simdgroup_multiply_accumulate(sc.f[j], qf, kt, sc.f[j]);
                 }
             }
         }
@@ -790,30 +853,32 @@ inline void attention_backward_dq(device const half *dout, device const half *q,
     }
 
     if (row < p.seqlen_q) {
-        store_row(dq, dq_acc, p.softmax_scale, q_head + ulong(row) * p.head_dim, p.head_dim, s, at);
+        store_row(dq + head_offset(p.dq, b, h) + ulong(row) * p.dq.seq, dq_acc, p.softmax_scale,
+                  p.head_dim, s, at);
     }
 }
 
 // ---- backward: dK and dV ---------------------------------------------------------------------
 
-template <uint DP, uint BK, uint BQ>
+// SHARED: the Q and dO tiles share one buffer (when both would not fit in 32 KiB): Q for S, then
+// dO for dP and dV, then Q again for dK.
+template <typename T, uint DP, uint BK, uint BQ, bool SHARED>
 struct BackwardKeyValueStorage {
-    half k[BK][DP + FA_TILE_PAD];
-    half v[BK][DP + FA_TILE_PAD];
-    half q[BQ][DP + FA_TILE_PAD];
-    half dout[BQ][DP + FA_TILE_PAD];
+    T k[BK][DP + FA_TILE_PAD];
+    T v[BK][DP + FA_TILE_PAD];
+    T q[BQ][DP + FA_TILE_PAD];
+    T dout[SHARED ? 1 : BQ][DP + FA_TILE_PAD];
     float lse2[BQ];   // L of the tile's rows in base 2 (0 for rows past the end or without keys)
     float delta[BQ];  // D of the tile's rows (0 likewise)
     float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
     float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
 };
 
-template <uint DP, uint BK, uint BQ, typename Storage>
-inline void attention_backward_dkv(device const half *dout, device const half *q,
-                                   device const half *k, device const half *v,
-                                   device const float *lse, device const float *delta,
-                                   constant FlashAttentionParams &p, device half *dk,
-                                   device half *dv, Storage tg, uint3 tgid, uint sgid,
+template <uint DP, uint BK, uint BQ, bool SHARED, typename T, typename Storage>
+inline void attention_backward_dkv(device const T *dout, device const T *q, device const T *k,
+                                   device const T *v, device const float *lse,
+                                   device const float *delta, constant FlashAttentionParams &p,
+                                   device T *dk, device T *dv, Storage tg, uint3 tgid, uint sgid,
                                    uint lane) {
     constexpr uint SLICES = FA_SLICES(BK);
     constexpr uint ND = DP / SLICES / 8;
@@ -821,18 +886,20 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
     const uint tid = sgid * 32 + lane;
     const FragmentCoord at = fragment_coord(lane);
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
+    auto dout_tile = SHARED ? tg->q : tg->dout;
 
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
     const uint k0 = tgid.x * BK;
     const uint key = k0 + s.row0 + at.row;
-    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
     const uint first_row = first_row_seeing(p, k0);
     const float scale2 = p.softmax_scale * M_LOG2E_F;
 
-    load_rows<BK, DP>(tg->k, k + kv_head_start, k0, p.seqlen_k, p.head_dim, tid);
-    load_rows<BK, DP>(tg->v, v + kv_head_start, k0, p.seqlen_k, p.head_dim, tid);
+    load_rows<BK, DP>(tg->k, k + head_offset(p.k, b, kv_head), k0, p.seqlen_k, p.k.seq, p.head_dim,
+                      tid);
+    load_rows<BK, DP>(tg->v, v + head_offset(p.v, b, kv_head), k0, p.seqlen_k, p.v.seq,
+                      p.head_dim_v, tid);
 
     Fragments<ND> dk_acc;
     Fragments<ND> dv_acc;
@@ -840,11 +907,14 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
     clear(dv_acc);
     for (uint g = 0; g < group; ++g) {
         const uint h = kv_head * group + g;
-        const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
+        device const T *q_head = q + head_offset(p.q, b, h);
+        device const T *dout_head = dout + head_offset(p.dout, b, h);
         for (uint q0 = first_row; q0 < p.seqlen_q; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
-            load_rows<BQ, DP>(tg->dout, dout + q_head, q0, p.seqlen_q, p.head_dim, tid);
+            load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+            if (!SHARED) {
+                load_rows<BQ, DP>(tg->dout, dout_head, q0, p.seqlen_q, p.dout.seq, p.head_dim_v, tid);
+            }
             if (tid < BQ) {
                 const uint r = q0 + tid;
                 const bool has_keys = r < p.seqlen_q && visible_keys(p, r) > 0;
@@ -854,23 +924,37 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
 
-            // S^T = K Q^T and dP^T = V dO^T.
+            // S^T = K Q^T.
             Fragments<NQ> st;
-            Fragments<NQ> dpt;
             clear(st);
-            clear(dpt);
             for (uint d = 0; d < ND; ++d) {
                 if (d < s.active) {
                     simdgroup_float8x8 kf;
-                    simdgroup_float8x8 vf;
                     load_fragment(kf, tg->k, s.row0, s.col0 + d * 8, at);
+                    for (uint j = 0; j < NQ; ++j) {
+                        simdgroup_float8x8 qt;
+                        load_fragment_transposed(qt, tg->q, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(st.f[j], kf, qt, st.f[j]);
+                    }
+                }
+            }
+            if (SHARED) {
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+                load_rows<BQ, DP>(dout_tile, dout_head, q0, p.seqlen_q, p.dout.seq, p.head_dim_v, tid);
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+            }
+
+            // dP^T = V dO^T.
+            Fragments<NQ> dpt;
+            clear(dpt);
+            for (uint d = 0; d < ND; ++d) {
+                if (d < s.active_v) {
+                    simdgroup_float8x8 vf;
                     load_fragment(vf, tg->v, s.row0, s.col0 + d * 8, at);
                     for (uint j = 0; j < NQ; ++j) {
-                        simdgroup_float8x8 t;
-                        load_fragment_transposed(t, tg->q, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(st.f[j], kf, t, st.f[j]);
-                        load_fragment_transposed(t, tg->dout, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(dpt.f[j], vf, t, dpt.f[j]);
+                        simdgroup_float8x8 dot;
+                        load_fragment_transposed(dot, dout_tile, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dpt.f[j], vf, dot, dpt.f[j]);
                     }
                 }
             }
@@ -890,15 +974,29 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
                 }
             }
 
-            // dV += P^T dO and dK += dS^T Q.
+            // dV += P^T dO.
+            for (uint d = 0; d < ND; ++d) {
+                if (d < s.active_v) {
+                    for (uint j = 0; j < NQ; ++j) {
+                        simdgroup_float8x8 dof;
+                        load_fragment(dof, dout_tile, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dv_acc.f[d], st.f[j], dof, dv_acc.f[d]);
+                    }
+                }
+            }
+            if (SHARED) {
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+                load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+            }
+
+            // dK += dS^T Q.
             for (uint d = 0; d < ND; ++d) {
                 if (d < s.active) {
                     for (uint j = 0; j < NQ; ++j) {
-                        simdgroup_float8x8 t;
-                        load_fragment(t, tg->dout, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(dv_acc.f[d], st.f[j], t, dv_acc.f[d]);
-                        load_fragment(t, tg->q, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(dk_acc.f[d], dpt.f[j], t, dk_acc.f[d]);
+                        simdgroup_float8x8 qf;
+                        load_fragment(qf, tg->q, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dk_acc.f[d], dpt.f[j], qf, dk_acc.f[d]);
                     }
                 }
             }
@@ -906,54 +1004,63 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
     }
 
     if (key < p.seqlen_k) {
-        const ulong key_start = kv_head_start + ulong(key) * p.head_dim;
-        store_row(dk, dk_acc, p.softmax_scale, key_start, p.head_dim, s, at);
-        store_row(dv, dv_acc, 1.0f, key_start, p.head_dim, s, at);
+        store_row(dk + head_offset(p.dk, b, kv_head) + ulong(key) * p.dk.seq, dk_acc,
+                  p.softmax_scale, p.head_dim, s, at);
+        store_row(dv + head_offset(p.dv, b, kv_head) + ulong(key) * p.dv.seq, dv_acc, 1.0f,
+                  p.head_dim_v, s, at);
     }
 }
 
 // ---- instances -------------------------------------------------------------------------------
 
-kernel void flash_attention_backward_delta(
-    device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
-    device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
-    device const half *k [[buffer(FA_BACKWARD_BUFFER_K)]],
-    device const half *v [[buffer(FA_BACKWARD_BUFFER_V)]],
-    device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],
-    device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
-    constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
-    device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
-    uint3 tgid [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]]) {
-    attention_backward_delta(dout, out, delta, params, tgid, tid);
-}
+// Whether a backward kernel's two streamed tiles must share one buffer to fit in 32 KiB.
+#define FA_DQ_SHARED(T, DP, BQ, BK) (sizeof(BackwardQueryStorage<T, DP, BQ, BK, false>) > 32768)
+#define FA_DKV_SHARED(T, DP, BK, BQ) (sizeof(BackwardKeyValueStorage<T, DP, BK, BQ, false>) > 32768)
 
-kernel void flash_attention_forward_combine(
-    device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],
-    device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],
-    device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],
-    device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
-    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
-    constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
-    device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],
-    device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],
-    uint3 tgid [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]]) {
-    attention_forward_combine(partial_out, partial_lse, out, lse, params, tgid, tid);
-}
+// The kernels of one dtype (element type T, name suffix SUFFIX) that do not depend on the bucket.
+#define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX)                                                         \
+    kernel void flash_attention_forward_combine_##SUFFIX(                                          \
+        device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                         \
+        device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
+        device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
+        device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
+        device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
+        constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                 \
+        device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                 \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint tid [[thread_index_in_threadgroup]]) {                                                \
+        attention_forward_combine(partial_out, partial_lse, out, lse, params, tgid, tid);          \
+    }                                                                                              \
+                                                                                                   \
+    kernel void flash_attention_backward_delta_##SUFFIX(                                           \
+        device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
+        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
+        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
+        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
+        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
+        device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
+        constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
+        device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                                  \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint tid [[thread_index_in_threadgroup]]) {                                                \
+        attention_backward_delta(dout, out, delta, params, tgid, tid);                             \
+    }
 
-// The kernels of one head-dim bucket. The threadgroup storage type of kernel K is K_threadgroup,
-// so a host (the CPU engine) can size it.
-#define FA_DEFINE_KERNELS(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                        \
-    typedef ForwardStorage<DP, FWD_BQ, FWD_BK> flash_attention_forward_d##DP##_threadgroup;        \
-    typedef ForwardStorage<DP, FWD_BQ, FWD_BK> flash_attention_forward_split_d##DP##_threadgroup;  \
-    typedef BackwardQueryStorage<DP, DQ_BQ, DQ_BK>                                                 \
-        flash_attention_backward_dq_d##DP##_threadgroup;                                           \
-    typedef BackwardKeyValueStorage<DP, DKV_BK, DKV_BQ>                                            \
-        flash_attention_backward_dkv_d##DP##_threadgroup;                                          \
-    static_assert(sizeof(flash_attention_forward_d##DP##_threadgroup) <= 32768 &&                  \
-                      sizeof(flash_attention_backward_dq_d##DP##_threadgroup) <= 32768 &&          \
-                      sizeof(flash_attention_backward_dkv_d##DP##_threadgroup) <= 32768,           \
+// The kernels of one dtype and head-dim bucket. The threadgroup storage type of kernel K is
+// K_threadgroup, so a host (the CPU engine) can size it.
+#define FA_DEFINE_KERNELS(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)             \
+    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
+        flash_attention_forward_##SUFFIX##_d##DP##_threadgroup;                                    \
+    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
+        flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup;                              \
+    typedef BackwardQueryStorage<T, DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>           \
+        flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup;                                \
+    typedef BackwardKeyValueStorage<T, DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>   \
+        flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup;                               \
+    static_assert(sizeof(flash_attention_forward_##SUFFIX##_d##DP##_threadgroup) <= 32768 &&       \
+                      sizeof(flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup) <= 32768 && \
+                      sizeof(flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup) <= 32768,  \
                   "threadgroup storage above 32 KiB");                                             \
     static_assert(DP % (8 * FA_SLICES(FWD_BQ)) == 0 && DP % (8 * FA_SLICES(DQ_BQ)) == 0 &&         \
                       DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
@@ -961,26 +1068,26 @@ kernel void flash_attention_forward_combine(
                   "blocks must split into 8x8 fragments");                                         \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_d##DP(                                                     \
-        device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                      \
-        device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],                                      \
-        device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],                                      \
-        device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                        \
+    kernel void flash_attention_forward_##SUFFIX##_d##DP(                                          \
+        device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                         \
+        device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
+        device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
+        device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_d##DP##_threadgroup tg;                                \
+        threadgroup flash_attention_forward_##SUFFIX##_d##DP##_threadgroup tg;                     \
         attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, params, &tg, tgid, sgid, lane);   \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_split_d##DP(                                               \
-        device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                      \
-        device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],                                      \
-        device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],                                      \
-        device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                        \
+    kernel void flash_attention_forward_split_##SUFFIX##_d##DP(                                    \
+        device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                         \
+        device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
+        device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
+        device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
         device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
@@ -988,50 +1095,62 @@ kernel void flash_attention_forward_combine(
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_split_d##DP##_threadgroup tg;                          \
+        threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
         attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, partial_out, partial_lse, params,     \
                                                     &tg, tgid, sgid, lane);                        \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_backward_dq_d##DP(                                                 \
-        device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                               \
-        device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                     \
-        device const half *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                     \
-        device const half *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                     \
-        device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                 \
+    kernel void flash_attention_backward_dq_##SUFFIX##_d##DP(                                      \
+        device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
+        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
+        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
+        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
+        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
-        device half *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],                                         \
+        device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_backward_dq_d##DP##_threadgroup tg;                            \
-        attention_backward_dq<DP, DQ_BQ, DQ_BK>(dout, q, k, v, lse, delta, params, dq, &tg, tgid,  \
-                                                sgid, lane);                                       \
+        threadgroup flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup tg;                 \
+        attention_backward_dq<DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>(                \
+            dout, q, k, v, lse, delta, params, dq, &tg, tgid, sgid, lane);                         \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_backward_dkv_d##DP(                                                \
-        device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                               \
-        device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                     \
-        device const half *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                     \
-        device const half *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                     \
-        device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                 \
+    kernel void flash_attention_backward_dkv_##SUFFIX##_d##DP(                                     \
+        device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
+        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
+        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
+        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
+        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
-        device half *dk [[buffer(FA_BACKWARD_BUFFER_DK)]],                                         \
-        device half *dv [[buffer(FA_BACKWARD_BUFFER_DV)]],                                         \
+        device T *dk [[buffer(FA_BACKWARD_BUFFER_DK)]],                                            \
+        device T *dv [[buffer(FA_BACKWARD_BUFFER_DV)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_backward_dkv_d##DP##_threadgroup tg;                           \
-        attention_backward_dkv<DP, DKV_BK, DKV_BQ>(dout, q, k, v, lse, delta, params, dk, dv,      \
-                                                   &tg, tgid, sgid, lane);                         \
+        threadgroup flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup tg;                \
+        attention_backward_dkv<DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>(          \
+            dout, q, k, v, lse, delta, params, dk, dv, &tg, tgid, sgid, lane);                     \
     }
 
-FA_HEAD_DIM_BUCKETS(FA_DEFINE_KERNELS)
+#define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__)
+#define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__)
+#define FA_DEFINE_F32(...) FA_DEFINE_KERNELS(float, f32, __VA_ARGS__)
+
+FA_DEFINE_DTYPE_KERNELS(half, f16)
+FA_HEAD_DIM_BUCKETS(FA_DEFINE_F16)
+FA_DEFINE_DTYPE_KERNELS(float, f32)
+FA_HEAD_DIM_BUCKETS_F32(FA_DEFINE_F32)
+// bfloat needs MSL 3.1 (macOS 14, iOS 17); older compilers get the other dtypes.
+#if !defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)
+FA_DEFINE_DTYPE_KERNELS(bfloat, bf16)
+FA_HEAD_DIM_BUCKETS(FA_DEFINE_BF16)
+#endif
 """#
 }

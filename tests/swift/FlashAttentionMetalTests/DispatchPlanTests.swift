@@ -21,11 +21,11 @@ final class DispatchPlanTests: XCTestCase {
             let p = try problem(headDim: headDim)
             XCTAssertEqual(p.bucket.head_dim_max, bucket, "head_dim \(headDim)")
             let forward = DispatchPlan.forward(p)
-            XCTAssertEqual(forward.dispatches.map(\.kernelName), ["flash_attention_forward_d\(bucket)"])
+            XCTAssertEqual(forward.dispatches.map(\.kernelName), ["flash_attention_forward_f16_d\(bucket)"])
             let backward = DispatchPlan.backward(p)
             XCTAssertEqual(backward.dispatches.map(\.kernelName),
-                           ["flash_attention_backward_delta", "flash_attention_backward_dq_d\(bucket)",
-                            "flash_attention_backward_dkv_d\(bucket)"])
+                           ["flash_attention_backward_delta_f16", "flash_attention_backward_dq_f16_d\(bucket)",
+                            "flash_attention_backward_dkv_f16_d\(bucket)"])
             XCTAssertEqual(forward.dispatches[0].params.head_dim, UInt32(headDim))
         }
         XCTAssertThrowsError(try problem(headDim: 257)) { error in
@@ -131,7 +131,7 @@ final class DispatchPlanTests: XCTestCase {
         let split = try XCTUnwrap(p.split)
         let plan = DispatchPlan.forward(p)
         XCTAssertEqual(plan.dispatches.map(\.kernelName),
-                       ["flash_attention_forward_split_d128", "flash_attention_forward_combine"])
+                       ["flash_attention_forward_split_f16_d128", "flash_attention_forward_combine_f16"])
         XCTAssertEqual(plan.workspace, [.partialOut, .partialLse])
         let grid = plan.dispatches[0].threadgroupsPerGrid
         XCTAssertEqual(grid, GridSize(width: split.chunks, height: 8, depth: 1))
