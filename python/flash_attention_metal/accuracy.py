@@ -11,10 +11,14 @@ passes when
     max|ours - ref| <= 3 * max|base - ref| + slack   for dq, dk, dv,
     |lse_ours - lse_ref| <= 1e-4 * max(1, |lse_ref|) elementwise (and -inf exactly where ref is),
 
-with slack 1e-5 for float16 and bfloat16 (about 1/100 of float16's epsilon) and 1e-8 for float32
-(about 1/10 of its epsilon): only where base happens to be (nearly) exact does slack matter. Any
-NaN or infinity in ``ours`` where ``ref`` is finite fails. Inputs are in the (B, H, N, D) order,
-v, out and dout with head_dim_v last.
+with slack 1e-5 for float16 and bfloat16 (1/100 of float16's epsilon, as FlashAttention's tests) and
+1e-7 for float32 (about one float32 epsilon at the O(1) outputs of N(0, 1) inputs). The 16-bit
+roundings of base dominate its error, so there slack matters only where base happens to be exact;
+in float32 the kernel's own float32 roundings are of the size of base's, and a textbook
+FlashAttention-2 in float32 (online softmax, P recomputed from the float32 lse) lands up to about
+3x base + 1e-8 on random shapes: the slack keeps that honest algorithm inside the rule while any
+rounding to a 16-bit type (errors >= 1e-4) fails. Any NaN or infinity in ``ours`` where ``ref`` is
+finite fails. Inputs are in the (B, H, N, D) order, v, out and dout with head_dim_v last.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from . import reference
 OUT_FACTOR = 2.0
 GRAD_FACTOR = 3.0
 #: The rule's additive slack per dtype name.
-ABS_SLACK = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-8}
+ABS_SLACK = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-7}
 LSE_RELATIVE = 1e-4
 
 _F32 = np.float32
