@@ -111,12 +111,12 @@ class Context:
         _validation.check_head_dim(shape, self.max_head_dim)
         out = _layout.new_output(q, shape.head_dim_v)
         lse = np.empty((shape.batch, shape.num_heads, shape.seqlen_q), dtype=np.float32)
-        inputs = [_layout.as_input(a, layout) for a in (q, k, v)]
-        written = _layout.as_output(out, layout)
+        tensors = {name: _layout.as_input(a, layout) for name, a in (("q", q), ("k", k), ("v", v))}
+        tensors["out"] = _layout.as_output(out, layout)
         ffi, lib = self._native.ffi, self._native.lib
-        problem = self._problem(shape, causal, scale, q.dtype, dict(zip(("q", "k", "v", "out"), (*inputs, written))))
         status = lib.fa_forward(
-            self._handle, problem, *(_pointer(ffi, t) for t in (*inputs, written)),
+            self._handle, self._problem(shape, causal, scale, q.dtype, tensors),
+            *(_pointer(ffi, tensors[name]) for name in ("q", "k", "v", "out")),
             ffi.from_buffer("float[]", lse, require_writable=True),
         )
         self._native.raise_for_status(status)
@@ -144,16 +144,16 @@ class Context:
         shape, causal, scale = _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout)
         _validation.check_head_dim(shape, self.max_head_dim)
         grads = [_layout.new_output(a, a.shape[3]) for a in (q, k, v)]
-        inputs = [_layout.as_input(a, layout) for a in (dout, q, k, v, out)]
-        written = [_layout.as_output(g, layout) for g in grads]
+        inputs = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
+        tensors = {name: _layout.as_input(a, layout) for name, a in inputs}
+        tensors.update((name, _layout.as_output(g, layout)) for name, g in zip(("dq", "dk", "dv"), grads))
         lse = np.ascontiguousarray(lse)
         ffi, lib = self._native.ffi, self._native.lib
-        names = ("dout", "q", "k", "v", "out", "dq", "dk", "dv")
-        tensors = dict(zip(names, (*inputs, *written)))
         status = lib.fa_backward(
             self._handle, self._problem(shape, causal, scale, q.dtype, tensors),
-            *(_pointer(ffi, t) for t in inputs), ffi.from_buffer("float[]", lse),
-            *(_pointer(ffi, t) for t in written),
+            *(_pointer(ffi, tensors[name]) for name in ("dout", "q", "k", "v", "out")),
+            ffi.from_buffer("float[]", lse),
+            *(_pointer(ffi, tensors[name]) for name in ("dq", "dk", "dv")),
         )
         self._native.raise_for_status(status)
         return tuple(grads)

@@ -125,7 +125,8 @@ def test_dout_and_out_need_head_dim_v(guarded):
 def test_head_dim_v_above_the_supported_range_is_rejected(guarded):
     head_dim_v = fam.default_context().max_head_dim + 1
     q, k, v, _ = make_inputs(0, 1, 1, 1, 2, 2, 8, head_dim_v=head_dim_v)
-    with pytest.raises(ValueError, match=rf"head_dim_v {head_dim_v} is outside the supported range 1..{head_dim_v - 1}"):
+    rule = rf"head_dim_v {head_dim_v} is outside the supported range 1..{head_dim_v - 1}"
+    with pytest.raises(ValueError, match=rule):
         guarded.forward(q, k, v)
 
 
