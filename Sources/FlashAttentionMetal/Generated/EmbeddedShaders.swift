@@ -394,7 +394,9 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
 
 // Where one SIMD-group works: rows [row0, row0 + 8) of the threadgroup's block and columns
 // [col0, col0 + 8 * fragments) of its head_dim slice, of which `active` fragments lie inside
-// head_dim (q, k) and `active_v` inside head_dim_v (v, out).
+// head_dim (q, k) and `active_v` inside head_dim_v (v, out). A SIMD-group whose rows all lie past
+// the end of the block's rows has no active fragment: it multiplies nothing (but still loads tiles
+// and meets the barriers with the others).
 struct SimdgroupSlice {
     uint row0;
     uint col0;
@@ -404,12 +406,13 @@ struct SimdgroupSlice {
 };
 
 template <uint DP, uint SLICES>
-inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgid) {
+inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgid, uint rows_left) {
     SimdgroupSlice s;
     s.row0 = (sgid / SLICES) * 8;
     s.col0 = (sgid % SLICES) * (DP / SLICES);
-    s.active = active_fragments(p.head_dim, s.col0, DP / SLICES / 8);
-    s.active_v = active_fragments(p.head_dim_v, s.col0, DP / SLICES / 8);
+    const bool live = s.row0 < rows_left;
+    s.active = live ? active_fragments(p.head_dim, s.col0, DP / SLICES / 8) : 0;
+    s.active_v = live ? active_fragments(p.head_dim_v, s.col0, DP / SLICES / 8) : 0;
     s.first_sgid = sgid - sgid % SLICES;
     return s;
 }
@@ -552,11 +555,10 @@ inline void attention_forward(device const T *q, device const T *k, device const
     constexpr uint ND = DP / SLICES / 8;  // fragments across the slice
     const uint tid = sgid * 32 + lane;
     const FragmentCoord at = fragment_coord(lane);
-    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
-
     const uint b = tgid.z;
     const uint h = tgid.y;
     const uint q0 = tgid.x * BQ;
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
     // Keys seen by the block's last row: the tiles the threadgroup visits (none past it).
@@ -631,14 +633,13 @@ inline void attention_forward_split(device const T *q, device const T *k, device
     constexpr uint ND = DP / SLICES / 8;
     const uint tid = sgid * 32 + lane;
     const FragmentCoord at = fragment_coord(lane);
-    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
-
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
     const uint row_blocks = (group * p.seqlen_q + BQ - 1) / BQ;
     const uint chunk = tgid.x / row_blocks;
     const PackedRows rows = packed_rows<BQ>(p, tgid.x % row_blocks);
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, rows.count - rows.first);
     const uint packed = rows.first + s.row0 + at.row;
     const bool valid = packed < rows.count;
     const uint row = valid ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
@@ -760,12 +761,12 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     constexpr uint NK = BK / 8;
     const uint tid = sgid * 32 + lane;
     const FragmentCoord at = fragment_coord(lane);
-    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
     auto v_tile = SHARED ? tg->k : tg->v;
 
     const uint b = tgid.z;
     const uint h = tgid.y;
     const uint q0 = tgid.x * BQ;
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
     device const T *k_head = k + head_offset(p.k, b, kv_head);
@@ -885,13 +886,13 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     constexpr uint NQ = BQ / 8;  // fragments across a query tile
     const uint tid = sgid * 32 + lane;
     const FragmentCoord at = fragment_coord(lane);
-    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
     auto dout_tile = SHARED ? tg->q : tg->dout;
 
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
     const uint k0 = tgid.x * BK;
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_k - k0);
     const uint key = k0 + s.row0 + at.row;
     const uint first_row = first_row_seeing(p, k0);
     const float scale2 = p.softmax_scale * M_LOG2E_F;
