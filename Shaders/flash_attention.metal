@@ -106,6 +106,69 @@ inline void store_row(device T *dst, thread Fragments<N> &x, float scale, uint c
     }
 }
 
+// ---- scores ----------------------------------------------------------------------------------
+
+// What shapes one lane's scores besides q . k: the ALiBi slope of its row's head and where its row of
+// attn_mask starts (flash_attention_params.h: FA_MASK_*).
+struct RowModifiers {
+    float slope;
+    ulong mask_row;
+};
+
+inline RowModifiers row_modifiers(constant FlashAttentionParams &p, device const float *alibi,
+                                  uint b, uint h, uint row) {
+    RowModifiers m;
+    m.slope = p.has_alibi != 0 ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
+    m.mask_row = head_offset(p.mask, b, h) + ulong(row) * p.mask.seq;
+    return m;
+}
+
+// The score of (row, key) in base 2 from its raw product q . k: softcap(softmax_scale * raw),
+// minus slope * |row + seqlen_k - seqlen_q - key|, plus the additive mask; -inf where the pair is
+// hidden (outside the window when `checked`, which every tile that needs element masks sets, or by
+// a boolean mask). *t receives tanh(softmax_scale * raw / softcap) for the softcap backward.
+template <typename T>
+inline float score2(constant FlashAttentionParams &p, device const uchar *mask, float raw,
+                    uint row, uint key, RowModifiers m, bool checked, thread float &t) {
+    t = 0.0f;
+    if (checked && !in_window(p, row, key)) {
+        return -INFINITY;
+    }
+    const ulong at = m.mask_row + key;
+    if (p.mask_type == FA_MASK_BOOL && mask[at] == 0) {
+        return -INFINITY;
+    }
+    if (p.softcap == 0.0f && p.has_alibi == 0 && p.mask_type == FA_MASK_NONE) {
+        return raw * (p.softmax_scale * M_LOG2E_F);
+    }
+    float x = raw * p.softmax_scale;
+    if (p.softcap > 0.0f) {
+        t = tanh(x / p.softcap);
+        x = p.softcap * t;
+    }
+    if (p.has_alibi != 0) {
+        x -= m.slope * abs(float(long(row) + long(p.seqlen_k) - long(p.seqlen_q) - long(key)));
+    }
+    if (p.mask_type == FA_MASK_ADDITIVE) {
+        x += float(((device const T *)mask)[at]);
+    } else if (p.mask_type == FA_MASK_ADDITIVE_F32) {
+        x += ((device const float *)mask)[at];
+    }
+    return x * M_LOG2E_F;
+}
+
+// dS with respect to softmax_scale * q . k from dS with respect to the final score: the softcap
+// multiplies it by d(c tanh(x / c))/dx = 1 - tanh^2.
+inline float through_softcap(constant FlashAttentionParams &p, float ds, float t) {
+    return p.softcap > 0.0f ? ds * (1.0f - t * t) : ds;
+}
+
+// P = exp2(score - L) with L = lse in base 2; 0 for a hidden pair (whose score is -inf, also when
+// the row's L is -inf).
+inline float probability(float score2, float lse2) {
+    return score2 == -INFINITY ? 0.0f : exp2(score2 - lse2);
+}
+
 // ---- forward ---------------------------------------------------------------------------------
 
 template <typename T, uint DP, uint BQ, uint BK>
@@ -126,10 +189,12 @@ struct RowState {
     Fragments<ND> o;
 };
 
+// Starts a row; with a sink (a virtual key of logit `sink` and no value) the row's softmax begins
+// with that key's weight (one lane of the four holding the row counts it).
 template <uint ND>
-inline void start_rows(thread RowState<ND> &r) {
-    r.m = -INFINITY;
-    r.l = 0.0f;
+inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, FragmentCoord at) {
+    r.m = with_sink ? sink * M_LOG2E_F : -INFINITY;
+    r.l = with_sink && at.col == 0 ? 1.0f : 0.0f;
     clear(r.o);
 }
 
@@ -139,8 +204,9 @@ inline void start_rows(thread RowState<ND> &r) {
 // O += P V.
 template <uint DP, uint BQ, uint BK, uint ND, typename T, typename Storage>
 inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_head,
-                         device const T *v_head, constant FlashAttentionParams &p, uint kv0,
-                         bool masked, uint row, SimdgroupSlice s, FragmentCoord at, uint sgid,
+                         device const T *v_head, device const uchar *mask,
+                         constant FlashAttentionParams &p, uint kv0, bool masked, uint row,
+                         RowModifiers mods, SimdgroupSlice s, FragmentCoord at, uint sgid,
                          uint tid) {
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -164,14 +230,12 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
 
     // Online softmax; P replaces S in place.
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
     float tile_max = -INFINITY;
     for (uint j = 0; j < NK; ++j) {
         for (uint e = 0; e < 2; ++e) {
-            float x = sc.f[j].thread_elements()[e] * scale2;
-            if (masked && !is_visible(p, row, kv0 + j * 8 + at.col + e)) {
-                x = -INFINITY;
-            }
+            float t;
+            const float x = score2<T>(p, mask, sc.f[j].thread_elements()[e], row,
+                                      kv0 + j * 8 + at.col + e, mods, masked, t);
             sc.f[j].thread_elements()[e] = x;
             tile_max = max(tile_max, x);
         }
@@ -212,8 +276,10 @@ inline float row_lse(float m, float l) {
 
 template <uint DP, uint BQ, uint BK, typename T, typename Storage>
 inline void attention_forward(device const T *q, device const T *k, device const T *v,
-                              device T *out, device float *lse, constant FlashAttentionParams &p,
-                              Storage tg, uint3 tgid, uint sgid, uint lane) {
+                              device T *out, device float *lse, device const uchar *mask,
+                              device const float *alibi, device const float *sinks,
+                              constant FlashAttentionParams &p, Storage tg, uint3 tgid, uint sgid,
+                              uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;  // fragments across the slice
     const uint tid = sgid * 32 + lane;
@@ -224,16 +290,18 @@ inline void attention_forward(device const T *q, device const T *k, device const
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
-    // Keys seen by the block's last row: the tiles the threadgroup visits (none past it).
-    const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
+    // From the first row's first key to the last row's last: the tiles the threadgroup visits.
+    const uint key_begin = key_range(p, q0).first;
+    const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
+    const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
 
     load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
     RowState<ND> r;
-    start_rows(r);
-    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
+    start_rows(r, p.has_sinks != 0, p.has_sinks != 0 ? sinks[h] : 0.0f, at);
+    for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
-                                 v + head_offset(p.v, b, kv_head), p, kv0,
-                                 !tile_unmasked(p, q0, BQ, kv0, BK), row, s, at, sgid, tid);
+                                 v + head_offset(p.v, b, kv_head), mask, p, kv0,
+                                 !tile_unmasked(p, q0, BQ, kv0, BK), row, mods, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);
@@ -289,6 +357,7 @@ inline ulong partial_index(constant FlashAttentionParams &p, PackedRows r, uint 
 // batch), x = chunk * row_blocks + row block. Writes the chunk's normalised output and lse.
 template <uint DP, uint BQ, uint BK, typename T, typename Storage>
 inline void attention_forward_split(device const T *q, device const T *k, device const T *v,
+                                    device const uchar *mask, device const float *alibi,
                                     device float *partial_out, device float *partial_lse,
                                     constant FlashAttentionParams &p, Storage tg, uint3 tgid,
                                     uint sgid, uint lane) {
@@ -306,8 +375,10 @@ inline void attention_forward_split(device const T *q, device const T *k, device
     const uint packed = rows.first + s.row0 + at.row;
     const bool valid = packed < rows.count;
     const uint row = valid ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
-    const uint key_begin = chunk * p.kv_chunk_keys;
-    const uint key_end = min(key_begin + p.kv_chunk_keys, visible_keys(p, rows.i_max));
+    // The chunk's keys that some row of the block sees through the window.
+    const uint key_begin = max(chunk * p.kv_chunk_keys, key_range(p, rows.i_min).first);
+    const uint key_end = min(chunk * p.kv_chunk_keys + p.kv_chunk_keys, key_range(p, rows.i_max).end);
+    const RowModifiers mods = row_modifiers(p, alibi, b, packed_head(p, rows, kv_head, valid ? packed : 0), row);
 
     for (uint e = tid; e < BQ * DP; e += FA_THREADS_PER_THREADGROUP) {
         const uint r = e / DP;
@@ -318,14 +389,15 @@ inline void attention_forward_split(device const T *q, device const T *k, device
                               ulong(at_row % p.seqlen_q) * p.q.seq + d]
                           : T(0);
     }
+    // The sink joins once, in the combine.
     RowState<ND> r;
-    start_rows(r);
+    start_rows(r, false, 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         const bool masked = !rows.full || !tile_unmasked(p, rows.i_min, rows.i_max - rows.i_min + 1,
                                                          kv0, BK);
         forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
-                                 v + head_offset(p.v, b, kv_head), p, kv0, masked, row, s, at,
-                                 sgid, tid);
+                                 v + head_offset(p.v, b, kv_head), mask, p, kv0, masked, row,
+                                 mods, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);
@@ -347,19 +419,21 @@ inline void attention_forward_split(device const T *q, device const T *k, device
 }
 
 // Combines the chunks of one query row (threadgroup (i, h, b)): out = sum_c w_c O_c / sum_c w_c
-// with w_c = exp(lse_c - max_c lse_c), lse = max + log(sum_c w_c), chunks in order. A chunk with
-// lse -inf weighs 0; a row without any key gets out 0, lse -inf.
+// with w_c = exp(lse_c - max_c lse_c), lse = max + log(sum_c w_c), chunks in order; a sink adds
+// its weight to the denominator only. A chunk with lse -inf weighs 0; a row without any key (and
+// no sink) gets out 0, lse -inf.
 template <typename T>
 inline void attention_forward_combine(device const float *partial_out,
-                                      device const float *partial_lse, device T *out,
-                                      device float *lse, constant FlashAttentionParams &p,
-                                      uint3 tgid, uint tid) {
+                                      device const float *partial_lse, device const float *sinks,
+                                      device T *out, device float *lse,
+                                      constant FlashAttentionParams &p, uint3 tgid, uint tid) {
     const ulong first = (ulong(tgid.z) * p.num_heads + tgid.y) * p.kv_chunks * p.seqlen_q + tgid.x;
-    float top = -INFINITY;
+    const float sink = p.has_sinks != 0 ? sinks[tgid.y] : -INFINITY;
+    float top = sink;
     for (uint c = 0; c < p.kv_chunks; ++c) {
         top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
     }
-    float total = 0.0f;
+    float total = sink == -INFINITY ? 0.0f : exp(sink - top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
         const float part = partial_lse[first + ulong(c) * p.seqlen_q];
         total += part == -INFINITY ? 0.0f : exp(part - top);
@@ -400,6 +474,38 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
     }
 }
 
+// ---- backward: dsinks -----------------------------------------------------------------------
+
+struct DsinksStorage {
+    float partial[FA_THREADS_PER_THREADGROUP];
+};
+
+// dsinks[h] = -sum over batch and query rows of exp(sinks[h] - lse) * D: a virtual key's
+// dS = P (dP - D) with dP = 0 (it has no value). One threadgroup per head; each thread sums rows
+// tid, tid + 128, ... in order, then a fixed tree adds the threads, so reruns are bit-identical.
+template <typename Storage>
+inline void attention_backward_dsinks(device const float *lse, device const float *delta,
+                                      device const float *sinks, device float *dsinks,
+                                      constant FlashAttentionParams &p, Storage tg, uint h,
+                                      uint tid) {
+    const ulong rows = ulong(p.batch) * p.seqlen_q;
+    float acc = 0.0f;
+    for (ulong r = tid; r < rows; r += FA_THREADS_PER_THREADGROUP) {
+        const ulong at = row_index(uint(r / p.seqlen_q), p.num_heads, h, p.seqlen_q, uint(r % p.seqlen_q));
+        acc = fma(exp(sinks[h] - lse[at]), delta[at], acc);
+    }
+    tg->partial[tid] = acc;
+    for (uint width = FA_THREADS_PER_THREADGROUP / 2; width > 0; width /= 2) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (tid < width) {
+            tg->partial[tid] += tg->partial[tid + width];
+        }
+    }
+    if (tid == 0) {
+        dsinks[h] = -tg->partial[0];
+    }
+}
+
 // ---- backward: dQ ----------------------------------------------------------------------------
 
 // SHARED: the K and V tiles share one buffer (when both would not fit in 32 KiB): V is loaded
@@ -417,7 +523,8 @@ struct BackwardQueryStorage {
 template <uint DP, uint BQ, uint BK, bool SHARED, typename T, typename Storage>
 inline void attention_backward_dq(device const T *dout, device const T *q, device const T *k,
                                   device const T *v, device const float *lse,
-                                  device const float *delta, constant FlashAttentionParams &p,
+                                  device const float *delta, device const uchar *mask,
+                                  device const float *alibi, constant FlashAttentionParams &p,
                                   device T *dq, Storage tg, uint3 tgid, uint sgid, uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;
@@ -434,13 +541,13 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
     device const T *k_head = k + head_offset(p.k, b, kv_head);
     device const T *v_head = v + head_offset(p.v, b, kv_head);
-    const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
-    // Rows past the end or without keys have every element masked: their L and D are not read.
-    const bool has_keys = row < p.seqlen_q && visible_keys(p, row) > 0;
-    const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? row : 0);
-    const float row_lse2 = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
-    const float row_delta = has_keys ? delta[at_row] : 0.0f;
+    const uint key_begin = key_range(p, q0).first;
+    const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
+    const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
+    // Rows past the end have every element hidden: their L and D are not read.
+    const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, row < p.seqlen_q ? row : 0);
+    const float row_lse2 = row < p.seqlen_q ? lse[at_row] * M_LOG2E_F : 0.0f;
+    const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
 
     load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
     load_rows<BQ, DP>(tg->dout, dout + head_offset(p.dout, b, h), q0, p.seqlen_q, p.dout.seq,
@@ -448,7 +555,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 
     Fragments<ND> dq_acc;
     clear(dq_acc);
-    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
+    for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
         load_rows<BK, DP>(v_tile, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
         if (!SHARED) {
@@ -493,14 +600,16 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
-        // dS = P (dP - D), in place of S.
+        // dS = P (dP - D) (through the softcap), in place of S.
         const bool masked = !tile_unmasked(p, q0, BQ, kv0, BK);
         for (uint j = 0; j < NK; ++j) {
             for (uint e = 0; e < 2; ++e) {
-                const bool hidden = masked && !is_visible(p, row, kv0 + j * 8 + at.col + e);
-                const float pe =
-                    hidden ? 0.0f : exp2(sc.f[j].thread_elements()[e] * scale2 - row_lse2);
-                sc.f[j].thread_elements()[e] = pe * (dp.f[j].thread_elements()[e] - row_delta);
+                float t;
+                const float x = score2<T>(p, mask, sc.f[j].thread_elements()[e], row,
+                                          kv0 + j * 8 + at.col + e, mods, masked, t);
+                const float pe = probability(x, row_lse2);
+                sc.f[j].thread_elements()[e] =
+                    through_softcap(p, pe * (dp.f[j].thread_elements()[e] - row_delta), t);
             }
         }
 
@@ -532,7 +641,7 @@ struct BackwardKeyValueStorage {
     T v[BK][DP + FA_TILE_PAD];
     T q[BQ][DP + FA_TILE_PAD];
     T dout[SHARED ? 1 : BQ][DP + FA_TILE_PAD];
-    float lse2[BQ];   // L of the tile's rows in base 2 (0 for rows past the end or without keys)
+    float lse2[BQ];   // L of the tile's rows in base 2 (0 for rows past the end)
     float delta[BQ];  // D of the tile's rows (0 likewise)
     float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
     float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
@@ -541,7 +650,8 @@ struct BackwardKeyValueStorage {
 template <uint DP, uint BK, uint BQ, bool SHARED, typename T, typename Storage>
 inline void attention_backward_dkv(device const T *dout, device const T *q, device const T *k,
                                    device const T *v, device const float *lse,
-                                   device const float *delta, constant FlashAttentionParams &p,
+                                   device const float *delta, device const uchar *mask,
+                                   device const float *alibi, constant FlashAttentionParams &p,
                                    device T *dk, device T *dv, Storage tg, uint3 tgid, uint sgid,
                                    uint lane) {
     constexpr uint SLICES = FA_SLICES(BK);
@@ -557,8 +667,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     const uint k0 = tgid.x * BK;
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_k - k0);
     const uint key = k0 + s.row0 + at.row;
-    const uint first_row = first_row_seeing(p, k0);
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
+    // The query rows that see some key of the block through the window.
+    const KeyRange rows = row_range(p, k0, BK);
 
     load_rows<BK, DP>(tg->k, k + head_offset(p.k, b, kv_head), k0, p.seqlen_k, p.k.seq, p.head_dim,
                       tid);
@@ -573,7 +683,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         const uint h = kv_head * group + g;
         device const T *q_head = q + head_offset(p.q, b, h);
         device const T *dout_head = dout + head_offset(p.dout, b, h);
-        for (uint q0 = first_row; q0 < p.seqlen_q; q0 += BQ) {
+        const float slope = p.has_alibi != 0 ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
+        for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
             load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
             if (!SHARED) {
@@ -581,10 +692,9 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             }
             if (tid < BQ) {
                 const uint r = q0 + tid;
-                const bool has_keys = r < p.seqlen_q && visible_keys(p, r) > 0;
-                const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? r : 0);
-                tg->lse2[tid] = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
-                tg->delta[tid] = has_keys ? delta[at_row] : 0.0f;
+                const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, r < p.seqlen_q ? r : 0);
+                tg->lse2[tid] = r < p.seqlen_q ? lse[at_row] * M_LOG2E_F : 0.0f;
+                tg->delta[tid] = r < p.seqlen_q ? delta[at_row] : 0.0f;
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -625,16 +735,21 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
             sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
 
-            // P^T in place of S^T, dS^T in place of dP^T.
+            // P^T in place of S^T, dS^T (through the softcap) in place of dP^T.
             const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
             for (uint j = 0; j < NQ; ++j) {
                 for (uint e = 0; e < 2; ++e) {
                     const uint i = j * 8 + at.col + e;
-                    const bool hidden = masked && !is_visible(p, q0 + i, key);
-                    const float pe =
-                        hidden ? 0.0f : exp2(st.f[j].thread_elements()[e] * scale2 - tg->lse2[i]);
+                    RowModifiers mods;
+                    mods.slope = slope;
+                    mods.mask_row = head_offset(p.mask, b, h) + ulong(q0 + i) * p.mask.seq;
+                    float t;
+                    const float x = score2<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
+                                              mods, masked, t);
+                    const float pe = probability(x, tg->lse2[i]);
                     st.f[j].thread_elements()[e] = pe;
-                    dpt.f[j].thread_elements()[e] = pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]);
+                    dpt.f[j].thread_elements()[e] =
+                        through_softcap(p, pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]), t);
                 }
             }
 
@@ -690,11 +805,14 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
+        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
+        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
         device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                 \
         device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                 \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_forward_combine(partial_out, partial_lse, out, lse, params, tgid, tid);          \
+        attention_forward_combine(partial_out, partial_lse, sinks, out, lse, params, tgid, tid);   \
     }                                                                                              \
                                                                                                    \
     kernel void flash_attention_backward_delta_##SUFFIX(                                           \
@@ -706,6 +824,9 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                                  \
+        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
+        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
+        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
         attention_backward_delta(dout, out, delta, params, tgid, tid);                             \
@@ -739,11 +860,15 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
+        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
+        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_##SUFFIX##_d##DP##_threadgroup tg;                     \
-        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, params, &tg, tgid, sgid, lane);   \
+        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, mask, alibi, sinks, params, &tg,  \
+                                              tgid, sgid, lane);                                   \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -754,14 +879,17 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
+        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
+        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
         device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
         device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
-        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, partial_out, partial_lse, params,     \
-                                                    &tg, tgid, sgid, lane);                        \
+        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, mask, alibi, partial_out, partial_lse, \
+                                                    params, &tg, tgid, sgid, lane);                \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -774,13 +902,16 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
+        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
+        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
+        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
         device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup tg;                 \
         attention_backward_dq<DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>(                \
-            dout, q, k, v, lse, delta, params, dq, &tg, tgid, sgid, lane);                         \
+            dout, q, k, v, lse, delta, mask, alibi, params, dq, &tg, tgid, sgid, lane);            \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -793,6 +924,9 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
+        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
+        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
+        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
         device T *dk [[buffer(FA_BACKWARD_BUFFER_DK)]],                                            \
         device T *dv [[buffer(FA_BACKWARD_BUFFER_DV)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
@@ -800,8 +934,31 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup tg;                \
         attention_backward_dkv<DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>(          \
-            dout, q, k, v, lse, delta, params, dk, dv, &tg, tgid, sgid, lane);                     \
+            dout, q, k, v, lse, delta, mask, alibi, params, dk, dv, &tg, tgid, sgid, lane);        \
     }
+
+// Reads only lse, delta and sinks (float), whatever the dtype of the other tensors.
+typedef DsinksStorage flash_attention_backward_dsinks_threadgroup;
+
+[[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
+kernel void flash_attention_backward_dsinks(
+    device const uchar *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
+    device const uchar *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
+    device const uchar *k [[buffer(FA_BACKWARD_BUFFER_K)]],
+    device const uchar *v [[buffer(FA_BACKWARD_BUFFER_V)]],
+    device const uchar *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],
+    device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
+    constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
+    device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
+    device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],
+    device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],
+    device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],
+    device float *dsinks [[buffer(FA_BACKWARD_BUFFER_DSINKS)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+    threadgroup flash_attention_backward_dsinks_threadgroup tg;
+    attention_backward_dsinks(lse, delta, sinks, dsinks, params, &tg, tgid.x, tid);
+}
 
 #define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__)
 #define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__)

@@ -6,10 +6,12 @@
 
 #if defined(__METAL_VERSION__)
 typedef uint fa_u32;
+typedef int fa_i32;
 typedef ulong fa_u64;
 #else
 #include <stdint.h>
 typedef uint32_t fa_u32;
+typedef int32_t fa_i32;
 typedef uint64_t fa_u64;
 #endif
 
@@ -32,6 +34,8 @@ typedef struct FlashAttentionParams {
     FlashAttentionStrides dq;
     FlashAttentionStrides dk;
     FlashAttentionStrides dv;
+    FlashAttentionStrides mask;  // attn_mask's (batch, head, query row) strides; 0 broadcasts
+    fa_u64 alibi_batch_stride;   // alibi_slopes: 0 for (num_heads,), num_heads for (batch, num_heads)
     fa_u32 batch;
     fa_u32 num_heads;
     fa_u32 num_kv_heads;
@@ -39,8 +43,17 @@ typedef struct FlashAttentionParams {
     fa_u32 seqlen_k;
     fa_u32 head_dim;      // of q and k (and dq, dk)
     fa_u32 head_dim_v;    // of v, out, dout and dv
-    fa_u32 causal;        // 0 or 1; bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
+    fa_u32 causal;        // 0 or 1 (the host folds it into window_right = 0 as well)
+    // Sliding window, bottom-right aligned: query i sees key j iff
+    // i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right;
+    // -1 leaves that side unbounded.
+    fa_i32 window_left;
+    fa_i32 window_right;
     float softmax_scale;  // applied to q . k before the softmax
+    float softcap;        // > 0: scores become softcap * tanh(score / softcap); 0: off
+    fa_u32 mask_type;     // FA_MASK_*: attn_mask's kind
+    fa_u32 has_alibi;     // 1: add -slope * |i + seqlen_k - seqlen_q - j| to the scores
+    fa_u32 has_sinks;     // 1: one virtual key per head with logit sinks[h] and no value
     fa_u32 kv_chunks;     // split-KV forward only: chunks of keys per (batch, KV head), else 1
     fa_u32 kv_chunk_keys; // split-KV forward only: keys per chunk (a multiple of the key tile)
 } FlashAttentionParams;
@@ -51,27 +64,39 @@ typedef struct FlashAttentionParams {
 #define FA_DTYPE_BF16 1
 #define FA_DTYPE_F32 2
 
-// Buffer indices: forward.
+// attn_mask kinds. Score order: s = softcap(softmax_scale * q . k) - slope * |distance| + additive
+// mask; keys hidden by the window, the causal mask or a false boolean mask get no weight.
+#define FA_MASK_NONE 0
+#define FA_MASK_BOOL 1      // uchar, nonzero = may attend
+#define FA_MASK_ADDITIVE 2  // the call's dtype, added to the scores
+#define FA_MASK_ADDITIVE_F32 3
+
+// Buffer indices: forward. The optional inputs (attn_mask, alibi_slopes, sinks) are bound to a
+// placeholder buffer when absent; the kernels read them only when params say they exist.
 #define FA_FORWARD_BUFFER_Q 0
 #define FA_FORWARD_BUFFER_K 1
 #define FA_FORWARD_BUFFER_V 2
 #define FA_FORWARD_BUFFER_OUT 3
 #define FA_FORWARD_BUFFER_LSE 4
 #define FA_FORWARD_BUFFER_PARAMS 5
-#define FA_FORWARD_BUFFER_COUNT 6
-// Split-KV forward (short queries over long KV caches): both of its kernels bind 0 ... 7.
+#define FA_FORWARD_BUFFER_MASK 6
+#define FA_FORWARD_BUFFER_ALIBI 7
+#define FA_FORWARD_BUFFER_SINKS 8
+#define FA_FORWARD_BUFFER_COUNT 9
+// Split-KV forward (short queries over long KV caches): both of its kernels bind 0 ... 10.
 // forward_split writes one partial result per chunk of keys: partial_out (float32
 // [batch][num_heads][kv_chunks][seqlen_q][head_dim], normalised) and partial_lse (float32
 // [batch][num_heads][kv_chunks][seqlen_q], -inf for a chunk the row does not see), workspaces the
 // backend allocates; forward_combine merges them into out and lse.
-#define FA_FORWARD_BUFFER_PARTIAL_OUT 6
-#define FA_FORWARD_BUFFER_PARTIAL_LSE 7
-#define FA_FORWARD_SPLIT_BUFFER_COUNT 8
+#define FA_FORWARD_BUFFER_PARTIAL_OUT 9
+#define FA_FORWARD_BUFFER_PARTIAL_LSE 10
+#define FA_FORWARD_SPLIT_BUFFER_COUNT 11
 
-// Buffer indices: every backward kernel binds 0 ... FA_BACKWARD_BUFFER_DELTA. A backward pass is
-// three dispatches: backward_delta writes delta (D_i = rowsum(dout * out), float32
-// [batch][num_heads][seqlen_q], a workspace the backend allocates), then backward_dq writes dq and
-// backward_dkv writes dk and dv, both reading delta.
+// Buffer indices: backward. A backward pass is three dispatches (four with sinks):
+// backward_delta writes delta (D_i = rowsum(dout * out), float32 [batch][num_heads][seqlen_q], a
+// workspace the backend allocates), then backward_dq writes dq and backward_dkv writes dk and dv,
+// both reading delta; with sinks, backward_dsinks writes dsinks (float32 [num_heads]). Every
+// backward kernel binds 0 ... FA_BACKWARD_BUFFER_SINKS and then its outputs.
 #define FA_BACKWARD_BUFFER_DOUT 0
 #define FA_BACKWARD_BUFFER_Q 1
 #define FA_BACKWARD_BUFFER_K 2
@@ -80,12 +105,17 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_BUFFER_LSE 5
 #define FA_BACKWARD_BUFFER_PARAMS 6
 #define FA_BACKWARD_BUFFER_DELTA 7
-#define FA_BACKWARD_BUFFER_DQ 8
-#define FA_BACKWARD_BUFFER_DK 8
-#define FA_BACKWARD_BUFFER_DV 9
-#define FA_BACKWARD_DELTA_BUFFER_COUNT 8
-#define FA_BACKWARD_DQ_BUFFER_COUNT 9
-#define FA_BACKWARD_DKV_BUFFER_COUNT 10
+#define FA_BACKWARD_BUFFER_MASK 8
+#define FA_BACKWARD_BUFFER_ALIBI 9
+#define FA_BACKWARD_BUFFER_SINKS 10
+#define FA_BACKWARD_BUFFER_DQ 11
+#define FA_BACKWARD_BUFFER_DK 11
+#define FA_BACKWARD_BUFFER_DV 12
+#define FA_BACKWARD_BUFFER_DSINKS 11
+#define FA_BACKWARD_DELTA_BUFFER_COUNT 11
+#define FA_BACKWARD_DQ_BUFFER_COUNT 12
+#define FA_BACKWARD_DKV_BUFFER_COUNT 13
+#define FA_BACKWARD_DSINKS_BUFFER_COUNT 12
 
 // Largest supported head_dim and head_dim_v; the last bucket of the tables below.
 #define FA_MAX_HEAD_DIM 256

@@ -69,3 +69,8 @@ int fa_bucket_for_head_dim(uint32_t dtype, uint32_t head_dim, FlashAttentionBuck
 _Static_assert(FA_DTYPE_FLOAT16 == FA_DTYPE_F16 && FA_DTYPE_BFLOAT16 == FA_DTYPE_BF16 &&
                    FA_DTYPE_FLOAT32 == FA_DTYPE_F32,
                "fa_dtype and the kernels' dtype numbers must agree");
+
+_Static_assert(FA_ATTN_MASK_NONE == FA_MASK_NONE && FA_ATTN_MASK_BOOL == FA_MASK_BOOL &&
+                   FA_ATTN_MASK_ADDITIVE == FA_MASK_ADDITIVE &&
+                   FA_ATTN_MASK_ADDITIVE_FLOAT32 == FA_MASK_ADDITIVE_F32,
+               "fa_attn_mask_type and the kernels' mask kinds must agree");

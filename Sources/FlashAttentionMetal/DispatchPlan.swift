@@ -5,18 +5,26 @@ import CFlashAttentionMetal
 enum BufferRole: Int, CaseIterable {
     /// Workspaces: `delta`, D_i = rowsum(dout * out) per query row (backward); `partialOut` and
     /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward).
-    case q, k, v, out, lse, dout, dq, dk, dv, delta, partialOut, partialLse
+    /// Optional inputs: `attnMask`, `alibiSlopes`, `sinks` (float32); optional output `dsinks`.
+    case q, k, v, out, lse, dout, dq, dk, dv, delta, partialOut, partialLse, attnMask, alibiSlopes, sinks, dsinks
 
     /// Whether the role holds float32 whatever the problem's dtype.
     var isFloat32: Bool {
         switch self {
-        case .lse, .delta, .partialOut, .partialLse: return true
+        case .lse, .delta, .partialOut, .partialLse, .alibiSlopes, .sinks, .dsinks: return true
         default: return false
         }
     }
 
     /// Bytes per element for `problem`.
-    func elementSize(for problem: Problem) -> Int { isFloat32 ? 4 : problem.dtype.size }
+    func elementSize(for problem: Problem) -> Int {
+        guard self == .attnMask else { return isFloat32 ? 4 : problem.dtype.size }
+        switch Int32(problem.scores.maskType) {
+        case FA_MASK_BOOL: return 1
+        case FA_MASK_ADDITIVE: return problem.dtype.size
+        default: return 4
+        }
+    }
 
     /// The C argument name, for messages.
     var name: String {
@@ -33,6 +41,10 @@ enum BufferRole: Int, CaseIterable {
         case .delta: return "delta"
         case .partialOut: return "partial_out"
         case .partialLse: return "partial_lse"
+        case .attnMask: return "attn_mask"
+        case .alibiSlopes: return "alibi_slopes"
+        case .sinks: return "sinks"
+        case .dsinks: return "dsinks"
         }
     }
 
@@ -45,6 +57,9 @@ enum BufferRole: Int, CaseIterable {
         // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, so these products stay small.
         case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDimV)
         case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
+        case .attnMask: return problem.scores.maskExtent
+        case .alibiSlopes: return Int(problem.numHeads) * (problem.scores.alibiPerBatch ? Int(problem.batch) : 1)
+        case .sinks, .dsinks: return Int(problem.numHeads)
         }
     }
 
@@ -106,6 +121,8 @@ struct DispatchPlan {
                         BufferBinding(index: Int(FA_FORWARD_BUFFER_V), role: .v),
                         BufferBinding(index: Int(FA_FORWARD_BUFFER_OUT), role: .out),
                         BufferBinding(index: Int(FA_FORWARD_BUFFER_LSE), role: .lse)]
+        bindings += optionalInputs(problem, mask: FA_FORWARD_BUFFER_MASK, alibi: FA_FORWARD_BUFFER_ALIBI,
+                                   sinks: FA_FORWARD_BUFFER_SINKS)
         func dispatch(_ kernel: String, _ grid: GridSize) -> Dispatch {
             Dispatch(kernelName: kernel, bindings: bindings, paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
                      params: problem.params, threadgroupsPerGrid: grid, threadsPerThreadgroup: threadgroupSize)
@@ -141,6 +158,8 @@ struct DispatchPlan {
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_OUT), role: .out),
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE), role: .lse),
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_DELTA), role: .delta)]
+            + optionalInputs(problem, mask: FA_BACKWARD_BUFFER_MASK, alibi: FA_BACKWARD_BUFFER_ALIBI,
+                             sinks: FA_BACKWARD_BUFFER_SINKS)
         func dispatch(_ kernel: String, _ outputs: [BufferBinding], rows: UInt32, block: UInt32,
                       heads: UInt32) -> Dispatch {
             Dispatch(kernelName: kernel, bindings: inputs + outputs,
@@ -158,8 +177,27 @@ struct DispatchPlan {
                            [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
                            rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads)
-        return DispatchPlan(dispatches: [delta, dq, dkv], outputs: [.dq, .dk, .dv], workspace: [.delta],
-                            problem: problem)
+        guard problem.scores.hasSinks else {
+            return DispatchPlan(dispatches: [delta, dq, dkv], outputs: [.dq, .dk, .dv], workspace: [.delta],
+                                problem: problem)
+        }
+        let dsinks = Dispatch(kernelName: "flash_attention_backward_dsinks",
+                              bindings: inputs + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DSINKS), role: .dsinks)],
+                              paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
+                              threadgroupsPerGrid: GridSize(width: problem.numHeads, height: 1, depth: 1),
+                              threadsPerThreadgroup: threadgroupSize)
+        return DispatchPlan(dispatches: [delta, dq, dkv, dsinks], outputs: [.dq, .dk, .dv, .dsinks],
+                            workspace: [.delta], problem: problem)
+    }
+
+    /// attn_mask, alibi_slopes and sinks at their indices; an absent one is bound to `lse` as a
+    /// placeholder that the kernels never read (their params say it is absent).
+    private static func optionalInputs(_ problem: Problem, mask: Int32, alibi: Int32, sinks: Int32)
+        -> [BufferBinding] {
+        let s = problem.scores
+        return [BufferBinding(index: Int(mask), role: s.maskType == UInt32(FA_MASK_NONE) ? .lse : .attnMask),
+                BufferBinding(index: Int(alibi), role: s.hasAlibi ? .alibiSlopes : .lse),
+                BufferBinding(index: Int(sinks), role: s.hasSinks ? .sinks : .lse)]
     }
 
     /// Threads per threadgroup of every kernel.

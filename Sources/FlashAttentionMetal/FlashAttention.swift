@@ -39,42 +39,46 @@ public final class FlashAttention: @unchecked Sendable {
     /// contiguous with the element type `Element` (its ``AttentionElement/attentionDType``).
     /// - Parameters:
     ///   - softmaxScale: any finite value; nil means `1 / sqrt(headDim)`.
-    /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for a bad shape, scale or buffer length,
+    ///   - options: sliding window, softcap, ALiBi, sinks and `attnMask` (``AttentionOptions``).
+    /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for a bad shape, scale, option or buffer length,
     ///   ``FlashAttentionError/unsupported(_:)`` for `headDim` or `headDimV` above 256 (or bfloat16
     ///   where Metal lacks it), ``FlashAttentionError/executionFailed(_:)`` when the device fails
     ///   (outputs are then NaN).
     public func forward<Element: AttentionElement>(
         q: UnsafeBufferPointer<Element>, k: UnsafeBufferPointer<Element>, v: UnsafeBufferPointer<Element>,
         out: UnsafeMutableBufferPointer<Element>, lse: UnsafeMutableBufferPointer<Float>, shape: AttentionShape,
-        causal: Bool = false, softmaxScale: Float? = nil
+        causal: Bool = false, softmaxScale: Float? = nil, options: AttentionOptions = AttentionOptions()
     ) throws {
         try withAutoreleasePool {
             let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal,
-                                         softmaxScale: softmaxScale)
+                                         softmaxScale: softmaxScale, options: options)
             var buffers = HostBuffers()
             try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
             try buffers.bindInput(.k, checked(UnsafeRawBufferPointer(k), .k, p), for: p)
             try buffers.bindInput(.v, checked(UnsafeRawBufferPointer(v), .v, p), for: p)
             try buffers.bindOutput(.out, checked(UnsafeMutableRawBufferPointer(out), .out, p), for: p)
             try buffers.bindOutput(.lse, checked(UnsafeMutableRawBufferPointer(lse), .lse, p), for: p)
-            try context.run(DispatchPlan.forward(p), buffers: buffers)
+            try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.forward(p), buffers: $0) }
         }
     }
 
     /// Backward pass into caller-owned memory: `dq` (like `q`), `dk` (like `k`) and `dv` (like `v`)
     /// from `dout` and the `q, k, v, out, lse` of the forward pass. `dk` and `dv` sum over the query
-    /// heads that share a KV head.
-    /// - Throws: as ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)``.
+    /// heads that share a KV head. With `options.sinks`, `dsinks` (`numHeads` floats) receives the
+    /// sinks' gradient.
+    /// - Throws: as ``forward(q:k:v:out:lse:shape:causal:softmaxScale:options:)``; `invalidArgument`
+    ///   when sinks are given without `dsinks`.
     public func backward<Element: AttentionElement>(
         dout: UnsafeBufferPointer<Element>, q: UnsafeBufferPointer<Element>, k: UnsafeBufferPointer<Element>,
         v: UnsafeBufferPointer<Element>, out: UnsafeBufferPointer<Element>, lse: UnsafeBufferPointer<Float>,
         dq: UnsafeMutableBufferPointer<Element>, dk: UnsafeMutableBufferPointer<Element>,
         dv: UnsafeMutableBufferPointer<Element>, shape: AttentionShape, causal: Bool = false,
-        softmaxScale: Float? = nil
+        softmaxScale: Float? = nil, options: AttentionOptions = AttentionOptions(),
+        dsinks: UnsafeMutableBufferPointer<Float>? = nil
     ) throws {
         try withAutoreleasePool {
             let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal,
-                                         softmaxScale: softmaxScale)
+                                         softmaxScale: softmaxScale, options: options)
             var buffers = HostBuffers()
             try buffers.bindInput(.dout, checked(UnsafeRawBufferPointer(dout), .dout, p), for: p)
             try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
@@ -85,19 +89,27 @@ public final class FlashAttention: @unchecked Sendable {
             try buffers.bindOutput(.dq, checked(UnsafeMutableRawBufferPointer(dq), .dq, p), for: p)
             try buffers.bindOutput(.dk, checked(UnsafeMutableRawBufferPointer(dk), .dk, p), for: p)
             try buffers.bindOutput(.dv, checked(UnsafeMutableRawBufferPointer(dv), .dv, p), for: p)
-            try context.run(DispatchPlan.backward(p), buffers: buffers)
+            if p.scores.hasSinks {
+                guard let dsinks else {
+                    throw FlashAttentionError.invalidArgument("dsinks must be given with sinks")
+                }
+                try buffers.bindOutput(.dsinks, checked(UnsafeMutableRawBufferPointer(dsinks), .dsinks, p), for: p)
+            }
+            try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.backward(p), buffers: $0) }
         }
     }
 
     /// Forward pass over arrays; returns `out` (`[batch][numHeads][seqlenQ][headDimV]`) and `lse`
     /// (float32, `[batch][numHeads][seqlenQ]`). See
-    /// ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)``.
+    /// ``forward(q:k:v:out:lse:shape:causal:softmaxScale:options:)``.
     public func forward<Element: AttentionElement>(q: [Element], k: [Element], v: [Element], shape: AttentionShape,
-                                                   causal: Bool = false, softmaxScale: Float? = nil) throws
+                                                   causal: Bool = false, softmaxScale: Float? = nil,
+                                                   options: AttentionOptions = AttentionOptions()) throws
         -> (out: [Element], lse: [Float]) {
         // Outputs are allocated only once the inputs match a valid shape, so a bad shape cannot
         // ask for an absurd allocation.
-        let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal, softmaxScale: softmaxScale)
+        let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal, softmaxScale: softmaxScale,
+                                     options: options)
         try expect(q.count, .q, p)
         var out = [Element](repeating: Element(), count: BufferRole.out.elementCount(for: p))
         var lse = [Float](repeating: 0, count: p.lseElements)
@@ -107,7 +119,7 @@ public final class FlashAttention: @unchecked Sendable {
                     try out.withUnsafeMutableBufferPointer { out in
                         try lse.withUnsafeMutableBufferPointer { lse in
                             try forward(q: q, k: k, v: v, out: out, lse: lse, shape: shape, causal: causal,
-                                        softmaxScale: softmaxScale)
+                                        softmaxScale: softmaxScale, options: options)
                         }
                     }
                 }
@@ -117,18 +129,31 @@ public final class FlashAttention: @unchecked Sendable {
     }
 
     /// Backward pass over arrays; returns `dq` (like `q`), `dk` (like `k`) and `dv` (like `v`). See
-    /// ``backward(dout:q:k:v:out:lse:dq:dk:dv:shape:causal:softmaxScale:)``.
+    /// ``backward(dout:q:k:v:out:lse:dq:dk:dv:shape:causal:softmaxScale:options:dsinks:)``.
     public func backward<Element: AttentionElement>(
         dout: [Element], q: [Element], k: [Element], v: [Element], out: [Element], lse: [Float],
         shape: AttentionShape, causal: Bool = false, softmaxScale: Float? = nil
     ) throws -> (dq: [Element], dk: [Element], dv: [Element]) {
-        let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal, softmaxScale: softmaxScale)
+        let g = try backward(dout: dout, q: q, k: k, v: v, out: out, lse: lse, shape: shape, causal: causal,
+                             softmaxScale: softmaxScale, options: AttentionOptions())
+        return (g.dq, g.dk, g.dv)
+    }
+
+    /// Backward pass over arrays with score modifiers; returns `dq`, `dk`, `dv` and, with
+    /// `options.sinks`, `dsinks` (`numHeads` floats; empty without sinks).
+    public func backward<Element: AttentionElement>(
+        dout: [Element], q: [Element], k: [Element], v: [Element], out: [Element], lse: [Float],
+        shape: AttentionShape, causal: Bool = false, softmaxScale: Float? = nil, options: AttentionOptions
+    ) throws -> (dq: [Element], dk: [Element], dv: [Element], dsinks: [Float]) {
+        let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal, softmaxScale: softmaxScale,
+                                     options: options)
         try expect(q.count, .q, p)
         try expect(k.count, .k, p)
         try expect(v.count, .v, p)
         var dq = [Element](repeating: Element(), count: q.count)
         var dk = [Element](repeating: Element(), count: k.count)
         var dv = [Element](repeating: Element(), count: v.count)
+        var dsinks = [Float](repeating: 0, count: p.scores.hasSinks ? Int(p.numHeads) : 0)
         try dout.withUnsafeBufferPointer { dout in
             try q.withUnsafeBufferPointer { q in
                 try k.withUnsafeBufferPointer { k in
@@ -138,9 +163,12 @@ public final class FlashAttention: @unchecked Sendable {
                                 try dq.withUnsafeMutableBufferPointer { dq in
                                     try dk.withUnsafeMutableBufferPointer { dk in
                                         try dv.withUnsafeMutableBufferPointer { dv in
-                                            try backward(dout: dout, q: q, k: k, v: v, out: out, lse: lse,
-                                                         dq: dq, dk: dk, dv: dv, shape: shape, causal: causal,
-                                                         softmaxScale: softmaxScale)
+                                            try dsinks.withUnsafeMutableBufferPointer { dsinks in
+                                                try backward(dout: dout, q: q, k: k, v: v, out: out, lse: lse,
+                                                             dq: dq, dk: dk, dv: dv, shape: shape, causal: causal,
+                                                             softmaxScale: softmaxScale, options: options,
+                                                             dsinks: p.scores.hasSinks ? dsinks : nil)
+                                            }
                                         }
                                     }
                                 }
@@ -150,7 +178,34 @@ public final class FlashAttention: @unchecked Sendable {
                 }
             }
         }
-        return (dq, dk, dv)
+        return (dq, dk, dv, dsinks)
+    }
+}
+
+/// Runs `body` with `options`' mask, ALiBi slopes and sinks bound (checked against `problem`).
+private func withOptionalInputs(_ options: AttentionOptions, _ problem: Problem, _ buffers: HostBuffers,
+                                _ body: (HostBuffers) throws -> Void) throws {
+    var buffers = buffers
+    func bind<T>(_ array: [T]?, _ role: BufferRole, _ next: () throws -> Void) throws {
+        guard let array else { return try next() }
+        try array.withUnsafeBytes { bytes in
+            try buffers.bindInput(role, checked(bytes, role, problem), for: problem)
+            try next()
+        }
+    }
+    var maskBytes: [UInt8]?
+    var maskFloats: [Float]?
+    switch options.attnMask {
+    case .boolean(let values, _): maskBytes = values
+    case .additive(let values, _): maskFloats = values
+    case nil: break
+    }
+    try bind(options.alibiSlopes, .alibiSlopes) {
+        try bind(options.sinks, .sinks) {
+            try bind(maskBytes, .attnMask) {
+                try bind(maskFloats, .attnMask) { try body(buffers) }
+            }
+        }
     }
 }
 

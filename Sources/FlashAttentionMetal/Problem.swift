@@ -82,6 +82,8 @@ struct Problem {
     let lseElements: Int
     /// The split-KV chunking of the forward pass, or nil for the dense forward.
     let split: KeyValueSplit?
+    /// Window, softcap, mask, ALiBi and sinks.
+    let scores: ScoreSpec
 
     /// The size of a 0.1 `fa_problem`: the fields up to `softmax_scale`.
     private static let firstVersionSize = MemoryLayout<fa_problem>.offset(of: \fa_problem.dtype)!
@@ -89,19 +91,7 @@ struct Problem {
     /// Validates a C descriptor. `pointer` may be null; its `struct_size` is read first so that no
     /// byte past what the caller declared is read, and fields past it take their defaults.
     static func validate(_ pointer: UnsafePointer<fa_problem>?) throws -> Problem {
-        guard let pointer else {
-            throw FlashAttentionError.invalidArgument("problem must not be null")
-        }
-        let declaredSize = Int(UnsafeRawPointer(pointer).load(as: UInt32.self))
-        guard declaredSize >= firstVersionSize else {
-            throw FlashAttentionError.invalidArgument(
-                "problem->struct_size (\(declaredSize)) must be at least \(firstVersionSize) (the 0.1 fa_problem)")
-        }
-        var p = fa_problem()
-        withUnsafeMutableBytes(of: &p) { bytes in
-            bytes.copyMemory(from: UnsafeRawBufferPointer(start: pointer,
-                                                          count: min(declaredSize, MemoryLayout<fa_problem>.size)))
-        }
+        let p = try descriptor(pointer)
         guard p.causal <= 1 else {
             throw FlashAttentionError.invalidArgument("causal (\(p.causal)) must be 0 or 1")
         }
@@ -123,18 +113,67 @@ struct Problem {
         let shape = AttentionShape(batch: Int(p.batch), numHeads: Int(p.num_heads), numKVHeads: Int(p.num_kv_heads),
                                    seqlenQ: Int(p.seqlen_q), seqlenK: Int(p.seqlen_k), headDim: Int(p.head_dim),
                                    headDimV: p.head_dim_v == 0 ? Int(p.head_dim) : Int(p.head_dim_v))
-        return try Problem(shape, dtype: dtype, causal: p.causal == 1, softmaxScale: p.softmax_scale, strides: layout)
+        guard p.use_window <= 1, p.alibi_per_batch <= 1 else {
+            throw FlashAttentionError.invalidArgument(
+                "use_window (\(p.use_window)) and alibi_per_batch (\(p.alibi_per_batch)) must be 0 or 1")
+        }
+        guard p.attn_mask_type == UInt32(FA_MASK_NONE) || p.attn_mask != nil else {
+            throw FlashAttentionError.invalidArgument("attn_mask must not be null when attn_mask_type is set")
+        }
+        let maskStrides = TensorStrides(batch: Int(p.attn_mask_strides.batch), head: Int(p.attn_mask_strides.head),
+                                        seq: Int(p.attn_mask_strides.seq))
+        return try Problem(shape, dtype: dtype, causal: p.causal == 1, softmaxScale: p.softmax_scale, strides: layout,
+                           window: p.use_window == 1 ? (Int(p.window_left), Int(p.window_right)) : nil,
+                           softcap: p.softcap, maskType: p.attn_mask_type, maskStrides: maskStrides,
+                           hasAlibi: p.alibi_slopes != nil, alibiPerBatch: p.alibi_per_batch == 1,
+                           hasSinks: p.sinks != nil)
+    }
+
+    /// The caller's descriptor as far as its `struct_size` goes, later fields zero (their defaults).
+    /// - Throws: `invalidArgument` for a null pointer or a `struct_size` below the 0.1 struct.
+    static func descriptor(_ pointer: UnsafePointer<fa_problem>?) throws -> fa_problem {
+        guard let pointer else {
+            throw FlashAttentionError.invalidArgument("problem must not be null")
+        }
+        let declaredSize = Int(UnsafeRawPointer(pointer).load(as: UInt32.self))
+        guard declaredSize >= firstVersionSize else {
+            throw FlashAttentionError.invalidArgument(
+                "problem->struct_size (\(declaredSize)) must be at least \(firstVersionSize) (the 0.1 fa_problem)")
+        }
+        var p = fa_problem()
+        withUnsafeMutableBytes(of: &p) { bytes in
+            bytes.copyMemory(from: UnsafeRawBufferPointer(start: pointer,
+                                                          count: min(declaredSize, MemoryLayout<fa_problem>.size)))
+        }
+        return p
     }
 
     /// Validates a Swift shape; `softmaxScale` nil means `1 / sqrt(headDim)`.
     static func validate(_ shape: AttentionShape, dtype: AttentionDType = .float16, causal: Bool,
-                         softmaxScale: Float?, strides: ProblemStrides = ProblemStrides()) throws -> Problem {
+                         softmaxScale: Float?, strides: ProblemStrides = ProblemStrides(),
+                         options: AttentionOptions = AttentionOptions()) throws -> Problem {
         let scale = softmaxScale ?? (shape.headDim > 0 ? 1 / Float(shape.headDim).squareRoot() : 1)
-        return try Problem(shape, dtype: dtype, causal: causal, softmaxScale: scale, strides: strides)
+        var maskType = UInt32(FA_MASK_NONE)
+        var maskStrides = TensorStrides(batch: 0, head: 0, seq: 0)
+        switch options.attnMask {
+        case .boolean(_, let s): (maskType, maskStrides) = (UInt32(FA_MASK_BOOL), s)
+        case .additive(_, let s): (maskType, maskStrides) = (UInt32(FA_MASK_ADDITIVE_F32), s)
+        case nil: break
+        }
+        let window = options.windowLeft == -1 && options.windowRight == -1
+            ? nil : (options.windowLeft, options.windowRight)
+        let alibiPerBatch = options.alibiSlopes.map { $0.count != shape.numHeads } ?? false
+        return try Problem(shape, dtype: dtype, causal: causal, softmaxScale: scale, strides: strides,
+                           window: window, softcap: options.softcap, maskType: maskType, maskStrides: maskStrides,
+                           hasAlibi: options.alibiSlopes != nil, alibiPerBatch: alibiPerBatch,
+                           hasSinks: options.sinks != nil)
     }
 
     private init(_ shape: AttentionShape, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
-                 strides: ProblemStrides) throws {
+                 strides: ProblemStrides, window: (left: Int, right: Int)? = nil, softcap: Float = 0,
+                 maskType: UInt32 = UInt32(FA_MASK_NONE),
+                 maskStrides: TensorStrides = TensorStrides(batch: 0, head: 0, seq: 0), hasAlibi: Bool = false,
+                 alibiPerBatch: Bool = false, hasSinks: Bool = false) throws {
         let dims = [("batch", shape.batch), ("num_heads", shape.numHeads), ("num_kv_heads", shape.numKVHeads),
                     ("seqlen_q", shape.seqlenQ), ("seqlen_k", shape.seqlenK), ("head_dim", shape.headDim),
                     ("head_dim_v", shape.headDimV)]
@@ -181,6 +220,9 @@ struct Problem {
             layouts[role] = layout
         }
         let lse = try Problem.checkedCount([b, h, sq], bytesPerElement: 4, of: "lse")
+        scores = try ScoreSpec(causal: causal, window: window, softcap: softcap, maskType: maskType,
+                               maskStrides: maskStrides, hasAlibi: hasAlibi, alibiPerBatch: alibiPerBatch,
+                               hasSinks: hasSinks, dims: (b, h, sq, sk))
         self.batch = UInt32(b)
         self.numHeads = UInt32(h)
         self.numKVHeads = UInt32(hk)
@@ -220,9 +262,14 @@ struct Problem {
         func strides(_ role: BufferRole) -> FlashAttentionStrides { layouts[role]!.params }
         return FlashAttentionParams(
             q: strides(.q), k: strides(.k), v: strides(.v), out: strides(.out), dout: strides(.dout),
-            dq: strides(.dq), dk: strides(.dk), dv: strides(.dv), batch: batch, num_heads: numHeads,
-            num_kv_heads: numKVHeads, seqlen_q: seqlenQ, seqlen_k: seqlenK, head_dim: headDim,
-            head_dim_v: headDimV, causal: causal ? 1 : 0, softmax_scale: softmaxScale,
+            dq: strides(.dq), dk: strides(.dk), dv: strides(.dv),
+            mask: FlashAttentionStrides(batch: UInt64(scores.maskStrides.batch), head: UInt64(scores.maskStrides.head),
+                                        seq: UInt64(scores.maskStrides.seq)),
+            alibi_batch_stride: scores.alibiPerBatch ? UInt64(numHeads) : 0,
+            batch: batch, num_heads: numHeads, num_kv_heads: numKVHeads, seqlen_q: seqlenQ, seqlen_k: seqlenK,
+            head_dim: headDim, head_dim_v: headDimV, causal: causal ? 1 : 0, window_left: scores.windowLeft,
+            window_right: scores.windowRight, softmax_scale: softmaxScale, softcap: scores.softcap,
+            mask_type: scores.maskType, has_alibi: scores.hasAlibi ? 1 : 0, has_sinks: scores.hasSinks ? 1 : 0,
             kv_chunks: split?.chunks ?? 1, kv_chunk_keys: split?.chunkKeys ?? seqlenK)
     }
 

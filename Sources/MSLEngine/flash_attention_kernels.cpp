@@ -19,36 +19,44 @@ using msl_engine::builtins;
 using msl_engine::kernel_args;
 
 // Kernel signatures per element type T (see the kernel definitions in the .metal file).
+#define FA_OPTIONAL_TYPES const uchar *, const float *, const float *
 template <class T>
 using ForwardKernel = void (*)(const T *, const T *, const T *, T *, float *,
-                               const FlashAttentionParams &, uint3, uint, uint);
+                               const FlashAttentionParams &, FA_OPTIONAL_TYPES, uint3, uint, uint);
 template <class T>
 using ForwardSplitKernel = void (*)(const T *, const T *, const T *, T *, float *,
-                                    const FlashAttentionParams &, float *, float *, uint3, uint,
-                                    uint);
+                                    const FlashAttentionParams &, FA_OPTIONAL_TYPES, float *,
+                                    float *, uint3, uint, uint);
 template <class T>
 using ForwardCombineKernel = void (*)(const T *, const T *, const T *, T *, float *,
-                                      const FlashAttentionParams &, const float *, const float *,
-                                      uint3, uint);
+                                      const FlashAttentionParams &, FA_OPTIONAL_TYPES,
+                                      const float *, const float *, uint3, uint);
 template <class T>
 using BackwardDeltaKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
-                                     const float *, const FlashAttentionParams &, float *, uint3,
-                                     uint);
+                                     const float *, const FlashAttentionParams &, float *,
+                                     FA_OPTIONAL_TYPES, uint3, uint);
 template <class T>
 using BackwardDqKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
-                                  const float *, const FlashAttentionParams &, const float *, T *,
-                                  uint3, uint, uint);
+                                  const float *, const FlashAttentionParams &, const float *,
+                                  FA_OPTIONAL_TYPES, T *, uint3, uint, uint);
 template <class T>
 using BackwardDkvKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
-                                   const float *, const FlashAttentionParams &, const float *, T *,
-                                   T *, uint3, uint, uint);
+                                   const float *, const FlashAttentionParams &, const float *,
+                                   FA_OPTIONAL_TYPES, T *, T *, uint3, uint, uint);
 
 // The buffers every forward kernel binds, in [[buffer(i)]] order up to the parameters.
 #define FA_FORWARD_INPUTS(T, a)                                                                    \
     a.buffer<const T>(FA_FORWARD_BUFFER_Q), a.buffer<const T>(FA_FORWARD_BUFFER_K),                \
         a.buffer<const T>(FA_FORWARD_BUFFER_V), a.buffer<T>(FA_FORWARD_BUFFER_OUT),                \
         a.buffer<float>(FA_FORWARD_BUFFER_LSE),                                                    \
-        a.constant_ref<const FlashAttentionParams>(FA_FORWARD_BUFFER_PARAMS)
+        a.constant_ref<const FlashAttentionParams>(FA_FORWARD_BUFFER_PARAMS),                      \
+        a.buffer<const uchar>(FA_FORWARD_BUFFER_MASK), a.buffer<const float>(FA_FORWARD_BUFFER_ALIBI), \
+        a.buffer<const float>(FA_FORWARD_BUFFER_SINKS)
+
+// The optional inputs every backward kernel binds after delta.
+#define FA_BACKWARD_OPTIONALS(a)                                                                   \
+    a.buffer<const uchar>(FA_BACKWARD_BUFFER_MASK), a.buffer<const float>(FA_BACKWARD_BUFFER_ALIBI), \
+        a.buffer<const float>(FA_BACKWARD_BUFFER_SINKS)
 
 // The buffers every backward kernel binds, in [[buffer(i)]] order up to the parameters.
 #define FA_BACKWARD_INPUTS(T, a)                                                                   \
@@ -80,22 +88,33 @@ void run_forward_combine(const kernel_args &a, const builtins &t) {
 template <class T, BackwardDeltaKernel<T> Kernel>
 void run_backward_delta(const kernel_args &a, const builtins &t) {
     Kernel(FA_BACKWARD_INPUTS(T, a), a.buffer<float>(FA_BACKWARD_BUFFER_DELTA),
-           t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
+           FA_BACKWARD_OPTIONALS(a), t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
 }
 
 template <class T, BackwardDqKernel<T> Kernel>
 void run_backward_dq(const kernel_args &a, const builtins &t) {
     Kernel(FA_BACKWARD_INPUTS(T, a), a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA),
-           a.buffer<T>(FA_BACKWARD_BUFFER_DQ), t.threadgroup_position_in_grid,
+           FA_BACKWARD_OPTIONALS(a), a.buffer<T>(FA_BACKWARD_BUFFER_DQ), t.threadgroup_position_in_grid,
            t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
 }
 
 template <class T, BackwardDkvKernel<T> Kernel>
 void run_backward_dkv(const kernel_args &a, const builtins &t) {
     Kernel(FA_BACKWARD_INPUTS(T, a), a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA),
-           a.buffer<T>(FA_BACKWARD_BUFFER_DK), a.buffer<T>(FA_BACKWARD_BUFFER_DV),
+           FA_BACKWARD_OPTIONALS(a), a.buffer<T>(FA_BACKWARD_BUFFER_DK), a.buffer<T>(FA_BACKWARD_BUFFER_DV),
            t.threadgroup_position_in_grid, t.simdgroup_index_in_threadgroup,
            t.thread_index_in_simdgroup);
+}
+
+void run_backward_dsinks(const kernel_args &a, const builtins &t) {
+    flash_attention_backward_dsinks(
+        a.buffer<const uchar>(FA_BACKWARD_BUFFER_DOUT), a.buffer<const uchar>(FA_BACKWARD_BUFFER_Q),
+        a.buffer<const uchar>(FA_BACKWARD_BUFFER_K), a.buffer<const uchar>(FA_BACKWARD_BUFFER_V),
+        a.buffer<const uchar>(FA_BACKWARD_BUFFER_OUT), a.buffer<const float>(FA_BACKWARD_BUFFER_LSE),
+        a.constant_ref<const FlashAttentionParams>(FA_BACKWARD_BUFFER_PARAMS),
+        a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA), FA_BACKWARD_OPTIONALS(a),
+        a.buffer<float>(FA_BACKWARD_BUFFER_DSINKS), t.threadgroup_position_in_grid,
+        t.thread_index_in_threadgroup);
 }
 
 constexpr const char *kSource = "Shaders/flash_attention.metal";
@@ -127,6 +146,8 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
 #define FA_F32_ENTRIES(...) FA_BUCKET_ENTRIES(float, f32, __VA_ARGS__)
 
 const msl_engine::kernel_entry kTable[] = {
+    {"flash_attention_backward_dsinks", run_backward_dsinks, FA_BACKWARD_DSINKS_BUFFER_COUNT,
+     sizeof(flash_attention_backward_dsinks_threadgroup), kSource, 0},
     FA_DTYPE_ENTRIES(half, f16) FA_HEAD_DIM_BUCKETS(FA_F16_ENTRIES)
     FA_DTYPE_ENTRIES(bfloat, bf16) FA_HEAD_DIM_BUCKETS(FA_BF16_ENTRIES)
     FA_DTYPE_ENTRIES(float, f32) FA_HEAD_DIM_BUCKETS_F32(FA_F32_ENTRIES)};

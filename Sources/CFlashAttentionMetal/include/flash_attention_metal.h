@@ -75,6 +75,17 @@ typedef struct fa_strides {
     int64_t seq;
 } fa_strides;
 
+/* Kinds of attn_mask (PyTorch's conventions). Scores are s = softcap(softmax_scale * q . k)
+ * - slope * |i + seqlen_k - seqlen_q - j| + additive mask; keys hidden by the window, the causal mask
+ * or a boolean mask get no weight. A row left without keys gets out 0, lse -inf (or the sink's
+ * logit with sinks) and zero gradients. */
+typedef enum fa_attn_mask_type {
+    FA_ATTN_MASK_NONE = 0,
+    FA_ATTN_MASK_BOOL = 1,             /* uint8_t, nonzero = may attend */
+    FA_ATTN_MASK_ADDITIVE = 2,         /* elements of problem->dtype, added to the scores */
+    FA_ATTN_MASK_ADDITIVE_FLOAT32 = 3  /* float, added to the scores */
+} fa_attn_mask_type;
+
 /* One attention problem. Set struct_size to sizeof(fa_problem) so the ABI can grow: a caller
  * whose struct_size ends before a field gets that field's default (0.1 callers: float16,
  * head_dim_v = head_dim, contiguous tensors). */
@@ -99,6 +110,18 @@ typedef struct fa_problem {
     fa_strides dq;
     fa_strides dk;
     fa_strides dv;
+    /* Masks and score modifiers; zero-initialised fields leave them off. */
+    uint32_t use_window;    /* 1: FlashAttention's sliding window (window_left, window_right) */
+    int32_t window_left;    /* query i sees key j iff i + s - window_left <= j <= i + s + window_right, */
+    int32_t window_right;   /* s = seqlen_k - seqlen_q; -1 = unbounded side; causal = window_right 0 */
+    float softcap;          /* > 0: scores become softcap * tanh(score / softcap); 0: off */
+    uint32_t attn_mask_type;        /* fa_attn_mask_type */
+    const void *attn_mask;          /* element (b, h, i, j) at b*strides.batch + h*strides.head */
+    fa_strides attn_mask_strides;   /* + i*strides.seq + j; a 0 stride broadcasts that axis */
+    const float *alibi_slopes;      /* NULL, or [num_heads] or [batch][num_heads] float32 */
+    uint32_t alibi_per_batch;       /* 1: alibi_slopes is [batch][num_heads] */
+    const float *sinks;             /* NULL, or [num_heads] float32 logits of one virtual key per head */
+    float *dsinks;                  /* backward with sinks: [num_heads] float32 output */
 } fa_problem;
 
 /* Library version, "MAJOR.MINOR.PATCH". Static storage. */

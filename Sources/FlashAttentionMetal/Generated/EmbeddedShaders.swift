@@ -64,10 +64,12 @@ using namespace metal;
 
 #if defined(__METAL_VERSION__)
 typedef uint fa_u32;
+typedef int fa_i32;
 typedef ulong fa_u64;
 #else
 #include <stdint.h>
 typedef uint32_t fa_u32;
+typedef int32_t fa_i32;
 typedef uint64_t fa_u64;
 #endif
 
@@ -90,6 +92,8 @@ typedef struct FlashAttentionParams {
     FlashAttentionStrides dq;
     FlashAttentionStrides dk;
     FlashAttentionStrides dv;
+    FlashAttentionStrides mask;  // attn_mask's (batch, head, query row) strides; 0 broadcasts
+    fa_u64 alibi_batch_stride;   // alibi_slopes: 0 for (num_heads,), num_heads for (batch, num_heads)
     fa_u32 batch;
     fa_u32 num_heads;
     fa_u32 num_kv_heads;
@@ -97,8 +101,17 @@ typedef struct FlashAttentionParams {
     fa_u32 seqlen_k;
     fa_u32 head_dim;      // of q and k (and dq, dk)
     fa_u32 head_dim_v;    // of v, out, dout and dv
-    fa_u32 causal;        // 0 or 1; bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
+    fa_u32 causal;        // 0 or 1 (the host folds it into window_right = 0 as well)
+    // Sliding window, bottom-right aligned: query i sees key j iff
+    // i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right;
+    // -1 leaves that side unbounded.
+    fa_i32 window_left;
+    fa_i32 window_right;
     float softmax_scale;  // applied to q . k before the softmax
+    float softcap;        // > 0: scores become softcap * tanh(score / softcap); 0: off
+    fa_u32 mask_type;     // FA_MASK_*: attn_mask's kind
+    fa_u32 has_alibi;     // 1: add -slope * |i + seqlen_k - seqlen_q - j| to the scores
+    fa_u32 has_sinks;     // 1: one virtual key per head with logit sinks[h] and no value
     fa_u32 kv_chunks;     // split-KV forward only: chunks of keys per (batch, KV head), else 1
     fa_u32 kv_chunk_keys; // split-KV forward only: keys per chunk (a multiple of the key tile)
 } FlashAttentionParams;
@@ -109,27 +122,39 @@ typedef struct FlashAttentionParams {
 #define FA_DTYPE_BF16 1
 #define FA_DTYPE_F32 2
 
-// Buffer indices: forward.
+// attn_mask kinds. Score order: s = softcap(softmax_scale * q . k) - slope * |distance| + additive
+// mask; keys hidden by the window, the causal mask or a false boolean mask get no weight.
+#define FA_MASK_NONE 0
+#define FA_MASK_BOOL 1      // uchar, nonzero = may attend
+#define FA_MASK_ADDITIVE 2  // the call's dtype, added to the scores
+#define FA_MASK_ADDITIVE_F32 3
+
+// Buffer indices: forward. The optional inputs (attn_mask, alibi_slopes, sinks) are bound to a
+// placeholder buffer when absent; the kernels read them only when params say they exist.
 #define FA_FORWARD_BUFFER_Q 0
 #define FA_FORWARD_BUFFER_K 1
 #define FA_FORWARD_BUFFER_V 2
 #define FA_FORWARD_BUFFER_OUT 3
 #define FA_FORWARD_BUFFER_LSE 4
 #define FA_FORWARD_BUFFER_PARAMS 5
-#define FA_FORWARD_BUFFER_COUNT 6
-// Split-KV forward (short queries over long KV caches): both of its kernels bind 0 ... 7.
+#define FA_FORWARD_BUFFER_MASK 6
+#define FA_FORWARD_BUFFER_ALIBI 7
+#define FA_FORWARD_BUFFER_SINKS 8
+#define FA_FORWARD_BUFFER_COUNT 9
+// Split-KV forward (short queries over long KV caches): both of its kernels bind 0 ... 10.
 // forward_split writes one partial result per chunk of keys: partial_out (float32
 // [batch][num_heads][kv_chunks][seqlen_q][head_dim], normalised) and partial_lse (float32
 // [batch][num_heads][kv_chunks][seqlen_q], -inf for a chunk the row does not see), workspaces the
 // backend allocates; forward_combine merges them into out and lse.
-#define FA_FORWARD_BUFFER_PARTIAL_OUT 6
-#define FA_FORWARD_BUFFER_PARTIAL_LSE 7
-#define FA_FORWARD_SPLIT_BUFFER_COUNT 8
+#define FA_FORWARD_BUFFER_PARTIAL_OUT 9
+#define FA_FORWARD_BUFFER_PARTIAL_LSE 10
+#define FA_FORWARD_SPLIT_BUFFER_COUNT 11
 
-// Buffer indices: every backward kernel binds 0 ... FA_BACKWARD_BUFFER_DELTA. A backward pass is
-// three dispatches: backward_delta writes delta (D_i = rowsum(dout * out), float32
-// [batch][num_heads][seqlen_q], a workspace the backend allocates), then backward_dq writes dq and
-// backward_dkv writes dk and dv, both reading delta.
+// Buffer indices: backward. A backward pass is three dispatches (four with sinks):
+// backward_delta writes delta (D_i = rowsum(dout * out), float32 [batch][num_heads][seqlen_q], a
+// workspace the backend allocates), then backward_dq writes dq and backward_dkv writes dk and dv,
+// both reading delta; with sinks, backward_dsinks writes dsinks (float32 [num_heads]). Every
+// backward kernel binds 0 ... FA_BACKWARD_BUFFER_SINKS and then its outputs.
 #define FA_BACKWARD_BUFFER_DOUT 0
 #define FA_BACKWARD_BUFFER_Q 1
 #define FA_BACKWARD_BUFFER_K 2
@@ -138,12 +163,17 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_BUFFER_LSE 5
 #define FA_BACKWARD_BUFFER_PARAMS 6
 #define FA_BACKWARD_BUFFER_DELTA 7
-#define FA_BACKWARD_BUFFER_DQ 8
-#define FA_BACKWARD_BUFFER_DK 8
-#define FA_BACKWARD_BUFFER_DV 9
-#define FA_BACKWARD_DELTA_BUFFER_COUNT 8
-#define FA_BACKWARD_DQ_BUFFER_COUNT 9
-#define FA_BACKWARD_DKV_BUFFER_COUNT 10
+#define FA_BACKWARD_BUFFER_MASK 8
+#define FA_BACKWARD_BUFFER_ALIBI 9
+#define FA_BACKWARD_BUFFER_SINKS 10
+#define FA_BACKWARD_BUFFER_DQ 11
+#define FA_BACKWARD_BUFFER_DK 11
+#define FA_BACKWARD_BUFFER_DV 12
+#define FA_BACKWARD_BUFFER_DSINKS 11
+#define FA_BACKWARD_DELTA_BUFFER_COUNT 11
+#define FA_BACKWARD_DQ_BUFFER_COUNT 12
+#define FA_BACKWARD_DKV_BUFFER_COUNT 13
+#define FA_BACKWARD_DSINKS_BUFFER_COUNT 12
 
 // Largest supported head_dim and head_dim_v; the last bucket of the tables below.
 #define FA_MAX_HEAD_DIM 256
@@ -313,7 +343,9 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
 // into a threadgroup tile.
 //
 // Masks (bottom-right aligned, as FlashAttention >= 2.1, MLX and PyTorch's lower-right causal):
-// query i sees key j iff j < seqlen_k and, when causal, j <= i + seqlen_k - seqlen_q.
+// query i sees key j iff j < seqlen_k and i + shift - window_left <= j <= i + shift + window_right
+// with shift = seqlen_k - seqlen_q (a side at -1 is unbounded; causal is window_right = 0), and a
+// boolean attn_mask, where given, allows it.
 
 // Element offset of row 0 of head `head` of batch `b` in a tensor laid out by `s` (64-bit:
 // tensors may span more than 2^32 elements).
@@ -326,45 +358,60 @@ inline ulong row_index(uint b, uint heads, uint head, uint seqlen, uint row) {
     return (ulong(b) * heads + head) * seqlen + row;
 }
 
-// Key j is visible to query i iff j <= i + causal_shift(p) (with causal masks).
-inline long causal_shift(constant FlashAttentionParams &p) {
-    return long(p.seqlen_k) - long(p.seqlen_q);
+// x clamped to [0, limit].
+inline uint clamp_index(long x, long limit) {
+    return uint(x < 0 ? 0 : (x > limit ? limit : x));
 }
 
-// Number of keys query row `row` sees: all of them, or with the causal mask the prefix
-// j <= row + seqlen_k - seqlen_q (possibly empty).
-inline uint visible_keys(constant FlashAttentionParams &p, uint row) {
-    if (p.causal == 0) {
-        return p.seqlen_k;
-    }
-    const long n = long(row) + causal_shift(p) + 1;
-    return n <= 0 ? 0u : (n >= long(p.seqlen_k) ? p.seqlen_k : uint(n));
+// The keys [first, end) query row `row` sees through the window (empty when end <= first).
+struct KeyRange {
+    uint first;
+    uint end;
+};
+
+inline KeyRange key_range(constant FlashAttentionParams &p, uint row) {
+    const long centre = long(row) + long(p.seqlen_k) - long(p.seqlen_q);
+    const long first = p.window_left < 0 ? 0 : centre - p.window_left;
+    const long end = p.window_right < 0 ? long(p.seqlen_k) : centre + p.window_right + 1;
+    KeyRange r;
+    r.first = clamp_index(first, p.seqlen_k);
+    r.end = clamp_index(end, p.seqlen_k);
+    return r;
 }
 
-// First query row that sees key `key` (seqlen_q when none does). Rows see a prefix of the keys,
-// so the rows seeing a key form a suffix.
-inline uint first_row_seeing(constant FlashAttentionParams &p, uint key) {
-    if (p.causal == 0) {
-        return 0;
-    }
-    const long i = long(key) - causal_shift(p);
-    return i <= 0 ? 0u : (i >= long(p.seqlen_q) ? p.seqlen_q : uint(i));
+// The query rows [first, end) that see some key of [key0, key0 + keys) through the window. Both
+// bounds of a row's key range grow with the row, so these rows are contiguous.
+inline KeyRange row_range(constant FlashAttentionParams &p, uint key0, uint keys) {
+    const long shift = long(p.seqlen_k) - long(p.seqlen_q);
+    const long first = p.window_right < 0 ? 0 : long(key0) - shift - p.window_right;
+    const long end = p.window_left < 0 ? long(p.seqlen_q) : long(key0) + keys - 1 - shift + p.window_left + 1;
+    KeyRange r;
+    r.first = clamp_index(first, p.seqlen_q);
+    r.end = clamp_index(end, p.seqlen_q);
+    return r;
 }
 
-// Whether query `row` sees key `key`; rows and keys past the end see nothing.
-inline bool is_visible(constant FlashAttentionParams &p, uint row, uint key) {
-    return row < p.seqlen_q && key < p.seqlen_k &&
-           (p.causal == 0 || long(key) <= long(row) + causal_shift(p));
-}
-
-// Whether every pair of rows [row0, row0 + rows) x keys [key0, key0 + keys) exists and is
-// visible: then the tile needs no element mask. The same for every thread of a threadgroup.
-inline bool tile_unmasked(constant FlashAttentionParams &p, uint row0, uint rows, uint key0,
-                          uint keys) {
-    if (ulong(row0) + rows > p.seqlen_q || ulong(key0) + keys > p.seqlen_k) {
+// Whether query `row` sees key `key` through the window; rows and keys past the end see nothing.
+// (A boolean attn_mask is applied separately.)
+inline bool in_window(constant FlashAttentionParams &p, uint row, uint key) {
+    if (row >= p.seqlen_q || key >= p.seqlen_k) {
         return false;
     }
-    return p.causal == 0 || long(key0) + long(keys) - 1 <= long(row0) + causal_shift(p);
+    const KeyRange r = key_range(p, row);
+    return key >= r.first && key < r.end;
+}
+
+// Whether every pair of rows [row0, row0 + rows) x keys [key0, key0 + keys) exists, lies in the
+// window and is not subject to a boolean mask: then the tile needs no element mask. The same for
+// every thread of a threadgroup.
+inline bool tile_unmasked(constant FlashAttentionParams &p, uint row0, uint rows, uint key0,
+                          uint keys) {
+    if (p.mask_type == FA_MASK_BOOL || ulong(row0) + rows > p.seqlen_q ||
+        ulong(key0) + keys > p.seqlen_k) {
+        return false;
+    }
+    // The first row has the smallest key range end, the last row the largest range start.
+    return key0 >= key_range(p, row0 + rows - 1).first && key0 + keys <= key_range(p, row0).end;
 }
 
 // Fragments of 8 columns of a head_dim slice [col0, col0 + 8 * n) that hold columns below
@@ -443,6 +490,69 @@ inline void store_row(device T *dst, thread Fragments<N> &x, float scale, uint c
     }
 }
 
+// ---- scores ----------------------------------------------------------------------------------
+
+// What shapes one lane's scores besides q . k: the ALiBi slope of its row's head and where its row of
+// attn_mask starts (flash_attention_params.h: FA_MASK_*).
+struct RowModifiers {
+    float slope;
+    ulong mask_row;
+};
+
+inline RowModifiers row_modifiers(constant FlashAttentionParams &p, device const float *alibi,
+                                  uint b, uint h, uint row) {
+    RowModifiers m;
+    m.slope = p.has_alibi != 0 ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
+    m.mask_row = head_offset(p.mask, b, h) + ulong(row) * p.mask.seq;
+    return m;
+}
+
+// The score of (row, key) in base 2 from its raw product q . k: softcap(softmax_scale * raw),
+// minus slope * |row + seqlen_k - seqlen_q - key|, plus the additive mask; -inf where the pair is
+// hidden (outside the window when `checked`, which every tile that needs element masks sets, or by
+// a boolean mask). *t receives tanh(softmax_scale * raw / softcap) for the softcap backward.
+template <typename T>
+inline float score2(constant FlashAttentionParams &p, device const uchar *mask, float raw,
+                    uint row, uint key, RowModifiers m, bool checked, thread float &t) {
+    t = 0.0f;
+    if (checked && !in_window(p, row, key)) {
+        return -INFINITY;
+    }
+    const ulong at = m.mask_row + key;
+    if (p.mask_type == FA_MASK_BOOL && mask[at] == 0) {
+        return -INFINITY;
+    }
+    if (p.softcap == 0.0f && p.has_alibi == 0 && p.mask_type == FA_MASK_NONE) {
+        return raw * (p.softmax_scale * M_LOG2E_F);
+    }
+    float x = raw * p.softmax_scale;
+    if (p.softcap > 0.0f) {
+        t = tanh(x / p.softcap);
+        x = p.softcap * t;
+    }
+    if (p.has_alibi != 0) {
+        x -= m.slope * abs(float(long(row) + long(p.seqlen_k) - long(p.seqlen_q) - long(key)));
+    }
+    if (p.mask_type == FA_MASK_ADDITIVE) {
+        x += float(((device const T *)mask)[at]);
+    } else if (p.mask_type == FA_MASK_ADDITIVE_F32) {
+        x += ((device const float *)mask)[at];
+    }
+    return x * M_LOG2E_F;
+}
+
+// dS with respect to softmax_scale * q . k from dS with respect to the final score: the softcap
+// multiplies it by d(c tanh(x / c))/dx = 1 - tanh^2.
+inline float through_softcap(constant FlashAttentionParams &p, float ds, float t) {
+    return p.softcap > 0.0f ? ds * (1.0f - t * t) : ds;
+}
+
+// P = exp2(score - L) with L = lse in base 2; 0 for a hidden pair (whose score is -inf, also when
+// the row's L is -inf).
+inline float probability(float score2, float lse2) {
+    return score2 == -INFINITY ? 0.0f : exp2(score2 - lse2);
+}
+
 // ---- forward ---------------------------------------------------------------------------------
 
 template <typename T, uint DP, uint BQ, uint BK>
@@ -463,10 +573,12 @@ struct RowState {
     Fragments<ND> o;
 };
 
+// Starts a row; with a sink (a virtual key of logit `sink` and no value) the row's softmax begins
+// with that key's weight (one lane of the four holding the row counts it).
 template <uint ND>
-inline void start_rows(thread RowState<ND> &r) {
-    r.m = -INFINITY;
-    r.l = 0.0f;
+inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, FragmentCoord at) {
+    r.m = with_sink ? sink * M_LOG2E_F : -INFINITY;
+    r.l = with_sink && at.col == 0 ? 1.0f : 0.0f;
     clear(r.o);
 }
 
@@ -476,8 +588,9 @@ inline void start_rows(thread RowState<ND> &r) {
 // O += P V.
 template <uint DP, uint BQ, uint BK, uint ND, typename T, typename Storage>
 inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_head,
-                         device const T *v_head, constant FlashAttentionParams &p, uint kv0,
-                         bool masked, uint row, SimdgroupSlice s, FragmentCoord at, uint sgid,
+                         device const T *v_head, device const uchar *mask,
+                         constant FlashAttentionParams &p, uint kv0, bool masked, uint row,
+                         RowModifiers mods, SimdgroupSlice s, FragmentCoord at, uint sgid,
                          uint tid) {
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -501,14 +614,12 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
 
     // Online softmax; P replaces S in place.
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
     float tile_max = -INFINITY;
     for (uint j = 0; j < NK; ++j) {
         for (uint e = 0; e < 2; ++e) {
-            float x = sc.f[j].thread_elements()[e] * scale2;
-            if (masked && !is_visible(p, row, kv0 + j * 8 + at.col + e)) {
-                x = -INFINITY;
-            }
+            float t;
+            const float x = score2<T>(p, mask, sc.f[j].thread_elements()[e], row,
+                                      kv0 + j * 8 + at.col + e, mods, masked, t);
             sc.f[j].thread_elements()[e] = x;
             tile_max = max(tile_max, x);
         }
@@ -549,8 +660,10 @@ inline float row_lse(float m, float l) {
 
 template <uint DP, uint BQ, uint BK, typename T, typename Storage>
 inline void attention_forward(device const T *q, device const T *k, device const T *v,
-                              device T *out, device float *lse, constant FlashAttentionParams &p,
-                              Storage tg, uint3 tgid, uint sgid, uint lane) {
+                              device T *out, device float *lse, device const uchar *mask,
+                              device const float *alibi, device const float *sinks,
+                              constant FlashAttentionParams &p, Storage tg, uint3 tgid, uint sgid,
+                              uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;  // fragments across the slice
     const uint tid = sgid * 32 + lane;
@@ -561,16 +674,18 @@ inline void attention_forward(device const T *q, device const T *k, device const
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
-    // Keys seen by the block's last row: the tiles the threadgroup visits (none past it).
-    const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
+    // From the first row's first key to the last row's last: the tiles the threadgroup visits.
+    const uint key_begin = key_range(p, q0).first;
+    const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
+    const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
 
     load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
     RowState<ND> r;
-    start_rows(r);
-    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
+    start_rows(r, p.has_sinks != 0, p.has_sinks != 0 ? sinks[h] : 0.0f, at);
+    for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
-                                 v + head_offset(p.v, b, kv_head), p, kv0,
-                                 !tile_unmasked(p, q0, BQ, kv0, BK), row, s, at, sgid, tid);
+                                 v + head_offset(p.v, b, kv_head), mask, p, kv0,
+                                 !tile_unmasked(p, q0, BQ, kv0, BK), row, mods, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);
@@ -626,6 +741,7 @@ inline ulong partial_index(constant FlashAttentionParams &p, PackedRows r, uint 
 // batch), x = chunk * row_blocks + row block. Writes the chunk's normalised output and lse.
 template <uint DP, uint BQ, uint BK, typename T, typename Storage>
 inline void attention_forward_split(device const T *q, device const T *k, device const T *v,
+                                    device const uchar *mask, device const float *alibi,
                                     device float *partial_out, device float *partial_lse,
                                     constant FlashAttentionParams &p, Storage tg, uint3 tgid,
                                     uint sgid, uint lane) {
@@ -643,8 +759,10 @@ inline void attention_forward_split(device const T *q, device const T *k, device
     const uint packed = rows.first + s.row0 + at.row;
     const bool valid = packed < rows.count;
     const uint row = valid ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
-    const uint key_begin = chunk * p.kv_chunk_keys;
-    const uint key_end = min(key_begin + p.kv_chunk_keys, visible_keys(p, rows.i_max));
+    // The chunk's keys that some row of the block sees through the window.
+    const uint key_begin = max(chunk * p.kv_chunk_keys, key_range(p, rows.i_min).first);
+    const uint key_end = min(chunk * p.kv_chunk_keys + p.kv_chunk_keys, key_range(p, rows.i_max).end);
+    const RowModifiers mods = row_modifiers(p, alibi, b, packed_head(p, rows, kv_head, valid ? packed : 0), row);
 
     for (uint e = tid; e < BQ * DP; e += FA_THREADS_PER_THREADGROUP) {
         const uint r = e / DP;
@@ -655,14 +773,15 @@ inline void attention_forward_split(device const T *q, device const T *k, device
                               ulong(at_row % p.seqlen_q) * p.q.seq + d]
                           : T(0);
     }
+    // The sink joins once, in the combine.
     RowState<ND> r;
-    start_rows(r);
+    start_rows(r, false, 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         const bool masked = !rows.full || !tile_unmasked(p, rows.i_min, rows.i_max - rows.i_min + 1,
                                                          kv0, BK);
         forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
-                                 v + head_offset(p.v, b, kv_head), p, kv0, masked, row, s, at,
-                                 sgid, tid);
+                                 v + head_offset(p.v, b, kv_head), mask, p, kv0, masked, row,
+                                 mods, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);
@@ -684,19 +803,21 @@ inline void attention_forward_split(device const T *q, device const T *k, device
 }
 
 // Combines the chunks of one query row (threadgroup (i, h, b)): out = sum_c w_c O_c / sum_c w_c
-// with w_c = exp(lse_c - max_c lse_c), lse = max + log(sum_c w_c), chunks in order. A chunk with
-// lse -inf weighs 0; a row without any key gets out 0, lse -inf.
+// with w_c = exp(lse_c - max_c lse_c), lse = max + log(sum_c w_c), chunks in order; a sink adds
+// its weight to the denominator only. A chunk with lse -inf weighs 0; a row without any key (and
+// no sink) gets out 0, lse -inf.
 template <typename T>
 inline void attention_forward_combine(device const float *partial_out,
-                                      device const float *partial_lse, device T *out,
-                                      device float *lse, constant FlashAttentionParams &p,
-                                      uint3 tgid, uint tid) {
+                                      device const float *partial_lse, device const float *sinks,
+                                      device T *out, device float *lse,
+                                      constant FlashAttentionParams &p, uint3 tgid, uint tid) {
     const ulong first = (ulong(tgid.z) * p.num_heads + tgid.y) * p.kv_chunks * p.seqlen_q + tgid.x;
-    float top = -INFINITY;
+    const float sink = p.has_sinks != 0 ? sinks[tgid.y] : -INFINITY;
+    float top = sink;
     for (uint c = 0; c < p.kv_chunks; ++c) {
         top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
     }
-    float total = 0.0f;
+    float total = sink == -INFINITY ? 0.0f : exp(sink - top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
         const float part = partial_lse[first + ulong(c) * p.seqlen_q];
         total += part == -INFINITY ? 0.0f : exp(part - top);
@@ -737,6 +858,38 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
     }
 }
 
+// ---- backward: dsinks -----------------------------------------------------------------------
+
+struct DsinksStorage {
+    float partial[FA_THREADS_PER_THREADGROUP];
+};
+
+// dsinks[h] = -sum over batch and query rows of exp(sinks[h] - lse) * D: a virtual key's
+// dS = P (dP - D) with dP = 0 (it has no value). One threadgroup per head; each thread sums rows
+// tid, tid + 128, ... in order, then a fixed tree adds the threads, so reruns are bit-identical.
+template <typename Storage>
+inline void attention_backward_dsinks(device const float *lse, device const float *delta,
+                                      device const float *sinks, device float *dsinks,
+                                      constant FlashAttentionParams &p, Storage tg, uint h,
+                                      uint tid) {
+    const ulong rows = ulong(p.batch) * p.seqlen_q;
+    float acc = 0.0f;
+    for (ulong r = tid; r < rows; r += FA_THREADS_PER_THREADGROUP) {
+        const ulong at = row_index(uint(r / p.seqlen_q), p.num_heads, h, p.seqlen_q, uint(r % p.seqlen_q));
+        acc = fma(exp(sinks[h] - lse[at]), delta[at], acc);
+    }
+    tg->partial[tid] = acc;
+    for (uint width = FA_THREADS_PER_THREADGROUP / 2; width > 0; width /= 2) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (tid < width) {
+            tg->partial[tid] += tg->partial[tid + width];
+        }
+    }
+    if (tid == 0) {
+        dsinks[h] = -tg->partial[0];
+    }
+}
+
 // ---- backward: dQ ----------------------------------------------------------------------------
 
 // SHARED: the K and V tiles share one buffer (when both would not fit in 32 KiB): V is loaded
@@ -754,7 +907,8 @@ struct BackwardQueryStorage {
 template <uint DP, uint BQ, uint BK, bool SHARED, typename T, typename Storage>
 inline void attention_backward_dq(device const T *dout, device const T *q, device const T *k,
                                   device const T *v, device const float *lse,
-                                  device const float *delta, constant FlashAttentionParams &p,
+                                  device const float *delta, device const uchar *mask,
+                                  device const float *alibi, constant FlashAttentionParams &p,
                                   device T *dq, Storage tg, uint3 tgid, uint sgid, uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;
@@ -771,13 +925,13 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
     device const T *k_head = k + head_offset(p.k, b, kv_head);
     device const T *v_head = v + head_offset(p.v, b, kv_head);
-    const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
-    // Rows past the end or without keys have every element masked: their L and D are not read.
-    const bool has_keys = row < p.seqlen_q && visible_keys(p, row) > 0;
-    const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? row : 0);
-    const float row_lse2 = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
-    const float row_delta = has_keys ? delta[at_row] : 0.0f;
+    const uint key_begin = key_range(p, q0).first;
+    const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
+    const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
+    // Rows past the end have every element hidden: their L and D are not read.
+    const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, row < p.seqlen_q ? row : 0);
+    const float row_lse2 = row < p.seqlen_q ? lse[at_row] * M_LOG2E_F : 0.0f;
+    const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
 
     load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
     load_rows<BQ, DP>(tg->dout, dout + head_offset(p.dout, b, h), q0, p.seqlen_q, p.dout.seq,
@@ -785,7 +939,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 
     Fragments<ND> dq_acc;
     clear(dq_acc);
-    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
+    for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
         load_rows<BK, DP>(v_tile, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
         if (!SHARED) {
@@ -830,14 +984,16 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
-        // dS = P (dP - D), in place of S.
+        // dS = P (dP - D) (through the softcap), in place of S.
         const bool masked = !tile_unmasked(p, q0, BQ, kv0, BK);
         for (uint j = 0; j < NK; ++j) {
             for (uint e = 0; e < 2; ++e) {
-                const bool hidden = masked && !is_visible(p, row, kv0 + j * 8 + at.col + e);
-                const float pe =
-                    hidden ? 0.0f : exp2(sc.f[j].thread_elements()[e] * scale2 - row_lse2);
-                sc.f[j].thread_elements()[e] = pe * (dp.f[j].thread_elements()[e] - row_delta);
+                float t;
+                const float x = score2<T>(p, mask, sc.f[j].thread_elements()[e], row,
+                                          kv0 + j * 8 + at.col + e, mods, masked, t);
+                const float pe = probability(x, row_lse2);
+                sc.f[j].thread_elements()[e] =
+                    through_softcap(p, pe * (dp.f[j].thread_elements()[e] - row_delta), t);
             }
         }
 
@@ -869,7 +1025,7 @@ struct BackwardKeyValueStorage {
     T v[BK][DP + FA_TILE_PAD];
     T q[BQ][DP + FA_TILE_PAD];
     T dout[SHARED ? 1 : BQ][DP + FA_TILE_PAD];
-    float lse2[BQ];   // L of the tile's rows in base 2 (0 for rows past the end or without keys)
+    float lse2[BQ];   // L of the tile's rows in base 2 (0 for rows past the end)
     float delta[BQ];  // D of the tile's rows (0 likewise)
     float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
     float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
@@ -878,7 +1034,8 @@ struct BackwardKeyValueStorage {
 template <uint DP, uint BK, uint BQ, bool SHARED, typename T, typename Storage>
 inline void attention_backward_dkv(device const T *dout, device const T *q, device const T *k,
                                    device const T *v, device const float *lse,
-                                   device const float *delta, constant FlashAttentionParams &p,
+                                   device const float *delta, device const uchar *mask,
+                                   device const float *alibi, constant FlashAttentionParams &p,
                                    device T *dk, device T *dv, Storage tg, uint3 tgid, uint sgid,
                                    uint lane) {
     constexpr uint SLICES = FA_SLICES(BK);
@@ -894,8 +1051,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     const uint k0 = tgid.x * BK;
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_k - k0);
     const uint key = k0 + s.row0 + at.row;
-    const uint first_row = first_row_seeing(p, k0);
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
+    // The query rows that see some key of the block through the window.
+    const KeyRange rows = row_range(p, k0, BK);
 
     load_rows<BK, DP>(tg->k, k + head_offset(p.k, b, kv_head), k0, p.seqlen_k, p.k.seq, p.head_dim,
                       tid);
@@ -910,7 +1067,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         const uint h = kv_head * group + g;
         device const T *q_head = q + head_offset(p.q, b, h);
         device const T *dout_head = dout + head_offset(p.dout, b, h);
-        for (uint q0 = first_row; q0 < p.seqlen_q; q0 += BQ) {
+        const float slope = p.has_alibi != 0 ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
+        for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
             load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
             if (!SHARED) {
@@ -918,10 +1076,9 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             }
             if (tid < BQ) {
                 const uint r = q0 + tid;
-                const bool has_keys = r < p.seqlen_q && visible_keys(p, r) > 0;
-                const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? r : 0);
-                tg->lse2[tid] = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
-                tg->delta[tid] = has_keys ? delta[at_row] : 0.0f;
+                const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, r < p.seqlen_q ? r : 0);
+                tg->lse2[tid] = r < p.seqlen_q ? lse[at_row] * M_LOG2E_F : 0.0f;
+                tg->delta[tid] = r < p.seqlen_q ? delta[at_row] : 0.0f;
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -962,16 +1119,21 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
             sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
 
-            // P^T in place of S^T, dS^T in place of dP^T.
+            // P^T in place of S^T, dS^T (through the softcap) in place of dP^T.
             const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
             for (uint j = 0; j < NQ; ++j) {
                 for (uint e = 0; e < 2; ++e) {
                     const uint i = j * 8 + at.col + e;
-                    const bool hidden = masked && !is_visible(p, q0 + i, key);
-                    const float pe =
-                        hidden ? 0.0f : exp2(st.f[j].thread_elements()[e] * scale2 - tg->lse2[i]);
+                    RowModifiers mods;
+                    mods.slope = slope;
+                    mods.mask_row = head_offset(p.mask, b, h) + ulong(q0 + i) * p.mask.seq;
+                    float t;
+                    const float x = score2<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
+                                              mods, masked, t);
+                    const float pe = probability(x, tg->lse2[i]);
                     st.f[j].thread_elements()[e] = pe;
-                    dpt.f[j].thread_elements()[e] = pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]);
+                    dpt.f[j].thread_elements()[e] =
+                        through_softcap(p, pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]), t);
                 }
             }
 
@@ -1027,11 +1189,14 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
+        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
+        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
         device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                 \
         device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                 \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_forward_combine(partial_out, partial_lse, out, lse, params, tgid, tid);          \
+        attention_forward_combine(partial_out, partial_lse, sinks, out, lse, params, tgid, tid);   \
     }                                                                                              \
                                                                                                    \
     kernel void flash_attention_backward_delta_##SUFFIX(                                           \
@@ -1043,6 +1208,9 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                                  \
+        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
+        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
+        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
         attention_backward_delta(dout, out, delta, params, tgid, tid);                             \
@@ -1076,11 +1244,15 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
+        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
+        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_##SUFFIX##_d##DP##_threadgroup tg;                     \
-        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, params, &tg, tgid, sgid, lane);   \
+        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, mask, alibi, sinks, params, &tg,  \
+                                              tgid, sgid, lane);                                   \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -1091,14 +1263,17 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
+        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
+        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
         device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
         device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
-        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, partial_out, partial_lse, params,     \
-                                                    &tg, tgid, sgid, lane);                        \
+        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, mask, alibi, partial_out, partial_lse, \
+                                                    params, &tg, tgid, sgid, lane);                \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -1111,13 +1286,16 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
+        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
+        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
+        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
         device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup tg;                 \
         attention_backward_dq<DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>(                \
-            dout, q, k, v, lse, delta, params, dq, &tg, tgid, sgid, lane);                         \
+            dout, q, k, v, lse, delta, mask, alibi, params, dq, &tg, tgid, sgid, lane);            \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -1130,6 +1308,9 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
+        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
+        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
+        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
         device T *dk [[buffer(FA_BACKWARD_BUFFER_DK)]],                                            \
         device T *dv [[buffer(FA_BACKWARD_BUFFER_DV)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
@@ -1137,8 +1318,31 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup tg;                \
         attention_backward_dkv<DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>(          \
-            dout, q, k, v, lse, delta, params, dk, dv, &tg, tgid, sgid, lane);                     \
+            dout, q, k, v, lse, delta, mask, alibi, params, dk, dv, &tg, tgid, sgid, lane);        \
     }
+
+// Reads only lse, delta and sinks (float), whatever the dtype of the other tensors.
+typedef DsinksStorage flash_attention_backward_dsinks_threadgroup;
+
+[[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
+kernel void flash_attention_backward_dsinks(
+    device const uchar *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
+    device const uchar *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
+    device const uchar *k [[buffer(FA_BACKWARD_BUFFER_K)]],
+    device const uchar *v [[buffer(FA_BACKWARD_BUFFER_V)]],
+    device const uchar *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],
+    device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
+    constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
+    device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
+    device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],
+    device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],
+    device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],
+    device float *dsinks [[buffer(FA_BACKWARD_BUFFER_DSINKS)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+    threadgroup flash_attention_backward_dsinks_threadgroup tg;
+    attention_backward_dsinks(lse, delta, sinks, dsinks, params, &tg, tgid.x, tid);
+}
 
 #define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__)
 #define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__)

@@ -121,6 +121,29 @@ final class SwiftAPITests: XCTestCase {
         XCTAssertTrue(lse.allSatisfy(\.isNaN))
         XCTAssertTrue(inputs.allSatisfy { $0 == 0x3C00 })
     }
+
+    /// The options reach the kernels: a (0, 0) window leaves each query its diagonal key alone, so
+    /// out is that key's value row; sinks return one gradient per head.
+    func testOptionsReachTheKernels() throws {
+        let attention = try FlashAttention(backend: .cpu)
+        let s = AttentionShape(batch: 1, numHeads: 2, seqlenQ: 6, headDim: 8)
+        let q = (0..<s.queryElementCount).map { Float(($0 * 7) % 11) / 11 - 0.5 }
+        let v = (0..<s.valueElementCount).map { Float(($0 * 5) % 13) / 13 - 0.5 }
+        let (out, _) = try attention.forward(q: q, k: q, v: v, shape: s,
+                                             options: AttentionOptions(windowLeft: 0, windowRight: 0))
+        XCTAssertEqual(out, v)
+        let sinks = AttentionOptions(sinks: [0.5, -1])
+        let f = try attention.forward(q: q, k: q, v: v, shape: s, causal: true, options: sinks)
+        let g = try attention.backward(dout: v, q: q, k: q, v: v, out: f.out, lse: f.lse, shape: s, causal: true,
+                                       options: sinks)
+        XCTAssertEqual(g.dsinks.count, 2)
+        XCTAssertTrue(g.dsinks.allSatisfy { $0.isFinite && $0 != 0 })
+        XCTAssertThrowsError(try attention.forward(q: q, k: q, v: v, shape: s,
+                                                   options: AttentionOptions(alibiSlopes: [1, 2, 3]))) {
+            XCTAssertEqual($0 as? FlashAttentionError,
+                           .invalidArgument("alibi_slopes has 3 elements; the shape needs 2"))
+        }
+    }
 }
 
 private final class FailingBackend: ExecutionBackend {
@@ -129,4 +152,5 @@ private final class FailingBackend: ExecutionBackend {
     func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
         throw FlashAttentionError.executionFailed("injected failure")
     }
+
 }

@@ -67,8 +67,8 @@ final class EngineTests: XCTestCase {
     /// kernel of every dtype and head-dim bucket declares non-empty threadgroup storage within
     /// Apple's 32 KiB; the combine and D pre-pass kernels declare none.
     func testAttentionKernelsAreRegisteredWithinThreadgroupMemory() {
-        let buffers = ["flash_attention_forward": 6, "flash_attention_forward_split": 8,
-                       "flash_attention_backward_dq": 9, "flash_attention_backward_dkv": 10]
+        let buffers = ["flash_attention_forward": 9, "flash_attention_forward_split": 11,
+                       "flash_attention_backward_dq": 12, "flash_attention_backward_dkv": 13]
         var info = msl_engine_kernel_info()
         for dtype in ["f16", "bf16", "f32"] {
             for dim in [32, 64, 96, 128, 192, 256] {
@@ -80,13 +80,16 @@ final class EngineTests: XCTestCase {
                                   "\(name): \(info.threadgroup_memory_length) bytes")
                 }
             }
-            for (kernel, count) in [("flash_attention_backward_delta", 8), ("flash_attention_forward_combine", 8)] {
+            for (kernel, count) in [("flash_attention_backward_delta", 11), ("flash_attention_forward_combine", 11)] {
                 let name = "\(kernel)_\(dtype)"
                 XCTAssertEqual(msl_engine_describe_kernel(name, &info), 1, name)
                 XCTAssertEqual(info.buffer_count, UInt32(count), name)
                 XCTAssertEqual(info.threadgroup_memory_length, 0, name)
             }
         }
+        XCTAssertEqual(msl_engine_describe_kernel("flash_attention_backward_dsinks", &info), 1)
+        XCTAssertEqual(info.buffer_count, 12)
+        XCTAssertEqual(info.threadgroup_memory_length, 128 * 4)
         XCTAssertEqual(msl_engine_describe_kernel("no_such_kernel", &info), 0)
     }
 
