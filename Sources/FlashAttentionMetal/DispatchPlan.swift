@@ -65,6 +65,38 @@ enum BufferRole: Int, CaseIterable {
 
     /// Bytes of this buffer for `problem`; never overflows for a validated problem.
     func byteCount(for problem: Problem) -> Int { elementCount(for: problem) * elementSize(for: problem) }
+
+    /// Element offset of the data of batch entry `batch`, KV head `kvHead` (and its first query
+    /// head, `kvHead * groupSize`) in this buffer of `problem`: where a piece of a split plan that
+    /// starts there binds the buffer. Tensors follow their strides; lse and the workspaces are
+    /// contiguous [batch][num_heads]...
+    func elementOffset(batch: UInt32, kvHead: UInt32, in problem: Problem) -> Int {
+        let b = Int(batch), kv = Int(kvHead), g = Int(problem.groupSize)
+        switch self {
+        case .q, .out, .dout, .dq:
+            let s = problem.layouts[self]!.strides
+            return b * s.batch + kv * g * s.head
+        case .k, .v, .dk, .dv:
+            let s = problem.layouts[self]!.strides
+            return b * s.batch + kv * s.head
+        case .lse, .delta:
+            return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ)
+        // [batch][num_heads][chunk][seqlen_q] (times head_dim_v for partial_out).
+        case .partialLse:
+            return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
+        case .partialOut:
+            return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
+                * Int(problem.headDimV)
+        case .attnMask:
+            let s = problem.scores.maskStrides
+            return b * s.batch + kv * g * s.head
+        case .alibiSlopes:
+            return (problem.scores.alibiPerBatch ? b * Int(problem.numHeads) : 0) + kv * g
+        // dsinks is written only by the dispatch that runs once over the whole problem.
+        case .sinks, .dsinks:
+            return kv * g
+        }
+    }
 }
 
 /// A 3-D size, as in `MTLSize` and `msl_engine_size`.
@@ -89,9 +121,27 @@ struct Dispatch {
     let params: FlashAttentionParams
     let threadgroupsPerGrid: GridSize
     let threadsPerThreadgroup: GridSize
+    /// Whether the kernel must see the whole problem (it sums over batch entries): a split plan
+    /// runs it once, after its pieces, instead of once per piece.
+    var wholeProblem = false
 
     /// Number of `[[buffer(i)]]` slots, the parameter struct included.
     var bufferCount: Int { bindings.count + 1 }
+}
+
+/// The passes a plan can run.
+enum Pass {
+    case forward, backward
+
+    /// Floating-point operations per (query row, key, head_dim element) of one head, as
+    /// FlashAttention's benchmarks count them: forward 2 matrix products (QK^T, PV), backward 2.5x
+    /// that. The causal mask is ignored (an upper bound), as is the padding of head_dim.
+    var flopsPerScoreElement: Int {
+        switch self {
+        case .forward: return 4
+        case .backward: return 10
+        }
+    }
 }
 
 /// The dispatches of one pass, computed once for every backend (FlashAttention-2: forward is
@@ -100,6 +150,8 @@ struct Dispatch {
 /// element and the result is deterministic without atomics). Every kernel runs
 /// `fa_threads_per_threadgroup()` threads per threadgroup.
 struct DispatchPlan {
+    /// The pass; `make(pass, problem)` rebuilds the plan for a slice of the problem.
+    let pass: Pass
     let dispatches: [Dispatch]
     /// The roles the pass writes for the caller; every other bound role is read only.
     let outputs: [BufferRole]
@@ -108,6 +160,23 @@ struct DispatchPlan {
     let workspace: [BufferRole]
     /// The problem the plan was made for (buffer sizes follow from it).
     let problem: Problem
+
+    /// Every role some dispatch binds, in order of first binding.
+    var boundRoles: [BufferRole] {
+        var roles: [BufferRole] = []
+        for binding in dispatches.flatMap(\.bindings) where !roles.contains(binding.role) {
+            roles.append(binding.role)
+        }
+        return roles
+    }
+
+    /// The plan of `pass` for `problem`.
+    static func make(_ pass: Pass, _ problem: Problem) -> DispatchPlan {
+        switch pass {
+        case .forward: return forward(problem)
+        case .backward: return backward(problem)
+        }
+    }
 
     /// Forward. Dense: `flash_attention_forward_<dtype>_d<DP>` over (ceil(seqlen_q / forward_block_q),
     /// num_heads, batch) threadgroups. Split-KV (`problem.split`, decode shapes):
@@ -131,7 +200,8 @@ struct DispatchPlan {
             let dense = dispatch("flash_attention_forward_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                                  GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
                                           height: problem.numHeads, depth: problem.batch))
-            return DispatchPlan(dispatches: [dense], outputs: [.out, .lse], workspace: [], problem: problem)
+            return DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse], workspace: [],
+                                problem: problem)
         }
         bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
                      BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
@@ -140,7 +210,7 @@ struct DispatchPlan {
                                        depth: problem.batch))
         let combine = dispatch("flash_attention_forward_combine_\(problem.dtype.kernelSuffix)",
                                GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch))
-        return DispatchPlan(dispatches: [chunks, combine], outputs: [.out, .lse],
+        return DispatchPlan(pass: .forward, dispatches: [chunks, combine], outputs: [.out, .lse],
                             workspace: [.partialOut, .partialLse], problem: problem)
     }
 
@@ -178,15 +248,16 @@ struct DispatchPlan {
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
                            rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads)
         guard problem.scores.hasSinks else {
-            return DispatchPlan(dispatches: [delta, dq, dkv], outputs: [.dq, .dk, .dv], workspace: [.delta],
-                                problem: problem)
+            return DispatchPlan(pass: .backward, dispatches: [delta, dq, dkv], outputs: [.dq, .dk, .dv],
+                                workspace: [.delta], problem: problem)
         }
+        // dsinks sums over every batch entry: it runs once over the whole problem, after the pieces.
         let dsinks = Dispatch(kernelName: "flash_attention_backward_dsinks",
                               bindings: inputs + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DSINKS), role: .dsinks)],
                               paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
                               threadgroupsPerGrid: GridSize(width: problem.numHeads, height: 1, depth: 1),
-                              threadsPerThreadgroup: threadgroupSize)
-        return DispatchPlan(dispatches: [delta, dq, dkv, dsinks], outputs: [.dq, .dk, .dv, .dsinks],
+                              threadsPerThreadgroup: threadgroupSize, wholeProblem: true)
+        return DispatchPlan(pass: .backward, dispatches: [delta, dq, dkv, dsinks], outputs: [.dq, .dk, .dv, .dsinks],
                             workspace: [.delta], problem: problem)
     }
 

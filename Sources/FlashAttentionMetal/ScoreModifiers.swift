@@ -105,4 +105,15 @@ struct ScoreSpec: Equatable {
     }
 
     init() {}
+
+    /// The same modifiers over the first `batch` entries and `heads` heads (a piece of a split
+    /// plan): the mask spans less.
+    func slice(batch: Int, heads: Int, seqlenQ: Int, seqlenK: Int) -> ScoreSpec {
+        var sliced = self
+        if maskType != UInt32(FA_MASK_NONE) {
+            sliced.maskExtent = (batch - 1) * maskStrides.batch + (heads - 1) * maskStrides.head
+                + (seqlenQ - 1) * maskStrides.seq + seqlenK
+        }
+        return sliced
+    }
 }

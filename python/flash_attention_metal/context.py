@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _layout, _options, _validation
+from . import _interruptible, _layout, _options, _validation
 from ._native import NativeLibrary, native
 from .profile import Profile, last_profile
 
@@ -48,7 +48,12 @@ class Context:
     Attributes:
         backend: the backend in use, ``"metal"`` or ``"cpu"``.
         device: the Metal device name, or a description of the CPU engine.
+        note: why the backend is what it is (``""`` when there is nothing to say): where the Metal
+            kernels came from, or why ``"auto"`` runs kernels on the CPU engine.
         requested_backend: the ``backend`` argument, normalized.
+
+    With ``"auto"``, ``backend``, ``device`` and ``note`` are read at each access: a context whose
+    GPU is lost (access revoked, device removed) runs later calls on the CPU engine.
 
     Raises:
         TypeError: backend is not a str.
@@ -66,8 +71,24 @@ class Context:
         self._native.raise_for_status(lib.fa_context_create(backend_code[backend], holder))
         self._handle = ffi.gc(holder[0], lib.fa_context_destroy)
         self.requested_backend = backend
-        self.backend: str = ffi.string(lib.fa_context_backend_name(self._handle)).decode()
-        self.device: str = ffi.string(lib.fa_context_device_name(self._handle)).decode("utf-8", "replace")
+
+    @property
+    def backend(self) -> str:
+        """``"metal"`` or ``"cpu"``."""
+        return self._native.ffi.string(self._native.lib.fa_context_backend_name(self._handle)).decode()
+
+    @property
+    def device(self) -> str:
+        """The Metal device name, or a description of the CPU engine."""
+        return self._text(self._native.lib.fa_context_device_name(self._handle))
+
+    @property
+    def note(self) -> str:
+        """Why the backend is what it is (``fa_context_backend_note``); ``""`` when nothing to say."""
+        return self._text(self._native.lib.fa_context_backend_note(self._handle))
+
+    def _text(self, pointer) -> str:
+        return self._native.ffi.string(pointer).decode("utf-8", "replace")
 
     def __repr__(self) -> str:
         return f"Context(backend={self.backend!r}, device={self.device!r})"
@@ -84,7 +105,8 @@ class Context:
         unchanged. See ``flash_attention_metal.profile.Profile``: ``seconds`` (Metal: GPU time;
         CPU engine: wall time) and one record per dispatched kernel (name, grid, threads,
         threadgroup memory, and on the CPU engine its SIMD-group matrix products and barriers)."""
-        return last_profile(self._native, self._handle)
+        # The main thread's calls run on the interruptible-call worker, which holds their profile.
+        return _interruptible.call(lambda: last_profile(self._native, self._handle))
 
     @property
     def library_path(self) -> str:
@@ -136,7 +158,9 @@ class Context:
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
-            FlashAttentionError: the library reported an error.
+            FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
+                when ``cancel`` stopped the call).
+            KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
         shape, causal, scale, options = _validation.check_forward(
             q, k, v, causal, softmax_scale, layout, attn_mask=attn_mask, window_size=window_size,
@@ -149,13 +173,13 @@ class Context:
         ffi, lib = self._native.ffi, self._native.lib
         problem = self._problem(shape, causal, scale, q.dtype, tensors)
         keep = _options.set_problem_fields(problem, options, shape.seqlen_k, ffi, lib)
-        status = lib.fa_forward(
+        arguments = (
             self._handle, problem,
             *(_pointer(ffi, tensors[name]) for name in ("q", "k", "v", "out")),
             ffi.from_buffer("float[]", lse, require_writable=True),
         )
+        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_forward(*arguments)), self.cancel)
         del keep  # the arrays the problem points into lived until here
-        self._native.raise_for_status(status)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd",
@@ -180,7 +204,9 @@ class Context:
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
-            FlashAttentionError: the library reported an error.
+            FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
+                when ``cancel`` stopped the call).
+            KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
         shape, causal, scale, options = _validation.check_backward(
             dout, q, k, v, out, lse, causal, softmax_scale, layout, attn_mask=attn_mask,
@@ -197,15 +223,27 @@ class Context:
         if options.sinks is not None:
             grads.append(np.empty(shape.num_heads, dtype=np.float32))
             problem.dsinks = ffi.from_buffer("float[]", grads[3], require_writable=True)
-        status = lib.fa_backward(
+        arguments = (
             self._handle, problem,
             *(_pointer(ffi, tensors[name]) for name in ("dout", "q", "k", "v", "out")),
             ffi.from_buffer("float[]", lse),
             *(_pointer(ffi, tensors[name]) for name in ("dq", "dk", "dv")),
         )
+        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_backward(*arguments)), self.cancel)
         del keep  # the arrays the problem points into lived until here
-        self._native.raise_for_status(status)
         return tuple(grads)
+
+    def cancel(self) -> None:
+        """Cancels the calls in flight on this context, from any thread (``fa_context_cancel``).
+
+        Each call that started before stops early (the CPU engine within its current threadgroups,
+        Metal before its next command buffer) and raises FlashAttentionError with status_name
+        ``FA_STATUS_CANCELLED``, unless it had already finished its work; calls that start
+        afterwards run normally. Returns at once. Ctrl-C during a call made from the main thread
+        does this and raises KeyboardInterrupt there, so it also cancels the calls other threads
+        have in flight on the same context.
+        """
+        self._native.raise_for_status(self._native.lib.fa_context_cancel(self._handle))
 
     def attention(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
                   window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
