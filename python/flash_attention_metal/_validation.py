@@ -7,6 +7,7 @@ Swift callers get them too.
 Shapes are given in the call's ``layout``: ``"bhsd"`` (batch, heads, seqlen, head_dim), PyTorch's
 and MLX's order, or ``"bshd"`` (batch, seqlen, heads, head_dim), FlashAttention's. v, out and dout
 have head_dim_v as their last axis, which may differ from head_dim (DeepSeek's MLA: 192 and 128).
+attn_mask is indexed (batch, num_heads, seqlen_q, seqlen_k) in both layouts.
 """
 
 from __future__ import annotations
@@ -180,19 +181,26 @@ def check_head_dim(shape: Shape, max_head_dim: int) -> None:
             raise ValueError(f"{name} {value} is outside the supported range 1..{max_head_dim}")
 
 
-def check_forward(q, k, v, causal, softmax_scale, layout="bhsd") -> tuple[Shape, bool, float]:
-    """Every forward check that needs no library: returns (shape, causal, softmax_scale)."""
+def check_forward(q, k, v, causal, softmax_scale, layout="bhsd",
+                  **options) -> tuple[Shape, bool, float, ScoreOptions]:
+    """Every forward check that needs no library: returns (shape, causal, softmax_scale, the score
+    options); ``options`` are attn_mask, window_size, softcap, alibi_slopes and sinks."""
     shape = check_qkv(q, k, v, layout)
-    return shape, check_causal(causal), resolve_softmax_scale(softmax_scale, shape.head_dim)
+    causal = check_causal(causal)
+    scale = resolve_softmax_scale(softmax_scale, shape.head_dim)
+    return shape, causal, scale, check_score_options(shape, q.dtype, **options)
 
 
-def check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout="bhsd") -> tuple[Shape, bool, float]:
-    """Every backward check that needs no library: returns (shape, causal, softmax_scale)."""
+def check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout="bhsd",
+                   **options) -> tuple[Shape, bool, float, ScoreOptions]:
+    """Every backward check that needs no library, as ``check_forward``."""
     shape = check_qkv(q, k, v, layout)
     check_like_q("dout", dout, q, shape.head_dim_v)
     check_like_q("out", out, q, shape.head_dim_v)
     check_lse(lse, shape)
-    return shape, check_causal(causal), resolve_softmax_scale(softmax_scale, shape.head_dim)
+    causal = check_causal(causal)
+    scale = resolve_softmax_scale(softmax_scale, shape.head_dim)
+    return shape, causal, scale, check_score_options(shape, q.dtype, **options)
 
 
 def check_like_q(name: str, array, q: np.ndarray, head_dim_v: int) -> None:
@@ -213,3 +221,135 @@ def check_lse(lse, shape: Shape) -> None:
     expected = (shape.batch, shape.num_heads, shape.seqlen_q)
     if lse.shape != expected:
         raise ValueError(f"lse shape {lse.shape} must be (batch, num_heads, seqlen_q) = {expected}")
+
+
+# ---- score options: attn_mask, window_size, softcap, alibi_slopes, sinks -------------------------
+# Names and meanings follow FlashAttention (window_size, softcap, alibi_slopes) and PyTorch
+# (attn_mask: True = may attend, or additive); the math is in ``reference``.
+
+#: window_size's default: neither side bounded (FlashAttention's (-1, -1)).
+NO_WINDOW = (-1, -1)
+_INT32_MAX = 2**31 - 1
+_FLOAT32 = np.dtype(np.float32)
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """The checked score options of one call; the defaults leave every one of them off.
+
+    window: (left, right), or None for (-1, -1); softcap: 0.0 is off; attn_mask: None or the mask
+    as a 4-D view indexed (batch, num_heads, seqlen_q, seqlen_k) whose axes are each 1 or the
+    problem's size (an axis NumPy broadcast with stride 0 cut to one slice: never expanded);
+    alibi_slopes: C-contiguous float32 (num_heads,) or (batch, num_heads), or None; sinks:
+    C-contiguous float32 (num_heads,), or None.
+    """
+
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0
+    attn_mask: np.ndarray | None = None
+    alibi_slopes: np.ndarray | None = None
+    sinks: np.ndarray | None = None
+
+
+def check_window_size(window_size) -> tuple[int, int] | None:
+    """window_size must be a (left, right) tuple or list of ints, each -1 (unbounded) or
+    0 ... 2**31 - 1; returns it as Python ints, or None for (-1, -1)."""
+    rule = f"window_size must be a (left, right) pair, each -1 (unbounded) or a number of keys from 0 to {_INT32_MAX}"
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"{rule}, got {_short_repr(window_size)}")
+    for side in window_size:
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral):
+            raise TypeError(f"{rule}, got {_short_repr(window_size)} (a {type(side).__name__} in it)")
+        if not -1 <= int(side) <= _INT32_MAX:
+            raise ValueError(f"{rule}, got {_short_repr(window_size)}")
+    left, right = (int(side) for side in window_size)
+    return None if (left, right) == NO_WINDOW else (left, right)
+
+
+def check_softcap(softcap) -> float:
+    """softcap must be a real number (not a bool), finite and >= 0 (0 is off), within float32's
+    range and not rounding to 0 in float32 when positive; returns it as a float."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0.0 is off), got {type(softcap).__name__}")
+    rule = f"softcap must be finite and >= 0 (0 is off; at most {_FLOAT32_MAX:.7g}, a float32)"
+    try:
+        value = float(softcap)
+    except OverflowError:
+        raise ValueError(f"{rule}, got {_short_repr(softcap)}") from None
+    if not math.isfinite(value) or value < 0 or value > _FLOAT32_MAX:
+        raise ValueError(f"{rule}, got {value}")
+    if value > 0 and np.float32(value) == 0:
+        raise ValueError(f"softcap {value} rounds to 0 in float32, which turns it off; pass 0.0 or a larger value")
+    return value
+
+
+def _first_index(bad: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.argwhere(bad)[0])
+
+
+def check_float32_vector(name: str, array, shapes: dict) -> np.ndarray:
+    """``array`` must be a float32 NumPy array of one of ``shapes`` (label -> shape, e.g.
+    "(num_heads,)" -> (12,)) holding finite values; returns it C-contiguous (copied only when it is
+    not)."""
+    if isinstance(array, np.ma.MaskedArray) or not isinstance(array, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray of float32, got {type(array).__name__}")
+    if array.dtype != _FLOAT32:
+        raise TypeError(
+            f"{name} must have dtype float32 (native byte order), got {array.dtype.name} ({array.dtype.str!r}); "
+            f"convert it explicitly, e.g. {name}.astype(numpy.float32)"
+        )
+    if array.shape not in shapes.values():
+        wanted = " or ".join(f"{label} = {shape}" for label, shape in shapes.items())
+        raise ValueError(f"{name} shape {array.shape} must be {wanted}")
+    bad = ~np.isfinite(array)
+    if bad.any():
+        index = _first_index(bad)
+        raise ValueError(f"{name} must be finite, got {array[index]} at index {index}")
+    return np.ascontiguousarray(array)
+
+
+def check_attn_mask(attn_mask, shape: Shape, dtype) -> np.ndarray:
+    """attn_mask must be a bool array (True = may attend) or an additive one of the call's dtype or
+    float32 (-inf hides a key; NaN and +inf are errors), 1-D to 4-D and broadcastable to (batch,
+    num_heads, seqlen_q, seqlen_k) by NumPy's rules, whatever the layout of q, k, v. Returns the
+    4-D view of ``ScoreOptions.attn_mask``."""
+    target = (shape.batch, shape.num_heads, shape.seqlen_q, shape.seqlen_k)
+    dtype = np.dtype(dtype)
+    allowed = (np.dtype(bool), dtype) + (() if dtype == _FLOAT32 else (_FLOAT32,))
+    if isinstance(attn_mask, np.ndarray) and not 1 <= attn_mask.ndim <= 4:
+        raise ValueError(
+            f"attn_mask must be 1-D to 4-D, broadcastable to (batch, num_heads, seqlen_q, seqlen_k) = {target}, "
+            f"got {attn_mask.ndim}-D with shape {attn_mask.shape}"
+        )
+    check_array("attn_mask", attn_mask, dtypes=allowed, ndim=getattr(attn_mask, "ndim", 4))
+    mask = attn_mask[(np.newaxis,) * (4 - attn_mask.ndim)]
+    if any(size not in (1, want) for size, want in zip(mask.shape, target)):
+        raise ValueError(
+            f"attn_mask shape {attn_mask.shape} is not broadcastable to (batch, num_heads, seqlen_q, seqlen_k) = "
+            f"{target} (each axis, counted from the last, must be 1 or the problem's size)"
+        )
+    # An axis that NumPy already broadcasts (stride 0) is one slice repeated: keep that slice.
+    mask = mask[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in mask.strides)]
+    if mask.dtype != bool:
+        for test, what in ((np.isnan, "NaN"), (np.isposinf, "+inf")):
+            bad = test(mask)
+            if bad.any():
+                raise ValueError(
+                    f"attn_mask holds {what} (first at index {_first_index(bad)} of its 4-D form): an additive "
+                    f"mask must not hold NaN or +inf (its rows would be NaN); use -inf to hide a key"
+                )
+    return mask
+
+
+def check_score_options(shape: Shape, dtype, *, attn_mask=None, window_size=NO_WINDOW, softcap=0.0,
+                        alibi_slopes=None, sinks=None) -> ScoreOptions:
+    """Every check of the score options of a call whose q has ``dtype``."""
+    heads = {"(num_heads,)": (shape.num_heads,)}
+    return ScoreOptions(
+        window=check_window_size(window_size),
+        softcap=check_softcap(softcap),
+        attn_mask=None if attn_mask is None else check_attn_mask(attn_mask, shape, dtype),
+        alibi_slopes=None if alibi_slopes is None else check_float32_vector(
+            "alibi_slopes", alibi_slopes, {**heads, "(batch, num_heads)": (shape.batch, shape.num_heads)}),
+        sinks=None if sinks is None else check_float32_vector("sinks", sinks, heads),
+    )

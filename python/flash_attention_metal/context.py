@@ -1,17 +1,18 @@
 """Context: one libFlashAttentionMetal context (a Metal device and its kernels, or the CPU engine)
 and the NumPy forward/backward calls on it: float16, bfloat16 (``ml_dtypes.bfloat16``) or float32,
-layout "bhsd" or "bshd", head_dim_v != head_dim.
+layout "bhsd" or "bshd", head_dim_v != head_dim, and the score options attn_mask, window_size,
+softcap, alibi_slopes and sinks (FlashAttention's and PyTorch's names and meanings).
 
 Math: FlashAttention-2 (Dao, 2023), Algorithms 1 and 2. Semantics as in the C header
 flash_attention_metal.h: bottom-right causal alignment, rows without visible keys give out 0,
-lse -inf and zero gradients, GQA/MQA by num_heads % num_kv_heads == 0.
+lse -inf (sinks[h] with sinks) and zero gradients, GQA/MQA by num_heads % num_kv_heads == 0.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import _interruptible, _layout, _validation
+from . import _interruptible, _layout, _options, _validation
 from ._native import NativeLibrary, native
 from .profile import Profile, last_profile
 
@@ -112,8 +113,14 @@ class Context:
         """The file the library was loaded from."""
         return str(self._native.path)
 
-    def forward(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd"):
+    def forward(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
         """Attention forward pass.
+
+        Scores are s = softcap * tanh(softmax_scale * q.k / softcap) (or softmax_scale * q.k when
+        softcap is 0) - alibi_slopes[b, h] * |i + seqlen_k - seqlen_q - j| + attn_mask[b, h, i, j]
+        (additive); keys outside the window, the causal mask or a boolean attn_mask get no weight;
+        each head's sink joins the softmax denominator. Math: ``flash_attention_metal.reference``.
 
         Args:
             q: (batch, num_heads, seqlen_q, head_dim) for ``layout="bhsd"``, or
@@ -122,9 +129,22 @@ class Context:
             k: (batch, num_kv_heads, seqlen_k, head_dim) in the same layout and dtype;
                 num_heads % num_kv_heads == 0.
             v: like k, but with head_dim_v (1 ... max_head_dim, may differ from head_dim) last.
-            causal: bool; bottom-right aligned (query i sees key j iff j <= i + seqlen_k - seqlen_q).
+            causal: bool; bottom-right aligned (query i sees key j iff j <= i + seqlen_k - seqlen_q),
+                i.e. window right = 0.
             softmax_scale: finite real number; None means 1 / sqrt(head_dim).
-            layout: ``"bhsd"`` (PyTorch, MLX) or ``"bshd"`` (FlashAttention).
+            layout: ``"bhsd"`` (PyTorch, MLX) or ``"bshd"`` (FlashAttention); q, k, v, out only.
+            attn_mask: None; bool (PyTorch's convention: True = may attend); or additive, in q's
+                dtype or float32 (-inf hides a key; NaN and +inf are errors). Indexed (batch,
+                num_heads, seqlen_q, seqlen_k) in every layout, any shape NumPy broadcasts to that
+                (e.g. a (batch, 1, 1, seqlen_k) padding mask); size-1 axes are not expanded in memory.
+                Combined with causal and the window. No gradient.
+            window_size: FlashAttention's (left, right) sliding window, -1 = unbounded side: query i
+                sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right.
+            softcap: logit softcapping (Gemma 2), finite, >= 0; 0.0 is off.
+            alibi_slopes: float32 (num_heads,) or (batch, num_heads), finite (FlashAttention's ALiBi:
+                the bias is added to the scaled score). No gradient.
+            sinks: float32 (num_heads,), finite: one virtual key per head with logit sinks[h] and no
+                value (gpt-oss); backward then returns dsinks.
 
         Any view whose last axis is contiguous (e.g. ``qkv[:, :, 0]`` of a (B, L, 3, H, D)
         projection) is read in place; other arrays are copied once (``_layout``).
@@ -132,8 +152,9 @@ class Context:
         Returns:
             (out, lse): out in q's dtype and layout, with head_dim_v last, laid out in memory like
             q; lse float32 (batch, num_heads, seqlen_q) in either layout, the natural log of the
-            softmax denominator (-inf for rows that see no key). Fresh arrays. Accumulation is in
-            float32; out is rounded once to the dtype.
+            softmax denominator (sinks included). A row left without keys gets out 0 and lse -inf,
+            or lse sinks[h] with sinks. Fresh arrays. Accumulation is in float32; out is rounded
+            once to the dtype.
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
@@ -141,35 +162,45 @@ class Context:
                 when ``cancel`` stopped the call).
             KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
-        shape, causal, scale = _validation.check_forward(q, k, v, causal, softmax_scale, layout)
+        shape, causal, scale, options = _validation.check_forward(
+            q, k, v, causal, softmax_scale, layout, attn_mask=attn_mask, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         _validation.check_head_dim(shape, self.max_head_dim)
         out = _layout.new_output(q, shape.head_dim_v)
         lse = np.empty((shape.batch, shape.num_heads, shape.seqlen_q), dtype=np.float32)
         tensors = {name: _layout.as_input(a, layout) for name, a in (("q", q), ("k", k), ("v", v))}
         tensors["out"] = _layout.as_output(out, layout)
         ffi, lib = self._native.ffi, self._native.lib
+        problem = self._problem(shape, causal, scale, q.dtype, tensors)
+        keep = _options.set_problem_fields(problem, options, shape.seqlen_k, ffi, lib)
         arguments = (
-            self._handle, self._problem(shape, causal, scale, q.dtype, tensors),
+            self._handle, problem,
             *(_pointer(ffi, tensors[name]) for name in ("q", "k", "v", "out")),
             ffi.from_buffer("float[]", lse, require_writable=True),
         )
         _interruptible.call(lambda: self._native.raise_for_status(lib.fa_forward(*arguments)), self.cancel)
+        del keep  # the arrays the problem points into lived until here
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd"):
-        """Attention backward pass (FlashAttention-2, Algorithm 2; D_i = rowsum(dout * out)).
+    def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd",
+                 attn_mask=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+        """Attention backward pass (FlashAttention-2, Algorithm 2; D_i = rowsum(dout * out)), through
+        the softcap's tanh exactly.
 
         Args:
             dout: like out (q's dtype and layout, head_dim_v last), the gradient of the loss with
                 respect to out.
             q, k, v: as for ``forward``.
-            out, lse: as ``forward`` returned them for the same q, k, v, causal and softmax_scale.
-            causal, softmax_scale, layout: as for ``forward`` (views read in place likewise).
+            out, lse: as ``forward`` returned them for the same q, k, v and options.
+            causal, softmax_scale, layout, attn_mask, window_size, softcap, alibi_slopes, sinks: as
+                for ``forward`` (views read in place likewise).
 
         Returns:
-            (dq, dk, dv): in the dtype and layout of q, k, v and shaped like them, each laid out in
-            memory like its input; dk and dv sum over the query heads that share a KV head.
-            Deterministic. Fresh arrays.
+            (dq, dk, dv) without sinks, (dq, dk, dv, dsinks) with them: dq, dk, dv in the dtype and
+            layout of q, k, v and shaped like them, each laid out in memory like its input; dk and dv
+            sum over the query heads that share a KV head; dsinks float32 (num_heads,),
+            -sum over batch and query rows of exp(sinks[h] - lse) * D. No gradient for attn_mask or
+            alibi_slopes. Deterministic. Fresh arrays.
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
@@ -177,7 +208,9 @@ class Context:
                 when ``cancel`` stopped the call).
             KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
-        shape, causal, scale = _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout)
+        shape, causal, scale, options = _validation.check_backward(
+            dout, q, k, v, out, lse, causal, softmax_scale, layout, attn_mask=attn_mask,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         _validation.check_head_dim(shape, self.max_head_dim)
         grads = [_layout.new_output(a, a.shape[3]) for a in (q, k, v)]
         inputs = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
@@ -185,13 +218,19 @@ class Context:
         tensors.update((name, _layout.as_output(g, layout)) for name, g in zip(("dq", "dk", "dv"), grads))
         lse = np.ascontiguousarray(lse)
         ffi, lib = self._native.ffi, self._native.lib
+        problem = self._problem(shape, causal, scale, q.dtype, tensors)
+        keep = _options.set_problem_fields(problem, options, shape.seqlen_k, ffi, lib)
+        if options.sinks is not None:
+            grads.append(np.empty(shape.num_heads, dtype=np.float32))
+            problem.dsinks = ffi.from_buffer("float[]", grads[3], require_writable=True)
         arguments = (
-            self._handle, self._problem(shape, causal, scale, q.dtype, tensors),
+            self._handle, problem,
             *(_pointer(ffi, tensors[name]) for name in ("dout", "q", "k", "v", "out")),
             ffi.from_buffer("float[]", lse),
             *(_pointer(ffi, tensors[name]) for name in ("dq", "dk", "dv")),
         )
         _interruptible.call(lambda: self._native.raise_for_status(lib.fa_backward(*arguments)), self.cancel)
+        del keep  # the arrays the problem points into lived until here
         return tuple(grads)
 
     def cancel(self) -> None:
@@ -206,13 +245,16 @@ class Context:
         """
         self._native.raise_for_status(self._native.lib.fa_context_cancel(self._handle))
 
-    def attention(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd"):
+    def attention(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
         """``forward`` without lse: returns out, in q's dtype and layout."""
-        return self.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)[0]
+        return self.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, attn_mask=attn_mask,
+                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)[0]
 
     def _problem(self, shape: _validation.Shape, causal: bool, scale: float, dtype=np.float16, tensors=None):
-        """The fa_problem of a call; ``tensors`` maps fa_problem's stride fields (q, k, v, out,
-        dout, dq, dk, dv) to their ``_layout.Tensor`` (absent ones: contiguous)."""
+        """The fa_problem of a call, score options off (``_options.set_problem_fields`` sets them);
+        ``tensors`` maps fa_problem's stride fields (q, k, v, out, dout, dq, dk, dv) to their
+        ``_layout.Tensor`` (absent ones: contiguous)."""
         ffi, lib = self._native.ffi, self._native.lib
         problem = ffi.new("fa_problem *")
         problem.struct_size = ffi.sizeof("fa_problem")

@@ -19,6 +19,34 @@ def ctx() -> fam.Context:
     return fam.default_context()
 
 
+class _Spy:
+    """Stands in for the loaded library and records any compute call."""
+
+    def __init__(self, real):
+        self._real = real
+        self.calls = []
+
+    def __getattr__(self, name):
+        attribute = getattr(self._real, name)
+        if name in ("fa_forward", "fa_backward"):
+            def record(*args):
+                self.calls.append(name)
+                return attribute(*args)
+            return record
+        return attribute
+
+
+@pytest.fixture()
+def guarded(monkeypatch):
+    """A Context whose native compute calls are recorded; the test fails if any happens."""
+    context = fam.Context(fam.default_backend())
+    spy = _Spy(context._native.lib)
+    native = type(context._native)(context._native.ffi, spy, context._native.path, context._native.header_path)
+    monkeypatch.setattr(context, "_native", native)
+    yield context
+    assert spy.calls == [], "a native call ran despite invalid arguments"
+
+
 def make_inputs(seed: int, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
                 *, head_dim_v: int | None = None, dtype=np.float16, layout: str = "bhsd"):
     """N(0, 1) q, k, v, dout of the given attention shape in ``dtype`` and ``layout``; v and dout

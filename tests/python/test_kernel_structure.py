@@ -68,3 +68,16 @@ def test_simdgroups_without_rows_multiply_nothing(cpu):
     cpu.forward(q, k, v)
     assert _mma_ratio(cpu.last_profile, 1, 1, 40, 64, 64) == pytest.approx(1.0)
     assert split.threadgroups[0] == 16
+
+
+def test_a_sliding_window_multiplies_only_the_tiles_it_shows(cpu):
+    # Mistral's layout: 4096 tokens, causal, each query sees itself and the 512 keys before it. The
+    # keys seen are (513 * 4096 - 512 * 513 / 2) / 4096^2 = 0.1237 of the dense matrix; tiles the
+    # window hides entirely are neither loaded nor multiplied, so the products stay near that share
+    # (the band's edge tiles add a little) in the forward and in the backward.
+    n, head_dim = 4096, 64
+    q, k, v, dout = make_inputs(45, 1, 1, 1, n, n, head_dim)
+    out, lse = cpu.forward(q, k, v, causal=True, window_size=(512, 0))
+    assert 0.12 <= _mma_ratio(cpu.last_profile, 1, 1, n, n, head_dim) <= 0.135
+    cpu.backward(dout, q, k, v, out, lse, causal=True, window_size=(512, 0))
+    assert _mma_ratio(cpu.last_profile, 1, 1, n, n, head_dim) <= 0.135 * 3.75

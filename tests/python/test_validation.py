@@ -14,34 +14,6 @@ from flash_attention_metal import _default, _native
 from conftest import make_inputs
 
 
-class _Spy:
-    """Stands in for the loaded library and records any compute call."""
-
-    def __init__(self, real):
-        self._real = real
-        self.calls = []
-
-    def __getattr__(self, name):
-        attribute = getattr(self._real, name)
-        if name in ("fa_forward", "fa_backward"):
-            def record(*args):
-                self.calls.append(name)
-                return attribute(*args)
-            return record
-        return attribute
-
-
-@pytest.fixture()
-def guarded(monkeypatch):
-    """A Context whose native compute calls are recorded; the test fails if any happens."""
-    context = fam.Context(fam.default_backend())
-    spy = _Spy(context._native.lib)
-    native = type(context._native)(context._native.ffi, spy, context._native.path, context._native.header_path)
-    monkeypatch.setattr(context, "_native", native)
-    yield context
-    assert spy.calls == [], "a native call ran despite invalid arguments"
-
-
 @pytest.fixture()
 def inputs():
     q, k, v, dout = make_inputs(0, 2, 4, 2, 5, 6, 8)
