@@ -26,13 +26,14 @@ library_path() {
     fi
 }
 
-# The package's oldest macOS (Package.swift) and the pinned MSL version (flash_attention_params.h):
-# the .metallib is built for exactly what the library compiles at run time.
-macos_min() { sed -n 's/.*\.macOS(\.v\([0-9][0-9]*\)).*/\1.0/p' Package.swift; }
+# The .metallib is built for MSL 3.1 (FA_MSL_VERSION_MAJOR.FA_MSL_BFLOAT_VERSION_MINOR, macOS 14),
+# the newest the kernels use, so that it holds the bfloat16 kernels; on macOS 13 Metal refuses it and
+# the library compiles its embedded source as MSL 3.0 instead (everything but bfloat16).
+metallib_macos_min() { echo "14.0"; }
 msl_std() {
     local major minor
     major=$(sed -n 's/^#define FA_MSL_VERSION_MAJOR \([0-9]*\)/\1/p' Shaders/flash_attention_params.h)
-    minor=$(sed -n 's/^#define FA_MSL_VERSION_MINOR \([0-9]*\)/\1/p' Shaders/flash_attention_params.h)
+    minor=$(sed -n 's/^#define FA_MSL_BFLOAT_VERSION_MINOR \([0-9]*\)/\1/p' Shaders/flash_attention_params.h)
     echo "metal$major.$minor"
 }
 
@@ -45,7 +46,7 @@ msl_std() {
 # notes the skip, unless FLASH_ATTENTION_METAL_REQUIRE_METALLIB=1 (the macOS workflow) makes it fatal.
 build_metallib() {
     local out=.build/release probe math="" log
-    local flags=(-std="$(msl_std)" -target "air64-apple-macos$(macos_min)" -Werror)
+    local flags=(-std="$(msl_std)" -target "air64-apple-macos$(metallib_macos_min)" -Werror)
     probe=$(mktemp -d)
     printf 'kernel void probe(device float *x [[buffer(0)]]) { x[0] = 1.0f; }\n' > "$probe/probe.metal"
     for candidate in "-fmetal-math-mode=safe -fmetal-math-fp32-functions=precise" "-fno-fast-math"; do

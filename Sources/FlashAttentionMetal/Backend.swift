@@ -39,15 +39,26 @@ struct HostBuffers {
         }
     }
 
-    /// Overwrites the plan's outputs with NaN (float16 0x7E00, float32 NaN) so that the outputs of
-    /// a failed call never look like results.
+    /// Overwrites the elements of the plan's outputs with NaN of their dtype (float16 0x7E00,
+    /// bfloat16 0x7FC0, float32 NaN) so that the outputs of a failed call never look like results.
+    /// A strided output is written only where its layout addresses elements.
     func poisonOutputs(of plan: DispatchPlan) {
+        let problem = plan.problem
         for role in plan.outputs {
             guard let buffer = self[role] else { continue }
-            if role.elementSize == 4 {
+            if role.isFloat32 {
                 buffer.bindMemory(to: Float.self).initialize(repeating: .nan)
-            } else {
-                buffer.bindMemory(to: UInt16.self).initialize(repeating: 0x7E00)
+                continue
+            }
+            guard let layout = problem.layouts[role] else { continue }
+            switch problem.dtype {
+            case .float32:
+                let elements = buffer.bindMemory(to: Float.self)
+                layout.forEachRow { start in elements[start..<start + layout.cols].update(repeating: .nan) }
+            case .float16, .bfloat16:
+                let nan: UInt16 = problem.dtype == .float16 ? 0x7E00 : 0x7FC0
+                let elements = buffer.bindMemory(to: UInt16.self)
+                layout.forEachRow { start in elements[start..<start + layout.cols].update(repeating: nan) }
             }
         }
     }

@@ -19,7 +19,7 @@ class DispatchProfile:
     """One dispatched kernel.
 
     Attributes:
-        kernel: the kernel function's name, e.g. ``flash_attention_forward_d64``.
+        kernel: the kernel function's name, e.g. ``flash_attention_forward_f16_d64``.
         threadgroups: threadgroups per grid (x, y, z).
         threads_per_threadgroup: (x, y, z).
         threadgroup_memory: bytes of static threadgroup memory (Metal: the pipeline's

@@ -107,7 +107,8 @@ int main(void) {
     printf("libFlashAttentionMetal %s, backend %s, device %s\n", fa_version(), fa_context_backend_name(ctx),
            fa_context_device_name(ctx));
 
-    fa_problem problem = {sizeof(fa_problem), B, H, HKV, NQ, NK, D, 1, 0.25f};
+    fa_problem problem = {.struct_size = sizeof(fa_problem), .batch = B, .num_heads = H, .num_kv_heads = HKV,
+                          .seqlen_q = NQ, .seqlen_k = NK, .head_dim = D, .causal = 1, .softmax_scale = 0.25f};
     status = fa_forward(ctx, &problem, q, k, v, out, lse);
     check(status == FA_STATUS_SUCCESS, fa_last_error_message());
     check_finite(out, sizeof out / 2, "out");
@@ -118,7 +119,8 @@ int main(void) {
     check_profile(ctx, 1, "flash_attention_forward_");
 
     /* Causal with seqlen_q 1 sees every key; with one key, out equals that value row. */
-    fa_problem one = {sizeof(fa_problem), 1, 1, 1, 1, 1, D, 1, 0.25f};
+    fa_problem one = {.struct_size = sizeof(fa_problem), .batch = 1, .num_heads = 1, .num_kv_heads = 1,
+                      .seqlen_q = 1, .seqlen_k = 1, .head_dim = D, .causal = 1, .softmax_scale = 0.25f};
     static uint16_t out1[D];
     float lse1;
     check(fa_forward(ctx, &one, q, k, v, out1, &lse1) == FA_STATUS_SUCCESS, "single key forward");
