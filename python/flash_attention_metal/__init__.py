@@ -24,22 +24,25 @@ from .profile import DispatchProfile, Profile
 __version__ = "0.1.0"
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd"):
-    """``Context.forward`` on the default context: returns (out like q, lse float32).
+def forward(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", out=None, lse=None):
+    """``Context.forward`` on the default context: returns (out like q, lse float32), written into
+    ``out`` and ``lse`` when given.
 
     The arguments are checked before the library is loaded, so a wrong dtype or shape is reported
     as such even where the library is missing.
     """
     _validation.check_forward(q, k, v, causal, softmax_scale, layout)
-    return default_context().forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)
+    return default_context().forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                                     out=out, lse=lse)
 
 
-def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd"):
-    """``Context.backward`` on the default context: returns (dq, dk, dv) like q, k, v (arguments
-    checked before the library is loaded, as for ``forward``)."""
+def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd", dq=None, dk=None,
+             dv=None):
+    """``Context.backward`` on the default context: returns (dq, dk, dv) like q, k, v, written into
+    the arrays given (arguments checked before the library is loaded, as for ``forward``)."""
     _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout)
     return default_context().backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                      layout=layout)
+                                      layout=layout, dq=dq, dk=dk, dv=dv)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd"):

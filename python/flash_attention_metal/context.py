@@ -90,7 +90,7 @@ class Context:
         """The file the library was loaded from."""
         return str(self._native.path)
 
-    def forward(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd"):
+    def forward(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", out=None, lse=None):
         """Attention forward pass.
 
         Args:
@@ -103,6 +103,10 @@ class Context:
             causal: bool; bottom-right aligned (query i sees key j iff j <= i + seqlen_k - seqlen_q).
             softmax_scale: finite real number; None means 1 / sqrt(head_dim).
             layout: ``"bhsd"`` (PyTorch, MLX) or ``"bshd"`` (FlashAttention).
+            out, lse: optional arrays to write the results into instead of fresh ones: out of q's
+                dtype and the shape of the result in ``layout``, its last axis contiguous and its
+                other strides positive; lse float32 (batch, num_heads, seqlen_q), C-contiguous;
+                both writable and sharing no memory with q, k, v or each other.
 
         Any view whose last axis is contiguous (e.g. ``qkv[:, :, 0]`` of a (B, L, 3, H, D)
         projection) is read in place; other arrays are copied once (``_layout``).
@@ -110,8 +114,8 @@ class Context:
         Returns:
             (out, lse): out in q's dtype and layout, with head_dim_v last, laid out in memory like
             q; lse float32 (batch, num_heads, seqlen_q) in either layout, the natural log of the
-            softmax denominator (-inf for rows that see no key). Fresh arrays. Accumulation is in
-            float32; out is rounded once to the dtype.
+            softmax denominator (-inf for rows that see no key). Fresh arrays, or the ``out`` and
+            ``lse`` given. Accumulation is in float32; out is rounded once to the dtype.
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
@@ -119,8 +123,11 @@ class Context:
         """
         shape, causal, scale = _validation.check_forward(q, k, v, causal, softmax_scale, layout)
         _validation.check_head_dim(shape, self.max_head_dim)
-        out = _layout.new_output(q, shape.head_dim_v)
-        lse = np.empty((shape.batch, shape.num_heads, shape.seqlen_q), dtype=np.float32)
+        lse_shape = (shape.batch, shape.num_heads, shape.seqlen_q)
+        _check_given_outputs({"out": (out, q.dtype, q.shape[:3] + (shape.head_dim_v,)),
+                              "lse": (lse, np.float32, lse_shape)}, layout, {"q": q, "k": k, "v": v})
+        out = _layout.new_output(q, shape.head_dim_v) if out is None else out
+        lse = np.empty(lse_shape, dtype=np.float32) if lse is None else lse
         tensors = {name: _layout.as_input(a, layout) for name, a in (("q", q), ("k", k), ("v", v))}
         tensors["out"] = _layout.as_output(out, layout)
         ffi, lib = self._native.ffi, self._native.lib
@@ -132,7 +139,8 @@ class Context:
         self._native.raise_for_status(status)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd"):
+    def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd",
+                 dq=None, dk=None, dv=None):
         """Attention backward pass (FlashAttention-2, Algorithm 2; D_i = rowsum(dout * out)).
 
         Args:
@@ -141,11 +149,14 @@ class Context:
             q, k, v: as for ``forward``.
             out, lse: as ``forward`` returned them for the same q, k, v, causal and softmax_scale.
             causal, softmax_scale, layout: as for ``forward`` (views read in place likewise).
+            dq, dk, dv: optional arrays to write the gradients into instead of fresh ones, each of
+                q's dtype and shaped like q, k, v, with the rules of ``forward``'s ``out``
+                (writable in place, sharing no memory with any other argument).
 
         Returns:
             (dq, dk, dv): in the dtype and layout of q, k, v and shaped like them, each laid out in
             memory like its input; dk and dv sum over the query heads that share a KV head.
-            Deterministic. Fresh arrays.
+            Deterministic. Fresh arrays, or the ones given.
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
@@ -153,7 +164,11 @@ class Context:
         """
         shape, causal, scale = _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout)
         _validation.check_head_dim(shape, self.max_head_dim)
-        grads = [_layout.new_output(a, a.shape[3]) for a in (q, k, v)]
+        given = {"dq": dq, "dk": dk, "dv": dv}
+        _check_given_outputs({name: (given[name], q.dtype, like.shape) for name, like in zip(given, (q, k, v))},
+                             layout, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
+        grads = [_layout.new_output(like, like.shape[3]) if grad is None else grad
+                 for grad, like in zip(given.values(), (q, k, v))]
         inputs = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         tensors = {name: _layout.as_input(a, layout) for name, a in inputs}
         tensors.update((name, _layout.as_output(g, layout)) for name, g in zip(("dq", "dk", "dv"), grads))
@@ -192,6 +207,16 @@ class Context:
             strides = getattr(problem, name)
             strides.batch, strides.head, strides.seq = tensor.strides
         return problem
+
+
+def _check_given_outputs(outputs: dict, layout: str, inputs: dict) -> None:
+    """Checks the outputs a caller provides, ``name: (array or None, dtype, shape)``, each against
+    the inputs and the outputs checked before it (``_layout.check_given_output``)."""
+    others = dict(inputs)
+    for name, (array, dtype, shape) in outputs.items():
+        if array is not None:
+            _layout.check_given_output(name, array, dtype, shape, layout, others)
+            others[name] = array
 
 
 _DTYPE_CODES = {"float16": "FA_DTYPE_FLOAT16", "bfloat16": "FA_DTYPE_BFLOAT16", "float32": "FA_DTYPE_FLOAT32"}
