@@ -316,7 +316,7 @@ inline void attention_forward_split(device const T *q, device const T *k, device
         tg->q[r][d] = (at_row < rows.count && d < p.head_dim)
                           ? q[head_offset(p.q, b, packed_head(p, rows, kv_head, at_row)) +
                               ulong(at_row % p.seqlen_q) * p.q.seq + d]
-                          : T(0);
+                          : T(0.0f);
     }
     RowState<ND> r;
     start_rows(r);

@@ -7,7 +7,7 @@
 
 // Element offset of row 0 of head `head` of batch `b` in a tensor laid out by `s` (64-bit:
 // tensors may span more than 2^32 elements).
-inline ulong head_offset(FlashAttentionStrides s, uint b, uint head) {
+inline ulong head_offset(constant FlashAttentionStrides &s, uint b, uint head) {
     return ulong(b) * s.batch + ulong(head) * s.head;
 }
 
@@ -74,6 +74,6 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
         const uint r = e / DP;
         const uint d = e % DP;
         const ulong row = ulong(first) + r;
-        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0);
+        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0.0f);
     }
 }

@@ -133,6 +133,27 @@ struct Problem {
         return try Problem(shape, dtype: dtype, causal: causal, softmaxScale: scale, strides: strides)
     }
 
+    /// Memberwise: the checked initializer below and `slice` end here.
+    private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
+                 headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
+                 bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], lseElements: Int,
+                 split: KeyValueSplit?) {
+        self.batch = batch
+        self.numHeads = numHeads
+        self.numKVHeads = numKVHeads
+        self.seqlenQ = seqlenQ
+        self.seqlenK = seqlenK
+        self.headDim = headDim
+        self.headDimV = headDimV
+        self.dtype = dtype
+        self.causal = causal
+        self.softmaxScale = softmaxScale
+        self.bucket = bucket
+        self.layouts = layouts
+        self.lseElements = lseElements
+        self.split = split
+    }
+
     private init(_ shape: AttentionShape, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  strides: ProblemStrides) throws {
         let dims = [("batch", shape.batch), ("num_heads", shape.numHeads), ("num_kv_heads", shape.numKVHeads),
@@ -181,21 +202,11 @@ struct Problem {
             layouts[role] = layout
         }
         let lse = try Problem.checkedCount([b, h, sq], bytesPerElement: 4, of: "lse")
-        self.batch = UInt32(b)
-        self.numHeads = UInt32(h)
-        self.numKVHeads = UInt32(hk)
-        self.seqlenQ = UInt32(sq)
-        self.seqlenK = UInt32(sk)
-        self.headDim = UInt32(shape.headDim)
-        self.headDimV = UInt32(shape.headDimV)
-        self.dtype = dtype
-        self.causal = causal
-        self.softmaxScale = softmaxScale
-        self.bucket = bucket
-        self.layouts = layouts
-        self.lseElements = lse
-        split = KeyValueSplit(batch: self.batch, numHeads: self.numHeads, numKVHeads: self.numKVHeads,
-                              seqlenQ: self.seqlenQ, seqlenK: self.seqlenK, bucket: bucket)
+        self.init(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
+                  seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
+                  causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, lseElements: lse,
+                  split: KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk),
+                                       seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket))
     }
 
     /// The product of `factors`, checked so that the byte size of a buffer of that many elements
@@ -214,6 +225,29 @@ struct Problem {
         }
         return count
     }
+
+    /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their
+    /// query heads (whole GQA groups): what one piece of a split plan runs. Its buffers are the
+    /// parts of this problem's buffers that start at `BufferRole.elementOffset` (see `PlanPiece`).
+    /// The split-KV chunking stays the whole problem's (it would otherwise follow the smaller grid),
+    /// so that a piece computes exactly what the whole plan computes for its rows.
+    func slice(batches: Range<UInt32>, kvHeads: Range<UInt32>) -> Problem {
+        precondition(!batches.isEmpty && batches.upperBound <= batch, "batch range outside the problem")
+        precondition(!kvHeads.isEmpty && kvHeads.upperBound <= numKVHeads, "KV head range outside the problem")
+        // Sub-ranges of a validated problem: every count below is at most the full one.
+        let b = Int(batches.count), kv = Int(kvHeads.count), h = kv * Int(groupSize)
+        var sliced: [BufferRole: TensorLayout] = [:]
+        for (role, layout) in layouts {
+            sliced[role] = layout.slice(batch: b, heads: layout.rows.heads == Int(numKVHeads) ? kv : h)
+        }
+        return Problem(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(kv), seqlenQ: seqlenQ,
+                       seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
+                       softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
+                       lseElements: b * h * Int(seqlenQ), split: split)
+    }
+
+    /// Query heads per KV head (the GQA group).
+    var groupSize: UInt32 { numHeads / numKVHeads }
 
     /// The kernels' parameter struct for this problem.
     var params: FlashAttentionParams {

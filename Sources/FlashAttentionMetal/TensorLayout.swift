@@ -111,6 +111,20 @@ struct TensorLayout: Equatable {
         self.cols = cols
     }
 
+    /// The same strides over the first `batch` entries and `heads` heads: the part a piece of a
+    /// split plan binds from its own start.
+    func slice(batch: Int, heads: Int) -> TensorLayout {
+        TensorLayout(strides: strides, rows: (batch, heads, rows.seqlen), cols: cols)
+    }
+
+    private init(strides: TensorStrides, rows: (batch: Int, heads: Int, seqlen: Int), cols: Int) {
+        self.strides = strides
+        self.rows = rows
+        self.cols = cols
+        extent = (rows.batch - 1) * strides.batch + (rows.heads - 1) * strides.head + (rows.seqlen - 1) * strides.seq
+            + cols
+    }
+
     /// Calls `body` with the element offset of every row, in memory order of the logical layout.
     func forEachRow(_ body: (Int) -> Void) {
         for b in 0..<rows.batch {

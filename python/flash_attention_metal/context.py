@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _layout, _validation
+from . import _interruptible, _layout, _validation
 from ._native import NativeLibrary, native
 from .profile import Profile, last_profile
 
@@ -47,7 +47,12 @@ class Context:
     Attributes:
         backend: the backend in use, ``"metal"`` or ``"cpu"``.
         device: the Metal device name, or a description of the CPU engine.
+        note: why the backend is what it is (``""`` when there is nothing to say): where the Metal
+            kernels came from, or why ``"auto"`` runs kernels on the CPU engine.
         requested_backend: the ``backend`` argument, normalized.
+
+    With ``"auto"``, ``backend``, ``device`` and ``note`` are read at each access: a context whose
+    GPU is lost (access revoked, device removed) runs later calls on the CPU engine.
 
     Raises:
         TypeError: backend is not a str.
@@ -65,8 +70,24 @@ class Context:
         self._native.raise_for_status(lib.fa_context_create(backend_code[backend], holder))
         self._handle = ffi.gc(holder[0], lib.fa_context_destroy)
         self.requested_backend = backend
-        self.backend: str = ffi.string(lib.fa_context_backend_name(self._handle)).decode()
-        self.device: str = ffi.string(lib.fa_context_device_name(self._handle)).decode("utf-8", "replace")
+
+    @property
+    def backend(self) -> str:
+        """``"metal"`` or ``"cpu"``."""
+        return self._native.ffi.string(self._native.lib.fa_context_backend_name(self._handle)).decode()
+
+    @property
+    def device(self) -> str:
+        """The Metal device name, or a description of the CPU engine."""
+        return self._text(self._native.lib.fa_context_device_name(self._handle))
+
+    @property
+    def note(self) -> str:
+        """Why the backend is what it is (``fa_context_backend_note``); ``""`` when nothing to say."""
+        return self._text(self._native.lib.fa_context_backend_note(self._handle))
+
+    def _text(self, pointer) -> str:
+        return self._native.ffi.string(pointer).decode("utf-8", "replace")
 
     def __repr__(self) -> str:
         return f"Context(backend={self.backend!r}, device={self.device!r})"
@@ -83,7 +104,8 @@ class Context:
         unchanged. See ``flash_attention_metal.profile.Profile``: ``seconds`` (Metal: GPU time;
         CPU engine: wall time) and one record per dispatched kernel (name, grid, threads,
         threadgroup memory, and on the CPU engine its SIMD-group matrix products and barriers)."""
-        return last_profile(self._native, self._handle)
+        # The main thread's calls run on the interruptible-call worker, which holds their profile.
+        return _interruptible.call(lambda: last_profile(self._native, self._handle))
 
     @property
     def library_path(self) -> str:
@@ -119,7 +141,9 @@ class Context:
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
-            FlashAttentionError: the library reported an error.
+            FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
+                when ``cancel`` stopped the call).
+            KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
         shape, causal, scale = _validation.check_forward(q, k, v, causal, softmax_scale, layout)
         _validation.check_head_dim(shape, self.max_head_dim)
@@ -131,12 +155,12 @@ class Context:
         tensors = {name: _layout.as_input(a, layout) for name, a in (("q", q), ("k", k), ("v", v))}
         tensors["out"] = _layout.as_output(out, layout)
         ffi, lib = self._native.ffi, self._native.lib
-        status = lib.fa_forward(
+        arguments = (
             self._handle, self._problem(shape, causal, scale, q.dtype, tensors),
             *(_pointer(ffi, tensors[name]) for name in ("q", "k", "v", "out")),
             ffi.from_buffer("float[]", lse, require_writable=True),
         )
-        self._native.raise_for_status(status)
+        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_forward(*arguments)), self.cancel)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd",
@@ -160,7 +184,9 @@ class Context:
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
-            FlashAttentionError: the library reported an error.
+            FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
+                when ``cancel`` stopped the call).
+            KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
         shape, causal, scale = _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout)
         _validation.check_head_dim(shape, self.max_head_dim)
@@ -174,14 +200,26 @@ class Context:
         tensors.update((name, _layout.as_output(g, layout)) for name, g in zip(("dq", "dk", "dv"), grads))
         lse = np.ascontiguousarray(lse)
         ffi, lib = self._native.ffi, self._native.lib
-        status = lib.fa_backward(
+        arguments = (
             self._handle, self._problem(shape, causal, scale, q.dtype, tensors),
             *(_pointer(ffi, tensors[name]) for name in ("dout", "q", "k", "v", "out")),
             ffi.from_buffer("float[]", lse),
             *(_pointer(ffi, tensors[name]) for name in ("dq", "dk", "dv")),
         )
-        self._native.raise_for_status(status)
+        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_backward(*arguments)), self.cancel)
         return tuple(grads)
+
+    def cancel(self) -> None:
+        """Cancels the calls in flight on this context, from any thread (``fa_context_cancel``).
+
+        Each call that started before stops early (the CPU engine within its current threadgroups,
+        Metal before its next command buffer) and raises FlashAttentionError with status_name
+        ``FA_STATUS_CANCELLED``, unless it had already finished its work; calls that start
+        afterwards run normally. Returns at once. Ctrl-C during a call made from the main thread
+        does this and raises KeyboardInterrupt there, so it also cancels the calls other threads
+        have in flight on the same context.
+        """
+        self._native.raise_for_status(self._native.lib.fa_context_cancel(self._handle))
 
     def attention(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd"):
         """``forward`` without lse: returns out, in q's dtype and layout."""

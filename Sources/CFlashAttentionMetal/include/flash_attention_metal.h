@@ -46,7 +46,8 @@ typedef enum fa_status {
     FA_STATUS_BACKEND_UNAVAILABLE = 3, /* e.g. FA_BACKEND_METAL where Metal is absent */
     FA_STATUS_OUT_OF_MEMORY = 4,
     FA_STATUS_EXECUTION_FAILED = 5,    /* the device or the CPU engine reported an error */
-    FA_STATUS_INTERNAL_ERROR = 6
+    FA_STATUS_INTERNAL_ERROR = 6,
+    FA_STATUS_CANCELLED = 7            /* fa_context_cancel stopped the call; its outputs hold NaN */
 } fa_status;
 
 typedef enum fa_backend {
@@ -115,30 +116,48 @@ const char *fa_status_name(fa_status status);
 const char *fa_last_error_message(void);
 
 /* Creates a context for backend. On success *out_context owns a device, a command queue and the
- * compiled kernels (Metal) or the CPU engine. Errors: INVALID_ARGUMENT (null out_context, unknown
- * backend), BACKEND_UNAVAILABLE. */
+ * compiled kernels (Metal) or the CPU engine. FA_BACKEND_AUTO never fails where the CPU engine works:
+ * it falls back to it when Metal cannot run the kernels (see fa_context_backend_note). Errors:
+ * INVALID_ARGUMENT (null out_context, unknown backend), BACKEND_UNAVAILABLE (FA_BACKEND_METAL: no
+ * Metal, or no Apple-silicon GPU), EXECUTION_FAILED (FA_BACKEND_METAL: the shaders do not compile). */
 fa_status fa_context_create(fa_backend backend, fa_context **out_context);
 
 /* Destroys a context; null is ignored. */
 void fa_context_destroy(fa_context *context);
 
-/* "metal" or "cpu". Static storage; null for a null context. */
+/* "metal" or "cpu" (for FA_BACKEND_AUTO: the backend of the latest call). Static storage; null for
+ * a null context. */
 const char *fa_context_backend_name(const fa_context *context);
 
 /* The device: the Metal device name, or a description of the CPU engine. Valid while the context
  * lives; null for a null context. */
 const char *fa_context_device_name(const fa_context *context);
 
+/* Why the backend is what it is, for users; "" when there is nothing to say. Metal: where the
+ * kernels came from (a precompiled .metallib next to the library, or the embedded source compiled
+ * when the context was created). FA_BACKEND_AUTO on the CPU engine: why Metal is not used (no Metal
+ * device, not an Apple-silicon GPU, the shaders did not compile, a kernel's pipeline could not be
+ * built, the device was lost). Can change after a call of an FA_BACKEND_AUTO context; each text
+ * stays valid while the context lives. Null for a null context. */
+const char *fa_context_backend_note(const fa_context *context);
+
+/* Cancels the calls in flight on context: every fa_forward or fa_backward that started on it before
+ * this call stops early (the CPU engine within its current threadgroups, Metal before its next
+ * command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN, unless it had already
+ * finished its work. Calls that start afterwards run normally. Thread-safe, lock-free; returns at
+ * once without waiting for the calls to stop. Errors: INVALID_ARGUMENT (null context). */
+fa_status fa_context_cancel(fa_context *context);
+
 /* Forward pass: out = softmax(softmax_scale * q k^T, masked) v, and lse.
  * Tensors as described above (elements of problem->dtype). Errors: INVALID_ARGUMENT,
- * UNSUPPORTED, EXECUTION_FAILED. */
+ * UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
 fa_status fa_forward(fa_context *context, const fa_problem *problem,
                      const void *q, const void *k, const void *v,
                      void *out, float *lse);
 
 /* Backward pass: dq, dk, dv from dout and the q, k, v, out, lse of the forward pass.
  * dk and dv sum over the query heads that share a KV head. Deterministic.
- * Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED. */
+ * Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
 fa_status fa_backward(fa_context *context, const fa_problem *problem,
                       const void *dout, const void *q, const void *k, const void *v,
                       const void *out, const float *lse,
@@ -160,6 +179,9 @@ typedef struct fa_profile {
     double seconds;          /* Metal: GPU time of the call's command buffers, gpuEndTime -
                                 gpuStartTime summed over them. CPU engine: the engine's wall time
                                 of the call's dispatches, summed. */
+    uint32_t command_buffers; /* pieces the pass ran in: Metal, one command buffer each (ranges of
+                                 batch entries or KV heads of at most 2^35 FLOP, against the GPU
+                                 watchdog); CPU engine, 1. 0 when dispatch_count is 0. */
 } fa_profile;
 
 /* One dispatched kernel of the last call. Set struct_size to sizeof(fa_dispatch_profile).

@@ -4,6 +4,9 @@
 /// The self-contained MSL source of the attention kernels, compiled at run time by the Metal
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
+    /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
+    static let sourceHash = "576a20341b4b7d70"
+
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, dQ,
 // dK/dV), on simdgroup_matrix tiles.
@@ -70,6 +73,16 @@ typedef ulong fa_u64;
 typedef uint32_t fa_u32;
 typedef uint64_t fa_u64;
 #endif
+
+// The Metal Shading Language version the kernels are compiled as, everywhere: the run-time
+// compile (MTLCompileOptions.languageVersion), build.sh's `xcrun metal -std=metal3.0` and the
+// address-space check (__METAL_VERSION__ 300). MSL 3.0 is macOS 13 / iOS 16, the package's
+// platforms; simdgroup_matrix needs 2.3. The bfloat16 kernels need MSL 3.1 (macOS 14 / iOS 17,
+// where the compiler defines __HAVE_BFLOAT__): the run-time compile asks for it where the OS has
+// it, and the bfloat16 instances exist only then.
+#define FA_MSL_VERSION_MAJOR 3
+#define FA_MSL_VERSION_MINOR 0
+#define FA_MSL_BFLOAT_VERSION_MINOR 1
 
 // Where a [batch][heads][seqlen][head_dim] tensor's rows are: element (b, h, i, d) is at
 // b * batch + h * head + i * seq + d (in elements; the last axis is contiguous).
@@ -317,7 +330,7 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
 
 // Element offset of row 0 of head `head` of batch `b` in a tensor laid out by `s` (64-bit:
 // tensors may span more than 2^32 elements).
-inline ulong head_offset(FlashAttentionStrides s, uint b, uint head) {
+inline ulong head_offset(constant FlashAttentionStrides &s, uint b, uint head) {
     return ulong(b) * s.batch + ulong(head) * s.head;
 }
 
@@ -384,7 +397,7 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
         const uint r = e / DP;
         const uint d = e % DP;
         const ulong row = ulong(first) + r;
-        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0);
+        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0.0f);
     }
 }
 // ---- end flash_attention_blocks.h ----
@@ -653,7 +666,7 @@ inline void attention_forward_split(device const T *q, device const T *k, device
         tg->q[r][d] = (at_row < rows.count && d < p.head_dim)
                           ? q[head_offset(p.q, b, packed_head(p, rows, kv_head, at_row)) +
                               ulong(at_row % p.seqlen_q) * p.q.seq + d]
-                          : T(0);
+                          : T(0.0f);
     }
     RowState<ND> r;
     start_rows(r);
