@@ -8,10 +8,10 @@ process that first makes one warm-up step at seqlen 64 (library, kernels, optimi
 measures:
 
 - peak RSS growth: the peak resident set size during the step minus the size just before it
-  (Linux: VmHWM of /proc/self/status, reset through /proc/self/clear_refs after glibc's free memory
-  is returned with malloc_trim; elsewhere ru_maxrss). It counts everything: MLX's arrays, the
-  library's own scratch memory, NumPy. This is the number that matters on Linux, where MLX's CPU
-  arrays are host memory.
+  (``bench --compare``'s measurement, ``flash_attention_metal.cli._peak_memory``: on Linux
+  VmHWM, reset after glibc's free memory is returned; on macOS ru_maxrss). It counts everything:
+  MLX's arrays, the library's own scratch memory, NumPy. This is the number that matters on Linux,
+  where MLX's CPU arrays are host memory.
 - MLX peak: ``mx.get_peak_memory()`` minus ``mx.get_active_memory()`` before the step, MLX's
   buffer cache emptied first (``mx.clear_cache()``). It counts MLX's allocations only, which include
   the library's outputs (MLX allocates them) but not its scratch memory. On a Mac this is the
@@ -34,45 +34,19 @@ Figures from the CPU engine or MLX's CPU backend are not Apple GPU figures.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from flash_attention_metal.cli._peak_memory import method, peak_growth
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-_STATUS = Path("/proc/self/status")
 _MIB = 1 << 20
 IMPLEMENTATIONS = ("mlx", "library", "floor")
-
-
-def _status_bytes(field: str) -> int:
-    for line in _STATUS.read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} missing from {_STATUS}")
-
-
-def peak_rss_growth(operation) -> int:
-    """Bytes by which the peak resident set size during ``operation()`` exceeds the size before."""
-    libc = ctypes.util.find_library("c")
-    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
-    if trim is not None:
-        trim(0)  # glibc keeps freed memory resident; a step reusing it would show no growth
-    if _STATUS.is_file():
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        before = _status_bytes("VmRSS")
-        operation()
-        return max(0, _status_bytes("VmHWM") - before)
-    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-    operation()
-    return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale - before)
 
 
 def child(implementation: str, seqlen: int) -> dict:
@@ -105,7 +79,7 @@ def child(implementation: str, seqlen: int) -> dict:
         result["loss"] = step(tokens)
         result["seconds"] = time.perf_counter() - start
 
-    result["rss_growth"] = peak_rss_growth(measured)
+    result["rss_growth"] = peak_growth(measured)
     result["mlx_peak"] = mx.get_peak_memory() - active
     return result
 
@@ -130,7 +104,7 @@ def main(argv=None) -> int:
     context = fam.Context(args.backend or fam.default_backend())
     print(f"one training step of the tiny transformer (2 layers, 4 heads, 2 KV heads, head_dim 16, causal, "
           f"float16 attention), batch 1; MLX {mx.__version__} on {mx.default_device()}, library on "
-          f"{context.backend} ({context.device})")
+          f"{context.backend} ({context.device}); {method()}")
     print(f"{'seqlen':>6} {'attention':<34} {'peak RSS growth':>16} {'MLX peak':>12} {'step s':>8} {'loss':>8}")
     for seqlen in args.seqlens:
         scores = 2 * 4 * seqlen * seqlen * 4  # layers x heads x L^2 float32

@@ -14,6 +14,7 @@ neither implementation's gradient sees them.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
@@ -346,3 +347,17 @@ def test_training_follows_mlx_within_float16_tolerance():
     assert error <= accuracy.OUT_FACTOR * base_error + accuracy.slack(np.float16), (
         f"max|ours - ref| {error:.3e}, max|base - ref| {base_error:.3e}\n"
         + "\n".join(f"{t:2d} {r:.6f} {b:.6f} {o:.6f}" for t, (r, b, o) in enumerate(zip(ref, base, ours))))
+
+
+def test_the_example_runs_and_passes(capsys):
+    assert mlx_train_tiny.main(["--steps", "5"]) == 0
+    printed = capsys.readouterr().out
+    assert "MLX float32       MLX float16   library float16" in printed and printed.rstrip().endswith("pass")
+
+
+def test_the_memory_benchmark_runs():
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "mlx_memory.py"
+    result = subprocess.run([sys.executable, str(script), "--seqlens", "64"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.lstrip().startswith("64 ")]
+    assert len(rows) == 3 and all("MiB" in row for row in rows), result.stdout
