@@ -28,8 +28,9 @@ __version__ = "0.1.0"
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None, window_size=(-1, -1),
-            softcap=0.0, alibi_slopes=None, sinks=None):
-    """``Context.forward`` on the default context: returns (out like q, lse float32).
+            softcap=0.0, alibi_slopes=None, sinks=None, out=None, lse=None):
+    """``Context.forward`` on the default context: returns (out like q, lse float32), written into
+    ``out`` and ``lse`` when given.
 
     The arguments are checked before the library is loaded, so a wrong dtype or shape is reported
     as such even where the library is missing.
@@ -37,19 +38,20 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_ma
     options = dict(attn_mask=attn_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                    sinks=sinks)
     _validation.check_forward(q, k, v, causal, softmax_scale, layout, **options)
-    return default_context().forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, **options)
+    return default_context().forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                                     out=out, lse=lse, **options)
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
-             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
-    """``Context.backward`` on the default context: returns (dq, dk, dv) like q, k, v, and dsinks
-    float32 (num_heads,) after them when sinks are given (arguments checked before the library is
-    loaded, as for ``forward``)."""
+             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, dq=None, dk=None, dv=None):
+    """``Context.backward`` on the default context: returns (dq, dk, dv) like q, k, v, written into
+    the arrays given, and dsinks float32 (num_heads,) after them when sinks are given (arguments
+    checked before the library is loaded, as for ``forward``)."""
     options = dict(attn_mask=attn_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                    sinks=sinks)
     _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout, **options)
     return default_context().backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                      layout=layout, **options)
+                                      layout=layout, dq=dq, dk=dk, dv=dv, **options)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None, window_size=(-1, -1),

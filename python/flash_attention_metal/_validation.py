@@ -113,14 +113,15 @@ def check_causal(causal) -> bool:
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def resolve_softmax_scale(softmax_scale, head_dim: int) -> float:
+def resolve_softmax_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
     """The scale to use: 1/sqrt(head_dim) for None, else a real number (not a bool) that is finite
-    and representable as a float32 (the ABI's type)."""
+    and representable as a float32 (the ABI's type). Errors call the value ``name`` (MLX's
+    signature calls it ``scale``)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    rule = f"softmax_scale must be finite and representable as float32 (|softmax_scale| <= {_FLOAT32_MAX:.7g})"
+        raise TypeError(f"{name} must be a real number or None, got {type(softmax_scale).__name__}")
+    rule = f"{name} must be finite and representable as float32 (|{name}| <= {_FLOAT32_MAX:.7g})"
     try:
         value = float(softmax_scale)
     except OverflowError:

@@ -114,7 +114,7 @@ class Context:
         return str(self._native.path)
 
     def forward(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
-                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, out=None, lse=None):
         """Attention forward pass.
 
         Scores are s = softcap * tanh(softmax_scale * q.k / softcap) (or softmax_scale * q.k when
@@ -145,6 +145,10 @@ class Context:
                 the bias is added to the scaled score). No gradient.
             sinks: float32 (num_heads,), finite: one virtual key per head with logit sinks[h] and no
                 value (gpt-oss); backward then returns dsinks.
+            out, lse: optional arrays to write the results into instead of fresh ones: out of q's
+                dtype and the shape of the result in ``layout``, its last axis contiguous and its
+                other strides positive; lse float32 (batch, num_heads, seqlen_q), C-contiguous;
+                both writable and sharing no memory with q, k, v or each other.
 
         Any view whose last axis is contiguous (e.g. ``qkv[:, :, 0]`` of a (B, L, 3, H, D)
         projection) is read in place; other arrays are copied once (``_layout``).
@@ -153,8 +157,8 @@ class Context:
             (out, lse): out in q's dtype and layout, with head_dim_v last, laid out in memory like
             q; lse float32 (batch, num_heads, seqlen_q) in either layout, the natural log of the
             softmax denominator (sinks included). A row left without keys gets out 0 and lse -inf,
-            or lse sinks[h] with sinks. Fresh arrays. Accumulation is in float32; out is rounded
-            once to the dtype.
+            or lse sinks[h] with sinks. Fresh arrays, or the ``out`` and ``lse`` given. Accumulation
+            is in float32; out is rounded once to the dtype.
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
@@ -166,8 +170,11 @@ class Context:
             q, k, v, causal, softmax_scale, layout, attn_mask=attn_mask, window_size=window_size,
             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         _validation.check_head_dim(shape, self.max_head_dim)
-        out = _layout.new_output(q, shape.head_dim_v)
-        lse = np.empty((shape.batch, shape.num_heads, shape.seqlen_q), dtype=np.float32)
+        lse_shape = (shape.batch, shape.num_heads, shape.seqlen_q)
+        _check_given_outputs({"out": (out, q.dtype, q.shape[:3] + (shape.head_dim_v,)),
+                              "lse": (lse, np.float32, lse_shape)}, layout, {"q": q, "k": k, "v": v})
+        out = _layout.new_output(q, shape.head_dim_v) if out is None else out
+        lse = np.empty(lse_shape, dtype=np.float32) if lse is None else lse
         tensors = {name: _layout.as_input(a, layout) for name, a in (("q", q), ("k", k), ("v", v))}
         tensors["out"] = _layout.as_output(out, layout)
         ffi, lib = self._native.ffi, self._native.lib
@@ -183,7 +190,8 @@ class Context:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd",
-                 attn_mask=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+                 attn_mask=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                 dq=None, dk=None, dv=None):
         """Attention backward pass (FlashAttention-2, Algorithm 2; D_i = rowsum(dout * out)), through
         the softcap's tanh exactly.
 
@@ -194,13 +202,16 @@ class Context:
             out, lse: as ``forward`` returned them for the same q, k, v and options.
             causal, softmax_scale, layout, attn_mask, window_size, softcap, alibi_slopes, sinks: as
                 for ``forward`` (views read in place likewise).
+            dq, dk, dv: optional arrays to write the gradients into instead of fresh ones, each of
+                q's dtype and shaped like q, k, v, with the rules of ``forward``'s ``out``
+                (writable in place, sharing no memory with any other argument).
 
         Returns:
             (dq, dk, dv) without sinks, (dq, dk, dv, dsinks) with them: dq, dk, dv in the dtype and
             layout of q, k, v and shaped like them, each laid out in memory like its input; dk and dv
             sum over the query heads that share a KV head; dsinks float32 (num_heads,),
             -sum over batch and query rows of exp(sinks[h] - lse) * D. No gradient for attn_mask or
-            alibi_slopes. Deterministic. Fresh arrays.
+            alibi_slopes. Deterministic. Fresh arrays, or the ones given.
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
@@ -212,7 +223,11 @@ class Context:
             dout, q, k, v, out, lse, causal, softmax_scale, layout, attn_mask=attn_mask,
             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         _validation.check_head_dim(shape, self.max_head_dim)
-        grads = [_layout.new_output(a, a.shape[3]) for a in (q, k, v)]
+        given = {"dq": dq, "dk": dk, "dv": dv}
+        _check_given_outputs({name: (given[name], q.dtype, like.shape) for name, like in zip(given, (q, k, v))},
+                             layout, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
+        grads = [_layout.new_output(like, like.shape[3]) if grad is None else grad
+                 for grad, like in zip(given.values(), (q, k, v))]
         inputs = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
         tensors = {name: _layout.as_input(a, layout) for name, a in inputs}
         tensors.update((name, _layout.as_output(g, layout)) for name, g in zip(("dq", "dk", "dv"), grads))
@@ -314,6 +329,16 @@ class Context:
             strides = getattr(problem, name)
             strides.batch, strides.head, strides.seq = tensor.strides
         return problem
+
+
+def _check_given_outputs(outputs: dict, layout: str, inputs: dict) -> None:
+    """Checks the outputs a caller provides, ``name: (array or None, dtype, shape)``, each against
+    the inputs and the outputs checked before it (``_layout.check_given_output``)."""
+    others = dict(inputs)
+    for name, (array, dtype, shape) in outputs.items():
+        if array is not None:
+            _layout.check_given_output(name, array, dtype, shape, layout, others)
+            others[name] = array
 
 
 _DTYPE_CODES = {"float16": "FA_DTYPE_FLOAT16", "bfloat16": "FA_DTYPE_BFLOAT16", "float32": "FA_DTYPE_FLOAT32"}

@@ -274,3 +274,71 @@ def test_read_only_inputs_work_and_outputs_are_fresh(ctx):
     for result in (out, lse, *grads):
         assert result.flags.owndata and result.flags.writeable and result.flags.c_contiguous
         assert not any(np.shares_memory(result, a) for a in (q, k, v, dout))
+
+
+# Outputs the caller provides (out=, lse=, dq=, dk=, dv=): checked like inputs, before any call.
+
+def _given(inputs):
+    return dict(out=np.empty_like(inputs["q"]), lse=np.empty(inputs["q"].shape[:3], np.float32),
+                dq=np.empty_like(inputs["q"]), dk=np.empty_like(inputs["k"]), dv=np.empty_like(inputs["v"]))
+
+
+def _call_with(context, args, name, array):
+    if name in ("out", "lse"):
+        _forward(context, args, **{name: array})
+    else:
+        _backward(context, args, **{name: array})
+
+
+@pytest.mark.parametrize("name", ["out", "lse", "dq", "dk", "dv"])
+def test_given_outputs_must_have_the_result_dtype(guarded, inputs, name):
+    wrong = _given(inputs)[name].astype(np.float64)
+    with pytest.raises(TypeError, match=rf"^{name} must have dtype"):
+        _call_with(guarded, inputs, name, wrong)
+
+
+@pytest.mark.parametrize("name", ["out", "lse", "dq", "dk", "dv"])
+def test_given_outputs_must_have_the_result_shape(guarded, inputs, name):
+    given = _given(inputs)[name]
+    wrong = np.empty(given.shape[:-1] + (given.shape[-1] + 1,), given.dtype)
+    with pytest.raises(ValueError, match=rf"^{name} shape .* must be"):
+        _call_with(guarded, inputs, name, wrong)
+
+
+@pytest.mark.parametrize("name", ["out", "lse", "dq"])
+def test_given_outputs_must_be_writable(guarded, inputs, name):
+    given = _given(inputs)[name]
+    given.flags.writeable = False
+    with pytest.raises(ValueError, match=rf"^{name} is read-only"):
+        _call_with(guarded, inputs, name, given)
+
+
+def test_given_outputs_must_be_addressable_in_place(guarded, inputs):
+    # An output is written in place, never copied back: a strided last axis, a zero stride or a
+    # non-contiguous lse is refused rather than silently left unwritten.
+    q = inputs["q"]
+    wide = np.empty(q.shape[:3] + (2 * q.shape[3],), q.dtype)
+    with pytest.raises(ValueError, match=r"^out must be writable in place"):
+        _forward(guarded, inputs, out=wide[..., ::2])
+    with pytest.raises(ValueError, match=r"^dk must be writable in place"):
+        one = np.empty(inputs["k"].shape[1:], q.dtype)
+        _backward(guarded, inputs, dk=np.lib.stride_tricks.as_strided(one, inputs["k"].shape, (0,) + one.strides))
+    lse_t = np.empty(q.shape[:3][::-1], np.float32).T
+    with pytest.raises(ValueError, match=r"^lse must be writable in place \(C-contiguous"):
+        _forward(guarded, inputs, lse=lse_t)
+
+
+@pytest.mark.parametrize("name, other", [("out", "q"), ("dq", "dout"), ("dk", "k"), ("dv", "out")])
+def test_given_outputs_must_not_overlap_inputs(guarded, inputs, name, other):
+    shape = _given(inputs)[name].shape
+    with pytest.raises(ValueError, match=rf"^{name} shares memory with {other}"):
+        _call_with(guarded, inputs, name, inputs[other].reshape(-1)[: int(np.prod(shape))].reshape(shape))
+
+
+def test_given_outputs_must_not_overlap_each_other(guarded, inputs):
+    given = _given(inputs)
+    with pytest.raises(ValueError, match=r"^lse shares memory with out"):
+        lse = given["out"].reshape(-1).view(np.float32)[: given["lse"].size].reshape(given["lse"].shape)
+        _forward(guarded, inputs, out=given["out"], lse=lse)
+    with pytest.raises(ValueError, match=r"^dv shares memory with dk"):
+        _backward(guarded, inputs, dk=given["dk"], dv=given["dk"])
