@@ -174,6 +174,8 @@ int run(int *rows_checked) {
     p.head_dim = kHeadDim;
     p.head_dim_v = kHeadDim;
     p.causal = 0;
+    p.window_left = -1;  // no window (score modifiers off)
+    p.window_right = -1;
     p.softmax_scale = shape.softmax_scale;
     p.kv_chunks = 1;  // dense kernels
     p.kv_chunk_keys = kSeqlenK;
