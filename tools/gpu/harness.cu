@@ -69,7 +69,7 @@ int fa_dtype(DType dtype) {
 }
 
 FlashAttentionParams params_of(const AttentionShape &s, const DeviceLayout &layout) {
-    FlashAttentionParams p;
+    FlashAttentionParams p{};  // every field not set below (score modifiers, mask strides) is 0: off
     FlashAttentionStrides *strides[kRoleCount] = {&p.q,    &p.k,  &p.v,  &p.out,
                                                   &p.dout, &p.dq, &p.dk, &p.dv};
     for (int role = 0; role < kRoleCount; ++role) {

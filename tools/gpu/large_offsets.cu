@@ -163,7 +163,7 @@ int run(int *rows_checked) {
 
     const AttentionShape shape{1, 1, 1, int(kSeqlenQ), int(kSeqlenK), int(kHeadDim), int(kHeadDim),
                                false, 1.0f / std::sqrt(float(kHeadDim)), DType::f16};
-    FlashAttentionParams p;
+    FlashAttentionParams p{};  // fields not set below (score modifiers) are 0: off
     p.q = p.out = p.dout = p.dq = fa_contiguous_strides(1, kSeqlenQ, kHeadDim);
     p.k = p.v = p.dk = p.dv = fa_contiguous_strides(1, kSeqlenK, kHeadDim);
     p.batch = 1;
