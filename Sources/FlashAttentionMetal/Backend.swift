@@ -39,6 +39,22 @@ struct HostBuffers {
         }
     }
 
+    /// Copies output `role` from `source`, memory laid out as the caller's buffer (the Metal
+    /// backend's own output buffers), writing only the elements the role's layout addresses: the
+    /// bytes between the rows of a strided output stay the caller's, as the CPU backend leaves
+    /// them. Float32 roles (lse, dsinks) are dense and copied whole.
+    func copyOutput(_ role: BufferRole, from source: UnsafeRawPointer, of problem: Problem) {
+        guard let buffer = self[role], let base = buffer.baseAddress else { return }
+        guard !role.isFloat32, let layout = problem.layouts[role] else {
+            base.copyMemory(from: source, byteCount: buffer.count)
+            return
+        }
+        let size = problem.dtype.size
+        layout.forEachRow { start in
+            (base + start * size).copyMemory(from: source + start * size, byteCount: layout.cols * size)
+        }
+    }
+
     /// Overwrites the elements of the plan's outputs with NaN of their dtype (float16 0x7E00,
     /// bfloat16 0x7FC0, float32 NaN) so that the outputs of a failed call never look like results.
     /// A strided output is written only where its layout addresses elements.

@@ -71,8 +71,8 @@ final class MetalBackend: ExecutionBackend {
         let wrapped = try wrap(buffers, for: plan)
         let commandBuffers = try run(plan.pieces(maxFlops: MetalBackend.flopsPerCommandBuffer),
                                      buffers: wrapped.metal, cancellation: cancellation)
-        for (host, buffer) in wrapped.copyBack {
-            host.copyMemory(from: UnsafeRawBufferPointer(start: buffer.contents(), count: host.count))
+        for (role, buffer) in wrapped.copyBack {
+            buffers.copyOutput(role, from: buffer.contents(), of: plan.problem)
         }
         return try profile(plan, commandBuffers: commandBuffers)
     }
@@ -98,14 +98,15 @@ final class MetalBackend: ExecutionBackend {
     /// pointer and length are page multiples (MTLDevice.makeBuffer(bytesNoCopy:length:options:
     /// deallocator:) needs that and may still refuse memory that is not one VM region), else copied
     /// (makeBuffer(bytes:length:options:)). Outputs always in Metal's own memory
-    /// (makeBuffer(length:options:)), copied back only after every command buffer succeeded: the
-    /// GPU never writes the caller's memory, even when a call times out and returns while the GPU
-    /// still runs.
+    /// (makeBuffer(length:options:), which zero-fills them), copied back only after every command
+    /// buffer succeeded and only where the output's layout addresses elements
+    /// (HostBuffers.copyOutput): the GPU never writes the caller's memory, even when a call times
+    /// out and returns while the GPU still runs, and the gaps of a strided output stay the caller's.
     private func wrap(_ buffers: HostBuffers, for plan: DispatchPlan) throws
-        -> (metal: [BufferRole: MTLBuffer], copyBack: [(host: UnsafeMutableRawBufferPointer, buffer: MTLBuffer)]) {
+        -> (metal: [BufferRole: MTLBuffer], copyBack: [(role: BufferRole, buffer: MTLBuffer)]) {
         let device = kernels.device
         var metal = try kernels.makeWorkspace(for: plan)
-        var copyBack: [(host: UnsafeMutableRawBufferPointer, buffer: MTLBuffer)] = []
+        var copyBack: [(role: BufferRole, buffer: MTLBuffer)] = []
         for role in plan.boundRoles where !plan.workspace.contains(role) {
             guard let host = buffers[role], let base = host.baseAddress else {
                 throw FlashAttentionError.internalError("no host buffer for \(role.name)")
@@ -120,7 +121,7 @@ final class MetalBackend: ExecutionBackend {
             var buffer: MTLBuffer?
             if plan.outputs.contains(role) {
                 buffer = device.makeBuffer(length: host.count, options: shared)
-                if let buffer { copyBack.append((host, buffer)) }
+                if let buffer { copyBack.append((role, buffer)) }
             } else {
                 if Int(bitPattern: base) % pageSize == 0 && host.count % pageSize == 0 {
                     buffer = device.makeBuffer(bytesNoCopy: base, length: host.count, options: shared, deallocator: nil)
@@ -169,10 +170,14 @@ final class MetalBackend: ExecutionBackend {
         }
         for n in committed.indices {
             guard completions.wait(timeout: .now() + .seconds(MetalBackend.completionTimeoutSeconds)) == .success else {
-                throw FlashAttentionError.executionFailed(
-                    "Metal: \(committed.count - n) of \(pieces.count) command buffers did not complete within "
-                        + "\(MetalBackend.completionTimeoutSeconds) s of the previous one (the GPU or its driver "
-                        + "may be hung); the outputs were not written")
+                // The late command buffers may still read the caller's inputs (bytesNoCopy): later
+                // calls fail at once rather than queue more work behind them.
+                let reason = "Metal: \(committed.count - n) of \(pieces.count) command buffers did not complete "
+                    + "within \(MetalBackend.completionTimeoutSeconds) s of the previous one (the GPU or its "
+                    + "driver may be hung); the outputs were not written, and the inputs must stay allocated "
+                    + "until the process ends"
+                lock.withLock { lostReason = lostReason ?? reason }
+                throw FlashAttentionError.executionFailed(reason)
             }
         }
         if let encodingError { throw encodingError }

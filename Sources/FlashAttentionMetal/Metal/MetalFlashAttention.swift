@@ -74,9 +74,11 @@ public final class MetalFlashAttention: @unchecked Sendable {
 
     private static func library(for device: MTLDevice) throws -> (MTLLibrary, String) {
         var why = "no \(precompiledName) next to the library"
-        if let url = precompiledLibraryURL() {
+        // build.sh builds the .metallib for macOS 14 (MSL 3.1, bfloat): older systems compile the
+        // source, as MSL 3.0 without the bfloat16 kernels.
+        if #available(macOS 14.0, iOS 17.0, tvOS 17.0, visionOS 1.0, *), let url = precompiledLibraryURL() {
             do {
-                // MTLDevice.makeLibrary(URL:) (macOS 10.13+): refuses a file built for a newer OS.
+                // MTLDevice.makeLibrary(URL:) (macOS 10.13+), throws when it cannot load the file.
                 return (try device.makeLibrary(URL: url), "kernels from \(url.path)")
             } catch {
                 why = "\(url.path) was refused: \(error.localizedDescription)"
@@ -243,12 +245,19 @@ public final class MetalFlashAttention: @unchecked Sendable {
     /// The app path: every check, then the whole plan into `commandBuffer`.
     private func encode(_ plan: DispatchPlan, buffers: [BufferRole: MTLBuffer],
                         into commandBuffer: MTLCommandBuffer) throws {
+        // MTLCommandBuffer.status: encoders and addCompletedHandler(_:) only before commit().
+        guard commandBuffer.status == .notEnqueued || commandBuffer.status == .enqueued else {
+            throw FlashAttentionError.invalidArgument(
+                "the command buffer was already committed (MTLCommandBufferStatus \(commandBuffer.status.rawValue)); "
+                    + "pass one that is not committed yet")
+        }
         guard commandBuffer.device === device else {
             throw FlashAttentionError.invalidArgument(
                 "the command buffer belongs to \(commandBuffer.device.name), not to \(device.name), the device "
                     + "the kernels were compiled for")
         }
         var ranges: [(role: BufferRole, start: UInt64, end: UInt64)] = []
+        var hostRanges: [(role: BufferRole, start: UInt64, end: UInt64)] = []
         for role in plan.boundRoles where !plan.workspace.contains(role) {
             guard let buffer = buffers[role] else {
                 throw FlashAttentionError.internalError("no buffer for \(role.name)")
@@ -261,24 +270,33 @@ public final class MetalFlashAttention: @unchecked Sendable {
                 throw FlashAttentionError.invalidArgument(
                     "\(role.name) has \(buffer.length) bytes; the shape needs \(needed)")
             }
-            // MTLBuffer.gpuAddress (macOS 13+, iOS 16+): buffers over the same memory (one heap, or
-            // bytesNoCopy of one allocation) are told apart only by address.
+            // MTLBuffer.gpuAddress (macOS 13+, iOS 16+) finds one buffer or heap bound twice;
+            // MTLBuffer.contents() (CPU-visible storage only) finds two bytesNoCopy buffers over one
+            // allocation, which may have different GPU addresses.
             ranges.append((role, buffer.gpuAddress, buffer.gpuAddress + UInt64(needed)))
+            if buffer.storageMode == .shared || buffer.storageMode == .managed {
+                let start = UInt64(UInt(bitPattern: buffer.contents()))
+                hostRanges.append((role, start, start + UInt64(needed)))
+            }
         }
-        for output in ranges where plan.outputs.contains(output.role) {
-            for other in ranges
-            where other.role != output.role && other.start < output.end && output.start < other.end {
-                throw FlashAttentionError.invalidArgument(
-                    "\(output.role.name) shares memory with \(other.role.name): an output may not alias another "
-                        + "output or an input")
+        for list in [ranges, hostRanges] {
+            for output in list where plan.outputs.contains(output.role) {
+                for other in list
+                where other.role != output.role && other.start < output.end && output.start < other.end {
+                    throw FlashAttentionError.invalidArgument(
+                        "\(output.role.name) shares memory with \(other.role.name): an output may not alias "
+                            + "another output or an input")
+                }
             }
         }
         let workspace = try makeWorkspace(for: plan)
         try encode(PlanPiece(whole: plan), buffers: buffers.merging(workspace) { app, _ in app },
                    into: commandBuffer)
         // The command buffer may not retain its resources (unretained references): this closure
-        // keeps the workspace alive until it completes.
-        commandBuffer.addCompletedHandler { _ in withExtendedLifetime(workspace) {} }
+        // keeps the workspace alive until it completes. The handler is @Sendable; MTLBuffer need not
+        // be, so the workspace travels in a box that only keeps it alive.
+        let keepAlive = KeepAlive(workspace)
+        commandBuffer.addCompletedHandler { _ in withExtendedLifetime(keepAlive) {} }
     }
 
     /// The plan's workspace roles for the whole problem, in GPU-only memory: MTLDevice
@@ -336,5 +354,12 @@ public final class MetalFlashAttention: @unchecked Sendable {
     private func metalSize(_ size: GridSize) -> MTLSize {
         MTLSize(width: Int(size.width), height: Int(size.height), depth: Int(size.depth))
     }
+}
+
+/// Holds Metal objects until a command buffer's completed handler (a @Sendable closure) has run;
+/// nothing reads them through it.
+private final class KeepAlive: @unchecked Sendable {
+    private let objects: [BufferRole: MTLBuffer]
+    init(_ objects: [BufferRole: MTLBuffer]) { self.objects = objects }
 }
 #endif
