@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Ring attention over MPI: per-step compute and communication time, bytes sent, work per rank.
+
+Run under MPI, one process per rank:
+
+    mpiexec -n 4 python benchmarks/ring_attention.py [--seqlen 4096] [--batch 1] [--heads 8]
+        [--kv-heads 2] [--head-dim 64] [--causal] [--repeats 3] [--backend cpu]
+
+Rank 0 prints, for forward and backward, each step's time per rank (of the repeat with the least
+wall time): compute (attention calls and merges), wait (blocked on transfers after computing: the
+communication the compute did not hide), in flight (posting to completion of the step's transfers)
+and the bytes each rank sent. Then the work per rank: visible (query, key) pairs per (batch, head),
+with the zigzag layout when causal. Times are of whatever runs the ranks: label them with the
+machine (on one machine the ranks share its cores and memory bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import flash_attention_metal as fam
+from flash_attention_metal import distributed as dist
+
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqlen", type=int, default=4096, help="global sequence length")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--backend", default="auto", help="auto, metal or cpu")
+    return parser.parse_args()
+
+
+def _one_pass(comm, context, tensors, causal):
+    """Forward and backward once; returns (forward profile, backward profile, wall seconds)."""
+    q, k, v, dout = tensors
+    forward_profile, backward_profile = [], []
+    comm.Barrier()
+    start = time.perf_counter()
+    out, lse = dist.ring_attention(q, k, v, comm=comm, causal=causal, context=context, profile=forward_profile)
+    middle = time.perf_counter()
+    dist.ring_attention_backward(dout, q, k, v, out, lse, comm=comm, causal=causal, context=context,
+                                 profile=backward_profile)
+    end = time.perf_counter()
+    return forward_profile, backward_profile, (middle - start, end - middle)
+
+
+def _print_table(title: str, profiles, wall_s: float) -> None:
+    """profiles: per rank, a list of StepProfile."""
+    ranks = len(profiles)
+    print(f"\n{title}: {wall_s * 1e3:.1f} ms (slowest rank, from a barrier)")
+    header = "  step " + "".join(f"| rank {r}: compute   wait  flight  sent KiB " for r in range(ranks))
+    print(header)
+    for step in range(len(profiles[0])):
+        cells = "".join(
+            f"|        {p.compute_s * 1e3:7.1f} {p.wait_s * 1e3:6.1f} {p.transfer_s * 1e3:7.1f}"
+            f" {p.bytes_sent / 1024:9.0f} "
+            for p in (profiles[r][step] for r in range(ranks))
+        )
+        print(f"  {step:4d} {cells}")
+    totals = "".join(
+        f"|        {sum(p.compute_s for p in steps) * 1e3:7.1f} {sum(p.wait_s for p in steps) * 1e3:6.1f}"
+        f" {'':7} {sum(p.bytes_sent for p in steps) / 1024:9.0f} "
+        for steps in profiles
+    )
+    print(f"   sum {totals}")
+
+
+def main() -> None:
+    args = _arguments()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    context = fam.Context(args.backend)
+    rng = np.random.default_rng(0)
+    q_shape = (args.batch, args.heads, args.seqlen, args.head_dim)
+    kv_shape = (args.batch, args.kv_heads, args.seqlen, args.head_dim)
+    tensors = [rng.standard_normal(shape).astype(np.float16) for shape in (q_shape, kv_shape, kv_shape, q_shape)]
+    local = [dist.shard_sequence(x, comm=comm, causal=args.causal) for x in tensors]
+    del tensors
+    _one_pass(comm, context, local, args.causal)  # warm-up
+    runs = [_one_pass(comm, context, local, args.causal) for _ in range(args.repeats)]
+    gathered = comm.gather(runs)
+    if rank != 0:
+        return
+    layout = dist.SequenceLayout(args.seqlen, size, args.causal)
+    print(f"ring attention over {size} rank(s) ({MPI.Get_library_version().splitlines()[0].strip()}), "
+          f"{'causal (zigzag)' if args.causal else 'not causal (contiguous)'}, B={args.batch} H={args.heads} "
+          f"H_kv={args.kv_heads} seqlen={args.seqlen} head_dim={args.head_dim}, backend {context.backend}: "
+          f"{context.device}")
+    for phase, name in ((0, "forward"), (1, "backward")):
+        walls = [max(gathered[r][i][2][phase] for r in range(size)) for i in range(args.repeats)]
+        best = int(np.argmin(walls))
+        _print_table(f"{name} (best of {args.repeats})", [gathered[r][best][phase] for r in range(size)], walls[best])
+    work = [dist.rank_work(layout, layout, r) for r in range(size)]
+    shares = ", ".join(f"rank {r} {100 * w / sum(work):.1f} %" for r, w in enumerate(work))
+    print(f"\nwork per rank (visible query-key pairs per batch and head): {shares}; "
+          f"max / mean = {max(work) / np.mean(work):.3f}")
+
+
+if __name__ == "__main__":
+    main()
