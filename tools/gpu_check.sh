@@ -5,15 +5,19 @@
 # synccheck and initcheck on the small grid. Prints one summary line per tool and exits non-zero on
 # any mismatch, error, hazard, crash or timeout. Not part of ./build.sh test: CI has no GPU.
 #
-# Before that, the harness's C++ reference is compared with the Python package's. Two planted
-# faults afterwards show that the checks can fail: the kernels built with every
-# threadgroup_barrier deleted must make racecheck report hazards, and built with exp replaced by
-# exp2 must make the accuracy check report mismatches. A detector that misses its fault fails the
-# run too.
+# Before that, the harness's C++ reference is compared with the Python package's, and
+# tools/gpu/matrix_check.cu runs the CPU engine's SIMD-group matrix test kernels
+# (tests/kernels/matrix.metal) through metal_cuda.h's warp-shuffle emulation. Two planted faults
+# afterwards show that the checks can fail: the kernels built with every threadgroup_barrier
+# deleted must make racecheck report hazards, and built with exp2 replaced by exp (the kernels fold
+# log2(e) into the scale, so exp gives the wrong softmax) must make the accuracy check report
+# mismatches. A detector that misses its fault fails the run too, and so does a planted fault
+# that no longer changes the kernel source.
 #
-# Opt-in, --large: tools/gpu/large_offsets.cu runs forward and backward dQ on q, out, dout and dq
-# of more than 2^32 elements (seqlen_q 2^25 + 5, head_dim 128; about 35 GB of device memory) and
-# checks sampled rows, those past element 2^32 included, against the float64 reference. Its planted
+# Opt-in, --large: tools/gpu/large_offsets.cu runs forward and the backward's delta and dQ
+# dispatches on q, out, dout and dq of more than 2^32 elements (seqlen_q 2^25 + 5, head_dim 128;
+# about 35 GB of device memory) and checks sampled rows, those past element 2^32 included, against
+# the float64 reference. Its planted
 # fault, the kernels built with every ulong replaced by uint (32-bit offsets), must fail it.
 # --large-only builds and runs just that step (and its planted fault).
 #
@@ -64,17 +68,27 @@ echo "gpu_check: $("$NVCC" --version | tail -n 1), arch $ARCH"
 
 FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo -I"$GPU_DIR/include" -I"$GPU_DIR")
 
-# Copies Shaders/ into folder $1 with the one rewrite every build needs: MSL's address-space word
-# `device` becomes `fa_device` (a macro named `device` would break CUDA's own __device__, which
-# expands to __location__(device)). Further sed expressions ($2, optional) plant a fault.
-copy_sources() {
-    local folder=$1 fault=${2:-}
+# Copies the files $3... into folder $1 with the one rewrite every build needs: MSL's
+# address-space word `device` becomes `fa_device` (a macro named `device` would break CUDA's own
+# __device__, which expands to __location__(device)). A further sed expression $2 (may be empty)
+# plants a fault.
+copy_metal() {
+    local folder=$1 fault=$2 source
+    shift 2
     mkdir -p "$folder"
-    local source
-    for source in "$ROOT"/Shaders/*; do
+    for source in "$@"; do
         sed -e 's/\bdevice\b/fa_device/g' ${fault:+-e "$fault"} "$source" \
             >"$folder/$(basename "$source")" || return 1
     done
+}
+# Copies Shaders/ into folder $1, with the fault $2 if given; a fault that changes nothing (the
+# kernels no longer contain what it rewrites) is an error, not a silent pass.
+copy_sources() {
+    copy_metal "$1" "${2:-}" "$ROOT"/Shaders/* || return 1
+    if [ -n "${2:-}" ] && diff -rq "$BUILD/src" "$1" >/dev/null; then
+        echo "gpu_check: the planted fault '$2' changes nothing in Shaders/" >&2
+        return 1
+    fi
 }
 
 # Compiles the kernels of source folder $1 into object $2 (slow: every head-dim bucket, fully
@@ -87,12 +101,19 @@ SECONDS=0
 copy_sources "$BUILD/src" || die "cannot copy Shaders/ into $BUILD/src"
 compile_kernels "$BUILD/src" "$BUILD/kernels.o" &
 build_jobs=("$!")
+if [ "$DEFAULT" = 1 ]; then
+    # The engine's SIMD-group matrix test kernels, for matrix_check.cu.
+    copy_metal "$BUILD/tests" "" "$ROOT/tests/kernels/matrix.metal" || die "cannot copy matrix.metal"
+    "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/matrix_check.cu" -o "$BUILD/matrix_check" \
+        >"$BUILD/matrix_check.o.log" 2>&1 &
+    build_jobs+=("$!")
+fi
 if [ "$DEFAULT" = 1 ] && [ "$MUTANTS" = 1 ]; then
     copy_sources "$BUILD/no-barrier" 's/threadgroup_barrier([^;]*);//g' || die "cannot copy Shaders/"
-    copy_sources "$BUILD/exp2" 's/\bexp(/exp2(/g' || die "cannot copy Shaders/"
+    copy_sources "$BUILD/exp" 's/\bexp2(/exp(/g' || die "cannot copy Shaders/"
     compile_kernels "$BUILD/no-barrier" "$BUILD/kernels-no-barrier.o" &
     build_jobs+=("$!")
-    compile_kernels "$BUILD/exp2" "$BUILD/kernels-exp2.o" &
+    compile_kernels "$BUILD/exp" "$BUILD/kernels-exp.o" &
     build_jobs+=("$!")
 fi
 if [ "$LARGE" = 1 ] && [ "$MUTANTS" = 1 ]; then
@@ -115,7 +136,8 @@ if [ "$DEFAULT" = 1 ]; then
 fi
 [ "$LARGE" = 1 ] && compile_host large_offsets.cu
 for job in "${build_jobs[@]}"; do
-    wait "$job" || { cat "$BUILD"/kernels*.o.log >&2; die "compiling the kernels failed"; }
+    wait "$job" || { cat "$BUILD"/kernels*.o.log "$BUILD"/matrix_check.o.log 2>/dev/null >&2
+                     die "compiling the kernels or matrix_check.cu failed"; }
 done
 link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
     local kernels=$1 executable=$2 unit objects=()
@@ -129,7 +151,7 @@ if [ "$DEFAULT" = 1 ]; then
     link "$BUILD/kernels.o" "$BUILD/harness" harness cases
     if [ "$MUTANTS" = 1 ]; then
         link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases
-        link "$BUILD/kernels-exp2.o" "$BUILD/harness-exp2" harness cases
+        link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases
     fi
 fi
 if [ "$LARGE" = 1 ]; then
@@ -174,6 +196,9 @@ if [ "$DEFAULT" = 1 ]; then
     else
         summaries+=("reference-check: skipped (no python3 with numpy)")
     fi
+
+    # The SIMD-group emulation against the engine's expectations, before the kernels rely on it.
+    run_checked_step cuda-matrix "$BUILD/matrix_check" "$BUILD/matrix.log"
 
     # Accuracy grid: the harness prints its own summary line "cuda-accuracy: N cases, M mismatches".
     run_checked_step cuda-accuracy "$BUILD/harness" "$BUILD/accuracy.log"
@@ -248,16 +273,16 @@ if [ "$DEFAULT" = 1 ]; then
             summaries+=("planted race (no barriers): racecheck MISSED it (${SAN_HAZARDS:-no summary}; see $BUILD/mutant-no-barrier.log)")
             failures=$((failures + 1))
         fi
-        # Planted arithmetic fault: exp -> exp2. The accuracy check must report mismatches.
+        # Planted arithmetic fault: exp2 -> exp. The accuracy check must report mismatches.
         SECONDS=0
-        timeout 120 "$BUILD/harness-exp2" --small --once >"$BUILD/mutant-exp2.log" 2>&1
-        line=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$BUILD/mutant-exp2.log")
+        timeout 120 "$BUILD/harness-exp" --small --once >"$BUILD/mutant-exp.log" 2>&1
+        line=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$BUILD/mutant-exp.log")
         # Counts only when the cases ran and the rule, not a CUDA error, rejected them.
         if [[ "$line" =~ ^([1-9][0-9]*)\ cases,\ ([1-9][0-9]*)\ mismatches$ ]] \
-            && ! grep -q 'CUDA error' "$BUILD/mutant-exp2.log"; then
-            summaries+=("planted fault (exp -> exp2): accuracy check found $line, as it must (${SECONDS}s)")
+            && ! grep -q 'CUDA error' "$BUILD/mutant-exp.log"; then
+            summaries+=("planted fault (exp2 -> exp): accuracy check found $line, as it must (${SECONDS}s)")
         else
-            summaries+=("planted fault (exp -> exp2): accuracy check MISSED it (${line:-no summary}; see $BUILD/mutant-exp2.log)")
+            summaries+=("planted fault (exp2 -> exp): accuracy check MISSED it (${line:-no summary}; see $BUILD/mutant-exp.log)")
             failures=$((failures + 1))
         fi
     fi

@@ -43,8 +43,9 @@ protocol ExecutionBackend: AnyObject {
     var name: StaticString { get }
     /// The device the kernels run on, for users.
     var deviceName: String { get }
-    /// Runs every dispatch of `plan` in order and returns when all have finished. Throws
-    /// `FlashAttentionError` with the device's or engine's message on failure (outputs then hold
-    /// unspecified values; the caller poisons them).
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws
+    /// Runs every dispatch of `plan` in order and returns when all have finished, with what ran
+    /// (one `DispatchProfile` per dispatch of the plan, in order). Throws `FlashAttentionError`
+    /// with the device's or engine's message on failure (outputs then hold unspecified values; the
+    /// caller poisons them).
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile
 }

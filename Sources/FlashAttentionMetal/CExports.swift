@@ -127,3 +127,63 @@ public func _exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<f
         }
     }
 }
+
+/// `struct_size` of a caller's versioned struct must cover the fields this library writes.
+private func checkStructSize<T>(_ pointer: UnsafeMutablePointer<T>, _ name: String, _ type: String) throws {
+    let declared = UnsafeRawPointer(pointer).load(as: UInt32.self)
+    guard Int(declared) >= MemoryLayout<T>.size else {
+        throw FlashAttentionError.invalidArgument(
+            "\(name)->struct_size (\(declared)) must be at least sizeof(\(type)) (\(MemoryLayout<T>.size))")
+    }
+}
+
+/// fa_context_last_profile: see flash_attention_metal.h.
+@_cdecl("fa_context_last_profile")
+public func _exportContextLastProfile(_ handle: OpaquePointer?, _ profile: UnsafeMutablePointer<fa_profile>?)
+    -> fa_status {
+    do {
+        let ctx = try context(handle)
+        let out = try required(profile, "profile")
+        try checkStructSize(out, "profile", "fa_profile")
+        let last = ctx.lastProfile
+        out.pointee.dispatch_count = UInt32(last?.dispatches.count ?? 0)
+        out.pointee.seconds = last?.seconds ?? 0
+        return FA_STATUS_SUCCESS
+    } catch {
+        return report(error)
+    }
+}
+
+/// fa_context_last_profile_dispatch: see flash_attention_metal.h.
+@_cdecl("fa_context_last_profile_dispatch")
+public func _exportContextLastProfileDispatch(_ handle: OpaquePointer?, _ index: UInt32,
+                                              _ dispatch: UnsafeMutablePointer<fa_dispatch_profile>?) -> fa_status {
+    do {
+        let ctx = try context(handle)
+        let out = try required(dispatch, "dispatch")
+        try checkStructSize(out, "dispatch", "fa_dispatch_profile")
+        let dispatches = ctx.lastProfile?.dispatches ?? []
+        guard Int(index) < dispatches.count else {
+            throw FlashAttentionError.invalidArgument(
+                "index (\(index)) must be less than the last profile's dispatch_count (\(dispatches.count))")
+        }
+        let d = dispatches[Int(index)]
+        out.pointee.threadgroups_per_grid = (UInt32(d.threadgroupsPerGrid.width), UInt32(d.threadgroupsPerGrid.height),
+                                             UInt32(d.threadgroupsPerGrid.depth))
+        out.pointee.threads_per_threadgroup = (UInt32(d.threadsPerThreadgroup.width),
+                                               UInt32(d.threadsPerThreadgroup.height),
+                                               UInt32(d.threadsPerThreadgroup.depth))
+        out.pointee.threadgroup_memory_length = UInt32(clamping: d.threadgroupMemoryLength)
+        out.pointee.simdgroup_multiply_accumulates = d.simdgroupMultiplyAccumulates ?? .max
+        out.pointee.threadgroup_barriers = d.threadgroupBarriers ?? .max
+        out.pointee.seconds = d.seconds ?? .nan
+        withUnsafeMutableBytes(of: &out.pointee.kernel_name) { name in
+            let utf8 = Array(d.kernelName.utf8.prefix(name.count - 1))
+            name.copyBytes(from: utf8)
+            name[utf8.count] = 0
+        }
+        return FA_STATUS_SUCCESS
+    } catch {
+        return report(error)
+    }
+}

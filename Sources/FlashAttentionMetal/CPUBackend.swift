@@ -23,7 +23,7 @@ final class CPUBackend: ExecutionBackend {
         deviceName = "CPU engine (MSL on \(msl_engine_worker_count()) worker threads)"
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
         var buffers = buffers
         var workspace: [UnsafeMutableRawPointer] = []
         defer { workspace.forEach { free($0) } }
@@ -35,9 +35,24 @@ final class CPUBackend: ExecutionBackend {
             workspace.append(memory)
             buffers[role] = UnsafeMutableRawBufferPointer(start: memory, count: bytes)
         }
+        var profile = Profile(seconds: 0, dispatches: [])
         for dispatch in plan.dispatches {
             try run(dispatch, buffers: buffers)
+            profile.dispatches.append(Self.lastDispatchProfile(dispatch))
+            profile.seconds += profile.dispatches.last?.seconds ?? 0
         }
+        return profile
+    }
+
+    /// What the engine reports for the calling thread's last dispatch, which ran `dispatch`.
+    private static func lastDispatchProfile(_ dispatch: Dispatch) -> DispatchProfile {
+        var stats = msl_engine_dispatch_stats()
+        msl_engine_last_dispatch_stats(&stats)
+        var info = msl_engine_kernel_info()
+        let memory = msl_engine_describe_kernel(dispatch.kernelName, &info) != 0 ? info.threadgroup_memory_length : 0
+        return DispatchProfile(dispatch, threadgroupMemoryLength: memory,
+                               simdgroupMultiplyAccumulates: stats.simdgroup_multiply_accumulates,
+                               threadgroupBarriers: stats.threadgroup_barriers, seconds: stats.seconds)
     }
 
     private func run(_ dispatch: Dispatch, buffers: HostBuffers) throws {

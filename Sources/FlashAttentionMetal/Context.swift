@@ -59,15 +59,21 @@ final class Context {
         #endif
     }
 
-    /// Runs `plan`; on failure poisons its outputs and rethrows.
+    /// Runs `plan` and keeps its profile as the calling thread's last one on this context; on
+    /// failure poisons its outputs and rethrows (the last profile stays that of the last success).
     func run(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+        let profile: Profile
         do {
-            try backend.execute(plan, buffers: buffers)
+            profile = try backend.execute(plan, buffers: buffers)
         } catch {
             buffers.poisonOutputs(of: plan)
             throw error
         }
+        ProfileStore.record(profile, for: self)
     }
+
+    /// The profile of the calling thread's last successful call on this context; nil before one.
+    var lastProfile: Profile? { ProfileStore.last(for: self) }
 }
 
 /// Runs `body` inside an autorelease pool where Objective-C exists: Metal objects are autoreleased,

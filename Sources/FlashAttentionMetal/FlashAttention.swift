@@ -24,6 +24,15 @@ public final class FlashAttention: @unchecked Sendable {
     /// The Metal device name, or a description of the CPU engine.
     public var deviceName: String { context.backend.deviceName }
 
+    /// The profile of the calling thread's last successful ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)``
+    /// or ``backward(dout:q:k:v:out:lse:dq:dk:dv:shape:causal:softmaxScale:)`` on this instance:
+    /// its kernels in dispatch order with their grids, threadgroup sizes and static threadgroup
+    /// memory, and the time they took (Metal: GPU time from the command buffers' `gpuStartTime`
+    /// and `gpuEndTime`; CPU engine: the engine's wall time, plus per kernel the 8x8x8 SIMD-group
+    /// matrix products and threadgroup barriers it executed). nil before the first successful call
+    /// on this thread; a failed call leaves it unchanged. Each thread sees only its own calls.
+    public var lastProfile: Profile? { context.lastProfile }
+
     /// Forward pass into caller-owned memory: `out` (float16 bit patterns, like `q`) and `lse`
     /// (float32, `[batch][numHeads][seqlenQ]`).
     /// - Parameters:

@@ -10,11 +10,12 @@ The module functions run on a default Context created on first use; ``$FLASH_ATT
 
 from __future__ import annotations
 
-from . import _validation, accuracy, reference
+from . import _default, _validation, accuracy, reference
 from ._default import BACKEND_ENV, default_backend, default_context
 from ._native import LIBRARY_ENV
 from .context import BACKENDS, Context
 from .errors import FlashAttentionError
+from .profile import DispatchProfile, Profile
 
 __version__ = "0.1.0"
 
@@ -43,17 +44,27 @@ def attention(q, k, v, *, causal=False, softmax_scale=None):
     return default_context().attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
 
 
+def last_profile():
+    """``Context.last_profile`` of the default context: the profile of the calling thread's last
+    successful module-level ``forward``/``backward``/``attention`` call, or None before one."""
+    context = _default.existing_default_context()
+    return None if context is None else context.last_profile
+
+
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
     "LIBRARY_ENV",
     "Context",
+    "DispatchProfile",
     "FlashAttentionError",
+    "Profile",
     "accuracy",
     "attention",
     "backward",
     "default_backend",
     "default_context",
     "forward",
+    "last_profile",
     "reference",
 ]

@@ -30,3 +30,9 @@ def default_context() -> Context:
         if _context is None:
             _context = Context(default_backend())
         return _context
+
+
+def existing_default_context() -> Context | None:
+    """The process-wide Context if it has been created, else None (creates nothing)."""
+    with _lock:
+        return _context

@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _validation
 from ._native import NativeLibrary, native
+from .profile import Profile, last_profile
 
 BACKENDS = ("auto", "metal", "cpu")
 
@@ -73,6 +74,15 @@ class Context:
     def max_head_dim(self) -> int:
         """Largest head_dim the kernels support (``fa_max_head_dim()``)."""
         return int(self._native.lib.fa_max_head_dim())
+
+    @property
+    def last_profile(self) -> Profile | None:
+        """The profile of the calling thread's last successful ``forward``/``backward`` on this
+        context (each thread sees its own calls), or None before one; a failed call leaves it
+        unchanged. See ``flash_attention_metal.profile.Profile``: ``seconds`` (Metal: GPU time;
+        CPU engine: wall time) and one record per dispatched kernel (name, grid, threads,
+        threadgroup memory, and on the CPU engine its SIMD-group matrix products and barriers)."""
+        return last_profile(self._native, self._handle)
 
     @property
     def library_path(self) -> str:

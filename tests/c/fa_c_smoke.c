@@ -1,7 +1,8 @@
 /* Reuse from a non-Swift app: this program is compiled against flash_attention_metal.h and linked to
  * the built libFlashAttentionMetal. It runs forward and backward on the CPU backend (a small causal
  * GQA problem), checks the outputs are finite and that a query seeing one key copies that key's
- * value row, and checks one error path (its status and message). Exit status 0 on success. */
+ * value row, reads and prints the profile of each pass, and checks one error path (its status and
+ * message). Exit status 0 on success. */
 #include "flash_attention_metal.h"
 
 #include <math.h>
@@ -52,6 +53,41 @@ static void fill(uint16_t *x, size_t n, unsigned seed) {
     }
 }
 
+/* Reads the calling thread's last profile on ctx, prints it, and checks it describes at least
+ * `min_dispatches` kernels whose names start with `prefix`, measured by the CPU engine (counters
+ * present, barriers executed, times that add up). */
+static void check_profile(fa_context *ctx, uint32_t min_dispatches, const char *prefix) {
+    fa_profile profile = {sizeof(fa_profile), 0, 0.0};
+    check(fa_context_last_profile(ctx, &profile) == FA_STATUS_SUCCESS, fa_last_error_message());
+    check(profile.dispatch_count >= min_dispatches, "profile: number of dispatches");
+    check(profile.seconds > 0, "profile: seconds > 0");
+    double sum = 0;
+    uint64_t barriers = 0;
+    for (uint32_t i = 0; i < profile.dispatch_count; i++) {
+        fa_dispatch_profile d;
+        memset(&d, 0, sizeof d);
+        d.struct_size = sizeof d;
+        check(fa_context_last_profile_dispatch(ctx, i, &d) == FA_STATUS_SUCCESS, fa_last_error_message());
+        printf("  %-34s grid %u x %u x %u, %u threads, %u B threadgroup memory, %llu MMAs, %llu barriers, "
+               "%.6f s\n", d.kernel_name, d.threadgroups_per_grid[0], d.threadgroups_per_grid[1],
+               d.threadgroups_per_grid[2], d.threads_per_threadgroup[0], d.threadgroup_memory_length,
+               (unsigned long long)d.simdgroup_multiply_accumulates, (unsigned long long)d.threadgroup_barriers,
+               d.seconds);
+        check(strncmp(d.kernel_name, prefix, strlen(prefix)) == 0, "profile: kernel name");
+        check(d.threadgroups_per_grid[0] >= 1 && d.threads_per_threadgroup[0] >= 1, "profile: sizes");
+        check(d.simdgroup_multiply_accumulates != UINT64_MAX && d.threadgroup_barriers != UINT64_MAX,
+              "profile: the CPU engine measures its counters");
+        sum += d.seconds;
+        barriers += d.threadgroup_barriers;
+    }
+    check(barriers > 0, "profile: barriers executed");
+    check(fabs(sum - profile.seconds) <= 1e-9 * profile.seconds, "profile: seconds is the sum of the dispatches'");
+    fa_dispatch_profile past = {0};
+    past.struct_size = sizeof past;
+    check(fa_context_last_profile_dispatch(ctx, profile.dispatch_count, &past) == FA_STATUS_INVALID_ARGUMENT,
+          "profile: an index past the dispatches is an invalid argument");
+}
+
 int main(void) {
     static uint16_t q[B * H * NQ * D], k[B * HKV * NK * D], v[B * HKV * NK * D], out[B * H * NQ * D];
     static uint16_t dout[B * H * NQ * D], dq[B * H * NQ * D], dk[B * HKV * NK * D], dv[B * HKV * NK * D];
@@ -77,6 +113,8 @@ int main(void) {
     int lse_finite = 1;
     for (size_t i = 0; i < sizeof lse / 4; i++) lse_finite &= isfinite(lse[i]) != 0;
     check(lse_finite, "lse finite (NK >= NQ: every row sees a key)");
+    printf("forward profile:\n");
+    check_profile(ctx, 1, "flash_attention_forward_");
 
     /* Causal with seqlen_q 1 sees every key; with one key, out equals that value row. */
     fa_problem one = {sizeof(fa_problem), 1, 1, 1, 1, 1, D, 1, 0.25f};
@@ -90,6 +128,8 @@ int main(void) {
     check_finite(dq, sizeof dq / 2, "dq");
     check_finite(dk, sizeof dk / 2, "dk");
     check_finite(dv, sizeof dv / 2, "dv");
+    printf("backward profile:\n");
+    check_profile(ctx, 2, "flash_attention_backward_"); /* dQ and dK/dV kernels, at least */
 
     fa_problem bad = problem;
     bad.num_heads = 3;

@@ -3,6 +3,7 @@
 #include "msl_kernel_registry.hpp"
 
 #include "barrier.metal"
+#include "counters.metal"
 #include "limits.metal"
 #include "matrix.metal"
 #include "planted_out_of_bounds.metal"
@@ -35,6 +36,11 @@ void run_divergent_loop_barrier(const kernel_args &a, const builtins &t) {
 }
 void run_barrier_storm(const kernel_args &a, const builtins &t) {
     barrier_storm(a.buffer<uint>(0), a.constant_ref<const uint>(1), t.thread_index_in_threadgroup);
+}
+void run_counted_matrix_work(const kernel_args &a, const builtins &t) {
+    counted_matrix_work(a.buffer<float>(0), a.constant_ref<const uint>(1),
+                        t.thread_index_in_threadgroup, t.threadgroup_position_in_grid,
+                        t.threadgroups_per_grid, t.threads_per_threadgroup);
 }
 void run_simd_functions(const kernel_args &a, const builtins &t) {
     simd_functions(a.buffer<uint>(0), t.thread_index_in_threadgroup, t.thread_index_in_simdgroup,
@@ -103,6 +109,7 @@ const msl_engine::kernel_entry kTestKernels[] = {
     TEST_KERNEL(divergent_barrier_sites, 1, 0, "barrier.metal", 54),
     TEST_KERNEL(divergent_loop_barrier, 2, 0, "barrier.metal", 66),
     TEST_KERNEL(barrier_storm, 2, 0, "barrier.metal", 83),
+    TEST_KERNEL(counted_matrix_work, 2, 0, "counters.metal", 11),
     TEST_KERNEL(simd_functions, 1, 0, "simd.metal", 8),
     TEST_KERNEL(simd_partial, 1, 0, "simd.metal", 32),
     TEST_KERNEL(simd_partial_shuffle_down, 1, 0, "simd.metal", 49),

@@ -82,6 +82,12 @@ std::vector<TestCase> full_grid() {
     cases.push_back(make_case(72, 2, 6, 3, 31, 31, true, 0.5f));
     cases.push_back(make_case(64, 1, 2, 2, 63, 65, false, -0.3f));
     cases.push_back(make_case(32, 2, 4, 2, 130, 97, true, 2.0f));
+    // Short queries that the split-KV forward also runs: GQA rows packed per KV head across heads,
+    // a row block spanning heads, two row blocks, causal rows seeing different numbers of keys.
+    cases.push_back(make_case(64, 2, 8, 2, 3, 300, true));
+    cases.push_back(make_case(128, 1, 4, 1, 8, 200, false));
+    cases.push_back(make_case(256, 1, 6, 2, 5, 90, true));
+    cases.push_back(make_case(32, 1, 16, 2, 7, 150, true));
     return cases;
 }
 
@@ -99,6 +105,7 @@ std::vector<TestCase> small_grid() {
         make_case(192, 1, 4, 4, 50, 20, true),   make_case(200, 1, 2, 1, 70, 45, true),
         make_case(200, 2, 2, 2, 1, 100, true),   make_case(256, 2, 2, 2, 45, 70, true),
         make_case(256, 1, 4, 1, 100, 33, true),  make_case(256, 2, 2, 2, 17, 17, false),
+        make_case(64, 1, 8, 2, 3, 100, true),    make_case(256, 1, 6, 2, 5, 90, true),
     };
 }
 

@@ -1,15 +1,18 @@
 // CUDA accuracy harness for the kernels of Shaders/flash_attention.metal (see kernels.cu).
 //
 // For every case of the grid (cases.cpp): seeded float16 inputs, forward then backward on the GPU
-// (backward takes the out and lse the forward returned), compared with the float64 reference
-// under the accuracy rule with the float16 baseline (reference.cpp, accuracy.cpp); rows that see
-// no key must give out 0, lse -inf and dq 0; a second run with differently poisoned output buffers
-// must be bit-identical (determinism, and no output element left unwritten).
+// (three dispatches: delta, dQ, dK/dV, on the out and lse the forward returned), and for short
+// queries (at most FA_SPLIT_MAX_QUERY_ROWS rows) the split-KV forward as well, compared with the
+// float64 reference under the accuracy rule with the float16 baseline (reference.cpp,
+// accuracy.cpp); rows that see no key must give out 0, lse -inf and dq 0; a second run with
+// differently poisoned output buffers must be bit-identical (determinism, and no output element
+// left unwritten).
 //
 // Usage: harness [--small] [--case SUBSTRING] [--once] [--bench] [--help]
-//   --small   the 24-case sanitizer grid instead of the full one
+//   --small   the 26-case sanitizer grid instead of the full one
 //   --case S  only cases whose name contains S (e.g. d40_, causal, h8x2)
-//   --once    one GPU run per case (no determinism rerun; for the slow sanitizer tools)
+//   --once    one GPU run per case (no determinism rerun; for the slow sanitizer tools), the
+//             workspaces (delta, split-KV partials) not poisoned (for initcheck)
 //   --bench   instead of the grid, time forward and backward on larger shapes (no checks)
 // Prints one line per case and "cuda-accuracy: N cases, M mismatches"; exits 1 on any mismatch or
 // CUDA error, 2 on bad arguments.
@@ -36,13 +39,18 @@ struct Options {
     std::string filter;
 };
 
+// split_out and split_lse: the split-KV forward's results, empty when the case does not take it.
 struct GpuResult {
-    std::vector<uint16_t> out, dq, dk, dv;
-    std::vector<float> lse;
+    std::vector<uint16_t> out, dq, dk, dv, split_out;
+    std::vector<float> lse, split_lse;
 
     bool operator==(const GpuResult &o) const {
         return out == o.out && dq == o.dq && dk == o.dk && dv == o.dv &&
-               std::memcmp(lse.data(), o.lse.data(), lse.size() * sizeof(float)) == 0;
+               split_out == o.split_out && same_bits(lse, o.lse) &&
+               same_bits(split_lse, o.split_lse);
+    }
+    static bool same_bits(const std::vector<float> &a, const std::vector<float> &b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
     }
 };
 
@@ -56,15 +64,35 @@ FlashAttentionParams params_of(const AttentionShape &s) {
     p.head_dim = fa_u32(s.head_dim);
     p.causal = s.causal ? 1u : 0u;
     p.softmax_scale = s.softmax_scale;
+    p.kv_chunks = 1;  // the dense kernels' values, as the Metal plan sets them
+    p.kv_chunk_keys = p.seqlen_k;
     return p;
 }
 
-// Forward, then backward on the forward's out and lse, with outputs pre-filled with `poison`.
-GpuResult run_on_gpu(const AttentionShape &s, const AttentionInputs &in, unsigned char poison) {
+// Chunks the harness splits the keys into for the split-KV forward: at least two and, on most
+// shapes, a shorter last one.
+constexpr unsigned kSplitChunks = 3;
+
+// The parameters of the split-KV forward when the Metal plan could take it for this shape (at
+// most FA_SPLIT_MAX_QUERY_ROWS query rows) and the keys make at least two chunks; false otherwise.
+bool split_params(const FlashAttentionParams &dense, FlashAttentionParams *split) {
+    *split = dense;
+    return dense.seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS && fa_cuda_split_keys(split, kSplitChunks) &&
+           split->kv_chunks >= 2;
+}
+
+// Forward, then backward (delta, dQ, dK/dV) on the forward's out and lse, with outputs pre-filled
+// with `poison`; then, for a short query (split_params), the split-KV forward into outputs of its
+// own. The workspaces (delta, partial_out, partial_lse) get the poison too when `poison_workspace`
+// (a kernel reading an element that no kernel wrote then fails the rule); without it, they stay
+// as cudaMalloc returns them, so that initcheck reports such a read.
+GpuResult run_on_gpu(const AttentionShape &s, const AttentionInputs &in, unsigned char poison,
+                     bool poison_workspace) {
+    const FlashAttentionParams p = params_of(s);
     DeviceArray<uint16_t> q(s.q_elements()), k(s.kv_elements()), v(s.kv_elements()),
         dout(s.q_elements()), out(s.q_elements()), dq(s.q_elements()), dk(s.kv_elements()),
         dv(s.kv_elements());
-    DeviceArray<float> lse(s.lse_elements());
+    DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p));
     q.upload(in.q);
     k.upload(in.k);
     v.upload(in.v);
@@ -74,14 +102,35 @@ GpuResult run_on_gpu(const AttentionShape &s, const AttentionInputs &in, unsigne
     dq.fill_bytes(poison);
     dk.fill_bytes(poison);
     dv.fill_bytes(poison);
-    const FlashAttentionParams p = params_of(s);
+    if (poison_workspace) {
+        delta.fill_bytes(poison);
+    }
     check(fa_cuda_forward(p, q.get(), k.get(), v.get(), out.get(), lse.get()), "forward launch");
     check(cudaDeviceSynchronize(), "forward");
-    check(fa_cuda_backward(p, dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(), dq.get(),
-                           dk.get(), dv.get()),
+    check(fa_cuda_backward(p, dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(),
+                           delta.get(), dq.get(), dk.get(), dv.get()),
           "backward launch");
     check(cudaDeviceSynchronize(), "backward");
-    return GpuResult{out.download(), dq.download(), dk.download(), dv.download(), lse.download()};
+    GpuResult result{out.download(), dq.download(), dk.download(), dv.download(), {},
+                     lse.download(), {}};
+    FlashAttentionParams sp;
+    if (split_params(p, &sp)) {
+        const size_t partials = s.lse_elements() * sp.kv_chunks;
+        DeviceArray<float> partial_out(partials * s.head_dim), partial_lse(partials);
+        if (poison_workspace) {
+            partial_out.fill_bytes(poison);
+            partial_lse.fill_bytes(poison);
+        }
+        out.fill_bytes(poison);
+        lse.fill_bytes(poison);
+        check(fa_cuda_forward_split(sp, q.get(), k.get(), v.get(), out.get(), lse.get(),
+                                    partial_out.get(), partial_lse.get()),
+              "split forward launch");
+        check(cudaDeviceSynchronize(), "split forward");
+        result.split_out = out.download();
+        result.split_lse = lse.download();
+    }
+    return result;
 }
 
 // The closest any case came to the bounds of the rule: the largest ratio error / base error for
@@ -91,11 +140,12 @@ struct Margins {
     std::string out_case, grad_case, lse_case;
 
     void add(const std::string &name, const Metric &m) {
-        if (m.name == "lse") {
+        const bool is_out = m.name.rfind("out", 0) == 0;  // out and out(split)
+        if (m.name.rfind("lse", 0) == 0) {
             keep(m.error, name, &lse_error, &lse_case);
         } else if (m.base_error > 0) {
-            keep(m.error / m.base_error, name, m.name == "out" ? &out_ratio : &grad_ratio,
-                 m.name == "out" ? &out_case : &grad_case);
+            keep(m.error / m.base_error, name, is_out ? &out_ratio : &grad_ratio,
+                 is_out ? &out_case : &grad_case);
         }
     }
     static void keep(double value, const std::string &name, double *worst, std::string *where) {
@@ -109,11 +159,12 @@ struct Margins {
 // Runs and judges one case; prints its line, records its margins and returns whether it passed.
 bool run_case(const TestCase &c, const Options &options, Margins *margins) {
     const AttentionInputs in = random_inputs(c);
-    const GpuResult gpu = run_on_gpu(c.shape, in, 0xff);
-    const bool deterministic = !options.repeat || run_on_gpu(c.shape, in, 0x7f) == gpu;
+    // --once is the sanitizer run: workspaces stay unwritten for initcheck (see run_on_gpu).
+    const GpuResult gpu = run_on_gpu(c.shape, in, 0xff, options.repeat);
+    const bool deterministic = !options.repeat || run_on_gpu(c.shape, in, 0x7f, true) == gpu;
     const ReferenceResult ref = reference_attention(c.shape, in);
     const BaseResult base = base_attention(c.shape, in);
-    const std::vector<Metric> metrics = {
+    std::vector<Metric> metrics = {
         tensor_metric("out", gpu.out, base.out, ref.out, kOutFactor),
         lse_metric(gpu.lse, ref.lse),
         tensor_metric("dq", gpu.dq, base.dq, ref.dq, kGradFactor),
@@ -121,15 +172,24 @@ bool run_case(const TestCase &c, const Options &options, Margins *margins) {
         tensor_metric("dv", gpu.dv, base.dv, ref.dv, kGradFactor),
     };
     int empty_rows = 0;
-    const bool empty_ok = empty_rows_correct(c.shape, gpu.out, gpu.lse, gpu.dq, &empty_rows);
+    bool empty_ok = empty_rows_correct(c.shape, gpu.out, gpu.lse, gpu.dq, &empty_rows);
+    if (!gpu.split_out.empty()) {
+        metrics.push_back(tensor_metric("out(split)", gpu.split_out, base.out, ref.out, kOutFactor));
+        metrics.push_back(lse_metric(gpu.split_lse, ref.lse));
+        metrics.back().name = "lse(split)";
+        int split_empty_rows = 0;
+        empty_ok = empty_ok && empty_rows_correct(c.shape, gpu.split_out, gpu.split_lse, gpu.dq,
+                                                  &split_empty_rows);
+    }
     bool passed = empty_ok && deterministic;
     std::string detail;
     char text[160];
     for (const Metric &m : metrics) {
         passed = passed && m.passed();
         margins->add(c.name, m);
-        if (m.name == "lse") {
-            std::snprintf(text, sizeof text, " lse %.1e%s", m.error, m.passed() ? "" : "(FAIL)");
+        if (m.name.rfind("lse", 0) == 0) {
+            std::snprintf(text, sizeof text, " %s %.1e%s", m.name.c_str(), m.error,
+                          m.passed() ? "" : "(FAIL)");
         } else {
             // error / base error, and the ratio the rule bounds (2 for out, 3 for gradients).
             std::snprintf(text, sizeof text, " %s %.2e/%.2e=%.2f%s", m.name.c_str(), m.error,
@@ -164,12 +224,12 @@ void run_bench() {
         DeviceArray<uint16_t> q(s.q_elements()), k(s.kv_elements()), v(s.kv_elements()),
             dout(s.q_elements()), out(s.q_elements()), dq(s.q_elements()), dk(s.kv_elements()),
             dv(s.kv_elements());
-        DeviceArray<float> lse(s.lse_elements());
+        const FlashAttentionParams p = params_of(s);
+        DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p));
         // Bytes 0x20 make every half 0x2020, about 0.008: finite inputs, which is all timing needs.
         for (DeviceArray<uint16_t> *a : {&q, &k, &v, &dout}) {
             a->fill_bytes(0x20);
         }
-        const FlashAttentionParams p = params_of(s);
         float times[2][5];
         for (int rep = -1; rep < 5; ++rep) {
             for (int pass = 0; pass < 2; ++pass) {
@@ -179,7 +239,7 @@ void run_bench() {
                           "forward launch");
                 } else {
                     check(fa_cuda_backward(p, dout.get(), q.get(), k.get(), v.get(), out.get(),
-                                           lse.get(), dq.get(), dk.get(), dv.get()),
+                                           lse.get(), delta.get(), dq.get(), dk.get(), dv.get()),
                           "backward launch");
                 }
                 check(cudaEventRecord(stop), "cudaEventRecord");
@@ -221,9 +281,9 @@ bool parse(int argc, char **argv, Options *options) {
             options->filter = argv[++i];
         } else if (arg == "--help") {
             std::printf("usage: harness [--small] [--case SUBSTRING] [--once] [--bench]\n"
-                        "  --small   the 24-case sanitizer grid instead of the full one\n"
+                        "  --small   the 26-case sanitizer grid instead of the full one\n"
                         "  --case S  only cases whose name contains S\n"
-                        "  --once    no determinism rerun\n"
+                        "  --once    no determinism rerun, workspaces not poisoned\n"
                         "  --bench   time larger shapes instead of checking\n");
             std::exit(0);
         } else {

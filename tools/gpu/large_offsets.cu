@@ -8,10 +8,11 @@
 // 8.6 GB each as float16 (34.4 GB of device memory in all).
 //
 // q and dout are filled on the device by a hash of the 64-bit element index (so two rows 2^25
-// apart differ), k and v on the host. out, lse and dq are poisoned with NaN before the run, so a
-// row a kernel never writes fails. Forward, then backward dQ on the forward's out and lse. dK/dV
-// is not run: each key's gradient sums over all 33.5 M query rows, so its reference would need
-// every row on the host, and a single 16-thread threadgroup would walk all of q.
+// apart differ), k and v on the host. out, lse, the delta workspace and dq are poisoned with NaN
+// before the run, so a row a kernel never writes fails. Forward, then the backward's delta and dQ
+// dispatches on the forward's out and lse. dK/dV is not run: each key's gradient sums over all
+// 33.5 M query rows, so its reference would need every row on the host, and the one threadgroup
+// that owns the 16 keys would walk all of q.
 //
 // Only sampled rows come back to the host: rows 0..3; around 2^30 and 2^31 elements (32-bit byte
 // and signed-int boundaries); 2^25 - 2 .. 2^25 + 4 around the 2^32-element boundary (the last
@@ -136,7 +137,8 @@ int run(int *rows_checked) {
     check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties");
     size_t free_bytes = 0, total_bytes = 0;
     check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
-    const size_t needed = 4 * kQElements * sizeof(uint16_t) + size_t(kSeqlenQ) * sizeof(float);
+    // q, dout, out, dq; lse and delta.
+    const size_t needed = 4 * kQElements * sizeof(uint16_t) + 2 * size_t(kSeqlenQ) * sizeof(float);
     std::printf("device: %s (sm_%d%d), %.1f GB free; needs %.1f GB\n", prop.name, prop.major,
                 prop.minor, free_bytes / 1e9, needed / 1e9);
     if (free_bytes < needed) {
@@ -154,10 +156,12 @@ int run(int *rows_checked) {
     p.head_dim = kHeadDim;
     p.causal = 0;
     p.softmax_scale = shape.softmax_scale;
+    p.kv_chunks = 1;  // dense kernels
+    p.kv_chunk_keys = kSeqlenK;
 
     DeviceArray<uint16_t> q(kQElements), dout(kQElements), out(kQElements), dq(kQElements),
         k(kKvElements), v(kKvElements);
-    DeviceArray<float> lse(kSeqlenQ);
+    DeviceArray<float> lse(kSeqlenQ), delta(fa_cuda_delta_elements(p));
     const std::vector<uint16_t> k_host = host_values(kKvElements, kKSeed),
                                 v_host = host_values(kKvElements, kVSeed);
     k.upload(k_host);
@@ -169,16 +173,24 @@ int run(int *rows_checked) {
     out.fill_bytes(0xff);
     dq.fill_bytes(0xff);
     lse.fill_bytes(0xff);
+    delta.fill_bytes(0xff);
     check(cudaDeviceSynchronize(), "fill");
-    std::printf("filled q and dout, poisoned out, lse and dq: %.2f s\n", seconds_since(start));
+    std::printf("filled q and dout, poisoned out, lse, delta and dq: %.2f s\n",
+                seconds_since(start));
 
     start = std::chrono::steady_clock::now();
     check(fa_cuda_forward(p, q.get(), k.get(), v.get(), out.get(), lse.get()), "forward launch");
     check(cudaDeviceSynchronize(), "forward");
     std::printf("forward: %.2f s\n", seconds_since(start));
     start = std::chrono::steady_clock::now();
+    check(fa_cuda_backward_delta(p, dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(),
+                                 delta.get()),
+          "backward delta launch");
+    check(cudaDeviceSynchronize(), "backward delta");
+    std::printf("backward delta: %.2f s\n", seconds_since(start));
+    start = std::chrono::steady_clock::now();
     check(fa_cuda_backward_dq(p, dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(),
-                              dq.get()),
+                              delta.get(), dq.get()),
           "backward dq launch");
     check(cudaDeviceSynchronize(), "backward dq");
     std::printf("backward dq: %.2f s\n", seconds_since(start));

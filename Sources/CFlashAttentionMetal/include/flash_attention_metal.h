@@ -107,6 +107,54 @@ fa_status fa_backward(fa_context *context, const fa_problem *problem,
                       const uint16_t *out, const float *lse,
                       uint16_t *dq, uint16_t *dk, uint16_t *dv);
 
+/* Profiling. A context keeps, for each thread, the profile of that thread's last successful
+ * fa_forward or fa_backward on it: the kernels it dispatched, in order, and the time they took.
+ * A failed call leaves the previous profile in place. Read it on the thread that made the call:
+ * fa_context_last_profile gives the time and the number of dispatches, then
+ * fa_context_last_profile_dispatch reads dispatch 0 ... dispatch_count - 1 (the two agree as long
+ * as the thread makes no call on the context in between). */
+
+/* The time of the last call. Set struct_size to sizeof(fa_profile) so the ABI can grow; the
+ * library fills the fields it knows and leaves struct_size as it is. */
+typedef struct fa_profile {
+    uint32_t struct_size;
+    uint32_t dispatch_count; /* kernels the call dispatched; 0 when this thread has no successful
+                                call on the context yet (then seconds is 0) */
+    double seconds;          /* Metal: GPU time of the call's command buffers, gpuEndTime -
+                                gpuStartTime summed over them. CPU engine: the engine's wall time
+                                of the call's dispatches, summed. */
+} fa_profile;
+
+/* One dispatched kernel of the last call. Set struct_size to sizeof(fa_dispatch_profile).
+ * Counters the backend cannot measure are UINT64_MAX (Metal: both counters) and times it cannot
+ * measure are NaN (Metal: per-dispatch seconds; only the call's total is timed). */
+typedef struct fa_dispatch_profile {
+    uint32_t struct_size;
+    uint32_t threadgroups_per_grid[3];      /* x, y, z, as in dispatchThreadgroups */
+    uint32_t threads_per_threadgroup[3];    /* x, y, z */
+    uint32_t threadgroup_memory_length;     /* bytes of static threadgroup memory: Metal, the
+                                               pipeline's staticThreadgroupMemoryLength; CPU
+                                               engine, the kernel's threadgroup storage */
+    uint64_t simdgroup_multiply_accumulates; /* 8x8x8 simdgroup_multiply_accumulate and
+                                                simdgroup_multiply products executed, one per
+                                                SIMD-group call (CPU engine; UINT64_MAX on Metal) */
+    uint64_t threadgroup_barriers;           /* threadgroup barriers executed, one per threadgroup
+                                                and barrier (CPU engine; UINT64_MAX on Metal) */
+    double seconds;                          /* wall time of this dispatch (CPU engine; NaN on
+                                                Metal) */
+    char kernel_name[64];                    /* NUL-terminated, e.g. "flash_attention_forward_d64" */
+} fa_dispatch_profile;
+
+/* Fills *profile with the calling thread's last profile on context (see above).
+ * Errors: INVALID_ARGUMENT (null context or profile, struct_size below sizeof(fa_profile)). */
+fa_status fa_context_last_profile(const fa_context *context, fa_profile *profile);
+
+/* Fills *dispatch with dispatch `index` (0-based, in dispatch order) of the calling thread's last
+ * profile on context. Errors: INVALID_ARGUMENT (null context or dispatch, struct_size below
+ * sizeof(fa_dispatch_profile), index not below the profile's dispatch_count). */
+fa_status fa_context_last_profile_dispatch(const fa_context *context, uint32_t index,
+                                           fa_dispatch_profile *dispatch);
+
 /* FA_CDEF_END */
 
 #ifdef __cplusplus

@@ -69,9 +69,12 @@ public final class MetalFlashAttention: @unchecked Sendable {
                    into: commandBuffer)
     }
 
-    /// Encodes every dispatch of `plan` in one compute encoder. All checks run before the encoder
-    /// exists, so a failure leaves the command buffer untouched.
-    func encode(_ plan: DispatchPlan, buffers: [BufferRole: MTLBuffer], into commandBuffer: MTLCommandBuffer) throws {
+    /// Encodes every dispatch of `plan` in one compute encoder and returns their pipelines, in
+    /// order. All checks run before the encoder exists, so a failure leaves the command buffer
+    /// untouched.
+    @discardableResult
+    func encode(_ plan: DispatchPlan, buffers: [BufferRole: MTLBuffer], into commandBuffer: MTLCommandBuffer) throws
+        -> [MTLComputePipelineState] {
         for dispatch in plan.dispatches {
             for binding in dispatch.bindings {
                 let needed = binding.role.byteCount(for: plan.problem)
@@ -106,6 +109,7 @@ public final class MetalFlashAttention: @unchecked Sendable {
                                          threadsPerThreadgroup: metalSize(dispatch.threadsPerThreadgroup))
         }
         encoder.endEncoding()
+        return states
     }
 
     /// The cached pipeline of a dispatch's kernel, after checking the dispatch fits it: register
@@ -187,7 +191,7 @@ final class MetalBackend: ExecutionBackend {
         #endif
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
         let device = kernels.device
         var wrapped: [BufferRole: MTLBuffer] = [:]
         var copyBack: [(host: UnsafeMutableRawBufferPointer, buffer: MTLBuffer)] = []
@@ -228,7 +232,7 @@ final class MetalBackend: ExecutionBackend {
         guard let commandBuffer = queue.makeCommandBuffer() else {
             throw FlashAttentionError.executionFailed("Metal could not create a command buffer")
         }
-        try kernels.encode(plan, buffers: wrapped, into: commandBuffer)
+        let states = try kernels.encode(plan, buffers: wrapped, into: commandBuffer)
         commandBuffer.commit()
         commandBuffer.waitUntilCompleted()
         guard commandBuffer.status == .completed else {
@@ -251,6 +255,22 @@ final class MetalBackend: ExecutionBackend {
         for (host, buffer) in copyBack {
             host.copyMemory(from: UnsafeRawBufferPointer(start: buffer.contents(), count: host.count))
         }
+        return Self.profile(plan, states: states, commandBuffers: [commandBuffer])
+    }
+
+    /// The profile of a completed call. MTLCommandBuffer gpuStartTime and gpuEndTime (host time in
+    /// seconds, set once the GPU has finished the command buffer: read after waitUntilCompleted())
+    /// give the GPU time, summed over the call's command buffers; MTLComputePipelineState
+    /// staticThreadgroupMemoryLength gives each kernel's threadgroup memory. Metal has no counters
+    /// of SIMD-group matrix products or barriers, and the kernels share command buffers, so those
+    /// and per-dispatch times are left unmeasured (nil).
+    private static func profile(_ plan: DispatchPlan, states: [MTLComputePipelineState],
+                                commandBuffers: [MTLCommandBuffer]) -> Profile {
+        Profile(seconds: commandBuffers.reduce(0.0) { $0 + ($1.gpuEndTime - $1.gpuStartTime) },
+                dispatches: zip(plan.dispatches, states).map { dispatch, state in
+                    DispatchProfile(dispatch, threadgroupMemoryLength: state.staticThreadgroupMemoryLength,
+                                    simdgroupMultiplyAccumulates: nil, threadgroupBarriers: nil, seconds: nil)
+                })
     }
 }
 #endif

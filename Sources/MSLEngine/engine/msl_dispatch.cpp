@@ -57,6 +57,8 @@ struct dispatch_outcome {
     std::string message;
     std::atomic<uint64_t> completed{0};
     std::atomic<uint64_t> switches{0};
+    std::atomic<uint64_t> matrix_multiplies{0};
+    std::atomic<uint64_t> barriers{0};
 
     void record(uint64_t at, msl_engine_status s, std::string text) {
         std::lock_guard<std::mutex> lock(mutex);
@@ -96,6 +98,8 @@ struct dispatch_job {
         }
         outcome.completed.fetch_add(done, std::memory_order_relaxed);
         outcome.switches.fetch_add(runner.switches(), std::memory_order_relaxed);
+        outcome.matrix_multiplies.fetch_add(runner.matrix_multiplies(), std::memory_order_relaxed);
+        outcome.barriers.fetch_add(runner.barriers(), std::memory_order_relaxed);
     }
 };
 
@@ -198,6 +202,8 @@ extern "C" msl_engine_status msl_engine_dispatch(const char *kernel_name,
     last_stats.workers = uint32_t(helpers.size() + 1);
     last_stats.threadgroups = job.outcome.completed.load();
     last_stats.fiber_switches = job.outcome.switches.load();
+    last_stats.simdgroup_multiply_accumulates = job.outcome.matrix_multiplies.load();
+    last_stats.threadgroup_barriers = job.outcome.barriers.load();
     last_stats.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (job.outcome.failed.load()) {

@@ -41,6 +41,10 @@ typedef bool (*simd_combine_fn)(const simd_slot *slots, uint32_t active_mask, si
 
 namespace runtime {
 
+/// The operation name of simdgroup_multiply_accumulate (simdgroup_multiply calls it): the engine
+/// counts each completed collective of this name as one 8x8x8 multiply-accumulate.
+inline constexpr char matrix_multiply_accumulate_operation[] = "simdgroup_multiply_accumulate";
+
 /// Suspends the calling thread until every thread of its threadgroup reaches a barrier at the
 /// same call site (file:line); a mismatch or a returned thread fails the threadgroup. A no-op
 /// outside a dispatch.

@@ -236,6 +236,7 @@ void threadgroup_runner::on_barrier(lane &l) {
     }
     if (++barrier_waiting_ == count_) {
         barrier_waiting_ = 0;
+        ++barriers_;
         for (uint32_t i = 0; i < count_; ++i) make_ready(i);
     }
 }
@@ -273,6 +274,7 @@ void threadgroup_runner::complete(simd_group &g) {
                     source_location(g.file, g.line).c_str(), fault_text(fault).c_str()));
         return;
     }
+    if (strcmp(g.operation, runtime::matrix_multiply_accumulate_operation) == 0) ++matrix_multiplies_;
     const uint32_t arrived = g.arrived;
     g.arrived = 0;
     for (uint32_t i = 0; i < 32; ++i) {

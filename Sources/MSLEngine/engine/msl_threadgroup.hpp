@@ -38,6 +38,10 @@ class threadgroup_runner {
 
     /// Fiber switches done so far (both directions counted).
     uint64_t switches() const { return switches_; }
+    /// 8x8x8 SIMD-group matrix multiply-accumulates completed so far (one per SIMD-group call).
+    uint64_t matrix_multiplies() const { return matrix_multiplies_; }
+    /// Threadgroup barriers released so far (one per threadgroup and barrier).
+    uint64_t barriers() const { return barriers_; }
 
     /// The OS thread's own context, to which blocked or returning lanes switch.
     fiber &scheduler_context() { return scheduler_; }
@@ -86,6 +90,8 @@ class threadgroup_runner {
     msl_engine_status status_ = MSL_ENGINE_SUCCESS;
     std::string message_;
     uint64_t switches_ = 0;
+    uint64_t matrix_multiplies_ = 0;
+    uint64_t barriers_ = 0;
 };
 
 } // namespace msl_engine

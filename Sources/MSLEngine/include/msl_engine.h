@@ -82,6 +82,11 @@ typedef struct msl_engine_dispatch_stats {
     uint32_t workers;        /* OS threads that ran threadgroups */
     uint64_t threadgroups;   /* threadgroups run to completion */
     uint64_t fiber_switches; /* context switches between threads (both directions counted) */
+    uint64_t simdgroup_multiply_accumulates; /* 8x8x8 simdgroup_multiply_accumulate and
+                                                simdgroup_multiply products, one per SIMD-group
+                                                collective (not one per lane) */
+    uint64_t threadgroup_barriers; /* threadgroup_barrier releases, one per threadgroup and barrier
+                                      (not one per thread) */
     double seconds;          /* wall time of the dispatch */
 } msl_engine_dispatch_stats;
 

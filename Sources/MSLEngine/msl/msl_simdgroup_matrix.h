@@ -147,7 +147,7 @@ void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8> &d, const simdgrou
                                    const simdgroup_matrix<TC, 8, 8> &c, MSL_SIMD_SITE) {
     const matrix_detail::mma_operands<TA, TB, TC> ops{&a.elements, &b.elements, &c.elements};
     vec<TD, 2> result;
-    msl_engine::runtime::simd_collective("simdgroup_multiply_accumulate",
+    msl_engine::runtime::simd_collective(msl_engine::runtime::matrix_multiply_accumulate_operation,
                                          matrix_detail::multiply_accumulate<TD, TA, TB, TC>, &ops,
                                          &result, 0, file, line);
     d.elements = result;

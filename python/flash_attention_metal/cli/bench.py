@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _types
+from . import _types, bench_profile
 from ._context import context_for
 from .progress import track
 
@@ -61,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--causal", choices=("both", "on", "off"), default="both")
     parser.add_argument("--plot", type=_types.output_file, default=None, metavar="FILE.png",
                         help="save a TFLOP/s plot (needs matplotlib: pip install 'flash_attention_metal[bench]')")
+    bench_profile.add_argument(parser)
 
 
 def best_ms(function, repeats: int) -> float:
@@ -133,6 +134,8 @@ def plot(results: list[Result], path: Path, title: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Prints one row per configuration (ms and TFLOP/s) and optionally saves the plot; returns 0."""
     context = context_for(args.backend)
+    if args.profile:
+        context = bench_profile.ProfileRecorder(context)
     if args.head_dim > context.max_head_dim:
         raise ValueError(f"--head-dim must be in 1..{context.max_head_dim} (the library's largest head_dim), "
                          f"got {args.head_dim}")
@@ -150,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r.seqlen:>7} {str(r.causal):>6} {r.forward_ms:>10.3f} {r.forward_tflops:>12.4g} "
               f"{r.backward_ms:>10.3f} {r.backward_tflops:>12.4g}")
+    if args.profile:
+        bench_profile.print_profiles(context)
     if args.plot is not None:
         plot(results, args.plot, title)
         print(f"plot saved to {args.plot}")

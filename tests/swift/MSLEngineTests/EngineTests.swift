@@ -90,7 +90,8 @@ final class EngineTests: XCTestCase {
     /// Every test kernel's entry names the line where the kernel is defined.
     func testTestKernelEntriesNameTheirDefinitions() {
         msl_engine_test_kernels_register()
-        for file in ["barrier.metal", "simd.metal", "matrix.metal", "limits.metal", "planted_out_of_bounds.metal"] {
+        for file in ["barrier.metal", "counters.metal", "simd.metal", "matrix.metal", "limits.metal",
+                     "planted_out_of_bounds.metal"] {
             let kernels = kernelSourceLines(file).compactMap { line -> String? in
                 guard line.hasPrefix("kernel void ") else { return nil }
                 return String(line.dropFirst("kernel void ".count).prefix { $0 != "(" })

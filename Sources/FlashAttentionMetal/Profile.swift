@@ -1,0 +1,86 @@
+/// What one forward or backward call ran: its kernels in dispatch order and how long they took.
+///
+/// Read it with ``FlashAttention/lastProfile`` (or `fa_context_last_profile` in C) on the thread
+/// that made the call. Times are measured, never estimated: on Metal the GPU time of the call's
+/// command buffers, on the CPU engine the engine's wall time. Neither is an Apple GPU figure when
+/// it comes from the CPU engine.
+public struct Profile: Sendable, Equatable {
+    /// Seconds the call's kernels ran. Metal: the GPU time of the call's command buffers,
+    /// `gpuEndTime - gpuStartTime` summed over them. CPU engine: the wall time of its dispatches,
+    /// summed.
+    public var seconds: Double
+    /// One record per kernel dispatch, in the order they ran (forward: one; backward: several).
+    public var dispatches: [DispatchProfile]
+
+    /// Creates a profile from its parts.
+    public init(seconds: Double, dispatches: [DispatchProfile]) {
+        self.seconds = seconds
+        self.dispatches = dispatches
+    }
+}
+
+/// One kernel dispatch of a ``Profile``: what was launched, and on the CPU engine what it executed.
+public struct DispatchProfile: Sendable, Equatable {
+    /// A 3-D size (x fastest), as in `MTLSize`.
+    public struct Size: Sendable, Equatable {
+        public var width: Int
+        public var height: Int
+        public var depth: Int
+
+        /// Creates a size.
+        public init(width: Int, height: Int, depth: Int) {
+            self.width = width
+            self.height = height
+            self.depth = depth
+        }
+    }
+
+    /// The kernel function's name, e.g. `flash_attention_forward_d64`.
+    public var kernelName: String
+    /// Threadgroups per grid, as passed to `dispatchThreadgroups`.
+    public var threadgroupsPerGrid: Size
+    /// Threads per threadgroup.
+    public var threadsPerThreadgroup: Size
+    /// Bytes of threadgroup memory the kernel declares statically. Metal: the pipeline's
+    /// `staticThreadgroupMemoryLength`; CPU engine: the size of the kernel's threadgroup storage.
+    public var threadgroupMemoryLength: Int
+    /// 8x8x8 `simdgroup_multiply_accumulate` (and `simdgroup_multiply`) products the dispatch
+    /// executed, counted once per SIMD-group call. CPU engine only; nil on Metal.
+    public var simdgroupMultiplyAccumulates: UInt64?
+    /// Threadgroup barriers the dispatch executed, counted once per threadgroup and barrier.
+    /// CPU engine only; nil on Metal.
+    public var threadgroupBarriers: UInt64?
+    /// Wall time of this dispatch on the CPU engine; nil on Metal, where the call's kernels share
+    /// command buffers and only ``Profile/seconds`` is measured.
+    public var seconds: Double?
+
+    /// Creates a dispatch record from its parts.
+    public init(kernelName: String, threadgroupsPerGrid: Size, threadsPerThreadgroup: Size,
+                threadgroupMemoryLength: Int, simdgroupMultiplyAccumulates: UInt64?,
+                threadgroupBarriers: UInt64?, seconds: Double?) {
+        self.kernelName = kernelName
+        self.threadgroupsPerGrid = threadgroupsPerGrid
+        self.threadsPerThreadgroup = threadsPerThreadgroup
+        self.threadgroupMemoryLength = threadgroupMemoryLength
+        self.simdgroupMultiplyAccumulates = simdgroupMultiplyAccumulates
+        self.threadgroupBarriers = threadgroupBarriers
+        self.seconds = seconds
+    }
+
+    /// The record of a planned dispatch, with what the backend measured.
+    init(_ dispatch: Dispatch, threadgroupMemoryLength: Int, simdgroupMultiplyAccumulates: UInt64?,
+         threadgroupBarriers: UInt64?, seconds: Double?) {
+        self.init(kernelName: dispatch.kernelName,
+                  threadgroupsPerGrid: Size(dispatch.threadgroupsPerGrid),
+                  threadsPerThreadgroup: Size(dispatch.threadsPerThreadgroup),
+                  threadgroupMemoryLength: threadgroupMemoryLength,
+                  simdgroupMultiplyAccumulates: simdgroupMultiplyAccumulates,
+                  threadgroupBarriers: threadgroupBarriers, seconds: seconds)
+    }
+}
+
+extension DispatchProfile.Size {
+    init(_ size: GridSize) {
+        self.init(width: Int(size.width), height: Int(size.height), depth: Int(size.depth))
+    }
+}

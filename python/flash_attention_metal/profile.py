@@ -1,0 +1,82 @@
+"""The profile of the last call: what ``fa_context_last_profile`` reports, as dataclasses.
+
+Per context and per thread: ``Context.last_profile`` reads the profile of the calling thread's last
+successful forward or backward on that context. Times are measured: on Metal the GPU time of the
+call's command buffers (gpuEndTime - gpuStartTime), on the CPU engine the engine's wall time (not
+an Apple GPU figure). SIMD-group matrix products and barriers are counted by the CPU engine only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+_UNAVAILABLE = 2**64 - 1  # UINT64_MAX: a counter the backend cannot measure (Metal)
+
+
+@dataclass(frozen=True)
+class DispatchProfile:
+    """One dispatched kernel.
+
+    Attributes:
+        kernel: the kernel function's name, e.g. ``flash_attention_forward_d64``.
+        threadgroups: threadgroups per grid (x, y, z).
+        threads_per_threadgroup: (x, y, z).
+        threadgroup_memory: bytes of static threadgroup memory (Metal: the pipeline's
+            staticThreadgroupMemoryLength; CPU engine: the kernel's threadgroup storage).
+        simdgroup_multiply_accumulates: 8x8x8 SIMD-group matrix products executed, one per
+            SIMD-group call; None on Metal.
+        threadgroup_barriers: threadgroup barriers executed, one per threadgroup and barrier;
+            None on Metal.
+        seconds: wall time of this dispatch on the CPU engine; None on Metal.
+    """
+
+    kernel: str
+    threadgroups: tuple[int, int, int]
+    threads_per_threadgroup: tuple[int, int, int]
+    threadgroup_memory: int
+    simdgroup_multiply_accumulates: int | None
+    threadgroup_barriers: int | None
+    seconds: float | None
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The last call: ``seconds`` (Metal: GPU time of its command buffers; CPU engine: wall time
+    of its dispatches, summed) and ``dispatches``, one ``DispatchProfile`` per kernel in order."""
+
+    seconds: float
+    dispatches: list[DispatchProfile]
+
+
+def last_profile(native, handle) -> Profile | None:
+    """The calling thread's last profile on the context ``handle``; None before its first
+    successful call. Raises FlashAttentionError if the library reports an error."""
+    ffi, lib = native.ffi, native.lib
+    summary = ffi.new("fa_profile *")
+    summary.struct_size = ffi.sizeof("fa_profile")
+    native.raise_for_status(lib.fa_context_last_profile(handle, summary))
+    if summary.dispatch_count == 0:
+        return None
+    record = ffi.new("fa_dispatch_profile *")
+    dispatches = []
+    for index in range(summary.dispatch_count):
+        record.struct_size = ffi.sizeof("fa_dispatch_profile")
+        native.raise_for_status(lib.fa_context_last_profile_dispatch(handle, index, record))
+        dispatches.append(DispatchProfile(
+            kernel=ffi.string(record.kernel_name).decode("utf-8", "replace"),
+            threadgroups=tuple(record.threadgroups_per_grid),
+            threads_per_threadgroup=tuple(record.threads_per_threadgroup),
+            threadgroup_memory=int(record.threadgroup_memory_length),
+            simdgroup_multiply_accumulates=_counter(record.simdgroup_multiply_accumulates),
+            threadgroup_barriers=_counter(record.threadgroup_barriers),
+            seconds=None if math.isnan(record.seconds) else float(record.seconds),
+        ))
+    return Profile(seconds=float(summary.seconds), dispatches=dispatches)
+
+
+def _counter(value: int) -> int | None:
+    return None if value == _UNAVAILABLE else int(value)
+
+
+__all__ = ["DispatchProfile", "Profile", "last_profile"]

@@ -1,0 +1,56 @@
+"""What the kernels execute, counted by the CPU engine (issue 10's structure targets): the
+simdgroup_matrix products per FLOP of attention, the work the causal mask saves, the backward's
+share, the split-KV decode grid, and the padding of head dims that are not a multiple of 8.
+
+1024 x (8x8x8 products) / (4 B H Nq Nk D) is 1 when no product is wasted (an 8x8x8 product is 1024
+FLOPs; attention's forward is 4 B H Nq Nk D)."""
+
+from __future__ import annotations
+
+import pytest
+
+import flash_attention_metal as fam
+
+from conftest import make_inputs
+
+
+def _mma_ratio(profile, b, h, nq, nk, d) -> float:
+    total = sum(dispatch.simdgroup_multiply_accumulates for dispatch in profile.dispatches)
+    return 1024 * total / (4 * b * h * nq * nk * d)
+
+
+@pytest.fixture(scope="module")
+def cpu() -> fam.Context:
+    return fam.Context("cpu")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_products_per_flop(cpu, head_dim):
+    n = 256
+    q, k, v, dout = make_inputs(40, 1, 2, 2, n, n, head_dim)
+    out, lse = cpu.forward(q, k, v)
+    dense = _mma_ratio(cpu.last_profile, 1, 2, n, n, head_dim)
+    assert 0.95 <= dense <= 1.35
+    cpu.backward(dout, q, k, v, out, lse)
+    assert _mma_ratio(cpu.last_profile, 1, 2, n, n, head_dim) <= 3.75 * dense
+    out, lse = cpu.forward(q, k, v, causal=True)
+    assert _mma_ratio(cpu.last_profile, 1, 2, n, n, head_dim) <= 0.6 * dense
+    cpu.backward(dout, q, k, v, out, lse, causal=True)
+    assert _mma_ratio(cpu.last_profile, 1, 2, n, n, head_dim) <= 0.6 * 3.75 * dense
+
+
+@pytest.mark.parametrize("head_dim, padded", [(40, 40), (100, 104), (3, 8)])
+def test_head_dim_padding_is_only_to_a_multiple_of_8(cpu, head_dim, padded):
+    q, k, v, _ = make_inputs(41, 1, 1, 1, 64, 64, head_dim)
+    cpu.forward(q, k, v)
+    assert _mma_ratio(cpu.last_profile, 1, 1, 64, 64, head_dim) == pytest.approx(padded / head_dim)
+
+
+def test_decode_grid_packs_the_gqa_group_and_splits_the_keys(cpu):
+    q, k, v, _ = make_inputs(42, 1, 8, 2, 1, 4096, 64)
+    cpu.forward(q, k, v)
+    split, combine = cpu.last_profile.dispatches
+    assert split.kernel.startswith("flash_attention_forward_split")
+    chunks, kv_heads, batch = split.threadgroups
+    assert (kv_heads, batch) == (2, 1) and chunks == 16  # 4096 keys / 256, capped at 320 / 2
+    assert combine.threadgroups == (1, 8, 1)
