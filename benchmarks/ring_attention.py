@@ -72,6 +72,27 @@ def _print_table(title: str, profiles, wall_s: float) -> None:
         for steps in profiles
     )
     print(f"   sum {totals}")
+    steps = [p for per_rank in profiles for p in per_rank]
+    compute = np.array([p.compute_s for p in steps]) * 1e3
+    flight = np.array([p.transfer_s for p in steps if p.bytes_sent]) * 1e3
+    print(f"  per step over ranks: compute median {np.median(compute):.1f} ms ({compute.min():.1f}-"
+          f"{compute.max():.1f}), wait max {max(p.wait_s for p in steps) * 1e3:.1f} ms, in flight median "
+          f"{np.median(flight) if flight.size else 0.0:.1f} ms")
+
+
+def _print_single_call(context, tensors, causal: bool, repeats: int) -> None:
+    """For comparison with one rank: the library's forward and backward on the whole sequence."""
+    q, k, v, dout = tensors
+    forward_s, backward_s = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out, lse = context.forward(q, k, v, causal=causal)
+        middle = time.perf_counter()
+        context.backward(dout, q, k, v, out, lse, causal=causal)
+        forward_s.append(middle - start)
+        backward_s.append(time.perf_counter() - middle)
+    print(f"\none library call on the whole sequence (best of {repeats}): forward {min(forward_s) * 1e3:.1f} ms, "
+          f"backward {min(backward_s) * 1e3:.1f} ms")
 
 
 def main() -> None:
@@ -99,6 +120,8 @@ def main() -> None:
         walls = [max(gathered[r][i][2][phase] for r in range(size)) for i in range(args.repeats)]
         best = int(np.argmin(walls))
         _print_table(f"{name} (best of {args.repeats})", [gathered[r][best][phase] for r in range(size)], walls[best])
+    if size == 1:
+        _print_single_call(context, local, args.causal, args.repeats)
     work = [dist.rank_work(layout, layout, r) for r in range(size)]
     shares = ", ".join(f"rank {r} {100 * w / sum(work):.1f} %" for r, w in enumerate(work))
     print(f"\nwork per rank (visible query-key pairs per batch and head): {shares}; "

@@ -212,3 +212,17 @@ def test_a_failing_rank_makes_the_others_fail_instead_of_hanging(ranks, scenario
     assert all(line["rank"] != 1 and "did not complete within 3 s" in line["message"] for line in timeouts)
     if scenario == "raises":
         assert "injected failure" in job.stderr
+
+
+def test_benchmark_prints_each_step_and_the_work_per_rank():
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "ring_attention.py"
+    job = subprocess.run([_mpiexec(), "-n", "2", sys.executable, str(script), "--seqlen", "32", "--heads", "2",
+                          "--kv-heads", "1", "--head-dim", "16", "--causal", "--repeats", "1", "--backend", "cpu"],
+                         capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert job.returncode == 0, job.stderr
+    assert "rank 0 50.0 %, rank 1 50.0 %" in job.stdout
+    forward = job.stdout.split("forward (best of 1)")[1].split("backward")[0]
+    rows = [line.split("|")[1:] for line in forward.splitlines() if line.strip()[:1].isdigit()]
+    # Sent KiB per step and rank: K and V of a 16-row shard (2 * 16 rows * 16 head_dim * 2 bytes = 1 KiB)
+    # in step 0, nothing in the last step.
+    assert [[cell.split()[-1] for cell in row] for row in rows] == [["1", "1"], ["0", "0"]]
