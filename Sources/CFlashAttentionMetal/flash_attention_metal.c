@@ -20,6 +20,7 @@ const char *fa_status_name(fa_status status) {
     case FA_STATUS_OUT_OF_MEMORY: return "FA_STATUS_OUT_OF_MEMORY";
     case FA_STATUS_EXECUTION_FAILED: return "FA_STATUS_EXECUTION_FAILED";
     case FA_STATUS_INTERNAL_ERROR: return "FA_STATUS_INTERNAL_ERROR";
+    case FA_STATUS_CANCELLED: return "FA_STATUS_CANCELLED";
     }
     return "FA_STATUS_UNKNOWN";
 }

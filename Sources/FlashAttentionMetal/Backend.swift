@@ -45,7 +45,7 @@ protocol ExecutionBackend: AnyObject {
     var deviceName: String { get }
     /// Runs every dispatch of `plan` in order and returns when all have finished, with what ran
     /// (one `DispatchProfile` per dispatch of the plan, in order). Throws `FlashAttentionError`
-    /// with the device's or engine's message on failure (outputs then hold unspecified values; the
-    /// caller poisons them).
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile
+    /// with the device's or engine's message on failure, `.cancelled` when `cancellation` stopped
+    /// it (outputs then hold unspecified values; the caller poisons them).
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile
 }

@@ -75,6 +75,18 @@ public func _exportContextDeviceName(_ handle: OpaquePointer?) -> UnsafePointer<
     return UnsafePointer(ctx.deviceNameCString)
 }
 
+/// fa_context_cancel: see flash_attention_metal.h. No autorelease pool: it touches no Objective-C
+/// object, only the context's atomic epoch.
+@_cdecl("fa_context_cancel")
+public func _exportContextCancel(_ handle: OpaquePointer?) -> fa_status {
+    do {
+        try context(handle).cancel()
+        return FA_STATUS_SUCCESS
+    } catch {
+        return report(error)
+    }
+}
+
 /// fa_forward: see flash_attention_metal.h.
 @_cdecl("fa_forward")
 public func _exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_problem>?,

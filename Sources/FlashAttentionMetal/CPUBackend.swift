@@ -23,7 +23,7 @@ final class CPUBackend: ExecutionBackend {
         deviceName = "CPU engine (MSL on \(msl_engine_worker_count()) worker threads)"
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
         var buffers = buffers
         var workspace: [UnsafeMutableRawPointer] = []
         defer { workspace.forEach { free($0) } }
@@ -37,7 +37,7 @@ final class CPUBackend: ExecutionBackend {
         }
         var profile = Profile(seconds: 0, dispatches: [])
         for dispatch in plan.dispatches {
-            try run(dispatch, buffers: buffers)
+            try run(dispatch, buffers: buffers, cancellation: cancellation)
             profile.dispatches.append(Self.lastDispatchProfile(dispatch))
             profile.seconds += profile.dispatches.last?.seconds ?? 0
         }
@@ -55,7 +55,8 @@ final class CPUBackend: ExecutionBackend {
                                threadgroupBarriers: stats.threadgroup_barriers, seconds: stats.seconds)
     }
 
-    private func run(_ dispatch: Dispatch, buffers: HostBuffers) throws {
+    /// The engine checks `cancellation` before every threadgroup, the first one included.
+    private func run(_ dispatch: Dispatch, buffers: HostBuffers, cancellation: CancellationToken) throws {
         var params = dispatch.params
         try withUnsafeMutableBytes(of: &params) { paramBytes in
             var slots = [msl_engine_buffer](repeating: msl_engine_buffer(contents: nil, length: 0),
@@ -70,7 +71,7 @@ final class CPUBackend: ExecutionBackend {
             slots[dispatch.paramsIndex] = msl_engine_buffer(contents: paramBytes.baseAddress,
                                                             length: paramBytes.count)
             var message = [CChar](repeating: 0, count: 1024)
-            let status = msl_engine_dispatch(
+            let status = msl_engine_dispatch_cancellable(
                 dispatch.kernelName, slots, UInt32(slots.count),
                 msl_engine_size(width: dispatch.threadgroupsPerGrid.width,
                                 height: dispatch.threadgroupsPerGrid.height,
@@ -78,12 +79,13 @@ final class CPUBackend: ExecutionBackend {
                 msl_engine_size(width: dispatch.threadsPerThreadgroup.width,
                                 height: dispatch.threadsPerThreadgroup.height,
                                 depth: dispatch.threadsPerThreadgroup.depth),
-                &message, message.count)
+                cancellation.state, cancellation.startEpoch, &message, message.count)
             guard status != MSL_ENGINE_SUCCESS else { return }
             let text = "CPU engine: " + String(decoding: message.prefix { $0 != 0 }.map { UInt8(bitPattern: $0) },
                                                    as: UTF8.self)
             switch status {
             case MSL_ENGINE_OUT_OF_MEMORY: throw FlashAttentionError.outOfMemory(text)
+            case MSL_ENGINE_CANCELLED: throw FlashAttentionError.cancelled("cancelled by fa_context_cancel: \(text)")
             // A kernel the plan names but the engine lacks is a build defect, not a user error.
             case MSL_ENGINE_UNKNOWN_KERNEL: throw FlashAttentionError.internalError(text)
             default: throw FlashAttentionError.executionFailed(text)

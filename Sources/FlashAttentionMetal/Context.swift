@@ -24,6 +24,8 @@ final class Context {
     let backend: ExecutionBackend
     /// `strdup` of the device name: valid while the context lives, as the header promises.
     let deviceNameCString: UnsafeMutablePointer<CChar>?
+    /// What `cancel()` advances and every call's token reads.
+    private let cancellation = Cancellation()
 
     init(_ kind: Backend) throws {
         switch kind {
@@ -60,17 +62,21 @@ final class Context {
     }
 
     /// Runs `plan` and keeps its profile as the calling thread's last one on this context; on
-    /// failure poisons its outputs and rethrows (the last profile stays that of the last success).
+    /// failure (cancellation included) poisons its outputs and rethrows (the last profile stays
+    /// that of the last success).
     func run(_ plan: DispatchPlan, buffers: HostBuffers) throws {
         let profile: Profile
         do {
-            profile = try backend.execute(plan, buffers: buffers)
+            profile = try backend.execute(plan, buffers: buffers, cancellation: cancellation.token())
         } catch {
             buffers.poisonOutputs(of: plan)
             throw error
         }
         ProfileStore.record(profile, for: self)
     }
+
+    /// Cancels the calls in flight (see fa_context_cancel); thread-safe, returns at once.
+    func cancel() { cancellation.cancel() }
 
     /// The profile of the calling thread's last successful call on this context; nil before one.
     var lastProfile: Profile? { ProfileStore.last(for: self) }

@@ -24,6 +24,12 @@ public final class FlashAttention: @unchecked Sendable {
     /// The Metal device name, or a description of the CPU engine.
     public var deviceName: String { context.backend.deviceName }
 
+    /// Cancels the calls in flight on this instance, from any thread: each stops early (the CPU
+    /// engine within its current threadgroups, Metal before its next command buffer) and throws
+    /// ``FlashAttentionError/cancelled(_:)`` with its outputs set to NaN, unless it had already
+    /// finished its work. Calls that start afterwards run normally. Returns at once.
+    public func cancel() { context.cancel() }
+
     /// The profile of the calling thread's last successful ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)``
     /// or ``backward(dout:q:k:v:out:lse:dq:dk:dv:shape:causal:softmaxScale:)`` on this instance:
     /// its kernels in dispatch order with their grids, threadgroup sizes and static threadgroup

@@ -19,12 +19,15 @@ public enum FlashAttentionError: Error, Equatable, CustomStringConvertible {
     case executionFailed(String)
     /// A broken invariant inside the library (`FA_STATUS_INTERNAL_ERROR`).
     case internalError(String)
+    /// The call was cancelled while it ran (`fa_context_cancel`, ``FlashAttention/cancel()``;
+    /// `FA_STATUS_CANCELLED`); its outputs hold NaN.
+    case cancelled(String)
 
     /// The human-readable explanation.
     public var message: String {
         switch self {
         case .invalidArgument(let m), .unsupported(let m), .backendUnavailable(let m),
-             .outOfMemory(let m), .executionFailed(let m), .internalError(let m):
+             .outOfMemory(let m), .executionFailed(let m), .internalError(let m), .cancelled(let m):
             return m
         }
     }
@@ -38,6 +41,7 @@ public enum FlashAttentionError: Error, Equatable, CustomStringConvertible {
         case .outOfMemory: return FA_STATUS_OUT_OF_MEMORY
         case .executionFailed: return FA_STATUS_EXECUTION_FAILED
         case .internalError: return FA_STATUS_INTERNAL_ERROR
+        case .cancelled: return FA_STATUS_CANCELLED
         }
     }
 

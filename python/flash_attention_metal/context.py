@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _validation
+from . import _interruptible, _validation
 from ._native import NativeLibrary, native
 from .profile import Profile, last_profile
 
@@ -82,7 +82,8 @@ class Context:
         unchanged. See ``flash_attention_metal.profile.Profile``: ``seconds`` (Metal: GPU time;
         CPU engine: wall time) and one record per dispatched kernel (name, grid, threads,
         threadgroup memory, and on the CPU engine its SIMD-group matrix products and barriers)."""
-        return last_profile(self._native, self._handle)
+        # The main thread's calls run on the interruptible-call worker, which holds their profile.
+        return _interruptible.call(lambda: last_profile(self._native, self._handle))
 
     @property
     def library_path(self) -> str:
@@ -104,7 +105,9 @@ class Context:
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
-            FlashAttentionError: the library reported an error.
+            FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
+                when ``cancel`` stopped the call).
+            KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
         shape, causal, scale = _validation.check_forward(q, k, v, causal, softmax_scale)
         _validation.check_head_dim(shape, self.max_head_dim)
@@ -112,12 +115,12 @@ class Context:
         out = np.empty(q.shape, dtype=np.float16)
         lse = np.empty(q.shape[:3], dtype=np.float32)
         ffi, lib = self._native.ffi, self._native.lib
-        status = lib.fa_forward(
+        arguments = (
             self._handle, self._problem(shape, causal, scale),
             _half_in(ffi, q), _half_in(ffi, k), _half_in(ffi, v),
             _half_out(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True),
         )
-        self._native.raise_for_status(status)
+        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_forward(*arguments)), self.cancel)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None):
@@ -135,7 +138,9 @@ class Context:
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
-            FlashAttentionError: the library reported an error.
+            FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
+                when ``cancel`` stopped the call).
+            KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
         shape, causal, scale = _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale)
         _validation.check_head_dim(shape, self.max_head_dim)
@@ -144,14 +149,26 @@ class Context:
         dk = np.empty(k.shape, dtype=np.float16)
         dv = np.empty(v.shape, dtype=np.float16)
         ffi, lib = self._native.ffi, self._native.lib
-        status = lib.fa_backward(
+        arguments = (
             self._handle, self._problem(shape, causal, scale),
             _half_in(ffi, dout), _half_in(ffi, q), _half_in(ffi, k), _half_in(ffi, v),
             _half_in(ffi, out), ffi.from_buffer("float[]", lse),
             _half_out(ffi, dq), _half_out(ffi, dk), _half_out(ffi, dv),
         )
-        self._native.raise_for_status(status)
+        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_backward(*arguments)), self.cancel)
         return dq, dk, dv
+
+    def cancel(self) -> None:
+        """Cancels the calls in flight on this context, from any thread (``fa_context_cancel``).
+
+        Each call that started before stops early (the CPU engine within its current threadgroups,
+        Metal before its next command buffer) and raises FlashAttentionError with status_name
+        ``FA_STATUS_CANCELLED``, unless it had already finished its work; calls that start
+        afterwards run normally. Returns at once. Ctrl-C during a call made from the main thread
+        does this and raises KeyboardInterrupt there, so it also cancels the calls other threads
+        have in flight on the same context.
+        """
+        self._native.raise_for_status(self._native.lib.fa_context_cancel(self._handle))
 
     def attention(self, q, k, v, *, causal=False, softmax_scale=None):
         """``forward`` without lse: returns out, float16 like q."""

@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -44,12 +45,89 @@ def test_check_on_the_builtin_real_input_passes():
     assert f"{runs} of {runs} runs within the accuracy rule" in result.stdout
 
 
-def test_check_falls_back_to_seeded_random_input_and_says_so(tmp_path):
-    cases, source = check.load_cases(tmp_path / "missing.npz")
+def test_check_falls_back_to_seeded_random_input_only_without_a_path(tmp_path):
+    cases, source = check.load_cases(None, builtin=tmp_path / "missing.npz")
     assert "not found: using seeded random" in source
     assert all(c.q.shape == (1, 12, c.q.shape[2], 32) and c.q.dtype == np.float16 for c in cases)
-    again, _ = check.load_cases(tmp_path / "missing.npz")
+    again, _ = check.load_cases(None, builtin=tmp_path / "missing.npz")
     np.testing.assert_array_equal(cases[0].q, again[0].q)
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        check.load_cases(tmp_path / "missing.npz")
+
+
+def test_check_input_that_does_not_exist_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["check", "--input", str(tmp_path / "missing.npz")])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and f"argument --input: no such file: '{tmp_path / 'missing.npz'}'" in err
+
+
+def _write_npz(path, **arrays):
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize("content, lacks", [
+    ("text", "is not an .npz archive"),
+    ("npy", "holds a single array, not an .npz archive"),
+    ("no cases", "lacks the array 'cases'"),
+    ("no dout", "lacks tiny_dout"),
+    ("float32", "tiny_q is float32 of shape (1, 2, 3, 4); check needs float16"),
+])
+def test_check_input_without_the_expected_content_is_one_line_and_exit_1(tmp_path, capsys, content, lacks):
+    half = np.zeros((1, 2, 3, 4), dtype=np.float16)
+    parts = {f"tiny_{p}": half for p in ("q", "k", "v")}
+    path = tmp_path / "input.npz"
+    if content == "text":
+        path.write_text("not an archive\n")
+    elif content == "npy":
+        path = tmp_path / "input.npy"
+        np.save(path, half)
+    elif content == "no cases":
+        _write_npz(path, **parts)
+    elif content == "no dout":
+        _write_npz(path, cases=np.array(["tiny"]), **parts)
+    else:
+        _write_npz(path, cases=np.array(["tiny"]), **{**parts, "tiny_q": half.astype(np.float32),
+                                                      "tiny_dout": half})
+    assert main(["check", "--backend", "cpu", "--input", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith("error: ") and lacks in captured.err, captured.err
+
+
+class _SlowFirstCallContext:
+    """Exact results (the float64 reference) whose very first call takes a second, like one-time set-up."""
+
+    backend, device = "cpu", "stub"
+
+    def __init__(self):
+        self.calls = 0
+
+    def _first_is_slow(self):
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(1.0)
+
+    def forward(self, q, k, v, *, causal=False):
+        self._first_is_slow()
+        out, lse = fam.reference.forward(q, k, v, causal=causal)
+        return out.astype(np.float16), lse.astype(np.float32)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal=False):
+        self._first_is_slow()
+        return tuple(g.astype(np.float16) for g in fam.reference.backward(dout, q, k, v, causal=causal))
+
+
+def test_check_warms_up_before_the_first_timed_row(tmp_path, capsys, monkeypatch):
+    rng = np.random.default_rng(1)
+    parts = {f"tiny_{part}": rng.standard_normal((1, 2, 5, 8)).astype(np.float16) for part in ("q", "k", "v", "dout")}
+    np.savez(tmp_path / "tiny.npz", cases=np.array(["tiny"]), **parts)
+    monkeypatch.setattr(check, "context_for", lambda backend: _SlowFirstCallContext())
+    assert main(["check", "--input", str(tmp_path / "tiny.npz")]) == 0
+    first_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny "))
+    forward_ms = float(first_row.split()[3])
+    assert forward_ms < 500, first_row  # the one-second first call was the warm-up, not timed
 
 
 class _WrongContext:
@@ -99,6 +177,44 @@ def test_bench_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_plot_without_a_suffix_prints_the_file_it_wrote(tmp_path):
+    pytest.importorskip("matplotlib")
+    result = _cli("bench", "--backend", "cpu", "--seqlens", "16", "--heads", "1", "--head-dim", "8",
+                  "--repeats", "1", "--causal", "off", "--plot", str(tmp_path / "chart"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == f"plot saved to {tmp_path / 'chart.png'}"
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "chart").exists()
+
+
+def test_bench_plot_in_a_format_matplotlib_cannot_write_is_a_usage_error(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "--backend", "cpu", "--plot", str(tmp_path / "chart.nope")])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and "argument --plot: matplotlib cannot write .nope files" in err
+
+
+def test_throughput_is_shown_in_gflops_below_one_tflops():
+    assert bench.throughput_unit([0.002, 0.5]) == (1e3, "GFLOP/s")
+    assert bench.throughput_unit([0.5, 3.0]) == (1.0, "TFLOP/s")
+
+
+def test_bench_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option, default in [("--batch", "1"), ("--heads", "8"), ("--head-dim", "64"), ("--repeats", "3"),
+                            ("--causal", "both")]:
+        assert re.search(re.escape(option) + r".*?\(default: " + default, text), option
+
+
+def test_the_matplotlib_hint_is_the_readme_wording():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert bench.MATPLOTLIB_HINT in readme
+
+
 @pytest.mark.parametrize("option, value, rule", [
     ("--seqlens", "-5", "must be an integer in 1..4294967295"),
     ("--seqlens", "0", "must be an integer in 1..4294967295"),
@@ -124,11 +240,14 @@ def test_bench_plot_directory_must_exist_before_running(tmp_path, capsys):
     assert f"argument --plot: the directory '{target.parent}'" in capsys.readouterr().err
 
 
-def test_bench_head_dim_above_the_library_limit_fails_before_any_progress(ctx, capsys):
-    assert main(["bench", "--backend", "cpu", "--head-dim", str(ctx.max_head_dim + 1)]) == 1
+def test_bench_head_dim_above_the_library_limit_is_a_usage_error_before_any_progress(ctx, capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["bench", "--backend", "cpu", "--head-dim", str(ctx.max_head_dim + 1)])
+    assert caught.value.code == 2
     captured = capsys.readouterr()
-    assert captured.err == f"error: --head-dim must be in 1..{ctx.max_head_dim} (the library's largest " \
-                           f"head_dim), got {ctx.max_head_dim + 1}\n"
+    assert captured.err.startswith("usage: python -m flash_attention_metal bench")
+    assert captured.err.endswith(f"error: argument --head-dim: must be in 1..{ctx.max_head_dim} (the library's "
+                                 f"largest head_dim), got {ctx.max_head_dim + 1}\n")
     assert captured.out == ""
 
 

@@ -215,8 +215,8 @@ def test_a_failing_rank_makes_the_others_fail_instead_of_hanging(ranks, scenario
 
 
 def test_benchmark_prints_each_step_and_the_work_per_rank():
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "ring_attention.py"
-    job = subprocess.run([_mpiexec(), "-n", "2", sys.executable, str(script), "--seqlen", "32", "--heads", "2",
+    job = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", "flash_attention_metal.distributed.bench",
+                          "--seqlen", "32", "--heads", "2",
                           "--kv-heads", "1", "--head-dim", "16", "--causal", "--repeats", "1", "--backend", "cpu"],
                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     assert job.returncode == 0, job.stderr

@@ -40,7 +40,8 @@ typedef enum fa_status {
     FA_STATUS_BACKEND_UNAVAILABLE = 3, /* e.g. FA_BACKEND_METAL where Metal is absent */
     FA_STATUS_OUT_OF_MEMORY = 4,
     FA_STATUS_EXECUTION_FAILED = 5,    /* the device or the CPU engine reported an error */
-    FA_STATUS_INTERNAL_ERROR = 6
+    FA_STATUS_INTERNAL_ERROR = 6,
+    FA_STATUS_CANCELLED = 7            /* fa_context_cancel stopped the call; its outputs hold NaN */
 } fa_status;
 
 typedef enum fa_backend {
@@ -93,15 +94,22 @@ const char *fa_context_backend_name(const fa_context *context);
  * lives; null for a null context. */
 const char *fa_context_device_name(const fa_context *context);
 
+/* Cancels the calls in flight on context: every fa_forward or fa_backward that started on it before
+ * this call stops early (the CPU engine within its current threadgroups, Metal before its next
+ * command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN, unless it had already
+ * finished its work. Calls that start afterwards run normally. Thread-safe, lock-free; returns at
+ * once without waiting for the calls to stop. Errors: INVALID_ARGUMENT (null context). */
+fa_status fa_context_cancel(fa_context *context);
+
 /* Forward pass: out = softmax(softmax_scale * q k^T, masked) v, and lse.
- * Shapes in the layout above. Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED. */
+ * Shapes in the layout above. Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
 fa_status fa_forward(fa_context *context, const fa_problem *problem,
                      const uint16_t *q, const uint16_t *k, const uint16_t *v,
                      uint16_t *out, float *lse);
 
 /* Backward pass: dq, dk, dv from dout and the q, k, v, out, lse of the forward pass.
  * dk and dv sum over the query heads that share a KV head. Deterministic.
- * Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED. */
+ * Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
 fa_status fa_backward(fa_context *context, const fa_problem *problem,
                       const uint16_t *dout, const uint16_t *q, const uint16_t *k, const uint16_t *v,
                       const uint16_t *out, const float *lse,

@@ -191,7 +191,7 @@ final class MetalBackend: ExecutionBackend {
         #endif
     }
 
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
         let device = kernels.device
         var wrapped: [BufferRole: MTLBuffer] = [:]
         var copyBack: [(host: UnsafeMutableRawBufferPointer, buffer: MTLBuffer)] = []
@@ -233,6 +233,10 @@ final class MetalBackend: ExecutionBackend {
             throw FlashAttentionError.executionFailed("Metal could not create a command buffer")
         }
         let states = try kernels.encode(plan, buffers: wrapped, into: commandBuffer)
+        // Cancellation is checked between command buffers: a committed one runs to completion.
+        guard !cancellation.isCancelled else {
+            throw FlashAttentionError.cancelled("cancelled by fa_context_cancel before the command buffer was committed")
+        }
         commandBuffer.commit()
         commandBuffer.waitUntilCompleted()
         guard commandBuffer.status == .completed else {

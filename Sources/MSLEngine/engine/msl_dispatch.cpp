@@ -55,6 +55,7 @@ struct dispatch_outcome {
     uint64_t index = UINT64_MAX;
     msl_engine_status status = MSL_ENGINE_SUCCESS;
     std::string message;
+    std::atomic<bool> cancelled{false};
     std::atomic<uint64_t> completed{0};
     std::atomic<uint64_t> switches{0};
     std::atomic<uint64_t> matrix_multiplies{0};
@@ -77,19 +78,34 @@ struct dispatch_job {
     metal::uint3 groups;
     metal::uint3 threads;
     uint64_t total;
+    const msl_engine_cancellation *cancellation;
+    uint64_t start_epoch;
     std::atomic<uint64_t> next{0};
     dispatch_outcome outcome;
 
+    bool cancel_requested() const {
+        return cancellation != nullptr && msl_engine_cancellation_epoch(cancellation) != start_epoch;
+    }
+
     void work() {
         threadgroup_runner runner;
+        runner.watch(cancellation, start_epoch);
         std::string text;
         uint64_t done = 0;
         while (!outcome.failed.load(std::memory_order_relaxed)) {
+            if (cancel_requested()) {
+                outcome.cancelled.store(true, std::memory_order_relaxed);
+                break;
+            }
             const uint64_t i = next.fetch_add(1, std::memory_order_relaxed);
             if (i >= total) break;
             const metal::uint3 position(uint32_t(i % groups.x), uint32_t((i / groups.x) % groups.y),
                                         uint32_t(i / (uint64_t(groups.x) * groups.y)));
             const msl_engine_status s = runner.run(*kernel, args, position, threads, groups, &text);
+            if (s == MSL_ENGINE_CANCELLED) {
+                outcome.cancelled.store(true, std::memory_order_relaxed);
+                break;
+            }
             if (s != MSL_ENGINE_SUCCESS) {
                 outcome.record(i, s, text);
                 break;
@@ -150,12 +166,30 @@ msl_engine_status validate(const kernel_entry &k, const msl_engine_buffer *buffe
 
 using namespace msl_engine;
 
+extern "C" uint64_t msl_engine_cancellation_epoch(const msl_engine_cancellation *cancellation) {
+    return __atomic_load_n(&cancellation->epoch, __ATOMIC_ACQUIRE);
+}
+
+extern "C" void msl_engine_cancel(msl_engine_cancellation *cancellation) {
+    __atomic_fetch_add(&cancellation->epoch, 1, __ATOMIC_RELEASE);
+}
+
 extern "C" msl_engine_status msl_engine_dispatch(const char *kernel_name,
                                                  const msl_engine_buffer *buffers,
                                                  uint32_t buffer_count,
                                                  msl_engine_size threadgroups_per_grid,
                                                  msl_engine_size threads_per_threadgroup,
                                                  char *message, size_t message_capacity) {
+    return msl_engine_dispatch_cancellable(kernel_name, buffers, buffer_count, threadgroups_per_grid,
+                                           threads_per_threadgroup, nullptr, 0, message,
+                                           message_capacity);
+}
+
+extern "C" msl_engine_status msl_engine_dispatch_cancellable(
+    const char *kernel_name, const msl_engine_buffer *buffers, uint32_t buffer_count,
+    msl_engine_size threadgroups_per_grid, msl_engine_size threads_per_threadgroup,
+    const msl_engine_cancellation *cancellation, uint64_t start_epoch, char *message,
+    size_t message_capacity) {
     const auto start = std::chrono::steady_clock::now();
     last_stats = msl_engine_dispatch_stats{};
     copy_message(std::string(), message, message_capacity);
@@ -185,6 +219,8 @@ extern "C" msl_engine_status msl_engine_dispatch(const char *kernel_name,
     job.threads = metal::uint3(threads_per_threadgroup.width, threads_per_threadgroup.height,
                                threads_per_threadgroup.depth);
     job.total = uint64_t(job.groups.x) * job.groups.y * job.groups.z;
+    job.cancellation = cancellation;
+    job.start_epoch = start_epoch;
 
     uint64_t wanted = msl_engine_worker_count();
     if (wanted > job.total) wanted = job.total;
@@ -209,6 +245,13 @@ extern "C" msl_engine_status msl_engine_dispatch(const char *kernel_name,
     if (job.outcome.failed.load()) {
         copy_message(job.outcome.message, message, message_capacity);
         return job.outcome.status;
+    }
+    if (job.outcome.cancelled.load() && last_stats.threadgroups < job.total) {
+        copy_message(format("kernel '%s' cancelled after %llu of %llu threadgroups", kernel->name,
+                            (unsigned long long)last_stats.threadgroups,
+                            (unsigned long long)job.total),
+                     message, message_capacity);
+        return MSL_ENGINE_CANCELLED;
     }
     return MSL_ENGINE_SUCCESS;
 }

@@ -41,6 +41,10 @@ namespace {
 
 thread_local lane *current_lane = nullptr;
 
+// A threadgroup of the attention kernels makes thousands of switches per key block, and a poll is
+// one atomic load: this keeps it off the profile while a cancel still lands within microseconds.
+constexpr uint64_t kCancelPollSwitches = 64;
+
 bool same_site(const char *file_a, unsigned line_a, const char *file_b, unsigned line_b) {
     return line_a == line_b && (file_a == file_b || strcmp(file_a, file_b) == 0);
 }
@@ -152,7 +156,17 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
         make_ready(i);
     }
 
+    uint64_t until_poll = kCancelPollSwitches;
     while (ready_count_ > 0 && status_ == MSL_ENGINE_SUCCESS) {
+        if (cancellation_ != nullptr && --until_poll == 0) {
+            until_poll = kCancelPollSwitches;
+            if (msl_engine_cancellation_epoch(cancellation_) != start_epoch_) {
+                status_ = MSL_ENGINE_CANCELLED;
+                message_ = format("kernel '%s': threadgroup (%u, %u, %u) cancelled", kernel.name,
+                                  position.x, position.y, position.z);
+                break;
+            }
+        }
         lane &l = lanes_[ready_[ready_head_]];
         ready_head_ = (ready_head_ + 1) % count_;
         --ready_count_;

@@ -36,6 +36,14 @@ class threadgroup_runner {
     msl_engine_status run(const kernel_entry &kernel, const kernel_args &args, metal::uint3 position,
                           metal::uint3 threads, metal::uint3 groups, std::string *message);
 
+    /// From now on run() stops a threadgroup part-way once the epoch of `cancellation` differs from
+    /// `start_epoch` (null: never): it returns MSL_ENGINE_CANCELLED and abandons the fibers as after
+    /// an error. Checked every few dozen fiber switches.
+    void watch(const msl_engine_cancellation *cancellation, uint64_t start_epoch) {
+        cancellation_ = cancellation;
+        start_epoch_ = start_epoch;
+    }
+
     /// Fiber switches done so far (both directions counted).
     uint64_t switches() const { return switches_; }
     /// 8x8x8 SIMD-group matrix multiply-accumulates completed so far (one per SIMD-group call).
@@ -92,6 +100,8 @@ class threadgroup_runner {
     uint64_t switches_ = 0;
     uint64_t matrix_multiplies_ = 0;
     uint64_t barriers_ = 0;
+    const msl_engine_cancellation *cancellation_ = nullptr;
+    uint64_t start_epoch_ = 0;
 };
 
 } // namespace msl_engine

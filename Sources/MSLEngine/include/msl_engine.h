@@ -21,7 +21,8 @@ typedef enum msl_engine_status {
     MSL_ENGINE_THREADGROUP_MEMORY_EXCEEDED = 3, /* > 32 KiB */
     MSL_ENGINE_BARRIER_DIVERGENCE = 4,        /* a barrier not reached by every thread, or at different sites */
     MSL_ENGINE_SIMDGROUP_DIVERGENCE = 5,      /* a SIMD-group function not reached by every lane alike */
-    MSL_ENGINE_OUT_OF_MEMORY = 6
+    MSL_ENGINE_OUT_OF_MEMORY = 6,
+    MSL_ENGINE_CANCELLED = 7                  /* msl_engine_dispatch_cancellable: stopped before every threadgroup finished */
 } msl_engine_status;
 
 /* A buffer bound at index i of the kernel's [[buffer(i)]] arguments. */
@@ -53,6 +54,37 @@ msl_engine_status msl_engine_dispatch(const char *kernel_name,
                                       msl_engine_size threadgroups_per_grid,
                                       msl_engine_size threads_per_threadgroup,
                                       char *message, size_t message_capacity);
+
+/* Cancellation shared by the dispatches of one owner (the library keeps one per context): a counter
+ * that cancelling advances. A dispatch is given the epoch read when its call started and stops once
+ * the epoch has moved on, so a cancel stops the work in flight and never work started after it.
+ * Zero-initialize it and touch `epoch` only through the two functions below (atomic, lock-free,
+ * thread-safe). */
+typedef struct msl_engine_cancellation {
+    uint64_t epoch;
+} msl_engine_cancellation;
+
+/* The current epoch of cancellation. */
+uint64_t msl_engine_cancellation_epoch(const msl_engine_cancellation *cancellation);
+
+/* Advances the epoch: every dispatch started at an earlier epoch stops (see below).
+ * Returns at once; it does not wait for the dispatches to stop. */
+void msl_engine_cancel(msl_engine_cancellation *cancellation);
+
+/* msl_engine_dispatch that cancellation can stop (null: never): every worker reads the epoch before
+ * it starts a threadgroup and every few dozen fiber switches inside one, and stops once it differs
+ * from start_epoch, abandoning the threadgroup it runs part-way (as after an error). Returns
+ * MSL_ENGINE_CANCELLED (message: the kernel and how many threadgroups completed) when any
+ * threadgroup was left unrun or unfinished; a cancel after the last threadgroup finished leaves a
+ * successful dispatch. Everything else as msl_engine_dispatch. */
+msl_engine_status msl_engine_dispatch_cancellable(const char *kernel_name,
+                                                  const msl_engine_buffer *buffers,
+                                                  uint32_t buffer_count,
+                                                  msl_engine_size threadgroups_per_grid,
+                                                  msl_engine_size threads_per_threadgroup,
+                                                  const msl_engine_cancellation *cancellation,
+                                                  uint64_t start_epoch,
+                                                  char *message, size_t message_capacity);
 
 /* Whether a kernel of that name is registered (1) or not (0). */
 int msl_engine_has_kernel(const char *kernel_name);

@@ -5,7 +5,8 @@
   captured from all-MiniLM-L6-v2), causal and not, judged by the accuracy rule; exit status 1 on
   any failure.
 - ``bench [--backend B] [--plot FILE.png]``: time and TFLOP/s of forward and backward over a range
-  of sequence lengths.
+  of sequence lengths; ``bench --compare mlx,torch,numpy [--json FILE]``: the library side by side
+  with its peers on prefill and decode shapes (time, TFLOP/s, peak memory, peer/library ratios).
 """
 
 from __future__ import annotations
@@ -40,9 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
         "check", help="forward and backward on real attention inputs against the float64 reference")
     _add_backend(check_parser)
     check.add_arguments(check_parser)
-    bench_parser = commands.add_parser("bench", help="time and TFLOP/s of forward and backward")
+    bench_parser = commands.add_parser(
+        "bench", help="time and TFLOP/s of forward and backward; --compare: side by side with MLX, PyTorch, NumPy")
     _add_backend(bench_parser)
     bench.add_arguments(bench_parser)
+    # Limits that only the loaded library knows are checked after parsing, with the same exit status
+    # (2) and usage line as the parser's own checks.
+    bench_parser.set_defaults(usage_error=bench_parser.error)
     return parser
 
 

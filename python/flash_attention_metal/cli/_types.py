@@ -30,6 +30,14 @@ def backend(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def input_file(text: str) -> Path:
+    """A path to an existing file: a file the user names must be there (no silent fallback)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}" if not path.exists() else f"{text!r} is not a file")
+    return path
+
+
 def output_file(text: str) -> Path:
     """A path to write to whose parent directory exists (checked before the work that fills it)."""
     path = Path(text)

@@ -2,25 +2,31 @@
 
 The built-in input is ``data/minilm_attention.npz``: attention inputs captured from
 all-MiniLM-L6-v2 (key ``cases``, the case names; per case ``<name>_q``, ``<name>_k``, ``<name>_v``,
-``<name>_dout``, float16 (1, 12, L, 32)). Without it, seeded N(0, 1) input of the same shape is used
-and the output says so.
+``<name>_dout``, float16 (1, 12, L, 32)). Without it (and without --input), seeded N(0, 1) input of
+the same shape is used and the output says so; a file named with --input must exist and hold cases
+in that format.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .. import accuracy
+from . import _types
 from ._context import context_for
 
 BUILTIN_INPUT = Path(__file__).resolve().parent.parent / "data" / "minilm_attention.npz"
 _RANDOM_LENGTHS = (9, 64, 100, 250)
 _RANDOM_SEED = 20240601
+_PARTS = ("q", "k", "v", "dout")
+_FORMAT = ("an array 'cases' of case names and, per case, float16 arrays <name>_q, <name>_k, <name>_v, "
+           "<name>_dout of shape (batch, heads, seqlen, head_dim)")
 
 
 @dataclass(frozen=True)
@@ -36,26 +42,63 @@ class Case:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``check``."""
-    parser.add_argument("--input", type=Path, default=BUILTIN_INPUT,
-                        help="an .npz of cases in the built-in input's format (default: the built-in input)")
+    parser.add_argument("--input", type=_types.input_file, default=None, metavar="FILE.npz",
+                        help="an .npz of cases in the built-in input's format: " + _FORMAT
+                             + " (default: the built-in input)")
 
 
-def load_cases(path: Path) -> tuple[list[Case], str]:
-    """The cases of the .npz at ``path`` and a description of the source; seeded random input of
-    the same shapes when the file does not exist."""
-    if not path.is_file():
+def load_cases(path: Path | None, builtin: Path = BUILTIN_INPUT) -> tuple[list[Case], str]:
+    """The cases of the .npz at ``path`` and a description of the source. Without a path: the
+    built-in input, or seeded random input of its shapes when that file is missing (the description
+    says so).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file is not an .npz of cases in the built-in format; one line saying what it
+            lacks.
+    """
+    if path is None:
+        if builtin.is_file():
+            return read_cases(builtin), f"real attention inputs from {builtin}"
         rng = np.random.default_rng(_RANDOM_SEED)
         cases = [
             Case(f"random_L{length}", *(rng.standard_normal((1, 12, length, 32)).astype(np.float16) for _ in range(4)))
             for length in _RANDOM_LENGTHS
         ]
-        return cases, f"{path} not found: using seeded random N(0,1) input (seed {_RANDOM_SEED}) instead"
-    with np.load(path) as data:
-        cases = [
-            Case(str(name), *(data[f"{name}_{part}"] for part in ("q", "k", "v", "dout")))
-            for name in data["cases"]
-        ]
-    return cases, f"real attention inputs from {path}"
+        return cases, f"{builtin} not found: using seeded random N(0,1) input (seed {_RANDOM_SEED}) instead"
+    if not path.is_file():
+        raise FileNotFoundError(f"--input: no such file: {str(path)!r}")
+    return read_cases(path), f"attention inputs from {path}"
+
+
+def read_cases(path: Path) -> list[Case]:
+    """The cases of an .npz in the built-in input's format (see ``load_cases`` for the errors)."""
+    try:
+        data = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile):
+        raise ValueError(f"{path} is not an .npz archive (check needs {_FORMAT})") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path} holds a single array, not an .npz archive (check needs {_FORMAT})")
+    with data:
+        if "cases" not in data.files:
+            raise ValueError(f"{path} lacks the array 'cases' (check needs {_FORMAT})")
+        try:
+            names = [str(name) for name in np.atleast_1d(data["cases"])]
+        except ValueError:
+            raise ValueError(f"{path}: 'cases' must be an array of strings (check needs {_FORMAT})") from None
+        if not names:
+            raise ValueError(f"{path}: 'cases' is empty")
+        keys = [f"{name}_{part}" for name in names for part in _PARTS]
+        missing = [key for key in keys if key not in data.files]
+        if missing:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            raise ValueError(f"{path} lacks {shown} (check needs {_FORMAT})")
+        arrays = {key: data[key] for key in keys}
+    for key, array in arrays.items():
+        if array.dtype != np.float16 or array.ndim != 4:
+            raise ValueError(f"{path}: {key} is {array.dtype} of shape {array.shape}; check needs float16 "
+                             f"(batch, heads, seqlen, head_dim)")
+    return [Case(name, *(arrays[f"{name}_{part}"] for part in _PARTS)) for name in names]
 
 
 def _timed(function, *args, **kwargs):
@@ -64,9 +107,18 @@ def _timed(function, *args, **kwargs):
     return result, (time.perf_counter() - start) * 1e3
 
 
+def warm_up(context, case: Case) -> None:
+    """One forward and backward on ``case``, untimed, so the first timed row does not include
+    one-time set-up (Metal pipelines, the engine's worker stacks)."""
+    out, lse = context.forward(case.q, case.k, case.v, causal=False)
+    context.backward(case.dout, case.q, case.k, case.v, out, lse, causal=False)
+
+
 def run_cases(context, cases: list[Case]) -> bool:
-    """Runs forward and backward on every case, non-causal and causal, and prints one line per run
-    with the time and each tensor's error against its bound. Returns whether all passed."""
+    """Runs forward and backward on every case, non-causal and causal, after a warm-up, and prints
+    one line per run with the time and each tensor's error against its bound. Returns whether all
+    passed."""
+    warm_up(context, cases[0])
     names = ("out", "lse", "dq", "dk", "dv")
     print(f"{'case':<24} {'causal':<6} {'shape (B,H,L,D)':<17} {'fwd ms':>8} {'bwd ms':>8}  "
           + "  ".join(f"{name + ' err/bound':>21}" for name in names) + "  result")

@@ -121,7 +121,7 @@ final class SwiftAPITests: XCTestCase {
 private final class FailingBackend: ExecutionBackend {
     let name: StaticString = "failing"
     let deviceName = "test"
-    func execute(_ plan: DispatchPlan, buffers: HostBuffers) throws -> Profile {
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
         throw FlashAttentionError.executionFailed("injected failure")
     }
 }

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """Ring attention over MPI: per-step compute and communication time, bytes sent, work per rank.
 
 Run under MPI, one process per rank:
 
-    mpiexec -n 4 python benchmarks/ring_attention.py [--seqlen 4096] [--batch 1] [--heads 8]
-        [--kv-heads 2] [--head-dim 64] [--causal] [--repeats 3] [--backend cpu]
+    mpiexec -n 4 python -m flash_attention_metal.distributed.bench [--seqlen 4096] [--batch 1]
+        [--heads 8] [--kv-heads 2] [--head-dim 64] [--causal] [--repeats 3] [--backend cpu]
 
 Rank 0 prints, for forward and backward, each step's time per rank (of the repeat with the least
 wall time): compute (attention calls and merges), wait (blocked on transfers after computing: the
@@ -22,21 +21,29 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-import flash_attention_metal as fam
-from flash_attention_metal import distributed as dist
+from .. import context as _context
+from . import layout, ring, sharding
 
 
-def _arguments() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqlen", type=int, default=4096, help="global sequence length")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--backend", default="auto", help="auto, metal or cpu")
-    return parser.parse_args()
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _arguments(argv) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m flash_attention_metal.distributed.bench",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqlen", type=_positive, default=4096, help="global sequence length (default 4096)")
+    parser.add_argument("--batch", type=_positive, default=1)
+    parser.add_argument("--heads", type=_positive, default=8)
+    parser.add_argument("--kv-heads", type=_positive, default=2)
+    parser.add_argument("--head-dim", type=_positive, default=64)
+    parser.add_argument("--causal", action="store_true", help="causal mask (zigzag layout)")
+    parser.add_argument("--repeats", type=_positive, default=3)
+    parser.add_argument("--backend", default="auto", help="auto, metal or cpu (default auto)")
+    return parser.parse_args(argv)
 
 
 def _one_pass(comm, context, tensors, causal):
@@ -45,9 +52,9 @@ def _one_pass(comm, context, tensors, causal):
     forward_profile, backward_profile = [], []
     comm.Barrier()
     start = time.perf_counter()
-    out, lse = dist.ring_attention(q, k, v, comm=comm, causal=causal, context=context, profile=forward_profile)
+    out, lse = ring.ring_attention(q, k, v, comm=comm, causal=causal, context=context, profile=forward_profile)
     middle = time.perf_counter()
-    dist.ring_attention_backward(dout, q, k, v, out, lse, comm=comm, causal=causal, context=context,
+    ring.ring_attention_backward(dout, q, k, v, out, lse, comm=comm, causal=causal, context=context,
                                  profile=backward_profile)
     end = time.perf_counter()
     return forward_profile, backward_profile, (middle - start, end - middle)
@@ -95,23 +102,24 @@ def _print_single_call(context, tensors, causal: bool, repeats: int) -> None:
           f"backward {min(backward_s) * 1e3:.1f} ms")
 
 
-def main() -> None:
-    args = _arguments()
+def main(argv=None) -> None:
+    """Runs the benchmark on every rank of MPI.COMM_WORLD; rank 0 prints."""
+    args = _arguments(argv)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    context = fam.Context(args.backend)
+    context = _context.Context(args.backend)
     rng = np.random.default_rng(0)
     q_shape = (args.batch, args.heads, args.seqlen, args.head_dim)
     kv_shape = (args.batch, args.kv_heads, args.seqlen, args.head_dim)
     tensors = [rng.standard_normal(shape).astype(np.float16) for shape in (q_shape, kv_shape, kv_shape, q_shape)]
-    local = [dist.shard_sequence(x, comm=comm, causal=args.causal) for x in tensors]
+    local = [sharding.shard_sequence(x, comm=comm, causal=args.causal) for x in tensors]
     del tensors
     _one_pass(comm, context, local, args.causal)  # warm-up
     runs = [_one_pass(comm, context, local, args.causal) for _ in range(args.repeats)]
     gathered = comm.gather(runs)
     if rank != 0:
         return
-    layout = dist.SequenceLayout(args.seqlen, size, args.causal)
+    sequence = layout.SequenceLayout(args.seqlen, size, args.causal)
     print(f"ring attention over {size} rank(s) ({MPI.Get_library_version().splitlines()[0].strip()}), "
           f"{'causal (zigzag)' if args.causal else 'not causal (contiguous)'}, B={args.batch} H={args.heads} "
           f"H_kv={args.kv_heads} seqlen={args.seqlen} head_dim={args.head_dim}, backend {context.backend}: "
@@ -122,7 +130,7 @@ def main() -> None:
         _print_table(f"{name} (best of {args.repeats})", [gathered[r][best][phase] for r in range(size)], walls[best])
     if size == 1:
         _print_single_call(context, local, args.causal, args.repeats)
-    work = [dist.rank_work(layout, layout, r) for r in range(size)]
+    work = [layout.rank_work(sequence, sequence, r) for r in range(size)]
     shares = ", ".join(f"rank {r} {100 * w / sum(work):.1f} %" for r, w in enumerate(work))
     print(f"\nwork per rank (visible query-key pairs per batch and head): {shares}; "
           f"max / mean = {max(work) / np.mean(work):.3f}")

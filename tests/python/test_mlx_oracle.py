@@ -1,0 +1,94 @@
+"""The library against an implementation nobody here wrote: MLX's
+``mx.fast.scaled_dot_product_attention``, forward and gradients (``mx.vjp``), run on MLX's CPU
+backend (``mlx[cpu]`` from PyPI on Linux; the same CPU code on a Mac, so the bound does not depend
+on the machine).
+
+The rule is the accuracy rule with MLX in both roles: ``ref`` is MLX in float32 on the same float16
+inputs (exact conversions), ``base`` is MLX in float16, and a result passes when
+``max|ours - ref| <= 2 * max|base - ref| + 1e-5`` for out and ``3 *`` for dq, dk, dv. Nothing of
+the library's own reference or baseline is used.
+
+MLX aligns causal masks bottom-right as the library does. The one difference is a query row that
+sees no key (causal with seqlen_q > seqlen_k): MLX returns the mean of V there, the library 0 (as
+FlashAttention does). Such rows are left out of the out comparison, and their dout rows are zero
+for both implementations, so their (different) gradients do not reach dk and dv.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flash_attention_metal import accuracy
+
+from conftest import make_inputs
+
+mx = pytest.importorskip("mlx.core")
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal): GQA and MQA, seqlen_q != seqlen_k
+# both ways (with and without rows that see no key), decode, batch > 1, head_dim 32 to 256.
+GRID = [
+    (2, 4, 4, 64, 64, 32, False),
+    (2, 4, 4, 64, 64, 32, True),
+    (1, 3, 3, 17, 17, 40, False),
+    (1, 8, 2, 48, 96, 64, True),
+    (2, 6, 1, 40, 40, 64, True),
+    (1, 4, 2, 96, 40, 64, True),
+    (1, 4, 1, 70, 33, 96, False),
+    (2, 2, 2, 33, 77, 128, True),
+    (1, 4, 2, 1, 100, 128, True),
+    (1, 2, 1, 57, 45, 160, True),
+    (1, 2, 2, 40, 100, 192, False),
+    (1, 2, 1, 50, 50, 256, True),
+    (2, 2, 1, 80, 30, 256, True),
+]
+
+
+def _label(case):
+    b, h, hk, nq, nk, d, causal = case
+    return f"B{b}-H{h}-Hkv{hk}-Nq{nq}-Nk{nk}-D{d}-{'causal' if causal else 'full'}"
+
+
+def _mlx(q, k, v, dout, causal: bool, dtype):
+    """MLX's out, dq, dk, dv as float64, computed on the CPU in ``dtype``."""
+    scale = 1.0 / np.sqrt(q.shape[-1])
+
+    def attention(q, k, v):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if causal else None,
+                                                    stream=mx.cpu)
+
+    with mx.stream(mx.cpu):
+        (out,), grads = mx.vjp(attention, [mx.array(a).astype(dtype) for a in (q, k, v)],
+                               [mx.array(dout).astype(dtype)])
+        results = [out, *grads]
+        mx.eval(results)
+        return [np.array(r.astype(mx.float32)).astype(np.float64) for r in results]
+
+
+def _sees_a_key(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
+    """Per query row: whether it sees at least one key (bottom-right causal: row i sees key 0 iff
+    0 <= i + seqlen_k - seqlen_q)."""
+    rows = np.arange(seqlen_q)
+    return rows + seqlen_k - seqlen_q >= 0 if causal else np.ones(seqlen_q, dtype=bool)
+
+
+@pytest.mark.parametrize("case", GRID, ids=_label)
+def test_forward_and_gradients_match_mlx(ctx, case):
+    *shape, causal = case
+    q, k, v, dout = make_inputs(sum(shape) + 7, *shape)
+    seen = _sees_a_key(q.shape[2], k.shape[2], causal)
+    dout[:, :, ~seen] = 0
+    out, lse = ctx.forward(q, k, v, causal=causal)
+    dq, dk, dv = ctx.backward(dout, q, k, v, out, lse, causal=causal)
+    ref = _mlx(q, k, v, dout, causal, mx.float32)
+    base = _mlx(q, k, v, dout, causal, mx.float16)
+    ours = [out[:, :, seen], dq, dk, dv]
+    ref[0], base[0] = ref[0][:, :, seen], base[0][:, :, seen]
+    report = []
+    for name, factor, mine, exact, framework in zip(
+            ("out", "dq", "dk", "dv"), (accuracy.OUT_FACTOR,) + (accuracy.GRAD_FACTOR,) * 3, ours, ref, base):
+        error = float(np.max(np.abs(mine.astype(np.float64) - exact), initial=0.0))
+        bound = factor * float(np.max(np.abs(framework - exact), initial=0.0)) + accuracy.ABS_SLACK
+        report.append((name, error, bound))
+    text = "\n".join(f"{n}: max|ours - mlx float32| {e:.3e}, bound {b:.3e}" for n, e, b in report)
+    assert all(np.isfinite(e) and e <= b for _, e, b in report), f"{_label(case)}\n{text}"
