@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds and tests libFlashAttentionMetal. Safe to re-run.
 #   ./build.sh         the release library (.build/release/libFlashAttentionMetal.so|.dylib);
-#                      on macOS also .build/release/flash_attention.metallib when `xcrun metal` works
+#                      on macOS also .build/release/flash_attention-<hash>.metallib when `xcrun metal` works
 #   ./build.sh run     set-up (.venv with the Python package), build, then the main job:
 #                      python -m flash_attention_metal check
-#   ./build.sh test    build, then every test: swift test, the sanitized run, the C program, pytest
+#   ./build.sh test    build, then every test: the address-space check of the kernels, swift test,
+#                      the sanitized run, the C program, pytest (with the workflow linters)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 ROOT=$(pwd)
@@ -25,17 +26,57 @@ library_path() {
     fi
 }
 
-# The Metal backend compiles the embedded source at run time, so a missing Metal toolchain only
-# skips this ahead-of-time check of the shaders.
+# The package's oldest macOS (Package.swift) and the pinned MSL version (flash_attention_params.h):
+# the .metallib is built for exactly what the library compiles at run time.
+macos_min() { sed -n 's/.*\.macOS(\.v\([0-9][0-9]*\)).*/\1.0/p' Package.swift; }
+msl_std() {
+    local major minor
+    major=$(sed -n 's/^#define FA_MSL_VERSION_MAJOR \([0-9]*\)/\1/p' Shaders/flash_attention_params.h)
+    minor=$(sed -n 's/^#define FA_MSL_VERSION_MINOR \([0-9]*\)/\1/p' Shaders/flash_attention_params.h)
+    echo "metal$major.$minor"
+}
+
+# Compiles the shaders ahead of time to .build/release/flash_attention-<source hash>.metallib, which
+# the library loads instead of compiling its embedded source at start-up (the name ties the file to
+# that source). Whether `xcrun metal` works is decided by running it: on Xcode 26 without the Metal
+# Toolchain component `xcrun -f metal` still finds a stub. Warnings are errors; the math is the
+# run-time compile's (safe math, precise functions; -fno-fast-math on compilers older than Xcode 16).
+# Without a working compiler the library still works (it compiles the embedded source), so this only
+# notes the skip, unless FLASH_ATTENTION_METAL_REQUIRE_METALLIB=1 (the macOS workflow) makes it fatal.
 build_metallib() {
-    if xcrun -f metal >/dev/null 2>&1; then
-        say "compiling Shaders/flash_attention.metal to a .metallib"
-        xcrun -sdk macosx metal -c Shaders/flash_attention.metal -I Shaders -o .build/release/flash_attention.air
-        xcrun -sdk macosx metallib .build/release/flash_attention.air -o .build/release/flash_attention.metallib
-    else
-        say "note: 'xcrun metal' not available (Xcode 26: xcodebuild -downloadComponent MetalToolchain);" \
-            "skipping the .metallib; the library compiles its embedded shader source at run time"
+    local out=.build/release probe math="" log
+    local flags=(-std="$(msl_std)" -target "air64-apple-macos$(macos_min)" -Werror)
+    probe=$(mktemp -d)
+    printf 'kernel void probe(device float *x [[buffer(0)]]) { x[0] = 1.0f; }\n' > "$probe/probe.metal"
+    for candidate in "-fmetal-math-mode=safe -fmetal-math-fp32-functions=precise" "-fno-fast-math"; do
+        # shellcheck disable=SC2086  # the candidate is a list of flags
+        if xcrun -sdk macosx metal "${flags[@]}" $candidate -c "$probe/probe.metal" -o "$probe/probe.air" \
+            > "$probe/log" 2>&1; then
+            math=$candidate
+            break
+        fi
+        log=${log:-$(head -c 600 "$probe/log")}
+    done
+    rm -rf "$probe"
+    if [[ -z $math ]]; then
+        say "note: the Metal compiler does not run here (${log:-no output}); on Xcode 26 install it with" \
+            "'xcodebuild -downloadComponent MetalToolchain'. Skipping the .metallib: the library compiles" \
+            "its embedded shader source at start-up instead."
+        if [[ ${FLASH_ATTENTION_METAL_REQUIRE_METALLIB:-0} == 1 ]]; then
+            echo "build.sh: FLASH_ATTENTION_METAL_REQUIRE_METALLIB=1 and no .metallib could be built" >&2
+            exit 1
+        fi
+        return 0
     fi
+    local name
+    name="flash_attention-$(python3 tools/embed_shaders.py --hash).metallib"
+    say "compiling Shaders/flash_attention.metal to $out/$name ($math)"
+    rm -f "$out"/flash_attention-*.metallib
+    # shellcheck disable=SC2086
+    xcrun -sdk macosx metal "${flags[@]}" $math -c Shaders/flash_attention.metal -I Shaders \
+        -o "$out/flash_attention.air"
+    xcrun -sdk macosx metallib "$out/flash_attention.air" -o "$out/$name"
+    rm -f "$out/flash_attention.air"
 }
 
 build_library() {
@@ -54,9 +95,14 @@ build_library() {
 # install follows the links to the current build, and `pip install ./python` copies the files into
 # the installed package.
 link_into_python_package() {
-    local package=python/flash_attention_metal
+    local package=python/flash_attention_metal metallib
     ln -sf "$(library_path)" "$package/$(basename "$(library_path)")"
     ln -sf "$ROOT/Sources/CFlashAttentionMetal/include/flash_attention_metal.h" "$package/flash_attention_metal.h"
+    # The library looks for its .metallib next to the file it was loaded from.
+    rm -f "$package"/flash_attention-*.metallib
+    for metallib in .build/release/flash_attention-*.metallib; do
+        if [[ -f $metallib ]]; then ln -sf "$ROOT/$metallib" "$package/$(basename "$metallib")"; fi
+    done
 }
 
 # .venv at the repository root with the package (editable), its test, bench, examples and
@@ -91,9 +137,31 @@ run_c_test() {
     ./build/fa_c_smoke
 }
 
+# The kernels through a second compiler that enforces MSL's address spaces (clang, C++ for OpenCL
+# 2021). Swift toolchains and Xcode ship a clang that can; where none can, install one with apt-get
+# when that is possible, else skip loudly.
+check_address_spaces() {
+    say "address-space check of Shaders/*.metal (tools/check_address_spaces.py)"
+    local status=0
+    python3 tools/check_address_spaces.py || status=$?
+    if [[ $status == 2 ]] && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
+        say "installing clang with apt-get for the address-space check"
+        if apt-get install -y -qq clang >/dev/null; then
+            status=0
+            python3 tools/check_address_spaces.py || status=$?
+        fi
+    fi
+    case $status in
+        0) ;;
+        2) warn "SKIPPED the address-space check: no clang that compiles C++ for OpenCL 2021 (install clang 14+)" ;;
+        *) exit "$status" ;;
+    esac
+}
+
 run_tests() {
     build_library
     setup_venv
+    check_address_spaces
     say "swift test"
     swift test
     if [[ -f tests/run_sanitized.sh ]]; then
@@ -116,7 +184,7 @@ case "${1:-build}" in
         .venv/bin/python -m flash_attention_metal check
         ;;
     test) run_tests ;;
-    -h | --help | help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' ;;
+    -h | --help | help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' ;;
     *)
         echo "build.sh: unknown command '$1' (use: ./build.sh [build|run|test])" >&2
         exit 2

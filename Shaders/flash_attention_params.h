@@ -11,6 +11,13 @@ typedef uint fa_u32;
 typedef uint32_t fa_u32;
 #endif
 
+// The Metal Shading Language version the kernels are compiled as, everywhere: the run-time
+// compile (MTLCompileOptions.languageVersion), build.sh's `xcrun metal -std=metal3.0` and the
+// address-space check (__METAL_VERSION__ 300). MSL 3.0 is macOS 13 / iOS 16, the package's
+// platforms; simdgroup_matrix needs 2.3.
+#define FA_MSL_VERSION_MAJOR 3
+#define FA_MSL_VERSION_MINOR 0
+
 // Every field is 4 bytes, so the layout is the same in MSL, C, C++ and Swift.
 typedef struct FlashAttentionParams {
     fa_u32 batch;

@@ -3,9 +3,15 @@
 Shaders/flash_attention.metal with Shaders/flash_attention_params.h spliced in place of its
 #include, because MTLDevice.makeLibrary(source:options:) has no include path.
 
+The file also holds a hash of that source, which names the precompiled library build.sh makes on a
+Mac (flash_attention-<hash>.metallib): the library loads only a .metallib built from the source it
+embeds.
+
 Usage: tools/embed_shaders.py          regenerate the file
        tools/embed_shaders.py --check  exit 1 (and say so) when the checked-in file is stale
+       tools/embed_shaders.py --hash   print the hash of the current source
 """
+import hashlib
 import pathlib
 import re
 import sys
@@ -33,6 +39,11 @@ def spliced_source() -> str:
     return "\n".join(lines) + "\n"
 
 
+def source_hash(source: str) -> str:
+    """The first 16 hex digits of the SHA-256 of the spliced source (UTF-8)."""
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+
+
 def swift_file(source: str) -> str:
     # A raw string whose delimiter and interpolation marker (\# followed by the hashes) cannot
     # occur in the source, so nothing needs escaping.
@@ -45,6 +56,8 @@ def swift_file(source: str) -> str:
         "/// The self-contained MSL source of the attention kernels, compiled at run time by the Metal\n"
         "/// backend with makeLibrary(source:options:).\n"
         "enum EmbeddedShaders {\n"
+        "    /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.\n"
+        f"    static let sourceHash = \"{source_hash(source)}\"\n\n"
         f"    static let source: String = {hashes}\"\"\"\n"
         f"{source}"
         f"\"\"\"{hashes}\n"
@@ -55,14 +68,18 @@ def swift_file(source: str) -> str:
 def main() -> int:
     if not METAL.is_file():
         sys.exit(f"embed_shaders: {METAL} is missing")
-    text = swift_file(spliced_source())
+    source = spliced_source()
+    if sys.argv[1:] == ["--hash"]:
+        print(source_hash(source))
+        return 0
+    text = swift_file(source)
     if sys.argv[1:] == ["--check"]:
         if not OUTPUT.is_file() or OUTPUT.read_text(encoding="utf-8") != text:
             print(f"embed_shaders: {OUTPUT.relative_to(ROOT)} is stale; run tools/embed_shaders.py", file=sys.stderr)
             return 1
         return 0
     if sys.argv[1:]:
-        sys.exit("usage: tools/embed_shaders.py [--check]")
+        sys.exit("usage: tools/embed_shaders.py [--check | --hash]")
     OUTPUT.parent.mkdir(parents=True, exist_ok=True)
     if not OUTPUT.is_file() or OUTPUT.read_text(encoding="utf-8") != text:
         OUTPUT.write_text(text, encoding="utf-8")

@@ -43,9 +43,22 @@ protocol ExecutionBackend: AnyObject {
     var name: StaticString { get }
     /// The device the kernels run on, for users.
     var deviceName: String { get }
-    /// Runs every dispatch of `plan` in order and returns when all have finished, with what ran
-    /// (one `DispatchProfile` per dispatch of the plan, in order). Throws `FlashAttentionError`
-    /// with the device's or engine's message on failure, `.cancelled` when `cancellation` stopped
-    /// it (outputs then hold unspecified values; the caller poisons them).
+    /// How the backend came to be what it is, for users ("" when there is nothing to say): where
+    /// the Metal kernels came from, or why `auto` runs on the CPU engine.
+    var note: String { get }
+    /// Checks, before anything is written, that every kernel of `plan` can run here (Metal: the
+    /// device is usable and each pipeline builds and fits the device); `execute` checks the same.
+    /// Throws `FlashAttentionError`.
+    func prepare(_ plan: DispatchPlan) throws
+    /// Runs every dispatch of `plan` in order (in pieces, see `DispatchPlan.pieces(maxFlops:)`) and
+    /// returns when all have finished, with what ran (one `DispatchProfile` per dispatch of the plan,
+    /// in order, and the number of pieces). Throws `FlashAttentionError` with the device's or
+    /// engine's message on failure, `.cancelled` when `cancellation` stopped it (outputs then hold
+    /// unspecified values; the caller poisons them).
     func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile
+}
+
+extension ExecutionBackend {
+    var note: String { "" }
+    func prepare(_ plan: DispatchPlan) throws {}
 }

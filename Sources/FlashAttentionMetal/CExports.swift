@@ -72,7 +72,14 @@ public func _exportContextBackendName(_ handle: OpaquePointer?) -> UnsafePointer
 @_cdecl("fa_context_device_name")
 public func _exportContextDeviceName(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
     guard let ctx = try? context(handle) else { return nil }
-    return UnsafePointer(ctx.deviceNameCString)
+    return ctx.cString(ctx.backend.deviceName)
+}
+
+/// fa_context_backend_note: see flash_attention_metal.h.
+@_cdecl("fa_context_backend_note")
+public func _exportContextBackendNote(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
+    guard let ctx = try? context(handle) else { return nil }
+    return ctx.cString(ctx.backend.note)
 }
 
 /// fa_context_cancel: see flash_attention_metal.h. No autorelease pool: it touches no Objective-C
@@ -160,6 +167,7 @@ public func _exportContextLastProfile(_ handle: OpaquePointer?, _ profile: Unsaf
         let last = ctx.lastProfile
         out.pointee.dispatch_count = UInt32(last?.dispatches.count ?? 0)
         out.pointee.seconds = last?.seconds ?? 0
+        out.pointee.command_buffers = UInt32(clamping: last?.commandBuffers ?? 0)
         return FA_STATUS_SUCCESS
     } catch {
         return report(error)

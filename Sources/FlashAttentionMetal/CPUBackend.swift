@@ -11,10 +11,14 @@ import MSLEngine
 final class CPUBackend: ExecutionBackend {
     let name: StaticString = "cpu"
     let deviceName: String
+    /// Work per piece of a plan (`DispatchPlan.pieces(maxFlops:)`). The CPU has no watchdog, so
+    /// a plan runs whole; tests lower it to run the pieces the Metal backend would.
+    let flopsPerPiece: Int
 
     /// Fails with `backendUnavailable` when the engine lacks the attention kernels (a build defect, or
     /// on x86-64 a CPU without AVX2, F16C and FMA).
-    init() throws {
+    init(flopsPerPiece: Int = .max) throws {
+        self.flopsPerPiece = flopsPerPiece
         let probe = "flash_attention_forward_d\(FA_MAX_HEAD_DIM)"
         guard msl_engine_has_kernel(probe) != 0 else {
             throw FlashAttentionError.backendUnavailable(
@@ -27,6 +31,7 @@ final class CPUBackend: ExecutionBackend {
         var buffers = buffers
         var workspace: [UnsafeMutableRawPointer] = []
         defer { workspace.forEach { free($0) } }
+        // For the whole problem; each piece uses its part, as it does of the caller's buffers.
         for role in plan.workspace {
             let bytes = role.byteCount(for: plan.problem)
             guard let memory = malloc(max(bytes, 1)) else {
@@ -35,28 +40,35 @@ final class CPUBackend: ExecutionBackend {
             workspace.append(memory)
             buffers[role] = UnsafeMutableRawBufferPointer(start: memory, count: bytes)
         }
-        var profile = Profile(seconds: 0, dispatches: [])
-        for dispatch in plan.dispatches {
-            try run(dispatch, buffers: buffers, cancellation: cancellation)
-            profile.dispatches.append(Self.lastDispatchProfile(dispatch))
-            profile.seconds += profile.dispatches.last?.seconds ?? 0
+        // The pieces run the plan's dispatches on slices; each dispatch's record sums its pieces.
+        let pieces = plan.pieces(maxFlops: flopsPerPiece)
+        var profile = Profile(seconds: 0, dispatches: plan.dispatches.map(Self.emptyRecord),
+                              commandBuffers: pieces.count)
+        for piece in pieces {
+            for (n, dispatch) in piece.plan.dispatches.enumerated() {
+                try run(dispatch, of: piece, buffers: buffers, cancellation: cancellation)
+                var stats = msl_engine_dispatch_stats()
+                msl_engine_last_dispatch_stats(&stats)
+                profile.dispatches[n].simdgroupMultiplyAccumulates? += stats.simdgroup_multiply_accumulates
+                profile.dispatches[n].threadgroupBarriers? += stats.threadgroup_barriers
+                profile.dispatches[n].seconds? += stats.seconds
+                profile.seconds += stats.seconds
+            }
         }
         return profile
     }
 
-    /// What the engine reports for the calling thread's last dispatch, which ran `dispatch`.
-    private static func lastDispatchProfile(_ dispatch: Dispatch) -> DispatchProfile {
-        var stats = msl_engine_dispatch_stats()
-        msl_engine_last_dispatch_stats(&stats)
+    /// The record of `dispatch` before it runs: its threadgroup storage, zero counts and time.
+    private static func emptyRecord(_ dispatch: Dispatch) -> DispatchProfile {
         var info = msl_engine_kernel_info()
         let memory = msl_engine_describe_kernel(dispatch.kernelName, &info) != 0 ? info.threadgroup_memory_length : 0
-        return DispatchProfile(dispatch, threadgroupMemoryLength: memory,
-                               simdgroupMultiplyAccumulates: stats.simdgroup_multiply_accumulates,
-                               threadgroupBarriers: stats.threadgroup_barriers, seconds: stats.seconds)
+        return DispatchProfile(dispatch, threadgroupMemoryLength: memory, simdgroupMultiplyAccumulates: 0,
+                               threadgroupBarriers: 0, seconds: 0)
     }
 
     /// The engine checks `cancellation` before every threadgroup, the first one included.
-    private func run(_ dispatch: Dispatch, buffers: HostBuffers, cancellation: CancellationToken) throws {
+    private func run(_ dispatch: Dispatch, of piece: PlanPiece, buffers: HostBuffers,
+                     cancellation: CancellationToken) throws {
         var params = dispatch.params
         try withUnsafeMutableBytes(of: &params) { paramBytes in
             var slots = [msl_engine_buffer](repeating: msl_engine_buffer(contents: nil, length: 0),
@@ -66,7 +78,9 @@ final class CPUBackend: ExecutionBackend {
                     throw FlashAttentionError.internalError(
                         "\(dispatch.kernelName): no buffer for \(binding.role.name)")
                 }
-                slots[binding.index] = msl_engine_buffer(contents: buffer.baseAddress, length: buffer.count)
+                slots[binding.index] = msl_engine_buffer(
+                    contents: buffer.baseAddress.map { $0 + piece.byteOffset(of: binding.role) },
+                    length: binding.role.byteCount(for: piece.plan.problem))
             }
             slots[dispatch.paramsIndex] = msl_engine_buffer(contents: paramBytes.baseAddress,
                                                             length: paramBytes.count)

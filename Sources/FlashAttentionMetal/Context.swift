@@ -10,20 +10,23 @@ import CFlashAttentionMetal
 
 /// Which backend runs the kernels.
 public enum Backend: Sendable, Equatable {
-    /// Metal where a Metal device exists, else the CPU engine.
+    /// Metal where it can run the kernels (an Apple-silicon GPU), else the CPU engine; see
+    /// ``FlashAttention/backendNote`` for why.
     case auto
-    /// An Apple GPU through Metal; `backendUnavailable` elsewhere.
+    /// An Apple GPU through Metal; `backendUnavailable` elsewhere, with the reason.
     case metal
     /// The CPU engine running the same `.metal` kernels.
     case cpu
 }
 
-/// What an `fa_context` points to: a backend and the C strings the ABI hands out. Immutable after
-/// creation, and the backends are thread-safe, so one context serves concurrent calls.
+/// What an `fa_context` points to: a backend and the C strings the ABI hands out. The backends are
+/// thread-safe, so one context serves concurrent calls.
 final class Context {
     let backend: ExecutionBackend
-    /// `strdup` of the device name: valid while the context lives, as the header promises.
-    let deviceNameCString: UnsafeMutablePointer<CChar>?
+    private let lock = Lock()
+    /// `strdup` copies of the names and notes handed to C: valid while the context lives, as the
+    /// header promises (with `auto` the device name and the note can change after a call).
+    private var cStrings: [String: UnsafeMutablePointer<CChar>] = [:]
     /// What `cancel()` advances and every call's token reads.
     private let cancellation = Cancellation()
 
@@ -34,24 +37,26 @@ final class Context {
         case .metal:
             backend = try Context.makeMetalBackend()
         case .auto:
-            // Auto falls back to the CPU only when Metal is absent or has no device, never to hide a
-            // Metal failure of another kind.
-            do {
-                backend = try Context.makeMetalBackend()
-            } catch FlashAttentionError.backendUnavailable {
-                backend = try CPUBackend()
-            }
+            backend = try AutoBackend(makeMetal: Context.makeMetalBackend)
         }
-        deviceNameCString = strdup(backend.deviceName)
     }
 
     /// A context around an existing backend (tests inject failing ones).
     init(backend: ExecutionBackend) {
         self.backend = backend
-        deviceNameCString = strdup(backend.deviceName)
     }
 
-    deinit { free(deviceNameCString) }
+    deinit { cStrings.values.forEach { free($0) } }
+
+    /// A C copy of `text` that lives as long as the context; nil only when out of memory.
+    func cString(_ text: String) -> UnsafePointer<CChar>? {
+        lock.withLock {
+            if let copy = cStrings[text] { return UnsafePointer(copy) }
+            guard let copy = strdup(text) else { return nil }
+            cStrings[text] = copy
+            return UnsafePointer(copy)
+        }
+    }
 
     private static func makeMetalBackend() throws -> ExecutionBackend {
         #if canImport(Metal)

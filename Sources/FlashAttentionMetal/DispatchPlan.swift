@@ -47,6 +47,27 @@ enum BufferRole: Int, CaseIterable {
 
     /// Bytes of this buffer for `problem`; never overflows for a validated problem.
     func byteCount(for problem: Problem) -> Int { elementCount(for: problem) * elementSize }
+
+    /// Element offset of the data of batch entry `batch`, KV head `kvHead` (and its first query
+    /// head, `kvHead * groupSize`) in this buffer of `problem`: where a piece of a split plan that
+    /// starts there binds the buffer.
+    func elementOffset(batch: UInt32, kvHead: UInt32, in problem: Problem) -> Int {
+        let b = Int(batch), kv = Int(kvHead), g = Int(problem.groupSize)
+        switch self {
+        case .q, .out, .dout, .dq:
+            return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ) * Int(problem.headDim)
+        case .k, .v, .dk, .dv:
+            return (b * Int(problem.numKVHeads) + kv) * Int(problem.seqlenK) * Int(problem.headDim)
+        case .lse, .delta:
+            return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ)
+        // [batch][num_heads][chunk][seqlen_q] (times head_dim for partial_out).
+        case .partialLse:
+            return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
+        case .partialOut:
+            return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
+                * Int(problem.headDim)
+        }
+    }
 }
 
 /// A 3-D size, as in `MTLSize` and `msl_engine_size`.
@@ -76,12 +97,29 @@ struct Dispatch {
     var bufferCount: Int { bindings.count + 1 }
 }
 
+/// The passes a plan can run.
+enum Pass {
+    case forward, backward
+
+    /// Floating-point operations per (query row, key, head_dim element) of one head, as
+    /// FlashAttention's benchmarks count them: forward 2 matrix products (QK^T, PV), backward 2.5x
+    /// that. The causal mask is ignored (an upper bound), as is the padding of head_dim.
+    var flopsPerScoreElement: Int {
+        switch self {
+        case .forward: return 4
+        case .backward: return 10
+        }
+    }
+}
+
 /// The dispatches of one pass, computed once for every backend (FlashAttention-2: forward is
 /// Algorithm 1, one kernel; backward is Algorithm 2 split into a D pre-pass, a dQ kernel over query
 /// blocks and a dK/dV kernel over key blocks, so that no two threadgroups write the same output
 /// element and the result is deterministic without atomics). Every kernel runs
 /// `fa_threads_per_threadgroup()` threads per threadgroup.
 struct DispatchPlan {
+    /// The pass; `make(pass, problem)` rebuilds the plan for a slice of the problem.
+    let pass: Pass
     let dispatches: [Dispatch]
     /// The roles the pass writes for the caller; every other bound role is read only.
     let outputs: [BufferRole]
@@ -90,6 +128,23 @@ struct DispatchPlan {
     let workspace: [BufferRole]
     /// The problem the plan was made for (buffer sizes follow from it).
     let problem: Problem
+
+    /// Every role some dispatch binds, in order of first binding.
+    var boundRoles: [BufferRole] {
+        var roles: [BufferRole] = []
+        for binding in dispatches.flatMap(\.bindings) where !roles.contains(binding.role) {
+            roles.append(binding.role)
+        }
+        return roles
+    }
+
+    /// The plan of `pass` for `problem`.
+    static func make(_ pass: Pass, _ problem: Problem) -> DispatchPlan {
+        switch pass {
+        case .forward: return forward(problem)
+        case .backward: return backward(problem)
+        }
+    }
 
     /// Forward. Dense: `flash_attention_forward_d<DP>` over (ceil(seqlen_q / forward_block_q),
     /// num_heads, batch) threadgroups. Split-KV (`problem.split`, decode shapes):
@@ -111,7 +166,8 @@ struct DispatchPlan {
             let dense = dispatch("flash_attention_forward_d\(b.head_dim_max)",
                                  GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
                                           height: problem.numHeads, depth: problem.batch))
-            return DispatchPlan(dispatches: [dense], outputs: [.out, .lse], workspace: [], problem: problem)
+            return DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse], workspace: [],
+                                problem: problem)
         }
         bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
                      BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
@@ -120,7 +176,7 @@ struct DispatchPlan {
                                        depth: problem.batch))
         let combine = dispatch("flash_attention_forward_combine",
                                GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch))
-        return DispatchPlan(dispatches: [chunks, combine], outputs: [.out, .lse],
+        return DispatchPlan(pass: .forward, dispatches: [chunks, combine], outputs: [.out, .lse],
                             workspace: [.partialOut, .partialLse], problem: problem)
     }
 
@@ -155,8 +211,8 @@ struct DispatchPlan {
                            [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
                            rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads)
-        return DispatchPlan(dispatches: [delta, dq, dkv], outputs: [.dq, .dk, .dv], workspace: [.delta],
-                            problem: problem)
+        return DispatchPlan(pass: .backward, dispatches: [delta, dq, dkv], outputs: [.dq, .dk, .dv],
+                            workspace: [.delta], problem: problem)
     }
 
     /// Threads per threadgroup of every kernel.

@@ -24,6 +24,12 @@ public final class FlashAttention: @unchecked Sendable {
     /// The Metal device name, or a description of the CPU engine.
     public var deviceName: String { context.backend.deviceName }
 
+    /// Why the backend is what it is ("" when there is nothing to say): where the Metal kernels came
+    /// from (a `.metallib` next to the library, or the embedded source compiled at creation), or why
+    /// `.auto` runs (some) kernels on the CPU engine. With `.auto`, `backendName`, `deviceName` and
+    /// this note can change after a call: when the GPU is lost, later calls run on the CPU engine.
+    public var backendNote: String { context.backend.note }
+
     /// Cancels the calls in flight on this instance, from any thread: each stops early (the CPU
     /// engine within its current threadgroups, Metal before its next command buffer) and throws
     /// ``FlashAttentionError/cancelled(_:)`` with its outputs set to NaN, unless it had already

@@ -91,6 +91,25 @@ struct Problem {
                            causal: causal, softmaxScale: scale)
     }
 
+    /// Memberwise: the checked initializer below and `slice` end here.
+    private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
+                 headDim: UInt32, causal: Bool, softmaxScale: Float, bucket: FlashAttentionBucket,
+                 queryElements: Int, keyValueElements: Int, lseElements: Int, split: KeyValueSplit?) {
+        self.batch = batch
+        self.numHeads = numHeads
+        self.numKVHeads = numKVHeads
+        self.seqlenQ = seqlenQ
+        self.seqlenK = seqlenK
+        self.headDim = headDim
+        self.causal = causal
+        self.softmaxScale = softmaxScale
+        self.bucket = bucket
+        self.queryElements = queryElements
+        self.keyValueElements = keyValueElements
+        self.lseElements = lseElements
+        self.split = split
+    }
+
     private init(batch: Int, numHeads: Int, numKVHeads: Int, seqlenQ: Int, seqlenK: Int, headDim: Int,
                  causal: Bool, softmaxScale: Float) throws {
         let dims = [("batch", batch), ("num_heads", numHeads), ("num_kv_heads", numKVHeads),
@@ -120,20 +139,13 @@ struct Problem {
         let keyValue = try Problem.checkedCount([batch, numKVHeads, seqlenK, headDim], bytesPerElement: 2,
                                                 of: "k")
         let lse = try Problem.checkedCount([batch, numHeads, seqlenQ], bytesPerElement: 4, of: "lse")
-        self.batch = UInt32(batch)
-        self.numHeads = UInt32(numHeads)
-        self.numKVHeads = UInt32(numKVHeads)
-        self.seqlenQ = UInt32(seqlenQ)
-        self.seqlenK = UInt32(seqlenK)
-        self.headDim = UInt32(headDim)
-        self.causal = causal
-        self.softmaxScale = softmaxScale
-        self.bucket = bucket
-        self.queryElements = query
-        self.keyValueElements = keyValue
-        self.lseElements = lse
-        split = KeyValueSplit(batch: self.batch, numHeads: self.numHeads, numKVHeads: self.numKVHeads,
-                              seqlenQ: self.seqlenQ, seqlenK: self.seqlenK, bucket: bucket)
+        self.init(batch: UInt32(batch), numHeads: UInt32(numHeads), numKVHeads: UInt32(numKVHeads),
+                  seqlenQ: UInt32(seqlenQ), seqlenK: UInt32(seqlenK), headDim: UInt32(headDim), causal: causal,
+                  softmaxScale: softmaxScale, bucket: bucket, queryElements: query, keyValueElements: keyValue,
+                  lseElements: lse,
+                  split: KeyValueSplit(batch: UInt32(batch), numHeads: UInt32(numHeads),
+                                       numKVHeads: UInt32(numKVHeads), seqlenQ: UInt32(seqlenQ),
+                                       seqlenK: UInt32(seqlenK), bucket: bucket))
     }
 
     /// The product of `factors`, checked so that the byte size of a buffer of that many elements
@@ -152,6 +164,26 @@ struct Problem {
         }
         return count
     }
+
+    /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their
+    /// query heads (whole GQA groups): what one piece of a split plan runs. Its buffers are the
+    /// parts of this problem's buffers that start at `BufferRole.elementOffset` (see `PlanPiece`).
+    /// The split-KV chunking stays the whole problem's (it would otherwise follow the smaller grid),
+    /// so that a piece computes exactly what the whole plan computes for its rows.
+    func slice(batches: Range<UInt32>, kvHeads: Range<UInt32>) -> Problem {
+        precondition(!batches.isEmpty && batches.upperBound <= batch, "batch range outside the problem")
+        precondition(!kvHeads.isEmpty && kvHeads.upperBound <= numKVHeads, "KV head range outside the problem")
+        // Sub-ranges of a validated problem: every count below is at most the full one.
+        let b = Int(batches.count), kv = Int(kvHeads.count), h = kv * Int(groupSize)
+        return Problem(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(kv), seqlenQ: seqlenQ,
+                       seqlenK: seqlenK, headDim: headDim, causal: causal, softmaxScale: softmaxScale,
+                       bucket: bucket, queryElements: b * h * Int(seqlenQ) * Int(headDim),
+                       keyValueElements: b * kv * Int(seqlenK) * Int(headDim),
+                       lseElements: b * h * Int(seqlenQ), split: split)
+    }
+
+    /// Query heads per KV head (the GQA group).
+    var groupSize: UInt32 { numHeads / numKVHeads }
 
     /// The kernels' parameter struct for this problem.
     var params: FlashAttentionParams {

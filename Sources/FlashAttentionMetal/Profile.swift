@@ -9,13 +9,19 @@ public struct Profile: Sendable, Equatable {
     /// `gpuEndTime - gpuStartTime` summed over them. CPU engine: the wall time of its dispatches,
     /// summed.
     public var seconds: Double
-    /// One record per kernel dispatch, in the order they ran (forward: one; backward: several).
+    /// One record per kernel dispatch of the pass, in order, for the whole problem (forward: one
+    /// or two; backward: three). When the pass ran in pieces, each record sums its pieces.
     public var dispatches: [DispatchProfile]
+    /// The pieces the pass ran in: on Metal one command buffer each, so that none runs into the
+    /// GPU watchdog (ranges of batch entries, or of KV heads with their query heads, of at most
+    /// 2^35 FLOP each); on the CPU engine the same pieces in turn (one, as the CPU has no watchdog).
+    public var commandBuffers: Int
 
     /// Creates a profile from its parts.
-    public init(seconds: Double, dispatches: [DispatchProfile]) {
+    public init(seconds: Double, dispatches: [DispatchProfile], commandBuffers: Int = 1) {
         self.seconds = seconds
         self.dispatches = dispatches
+        self.commandBuffers = commandBuffers
     }
 }
 

@@ -46,7 +46,12 @@ class Context:
     Attributes:
         backend: the backend in use, ``"metal"`` or ``"cpu"``.
         device: the Metal device name, or a description of the CPU engine.
+        note: why the backend is what it is (``""`` when there is nothing to say): where the Metal
+            kernels came from, or why ``"auto"`` runs kernels on the CPU engine.
         requested_backend: the ``backend`` argument, normalized.
+
+    With ``"auto"``, ``backend``, ``device`` and ``note`` are read at each access: a context whose
+    GPU is lost (access revoked, device removed) runs later calls on the CPU engine.
 
     Raises:
         TypeError: backend is not a str.
@@ -64,8 +69,24 @@ class Context:
         self._native.raise_for_status(lib.fa_context_create(backend_code[backend], holder))
         self._handle = ffi.gc(holder[0], lib.fa_context_destroy)
         self.requested_backend = backend
-        self.backend: str = ffi.string(lib.fa_context_backend_name(self._handle)).decode()
-        self.device: str = ffi.string(lib.fa_context_device_name(self._handle)).decode("utf-8", "replace")
+
+    @property
+    def backend(self) -> str:
+        """``"metal"`` or ``"cpu"``."""
+        return self._native.ffi.string(self._native.lib.fa_context_backend_name(self._handle)).decode()
+
+    @property
+    def device(self) -> str:
+        """The Metal device name, or a description of the CPU engine."""
+        return self._text(self._native.lib.fa_context_device_name(self._handle))
+
+    @property
+    def note(self) -> str:
+        """Why the backend is what it is (``fa_context_backend_note``); ``""`` when nothing to say."""
+        return self._text(self._native.lib.fa_context_backend_note(self._handle))
+
+    def _text(self, pointer) -> str:
+        return self._native.ffi.string(pointer).decode("utf-8", "replace")
 
     def __repr__(self) -> str:
         return f"Context(backend={self.backend!r}, device={self.device!r})"

@@ -43,10 +43,14 @@ class DispatchProfile:
 @dataclass(frozen=True)
 class Profile:
     """The last call: ``seconds`` (Metal: GPU time of its command buffers; CPU engine: wall time
-    of its dispatches, summed) and ``dispatches``, one ``DispatchProfile`` per kernel in order."""
+    of its dispatches, summed), ``dispatches``, one ``DispatchProfile`` per kernel of the pass in
+    order (for the whole problem, summed over its pieces), and ``command_buffers``, the pieces the
+    pass ran in (Metal: one command buffer each, of at most 2**35 FLOP, against the GPU watchdog;
+    CPU engine: 1)."""
 
     seconds: float
     dispatches: list[DispatchProfile]
+    command_buffers: int = 1
 
 
 def last_profile(native, handle) -> Profile | None:
@@ -72,7 +76,8 @@ def last_profile(native, handle) -> Profile | None:
             threadgroup_barriers=_counter(record.threadgroup_barriers),
             seconds=None if math.isnan(record.seconds) else float(record.seconds),
         ))
-    return Profile(seconds=float(summary.seconds), dispatches=dispatches)
+    return Profile(seconds=float(summary.seconds), dispatches=dispatches,
+                   command_buffers=int(summary.command_buffers))
 
 
 def _counter(value: int) -> int | None:

@@ -33,6 +33,18 @@ def test_info_reports_version_backend_device_and_library():
     assert fields["max head_dim"] == "256"
     assert fields["library version"].count(".") == 2
     assert fields["device"]
+    assert fields["note"] == "-"
+
+
+def test_info_says_why_auto_runs_on_the_cpu():
+    """auto on a machine without a usable Metal device names the reason (off Apple: no Metal)."""
+    result = _cli("info", "--backend", "auto")
+    assert result.returncode == 0, result.stderr
+    fields = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in result.stdout.splitlines())
+    if fields["backend"] == "metal":
+        assert fields["note"].startswith("kernels ")
+    else:
+        assert fields["note"].startswith("the CPU engine runs the kernels: ")
 
 
 def test_check_on_the_builtin_real_input_passes():

@@ -44,8 +44,10 @@ def _check_records(profile, prefix, batch, backend):
             assert d.simdgroup_multiply_accumulates is None and d.threadgroup_barriers is None
             assert d.seconds is None
     assert profile.seconds > 0
+    assert profile.command_buffers >= 1, "at least one piece"
     assert max(d.threadgroup_memory for d in profile.dispatches) > 0, "the attention kernels tile in it"
     if backend == "cpu":
+        assert profile.command_buffers == 1, "the CPU engine runs a pass whole"
         assert profile.seconds == pytest.approx(sum(d.seconds for d in profile.dispatches), rel=1e-9)
         assert sum(d.threadgroup_barriers for d in profile.dispatches) > 0
 
@@ -127,4 +129,6 @@ def test_profile_table_marks_what_metal_cannot_measure():
     text = bench_profile.format_profiles({"forward 512": fam.Profile(0.0025, [dispatch])})
     row = text.splitlines()[1].split()
     assert row == ["forward", "512", "flash_attention_forward_d64", "4x8x2", "128x1x1", "12288", "n/a", "n/a", "n/a"]
-    assert text.splitlines()[2].split() == ["(call", "total)", "0.002500"]
+    assert text.splitlines()[2].split() == ["(call", "total)", "1", "command", "buffer", "0.002500"]
+    split = bench_profile.format_profiles({"forward 512": fam.Profile(0.0025, [dispatch], command_buffers=6)})
+    assert split.splitlines()[2].split() == ["(call", "total)", "6", "command", "buffers", "0.002500"]

@@ -80,19 +80,30 @@ const char *fa_status_name(fa_status status);
 const char *fa_last_error_message(void);
 
 /* Creates a context for backend. On success *out_context owns a device, a command queue and the
- * compiled kernels (Metal) or the CPU engine. Errors: INVALID_ARGUMENT (null out_context, unknown
- * backend), BACKEND_UNAVAILABLE. */
+ * compiled kernels (Metal) or the CPU engine. FA_BACKEND_AUTO never fails where the CPU engine works:
+ * it falls back to it when Metal cannot run the kernels (see fa_context_backend_note). Errors:
+ * INVALID_ARGUMENT (null out_context, unknown backend), BACKEND_UNAVAILABLE (FA_BACKEND_METAL: no
+ * Metal, or no Apple-silicon GPU), EXECUTION_FAILED (FA_BACKEND_METAL: the shaders do not compile). */
 fa_status fa_context_create(fa_backend backend, fa_context **out_context);
 
 /* Destroys a context; null is ignored. */
 void fa_context_destroy(fa_context *context);
 
-/* "metal" or "cpu". Static storage; null for a null context. */
+/* "metal" or "cpu" (for FA_BACKEND_AUTO: the backend of the latest call). Static storage; null for
+ * a null context. */
 const char *fa_context_backend_name(const fa_context *context);
 
 /* The device: the Metal device name, or a description of the CPU engine. Valid while the context
  * lives; null for a null context. */
 const char *fa_context_device_name(const fa_context *context);
+
+/* Why the backend is what it is, for users; "" when there is nothing to say. Metal: where the
+ * kernels came from (a precompiled .metallib next to the library, or the embedded source compiled
+ * when the context was created). FA_BACKEND_AUTO on the CPU engine: why Metal is not used (no Metal
+ * device, not an Apple-silicon GPU, the shaders did not compile, a kernel's pipeline could not be
+ * built, the device was lost). Can change after a call of an FA_BACKEND_AUTO context; each text
+ * stays valid while the context lives. Null for a null context. */
+const char *fa_context_backend_note(const fa_context *context);
 
 /* Cancels the calls in flight on context: every fa_forward or fa_backward that started on it before
  * this call stops early (the CPU engine within its current threadgroups, Metal before its next
@@ -131,6 +142,9 @@ typedef struct fa_profile {
     double seconds;          /* Metal: GPU time of the call's command buffers, gpuEndTime -
                                 gpuStartTime summed over them. CPU engine: the engine's wall time
                                 of the call's dispatches, summed. */
+    uint32_t command_buffers; /* pieces the pass ran in: Metal, one command buffer each (ranges of
+                                 batch entries or KV heads of at most 2^35 FLOP, against the GPU
+                                 watchdog); CPU engine, 1. 0 when dispatch_count is 0. */
 } fa_profile;
 
 /* One dispatched kernel of the last call. Set struct_size to sizeof(fa_dispatch_profile).

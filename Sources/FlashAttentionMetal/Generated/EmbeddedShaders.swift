@@ -4,6 +4,9 @@
 /// The self-contained MSL source of the attention kernels, compiled at run time by the Metal
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
+    /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
+    static let sourceHash = "7b304845e46fff02"
+
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, dQ,
 // dK/dV), on simdgroup_matrix tiles.
@@ -64,6 +67,13 @@ typedef uint fa_u32;
 #include <stdint.h>
 typedef uint32_t fa_u32;
 #endif
+
+// The Metal Shading Language version the kernels are compiled as, everywhere: the run-time
+// compile (MTLCompileOptions.languageVersion), build.sh's `xcrun metal -std=metal3.0` and the
+// address-space check (__METAL_VERSION__ 300). MSL 3.0 is macOS 13 / iOS 16, the package's
+// platforms; simdgroup_matrix needs 2.3.
+#define FA_MSL_VERSION_MAJOR 3
+#define FA_MSL_VERSION_MINOR 0
 
 // Every field is 4 bytes, so the layout is the same in MSL, C, C++ and Swift.
 typedef struct FlashAttentionParams {

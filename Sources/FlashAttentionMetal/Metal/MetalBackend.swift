@@ -1,177 +1,39 @@
-// The Metal backend: the only file that calls Metal. It turns a DispatchPlan into Metal API calls,
-// for host memory (MetalBackend, behind the C ABI and FlashAttention) and for an app's own
-// MTLBuffers and MTLCommandBuffer (MetalFlashAttention). Not compiled on Linux; every call was
-// checked against Apple's documentation (see the comments at each group of calls).
+// The Metal backend of the C ABI and of FlashAttention: host memory in, host memory out. It wraps
+// the caller's memory in MTLBuffers, runs a plan as a sequence of command buffers (one per piece,
+// against the GPU watchdog), waits for them with a bound, and turns Metal's errors into the
+// library's. Not compiled on Linux; each Metal call was checked against Apple's documentation.
 #if canImport(Metal)
 import CFlashAttentionMetal
 import Foundation
 import Metal
 
-/// The attention kernels compiled for one `MTLDevice`, encoding into command buffers that the app
-/// owns, so tensors stay on the GPU.
-///
-/// Buffers hold the layout of ``AttentionShape`` from offset 0: `q`, `out`, `dout`, `dq` float16
-/// `[batch][numHeads][seqlenQ][headDim]`; `k`, `v`, `dk`, `dv` float16
-/// `[batch][numKVHeads][seqlenK][headDim]`; `lse` float32 `[batch][numHeads][seqlenQ]`. Each buffer
-/// must belong to `device` and hold at least that many bytes. Encoding adds one compute encoder to
-/// the command buffer; the results are ready when the command buffer completes.
-///
-/// Thread-safe: the library and the pipeline cache are shared; each call uses only the command
-/// buffer it is given.
-public final class MetalFlashAttention: @unchecked Sendable {
-    /// The device the kernels were compiled for.
-    public let device: MTLDevice
-    private let library: MTLLibrary
-    private let lock = NSLock()
-    private var pipelines: [String: MTLComputePipelineState] = [:]
-
-    /// Compiles the embedded MSL source (Shaders/flash_attention.metal with its header spliced in)
-    /// for `device`. No Metal toolchain is needed at run time.
-    /// - Throws: ``FlashAttentionError/executionFailed(_:)`` with the compiler's message.
-    public init(device: MTLDevice) throws {
-        self.device = device
-        // fastMathEnabled = false gives mathMode .safe and precise exp/log on every OS version (the
-        // newer mathMode property is missing from the macOS 14 SDK); rows without keys store -inf,
-        // which fast math may treat as poison.
-        let options = MTLCompileOptions()
-        options.fastMathEnabled = false
-        do {
-            library = try device.makeLibrary(source: EmbeddedShaders.source, options: options)
-        } catch {
-            throw FlashAttentionError.executionFailed(
-                "Metal could not compile the embedded shaders for \(device.name): \(error.localizedDescription)")
-        }
-    }
-
-    /// Encodes the forward pass: `out` and `lse` from `q`, `k`, `v`.
-    /// - Parameter softmaxScale: any finite value; nil means `1 / sqrt(headDim)`.
-    /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for a bad shape or a buffer that is too
-    ///   small or from another device, ``FlashAttentionError/unsupported(_:)`` when the kernel needs
-    ///   more than the device offers. Nothing is encoded when it throws.
-    public func encodeForward(into commandBuffer: MTLCommandBuffer, q: MTLBuffer, k: MTLBuffer, v: MTLBuffer,
-                              out: MTLBuffer, lse: MTLBuffer, shape: AttentionShape, causal: Bool = false,
-                              softmaxScale: Float? = nil) throws {
-        let problem = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
-        try encode(DispatchPlan.forward(problem), buffers: [.q: q, .k: k, .v: v, .out: out, .lse: lse],
-                   into: commandBuffer)
-    }
-
-    /// Encodes the backward pass (the dQ and the dK/dV kernels): `dq`, `dk`, `dv` from `dout` and the
-    /// `q`, `k`, `v`, `out`, `lse` of the forward pass.
-    /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:causal:softmaxScale:)``.
-    public func encodeBackward(into commandBuffer: MTLCommandBuffer, dout: MTLBuffer, q: MTLBuffer, k: MTLBuffer,
-                               v: MTLBuffer, out: MTLBuffer, lse: MTLBuffer, dq: MTLBuffer, dk: MTLBuffer,
-                               dv: MTLBuffer, shape: AttentionShape, causal: Bool = false,
-                               softmaxScale: Float? = nil) throws {
-        let problem = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
-        try encode(DispatchPlan.backward(problem),
-                   buffers: [.dout: dout, .q: q, .k: k, .v: v, .out: out, .lse: lse, .dq: dq, .dk: dk, .dv: dv],
-                   into: commandBuffer)
-    }
-
-    /// Encodes every dispatch of `plan` in one compute encoder and returns their pipelines, in
-    /// order. All checks run before the encoder exists, so a failure leaves the command buffer
-    /// untouched.
-    @discardableResult
-    func encode(_ plan: DispatchPlan, buffers: [BufferRole: MTLBuffer], into commandBuffer: MTLCommandBuffer) throws
-        -> [MTLComputePipelineState] {
-        for dispatch in plan.dispatches {
-            for binding in dispatch.bindings {
-                let needed = binding.role.byteCount(for: plan.problem)
-                guard let buffer = buffers[binding.role] else {
-                    throw FlashAttentionError.internalError("\(dispatch.kernelName): no buffer for \(binding.role.name)")
-                }
-                guard buffer.device === device else {
-                    throw FlashAttentionError.invalidArgument("\(binding.role.name) belongs to another MTLDevice")
-                }
-                guard buffer.length >= needed else {
-                    throw FlashAttentionError.invalidArgument(
-                        "\(binding.role.name) has \(buffer.length) bytes; the shape needs \(needed)")
-                }
-            }
-        }
-        let states = try plan.dispatches.map { try checkedPipeline(for: $0) }
-        // MTLCommandBuffer.makeComputeCommandEncoder(), MTLComputeCommandEncoder
-        // setComputePipelineState(_:), setBuffer(_:offset:index:), setBytes(_:length:index:) (data
-        // below 4 KB: the 32-byte parameter struct), dispatchThreadgroups(_:threadsPerThreadgroup:),
-        // endEncoding().
-        guard let encoder = commandBuffer.makeComputeCommandEncoder() else {
-            throw FlashAttentionError.executionFailed("Metal could not create a compute command encoder")
-        }
-        for (dispatch, state) in zip(plan.dispatches, states) {
-            encoder.setComputePipelineState(state)
-            for binding in dispatch.bindings {
-                encoder.setBuffer(buffers[binding.role], offset: 0, index: binding.index)
-            }
-            var params = dispatch.params
-            encoder.setBytes(&params, length: MemoryLayout<FlashAttentionParams>.size, index: dispatch.paramsIndex)
-            encoder.dispatchThreadgroups(metalSize(dispatch.threadgroupsPerGrid),
-                                         threadsPerThreadgroup: metalSize(dispatch.threadsPerThreadgroup))
-        }
-        encoder.endEncoding()
-        return states
-    }
-
-    /// The cached pipeline of a dispatch's kernel, after checking the dispatch fits it: register
-    /// pressure can lower maxTotalThreadsPerThreadgroup below the threadgroup size, and an
-    /// oversized dispatch has been seen to run silently as zeros.
-    private func checkedPipeline(for dispatch: Dispatch) throws -> MTLComputePipelineState {
-        let state = try pipeline(named: dispatch.kernelName)
-        let size = dispatch.threadsPerThreadgroup
-        let threads = Int(size.width) * Int(size.height) * Int(size.depth)
-        guard threads <= state.maxTotalThreadsPerThreadgroup else {
-            throw FlashAttentionError.unsupported(
-                "\(dispatch.kernelName) needs \(threads) threads per threadgroup; on \(device.name) it allows "
-                    + "\(state.maxTotalThreadsPerThreadgroup)")
-        }
-        guard state.staticThreadgroupMemoryLength <= device.maxThreadgroupMemoryLength else {
-            throw FlashAttentionError.unsupported(
-                "\(dispatch.kernelName) needs \(state.staticThreadgroupMemoryLength) bytes of threadgroup memory; "
-                    + "\(device.name) has \(device.maxThreadgroupMemoryLength)")
-        }
-        return state
-    }
-
-    /// MTLLibrary.makeFunction(name:) and MTLDevice.makeComputePipelineState(function:), once per
-    /// kernel name.
-    private func pipeline(named name: String) throws -> MTLComputePipelineState {
-        lock.lock()
-        defer { lock.unlock() }
-        if let state = pipelines[name] { return state }
-        guard let function = library.makeFunction(name: name) else {
-            throw FlashAttentionError.internalError("the embedded shaders have no kernel named \(name)")
-        }
-        do {
-            let state = try device.makeComputePipelineState(function: function)
-            pipelines[name] = state
-            return state
-        } catch {
-            throw FlashAttentionError.executionFailed(
-                "Metal could not build the pipeline of \(name): \(error.localizedDescription)")
-        }
-    }
-
-    private func metalSize(_ size: GridSize) -> MTLSize {
-        MTLSize(width: Int(size.width), height: Int(size.height), depth: Int(size.depth))
-    }
-}
-
-/// Runs plans on host memory: wraps the caller's memory in shared buffers (without a copy when the
-/// pointer and length are page multiples, which NumPy memory usually is not), encodes, commits and
-/// waits, then copies the outputs back where they were copied.
 final class MetalBackend: ExecutionBackend {
     let name: StaticString = "metal"
     let deviceName: String
+    var note: String { kernels.origin }
+
+    /// Work per command buffer, in FLOP as FlashAttention counts them (`Pass.flopsPerScoreElement`).
+    /// macOS stops a command buffer that runs for seconds and may then refuse the process's later
+    /// work; 2^35 FLOP (34 GFLOP) is about 15 ms at the M1's 2.6 TFLOPS FP16 peak, 0.3 s at a
+    /// twentieth of it, while a command buffer costs tens of microseconds.
+    static let flopsPerCommandBuffer = 1 << 35
+    /// How long to wait for the next command buffer to complete before giving up on the call: far
+    /// beyond what the watchdog lets one run, so only a hung GPU or driver reaches it.
+    static let completionTimeoutSeconds = 60
+
     private let kernels: MetalFlashAttention
     private let queue: MTLCommandQueue
-    private let pageSize = Int(sysconf(_SC_PAGESIZE))
+    private let pageSize = Int(sysconf(Int32(_SC_PAGESIZE)))  // Int32 on Darwin, an Int on Glibc
+    private let lock = Lock()
+    /// Set when the GPU is lost to this process (access revoked, device removed, not permitted):
+    /// every later call fails with it as `backendUnavailable`.
+    private var lostReason: String?
 
-    /// - Throws: `backendUnavailable` when there is no Metal device or queue; `executionFailed` when
-    ///   the shaders do not compile.
+    /// - Throws: `backendUnavailable` when there is no Apple-silicon Metal device or no command
+    ///   queue; `executionFailed` when the shaders do not compile.
     init() throws {
-        guard let device = MetalBackend.defaultDevice() else {
-            throw FlashAttentionError.backendUnavailable("no Metal device found")
-        }
+        let device = try MetalBackend.appleSiliconDevice()
+        // MTLDevice.makeCommandQueue(): one queue per context, shared by its calls.
         guard let queue = device.makeCommandQueue() else {
             throw FlashAttentionError.backendUnavailable("Metal could not create a command queue on \(device.name)")
         }
@@ -180,101 +42,209 @@ final class MetalBackend: ExecutionBackend {
         deviceName = device.name
     }
 
-    /// MTLCreateSystemDefaultDevice() can return nil in a process that is not a GUI app; on macOS
-    /// MTLCopyAllDevices() still lists the GPUs (it exists on iOS only from iOS 18).
-    private static func defaultDevice() -> MTLDevice? {
-        if let device = MTLCreateSystemDefaultDevice() { return device }
+    /// The first device of family Apple7 or later. MTLCreateSystemDefaultDevice() can return nil in
+    /// a process that is not a GUI app; on macOS MTLCopyAllDevices() still lists the GPUs.
+    private static func appleSiliconDevice() throws -> MTLDevice {
+        var devices: [MTLDevice] = []
+        if let device = MTLCreateSystemDefaultDevice() { devices.append(device) }
         #if os(macOS) || targetEnvironment(macCatalyst)
-        return MTLCopyAllDevices().first
-        #else
-        return nil
+        devices += MTLCopyAllDevices()
         #endif
+        if let device = devices.first(where: { $0.supportsFamily(.apple7) }) { return device }
+        guard let first = devices.first else {
+            throw FlashAttentionError.backendUnavailable("no Metal device found")
+        }
+        throw FlashAttentionError.backendUnavailable(MetalFlashAttention.notAppleSilicon(first))
+    }
+
+    func prepare(_ plan: DispatchPlan) throws {
+        if let reason = lock.withLock({ lostReason }) {
+            throw FlashAttentionError.backendUnavailable(reason)
+        }
+        for dispatch in plan.dispatches {
+            _ = try kernels.checkedPipeline(for: dispatch)
+        }
     }
 
     func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
+        try prepare(plan)
+        let wrapped = try wrap(buffers, for: plan)
+        let commandBuffers = try run(plan.pieces(maxFlops: MetalBackend.flopsPerCommandBuffer),
+                                     buffers: wrapped.metal, cancellation: cancellation)
+        for (host, buffer) in wrapped.copyBack {
+            host.copyMemory(from: UnsafeRawBufferPointer(start: buffer.contents(), count: host.count))
+        }
+        return try profile(plan, commandBuffers: commandBuffers)
+    }
+
+    /// The profile of a completed call. MTLCommandBuffer gpuStartTime and gpuEndTime (host time in
+    /// seconds, set once the GPU has finished the command buffer) give the GPU time, summed over the
+    /// call's command buffers, one per piece; MTLComputePipelineState staticThreadgroupMemoryLength
+    /// gives each kernel's threadgroup memory. Metal has no counters of SIMD-group matrix products
+    /// or barriers, and the kernels share command buffers, so those and per-dispatch times are left
+    /// unmeasured (nil). The dispatches are the plan's, for the whole problem.
+    private func profile(_ plan: DispatchPlan, commandBuffers: [MTLCommandBuffer]) throws -> Profile {
+        let dispatches = try plan.dispatches.map { dispatch in
+            let state = try kernels.checkedPipeline(for: dispatch)
+            return DispatchProfile(dispatch, threadgroupMemoryLength: state.staticThreadgroupMemoryLength,
+                                   simdgroupMultiplyAccumulates: nil, threadgroupBarriers: nil, seconds: nil)
+        }
+        return Profile(seconds: commandBuffers.reduce(0.0) { $0 + ($1.gpuEndTime - $1.gpuStartTime) },
+                       dispatches: dispatches, commandBuffers: commandBuffers.count)
+    }
+
+    /// MTLBuffers for every role the plan binds. The workspace in GPU-only memory for the whole
+    /// problem (each piece binds its part, as of the caller's buffers). Inputs without a copy when
+    /// pointer and length are page multiples (MTLDevice.makeBuffer(bytesNoCopy:length:options:
+    /// deallocator:) needs that and may still refuse memory that is not one VM region), else copied
+    /// (makeBuffer(bytes:length:options:)). Outputs always in Metal's own memory
+    /// (makeBuffer(length:options:)), copied back only after every command buffer succeeded: the
+    /// GPU never writes the caller's memory, even when a call times out and returns while the GPU
+    /// still runs.
+    private func wrap(_ buffers: HostBuffers, for plan: DispatchPlan) throws
+        -> (metal: [BufferRole: MTLBuffer], copyBack: [(host: UnsafeMutableRawBufferPointer, buffer: MTLBuffer)]) {
         let device = kernels.device
-        var wrapped: [BufferRole: MTLBuffer] = [:]
+        var metal = try kernels.makeWorkspace(for: plan)
         var copyBack: [(host: UnsafeMutableRawBufferPointer, buffer: MTLBuffer)] = []
-        for role in Set(plan.dispatches.flatMap { $0.bindings.map(\.role) }) {
+        for role in plan.boundRoles where !plan.workspace.contains(role) {
             guard let host = buffers[role], let base = host.baseAddress else {
                 throw FlashAttentionError.internalError("no host buffer for \(role.name)")
             }
+            // MTLDevice.maxBufferLength (macOS 10.14+).
             guard host.count <= device.maxBufferLength else {
                 throw FlashAttentionError.unsupported(
                     "\(role.name) (\(host.count) bytes) exceeds the largest buffer of \(device.name) "
                         + "(maxBufferLength \(device.maxBufferLength))")
             }
-            // MTLDevice.makeBuffer(bytesNoCopy:length:options:deallocator:) needs a page-aligned
-            // pointer and length, and may still refuse memory (Apple: one VM region, not malloc);
-            // then makeBuffer(bytes:length:options:) copies inputs and makeBuffer(length:options:)
-            // provides outputs that are copied back after the command buffer completes.
             let shared = MTLResourceOptions.storageModeShared
             var buffer: MTLBuffer?
-            if Int(bitPattern: base) % pageSize == 0 && host.count % pageSize == 0 {
-                buffer = device.makeBuffer(bytesNoCopy: base, length: host.count, options: shared, deallocator: nil)
-            }
-            if buffer == nil {
-                if plan.outputs.contains(role) {
-                    buffer = device.makeBuffer(length: host.count, options: shared)
-                    if let buffer { copyBack.append((host, buffer)) }
-                } else {
+            if plan.outputs.contains(role) {
+                buffer = device.makeBuffer(length: host.count, options: shared)
+                if let buffer { copyBack.append((host, buffer)) }
+            } else {
+                if Int(bitPattern: base) % pageSize == 0 && host.count % pageSize == 0 {
+                    buffer = device.makeBuffer(bytesNoCopy: base, length: host.count, options: shared, deallocator: nil)
+                }
+                if buffer == nil {
                     buffer = device.makeBuffer(bytes: base, length: host.count, options: shared)
                 }
             }
-            guard let metalBuffer = buffer else {
+            guard let buffer else {
                 throw FlashAttentionError.outOfMemory(
                     "Metal could not allocate \(host.count) bytes on \(device.name) for \(role.name)")
             }
-            wrapped[role] = metalBuffer
+            metal[role] = buffer
         }
-        // MTLCommandQueue.makeCommandBuffer(); MTLCommandBuffer commit(), waitUntilCompleted(),
-        // status (.completed or .error) and error (MTLCommandBufferError, code .outOfMemory etc.).
-        guard let commandBuffer = queue.makeCommandBuffer() else {
-            throw FlashAttentionError.executionFailed("Metal could not create a command buffer")
-        }
-        let states = try kernels.encode(plan, buffers: wrapped, into: commandBuffer)
-        // Cancellation is checked between command buffers: a committed one runs to completion.
-        guard !cancellation.isCancelled else {
-            throw FlashAttentionError.cancelled("cancelled by fa_context_cancel before the command buffer was committed")
-        }
-        commandBuffer.commit()
-        commandBuffer.waitUntilCompleted()
-        guard commandBuffer.status == .completed else {
-            let text = commandBuffer.error?.localizedDescription ?? "status \(commandBuffer.status.rawValue)"
-            if let error = commandBuffer.error as? MTLCommandBufferError {
-                switch error.code {
-                case .outOfMemory:
-                    throw FlashAttentionError.outOfMemory("Metal command buffer failed: \(text)")
-                case .timeout:
-                    // One pass is one command buffer; the GPU watchdog bounds how long it may run.
-                    throw FlashAttentionError.executionFailed(
-                        "Metal command buffer failed: \(text) (the GPU watchdog stopped it: split the batch "
-                            + "or the heads over several calls)")
-                default:
-                    break
-                }
-            }
-            throw FlashAttentionError.executionFailed("Metal command buffer failed: \(text)")
-        }
-        for (host, buffer) in copyBack {
-            host.copyMemory(from: UnsafeRawBufferPointer(start: buffer.contents(), count: host.count))
-        }
-        return Self.profile(plan, states: states, commandBuffers: [commandBuffer])
+        return (metal, copyBack)
     }
 
-    /// The profile of a completed call. MTLCommandBuffer gpuStartTime and gpuEndTime (host time in
-    /// seconds, set once the GPU has finished the command buffer: read after waitUntilCompleted())
-    /// give the GPU time, summed over the call's command buffers; MTLComputePipelineState
-    /// staticThreadgroupMemoryLength gives each kernel's threadgroup memory. Metal has no counters
-    /// of SIMD-group matrix products or barriers, and the kernels share command buffers, so those
-    /// and per-dispatch times are left unmeasured (nil).
-    private static func profile(_ plan: DispatchPlan, states: [MTLComputePipelineState],
-                                commandBuffers: [MTLCommandBuffer]) -> Profile {
-        Profile(seconds: commandBuffers.reduce(0.0) { $0 + ($1.gpuEndTime - $1.gpuStartTime) },
-                dispatches: zip(plan.dispatches, states).map { dispatch, state in
-                    DispatchProfile(dispatch, threadgroupMemoryLength: state.staticThreadgroupMemoryLength,
-                                    simdgroupMultiplyAccumulates: nil, threadgroupBarriers: nil, seconds: nil)
-                })
+    /// Commits one command buffer per piece, in order, then waits once for all of them, and returns
+    /// them: the one place where command buffers are made, committed and their completion collected
+    /// (the profile reads their GPU times). Cancellation is checked before each commit: a committed
+    /// command buffer runs to completion. Every committed command buffer is waited for, even when
+    /// encoding a later piece fails or the call is cancelled, because it reads the caller's memory;
+    /// the wait for each completion is bounded by `completionTimeoutSeconds`.
+    private func run(_ pieces: [PlanPiece], buffers: [BufferRole: MTLBuffer],
+                     cancellation: CancellationToken) throws -> [MTLCommandBuffer] {
+        let completions = DispatchSemaphore(value: 0)
+        var committed: [MTLCommandBuffer] = []
+        var encodingError: Error?
+        for (n, piece) in pieces.enumerated() {
+            do {
+                let commandBuffer = try makeCommandBuffer(label: "flash_attention \(n + 1)/\(pieces.count)")
+                try kernels.encode(piece, buffers: buffers, into: commandBuffer)
+                guard !cancellation.isCancelled else {
+                    throw FlashAttentionError.cancelled(
+                        "cancelled by fa_context_cancel before command buffer \(n + 1) of \(pieces.count) was "
+                            + "committed")
+                }
+                // MTLCommandBuffer.addCompletedHandler(_:) before commit(); it runs after an error too.
+                commandBuffer.addCompletedHandler { _ in completions.signal() }
+                commandBuffer.commit()
+                committed.append(commandBuffer)
+            } catch {
+                encodingError = error
+                break
+            }
+        }
+        for n in committed.indices {
+            guard completions.wait(timeout: .now() + .seconds(MetalBackend.completionTimeoutSeconds)) == .success else {
+                throw FlashAttentionError.executionFailed(
+                    "Metal: \(committed.count - n) of \(pieces.count) command buffers did not complete within "
+                        + "\(MetalBackend.completionTimeoutSeconds) s of the previous one (the GPU or its driver "
+                        + "may be hung); the outputs were not written")
+            }
+        }
+        if let encodingError { throw encodingError }
+        for (n, commandBuffer) in committed.enumerated() {
+            try check(commandBuffer, piece: pieces[n], number: n + 1, of: pieces.count)
+        }
+        return committed
+    }
+
+    /// MTLCommandQueue.makeCommandBuffer(descriptor:) with MTLCommandBufferDescriptor.errorOptions
+    /// `.encoderExecutionStatus` (all macOS 11+): a failed command buffer's error then says which
+    /// encoder, hence which kernel, faulted. It retains its resources (the descriptor's default).
+    /// Blocks while the queue's command buffers (64 by default) are all in flight.
+    private func makeCommandBuffer(label: String) throws -> MTLCommandBuffer {
+        let descriptor = MTLCommandBufferDescriptor()
+        descriptor.errorOptions = .encoderExecutionStatus
+        guard let commandBuffer = queue.makeCommandBuffer(descriptor: descriptor) else {
+            throw FlashAttentionError.executionFailed("Metal could not create a command buffer")
+        }
+        commandBuffer.label = label
+        return commandBuffer
+    }
+
+    /// Throws unless `commandBuffer` completed: MTLCommandBuffer.status and .error, whose
+    /// MTLCommandBufferError code decides the status (out of memory; watchdog timeout; page fault, a
+    /// library defect; the GPU lost to this process).
+    private func check(_ commandBuffer: MTLCommandBuffer, piece: PlanPiece, number: Int, of count: Int) throws {
+        guard commandBuffer.status != .completed else { return }
+        let error = commandBuffer.error
+        let text = error?.localizedDescription ?? "status \(commandBuffer.status.rawValue)"
+        let kernels = MetalBackend.faultedKernels(error) ?? piece.plan.dispatches.map(\.kernelName)
+        let place = "command buffer \(number) of \(count) (\(kernels.joined(separator: ", ")))"
+        let code = (error as? MTLCommandBufferError)?.code
+        if code == .outOfMemory {
+            throw FlashAttentionError.outOfMemory("Metal ran out of memory in \(place): \(text)")
+        }
+        if code == .timeout {
+            throw FlashAttentionError.executionFailed(
+                "the GPU watchdog stopped \(place): \(text). Each command buffer holds at most "
+                    + "\(MetalBackend.flopsPerCommandBuffer) FLOP of work, or one batch entry and KV head "
+                    + "(\(piece.plan.flopsPerUnit) FLOP here), which cannot be split further: use shorter "
+                    + "sequences per call")
+        }
+        if code == .pageFault {
+            throw FlashAttentionError.internalError(
+                "GPU page fault in \(place): \(text) (a kernel accessed memory outside its buffers: please report)")
+        }
+        if let code, MetalBackend.losesTheDevice(code) {
+            let reason = "Metal can no longer be used on \(deviceName) by this process: \(text)"
+            lock.withLock { lostReason = lostReason ?? reason }
+            throw FlashAttentionError.backendUnavailable(reason)
+        }
+        throw FlashAttentionError.executionFailed("Metal failed in \(place): \(text)")
+    }
+
+    /// Codes after which the process cannot use the GPU: access revoked (too many timeouts or
+    /// hangs), not permitted, and on macOS the device physically removed.
+    private static func losesTheDevice(_ code: MTLCommandBufferError.Code) -> Bool {
+        #if os(macOS)
+        if code == .deviceRemoved { return true }
+        #endif
+        return code == .accessRevoked || code == .notPermitted
+    }
+
+    /// The labels (kernel names) of the encoders that caused `error`: the NSError's userInfo holds
+    /// [MTLCommandBufferEncoderInfo] under MTLCommandBufferEncoderInfoErrorKey (macOS 11+), each with
+    /// its label and errorState (.faulted for the cause). Nil when there is no such information.
+    private static func faultedKernels(_ error: Error?) -> [String]? {
+        guard let error else { return nil }
+        let infos = (error as NSError).userInfo[MTLCommandBufferEncoderInfoErrorKey] as? [MTLCommandBufferEncoderInfo]
+        let faulted = (infos ?? []).filter { $0.errorState == .faulted }.map(\.label)
+        return faulted.isEmpty ? nil : faulted
     }
 }
 #endif

@@ -66,11 +66,13 @@ def _row(call: str, d: DispatchProfile) -> tuple[str, ...]:
 
 
 def format_profiles(profiles: dict[str, Profile]) -> str:
-    """One row per dispatched kernel and a total row per call, in columns."""
+    """One row per dispatched kernel and a total row per call (with the command buffers it ran in),
+    in columns."""
     rows = [_HEADER]
     for call, profile in profiles.items():
         rows.extend(_row(call if i == 0 else "", d) for i, d in enumerate(profile.dispatches))
-        rows.append(("", "(call total)", "", "", "", "", "", _seconds(profile.seconds)))
+        buffers = f"{profile.command_buffers} command buffer{'s' if profile.command_buffers != 1 else ''}"
+        rows.append(("", "(call total)", buffers, "", "", "", "", _seconds(profile.seconds)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(_HEADER))]
     left = {0, 1}  # text columns; numbers align right
     return "\n".join(

@@ -9,7 +9,8 @@ from ._context import context_for
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prints version, backend, device, library and header paths, largest head_dim; returns 0."""
+    """Prints version, backend, device, the backend's note (where the Metal kernels came from, or
+    why auto runs on the CPU engine), library and header paths, largest head_dim; returns 0."""
     loaded = native()
     context = context_for(args.backend)
     version = loaded.ffi.string(loaded.lib.fa_version()).decode()
@@ -20,6 +21,7 @@ def run(args: argparse.Namespace) -> int:
         ("package version", __version__),
         ("backend", context.backend),
         ("device", context.device),
+        ("note", context.note or "-"),
         ("library", str(loaded.path)),
         ("header", str(loaded.header_path)),
         ("max head_dim", str(context.max_head_dim)),

@@ -184,6 +184,8 @@ final class CABIValidationTests: XCTestCase {
         XCTAssertNil(ctx)
         XCTAssertEqual(fa_context_create(FA_BACKEND_AUTO, &ctx), FA_STATUS_SUCCESS)
         XCTAssertEqual(String(cString: fa_context_backend_name(ctx)), "cpu")
+        XCTAssertEqual(String(cString: fa_context_backend_note(ctx)),
+                       "the CPU engine runs the kernels: Metal is not available on this platform")
         fa_context_destroy(ctx)
         #endif
     }
@@ -191,8 +193,10 @@ final class CABIValidationTests: XCTestCase {
     func testContextNames() {
         XCTAssertEqual(String(cString: fa_context_backend_name(context)), "cpu")
         XCTAssertTrue(String(cString: fa_context_device_name(context)).hasPrefix("CPU engine"))
+        XCTAssertEqual(String(cString: fa_context_backend_note(context)), "")
         XCTAssertNil(fa_context_backend_name(nil))
         XCTAssertNil(fa_context_device_name(nil))
+        XCTAssertNil(fa_context_backend_note(nil))
         fa_context_destroy(nil)
     }
 

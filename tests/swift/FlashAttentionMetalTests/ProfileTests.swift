@@ -162,6 +162,7 @@ final class ProfileTests: XCTestCase {
         XCTAssertEqual(fa_context_last_profile(ctx, &profile), FA_STATUS_SUCCESS)
         XCTAssertEqual(profile.dispatch_count, 0, "no call yet")
         XCTAssertEqual(profile.seconds, 0)
+        XCTAssertEqual(profile.command_buffers, 0)
 
         var problem = fa_problem(struct_size: UInt32(MemoryLayout<fa_problem>.size), batch: 1, num_heads: 2,
                                  num_kv_heads: 1, seqlen_q: 70, seqlen_k: 90, head_dim: 40, causal: 1,
@@ -187,6 +188,7 @@ final class ProfileTests: XCTestCase {
         let plan = DispatchPlan.forward(try Problem.validate(&problem))
         XCTAssertEqual(Int(profile.dispatch_count), plan.dispatches.count)
         XCTAssertGreaterThan(profile.seconds, 0)
+        XCTAssertEqual(profile.command_buffers, 1)
 
         var record = fa_dispatch_profile()
         record.struct_size = UInt32(MemoryLayout<fa_dispatch_profile>.size)
@@ -213,7 +215,7 @@ final class ProfileTests: XCTestCase {
         XCTAssertEqual(failure(fa_context_last_profile_dispatch(ctx, 0, nil)), "dispatch must not be null")
         profile.struct_size = 8
         XCTAssertEqual(failure(fa_context_last_profile(ctx, &profile)),
-                       "profile->struct_size (8) must be at least sizeof(fa_profile) (16)")
+                       "profile->struct_size (8) must be at least sizeof(fa_profile) (\(MemoryLayout<fa_profile>.size))")
         record.struct_size = 0
         XCTAssertEqual(failure(fa_context_last_profile_dispatch(ctx, 0, &record)),
                        "dispatch->struct_size (0) must be at least sizeof(fa_dispatch_profile) (120)")

@@ -1,0 +1,312 @@
+// The kernels compiled for one MTLDevice, and the encoding of a plan (or a piece of one) into a
+// command buffer: shared by the host path (MetalBackend.swift) and by apps that keep their tensors
+// in their own MTLBuffers. Not compiled on Linux. Every Metal call was checked against Apple's
+// documentation; the comments name each API with its availability where that is later than the
+// package's platforms (macOS 13, iOS 16).
+#if canImport(Metal)
+import CFlashAttentionMetal
+import Foundation
+import Metal
+
+/// The attention kernels compiled for one `MTLDevice`, encoding into command buffers that the app
+/// owns, so tensors stay on the GPU.
+///
+/// Buffers hold the layout of ``AttentionShape`` from offset 0: `q`, `out`, `dout`, `dq` float16
+/// `[batch][numHeads][seqlenQ][headDim]`; `k`, `v`, `dk`, `dv` float16
+/// `[batch][numKVHeads][seqlenK][headDim]`; `lse` float32 `[batch][numHeads][seqlenQ]`. Each buffer
+/// must belong to `device` and hold at least that many bytes, and no output may share memory with
+/// another buffer of the call (both are checked). A call adds one compute encoder per kernel to the
+/// command buffer; the results are ready when the command buffer completes. The whole pass goes into
+/// that one command buffer, and macOS stops command buffers that run for seconds: split very large
+/// work over several calls and command buffers (the host API, ``FlashAttention``, splits by itself).
+///
+/// What the caller owes Metal's rules:
+/// - Hazards: Metal orders this call's reads after earlier writes to tracked buffers (the default)
+///   and later reads after its writes. It does not for untracked buffers
+///   (`.hazardTrackingModeUntracked`, or buffers from a heap with untracked hazard tracking, the
+///   heap default): then order the commands that write the inputs before, and those that read the
+///   outputs after, the encoders of this call yourself (an `MTLFence` within a queue, an `MTLEvent`
+///   across queues). Between its own kernels the library passes data only through a workspace it
+///   allocates per call (tracked, `.storageModePrivate`: D_i of the backward pass, the partial
+///   results of the split-KV forward).
+/// - Lifetimes: a command buffer made with `makeCommandBufferWithUnretainedReferences()` does not
+///   keep the buffers alive; keep them until it completes. The library keeps its own workspace alive
+///   until then either way.
+///
+/// Thread-safe: the library and the pipeline cache are shared; each call uses only the command
+/// buffer it is given.
+public final class MetalFlashAttention: @unchecked Sendable {
+    /// The device the kernels were compiled for.
+    public let device: MTLDevice
+    /// Where the kernels came from, for users (``FlashAttention/backendNote``).
+    let origin: String
+    private let library: MTLLibrary
+    private let lock = Lock()
+    /// Built pipelines, and the errors of those that could not be built (not retried).
+    private var pipelines: [String: Result<MTLComputePipelineState, FlashAttentionError>] = [:]
+
+    /// Loads the precompiled `flash_attention-<hash>.metallib` that `./build.sh` puts next to the
+    /// library when Metal accepts it; else compiles the embedded MSL source (Shaders/ with its header
+    /// spliced in), which needs no Metal toolchain but takes seconds. Pipelines are built per kernel
+    /// on first use.
+    /// - Throws: ``FlashAttentionError/backendUnavailable(_:)`` when `device` is not an Apple-silicon
+    ///   GPU (family Apple7: M1, A14 and later), ``FlashAttentionError/executionFailed(_:)`` with the
+    ///   compiler's message when the source does not compile.
+    public init(device: MTLDevice) throws {
+        // MTLDevice.supportsFamily(_:) and MTLGPUFamily.apple7 (macOS 10.15+).
+        guard device.supportsFamily(.apple7) else {
+            throw FlashAttentionError.backendUnavailable(MetalFlashAttention.notAppleSilicon(device))
+        }
+        self.device = device
+        (library, origin) = try MetalFlashAttention.library(for: device)
+    }
+
+    /// Why `device` cannot run the kernels.
+    static func notAppleSilicon(_ device: MTLDevice) -> String {
+        "\(device.name) is not an Apple-silicon GPU (Metal GPU family Apple7 or later: M1, A14 and later), "
+            + "which the kernels' SIMD-group matrices need"
+    }
+
+    // MARK: Library
+
+    /// The file name of the .metallib built from exactly the embedded source.
+    static var precompiledName: String { "flash_attention-\(EmbeddedShaders.sourceHash).metallib" }
+
+    private static func library(for device: MTLDevice) throws -> (MTLLibrary, String) {
+        var why = "no \(precompiledName) next to the library"
+        if let url = precompiledLibraryURL() {
+            do {
+                // MTLDevice.makeLibrary(URL:) (macOS 10.13+): refuses a file built for a newer OS.
+                return (try device.makeLibrary(URL: url), "kernels from \(url.path)")
+            } catch {
+                why = "\(url.path) was refused: \(error.localizedDescription)"
+            }
+        }
+        let options = try compileOptions()
+        do {
+            // MTLDevice.makeLibrary(source:options:): no include path, hence the spliced header.
+            let library = try device.makeLibrary(source: EmbeddedShaders.source, options: options)
+            return (library, "kernels compiled from the embedded source when the context was created (\(why))")
+        } catch {
+            throw FlashAttentionError.executionFailed(
+                "Metal could not compile the embedded shaders for \(device.name): \(error.localizedDescription)")
+        }
+    }
+
+    /// `precompiledName` in the folder of the file this code was loaded from (the dylib, or the app
+    /// when the package is linked statically), as loaded and with links resolved: build.sh links
+    /// the library and the .metallib next to the Python package.
+    private static func precompiledLibraryURL() -> URL? {
+        var info = Dl_info()
+        // dladdr(3) on #dsohandle, the header of this image.
+        guard dladdr(#dsohandle, &info) != 0, let file = info.dli_fname else { return nil }
+        let image = URL(fileURLWithPath: String(cString: file))
+        return [image, image.resolvingSymlinksInPath()]
+            .map { $0.deletingLastPathComponent().appendingPathComponent(precompiledName) }
+            .first { FileManager.default.fileExists(atPath: $0.path) }
+    }
+
+    /// The options build.sh's `xcrun metal` uses too: the pinned language version
+    /// (FA_MSL_VERSION_MAJOR.MINOR) and no fast math, so that infinities (lse of a row without
+    /// keys) and exp/log precision are as the CPU engine computes them.
+    private static func compileOptions() throws -> MTLCompileOptions {
+        let options = MTLCompileOptions()
+        // MTLCompileOptions.languageVersion; MTLLanguageVersion raw values are major << 16 | minor
+        // (version3_0 = 196608).
+        let raw = UInt(FA_MSL_VERSION_MAJOR) << 16 | UInt(FA_MSL_VERSION_MINOR)
+        guard let version = MTLLanguageVersion(rawValue: raw) else {
+            throw FlashAttentionError.internalError("no MTLLanguageVersion for raw value \(raw)")
+        }
+        options.languageVersion = version
+        #if compiler(>=6.0)  // Xcode 16: the macOS 15 / iOS 18 SDKs declare mathMode
+        if #available(macOS 15.0, iOS 18.0, tvOS 18.0, visionOS 2.0, *) {
+            // MTLCompileOptions.mathMode and .mathFloatingPointFunctions (macOS 15+, iOS 18+).
+            options.mathMode = .safe
+            options.mathFloatingPointFunctions = .precise
+        } else {
+            // The same on older systems: mathMode .safe and precise functions.
+            options.fastMathEnabled = false
+        }
+        #else
+        options.fastMathEnabled = false
+        #endif
+        return options
+    }
+
+    // MARK: Pipelines
+
+    /// The pipeline of `dispatch`'s kernel, after checking that the dispatch fits it: register
+    /// pressure can lower maxTotalThreadsPerThreadgroup below the threadgroup size, and an
+    /// oversized dispatch has been seen to run silently as zeros.
+    func checkedPipeline(for dispatch: Dispatch) throws -> MTLComputePipelineState {
+        let state = try pipeline(named: dispatch.kernelName)
+        let size = dispatch.threadsPerThreadgroup
+        let threads = Int(size.width) * Int(size.height) * Int(size.depth)
+        // MTLComputePipelineState.maxTotalThreadsPerThreadgroup, .staticThreadgroupMemoryLength
+        // (macOS 11+); MTLDevice.maxThreadgroupMemoryLength (macOS 10.13+).
+        guard threads <= state.maxTotalThreadsPerThreadgroup else {
+            throw FlashAttentionError.unsupported(
+                "\(dispatch.kernelName) needs \(threads) threads per threadgroup; on \(device.name) it allows "
+                    + "\(state.maxTotalThreadsPerThreadgroup)")
+        }
+        guard state.staticThreadgroupMemoryLength <= device.maxThreadgroupMemoryLength else {
+            throw FlashAttentionError.unsupported(
+                "\(dispatch.kernelName) needs \(state.staticThreadgroupMemoryLength) bytes of threadgroup memory; "
+                    + "\(device.name) has \(device.maxThreadgroupMemoryLength)")
+        }
+        return state
+    }
+
+    /// MTLLibrary.makeFunction(name:) and MTLDevice.makeComputePipelineState(function:), once per
+    /// kernel name; a failure is kept, so a kernel that cannot be built is not compiled again.
+    private func pipeline(named name: String) throws -> MTLComputePipelineState {
+        let result: Result<MTLComputePipelineState, FlashAttentionError> = lock.withLock {
+            if let known = pipelines[name] { return known }
+            let built: Result<MTLComputePipelineState, FlashAttentionError>
+            if let function = library.makeFunction(name: name) {
+                do {
+                    built = .success(try device.makeComputePipelineState(function: function))
+                } catch {
+                    built = .failure(.executionFailed("Metal could not build the pipeline of \(name) on "
+                                                          + "\(device.name): \(error.localizedDescription)"))
+                }
+            } else {
+                built = .failure(.internalError("the Metal library has no kernel named \(name)"))
+            }
+            pipelines[name] = built
+            return built
+        }
+        return try result.get()
+    }
+
+    // MARK: Encoding
+
+    /// Encodes the forward pass: `out` and `lse` from `q`, `k`, `v`.
+    /// - Parameter softmaxScale: any finite value; nil means `1 / sqrt(headDim)`.
+    /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for a bad shape, a buffer that is too
+    ///   small or from another device, an output sharing memory with another buffer, or a command
+    ///   buffer of another device; ``FlashAttentionError/unsupported(_:)`` when a kernel needs more
+    ///   than the device offers. Nothing is encoded when it throws.
+    public func encodeForward(into commandBuffer: MTLCommandBuffer, q: MTLBuffer, k: MTLBuffer, v: MTLBuffer,
+                              out: MTLBuffer, lse: MTLBuffer, shape: AttentionShape, causal: Bool = false,
+                              softmaxScale: Float? = nil) throws {
+        try withAutoreleasePool {
+            let problem = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
+            try encode(DispatchPlan.forward(problem), buffers: [.q: q, .k: k, .v: v, .out: out, .lse: lse],
+                       into: commandBuffer)
+        }
+    }
+
+    /// Encodes the backward pass: `dq`, `dk`, `dv` from `dout` and the `q`, `k`, `v`, `out`, `lse`
+    /// of the forward pass. `dk` and `dv` sum over the query heads that share a KV head.
+    /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:causal:softmaxScale:)``.
+    public func encodeBackward(into commandBuffer: MTLCommandBuffer, dout: MTLBuffer, q: MTLBuffer, k: MTLBuffer,
+                               v: MTLBuffer, out: MTLBuffer, lse: MTLBuffer, dq: MTLBuffer, dk: MTLBuffer,
+                               dv: MTLBuffer, shape: AttentionShape, causal: Bool = false,
+                               softmaxScale: Float? = nil) throws {
+        try withAutoreleasePool {
+            let problem = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
+            try encode(DispatchPlan.backward(problem),
+                       buffers: [.dout: dout, .q: q, .k: k, .v: v, .out: out, .lse: lse, .dq: dq, .dk: dk, .dv: dv],
+                       into: commandBuffer)
+        }
+    }
+
+    /// The app path: every check, then the whole plan into `commandBuffer`.
+    private func encode(_ plan: DispatchPlan, buffers: [BufferRole: MTLBuffer],
+                        into commandBuffer: MTLCommandBuffer) throws {
+        guard commandBuffer.device === device else {
+            throw FlashAttentionError.invalidArgument(
+                "the command buffer belongs to \(commandBuffer.device.name), not to \(device.name), the device "
+                    + "the kernels were compiled for")
+        }
+        var ranges: [(role: BufferRole, start: UInt64, end: UInt64)] = []
+        for role in plan.boundRoles where !plan.workspace.contains(role) {
+            guard let buffer = buffers[role] else {
+                throw FlashAttentionError.internalError("no buffer for \(role.name)")
+            }
+            guard buffer.device === device else {
+                throw FlashAttentionError.invalidArgument("\(role.name) belongs to another MTLDevice")
+            }
+            let needed = role.byteCount(for: plan.problem)
+            guard buffer.length >= needed else {
+                throw FlashAttentionError.invalidArgument(
+                    "\(role.name) has \(buffer.length) bytes; the shape needs \(needed)")
+            }
+            // MTLBuffer.gpuAddress (macOS 13+, iOS 16+): buffers over the same memory (one heap, or
+            // bytesNoCopy of one allocation) are told apart only by address.
+            ranges.append((role, buffer.gpuAddress, buffer.gpuAddress + UInt64(needed)))
+        }
+        for output in ranges where plan.outputs.contains(output.role) {
+            for other in ranges
+            where other.role != output.role && other.start < output.end && output.start < other.end {
+                throw FlashAttentionError.invalidArgument(
+                    "\(output.role.name) shares memory with \(other.role.name): an output may not alias another "
+                        + "output or an input")
+            }
+        }
+        let workspace = try makeWorkspace(for: plan)
+        try encode(PlanPiece(whole: plan), buffers: buffers.merging(workspace) { app, _ in app },
+                   into: commandBuffer)
+        // The command buffer may not retain its resources (unretained references): this closure
+        // keeps the workspace alive until it completes.
+        commandBuffer.addCompletedHandler { _ in withExtendedLifetime(workspace) {} }
+    }
+
+    /// The plan's workspace roles for the whole problem, in GPU-only memory: MTLDevice
+    /// makeBuffer(length:options:) with .storageModePrivate, tracked by Metal's hazard tracking
+    /// (the default), so a kernel that reads it waits for the one that wrote it.
+    func makeWorkspace(for plan: DispatchPlan) throws -> [BufferRole: MTLBuffer] {
+        var workspace: [BufferRole: MTLBuffer] = [:]
+        for role in plan.workspace {
+            let bytes = role.byteCount(for: plan.problem)
+            guard bytes <= device.maxBufferLength else {
+                throw FlashAttentionError.unsupported(
+                    "the \(role.name) workspace (\(bytes) bytes) exceeds the largest buffer of \(device.name) "
+                        + "(maxBufferLength \(device.maxBufferLength))")
+            }
+            guard let buffer = device.makeBuffer(length: max(bytes, 1), options: .storageModePrivate) else {
+                throw FlashAttentionError.outOfMemory(
+                    "Metal could not allocate \(bytes) bytes on \(device.name) for the \(role.name) workspace")
+            }
+            workspace[role] = buffer
+        }
+        return workspace
+    }
+
+    /// Encodes `piece` into `commandBuffer`: one compute encoder per dispatch, in order, labelled
+    /// with its kernel name (a GPU fault then names the kernel), each buffer bound at the piece's
+    /// offset. Every pipeline is checked before the first encoder exists.
+    func encode(_ piece: PlanPiece, buffers: [BufferRole: MTLBuffer], into commandBuffer: MTLCommandBuffer) throws {
+        let dispatches = piece.plan.dispatches
+        let states = try dispatches.map { try checkedPipeline(for: $0) }
+        for role in piece.plan.boundRoles where buffers[role] == nil {
+            throw FlashAttentionError.internalError("no Metal buffer for \(role.name)")
+        }
+        for (dispatch, state) in zip(dispatches, states) {
+            // MTLCommandBuffer.makeComputeCommandEncoder(); MTLComputeCommandEncoder
+            // setComputePipelineState(_:), setBuffer(_:offset:index:) (device buffers: offsets are
+            // multiples of the element size), setBytes(_:length:index:) (below 4 KB: the 32-byte
+            // parameter struct), dispatchThreadgroups(_:threadsPerThreadgroup:), endEncoding().
+            guard let encoder = commandBuffer.makeComputeCommandEncoder() else {
+                throw FlashAttentionError.executionFailed("Metal could not create a compute command encoder")
+            }
+            encoder.label = dispatch.kernelName
+            encoder.setComputePipelineState(state)
+            for binding in dispatch.bindings {
+                encoder.setBuffer(buffers[binding.role], offset: piece.byteOffset(of: binding.role),
+                                  index: binding.index)
+            }
+            var params = dispatch.params
+            encoder.setBytes(&params, length: MemoryLayout<FlashAttentionParams>.size, index: dispatch.paramsIndex)
+            encoder.dispatchThreadgroups(metalSize(dispatch.threadgroupsPerGrid),
+                                         threadsPerThreadgroup: metalSize(dispatch.threadsPerThreadgroup))
+            encoder.endEncoding()
+        }
+    }
+
+    private func metalSize(_ size: GridSize) -> MTLSize {
+        MTLSize(width: Int(size.width), height: Int(size.height), depth: Int(size.depth))
+    }
+}
+#endif

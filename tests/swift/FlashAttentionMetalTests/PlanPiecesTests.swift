@@ -1,0 +1,247 @@
+import XCTest
+
+@testable import FlashAttentionMetal
+
+/// Splitting a plan into pieces (one Metal command buffer each, against the GPU watchdog): which
+/// pieces, where their buffers start, and that the CPU engine running the pieces gives bit for bit
+/// the results of the whole plan.
+final class PlanPiecesTests: XCTestCase {
+    /// batch 3, 6 query heads over 2 KV heads (GQA groups of 3).
+    private func problem(causal: Bool = true) throws -> Problem {
+        try Problem.validate(AttentionShape(batch: 3, numHeads: 6, numKVHeads: 2, seqlenQ: 37, seqlenK: 29,
+                                            headDim: 40),
+                             causal: causal, softmaxScale: nil)
+    }
+
+    /// (first batch, batch count, first KV head, KV head count) of each piece.
+    private func layout(_ pieces: [PlanPiece]) -> [[UInt32]] {
+        pieces.map { [$0.firstBatch, $0.plan.problem.batch, $0.firstKVHead, $0.plan.problem.numKVHeads] }
+    }
+
+    func testUnitWork() throws {
+        let p = try problem()
+        // group 3 x seqlen_q 37 x seqlen_k 29 x head_dim bucket 64, 4 (forward) or 10 (backward) flops.
+        XCTAssertEqual(DispatchPlan.forward(p).flopsPerUnit, 4 * 3 * 37 * 29 * 64)
+        XCTAssertEqual(DispatchPlan.backward(p).flopsPerUnit, 10 * 3 * 37 * 29 * 64)
+        let huge = try Problem.validate(AttentionShape(batch: 1, numHeads: 1, seqlenQ: Int(UInt32.max),
+                                                       seqlenK: Int(UInt32.max), headDim: 256),
+                                        causal: false, softmaxScale: nil)
+        XCTAssertEqual(DispatchPlan.backward(huge).flopsPerUnit, Int.max)
+        XCTAssertEqual(DispatchPlan.backward(huge).pieces(maxFlops: 1 << 35).count, 1)
+    }
+
+    /// Budgets of 1 to 6 units: KV head ranges inside a batch entry below 2 units, whole batch
+    /// entries from 2, the whole plan from 6.
+    func testPieceLayout() throws {
+        let plan = DispatchPlan.forward(try problem())
+        let unit = plan.flopsPerUnit
+        XCTAssertEqual(layout(plan.pieces(maxFlops: 1)),
+                       [[0, 1, 0, 1], [0, 1, 1, 1], [1, 1, 0, 1], [1, 1, 1, 1], [2, 1, 0, 1], [2, 1, 1, 1]])
+        XCTAssertEqual(layout(plan.pieces(maxFlops: unit)), layout(plan.pieces(maxFlops: 1)))
+        XCTAssertEqual(layout(plan.pieces(maxFlops: 2 * unit)), [[0, 1, 0, 2], [1, 1, 0, 2], [2, 1, 0, 2]])
+        XCTAssertEqual(layout(plan.pieces(maxFlops: 5 * unit - 1)), [[0, 2, 0, 2], [2, 1, 0, 2]])
+        XCTAssertEqual(layout(plan.pieces(maxFlops: 6 * unit)), [[0, 3, 0, 2]])
+        XCTAssertEqual(layout(plan.pieces(maxFlops: .max)), [[0, 3, 0, 2]])
+    }
+
+    /// A KV head range of 3 over 8 KV heads leaves a shorter last range; query heads follow the
+    /// KV heads in whole groups.
+    func testUnevenHeadRanges() throws {
+        let p = try Problem.validate(AttentionShape(batch: 1, numHeads: 16, numKVHeads: 8, seqlenQ: 5, seqlenK: 5,
+                                                    headDim: 8),
+                                     causal: false, softmaxScale: nil)
+        let plan = DispatchPlan.backward(p)
+        let pieces = plan.pieces(maxFlops: 3 * plan.flopsPerUnit)
+        XCTAssertEqual(layout(pieces), [[0, 1, 0, 3], [0, 1, 3, 3], [0, 1, 6, 2]])
+        XCTAssertEqual(pieces.map(\.plan.problem.numHeads), [6, 6, 4])
+        XCTAssertEqual(pieces.map { $0.byteOffset(of: .q) }, [0, 6 * 5 * 8 * 2, 12 * 5 * 8 * 2])
+        XCTAssertEqual(pieces.map { $0.byteOffset(of: .dk) }, [0, 3 * 5 * 8 * 2, 6 * 5 * 8 * 2])
+        XCTAssertEqual(pieces.map { $0.byteOffset(of: .lse) }, [0, 6 * 5 * 4, 12 * 5 * 4])
+        // The backward's workspace: D_i per query row, laid out like lse.
+        XCTAssertEqual(plan.workspace, [.delta])
+        XCTAssertEqual(pieces.map { $0.byteOffset(of: .delta) }, [0, 6 * 5 * 4, 12 * 5 * 4])
+    }
+
+    /// Each piece is the plan of its slice (same pass, grids over the slice's heads and batch),
+    /// and the pieces tile every buffer exactly: consecutive, no gap, no overlap.
+    func testPiecesTileTheBuffers() throws {
+        for plan in [DispatchPlan.forward(try problem()), DispatchPlan.backward(try problem())] {
+            for units in 1...6 {
+                let pieces = plan.pieces(maxFlops: units * plan.flopsPerUnit)
+                for piece in pieces {
+                    let expected = DispatchPlan.make(plan.pass, piece.plan.problem)
+                    XCTAssertEqual(piece.plan.dispatches.map(\.kernelName), expected.dispatches.map(\.kernelName))
+                    XCTAssertEqual(piece.plan.dispatches.map(\.threadgroupsPerGrid.depth),
+                                   piece.plan.dispatches.map { _ in piece.plan.problem.batch })
+                    XCTAssertEqual(piece.plan.problem.numHeads, piece.plan.problem.numKVHeads * 3)
+                }
+                for role in BufferRole.allCases {
+                    var next = 0
+                    for piece in pieces {
+                        XCTAssertEqual(piece.byteOffset(of: role), next, "\(role.name), \(units) units")
+                        next += role.byteCount(for: piece.plan.problem)
+                    }
+                    XCTAssertEqual(next, role.byteCount(for: plan.problem), "\(role.name), \(units) units")
+                }
+            }
+        }
+    }
+
+    /// The CPU engine running the pieces gives the results of the whole plan, bit for bit, for
+    /// every way of cutting a problem (per KV head, per batch entry, whole), forward and backward,
+    /// causal and not; the backward's `delta` workspace is cut like lse.
+    func testPiecesGiveBitIdenticalResults() throws {
+        let whole = Context(backend: try CPUBackend())
+        for causal in [false, true] {
+            let p = try Problem.validate(AttentionShape(batch: 2, numHeads: 4, numKVHeads: 2, seqlenQ: 19, seqlenK: 23,
+                                                        headDim: 24),
+                                         causal: causal, softmaxScale: nil)
+            var rng = Normal16(seed: causal ? 11 : 12)
+            let q = rng.next(p.queryElements), k = rng.next(p.keyValueElements), v = rng.next(p.keyValueElements)
+            let dout = rng.next(p.queryElements)
+            let reference = try forwardAndBackward(whole, p, q: q, k: k, v: v, dout: dout)
+            // Forward / backward pieces: per KV head / per KV head, per batch entry / per KV head,
+            // whole / per batch entry.
+            let forwardUnit = DispatchPlan.forward(p).flopsPerUnit
+            for budget in [forwardUnit, 2 * forwardUnit, 2 * DispatchPlan.backward(p).flopsPerUnit] {
+                let split = Context(backend: try CPUBackend(flopsPerPiece: budget))
+                let result = try forwardAndBackward(split, p, q: q, k: k, v: v, dout: dout)
+                assertSame(result, reference, "causal \(causal), \(budget) flops per piece")
+            }
+        }
+    }
+
+    /// The split-KV forward (decode) in pieces keeps the whole problem's chunks of keys (a piece
+    /// alone would choose more, and so another summation order), and its partial workspaces are cut
+    /// per query head: bit for bit the whole plan's out and lse.
+    func testSplitKeyValuePiecesKeepTheChunks() throws {
+        let shape = AttentionShape(batch: 3, numHeads: 4, numKVHeads: 2, seqlenQ: 2, seqlenK: 16_384, headDim: 8)
+        let p = try Problem.validate(shape, causal: true, softmaxScale: nil)
+        let alone = try Problem.validate(AttentionShape(batch: 1, numHeads: 2, numKVHeads: 1, seqlenQ: 2,
+                                                        seqlenK: 16_384, headDim: 8),
+                                         causal: true, softmaxScale: nil)
+        let chunks = try XCTUnwrap(p.split).chunks
+        XCTAssertNotEqual(try XCTUnwrap(alone.split).chunks, chunks, "the test needs a shape whose pieces differ")
+        let plan = DispatchPlan.forward(p)
+        let pieces = plan.pieces(maxFlops: plan.flopsPerUnit)
+        XCTAssertEqual(pieces.count, 6)
+        XCTAssertTrue(pieces.allSatisfy { $0.plan.problem.split == p.split })
+        XCTAssertEqual(pieces[1].byteOffset(of: .partialLse), 2 * Int(chunks) * 2 * 4)
+        XCTAssertEqual(pieces[1].byteOffset(of: .partialOut), 2 * Int(chunks) * 2 * 8 * 4)
+
+
+        // Run on a shorter cache (2 chunks, cheap on the CPU engine): the pieces bind their parts of
+        // the partial workspaces.
+        let short = try Problem.validate(AttentionShape(batch: 3, numHeads: 4, numKVHeads: 2, seqlenQ: 2,
+                                                        seqlenK: 600, headDim: 8),
+                                         causal: true, softmaxScale: nil)
+        XCTAssertEqual(short.split?.chunks, 2)
+        var rng = Normal16(seed: 5)
+        let q = rng.next(short.queryElements), k = rng.next(short.keyValueElements)
+        let v = rng.next(short.keyValueElements)
+        let reference = try forward(Context(backend: try CPUBackend()), short, q: q, k: k, v: v)
+        let perHead = try CPUBackend(flopsPerPiece: DispatchPlan.forward(short).flopsPerUnit)
+        let result = try forward(Context(backend: perHead), short, q: q, k: k, v: v)
+        assertSame(result, reference, "split-KV forward in 6 pieces")
+    }
+
+    /// The profile of a pass run in pieces counts them (Metal: one command buffer each) and keeps
+    /// one record per dispatch of the plan, for the whole problem: its grid, and counts summed over
+    /// the pieces that equal the whole run's.
+    func testProfileShowsThePieces() throws {
+        let p = try problem()
+        var rng = Normal16(seed: 3)
+        let q = rng.next(p.queryElements), k = rng.next(p.keyValueElements), v = rng.next(p.keyValueElements)
+        let dout = rng.next(p.queryElements)
+        let whole = Context(backend: try CPUBackend())
+        _ = try forwardAndBackward(whole, p, q: q, k: k, v: v, dout: dout)
+        let split = Context(backend: try CPUBackend(flopsPerPiece: DispatchPlan.backward(p).flopsPerUnit))
+        _ = try forwardAndBackward(split, p, q: q, k: k, v: v, dout: dout)
+        let (one, six) = (try XCTUnwrap(whole.lastProfile), try XCTUnwrap(split.lastProfile))
+        XCTAssertEqual(one.commandBuffers, 1)
+        XCTAssertEqual(six.commandBuffers, 6, "batch 3 x 2 KV heads, one each")
+        let plan = DispatchPlan.backward(p)
+        XCTAssertEqual(six.dispatches.map(\.kernelName), plan.dispatches.map(\.kernelName))
+        XCTAssertEqual(six.dispatches.map(\.threadgroupsPerGrid),
+                       plan.dispatches.map { .init($0.threadgroupsPerGrid) })
+        XCTAssertEqual(six.dispatches.map(\.simdgroupMultiplyAccumulates),
+                       one.dispatches.map(\.simdgroupMultiplyAccumulates))
+        XCTAssertEqual(six.dispatches.map(\.threadgroupBarriers), one.dispatches.map(\.threadgroupBarriers))
+        XCTAssertTrue(six.dispatches.allSatisfy {
+            ($0.simdgroupMultiplyAccumulates ?? 0) > 0 || $0.kernelName.hasSuffix("delta")
+        })
+    }
+
+    private func assertSame(_ result: [[UInt32]], _ reference: [[UInt32]], _ label: String,
+                            file: StaticString = #filePath, line: UInt = #line) {
+        for (n, (mine, whole)) in zip(result, reference).enumerated() {
+            let first = mine.indices.first { mine[$0] != whole[$0] }
+            XCTAssertNil(first, "output \(n) differs first at element \(first ?? 0): \(label)", file: file, line: line)
+        }
+    }
+}
+
+/// Forward on `context`; out and lse as bit patterns.
+private func forward(_ context: Context, _ p: Problem, q: [Float16], k: [Float16], v: [Float16]) throws -> [[UInt32]] {
+    var out = [Float16](repeating: 0, count: p.queryElements)
+    var lse = [Float](repeating: 0, count: p.lseElements)
+    try q.withUnsafeBytes { q in
+        try k.withUnsafeBytes { k in
+            try v.withUnsafeBytes { v in
+                try out.withUnsafeMutableBytes { out in
+                    try lse.withUnsafeMutableBytes { lse in
+                        var f = HostBuffers()
+                        f.bindInput(.q, q.baseAddress!, for: p)
+                        f.bindInput(.k, k.baseAddress!, for: p)
+                        f.bindInput(.v, v.baseAddress!, for: p)
+                        f.bindOutput(.out, out.baseAddress!, for: p)
+                        f.bindOutput(.lse, lse.baseAddress!, for: p)
+                        try context.run(DispatchPlan.forward(p), buffers: f)
+                    }
+                }
+            }
+        }
+    }
+    return [out.map { UInt32($0.bitPattern) }, lse.map(\.bitPattern)]
+}
+
+/// Forward then backward on `context`; every output as bit patterns.
+private func forwardAndBackward(_ context: Context, _ p: Problem, q: [Float16], k: [Float16], v: [Float16],
+                                dout: [Float16]) throws -> [[UInt32]] {
+    var out = [Float16](repeating: 0, count: p.queryElements)
+    var lse = [Float](repeating: 0, count: p.lseElements)
+    var dq = out, dk = [Float16](repeating: 0, count: p.keyValueElements), dv = dk
+    try q.withUnsafeBytes { q in
+        try k.withUnsafeBytes { k in
+            try v.withUnsafeBytes { v in
+                try dout.withUnsafeBytes { dout in
+                    try out.withUnsafeMutableBytes { out in
+                        try lse.withUnsafeMutableBytes { lse in
+                            try dq.withUnsafeMutableBytes { dq in
+                                try dk.withUnsafeMutableBytes { dk in
+                                    try dv.withUnsafeMutableBytes { dv in
+                                        var f = HostBuffers()
+                                        f.bindInput(.q, q.baseAddress!, for: p)
+                                        f.bindInput(.k, k.baseAddress!, for: p)
+                                        f.bindInput(.v, v.baseAddress!, for: p)
+                                        f.bindOutput(.out, out.baseAddress!, for: p)
+                                        f.bindOutput(.lse, lse.baseAddress!, for: p)
+                                        try context.run(DispatchPlan.forward(p), buffers: f)
+                                        var b = f
+                                        b.bindInput(.dout, dout.baseAddress!, for: p)
+                                        b.bindOutput(.dq, dq.baseAddress!, for: p)
+                                        b.bindOutput(.dk, dk.baseAddress!, for: p)
+                                        b.bindOutput(.dv, dv.baseAddress!, for: p)
+                                        try context.run(DispatchPlan.backward(p), buffers: b)
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let halves = [out, dq, dk, dv].map { $0.map { UInt32($0.bitPattern) } }
+    return halves + [lse.map(\.bitPattern)]
+}
