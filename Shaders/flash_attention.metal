@@ -2,23 +2,24 @@
 // dK/dV), on simdgroup_matrix tiles.
 //
 // Math: FlashAttention-2 (Dao, 2023). Operands: Q, K, V, O (out), L (lse), dO (dout), D (delta),
-// S = Q K^T, P = softmax(S), dP = dO V^T, dS = P (dP - D). Scores are kept in base 2: S is scaled by
-// softmax_scale * log2(e), so exp2 gives the softmax and lse = m ln 2 + log(l).
+// S = Q K^T, P = softmax(S), dP = dO V^T, dS = P (dP - D). Every exponential is exp2 of a
+// difference x - m (<= 0) times log2(e) (exp_of): the hardware's exp2, while scores, maxima and
+// lse stay in natural units.
 //
 //   forward (Algorithm 1), one threadgroup per BQ query rows:
 //     load Q block; m = -inf, l = 0, O = 0
 //     for each K/V tile of BK keys that some row of the block sees:
 //       load K, V tiles; S = Q K^T (scaled); element masks only on tiles crossing the diagonal or
-//       the end; m' = max(m, rowmax S); P = exp2(S - m'); l = l exp2(m - m') + rowsum P;
-//       O = O exp2(m - m') + P V; m = m'
+//       the end; m' = max(m, rowmax S); P = exp(S - m'); l = l exp(m - m') + rowsum P;
+//       O = O exp(m - m') + P V; m = m'
 //     out = O / l, lse = m ln 2 + log l (a row that sees no key: out 0, lse -inf)
 //   backward_delta: D_i = rowsum(dO_i * O_i), once per row, in float32
 //   backward_dq (Algorithm 2, the dQ half), one threadgroup per BQ query rows:
-//     for each visible K/V tile: S = Q K^T, P = exp2(S - L), dP = dO V^T, dS = P (dP - D),
+//     for each visible K/V tile: S = Q K^T, P = exp(S - L), dP = dO V^T, dS = P (dP - D),
 //     dQ += dS K; dq = softmax_scale dQ
 //   backward_dkv (the dK/dV half), one threadgroup per BK keys of one KV head:
 //     for each query head of the GQA group, in order, and each Q/dO tile that sees the keys:
-//       S^T = K Q^T, P^T = exp2(S^T - L), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
+//       S^T = K Q^T, P^T = exp(S^T - L), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
 //       dK += dS^T Q; dk = softmax_scale dK
 //   No atomics: every output element has one writer, and sums run in a fixed order, so results
 //   are bit-identical from run to run.
@@ -34,11 +35,15 @@
 //
 // Semantics (flash_attention_metal.h): bottom-right causal masks; a row that sees no key gets
 // out 0, lse -inf and zero gradients; GQA/MQA query head h reads KV head
-// h / (num_heads / num_kv_heads); 64-bit offsets; head_dim 1 to FA_MAX_HEAD_DIM, zero-padded to
-// the bucket's multiple of 8 inside threadgroup memory, never read past the tensor.
+// h / (num_heads / num_kv_heads); 64-bit offsets from per-tensor strides (any layout whose last
+// axis is contiguous); head_dim (q, k) and head_dim_v (v, out) 1 to FA_MAX_HEAD_DIM, zero-padded
+// to the bucket's width inside threadgroup memory, never read past the tensor. Element type T of
+// the tensors: half, bfloat or float; every product accumulates in float32 and every output is
+// rounded to T once.
 //
-// One instance per head-dim bucket of FA_HEAD_DIM_BUCKETS, named <kernel>_d<head_dim_max>.
-// Threadgroup storage is one struct per kernel, named <kernel>_threadgroup.
+// One instance per dtype and head-dim bucket (FA_HEAD_DIM_BUCKETS for half and bfloat,
+// FA_HEAD_DIM_BUCKETS_F32 for float), named <kernel>_<dtype>_d<head_dim_max>. Threadgroup storage
+// is one struct per kernel, named <kernel>_threadgroup.
 
 #include <metal_stdlib>
 
@@ -47,26 +52,32 @@ using namespace metal;
 #include "flash_attention_params.h"
 #include "flash_attention_fragment.h"
 #include "flash_attention_blocks.h"
+#include "flash_attention_merge.h"
 
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
 
-// Where one SIMD-group works: rows [row0, row0 + 8) of the threadgroup's block and head_dim
-// columns [col0, col0 + 8 * fragments) of its slice, of which `active` fragments lie inside
-// head_dim.
+// Where one SIMD-group works: rows [row0, row0 + 8) of the threadgroup's block and columns
+// [col0, col0 + 8 * fragments) of its head_dim slice, of which `active` fragments lie inside
+// head_dim (q, k) and `active_v` inside head_dim_v (v, out). A SIMD-group whose rows all lie past
+// the end of the block's rows has no active fragment: it multiplies nothing (but still loads tiles
+// and meets the barriers with the others).
 struct SimdgroupSlice {
     uint row0;
     uint col0;
     uint active;
+    uint active_v;
     uint first_sgid;  // the SIMD-group holding slice 0 of the same rows
 };
 
 template <uint DP, uint SLICES>
-inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgid) {
+inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgid, uint rows_left) {
     SimdgroupSlice s;
     s.row0 = (sgid / SLICES) * 8;
     s.col0 = (sgid % SLICES) * (DP / SLICES);
-    s.active = active_fragments(p.head_dim, s.col0, DP / SLICES / 8);
+    const bool live = s.row0 < rows_left;
+    s.active = live ? active_fragments(p.head_dim, s.col0, DP / SLICES / 8) : 0;
+    s.active_v = live ? active_fragments(p.head_dim_v, s.col0, DP / SLICES / 8) : 0;
     s.first_sgid = sgid - sgid % SLICES;
     return s;
 }
@@ -82,33 +93,110 @@ inline void sum_over_slices(thread Fragments<N> &x, Partials partials, uint sgid
     }
 }
 
-// Stores rows of an 8 x 8N accumulator times `scale` as half: row `row` of a head (row_start is its
-// element offset), columns below head_dim only.
-template <uint N>
-inline void store_row(device half *dst, thread Fragments<N> &x, float scale, ulong row_start,
-                      uint head_dim, SimdgroupSlice s, FragmentCoord at) {
+// Stores the lane's row of an 8 x 8N accumulator times `scale`, rounded to T: dst points at the
+// row, columns below `cols` only.
+template <uint N, typename T>
+inline void store_row(device T *dst, thread Fragments<N> &x, float scale, uint cols,
+                      SimdgroupSlice s, FragmentCoord at) {
     for (uint d = 0; d < N; ++d) {
         for (uint e = 0; e < 2; ++e) {
             const uint col = s.col0 + d * 8 + at.col + e;
-            if (col < head_dim) {
-                dst[row_start + col] = half(x.f[d].thread_elements()[e] * scale);
+            if (col < cols) {
+                dst[col] = T(x.f[d].thread_elements()[e] * scale);
             }
         }
     }
 }
 
+// ---- exponentials ----------------------------------------------------------------------------
+
+// log2(e) as a float pair hi + lo (hi the float nearest, lo the rest).
+#define FA_LOG2E_HI 1.44269502162933349609375f
+#define FA_LOG2E_LO 1.925963033500011079e-8f
+
+// exp(x) as exp2 of x * log2(e), the product in two terms. Scores, running maxima and lse stay in
+// natural units and only differences x = score - max (<= 0) go to base 2: a product with a rounded
+// log2(e) would put the same relative error on every score of a row (a bias float32 gradients
+// see), and a finite score beyond FLT_MAX / log2(e) (Hugging Face's float32-minimum masks) would
+// overflow in base 2.
+inline float exp_of(float x) {
+    return exp2(fma(x, FA_LOG2E_HI, x * FA_LOG2E_LO));
+}
+
+// ---- scores ----------------------------------------------------------------------------------
+
+// What shapes one lane's scores besides q . k: the ALiBi slope of its row's head and where its row of
+// attn_mask starts (flash_attention_params.h: FA_MASK_*).
+struct RowModifiers {
+    float slope;
+    ulong mask_row;
+};
+
+inline RowModifiers row_modifiers(constant FlashAttentionParams &p, device const float *alibi,
+                                  uint b, uint h, uint row) {
+    RowModifiers m;
+    m.slope = p.has_alibi != 0 ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
+    m.mask_row = head_offset(p.mask, b, h) + ulong(row) * p.mask.seq;
+    return m;
+}
+
+// The score of (row, key) from its raw product q . k: softcap(softmax_scale * raw),
+// minus slope * |row + seqlen_k - seqlen_q - key|, plus the additive mask; -inf where the pair is
+// hidden (outside the window when `checked`, which every tile that needs element masks sets, or by
+// a boolean mask). *t receives tanh(softmax_scale * raw / softcap) for the softcap backward.
+template <typename T>
+inline float score(constant FlashAttentionParams &p, device const uchar *mask, float raw,
+                    uint row, uint key, RowModifiers m, bool checked, thread float &t) {
+    t = 0.0f;
+    if (checked && !in_window(p, row, key)) {
+        return -INFINITY;
+    }
+    const ulong at = m.mask_row + key;
+    if (p.mask_type == FA_MASK_BOOL && mask[at] == 0) {
+        return -INFINITY;
+    }
+    if (p.softcap == 0.0f && p.has_alibi == 0 && p.mask_type == FA_MASK_NONE) {
+        return raw * p.softmax_scale;
+    }
+    float x = raw * p.softmax_scale;
+    if (p.softcap > 0.0f) {
+        t = tanh(x / p.softcap);
+        x = p.softcap * t;
+    }
+    if (p.has_alibi != 0) {
+        x -= m.slope * abs(float(long(row) + long(p.seqlen_k) - long(p.seqlen_q) - long(key)));
+    }
+    if (p.mask_type == FA_MASK_ADDITIVE) {
+        x += float(((device const T *)mask)[at]);
+    } else if (p.mask_type == FA_MASK_ADDITIVE_F32) {
+        x += ((device const float *)mask)[at];
+    }
+    return x;
+}
+
+// dS with respect to softmax_scale * q . k from dS with respect to the final score: the softcap
+// multiplies it by d(c tanh(x / c))/dx = 1 - tanh^2.
+inline float through_softcap(constant FlashAttentionParams &p, float ds, float t) {
+    return p.softcap > 0.0f ? ds * (1.0f - t * t) : ds;
+}
+
+// P = exp(score - lse); 0 for a hidden pair (whose score is -inf, also when the row's lse is -inf).
+inline float probability(float score, float lse) {
+    return score == -INFINITY ? 0.0f : exp_of(score - lse);
+}
+
 // ---- forward ---------------------------------------------------------------------------------
 
-template <uint DP, uint BQ, uint BK>
+template <typename T, uint DP, uint BQ, uint BK>
 struct ForwardStorage {
-    half q[BQ][DP + FA_TILE_PAD];
-    half k[BK][DP + FA_TILE_PAD];
-    half v[BK][DP + FA_TILE_PAD];
+    T q[BQ][DP + FA_TILE_PAD];
+    T k[BK][DP + FA_TILE_PAD];
+    T v[BK][DP + FA_TILE_PAD];
     float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
 };
 
-// The online softmax of one lane's row (Algorithm 1): running max m of the scaled scores (base 2),
-// this lane's part of the running sum l of exp2(score - m), and the SIMD-group's 8-row block of the
+// The online softmax of one lane's row (Algorithm 1): running max m of the scores, this lane's part
+// of the running sum l of exp(score - m), and the SIMD-group's 8-row block of the
 // unnormalised output over its head_dim slice.
 template <uint ND>
 struct RowState {
@@ -117,10 +205,12 @@ struct RowState {
     Fragments<ND> o;
 };
 
+// Starts a row; with a sink (a virtual key of logit `sink` and no value) the row's softmax begins
+// with that key's weight (one lane of the four holding the row counts it).
 template <uint ND>
-inline void start_rows(thread RowState<ND> &r) {
-    r.m = -INFINITY;
-    r.l = 0.0f;
+inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, FragmentCoord at) {
+    r.m = with_sink ? sink : -INFINITY;
+    r.l = with_sink && at.col == 0 ? 1.0f : 0.0f;
     clear(r.o);
 }
 
@@ -128,15 +218,16 @@ inline void start_rows(thread RowState<ND> &r) {
 // and v_head: loads the tiles (every thread calls it), S = Q K^T over the slice and then over all
 // of head_dim, masks (only when `masked`; the lane's row is query `row`), online softmax update,
 // O += P V.
-template <uint DP, uint BQ, uint BK, uint ND, typename Storage>
-inline void forward_tile(thread RowState<ND> &r, Storage tg, device const half *k_head,
-                         device const half *v_head, constant FlashAttentionParams &p, uint kv0,
-                         bool masked, uint row, SimdgroupSlice s, FragmentCoord at, uint sgid,
+template <uint DP, uint BQ, uint BK, uint ND, typename T, typename Storage>
+inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_head,
+                         device const T *v_head, device const uchar *mask,
+                         constant FlashAttentionParams &p, uint kv0, bool masked, uint row,
+                         RowModifiers mods, SimdgroupSlice s, FragmentCoord at, uint sgid,
                          uint tid) {
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.head_dim, tid);
-    load_rows<BK, DP>(tg->v, v_head, kv0, p.seqlen_k, p.head_dim, tid);
+    load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+    load_rows<BK, DP>(tg->v, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     Fragments<NK> sc;
@@ -155,22 +246,20 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const half *
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
 
     // Online softmax; P replaces S in place.
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
     float tile_max = -INFINITY;
     for (uint j = 0; j < NK; ++j) {
         for (uint e = 0; e < 2; ++e) {
-            float x = sc.f[j].thread_elements()[e] * scale2;
-            if (masked && !is_visible(p, row, kv0 + j * 8 + at.col + e)) {
-                x = -INFINITY;
-            }
+            float t;
+            const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
+                                      kv0 + j * 8 + at.col + e, mods, masked, t);
             sc.f[j].thread_elements()[e] = x;
             tile_max = max(tile_max, x);
         }
     }
     const float m_next = max(r.m, row_max(tile_max));
-    // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp2 at 0, not NaN.
+    // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0, not NaN.
     const float m_base = m_next == -INFINITY ? 0.0f : m_next;
-    const float correction = exp2(r.m - m_base);
+    const float correction = exp_of(r.m - m_base);
     r.l *= correction;
     for (uint d = 0; d < ND; ++d) {
         r.o.f[d].thread_elements()[0] *= correction;
@@ -178,7 +267,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const half *
     }
     for (uint j = 0; j < NK; ++j) {
         for (uint e = 0; e < 2; ++e) {
-            const float pe = exp2(sc.f[j].thread_elements()[e] - m_base);
+            const float pe = exp_of(sc.f[j].thread_elements()[e] - m_base);
             sc.f[j].thread_elements()[e] = pe;
             r.l += pe;
         }
@@ -186,7 +275,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const half *
     r.m = m_next;
 
     for (uint d = 0; d < ND; ++d) {
-        if (d < s.active) {
+        if (d < s.active_v) {
             for (uint j = 0; j < NK; ++j) {
                 simdgroup_float8x8 vf;
                 load_fragment(vf, tg->v, j * 8, s.col0 + d * 8, at);
@@ -198,42 +287,43 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const half *
 
 // The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
 inline float row_lse(float m, float l) {
-    return l > 0.0f ? m * M_LN2_F + log(l) : -INFINITY;
+    return l > 0.0f ? m + log(l) : -INFINITY;
 }
 
-template <uint DP, uint BQ, uint BK, typename Storage>
-inline void attention_forward(device const half *q, device const half *k, device const half *v,
-                              device half *out, device float *lse,
-                              constant FlashAttentionParams &p, Storage tg, uint3 tgid,
-                              uint sgid, uint lane) {
+template <uint DP, uint BQ, uint BK, typename T, typename Storage>
+inline void attention_forward(device const T *q, device const T *k, device const T *v,
+                              device T *out, device float *lse, device const uchar *mask,
+                              device const float *alibi, device const float *sinks,
+                              constant FlashAttentionParams &p, Storage tg, uint3 tgid, uint sgid,
+                              uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;  // fragments across the slice
     const uint tid = sgid * 32 + lane;
     const FragmentCoord at = fragment_coord(lane);
-    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
-
     const uint b = tgid.z;
     const uint h = tgid.y;
     const uint q0 = tgid.x * BQ;
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
-    const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
-    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
-    // Keys seen by the block's last row: the tiles the threadgroup visits (none past it).
-    const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
+    // From the first row's first key to the last row's last: the tiles the threadgroup visits.
+    const uint key_begin = key_range(p, q0).first;
+    const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
+    const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
 
-    load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
+    load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
     RowState<ND> r;
-    start_rows(r);
-    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
-        forward_tile<DP, BQ, BK>(r, tg, k + kv_head_start, v + kv_head_start, p, kv0,
-                                 !tile_unmasked(p, q0, BQ, kv0, BK), row, s, at, sgid, tid);
+    start_rows(r, p.has_sinks != 0, p.has_sinks != 0 ? sinks[h] : 0.0f, at);
+    for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
+        forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
+                                 v + head_offset(p.v, b, kv_head), mask, p, kv0,
+                                 !tile_unmasked(p, q0, BQ, kv0, BK), row, mods, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);
     if (row < p.seqlen_q) {
-        store_row(out, r.o, l > 0.0f ? 1.0f / l : 0.0f, q_head + ulong(row) * p.head_dim,
-                  p.head_dim, s, at);
+        store_row(out + head_offset(p.out, b, h) + ulong(row) * p.out.seq, r.o,
+                  l > 0.0f ? 1.0f / l : 0.0f, p.head_dim_v, s, at);
         if (s.col0 == 0 && at.col == 0) {
             lse[row_index(b, p.num_heads, h, p.seqlen_q, row)] = row_lse(r.m, l);
         }
@@ -267,62 +357,63 @@ inline PackedRows packed_rows(constant FlashAttentionParams &p, uint block) {
     return r;
 }
 
-// Element offset of packed row `packed` in q (batch b, KV head kv_head).
-inline ulong packed_row_offset(constant FlashAttentionParams &p, PackedRows r, uint b,
-                               uint kv_head, uint packed) {
-    const uint h = kv_head * r.group + packed / p.seqlen_q;
-    return head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim) +
-           ulong(packed % p.seqlen_q) * p.head_dim;
+// The query head of packed row `packed` of KV head kv_head.
+inline uint packed_head(constant FlashAttentionParams &p, PackedRows r, uint kv_head, uint packed) {
+    return kv_head * r.group + packed / p.seqlen_q;
 }
 
-// Index of (packed row, chunk) in partial_lse; times head_dim, in partial_out.
+// Index of (packed row, chunk) in partial_lse; times head_dim_v, in partial_out.
 inline ulong partial_index(constant FlashAttentionParams &p, PackedRows r, uint b, uint kv_head,
                            uint packed, uint chunk) {
-    const uint h = kv_head * r.group + packed / p.seqlen_q;
+    const uint h = packed_head(p, r, kv_head, packed);
     return ((ulong(b) * p.num_heads + h) * p.kv_chunks + chunk) * p.seqlen_q + packed % p.seqlen_q;
 }
 
 // One chunk of keys for one block of packed rows: threadgroups (row blocks x chunks, KV heads,
 // batch), x = chunk * row_blocks + row block. Writes the chunk's normalised output and lse.
-template <uint DP, uint BQ, uint BK, typename Storage>
-inline void attention_forward_split(device const half *q, device const half *k,
-                                    device const half *v, device float *partial_out,
-                                    device float *partial_lse, constant FlashAttentionParams &p,
-                                    Storage tg, uint3 tgid, uint sgid, uint lane) {
+template <uint DP, uint BQ, uint BK, typename T, typename Storage>
+inline void attention_forward_split(device const T *q, device const T *k, device const T *v,
+                                    device const uchar *mask, device const float *alibi,
+                                    device float *partial_out, device float *partial_lse,
+                                    constant FlashAttentionParams &p, Storage tg, uint3 tgid,
+                                    uint sgid, uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;
     const uint tid = sgid * 32 + lane;
     const FragmentCoord at = fragment_coord(lane);
-    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
-
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
     const uint row_blocks = (group * p.seqlen_q + BQ - 1) / BQ;
     const uint chunk = tgid.x / row_blocks;
     const PackedRows rows = packed_rows<BQ>(p, tgid.x % row_blocks);
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, rows.count - rows.first);
     const uint packed = rows.first + s.row0 + at.row;
     const bool valid = packed < rows.count;
     const uint row = valid ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
-    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
-    const uint key_begin = chunk * p.kv_chunk_keys;
-    const uint key_end = min(key_begin + p.kv_chunk_keys, visible_keys(p, rows.i_max));
+    // The chunk's keys that some row of the block sees through the window.
+    const uint key_begin = max(chunk * p.kv_chunk_keys, key_range(p, rows.i_min).first);
+    const uint key_end = min(chunk * p.kv_chunk_keys + p.kv_chunk_keys, key_range(p, rows.i_max).end);
+    const RowModifiers mods = row_modifiers(p, alibi, b, packed_head(p, rows, kv_head, valid ? packed : 0), row);
 
     for (uint e = tid; e < BQ * DP; e += FA_THREADS_PER_THREADGROUP) {
         const uint r = e / DP;
         const uint d = e % DP;
         const uint at_row = rows.first + r;
         tg->q[r][d] = (at_row < rows.count && d < p.head_dim)
-                          ? q[packed_row_offset(p, rows, b, kv_head, at_row) + d]
-                          : half(0);
+                          ? q[head_offset(p.q, b, packed_head(p, rows, kv_head, at_row)) +
+                              ulong(at_row % p.seqlen_q) * p.q.seq + d]
+                          : T(0.0f);
     }
+    // The sink joins once, in the combine.
     RowState<ND> r;
-    start_rows(r);
+    start_rows(r, false, 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         const bool masked = !rows.full || !tile_unmasked(p, rows.i_min, rows.i_max - rows.i_min + 1,
                                                          kv0, BK);
-        forward_tile<DP, BQ, BK>(r, tg, k + kv_head_start, v + kv_head_start, p, kv0, masked, row,
-                                 s, at, sgid, tid);
+        forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
+                                 v + head_offset(p.v, b, kv_head), mask, p, kv0, masked, row,
+                                 mods, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);
@@ -332,8 +423,8 @@ inline void attention_forward_split(device const half *q, device const half *k,
         for (uint d = 0; d < ND; ++d) {
             for (uint e = 0; e < 2; ++e) {
                 const uint col = s.col0 + d * 8 + at.col + e;
-                if (col < p.head_dim) {
-                    partial_out[index * p.head_dim + col] = r.o.f[d].thread_elements()[e] * scale;
+                if (col < p.head_dim_v) {
+                    partial_out[index * p.head_dim_v + col] = r.o.f[d].thread_elements()[e] * scale;
                 }
             }
         }
@@ -343,139 +434,204 @@ inline void attention_forward_split(device const half *q, device const half *k,
     }
 }
 
-// Combines the chunks of one query row (threadgroup (i, h, b)): out = sum_c w_c O_c / sum_c w_c
-// with w_c = exp(lse_c - max_c lse_c), lse = max + log(sum_c w_c), chunks in order. A chunk with
-// lse -inf weighs 0; a row without any key gets out 0, lse -inf.
+// Combines the chunks of one query row (threadgroup (i, h, b)) with the log-sum-exp merge of
+// flash_attention_merge.h: out = sum_c w_c O_c / sum_c w_c with w_c = exp(lse_c - max_c lse_c),
+// lse = max + log(sum_c w_c), chunks in order; a sink adds its weight to the denominator only. A
+// chunk with lse -inf weighs 0 (its partial output is not used); a row without any key (and no
+// sink) gets out 0, lse -inf.
+template <typename T>
 inline void attention_forward_combine(device const float *partial_out,
-                                      device const float *partial_lse, device half *out,
-                                      device float *lse, constant FlashAttentionParams &p,
-                                      uint3 tgid, uint tid) {
+                                      device const float *partial_lse, device const float *sinks,
+                                      device T *out, device float *lse,
+                                      constant FlashAttentionParams &p, uint3 tgid, uint tid) {
     const ulong first = (ulong(tgid.z) * p.num_heads + tgid.y) * p.kv_chunks * p.seqlen_q + tgid.x;
-    float top = -INFINITY;
+    const float sink = p.has_sinks != 0 ? sinks[tgid.y] : -INFINITY;
+    float top = sink;
     for (uint c = 0; c < p.kv_chunks; ++c) {
         top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
     }
-    float total = 0.0f;
+    float total = merge_weight(sink, top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
-        const float part = partial_lse[first + ulong(c) * p.seqlen_q];
-        total += part == -INFINITY ? 0.0f : exp(part - top);
+        total += merge_weight(partial_lse[first + ulong(c) * p.seqlen_q], top);
     }
-    const ulong row = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, tgid.x);
-    for (uint d = tid; d < p.head_dim; d += FA_THREADS_PER_THREADGROUP) {
+    const float scale = merge_normalizer(total);
+    device T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(tgid.x) * p.out.seq;
+    for (uint d = tid; d < p.head_dim_v; d += FA_THREADS_PER_THREADGROUP) {
         float acc = 0.0f;
         for (uint c = 0; c < p.kv_chunks; ++c) {
             const ulong part = first + ulong(c) * p.seqlen_q;
-            if (partial_lse[part] != -INFINITY) {
-                acc = fma(exp(partial_lse[part] - top), partial_out[part * p.head_dim + d], acc);
-            }
+            acc = merge_accumulate(acc, merge_weight(partial_lse[part], top),
+                                   partial_out[part * p.head_dim_v + d]);
         }
-        out[row * p.head_dim + d] = half(total > 0.0f ? acc / total : 0.0f);
+        out_row[d] = T(acc * scale);
     }
     if (tid == 0) {
-        lse[row] = total > 0.0f ? top + log(total) : -INFINITY;
+        lse[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, tgid.x)] = merged_lse(top, total);
     }
 }
 
 // ---- backward: D = rowsum(dO * O) ------------------------------------------------------------
 
 // One thread per query row; D in float32, read by both gradient kernels.
-inline void attention_backward_delta(device const half *dout, device const half *out,
+template <typename T>
+inline void attention_backward_delta(device const T *dout, device const T *out,
                                      device float *delta, constant FlashAttentionParams &p,
                                      uint3 tgid, uint tid) {
     const uint row = tgid.x * FA_DELTA_BLOCK_ROWS + tid;
     if (row < p.seqlen_q) {
-        const ulong start =
-            head_offset(tgid.z, p.num_heads, tgid.y, p.seqlen_q, p.head_dim) + ulong(row) * p.head_dim;
-        float acc = 0.0f;
-        for (uint d = 0; d < p.head_dim; ++d) {
-            acc = fma(float(dout[start + d]), float(out[start + d]), acc);
+        device const T *dout_row = dout + head_offset(p.dout, tgid.z, tgid.y) + ulong(row) * p.dout.seq;
+        device const T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(row) * p.out.seq;
+        // Eight interleaved partial sums added pairwise (NumPy's float32 summation): a single
+        // running sum over head_dim loses bits that dP - D, often a near-cancellation, exposes.
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (uint d = 0; d < p.head_dim_v; d += 8) {
+            for (uint j = 0; j < 8; ++j) {
+                if (d + j < p.head_dim_v) {
+                    acc[j] = fma(float(dout_row[d + j]), float(out_row[d + j]), acc[j]);
+                }
+            }
         }
-        delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] = acc;
+        delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] =
+            ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+}
+
+// ---- backward: dsinks -----------------------------------------------------------------------
+
+struct DsinksStorage {
+    float partial[FA_THREADS_PER_THREADGROUP];
+};
+
+// dsinks[h] = -sum over batch and query rows of exp(sinks[h] - lse) * D: a virtual key's
+// dS = P (dP - D) with dP = 0 (it has no value). One threadgroup per head; each thread sums rows
+// tid, tid + 128, ... in order, then a fixed tree adds the threads, so reruns are bit-identical.
+template <typename Storage>
+inline void attention_backward_dsinks(device const float *lse, device const float *delta,
+                                      device const float *sinks, device float *dsinks,
+                                      constant FlashAttentionParams &p, Storage tg, uint h,
+                                      uint tid) {
+    const ulong rows = ulong(p.batch) * p.seqlen_q;
+    float acc = 0.0f;
+    for (ulong r = tid; r < rows; r += FA_THREADS_PER_THREADGROUP) {
+        const ulong at = row_index(uint(r / p.seqlen_q), p.num_heads, h, p.seqlen_q, uint(r % p.seqlen_q));
+        acc = fma(exp(sinks[h] - lse[at]), delta[at], acc);
+    }
+    tg->partial[tid] = acc;
+    for (uint width = FA_THREADS_PER_THREADGROUP / 2; width > 0; width /= 2) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (tid < width) {
+            tg->partial[tid] += tg->partial[tid + width];
+        }
+    }
+    if (tid == 0) {
+        dsinks[h] = -tg->partial[0];
     }
 }
 
 // ---- backward: dQ ----------------------------------------------------------------------------
 
-template <uint DP, uint BQ, uint BK>
+// SHARED: the K and V tiles share one buffer (when both would not fit in 32 KiB): V is loaded
+// first for dP, then K for S and dQ, so each is still read once per tile.
+template <typename T, uint DP, uint BQ, uint BK, bool SHARED>
 struct BackwardQueryStorage {
-    half q[BQ][DP + FA_TILE_PAD];
-    half dout[BQ][DP + FA_TILE_PAD];
-    half k[BK][DP + FA_TILE_PAD];
-    half v[BK][DP + FA_TILE_PAD];
+    T q[BQ][DP + FA_TILE_PAD];
+    T dout[BQ][DP + FA_TILE_PAD];
+    T k[BK][DP + FA_TILE_PAD];
+    T v[SHARED ? 1 : BK][DP + FA_TILE_PAD];
     float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
     float dp_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
 };
 
-template <uint DP, uint BQ, uint BK, typename Storage>
-inline void attention_backward_dq(device const half *dout, device const half *q,
-                                  device const half *k, device const half *v,
-                                  device const float *lse, device const float *delta,
-                                  constant FlashAttentionParams &p, device half *dq, Storage tg,
-                                  uint3 tgid, uint sgid, uint lane) {
+template <uint DP, uint BQ, uint BK, bool SHARED, typename T, typename Storage>
+inline void attention_backward_dq(device const T *dout, device const T *q, device const T *k,
+                                  device const T *v, device const float *lse,
+                                  device const float *delta, device const uchar *mask,
+                                  device const float *alibi, constant FlashAttentionParams &p,
+                                  device T *dq, Storage tg, uint3 tgid, uint sgid, uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;
     constexpr uint NK = BK / 8;
     const uint tid = sgid * 32 + lane;
     const FragmentCoord at = fragment_coord(lane);
-    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
+    auto v_tile = SHARED ? tg->k : tg->v;
 
     const uint b = tgid.z;
     const uint h = tgid.y;
     const uint q0 = tgid.x * BQ;
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
-    const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
-    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
-    const uint block_keys = visible_keys(p, min(q0 + BQ, p.seqlen_q) - 1);
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
-    // Rows past the end or without keys have every element masked: their L and D are not read.
-    const bool has_keys = row < p.seqlen_q && visible_keys(p, row) > 0;
-    const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? row : 0);
-    const float row_lse2 = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
-    const float row_delta = has_keys ? delta[at_row] : 0.0f;
+    device const T *k_head = k + head_offset(p.k, b, kv_head);
+    device const T *v_head = v + head_offset(p.v, b, kv_head);
+    const uint key_begin = key_range(p, q0).first;
+    const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
+    const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
+    // Rows past the end have every element hidden: their L and D are not read.
+    const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, row < p.seqlen_q ? row : 0);
+    const float row_lse = row < p.seqlen_q ? lse[at_row] : 0.0f;
+    const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
 
-    load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
-    load_rows<BQ, DP>(tg->dout, dout + q_head, q0, p.seqlen_q, p.head_dim, tid);
+    load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+    load_rows<BQ, DP>(tg->dout, dout + head_offset(p.dout, b, h), q0, p.seqlen_q, p.dout.seq,
+                      p.head_dim_v, tid);
 
     Fragments<ND> dq_acc;
     clear(dq_acc);
-    for (uint kv0 = 0; kv0 < block_keys; kv0 += BK) {
+    for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_rows<BK, DP>(tg->k, k + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
-        load_rows<BK, DP>(tg->v, v + kv_head_start, kv0, p.seqlen_k, p.head_dim, tid);
+        load_rows<BK, DP>(v_tile, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+        if (!SHARED) {
+            load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+        }
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
-        // S = Q K^T and dP = dO V^T.
-        Fragments<NK> sc;
+        // dP = dO V^T.
         Fragments<NK> dp;
-        clear(sc);
         clear(dp);
+        for (uint d = 0; d < ND; ++d) {
+            if (d < s.active_v) {
+                simdgroup_float8x8 dof;
+                load_fragment(dof, tg->dout, s.row0, s.col0 + d * 8, at);
+                for (uint j = 0; j < NK; ++j) {
+                    simdgroup_float8x8 vt;
+                    load_fragment_transposed(vt, v_tile, j * 8, s.col0 + d * 8, at);
+                    simdgroup_multiply_accumulate(dp.f[j], dof, vt, dp.f[j]);
+                }
+            }
+        }
+        if (SHARED) {
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+            load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+        }
+
+        // S = Q K^T.
+        Fragments<NK> sc;
+        clear(sc);
         for (uint d = 0; d < ND; ++d) {
             if (d < s.active) {
                 simdgroup_float8x8 qf;
-                simdgroup_float8x8 dof;
                 load_fragment(qf, tg->q, s.row0, s.col0 + d * 8, at);
-                load_fragment(dof, tg->dout, s.row0, s.col0 + d * 8, at);
                 for (uint j = 0; j < NK; ++j) {
-                    simdgroup_float8x8 t;
-                    load_fragment_transposed(t, tg->k, j * 8, s.col0 + d * 8, at);
-                    simdgroup_multiply_accumulate(sc.f[j], qf, t, sc.f[j]);
-                    load_fragment_transposed(t, tg->v, j * 8, s.col0 + d * 8, at);
-                    simdgroup_multiply_accumulate(dp.f[j], dof, t, dp.f[j]);
+                    simdgroup_float8x8 kt;
+                    load_fragment_transposed(kt, tg->k, j * 8, s.col0 + d * 8, at);
+                    simdgroup_multiply_accumulate(sc.f[j], qf, kt, sc.f[j]);
                 }
             }
         }
         sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
-        // dS = P (dP - D), in place of S.
+        // dS = P (dP - D) (through the softcap), in place of S.
         const bool masked = !tile_unmasked(p, q0, BQ, kv0, BK);
         for (uint j = 0; j < NK; ++j) {
             for (uint e = 0; e < 2; ++e) {
-                const bool hidden = masked && !is_visible(p, row, kv0 + j * 8 + at.col + e);
-                const float pe =
-                    hidden ? 0.0f : exp2(sc.f[j].thread_elements()[e] * scale2 - row_lse2);
-                sc.f[j].thread_elements()[e] = pe * (dp.f[j].thread_elements()[e] - row_delta);
+                float t;
+                const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
+                                          kv0 + j * 8 + at.col + e, mods, masked, t);
+                const float pe = probability(x, row_lse);
+                sc.f[j].thread_elements()[e] =
+                    through_softcap(p, pe * (dp.f[j].thread_elements()[e] - row_delta), t);
             }
         }
 
@@ -492,49 +648,54 @@ inline void attention_backward_dq(device const half *dout, device const half *q,
     }
 
     if (row < p.seqlen_q) {
-        store_row(dq, dq_acc, p.softmax_scale, q_head + ulong(row) * p.head_dim, p.head_dim, s, at);
+        store_row(dq + head_offset(p.dq, b, h) + ulong(row) * p.dq.seq, dq_acc, p.softmax_scale,
+                  p.head_dim, s, at);
     }
 }
 
 // ---- backward: dK and dV ---------------------------------------------------------------------
 
-template <uint DP, uint BK, uint BQ>
+// SHARED: the Q and dO tiles share one buffer (when both would not fit in 32 KiB): Q for S, then
+// dO for dP and dV, then Q again for dK.
+template <typename T, uint DP, uint BK, uint BQ, bool SHARED>
 struct BackwardKeyValueStorage {
-    half k[BK][DP + FA_TILE_PAD];
-    half v[BK][DP + FA_TILE_PAD];
-    half q[BQ][DP + FA_TILE_PAD];
-    half dout[BQ][DP + FA_TILE_PAD];
-    float lse2[BQ];   // L of the tile's rows in base 2 (0 for rows past the end or without keys)
+    T k[BK][DP + FA_TILE_PAD];
+    T v[BK][DP + FA_TILE_PAD];
+    T q[BQ][DP + FA_TILE_PAD];
+    T dout[SHARED ? 1 : BQ][DP + FA_TILE_PAD];
+    float lse[BQ];    // lse of the tile's rows (0 for rows past the end)
     float delta[BQ];  // D of the tile's rows (0 likewise)
     float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
     float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
 };
 
-template <uint DP, uint BK, uint BQ, typename Storage>
-inline void attention_backward_dkv(device const half *dout, device const half *q,
-                                   device const half *k, device const half *v,
-                                   device const float *lse, device const float *delta,
-                                   constant FlashAttentionParams &p, device half *dk,
-                                   device half *dv, Storage tg, uint3 tgid, uint sgid,
+template <uint DP, uint BK, uint BQ, bool SHARED, typename T, typename Storage>
+inline void attention_backward_dkv(device const T *dout, device const T *q, device const T *k,
+                                   device const T *v, device const float *lse,
+                                   device const float *delta, device const uchar *mask,
+                                   device const float *alibi, constant FlashAttentionParams &p,
+                                   device T *dk, device T *dv, Storage tg, uint3 tgid, uint sgid,
                                    uint lane) {
     constexpr uint SLICES = FA_SLICES(BK);
     constexpr uint ND = DP / SLICES / 8;
     constexpr uint NQ = BQ / 8;  // fragments across a query tile
     const uint tid = sgid * 32 + lane;
     const FragmentCoord at = fragment_coord(lane);
-    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid);
+    auto dout_tile = SHARED ? tg->q : tg->dout;
 
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
     const uint k0 = tgid.x * BK;
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_k - k0);
     const uint key = k0 + s.row0 + at.row;
-    const ulong kv_head_start = head_offset(b, p.num_kv_heads, kv_head, p.seqlen_k, p.head_dim);
-    const uint first_row = first_row_seeing(p, k0);
-    const float scale2 = p.softmax_scale * M_LOG2E_F;
+    // The query rows that see some key of the block through the window.
+    const KeyRange rows = row_range(p, k0, BK);
 
-    load_rows<BK, DP>(tg->k, k + kv_head_start, k0, p.seqlen_k, p.head_dim, tid);
-    load_rows<BK, DP>(tg->v, v + kv_head_start, k0, p.seqlen_k, p.head_dim, tid);
+    load_rows<BK, DP>(tg->k, k + head_offset(p.k, b, kv_head), k0, p.seqlen_k, p.k.seq, p.head_dim,
+                      tid);
+    load_rows<BK, DP>(tg->v, v + head_offset(p.v, b, kv_head), k0, p.seqlen_k, p.v.seq,
+                      p.head_dim_v, tid);
 
     Fragments<ND> dk_acc;
     Fragments<ND> dv_acc;
@@ -542,65 +703,101 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
     clear(dv_acc);
     for (uint g = 0; g < group; ++g) {
         const uint h = kv_head * group + g;
-        const ulong q_head = head_offset(b, p.num_heads, h, p.seqlen_q, p.head_dim);
-        for (uint q0 = first_row; q0 < p.seqlen_q; q0 += BQ) {
+        device const T *q_head = q + head_offset(p.q, b, h);
+        device const T *dout_head = dout + head_offset(p.dout, b, h);
+        const float slope = p.has_alibi != 0 ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
+        for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_rows<BQ, DP>(tg->q, q + q_head, q0, p.seqlen_q, p.head_dim, tid);
-            load_rows<BQ, DP>(tg->dout, dout + q_head, q0, p.seqlen_q, p.head_dim, tid);
+            load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+            if (!SHARED) {
+                load_rows<BQ, DP>(tg->dout, dout_head, q0, p.seqlen_q, p.dout.seq, p.head_dim_v, tid);
+            }
             if (tid < BQ) {
                 const uint r = q0 + tid;
-                const bool has_keys = r < p.seqlen_q && visible_keys(p, r) > 0;
-                const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, has_keys ? r : 0);
-                tg->lse2[tid] = has_keys ? lse[at_row] * M_LOG2E_F : 0.0f;
-                tg->delta[tid] = has_keys ? delta[at_row] : 0.0f;
+                const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, r < p.seqlen_q ? r : 0);
+                tg->lse[tid] = r < p.seqlen_q ? lse[at_row] : 0.0f;
+                tg->delta[tid] = r < p.seqlen_q ? delta[at_row] : 0.0f;
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
 
-            // S^T = K Q^T and dP^T = V dO^T.
+            // S^T = K Q^T.
             Fragments<NQ> st;
-            Fragments<NQ> dpt;
             clear(st);
-            clear(dpt);
             for (uint d = 0; d < ND; ++d) {
                 if (d < s.active) {
                     simdgroup_float8x8 kf;
-                    simdgroup_float8x8 vf;
                     load_fragment(kf, tg->k, s.row0, s.col0 + d * 8, at);
+                    for (uint j = 0; j < NQ; ++j) {
+                        simdgroup_float8x8 qt;
+                        load_fragment_transposed(qt, tg->q, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(st.f[j], kf, qt, st.f[j]);
+                    }
+                }
+            }
+            if (SHARED) {
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+                load_rows<BQ, DP>(dout_tile, dout_head, q0, p.seqlen_q, p.dout.seq, p.head_dim_v, tid);
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+            }
+
+            // dP^T = V dO^T.
+            Fragments<NQ> dpt;
+            clear(dpt);
+            for (uint d = 0; d < ND; ++d) {
+                if (d < s.active_v) {
+                    simdgroup_float8x8 vf;
                     load_fragment(vf, tg->v, s.row0, s.col0 + d * 8, at);
                     for (uint j = 0; j < NQ; ++j) {
-                        simdgroup_float8x8 t;
-                        load_fragment_transposed(t, tg->q, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(st.f[j], kf, t, st.f[j]);
-                        load_fragment_transposed(t, tg->dout, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(dpt.f[j], vf, t, dpt.f[j]);
+                        simdgroup_float8x8 dot;
+                        load_fragment_transposed(dot, dout_tile, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dpt.f[j], vf, dot, dpt.f[j]);
                     }
                 }
             }
             sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
             sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
 
-            // P^T in place of S^T, dS^T in place of dP^T.
+            // P^T in place of S^T, dS^T (through the softcap) in place of dP^T.
             const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
             for (uint j = 0; j < NQ; ++j) {
                 for (uint e = 0; e < 2; ++e) {
                     const uint i = j * 8 + at.col + e;
-                    const bool hidden = masked && !is_visible(p, q0 + i, key);
-                    const float pe =
-                        hidden ? 0.0f : exp2(st.f[j].thread_elements()[e] * scale2 - tg->lse2[i]);
+                    RowModifiers mods;
+                    mods.slope = slope;
+                    mods.mask_row = head_offset(p.mask, b, h) + ulong(q0 + i) * p.mask.seq;
+                    float t;
+                    const float x = score<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
+                                              mods, masked, t);
+                    const float pe = probability(x, tg->lse[i]);
                     st.f[j].thread_elements()[e] = pe;
-                    dpt.f[j].thread_elements()[e] = pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]);
+                    dpt.f[j].thread_elements()[e] =
+                        through_softcap(p, pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]), t);
                 }
             }
 
-            // dV += P^T dO and dK += dS^T Q.
+            // dV += P^T dO.
+            for (uint d = 0; d < ND; ++d) {
+                if (d < s.active_v) {
+                    for (uint j = 0; j < NQ; ++j) {
+                        simdgroup_float8x8 dof;
+                        load_fragment(dof, dout_tile, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dv_acc.f[d], st.f[j], dof, dv_acc.f[d]);
+                    }
+                }
+            }
+            if (SHARED) {
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+                load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+                threadgroup_barrier(mem_flags::mem_threadgroup);
+            }
+
+            // dK += dS^T Q.
             for (uint d = 0; d < ND; ++d) {
                 if (d < s.active) {
                     for (uint j = 0; j < NQ; ++j) {
-                        simdgroup_float8x8 t;
-                        load_fragment(t, tg->dout, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(dv_acc.f[d], st.f[j], t, dv_acc.f[d]);
-                        load_fragment(t, tg->q, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(dk_acc.f[d], dpt.f[j], t, dk_acc.f[d]);
+                        simdgroup_float8x8 qf;
+                        load_fragment(qf, tg->q, j * 8, s.col0 + d * 8, at);
+                        simdgroup_multiply_accumulate(dk_acc.f[d], dpt.f[j], qf, dk_acc.f[d]);
                     }
                 }
             }
@@ -608,54 +805,69 @@ inline void attention_backward_dkv(device const half *dout, device const half *q
     }
 
     if (key < p.seqlen_k) {
-        const ulong key_start = kv_head_start + ulong(key) * p.head_dim;
-        store_row(dk, dk_acc, p.softmax_scale, key_start, p.head_dim, s, at);
-        store_row(dv, dv_acc, 1.0f, key_start, p.head_dim, s, at);
+        store_row(dk + head_offset(p.dk, b, kv_head) + ulong(key) * p.dk.seq, dk_acc,
+                  p.softmax_scale, p.head_dim, s, at);
+        store_row(dv + head_offset(p.dv, b, kv_head) + ulong(key) * p.dv.seq, dv_acc, 1.0f,
+                  p.head_dim_v, s, at);
     }
 }
 
 // ---- instances -------------------------------------------------------------------------------
 
-kernel void flash_attention_backward_delta(
-    device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
-    device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
-    device const half *k [[buffer(FA_BACKWARD_BUFFER_K)]],
-    device const half *v [[buffer(FA_BACKWARD_BUFFER_V)]],
-    device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],
-    device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
-    constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
-    device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
-    uint3 tgid [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]]) {
-    attention_backward_delta(dout, out, delta, params, tgid, tid);
-}
+// Whether a backward kernel's two streamed tiles must share one buffer to fit in 32 KiB.
+#define FA_DQ_SHARED(T, DP, BQ, BK) (sizeof(BackwardQueryStorage<T, DP, BQ, BK, false>) > 32768)
+#define FA_DKV_SHARED(T, DP, BK, BQ) (sizeof(BackwardKeyValueStorage<T, DP, BK, BQ, false>) > 32768)
 
-kernel void flash_attention_forward_combine(
-    device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],
-    device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],
-    device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],
-    device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
-    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
-    constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
-    device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],
-    device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],
-    uint3 tgid [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]]) {
-    attention_forward_combine(partial_out, partial_lse, out, lse, params, tgid, tid);
-}
+// The kernels of one dtype (element type T, name suffix SUFFIX) that do not depend on the bucket.
+#define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX)                                                         \
+    kernel void flash_attention_forward_combine_##SUFFIX(                                          \
+        device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                         \
+        device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
+        device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
+        device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
+        device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
+        constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
+        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
+        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
+        device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                 \
+        device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                 \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint tid [[thread_index_in_threadgroup]]) {                                                \
+        attention_forward_combine(partial_out, partial_lse, sinks, out, lse, params, tgid, tid);   \
+    }                                                                                              \
+                                                                                                   \
+    kernel void flash_attention_backward_delta_##SUFFIX(                                           \
+        device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
+        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
+        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
+        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
+        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
+        device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
+        constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
+        device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                                  \
+        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
+        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
+        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint tid [[thread_index_in_threadgroup]]) {                                                \
+        attention_backward_delta(dout, out, delta, params, tgid, tid);                             \
+    }
 
-// The kernels of one head-dim bucket. The threadgroup storage type of kernel K is K_threadgroup,
-// so a host (the CPU engine) can size it.
-#define FA_DEFINE_KERNELS(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                        \
-    typedef ForwardStorage<DP, FWD_BQ, FWD_BK> flash_attention_forward_d##DP##_threadgroup;        \
-    typedef ForwardStorage<DP, FWD_BQ, FWD_BK> flash_attention_forward_split_d##DP##_threadgroup;  \
-    typedef BackwardQueryStorage<DP, DQ_BQ, DQ_BK>                                                 \
-        flash_attention_backward_dq_d##DP##_threadgroup;                                           \
-    typedef BackwardKeyValueStorage<DP, DKV_BK, DKV_BQ>                                            \
-        flash_attention_backward_dkv_d##DP##_threadgroup;                                          \
-    static_assert(sizeof(flash_attention_forward_d##DP##_threadgroup) <= 32768 &&                  \
-                      sizeof(flash_attention_backward_dq_d##DP##_threadgroup) <= 32768 &&          \
-                      sizeof(flash_attention_backward_dkv_d##DP##_threadgroup) <= 32768,           \
+// The kernels of one dtype and head-dim bucket. The threadgroup storage type of kernel K is
+// K_threadgroup, so a host (the CPU engine) can size it.
+#define FA_DEFINE_KERNELS(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)             \
+    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
+        flash_attention_forward_##SUFFIX##_d##DP##_threadgroup;                                    \
+    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
+        flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup;                              \
+    typedef BackwardQueryStorage<T, DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>           \
+        flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup;                                \
+    typedef BackwardKeyValueStorage<T, DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>   \
+        flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup;                               \
+    static_assert(sizeof(flash_attention_forward_##SUFFIX##_d##DP##_threadgroup) <= 32768 &&       \
+                      sizeof(flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup) <= 32768 && \
+                      sizeof(flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup) <= 32768,  \
                   "threadgroup storage above 32 KiB");                                             \
     static_assert(DP % (8 * FA_SLICES(FWD_BQ)) == 0 && DP % (8 * FA_SLICES(DQ_BQ)) == 0 &&         \
                       DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
@@ -663,75 +875,137 @@ kernel void flash_attention_forward_combine(
                   "blocks must split into 8x8 fragments");                                         \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_d##DP(                                                     \
-        device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                      \
-        device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],                                      \
-        device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],                                      \
-        device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                        \
+    kernel void flash_attention_forward_##SUFFIX##_d##DP(                                          \
+        device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                         \
+        device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
+        device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
+        device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
+        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
+        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_d##DP##_threadgroup tg;                                \
-        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, params, &tg, tgid, sgid, lane);   \
+        threadgroup flash_attention_forward_##SUFFIX##_d##DP##_threadgroup tg;                     \
+        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, mask, alibi, sinks, params, &tg,  \
+                                              tgid, sgid, lane);                                   \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_split_d##DP(                                               \
-        device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                      \
-        device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],                                      \
-        device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],                                      \
-        device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                        \
+    kernel void flash_attention_forward_split_##SUFFIX##_d##DP(                                    \
+        device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                         \
+        device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
+        device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
+        device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
+        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
+        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
         device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
         device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_split_d##DP##_threadgroup tg;                          \
-        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, partial_out, partial_lse, params,     \
-                                                    &tg, tgid, sgid, lane);                        \
+        threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
+        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, mask, alibi, partial_out, partial_lse, \
+                                                    params, &tg, tgid, sgid, lane);                \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_backward_dq_d##DP(                                                 \
-        device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                               \
-        device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                     \
-        device const half *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                     \
-        device const half *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                     \
-        device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                 \
+    kernel void flash_attention_backward_dq_##SUFFIX##_d##DP(                                      \
+        device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
+        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
+        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
+        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
+        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
-        device half *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],                                         \
+        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
+        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
+        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
+        device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_backward_dq_d##DP##_threadgroup tg;                            \
-        attention_backward_dq<DP, DQ_BQ, DQ_BK>(dout, q, k, v, lse, delta, params, dq, &tg, tgid,  \
-                                                sgid, lane);                                       \
+        threadgroup flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup tg;                 \
+        attention_backward_dq<DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>(                \
+            dout, q, k, v, lse, delta, mask, alibi, params, dq, &tg, tgid, sgid, lane);            \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_backward_dkv_d##DP(                                                \
-        device const half *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                               \
-        device const half *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                     \
-        device const half *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                     \
-        device const half *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                     \
-        device const half *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                 \
+    kernel void flash_attention_backward_dkv_##SUFFIX##_d##DP(                                     \
+        device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
+        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
+        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
+        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
+        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
         constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
-        device half *dk [[buffer(FA_BACKWARD_BUFFER_DK)]],                                         \
-        device half *dv [[buffer(FA_BACKWARD_BUFFER_DV)]],                                         \
+        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
+        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
+        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
+        device T *dk [[buffer(FA_BACKWARD_BUFFER_DK)]],                                            \
+        device T *dv [[buffer(FA_BACKWARD_BUFFER_DV)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_backward_dkv_d##DP##_threadgroup tg;                           \
-        attention_backward_dkv<DP, DKV_BK, DKV_BQ>(dout, q, k, v, lse, delta, params, dk, dv,      \
-                                                   &tg, tgid, sgid, lane);                         \
+        threadgroup flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup tg;                \
+        attention_backward_dkv<DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>(          \
+            dout, q, k, v, lse, delta, mask, alibi, params, dk, dv, &tg, tgid, sgid, lane);        \
     }
 
-FA_HEAD_DIM_BUCKETS(FA_DEFINE_KERNELS)
+// Reads only lse, delta and sinks (float), whatever the dtype of the other tensors.
+typedef DsinksStorage flash_attention_backward_dsinks_threadgroup;
+
+[[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
+kernel void flash_attention_backward_dsinks(
+    device const uchar *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
+    device const uchar *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
+    device const uchar *k [[buffer(FA_BACKWARD_BUFFER_K)]],
+    device const uchar *v [[buffer(FA_BACKWARD_BUFFER_V)]],
+    device const uchar *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],
+    device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
+    constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
+    device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
+    device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],
+    device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],
+    device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],
+    device float *dsinks [[buffer(FA_BACKWARD_BUFFER_DSINKS)]],
+    uint3 tgid [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+    threadgroup flash_attention_backward_dsinks_threadgroup tg;
+    attention_backward_dsinks(lse, delta, sinks, dsinks, params, &tg, tgid.x, tid);
+}
+
+#define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__)
+#define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__)
+#define FA_DEFINE_F32(...) FA_DEFINE_KERNELS(float, f32, __VA_ARGS__)
+
+FA_DEFINE_DTYPE_KERNELS(half, f16)
+FA_HEAD_DIM_BUCKETS(FA_DEFINE_F16)
+FA_DEFINE_DTYPE_KERNELS(float, f32)
+FA_HEAD_DIM_BUCKETS_F32(FA_DEFINE_F32)
+// bfloat needs MSL 3.1 (macOS 14, iOS 17); older compilers get the other dtypes.
+#if !defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)
+FA_DEFINE_DTYPE_KERNELS(bfloat, bf16)
+FA_HEAD_DIM_BUCKETS(FA_DEFINE_BF16)
+#endif
+
+// fa_merge_attention: two results over disjoint key sets -> the result over their union
+// (flash_attention_merge.h).
+kernel void flash_attention_merge(device const half *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],
+                                  device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],
+                                  device const half *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],
+                                  device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],
+                                  device half *out [[buffer(FA_MERGE_BUFFER_OUT)]],
+                                  device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],
+                                  constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],
+                                  uint3 tgid [[threadgroup_position_in_grid]],
+                                  uint tid [[thread_index_in_threadgroup]]) {
+    attention_merge(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);
+}

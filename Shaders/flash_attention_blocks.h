@@ -3,12 +3,14 @@
 // into a threadgroup tile.
 //
 // Masks (bottom-right aligned, as FlashAttention >= 2.1, MLX and PyTorch's lower-right causal):
-// query i sees key j iff j < seqlen_k and, when causal, j <= i + seqlen_k - seqlen_q.
+// query i sees key j iff j < seqlen_k and i + shift - window_left <= j <= i + shift + window_right
+// with shift = seqlen_k - seqlen_q (a side at -1 is unbounded; causal is window_right = 0), and a
+// boolean attn_mask, where given, allows it.
 
-// Element offset of the first row of head `head` of batch `b` in a [batch][heads][seqlen][head_dim]
-// tensor (64-bit: tensors may hold more than 2^32 elements).
-inline ulong head_offset(uint b, uint heads, uint head, uint seqlen, uint head_dim) {
-    return (ulong(b) * heads + head) * seqlen * head_dim;
+// Element offset of row 0 of head `head` of batch `b` in a tensor laid out by `s` (64-bit:
+// tensors may span more than 2^32 elements).
+inline ulong head_offset(constant FlashAttentionStrides &s, uint b, uint head) {
+    return ulong(b) * s.batch + ulong(head) * s.head;
 }
 
 // Index of row `row` of head `head` of batch `b` in a [batch][heads][seqlen] tensor (lse, delta).
@@ -16,45 +18,60 @@ inline ulong row_index(uint b, uint heads, uint head, uint seqlen, uint row) {
     return (ulong(b) * heads + head) * seqlen + row;
 }
 
-// Key j is visible to query i iff j <= i + causal_shift(p) (with causal masks).
-inline long causal_shift(constant FlashAttentionParams &p) {
-    return long(p.seqlen_k) - long(p.seqlen_q);
+// x clamped to [0, limit].
+inline uint clamp_index(long x, long limit) {
+    return uint(x < 0 ? 0 : (x > limit ? limit : x));
 }
 
-// Number of keys query row `row` sees: all of them, or with the causal mask the prefix
-// j <= row + seqlen_k - seqlen_q (possibly empty).
-inline uint visible_keys(constant FlashAttentionParams &p, uint row) {
-    if (p.causal == 0) {
-        return p.seqlen_k;
-    }
-    const long n = long(row) + causal_shift(p) + 1;
-    return n <= 0 ? 0u : (n >= long(p.seqlen_k) ? p.seqlen_k : uint(n));
+// The keys [first, end) query row `row` sees through the window (empty when end <= first).
+struct KeyRange {
+    uint first;
+    uint end;
+};
+
+inline KeyRange key_range(constant FlashAttentionParams &p, uint row) {
+    const long centre = long(row) + long(p.seqlen_k) - long(p.seqlen_q);
+    const long first = p.window_left < 0 ? 0 : centre - p.window_left;
+    const long end = p.window_right < 0 ? long(p.seqlen_k) : centre + p.window_right + 1;
+    KeyRange r;
+    r.first = clamp_index(first, p.seqlen_k);
+    r.end = clamp_index(end, p.seqlen_k);
+    return r;
 }
 
-// First query row that sees key `key` (seqlen_q when none does). Rows see a prefix of the keys,
-// so the rows seeing a key form a suffix.
-inline uint first_row_seeing(constant FlashAttentionParams &p, uint key) {
-    if (p.causal == 0) {
-        return 0;
-    }
-    const long i = long(key) - causal_shift(p);
-    return i <= 0 ? 0u : (i >= long(p.seqlen_q) ? p.seqlen_q : uint(i));
+// The query rows [first, end) that see some key of [key0, key0 + keys) through the window. Both
+// bounds of a row's key range grow with the row, so these rows are contiguous.
+inline KeyRange row_range(constant FlashAttentionParams &p, uint key0, uint keys) {
+    const long shift = long(p.seqlen_k) - long(p.seqlen_q);
+    const long first = p.window_right < 0 ? 0 : long(key0) - shift - p.window_right;
+    const long end = p.window_left < 0 ? long(p.seqlen_q) : long(key0) + keys - 1 - shift + p.window_left + 1;
+    KeyRange r;
+    r.first = clamp_index(first, p.seqlen_q);
+    r.end = clamp_index(end, p.seqlen_q);
+    return r;
 }
 
-// Whether query `row` sees key `key`; rows and keys past the end see nothing.
-inline bool is_visible(constant FlashAttentionParams &p, uint row, uint key) {
-    return row < p.seqlen_q && key < p.seqlen_k &&
-           (p.causal == 0 || long(key) <= long(row) + causal_shift(p));
-}
-
-// Whether every pair of rows [row0, row0 + rows) x keys [key0, key0 + keys) exists and is
-// visible: then the tile needs no element mask. The same for every thread of a threadgroup.
-inline bool tile_unmasked(constant FlashAttentionParams &p, uint row0, uint rows, uint key0,
-                          uint keys) {
-    if (ulong(row0) + rows > p.seqlen_q || ulong(key0) + keys > p.seqlen_k) {
+// Whether query `row` sees key `key` through the window; rows and keys past the end see nothing.
+// (A boolean attn_mask is applied separately.)
+inline bool in_window(constant FlashAttentionParams &p, uint row, uint key) {
+    if (row >= p.seqlen_q || key >= p.seqlen_k) {
         return false;
     }
-    return p.causal == 0 || long(key0) + long(keys) - 1 <= long(row0) + causal_shift(p);
+    const KeyRange r = key_range(p, row);
+    return key >= r.first && key < r.end;
+}
+
+// Whether every pair of rows [row0, row0 + rows) x keys [key0, key0 + keys) exists, lies in the
+// window and is not subject to a boolean mask: then the tile needs no element mask. The same for
+// every thread of a threadgroup.
+inline bool tile_unmasked(constant FlashAttentionParams &p, uint row0, uint rows, uint key0,
+                          uint keys) {
+    if (p.mask_type == FA_MASK_BOOL || ulong(row0) + rows > p.seqlen_q ||
+        ulong(key0) + keys > p.seqlen_k) {
+        return false;
+    }
+    // The first row has the smallest key range end, the last row the largest range start.
+    return key0 >= key_range(p, row0 + rows - 1).first && key0 + keys <= key_range(p, row0).end;
 }
 
 // Fragments of 8 columns of a head_dim slice [col0, col0 + 8 * n) that hold columns below
@@ -64,16 +81,16 @@ inline uint active_fragments(uint head_dim, uint col0, uint n) {
     return padded <= col0 ? 0u : min(n, (padded - col0) / 8);
 }
 
-// Copies rows [first, first + ROWS) of a [seqlen][head_dim] matrix of half (src points at its row
-// 0) into tile[ROWS][>= DP], zero past seqlen and past head_dim. The threadgroup's threads share
-// the copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
-template <uint ROWS, uint DP, typename Tile>
-inline void load_rows(Tile tile, device const half *src, uint first, uint seqlen, uint head_dim,
-                      uint tid) {
+// Copies rows [first, first + ROWS) of a [seqlen][cols] matrix whose rows lie `stride` elements
+// apart (src points at its row 0) into tile[ROWS][>= DP], zero past seqlen and past cols. The
+// threadgroup's threads share the copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
+template <uint ROWS, uint DP, typename T, typename Tile>
+inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, ulong stride,
+                      uint cols, uint tid) {
     for (uint e = tid; e < ROWS * DP; e += FA_THREADS_PER_THREADGROUP) {
         const uint r = e / DP;
         const uint d = e % DP;
         const ulong row = ulong(first) + r;
-        tile[r][d] = (row < seqlen && d < head_dim) ? src[row * head_dim + d] : half(0);
+        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0.0f);
     }
 }

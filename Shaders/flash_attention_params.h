@@ -6,53 +6,123 @@
 
 #if defined(__METAL_VERSION__)
 typedef uint fa_u32;
+typedef int fa_i32;
+typedef ulong fa_u64;
 #else
 #include <stdint.h>
 typedef uint32_t fa_u32;
+typedef int32_t fa_i32;
+typedef uint64_t fa_u64;
 #endif
 
 // The Metal Shading Language version the kernels are compiled as, everywhere: the run-time
 // compile (MTLCompileOptions.languageVersion), build.sh's `xcrun metal -std=metal3.0` and the
 // address-space check (__METAL_VERSION__ 300). MSL 3.0 is macOS 13 / iOS 16, the package's
-// platforms; simdgroup_matrix needs 2.3.
+// platforms; simdgroup_matrix needs 2.3. The bfloat16 kernels need MSL 3.1 (macOS 14 / iOS 17,
+// where the compiler defines __HAVE_BFLOAT__): the run-time compile asks for it where the OS has
+// it, and the bfloat16 instances exist only then.
 #define FA_MSL_VERSION_MAJOR 3
 #define FA_MSL_VERSION_MINOR 0
+#define FA_MSL_BFLOAT_VERSION_MINOR 1
 
-// Every field is 4 bytes, so the layout is the same in MSL, C, C++ and Swift.
+// Where a [batch][heads][seqlen][head_dim] tensor's rows are: element (b, h, i, d) is at
+// b * batch + h * head + i * seq + d (in elements; the last axis is contiguous).
+typedef struct FlashAttentionStrides {
+    fa_u64 batch;
+    fa_u64 head;
+    fa_u64 seq;
+} FlashAttentionStrides;
+
+// The 8-byte fields come first and the 4-byte ones after, so MSL, C, C++ and Swift lay the struct
+// out identically (natural alignment, no padding between fields).
 typedef struct FlashAttentionParams {
+    FlashAttentionStrides q;
+    FlashAttentionStrides k;
+    FlashAttentionStrides v;
+    FlashAttentionStrides out;
+    FlashAttentionStrides dout;  // backward only, like the three below
+    FlashAttentionStrides dq;
+    FlashAttentionStrides dk;
+    FlashAttentionStrides dv;
+    FlashAttentionStrides mask;  // attn_mask's (batch, head, query row) strides; 0 broadcasts
+    fa_u64 alibi_batch_stride;   // alibi_slopes: 0 for (num_heads,), num_heads for (batch, num_heads)
     fa_u32 batch;
     fa_u32 num_heads;
     fa_u32 num_kv_heads;
     fa_u32 seqlen_q;
     fa_u32 seqlen_k;
-    fa_u32 head_dim;
-    fa_u32 causal;        // 0 or 1; bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
+    fa_u32 head_dim;      // of q and k (and dq, dk)
+    fa_u32 head_dim_v;    // of v, out, dout and dv
+    fa_u32 causal;        // 0 or 1 (the host folds it into window_right = 0 as well)
+    // Sliding window, bottom-right aligned: query i sees key j iff
+    // i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right;
+    // -1 leaves that side unbounded.
+    fa_i32 window_left;
+    fa_i32 window_right;
     float softmax_scale;  // applied to q . k before the softmax
+    float softcap;        // > 0: scores become softcap * tanh(score / softcap); 0: off
+    fa_u32 mask_type;     // FA_MASK_*: attn_mask's kind
+    fa_u32 has_alibi;     // 1: add -slope * |i + seqlen_k - seqlen_q - j| to the scores
+    fa_u32 has_sinks;     // 1: one virtual key per head with logit sinks[h] and no value
     fa_u32 kv_chunks;     // split-KV forward only: chunks of keys per (batch, KV head), else 1
     fa_u32 kv_chunk_keys; // split-KV forward only: keys per chunk (a multiple of the key tile)
 } FlashAttentionParams;
 
-// Buffer indices: forward.
+// Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
+// Kernel instances are named with the dtype's suffix: f16 (half), bf16 (bfloat, MSL 3.1) and f32.
+#define FA_DTYPE_F16 0
+#define FA_DTYPE_BF16 1
+#define FA_DTYPE_F32 2
+
+// attn_mask kinds. Score order: s = softcap(softmax_scale * q . k) - slope * |distance| + additive
+// mask; keys hidden by the window, the causal mask or a false boolean mask get no weight.
+#define FA_MASK_NONE 0
+#define FA_MASK_BOOL 1      // uchar, nonzero = may attend
+#define FA_MASK_ADDITIVE 2  // the call's dtype, added to the scores
+#define FA_MASK_ADDITIVE_F32 3
+
+// Buffer indices: forward. The optional inputs (attn_mask, alibi_slopes, sinks) are bound to a
+// placeholder buffer when absent; the kernels read them only when params say they exist.
 #define FA_FORWARD_BUFFER_Q 0
 #define FA_FORWARD_BUFFER_K 1
 #define FA_FORWARD_BUFFER_V 2
 #define FA_FORWARD_BUFFER_OUT 3
 #define FA_FORWARD_BUFFER_LSE 4
 #define FA_FORWARD_BUFFER_PARAMS 5
-#define FA_FORWARD_BUFFER_COUNT 6
-// Split-KV forward (short queries over long KV caches): both of its kernels bind 0 ... 7.
+#define FA_FORWARD_BUFFER_MASK 6
+#define FA_FORWARD_BUFFER_ALIBI 7
+#define FA_FORWARD_BUFFER_SINKS 8
+#define FA_FORWARD_BUFFER_COUNT 9
+// Split-KV forward (short queries over long KV caches): both of its kernels bind 0 ... 10.
 // forward_split writes one partial result per chunk of keys: partial_out (float32
 // [batch][num_heads][kv_chunks][seqlen_q][head_dim], normalised) and partial_lse (float32
 // [batch][num_heads][kv_chunks][seqlen_q], -inf for a chunk the row does not see), workspaces the
 // backend allocates; forward_combine merges them into out and lse.
-#define FA_FORWARD_BUFFER_PARTIAL_OUT 6
-#define FA_FORWARD_BUFFER_PARTIAL_LSE 7
-#define FA_FORWARD_SPLIT_BUFFER_COUNT 8
+#define FA_FORWARD_BUFFER_PARTIAL_OUT 9
+#define FA_FORWARD_BUFFER_PARTIAL_LSE 10
+#define FA_FORWARD_SPLIT_BUFFER_COUNT 11
 
-// Buffer indices: every backward kernel binds 0 ... FA_BACKWARD_BUFFER_DELTA. A backward pass is
-// three dispatches: backward_delta writes delta (D_i = rowsum(dout * out), float32
-// [batch][num_heads][seqlen_q], a workspace the backend allocates), then backward_dq writes dq and
-// backward_dkv writes dk and dv, both reading delta.
+// Buffer indices: flash_attention_merge (fa_merge_attention), out and lse of two parts in, their
+// merge out; rows laid out as forward's out and lse.
+#define FA_MERGE_BUFFER_OUT_A 0
+#define FA_MERGE_BUFFER_LSE_A 1
+#define FA_MERGE_BUFFER_OUT_B 2
+#define FA_MERGE_BUFFER_LSE_B 3
+#define FA_MERGE_BUFFER_OUT 4
+#define FA_MERGE_BUFFER_LSE 5
+#define FA_MERGE_BUFFER_PARAMS 6
+#define FA_MERGE_BUFFER_COUNT 7
+// flash_attention_merge threadgroups: FA_MERGE_ROWS_PER_THREADGROUP rows, each row's head_dim
+// elements strided over FA_MERGE_THREADS_PER_ROW threads (a SIMD-group on Apple GPUs, so a row's
+// loads and stores are contiguous): FA_THREADS_PER_THREADGROUP threads, like every kernel.
+#define FA_MERGE_ROWS_PER_THREADGROUP FA_SIMDGROUPS
+#define FA_MERGE_THREADS_PER_ROW 32
+
+// Buffer indices: backward. A backward pass is three dispatches (four with sinks):
+// backward_delta writes delta (D_i = rowsum(dout * out), float32 [batch][num_heads][seqlen_q], a
+// workspace the backend allocates), then backward_dq writes dq and backward_dkv writes dk and dv,
+// both reading delta; with sinks, backward_dsinks writes dsinks (float32 [num_heads]). Every
+// backward kernel binds 0 ... FA_BACKWARD_BUFFER_SINKS and then its outputs.
 #define FA_BACKWARD_BUFFER_DOUT 0
 #define FA_BACKWARD_BUFFER_Q 1
 #define FA_BACKWARD_BUFFER_K 2
@@ -61,14 +131,19 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_BUFFER_LSE 5
 #define FA_BACKWARD_BUFFER_PARAMS 6
 #define FA_BACKWARD_BUFFER_DELTA 7
-#define FA_BACKWARD_BUFFER_DQ 8
-#define FA_BACKWARD_BUFFER_DK 8
-#define FA_BACKWARD_BUFFER_DV 9
-#define FA_BACKWARD_DELTA_BUFFER_COUNT 8
-#define FA_BACKWARD_DQ_BUFFER_COUNT 9
-#define FA_BACKWARD_DKV_BUFFER_COUNT 10
+#define FA_BACKWARD_BUFFER_MASK 8
+#define FA_BACKWARD_BUFFER_ALIBI 9
+#define FA_BACKWARD_BUFFER_SINKS 10
+#define FA_BACKWARD_BUFFER_DQ 11
+#define FA_BACKWARD_BUFFER_DK 11
+#define FA_BACKWARD_BUFFER_DV 12
+#define FA_BACKWARD_BUFFER_DSINKS 11
+#define FA_BACKWARD_DELTA_BUFFER_COUNT 11
+#define FA_BACKWARD_DQ_BUFFER_COUNT 12
+#define FA_BACKWARD_DKV_BUFFER_COUNT 13
+#define FA_BACKWARD_DSINKS_BUFFER_COUNT 12
 
-// Largest supported head_dim; the last bucket of the table below.
+// Largest supported head_dim and head_dim_v; the last bucket of the tables below.
 #define FA_MAX_HEAD_DIM 256
 
 // Every kernel runs FA_SIMDGROUPS SIMD-groups of 32 threads per threadgroup. A kernel owns a block
@@ -97,11 +172,13 @@ typedef struct FlashAttentionParams {
 // conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
 #define FA_TILE_PAD 8
 
-// Head-dim buckets: X(head_dim_max, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ): per kernel the
+// Head-dim buckets of the 2-byte dtypes (f16, bf16):
+// X(head_dim_max, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ): per kernel the
 // rows it owns and the rows of the tiles it streams (forward: BQ query rows, K/V tiles of BK keys;
 // dQ: BQ query rows, K/V tiles of BK keys; dK/dV: BK key rows, Q/dO tiles of BQ query rows). A
-// problem uses the first bucket whose head_dim_max >= head_dim; kernel instances are named
-// <kernel>_d<head_dim_max>, e.g. flash_attention_forward_d64.
+// problem uses the first bucket whose head_dim_max >= max(head_dim, head_dim_v) (V tiles are as
+// wide as K tiles; products skip the zero columns past either); kernel instances are named
+// <kernel>_<dtype>_d<head_dim_max>, e.g. flash_attention_forward_f16_d64.
 // Why these sizes: the forward follows MLX's steel attention (BQ 32 = 4 SIMD-groups x 8 rows; K/V
 // tiles of 32 keys, 16 from head_dim 128), whose published throughput on M-series GPUs is 87-97 %
 // of a measured f16 matmul ceiling. From head_dim 192 the accumulators are split over two head_dim
@@ -119,5 +196,16 @@ typedef struct FlashAttentionParams {
     X(128, 32, 16, 32, 16, 32, 16)       \
     X(192, 16, 16, 16, 16, 16, 16)       \
     X(256, 16, 16, 16, 8, 16, 8)
+
+// Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
+// (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB
+// (the backward kernels at 256) the two streamed tiles share one buffer (see the storage structs).
+#define FA_HEAD_DIM_BUCKETS_F32(X)       \
+    X(32, 32, 32, 32, 32, 32, 32)        \
+    X(64, 32, 32, 32, 16, 32, 16)        \
+    X(96, 32, 16, 16, 16, 16, 16)        \
+    X(128, 16, 16, 16, 8, 16, 8)         \
+    X(192, 8, 8, 8, 8, 8, 8)             \
+    X(256, 8, 8, 8, 8, 8, 8)
 
 #endif

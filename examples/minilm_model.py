@@ -29,6 +29,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 #: Attention step: q, k, v float32 of shape (1, heads, tokens, head_dim) -> out of the same shape.
 AttentionFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
+#: Attention step of a padded batch: q, k, v float32 (batch, heads, tokens, head_dim) and the
+#: padding mask, bool (batch, 1, 1, tokens), True at real tokens (PyTorch's attn_mask convention)
+#: -> out (batch, heads, tokens, head_dim).
+MaskedAttentionFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
 #: Observer of each layer's attention: (layer index, q, k, v, out), all (1, heads, tokens, head_dim).
 AttentionObserver = Callable[[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray], None]
 
@@ -96,7 +101,9 @@ class MiniLM:
 
     Construct with :meth:`load`. :meth:`tokenize` turns text into token ids ([CLS] ... [SEP],
     truncated to the model's 256-token limit, no padding); :meth:`embed` runs the encoder with a
-    caller-supplied attention function and returns the 384-dimensional unit-length embedding.
+    caller-supplied attention function and returns the 384-dimensional unit-length embedding;
+    :meth:`embed_padded` embeds several texts as one batch padded to the longest, its attention
+    function taking the padding mask as well.
     """
 
     def __init__(self, config: dict, weights: dict, tokenizer, max_tokens: int):
@@ -152,11 +159,14 @@ class MiniLM:
             self._tokenizer.enable_truncation(max_length=self.max_tokens)
 
     def _split_heads(self, x: np.ndarray) -> np.ndarray:
-        tokens = x.shape[0]
-        return np.ascontiguousarray(x.reshape(tokens, self.num_heads, self.head_dim).transpose(1, 0, 2)[None])
+        # (batch, tokens, hidden) -> (batch, heads, tokens, head_dim)
+        batch, tokens = x.shape[:2]
+        return np.ascontiguousarray(x.reshape(batch, tokens, self.num_heads, self.head_dim).transpose(0, 2, 1, 3))
 
     def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        return x @ self._w[name + ".weight"].T + self._w[name + ".bias"]
+        # One 2-D product over all tokens: NumPy's stacked (3-D) matmul does not reach BLAS here.
+        rows = x.reshape(-1, x.shape[-1]) @ self._w[name + ".weight"].T + self._w[name + ".bias"]
+        return rows.reshape(x.shape[:-1] + rows.shape[-1:])
 
     def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
         return _layer_norm(x, self._w[name + ".weight"], self._w[name + ".bias"], self.layer_norm_eps)
@@ -170,12 +180,34 @@ class MiniLM:
         """
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"ids must be a non-empty 1-D array of token ids, got shape {ids.shape}")
-        if ids.size > self.config["max_position_embeddings"]:
-            raise ValueError(f"ids has {ids.size} tokens; the model has "
+        return self._encode(ids[None], attention, observer)[0]
+
+    def padded_token_states(self, sequences, attention: MaskedAttentionFn):
+        """Last hidden states of several sequences at once, padded to the longest with [PAD] as
+        Hugging Face's BertModel does: returns (states float32 (batch, tokens, 384), valid bool
+        (batch, tokens), False at padding). ``attention`` gets each layer's q, k, v
+        (batch, 12, tokens, 32) and the padding mask (batch, 1, 1, tokens), True where a key is a
+        real token; padding query rows compute garbage that nothing reads."""
+        lengths = [len(ids) for ids in sequences]
+        if not lengths or min(lengths) == 0:
+            raise ValueError("sequences must be a non-empty list of non-empty token id arrays")
+        valid = np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]
+        ids = np.full(valid.shape, self._tokenizer.token_to_id("[PAD]"), dtype=np.int64)
+        for row, sequence in enumerate(sequences):
+            ids[row, : len(sequence)] = sequence
+        mask = valid[:, None, None, :]
+        return self._encode(ids, lambda q, k, v: attention(q, k, v, mask)), valid
+
+    def _encode(self, ids: np.ndarray, attention: AttentionFn,
+                observer: Optional[AttentionObserver] = None) -> np.ndarray:
+        """The encoder on a (batch, tokens) array of ids: (batch, tokens, 384) float32."""
+        tokens = ids.shape[1]
+        if tokens > self.config["max_position_embeddings"]:
+            raise ValueError(f"ids has {tokens} tokens; the model has "
                              f"{self.config['max_position_embeddings']} positions")
         w = self._w
         x = (w["embeddings.word_embeddings.weight"][ids]
-             + w["embeddings.position_embeddings.weight"][: ids.size]
+             + w["embeddings.position_embeddings.weight"][:tokens]
              + w["embeddings.token_type_embeddings.weight"][0])
         x = self._norm(x, "embeddings.LayerNorm")
         for layer in range(self.num_layers):
@@ -188,7 +220,7 @@ class MiniLM:
                 raise ValueError(f"attention returned shape {out.shape}, expected {q.shape}")
             if observer is not None:
                 observer(layer, q, k, v, out)
-            context = out[0].transpose(1, 0, 2).reshape(ids.size, self.hidden_size)
+            context = out.transpose(0, 2, 1, 3).reshape(x.shape)
             attended = self._linear(context, p + "attention.output.dense")
             x = self._norm(attended + x, p + "attention.output.LayerNorm")
             hidden = _gelu(self._linear(x, p + "intermediate.dense"))
@@ -202,3 +234,14 @@ class MiniLM:
         unpadded text), then L2-normalised."""
         pooled = self.token_states(ids, attention, observer).astype(np.float64).mean(axis=0)
         return (pooled / max(np.linalg.norm(pooled), 1e-12)).astype(np.float32)
+
+    def embed_padded(self, sequences, attention: MaskedAttentionFn) -> np.ndarray:
+        """Sentence embeddings of several texts' token ids at once, float32 (batch, 384), each of unit
+        L2 norm: ``padded_token_states`` (one padded batch), then the mean over each text's real
+        tokens (sentence-transformers' mean pooling with the attention mask) and L2 normalisation.
+        Equal to ``embed`` of each text alone when the attention honours the mask."""
+        states, valid = self.padded_token_states(sequences, attention)
+        weights = valid[:, :, None].astype(np.float64)
+        pooled = (states.astype(np.float64) * weights).sum(axis=1) / weights.sum(axis=1)
+        norms = np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
+        return (pooled / norms).astype(np.float32)

@@ -30,12 +30,13 @@ EMITTED_KERNEL = re.compile(r"^define\b[^@]*\bspir_kernel\b[^@]*@\"?([\w.$]+)\"?
 
 
 def msl_version() -> str:
-    """__METAL_VERSION__ of the pinned language version (FA_MSL_VERSION_MAJOR/MINOR), e.g. 300."""
+    """__METAL_VERSION__ of the newest language version the kernels use (FA_MSL_VERSION_MAJOR and
+    FA_MSL_BFLOAT_VERSION_MINOR, e.g. 310), so that the bfloat16 instances are checked too."""
     text = PARAMS.read_text(encoding="utf-8")
     major = re.search(r"#define\s+FA_MSL_VERSION_MAJOR\s+(\d+)", text)
-    minor = re.search(r"#define\s+FA_MSL_VERSION_MINOR\s+(\d+)", text)
+    minor = re.search(r"#define\s+FA_MSL_BFLOAT_VERSION_MINOR\s+(\d+)", text)
     if not major or not minor:
-        sys.exit(f"check_address_spaces: FA_MSL_VERSION_MAJOR/MINOR not found in {PARAMS}")
+        sys.exit(f"check_address_spaces: FA_MSL_VERSION_MAJOR/FA_MSL_BFLOAT_VERSION_MINOR not found in {PARAMS}")
     return f"{major.group(1)}{minor.group(1)}0"
 
 
@@ -57,7 +58,7 @@ def clang_command(clang: str, source: pathlib.Path, *extra: str) -> list[str]:
         clang, "-x", "clcpp", "-cl-std=clc++2021", "-target", "spir64",
         # Only our <metal_stdlib>: neither OpenCL's default header nor the host's headers.
         "-cl-no-stdinc", "-nostdinc", "-I", str(HEADER_DIR), "-I", str(source.parent),
-        f"-D__METAL_VERSION__={msl_version()}", "-Werror", *extra, str(source),
+        f"-D__METAL_VERSION__={msl_version()}", "-D__HAVE_BFLOAT__", "-Werror", *extra, str(source),
     ]
 
 

@@ -133,6 +133,7 @@ done
 if [ "$DEFAULT" = 1 ]; then
     compile_host harness.cu
     compile_host cases.cpp
+    compile_host layout.cpp
 fi
 [ "$LARGE" = 1 ] && compile_host large_offsets.cu
 for job in "${build_jobs[@]}"; do
@@ -148,10 +149,10 @@ link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
     "$NVCC" "${FLAGS[@]}" "$kernels" "${objects[@]}" -o "$executable" || die "linking $executable failed"
 }
 if [ "$DEFAULT" = 1 ]; then
-    link "$BUILD/kernels.o" "$BUILD/harness" harness cases
+    link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout
     if [ "$MUTANTS" = 1 ]; then
-        link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases
-        link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases
+        link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout
+        link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout
     fi
 fi
 if [ "$LARGE" = 1 ]; then

@@ -3,7 +3,7 @@
 
 #include <string.h>
 
-#define FA_VERSION "0.1.0"
+#define FA_VERSION "0.2.0"
 
 static _Thread_local char last_error[1024];
 
@@ -36,14 +36,29 @@ void fa_set_last_error(const char *message) {
     last_error[sizeof last_error - 1] = '\0';
 }
 
-int fa_bucket_for_head_dim(uint32_t head_dim, FlashAttentionBucket *bucket) {
-    static const FlashAttentionBucket table[] = {
 #define FA_BUCKET_ROW(dmax, fbq, fbk, dqbq, dqbk, dkvbk, dkvbq) {dmax, fbq, fbk, dqbq, dqbk, dkvbk, dkvbq},
-        FA_HEAD_DIM_BUCKETS(FA_BUCKET_ROW)
+static const FlashAttentionBucket two_byte_table[] = {FA_HEAD_DIM_BUCKETS(FA_BUCKET_ROW)};
+static const FlashAttentionBucket float_table[] = {FA_HEAD_DIM_BUCKETS_F32(FA_BUCKET_ROW)};
 #undef FA_BUCKET_ROW
-    };
+
+int fa_bucket_for_head_dim(uint32_t dtype, uint32_t head_dim, FlashAttentionBucket *bucket) {
+    const FlashAttentionBucket *table;
+    size_t rows;
+    switch (dtype) {
+    case FA_DTYPE_F16:
+    case FA_DTYPE_BF16:
+        table = two_byte_table;
+        rows = sizeof two_byte_table / sizeof two_byte_table[0];
+        break;
+    case FA_DTYPE_F32:
+        table = float_table;
+        rows = sizeof float_table / sizeof float_table[0];
+        break;
+    default:
+        return 0;
+    }
     if (head_dim == 0) return 0;
-    for (size_t i = 0; i < sizeof table / sizeof table[0]; i++) {
+    for (size_t i = 0; i < rows; i++) {
         if (table[i].head_dim_max >= head_dim) {
             *bucket = table[i];
             return 1;
@@ -51,3 +66,15 @@ int fa_bucket_for_head_dim(uint32_t head_dim, FlashAttentionBucket *bucket) {
     }
     return 0;
 }
+
+_Static_assert(FA_DTYPE_FLOAT16 == FA_DTYPE_F16 && FA_DTYPE_BFLOAT16 == FA_DTYPE_BF16 &&
+                   FA_DTYPE_FLOAT32 == FA_DTYPE_F32,
+               "fa_dtype and the kernels' dtype numbers must agree");
+
+_Static_assert(FA_ATTN_MASK_NONE == FA_MASK_NONE && FA_ATTN_MASK_BOOL == FA_MASK_BOOL &&
+                   FA_ATTN_MASK_ADDITIVE == FA_MASK_ADDITIVE &&
+                   FA_ATTN_MASK_ADDITIVE_FLOAT32 == FA_MASK_ADDITIVE_F32,
+               "fa_attn_mask_type and the kernels' mask kinds must agree");
+
+/* The Metal backend passes the parameter struct with setBytes, which takes at most 4 KB. */
+_Static_assert(sizeof(FlashAttentionParams) < 4096, "FlashAttentionParams must stay below 4 KB");

@@ -22,15 +22,43 @@ struct HostBuffers {
         self[role] = UnsafeMutableRawBufferPointer(start: pointer, count: role.byteCount(for: problem))
     }
 
-    /// Overwrites the plan's outputs with NaN (float16 0x7E00, float32 NaN) so that the outputs of
-    /// a failed call never look like results.
+    /// Throws `invalidArgument` when an output of `plan` shares memory with another bound buffer:
+    /// a kernel that reads an element after another thread wrote it would give a result that
+    /// depends on scheduling.
+    func checkOutputsDisjoint(_ plan: DispatchPlan) throws {
+        let bound = BufferRole.allCases.compactMap { role in self[role].map { (role, $0) } }
+        for output in plan.outputs {
+            guard let written = self[output], let start = written.baseAddress, written.count > 0 else { continue }
+            for (role, other) in bound where role != output {
+                guard let otherStart = other.baseAddress, other.count > 0 else { continue }
+                if start < otherStart + other.count && otherStart < start + written.count {
+                    throw FlashAttentionError.invalidArgument(
+                        "\(output.name) must not overlap \(role.name) (outputs are written while inputs are read)")
+                }
+            }
+        }
+    }
+
+    /// Overwrites the elements of the plan's outputs with NaN of their dtype (float16 0x7E00,
+    /// bfloat16 0x7FC0, float32 NaN) so that the outputs of a failed call never look like results.
+    /// A strided output is written only where its layout addresses elements.
     func poisonOutputs(of plan: DispatchPlan) {
+        let problem = plan.problem
         for role in plan.outputs {
             guard let buffer = self[role] else { continue }
-            if role.elementSize == 4 {
+            if role.isFloat32 {
                 buffer.bindMemory(to: Float.self).initialize(repeating: .nan)
-            } else {
-                buffer.bindMemory(to: UInt16.self).initialize(repeating: 0x7E00)
+                continue
+            }
+            guard let layout = problem.layouts[role] else { continue }
+            switch problem.dtype {
+            case .float32:
+                let elements = buffer.bindMemory(to: Float.self)
+                layout.forEachRow { start in elements[start..<start + layout.cols].update(repeating: .nan) }
+            case .float16, .bfloat16:
+                let nan: UInt16 = problem.dtype == .float16 ? 0x7E00 : 0x7FC0
+                let elements = buffer.bindMemory(to: UInt16.self)
+                layout.forEachRow { start in elements[start..<start + layout.cols].update(repeating: nan) }
             }
         }
     }

@@ -25,6 +25,19 @@ private func required<P>(_ pointer: P?, _ name: String) throws -> P {
     return pointer
 }
 
+/// Binds attn_mask, alibi_slopes and sinks where the descriptor gives them (validated in `p`).
+private func bindOptionalInputs(_ buffers: inout HostBuffers, _ d: fa_problem, _ p: Problem) throws {
+    if let mask = d.attn_mask, p.scores.maskType != UInt32(FA_MASK_NONE) {
+        buffers.bindInput(.attnMask, mask, for: p)
+    }
+    if let slopes = d.alibi_slopes {
+        buffers.bindInput(.alibiSlopes, slopes, for: p)
+    }
+    if let sinks = d.sinks {
+        buffers.bindInput(.sinks, sinks, for: p)
+    }
+}
+
 /// fa_context_create: see flash_attention_metal.h.
 @_cdecl("fa_context_create")
 public func _exportContextCreate(_ backend: fa_backend, _ outContext: UnsafeMutablePointer<OpaquePointer?>?)
@@ -97,8 +110,8 @@ public func _exportContextCancel(_ handle: OpaquePointer?) -> fa_status {
 /// fa_forward: see flash_attention_metal.h.
 @_cdecl("fa_forward")
 public func _exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_problem>?,
-                          _ q: UnsafePointer<UInt16>?, _ k: UnsafePointer<UInt16>?, _ v: UnsafePointer<UInt16>?,
-                          _ out: UnsafeMutablePointer<UInt16>?, _ lse: UnsafeMutablePointer<Float>?) -> fa_status {
+                          _ q: UnsafeRawPointer?, _ k: UnsafeRawPointer?, _ v: UnsafeRawPointer?,
+                          _ out: UnsafeMutableRawPointer?, _ lse: UnsafeMutablePointer<Float>?) -> fa_status {
     withAutoreleasePool {
         do {
             let ctx = try context(handle)
@@ -109,6 +122,7 @@ public func _exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa
             try buffers.bindInput(.v, required(v, "v"), for: p)
             try buffers.bindOutput(.out, required(out, "out"), for: p)
             try buffers.bindOutput(.lse, required(lse, "lse"), for: p)
+            try bindOptionalInputs(&buffers, try Problem.descriptor(problem), p)
             try ctx.run(DispatchPlan.forward(p), buffers: buffers)
             return FA_STATUS_SUCCESS
         } catch {
@@ -120,11 +134,11 @@ public func _exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa
 /// fa_backward: see flash_attention_metal.h.
 @_cdecl("fa_backward")
 public func _exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa_problem>?,
-                           _ dout: UnsafePointer<UInt16>?, _ q: UnsafePointer<UInt16>?,
-                           _ k: UnsafePointer<UInt16>?, _ v: UnsafePointer<UInt16>?,
-                           _ out: UnsafePointer<UInt16>?, _ lse: UnsafePointer<Float>?,
-                           _ dq: UnsafeMutablePointer<UInt16>?, _ dk: UnsafeMutablePointer<UInt16>?,
-                           _ dv: UnsafeMutablePointer<UInt16>?) -> fa_status {
+                           _ dout: UnsafeRawPointer?, _ q: UnsafeRawPointer?,
+                           _ k: UnsafeRawPointer?, _ v: UnsafeRawPointer?,
+                           _ out: UnsafeRawPointer?, _ lse: UnsafePointer<Float>?,
+                           _ dq: UnsafeMutableRawPointer?, _ dk: UnsafeMutableRawPointer?,
+                           _ dv: UnsafeMutableRawPointer?) -> fa_status {
     withAutoreleasePool {
         do {
             let ctx = try context(handle)
@@ -139,6 +153,11 @@ public func _exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<f
             try buffers.bindOutput(.dq, required(dq, "dq"), for: p)
             try buffers.bindOutput(.dk, required(dk, "dk"), for: p)
             try buffers.bindOutput(.dv, required(dv, "dv"), for: p)
+            let descriptor = try Problem.descriptor(problem)
+            try bindOptionalInputs(&buffers, descriptor, p)
+            if p.scores.hasSinks {
+                buffers.bindOutput(.dsinks, try required(descriptor.dsinks, "dsinks (sinks are given)"), for: p)
+            }
             try ctx.run(DispatchPlan.backward(p), buffers: buffers)
             return FA_STATUS_SUCCESS
         } catch {
@@ -205,5 +224,33 @@ public func _exportContextLastProfileDispatch(_ handle: OpaquePointer?, _ index:
         return FA_STATUS_SUCCESS
     } catch {
         return report(error)
+    }
+}
+
+/// fa_merge_attention: see flash_attention_metal.h.
+@_cdecl("fa_merge_attention")
+public func _exportMergeAttention(_ handle: OpaquePointer?, _ rows: UInt64, _ headDim: UInt32,
+                                 _ outA: UnsafePointer<UInt16>?, _ lseA: UnsafePointer<Float>?,
+                                 _ outB: UnsafePointer<UInt16>?, _ lseB: UnsafePointer<Float>?,
+                                 _ out: UnsafeMutablePointer<UInt16>?, _ lse: UnsafeMutablePointer<Float>?)
+    -> fa_status {
+    withAutoreleasePool {
+        do {
+            let ctx = try context(handle)
+            let p = try Problem.merge(rows: rows, headDim: Int(headDim))
+            var buffers = HostBuffers()
+            try buffers.bindInput(.outA, required(outA, "out_a"), for: p)
+            try buffers.bindInput(.lseA, required(lseA, "lse_a"), for: p)
+            try buffers.bindInput(.outB, required(outB, "out_b"), for: p)
+            try buffers.bindInput(.lseB, required(lseB, "lse_b"), for: p)
+            try buffers.bindOutput(.out, required(out, "out"), for: p)
+            try buffers.bindOutput(.lse, required(lse, "lse"), for: p)
+            let plan = DispatchPlan.merge(p)
+            try buffers.checkOutputsDisjoint(plan)
+            try ctx.run(plan, buffers: buffers)
+            return FA_STATUS_SUCCESS
+        } catch {
+            return report(error)
+        }
     }
 }

@@ -19,7 +19,7 @@ final class CPUBackend: ExecutionBackend {
     /// on x86-64 a CPU without AVX2, F16C and FMA).
     init(flopsPerPiece: Int = .max) throws {
         self.flopsPerPiece = flopsPerPiece
-        let probe = "flash_attention_forward_d\(FA_MAX_HEAD_DIM)"
+        let probe = "flash_attention_forward_f16_d\(FA_MAX_HEAD_DIM)"
         guard msl_engine_has_kernel(probe) != 0 else {
             throw FlashAttentionError.backendUnavailable(
                 "the CPU engine has no kernel named \(probe) (on x86-64 it needs AVX2, F16C and FMA)")
@@ -45,8 +45,12 @@ final class CPUBackend: ExecutionBackend {
         var profile = Profile(seconds: 0, dispatches: plan.dispatches.map(Self.emptyRecord),
                               commandBuffers: pieces.count)
         for piece in pieces {
-            for (n, dispatch) in piece.plan.dispatches.enumerated() {
+            for dispatch in piece.plan.dispatches {
                 try run(dispatch, of: piece, buffers: buffers, cancellation: cancellation)
+                // A split plan's pieces hold its dispatches in order, some only in its last piece.
+                guard let n = plan.dispatches.firstIndex(where: { $0.kernelName == dispatch.kernelName }) else {
+                    continue
+                }
                 var stats = msl_engine_dispatch_stats()
                 msl_engine_last_dispatch_stats(&stats)
                 profile.dispatches[n].simdgroupMultiplyAccumulates? += stats.simdgroup_multiply_accumulates

@@ -1,16 +1,30 @@
 import CFlashAttentionMetal
 
-/// What a kernel buffer holds. `lse` and the workspaces are float32; every other role is float16.
+/// What a kernel buffer holds. `lse`, `lseA`, `lseB` and the workspaces are float32; every other
+/// role holds the problem's dtype. `outA`, `lseA`, `outB`, `lseB` are the two parts that
+/// `fa_merge_attention` merges into `out` and `lse`.
 enum BufferRole: Int, CaseIterable {
     /// Workspaces: `delta`, D_i = rowsum(dout * out) per query row (backward); `partialOut` and
     /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward).
-    case q, k, v, out, lse, dout, dq, dk, dv, delta, partialOut, partialLse
+    /// Optional inputs: `attnMask`, `alibiSlopes`, `sinks` (float32); optional output `dsinks`.
+    case q, k, v, out, lse, dout, dq, dk, dv, delta, partialOut, partialLse, attnMask, alibiSlopes, sinks, dsinks,
+         outA, lseA, outB, lseB
 
-    /// Bytes per element.
-    var elementSize: Int {
+    /// Whether the role holds float32 whatever the problem's dtype.
+    var isFloat32: Bool {
         switch self {
-        case .lse, .delta, .partialOut, .partialLse: return 4
-        default: return 2
+        case .lse, .lseA, .lseB, .delta, .partialOut, .partialLse, .alibiSlopes, .sinks, .dsinks: return true
+        default: return false
+        }
+    }
+
+    /// Bytes per element for `problem`.
+    func elementSize(for problem: Problem) -> Int {
+        guard self == .attnMask else { return isFloat32 ? 4 : problem.dtype.size }
+        switch Int32(problem.scores.maskType) {
+        case FA_MASK_BOOL: return 1
+        case FA_MASK_ADDITIVE: return problem.dtype.size
+        default: return 4
         }
     }
 
@@ -29,43 +43,68 @@ enum BufferRole: Int, CaseIterable {
         case .delta: return "delta"
         case .partialOut: return "partial_out"
         case .partialLse: return "partial_lse"
+        case .attnMask: return "attn_mask"
+        case .alibiSlopes: return "alibi_slopes"
+        case .sinks: return "sinks"
+        case .dsinks: return "dsinks"
+        case .outA: return "out_a"
+        case .lseA: return "lse_a"
+        case .outB: return "out_b"
+        case .lseB: return "lse_b"
         }
     }
 
-    /// Elements of this buffer for `problem`: q-like roles follow the query heads and length,
-    /// k-like roles the KV heads and key length.
+    /// Elements of this buffer for `problem`: for a tensor, the elements its layout spans from
+    /// element [0][0][0][0] to the last one.
     func elementCount(for problem: Problem) -> Int {
         switch self {
-        case .q, .out, .dout, .dq: return problem.queryElements
-        case .k, .v, .dk, .dv: return problem.keyValueElements
-        case .lse, .delta: return problem.lseElements
+        case .q, .k, .v, .out, .dout, .dq, .dk, .dv: return problem.layouts[self]!.extent
+        case .outA, .outB: return problem.layouts[.out]!.extent
+        case .lse, .lseA, .lseB, .delta: return problem.lseElements
         // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, so these products stay small.
-        case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDim)
+        case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDimV)
         case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
+        case .attnMask: return problem.scores.maskExtent
+        case .alibiSlopes: return Int(problem.numHeads) * (problem.scores.alibiPerBatch ? Int(problem.batch) : 1)
+        case .sinks, .dsinks: return Int(problem.numHeads)
         }
     }
 
     /// Bytes of this buffer for `problem`; never overflows for a validated problem.
-    func byteCount(for problem: Problem) -> Int { elementCount(for: problem) * elementSize }
+    func byteCount(for problem: Problem) -> Int { elementCount(for: problem) * elementSize(for: problem) }
 
     /// Element offset of the data of batch entry `batch`, KV head `kvHead` (and its first query
     /// head, `kvHead * groupSize`) in this buffer of `problem`: where a piece of a split plan that
-    /// starts there binds the buffer.
+    /// starts there binds the buffer. Tensors follow their strides; lse and the workspaces are
+    /// contiguous [batch][num_heads]...
     func elementOffset(batch: UInt32, kvHead: UInt32, in problem: Problem) -> Int {
         let b = Int(batch), kv = Int(kvHead), g = Int(problem.groupSize)
         switch self {
         case .q, .out, .dout, .dq:
-            return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ) * Int(problem.headDim)
+            let s = problem.layouts[self]!.strides
+            return b * s.batch + kv * g * s.head
+        case .outA, .outB:
+            let s = problem.layouts[.out]!.strides
+            return b * s.batch + kv * g * s.head
         case .k, .v, .dk, .dv:
-            return (b * Int(problem.numKVHeads) + kv) * Int(problem.seqlenK) * Int(problem.headDim)
-        case .lse, .delta:
+            let s = problem.layouts[self]!.strides
+            return b * s.batch + kv * s.head
+        case .lse, .delta, .lseA, .lseB:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ)
-        // [batch][num_heads][chunk][seqlen_q] (times head_dim for partial_out).
+        // [batch][num_heads][chunk][seqlen_q] (times head_dim_v for partial_out).
         case .partialLse:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
         case .partialOut:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
-                * Int(problem.headDim)
+                * Int(problem.headDimV)
+        case .attnMask:
+            let s = problem.scores.maskStrides
+            return b * s.batch + kv * g * s.head
+        case .alibiSlopes:
+            return (problem.scores.alibiPerBatch ? b * Int(problem.numHeads) : 0) + kv * g
+        // dsinks is written only by the dispatch that runs once over the whole problem.
+        case .sinks, .dsinks:
+            return kv * g
         }
     }
 }
@@ -92,6 +131,9 @@ struct Dispatch {
     let params: FlashAttentionParams
     let threadgroupsPerGrid: GridSize
     let threadsPerThreadgroup: GridSize
+    /// Whether the kernel must see the whole problem (it sums over batch entries): a split plan
+    /// runs it once, after its pieces, instead of once per piece.
+    var wholeProblem = false
 
     /// Number of `[[buffer(i)]]` slots, the parameter struct included.
     var bufferCount: Int { bindings.count + 1 }
@@ -99,7 +141,7 @@ struct Dispatch {
 
 /// The passes a plan can run.
 enum Pass {
-    case forward, backward
+    case forward, backward, merge
 
     /// Floating-point operations per (query row, key, head_dim element) of one head, as
     /// FlashAttention's benchmarks count them: forward 2 matrix products (QK^T, PV), backward 2.5x
@@ -108,6 +150,8 @@ enum Pass {
         switch self {
         case .forward: return 4
         case .backward: return 10
+        // Two multiply-adds per output element; its problem has seqlen_k 1.
+        case .merge: return 4
         }
     }
 }
@@ -143,13 +187,14 @@ struct DispatchPlan {
         switch pass {
         case .forward: return forward(problem)
         case .backward: return backward(problem)
+        case .merge: return merge(problem)
         }
     }
 
-    /// Forward. Dense: `flash_attention_forward_d<DP>` over (ceil(seqlen_q / forward_block_q),
+    /// Forward. Dense: `flash_attention_forward_<dtype>_d<DP>` over (ceil(seqlen_q / forward_block_q),
     /// num_heads, batch) threadgroups. Split-KV (`problem.split`, decode shapes):
-    /// `flash_attention_forward_split_d<DP>` over (chunks x row blocks, num_kv_heads, batch)
-    /// threadgroups writes one partial result per chunk, then `flash_attention_forward_combine`
+    /// `flash_attention_forward_split_<dtype>_d<DP>` over (chunks x row blocks, num_kv_heads, batch)
+    /// threadgroups writes one partial result per chunk, then `flash_attention_forward_combine_<dtype>`
     /// over (seqlen_q, num_heads, batch) threadgroups merges them into out and lse.
     static func forward(_ problem: Problem) -> DispatchPlan {
         let b = problem.bucket
@@ -158,12 +203,14 @@ struct DispatchPlan {
                         BufferBinding(index: Int(FA_FORWARD_BUFFER_V), role: .v),
                         BufferBinding(index: Int(FA_FORWARD_BUFFER_OUT), role: .out),
                         BufferBinding(index: Int(FA_FORWARD_BUFFER_LSE), role: .lse)]
+        bindings += optionalInputs(problem, mask: FA_FORWARD_BUFFER_MASK, alibi: FA_FORWARD_BUFFER_ALIBI,
+                                   sinks: FA_FORWARD_BUFFER_SINKS)
         func dispatch(_ kernel: String, _ grid: GridSize) -> Dispatch {
             Dispatch(kernelName: kernel, bindings: bindings, paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
                      params: problem.params, threadgroupsPerGrid: grid, threadsPerThreadgroup: threadgroupSize)
         }
         guard let split = problem.split else {
-            let dense = dispatch("flash_attention_forward_d\(b.head_dim_max)",
+            let dense = dispatch("flash_attention_forward_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                                  GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
                                           height: problem.numHeads, depth: problem.batch))
             return DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse], workspace: [],
@@ -171,19 +218,19 @@ struct DispatchPlan {
         }
         bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
                      BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
-        let chunks = dispatch("flash_attention_forward_split_d\(b.head_dim_max)",
+        let chunks = dispatch("flash_attention_forward_split_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                               GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
                                        depth: problem.batch))
-        let combine = dispatch("flash_attention_forward_combine",
+        let combine = dispatch("flash_attention_forward_combine_\(problem.dtype.kernelSuffix)",
                                GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch))
         return DispatchPlan(pass: .forward, dispatches: [chunks, combine], outputs: [.out, .lse],
                             workspace: [.partialOut, .partialLse], problem: problem)
     }
 
-    /// Backward, three dispatches in order: `flash_attention_backward_delta` over
+    /// Backward, three dispatches in order: `flash_attention_backward_delta_<dtype>` over
     /// (ceil(seqlen_q / FA_DELTA_BLOCK_ROWS), num_heads, batch) threadgroups writes `delta`;
-    /// `flash_attention_backward_dq_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
-    /// threadgroups writes `dq`; `flash_attention_backward_dkv_d<DP>` over
+    /// `flash_attention_backward_dq_<dtype>_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
+    /// threadgroups writes `dq`; `flash_attention_backward_dkv_<dtype>_d<DP>` over
     /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`.
     static func backward(_ problem: Problem) -> DispatchPlan {
         let b = problem.bucket
@@ -194,6 +241,8 @@ struct DispatchPlan {
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_OUT), role: .out),
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE), role: .lse),
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_DELTA), role: .delta)]
+            + optionalInputs(problem, mask: FA_BACKWARD_BUFFER_MASK, alibi: FA_BACKWARD_BUFFER_ALIBI,
+                             sinks: FA_BACKWARD_BUFFER_SINKS)
         func dispatch(_ kernel: String, _ outputs: [BufferBinding], rows: UInt32, block: UInt32,
                       heads: UInt32) -> Dispatch {
             Dispatch(kernelName: kernel, bindings: inputs + outputs,
@@ -202,22 +251,65 @@ struct DispatchPlan {
                                                    depth: problem.batch),
                      threadsPerThreadgroup: threadgroupSize)
         }
-        let delta = dispatch("flash_attention_backward_delta", [], rows: problem.seqlenQ,
-                             block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads)
-        let dq = dispatch("flash_attention_backward_dq_d\(b.head_dim_max)",
+        let delta = dispatch("flash_attention_backward_delta_\(problem.dtype.kernelSuffix)", [],
+                             rows: problem.seqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads)
+        let dq = dispatch("flash_attention_backward_dq_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
                           rows: problem.seqlenQ, block: b.dq_block_q, heads: problem.numHeads)
-        let dkv = dispatch("flash_attention_backward_dkv_d\(b.head_dim_max)",
+        let dkv = dispatch("flash_attention_backward_dkv_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                            [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
                            rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads)
-        return DispatchPlan(pass: .backward, dispatches: [delta, dq, dkv], outputs: [.dq, .dk, .dv],
+        guard problem.scores.hasSinks else {
+            return DispatchPlan(pass: .backward, dispatches: [delta, dq, dkv], outputs: [.dq, .dk, .dv],
+                                workspace: [.delta], problem: problem)
+        }
+        // dsinks sums over every batch entry: it runs once over the whole problem, after the pieces.
+        let dsinks = Dispatch(kernelName: "flash_attention_backward_dsinks",
+                              bindings: inputs + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DSINKS), role: .dsinks)],
+                              paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
+                              threadgroupsPerGrid: GridSize(width: problem.numHeads, height: 1, depth: 1),
+                              threadsPerThreadgroup: threadgroupSize, wholeProblem: true)
+        return DispatchPlan(pass: .backward, dispatches: [delta, dq, dkv, dsinks], outputs: [.dq, .dk, .dv, .dsinks],
                             workspace: [.delta], problem: problem)
+    }
+
+    /// attn_mask, alibi_slopes and sinks at their indices; an absent one is bound to `lse` as a
+    /// placeholder that the kernels never read (their params say it is absent).
+    private static func optionalInputs(_ problem: Problem, mask: Int32, alibi: Int32, sinks: Int32)
+        -> [BufferBinding] {
+        let s = problem.scores
+        return [BufferBinding(index: Int(mask), role: s.maskType == UInt32(FA_MASK_NONE) ? .lse : .attnMask),
+                BufferBinding(index: Int(alibi), role: s.hasAlibi ? .alibiSlopes : .lse),
+                BufferBinding(index: Int(sinks), role: s.hasSinks ? .sinks : .lse)]
     }
 
     /// Threads per threadgroup of every kernel.
     private static var threadgroupSize: GridSize {
         GridSize(width: fa_threads_per_threadgroup(), height: 1, depth: 1)
+    }
+
+    /// Merge (`fa_merge_attention`): `flash_attention_merge` over (ceil(seqlen_q /
+    /// FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch) threadgroups, FA_MERGE_THREADS_PER_ROW
+    /// threads per row; `problem` gives the row layout (``Problem/merge(rows:headDim:)``).
+    static func merge(_ problem: Problem) -> DispatchPlan {
+        let rows = UInt32(FA_MERGE_ROWS_PER_THREADGROUP)
+        assert(rows * UInt32(FA_MERGE_THREADS_PER_ROW) == threadgroupSize.width)
+        let dispatch = Dispatch(
+            kernelName: "flash_attention_merge",
+            bindings: [BufferBinding(index: Int(FA_MERGE_BUFFER_OUT_A), role: .outA),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE_A), role: .lseA),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_OUT_B), role: .outB),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE_B), role: .lseB),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_OUT), role: .out),
+                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE), role: .lse)],
+            paramsIndex: Int(FA_MERGE_BUFFER_PARAMS),
+            params: problem.params,
+            threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenQ, rows), height: problem.numHeads,
+                                          depth: problem.batch),
+            threadsPerThreadgroup: threadgroupSize)
+        return DispatchPlan(pass: .merge, dispatches: [dispatch], outputs: [.out, .lse], workspace: [],
+                            problem: problem)
     }
 
     /// ceil(length / block), computed without the overflow of `length + block - 1` near 2^32.

@@ -1,5 +1,6 @@
-/// Exact, memory-efficient attention (FlashAttention-2, Dao 2023) over float16 host buffers, run
-/// by Metal on Apple GPUs or by the CPU engine that executes the same Metal kernels.
+/// Exact, memory-efficient attention (FlashAttention-2, Dao 2023) over float16, bfloat16 or float32
+/// host buffers, run by Metal on Apple GPUs or by the CPU engine that executes the same Metal
+/// kernels.
 ///
 /// Semantics: `out = softmax(softmaxScale * q kᵀ, masked) v` per head, with `lse` the natural log
 /// of the softmax denominator (float32). `causal` masks are aligned bottom-right: query `i` sees key
@@ -45,41 +46,51 @@ public final class FlashAttention: @unchecked Sendable {
     /// on this thread; a failed call leaves it unchanged. Each thread sees only its own calls.
     public var lastProfile: Profile? { context.lastProfile }
 
-    /// Forward pass into caller-owned memory: `out` (float16 bit patterns, like `q`) and `lse`
-    /// (float32, `[batch][numHeads][seqlenQ]`).
+    /// Forward pass into caller-owned memory: `out` (like `v`'s element type, `[batch][numHeads]
+    /// [seqlenQ][headDimV]`) and `lse` (float32, `[batch][numHeads][seqlenQ]`). All tensors are
+    /// contiguous with the element type `Element` (its ``AttentionElement/attentionDType``).
     /// - Parameters:
     ///   - softmaxScale: any finite value; nil means `1 / sqrt(headDim)`.
-    /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for a bad shape, scale or buffer length,
-    ///   ``FlashAttentionError/unsupported(_:)`` for `headDim > 256`,
-    ///   ``FlashAttentionError/executionFailed(_:)`` when the device fails (outputs are then NaN).
-    public func forward(q: UnsafeBufferPointer<UInt16>, k: UnsafeBufferPointer<UInt16>,
-                        v: UnsafeBufferPointer<UInt16>, out: UnsafeMutableBufferPointer<UInt16>,
-                        lse: UnsafeMutableBufferPointer<Float>, shape: AttentionShape,
-                        causal: Bool = false, softmaxScale: Float? = nil) throws {
+    ///   - options: sliding window, softcap, ALiBi, sinks and `attnMask` (``AttentionOptions``).
+    /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for a bad shape, scale, option or buffer length,
+    ///   ``FlashAttentionError/unsupported(_:)`` for `headDim` or `headDimV` above 256 (or bfloat16
+    ///   where Metal lacks it), ``FlashAttentionError/executionFailed(_:)`` when the device fails
+    ///   (outputs are then NaN).
+    public func forward<Element: AttentionElement>(
+        q: UnsafeBufferPointer<Element>, k: UnsafeBufferPointer<Element>, v: UnsafeBufferPointer<Element>,
+        out: UnsafeMutableBufferPointer<Element>, lse: UnsafeMutableBufferPointer<Float>, shape: AttentionShape,
+        causal: Bool = false, softmaxScale: Float? = nil, options: AttentionOptions = AttentionOptions()
+    ) throws {
         try withAutoreleasePool {
-            let p = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
+            let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal,
+                                         softmaxScale: softmaxScale, options: options)
             var buffers = HostBuffers()
             try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
             try buffers.bindInput(.k, checked(UnsafeRawBufferPointer(k), .k, p), for: p)
             try buffers.bindInput(.v, checked(UnsafeRawBufferPointer(v), .v, p), for: p)
             try buffers.bindOutput(.out, checked(UnsafeMutableRawBufferPointer(out), .out, p), for: p)
             try buffers.bindOutput(.lse, checked(UnsafeMutableRawBufferPointer(lse), .lse, p), for: p)
-            try context.run(DispatchPlan.forward(p), buffers: buffers)
+            try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.forward(p), buffers: $0) }
         }
     }
 
-    /// Backward pass into caller-owned memory: `dq` (like `q`), `dk` and `dv` (like `k`) from
-    /// `dout` and the `q, k, v, out, lse` of the forward pass. `dk` and `dv` sum over the query
-    /// heads that share a KV head.
-    /// - Throws: as ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)``.
-    public func backward(dout: UnsafeBufferPointer<UInt16>, q: UnsafeBufferPointer<UInt16>,
-                         k: UnsafeBufferPointer<UInt16>, v: UnsafeBufferPointer<UInt16>,
-                         out: UnsafeBufferPointer<UInt16>, lse: UnsafeBufferPointer<Float>,
-                         dq: UnsafeMutableBufferPointer<UInt16>, dk: UnsafeMutableBufferPointer<UInt16>,
-                         dv: UnsafeMutableBufferPointer<UInt16>, shape: AttentionShape,
-                         causal: Bool = false, softmaxScale: Float? = nil) throws {
+    /// Backward pass into caller-owned memory: `dq` (like `q`), `dk` (like `k`) and `dv` (like `v`)
+    /// from `dout` and the `q, k, v, out, lse` of the forward pass. `dk` and `dv` sum over the query
+    /// heads that share a KV head. With `options.sinks`, `dsinks` (`numHeads` floats) receives the
+    /// sinks' gradient.
+    /// - Throws: as ``forward(q:k:v:out:lse:shape:causal:softmaxScale:options:)``; `invalidArgument`
+    ///   when sinks are given without `dsinks`.
+    public func backward<Element: AttentionElement>(
+        dout: UnsafeBufferPointer<Element>, q: UnsafeBufferPointer<Element>, k: UnsafeBufferPointer<Element>,
+        v: UnsafeBufferPointer<Element>, out: UnsafeBufferPointer<Element>, lse: UnsafeBufferPointer<Float>,
+        dq: UnsafeMutableBufferPointer<Element>, dk: UnsafeMutableBufferPointer<Element>,
+        dv: UnsafeMutableBufferPointer<Element>, shape: AttentionShape, causal: Bool = false,
+        softmaxScale: Float? = nil, options: AttentionOptions = AttentionOptions(),
+        dsinks: UnsafeMutableBufferPointer<Float>? = nil
+    ) throws {
         try withAutoreleasePool {
-            let p = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
+            let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal,
+                                         softmaxScale: softmaxScale, options: options)
             var buffers = HostBuffers()
             try buffers.bindInput(.dout, checked(UnsafeRawBufferPointer(dout), .dout, p), for: p)
             try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
@@ -90,7 +101,160 @@ public final class FlashAttention: @unchecked Sendable {
             try buffers.bindOutput(.dq, checked(UnsafeMutableRawBufferPointer(dq), .dq, p), for: p)
             try buffers.bindOutput(.dk, checked(UnsafeMutableRawBufferPointer(dk), .dk, p), for: p)
             try buffers.bindOutput(.dv, checked(UnsafeMutableRawBufferPointer(dv), .dv, p), for: p)
-            try context.run(DispatchPlan.backward(p), buffers: buffers)
+            if p.scores.hasSinks {
+                guard let dsinks else {
+                    throw FlashAttentionError.invalidArgument("dsinks must be given with sinks")
+                }
+                try buffers.bindOutput(.dsinks, checked(UnsafeMutableRawBufferPointer(dsinks), .dsinks, p), for: p)
+            }
+            try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.backward(p), buffers: $0) }
+        }
+    }
+
+    /// Forward pass over arrays; returns `out` (`[batch][numHeads][seqlenQ][headDimV]`) and `lse`
+    /// (float32, `[batch][numHeads][seqlenQ]`). See
+    /// ``forward(q:k:v:out:lse:shape:causal:softmaxScale:options:)``.
+    public func forward<Element: AttentionElement>(q: [Element], k: [Element], v: [Element], shape: AttentionShape,
+                                                   causal: Bool = false, softmaxScale: Float? = nil,
+                                                   options: AttentionOptions = AttentionOptions()) throws
+        -> (out: [Element], lse: [Float]) {
+        // Outputs are allocated only once the inputs match a valid shape, so a bad shape cannot
+        // ask for an absurd allocation.
+        let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal, softmaxScale: softmaxScale,
+                                     options: options)
+        try expect(q.count, .q, p)
+        var out = [Element](repeating: Element(), count: BufferRole.out.elementCount(for: p))
+        var lse = [Float](repeating: 0, count: p.lseElements)
+        try q.withUnsafeBufferPointer { q in
+            try k.withUnsafeBufferPointer { k in
+                try v.withUnsafeBufferPointer { v in
+                    try out.withUnsafeMutableBufferPointer { out in
+                        try lse.withUnsafeMutableBufferPointer { lse in
+                            try forward(q: q, k: k, v: v, out: out, lse: lse, shape: shape, causal: causal,
+                                        softmaxScale: softmaxScale, options: options)
+                        }
+                    }
+                }
+            }
+        }
+        return (out, lse)
+    }
+
+    /// Backward pass over arrays; returns `dq` (like `q`), `dk` (like `k`) and `dv` (like `v`). See
+    /// ``backward(dout:q:k:v:out:lse:dq:dk:dv:shape:causal:softmaxScale:options:dsinks:)``.
+    public func backward<Element: AttentionElement>(
+        dout: [Element], q: [Element], k: [Element], v: [Element], out: [Element], lse: [Float],
+        shape: AttentionShape, causal: Bool = false, softmaxScale: Float? = nil
+    ) throws -> (dq: [Element], dk: [Element], dv: [Element]) {
+        let g = try backward(dout: dout, q: q, k: k, v: v, out: out, lse: lse, shape: shape, causal: causal,
+                             softmaxScale: softmaxScale, options: AttentionOptions())
+        return (g.dq, g.dk, g.dv)
+    }
+
+    /// Backward pass over arrays with score modifiers; returns `dq`, `dk`, `dv` and, with
+    /// `options.sinks`, `dsinks` (`numHeads` floats; empty without sinks).
+    public func backward<Element: AttentionElement>(
+        dout: [Element], q: [Element], k: [Element], v: [Element], out: [Element], lse: [Float],
+        shape: AttentionShape, causal: Bool = false, softmaxScale: Float? = nil, options: AttentionOptions
+    ) throws -> (dq: [Element], dk: [Element], dv: [Element], dsinks: [Float]) {
+        let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal, softmaxScale: softmaxScale,
+                                     options: options)
+        try expect(q.count, .q, p)
+        try expect(k.count, .k, p)
+        try expect(v.count, .v, p)
+        var dq = [Element](repeating: Element(), count: q.count)
+        var dk = [Element](repeating: Element(), count: k.count)
+        var dv = [Element](repeating: Element(), count: v.count)
+        var dsinks = [Float](repeating: 0, count: p.scores.hasSinks ? Int(p.numHeads) : 0)
+        try dout.withUnsafeBufferPointer { dout in
+            try q.withUnsafeBufferPointer { q in
+                try k.withUnsafeBufferPointer { k in
+                    try v.withUnsafeBufferPointer { v in
+                        try out.withUnsafeBufferPointer { out in
+                            try lse.withUnsafeBufferPointer { lse in
+                                try dq.withUnsafeMutableBufferPointer { dq in
+                                    try dk.withUnsafeMutableBufferPointer { dk in
+                                        try dv.withUnsafeMutableBufferPointer { dv in
+                                            try dsinks.withUnsafeMutableBufferPointer { dsinks in
+                                                try backward(dout: dout, q: q, k: k, v: v, out: out, lse: lse,
+                                                             dq: dq, dk: dk, dv: dv, shape: shape, causal: causal,
+                                                             softmaxScale: softmaxScale, options: options,
+                                                             dsinks: p.scores.hasSinks ? dsinks : nil)
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        return (dq, dk, dv, dsinks)
+    }
+}
+
+/// Runs `body` with `options`' mask, ALiBi slopes and sinks bound (checked against `problem`).
+private func withOptionalInputs(_ options: AttentionOptions, _ problem: Problem, _ buffers: HostBuffers,
+                                _ body: (HostBuffers) throws -> Void) throws {
+    var buffers = buffers
+    func bind<T>(_ array: [T]?, _ role: BufferRole, _ next: () throws -> Void) throws {
+        guard let array else { return try next() }
+        try array.withUnsafeBytes { bytes in
+            try buffers.bindInput(role, checked(bytes, role, problem), for: problem)
+            try next()
+        }
+    }
+    var maskBytes: [UInt8]?
+    var maskFloats: [Float]?
+    switch options.attnMask {
+    case .boolean(let values, _): maskBytes = values
+    case .additive(let values, _): maskFloats = values
+    case nil: break
+    }
+    try bind(options.alibiSlopes, .alibiSlopes) {
+        try bind(options.sinks, .sinks) {
+            try bind(maskBytes, .attnMask) {
+                try bind(maskFloats, .attnMask) { try body(buffers) }
+            }
+        }
+    }
+}
+
+extension FlashAttention {
+    /// Merges two attention results over disjoint key sets of the same queries into the result
+    /// over their union, into caller-owned memory: the log-sum-exp combine of split-KV decoding and
+    /// ring attention. Per row, with `m = max(lseA, lseB)`, `wA = exp(lseA - m)`,
+    /// `wB = exp(lseB - m)`: `out = (wA outA + wB outB) / (wA + wB)` and `lse = m + log(wA + wB)`.
+    /// A part with lse `-inf` (it saw no key) contributes nothing and its out is not used; a row
+    /// empty in both parts gets `out = 0`, `lse = -inf`.
+    ///
+    /// - Parameters:
+    ///   - outA, outB: float16 bit patterns, `rows * headDim` elements (`[rows][headDim]`), e.g. the
+    ///     `out` of ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)`` over each key set.
+    ///   - lseA, lseB: float32, `rows` elements, the matching `lse`; `rows = lseA.count`.
+    ///   - out, lse: the merge, sized like `outA` and `lseA`; must not overlap any input.
+    ///   - headDim: `1...256`.
+    /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for mismatched counts, `rows` outside
+    ///   `1...UInt32.max` or overlapping buffers, ``FlashAttentionError/unsupported(_:)`` for
+    ///   `headDim > 256`, ``FlashAttentionError/executionFailed(_:)`` when the device fails
+    ///   (outputs are then NaN).
+    public func mergeAttention(outA: UnsafeBufferPointer<UInt16>, lseA: UnsafeBufferPointer<Float>,
+                               outB: UnsafeBufferPointer<UInt16>, lseB: UnsafeBufferPointer<Float>,
+                               out: UnsafeMutableBufferPointer<UInt16>, lse: UnsafeMutableBufferPointer<Float>,
+                               headDim: Int) throws {
+        try withAutoreleasePool {
+            let p = try Problem.merge(rows: UInt64(lseA.count), headDim: headDim)
+            var buffers = HostBuffers()
+            try buffers.bindInput(.outA, checked(UnsafeRawBufferPointer(outA), .outA, p), for: p)
+            try buffers.bindInput(.lseA, checked(UnsafeRawBufferPointer(lseA), .lseA, p), for: p)
+            try buffers.bindInput(.outB, checked(UnsafeRawBufferPointer(outB), .outB, p), for: p)
+            try buffers.bindInput(.lseB, checked(UnsafeRawBufferPointer(lseB), .lseB, p), for: p)
+            try buffers.bindOutput(.out, checked(UnsafeMutableRawBufferPointer(out), .out, p), for: p)
+            try buffers.bindOutput(.lse, checked(UnsafeMutableRawBufferPointer(lse), .lse, p), for: p)
+            let plan = DispatchPlan.merge(p)
+            try buffers.checkOutputsDisjoint(plan)
+            try context.run(plan, buffers: buffers)
         }
     }
 }
@@ -106,7 +270,7 @@ private func expect(_ count: Int, _ role: BufferRole, _ problem: Problem) throws
 /// The start of `buffer` after checking that it holds exactly the elements `role` needs.
 private func checked(_ buffer: UnsafeRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
     -> UnsafeRawPointer {
-    try expect(buffer.count / role.elementSize, role, problem)
+    try expect(buffer.count / role.elementSize(for: problem), role, problem)
     guard let base = buffer.baseAddress else {
         throw FlashAttentionError.invalidArgument("\(role.name) must not be null")
     }
@@ -121,66 +285,30 @@ private func checked(_ buffer: UnsafeMutableRawBufferPointer, _ role: BufferRole
 // Float16 does not exist on macOS for x86_64; there the UInt16 bit-pattern API above serves.
 #if !((os(macOS) || targetEnvironment(macCatalyst)) && arch(x86_64))
 extension FlashAttention {
-    /// Forward pass over arrays; returns `out` (float16, like `q`) and `lse` (float32,
-    /// `[batch][numHeads][seqlenQ]`). See ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)``.
-    public func forward(q: [Float16], k: [Float16], v: [Float16], shape: AttentionShape,
-                        causal: Bool = false, softmaxScale: Float? = nil) throws
-        -> (out: [Float16], lse: [Float]) {
-        // Outputs are allocated only once the inputs match a valid shape, so a bad shape cannot
-        // ask for an absurd allocation.
-        let p = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
-        try expect(q.count, .q, p)
-        var out = [Float16](repeating: 0, count: p.queryElements)
+    /// Merges two attention results over disjoint key sets into the result over their union;
+    /// returns `out` (float16, like `outA`) and `lse` (float32, like `lseA`). See
+    /// ``mergeAttention(outA:lseA:outB:lseB:out:lse:headDim:)``.
+    public func mergeAttention(outA: [Float16], lseA: [Float], outB: [Float16], lseB: [Float],
+                               headDim: Int) throws -> (out: [Float16], lse: [Float]) {
+        let p = try Problem.merge(rows: UInt64(lseA.count), headDim: headDim)
+        try expect(outA.count, .outA, p)
+        var out = [Float16](repeating: 0, count: BufferRole.out.elementCount(for: p))
         var lse = [Float](repeating: 0, count: p.lseElements)
-        try q.asBits { q in
-            try k.asBits { k in
-                try v.asBits { v in
-                    try out.asMutableBits { out in
-                        try lse.withUnsafeMutableBufferPointer { lse in
-                            try forward(q: q, k: k, v: v, out: out, lse: lse, shape: shape, causal: causal,
-                                        softmaxScale: softmaxScale)
-                        }
-                    }
-                }
-            }
-        }
-        return (out, lse)
-    }
-
-    /// Backward pass over arrays; returns `dq` (like `q`), `dk` and `dv` (like `k`). See
-    /// ``backward(dout:q:k:v:out:lse:dq:dk:dv:shape:causal:softmaxScale:)``.
-    public func backward(dout: [Float16], q: [Float16], k: [Float16], v: [Float16], out: [Float16],
-                         lse: [Float], shape: AttentionShape, causal: Bool = false,
-                         softmaxScale: Float? = nil) throws -> (dq: [Float16], dk: [Float16], dv: [Float16]) {
-        let p = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
-        try expect(q.count, .q, p)
-        try expect(k.count, .k, p)
-        try expect(v.count, .v, p)
-        var dq = [Float16](repeating: 0, count: q.count)
-        var dk = [Float16](repeating: 0, count: k.count)
-        var dv = [Float16](repeating: 0, count: v.count)
-        try dout.asBits { dout in
-            try q.asBits { q in
-                try k.asBits { k in
-                    try v.asBits { v in
-                        try out.asBits { out in
-                            try lse.withUnsafeBufferPointer { lse in
-                                try dq.asMutableBits { dq in
-                                    try dk.asMutableBits { dk in
-                                        try dv.asMutableBits { dv in
-                                            try backward(dout: dout, q: q, k: k, v: v, out: out, lse: lse,
-                                                         dq: dq, dk: dk, dv: dv, shape: shape, causal: causal,
-                                                         softmaxScale: softmaxScale)
-                                        }
-                                    }
-                                }
+        try outA.asBits { outA in
+            try lseA.withUnsafeBufferPointer { lseA in
+                try outB.asBits { outB in
+                    try lseB.withUnsafeBufferPointer { lseB in
+                        try out.asMutableBits { out in
+                            try lse.withUnsafeMutableBufferPointer { lse in
+                                try mergeAttention(outA: outA, lseA: lseA, outB: outB, lseB: lseB, out: out,
+                                                   lse: lse, headDim: headDim)
                             }
                         }
                     }
                 }
             }
         }
-        return (dq, dk, dv)
+        return (out, lse)
     }
 }
 

@@ -31,7 +31,7 @@ struct PlanPiece {
     /// start of a (batch entry, head) block, so a multiple of the element size and of a row, and
     /// a kernel's alignment assumptions about row starts hold in every piece.
     func byteOffset(of role: BufferRole) -> Int {
-        role.elementOffset(batch: firstBatch, kvHead: firstKVHead, in: full) * role.elementSize
+        role.elementOffset(batch: firstBatch, kvHead: firstKVHead, in: full) * role.elementSize(for: full)
     }
 }
 
@@ -62,8 +62,9 @@ extension DispatchPlan {
         }
         var pieces: [PlanPiece] = []
         func add(batches: Range<UInt32>, kvHeads: Range<UInt32>) {
-            pieces.append(PlanPiece(plan: DispatchPlan.make(pass, p.slice(batches: batches, kvHeads: kvHeads)),
-                                    firstBatch: batches.lowerBound, firstKVHead: kvHeads.lowerBound, full: p))
+            let sliced = DispatchPlan.make(pass, p.slice(batches: batches, kvHeads: kvHeads))
+            pieces.append(PlanPiece(plan: sliced.keeping { !$0.wholeProblem }, firstBatch: batches.lowerBound,
+                                    firstKVHead: kvHeads.lowerBound, full: p))
         }
         if unitsPerPiece >= kvHeads {
             let step = UInt32(unitsPerPiece / kvHeads)
@@ -78,6 +79,16 @@ extension DispatchPlan {
                 }
             }
         }
+        let whole = keeping(\.wholeProblem)
+        if !whole.dispatches.isEmpty {
+            pieces.append(PlanPiece(whole: whole))
+        }
         return pieces
+    }
+
+    /// The same plan with only the dispatches `include` accepts.
+    func keeping(_ include: (Dispatch) -> Bool) -> DispatchPlan {
+        DispatchPlan(pass: pass, dispatches: dispatches.filter(include), outputs: outputs, workspace: workspace,
+                     problem: problem)
     }
 }

@@ -2,11 +2,12 @@ import CFlashAttentionMetal
 
 /// The sizes of one attention problem.
 ///
-/// Layout (row-major, contiguous): `q`, `out`, `dout`, `dq` are
-/// `[batch][numHeads][seqlenQ][headDim]`; `k`, `v`, `dk`, `dv` are
-/// `[batch][numKVHeads][seqlenK][headDim]`; `lse` is `[batch][numHeads][seqlenQ]`.
+/// Tensors (contiguous row-major unless strides say otherwise): `q`, `dq` are
+/// `[batch][numHeads][seqlenQ][headDim]`; `out`, `dout` are `[batch][numHeads][seqlenQ][headDimV]`;
+/// `k`, `dk` are `[batch][numKVHeads][seqlenK][headDim]`; `v`, `dv` are
+/// `[batch][numKVHeads][seqlenK][headDimV]`; `lse` is `[batch][numHeads][seqlenQ]`.
 /// `numHeads` must be a multiple of `numKVHeads` (GQA/MQA: query head `h` reads KV head
-/// `h / (numHeads / numKVHeads)`), and `headDim` lies in `1...256`.
+/// `h / (numHeads / numKVHeads)`), and `headDim` and `headDimV` lie in `1...256`.
 public struct AttentionShape: Equatable, Sendable {
     /// Number of independent sequences.
     public var batch: Int
@@ -18,32 +19,50 @@ public struct AttentionShape: Equatable, Sendable {
     public var seqlenQ: Int
     /// Number of keys (and values) per sequence.
     public var seqlenK: Int
-    /// Size of each head vector, `1...256`.
+    /// Size of each query and key head vector, `1...256`.
     public var headDim: Int
+    /// Size of each value (and output) head vector, `1...256`.
+    public var headDimV: Int
 
-    /// Creates a shape; `numKVHeads` defaults to `numHeads` (plain multi-head attention) and
-    /// `seqlenK` to `seqlenQ` (self-attention). Nothing is checked until the shape is used.
+    /// Creates a shape; `numKVHeads` defaults to `numHeads` (plain multi-head attention), `seqlenK`
+    /// to `seqlenQ` (self-attention) and `headDimV` to `headDim`. Nothing is checked until the shape
+    /// is used.
     public init(batch: Int, numHeads: Int, numKVHeads: Int? = nil, seqlenQ: Int, seqlenK: Int? = nil,
-                headDim: Int) {
+                headDim: Int, headDimV: Int? = nil) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads ?? numHeads
         self.seqlenQ = seqlenQ
         self.seqlenK = seqlenK ?? seqlenQ
         self.headDim = headDim
+        self.headDimV = headDimV ?? headDim
     }
 
-    /// Elements of `q`, `out`, `dout`, `dq`: `batch * numHeads * seqlenQ * headDim`
+    /// Elements of `q` and `dq`: `batch * numHeads * seqlenQ * headDim`
     /// (wrapping arithmetic; a validated shape never overflows).
     public var queryElementCount: Int { batch &* numHeads &* seqlenQ &* headDim }
-    /// Elements of `k`, `v`, `dk`, `dv`: `batch * numKVHeads * seqlenK * headDim`.
-    public var keyValueElementCount: Int { batch &* numKVHeads &* seqlenK &* headDim }
+    /// Elements of `out` and `dout`: `batch * numHeads * seqlenQ * headDimV`.
+    public var outputElementCount: Int { batch &* numHeads &* seqlenQ &* headDimV }
+    /// Elements of `k` and `dk`: `batch * numKVHeads * seqlenK * headDim`.
+    public var keyElementCount: Int { batch &* numKVHeads &* seqlenK &* headDim }
+    /// Elements of `k` and `dk` (the 0.1 name, from when `v` always had `headDim` columns).
+    @available(*, deprecated, renamed: "keyElementCount")
+    public var keyValueElementCount: Int { keyElementCount }
+    /// Elements of `v` and `dv`: `batch * numKVHeads * seqlenK * headDimV`.
+    public var valueElementCount: Int { batch &* numKVHeads &* seqlenK &* headDimV }
     /// Elements of `lse`: `batch * numHeads * seqlenQ`.
     public var lseElementCount: Int { batch &* numHeads &* seqlenQ }
 }
 
-/// A validated attention problem: the one place where shapes, flags and the scale are checked, for
-/// the C exports and the Swift API alike. Holding a `Problem` means every rule below held.
+/// Strides of the tensors of one call; nil means contiguous. `out`, `dout`, `dq`, `dk`, `dv` are
+/// written (or read) by their own strides, independent of the inputs'.
+struct ProblemStrides {
+    var q, k, v, out, dout, dq, dk, dv: TensorStrides?
+}
+
+/// A validated attention problem: the one place where shapes, dtype, layouts, flags and the scale
+/// are checked, for the C exports and the Swift API alike. Holding a `Problem` means every rule
+/// below held.
 struct Problem {
     let batch: UInt32
     let numHeads: UInt32
@@ -51,69 +70,149 @@ struct Problem {
     let seqlenQ: UInt32
     let seqlenK: UInt32
     let headDim: UInt32
+    let headDimV: UInt32
+    let dtype: AttentionDType
     let causal: Bool
     let softmaxScale: Float
-    /// The row of FA_HEAD_DIM_BUCKETS the kernels use for `headDim`.
+    /// The row of the dtype's bucket table the kernels use for max(headDim, headDimV).
     let bucket: FlashAttentionBucket
-    /// Element counts of the q-like, kv-like and lse buffers; their byte sizes fit in `Int`.
-    let queryElements: Int
-    let keyValueElements: Int
+    /// Layouts of the eight tensors (their extents fit in `Int` bytes).
+    let layouts: [BufferRole: TensorLayout]
+    /// Elements of lse (and of the delta workspace): batch * numHeads * seqlenQ.
     let lseElements: Int
     /// The split-KV chunking of the forward pass, or nil for the dense forward.
     let split: KeyValueSplit?
+    /// Window, softcap, mask, ALiBi and sinks.
+    let scores: ScoreSpec
+
+    /// The size of a 0.1 `fa_problem`: the fields up to `softmax_scale`.
+    private static let firstVersionSize = MemoryLayout<fa_problem>.offset(of: \fa_problem.dtype)!
 
     /// Validates a C descriptor. `pointer` may be null; its `struct_size` is read first so that no
-    /// byte past what the caller declared is read.
+    /// byte past what the caller declared is read, and fields past it take their defaults.
     static func validate(_ pointer: UnsafePointer<fa_problem>?) throws -> Problem {
-        guard let pointer else {
-            throw FlashAttentionError.invalidArgument("problem must not be null")
-        }
-        let declaredSize = UnsafeRawPointer(pointer).load(as: UInt32.self)
-        let requiredSize = MemoryLayout<fa_problem>.size
-        guard Int(declaredSize) >= requiredSize else {
-            throw FlashAttentionError.invalidArgument(
-                "problem->struct_size (\(declaredSize)) must be at least sizeof(fa_problem) (\(requiredSize))")
-        }
-        let p = pointer.pointee
+        let p = try descriptor(pointer)
         guard p.causal <= 1 else {
             throw FlashAttentionError.invalidArgument("causal (\(p.causal)) must be 0 or 1")
         }
-        return try Problem(batch: Int(p.batch), numHeads: Int(p.num_heads), numKVHeads: Int(p.num_kv_heads),
-                           seqlenQ: Int(p.seqlen_q), seqlenK: Int(p.seqlen_k), headDim: Int(p.head_dim),
-                           causal: p.causal == 1, softmaxScale: p.softmax_scale)
+        guard let dtype = AttentionDType(rawValue: p.dtype) else {
+            throw FlashAttentionError.invalidArgument(
+                "dtype (\(p.dtype)) must be FA_DTYPE_FLOAT16, FA_DTYPE_BFLOAT16 or FA_DTYPE_FLOAT32")
+        }
+        func strides(_ s: fa_strides, _ name: String) throws -> TensorStrides? {
+            if s.batch == 0 && s.head == 0 && s.seq == 0 { return nil }
+            for value in [s.batch, s.head, s.seq] where value < 0 || value > Int64(Int.max) {
+                throw FlashAttentionError.invalidArgument("\(name) strides (\(s.batch), \(s.head), \(s.seq)) must not be negative")
+            }
+            return TensorStrides(batch: Int(s.batch), head: Int(s.head), seq: Int(s.seq))
+        }
+        let layout = ProblemStrides(q: try strides(p.q, "q"), k: try strides(p.k, "k"), v: try strides(p.v, "v"),
+                                    out: try strides(p.out, "out"), dout: try strides(p.dout, "dout"),
+                                    dq: try strides(p.dq, "dq"), dk: try strides(p.dk, "dk"),
+                                    dv: try strides(p.dv, "dv"))
+        let shape = AttentionShape(batch: Int(p.batch), numHeads: Int(p.num_heads), numKVHeads: Int(p.num_kv_heads),
+                                   seqlenQ: Int(p.seqlen_q), seqlenK: Int(p.seqlen_k), headDim: Int(p.head_dim),
+                                   headDimV: p.head_dim_v == 0 ? Int(p.head_dim) : Int(p.head_dim_v))
+        guard p.use_window <= 1, p.alibi_per_batch <= 1 else {
+            throw FlashAttentionError.invalidArgument(
+                "use_window (\(p.use_window)) and alibi_per_batch (\(p.alibi_per_batch)) must be 0 or 1")
+        }
+        guard p.attn_mask_type == UInt32(FA_MASK_NONE) || p.attn_mask != nil else {
+            throw FlashAttentionError.invalidArgument("attn_mask must not be null when attn_mask_type is set")
+        }
+        let maskStrides = TensorStrides(batch: Int(p.attn_mask_strides.batch), head: Int(p.attn_mask_strides.head),
+                                        seq: Int(p.attn_mask_strides.seq))
+        return try Problem(shape, dtype: dtype, causal: p.causal == 1, softmaxScale: p.softmax_scale, strides: layout,
+                           window: p.use_window == 1 ? (Int(p.window_left), Int(p.window_right)) : nil,
+                           softcap: p.softcap, maskType: p.attn_mask_type, maskStrides: maskStrides,
+                           hasAlibi: p.alibi_slopes != nil, alibiPerBatch: p.alibi_per_batch == 1,
+                           hasSinks: p.sinks != nil)
+    }
+
+    /// The caller's descriptor as far as its `struct_size` goes, later fields zero (their defaults).
+    /// - Throws: `invalidArgument` for a null pointer or a `struct_size` below the 0.1 struct.
+    static func descriptor(_ pointer: UnsafePointer<fa_problem>?) throws -> fa_problem {
+        guard let pointer else {
+            throw FlashAttentionError.invalidArgument("problem must not be null")
+        }
+        let declaredSize = Int(UnsafeRawPointer(pointer).load(as: UInt32.self))
+        guard declaredSize >= firstVersionSize else {
+            throw FlashAttentionError.invalidArgument(
+                "problem->struct_size (\(declaredSize)) must be at least \(firstVersionSize) (the 0.1 fa_problem)")
+        }
+        var p = fa_problem()
+        withUnsafeMutableBytes(of: &p) { bytes in
+            bytes.copyMemory(from: UnsafeRawBufferPointer(start: pointer,
+                                                          count: min(declaredSize, MemoryLayout<fa_problem>.size)))
+        }
+        return p
     }
 
     /// Validates a Swift shape; `softmaxScale` nil means `1 / sqrt(headDim)`.
-    static func validate(_ shape: AttentionShape, causal: Bool, softmaxScale: Float?) throws -> Problem {
+    static func validate(_ shape: AttentionShape, dtype: AttentionDType = .float16, causal: Bool,
+                         softmaxScale: Float?, strides: ProblemStrides = ProblemStrides(),
+                         options: AttentionOptions = AttentionOptions()) throws -> Problem {
         let scale = softmaxScale ?? (shape.headDim > 0 ? 1 / Float(shape.headDim).squareRoot() : 1)
-        return try Problem(batch: shape.batch, numHeads: shape.numHeads, numKVHeads: shape.numKVHeads,
-                           seqlenQ: shape.seqlenQ, seqlenK: shape.seqlenK, headDim: shape.headDim,
-                           causal: causal, softmaxScale: scale)
+        var maskType = UInt32(FA_MASK_NONE)
+        var maskStrides = TensorStrides(batch: 0, head: 0, seq: 0)
+        switch options.attnMask {
+        case .boolean(_, let s): (maskType, maskStrides) = (UInt32(FA_MASK_BOOL), s)
+        case .additive(_, let s): (maskType, maskStrides) = (UInt32(FA_MASK_ADDITIVE_F32), s)
+        case nil: break
+        }
+        let window = options.windowLeft == -1 && options.windowRight == -1
+            ? nil : (options.windowLeft, options.windowRight)
+        let alibiPerBatch = options.alibiSlopes.map { $0.count != shape.numHeads } ?? false
+        return try Problem(shape, dtype: dtype, causal: causal, softmaxScale: scale, strides: strides,
+                           window: window, softcap: options.softcap, maskType: maskType, maskStrides: maskStrides,
+                           hasAlibi: options.alibiSlopes != nil, alibiPerBatch: alibiPerBatch,
+                           hasSinks: options.sinks != nil)
+    }
+
+    /// Validates the sizes of a merge (`fa_merge_attention`): `rows` rows of `headDim` elements,
+    /// laid out as the `out` and `lse` of a forward problem with one sequence of `rows` queries in
+    /// one head (the merge kernel reads only batch, num_heads, seqlen_q and head_dim).
+    static func merge(rows: UInt64, headDim: Int) throws -> Problem {
+        guard rows >= 1 else {
+            throw FlashAttentionError.invalidArgument("rows (0) must be at least 1")
+        }
+        guard rows <= UInt64(UInt32.max) else {
+            throw FlashAttentionError.invalidArgument("rows (\(rows)) must be at most \(UInt32.max)")
+        }
+        return try Problem(AttentionShape(batch: 1, numHeads: 1, seqlenQ: Int(rows), seqlenK: 1, headDim: headDim),
+                           dtype: .float16, causal: false, softmaxScale: 1, strides: ProblemStrides())
     }
 
     /// Memberwise: the checked initializer below and `slice` end here.
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
-                 headDim: UInt32, causal: Bool, softmaxScale: Float, bucket: FlashAttentionBucket,
-                 queryElements: Int, keyValueElements: Int, lseElements: Int, split: KeyValueSplit?) {
+                 headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
+                 bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], lseElements: Int,
+                 scores: ScoreSpec, split: KeyValueSplit?) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
         self.seqlenQ = seqlenQ
         self.seqlenK = seqlenK
         self.headDim = headDim
+        self.headDimV = headDimV
+        self.dtype = dtype
         self.causal = causal
         self.softmaxScale = softmaxScale
         self.bucket = bucket
-        self.queryElements = queryElements
-        self.keyValueElements = keyValueElements
+        self.layouts = layouts
         self.lseElements = lseElements
+        self.scores = scores
         self.split = split
     }
 
-    private init(batch: Int, numHeads: Int, numKVHeads: Int, seqlenQ: Int, seqlenK: Int, headDim: Int,
-                 causal: Bool, softmaxScale: Float) throws {
-        let dims = [("batch", batch), ("num_heads", numHeads), ("num_kv_heads", numKVHeads),
-                    ("seqlen_q", seqlenQ), ("seqlen_k", seqlenK), ("head_dim", headDim)]
+    private init(_ shape: AttentionShape, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
+                 strides: ProblemStrides, window: (left: Int, right: Int)? = nil, softcap: Float = 0,
+                 maskType: UInt32 = UInt32(FA_MASK_NONE),
+                 maskStrides: TensorStrides = TensorStrides(batch: 0, head: 0, seq: 0), hasAlibi: Bool = false,
+                 alibiPerBatch: Bool = false, hasSinks: Bool = false) throws {
+        let dims = [("batch", shape.batch), ("num_heads", shape.numHeads), ("num_kv_heads", shape.numKVHeads),
+                    ("seqlen_q", shape.seqlenQ), ("seqlen_k", shape.seqlenK), ("head_dim", shape.headDim),
+                    ("head_dim_v", shape.headDimV)]
         for (name, value) in dims {
             guard value >= 1 else {
                 throw FlashAttentionError.invalidArgument("\(name) (\(value)) must be at least 1")
@@ -123,29 +222,48 @@ struct Problem {
                 throw FlashAttentionError.invalidArgument("\(name) (\(value)) must be at most \(UInt32.max)")
             }
         }
-        guard numHeads % numKVHeads == 0 else {
+        guard shape.numHeads % shape.numKVHeads == 0 else {
             throw FlashAttentionError.invalidArgument(
-                "num_heads (\(numHeads)) must be a multiple of num_kv_heads (\(numKVHeads))")
+                "num_heads (\(shape.numHeads)) must be a multiple of num_kv_heads (\(shape.numKVHeads))")
+        }
+        for (name, value) in [("head_dim", shape.headDim), ("head_dim_v", shape.headDimV)]
+            where value > Int(fa_max_head_dim()) {
+            throw FlashAttentionError.unsupported(
+                "\(name) (\(value)) must be at most fa_max_head_dim() (\(fa_max_head_dim()))")
         }
         var bucket = FlashAttentionBucket()
-        guard fa_bucket_for_head_dim(UInt32(headDim), &bucket) != 0 else {
-            throw FlashAttentionError.unsupported(
-                "head_dim (\(headDim)) must be at most fa_max_head_dim() (\(fa_max_head_dim()))")
+        guard fa_bucket_for_head_dim(dtype.rawValue, UInt32(max(shape.headDim, shape.headDimV)), &bucket) != 0 else {
+            throw FlashAttentionError.internalError("no kernel bucket for head_dim \(shape.headDim)")
         }
         guard softmaxScale.isFinite else {
             throw FlashAttentionError.invalidArgument("softmax_scale (\(softmaxScale)) must be finite")
         }
-        let query = try Problem.checkedCount([batch, numHeads, seqlenQ, headDim], bytesPerElement: 2, of: "q")
-        let keyValue = try Problem.checkedCount([batch, numKVHeads, seqlenK, headDim], bytesPerElement: 2,
-                                                of: "k")
-        let lse = try Problem.checkedCount([batch, numHeads, seqlenQ], bytesPerElement: 4, of: "lse")
-        self.init(batch: UInt32(batch), numHeads: UInt32(numHeads), numKVHeads: UInt32(numKVHeads),
-                  seqlenQ: UInt32(seqlenQ), seqlenK: UInt32(seqlenK), headDim: UInt32(headDim), causal: causal,
-                  softmaxScale: softmaxScale, bucket: bucket, queryElements: query, keyValueElements: keyValue,
-                  lseElements: lse,
-                  split: KeyValueSplit(batch: UInt32(batch), numHeads: UInt32(numHeads),
-                                       numKVHeads: UInt32(numKVHeads), seqlenQ: UInt32(seqlenQ),
-                                       seqlenK: UInt32(seqlenK), bucket: bucket))
+        let (b, h, hk, sq, sk) = (shape.batch, shape.numHeads, shape.numKVHeads, shape.seqlenQ, shape.seqlenK)
+        let tensors: [(BufferRole, TensorStrides?, (Int, Int, Int, Int))] = [
+            (.q, strides.q, (b, h, sq, shape.headDim)), (.k, strides.k, (b, hk, sk, shape.headDim)),
+            (.v, strides.v, (b, hk, sk, shape.headDimV)), (.out, strides.out, (b, h, sq, shape.headDimV)),
+            (.dout, strides.dout, (b, h, sq, shape.headDimV)), (.dq, strides.dq, (b, h, sq, shape.headDim)),
+            (.dk, strides.dk, (b, hk, sk, shape.headDim)), (.dv, strides.dv, (b, hk, sk, shape.headDimV)),
+        ]
+        var layouts: [BufferRole: TensorLayout] = [:]
+        for (role, given, tensorDims) in tensors {
+            let layout = try TensorLayout(role.name, strides: given, dims: tensorDims,
+                                          written: [.out, .dq, .dk, .dv].contains(role))
+            guard !layout.extent.multipliedReportingOverflow(by: dtype.size).overflow else {
+                throw FlashAttentionError.invalidArgument(
+                    "\(role.name) (\(layout.extent) elements) has more bytes than fit in a 64-bit size")
+            }
+            layouts[role] = layout
+        }
+        let lse = try Problem.checkedCount([b, h, sq], bytesPerElement: 4, of: "lse")
+        let scores = try ScoreSpec(causal: causal, window: window, softcap: softcap, maskType: maskType,
+                                   maskStrides: maskStrides, hasAlibi: hasAlibi, alibiPerBatch: alibiPerBatch,
+                                   hasSinks: hasSinks, dims: (b, h, sq, sk))
+        self.init(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
+                  seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
+                  causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, lseElements: lse, scores: scores,
+                  split: KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk),
+                                       seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket))
     }
 
     /// The product of `factors`, checked so that the byte size of a buffer of that many elements
@@ -175,11 +293,16 @@ struct Problem {
         precondition(!kvHeads.isEmpty && kvHeads.upperBound <= numKVHeads, "KV head range outside the problem")
         // Sub-ranges of a validated problem: every count below is at most the full one.
         let b = Int(batches.count), kv = Int(kvHeads.count), h = kv * Int(groupSize)
+        var sliced: [BufferRole: TensorLayout] = [:]
+        for (role, layout) in layouts {
+            sliced[role] = layout.slice(batch: b, heads: layout.rows.heads == Int(numKVHeads) ? kv : h)
+        }
         return Problem(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(kv), seqlenQ: seqlenQ,
-                       seqlenK: seqlenK, headDim: headDim, causal: causal, softmaxScale: softmaxScale,
-                       bucket: bucket, queryElements: b * h * Int(seqlenQ) * Int(headDim),
-                       keyValueElements: b * kv * Int(seqlenK) * Int(headDim),
-                       lseElements: b * h * Int(seqlenQ), split: split)
+                       seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
+                       softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
+                       lseElements: b * h * Int(seqlenQ),
+                       scores: scores.slice(batch: b, heads: h, seqlenQ: Int(seqlenQ), seqlenK: Int(seqlenK)),
+                       split: split)
     }
 
     /// Query heads per KV head (the GQA group).
@@ -187,15 +310,23 @@ struct Problem {
 
     /// The kernels' parameter struct for this problem.
     var params: FlashAttentionParams {
-        FlashAttentionParams(batch: batch, num_heads: numHeads, num_kv_heads: numKVHeads, seqlen_q: seqlenQ,
-                             seqlen_k: seqlenK, head_dim: headDim, causal: causal ? 1 : 0,
-                             softmax_scale: softmaxScale, kv_chunks: split?.chunks ?? 1,
-                             kv_chunk_keys: split?.chunkKeys ?? seqlenK)
+        func strides(_ role: BufferRole) -> FlashAttentionStrides { layouts[role]!.params }
+        return FlashAttentionParams(
+            q: strides(.q), k: strides(.k), v: strides(.v), out: strides(.out), dout: strides(.dout),
+            dq: strides(.dq), dk: strides(.dk), dv: strides(.dv),
+            mask: FlashAttentionStrides(batch: UInt64(scores.maskStrides.batch), head: UInt64(scores.maskStrides.head),
+                                        seq: UInt64(scores.maskStrides.seq)),
+            alibi_batch_stride: scores.alibiPerBatch ? UInt64(numHeads) : 0,
+            batch: batch, num_heads: numHeads, num_kv_heads: numKVHeads, seqlen_q: seqlenQ, seqlen_k: seqlenK,
+            head_dim: headDim, head_dim_v: headDimV, causal: causal ? 1 : 0, window_left: scores.windowLeft,
+            window_right: scores.windowRight, softmax_scale: softmaxScale, softcap: scores.softcap,
+            mask_type: scores.maskType, has_alibi: scores.hasAlibi ? 1 : 0, has_sinks: scores.hasSinks ? 1 : 0,
+            kv_chunks: split?.chunks ?? 1, kv_chunk_keys: split?.chunkKeys ?? seqlenK)
     }
 
     /// The Swift shape of this problem.
     var shape: AttentionShape {
         AttentionShape(batch: Int(batch), numHeads: Int(numHeads), numKVHeads: Int(numKVHeads),
-                       seqlenQ: Int(seqlenQ), seqlenK: Int(seqlenK), headDim: Int(headDim))
+                       seqlenQ: Int(seqlenQ), seqlenK: Int(seqlenK), headDim: Int(headDim), headDimV: Int(headDimV))
     }
 }

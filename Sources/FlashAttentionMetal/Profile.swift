@@ -1,4 +1,4 @@
-/// What one forward or backward call ran: its kernels in dispatch order and how long they took.
+/// What one forward, backward or merge call ran: its kernels in dispatch order and how long they took.
 ///
 /// Read it with ``FlashAttention/lastProfile`` (or `fa_context_last_profile` in C) on the thread
 /// that made the call. Times are measured, never estimated: on Metal the GPU time of the call's

@@ -18,96 +18,152 @@ namespace {
 using msl_engine::builtins;
 using msl_engine::kernel_args;
 
-using ForwardKernel = void (*)(const half *, const half *, const half *, half *, float *,
-                               const FlashAttentionParams &, uint3, uint, uint);
-using ForwardSplitKernel = void (*)(const half *, const half *, const half *, half *, float *,
-                                    const FlashAttentionParams &, float *, float *, uint3, uint,
-                                    uint);
-using BackwardDqKernel = void (*)(const half *, const half *, const half *, const half *,
-                                  const half *, const float *, const FlashAttentionParams &,
-                                  const float *, half *, uint3, uint, uint);
-using BackwardDkvKernel = void (*)(const half *, const half *, const half *, const half *,
-                                   const half *, const float *, const FlashAttentionParams &,
-                                   const float *, half *, half *, uint3, uint, uint);
+// Kernel signatures per element type T (see the kernel definitions in the .metal file).
+#define FA_OPTIONAL_TYPES const uchar *, const float *, const float *
+template <class T>
+using ForwardKernel = void (*)(const T *, const T *, const T *, T *, float *,
+                               const FlashAttentionParams &, FA_OPTIONAL_TYPES, uint3, uint, uint);
+template <class T>
+using ForwardSplitKernel = void (*)(const T *, const T *, const T *, T *, float *,
+                                    const FlashAttentionParams &, FA_OPTIONAL_TYPES, float *,
+                                    float *, uint3, uint, uint);
+template <class T>
+using ForwardCombineKernel = void (*)(const T *, const T *, const T *, T *, float *,
+                                      const FlashAttentionParams &, FA_OPTIONAL_TYPES,
+                                      const float *, const float *, uint3, uint);
+template <class T>
+using BackwardDeltaKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
+                                     const float *, const FlashAttentionParams &, float *,
+                                     FA_OPTIONAL_TYPES, uint3, uint);
+template <class T>
+using BackwardDqKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
+                                  const float *, const FlashAttentionParams &, const float *,
+                                  FA_OPTIONAL_TYPES, T *, uint3, uint, uint);
+template <class T>
+using BackwardDkvKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
+                                   const float *, const FlashAttentionParams &, const float *,
+                                   FA_OPTIONAL_TYPES, T *, T *, uint3, uint, uint);
+using MergeKernel = void (*)(const half *, const float *, const half *, const float *, half *, float *,
+                             const FlashAttentionParams &, uint3, uint);
 
-template <ForwardKernel Kernel>
+// The buffers every forward kernel binds, in [[buffer(i)]] order up to the parameters.
+#define FA_FORWARD_INPUTS(T, a)                                                                    \
+    a.buffer<const T>(FA_FORWARD_BUFFER_Q), a.buffer<const T>(FA_FORWARD_BUFFER_K),                \
+        a.buffer<const T>(FA_FORWARD_BUFFER_V), a.buffer<T>(FA_FORWARD_BUFFER_OUT),                \
+        a.buffer<float>(FA_FORWARD_BUFFER_LSE),                                                    \
+        a.constant_ref<const FlashAttentionParams>(FA_FORWARD_BUFFER_PARAMS),                      \
+        a.buffer<const uchar>(FA_FORWARD_BUFFER_MASK), a.buffer<const float>(FA_FORWARD_BUFFER_ALIBI), \
+        a.buffer<const float>(FA_FORWARD_BUFFER_SINKS)
+
+// The optional inputs every backward kernel binds after delta.
+#define FA_BACKWARD_OPTIONALS(a)                                                                   \
+    a.buffer<const uchar>(FA_BACKWARD_BUFFER_MASK), a.buffer<const float>(FA_BACKWARD_BUFFER_ALIBI), \
+        a.buffer<const float>(FA_BACKWARD_BUFFER_SINKS)
+
+// The buffers every backward kernel binds, in [[buffer(i)]] order up to the parameters.
+#define FA_BACKWARD_INPUTS(T, a)                                                                   \
+    a.buffer<const T>(FA_BACKWARD_BUFFER_DOUT), a.buffer<const T>(FA_BACKWARD_BUFFER_Q),           \
+        a.buffer<const T>(FA_BACKWARD_BUFFER_K), a.buffer<const T>(FA_BACKWARD_BUFFER_V),          \
+        a.buffer<const T>(FA_BACKWARD_BUFFER_OUT), a.buffer<const float>(FA_BACKWARD_BUFFER_LSE),  \
+        a.constant_ref<const FlashAttentionParams>(FA_BACKWARD_BUFFER_PARAMS)
+
+template <class T, ForwardKernel<T> Kernel>
 void run_forward(const kernel_args &a, const builtins &t) {
-    Kernel(a.buffer<const half>(FA_FORWARD_BUFFER_Q), a.buffer<const half>(FA_FORWARD_BUFFER_K),
-           a.buffer<const half>(FA_FORWARD_BUFFER_V), a.buffer<half>(FA_FORWARD_BUFFER_OUT),
-           a.buffer<float>(FA_FORWARD_BUFFER_LSE),
-           a.constant_ref<const FlashAttentionParams>(FA_FORWARD_BUFFER_PARAMS),
-           t.threadgroup_position_in_grid, t.simdgroup_index_in_threadgroup,
-           t.thread_index_in_simdgroup);
+    Kernel(FA_FORWARD_INPUTS(T, a), t.threadgroup_position_in_grid,
+           t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
 }
 
-// The buffers both split-KV forward kernels bind, in [[buffer(i)]] order up to the parameters.
-#define FA_FORWARD_INPUTS(a)                                                                       \
-    a.buffer<const half>(FA_FORWARD_BUFFER_Q), a.buffer<const half>(FA_FORWARD_BUFFER_K),          \
-        a.buffer<const half>(FA_FORWARD_BUFFER_V), a.buffer<half>(FA_FORWARD_BUFFER_OUT),          \
-        a.buffer<float>(FA_FORWARD_BUFFER_LSE),                                                    \
-        a.constant_ref<const FlashAttentionParams>(FA_FORWARD_BUFFER_PARAMS)
-
-template <ForwardSplitKernel Kernel>
+template <class T, ForwardSplitKernel<T> Kernel>
 void run_forward_split(const kernel_args &a, const builtins &t) {
-    Kernel(FA_FORWARD_INPUTS(a), a.buffer<float>(FA_FORWARD_BUFFER_PARTIAL_OUT),
+    Kernel(FA_FORWARD_INPUTS(T, a), a.buffer<float>(FA_FORWARD_BUFFER_PARTIAL_OUT),
            a.buffer<float>(FA_FORWARD_BUFFER_PARTIAL_LSE), t.threadgroup_position_in_grid,
            t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
 }
 
+template <class T, ForwardCombineKernel<T> Kernel>
 void run_forward_combine(const kernel_args &a, const builtins &t) {
-    flash_attention_forward_combine(FA_FORWARD_INPUTS(a),
-                                    a.buffer<const float>(FA_FORWARD_BUFFER_PARTIAL_OUT),
-                                    a.buffer<const float>(FA_FORWARD_BUFFER_PARTIAL_LSE),
-                                    t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
+    Kernel(FA_FORWARD_INPUTS(T, a), a.buffer<const float>(FA_FORWARD_BUFFER_PARTIAL_OUT),
+           a.buffer<const float>(FA_FORWARD_BUFFER_PARTIAL_LSE), t.threadgroup_position_in_grid,
+           t.thread_index_in_threadgroup);
 }
 
-// The buffers every backward kernel binds, in [[buffer(i)]] order up to the parameters.
-#define FA_BACKWARD_INPUTS(a)                                                                      \
-    a.buffer<const half>(FA_BACKWARD_BUFFER_DOUT), a.buffer<const half>(FA_BACKWARD_BUFFER_Q),     \
-        a.buffer<const half>(FA_BACKWARD_BUFFER_K), a.buffer<const half>(FA_BACKWARD_BUFFER_V),    \
-        a.buffer<const half>(FA_BACKWARD_BUFFER_OUT),                                              \
-        a.buffer<const float>(FA_BACKWARD_BUFFER_LSE),                                             \
-        a.constant_ref<const FlashAttentionParams>(FA_BACKWARD_BUFFER_PARAMS)
-
+template <class T, BackwardDeltaKernel<T> Kernel>
 void run_backward_delta(const kernel_args &a, const builtins &t) {
-    flash_attention_backward_delta(FA_BACKWARD_INPUTS(a), a.buffer<float>(FA_BACKWARD_BUFFER_DELTA),
-                                   t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
+    Kernel(FA_BACKWARD_INPUTS(T, a), a.buffer<float>(FA_BACKWARD_BUFFER_DELTA),
+           FA_BACKWARD_OPTIONALS(a), t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
 }
 
-template <BackwardDqKernel Kernel>
+template <class T, BackwardDqKernel<T> Kernel>
 void run_backward_dq(const kernel_args &a, const builtins &t) {
-    Kernel(FA_BACKWARD_INPUTS(a), a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA),
-           a.buffer<half>(FA_BACKWARD_BUFFER_DQ), t.threadgroup_position_in_grid,
+    Kernel(FA_BACKWARD_INPUTS(T, a), a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA),
+           FA_BACKWARD_OPTIONALS(a), a.buffer<T>(FA_BACKWARD_BUFFER_DQ), t.threadgroup_position_in_grid,
            t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
 }
 
-template <BackwardDkvKernel Kernel>
+template <class T, BackwardDkvKernel<T> Kernel>
 void run_backward_dkv(const kernel_args &a, const builtins &t) {
-    Kernel(FA_BACKWARD_INPUTS(a), a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA),
-           a.buffer<half>(FA_BACKWARD_BUFFER_DK), a.buffer<half>(FA_BACKWARD_BUFFER_DV),
+    Kernel(FA_BACKWARD_INPUTS(T, a), a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA),
+           FA_BACKWARD_OPTIONALS(a), a.buffer<T>(FA_BACKWARD_BUFFER_DK), a.buffer<T>(FA_BACKWARD_BUFFER_DV),
            t.threadgroup_position_in_grid, t.simdgroup_index_in_threadgroup,
            t.thread_index_in_simdgroup);
 }
 
+template <MergeKernel Kernel>
+void run_merge(const kernel_args &a, const builtins &t) {
+    Kernel(a.buffer<const half>(FA_MERGE_BUFFER_OUT_A), a.buffer<const float>(FA_MERGE_BUFFER_LSE_A),
+           a.buffer<const half>(FA_MERGE_BUFFER_OUT_B), a.buffer<const float>(FA_MERGE_BUFFER_LSE_B),
+           a.buffer<half>(FA_MERGE_BUFFER_OUT), a.buffer<float>(FA_MERGE_BUFFER_LSE),
+           a.constant_ref<const FlashAttentionParams>(FA_MERGE_BUFFER_PARAMS),
+           t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
+}
+
+void run_backward_dsinks(const kernel_args &a, const builtins &t) {
+    flash_attention_backward_dsinks(
+        a.buffer<const uchar>(FA_BACKWARD_BUFFER_DOUT), a.buffer<const uchar>(FA_BACKWARD_BUFFER_Q),
+        a.buffer<const uchar>(FA_BACKWARD_BUFFER_K), a.buffer<const uchar>(FA_BACKWARD_BUFFER_V),
+        a.buffer<const uchar>(FA_BACKWARD_BUFFER_OUT), a.buffer<const float>(FA_BACKWARD_BUFFER_LSE),
+        a.constant_ref<const FlashAttentionParams>(FA_BACKWARD_BUFFER_PARAMS),
+        a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA), FA_BACKWARD_OPTIONALS(a),
+        a.buffer<float>(FA_BACKWARD_BUFFER_DSINKS), t.threadgroup_position_in_grid,
+        t.thread_index_in_threadgroup);
+}
+
 constexpr const char *kSource = "Shaders/flash_attention.metal";
 
-#define FA_KERNEL_ENTRY(NAME, RUN, BUFFERS)                                                        \
-    {#NAME, RUN<NAME>, BUFFERS, sizeof(NAME##_threadgroup), kSource, 0},
-
-#define FA_BUCKET_ENTRIES(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                        \
-    FA_KERNEL_ENTRY(flash_attention_forward_d##DP, run_forward, FA_FORWARD_BUFFER_COUNT)           \
-    FA_KERNEL_ENTRY(flash_attention_forward_split_d##DP, run_forward_split,                        \
-                    FA_FORWARD_SPLIT_BUFFER_COUNT)                                                 \
-    FA_KERNEL_ENTRY(flash_attention_backward_dq_d##DP, run_backward_dq,                            \
-                    FA_BACKWARD_DQ_BUFFER_COUNT)                                                   \
-    FA_KERNEL_ENTRY(flash_attention_backward_dkv_d##DP, run_backward_dkv,                          \
-                    FA_BACKWARD_DKV_BUFFER_COUNT)
+#define FA_KERNEL_ENTRY(T, NAME, RUN, BUFFERS)                                                     \
+    {#NAME, RUN<T, NAME>, BUFFERS, sizeof(NAME##_threadgroup), kSource, 0},
 
 // The combine and delta kernels declare no threadgroup storage.
+#define FA_DTYPE_ENTRIES(T, SUFFIX)                                                                \
+    {"flash_attention_forward_combine_" #SUFFIX,                                                   \
+     run_forward_combine<T, flash_attention_forward_combine_##SUFFIX>,                             \
+     FA_FORWARD_SPLIT_BUFFER_COUNT, 0, kSource, 0},                                                \
+        {"flash_attention_backward_delta_" #SUFFIX,                                                \
+         run_backward_delta<T, flash_attention_backward_delta_##SUFFIX>,                           \
+         FA_BACKWARD_DELTA_BUFFER_COUNT, 0, kSource, 0},
+
+#define FA_BUCKET_ENTRIES(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)             \
+    FA_KERNEL_ENTRY(T, flash_attention_forward_##SUFFIX##_d##DP, run_forward,                      \
+                    FA_FORWARD_BUFFER_COUNT)                                                       \
+    FA_KERNEL_ENTRY(T, flash_attention_forward_split_##SUFFIX##_d##DP, run_forward_split,          \
+                    FA_FORWARD_SPLIT_BUFFER_COUNT)                                                 \
+    FA_KERNEL_ENTRY(T, flash_attention_backward_dq_##SUFFIX##_d##DP, run_backward_dq,              \
+                    FA_BACKWARD_DQ_BUFFER_COUNT)                                                   \
+    FA_KERNEL_ENTRY(T, flash_attention_backward_dkv_##SUFFIX##_d##DP, run_backward_dkv,            \
+                    FA_BACKWARD_DKV_BUFFER_COUNT)
+
+#define FA_F16_ENTRIES(...) FA_BUCKET_ENTRIES(half, f16, __VA_ARGS__)
+#define FA_BF16_ENTRIES(...) FA_BUCKET_ENTRIES(bfloat, bf16, __VA_ARGS__)
+#define FA_F32_ENTRIES(...) FA_BUCKET_ENTRIES(float, f32, __VA_ARGS__)
+
+// The merge kernel declares no threadgroup storage.
 const msl_engine::kernel_entry kTable[] = {
-    {"flash_attention_forward_combine", run_forward_combine, FA_FORWARD_SPLIT_BUFFER_COUNT, 0, kSource, 0},
-    {"flash_attention_backward_delta", run_backward_delta, FA_BACKWARD_DELTA_BUFFER_COUNT, 0, kSource, 0},
-    FA_HEAD_DIM_BUCKETS(FA_BUCKET_ENTRIES)};
+    {"flash_attention_merge", run_merge<flash_attention_merge>, FA_MERGE_BUFFER_COUNT, 0, kSource, 0},
+    {"flash_attention_backward_dsinks", run_backward_dsinks, FA_BACKWARD_DSINKS_BUFFER_COUNT,
+     sizeof(flash_attention_backward_dsinks_threadgroup), kSource, 0},
+    FA_DTYPE_ENTRIES(half, f16) FA_HEAD_DIM_BUCKETS(FA_F16_ENTRIES)
+    FA_DTYPE_ENTRIES(bfloat, bf16) FA_HEAD_DIM_BUCKETS(FA_BF16_ENTRIES)
+    FA_DTYPE_ENTRIES(float, f32) FA_HEAD_DIM_BUCKETS_F32(FA_F32_ENTRIES)};
 
 } // namespace
 

@@ -1,8 +1,15 @@
 """flash_attention_metal: exact, memory-efficient attention (FlashAttention-2) on Apple GPUs, with
-a CPU engine that runs the same Metal kernels anywhere. NumPy float16 in, NumPy out.
+a CPU engine that runs the same Metal kernels anywhere. NumPy in, NumPy out.
 
-Shapes: q (batch, num_heads, seqlen_q, head_dim); k, v (batch, num_kv_heads, seqlen_k, head_dim);
-out float16 like q; lse float32 (batch, num_heads, seqlen_q). See ``Context`` for the semantics.
+dtypes: numpy.float16, ml_dtypes.bfloat16 or numpy.float32 (one per call; lse is float32).
+Layouts: ``layout="bhsd"`` (default; PyTorch, MLX): q (batch, num_heads, seqlen_q, head_dim), k
+(batch, num_kv_heads, seqlen_k, head_dim), v like k with head_dim_v last; ``layout="bshd"``
+(FlashAttention): the seqlen and heads axes swapped. Views whose last axis is contiguous are read
+in place. out is like q with head_dim_v last; lse float32 (batch, num_heads, seqlen_q). Score
+options (keyword arguments, FlashAttention's and PyTorch's names): attn_mask (bool or additive,
+broadcastable to (batch, num_heads, seqlen_q, seqlen_k) in every layout), window_size=(left, right),
+softcap, alibi_slopes, sinks; with sinks, backward returns (dq, dk, dv, dsinks). See ``Context`` for
+the semantics and ``reference`` for the math.
 
 The module functions run on a default Context created on first use; ``$FLASH_ATTENTION_METAL_BACKEND``
 (auto, metal, cpu) picks its backend.
@@ -20,35 +27,57 @@ from .profile import DispatchProfile, Profile
 __version__ = "0.1.0"
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None):
-    """``Context.forward`` on the default context: returns (out float16, lse float32).
+def forward(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None, window_size=(-1, -1),
+            softcap=0.0, alibi_slopes=None, sinks=None, out=None, lse=None):
+    """``Context.forward`` on the default context: returns (out like q, lse float32), written into
+    ``out`` and ``lse`` when given.
 
     The arguments are checked before the library is loaded, so a wrong dtype or shape is reported
     as such even where the library is missing.
     """
-    _validation.check_forward(q, k, v, causal, softmax_scale)
-    return default_context().forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    options = dict(attn_mask=attn_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                   sinks=sinks)
+    _validation.check_forward(q, k, v, causal, softmax_scale, layout, **options)
+    return default_context().forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
+                                     out=out, lse=lse, **options)
 
 
-def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None):
-    """``Context.backward`` on the default context: returns (dq, dk, dv), float16 (arguments
+def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
+             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, dq=None, dk=None, dv=None):
+    """``Context.backward`` on the default context: returns (dq, dk, dv) like q, k, v, written into
+    the arrays given, and dsinks float32 (num_heads,) after them when sinks are given (arguments
     checked before the library is loaded, as for ``forward``)."""
-    _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale)
-    return default_context().backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+    options = dict(attn_mask=attn_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                   sinks=sinks)
+    _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout, **options)
+    return default_context().backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
+                                      layout=layout, dq=dq, dk=dk, dv=dv, **options)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None):
-    """``Context.attention`` on the default context: returns out, float16 like q (arguments
-    checked before the library is loaded, as for ``forward``)."""
-    _validation.check_forward(q, k, v, causal, softmax_scale)
-    return default_context().attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None, window_size=(-1, -1),
+              softcap=0.0, alibi_slopes=None, sinks=None):
+    """``Context.attention`` on the default context: returns out, like q (arguments checked
+    before the library is loaded, as for ``forward``)."""
+    options = dict(attn_mask=attn_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                   sinks=sinks)
+    _validation.check_forward(q, k, v, causal, softmax_scale, layout, **options)
+    return default_context().attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, **options)
 
 
 def last_profile():
     """``Context.last_profile`` of the default context: the profile of the calling thread's last
-    successful module-level ``forward``/``backward``/``attention`` call, or None before one."""
+    successful module-level ``forward``/``backward``/``attention``/``merge_attention`` call, or
+    None before one."""
     context = _default.existing_default_context()
     return None if context is None else context.last_profile
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """``Context.merge_attention`` on the default context: merges two attention results over
+    disjoint key sets into the result over their union; returns (out float16, lse float32)
+    (arguments checked before the library is loaded, as for ``forward``)."""
+    _validation.check_merge(out_a, lse_a, out_b, lse_b)
+    return default_context().merge_attention(out_a, lse_a, out_b, lse_b)
 
 
 __all__ = [
@@ -66,5 +95,6 @@ __all__ = [
     "default_context",
     "forward",
     "last_profile",
+    "merge_attention",
     "reference",
 ]

@@ -1,16 +1,18 @@
 """Context: one libFlashAttentionMetal context (a Metal device and its kernels, or the CPU engine)
-and the NumPy forward/backward calls on it.
+and the NumPy forward/backward calls on it: float16, bfloat16 (``ml_dtypes.bfloat16``) or float32,
+layout "bhsd" or "bshd", head_dim_v != head_dim, and the score options attn_mask, window_size,
+softcap, alibi_slopes and sinks (FlashAttention's and PyTorch's names and meanings).
 
 Math: FlashAttention-2 (Dao, 2023), Algorithms 1 and 2. Semantics as in the C header
 flash_attention_metal.h: bottom-right causal alignment, rows without visible keys give out 0,
-lse -inf and zero gradients, GQA/MQA by num_heads % num_kv_heads == 0.
+lse -inf (sinks[h] with sinks) and zero gradients, GQA/MQA by num_heads % num_kv_heads == 0.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import _interruptible, _validation
+from . import _interruptible, _layout, _options, _validation
 from ._native import NativeLibrary, native
 from .profile import Profile, last_profile
 
@@ -98,9 +100,9 @@ class Context:
 
     @property
     def last_profile(self) -> Profile | None:
-        """The profile of the calling thread's last successful ``forward``/``backward`` on this
-        context (each thread sees its own calls), or None before one; a failed call leaves it
-        unchanged. See ``flash_attention_metal.profile.Profile``: ``seconds`` (Metal: GPU time;
+        """The profile of the calling thread's last successful ``forward``, ``backward`` or
+        ``merge_attention`` on this context (each thread sees its own calls), or None before one;
+        a failed call leaves it unchanged. See ``flash_attention_metal.profile.Profile``: ``seconds`` (Metal: GPU time;
         CPU engine: wall time) and one record per dispatched kernel (name, grid, threads,
         threadgroup memory, and on the CPU engine its SIMD-group matrix products and barriers)."""
         # The main thread's calls run on the interruptible-call worker, which holds their profile.
@@ -111,18 +113,52 @@ class Context:
         """The file the library was loaded from."""
         return str(self._native.path)
 
-    def forward(self, q, k, v, *, causal=False, softmax_scale=None):
+    def forward(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, out=None, lse=None):
         """Attention forward pass.
 
+        Scores are s = softcap * tanh(softmax_scale * q.k / softcap) (or softmax_scale * q.k when
+        softcap is 0) - alibi_slopes[b, h] * |i + seqlen_k - seqlen_q - j| + attn_mask[b, h, i, j]
+        (additive); keys outside the window, the causal mask or a boolean attn_mask get no weight;
+        each head's sink joins the softmax denominator. Math: ``flash_attention_metal.reference``.
+
         Args:
-            q: float16 (batch, num_heads, seqlen_q, head_dim).
-            k, v: float16 (batch, num_kv_heads, seqlen_k, head_dim); num_heads % num_kv_heads == 0.
-            causal: bool; bottom-right aligned (query i sees key j iff j <= i + seqlen_k - seqlen_q).
+            q: (batch, num_heads, seqlen_q, head_dim) for ``layout="bhsd"``, or
+                (batch, seqlen_q, num_heads, head_dim) for ``"bshd"``; numpy.float16,
+                ml_dtypes.bfloat16 or numpy.float32.
+            k: (batch, num_kv_heads, seqlen_k, head_dim) in the same layout and dtype;
+                num_heads % num_kv_heads == 0.
+            v: like k, but with head_dim_v (1 ... max_head_dim, may differ from head_dim) last.
+            causal: bool; bottom-right aligned (query i sees key j iff j <= i + seqlen_k - seqlen_q),
+                i.e. window right = 0.
             softmax_scale: finite real number; None means 1 / sqrt(head_dim).
+            layout: ``"bhsd"`` (PyTorch, MLX) or ``"bshd"`` (FlashAttention); q, k, v, out only.
+            attn_mask: None; bool (PyTorch's convention: True = may attend); or additive, in q's
+                dtype or float32 (-inf hides a key; NaN and +inf are errors). Indexed (batch,
+                num_heads, seqlen_q, seqlen_k) in every layout, any shape NumPy broadcasts to that
+                (e.g. a (batch, 1, 1, seqlen_k) padding mask); size-1 axes are not expanded in memory.
+                Combined with causal and the window. No gradient.
+            window_size: FlashAttention's (left, right) sliding window, -1 = unbounded side: query i
+                sees key j iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right.
+            softcap: logit softcapping (Gemma 2), finite, >= 0; 0.0 is off.
+            alibi_slopes: float32 (num_heads,) or (batch, num_heads), finite (FlashAttention's ALiBi:
+                the bias is added to the scaled score). No gradient.
+            sinks: float32 (num_heads,), finite: one virtual key per head with logit sinks[h] and no
+                value (gpt-oss); backward then returns dsinks.
+            out, lse: optional arrays to write the results into instead of fresh ones: out of q's
+                dtype and the shape of the result in ``layout``, its last axis contiguous and its
+                other strides positive; lse float32 (batch, num_heads, seqlen_q), C-contiguous;
+                both writable and sharing no memory with q, k, v or each other.
+
+        Any view whose last axis is contiguous (e.g. ``qkv[:, :, 0]`` of a (B, L, 3, H, D)
+        projection) is read in place; other arrays are copied once (``_layout``).
 
         Returns:
-            (out, lse): out float16 like q; lse float32 (batch, num_heads, seqlen_q), the natural
-            log of the softmax denominator (-inf for rows that see no key). Fresh arrays.
+            (out, lse): out in q's dtype and layout, with head_dim_v last, laid out in memory like
+            q; lse float32 (batch, num_heads, seqlen_q) in either layout, the natural log of the
+            softmax denominator (sinks included). A row left without keys gets out 0 and lse -inf,
+            or lse sinks[h] with sinks. Fresh arrays, or the ``out`` and ``lse`` given. Accumulation
+            is in float32; out is rounded once to the dtype.
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
@@ -130,32 +166,52 @@ class Context:
                 when ``cancel`` stopped the call).
             KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
-        shape, causal, scale = _validation.check_forward(q, k, v, causal, softmax_scale)
+        shape, causal, scale, options = _validation.check_forward(
+            q, k, v, causal, softmax_scale, layout, attn_mask=attn_mask, window_size=window_size,
+            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         _validation.check_head_dim(shape, self.max_head_dim)
-        q, k, v = (np.ascontiguousarray(a) for a in (q, k, v))
-        out = np.empty(q.shape, dtype=np.float16)
-        lse = np.empty(q.shape[:3], dtype=np.float32)
+        lse_shape = (shape.batch, shape.num_heads, shape.seqlen_q)
+        _check_given_outputs({"out": (out, q.dtype, q.shape[:3] + (shape.head_dim_v,)),
+                              "lse": (lse, np.float32, lse_shape)}, layout, {"q": q, "k": k, "v": v})
+        out = _layout.new_output(q, shape.head_dim_v) if out is None else out
+        lse = np.empty(lse_shape, dtype=np.float32) if lse is None else lse
+        tensors = {name: _layout.as_input(a, layout) for name, a in (("q", q), ("k", k), ("v", v))}
+        tensors["out"] = _layout.as_output(out, layout)
         ffi, lib = self._native.ffi, self._native.lib
+        problem = self._problem(shape, causal, scale, q.dtype, tensors)
+        keep = _options.set_problem_fields(problem, options, shape.seqlen_k, ffi, lib)
         arguments = (
-            self._handle, self._problem(shape, causal, scale),
-            _half_in(ffi, q), _half_in(ffi, k), _half_in(ffi, v),
-            _half_out(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True),
+            self._handle, problem,
+            *(_pointer(ffi, tensors[name]) for name in ("q", "k", "v", "out")),
+            ffi.from_buffer("float[]", lse, require_writable=True),
         )
         _interruptible.call(lambda: self._native.raise_for_status(lib.fa_forward(*arguments)), self.cancel)
+        del keep  # the arrays the problem points into lived until here
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None):
-        """Attention backward pass (FlashAttention-2, Algorithm 2; D_i = rowsum(dout * out)).
+    def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd",
+                 attn_mask=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                 dq=None, dk=None, dv=None):
+        """Attention backward pass (FlashAttention-2, Algorithm 2; D_i = rowsum(dout * out)), through
+        the softcap's tanh exactly.
 
         Args:
-            dout: float16 like q, the gradient of the loss with respect to out.
+            dout: like out (q's dtype and layout, head_dim_v last), the gradient of the loss with
+                respect to out.
             q, k, v: as for ``forward``.
-            out, lse: as ``forward`` returned them for the same q, k, v, causal and softmax_scale.
-            causal, softmax_scale: as for ``forward``.
+            out, lse: as ``forward`` returned them for the same q, k, v and options.
+            causal, softmax_scale, layout, attn_mask, window_size, softcap, alibi_slopes, sinks: as
+                for ``forward`` (views read in place likewise).
+            dq, dk, dv: optional arrays to write the gradients into instead of fresh ones, each of
+                q's dtype and shaped like q, k, v, with the rules of ``forward``'s ``out``
+                (writable in place, sharing no memory with any other argument).
 
         Returns:
-            (dq, dk, dv): float16 like q, k, v; dk and dv sum over the query heads that share a KV
-            head. Deterministic. Fresh arrays.
+            (dq, dk, dv) without sinks, (dq, dk, dv, dsinks) with them: dq, dk, dv in the dtype and
+            layout of q, k, v and shaped like them, each laid out in memory like its input; dk and dv
+            sum over the query heads that share a KV head; dsinks float32 (num_heads,),
+            -sum over batch and query rows of exp(sinks[h] - lse) * D. No gradient for attn_mask or
+            alibi_slopes. Deterministic. Fresh arrays, or the ones given.
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
@@ -163,21 +219,34 @@ class Context:
                 when ``cancel`` stopped the call).
             KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
-        shape, causal, scale = _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+        shape, causal, scale, options = _validation.check_backward(
+            dout, q, k, v, out, lse, causal, softmax_scale, layout, attn_mask=attn_mask,
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         _validation.check_head_dim(shape, self.max_head_dim)
-        dout, q, k, v, out, lse = (np.ascontiguousarray(a) for a in (dout, q, k, v, out, lse))
-        dq = np.empty(q.shape, dtype=np.float16)
-        dk = np.empty(k.shape, dtype=np.float16)
-        dv = np.empty(v.shape, dtype=np.float16)
+        given = {"dq": dq, "dk": dk, "dv": dv}
+        _check_given_outputs({name: (given[name], q.dtype, like.shape) for name, like in zip(given, (q, k, v))},
+                             layout, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
+        grads = [_layout.new_output(like, like.shape[3]) if grad is None else grad
+                 for grad, like in zip(given.values(), (q, k, v))]
+        inputs = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out))
+        tensors = {name: _layout.as_input(a, layout) for name, a in inputs}
+        tensors.update((name, _layout.as_output(g, layout)) for name, g in zip(("dq", "dk", "dv"), grads))
+        lse = np.ascontiguousarray(lse)
         ffi, lib = self._native.ffi, self._native.lib
+        problem = self._problem(shape, causal, scale, q.dtype, tensors)
+        keep = _options.set_problem_fields(problem, options, shape.seqlen_k, ffi, lib)
+        if options.sinks is not None:
+            grads.append(np.empty(shape.num_heads, dtype=np.float32))
+            problem.dsinks = ffi.from_buffer("float[]", grads[3], require_writable=True)
         arguments = (
-            self._handle, self._problem(shape, causal, scale),
-            _half_in(ffi, dout), _half_in(ffi, q), _half_in(ffi, k), _half_in(ffi, v),
-            _half_in(ffi, out), ffi.from_buffer("float[]", lse),
-            _half_out(ffi, dq), _half_out(ffi, dk), _half_out(ffi, dv),
+            self._handle, problem,
+            *(_pointer(ffi, tensors[name]) for name in ("dout", "q", "k", "v", "out")),
+            ffi.from_buffer("float[]", lse),
+            *(_pointer(ffi, tensors[name]) for name in ("dq", "dk", "dv")),
         )
         _interruptible.call(lambda: self._native.raise_for_status(lib.fa_backward(*arguments)), self.cancel)
-        return dq, dk, dv
+        del keep  # the arrays the problem points into lived until here
+        return tuple(grads)
 
     def cancel(self) -> None:
         """Cancels the calls in flight on this context, from any thread (``fa_context_cancel``).
@@ -191,13 +260,61 @@ class Context:
         """
         self._native.raise_for_status(self._native.lib.fa_context_cancel(self._handle))
 
-    def attention(self, q, k, v, *, causal=False, softmax_scale=None):
-        """``forward`` without lse: returns out, float16 like q."""
-        return self.forward(q, k, v, causal=causal, softmax_scale=softmax_scale)[0]
+    def attention(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+        """``forward`` without lse: returns out, in q's dtype and layout."""
+        return self.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, attn_mask=attn_mask,
+                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)[0]
 
-    def _problem(self, shape: _validation.Shape, causal: bool, scale: float):
-        problem = self._native.ffi.new("fa_problem *")
-        problem.struct_size = self._native.ffi.sizeof("fa_problem")
+    def merge_attention(self, out_a, lse_a, out_b, lse_b):
+        """Merges two attention results over disjoint key sets of the same queries into the result
+        over their union (the log-sum-exp combine of split-KV decoding and ring attention).
+
+        Per row, with m = max(lse_a, lse_b), w_a = exp(lse_a - m), w_b = exp(lse_b - m):
+        out = (w_a out_a + w_b out_b) / (w_a + w_b) and lse = m + log(w_a + w_b), in float32 with
+        one rounding of out to float16. A part with lse -inf (it saw no key) contributes nothing
+        and its out is not used; a row empty in both parts gets out 0 and lse -inf (no NaN).
+        ``forward`` over keys k[:, :, :s] merged with ``forward`` over k[:, :, s:] is ``forward``
+        over all keys (for causal masks, when each part's mask is the restriction of the full one).
+
+        Args:
+            out_a, out_b: float16, one shape (..., head_dim), e.g. ``forward``'s out.
+            lse_a, lse_b: float32 of shape (...), the leading shape of out_a, e.g. ``forward``'s lse.
+
+        Returns:
+            (out, lse): out float16 like out_a, lse float32 like lse_a. Fresh arrays.
+
+        Raises:
+            TypeError, ValueError: invalid arguments (checked before any native call).
+            FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
+                when ``cancel`` stopped the call).
+            KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
+        """
+        rows, head_dim = _validation.check_merge(out_a, lse_a, out_b, lse_b)
+        if head_dim > self.max_head_dim:
+            raise ValueError(f"head_dim {head_dim} (the last dimension of out_a) is outside the supported "
+                             f"range 1..{self.max_head_dim}")
+        # Shapes first: np.ascontiguousarray turns a 0-D lse (one row) into shape (1,).
+        out = np.empty(out_a.shape, dtype=np.float16)
+        lse = np.empty(lse_a.shape, dtype=np.float32)
+        out_a, lse_a, out_b, lse_b = (np.ascontiguousarray(a) for a in (out_a, lse_a, out_b, lse_b))
+        ffi, lib = self._native.ffi, self._native.lib
+        arguments = (
+            self._handle, rows, head_dim,
+            _half_in(ffi, out_a), ffi.from_buffer("float[]", lse_a),
+            _half_in(ffi, out_b), ffi.from_buffer("float[]", lse_b),
+            _half_out(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True),
+        )
+        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_merge_attention(*arguments)), self.cancel)
+        return out, lse
+
+    def _problem(self, shape: _validation.Shape, causal: bool, scale: float, dtype=np.float16, tensors=None):
+        """The fa_problem of a call, score options off (``_options.set_problem_fields`` sets them);
+        ``tensors`` maps fa_problem's stride fields (q, k, v, out, dout, dq, dk, dv) to their
+        ``_layout.Tensor`` (absent ones: contiguous)."""
+        ffi, lib = self._native.ffi, self._native.lib
+        problem = ffi.new("fa_problem *")
+        problem.struct_size = ffi.sizeof("fa_problem")
         problem.batch = shape.batch
         problem.num_heads = shape.num_heads
         problem.num_kv_heads = shape.num_kv_heads
@@ -206,11 +323,34 @@ class Context:
         problem.head_dim = shape.head_dim
         problem.causal = int(causal)
         problem.softmax_scale = scale
+        problem.dtype = getattr(lib, _DTYPE_CODES[np.dtype(dtype).name])
+        problem.head_dim_v = shape.head_dim_v
+        for name, tensor in (tensors or {}).items():
+            strides = getattr(problem, name)
+            strides.batch, strides.head, strides.seq = tensor.strides
         return problem
 
 
+def _check_given_outputs(outputs: dict, layout: str, inputs: dict) -> None:
+    """Checks the outputs a caller provides, ``name: (array or None, dtype, shape)``, each against
+    the inputs and the outputs checked before it (``_layout.check_given_output``)."""
+    others = dict(inputs)
+    for name, (array, dtype, shape) in outputs.items():
+        if array is not None:
+            _layout.check_given_output(name, array, dtype, shape, layout, others)
+            others[name] = array
+
+
+_DTYPE_CODES = {"float16": "FA_DTYPE_FLOAT16", "bfloat16": "FA_DTYPE_BFLOAT16", "float32": "FA_DTYPE_FLOAT32"}
+
+
+def _pointer(ffi, tensor: _layout.Tensor):
+    # Element [0, 0, 0, 0] of the view; the ABI takes elements of the problem's dtype as void *.
+    return ffi.cast("void *", tensor.address)
+
+
 def _half_in(ffi, array: np.ndarray):
-    # float16 has no C type; the ABI takes the bit patterns as uint16_t.
+    # merge_attention's float16 has no C type; its ABI takes the bit patterns as uint16_t.
     return ffi.from_buffer("uint16_t[]", array)
 
 

@@ -1,9 +1,9 @@
 """The profile of the last call: what ``fa_context_last_profile`` reports, as dataclasses.
 
 Per context and per thread: ``Context.last_profile`` reads the profile of the calling thread's last
-successful forward or backward on that context. Times are measured: on Metal the GPU time of the
-call's command buffers (gpuEndTime - gpuStartTime), on the CPU engine the engine's wall time (not
-an Apple GPU figure). SIMD-group matrix products and barriers are counted by the CPU engine only.
+successful forward, backward or merge on that context. Times are measured: on Metal the GPU time
+of the call's command buffers (gpuEndTime - gpuStartTime), on the CPU engine the engine's wall
+time (not an Apple GPU figure). SIMD-group matrix products and barriers are counted by the CPU engine only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class DispatchProfile:
     """One dispatched kernel.
 
     Attributes:
-        kernel: the kernel function's name, e.g. ``flash_attention_forward_d64``.
+        kernel: the kernel function's name, e.g. ``flash_attention_forward_f16_d64``.
         threadgroups: threadgroups per grid (x, y, z).
         threads_per_threadgroup: (x, y, z).
         threadgroup_memory: bytes of static threadgroup memory (Metal: the pipeline's

@@ -1,9 +1,29 @@
 """Float64 NumPy reference attention, the ground truth of the accuracy rule.
 
-Same semantics as the library: q (B, H, Nq, D); k, v (B, H_kv, Nk, D); causal aligned bottom-right
-(query i sees key j iff j <= i + Nk - Nq); a row with no visible key gives out 0, lse -inf and zero
-gradients; GQA: query head h reads KV head h // (H // H_kv) and dk, dv sum over the group.
-Materializes the (B, H, Nq, Nk) attention matrix: for checking, not for speed.
+Same semantics as the library: q (B, H, Nq, D); k (B, H_kv, Nk, D); v (B, H_kv, Nk, Dv), where the
+value head dim Dv (head_dim_v) may differ from D (DeepSeek's MLA: D 192, Dv 128); out and dout
+(B, H, Nq, Dv). GQA: query head h reads KV head h // (H // H_kv) and dk, dv sum over the group. The
+default softmax_scale is 1/sqrt(D).
+
+Scores, in this order (FlashAttention's and PyTorch's definitions):
+
+    s = softcap * tanh(softmax_scale * q.k / softcap)        (softcap > 0; else softmax_scale * q.k)
+        - slope[b, h] * |i + Nk - Nq - j|                      (ALiBi)
+        + attn_mask[b, h, i, j]                                (additive mask)
+
+Query i sees key j iff it lies in the sliding window, i + Nk - Nq - left <= j <= i + Nk - Nq + right
+(bottom-right aligned; -1 leaves a side unbounded; ``causal`` is right = 0), a boolean attn_mask
+allows it (True = may attend) and an additive attn_mask entry is not -inf. A sink is one virtual key
+per head with logit sinks[h] and no value: it joins the softmax denominator, so
+lse = log(exp(sinks[h]) + sum_j exp(s_j)) and dsinks[h] = -sum_{b,i} exp(sinks[h] - lse) * D with
+D = rowsum(dout * out). A row that sees no key gives out 0, zero gradients and lse -inf, or lse
+sinks[h] with a sink.
+
+Inputs of any real dtype (float16, ml_dtypes.bfloat16, float32, float64) are converted exactly to
+float64 and computed in float64, whatever the dtype the library ran in. Arrays are in the (B, H, N, D)
+order; pass a (B, N, H, D) array as ``x.transpose(0, 2, 1, 3)``; attn_mask is broadcastable to
+(B, H, Nq, Nk) in every layout. Materializes the (B, H, Nq, Nk) attention matrix: for checking, not
+for speed.
 """
 
 from __future__ import annotations
@@ -12,14 +32,45 @@ import math
 
 import numpy as np
 
+#: The window_size that bounds neither side (FlashAttention's default).
+NO_WINDOW = (-1, -1)
 
-def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
-    """Boolean (seqlen_q, seqlen_k) mask of the keys each query sees (bottom-right causal)."""
-    if not causal:
-        return np.ones((seqlen_q, seqlen_k), dtype=bool)
-    rows = np.arange(seqlen_q)[:, None]
-    cols = np.arange(seqlen_k)[None, :]
-    return cols <= rows + (seqlen_k - seqlen_q)
+
+def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool, window_size=NO_WINDOW) -> np.ndarray:
+    """Boolean (seqlen_q, seqlen_k) mask of the keys each query sees through the bottom-right
+    aligned causal mask and sliding window: j - (i + seqlen_k - seqlen_q) lies in [-left, right],
+    right = 0 when causal, -1 leaving a side unbounded."""
+    left, right = window_size
+    if causal:
+        right = 0
+    offset = np.arange(seqlen_k)[None, :] - (np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q)
+    visible = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        visible &= offset >= -left
+    if right >= 0:
+        visible &= offset <= right
+    return visible
+
+
+def key_mask(seqlen_q: int, seqlen_k: int, causal: bool, window_size=NO_WINDOW, attn_mask=None) -> np.ndarray:
+    """The keys each row may weigh: ``visible_keys`` and, with an attn_mask, its True entries
+    (boolean) or its entries other than -inf (additive). Shape (Nq, Nk), or (B|1, H|1, Nq, Nk) with a
+    mask, broadcastable to (B, H, Nq, Nk)."""
+    visible = visible_keys(seqlen_q, seqlen_k, causal, window_size)
+    if attn_mask is None:
+        return visible
+    mask = np.asarray(attn_mask)
+    allowed = mask if mask.dtype == bool else ~np.isneginf(mask.astype(np.float64))
+    return visible & allowed.reshape((1,) * (4 - allowed.ndim) + allowed.shape)
+
+
+def alibi_bias(alibi_slopes, seqlen_q: int, seqlen_k: int) -> np.ndarray:
+    """ALiBi's -slope * |i + seqlen_k - seqlen_q - j| in float64, (1|B, H, Nq, Nk), for slopes of
+    shape (H,) or (B, H) (FlashAttention's definition)."""
+    slopes = np.asarray(alibi_slopes, dtype=np.float64)
+    slopes = slopes.reshape((1,) * (2 - slopes.ndim) + slopes.shape)
+    distance = np.abs(np.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q - np.arange(seqlen_k)[None, :])
+    return -slopes[:, :, None, None] * distance
 
 
 def expand_kv(x: np.ndarray, num_heads: int) -> np.ndarray:
@@ -42,15 +93,17 @@ def default_scale(head_dim: int, softmax_scale) -> float:
 
 
 def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"expected q (B, H, Nq, D) and k, v (B, H_kv, Nk, D), got {q.shape}, {k.shape}, {v.shape}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(
+            f"expected q (B, H, Nq, D), k (B, H_kv, Nk, D) and v (B, H_kv, Nk, Dv), got {q.shape}, {k.shape}, {v.shape}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head_dim")
 
 
 def masked_matmul(a: np.ndarray, mask: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """sum over k with mask[m, k] of a[..., m, k] * b[..., k, n], for a (..., M, K), mask (M, K) bool
-    and b (..., K, N).
+    """sum over k with mask[..., m, k] of a[..., m, k] * b[..., k, n], for a (..., M, K), a boolean
+    mask broadcastable to a, and b (..., K, N).
 
     A plain ``a @ b`` with a zeroed at masked entries would still turn a NaN or infinity of b at a
     masked k into NaN (0 * inf); the library never reads masked keys, so neither may the reference.
@@ -61,84 +114,171 @@ def masked_matmul(a: np.ndarray, mask: np.ndarray, b: np.ndarray) -> np.ndarray:
     result = a @ np.where(finite, b, 0.0)
     if finite.all():
         return result
+    mask = np.broadcast_to(mask, a.shape)
     hits = (mask.astype(np.float64) @ (~finite).astype(np.float64)).any(axis=-1)
     for index in zip(*np.nonzero(hits)):
-        keep = mask[index[-1]]
+        keep = mask[index]
         with np.errstate(invalid="ignore"):
             result[index] = a[index][keep] @ b[index[:-1]][keep]
     return result
 
 
-def _probabilities(q64, k64, causal: bool, scale: float):
-    """Softmax probabilities P (B, H, Nq, Nk) and lse (B, H, Nq), float64.
+def modify_scores(scaled, *, causal: bool = False, window_size=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None,
+                  attn_mask=None):
+    """(scores, tanh, keys) from the scaled products softmax_scale * q.k (B, H, Nq, Nk), computed in
+    their dtype (float64 here; the accuracy baseline passes float32): the scores in the module's
+    order, -inf where hidden; the softcap's tanh(scaled / softcap) (None without softcap); the
+    ``key_mask``."""
+    seqlen_q, seqlen_k = scaled.shape[2], scaled.shape[3]
+    dtype = scaled.dtype.type
+    scores, tanh = scaled, None
+    if softcap > 0:
+        tanh = np.tanh(scaled / dtype(softcap))
+        scores = dtype(softcap) * tanh
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, seqlen_q, seqlen_k).astype(dtype)
+    keys = key_mask(seqlen_q, seqlen_k, causal, window_size, attn_mask)
+    if attn_mask is not None and np.asarray(attn_mask).dtype != bool:
+        with np.errstate(invalid="ignore"):
+            scores = scores + np.asarray(attn_mask).astype(dtype)
+    return np.where(keys, scores, dtype(-np.inf)), tanh, keys
 
-    Whether a row sees any key comes from the mask alone: such rows get P 0 and lse -inf, while
-    a NaN or infinity in the inputs of a row that does see keys propagates (P and lse NaN) instead
-    of being mistaken for an empty row.
+
+def softmax(scores, keys, sinks=None):
+    """Probabilities P (B, H, Nq, Nk) and lse (B, H, Nq) in the dtype of ``scores``, with each
+    head's sink (a logit of no value) in the denominator.
+
+    Whether a row sees any key comes from ``keys`` alone: such rows get P 0 and lse -inf (the sink's
+    logit with a sink), while a NaN or infinity in the inputs of a row that does see keys
+    propagates (P and lse NaN) instead of being mistaken for an empty row.
     """
-    scores = scale * (q64 @ np.swapaxes(expand_kv(k64, q64.shape[1]), -1, -2))
-    visible = visible_keys(q64.shape[2], k64.shape[2], causal)
-    has_keys = visible.any(axis=-1, keepdims=True)
-    scores = np.where(visible, scores, -np.inf)
-    with np.errstate(invalid="ignore"):
-        row_max = np.where(has_keys, scores.max(axis=-1, keepdims=True), 0.0)
-        weights = np.exp(scores - row_max)
+    dtype = scores.dtype.type
+    has_keys = np.broadcast_to(keys, scores.shape).any(axis=-1, keepdims=True)
+    sink = None if sinks is None else np.asarray(sinks).astype(dtype)[None, :, None, None]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        row_max = np.where(has_keys, scores.max(axis=-1, keepdims=True), dtype(-np.inf))
+        if sink is not None:
+            row_max = np.maximum(row_max, sink)
+        shift = np.where(np.isneginf(row_max), dtype(0), row_max)
+        weights = np.exp(scores - shift)
         total = weights.sum(axis=-1, keepdims=True)
-        lse = np.where(has_keys, row_max + np.log(np.where(has_keys, total, 1.0)), -np.inf)
-        return weights / np.where(has_keys, total, 1.0), lse[..., 0]
+        if sink is not None:
+            total = total + np.exp(sink - shift)
+        nonempty = has_keys if sink is None else np.ones_like(has_keys)
+        total = np.where(nonempty, total, dtype(1))
+        lse = np.where(nonempty, shift + np.log(total), dtype(-np.inf))
+        return weights / total, lse[..., 0]
 
 
-def forward(q, k, v, *, causal: bool = False, softmax_scale=None):
+def forward(q, k, v, *, causal: bool = False, softmax_scale=None, attn_mask=None, window_size=NO_WINDOW,
+            softcap: float = 0.0, alibi_slopes=None, sinks=None):
     """Attention forward in float64.
 
     Args:
-        q: (B, H, Nq, D); k, v: (B, H_kv, Nk, D); any real dtype, computed in float64.
-        causal: bottom-right aligned mask.
+        q: (B, H, Nq, D); k: (B, H_kv, Nk, D); v: (B, H_kv, Nk, Dv); any real dtype, computed in
+            float64.
+        causal: bottom-right aligned mask (window right = 0).
         softmax_scale: None means 1/sqrt(D).
+        attn_mask: None, boolean (True = may attend) or additive (any real dtype; -inf hides a key),
+            broadcastable to (B, H, Nq, Nk).
+        window_size: (left, right), -1 = unbounded.
+        softcap: > 0 caps the scaled scores at softcap * tanh(x / softcap); 0 is off.
+        alibi_slopes: None, (H,) or (B, H).
+        sinks: None or (H,) logits.
 
     Returns:
-        (out, lse): float64 (B, H, Nq, D) and (B, H, Nq); lse is the natural log of the softmax
-        denominator, -inf for rows that the mask leaves without keys (whose out is 0); NaN or
-        infinite inputs seen by a row make its out and lse NaN.
+        (out, lse): float64 (B, H, Nq, Dv) and (B, H, Nq); lse is the natural log of the softmax
+        denominator (sinks included); rows left without keys get out 0 and lse -inf (sinks[h] with
+        sinks); NaN or infinite inputs seen by a row make its out and lse NaN.
     """
     _check_shapes(q, k, v)
     scale = default_scale(q.shape[3], softmax_scale)
     q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
-    probabilities, lse = _probabilities(q64, k64, causal, scale)
-    visible = visible_keys(q.shape[2], k.shape[2], causal)
-    return masked_matmul(probabilities, visible, expand_kv(v64, q.shape[1])), lse
+    options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                   attn_mask=attn_mask)
+    scores, _, keys = modify_scores(scale * (q64 @ np.swapaxes(expand_kv(k64, q.shape[1]), -1, -2)), **options)
+    probabilities, lse = softmax(scores, keys, sinks)
+    return masked_matmul(probabilities, keys, expand_kv(v64, q.shape[1])), lse
 
 
-def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None):
-    """Attention backward in float64 (gradients of sum(dout * out) with respect to q, k, v).
+def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None, attn_mask=None, window_size=NO_WINDOW,
+             softcap: float = 0.0, alibi_slopes=None, sinks=None):
+    """Attention backward in float64 (gradients of sum(dout * out) with respect to q, k, v and the
+    sinks).
 
     Recomputes out in float64 from q, k, v (the exact value the library's out approximates) and
-    uses D = rowsum(dout * out), as FlashAttention-2 Algorithm 2.
+    uses D = rowsum(dout * out), as FlashAttention-2 Algorithm 2; dS goes through the softcap as
+    dS * (1 - tanh^2). No gradient flows to attn_mask or alibi_slopes.
 
     Args:
-        dout: like q; q, k, v, causal, softmax_scale: as for ``forward``.
+        dout: like out, (B, H, Nq, Dv); the rest as for ``forward``.
 
     Returns:
-        (dq, dk, dv), float64, shaped like q, k, v; dk and dv sum over each GQA group; rows the
-        mask leaves without keys contribute zero (even when the inputs hold NaN); NaN or infinite
-        inputs seen by a row propagate as NaN.
+        (dq, dk, dv), float64, shaped like q, k, v, and dsinks (H,) after them when sinks are given;
+        dk and dv sum over each GQA group; rows the mask leaves without keys contribute zero (even
+        when the inputs hold NaN); NaN or infinite inputs seen by a row propagate as NaN.
     """
     _check_shapes(q, k, v)
-    if np.shape(dout) != q.shape:
-        raise ValueError(f"dout shape {np.shape(dout)} must equal q shape {q.shape}")
+    if np.shape(dout) != q.shape[:3] + v.shape[3:]:
+        raise ValueError(f"dout shape {np.shape(dout)} must be (B, H, Nq, Dv) = {q.shape[:3] + v.shape[3:]}")
     scale = default_scale(q.shape[3], softmax_scale)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     dout64, q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (dout, q, k, v))
     k_full, v_full = expand_kv(k64, num_heads), expand_kv(v64, num_heads)
-    probabilities, _ = _probabilities(q64, k64, causal, scale)
-    visible = visible_keys(q.shape[2], k.shape[2], causal)
-    out = masked_matmul(probabilities, visible, v_full)
+    options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                   attn_mask=attn_mask)
+    scores, tanh, keys = modify_scores(scale * (q64 @ np.swapaxes(k_full, -1, -2)), **options)
+    probabilities, lse = softmax(scores, keys, sinks)
+    out = masked_matmul(probabilities, keys, v_full)
     dprobabilities = dout64 @ np.swapaxes(v_full, -1, -2)
-    # Masked entries are exactly zero even where dP holds a NaN from a key the row never sees.
+    # Hidden entries are exactly zero even where dP (or tanh) holds a NaN from a key the row never sees.
     with np.errstate(invalid="ignore"):
         delta = np.sum(dout64 * out, axis=-1, keepdims=True)
-        dscores = np.where(visible, probabilities * (dprobabilities - delta), 0.0)
-    dq = scale * masked_matmul(dscores, visible, k_full)
-    dk = scale * masked_matmul(np.swapaxes(dscores, -1, -2), visible.T, q64)
-    dv = masked_matmul(np.swapaxes(probabilities, -1, -2), visible.T, dout64)
-    return dq, reduce_kv(dk, num_kv_heads), reduce_kv(dv, num_kv_heads)
+        dscores = probabilities * (dprobabilities - delta)
+        if tanh is not None:
+            dscores = dscores * (1.0 - tanh * tanh)
+        dscores = np.where(keys, dscores, 0.0)
+    keys_t = np.swapaxes(keys, -1, -2)
+    dq = scale * masked_matmul(dscores, keys, k_full)
+    dk = scale * masked_matmul(np.swapaxes(dscores, -1, -2), keys_t, q64)
+    dv = masked_matmul(np.swapaxes(probabilities, -1, -2), keys_t, dout64)
+    grads = (dq, reduce_kv(dk, num_kv_heads), reduce_kv(dv, num_kv_heads))
+    if sinks is None:
+        return grads
+    return (*grads, -sink_terms(dout64, out, lse, sinks).sum(axis=(0, 2)))
+
+
+def sink_terms(dout, out, lse, sinks) -> np.ndarray:
+    """The rows' parts of dsinks, exp(sinks[h] - lse) * D with D = rowsum(dout * out), (B, H, Nq) in
+    the dtype of ``out`` (dsinks[h] = -their sum over b and i): a sink's dS = P (dP - D) with dP = 0,
+    as it has no value."""
+    dtype = out.dtype.type
+    sink = np.asarray(sinks).astype(dtype)[None, :, None]
+    with np.errstate(invalid="ignore"):
+        delta = np.sum(dout.astype(dtype) * out, axis=-1)
+    return np.exp(sink - lse.astype(dtype)) * delta
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """The merge of two attention results over disjoint key sets, in float64 (what
+    ``flash_attention_metal.merge_attention`` computes).
+
+    Args:
+        out_a, out_b: (..., D); lse_a, lse_b: (...); any real dtype, computed in float64.
+
+    Returns:
+        (out, lse): float64; per row lse = log(exp(lse_a) + exp(lse_b)) and
+        out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b. A part with lse -inf contributes
+        nothing (its out is not read, even if NaN); rows with both -inf get out 0 and lse -inf; a
+        NaN lse propagates.
+    """
+    lse_a, lse_b = np.asarray(lse_a, dtype=np.float64), np.asarray(lse_b, dtype=np.float64)
+    out_a, out_b = np.asarray(out_a, dtype=np.float64), np.asarray(out_b, dtype=np.float64)
+    empty_a, empty_b = np.isneginf(lse_a), np.isneginf(lse_b)
+    with np.errstate(invalid="ignore", over="ignore"):
+        lse = np.where(empty_a, lse_b, np.where(empty_b, lse_a, np.logaddexp(lse_a, lse_b)))
+        weight_a = np.where(empty_a, 0.0, np.exp(np.where(empty_a, 0.0, lse_a) - lse))
+        weight_b = np.where(empty_b, 0.0, np.exp(np.where(empty_b, 0.0, lse_b) - lse))
+        out = (np.where(weight_a[..., None] != 0, weight_a[..., None] * out_a, 0.0)
+               + np.where(weight_b[..., None] != 0, weight_b[..., None] * out_b, 0.0))
+    return out, lse

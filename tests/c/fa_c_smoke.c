@@ -1,8 +1,8 @@
 /* Reuse from a non-Swift app: this program is compiled against flash_attention_metal.h and linked to
  * the built libFlashAttentionMetal. It runs forward and backward on the CPU backend (a small causal
  * GQA problem), checks the outputs are finite and that a query seeing one key copies that key's
- * value row, reads and prints the profile of each pass, and checks one error path (its status and
- * message). Exit status 0 on success. */
+ * value row, reads and prints the profile of each pass, merges a result with an empty part, and
+ * checks one error path (its status and message). Exit status 0 on success. */
 #include "flash_attention_metal.h"
 
 #include <math.h>
@@ -107,7 +107,8 @@ int main(void) {
     printf("libFlashAttentionMetal %s, backend %s, device %s\n", fa_version(), fa_context_backend_name(ctx),
            fa_context_device_name(ctx));
 
-    fa_problem problem = {sizeof(fa_problem), B, H, HKV, NQ, NK, D, 1, 0.25f};
+    fa_problem problem = {.struct_size = sizeof(fa_problem), .batch = B, .num_heads = H, .num_kv_heads = HKV,
+                          .seqlen_q = NQ, .seqlen_k = NK, .head_dim = D, .causal = 1, .softmax_scale = 0.25f};
     status = fa_forward(ctx, &problem, q, k, v, out, lse);
     check(status == FA_STATUS_SUCCESS, fa_last_error_message());
     check_finite(out, sizeof out / 2, "out");
@@ -118,7 +119,8 @@ int main(void) {
     check_profile(ctx, 1, "flash_attention_forward_");
 
     /* Causal with seqlen_q 1 sees every key; with one key, out equals that value row. */
-    fa_problem one = {sizeof(fa_problem), 1, 1, 1, 1, 1, D, 1, 0.25f};
+    fa_problem one = {.struct_size = sizeof(fa_problem), .batch = 1, .num_heads = 1, .num_kv_heads = 1,
+                      .seqlen_q = 1, .seqlen_k = 1, .head_dim = D, .causal = 1, .softmax_scale = 0.25f};
     static uint16_t out1[D];
     float lse1;
     check(fa_forward(ctx, &one, q, k, v, out1, &lse1) == FA_STATUS_SUCCESS, "single key forward");
@@ -131,6 +133,15 @@ int main(void) {
     check_finite(dv, sizeof dv / 2, "dv");
     printf("backward profile:\n");
     check_profile(ctx, 2, "flash_attention_backward_"); /* dQ and dK/dV kernels, at least */
+
+    /* Merging out with a part that saw no key (lse -inf) gives out and lse back unchanged. */
+    static uint16_t merged[B * H * NQ * D];
+    static float empty_lse[B * H * NQ], merged_lse[B * H * NQ];
+    for (size_t i = 0; i < sizeof empty_lse / 4; i++) empty_lse[i] = -INFINITY;
+    status = fa_merge_attention(ctx, B * H * NQ, D, out, lse, dq, empty_lse, merged, merged_lse);
+    check(status == FA_STATUS_SUCCESS, fa_last_error_message());
+    check(memcmp(merged, out, sizeof out) == 0 && memcmp(merged_lse, lse, sizeof lse) == 0,
+          "merge with an empty part returns the other part");
 
     fa_problem bad = problem;
     bad.num_heads = 3;

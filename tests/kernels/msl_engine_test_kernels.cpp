@@ -3,6 +3,7 @@
 #include "msl_kernel_registry.hpp"
 
 #include "barrier.metal"
+#include "bfloat.metal"
 #include "counters.metal"
 #include "limits.metal"
 #include "matrix.metal"
@@ -82,6 +83,20 @@ void run_matrix_layout(const kernel_args &a, const builtins &t) {
 void run_matrix_partial_group(const kernel_args &a, const builtins &) {
     matrix_partial_group(a.buffer<const float>(0), a.buffer<float>(1));
 }
+void run_bfloat_round(const kernel_args &a, const builtins &t) {
+    bfloat_round(a.buffer<const float>(0), a.buffer<bfloat>(1), a.buffer<float>(2),
+                 t.thread_position_in_grid.x);
+}
+void run_bfloat_widen_all(const kernel_args &a, const builtins &t) {
+    bfloat_widen_all(a.buffer<float>(0), t.thread_position_in_grid.x);
+}
+void run_bfloat_arithmetic(const kernel_args &a, const builtins &) {
+    bfloat_arithmetic(a.buffer<float>(0));
+}
+void run_matrix_multiply_bfloat(const kernel_args &a, const builtins &) {
+    matrix_multiply_bfloat(a.buffer<const bfloat>(0), a.buffer<const bfloat>(1),
+                           a.buffer<const float>(2), a.buffer<float>(3));
+}
 void run_oversized_threadgroup_memory(const kernel_args &a, const builtins &t) {
     oversized_threadgroup_memory(a.buffer<float>(0), t.thread_index_in_threadgroup);
 }
@@ -121,6 +136,10 @@ const msl_engine::kernel_entry kTestKernels[] = {
     TEST_KERNEL(matrix_multiply_half, 4, 0, "matrix.metal", 23),
     TEST_KERNEL(matrix_layout, 2, 0, "matrix.metal", 38),
     TEST_KERNEL(matrix_partial_group, 2, 0, "matrix.metal", 53),
+    TEST_KERNEL(bfloat_round, 3, 0, "bfloat.metal", 6),
+    TEST_KERNEL(bfloat_widen_all, 1, 0, "bfloat.metal", 15),
+    TEST_KERNEL(bfloat_arithmetic, 1, 0, "bfloat.metal", 24),
+    TEST_KERNEL(matrix_multiply_bfloat, 4, 0, "bfloat.metal", 57),
     TEST_KERNEL(oversized_threadgroup_memory, 1, sizeof(oversized_threadgroup), "limits.metal", 10),
     TEST_KERNEL(float_reduction, 2, sizeof(partial_sums_threadgroup), "limits.metal", 23),
     TEST_KERNEL(planted_out_of_bounds_read, 3, 0, "planted_out_of_bounds.metal", 6),

@@ -19,16 +19,81 @@ def ctx() -> fam.Context:
     return fam.default_context()
 
 
-def make_inputs(seed: int, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int):
-    """float16 N(0, 1) q, k, v, dout of the given attention shape."""
+class _Spy:
+    """Stands in for the loaded library and records any compute call."""
+
+    def __init__(self, real):
+        self._real = real
+        self.calls = []
+
+    def __getattr__(self, name):
+        attribute = getattr(self._real, name)
+        if name in ("fa_forward", "fa_backward"):
+            def record(*args):
+                self.calls.append(name)
+                return attribute(*args)
+            return record
+        return attribute
+
+
+@pytest.fixture()
+def guarded(monkeypatch):
+    """A Context whose native compute calls are recorded; the test fails if any happens."""
+    context = fam.Context(fam.default_backend())
+    spy = _Spy(context._native.lib)
+    native = type(context._native)(context._native.ffi, spy, context._native.path, context._native.header_path)
+    monkeypatch.setattr(context, "_native", native)
+    yield context
+    assert spy.calls == [], "a native call ran despite invalid arguments"
+
+
+def make_inputs(seed: int, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+                *, head_dim_v: int | None = None, dtype=np.float16, layout: str = "bhsd"):
+    """N(0, 1) q, k, v, dout of the given attention shape in ``dtype`` and ``layout``; v and dout
+    have head_dim_v (default head_dim) last. The same seed gives the same values in both layouts."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((batch, heads, seqlen_q, head_dim)).astype(np.float16)
-    k = rng.standard_normal((batch, kv_heads, seqlen_k, head_dim)).astype(np.float16)
-    v = rng.standard_normal((batch, kv_heads, seqlen_k, head_dim)).astype(np.float16)
-    dout = rng.standard_normal(q.shape).astype(np.float16)
-    return q, k, v, dout
+    shapes = [(batch, heads, seqlen_q, head_dim), (batch, kv_heads, seqlen_k, head_dim),
+              (batch, kv_heads, seqlen_k, head_dim_v), (batch, heads, seqlen_q, head_dim_v)]
+    arrays = [rng.standard_normal(shape).astype(dtype) for shape in shapes]
+    if layout == "bshd":
+        arrays = [np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in arrays]
+    return tuple(arrays)
+
+
+def to_bhsd(array: np.ndarray, layout: str) -> np.ndarray:
+    """The (B, H, N, D) view of an array in ``layout``, as the reference takes it."""
+    return array if layout == "bhsd" else array.transpose(0, 2, 1, 3)
 
 
 def assert_within_rule(metrics: list[accuracy.Metric], label: str) -> None:
     """Fails with every metric's numbers when any is outside the accuracy rule."""
     assert all(m.passed for m in metrics), f"{label}\n{accuracy.describe(metrics)}"
+
+
+def causal_parts(ctx, q, k, v, split: int, causal: bool):
+    """(out, lse) of attention over keys [0, split) and over keys [split, seqlen_k), each with the
+    restriction of the full mask, computed by the library.
+
+    Non-causal: both parts are plain forwards. Causal (bottom-right, query i sees key j iff
+    j <= i + Nk - Nq): the second part is causal over its Nk - split keys (the same offset). In the
+    first part row i sees key j < split iff j <= i + Nk - Nq, i.e. the rows i < Nq - Nk + split
+    see a bottom-right causal staircase over the split keys with Nq - Nk + split queries, and the
+    later rows see every key of the part.
+    """
+    k_a, v_a, k_b, v_b = k[:, :, :split], v[:, :, :split], k[:, :, split:], v[:, :, split:]
+    part_b = ctx.forward(q, k_b, v_b, causal=causal)
+    if not causal:
+        return ctx.forward(q, k_a, v_a), part_b
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    staircase = min(max(seqlen_q - seqlen_k + split, 0), seqlen_q)
+    outs, lses = [], []
+    if staircase > 0:
+        out, lse = ctx.forward(q[:, :, :staircase], k_a, v_a, causal=True)
+        outs.append(out)
+        lses.append(lse)
+    if staircase < seqlen_q:
+        out, lse = ctx.forward(q[:, :, staircase:], k_a, v_a)
+        outs.append(out)
+        lses.append(lse)
+    return (np.concatenate(outs, axis=2), np.concatenate(lses, axis=2)), part_b

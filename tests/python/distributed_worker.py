@@ -26,17 +26,22 @@ from flash_attention_metal import distributed as dist
 
 from conftest import make_inputs
 
-# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, softmax_scale): causal and not, GQA
-# and MQA, seqlens not divisible by 2P for P = 2 and 4, bottom-right causal with seqlen_q < seqlen_k
-# and seqlen_q > seqlen_k (rows that see no key), head_dim 16 to 128, an explicit scale.
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal, softmax_scale, dtype, head_dim_v):
+# causal and not, GQA and MQA, seqlens not divisible by 2P for P = 2 and 4, bottom-right causal with
+# seqlen_q < seqlen_k and seqlen_q > seqlen_k (rows that see no key), head_dim 16 to 128, an explicit
+# scale, every dtype of the library, head_dim_v != head_dim.
 CASES = [
-    (1, 2, 2, 64, 64, 32, False, None),
-    (1, 2, 2, 64, 64, 32, True, None),
-    (2, 4, 2, 37, 37, 16, True, None),
-    (1, 3, 1, 23, 23, 64, False, None),
-    (1, 2, 2, 30, 50, 24, True, None),
-    (1, 2, 2, 50, 30, 40, True, None),
-    (1, 2, 1, 45, 45, 128, True, 0.3),
+    (1, 2, 2, 64, 64, 32, False, None, "float16", 32),
+    (1, 2, 2, 64, 64, 32, True, None, "float16", 32),
+    (2, 4, 2, 37, 37, 16, True, None, "float16", 16),
+    (1, 3, 1, 23, 23, 64, False, None, "float16", 64),
+    (1, 2, 2, 30, 50, 24, True, None, "float16", 24),
+    (1, 2, 2, 50, 30, 40, True, None, "float16", 40),
+    (1, 2, 1, 45, 45, 128, True, 0.3, "float16", 128),
+    (1, 4, 2, 37, 37, 32, True, None, "bfloat16", 32),
+    (1, 2, 1, 30, 30, 16, False, None, "bfloat16", 16),
+    (1, 2, 2, 37, 37, 32, True, None, "float32", 32),
+    (1, 2, 2, 29, 29, 48, True, None, "float16", 32),
 ]
 
 TIMEOUT_S = 60.0
@@ -53,8 +58,8 @@ def emit(**fields) -> None:
 
 
 def run_case(comm, case) -> None:
-    *shape, causal, scale = case
-    q, k, v, dout = make_inputs(sum(shape), *shape)
+    *shape, causal, scale, dtype, head_dim_v = case
+    q, k, v, dout = make_inputs(sum(shape), *shape, head_dim_v=head_dim_v, dtype=np.dtype(dtype))
     shard = lambda x: dist.shard_sequence(x, comm=comm, causal=causal)  # noqa: E731
     q_local, k_local, v_local, dout_local = map(shard, (q, k, v, dout))
     forward_profile, backward_profile = [], []
@@ -73,20 +78,20 @@ def run_case(comm, case) -> None:
     emit(kind="accuracy", case=list(case), world_size=comm.Get_size(), passed=all(m.passed for m in metrics),
          detail=accuracy.describe(metrics),
          dtypes=[str(x.dtype) for x in gathered], shapes=[list(x.shape) for x in gathered],
-         bytes_sent=all_sent, expected_bytes=expected_bytes(comm.Get_size(), k.shape, causal))
+         bytes_sent=all_sent, expected_bytes=expected_bytes(comm.Get_size(), k, head_dim_v, causal))
 
 
-def expected_bytes(size: int, k_shape, causal: bool):
-    """Per rank: bytes sent per forward step and per backward step (float16 K and V, float32 dK and
-    dV of the K/V shard held at that step)."""
-    batch, kv_heads, seqlen_k, head_dim = k_shape
+def expected_bytes(size: int, k, head_dim_v: int, causal: bool):
+    """Per rank: bytes sent per forward step and per backward step (K and V in k's dtype, float32 dK
+    and dV, of the K/V shard held at that step)."""
+    batch, kv_heads, seqlen_k, head_dim = k.shape
     layout = dist.SequenceLayout(seqlen_k, size, causal)
-    shard = lambda owner: 2 * batch * kv_heads * layout.shard_length(owner) * head_dim  # noqa: E731
+    shard = lambda owner: batch * kv_heads * layout.shard_length(owner) * (head_dim + head_dim_v)  # noqa: E731
     result = []
     for rank in range(size):
         owners = [(rank - step) % size for step in range(size)]
-        forward = [2 * shard(o) if step < size - 1 else 0 for step, o in enumerate(owners)]
-        backward = [(2 * shard(o) if step < size - 1 else 0) + (4 * shard(o) if size > 1 else 0)
+        forward = [k.itemsize * shard(o) if step < size - 1 else 0 for step, o in enumerate(owners)]
+        backward = [(k.itemsize * shard(o) if step < size - 1 else 0) + (4 * shard(o) if size > 1 else 0)
                     for step, o in enumerate(owners)]
         result.append([forward, backward])
     return result
@@ -105,9 +110,12 @@ def errors(comm) -> None:
     rank = comm.Get_rank()
     q, k, v, _ = make_inputs(5, 1, 2, 2, 24, 24, 16)
     q_local, k_local, v_local = (dist.shard_sequence(x, comm=comm, causal=True) for x in (q, k, v))
-    wrong_dtype = q_local.astype(np.float32) if rank == 1 else q_local
+    wrong_dtype = q_local.astype(np.float64) if rank == 1 else q_local
     report_error("dtype on rank 1", lambda: dist.ring_attention(wrong_dtype, k_local, v_local, comm=comm,
                                                                  causal=True, timeout=TIMEOUT_S))
+    other = np.dtype("bfloat16") if rank == 1 else np.float16
+    report_error("dtype per rank", lambda: dist.ring_attention(*(x.astype(other) for x in (q_local, k_local, v_local)),
+                                                               comm=comm, causal=True, timeout=TIMEOUT_S))
     report_error("scale per rank", lambda: dist.ring_attention(q_local, k_local, v_local, comm=comm, causal=True,
                                                                softmax_scale=0.1 * (rank + 1), timeout=TIMEOUT_S))
     short = q_local[:, :, 3:] if rank == 0 else q_local

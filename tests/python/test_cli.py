@@ -281,3 +281,31 @@ def test_backend_option_is_normalized_like_the_context():
     from flash_attention_metal.cli import build_parser
 
     assert build_parser().parse_args(["info", "--backend", " CPU "]).backend == "cpu"
+
+
+def test_bench_decode_times_decode_shapes_and_reports_the_dispatches(capsys):
+    # 600 keys: at least two chunks of FA_SPLIT_MIN_CHUNK_KEYS (256), so the split-KV path runs.
+    assert main(["bench", "--decode", "--backend", "cpu", "--seqlens", "40", "600", "--query-rows", "1", "3",
+                 "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "decode, B=1 H=4 H_kv=2 D=32, causal" in out
+    rows = {(r[0], r[1]): r for r in (line.split() for line in out.splitlines()) if r[:1] in (["1"], ["3"])}
+    assert sorted(rows) == [("1", "40"), ("1", "600"), ("3", "40"), ("3", "600")]
+    for (_, keys), r in rows.items():
+        assert float(r[2]) > 0 and float(r[3]) == pytest.approx(2 * 2 * int(keys) * 32 * 2 / 1e6, abs=0.01)
+        assert int(r[5]) >= 1
+    assert rows[("1", "40")][6:] == ["flash_attention_forward_f16_d32"]
+    assert rows[("1", "600")][6:] == ["flash_attention_forward_split_f16_d32", "+", "flash_attention_forward_combine_f16"]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--decode", "--heads", "6", "--kv-heads", "4"], "argument --kv-heads: must divide --heads (6), got 4"),
+    (["--decode", "--plot", "x.png"], "argument --plot: not allowed with --decode"),
+    (["--kv-heads", "2"], "argument --kv-heads: needs --decode"),
+    (["--query-rows", "2"], "argument --query-rows: needs --decode"),
+])
+def test_bench_decode_checks_its_options(capsys, options, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--backend", "cpu", *options])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -177,7 +177,8 @@ def test_ring_equals_attention_on_the_gathered_sequence(accuracy_runs, ranks, in
     result = accuracy_runs[ranks][index]
     label = f"P={ranks} case {result['case']}"
     assert result["case"] == list(CASES[index]), label
-    assert result["dtypes"] == ["float16", "float32", "float16", "float16", "float16"], label
+    dtype = CASES[index][8]
+    assert result["dtypes"] == [dtype, "float32", dtype, dtype, dtype], label
     assert result["bytes_sent"] == result["expected_bytes"], label
     assert result["passed"], f"{label}\n{result['detail']}"
 
@@ -191,10 +192,11 @@ def test_argument_errors_are_raised_on_every_rank(ranks, tmp_path):
         by_label.setdefault(line["label"], {})[line["rank"]] = line
     assert all(len(per_rank) == ranks for per_rank in by_label.values()), job.stdout
     dtype = by_label["dtype on rank 1"]
-    assert dtype[1]["error"] == "TypeError" and "must have dtype float16" in dtype[1]["message"]
+    assert dtype[1]["error"] == "TypeError" and "got float64" in dtype[1]["message"]
     for rank in set(range(ranks)) - {1}:
         assert dtype[rank]["error"] == "ValueError" and "rank(s) [1]" in dtype[rank]["message"]
     for label, pattern in (("scale per rank", "softmax_scale must be the same on every rank"),
+                           ("dtype per rank", "must have the same dtype on every rank"),
                            ("layout", "layout of a"), ("unshard shapes", "same dtype and dimensions"),
                            ("shard too short", "at least")):
         for line in by_label[label].values():

@@ -83,3 +83,32 @@ def test_embeddings_example_passes_on_the_library(capsys):
             and len(line.split()) >= 4]
     assert len(rows) == len(minilm_embeddings.SAMPLE_TEXTS), printed
     assert min(float(row.split()[-3]) for row in rows) >= 0.9999
+
+
+def test_padded_batch_with_a_padding_mask_embeds_like_each_text_alone(model):
+    # Texts of 8 to 40 tokens padded to the longest, as a batched BERT runs them: the library's
+    # attention with the (batch, 1, 1, tokens) padding mask gives every text the embedding it gets
+    # alone; without the mask the padding leaks into the shorter texts.
+    import flash_attention_metal as fa
+    from minilm_texts import SAMPLE_TEXTS
+
+    try:
+        context = fa.default_context()
+    except fa.FlashAttentionError as error:
+        if error.status_name == "LIBRARY_NOT_FOUND":
+            pytest.skip(f"libFlashAttentionMetal is not built: {error.message}")
+        raise
+
+    def attend(q, k, v, mask=None):
+        q16, k16, v16 = (a.astype(np.float16) for a in (q, k, v))
+        return context.attention(q16, k16, v16, attn_mask=mask).astype(np.float32)
+
+    sequences = [model.tokenize(text, max_tokens=40) for text in SAMPLE_TEXTS[:4]]
+    assert sorted({ids.size for ids in sequences}) == [8, 17, 40]
+    batched = model.embed_padded(sequences, attend)
+    alone = np.stack([model.embed(ids, attend) for ids in sequences])
+    np.testing.assert_allclose(batched, alone, rtol=0, atol=1e-4)
+    assert np.min(np.sum(batched.astype(np.float64) * alone, axis=1)) >= 0.99999
+    unmasked = model.embed_padded(sequences, lambda q, k, v, mask: attend(q, k, v))
+    cosines = np.sum(unmasked.astype(np.float64) * alone, axis=1)
+    assert cosines[2] >= 0.99999 and cosines[0] < 0.9  # the longest text has no padding

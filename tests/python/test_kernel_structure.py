@@ -54,3 +54,30 @@ def test_decode_grid_packs_the_gqa_group_and_splits_the_keys(cpu):
     chunks, kv_heads, batch = split.threadgroups
     assert (kv_heads, batch) == (2, 1) and chunks == 16  # 4096 keys / 256, capped at 320 / 2
     assert combine.threadgroups == (1, 8, 1)
+
+
+def test_simdgroups_without_rows_multiply_nothing(cpu):
+    # Decode: 4 query heads per KV head x 1 row = 4 packed rows of a 32-row block; only the first
+    # SIMD-group's 8 rows hold any, so the products are those of 8 rows per KV head and key.
+    q, k, v, _ = make_inputs(43, 1, 8, 2, 1, 4096, 64)
+    cpu.forward(q, k, v)
+    split = cpu.last_profile.dispatches[0]
+    assert _mma_ratio(cpu.last_profile, 1, 2, 8, 4096, 64) == pytest.approx(1.0)
+    # A dense block of 33 rows: the second threadgroup's SIMD-groups 1-3 hold no row.
+    q, k, v, _ = make_inputs(44, 1, 1, 1, 33, 64, 64)
+    cpu.forward(q, k, v)
+    assert _mma_ratio(cpu.last_profile, 1, 1, 40, 64, 64) == pytest.approx(1.0)
+    assert split.threadgroups[0] == 16
+
+
+def test_a_sliding_window_multiplies_only_the_tiles_it_shows(cpu):
+    # Mistral's layout: 4096 tokens, causal, each query sees itself and the 512 keys before it. The
+    # keys seen are (513 * 4096 - 512 * 513 / 2) / 4096^2 = 0.1237 of the dense matrix; tiles the
+    # window hides entirely are neither loaded nor multiplied, so the products stay near that share
+    # (the band's edge tiles add a little) in the forward and in the backward.
+    n, head_dim = 4096, 64
+    q, k, v, dout = make_inputs(45, 1, 1, 1, n, n, head_dim)
+    out, lse = cpu.forward(q, k, v, causal=True, window_size=(512, 0))
+    assert 0.12 <= _mma_ratio(cpu.last_profile, 1, 1, n, n, head_dim) <= 0.135
+    cpu.backward(dout, q, k, v, out, lse, causal=True, window_size=(512, 0))
+    assert _mma_ratio(cpu.last_profile, 1, 1, n, n, head_dim) <= 0.135 * 3.75

@@ -125,10 +125,10 @@ def test_bench_profile_prints_every_measured_call(capsys):
 
 
 def test_profile_table_marks_what_metal_cannot_measure():
-    dispatch = fam.DispatchProfile("flash_attention_forward_d64", (4, 8, 2), (128, 1, 1), 12288, None, None, None)
+    dispatch = fam.DispatchProfile("flash_attention_forward_f16_d64", (4, 8, 2), (128, 1, 1), 12288, None, None, None)
     text = bench_profile.format_profiles({"forward 512": fam.Profile(0.0025, [dispatch])})
     row = text.splitlines()[1].split()
-    assert row == ["forward", "512", "flash_attention_forward_d64", "4x8x2", "128x1x1", "12288", "n/a", "n/a", "n/a"]
+    assert row == ["forward", "512", "flash_attention_forward_f16_d64", "4x8x2", "128x1x1", "12288", "n/a", "n/a", "n/a"]
     assert text.splitlines()[2].split() == ["(call", "total)", "1", "command", "buffer", "0.002500"]
     split = bench_profile.format_profiles({"forward 512": fam.Profile(0.0025, [dispatch], command_buffers=6)})
     assert split.splitlines()[2].split() == ["(call", "total)", "6", "command", "buffers", "0.002500"]

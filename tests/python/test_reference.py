@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -15,7 +16,7 @@ def _naive_forward(q, k, v, causal, scale):
     batch, heads, seqlen_q, head_dim = q.shape
     group = heads // k.shape[1]
     seqlen_k = k.shape[2]
-    out = np.zeros(q.shape)
+    out = np.zeros(q.shape[:3] + v.shape[3:])
     lse = np.full(q.shape[:3], -np.inf)
     for b in range(batch):
         for h in range(heads):
@@ -151,3 +152,88 @@ def test_rule_fails_nan_and_misplaced_infinities():
     grads = [g.copy() for g in reference.backward(dout, q, k, v, causal=True)]
     grads[1][0, 0, 0, 0] = np.inf
     assert not accuracy.evaluate_backward(dout, q, k, v, *grads, causal=True)[1].passed
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_v_forward_matches_naive_loops(causal):
+    q, k, v, _ = make_inputs(10, 1, 4, 2, 6, 9, 5, head_dim_v=3)
+    out, lse = reference.forward(q, k, v, causal=causal)
+    assert out.shape == (1, 4, 6, 3)
+    want_out, want_lse = _naive_forward(q, k, v, causal, 1 / np.sqrt(5))
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-12)
+
+
+def test_head_dim_v_backward_matches_finite_differences():
+    q, k, v, dout = (a.astype(np.float64) for a in make_inputs(11, 1, 2, 1, 4, 5, 3, head_dim_v=2))
+    grads = reference.backward(dout, q, k, v, causal=True)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+    def loss(q_, k_, v_):
+        return float(np.sum(dout * reference.forward(q_, k_, v_, causal=True)[0]))
+
+    step = 1e-6
+    for index, (name, grad) in enumerate(zip("qkv", grads)):
+        tensors = [q, k, v]
+        numeric = np.zeros_like(tensors[index])
+        for position in np.ndindex(*numeric.shape):
+            plus = [t.copy() for t in tensors]
+            minus = [t.copy() for t in tensors]
+            plus[index][position] += step
+            minus[index][position] -= step
+            numeric[position] = (loss(*plus) - loss(*minus)) / (2 * step)
+        np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7, err_msg=f"d{name}")
+
+
+def test_reference_rejects_dout_without_head_dim_v():
+    q, k, v, dout = make_inputs(12, 1, 2, 2, 4, 4, 8, head_dim_v=4)
+    with pytest.raises(ValueError, match=r"dout shape \(1, 2, 4, 8\) must be \(B, H, Nq, Dv\)"):
+        reference.backward(np.zeros(q.shape), q, k, v)
+
+
+# (dtype, forward error range, backward error range) of the base on N(0, 1) inputs: each dtype's
+# own rounding level (float16 eps 2^-10, bfloat16 2^-7, float32 2^-23).
+BASE_LEVELS = [
+    (np.float16, (1e-4, 3e-3), (1e-4, 6e-3)),
+    (ml_dtypes.bfloat16, (2e-3, 3e-2), (3e-3, 6e-2)),
+    (np.float32, (1e-8, 3e-6), (1e-8, 3e-6)),
+]
+
+
+@pytest.mark.parametrize("dtype, forward_range, backward_range", BASE_LEVELS,
+                         ids=[np.dtype(d).name for d, _, _ in BASE_LEVELS])
+def test_baseline_computes_in_the_inputs_dtype(dtype, forward_range, backward_range):
+    q, k, v, dout = make_inputs(7, 2, 2, 1, 33, 40, 32, head_dim_v=24, dtype=dtype)
+    base_out, _ = accuracy.base_forward(q, k, v, causal=True)
+    ref_out, _ = reference.forward(q, k, v, causal=True)
+    assert base_out.dtype == dtype and base_out.shape == ref_out.shape
+    assert forward_range[0] < accuracy.max_abs_error(base_out, ref_out) < forward_range[1]
+    for base, ref in zip(accuracy.base_backward(dout, q, k, v, causal=True),
+                         reference.backward(dout, q, k, v, causal=True)):
+        assert base.dtype == dtype and base.shape == ref.shape
+        assert backward_range[0] < accuracy.max_abs_error(base, ref) < backward_range[1]
+
+
+def test_float32_baseline_is_the_plain_float32_computation():
+    q, k, v, _ = make_inputs(13, 1, 2, 2, 9, 11, 8, dtype=np.float32)
+    scores = (q @ np.swapaxes(k, -1, -2)) * np.float32(1 / np.sqrt(8))
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    want = (weights / weights.sum(axis=-1, keepdims=True)) @ v
+    base_out, _ = accuracy.base_forward(q, k, v)
+    np.testing.assert_allclose(base_out, want, rtol=0, atol=4 * np.finfo(np.float32).eps)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32], ids=lambda d: np.dtype(d).name)
+def test_rule_per_dtype_accepts_the_rounded_reference_and_rejects_a_coarser_result(dtype):
+    q, k, v, dout = make_inputs(14, 1, 2, 2, 24, 24, 16, head_dim_v=8, dtype=dtype)
+    out, lse = reference.forward(q, k, v)
+    assert all(m.passed for m in accuracy.evaluate_forward(q, k, v, out.astype(dtype), lse.astype(np.float32)))
+    # A result rounded to a coarser dtype (float32 through float16, 16-bit dtypes through 4
+    # significant bits) is what a kernel that rounds P or O once too often gives: it must fail.
+    coarse = np.float16 if dtype == np.float32 else None
+    worse = out.astype(coarse) if coarse else np.round(out * 16) / 16
+    assert not accuracy.evaluate_forward(q, k, v, worse, lse)[0].passed
+    grads = reference.backward(dout, q, k, v)
+    assert all(m.passed for m in accuracy.evaluate_backward(dout, q, k, v, *(g.astype(dtype) for g in grads)))
+    assert accuracy.slack(dtype) == accuracy.ABS_SLACK[np.dtype(dtype).name]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -11,34 +12,6 @@ import flash_attention_metal as fam
 from flash_attention_metal import _default, _native
 
 from conftest import make_inputs
-
-
-class _Spy:
-    """Stands in for the loaded library and records any compute call."""
-
-    def __init__(self, real):
-        self._real = real
-        self.calls = []
-
-    def __getattr__(self, name):
-        attribute = getattr(self._real, name)
-        if name in ("fa_forward", "fa_backward"):
-            def record(*args):
-                self.calls.append(name)
-                return attribute(*args)
-            return record
-        return attribute
-
-
-@pytest.fixture()
-def guarded(monkeypatch):
-    """A Context whose native compute calls are recorded; the test fails if any happens."""
-    context = fam.Context(fam.default_backend())
-    spy = _Spy(context._native.lib)
-    native = type(context._native)(context._native.ffi, spy, context._native.path, context._native.header_path)
-    monkeypatch.setattr(context, "_native", native)
-    yield context
-    assert spy.calls == [], "a native call ran despite invalid arguments"
 
 
 @pytest.fixture()
@@ -58,20 +31,75 @@ def _backward(context, args, **kwargs):
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int16])
-def test_qkv_must_be_float16(guarded, inputs, name, dtype):
+@pytest.mark.parametrize("dtype", [np.float64, np.int16, ml_dtypes.float8_e4m3fn])
+def test_qkv_must_be_float16_bfloat16_or_float32(guarded, inputs, name, dtype):
     inputs[name] = inputs[name].astype(dtype)
-    with pytest.raises(TypeError, match=rf"{name} must have dtype float16, got {np.dtype(dtype).name}"):
+    rule = rf"{name} must have dtype float16, bfloat16 or float32, got {np.dtype(dtype).name}"
+    with pytest.raises(TypeError, match=rule):
         _forward(guarded, inputs)
-    with pytest.raises(TypeError, match=rf"{name} must have dtype float16"):
+    with pytest.raises(TypeError, match=rule):
         _backward(guarded, inputs)
 
 
-@pytest.mark.parametrize("name", ["dout", "out"])
-def test_dout_and_out_must_be_float16(guarded, inputs, name):
-    inputs[name] = inputs[name].astype(np.float32)
-    with pytest.raises(TypeError, match=rf"{name} must have dtype float16, got float32"):
+@pytest.mark.parametrize("name", ["k", "v", "dout", "out"])
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32])
+def test_every_tensor_must_have_q_dtype(guarded, inputs, name, dtype):
+    inputs[name] = inputs[name].astype(dtype)
+    rule = rf"{name} must have q's dtype float16, got {np.dtype(dtype).name} \(q, k, v, dout and out share one dtype"
+    with pytest.raises(TypeError, match=rule):
         _backward(guarded, inputs)
+    if name in ("k", "v"):
+        with pytest.raises(TypeError, match=rule):
+            _forward(guarded, inputs)
+
+
+@pytest.mark.parametrize("layout", ["BSHD", "bsdh", "", "sbhd"])
+def test_layout_must_be_bhsd_or_bshd(guarded, inputs, layout):
+    rule = rf"layout must be 'bhsd' \(batch, num_heads, seqlen, head_dim\) or 'bshd' .*got {layout!r}"
+    with pytest.raises(ValueError, match=rule):
+        _forward(guarded, inputs, layout=layout)
+    with pytest.raises(ValueError, match=rule):
+        _backward(guarded, inputs, layout=layout)
+
+
+@pytest.mark.parametrize("layout", [None, 1, b"bshd"])
+def test_layout_must_be_a_str(guarded, inputs, layout):
+    with pytest.raises(TypeError, match=rf"layout must be a str \('bhsd' or 'bshd'\), got {type(layout).__name__}"):
+        _forward(guarded, inputs, layout=layout)
+
+
+def test_bshd_shapes_are_read_in_bshd_order(guarded):
+    # (B, L, H, D): seqlen_q 5, heads 4; k seqlen_k 6, kv heads 2.
+    q, k, v, dout = make_inputs(0, 2, 4, 2, 5, 6, 8, head_dim_v=3, layout="bshd")
+    with pytest.raises(ValueError, match="num_heads 4 must be divisible by k/v num_kv_heads 3"):
+        guarded.forward(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2), layout="bshd")
+    with pytest.raises(ValueError, match=r"v shape \(2, 5, 2, 3\) must equal k shape \(2, 6, 2, 8\) but for the "
+                                         r"last axis \(head_dim_v\): \(batch, seqlen, num_heads\) in layout 'bshd'"):
+        guarded.forward(q, k, v[:, :5], layout="bshd")
+    with pytest.raises(ValueError, match="k batch size 1 must equal q batch size 2"):
+        guarded.forward(q, k[:1], v[:1], layout="bshd")
+    # The same arrays read as bhsd: 5 query heads over 6 KV heads.
+    with pytest.raises(ValueError, match="num_heads 5 must be divisible by k/v num_kv_heads 6"):
+        guarded.forward(q, k, v)
+
+
+def test_dout_and_out_need_head_dim_v(guarded):
+    q, k, v, dout = make_inputs(0, 1, 2, 2, 5, 6, 8, head_dim_v=4)
+    out = np.zeros(dout.shape, dtype=np.float16)
+    lse = np.zeros(q.shape[:3], dtype=np.float32)
+    rule = r"dout shape \(1, 2, 5, 8\) must equal q shape \(1, 2, 5, 8\) with head_dim_v 4 as the last axis"
+    with pytest.raises(ValueError, match=rule):
+        guarded.backward(np.zeros(q.shape, np.float16), q, k, v, out, lse)
+    with pytest.raises(ValueError, match=r"out shape \(1, 2, 5, 8\) must equal q shape"):
+        guarded.backward(dout, q, k, v, np.zeros(q.shape, np.float16), lse)
+
+
+def test_head_dim_v_above_the_supported_range_is_rejected(guarded):
+    head_dim_v = fam.default_context().max_head_dim + 1
+    q, k, v, _ = make_inputs(0, 1, 1, 1, 2, 2, 8, head_dim_v=head_dim_v)
+    rule = rf"head_dim_v {head_dim_v} is outside the supported range 1..{head_dim_v - 1}"
+    with pytest.raises(ValueError, match=rule):
+        guarded.forward(q, k, v)
 
 
 def test_inputs_must_be_arrays(guarded, inputs):
@@ -181,15 +209,17 @@ def test_arguments_are_checked_before_the_library_is_loaded(monkeypatch, tmp_pat
     monkeypatch.setenv(fam.LIBRARY_ENV, str(tmp_path / "missing.so"))
     monkeypatch.setattr(_native, "_native", None)
     monkeypatch.setattr(_default, "_context", None)
-    wrong = {name: array.astype(np.float32) for name, array in inputs.items()}
-    with pytest.raises(TypeError, match="q must have dtype float16, got float32"):
+    wrong = {name: array.astype(np.float64) for name, array in inputs.items()}
+    with pytest.raises(TypeError, match="q must have dtype float16, bfloat16 or float32, got float64"):
         fam.forward(wrong["q"], wrong["k"], wrong["v"])
-    with pytest.raises(TypeError, match="q must have dtype float16, got float32"):
+    with pytest.raises(TypeError, match="q must have dtype float16, bfloat16 or float32, got float64"):
         fam.attention(wrong["q"], wrong["k"], wrong["v"])
-    with pytest.raises(TypeError, match="dout must have dtype float16, got float32"):
+    with pytest.raises(TypeError, match="dout must have dtype float16, bfloat16 or float32, got float64"):
         fam.backward(wrong["dout"], inputs["q"], inputs["k"], inputs["v"], inputs["out"], inputs["lse"])
     with pytest.raises(ValueError, match="softmax_scale must be finite"):
         fam.forward(inputs["q"], inputs["k"], inputs["v"], softmax_scale=float("nan"))
+    with pytest.raises(ValueError, match="layout must be 'bhsd'"):
+        fam.forward(inputs["q"], inputs["k"], inputs["v"], layout="BHSD")
     # Valid arguments then need the library, which is missing.
     with pytest.raises(fam.FlashAttentionError) as caught:
         fam.forward(inputs["q"], inputs["k"], inputs["v"])
@@ -216,7 +246,7 @@ def test_numpy_scalars_are_accepted(ctx, inputs):
     np.testing.assert_array_equal(out, want)
 
 
-def test_non_contiguous_inputs_are_copied(ctx):
+def test_non_contiguous_inputs_give_the_contiguous_result(ctx):
     q, k, v, dout = make_inputs(1, 2, 2, 2, 12, 10, 16)
     # Transposed storage (B, N, H, D) viewed as (B, H, N, D), and a strided slice.
     q_t = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
@@ -244,3 +274,71 @@ def test_read_only_inputs_work_and_outputs_are_fresh(ctx):
     for result in (out, lse, *grads):
         assert result.flags.owndata and result.flags.writeable and result.flags.c_contiguous
         assert not any(np.shares_memory(result, a) for a in (q, k, v, dout))
+
+
+# Outputs the caller provides (out=, lse=, dq=, dk=, dv=): checked like inputs, before any call.
+
+def _given(inputs):
+    return dict(out=np.empty_like(inputs["q"]), lse=np.empty(inputs["q"].shape[:3], np.float32),
+                dq=np.empty_like(inputs["q"]), dk=np.empty_like(inputs["k"]), dv=np.empty_like(inputs["v"]))
+
+
+def _call_with(context, args, name, array):
+    if name in ("out", "lse"):
+        _forward(context, args, **{name: array})
+    else:
+        _backward(context, args, **{name: array})
+
+
+@pytest.mark.parametrize("name", ["out", "lse", "dq", "dk", "dv"])
+def test_given_outputs_must_have_the_result_dtype(guarded, inputs, name):
+    wrong = _given(inputs)[name].astype(np.float64)
+    with pytest.raises(TypeError, match=rf"^{name} must have dtype"):
+        _call_with(guarded, inputs, name, wrong)
+
+
+@pytest.mark.parametrize("name", ["out", "lse", "dq", "dk", "dv"])
+def test_given_outputs_must_have_the_result_shape(guarded, inputs, name):
+    given = _given(inputs)[name]
+    wrong = np.empty(given.shape[:-1] + (given.shape[-1] + 1,), given.dtype)
+    with pytest.raises(ValueError, match=rf"^{name} shape .* must be"):
+        _call_with(guarded, inputs, name, wrong)
+
+
+@pytest.mark.parametrize("name", ["out", "lse", "dq"])
+def test_given_outputs_must_be_writable(guarded, inputs, name):
+    given = _given(inputs)[name]
+    given.flags.writeable = False
+    with pytest.raises(ValueError, match=rf"^{name} is read-only"):
+        _call_with(guarded, inputs, name, given)
+
+
+def test_given_outputs_must_be_addressable_in_place(guarded, inputs):
+    # An output is written in place, never copied back: a strided last axis, a zero stride or a
+    # non-contiguous lse is refused rather than silently left unwritten.
+    q = inputs["q"]
+    wide = np.empty(q.shape[:3] + (2 * q.shape[3],), q.dtype)
+    with pytest.raises(ValueError, match=r"^out must be writable in place"):
+        _forward(guarded, inputs, out=wide[..., ::2])
+    with pytest.raises(ValueError, match=r"^dk must be writable in place"):
+        one = np.empty(inputs["k"].shape[1:], q.dtype)
+        _backward(guarded, inputs, dk=np.lib.stride_tricks.as_strided(one, inputs["k"].shape, (0,) + one.strides))
+    lse_t = np.empty(q.shape[:3][::-1], np.float32).T
+    with pytest.raises(ValueError, match=r"^lse must be writable in place \(C-contiguous"):
+        _forward(guarded, inputs, lse=lse_t)
+
+
+@pytest.mark.parametrize("name, other", [("out", "q"), ("dq", "dout"), ("dk", "k"), ("dv", "out")])
+def test_given_outputs_must_not_overlap_inputs(guarded, inputs, name, other):
+    shape = _given(inputs)[name].shape
+    with pytest.raises(ValueError, match=rf"^{name} shares memory with {other}"):
+        _call_with(guarded, inputs, name, inputs[other].reshape(-1)[: int(np.prod(shape))].reshape(shape))
+
+
+def test_given_outputs_must_not_overlap_each_other(guarded, inputs):
+    given = _given(inputs)
+    with pytest.raises(ValueError, match=r"^lse shares memory with out"):
+        lse = given["out"].reshape(-1).view(np.float32)[: given["lse"].size].reshape(given["lse"].shape)
+        _forward(guarded, inputs, out=given["out"], lse=lse)
+    with pytest.raises(ValueError, match=r"^dv shares memory with dk"):
+        _backward(guarded, inputs, dk=given["dk"], dv=given["dk"])

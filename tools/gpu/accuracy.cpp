@@ -5,7 +5,6 @@
 #include <cmath>
 #include <limits>
 
-#include "half_bits.h"
 
 namespace {
 
@@ -28,13 +27,12 @@ double max_abs_error(const std::vector<Value> &ours, const std::vector<double> &
 
 bool Metric::passed() const { return std::isfinite(error) && error <= bound; }
 
-Metric tensor_metric(const std::string &name, const std::vector<uint16_t> &ours,
-                     const std::vector<float> &base, const std::vector<double> &ref, double factor) {
-    std::vector<float> ours_float(ours.size());
-    std::transform(ours.begin(), ours.end(), ours_float.begin(), half_bits_to_float);
+Metric tensor_metric(const std::string &name, const std::vector<float> &ours,
+                     const std::vector<float> &base, const std::vector<double> &ref, double factor,
+                     DType dtype) {
     const double base_error = max_abs_error(base, ref);
-    return Metric{name, max_abs_error(ours_float, ref), base_error,
-                  factor * base_error + kAbsSlack};
+    return Metric{name, max_abs_error(ours, ref), base_error,
+                  factor * base_error + abs_slack(dtype)};
 }
 
 Metric lse_metric(const std::vector<float> &ours, const std::vector<double> &ref) {
@@ -52,8 +50,8 @@ Metric lse_metric(const std::vector<float> &ours, const std::vector<double> &ref
     return Metric{"lse", worst, 0.0, kLseRelative};
 }
 
-bool empty_rows_correct(const AttentionShape &s, const std::vector<uint16_t> &out,
-                        const std::vector<float> &lse, const std::vector<uint16_t> &dq,
+bool empty_rows_correct(const AttentionShape &s, const std::vector<float> &out,
+                        const std::vector<float> &lse, const std::vector<float> &dq,
                         int *empty_rows) {
     bool correct = true;
     int count = 0;
@@ -63,12 +61,15 @@ bool empty_rows_correct(const AttentionShape &s, const std::vector<uint16_t> &ou
                 continue;
             }
             ++count;
-            const size_t row = (size_t(bh) * s.seqlen_q + i) * s.head_dim;
-            const float row_lse = lse[size_t(bh) * s.seqlen_q + i];
+            const size_t row = size_t(bh) * s.seqlen_q + i;
+            const float row_lse = lse[row];
             correct = correct && std::isinf(row_lse) && row_lse < 0;
+            // +0 and -0 both count as zero.
+            for (int d = 0; d < s.head_dim_v; ++d) {
+                correct = correct && out[row * s.head_dim_v + d] == 0.0f;
+            }
             for (int d = 0; d < s.head_dim; ++d) {
-                // +0 and -0 both count as zero.
-                correct = correct && (out[row + d] & 0x7fffu) == 0 && (dq[row + d] & 0x7fffu) == 0;
+                correct = correct && dq[row * s.head_dim + d] == 0.0f;
             }
         }
     }

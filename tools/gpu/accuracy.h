@@ -11,8 +11,12 @@
 
 constexpr double kOutFactor = 2.0;     // out: max|ours - ref| <= 2 * max|base - ref| + slack
 constexpr double kGradFactor = 3.0;    // dq, dk, dv: factor 3
-constexpr double kAbsSlack = 1e-5;
 constexpr double kLseRelative = 1e-4;  // lse: |ours - ref| <= 1e-4 * max(1, |ref|) per element
+
+// The additive slack per dtype, as python/flash_attention_metal/accuracy.py: 1e-5 for float16 and
+// bfloat16 (1/100 of float16's epsilon, as FlashAttention's tests), 1e-6 for float32 (the backward
+// recomputes P from the float32 lse, whose rounding every probability of a row inherits).
+inline double abs_slack(DType dtype) { return dtype == DType::f32 ? 1e-6 : 1e-5; }
 
 // One tensor's verdict: error against bound. For lse, error is the largest relative error and
 // base_error is unused (0).
@@ -26,18 +30,20 @@ struct Metric {
     bool passed() const;
 };
 
-// out or a gradient: `ours` are float16 bits from the GPU, `base` the float16 baseline, `ref`
-// float64; bound = factor * max|base - ref| + kAbsSlack.
-Metric tensor_metric(const std::string &name, const std::vector<uint16_t> &ours,
-                     const std::vector<float> &base, const std::vector<double> &ref, double factor);
+// out or a gradient: `ours` are the GPU's values (of `dtype`, as float), `base` the baseline in
+// that dtype, `ref` float64; bound = factor * max|base - ref| + abs_slack(dtype).
+Metric tensor_metric(const std::string &name, const std::vector<float> &ours,
+                     const std::vector<float> &base, const std::vector<double> &ref, double factor,
+                     DType dtype);
 
 // lse: relative error where ref is finite; ours must be exactly -inf where ref is -inf.
 Metric lse_metric(const std::vector<float> &ours, const std::vector<double> &ref);
 
-// Rows that see no key: out and dq must be exactly zero, lse exactly -inf. Returns the number of
-// such rows in *empty_rows and whether all of them are right.
-bool empty_rows_correct(const AttentionShape &shape, const std::vector<uint16_t> &out,
-                        const std::vector<float> &lse, const std::vector<uint16_t> &dq,
+// Rows that see no key: out and dq must be exactly zero, lse exactly -inf (tensors in the
+// logical layouts of reference.h). Returns the number of such rows in *empty_rows and whether all
+// of them are right.
+bool empty_rows_correct(const AttentionShape &shape, const std::vector<float> &out,
+                        const std::vector<float> &lse, const std::vector<float> &dq,
                         int *empty_rows);
 
 #endif

@@ -5,26 +5,52 @@
 #include <cstdint>
 #include <cstdio>
 
-#include "half_bits.h"
-
 namespace {
 
-TestCase make_case(int head_dim, int batch, int heads, int kv_heads, int seqlen_q, int seqlen_k,
-                   bool causal, float scale = 0.0f) {
-    char name[128];
-    std::snprintf(name, sizeof name, "d%d_b%d_h%dx%d_q%d_k%d_%s", head_dim, batch, heads, kv_heads,
-                  seqlen_q, seqlen_k, causal ? "causal" : "full");
-    std::string full_name = name;
-    if (scale != 0.0f) {
-        std::snprintf(name, sizeof name, "_s%g", double(scale));
-        full_name += name;
+constexpr DType f16 = DType::f16, bf16 = DType::bf16, f32 = DType::f32;
+
+// What a case changes from the defaults: head_dim_v (0: head_dim), softmax_scale (0: the library
+// default 1/sqrt(head_dim)) and the layout.
+struct Extra {
+    int head_dim_v = 0;
+    float scale = 0.0f;
+    Layout layout = Layout::bhsd;
+};
+
+TestCase make_case(DType dtype, int head_dim, int batch, int heads, int kv_heads, int seqlen_q,
+                   int seqlen_k, bool causal, Extra extra = {}) {
+    const int head_dim_v = extra.head_dim_v != 0 ? extra.head_dim_v : head_dim;
+    std::string name = dtype_name(dtype);
+    char part[128];
+    std::snprintf(part, sizeof part, "_d%d", head_dim);
+    name += part;
+    if (head_dim_v != head_dim) {
+        std::snprintf(part, sizeof part, "v%d", head_dim_v);
+        name += part;
     }
-    // 0 selects the library default 1/sqrt(head_dim).
-    const float softmax_scale = scale != 0.0f ? scale : float(1.0 / std::sqrt(double(head_dim)));
-    return TestCase{full_name,
-                    AttentionShape{batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal,
-                                   softmax_scale}};
+    std::snprintf(part, sizeof part, "_b%d_h%dx%d_q%d_k%d_%s", batch, heads, kv_heads, seqlen_q,
+                  seqlen_k, causal ? "causal" : "full");
+    name += part;
+    if (extra.scale != 0.0f) {
+        std::snprintf(part, sizeof part, "_s%g", double(extra.scale));
+        name += part;
+    }
+    if (extra.layout != Layout::bhsd) {
+        name += std::string("_") + layout_name(extra.layout);
+    }
+    const float softmax_scale =
+        extra.scale != 0.0f ? extra.scale : float(1.0 / std::sqrt(double(head_dim)));
+    return TestCase{name,
+                    AttentionShape{batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim,
+                                   head_dim_v, causal, softmax_scale, dtype},
+                    extra.layout};
 }
+
+Extra v(int head_dim_v, Layout layout = Layout::bhsd) { return Extra{head_dim_v, 0.0f, layout}; }
+Extra scaled(float scale) { return Extra{0, scale, Layout::bhsd}; }
+Extra laid(Layout layout) { return Extra{0, 0.0f, layout}; }
+
+constexpr Layout bshd = Layout::bshd, qkv = Layout::qkv, gapped = Layout::gapped;
 
 // splitmix64: a small, well-mixed generator whose output is the same on every platform.
 struct SplitMix64 {
@@ -48,16 +74,16 @@ uint64_t fnv1a(const std::string &text) {
     return hash;
 }
 
-// Box-Muller: standard normal float16 values.
-std::vector<uint16_t> normal_half(SplitMix64 &rng, size_t count) {
+// Box-Muller: standard normal values rounded to the dtype.
+std::vector<float> normal(SplitMix64 &rng, size_t count, DType dtype) {
     const double two_pi = 6.283185307179586;
-    std::vector<uint16_t> values(count);
+    std::vector<float> values(count);
     for (size_t i = 0; i < count; i += 2) {
         const double radius = std::sqrt(-2.0 * std::log(rng.uniform_open()));
         const double angle = two_pi * rng.uniform_open();
-        values[i] = float_to_half_bits(float(radius * std::cos(angle)));
+        values[i] = round_to(dtype, float(radius * std::cos(angle)));
         if (i + 1 < count) {
-            values[i + 1] = float_to_half_bits(float(radius * std::sin(angle)));
+            values[i + 1] = round_to(dtype, float(radius * std::sin(angle)));
         }
     }
     return values;
@@ -65,47 +91,139 @@ std::vector<uint16_t> normal_half(SplitMix64 &rng, size_t count) {
 
 }  // namespace
 
+const char *layout_name(Layout layout) {
+    switch (layout) {
+        case Layout::bhsd:
+            return "bhsd";
+        case Layout::bshd:
+            return "bshd";
+        case Layout::qkv:
+            return "qkv";
+        case Layout::gapped:
+            return "gapped";
+    }
+    return "?";
+}
+
 std::vector<TestCase> full_grid() {
     std::vector<TestCase> cases;
+    // float16: every bucket of FA_HEAD_DIM_BUCKETS, every kind of shape.
     for (int d : {1, 3, 32, 40, 59, 64, 80, 96, 104, 128, 160, 192, 200, 256}) {
-        cases.push_back(make_case(d, 2, 3, 3, 100, 100, false));
-        cases.push_back(make_case(d, 2, 3, 3, 100, 100, true));  // where the seed kernels hung
-        cases.push_back(make_case(d, 1, 8, 2, 33, 77, true));    // GQA 8/2, seqlen_q < seqlen_k
-        cases.push_back(make_case(d, 2, 4, 1, 77, 33, true));    // MQA, 44 empty rows per head
-        cases.push_back(make_case(d, 2, 4, 1, 77, 33, false));
-        cases.push_back(make_case(d, 2, 2, 2, 1, 129, true));    // decode: sees every key
+        cases.push_back(make_case(f16, d, 2, 3, 3, 100, 100, false));
+        cases.push_back(make_case(f16, d, 2, 3, 3, 100, 100, true));  // where the seed kernels hung
+        cases.push_back(make_case(f16, d, 1, 8, 2, 33, 77, true));    // GQA 8/2, Nq < Nk
+        cases.push_back(make_case(f16, d, 2, 4, 1, 77, 33, true));    // MQA, 44 empty rows per head
+        cases.push_back(make_case(f16, d, 2, 4, 1, 77, 33, false));
+        cases.push_back(make_case(f16, d, 2, 2, 2, 1, 129, true));    // decode: sees every key
     }
-    cases.push_back(make_case(16, 1, 1, 1, 1, 1, false));
-    cases.push_back(make_case(64, 1, 2, 2, 257, 257, true));
-    cases.push_back(make_case(128, 1, 2, 1, 200, 131, false));
-    cases.push_back(make_case(256, 1, 1, 1, 65, 300, true));
-    cases.push_back(make_case(72, 2, 6, 3, 31, 31, true, 0.5f));
-    cases.push_back(make_case(64, 1, 2, 2, 63, 65, false, -0.3f));
-    cases.push_back(make_case(32, 2, 4, 2, 130, 97, true, 2.0f));
+    cases.push_back(make_case(f16, 16, 1, 1, 1, 1, 1, false));
+    cases.push_back(make_case(f16, 64, 1, 2, 2, 257, 257, true));
+    cases.push_back(make_case(f16, 128, 1, 2, 1, 200, 131, false));
+    cases.push_back(make_case(f16, 256, 1, 1, 1, 65, 300, true));
+    cases.push_back(make_case(f16, 72, 2, 6, 3, 31, 31, true, scaled(0.5f)));
+    cases.push_back(make_case(f16, 64, 1, 2, 2, 63, 65, false, scaled(-0.3f)));
+    cases.push_back(make_case(f16, 32, 2, 4, 2, 130, 97, true, scaled(2.0f)));
+
+    // bfloat16 (the same table as float16): one head_dim per bucket and the edges.
+    for (int d : {1, 40, 64, 96, 128, 160, 200, 256}) {
+        cases.push_back(make_case(bf16, d, 2, 3, 3, 100, 100, true));
+        cases.push_back(make_case(bf16, d, 1, 8, 2, 33, 77, true));
+        cases.push_back(make_case(bf16, d, 2, 4, 1, 77, 33, true));
+        cases.push_back(make_case(bf16, d, 2, 2, 2, 1, 129, true));
+    }
+    cases.push_back(make_case(bf16, 64, 1, 2, 2, 63, 65, false, scaled(-0.3f)));
+
+    // float32 (FA_HEAD_DIM_BUCKETS_F32: smaller tiles; at 256 the backward kernels share one tile
+    // buffer): every bucket, dense and causal.
+    for (int d : {3, 40, 64, 96, 104, 128, 160, 192, 200, 256}) {
+        cases.push_back(make_case(f32, d, 2, 3, 3, 100, 100, false));
+        cases.push_back(make_case(f32, d, 2, 3, 3, 100, 100, true));
+        cases.push_back(make_case(f32, d, 1, 8, 2, 33, 77, true));
+        cases.push_back(make_case(f32, d, 2, 4, 1, 77, 33, true));
+        cases.push_back(make_case(f32, d, 2, 2, 2, 1, 129, true));
+    }
+    cases.push_back(make_case(f32, 64, 1, 2, 2, 257, 257, true));
+    cases.push_back(make_case(f32, 128, 1, 2, 1, 200, 131, false));
+    cases.push_back(make_case(f32, 256, 1, 1, 1, 65, 300, true));
+    cases.push_back(make_case(f32, 32, 2, 4, 2, 130, 97, true, scaled(2.0f)));
+
     // Short queries that the split-KV forward also runs: GQA rows packed per KV head across heads,
     // a row block spanning heads, two row blocks, causal rows seeing different numbers of keys.
-    cases.push_back(make_case(64, 2, 8, 2, 3, 300, true));
-    cases.push_back(make_case(128, 1, 4, 1, 8, 200, false));
-    cases.push_back(make_case(256, 1, 6, 2, 5, 90, true));
-    cases.push_back(make_case(32, 1, 16, 2, 7, 150, true));
+    for (DType t : {f16, bf16, f32}) {
+        cases.push_back(make_case(t, 64, 2, 8, 2, 3, 300, true));
+        cases.push_back(make_case(t, 128, 1, 4, 1, 8, 200, false));
+        cases.push_back(make_case(t, 256, 1, 6, 2, 5, 90, true));
+        cases.push_back(make_case(t, 32, 1, 16, 2, 7, 150, true));
+    }
+
+    // Strided layouts, read and written in place.
+    cases.push_back(make_case(f16, 64, 1, 8, 2, 33, 77, true, laid(bshd)));
+    cases.push_back(make_case(f16, 40, 2, 4, 1, 77, 33, true, laid(gapped)));
+    cases.push_back(make_case(f16, 64, 2, 4, 4, 100, 100, true, laid(qkv)));
+    cases.push_back(make_case(f16, 128, 2, 8, 2, 65, 65, false, laid(qkv)));   // GQA packed
+    cases.push_back(make_case(f16, 64, 2, 8, 2, 3, 300, true, laid(bshd)));    // split-KV
+    cases.push_back(make_case(bf16, 128, 2, 3, 3, 100, 100, true, laid(bshd)));
+    cases.push_back(make_case(bf16, 200, 1, 8, 2, 33, 77, true, laid(gapped)));
+    cases.push_back(make_case(bf16, 96, 1, 8, 2, 65, 65, true, laid(qkv)));
+    cases.push_back(make_case(f32, 256, 2, 4, 1, 77, 33, true, laid(bshd)));
+    cases.push_back(make_case(f32, 96, 2, 3, 3, 100, 100, true, laid(gapped)));
+    cases.push_back(make_case(f32, 32, 2, 3, 3, 50, 50, false, laid(qkv)));
+    cases.push_back(make_case(f32, 256, 1, 2, 2, 40, 40, true, laid(qkv)));
+    cases.push_back(make_case(f32, 128, 1, 4, 1, 8, 200, false, laid(gapped)));  // split-KV
+
+    // head_dim_v != head_dim: DeepSeek's MLA pair 192/128 in every dtype and layout kind, v wider
+    // and narrower than q/k, across buckets (the bucket is that of the larger of the two).
+    for (DType t : {f16, bf16, f32}) {
+        cases.push_back(make_case(t, 192, 2, 3, 3, 100, 100, true, v(128)));
+        cases.push_back(make_case(t, 192, 1, 8, 2, 33, 77, true, v(128)));
+        cases.push_back(make_case(t, 192, 2, 4, 1, 77, 33, false, v(128)));
+        cases.push_back(make_case(t, 192, 1, 8, 2, 3, 300, true, v(128)));  // split-KV
+        cases.push_back(make_case(t, 192, 1, 4, 2, 65, 65, true, v(128, bshd)));
+    }
+    cases.push_back(make_case(f16, 64, 2, 3, 3, 100, 100, true, v(128)));
+    cases.push_back(make_case(f16, 128, 1, 8, 2, 33, 77, true, v(64)));
+    cases.push_back(make_case(f16, 3, 2, 4, 1, 77, 33, true, v(40)));
+    cases.push_back(make_case(f16, 256, 1, 2, 2, 50, 70, false, v(1)));
+    cases.push_back(make_case(f16, 1, 1, 2, 2, 70, 50, true, v(256, gapped)));
+    cases.push_back(make_case(bf16, 40, 2, 3, 3, 100, 100, true, v(3)));
+    cases.push_back(make_case(bf16, 100, 1, 8, 2, 33, 77, true, v(200, bshd)));
+    cases.push_back(make_case(bf16, 256, 2, 2, 2, 1, 129, true, v(64)));  // decode, split-KV
+    cases.push_back(make_case(f32, 32, 2, 3, 3, 100, 100, true, v(96)));
+    cases.push_back(make_case(f32, 128, 1, 8, 2, 33, 77, true, v(40)));
+    cases.push_back(make_case(f32, 256, 2, 4, 1, 77, 33, true, v(192)));
+    cases.push_back(make_case(f32, 64, 2, 2, 2, 1, 129, true, v(256, bshd)));  // decode, split-KV
     return cases;
 }
 
 std::vector<TestCase> small_grid() {
     return {
-        make_case(1, 2, 2, 2, 37, 37, false),    make_case(3, 2, 3, 3, 100, 100, true),
-        make_case(32, 2, 4, 1, 77, 33, true),    make_case(32, 1, 2, 2, 1, 64, true),
-        make_case(40, 1, 8, 2, 33, 77, true),    make_case(59, 2, 3, 3, 100, 100, false),
-        make_case(64, 2, 2, 2, 1, 99, true),     make_case(64, 1, 4, 1, 65, 64, true),
-        make_case(80, 2, 2, 2, 65, 65, false),   make_case(72, 1, 6, 3, 31, 31, true, 0.5f),
-        make_case(96, 1, 4, 2, 50, 17, true),    make_case(96, 2, 2, 2, 17, 50, false),
-        make_case(104, 2, 2, 1, 17, 50, false),  make_case(128, 2, 3, 3, 100, 100, true),
-        make_case(128, 1, 8, 2, 70, 45, true),   make_case(160, 1, 4, 2, 40, 90, true),
-        make_case(160, 2, 2, 1, 90, 40, false),  make_case(192, 2, 2, 2, 33, 33, false),
-        make_case(192, 1, 4, 4, 50, 20, true),   make_case(200, 1, 2, 1, 70, 45, true),
-        make_case(200, 2, 2, 2, 1, 100, true),   make_case(256, 2, 2, 2, 45, 70, true),
-        make_case(256, 1, 4, 1, 100, 33, true),  make_case(256, 2, 2, 2, 17, 17, false),
-        make_case(64, 1, 8, 2, 3, 100, true),    make_case(256, 1, 6, 2, 5, 90, true),
+        // float16
+        make_case(f16, 1, 2, 2, 2, 37, 37, false),    make_case(f16, 3, 2, 3, 3, 100, 100, true),
+        make_case(f16, 32, 2, 4, 1, 77, 33, true),    make_case(f16, 40, 1, 8, 2, 33, 77, true),
+        make_case(f16, 64, 2, 2, 2, 1, 99, true),     make_case(f16, 72, 1, 6, 3, 31, 31, true,
+                                                                scaled(0.5f)),
+        make_case(f16, 96, 1, 4, 2, 50, 17, true),    make_case(f16, 128, 2, 3, 3, 100, 100, true),
+        make_case(f16, 160, 1, 4, 2, 40, 90, true),   make_case(f16, 200, 2, 2, 2, 1, 100, true),
+        make_case(f16, 256, 2, 2, 2, 45, 70, true),   make_case(f16, 256, 1, 6, 2, 5, 90, true),
+        // bfloat16
+        make_case(bf16, 32, 1, 2, 2, 1, 64, true),    make_case(bf16, 64, 1, 4, 1, 65, 64, true),
+        make_case(bf16, 104, 2, 2, 1, 17, 50, false), make_case(bf16, 128, 1, 8, 2, 70, 45, true),
+        make_case(bf16, 192, 1, 4, 4, 50, 20, true),  make_case(bf16, 256, 1, 4, 1, 100, 33, true),
+        // float32, float32 at 256 (shared tile buffers) with GQA, MQA and split-KV
+        make_case(f32, 3, 2, 2, 2, 37, 37, false),    make_case(f32, 32, 2, 4, 1, 77, 33, true),
+        make_case(f32, 64, 2, 2, 2, 1, 99, true),     make_case(f32, 96, 1, 4, 2, 50, 17, true),
+        make_case(f32, 128, 1, 2, 2, 65, 65, false),  make_case(f32, 192, 2, 2, 2, 33, 33, false),
+        make_case(f32, 256, 2, 2, 2, 45, 70, true),   make_case(f32, 256, 1, 4, 1, 100, 33, true),
+        make_case(f32, 256, 1, 6, 2, 5, 90, true),
+        // strided layouts
+        make_case(f16, 64, 1, 8, 2, 33, 77, true, laid(bshd)),
+        make_case(bf16, 128, 1, 8, 2, 65, 65, true, laid(qkv)),
+        make_case(f32, 40, 2, 4, 1, 77, 33, true, laid(gapped)),
+        // head_dim_v != head_dim
+        make_case(f16, 192, 1, 8, 2, 33, 77, true, v(128)),
+        make_case(bf16, 192, 1, 4, 2, 50, 50, true, v(128, bshd)),
+        make_case(f32, 192, 1, 8, 2, 3, 100, true, v(128)),
+        make_case(f16, 64, 2, 2, 1, 40, 90, false, v(256)),
     };
 }
 
@@ -113,9 +231,9 @@ AttentionInputs random_inputs(const TestCase &test_case) {
     SplitMix64 rng{fnv1a(test_case.name)};
     const AttentionShape &s = test_case.shape;
     AttentionInputs in;
-    in.q = normal_half(rng, s.q_elements());
-    in.k = normal_half(rng, s.kv_elements());
-    in.v = normal_half(rng, s.kv_elements());
-    in.dout = normal_half(rng, s.q_elements());
+    in.q = normal(rng, s.q_elements(), s.dtype);
+    in.k = normal(rng, s.k_elements(), s.dtype);
+    in.v = normal(rng, s.v_elements(), s.dtype);
+    in.dout = normal(rng, s.out_elements(), s.dtype);
     return in;
 }

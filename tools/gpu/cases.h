@@ -1,4 +1,4 @@
-// The shapes the CUDA harness runs and their seeded float16 inputs.
+// The shapes the CUDA harness runs and their seeded inputs.
 #ifndef FA_GPU_CASES_H
 #define FA_GPU_CASES_H
 
@@ -7,26 +7,45 @@
 
 #include "reference.h"
 
-// One problem with a stable name such as "d40_b1_h8x2_q33_k77_causal" (head_dim, batch,
-// num_heads x num_kv_heads, seqlen_q, seqlen_k, mask, and "_s<scale>" for a non-default scale).
+// Where a case's tensors live on the device (layout.h places them; the host tensors of
+// reference.h are always contiguous):
+//   bhsd    contiguous (batch, heads, seqlen, head_dim), the library's default;
+//   bshd    FlashAttention's (batch, seqlen, heads, head_dim) for every tensor;
+//   qkv     q, k and v slices of one packed (batch, seqlen, heads + 2 kv_heads, head_dim)
+//           projection (q = qkv[:, :, :H], k = qkv[:, :, H:H+Hkv], v = the rest), dq, dk and
+//           dv the same slices of one packed gradient; out and dout bshd (needs seqlen_q =
+//           seqlen_k and head_dim_v = head_dim);
+//   gapped  every tensor with padding between rows, heads and batches (odd strides).
+enum class Layout { bhsd, bshd, qkv, gapped };
+
+// One problem with a stable name such as "f16_d40_b1_h8x2_q33_k77_causal": dtype, head_dim (and
+// "v<head_dim_v>" when it differs), batch, num_heads x num_kv_heads, seqlen_q, seqlen_k, mask,
+// "_s<scale>" for a non-default scale and "_<layout>" for a layout other than bhsd.
 struct TestCase {
     std::string name;
     AttentionShape shape;
+    Layout layout;
 };
 
-// The accuracy grid: every head-dim bucket (head_dim 1, 3, 32, 40, 59, 64, 80, 96, 104, 128, 160,
-// 192, 200, 256), causal on and off, GQA 8/2 and MQA, cross-attention both ways (with causal
-// empty rows), decode (seqlen_q 1), batch 2, odd lengths, a few longer sequences and scales, and
-// short GQA queries (2-8 rows) for the split-KV forward.
+// The accuracy grid: float16 over every head-dim bucket (head_dim 1, 3, 32, 40, 59, 64, 80, 96,
+// 104, 128, 160, 192, 200, 256), causal on and off, GQA 8/2 and MQA, cross-attention both ways
+// (with causal empty rows), decode (seqlen_q 1), batch 2, odd lengths, longer sequences and
+// scales, short GQA queries (2-8 rows) for the split-KV forward; bfloat16 and float32 over every
+// bucket of their tables with the same kinds of shape; strided layouts (bshd, packed qkv, gapped)
+// and head_dim_v != head_dim (DeepSeek's MLA pair 192/128 among them) in every dtype.
 std::vector<TestCase> full_grid();
 
-// The sanitizer grid: 26 cases, seqlen <= 100, at least three per head-dim bucket, the same kinds
-// of shape (GQA, MQA, cross-attention both ways, decode and short GQA queries that also run the
-// split-KV forward, causal empty rows, a custom scale).
+// The sanitizer grid: about 30 cases, seqlen <= 100, covering every dtype, the buckets, GQA, MQA,
+// cross-attention both ways, decode and short GQA queries (split-KV forward), causal empty rows,
+// strided layouts, head_dim_v != head_dim and float32 at head_dim 256 (whose backward kernels
+// share one tile buffer).
 std::vector<TestCase> small_grid();
 
-// q, k, v and dout drawn from N(0, 1) and rounded to float16, seeded by the case name (so a
-// filtered run sees the same inputs as the full one).
+// The layout's name as in case names ("bhsd", "bshd", "qkv", "gapped").
+const char *layout_name(Layout layout);
+
+// q, k, v and dout drawn from N(0, 1) and rounded to the case's dtype, seeded by the case name (so
+// a filtered run sees the same inputs as the full one).
 AttentionInputs random_inputs(const TestCase &test_case);
 
 #endif

@@ -1,16 +1,18 @@
 // CUDA accuracy harness for the kernels of Shaders/flash_attention.metal (see kernels.cu).
 //
-// For every case of the grid (cases.cpp): seeded float16 inputs, forward then backward on the GPU
-// (three dispatches: delta, dQ, dK/dV, on the out and lse the forward returned), and for short
+// For every case of the grid (cases.cpp): seeded inputs in the case's dtype (float16, bfloat16 or
+// float32), placed on the device in the case's layout (layout.h: contiguous, bshd, slices of a
+// packed qkv tensor, or rows with gaps; the kernels get the strides), forward then backward on the
+// GPU (three dispatches: delta, dQ, dK/dV, on the out and lse the forward returned), and for short
 // queries (at most FA_SPLIT_MAX_QUERY_ROWS rows) the split-KV forward as well, compared with the
-// float64 reference under the accuracy rule with the float16 baseline (reference.cpp,
-// accuracy.cpp); rows that see no key must give out 0, lse -inf and dq 0; a second run with
-// differently poisoned output buffers must be bit-identical (determinism, and no output element
-// left unwritten).
+// float64 reference under the accuracy rule with the dtype's baseline (reference.cpp,
+// accuracy.cpp); rows that see no key must give out 0, lse -inf and dq 0; no element of an output
+// buffer outside the output tensors' views may change; a second run with differently poisoned
+// output buffers must be bit-identical (determinism, and no output element left unwritten).
 //
 // Usage: harness [--small] [--case SUBSTRING] [--once] [--bench] [--help]
-//   --small   the 26-case sanitizer grid instead of the full one
-//   --case S  only cases whose name contains S (e.g. d40_, causal, h8x2)
+//   --small   the sanitizer grid instead of the full one
+//   --case S  only cases whose name contains S (e.g. d40_, bf16_, causal, h8x2, v128, qkv)
 //   --once    one GPU run per case (no determinism rerun; for the slow sanitizer tools), the
 //             workspaces (delta, split-KV partials) not poisoned (for initcheck)
 //   --bench   instead of the grid, time forward and backward on larger shapes (no checks)
@@ -22,13 +24,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "accuracy.h"
-#include "device_array.h"
 #include "cases.h"
+#include "device_array.h"
 #include "kernels.h"
+#include "layout.h"
 
 namespace {
 
@@ -39,29 +43,45 @@ struct Options {
     std::string filter;
 };
 
-// split_out and split_lse: the split-KV forward's results, empty when the case does not take it.
+// Tensors come back in the logical order of reference.h, as float values of the dtype. split_out
+// and split_lse: the split-KV forward's results, empty when the case does not take it.
+// stray_writes: elements of output buffers outside every output tensor's view that a kernel
+// changed (must be 0).
 struct GpuResult {
-    std::vector<uint16_t> out, dq, dk, dv, split_out;
+    std::vector<float> out, dq, dk, dv, split_out;
     std::vector<float> lse, split_lse;
+    size_t stray_writes = 0;
 
     bool operator==(const GpuResult &o) const {
-        return out == o.out && dq == o.dq && dk == o.dk && dv == o.dv &&
-               split_out == o.split_out && same_bits(lse, o.lse) &&
+        return same_bits(out, o.out) && same_bits(dq, o.dq) && same_bits(dk, o.dk) &&
+               same_bits(dv, o.dv) && same_bits(split_out, o.split_out) && same_bits(lse, o.lse) &&
                same_bits(split_lse, o.split_lse);
     }
+    // Bitwise (decoding a dtype to float is injective, so equal floats mean equal elements).
     static bool same_bits(const std::vector<float> &a, const std::vector<float> &b) {
-        return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+        return a.size() == b.size() &&
+               std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
     }
 };
 
-FlashAttentionParams params_of(const AttentionShape &s) {
+int fa_dtype(DType dtype) {
+    return dtype == DType::f16 ? FA_DTYPE_F16 : dtype == DType::bf16 ? FA_DTYPE_BF16 : FA_DTYPE_F32;
+}
+
+FlashAttentionParams params_of(const AttentionShape &s, const DeviceLayout &layout) {
     FlashAttentionParams p;
+    FlashAttentionStrides *strides[kRoleCount] = {&p.q,    &p.k,  &p.v,  &p.out,
+                                                  &p.dout, &p.dq, &p.dk, &p.dv};
+    for (int role = 0; role < kRoleCount; ++role) {
+        *strides[role] = layout.tensors[role].strides;
+    }
     p.batch = fa_u32(s.batch);
     p.num_heads = fa_u32(s.num_heads);
     p.num_kv_heads = fa_u32(s.num_kv_heads);
     p.seqlen_q = fa_u32(s.seqlen_q);
     p.seqlen_k = fa_u32(s.seqlen_k);
     p.head_dim = fa_u32(s.head_dim);
+    p.head_dim_v = fa_u32(s.head_dim_v);
     p.causal = s.causal ? 1u : 0u;
     p.softmax_scale = s.softmax_scale;
     p.kv_chunks = 1;  // the dense kernels' values, as the Metal plan sets them
@@ -75,66 +95,140 @@ constexpr unsigned kSplitChunks = 3;
 
 // The parameters of the split-KV forward when the Metal plan could take it for this shape (at
 // most FA_SPLIT_MAX_QUERY_ROWS query rows) and the keys make at least two chunks; false otherwise.
-bool split_params(const FlashAttentionParams &dense, FlashAttentionParams *split) {
+bool split_params(const FlashAttentionParams &dense, int dtype, FlashAttentionParams *split) {
     *split = dense;
-    return dense.seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS && fa_cuda_split_keys(split, kSplitChunks) &&
-           split->kv_chunks >= 2;
+    return dense.seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS &&
+           fa_cuda_split_keys(split, dtype, kSplitChunks) && split->kv_chunks >= 2;
 }
 
+// The device buffers of one case, laid out by layout.h.
+class CaseBuffers {
+public:
+    CaseBuffers(const AttentionShape &shape, const DeviceLayout &layout)
+        : shape_(shape), layout_(layout), size_(dtype_size(shape.dtype)) {
+        for (size_t elements : layout.buffer_elements) {
+            buffers_.push_back(std::make_unique<DeviceArray<unsigned char>>(elements * size_));
+        }
+    }
+
+    // Uploads the input tensors into buffers whose other bytes are 0xff (NaN in every dtype), so
+    // that a kernel reading outside a view gets NaN.
+    void upload_inputs(const AttentionInputs &in) {
+        std::vector<std::vector<unsigned char>> images(buffers_.size());
+        const std::pair<Role, const std::vector<float> *> inputs[] = {
+            {kQ, &in.q}, {kK, &in.k}, {kV, &in.v}, {kDout, &in.dout}};
+        for (const auto &input : inputs) {
+            const Placement &where = layout_.tensors[input.first];
+            std::vector<unsigned char> &image = images[size_t(where.buffer)];
+            if (image.empty()) {
+                image.assign(layout_.buffer_elements[size_t(where.buffer)] * size_, 0xff);
+            }
+            scatter(shape_, where, *input.second, &image);
+        }
+        for (size_t i = 0; i < images.size(); ++i) {
+            if (!images[i].empty()) {
+                buffers_[i]->upload(images[i]);
+            }
+        }
+    }
+
+    // Sets every byte of the buffers holding `roles` to `poison`.
+    void poison(std::initializer_list<Role> roles, unsigned char poison) {
+        for (Role role : roles) {
+            buffers_[size_t(layout_.tensors[role].buffer)]->fill_bytes(poison);
+        }
+    }
+
+    // The role's tensor in the logical order; adds to *stray the elements of its buffer outside
+    // every view that no longer hold `poison` bytes (each buffer checked once per call of
+    // `collect`).
+    std::vector<float> download(Role role, unsigned char poison, size_t *stray) {
+        const int buffer = layout_.tensors[role].buffer;
+        const std::vector<unsigned char> image = buffers_[size_t(buffer)]->download();
+        if (std::find(checked_.begin(), checked_.end(), buffer) == checked_.end()) {
+            checked_.push_back(buffer);
+            const std::vector<bool> mask = gaps(shape_, layout_, buffer);
+            for (size_t e = 0; e < mask.size(); ++e) {
+                if (mask[e] && std::any_of(image.begin() + long(e * size_),
+                                           image.begin() + long((e + 1) * size_),
+                                           [&](unsigned char byte) { return byte != poison; })) {
+                    ++*stray;
+                }
+            }
+        }
+        return gather(shape_, layout_.tensors[role], image);
+    }
+
+    // Starts a new round of downloads (a buffer written again is checked again).
+    void collect() { checked_.clear(); }
+
+    void *operator[](Role role) const {
+        const Placement &where = layout_.tensors[role];
+        return buffers_[size_t(where.buffer)]->get() + where.offset * size_;
+    }
+
+private:
+    const AttentionShape &shape_;
+    const DeviceLayout &layout_;
+    size_t size_;
+    std::vector<std::unique_ptr<DeviceArray<unsigned char>>> buffers_;
+    std::vector<int> checked_;
+};
+
 // Forward, then backward (delta, dQ, dK/dV) on the forward's out and lse, with outputs pre-filled
-// with `poison`; then, for a short query (split_params), the split-KV forward into outputs of its
-// own. The workspaces (delta, partial_out, partial_lse) get the poison too when `poison_workspace`
-// (a kernel reading an element that no kernel wrote then fails the rule); without it, they stay
-// as cudaMalloc returns them, so that initcheck reports such a read.
-GpuResult run_on_gpu(const AttentionShape &s, const AttentionInputs &in, unsigned char poison,
+// with `poison`; then, for a short query (split_params), the split-KV forward into the poisoned
+// out again. The workspaces (delta, partial_out, partial_lse) get the poison too when
+// `poison_workspace` (a kernel reading an element that no kernel wrote then fails the rule);
+// without it, they stay as cudaMalloc returns them, so that initcheck reports such a read.
+GpuResult run_on_gpu(const TestCase &c, const AttentionInputs &in, unsigned char poison,
                      bool poison_workspace) {
-    const FlashAttentionParams p = params_of(s);
-    DeviceArray<uint16_t> q(s.q_elements()), k(s.kv_elements()), v(s.kv_elements()),
-        dout(s.q_elements()), out(s.q_elements()), dq(s.q_elements()), dk(s.kv_elements()),
-        dv(s.kv_elements());
+    const AttentionShape &s = c.shape;
+    const DeviceLayout layout = place(s, c.layout);
+    const FlashAttentionParams p = params_of(s, layout);
+    const int dtype = fa_dtype(s.dtype);
+    CaseBuffers t(s, layout);
     DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p));
-    q.upload(in.q);
-    k.upload(in.k);
-    v.upload(in.v);
-    dout.upload(in.dout);
-    out.fill_bytes(poison);
+    t.upload_inputs(in);
+    t.poison({kOut, kDq, kDk, kDv}, poison);
     lse.fill_bytes(poison);
-    dq.fill_bytes(poison);
-    dk.fill_bytes(poison);
-    dv.fill_bytes(poison);
     if (poison_workspace) {
         delta.fill_bytes(poison);
     }
-    check(fa_cuda_forward(p, q.get(), k.get(), v.get(), out.get(), lse.get()), "forward launch");
+    check(fa_cuda_forward(p, dtype, t[kQ], t[kK], t[kV], t[kOut], lse.get()), "forward launch");
     check(cudaDeviceSynchronize(), "forward");
-    check(fa_cuda_backward(p, dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(),
-                           delta.get(), dq.get(), dk.get(), dv.get()),
+    check(fa_cuda_backward(p, dtype, t[kDout], t[kQ], t[kK], t[kV], t[kOut], lse.get(),
+                           delta.get(), t[kDq], t[kDk], t[kDv]),
           "backward launch");
     check(cudaDeviceSynchronize(), "backward");
-    GpuResult result{out.download(), dq.download(), dk.download(), dv.download(), {},
-                     lse.download(), {}};
+    GpuResult result;
+    result.out = t.download(kOut, poison, &result.stray_writes);
+    result.dq = t.download(kDq, poison, &result.stray_writes);
+    result.dk = t.download(kDk, poison, &result.stray_writes);
+    result.dv = t.download(kDv, poison, &result.stray_writes);
+    result.lse = lse.download();
     FlashAttentionParams sp;
-    if (split_params(p, &sp)) {
+    if (split_params(p, dtype, &sp)) {
         const size_t partials = s.lse_elements() * sp.kv_chunks;
-        DeviceArray<float> partial_out(partials * s.head_dim), partial_lse(partials);
+        DeviceArray<float> partial_out(partials * size_t(s.head_dim_v)), partial_lse(partials);
         if (poison_workspace) {
             partial_out.fill_bytes(poison);
             partial_lse.fill_bytes(poison);
         }
-        out.fill_bytes(poison);
+        t.poison({kOut}, poison);
         lse.fill_bytes(poison);
-        check(fa_cuda_forward_split(sp, q.get(), k.get(), v.get(), out.get(), lse.get(),
+        check(fa_cuda_forward_split(sp, dtype, t[kQ], t[kK], t[kV], t[kOut], lse.get(),
                                     partial_out.get(), partial_lse.get()),
               "split forward launch");
         check(cudaDeviceSynchronize(), "split forward");
-        result.split_out = out.download();
+        t.collect();
+        result.split_out = t.download(kOut, poison, &result.stray_writes);
         result.split_lse = lse.download();
     }
     return result;
 }
 
-// The closest any case came to the bounds of the rule: the largest ratio error / base error for
-// out and for the gradients, and the largest lse relative error, each with its case.
+// The closest any case came to the bounds of the rule, per dtype: the largest ratio error / base
+// error for out and for the gradients, and the largest lse relative error, each with its case.
 struct Margins {
     double out_ratio = 0.0, grad_ratio = 0.0, lse_error = 0.0;
     std::string out_case, grad_case, lse_case;
@@ -158,30 +252,37 @@ struct Margins {
 
 // Runs and judges one case; prints its line, records its margins and returns whether it passed.
 bool run_case(const TestCase &c, const Options &options, Margins *margins) {
+    const AttentionShape &s = c.shape;
     const AttentionInputs in = random_inputs(c);
     // --once is the sanitizer run: workspaces stay unwritten for initcheck (see run_on_gpu).
-    const GpuResult gpu = run_on_gpu(c.shape, in, 0xff, options.repeat);
-    const bool deterministic = !options.repeat || run_on_gpu(c.shape, in, 0x7f, true) == gpu;
-    const ReferenceResult ref = reference_attention(c.shape, in);
-    const BaseResult base = base_attention(c.shape, in);
+    const GpuResult gpu = run_on_gpu(c, in, 0xff, options.repeat);
+    GpuResult again;
+    if (options.repeat) {
+        again = run_on_gpu(c, in, 0x7f, true);
+    }
+    const bool deterministic = !options.repeat || again == gpu;
+    const size_t stray_writes = gpu.stray_writes + again.stray_writes;
+    const ReferenceResult ref = reference_attention(s, in);
+    const BaseResult base = base_attention(s, in);
     std::vector<Metric> metrics = {
-        tensor_metric("out", gpu.out, base.out, ref.out, kOutFactor),
+        tensor_metric("out", gpu.out, base.out, ref.out, kOutFactor, s.dtype),
         lse_metric(gpu.lse, ref.lse),
-        tensor_metric("dq", gpu.dq, base.dq, ref.dq, kGradFactor),
-        tensor_metric("dk", gpu.dk, base.dk, ref.dk, kGradFactor),
-        tensor_metric("dv", gpu.dv, base.dv, ref.dv, kGradFactor),
+        tensor_metric("dq", gpu.dq, base.dq, ref.dq, kGradFactor, s.dtype),
+        tensor_metric("dk", gpu.dk, base.dk, ref.dk, kGradFactor, s.dtype),
+        tensor_metric("dv", gpu.dv, base.dv, ref.dv, kGradFactor, s.dtype),
     };
     int empty_rows = 0;
-    bool empty_ok = empty_rows_correct(c.shape, gpu.out, gpu.lse, gpu.dq, &empty_rows);
+    bool empty_ok = empty_rows_correct(s, gpu.out, gpu.lse, gpu.dq, &empty_rows);
     if (!gpu.split_out.empty()) {
-        metrics.push_back(tensor_metric("out(split)", gpu.split_out, base.out, ref.out, kOutFactor));
+        metrics.push_back(
+            tensor_metric("out(split)", gpu.split_out, base.out, ref.out, kOutFactor, s.dtype));
         metrics.push_back(lse_metric(gpu.split_lse, ref.lse));
         metrics.back().name = "lse(split)";
         int split_empty_rows = 0;
-        empty_ok = empty_ok && empty_rows_correct(c.shape, gpu.split_out, gpu.split_lse, gpu.dq,
-                                                  &split_empty_rows);
+        empty_ok = empty_ok &&
+                   empty_rows_correct(s, gpu.split_out, gpu.split_lse, gpu.dq, &split_empty_rows);
     }
-    bool passed = empty_ok && deterministic;
+    bool passed = empty_ok && deterministic && stray_writes == 0;
     std::string detail;
     char text[160];
     for (const Metric &m : metrics) {
@@ -198,71 +299,90 @@ bool run_case(const TestCase &c, const Options &options, Margins *margins) {
         }
         detail += text;
     }
-    std::snprintf(text, sizeof text, " empty %d%s%s", empty_rows, empty_ok ? "" : "(FAIL)",
-                  !options.repeat ? "" : deterministic ? " deterministic" : " NONDETERMINISTIC");
+    std::snprintf(text, sizeof text, " empty %d%s%s%s", empty_rows, empty_ok ? "" : "(FAIL)",
+                  !options.repeat ? "" : deterministic ? " deterministic" : " NONDETERMINISTIC",
+                  stray_writes == 0 ? "" : " WRITES-OUTSIDE-VIEWS");
     detail += text;
-    std::printf("%-4s %-36s%s\n", passed ? "ok" : "FAIL", c.name.c_str(), detail.c_str());
+    if (stray_writes != 0) {
+        std::snprintf(text, sizeof text, "(%zu elements)(FAIL)", stray_writes);
+        detail += text;
+    }
+    std::printf("%-4s %-44s%s\n", passed ? "ok" : "FAIL", c.name.c_str(), detail.c_str());
     std::fflush(stdout);
     return passed;
 }
 
-// Times forward and backward (median of 5 after a warm-up) on shapes of real models.
+// Times forward and backward (median of 5 after a warm-up) on shapes of real models, in every
+// dtype, contiguous layout.
 void run_bench() {
     struct Shape {
-        int batch, heads, seqlen, head_dim;
+        int batch, heads, seqlen, head_dim, head_dim_v;
         bool causal;
     };
-    const Shape shapes[] = {{4, 16, 1024, 64, false},  {4, 16, 1024, 64, true},
-                            {4, 16, 2048, 128, false}, {4, 16, 2048, 128, true},
-                            {2, 8, 2048, 256, true}};
+    const Shape shapes[] = {{4, 16, 1024, 64, 64, false},   {4, 16, 1024, 64, 64, true},
+                            {4, 16, 2048, 128, 128, false}, {4, 16, 2048, 128, 128, true},
+                            {2, 8, 2048, 256, 256, true},   {2, 16, 2048, 192, 128, true}};
     cudaEvent_t start, stop;
     check(cudaEventCreate(&start), "cudaEventCreate");
     check(cudaEventCreate(&stop), "cudaEventCreate");
-    for (const Shape &b : shapes) {
-        const AttentionShape s{b.batch, b.heads, b.heads, b.seqlen, b.seqlen, b.head_dim,
-                               b.causal, 0.125f};
-        DeviceArray<uint16_t> q(s.q_elements()), k(s.kv_elements()), v(s.kv_elements()),
-            dout(s.q_elements()), out(s.q_elements()), dq(s.q_elements()), dk(s.kv_elements()),
-            dv(s.kv_elements());
-        const FlashAttentionParams p = params_of(s);
-        DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p));
-        // Bytes 0x20 make every half 0x2020, about 0.008: finite inputs, which is all timing needs.
-        for (DeviceArray<uint16_t> *a : {&q, &k, &v, &dout}) {
-            a->fill_bytes(0x20);
-        }
-        float times[2][5];
-        for (int rep = -1; rep < 5; ++rep) {
-            for (int pass = 0; pass < 2; ++pass) {
-                check(cudaEventRecord(start), "cudaEventRecord");
-                if (pass == 0) {
-                    check(fa_cuda_forward(p, q.get(), k.get(), v.get(), out.get(), lse.get()),
-                          "forward launch");
-                } else {
-                    check(fa_cuda_backward(p, dout.get(), q.get(), k.get(), v.get(), out.get(),
-                                           lse.get(), delta.get(), dq.get(), dk.get(), dv.get()),
-                          "backward launch");
-                }
-                check(cudaEventRecord(stop), "cudaEventRecord");
-                check(cudaEventSynchronize(stop), "bench");
-                if (rep >= 0) {
-                    check(cudaEventElapsedTime(&times[pass][rep], start, stop), "elapsed");
+    for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
+        for (const Shape &b : shapes) {
+            const AttentionShape s{b.batch, b.heads,      b.heads,  b.seqlen, b.seqlen,
+                                   b.head_dim, b.head_dim_v, b.causal, 0.125f,   dtype};
+            const DeviceLayout layout = place(s, Layout::bhsd);
+            const FlashAttentionParams p = params_of(s, layout);
+            CaseBuffers t(s, layout);
+            DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p));
+            // Finite inputs in [-0.4, 0.4], which is all timing needs.
+            AttentionInputs in;
+            for (auto *x : {&in.q, &in.k, &in.v, &in.dout}) {
+                const size_t n = x == &in.q ? s.q_elements() : x == &in.k ? s.k_elements()
+                                 : x == &in.v ? s.v_elements() : s.out_elements();
+                x->resize(n);
+                for (size_t i = 0; i < n; ++i) {
+                    (*x)[i] = float(int(i * 7919 % 17) - 8) * 0.05f;
                 }
             }
+            t.upload_inputs(in);
+            const int fa = fa_dtype(dtype);
+            float times[2][5];
+            for (int rep = -1; rep < 5; ++rep) {
+                for (int pass = 0; pass < 2; ++pass) {
+                    check(cudaEventRecord(start), "cudaEventRecord");
+                    if (pass == 0) {
+                        check(fa_cuda_forward(p, fa, t[kQ], t[kK], t[kV], t[kOut], lse.get()),
+                              "forward launch");
+                    } else {
+                        check(fa_cuda_backward(p, fa, t[kDout], t[kQ], t[kK], t[kV], t[kOut],
+                                               lse.get(), delta.get(), t[kDq], t[kDk], t[kDv]),
+                              "backward launch");
+                    }
+                    check(cudaEventRecord(stop), "cudaEventRecord");
+                    check(cudaEventSynchronize(stop), "bench");
+                    if (rep >= 0) {
+                        check(cudaEventElapsedTime(&times[pass][rep], start, stop), "elapsed");
+                    }
+                }
+            }
+            // FlashAttention's convention: forward 2*B*H*N*N*(D + Dv) flops (4*B*H*N*N*D when
+            // Dv = D; half when causal), backward 2.5 times the forward.
+            const double forward_flops = 2.0 * b.batch * b.heads * double(b.seqlen) * b.seqlen *
+                                         (b.head_dim + b.head_dim_v) / (b.causal ? 2.0 : 1.0);
+            double ms[2];
+            for (int pass = 0; pass < 2; ++pass) {
+                std::sort(times[pass], times[pass] + 5);
+                ms[pass] = times[pass][2];
+            }
+            char dims[32];
+            std::snprintf(dims, sizeof dims, b.head_dim_v == b.head_dim ? "d%d" : "d%dv%d",
+                          b.head_dim, b.head_dim_v);
+            std::printf("bench %-4s %-8s b%d h%d n%d %-6s forward %8.2f ms %6.2f TFLOP/s  "
+                        "backward %8.2f ms %6.2f TFLOP/s\n",
+                        dtype_name(dtype), dims, b.batch, b.heads, b.seqlen,
+                        b.causal ? "causal" : "full", ms[0], forward_flops / (ms[0] * 1e9), ms[1],
+                        2.5 * forward_flops / (ms[1] * 1e9));
+            std::fflush(stdout);
         }
-        // FlashAttention's convention: forward 4*B*H*N*N*D flops (half when causal),
-        // backward 2.5 times the forward.
-        const double forward_flops = 4.0 * b.batch * b.heads * double(b.seqlen) * b.seqlen *
-                                     b.head_dim / (b.causal ? 2.0 : 1.0);
-        double ms[2];
-        for (int pass = 0; pass < 2; ++pass) {
-            std::sort(times[pass], times[pass] + 5);
-            ms[pass] = times[pass][2];
-        }
-        std::printf("bench d%d b%d h%d n%d %-6s forward %8.2f ms %6.2f TFLOP/s  backward %8.2f ms "
-                    "%6.2f TFLOP/s\n",
-                    b.head_dim, b.batch, b.heads, b.seqlen, b.causal ? "causal" : "full", ms[0],
-                    forward_flops / (ms[0] * 1e9), ms[1], 2.5 * forward_flops / (ms[1] * 1e9));
-        std::fflush(stdout);
     }
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
@@ -281,7 +401,7 @@ bool parse(int argc, char **argv, Options *options) {
             options->filter = argv[++i];
         } else if (arg == "--help") {
             std::printf("usage: harness [--small] [--case SUBSTRING] [--once] [--bench]\n"
-                        "  --small   the 26-case sanitizer grid instead of the full one\n"
+                        "  --small   the sanitizer grid instead of the full one\n"
                         "  --case S  only cases whose name contains S\n"
                         "  --once    no determinism rerun, workspaces not poisoned\n"
                         "  --bench   time larger shapes instead of checking\n");
@@ -339,20 +459,26 @@ int main(int argc, char **argv) {
     }
     int run = 0;
     int mismatches = 0;
-    Margins margins;
+    Margins margins[3];  // per DType
     try {
         print_device();
         for (const TestCase &c : cases) {
             ++run;
-            mismatches += run_case(c, options, &margins) ? 0 : 1;
+            mismatches += run_case(c, options, &margins[int(c.shape.dtype)]) ? 0 : 1;
         }
-        std::printf("worst ratio to base: out %.2f (%s; bound 2), gradients %.2f (%s; bound 3); "
-                    "worst lse relative error %.1e (%s; bound 1e-4)\n",
-                    margins.out_ratio, margins.out_case.c_str(), margins.grad_ratio,
-                    margins.grad_case.c_str(), margins.lse_error, margins.lse_case.c_str());
+        for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
+            const Margins &m = margins[int(dtype)];
+            if (m.out_case.empty() && m.lse_case.empty()) {
+                continue;  // no case of this dtype ran
+            }
+            std::printf("%s worst ratio to base: out %.2f (%s; bound 2), gradients %.2f (%s; "
+                        "bound 3); worst lse relative error %.1e (%s; bound 1e-4)\n",
+                        dtype_name(dtype), m.out_ratio, m.out_case.c_str(), m.grad_ratio,
+                        m.grad_case.c_str(), m.lse_error, m.lse_case.c_str());
+        }
         std::printf("cuda-accuracy: %d cases, %d mismatches\n", run, mismatches);
     } catch (const CudaFailure &failure) {
-        std::printf("FAIL %-36s CUDA error: %s\n", run > 0 ? cases[run - 1].name.c_str() : "-",
+        std::printf("FAIL %-44s CUDA error: %s\n", run > 0 ? cases[run - 1].name.c_str() : "-",
                     failure.message.c_str());
         std::printf("cuda-accuracy: %d cases, %d mismatches (stopped at a CUDA error)\n", run,
                     mismatches + 1);

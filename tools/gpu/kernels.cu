@@ -17,9 +17,6 @@ static_assert(kThreads % kSimdWidth == 0, "threadgroups are whole SIMD-groups");
 
 unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
 
-const half *as_half(const uint16_t *p) { return reinterpret_cast<const half *>(p); }
-half *as_half(uint16_t *p) { return reinterpret_cast<half *>(p); }
-
 }  // namespace
 
 // The MSL built-ins from CUDA's: every threadgroup is 1-D, so thread_index_in_threadgroup is
@@ -31,168 +28,325 @@ half *as_half(uint16_t *p) { return reinterpret_cast<half *>(p); }
 // One __global__ launcher per MSL kernel (MSL passes the built-ins as parameters, CUDA has them
 // as blockIdx/threadIdx). The parameter struct travels by value (kernel parameter space,
 // read-only like Metal's constant address space).
-__global__ void __launch_bounds__(kThreads)
-    fa_cuda_forward_combine_kernel(const half *q, const half *k, const half *v, half *out,
-                                   float *lse, FlashAttentionParams params,
-                                   const float *partial_out, const float *partial_lse) {
-    flash_attention_forward_combine(q, k, v, out, lse, params, partial_out, partial_lse,
-                                    FA_CUDA_TGID, threadIdx.x);
-}
 
-__global__ void __launch_bounds__(kThreads)
-    fa_cuda_backward_delta_kernel(const half *dout, const half *q, const half *k, const half *v,
-                                  const half *out, const float *lse, FlashAttentionParams params,
-                                  float *delta) {
-    flash_attention_backward_delta(dout, q, k, v, out, lse, params, delta, FA_CUDA_TGID,
-                                   threadIdx.x);
-}
-
-#define FA_CUDA_LAUNCHERS(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                        \
-    __global__ void __launch_bounds__(kThreads)                                                    \
-        fa_cuda_forward_d##DP(const half *q, const half *k, const half *v, half *out, float *lse,  \
-                              FlashAttentionParams params) {                                       \
-        flash_attention_forward_d##DP(q, k, v, out, lse, params, FA_CUDA_TGID, FA_CUDA_SGID,      \
-                                      FA_CUDA_LANE);                                               \
+// The kernels of one dtype that do not depend on the bucket.
+#define FA_CUDA_DTYPE_LAUNCHERS(T, SUFFIX)                                                         \
+    __global__ void __launch_bounds__(kThreads) fa_cuda_forward_combine_##SUFFIX(                  \
+        const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
+        const float *partial_out, const float *partial_lse) {                                      \
+        flash_attention_forward_combine_##SUFFIX(q, k, v, out, lse, params, partial_out,          \
+                                                 partial_lse, FA_CUDA_TGID, threadIdx.x);          \
     }                                                                                              \
-    __global__ void __launch_bounds__(kThreads) fa_cuda_forward_split_d##DP(                       \
-        const half *q, const half *k, const half *v, half *out, float *lse,                       \
-        FlashAttentionParams params, float *partial_out, float *partial_lse) {                    \
-        flash_attention_forward_split_d##DP(q, k, v, out, lse, params, partial_out, partial_lse,  \
-                                            FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);             \
-    }                                                                                              \
-    __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dq_d##DP(                         \
-        const half *dout, const half *q, const half *k, const half *v, const half *out,           \
-        const float *lse, FlashAttentionParams params, const float *delta, half *dq) {            \
-        flash_attention_backward_dq_d##DP(dout, q, k, v, out, lse, params, delta, dq,             \
-                                          FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);               \
-    }                                                                                              \
-    __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dkv_d##DP(                        \
-        const half *dout, const half *q, const half *k, const half *v, const half *out,           \
-        const float *lse, FlashAttentionParams params, const float *delta, half *dk, half *dv) {  \
-        flash_attention_backward_dkv_d##DP(dout, q, k, v, out, lse, params, delta, dk, dv,        \
-                                           FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);              \
+    __global__ void __launch_bounds__(kThreads) fa_cuda_backward_delta_##SUFFIX(                   \
+        const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
+        FlashAttentionParams params, float *delta) {                                               \
+        flash_attention_backward_delta_##SUFFIX(dout, q, k, v, out, lse, params, delta,           \
+                                                FA_CUDA_TGID, threadIdx.x);                        \
     }
 
-FA_HEAD_DIM_BUCKETS(FA_CUDA_LAUNCHERS)
+// The kernels of one dtype and head-dim bucket.
+#define FA_CUDA_LAUNCHERS(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)             \
+    __global__ void __launch_bounds__(kThreads) fa_cuda_forward_##SUFFIX##_d##DP(                  \
+        const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params) {     \
+        flash_attention_forward_##SUFFIX##_d##DP(q, k, v, out, lse, params, FA_CUDA_TGID,          \
+                                                 FA_CUDA_SGID, FA_CUDA_LANE);                      \
+    }                                                                                              \
+    __global__ void __launch_bounds__(kThreads) fa_cuda_forward_split_##SUFFIX##_d##DP(            \
+        const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
+        float *partial_out, float *partial_lse) {                                                  \
+        flash_attention_forward_split_##SUFFIX##_d##DP(q, k, v, out, lse, params, partial_out,     \
+                                                       partial_lse, FA_CUDA_TGID, FA_CUDA_SGID,    \
+                                                       FA_CUDA_LANE);                              \
+    }                                                                                              \
+    __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dq_##SUFFIX##_d##DP(              \
+        const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
+        FlashAttentionParams params, const float *delta, T *dq) {                                  \
+        flash_attention_backward_dq_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta, dq,   \
+                                                     FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);    \
+    }                                                                                              \
+    __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dkv_##SUFFIX##_d##DP(             \
+        const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
+        FlashAttentionParams params, const float *delta, T *dk, T *dv) {                           \
+        flash_attention_backward_dkv_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta, dk,  \
+                                                      dv, FA_CUDA_TGID, FA_CUDA_SGID,              \
+                                                      FA_CUDA_LANE);                               \
+    }
+
+#define FA_CUDA_LAUNCHERS_F16(...) FA_CUDA_LAUNCHERS(half, f16, __VA_ARGS__)
+#define FA_CUDA_LAUNCHERS_BF16(...) FA_CUDA_LAUNCHERS(bfloat, bf16, __VA_ARGS__)
+#define FA_CUDA_LAUNCHERS_F32(...) FA_CUDA_LAUNCHERS(float, f32, __VA_ARGS__)
+FA_CUDA_DTYPE_LAUNCHERS(half, f16)
+FA_HEAD_DIM_BUCKETS(FA_CUDA_LAUNCHERS_F16)
+FA_CUDA_DTYPE_LAUNCHERS(bfloat, bf16)
+FA_HEAD_DIM_BUCKETS(FA_CUDA_LAUNCHERS_BF16)
+FA_CUDA_DTYPE_LAUNCHERS(float, f32)
+FA_HEAD_DIM_BUCKETS_F32(FA_CUDA_LAUNCHERS_F32)
+#undef FA_CUDA_LAUNCHERS_F16
+#undef FA_CUDA_LAUNCHERS_BF16
+#undef FA_CUDA_LAUNCHERS_F32
 #undef FA_CUDA_LAUNCHERS
+#undef FA_CUDA_DTYPE_LAUNCHERS
 #undef FA_CUDA_TGID
 #undef FA_CUDA_SGID
 #undef FA_CUDA_LANE
 
-// Each host function below picks the first bucket whose head_dim_max >= head_dim and launches
-// that bucket's kernel over the grid of the Metal dispatch plan (x fastest).
-cudaError_t fa_cuda_forward(const FlashAttentionParams &p, const uint16_t *q, const uint16_t *k,
-                            const uint16_t *v, uint16_t *out, float *lse) {
-#define FA_CUDA_FORWARD(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                          \
-    if (p.head_dim >= 1 && p.head_dim <= DP) {                                                     \
-        const dim3 grid(ceil_div(p.seqlen_q, FWD_BQ), p.num_heads, p.batch);                       \
-        fa_cuda_forward_d##DP<<<grid, kThreads>>>(as_half(q), as_half(k), as_half(v),              \
-                                                  as_half(out), lse, p);                           \
-        return cudaGetLastError();                                                                 \
+namespace {
+
+// One row of a dtype's bucket table: the block sizes the grids need (read from the table through
+// the X-macro, never written down twice) and that bucket's launchers.
+template <typename T>
+struct Bucket {
+    unsigned head_dim_max, forward_block_q, forward_block_k, dq_block_q, dkv_block_k;
+    void (*forward)(const T *, const T *, const T *, T *, float *, FlashAttentionParams);
+    void (*forward_split)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
+                          float *, float *);
+    void (*backward_dq)(const T *, const T *, const T *, const T *, const T *, const float *,
+                        FlashAttentionParams, const float *, T *);
+    void (*backward_dkv)(const T *, const T *, const T *, const T *, const T *, const float *,
+                         FlashAttentionParams, const float *, T *, T *);
+};
+
+// A dtype: its buckets and its bucket-independent kernels.
+template <typename T>
+struct DtypeKernels {
+    const Bucket<T> *buckets;
+    unsigned bucket_count;
+    void (*forward_combine)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
+                            const float *, const float *);
+    void (*backward_delta)(const T *, const T *, const T *, const T *, const T *, const float *,
+                           FlashAttentionParams, float *);
+
+    // The first bucket whose head_dim_max >= max(head_dim, head_dim_v); null when none is.
+    const Bucket<T> *bucket(const FlashAttentionParams &p) const {
+        if (p.head_dim < 1 || p.head_dim_v < 1) {
+            return nullptr;
+        }
+        const unsigned widest = p.head_dim > p.head_dim_v ? p.head_dim : p.head_dim_v;
+        for (unsigned i = 0; i < bucket_count; ++i) {
+            if (widest <= buckets[i].head_dim_max) {
+                return &buckets[i];
+            }
+        }
+        return nullptr;
     }
-    FA_HEAD_DIM_BUCKETS(FA_CUDA_FORWARD)
-#undef FA_CUDA_FORWARD
-    return cudaErrorInvalidValue;
+};
+
+#define FA_CUDA_BUCKET(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                \
+    Bucket<T>{DP,                                                                                  \
+              FWD_BQ,                                                                              \
+              FWD_BK,                                                                              \
+              DQ_BQ,                                                                               \
+              DKV_BK,                                                                              \
+              fa_cuda_forward_##SUFFIX##_d##DP,                                                    \
+              fa_cuda_forward_split_##SUFFIX##_d##DP,                                              \
+              fa_cuda_backward_dq_##SUFFIX##_d##DP,                                                \
+              fa_cuda_backward_dkv_##SUFFIX##_d##DP},
+#define FA_CUDA_BUCKET_F16(...) FA_CUDA_BUCKET(half, f16, __VA_ARGS__)
+#define FA_CUDA_BUCKET_BF16(...) FA_CUDA_BUCKET(bfloat, bf16, __VA_ARGS__)
+#define FA_CUDA_BUCKET_F32(...) FA_CUDA_BUCKET(float, f32, __VA_ARGS__)
+const Bucket<half> kF16Buckets[] = {FA_HEAD_DIM_BUCKETS(FA_CUDA_BUCKET_F16)};
+const Bucket<bfloat> kBF16Buckets[] = {FA_HEAD_DIM_BUCKETS(FA_CUDA_BUCKET_BF16)};
+const Bucket<float> kF32Buckets[] = {FA_HEAD_DIM_BUCKETS_F32(FA_CUDA_BUCKET_F32)};
+#undef FA_CUDA_BUCKET_F16
+#undef FA_CUDA_BUCKET_BF16
+#undef FA_CUDA_BUCKET_F32
+#undef FA_CUDA_BUCKET
+
+template <typename T, unsigned N>
+constexpr unsigned count_of(const T (&)[N]) {
+    return N;
 }
 
-bool fa_cuda_split_keys(FlashAttentionParams *p, unsigned chunks) {
-    if (chunks == 0) {
-        return false;
+const DtypeKernels<half> kF16{kF16Buckets, count_of(kF16Buckets), fa_cuda_forward_combine_f16,
+                              fa_cuda_backward_delta_f16};
+const DtypeKernels<bfloat> kBF16{kBF16Buckets, count_of(kBF16Buckets),
+                                 fa_cuda_forward_combine_bf16, fa_cuda_backward_delta_bf16};
+const DtypeKernels<float> kF32{kF32Buckets, count_of(kF32Buckets), fa_cuda_forward_combine_f32,
+                               fa_cuda_backward_delta_f32};
+
+// Calls f(kernels) with the dtype's table; cudaErrorInvalidValue for an unknown dtype.
+template <typename F>
+cudaError_t with_dtype(int dtype, F f) {
+    switch (dtype) {
+        case FA_DTYPE_F16:
+            return f(kF16);
+        case FA_DTYPE_BF16:
+            return f(kBF16);
+        case FA_DTYPE_F32:
+            return f(kF32);
+        default:
+            return cudaErrorInvalidValue;
     }
-#define FA_CUDA_SPLIT_KEYS(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                       \
-    if (p->head_dim >= 1 && p->head_dim <= DP) {                                                   \
-        p->kv_chunk_keys = ceil_div(ceil_div(p->seqlen_k, chunks), FWD_BK) * FWD_BK;               \
-        p->kv_chunks = ceil_div(p->seqlen_k, p->kv_chunk_keys);                                    \
-        return true;                                                                               \
-    }
-    FA_HEAD_DIM_BUCKETS(FA_CUDA_SPLIT_KEYS)
-#undef FA_CUDA_SPLIT_KEYS
-    return false;
 }
 
-cudaError_t fa_cuda_forward_split(const FlashAttentionParams &p, const uint16_t *q,
-                                  const uint16_t *k, const uint16_t *v, uint16_t *out, float *lse,
+template <typename T>
+const T *typed(const void *p) {
+    return static_cast<const T *>(p);
+}
+template <typename T>
+T *typed(void *p) {
+    return static_cast<T *>(p);
+}
+
+// The launches, per dtype. Each picks the dtype's bucket and launches its kernel over the grid of
+// the Metal dispatch plan (x fastest).
+template <typename T>
+cudaError_t forward(const DtypeKernels<T> &kernels, const FlashAttentionParams &p, const void *q,
+                    const void *k, const void *v, void *out, float *lse) {
+    const Bucket<T> *b = kernels.bucket(p);
+    if (b == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    const dim3 grid(ceil_div(p.seqlen_q, b->forward_block_q), p.num_heads, p.batch);
+    b->forward<<<grid, kThreads>>>(typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p);
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t split_keys(const DtypeKernels<T> &kernels, FlashAttentionParams *p, unsigned chunks) {
+    const Bucket<T> *b = kernels.bucket(*p);
+    if (b == nullptr || chunks == 0) {
+        return cudaErrorInvalidValue;
+    }
+    const unsigned tile = b->forward_block_k;
+    p->kv_chunk_keys = ceil_div(ceil_div(p->seqlen_k, chunks), tile) * tile;
+    p->kv_chunks = ceil_div(p->seqlen_k, p->kv_chunk_keys);
+    return cudaSuccess;
+}
+
+template <typename T>
+cudaError_t forward_split(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
+                          const void *q, const void *k, const void *v, void *out, float *lse,
+                          float *partial_out, float *partial_lse) {
+    const Bucket<T> *b = kernels.bucket(p);
+    if (b == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    const unsigned rows = p.num_heads / p.num_kv_heads * p.seqlen_q;
+    const unsigned row_blocks = ceil_div(rows, b->forward_block_q);
+    const dim3 grid(p.kv_chunks * row_blocks, p.num_kv_heads, p.batch);
+    b->forward_split<<<grid, kThreads>>>(typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse,
+                                         p, partial_out, partial_lse);
+    const cudaError_t error = cudaGetLastError();
+    if (error != cudaSuccess) {
+        return error;
+    }
+    kernels.forward_combine<<<dim3(p.seqlen_q, p.num_heads, p.batch), kThreads>>>(
+        typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p, partial_out, partial_lse);
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t backward_delta(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
+                           const void *dout, const void *q, const void *k, const void *v,
+                           const void *out, const float *lse, float *delta) {
+    if (kernels.bucket(p) == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    const dim3 grid(ceil_div(p.seqlen_q, FA_DELTA_BLOCK_ROWS), p.num_heads, p.batch);
+    kernels.backward_delta<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k),
+                                               typed<T>(v), typed<T>(out), lse, p, delta);
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t backward_dq(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
+                        const void *dout, const void *q, const void *k, const void *v,
+                        const void *out, const float *lse, const float *delta, void *dq) {
+    const Bucket<T> *b = kernels.bucket(p);
+    if (b == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    const dim3 grid(ceil_div(p.seqlen_q, b->dq_block_q), p.num_heads, p.batch);
+    b->backward_dq<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k), typed<T>(v),
+                                       typed<T>(out), lse, p, delta, typed<T>(dq));
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t backward_dkv(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
+                         const void *dout, const void *q, const void *k, const void *v,
+                         const void *out, const float *lse, const float *delta, void *dk,
+                         void *dv) {
+    const Bucket<T> *b = kernels.bucket(p);
+    if (b == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    const dim3 grid(ceil_div(p.seqlen_k, b->dkv_block_k), p.num_kv_heads, p.batch);
+    b->backward_dkv<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k), typed<T>(v),
+                                        typed<T>(out), lse, p, delta, typed<T>(dk), typed<T>(dv));
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+unsigned fa_cuda_bucket(const FlashAttentionParams &p, int dtype) {
+    unsigned head_dim_max = 0;
+    with_dtype(dtype, [&](const auto &kernels) {
+        const auto *b = kernels.bucket(p);
+        head_dim_max = b != nullptr ? b->head_dim_max : 0;
+        return cudaSuccess;
+    });
+    return head_dim_max;
+}
+
+cudaError_t fa_cuda_forward(const FlashAttentionParams &p, int dtype, const void *q, const void *k,
+                            const void *v, void *out, float *lse) {
+    return with_dtype(dtype, [&](const auto &kernels) {
+        return forward(kernels, p, q, k, v, out, lse);
+    });
+}
+
+bool fa_cuda_split_keys(FlashAttentionParams *p, int dtype, unsigned chunks) {
+    return with_dtype(dtype, [&](const auto &kernels) { return split_keys(kernels, p, chunks); }) ==
+           cudaSuccess;
+}
+
+cudaError_t fa_cuda_forward_split(const FlashAttentionParams &p, int dtype, const void *q,
+                                  const void *k, const void *v, void *out, float *lse,
                                   float *partial_out, float *partial_lse) {
-#define FA_CUDA_FORWARD_SPLIT(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                    \
-    if (p.head_dim >= 1 && p.head_dim <= DP) {                                                     \
-        const unsigned row_blocks = ceil_div(p.num_heads / p.num_kv_heads * p.seqlen_q, FWD_BQ);   \
-        const dim3 grid(p.kv_chunks * row_blocks, p.num_kv_heads, p.batch);                        \
-        fa_cuda_forward_split_d##DP<<<grid, kThreads>>>(as_half(q), as_half(k), as_half(v),        \
-                                                        as_half(out), lse, p, partial_out,         \
-                                                        partial_lse);                              \
-        const cudaError_t error = cudaGetLastError();                                              \
-        if (error != cudaSuccess) {                                                                \
-            return error;                                                                          \
-        }                                                                                          \
-        fa_cuda_forward_combine_kernel<<<dim3(p.seqlen_q, p.num_heads, p.batch), kThreads>>>(      \
-            as_half(q), as_half(k), as_half(v), as_half(out), lse, p, partial_out, partial_lse);   \
-        return cudaGetLastError();                                                                 \
-    }
-    FA_HEAD_DIM_BUCKETS(FA_CUDA_FORWARD_SPLIT)
-#undef FA_CUDA_FORWARD_SPLIT
-    return cudaErrorInvalidValue;
+    return with_dtype(dtype, [&](const auto &kernels) {
+        return forward_split(kernels, p, q, k, v, out, lse, partial_out, partial_lse);
+    });
 }
 
 size_t fa_cuda_delta_elements(const FlashAttentionParams &p) {
     return size_t(p.batch) * p.num_heads * p.seqlen_q;
 }
 
-cudaError_t fa_cuda_backward_delta(const FlashAttentionParams &p, const uint16_t *dout,
-                                   const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                                   const uint16_t *out, const float *lse, float *delta) {
-    if (p.head_dim < 1 || p.head_dim > FA_MAX_HEAD_DIM) {
-        return cudaErrorInvalidValue;
-    }
-    const dim3 grid(ceil_div(p.seqlen_q, FA_DELTA_BLOCK_ROWS), p.num_heads, p.batch);
-    fa_cuda_backward_delta_kernel<<<grid, kThreads>>>(as_half(dout), as_half(q), as_half(k),
-                                                      as_half(v), as_half(out), lse, p, delta);
-    return cudaGetLastError();
+cudaError_t fa_cuda_backward_delta(const FlashAttentionParams &p, int dtype, const void *dout,
+                                   const void *q, const void *k, const void *v, const void *out,
+                                   const float *lse, float *delta) {
+    return with_dtype(dtype, [&](const auto &kernels) {
+        return backward_delta(kernels, p, dout, q, k, v, out, lse, delta);
+    });
 }
 
-cudaError_t fa_cuda_backward_dq(const FlashAttentionParams &p, const uint16_t *dout,
-                                const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                                const uint16_t *out, const float *lse, const float *delta,
-                                uint16_t *dq) {
-#define FA_CUDA_BACKWARD_DQ(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                      \
-    if (p.head_dim >= 1 && p.head_dim <= DP) {                                                     \
-        const dim3 grid(ceil_div(p.seqlen_q, DQ_BQ), p.num_heads, p.batch);                        \
-        fa_cuda_backward_dq_d##DP<<<grid, kThreads>>>(as_half(dout), as_half(q), as_half(k),       \
-                                                      as_half(v), as_half(out), lse, p, delta,     \
-                                                      as_half(dq));                                \
-        return cudaGetLastError();                                                                 \
-    }
-    FA_HEAD_DIM_BUCKETS(FA_CUDA_BACKWARD_DQ)
-#undef FA_CUDA_BACKWARD_DQ
-    return cudaErrorInvalidValue;
+cudaError_t fa_cuda_backward_dq(const FlashAttentionParams &p, int dtype, const void *dout,
+                                const void *q, const void *k, const void *v, const void *out,
+                                const float *lse, const float *delta, void *dq) {
+    return with_dtype(dtype, [&](const auto &kernels) {
+        return backward_dq(kernels, p, dout, q, k, v, out, lse, delta, dq);
+    });
 }
 
-cudaError_t fa_cuda_backward_dkv(const FlashAttentionParams &p, const uint16_t *dout,
-                                 const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                                 const uint16_t *out, const float *lse, const float *delta,
-                                 uint16_t *dk, uint16_t *dv) {
-#define FA_CUDA_BACKWARD_DKV(DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                     \
-    if (p.head_dim >= 1 && p.head_dim <= DP) {                                                     \
-        const dim3 grid(ceil_div(p.seqlen_k, DKV_BK), p.num_kv_heads, p.batch);                    \
-        fa_cuda_backward_dkv_d##DP<<<grid, kThreads>>>(as_half(dout), as_half(q), as_half(k),      \
-                                                       as_half(v), as_half(out), lse, p, delta,    \
-                                                       as_half(dk), as_half(dv));                  \
-        return cudaGetLastError();                                                                 \
-    }
-    FA_HEAD_DIM_BUCKETS(FA_CUDA_BACKWARD_DKV)
-#undef FA_CUDA_BACKWARD_DKV
-    return cudaErrorInvalidValue;
+cudaError_t fa_cuda_backward_dkv(const FlashAttentionParams &p, int dtype, const void *dout,
+                                 const void *q, const void *k, const void *v, const void *out,
+                                 const float *lse, const float *delta, void *dk, void *dv) {
+    return with_dtype(dtype, [&](const auto &kernels) {
+        return backward_dkv(kernels, p, dout, q, k, v, out, lse, delta, dk, dv);
+    });
 }
 
-cudaError_t fa_cuda_backward(const FlashAttentionParams &p, const uint16_t *dout,
-                             const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                             const uint16_t *out, const float *lse, float *delta, uint16_t *dq,
-                             uint16_t *dk, uint16_t *dv) {
-    cudaError_t error = fa_cuda_backward_delta(p, dout, q, k, v, out, lse, delta);
+cudaError_t fa_cuda_backward(const FlashAttentionParams &p, int dtype, const void *dout,
+                             const void *q, const void *k, const void *v, const void *out,
+                             const float *lse, float *delta, void *dq, void *dk, void *dv) {
+    cudaError_t error = fa_cuda_backward_delta(p, dtype, dout, q, k, v, out, lse, delta);
     if (error == cudaSuccess) {
-        error = fa_cuda_backward_dq(p, dout, q, k, v, out, lse, delta, dq);
+        error = fa_cuda_backward_dq(p, dtype, dout, q, k, v, out, lse, delta, dq);
     }
     if (error == cudaSuccess) {
-        error = fa_cuda_backward_dkv(p, dout, q, k, v, out, lse, delta, dk, dv);
+        error = fa_cuda_backward_dkv(p, dtype, dout, q, k, v, out, lse, delta, dk, dv);
     }
     return error;
 }

@@ -39,7 +39,7 @@
 
 #include "accuracy.h"
 #include "device_array.h"
-#include "half_bits.h"
+#include "dtype_bits.h"
 #include "kernels.h"
 #include "reference.h"
 
@@ -84,11 +84,27 @@ void fill_on_device(DeviceArray<uint16_t> &x, size_t n, uint64_t seed) {
     check(cudaGetLastError(), "fill launch");
 }
 
-// k and v are small: filled on the host, scaled to [-1, 1).
-std::vector<uint16_t> host_values(size_t n, uint64_t seed) {
-    std::vector<uint16_t> x(n);
+// k and v are small: filled on the host, scaled to [-1, 1), rounded to float16.
+std::vector<float> host_values(size_t n, uint64_t seed) {
+    std::vector<float> x(n);
     for (size_t i = 0; i < n; ++i) {
-        x[i] = float_to_half_bits(0.5f * hashed_value(seed, i));
+        x[i] = round_to_half(0.5f * hashed_value(seed, i));
+    }
+    return x;
+}
+
+std::vector<uint16_t> to_half_bits(const std::vector<float> &x) {
+    std::vector<uint16_t> bits(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+        bits[i] = float_to_half_bits(x[i]);
+    }
+    return bits;
+}
+
+std::vector<float> from_half_bits(const std::vector<uint16_t> &bits) {
+    std::vector<float> x(bits.size());
+    for (size_t i = 0; i < bits.size(); ++i) {
+        x[i] = half_bits_to_float(bits[i]);
     }
     return x;
 }
@@ -114,7 +130,7 @@ std::vector<uint32_t> sampled_rows() {
 // One sampled row: what the GPU wrote and the host's float64 reference and float16 base.
 struct RowCheck {
     uint32_t row;
-    std::vector<uint16_t> out, dq;
+    std::vector<float> out, dq;
     float lse;
     ReferenceResult ref;
     BaseResult base;
@@ -145,15 +161,18 @@ int run(int *rows_checked) {
         throw CudaFailure{"not enough free device memory for the 2^32-element tensors"};
     }
 
-    const AttentionShape shape{1, 1, 1, int(kSeqlenQ), int(kSeqlenK), int(kHeadDim), false,
-                               1.0f / std::sqrt(float(kHeadDim))};
+    const AttentionShape shape{1, 1, 1, int(kSeqlenQ), int(kSeqlenK), int(kHeadDim), int(kHeadDim),
+                               false, 1.0f / std::sqrt(float(kHeadDim)), DType::f16};
     FlashAttentionParams p;
+    p.q = p.out = p.dout = p.dq = fa_contiguous_strides(1, kSeqlenQ, kHeadDim);
+    p.k = p.v = p.dk = p.dv = fa_contiguous_strides(1, kSeqlenK, kHeadDim);
     p.batch = 1;
     p.num_heads = 1;
     p.num_kv_heads = 1;
     p.seqlen_q = kSeqlenQ;
     p.seqlen_k = kSeqlenK;
     p.head_dim = kHeadDim;
+    p.head_dim_v = kHeadDim;
     p.causal = 0;
     p.softmax_scale = shape.softmax_scale;
     p.kv_chunks = 1;  // dense kernels
@@ -162,10 +181,10 @@ int run(int *rows_checked) {
     DeviceArray<uint16_t> q(kQElements), dout(kQElements), out(kQElements), dq(kQElements),
         k(kKvElements), v(kKvElements);
     DeviceArray<float> lse(kSeqlenQ), delta(fa_cuda_delta_elements(p));
-    const std::vector<uint16_t> k_host = host_values(kKvElements, kKSeed),
-                                v_host = host_values(kKvElements, kVSeed);
-    k.upload(k_host);
-    v.upload(v_host);
+    const std::vector<float> k_host = host_values(kKvElements, kKSeed),
+                             v_host = host_values(kKvElements, kVSeed);
+    k.upload(to_half_bits(k_host));
+    v.upload(to_half_bits(v_host));
 
     auto start = std::chrono::steady_clock::now();
     fill_on_device(q, kQElements, kQSeed);
@@ -179,18 +198,19 @@ int run(int *rows_checked) {
                 seconds_since(start));
 
     start = std::chrono::steady_clock::now();
-    check(fa_cuda_forward(p, q.get(), k.get(), v.get(), out.get(), lse.get()), "forward launch");
+    check(fa_cuda_forward(p, FA_DTYPE_F16, q.get(), k.get(), v.get(), out.get(), lse.get()),
+          "forward launch");
     check(cudaDeviceSynchronize(), "forward");
     std::printf("forward: %.2f s\n", seconds_since(start));
     start = std::chrono::steady_clock::now();
-    check(fa_cuda_backward_delta(p, dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(),
-                                 delta.get()),
+    check(fa_cuda_backward_delta(p, FA_DTYPE_F16, dout.get(), q.get(), k.get(), v.get(), out.get(),
+                                 lse.get(), delta.get()),
           "backward delta launch");
     check(cudaDeviceSynchronize(), "backward delta");
     std::printf("backward delta: %.2f s\n", seconds_since(start));
     start = std::chrono::steady_clock::now();
-    check(fa_cuda_backward_dq(p, dout.get(), q.get(), k.get(), v.get(), out.get(), lse.get(),
-                              delta.get(), dq.get()),
+    check(fa_cuda_backward_dq(p, FA_DTYPE_F16, dout.get(), q.get(), k.get(), v.get(), out.get(),
+                              lse.get(), delta.get(), dq.get()),
           "backward dq launch");
     check(cudaDeviceSynchronize(), "backward dq");
     std::printf("backward dq: %.2f s\n", seconds_since(start));
@@ -199,14 +219,14 @@ int run(int *rows_checked) {
     AttentionShape one_row = shape;
     one_row.seqlen_q = 1;
     std::vector<RowCheck> checks;
-    std::vector<uint16_t> all_out, all_dq;
-    std::vector<float> base_out, base_dq;
+    std::vector<float> all_out, all_dq, base_out, base_dq;
     std::vector<double> ref_out, ref_dq;
     for (uint32_t row : sampled_rows()) {
         const size_t first = size_t(row) * kHeadDim;
-        const AttentionInputs in{q.download(first, kHeadDim), k_host, v_host,
-                                 dout.download(first, kHeadDim)};
-        RowCheck c{row, out.download(first, kHeadDim), dq.download(first, kHeadDim),
+        const AttentionInputs in{from_half_bits(q.download(first, kHeadDim)), k_host, v_host,
+                                 from_half_bits(dout.download(first, kHeadDim))};
+        RowCheck c{row, from_half_bits(out.download(first, kHeadDim)),
+                   from_half_bits(dq.download(first, kHeadDim)),
                    lse.download(row, 1)[0], reference_attention(one_row, in),
                    base_attention(one_row, in)};
         append(&all_out, c.out);
@@ -217,8 +237,8 @@ int run(int *rows_checked) {
         append(&ref_dq, c.ref.dq);
         checks.push_back(std::move(c));
     }
-    const Metric out_all = tensor_metric("out", all_out, base_out, ref_out, kOutFactor);
-    const Metric dq_all = tensor_metric("dq", all_dq, base_dq, ref_dq, kGradFactor);
+    const Metric out_all = tensor_metric("out", all_out, base_out, ref_out, kOutFactor, DType::f16);
+    const Metric dq_all = tensor_metric("dq", all_dq, base_dq, ref_dq, kGradFactor, DType::f16);
     std::printf("sampled rows together: out error %.2e, base %.2e, bound %.2e; dq error %.2e, "
                 "base %.2e, bound %.2e\n",
                 out_all.error, out_all.base_error, out_all.bound, dq_all.error, dq_all.base_error,
@@ -226,8 +246,9 @@ int run(int *rows_checked) {
 
     int mismatches = 0;
     for (const RowCheck &c : checks) {
-        const double out_error = tensor_metric("out", c.out, c.base.out, c.ref.out, 0).error;
-        const double dq_error = tensor_metric("dq", c.dq, c.base.dq, c.ref.dq, 0).error;
+        const double out_error =
+            tensor_metric("out", c.out, c.base.out, c.ref.out, 0, DType::f16).error;
+        const double dq_error = tensor_metric("dq", c.dq, c.base.dq, c.ref.dq, 0, DType::f16).error;
         const Metric lse_row = lse_metric({c.lse}, c.ref.lse);
         const bool out_ok = std::isfinite(out_error) && out_error <= out_all.bound;
         const bool dq_ok = std::isfinite(dq_error) && dq_error <= dq_all.bound;
@@ -236,9 +257,9 @@ int run(int *rows_checked) {
         if (c.row < 4) {
             for (const RowCheck &high : checks) {
                 if (high.row == kBoundaryRow + c.row) {
-                    const double error =
-                        tensor_metric("out", c.out, high.base.out, high.ref.out, 0).error;
-                    wrapped = std::isfinite(error) && error <= out_all.bound;
+                    const Metric high_out =
+                        tensor_metric("out", c.out, high.base.out, high.ref.out, 0, DType::f16);
+                    wrapped = std::isfinite(high_out.error) && high_out.error <= out_all.bound;
                 }
             }
         }

@@ -4,7 +4,9 @@
 // (products, Apple's lane mapping through thread_elements(), load/store at an origin and
 // transposed, the diagonal constructor, make_filled_simdgroup_matrix), plus the SIMD-group
 // functions the kernels use and the row reduction design.md describes (a row of a matrix is owned
-// by lanes l, l ^ 1, l ^ 8, l ^ 9). matrix_partial_group (a 16-lane SIMD-group) is not run: a
+// by lanes l, l ^ 1, l ^ 8, l ^ 9), and the conversions of half and bfloat (the element types of
+// the kernels' tensors) against the host's (dtype_bits.h, by which the harness judges).
+// matrix_partial_group (a 16-lane SIMD-group) is not run: a
 // CUDA warp shuffle with lanes missing is undefined, not a reported error.
 //
 // Prints one line per check and "cuda-matrix: N checks, M mismatches"; exits 1 on any mismatch or
@@ -18,11 +20,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "device_array.h"
-#include "half_bits.h"
+#include "dtype_bits.h"
 
 namespace {
 
@@ -71,6 +74,23 @@ __global__ void row_max(const float *m, float *out) {
     x = fmaxf(x, metal::simd_shuffle_xor(x, 1));
     x = fmaxf(x, metal::simd_shuffle_xor(x, 8));
     out[threadIdx.x % 32] = x;
+}
+
+// Thread i rounds in[i] to half and to bfloat (MSL's conversions, as the kernels store outputs)
+// and widens bfloat encoding i to float. The results are stored as whole 16-bit elements, as the
+// kernels store them: nvcc 13.0.88 compiles a byte store of the low byte of a cvt.rn.f16.f32 (or
+// .bf16) result for sm_90 into F2I.U8.F16 (a float-to-integer conversion), so a memcpy of the two
+// bytes here stored a wrong low byte (seen on the H200; not in the kernels, which store 16 bits).
+__global__ void convert(const float *in, size_t n, half *as_half, bfloat *as_bfloat,
+                        float *widened) {
+    const size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i < n) {
+        as_half[i] = half(in[i]);
+        as_bfloat[i] = bfloat(in[i]);
+    }
+    if (i < 65536) {
+        widened[i] = float(__ushort_as_bfloat16(static_cast<unsigned short>(i)));
+    }
 }
 
 // Counts and prints one check.
@@ -264,6 +284,80 @@ void check_simd_functions(Report *report) {
     report->add("simd_shuffle(_xor, _down, _up), simd_broadcast, simd_sum/max/min", failure);
 }
 
+// Equal bits, or both NaN (NaN payloads may differ).
+bool same_element(float got, float want) {
+    return std::memcmp(&got, &want, 4) == 0 || (std::isnan(got) && std::isnan(want));
+}
+
+// The first mismatch of a conversion and how many there are ("" when none).
+struct ConversionMismatches {
+    size_t count = 0;
+    std::string first;
+
+    void add(uint32_t input_bits, float got, float want) {
+        if (count++ == 0) {
+            float input;
+            std::memcpy(&input, &input_bits, 4);
+            char text[160];
+            std::snprintf(text, sizeof text,
+                          "input 0x%08x (%.9g): got %.9g, IEEE round-to-nearest-even %.9g",
+                          input_bits, double(input), double(got), double(want));
+            first = text;
+        }
+    }
+    std::string failure(size_t inputs) const {
+        return count == 0 ? "" : std::to_string(count) + " of " + std::to_string(inputs) +
+                                     " inputs differ; first: " + first;
+    }
+};
+
+// Every upper half of a float's bits with low halves 0, 0x7fff, 0x8000 (a tie for bfloat), 0x8001
+// and 0xffff: ties, overflow to infinity, subnormals, NaN, for both 16-bit types.
+void check_conversions(Report *report) {
+    std::vector<uint32_t> inputs;
+    for (uint32_t upper = 0; upper < 65536; ++upper) {
+        for (uint32_t lower : {0x0000u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) {
+            inputs.push_back(upper << 16 | lower);
+        }
+    }
+    std::vector<float> in(inputs.size());
+    std::memcpy(in.data(), inputs.data(), inputs.size() * 4);
+    DeviceArray<float> din(in.size()), dwidened(65536);
+    DeviceArray<uint16_t> dhalf(in.size()), dbfloat(in.size());
+    din.upload(in);
+    const unsigned blocks = unsigned((in.size() + 255) / 256);
+    convert<<<blocks, 256>>>(din.get(), in.size(), reinterpret_cast<half *>(dhalf.get()),
+                             reinterpret_cast<bfloat *>(dbfloat.get()), dwidened.get());
+    check(cudaGetLastError(), "convert launch");
+    check(cudaDeviceSynchronize(), "convert");
+    const std::vector<uint16_t> halves = dhalf.download(), bfloats = dbfloat.download();
+    const std::vector<float> widened = dwidened.download();
+    ConversionMismatches half_mismatches, bfloat_mismatches;
+    for (size_t i = 0; i < in.size(); ++i) {
+        const float half_got = half_bits_to_float(halves[i]), half_want = round_to_half(in[i]);
+        if (!same_element(half_got, half_want)) {
+            half_mismatches.add(inputs[i], half_got, half_want);
+        }
+        const float bfloat_got = bfloat_bits_to_float(bfloats[i]);
+        const float bfloat_want = round_to_bfloat(in[i]);
+        if (!same_element(bfloat_got, bfloat_want)) {
+            bfloat_mismatches.add(inputs[i], bfloat_got, bfloat_want);
+        }
+    }
+    std::string widen_failure;
+    for (uint32_t bits = 0; bits < 65536 && widen_failure.empty(); ++bits) {
+        const float want = bfloat_bits_to_float(uint16_t(bits));
+        if (!same_element(widened[bits], want)) {
+            widen_failure = mismatch("encoding", int(bits), widened[bits], want);
+        }
+    }
+    report->add("half(float): round to nearest even, as the host's rule",
+                half_mismatches.failure(in.size()));
+    report->add("bfloat(float): round to nearest even, as the host's rule",
+                bfloat_mismatches.failure(in.size()));
+    report->add("float(bfloat): exact for all 65536 encodings", widen_failure);
+}
+
 void check_row_max(Report *report) {
     std::vector<float> m(64);
     for (int i = 0; i < 64; ++i) m[i] = float((i * 29) % 64) - 20;
@@ -296,6 +390,7 @@ int main(int argc, char **argv) {
         check_layout(&report);
         check_simd_functions(&report);
         check_row_max(&report);
+        check_conversions(&report);
     } catch (const CudaFailure &failure) {
         std::printf("FAIL CUDA error: %s\n", failure.message.c_str());
         ++report.mismatches;

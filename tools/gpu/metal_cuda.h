@@ -25,6 +25,7 @@
 #ifndef FA_METAL_CUDA_H
 #define FA_METAL_CUDA_H
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <math.h>
 #include <stdint.h>
@@ -40,8 +41,14 @@
 #define M_LN2_F 0.69314718055994530942f
 #endif
 
-// MSL scalar names. cuda_fp16.h already declares `typedef __half half` (round-to-nearest-even
-// conversions to and from float, like Metal's); the integer names match glibc's typedefs.
+// MSL scalar names. cuda_fp16.h already declares `typedef __half half`; MSL 3.1's `bfloat` is
+// cuda_bf16.h's __nv_bfloat16. Both convert from float with round-to-nearest-even (__float2half,
+// __float2bfloat16, like Metal and the CPU engine; matrix_check.cu checks both) and widen to float
+// exactly; the kernels do all arithmetic in float. __nv_bfloat16 also converts from integers,
+// which MSL's bfloat does not: this build accepts bfloat(0) where Metal would not. The integer
+// names match glibc's typedefs.
+typedef __nv_bfloat16 bfloat;
+static_assert(sizeof(bfloat) == 2, "MSL bfloat is 16-bit");
 typedef unsigned short ushort;
 typedef unsigned int uint;
 typedef unsigned long ulong;
@@ -165,6 +172,7 @@ template <class T, int N> __device__ __forceinline__ vec<T, N> operator-(const v
     typedef vec<T, 4> fa_##NAME##4;
 FA_VEC_ALIASES(float, float)
 FA_VEC_ALIASES(half, half)
+FA_VEC_ALIASES(bfloat, bfloat)
 FA_VEC_ALIASES(int, int)
 FA_VEC_ALIASES(uint, uint)
 FA_VEC_ALIASES(ushort, ushort)
@@ -290,6 +298,7 @@ template <class T, int Cols, int Rows> struct simdgroup_matrix {
 
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
 
 template <class T, int Cols, int Rows>
 __device__ __forceinline__ simdgroup_matrix<T, Cols, Rows> make_filled_simdgroup_matrix(T value) {
@@ -379,6 +388,8 @@ __device__ __forceinline__ void simdgroup_multiply(simdgroup_matrix<TD, 8, 8> &d
 #define float4 fa_float4
 #define half2 fa_half2
 #define half4 fa_half4
+#define bfloat2 fa_bfloat2
+#define bfloat4 fa_bfloat4
 #define int2 fa_int2
 #define int4 fa_int4
 #define uint2 fa_uint2

@@ -11,6 +11,8 @@
 #undef float4
 #undef half2
 #undef half4
+#undef bfloat2
+#undef bfloat4
 #undef int2
 #undef int4
 #undef uint2

@@ -1,7 +1,9 @@
-// Writes the inputs, float64 reference and float16 baseline of a few harness cases as raw files,
-// so check_reference.py can compare this C++ rule with python/flash_attention_metal (one rule in
-// every layer). Usage: reference_dump FOLDER; prints one line per case:
-// NAME BATCH HEADS KV_HEADS SEQLEN_Q SEQLEN_K HEAD_DIM CAUSAL SCALE
+// Writes the inputs (float32 values of the dtype), float64 reference and baseline of a few harness
+// cases as raw files, so check_reference.py can compare this C++ rule with
+// python/flash_attention_metal (one rule in every layer). Usage: reference_dump FOLDER; prints one
+// line per case:
+// NAME DTYPE BATCH HEADS KV_HEADS SEQLEN_Q SEQLEN_K HEAD_DIM HEAD_DIM_V CAUSAL SCALE
+#include <algorithm>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -32,39 +34,47 @@ int main(int argc, char **argv) {
     }
     const std::string folder = argv[1];
     // One case per kind of shape: causal self-attention, GQA, MQA with empty rows, decode, and a
-    // custom scale.
-    const char *picked[] = {"d3_b2_h3x3_q100_k100_causal", "d40_b1_h8x2_q33_k77_causal",
-                            "d104_b2_h4x1_q77_k33_causal", "d200_b2_h2x2_q1_k129_causal",
-                            "d72_b2_h6x3_q31_k31_causal_s0.5"};
+    // custom scale; bfloat16 and float32; head_dim_v != head_dim in each dtype.
+    const char *picked[] = {
+        "f16_d3_b2_h3x3_q100_k100_causal",       "f16_d40_b1_h8x2_q33_k77_causal",
+        "f16_d104_b2_h4x1_q77_k33_causal",       "f16_d200_b2_h2x2_q1_k129_causal",
+        "f16_d72_b2_h6x3_q31_k31_causal_s0.5",   "bf16_d64_b1_h8x2_q33_k77_causal",
+        "bf16_d128_b2_h4x1_q77_k33_causal",      "f32_d40_b2_h3x3_q100_k100_causal",
+        "f32_d256_b2_h4x1_q77_k33_causal",       "f16_d192v128_b1_h8x2_q33_k77_causal",
+        "bf16_d40v3_b2_h3x3_q100_k100_causal",   "f32_d128v40_b1_h8x2_q33_k77_causal",
+    };
     const std::vector<TestCase> grid = full_grid();
     for (const char *wanted : picked) {
-        for (const TestCase &c : grid) {
-            if (c.name != wanted) {
-                continue;
-            }
-            const AttentionInputs in = random_inputs(c);
-            const ReferenceResult ref = reference_attention(c.shape, in);
-            const BaseResult base = base_attention(c.shape, in);
-            const bool ok = write(folder, c.name, "q", in.q) && write(folder, c.name, "k", in.k) &&
-                            write(folder, c.name, "v", in.v) &&
-                            write(folder, c.name, "dout", in.dout) &&
-                            write(folder, c.name, "ref_out", ref.out) &&
-                            write(folder, c.name, "ref_lse", ref.lse) &&
-                            write(folder, c.name, "ref_dq", ref.dq) &&
-                            write(folder, c.name, "ref_dk", ref.dk) &&
-                            write(folder, c.name, "ref_dv", ref.dv) &&
-                            write(folder, c.name, "base_out", base.out) &&
-                            write(folder, c.name, "base_dq", base.dq) &&
-                            write(folder, c.name, "base_dk", base.dk) &&
-                            write(folder, c.name, "base_dv", base.dv);
-            if (!ok) {
-                return 1;
-            }
-            const AttentionShape &s = c.shape;
-            std::printf("%s %d %d %d %d %d %d %d %.9g\n", c.name.c_str(), s.batch, s.num_heads,
-                        s.num_kv_heads, s.seqlen_q, s.seqlen_k, s.head_dim, s.causal ? 1 : 0,
-                        double(s.softmax_scale));
+        const auto found = std::find_if(grid.begin(), grid.end(),
+                                        [&](const TestCase &c) { return c.name == wanted; });
+        if (found == grid.end()) {
+            std::fprintf(stderr, "reference_dump: the grid has no case %s\n", wanted);
+            return 1;
         }
+        const TestCase &c = *found;
+        const AttentionInputs in = random_inputs(c);
+        const ReferenceResult ref = reference_attention(c.shape, in);
+        const BaseResult base = base_attention(c.shape, in);
+        const bool ok = write(folder, c.name, "q", in.q) && write(folder, c.name, "k", in.k) &&
+                        write(folder, c.name, "v", in.v) &&
+                        write(folder, c.name, "dout", in.dout) &&
+                        write(folder, c.name, "ref_out", ref.out) &&
+                        write(folder, c.name, "ref_lse", ref.lse) &&
+                        write(folder, c.name, "ref_dq", ref.dq) &&
+                        write(folder, c.name, "ref_dk", ref.dk) &&
+                        write(folder, c.name, "ref_dv", ref.dv) &&
+                        write(folder, c.name, "base_out", base.out) &&
+                        write(folder, c.name, "base_dq", base.dq) &&
+                        write(folder, c.name, "base_dk", base.dk) &&
+                        write(folder, c.name, "base_dv", base.dv);
+        if (!ok) {
+            return 1;
+        }
+        const AttentionShape &s = c.shape;
+        std::printf("%s %s %d %d %d %d %d %d %d %d %.9g\n", c.name.c_str(),
+                    dtype_name(s.dtype), s.batch, s.num_heads, s.num_kv_heads, s.seqlen_q,
+                    s.seqlen_k, s.head_dim, s.head_dim_v, s.causal ? 1 : 0,
+                    double(s.softmax_scale));
     }
     return 0;
 }

@@ -26,9 +26,10 @@ typedef struct FlashAttentionBucket {
 /* Threads per threadgroup of every kernel (FA_SIMDGROUPS SIMD-groups of 32). */
 static inline uint32_t fa_threads_per_threadgroup(void) { return FA_THREADS_PER_THREADGROUP; }
 
-/* The first bucket whose head_dim_max >= head_dim. Returns 0 (and leaves *bucket alone) when
- * head_dim is 0 or above FA_MAX_HEAD_DIM. */
-FA_INTERNAL int fa_bucket_for_head_dim(uint32_t head_dim, FlashAttentionBucket *bucket);
+/* The first bucket of dtype's table (FA_DTYPE_F16/BF16/F32) whose head_dim_max >= head_dim.
+ * Returns 0 (and leaves *bucket alone) when head_dim is 0 or above FA_MAX_HEAD_DIM, or dtype is
+ * unknown. */
+FA_INTERNAL int fa_bucket_for_head_dim(uint32_t dtype, uint32_t head_dim, FlashAttentionBucket *bucket);
 
 /* Sets this thread's fa_last_error_message(); null clears it. Copies the text. */
 FA_INTERNAL void fa_set_last_error(const char *message);

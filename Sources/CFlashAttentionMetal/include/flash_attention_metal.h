@@ -6,10 +6,16 @@
  *
  * Math: FlashAttention-2 (Dao, 2023), Algorithm 1 (forward) and Algorithm 2 (backward).
  *
- * Layout (row-major, contiguous, no padding):
- *   q, out, dout, dq  float16 (uint16_t bit patterns)  [batch][num_heads][seqlen_q][head_dim]
- *   k, v, dk, dv      float16                           [batch][num_kv_heads][seqlen_k][head_dim]
- *   lse               float32                           [batch][num_heads][seqlen_q]
+ * Tensors (element type problem->dtype: float16, bfloat16 or float32, the same for all of them):
+ *   q, dq             [batch][num_heads][seqlen_q][head_dim]
+ *   out, dout         [batch][num_heads][seqlen_q][head_dim_v]
+ *   k, dk             [batch][num_kv_heads][seqlen_k][head_dim]
+ *   v, dv             [batch][num_kv_heads][seqlen_k][head_dim_v]
+ *   lse               float32, contiguous [batch][num_heads][seqlen_q]
+ * Each tensor but lse is laid out by its fa_strides (default: contiguous, row-major): any layout
+ * whose last axis is contiguous, e.g. FlashAttention's (batch, seqlen, heads, head_dim) or a slice
+ * q = qkv[:, :, 0] of a packed projection, is used in place. Pointers point at element [0][0][0][0].
+ * Products accumulate in float32; each output is rounded to its dtype once (to nearest even).
  * lse is the natural log of sum_j exp(softmax_scale * q_i . k_j) over the keys row i sees.
  * causal masks are aligned bottom-right: query i sees key j iff j <= i + seqlen_k - seqlen_q.
  * A row that sees no key gets out = 0, lse = -inf and zero gradients.
@@ -53,7 +59,37 @@ typedef enum fa_backend {
 /* Opaque. A context may be used from several threads at once. */
 typedef struct fa_context fa_context;
 
-/* One attention problem. Set struct_size to sizeof(fa_problem) so the ABI can grow. */
+/* Element type of q, k, v, out, dout, dq, dk, dv. bfloat16 needs MSL 3.1 on the Metal backend
+ * (macOS 14, iOS 17); below that a bfloat16 call fails with FA_STATUS_UNSUPPORTED. */
+typedef enum fa_dtype {
+    FA_DTYPE_FLOAT16 = 0,
+    FA_DTYPE_BFLOAT16 = 1,
+    FA_DTYPE_FLOAT32 = 2
+} fa_dtype;
+
+/* Element strides of a [batch][heads][seqlen][head_dim] tensor whose last axis is contiguous:
+ * element (b, h, i, d) is at b * batch + h * head + i * seq + d. All three 0 means contiguous
+ * row-major. Otherwise each must be at least 1, and a written tensor must not overlap itself. */
+typedef struct fa_strides {
+    int64_t batch;
+    int64_t head;
+    int64_t seq;
+} fa_strides;
+
+/* Kinds of attn_mask (PyTorch's conventions). Scores are s = softcap(softmax_scale * q . k)
+ * - slope * |i + seqlen_k - seqlen_q - j| + additive mask; keys hidden by the window, the causal mask
+ * or a boolean mask get no weight. A row left without keys gets out 0, lse -inf (or the sink's
+ * logit with sinks) and zero gradients. */
+typedef enum fa_attn_mask_type {
+    FA_ATTN_MASK_NONE = 0,
+    FA_ATTN_MASK_BOOL = 1,             /* uint8_t, nonzero = may attend */
+    FA_ATTN_MASK_ADDITIVE = 2,         /* elements of problem->dtype, added to the scores */
+    FA_ATTN_MASK_ADDITIVE_FLOAT32 = 3  /* float, added to the scores */
+} fa_attn_mask_type;
+
+/* One attention problem. Set struct_size to sizeof(fa_problem) so the ABI can grow: a caller
+ * whose struct_size ends before a field gets that field's default (0.1 callers: float16,
+ * head_dim_v = head_dim, contiguous tensors). */
 typedef struct fa_problem {
     uint32_t struct_size;
     uint32_t batch;
@@ -61,15 +97,38 @@ typedef struct fa_problem {
     uint32_t num_kv_heads;
     uint32_t seqlen_q;
     uint32_t seqlen_k;
-    uint32_t head_dim;      /* 1 ... fa_max_head_dim() */
+    uint32_t head_dim;      /* of q and k: 1 ... fa_max_head_dim() */
     uint32_t causal;        /* 0 or 1 */
     float softmax_scale;    /* finite; the usual value is 1 / sqrt(head_dim) */
+    /* Since 0.2.0. */
+    uint32_t dtype;         /* fa_dtype; default FA_DTYPE_FLOAT16 */
+    uint32_t head_dim_v;    /* of v, out, dout, dv: 1 ... fa_max_head_dim(); 0 means head_dim */
+    fa_strides q;           /* the layouts; all-zero strides mean contiguous */
+    fa_strides k;
+    fa_strides v;
+    fa_strides out;
+    fa_strides dout;        /* backward only, like dq, dk, dv */
+    fa_strides dq;
+    fa_strides dk;
+    fa_strides dv;
+    /* Masks and score modifiers; zero-initialised fields leave them off. */
+    uint32_t use_window;    /* 1: FlashAttention's sliding window (window_left, window_right) */
+    int32_t window_left;    /* query i sees key j iff i + s - window_left <= j <= i + s + window_right, */
+    int32_t window_right;   /* s = seqlen_k - seqlen_q; -1 = unbounded side; causal = window_right 0 */
+    float softcap;          /* > 0: scores become softcap * tanh(score / softcap); 0: off */
+    uint32_t attn_mask_type;        /* fa_attn_mask_type */
+    const void *attn_mask;          /* element (b, h, i, j) at b*strides.batch + h*strides.head */
+    fa_strides attn_mask_strides;   /* + i*strides.seq + j; a 0 stride broadcasts that axis */
+    const float *alibi_slopes;      /* NULL, or [num_heads] or [batch][num_heads] float32 */
+    uint32_t alibi_per_batch;       /* 1: alibi_slopes is [batch][num_heads] */
+    const float *sinks;             /* NULL, or [num_heads] float32 logits of one virtual key per head */
+    float *dsinks;                  /* backward with sinks: [num_heads] float32 output */
 } fa_problem;
 
 /* Library version, "MAJOR.MINOR.PATCH". Static storage. */
 const char *fa_version(void);
 
-/* Largest head_dim the kernels support. */
+/* Largest head_dim and head_dim_v the kernels support. */
 uint32_t fa_max_head_dim(void);
 
 /* A short name for a status, e.g. "FA_STATUS_UNSUPPORTED". Static storage. */
@@ -105,31 +164,52 @@ const char *fa_context_device_name(const fa_context *context);
  * stays valid while the context lives. Null for a null context. */
 const char *fa_context_backend_note(const fa_context *context);
 
-/* Cancels the calls in flight on context: every fa_forward or fa_backward that started on it before
- * this call stops early (the CPU engine within its current threadgroups, Metal before its next
- * command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN, unless it had already
- * finished its work. Calls that start afterwards run normally. Thread-safe, lock-free; returns at
- * once without waiting for the calls to stop. Errors: INVALID_ARGUMENT (null context). */
+/* Cancels the calls in flight on context: every fa_forward, fa_backward or fa_merge_attention that
+ * started on it before this call stops early (the CPU engine within its current threadgroups, Metal
+ * before its next command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN,
+ * unless it had already finished its work. Calls that start afterwards run normally. Thread-safe,
+ * lock-free; returns at once without waiting for the calls to stop. Errors: INVALID_ARGUMENT (null
+ * context). */
 fa_status fa_context_cancel(fa_context *context);
 
 /* Forward pass: out = softmax(softmax_scale * q k^T, masked) v, and lse.
- * Shapes in the layout above. Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
+ * Tensors as described above (elements of problem->dtype). Errors: INVALID_ARGUMENT,
+ * UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
 fa_status fa_forward(fa_context *context, const fa_problem *problem,
-                     const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                     uint16_t *out, float *lse);
+                     const void *q, const void *k, const void *v,
+                     void *out, float *lse);
 
 /* Backward pass: dq, dk, dv from dout and the q, k, v, out, lse of the forward pass.
  * dk and dv sum over the query heads that share a KV head. Deterministic.
  * Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
 fa_status fa_backward(fa_context *context, const fa_problem *problem,
-                      const uint16_t *dout, const uint16_t *q, const uint16_t *k, const uint16_t *v,
-                      const uint16_t *out, const float *lse,
-                      uint16_t *dq, uint16_t *dk, uint16_t *dv);
+                      const void *dout, const void *q, const void *k, const void *v,
+                      const void *out, const float *lse,
+                      void *dq, void *dk, void *dv);
+
+/* Merges two attention results over disjoint key sets of the same queries into the result over
+ * their union: the log-sum-exp combine of split-KV decoding and ring attention (FlashAttention-2's
+ * online-softmax rescaling applied to whole parts). Per row, with m = max(lse_a, lse_b),
+ * w_a = exp(lse_a - m), w_b = exp(lse_b - m):
+ *   out = (w_a out_a + w_b out_b) / (w_a + w_b),   lse = m + log(w_a + w_b),
+ * computed in float32 and rounded once to float16. A part with lse = -inf (it saw no key)
+ * contributes nothing and its out is not used (it may hold anything, NaN included); a row that is
+ * empty in both parts gets out = 0 and lse = -inf; no NaN comes from -inf. A NaN lse propagates.
+ * Layout: out_a, out_b, out float16 [rows][head_dim]; lse_a, lse_b, lse float32 [rows]. The out
+ * and lse of fa_forward are such arrays with rows = batch * num_heads * seqlen_q, so merging
+ * fa_forward over keys k[:, :, :s] with fa_forward over k[:, :, s:] gives fa_forward over all
+ * keys (for causal masks, choose parts whose masks are the restriction of the full mask).
+ * rows in 1 ... 2^32 - 1, head_dim in 1 ... fa_max_head_dim(); out and lse must not overlap any
+ * input. Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
+fa_status fa_merge_attention(fa_context *context, uint64_t rows, uint32_t head_dim,
+                             const uint16_t *out_a, const float *lse_a,
+                             const uint16_t *out_b, const float *lse_b,
+                             uint16_t *out, float *lse);
 
 /* Profiling. A context keeps, for each thread, the profile of that thread's last successful
- * fa_forward or fa_backward on it: the kernels it dispatched, in order, and the time they took.
- * A failed call leaves the previous profile in place. Read it on the thread that made the call:
- * fa_context_last_profile gives the time and the number of dispatches, then
+ * fa_forward, fa_backward or fa_merge_attention on it: the kernels it dispatched, in order, and
+ * the time they took. A failed call leaves the previous profile in place. Read it on the thread
+ * that made the call: fa_context_last_profile gives the time and the number of dispatches, then
  * fa_context_last_profile_dispatch reads dispatch 0 ... dispatch_count - 1 (the two agree as long
  * as the thread makes no call on the context in between). */
 

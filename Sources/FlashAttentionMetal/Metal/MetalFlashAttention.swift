@@ -107,13 +107,18 @@ public final class MetalFlashAttention: @unchecked Sendable {
     }
 
     /// The options build.sh's `xcrun metal` uses too: the pinned language version
-    /// (FA_MSL_VERSION_MAJOR.MINOR) and no fast math, so that infinities (lse of a row without
-    /// keys) and exp/log precision are as the CPU engine computes them.
+    /// (FA_MSL_VERSION_MAJOR.MINOR, or .FA_MSL_BFLOAT_VERSION_MINOR where the OS has it, which
+    /// adds the bfloat16 kernels) and no fast math, so that infinities (lse of a row without keys)
+    /// and exp/log precision are as the CPU engine computes them.
     private static func compileOptions() throws -> MTLCompileOptions {
         let options = MTLCompileOptions()
         // MTLCompileOptions.languageVersion; MTLLanguageVersion raw values are major << 16 | minor
-        // (version3_0 = 196608).
-        let raw = UInt(FA_MSL_VERSION_MAJOR) << 16 | UInt(FA_MSL_VERSION_MINOR)
+        // (version3_0 = 196608, version3_1 = 196609: macOS 14, iOS 17).
+        var minor = UInt(FA_MSL_VERSION_MINOR)
+        if #available(macOS 14.0, iOS 17.0, tvOS 17.0, visionOS 1.0, *) {
+            minor = UInt(FA_MSL_BFLOAT_VERSION_MINOR)
+        }
+        let raw = UInt(FA_MSL_VERSION_MAJOR) << 16 | minor
         guard let version = MTLLanguageVersion(rawValue: raw) else {
             throw FlashAttentionError.internalError("no MTLLanguageVersion for raw value \(raw)")
         }
@@ -170,6 +175,10 @@ public final class MetalFlashAttention: @unchecked Sendable {
                     built = .failure(.executionFailed("Metal could not build the pipeline of \(name) on "
                                                           + "\(device.name): \(error.localizedDescription)"))
                 }
+            } else if name.contains("_bf16") {
+                // Compiled below MSL 3.1 (or a .metallib built without bfloat): no bfloat kernels.
+                built = .failure(.unsupported("bfloat16 needs Metal Shading Language 3.1 (macOS 14, iOS 17); the "
+                                                  + "kernels on \(device.name) were compiled without it"))
             } else {
                 built = .failure(.internalError("the Metal library has no kernel named \(name)"))
             }
@@ -181,17 +190,20 @@ public final class MetalFlashAttention: @unchecked Sendable {
 
     // MARK: Encoding
 
-    /// Encodes the forward pass: `out` and `lse` from `q`, `k`, `v`.
-    /// - Parameter softmaxScale: any finite value; nil means `1 / sqrt(headDim)`.
+    /// Encodes the forward pass: `out` and `lse` from `q`, `k`, `v` (contiguous, elements of
+    /// `dtype`; `lse` float32).
+    /// - Parameters:
+    ///   - dtype: the element type of every buffer but `lse`.
+    ///   - softmaxScale: any finite value; nil means `1 / sqrt(headDim)`.
     /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for a bad shape, a buffer that is too
     ///   small or from another device, an output sharing memory with another buffer, or a command
     ///   buffer of another device; ``FlashAttentionError/unsupported(_:)`` when a kernel needs more
     ///   than the device offers. Nothing is encoded when it throws.
     public func encodeForward(into commandBuffer: MTLCommandBuffer, q: MTLBuffer, k: MTLBuffer, v: MTLBuffer,
-                              out: MTLBuffer, lse: MTLBuffer, shape: AttentionShape, causal: Bool = false,
-                              softmaxScale: Float? = nil) throws {
+                              out: MTLBuffer, lse: MTLBuffer, shape: AttentionShape, dtype: AttentionDType = .float16,
+                              causal: Bool = false, softmaxScale: Float? = nil) throws {
         try withAutoreleasePool {
-            let problem = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
+            let problem = try Problem.validate(shape, dtype: dtype, causal: causal, softmaxScale: softmaxScale)
             try encode(DispatchPlan.forward(problem), buffers: [.q: q, .k: k, .v: v, .out: out, .lse: lse],
                        into: commandBuffer)
         }
@@ -199,15 +211,31 @@ public final class MetalFlashAttention: @unchecked Sendable {
 
     /// Encodes the backward pass: `dq`, `dk`, `dv` from `dout` and the `q`, `k`, `v`, `out`, `lse`
     /// of the forward pass. `dk` and `dv` sum over the query heads that share a KV head.
-    /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:causal:softmaxScale:)``.
+    /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:dtype:causal:softmaxScale:)``.
     public func encodeBackward(into commandBuffer: MTLCommandBuffer, dout: MTLBuffer, q: MTLBuffer, k: MTLBuffer,
                                v: MTLBuffer, out: MTLBuffer, lse: MTLBuffer, dq: MTLBuffer, dk: MTLBuffer,
-                               dv: MTLBuffer, shape: AttentionShape, causal: Bool = false,
-                               softmaxScale: Float? = nil) throws {
+                               dv: MTLBuffer, shape: AttentionShape, dtype: AttentionDType = .float16,
+                               causal: Bool = false, softmaxScale: Float? = nil) throws {
         try withAutoreleasePool {
-            let problem = try Problem.validate(shape, causal: causal, softmaxScale: softmaxScale)
+            let problem = try Problem.validate(shape, dtype: dtype, causal: causal, softmaxScale: softmaxScale)
             try encode(DispatchPlan.backward(problem),
                        buffers: [.dout: dout, .q: q, .k: k, .v: v, .out: out, .lse: lse, .dq: dq, .dk: dk, .dv: dv],
+                       into: commandBuffer)
+        }
+    }
+
+    /// Encodes the merge of two attention results over disjoint key sets (see
+    /// ``FlashAttention/mergeAttention(outA:lseA:outB:lseB:out:lse:headDim:)``): `outA`, `outB`,
+    /// `out` float16 `[rows][headDim]`, `lseA`, `lseB`, `lse` float32 `[rows]`.
+    /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:causal:softmaxScale:)``, and
+    ///   ``FlashAttentionError/invalidArgument(_:)`` for `rows` outside `1...UInt32.max`.
+    public func encodeMerge(into commandBuffer: MTLCommandBuffer, outA: MTLBuffer, lseA: MTLBuffer, outB: MTLBuffer,
+                            lseB: MTLBuffer, out: MTLBuffer, lse: MTLBuffer, rows: Int, headDim: Int) throws {
+        try withAutoreleasePool {
+            guard rows >= 1 else { throw FlashAttentionError.invalidArgument("rows (\(rows)) must be at least 1") }
+            let problem = try Problem.merge(rows: UInt64(rows), headDim: headDim)
+            try encode(DispatchPlan.merge(problem),
+                       buffers: [.outA: outA, .lseA: lseA, .outB: outB, .lseB: lseB, .out: out, .lse: lse],
                        into: commandBuffer)
         }
     }
@@ -286,8 +314,8 @@ public final class MetalFlashAttention: @unchecked Sendable {
         for (dispatch, state) in zip(dispatches, states) {
             // MTLCommandBuffer.makeComputeCommandEncoder(); MTLComputeCommandEncoder
             // setComputePipelineState(_:), setBuffer(_:offset:index:) (device buffers: offsets are
-            // multiples of the element size), setBytes(_:length:index:) (below 4 KB: the 32-byte
-            // parameter struct), dispatchThreadgroups(_:threadsPerThreadgroup:), endEncoding().
+            // multiples of the element size), setBytes(_:length:index:) (below 4 KB: the parameter
+            // struct, under 300 bytes), dispatchThreadgroups(_:threadsPerThreadgroup:), endEncoding().
             guard let encoder = commandBuffer.makeComputeCommandEncoder() else {
                 throw FlashAttentionError.executionFailed("Metal could not create a compute command encoder")
             }

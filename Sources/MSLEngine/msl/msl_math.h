@@ -1,11 +1,13 @@
 // Metal Shading Language math functions for C++17 (MSL specification section 6.5 "Math
-// Functions", 6.2 "Common Functions", 6.4 "Integer Functions"): float and half scalars, vectors
-// element-wise, the fast:: and precise:: forms, clamp, select, as_type, and the MSL constants.
+// Functions", 6.2 "Common Functions", 6.4 "Integer Functions"): float, half and bfloat scalars,
+// vectors element-wise, the fast:: and precise:: forms, clamp, select, as_type, and the MSL
+// constants.
 //
 // No <cmath>: the functions use clang builtins, so `exp(x)` in a kernel finds only metal::exp and
-// never competes with ::exp(double) through `using namespace metal`. half functions evaluate in
-// float and round the result to half. fast:: and precise:: forms compute the precise result (the
-// CPU has no approximate variants); kernels must stay correct under either on a GPU.
+// never competes with ::exp(double) through `using namespace metal`. half and bfloat functions
+// evaluate in float and round the result to half or bfloat. fast:: and precise:: forms compute
+// the precise result (the CPU has no approximate variants); kernels must stay correct under
+// either on a GPU.
 #ifndef MSL_MATH_H
 #define MSL_MATH_H
 
@@ -44,12 +46,16 @@
 
 namespace metal {
 
-// One-argument float functions: float and half scalars, and vectors of either, element-wise.
+// One-argument float functions: float, half and bfloat scalars, and vectors of them, element-wise.
 #define MSL_UNARY(NAME, EXPR)                                                                      \
     inline float NAME(float x) { return EXPR; }                                                    \
     inline half NAME(half h) {                                                                     \
         const float x = float(h);                                                                  \
         return half(EXPR);                                                                         \
+    }                                                                                              \
+    inline bfloat NAME(bfloat b) {                                                                 \
+        const float x = float(b);                                                                  \
+        return bfloat(EXPR);                                                                       \
     }                                                                                              \
     template <int N> vec<float, N> NAME(const vec<float, N> &v) {                                  \
         vec<float, N> r;                                                                           \
@@ -58,6 +64,11 @@ namespace metal {
     }                                                                                              \
     template <int N> vec<half, N> NAME(const vec<half, N> &v) {                                    \
         vec<half, N> r;                                                                            \
+        for (int i = 0; i < N; ++i) r[i] = NAME(v[i]);                                            \
+        return r;                                                                                  \
+    }                                                                                              \
+    template <int N> vec<bfloat, N> NAME(const vec<bfloat, N> &v) {                                \
+        vec<bfloat, N> r;                                                                          \
         for (int i = 0; i < N; ++i) r[i] = NAME(v[i]);                                            \
         return r;                                                                                  \
     }
@@ -89,6 +100,10 @@ MSL_UNARY(tanh, __builtin_tanhf(x))
         const float x = float(hx), y = float(hy);                                                  \
         return half(EXPR);                                                                         \
     }                                                                                              \
+    inline bfloat NAME(bfloat bx, bfloat by) {                                                     \
+        const float x = float(bx), y = float(by);                                                  \
+        return bfloat(EXPR);                                                                       \
+    }                                                                                              \
     template <class T, int N> vec<T, N> NAME(const vec<T, N> &a, const vec<T, N> &b) {             \
         vec<T, N> r;                                                                               \
         for (int i = 0; i < N; ++i) r[i] = NAME(a[i], b[i]);                                      \
@@ -111,6 +126,9 @@ MSL_BINARY(step, x <= y ? 1.0f : 0.0f)
 /// Fused multiply-add a * b + c with one rounding (MSL fma).
 inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 inline half fma(half a, half b, half c) { return half(__builtin_fmaf(float(a), float(b), float(c))); }
+inline bfloat fma(bfloat a, bfloat b, bfloat c) {
+    return bfloat(__builtin_fmaf(float(a), float(b), float(c)));
+}
 template <class T, int N> vec<T, N> fma(const vec<T, N> &a, const vec<T, N> &b, const vec<T, N> &c) {
     vec<T, N> r;
     for (int i = 0; i < N; ++i) r[i] = fma(a[i], b[i], c[i]);
@@ -120,6 +138,7 @@ template <class T, int N> vec<T, N> fma(const vec<T, N> &a, const vec<T, N> &b, 
 /// Linear blend x + (y - x) * a (MSL mix).
 inline float mix(float x, float y, float a) { return x + (y - x) * a; }
 inline half mix(half x, half y, half a) { return half(mix(float(x), float(y), float(a))); }
+inline bfloat mix(bfloat x, bfloat y, bfloat a) { return bfloat(mix(float(x), float(y), float(a))); }
 
 // Integer max, min, abs (MSL integer functions).
 #define MSL_INTEGER(T)                                                                             \
@@ -138,6 +157,7 @@ MSL_INTEGER(ulong)
 /// Absolute value: fabs for floating point, |x| for integers.
 inline float abs(float x) { return __builtin_fabsf(x); }
 inline half abs(half x) { return half(__builtin_fabsf(float(x))); }
+inline bfloat abs(bfloat x) { return bfloat::from_bits((unsigned short)(x.bits & 0x7fffu)); }
 inline int abs(int x) { return x < 0 ? -x : x; }
 inline short abs(short x) { return short(x < 0 ? -x : x); }
 inline long abs(long x) { return x < 0 ? -x : x; }
@@ -165,11 +185,15 @@ template <class T, int N> vec<T, N> select(const vec<T, N> &a, const vec<T, N> &
 /// Classification (MSL relational functions).
 inline bool isinf(float x) { return __builtin_isinf(x); }
 inline bool isinf(half x) { return __builtin_isinf(float(x)); }
+inline bool isinf(bfloat x) { return __builtin_isinf(float(x)); }
 inline bool isnan(float x) { return __builtin_isnan(x); }
 inline bool isnan(half x) { return __builtin_isnan(float(x)); }
+inline bool isnan(bfloat x) { return __builtin_isnan(float(x)); }
 inline bool isfinite(float x) { return __builtin_isfinite(x); }
 inline bool isfinite(half x) { return __builtin_isfinite(float(x)); }
+inline bool isfinite(bfloat x) { return __builtin_isfinite(float(x)); }
 inline bool signbit(float x) { return __builtin_signbit(x); }
+inline bool signbit(bfloat x) { return (x.bits & 0x8000u) != 0; }
 
 /// Reinterprets the bits of a value as another type of the same size (MSL as_type).
 template <class To, class From> To as_type(const From &from) {

@@ -1,7 +1,7 @@
 // Metal Shading Language SIMD-group matrices for the CPU engine (MSL specification 6.7
 // "SIMD-Group Matrix Functions"): simdgroup_matrix<T, 8, 8>, simdgroup_float8x8,
-// simdgroup_half8x8, make_filled_simdgroup_matrix, simdgroup_load, simdgroup_store,
-// simdgroup_multiply, simdgroup_multiply_accumulate and thread_elements().
+// simdgroup_half8x8, simdgroup_bfloat8x8 (MSL 3.1), make_filled_simdgroup_matrix, simdgroup_load,
+// simdgroup_store, simdgroup_multiply, simdgroup_multiply_accumulate and thread_elements().
 //
 // Model: an 8x8 matrix is distributed over the 32 lanes of a SIMD-group, two elements per lane,
 // with the mapping Apple GPUs use (documented by MLX and metal-flash-attention; MSL leaves it
@@ -105,6 +105,7 @@ template <class T, int Cols, int Rows> struct simdgroup_matrix {
 
 typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
 typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
 
 /// A matrix with every element equal to `value` (MSL make_filled_simdgroup_matrix).
 template <class T, int Cols, int Rows>

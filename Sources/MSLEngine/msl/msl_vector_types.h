@@ -1,5 +1,6 @@
-// Metal Shading Language scalar and vector types for C++17: half, uint, ushort, ulong, and
-// vec<T, N> with the float2..4, half2..4, int2..4, uint2..4, ushort2..4 (and more) aliases.
+// Metal Shading Language scalar and vector types for C++17: half, bfloat, uint, ushort, ulong, and
+// vec<T, N> with the float2..4, half2..4, bfloat2..4, int2..4, uint2..4, ushort2..4 (and more)
+// aliases.
 //
 // Source of the semantics: Metal Shading Language Specification, section 2 (data types). Vectors
 // have members x, y, z, w, element indexing, element-wise arithmetic and comparison with vectors
@@ -31,7 +32,112 @@ namespace detail {
 /// Blocks template argument deduction, so `float2 * 2.0` converts the scalar to the element type.
 template <class T> struct identity { typedef T type; };
 template <class T> using same_t = typename identity<T>::type;
+template <bool B, class T = void> struct enable_if {};
+template <class T> struct enable_if<true, T> { typedef T type; };
+
+/// The bfloat bits nearest to x, ties to even (IEEE 754 roundTiesToEven): adding 0x7fff plus
+/// the lowest kept bit carries into the kept bits exactly when the dropped half is above the
+/// tie, or at the tie with an odd kept part; the carry turns values past the largest bfloat into
+/// infinity. A NaN keeps its sign and top payload bits and becomes quiet.
+constexpr unsigned short bfloat_bits_nearest(float x) {
+    const unsigned u = __builtin_bit_cast(unsigned, x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x0040u);
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 } // namespace detail
+
+/// bfloat16 ("brain float"), Metal's `bfloat` (MSL 3.1): 1 sign bit, 8 exponent bits (float's
+/// range), 7 stored significand bits, stored as the top 16 bits of the float with the same
+/// value. To float is exact; from float rounds to nearest, ties to even (subnormals kept, NaN
+/// stays NaN and becomes quiet, past the largest finite bfloat 0x1.fep127 gives infinity).
+/// Arithmetic of two bfloats evaluates in float and rounds the result to bfloat (like the
+/// engine's half); with a float (or half) operand the bfloat converts to float and the result is
+/// float, with an integer operand the result is bfloat. Other types convert through float, so an
+/// integer above 2^24 is rounded twice.
+struct bfloat {
+    /// The encoding (engine only: MSL kernels read it with as_type<ushort>).
+    unsigned short bits;
+
+    bfloat() = default;
+    constexpr bfloat(float x) : bits(detail::bfloat_bits_nearest(x)) {}
+    constexpr operator float() const { return __builtin_bit_cast(float, unsigned(bits) << 16); }
+    /// The bfloat whose encoding is `b` (no rounding).
+    static constexpr bfloat from_bits(unsigned short b) {
+        bfloat r{};
+        r.bits = b;
+        return r;
+    }
+};
+static_assert(sizeof(bfloat) == 2 && alignof(bfloat) == 2, "bfloat is 16-bit like Metal's");
+
+namespace detail {
+/// How a scalar of type T meets a bfloat in arithmetic: `kind` 1 floating point (the result is
+/// `promoted`), 2 integer (the result is bfloat); 0 (other types) takes no part.
+template <class T> struct bfloat_operand { static constexpr int kind = 0; };
+template <class P> struct bfloat_floating_operand {
+    static constexpr int kind = 1;
+    typedef P promoted;
+};
+template <> struct bfloat_operand<float> : bfloat_floating_operand<float> {};
+template <> struct bfloat_operand<_Float16> : bfloat_floating_operand<float> {};
+template <> struct bfloat_operand<double> : bfloat_floating_operand<double> {};
+template <> struct bfloat_operand<int> { static constexpr int kind = 2; };
+template <> struct bfloat_operand<unsigned> { static constexpr int kind = 2; };
+template <> struct bfloat_operand<short> { static constexpr int kind = 2; };
+template <> struct bfloat_operand<unsigned short> { static constexpr int kind = 2; };
+template <> struct bfloat_operand<long> { static constexpr int kind = 2; };
+template <> struct bfloat_operand<unsigned long> { static constexpr int kind = 2; };
+template <class T> using bfloat_promoted = typename bfloat_operand<T>::promoted;
+template <class T, class R>
+using if_integer = typename enable_if<bfloat_operand<T>::kind == 2, R>::type;
+template <class T, class R>
+using if_number = typename enable_if<bfloat_operand<T>::kind != 0, R>::type;
+} // namespace detail
+
+#define MSL_BFLOAT_ARITHMETIC(OP)                                                                  \
+    constexpr bfloat operator OP(bfloat a, bfloat b) { return bfloat(float(a) OP float(b)); }      \
+    template <class T> constexpr detail::bfloat_promoted<T> operator OP(bfloat a, T b) {           \
+        return detail::bfloat_promoted<T>(float(a)) OP detail::bfloat_promoted<T>(b);              \
+    }                                                                                              \
+    template <class T> constexpr detail::bfloat_promoted<T> operator OP(T a, bfloat b) {           \
+        return detail::bfloat_promoted<T>(a) OP detail::bfloat_promoted<T>(float(b));              \
+    }                                                                                              \
+    template <class T> constexpr auto operator OP(bfloat a, T b)->detail::if_integer<T, bfloat> {  \
+        return bfloat(float(a) OP float(b));                                                       \
+    }                                                                                              \
+    template <class T> constexpr auto operator OP(T a, bfloat b)->detail::if_integer<T, bfloat> {  \
+        return bfloat(float(a) OP float(b));                                                       \
+    }                                                                                              \
+    constexpr bfloat &operator OP##=(bfloat &a, bfloat b) { return a = a OP b; }                   \
+    template <class T>                                                                             \
+    constexpr auto operator OP##=(bfloat &a, T b)->detail::if_number<T, bfloat &> {                \
+        return a = bfloat(float(a) OP float(b));                                                   \
+    }
+MSL_BFLOAT_ARITHMETIC(+)
+MSL_BFLOAT_ARITHMETIC(-)
+MSL_BFLOAT_ARITHMETIC(*)
+MSL_BFLOAT_ARITHMETIC(/)
+#undef MSL_BFLOAT_ARITHMETIC
+
+#define MSL_BFLOAT_COMPARE(OP)                                                                     \
+    constexpr bool operator OP(bfloat a, bfloat b) { return float(a) OP float(b); }                \
+    template <class T> constexpr auto operator OP(bfloat a, T b)->detail::if_number<T, bool> {     \
+        return float(a) OP b;                                                                      \
+    }                                                                                              \
+    template <class T> constexpr auto operator OP(T a, bfloat b)->detail::if_number<T, bool> {     \
+        return a OP float(b);                                                                      \
+    }
+MSL_BFLOAT_COMPARE(==)
+MSL_BFLOAT_COMPARE(!=)
+MSL_BFLOAT_COMPARE(<)
+MSL_BFLOAT_COMPARE(<=)
+MSL_BFLOAT_COMPARE(>)
+MSL_BFLOAT_COMPARE(>=)
+#undef MSL_BFLOAT_COMPARE
+
+/// Negation flips the sign bit (exact, also for zero, infinity and NaN).
+constexpr bfloat operator-(bfloat a) { return bfloat::from_bits((unsigned short)(a.bits ^ 0x8000u)); }
+constexpr bfloat operator+(bfloat a) { return a; }
 
 template <class T, int N> struct vec;
 
@@ -178,6 +284,7 @@ template <int N> bool any(const vec<bool, N> &a) {
     typedef vec<T, 4> NAME##4;
 MSL_VEC_ALIASES(float, float)
 MSL_VEC_ALIASES(half, half)
+MSL_VEC_ALIASES(bfloat, bfloat)
 MSL_VEC_ALIASES(int, int)
 MSL_VEC_ALIASES(uint, uint)
 MSL_VEC_ALIASES(short, short)

@@ -1,5 +1,6 @@
-"""``bench``: time and TFLOP/s of forward and backward over a range of sequence lengths, or with
-``--compare`` the library side by side with its peers (``compare.py``).
+"""``bench``: time and TFLOP/s of forward and backward over a range of sequence lengths, with
+``--compare`` the library side by side with its peers (``compare.py``), or with ``--decode`` the
+forward time of decode shapes (``bench_decode.py``).
 
 FLOPs are counted as FlashAttention's benchmark counts them: 4 * B * H * Nq * Nk * D for the
 forward pass (the two matrix products), halved when causal, and 2.5 times that for the backward.
@@ -15,13 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _types, bench_profile
+from . import _types, bench_decode, bench_profile
 from ._context import context_for
 from .progress import track
 
 _CPU_SEQLENS = (64, 128, 256, 512)
 _GPU_SEQLENS = (512, 1024, 2048, 4096, 8192)
 _HEAD_DIM = 64
+_HEADS = 8
 # One wording wherever matplotlib is missing (the README says the same).
 MATPLOTLIB_HINT = 'pip install matplotlib (or, in the repository: pip install -e "python[bench]")'
 
@@ -61,11 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{' '.join(map(str, compare.CPU_SEQLENS))} on the CPU engine, "
                              f"{' '.join(map(str, compare.GPU_SEQLENS))} on Metal)")
     parser.add_argument("--batch", type=_types.positive_int, default=1, help="batch size (default: %(default)s)")
-    parser.add_argument("--heads", type=_types.positive_int, default=8,
-                        help="query heads (default: %(default)s; --compare's GQA cases use a quarter as KV heads)")
+    parser.add_argument("--heads", type=_types.positive_int, default=None,
+                        help=f"query heads (default: {_HEADS}, with --decode {bench_decode.HEADS}; --compare's GQA "
+                             f"cases use a quarter as KV heads)")
     parser.add_argument("--head-dim", type=_types.positive_int, default=None,
                         help=f"1..the library's largest head_dim, see `info` (default: {_HEAD_DIM}; with "
-                             f"--compare: {' and '.join(map(str, compare.HEAD_DIMS))})")
+                             f"--compare: {' and '.join(map(str, compare.HEAD_DIMS))}; with --decode: "
+                             f"{bench_decode.HEAD_DIM})")
     parser.add_argument("--repeats", type=_types.positive_int, default=3,
                         help="timed runs per configuration after one warm-up run; the best counts "
                              "(default: %(default)s)")
@@ -75,6 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"save a plot; .png is added to a name without a suffix (needs matplotlib: "
                              f"{MATPLOTLIB_HINT})")
     compare.add_arguments(parser)
+    bench_decode.add_arguments(parser)
     bench_profile.add_argument(parser)
 
 
@@ -200,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json is not None and args.compare is None:
         args.usage_error("argument --json: needs --compare (the sweep prints its table only)")
+    bench_decode.check_options(args)
+    args.heads = args.heads or (bench_decode.HEADS if args.decode else _HEADS)
     context = context_for(args.backend)
     check_head_dim(args, context)
     if args.profile:
@@ -215,6 +222,11 @@ def run(args: argparse.Namespace) -> int:
         if args.profile:
             bench_profile.print_profiles(context)
         return status
+    if args.decode:
+        bench_decode.run(args, context)
+        if args.profile:
+            bench_profile.print_profiles(context)
+        return 0
     args.head_dim = args.head_dim or _HEAD_DIM
     seqlens = args.seqlens or (_CPU_SEQLENS if context.backend == "cpu" else _GPU_SEQLENS)
     modes = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]

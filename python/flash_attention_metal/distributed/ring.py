@@ -13,8 +13,9 @@ share, and arrive back at their owner after P hops. No rank ever holds more than
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -48,6 +49,27 @@ class StepProfile:
     bytes_sent: int
 
 
+class _Pair:
+    """Two arrays of one dtype (K and V, or dK and dV) in one contiguous buffer: one message.
+
+    ``first`` and ``second`` are views of ``buffer`` (uint8, what travels) with ``shapes``; K and V
+    may differ in their last axis (head_dim and head_dim_v)."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]], dtype, fill=None) -> None:
+        dtype = np.dtype(dtype)
+        counts = [int(np.prod(shape)) for shape in shapes]
+        self.values = np.empty(sum(counts), dtype=dtype) if fill is None else np.full(sum(counts), fill, dtype=dtype)
+        self.buffer = self.values.view(np.uint8)
+        self.first = self.values[:counts[0]].reshape(shapes[0])
+        self.second = self.values[counts[0]:].reshape(shapes[1])
+
+    @classmethod
+    def of(cls, first: np.ndarray, second: np.ndarray) -> "_Pair":
+        pair = cls((first.shape, second.shape), first.dtype)
+        pair.first[...], pair.second[...] = first, second
+        return pair
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What every rank agreed on before the ring starts."""
@@ -61,23 +83,26 @@ class _Plan:
     context: Context
     timeout: float
 
-    def kv_shape(self, source: int, shape: _validation.Shape) -> tuple[int, ...]:
-        """(2, batch, num_kv_heads, rows, head_dim): the packed K and V shard of rank ``source``."""
+    def kv_shapes(self, source: int, shape: _validation.Shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shapes of rank ``source``'s K shard (batch, num_kv_heads, rows, head_dim) and V shard
+        (... head_dim_v)."""
         rows = self.key_layout.shard_length(source)
-        return (2, shape.batch, shape.num_kv_heads, rows, shape.head_dim)
+        return ((shape.batch, shape.num_kv_heads, rows, shape.head_dim),
+                (shape.batch, shape.num_kv_heads, rows, shape.head_dim_v))
 
     def block_calls(self, source: int) -> list[Call]:
         """The library calls of this rank's queries against ``source``'s keys (``layout.block_calls``)."""
         return block_calls(self.query_layout, self.key_layout, self.rank, source)
 
 
-_AGREED_FIELDS = ("batch", "num_heads", "num_kv_heads", "head_dim", "causal", "softmax_scale")
+_AGREED_FIELDS = ("batch", "num_heads", "num_kv_heads", "head_dim", "head_dim_v", "dtype", "causal", "softmax_scale")
 
 
-def _agree(comm, name: str, check: Callable[[], tuple[_validation.Shape, bool, float]], context, timeout,
+def _agree(comm, name: str, check: Callable[[], tuple], context, timeout,
            profile) -> tuple[_Plan, _validation.Shape]:
-    """Checks the local arguments (``check`` the tensors, then context, timeout and profile), then
-    agrees with every rank on shapes, causal and softmax_scale.
+    """Checks the local arguments (``check`` the tensors: returns shape, causal, softmax_scale and
+    the dtype; then context, timeout and profile), then agrees with every rank on shapes, dtype,
+    causal and softmax_scale.
 
     Every rank learns whether every other rank's arguments passed, so a rank with bad arguments
     raises its own error and the others raise ValueError naming it, instead of waiting for it.
@@ -86,7 +111,7 @@ def _agree(comm, name: str, check: Callable[[], tuple[_validation.Shape, bool, f
     timeout = check_timeout(timeout)
     rank, size = comm.Get_rank(), comm.Get_size()
     try:
-        shape, causal, scale = check()
+        shape, causal, scale, dtype = check()
         context = default_context() if context is None else context
         if not isinstance(context, Context):
             raise TypeError(f"context must be a flash_attention_metal.Context or None, got {type(context).__name__}")
@@ -97,10 +122,11 @@ def _agree(comm, name: str, check: Callable[[], tuple[_validation.Shape, bool, f
     except Exception as error:  # shared with the other ranks below, then re-raised
         local_error = error
     if local_error is None:
-        fields = [1, shape.batch, shape.num_heads, shape.num_kv_heads, shape.head_dim, int(causal),
-                  int(np.float64(scale).view(np.int64)), shape.seqlen_q, shape.seqlen_k]
+        fields = [1, shape.batch, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.head_dim_v,
+                  zlib.crc32(np.dtype(dtype).name.encode()), int(causal), int(np.float64(scale).view(np.int64)),
+                  shape.seqlen_q, shape.seqlen_k]
     else:
-        fields = [0] * 9
+        fields = [0] * 11
     table = allgather_ints(comm, fields, timeout=timeout, what=f"{name}: agreeing on the arguments")
     if local_error is not None:
         raise local_error
@@ -109,12 +135,14 @@ def _agree(comm, name: str, check: Callable[[], tuple[_validation.Shape, bool, f
         raise ValueError(f"{name}: the arguments of rank(s) {failed} were rejected (see the error on those ranks)")
     for column, field in enumerate(_AGREED_FIELDS, start=1):
         if np.any(table[:, column] != table[0, column]):
+            if field == "dtype":  # only checksums of the names travel
+                raise ValueError(f"{name}: q, k, v must have the same dtype on every rank")
             values = table[:, column].view(np.float64) if field == "softmax_scale" else table[:, column]
             raise ValueError(
                 f"{name}: {field} must be the same on every rank, got {values.tolist()} on ranks 0..{size - 1}"
             )
-    query_layout = _layout(name, "q", table[:, 7], size, causal)
-    key_layout = _layout(name, "k", table[:, 8], size, causal)
+    query_layout = _layout(name, "q", table[:, 9], size, causal)
+    key_layout = _layout(name, "k", table[:, 10], size, causal)
     plan = _Plan(rank, size, query_layout, key_layout, causal, scale, context, timeout)
     return plan, shape
 
@@ -141,9 +169,11 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, context=N
     """Attention over a sequence sharded across the ranks of ``comm``: this rank's (out, lse).
 
     Args:
-        q: float16 (batch, num_heads, local seqlen_q, head_dim), this rank's query shard as
-            ``shard_sequence(q_global, comm=comm, causal=causal)`` gives it.
-        k, v: float16 (batch, num_kv_heads, local seqlen_k, head_dim), sharded the same way.
+        q: (batch, num_heads, local seqlen_q, head_dim), numpy.float16, ml_dtypes.bfloat16 or
+            numpy.float32: this rank's query shard as ``shard_sequence(q_global, comm=comm,
+            causal=causal)`` gives it.
+        k: (batch, num_kv_heads, local seqlen_k, head_dim), v: (... head_dim_v), q's dtype,
+            sharded the same way.
         comm: mpi4py intracommunicator; every rank of it calls with its shard.
         causal: bool, bottom-right over the global sequences (query i sees key j iff
             j <= i + seqlen_k - seqlen_q, global positions); selects the zigzag layout.
@@ -153,8 +183,9 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, context=N
         profile: None, or a list to which one ``StepProfile`` per step is appended.
 
     Returns:
-        (out, lse) of this rank's query rows: out like q (float16), lse float32 (batch, num_heads,
-        local seqlen_q), equal to the rows of ``forward`` on the gathered sequences.
+        (out, lse) of this rank's query rows: out in q's dtype (batch, num_heads, local seqlen_q,
+        head_dim_v), lse float32 (batch, num_heads, local seqlen_q), equal to the rows of ``forward``
+        on the gathered sequences. The partial results merge in float32; out is rounded once.
 
     Raises:
         TypeError, ValueError: invalid arguments on this rank, arguments that differ between
@@ -162,28 +193,30 @@ def ring_attention(q, k, v, *, comm, causal=False, softmax_scale=None, context=N
         RingTimeoutError: another rank failed or stopped mid-ring.
         FlashAttentionError: the library reported an error.
     """
-    plan, shape = _agree(comm, "ring_attention", lambda: _validation.check_forward(q, k, v, causal, softmax_scale),
+    plan, shape = _agree(comm, "ring_attention",
+                         lambda: (*_validation.check_forward(q, k, v, causal, softmax_scale)[:3], q.dtype),
                          context, timeout, profile)
-    running = RunningAttention(shape.batch, shape.num_heads, shape.seqlen_q, shape.head_dim)
-    kv = np.stack((k, v))
+    running = RunningAttention(shape.batch, shape.num_heads, shape.seqlen_q, shape.head_dim_v)
+    kv = _Pair.of(k, v)
     for step in range(plan.size):
         source = (plan.rank - step) % plan.size
         transfer, incoming = None, None
         if step < plan.size - 1:
             following = (source - 1) % plan.size
-            incoming = np.empty(plan.kv_shape(following, shape), dtype=kv.dtype)
-            transfer = shift(comm, kv, incoming, _TAG_KV,
+            incoming = _Pair(plan.kv_shapes(following, shape), q.dtype)
+            transfer = shift(comm, kv.buffer, incoming.buffer, _TAG_KV,
                              f"ring_attention step {step + 1} of {plan.size}: K/V block of rank {following}")
         start = time.perf_counter()
         for call in plan.block_calls(source):
-            out, lse = plan.context.forward(_rows(q, call.rows), _rows(kv[0], call.keys), _rows(kv[1], call.keys),
-                                            causal=call.causal, softmax_scale=plan.softmax_scale)
+            out, lse = plan.context.forward(_rows(q, call.rows), _rows(kv.first, call.keys),
+                                            _rows(kv.second, call.keys), causal=call.causal,
+                                            softmax_scale=plan.softmax_scale)
             running.merge(call.rows, out, lse)
         compute = time.perf_counter() - start
         wait = transfer.wait(plan.timeout) if transfer else 0.0
         if profile is not None:
             profile.append(StepProfile(step, compute, wait, transfer.seconds_in_flight if transfer else 0.0,
-                                       kv.nbytes if transfer else 0))
+                                       kv.buffer.nbytes if transfer else 0))
         if incoming is not None:
             kv = incoming
     return running.out.astype(q.dtype), running.lse
@@ -194,7 +227,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm, causal=False, soft
     """Backward of ``ring_attention``: this rank's (dq, dk, dv).
 
     Args:
-        dout: float16 like q, this rank's rows of the gradient of the loss with respect to out.
+        dout: like out (q's dtype, head_dim_v last), this rank's rows of the gradient of the loss with respect to out.
         q, k, v: this rank's shards, as given to ``ring_attention``.
         out, lse: this rank's rows as ``ring_attention`` returned them (the global attention's out
             and lse; D_i = rowsum(dout * out) as in FlashAttention-2).
@@ -209,9 +242,10 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm, causal=False, soft
     """
     plan, shape = _agree(
         comm, "ring_attention_backward",
-        lambda: _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale), context, timeout, profile)
+        lambda: (*_validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale)[:3], q.dtype),
+        context, timeout, profile)
     dq = np.zeros(q.shape, dtype=_F32)
-    kv = np.stack((k, v))
+    kv = _Pair.of(k, v)
     outgoing = None  # the float32 dK/dV of the previous block, on its way to the next rank
     steps = []
     for step in range(plan.size):
@@ -219,44 +253,44 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm, causal=False, soft
         transfers, incoming_kv, arriving = [], None, None
         if step < plan.size - 1:
             following = (source - 1) % plan.size
-            incoming_kv = np.empty(plan.kv_shape(following, shape), dtype=kv.dtype)
-            transfers.append(shift(comm, kv, incoming_kv, _TAG_KV,
+            incoming_kv = _Pair(plan.kv_shapes(following, shape), q.dtype)
+            transfers.append(shift(comm, kv.buffer, incoming_kv.buffer, _TAG_KV,
                                    f"ring_attention_backward step {step + 1} of {plan.size}: "
                                    f"K/V block of rank {following}"))
         if step > 0:
-            arriving = np.empty(plan.kv_shape(source, shape), dtype=_F32)
-            transfers.append(shift(comm, None, arriving, _TAG_DKV,
+            arriving = _Pair(plan.kv_shapes(source, shape), _F32)
+            transfers.append(shift(comm, None, arriving.buffer, _TAG_DKV,
                                    f"ring_attention_backward step {step + 1} of {plan.size}: "
                                    f"dK/dV of rank {source}'s block"))
         start = time.perf_counter()
-        grads = np.zeros(plan.kv_shape(source, shape), dtype=_F32)
+        grads = _Pair(plan.kv_shapes(source, shape), _F32, fill=0)
         for call in plan.block_calls(source):
             rows, keys = call.rows, call.keys
             dq_block, dk_block, dv_block = plan.context.backward(
-                _rows(dout, rows), _rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys),
+                _rows(dout, rows), _rows(q, rows), _rows(kv.first, keys), _rows(kv.second, keys),
                 _rows(out, rows), lse[:, :, rows], causal=call.causal, softmax_scale=plan.softmax_scale)
             dq[:, :, rows] += dq_block
-            grads[0][:, :, keys] += dk_block
-            grads[1][:, :, keys] += dv_block
+            grads.first[:, :, keys] += dk_block
+            grads.second[:, :, keys] += dv_block
         compute = time.perf_counter() - start
         wait = sum(transfer.wait(plan.timeout) for transfer in transfers)
         if outgoing is not None:
             wait += outgoing.wait(plan.timeout)
         if arriving is not None:
-            grads += arriving
-        sent = kv.nbytes if incoming_kv is not None else 0
+            grads.values += arriving.values
+        sent = kv.buffer.nbytes if incoming_kv is not None else 0
         if plan.size > 1:
-            outgoing = shift(comm, grads, None, _TAG_DKV,
+            outgoing = shift(comm, grads.buffer, None, _TAG_DKV,
                              f"ring_attention_backward step {step + 1} of {plan.size}: dK/dV of rank {source}'s block")
-            sent += grads.nbytes
+            sent += grads.buffer.nbytes
         steps.append([step, compute, wait, max((t.seconds_in_flight for t in transfers), default=0.0), sent])
         if incoming_kv is not None:
             kv = incoming_kv
     if plan.size > 1:
-        own = np.empty(plan.kv_shape(plan.rank, shape), dtype=_F32)
-        returning = shift(comm, None, own, _TAG_DKV, "ring_attention_backward: dK/dV of this rank's block")
+        own = _Pair(plan.kv_shapes(plan.rank, shape), _F32)
+        returning = shift(comm, None, own.buffer, _TAG_DKV, "ring_attention_backward: dK/dV of this rank's block")
         steps[-1][2] += returning.wait(plan.timeout) + outgoing.wait(plan.timeout)
         grads = own
     if profile is not None:
         profile.extend(StepProfile(*fields) for fields in steps)
-    return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype)
+    return dq.astype(q.dtype), grads.first.astype(k.dtype), grads.second.astype(v.dtype)

@@ -24,7 +24,7 @@ final class AutoBackendTests: XCTestCase {
 
     func testAPlanMetalCannotBuildRunsOnTheCPU() throws {
         let metal = StandInMetal()
-        metal.refuse = .executionFailed("Metal could not build the pipeline of flash_attention_forward_d32: X")
+        metal.refuse = .executionFailed("Metal could not build the pipeline of flash_attention_forward_f16_d32: X")
         let auto = try AutoBackend { metal }
         XCTAssertEqual(auto.note, "kernels from a stand-in")
         let forward = DispatchPlan.forward(problem)
@@ -33,8 +33,8 @@ final class AutoBackendTests: XCTestCase {
         XCTAssertEqual(metal.executed, 0)
         XCTAssertGreaterThan(profile.dispatches.first?.simdgroupMultiplyAccumulates ?? 0, 0, "the CPU engine ran it")
         XCTAssertEqual(auto.name.description, "metal", "other plans stay on Metal")
-        XCTAssertEqual(auto.note, "kernels from a stand-in; the CPU engine runs flash_attention_forward_d32: Metal "
-                       + "could not build the pipeline of flash_attention_forward_d32: X")
+        XCTAssertEqual(auto.note, "kernels from a stand-in; the CPU engine runs flash_attention_forward_f16_d32: Metal "
+                       + "could not build the pipeline of flash_attention_forward_f16_d32: X")
         XCTAssertTrue(memory.lse.allSatisfy { abs($0 - log(3)) < 1e-6 }, "zero scores over 3 keys: lse = log 3")
         metal.refuse = nil
         _ = try auto.execute(forward, buffers: memory.buffers, cancellation: token)
@@ -68,12 +68,12 @@ private final class ZeroBuffers {
     private(set) var buffers = HostBuffers()
 
     init(_ problem: Problem) {
-        halves = .allocate(capacity: 4 * problem.queryElements)
+        halves = .allocate(capacity: 4 * BufferRole.q.elementCount(for: problem))
         halves.initialize(repeating: 0)
         floats = .allocate(capacity: problem.lseElements)
         floats.initialize(repeating: .nan)
         for (n, role) in [BufferRole.q, .k, .v, .out].enumerated() {
-            buffers.bindOutput(role, halves.baseAddress! + n * problem.queryElements, for: problem)
+            buffers.bindOutput(role, halves.baseAddress! + n * BufferRole.q.elementCount(for: problem), for: problem)
         }
         buffers.bindOutput(.lse, floats.baseAddress!, for: problem)
     }

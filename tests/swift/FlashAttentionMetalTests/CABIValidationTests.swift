@@ -19,8 +19,11 @@ final class CABIValidationTests: XCTestCase {
     }
 
     private func validProblem() -> fa_problem {
-        fa_problem(struct_size: UInt32(MemoryLayout<fa_problem>.size), batch: 1, num_heads: 2, num_kv_heads: 1,
-                   seqlen_q: 3, seqlen_k: 4, head_dim: 8, causal: 0, softmax_scale: 0.5)
+        var p = fa_problem()
+        p.struct_size = UInt32(MemoryLayout<fa_problem>.size)
+        (p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim) = (1, 2, 1, 3, 4, 8)
+        p.softmax_scale = 0.5
+        return p
     }
 
     /// Calls fa_forward and fa_backward with buffers large enough for `validProblem()` and returns
@@ -99,12 +102,45 @@ final class CABIValidationTests: XCTestCase {
 
     func testStructSize() {
         expect(modified { $0.struct_size = 0 }, FA_STATUS_INVALID_ARGUMENT,
-               "problem->struct_size (0) must be at least sizeof(fa_problem) (36)")
+               "problem->struct_size (0) must be at least 36 (the 0.1 fa_problem)")
         expect(modified { $0.struct_size = 35 }, FA_STATUS_INVALID_ARGUMENT,
-               "problem->struct_size (35) must be at least sizeof(fa_problem) (36)")
+               "problem->struct_size (35) must be at least 36 (the 0.1 fa_problem)")
+        // A 0.1 caller's struct ends at softmax_scale: the fields after it are not read (here they
+        // hold an invalid dtype) and take their defaults.
+        let old = call(modified { $0.struct_size = 36; $0.dtype = 99 })
+        XCTAssertEqual(old.forward, FA_STATUS_SUCCESS, old.forwardMessage)
+        XCTAssertEqual(old.backward, FA_STATUS_SUCCESS, old.backwardMessage)
         // A larger struct from a newer header is accepted.
-        let r = call(modified { $0.struct_size = 64 })
+        let r = call(modified { $0.struct_size = UInt32(MemoryLayout<fa_problem>.size + 64) })
         XCTAssertEqual(r.forward, FA_STATUS_SUCCESS, r.forwardMessage)
+    }
+
+    func testDTypeAndHeadDimV() {
+        expect(modified { $0.dtype = 3 }, FA_STATUS_INVALID_ARGUMENT,
+               "dtype (3) must be FA_DTYPE_FLOAT16, FA_DTYPE_BFLOAT16 or FA_DTYPE_FLOAT32")
+        expect(modified { $0.head_dim_v = 257 }, FA_STATUS_UNSUPPORTED,
+               "head_dim_v (257) must be at most fa_max_head_dim() (256)")
+    }
+
+    /// Strides: positive, and written tensors never overlap themselves.
+    func testStrides() {
+        expect(modified { $0.k = fa_strides(batch: 64, head: -32, seq: 8) }, FA_STATUS_INVALID_ARGUMENT,
+               "k strides (64, -32, 8) must not be negative")
+        expect(modified { $0.q = fa_strides(batch: 48, head: 0, seq: 8) }, FA_STATUS_INVALID_ARGUMENT,
+               "q strides: the head stride (0) must be at least 1 (or all three strides 0 for the contiguous layout)")
+        // out rows of 8 elements 4 apart overlap; the same strides are fine for the input q.
+        expect(modified { $0.out = fa_strides(batch: 64, head: 16, seq: 4) }, FA_STATUS_INVALID_ARGUMENT,
+               "out strides overlap: the seq stride (4) must be at least 8, the elements one step of the smaller "
+                   + "axes spans (out is written)")
+        let reading = call(modified { $0.q = fa_strides(batch: 64, head: 16, seq: 4) })
+        XCTAssertEqual(reading.forward, FA_STATUS_SUCCESS, reading.forwardMessage)
+        // (batch, seqlen, heads, head_dim) strides for every tensor: FlashAttention's layout.
+        let bshd = call(modified {
+            $0.q = fa_strides(batch: 48, head: 8, seq: 16); $0.out = $0.q; $0.dout = $0.q; $0.dq = $0.q
+            $0.k = fa_strides(batch: 32, head: 8, seq: 8); $0.v = $0.k; $0.dk = $0.k; $0.dv = $0.k
+        })
+        XCTAssertEqual(bshd.forward, FA_STATUS_SUCCESS, bshd.forwardMessage)
+        XCTAssertEqual(bshd.backward, FA_STATUS_SUCCESS, bshd.backwardMessage)
     }
 
     func testZeroDimensions() {

@@ -10,9 +10,9 @@ final class CancellationTests: XCTestCase {
     /// Runs a forward pass of `shape` on `context`; returns the outputs and the error, if any.
     private func forward(on context: Context) throws -> (out: [UInt16], lse: [Float], error: Error?) {
         let problem = try Problem.validate(shape, causal: true, softmaxScale: nil)
-        var q = [UInt16](repeating: 0x3C00, count: problem.queryElements)
-        var kv = [UInt16](repeating: 0x3800, count: problem.keyValueElements)
-        var out = [UInt16](repeating: 0, count: problem.queryElements)
+        var q = [UInt16](repeating: 0x3C00, count: BufferRole.q.elementCount(for: problem))
+        var kv = [UInt16](repeating: 0x3800, count: BufferRole.k.elementCount(for: problem))
+        var out = [UInt16](repeating: 0, count: BufferRole.q.elementCount(for: problem))
         var lse = [Float](repeating: 0, count: problem.lseElements)
         var failure: Error?
         q.withUnsafeMutableBytes { q in
@@ -43,7 +43,7 @@ final class CancellationTests: XCTestCase {
         guard case .cancelled(let message)? = cancelled.error as? FlashAttentionError else {
             return XCTFail("expected cancelled, got \(String(describing: cancelled.error))")
         }
-        XCTAssertTrue(message.hasPrefix("cancelled by fa_context_cancel: CPU engine: kernel 'flash_attention_forward_d32"
+        XCTAssertTrue(message.hasPrefix("cancelled by fa_context_cancel: CPU engine: kernel 'flash_attention_forward_f16_d32"
                                         + "' cancelled after 0 of "), message)
         XCTAssertTrue(cancelled.out.allSatisfy { $0 == 0x7E00 })
         XCTAssertTrue(cancelled.lse.allSatisfy(\.isNaN))
@@ -64,9 +64,10 @@ final class CancellationTests: XCTestCase {
         defer { fa_context_destroy(handle) }
         // Nothing in flight: the cancel reaches no call, and the next call runs.
         XCTAssertEqual(fa_context_cancel(handle), FA_STATUS_SUCCESS)
-        var problem = fa_problem(struct_size: UInt32(MemoryLayout<fa_problem>.size), batch: 1, num_heads: 1,
-                                 num_kv_heads: 1, seqlen_q: 4, seqlen_k: 4, head_dim: 8, causal: 0,
-                                 softmax_scale: 0.5)
+        var problem = fa_problem()
+        problem.struct_size = UInt32(MemoryLayout<fa_problem>.size)
+        (problem.batch, problem.num_heads, problem.num_kv_heads) = (1, 1, 1)
+        (problem.seqlen_q, problem.seqlen_k, problem.head_dim, problem.softmax_scale) = (4, 4, 8, 0.5)
         let inputs = [UInt16](repeating: 0x3C00, count: 32)
         var out = [UInt16](repeating: 0, count: 32)
         var lse = [Float](repeating: 0, count: 4)

@@ -21,11 +21,11 @@ final class DispatchPlanTests: XCTestCase {
             let p = try problem(headDim: headDim)
             XCTAssertEqual(p.bucket.head_dim_max, bucket, "head_dim \(headDim)")
             let forward = DispatchPlan.forward(p)
-            XCTAssertEqual(forward.dispatches.map(\.kernelName), ["flash_attention_forward_d\(bucket)"])
+            XCTAssertEqual(forward.dispatches.map(\.kernelName), ["flash_attention_forward_f16_d\(bucket)"])
             let backward = DispatchPlan.backward(p)
             XCTAssertEqual(backward.dispatches.map(\.kernelName),
-                           ["flash_attention_backward_delta", "flash_attention_backward_dq_d\(bucket)",
-                            "flash_attention_backward_dkv_d\(bucket)"])
+                           ["flash_attention_backward_delta_f16", "flash_attention_backward_dq_f16_d\(bucket)",
+                            "flash_attention_backward_dkv_f16_d\(bucket)"])
             XCTAssertEqual(forward.dispatches[0].params.head_dim, UInt32(headDim))
         }
         XCTAssertThrowsError(try problem(headDim: 257)) { error in
@@ -61,9 +61,11 @@ final class DispatchPlanTests: XCTestCase {
         let p = try problem()
         let plan = DispatchPlan.forward(p)
         let d = plan.dispatches[0]
+        // attn_mask, alibi_slopes and sinks are absent: lse stands in at their indices, unread.
         XCTAssertEqual(d.bindings, [BufferBinding(index: 0, role: .q), BufferBinding(index: 1, role: .k),
                                     BufferBinding(index: 2, role: .v), BufferBinding(index: 3, role: .out),
-                                    BufferBinding(index: 4, role: .lse)])
+                                    BufferBinding(index: 4, role: .lse), BufferBinding(index: 6, role: .lse),
+                                    BufferBinding(index: 7, role: .lse), BufferBinding(index: 8, role: .lse)])
         XCTAssertEqual(d.paramsIndex, Int(FA_FORWARD_BUFFER_PARAMS))
         XCTAssertEqual(d.bufferCount, Int(FA_FORWARD_BUFFER_COUNT))
         XCTAssertEqual(plan.outputs, [.out, .lse])
@@ -80,11 +82,12 @@ final class DispatchPlanTests: XCTestCase {
         let inputs = [BufferBinding(index: 0, role: .dout), BufferBinding(index: 1, role: .q),
                       BufferBinding(index: 2, role: .k), BufferBinding(index: 3, role: .v),
                       BufferBinding(index: 4, role: .out), BufferBinding(index: 5, role: .lse),
-                      BufferBinding(index: 7, role: .delta)]
+                      BufferBinding(index: 7, role: .delta), BufferBinding(index: 8, role: .lse),
+                      BufferBinding(index: 9, role: .lse), BufferBinding(index: 10, role: .lse)]
         XCTAssertEqual(plan.dispatches[0].bindings, inputs)
-        XCTAssertEqual(plan.dispatches[1].bindings, inputs + [BufferBinding(index: 8, role: .dq)])
+        XCTAssertEqual(plan.dispatches[1].bindings, inputs + [BufferBinding(index: 11, role: .dq)])
         XCTAssertEqual(plan.dispatches[2].bindings,
-                       inputs + [BufferBinding(index: 8, role: .dk), BufferBinding(index: 9, role: .dv)])
+                       inputs + [BufferBinding(index: 11, role: .dk), BufferBinding(index: 12, role: .dv)])
         XCTAssertEqual(plan.dispatches.map(\.paramsIndex), [6, 6, 6])
         XCTAssertEqual(plan.dispatches.map(\.bufferCount),
                        [Int(FA_BACKWARD_DELTA_BUFFER_COUNT), Int(FA_BACKWARD_DQ_BUFFER_COUNT),
@@ -131,7 +134,7 @@ final class DispatchPlanTests: XCTestCase {
         let split = try XCTUnwrap(p.split)
         let plan = DispatchPlan.forward(p)
         XCTAssertEqual(plan.dispatches.map(\.kernelName),
-                       ["flash_attention_forward_split_d128", "flash_attention_forward_combine"])
+                       ["flash_attention_forward_split_f16_d128", "flash_attention_forward_combine_f16"])
         XCTAssertEqual(plan.workspace, [.partialOut, .partialLse])
         let grid = plan.dispatches[0].threadgroupsPerGrid
         XCTAssertEqual(grid, GridSize(width: split.chunks, height: 8, depth: 1))
@@ -161,5 +164,37 @@ final class DispatchPlanTests: XCTestCase {
                                                headDim: 64).split)
         XCTAssertEqual(packed.rowBlocks, 4)
         XCTAssertEqual(try problem(seqlenQ: 100, seqlenK: 33).params.kv_chunks, 1)
+    }
+
+    /// Masks, ALiBi and sinks bind their own buffers; sinks add the dsinks dispatch and output;
+    /// causal folds into the window as right = 0.
+    func testScoreModifiersInThePlan() throws {
+        let shape = AttentionShape(batch: 2, numHeads: 4, numKVHeads: 2, seqlenQ: 10, seqlenK: 12, headDim: 16)
+        let options = AttentionOptions(windowLeft: 5, windowRight: 3, softcap: 30,
+                                       alibiSlopes: [Float](repeating: 0.1, count: 8), sinks: [1, 2, 3, 4],
+                                       attnMask: .boolean([1], strides: TensorStrides(batch: 12, head: 0, seq: 0)))
+        let p = try Problem.validate(shape, causal: true, softmaxScale: nil, options: options)
+        XCTAssertEqual([p.params.window_left, p.params.window_right], [5, 0])
+        XCTAssertEqual(p.params.alibi_batch_stride, 4)
+        XCTAssertEqual(BufferRole.attnMask.byteCount(for: p), 1 * 12 + 12)
+        XCTAssertEqual(BufferRole.alibiSlopes.elementCount(for: p), 8)
+        let forward = DispatchPlan.forward(p).dispatches[0]
+        XCTAssertEqual(forward.bindings.suffix(3), [BufferBinding(index: 6, role: .attnMask),
+                                                    BufferBinding(index: 7, role: .alibiSlopes),
+                                                    BufferBinding(index: 8, role: .sinks)])
+        let backward = DispatchPlan.backward(p)
+        XCTAssertEqual(backward.dispatches.map(\.kernelName).last, "flash_attention_backward_dsinks")
+        XCTAssertEqual(backward.dispatches.last?.threadgroupsPerGrid, GridSize(width: 4, height: 1, depth: 1))
+        XCTAssertEqual(backward.outputs, [.dq, .dk, .dv, .dsinks])
+        XCTAssertThrowsError(try Problem.validate(shape, causal: false, softmaxScale: nil,
+                                                  options: AttentionOptions(windowLeft: -2))) {
+            XCTAssertEqual($0 as? FlashAttentionError, .invalidArgument(
+                "window_left (-2) must be -1 (unbounded) or a number of keys from 0 to 2147483647"))
+        }
+        XCTAssertThrowsError(try Problem.validate(shape, causal: false, softmaxScale: nil,
+                                                  options: AttentionOptions(softcap: -1))) {
+            XCTAssertEqual($0 as? FlashAttentionError,
+                           .invalidArgument("softcap (-1.0) must be finite and at least 0 (0 is off)"))
+        }
     }
 }

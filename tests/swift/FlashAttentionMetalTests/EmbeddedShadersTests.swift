@@ -49,8 +49,14 @@ final class EmbeddedShadersTests: XCTestCase {
         }
         XCTAssertTrue(source.contains("typedef struct FlashAttentionParams"))
         XCTAssertTrue(source.contains("FA_HEAD_DIM_BUCKETS"))
-        for name in ["flash_attention_forward_d", "flash_attention_backward_dq_d", "flash_attention_backward_dkv_d"] {
+        XCTAssertTrue(source.contains("FA_HEAD_DIM_BUCKETS_F32"))
+        for name in ["flash_attention_forward_##SUFFIX##_d", "flash_attention_forward_split_##SUFFIX##_d",
+                     "flash_attention_backward_dq_##SUFFIX##_d", "flash_attention_backward_dkv_##SUFFIX##_d",
+                     "flash_attention_forward_combine_##SUFFIX", "flash_attention_backward_delta_##SUFFIX"] {
             XCTAssertTrue(source.contains(name), name)
         }
+        // The merge kernel and its header (spliced, not included).
+        XCTAssertTrue(source.contains("kernel void flash_attention_merge("))
+        XCTAssertTrue(source.contains("inline float merge_weight("))
     }
 }

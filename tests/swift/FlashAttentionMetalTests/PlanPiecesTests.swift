@@ -75,7 +75,8 @@ final class PlanPiecesTests: XCTestCase {
                                    piece.plan.dispatches.map { _ in piece.plan.problem.batch })
                     XCTAssertEqual(piece.plan.problem.numHeads, piece.plan.problem.numKVHeads * 3)
                 }
-                for role in BufferRole.allCases {
+                // Every role the plan binds (optional inputs it lacks are not bound).
+                for role in plan.boundRoles {
                     var next = 0
                     for piece in pieces {
                         XCTAssertEqual(piece.byteOffset(of: role), next, "\(role.name), \(units) units")
@@ -97,8 +98,8 @@ final class PlanPiecesTests: XCTestCase {
                                                         headDim: 24),
                                          causal: causal, softmaxScale: nil)
             var rng = Normal16(seed: causal ? 11 : 12)
-            let q = rng.next(p.queryElements), k = rng.next(p.keyValueElements), v = rng.next(p.keyValueElements)
-            let dout = rng.next(p.queryElements)
+            let q = rng.next(BufferRole.q.elementCount(for: p)), k = rng.next(BufferRole.k.elementCount(for: p)), v = rng.next(BufferRole.k.elementCount(for: p))
+            let dout = rng.next(BufferRole.q.elementCount(for: p))
             let reference = try forwardAndBackward(whole, p, q: q, k: k, v: v, dout: dout)
             // Forward / backward pieces: per KV head / per KV head, per batch entry / per KV head,
             // whole / per batch entry.
@@ -137,8 +138,8 @@ final class PlanPiecesTests: XCTestCase {
                                          causal: true, softmaxScale: nil)
         XCTAssertEqual(short.split?.chunks, 2)
         var rng = Normal16(seed: 5)
-        let q = rng.next(short.queryElements), k = rng.next(short.keyValueElements)
-        let v = rng.next(short.keyValueElements)
+        let q = rng.next(BufferRole.q.elementCount(for: short)), k = rng.next(BufferRole.k.elementCount(for: short))
+        let v = rng.next(BufferRole.k.elementCount(for: short))
         let reference = try forward(Context(backend: try CPUBackend()), short, q: q, k: k, v: v)
         let perHead = try CPUBackend(flopsPerPiece: DispatchPlan.forward(short).flopsPerUnit)
         let result = try forward(Context(backend: perHead), short, q: q, k: k, v: v)
@@ -151,8 +152,8 @@ final class PlanPiecesTests: XCTestCase {
     func testProfileShowsThePieces() throws {
         let p = try problem()
         var rng = Normal16(seed: 3)
-        let q = rng.next(p.queryElements), k = rng.next(p.keyValueElements), v = rng.next(p.keyValueElements)
-        let dout = rng.next(p.queryElements)
+        let q = rng.next(BufferRole.q.elementCount(for: p)), k = rng.next(BufferRole.k.elementCount(for: p)), v = rng.next(BufferRole.k.elementCount(for: p))
+        let dout = rng.next(BufferRole.q.elementCount(for: p))
         let whole = Context(backend: try CPUBackend())
         _ = try forwardAndBackward(whole, p, q: q, k: k, v: v, dout: dout)
         let split = Context(backend: try CPUBackend(flopsPerPiece: DispatchPlan.backward(p).flopsPerUnit))
@@ -168,8 +169,69 @@ final class PlanPiecesTests: XCTestCase {
                        one.dispatches.map(\.simdgroupMultiplyAccumulates))
         XCTAssertEqual(six.dispatches.map(\.threadgroupBarriers), one.dispatches.map(\.threadgroupBarriers))
         XCTAssertTrue(six.dispatches.allSatisfy {
-            ($0.simdgroupMultiplyAccumulates ?? 0) > 0 || $0.kernelName.hasSuffix("delta")
+            ($0.simdgroupMultiplyAccumulates ?? 0) > 0 || $0.kernelName.hasPrefix("flash_attention_backward_delta")
         })
+    }
+
+    /// Score modifiers split too: a per-batch ALiBi, a padding mask broadcast over heads and query
+    /// rows, a window and sinks give the whole plan's results bit for bit, and dsinks (a sum over
+    /// every batch entry) runs once after the pieces.
+    func testPiecesWithScoreModifiersAndSinks() throws {
+        let shape = AttentionShape(batch: 3, numHeads: 4, numKVHeads: 2, seqlenQ: 9, seqlenK: 14, headDim: 16)
+        let mask = (0..<(3 * 14)).map { UInt8($0 % 5 == 3 ? 0 : 1) }
+        let options = AttentionOptions(windowLeft: 6, windowRight: 2, softcap: 4,
+                                       alibiSlopes: (0..<12).map { Float($0) / 24 }, sinks: [0.5, -1, 2, 0],
+                                       attnMask: .boolean(mask, strides: TensorStrides(batch: 14, head: 0, seq: 0)))
+        let p = try Problem.validate(shape, causal: false, softmaxScale: nil, options: options)
+        var rng = Normal16(seed: 13)
+        let q = rng.next(BufferRole.q.elementCount(for: p)), k = rng.next(BufferRole.k.elementCount(for: p))
+        let v = rng.next(BufferRole.v.elementCount(for: p)), dout = rng.next(BufferRole.out.elementCount(for: p))
+        let slopes = options.alibiSlopes!, sinks = options.sinks!
+        func run(_ context: Context) throws -> [[UInt32]] {
+            var out = [Float16](repeating: 0, count: BufferRole.out.elementCount(for: p))
+            var lse = [Float](repeating: 0, count: p.lseElements)
+            var dq = [Float16](repeating: 0, count: q.count), dk = [Float16](repeating: 0, count: k.count), dv = dk
+            var dsinks = [Float](repeating: 0, count: 4)
+            try withExtendedLifetime((q, k, v, dout, mask, slopes, sinks)) {
+                try out.withUnsafeMutableBytes { out in
+                    try lse.withUnsafeMutableBytes { lse in
+                        try dq.withUnsafeMutableBytes { dq in
+                            try dk.withUnsafeMutableBytes { dk in
+                                try dv.withUnsafeMutableBytes { dv in
+                                    try dsinks.withUnsafeMutableBytes { ds in
+                                        var f = HostBuffers()
+                                        for (role, array) in [(BufferRole.q, q), (.k, k), (.v, v), (.dout, dout)] {
+                                            array.withUnsafeBytes { f.bindInput(role, $0.baseAddress!, for: p) }
+                                        }
+                                        mask.withUnsafeBytes { f.bindInput(.attnMask, $0.baseAddress!, for: p) }
+                                        slopes.withUnsafeBytes { f.bindInput(.alibiSlopes, $0.baseAddress!, for: p) }
+                                        sinks.withUnsafeBytes { f.bindInput(.sinks, $0.baseAddress!, for: p) }
+                                        f.bindOutput(.out, out.baseAddress!, for: p)
+                                        f.bindOutput(.lse, lse.baseAddress!, for: p)
+                                        try context.run(DispatchPlan.forward(p), buffers: f)
+                                        f.bindOutput(.dq, dq.baseAddress!, for: p)
+                                        f.bindOutput(.dk, dk.baseAddress!, for: p)
+                                        f.bindOutput(.dv, dv.baseAddress!, for: p)
+                                        f.bindOutput(.dsinks, ds.baseAddress!, for: p)
+                                        try context.run(DispatchPlan.backward(p), buffers: f)
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            return [out, dq, dk, dv].map { $0.map { UInt32($0.bitPattern) } } + [lse, dsinks].map { $0.map(\.bitPattern) }
+        }
+        let reference = try run(Context(backend: try CPUBackend()))
+        XCTAssertTrue(reference[5].allSatisfy { Float(bitPattern: $0) != 0 }, "dsinks computed")
+        let unit = DispatchPlan.backward(p).flopsPerUnit
+        for budget in [unit, 2 * unit, 2 * Int(p.numKVHeads) * unit] {
+            assertSame(try run(Context(backend: try CPUBackend(flopsPerPiece: budget))), reference, "budget \(budget)")
+        }
+        let pieces = DispatchPlan.backward(p).pieces(maxFlops: unit)
+        XCTAssertEqual(pieces.last?.plan.dispatches.map(\.kernelName), ["flash_attention_backward_dsinks"])
+        XCTAssertFalse(pieces.dropLast().contains { $0.plan.dispatches.contains(where: \.wholeProblem) })
     }
 
     private func assertSame(_ result: [[UInt32]], _ reference: [[UInt32]], _ label: String,
@@ -183,7 +245,7 @@ final class PlanPiecesTests: XCTestCase {
 
 /// Forward on `context`; out and lse as bit patterns.
 private func forward(_ context: Context, _ p: Problem, q: [Float16], k: [Float16], v: [Float16]) throws -> [[UInt32]] {
-    var out = [Float16](repeating: 0, count: p.queryElements)
+    var out = [Float16](repeating: 0, count: BufferRole.q.elementCount(for: p))
     var lse = [Float](repeating: 0, count: p.lseElements)
     try q.withUnsafeBytes { q in
         try k.withUnsafeBytes { k in
@@ -208,9 +270,9 @@ private func forward(_ context: Context, _ p: Problem, q: [Float16], k: [Float16
 /// Forward then backward on `context`; every output as bit patterns.
 private func forwardAndBackward(_ context: Context, _ p: Problem, q: [Float16], k: [Float16], v: [Float16],
                                 dout: [Float16]) throws -> [[UInt32]] {
-    var out = [Float16](repeating: 0, count: p.queryElements)
+    var out = [Float16](repeating: 0, count: BufferRole.q.elementCount(for: p))
     var lse = [Float](repeating: 0, count: p.lseElements)
-    var dq = out, dk = [Float16](repeating: 0, count: p.keyValueElements), dv = dk
+    var dq = out, dk = [Float16](repeating: 0, count: BufferRole.k.elementCount(for: p)), dv = dk
     try q.withUnsafeBytes { q in
         try k.withUnsafeBytes { k in
             try v.withUnsafeBytes { v in

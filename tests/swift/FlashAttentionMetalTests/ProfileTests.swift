@@ -147,7 +147,7 @@ final class ProfileTests: XCTestCase {
     func testFailedCallLeavesTheLastProfile() throws {
         let attention = try FlashAttention(backend: .cpu)
         let before = try forwardProfile(attention, shape)
-        XCTAssertThrowsError(try attention.forward(q: [], k: [], v: [], shape: shape))
+        XCTAssertThrowsError(try attention.forward(q: [UInt16](), k: [], v: [], shape: shape))
         XCTAssertEqual(attention.lastProfile?.dispatches.map(\.kernelName), before.dispatches.map(\.kernelName))
         XCTAssertEqual(attention.lastProfile?.seconds, before.seconds)
     }
@@ -164,9 +164,11 @@ final class ProfileTests: XCTestCase {
         XCTAssertEqual(profile.seconds, 0)
         XCTAssertEqual(profile.command_buffers, 0)
 
-        var problem = fa_problem(struct_size: UInt32(MemoryLayout<fa_problem>.size), batch: 1, num_heads: 2,
-                                 num_kv_heads: 1, seqlen_q: 70, seqlen_k: 90, head_dim: 40, causal: 1,
-                                 softmax_scale: 0.2)
+        var problem = fa_problem()
+        problem.struct_size = UInt32(MemoryLayout<fa_problem>.size)
+        (problem.batch, problem.num_heads, problem.num_kv_heads) = (1, 2, 1)
+        (problem.seqlen_q, problem.seqlen_k, problem.head_dim, problem.causal) = (70, 90, 40, 1)
+        problem.softmax_scale = 0.2
         let (q, k, v) = inputs(shape)
         var out = [UInt16](repeating: 0, count: q.count)
         var lse = [Float](repeating: 0, count: shape.lseElementCount)

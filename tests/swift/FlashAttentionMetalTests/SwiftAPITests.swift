@@ -11,7 +11,12 @@ final class SwiftAPITests: XCTestCase {
         XCTAssertEqual(s.numKVHeads, 3)
         XCTAssertEqual(s.seqlenK, 5)
         XCTAssertEqual(shape.queryElementCount, 4 * 5 * 8)
-        XCTAssertEqual(shape.keyValueElementCount, 2 * 7 * 8)
+        XCTAssertEqual(shape.keyElementCount, 2 * 7 * 8)
+        XCTAssertEqual(shape.valueElementCount, 2 * 7 * 8)
+        let mla = AttentionShape(batch: 1, numHeads: 2, seqlenQ: 3, headDim: 192, headDimV: 128)
+        XCTAssertEqual(mla.outputElementCount, 2 * 3 * 128)
+        XCTAssertEqual(mla.valueElementCount, 2 * 3 * 128)
+        XCTAssertEqual(mla.keyElementCount, 2 * 3 * 192)
         XCTAssertEqual(shape.lseElementCount, 4 * 5)
     }
 
@@ -36,7 +41,7 @@ final class SwiftAPITests: XCTestCase {
     func testWrongBufferLengths() throws {
         let attention = try FlashAttention(backend: .cpu)
         let q = [Float16](repeating: 0, count: shape.queryElementCount)
-        let kv = [Float16](repeating: 0, count: shape.keyValueElementCount)
+        let kv = [Float16](repeating: 0, count: shape.keyElementCount)
         XCTAssertThrowsError(try attention.forward(q: Array(q.dropLast()), k: kv, v: kv, shape: shape)) {
             XCTAssertEqual($0 as? FlashAttentionError, .invalidArgument("q has 159 elements; the shape needs 160"))
         }
@@ -54,27 +59,27 @@ final class SwiftAPITests: XCTestCase {
         let attention = try FlashAttention(backend: .cpu)
         var bad = shape
         bad.numKVHeads = 3
-        XCTAssertThrowsError(try attention.forward(q: [], k: [], v: [], shape: bad)) {
+        XCTAssertThrowsError(try attention.forward(q: [Float16](), k: [], v: [], shape: bad)) {
             XCTAssertEqual($0 as? FlashAttentionError,
                            .invalidArgument("num_heads (4) must be a multiple of num_kv_heads (3)"))
         }
         bad = shape
         bad.headDim = 300
-        XCTAssertThrowsError(try attention.forward(q: [], k: [], v: [], shape: bad)) {
+        XCTAssertThrowsError(try attention.forward(q: [Float16](), k: [], v: [], shape: bad)) {
             XCTAssertEqual($0 as? FlashAttentionError,
                            .unsupported("head_dim (300) must be at most fa_max_head_dim() (256)"))
         }
         bad = shape
         bad.seqlenK = -1
-        XCTAssertThrowsError(try attention.forward(q: [], k: [], v: [], shape: bad)) {
+        XCTAssertThrowsError(try attention.forward(q: [Float16](), k: [], v: [], shape: bad)) {
             XCTAssertEqual($0 as? FlashAttentionError, .invalidArgument("seqlen_k (-1) must be at least 1"))
         }
         bad = shape
         bad.batch = 1 << 33
-        XCTAssertThrowsError(try attention.forward(q: [], k: [], v: [], shape: bad)) {
+        XCTAssertThrowsError(try attention.forward(q: [Float16](), k: [], v: [], shape: bad)) {
             XCTAssertEqual($0 as? FlashAttentionError, .invalidArgument("batch (8589934592) must be at most 4294967295"))
         }
-        XCTAssertThrowsError(try attention.forward(q: [], k: [], v: [], shape: shape, softmaxScale: .nan)) {
+        XCTAssertThrowsError(try attention.forward(q: [Float16](), k: [], v: [], shape: shape, softmaxScale: .nan)) {
             XCTAssertEqual($0 as? FlashAttentionError, .invalidArgument("softmax_scale (nan) must be finite"))
         }
     }
@@ -91,10 +96,10 @@ final class SwiftAPITests: XCTestCase {
     func testFailedRunPoisonsOutputs() throws {
         let problem = try Problem.validate(shape, causal: false, softmaxScale: nil)
         let context = Context(backend: FailingBackend())
-        var inputs = [UInt16](repeating: 0x3C00, count: problem.queryElements)
-        var out = [UInt16](repeating: 0, count: problem.queryElements)
+        var inputs = [UInt16](repeating: 0x3C00, count: BufferRole.q.elementCount(for: problem))
+        var out = [UInt16](repeating: 0, count: BufferRole.out.elementCount(for: problem))
         var lse = [Float](repeating: 0, count: problem.lseElements)
-        var k = [UInt16](repeating: 0, count: problem.keyValueElements)
+        var k = [UInt16](repeating: 0, count: BufferRole.k.elementCount(for: problem))
         try inputs.withUnsafeMutableBytes { q in
             try out.withUnsafeMutableBytes { o in
                 try lse.withUnsafeMutableBytes { l in
@@ -116,6 +121,29 @@ final class SwiftAPITests: XCTestCase {
         XCTAssertTrue(lse.allSatisfy(\.isNaN))
         XCTAssertTrue(inputs.allSatisfy { $0 == 0x3C00 })
     }
+
+    /// The options reach the kernels: a (0, 0) window leaves each query its diagonal key alone, so
+    /// out is that key's value row; sinks return one gradient per head.
+    func testOptionsReachTheKernels() throws {
+        let attention = try FlashAttention(backend: .cpu)
+        let s = AttentionShape(batch: 1, numHeads: 2, seqlenQ: 6, headDim: 8)
+        let q = (0..<s.queryElementCount).map { Float(($0 * 7) % 11) / 11 - 0.5 }
+        let v = (0..<s.valueElementCount).map { Float(($0 * 5) % 13) / 13 - 0.5 }
+        let (out, _) = try attention.forward(q: q, k: q, v: v, shape: s,
+                                             options: AttentionOptions(windowLeft: 0, windowRight: 0))
+        XCTAssertEqual(out, v)
+        let sinks = AttentionOptions(sinks: [0.5, -1])
+        let f = try attention.forward(q: q, k: q, v: v, shape: s, causal: true, options: sinks)
+        let g = try attention.backward(dout: v, q: q, k: q, v: v, out: f.out, lse: f.lse, shape: s, causal: true,
+                                       options: sinks)
+        XCTAssertEqual(g.dsinks.count, 2)
+        XCTAssertTrue(g.dsinks.allSatisfy { $0.isFinite && $0 != 0 })
+        XCTAssertThrowsError(try attention.forward(q: q, k: q, v: v, shape: s,
+                                                   options: AttentionOptions(alibiSlopes: [1, 2, 3]))) {
+            XCTAssertEqual($0 as? FlashAttentionError,
+                           .invalidArgument("alibi_slopes has 3 elements; the shape needs 2"))
+        }
+    }
 }
 
 private final class FailingBackend: ExecutionBackend {
@@ -124,4 +152,5 @@ private final class FailingBackend: ExecutionBackend {
     func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
         throw FlashAttentionError.executionFailed("injected failure")
     }
+
 }

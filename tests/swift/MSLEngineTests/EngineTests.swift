@@ -16,7 +16,7 @@ final class EngineTests: XCTestCase {
         XCTAssertTrue(r.message.contains("'no_such_kernel'"), r.message)
         XCTAssertEqual(msl_engine_has_kernel("no_such_kernel"), 0)
         XCTAssertEqual(msl_engine_has_kernel("barrier_visibility"), 1)
-        XCTAssertEqual(msl_engine_has_kernel("flash_attention_forward_d64"), 1)
+        XCTAssertEqual(msl_engine_has_kernel("flash_attention_forward_f16_d64"), 1)
     }
 
     func testMoreThan1024ThreadsIsReported() {
@@ -63,34 +63,40 @@ final class EngineTests: XCTestCase {
         XCTAssertTrue(r.message.contains("32772 bytes"), r.message)
     }
 
-    /// The attention kernels' table is registered without any call (no static initialisers), and
-    /// every kernel of a head-dim bucket declares non-empty threadgroup storage within Apple's 32 KiB;
-    /// the D pre-pass declares none.
+    /// The attention kernels' table is registered without any call (no static initialisers): every
+    /// kernel of every dtype and head-dim bucket declares non-empty threadgroup storage within
+    /// Apple's 32 KiB; the combine and D pre-pass kernels declare none.
     func testAttentionKernelsAreRegisteredWithinThreadgroupMemory() {
-        let buffers = ["flash_attention_forward": 6, "flash_attention_forward_split": 8,
-                       "flash_attention_backward_dq": 9, "flash_attention_backward_dkv": 10]
-        for dim in [32, 64, 96, 128, 192, 256] {
-            for (kernel, count) in buffers {
-                var info = msl_engine_kernel_info()
-                XCTAssertEqual(msl_engine_describe_kernel("\(kernel)_d\(dim)", &info), 1, "\(kernel)_d\(dim)")
-                XCTAssertEqual(info.buffer_count, UInt32(count), "\(kernel)_d\(dim)")
-                XCTAssertTrue((1...32768).contains(info.threadgroup_memory_length),
-                              "\(kernel)_d\(dim): \(info.threadgroup_memory_length) bytes")
+        let buffers = ["flash_attention_forward": 9, "flash_attention_forward_split": 11,
+                       "flash_attention_backward_dq": 12, "flash_attention_backward_dkv": 13]
+        var info = msl_engine_kernel_info()
+        for dtype in ["f16", "bf16", "f32"] {
+            for dim in [32, 64, 96, 128, 192, 256] {
+                for (kernel, count) in buffers {
+                    let name = "\(kernel)_\(dtype)_d\(dim)"
+                    XCTAssertEqual(msl_engine_describe_kernel(name, &info), 1, name)
+                    XCTAssertEqual(info.buffer_count, UInt32(count), name)
+                    XCTAssertTrue((1...32768).contains(info.threadgroup_memory_length),
+                                  "\(name): \(info.threadgroup_memory_length) bytes")
+                }
+            }
+            for (kernel, count) in [("flash_attention_backward_delta", 11), ("flash_attention_forward_combine", 11)] {
+                let name = "\(kernel)_\(dtype)"
+                XCTAssertEqual(msl_engine_describe_kernel(name, &info), 1, name)
+                XCTAssertEqual(info.buffer_count, UInt32(count), name)
+                XCTAssertEqual(info.threadgroup_memory_length, 0, name)
             }
         }
-        var info = msl_engine_kernel_info()
-        for (kernel, count) in [("flash_attention_backward_delta", 8), ("flash_attention_forward_combine", 8)] {
-            XCTAssertEqual(msl_engine_describe_kernel(kernel, &info), 1, kernel)
-            XCTAssertEqual(info.buffer_count, UInt32(count), kernel)
-            XCTAssertEqual(info.threadgroup_memory_length, 0, kernel)
-        }
+        XCTAssertEqual(msl_engine_describe_kernel("flash_attention_backward_dsinks", &info), 1)
+        XCTAssertEqual(info.buffer_count, 12)
+        XCTAssertEqual(info.threadgroup_memory_length, 128 * 4)
         XCTAssertEqual(msl_engine_describe_kernel("no_such_kernel", &info), 0)
     }
 
     /// Every test kernel's entry names the line where the kernel is defined.
     func testTestKernelEntriesNameTheirDefinitions() {
         msl_engine_test_kernels_register()
-        for file in ["barrier.metal", "counters.metal", "simd.metal", "matrix.metal", "limits.metal",
+        for file in ["barrier.metal", "bfloat.metal", "counters.metal", "simd.metal", "matrix.metal", "limits.metal",
                      "planted_out_of_bounds.metal"] {
             let kernels = kernelSourceLines(file).compactMap { line -> String? in
                 guard line.hasPrefix("kernel void ") else { return nil }

@@ -1,9 +1,12 @@
-// IEEE 754 binary16 <-> binary32 on the host, bit-exact and without CUDA headers, so the float64
-// reference and the float16 baseline (reference.cpp) also build with a plain C++ compiler.
-// Rounding is round-to-nearest-even, as in Metal, CUDA (__float2half) and NumPy (astype(float16)).
-#ifndef FA_GPU_HALF_BITS_H
-#define FA_GPU_HALF_BITS_H
+// The element types of the kernels on the host, bit-exact and without CUDA headers, so the float64
+// reference and the per-dtype baseline (reference.cpp) also build with a plain C++ compiler:
+// IEEE 754 binary16 (half) and bfloat16 (bfloat: the upper 16 bits of a binary32) <-> binary32.
+// Rounding is round-to-nearest-even, as in Metal, the CPU engine, CUDA (__float2half_rn,
+// __float2bfloat16_rn) and NumPy / ml_dtypes (astype(float16), astype(bfloat16)).
+#ifndef FA_GPU_DTYPE_BITS_H
+#define FA_GPU_DTYPE_BITS_H
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -67,5 +70,64 @@ inline uint16_t float_to_half_bits(float f) {
 
 // Rounds a float to the nearest half and returns it as float: one float16 rounding step.
 inline float round_to_half(float f) { return half_bits_to_float(float_to_half_bits(f)); }
+
+// The float value of bfloat16 bits `b` (exact).
+inline float bfloat_bits_to_float(uint16_t b) {
+    const uint32_t bits = uint32_t(b) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// Rounds `f` to bfloat16 bits (nearest, ties to even; overflow -> infinity; NaN stays a quiet NaN).
+inline uint16_t float_to_bfloat_bits(float f) {
+    uint32_t x;
+    std::memcpy(&x, &f, sizeof x);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {
+        return uint16_t((x >> 16) | 0x40u);
+    }
+    // Adding 0x7fff, plus 1 when the kept part is odd, carries into bit 16 exactly when the
+    // dropped half is above the midpoint, or at it with an odd kept part.
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return uint16_t(x >> 16);
+}
+
+inline float round_to_bfloat(float f) { return bfloat_bits_to_float(float_to_bfloat_bits(f)); }
+
+// The kernels' element types (FA_DTYPE_F16, FA_DTYPE_BF16, FA_DTYPE_F32 in the same order).
+enum class DType { f16, bf16, f32 };
+
+// The kernel name suffix: "f16", "bf16", "f32".
+inline const char *dtype_name(DType t) {
+    return t == DType::f16 ? "f16" : t == DType::bf16 ? "bf16" : "f32";
+}
+
+inline size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+
+// One rounding of `f` to the dtype, as float (float32: f itself).
+inline float round_to(DType t, float f) {
+    return t == DType::f16 ? round_to_half(f) : t == DType::bf16 ? round_to_bfloat(f) : f;
+}
+
+// Stores `f` rounded to the dtype at `dst` (dtype_size(t) bytes), and reads it back.
+inline void encode(DType t, float f, void *dst) {
+    if (t == DType::f32) {
+        std::memcpy(dst, &f, 4);
+        return;
+    }
+    const uint16_t bits = t == DType::f16 ? float_to_half_bits(f) : float_to_bfloat_bits(f);
+    std::memcpy(dst, &bits, 2);
+}
+
+inline float decode(DType t, const void *src) {
+    if (t == DType::f32) {
+        float f;
+        std::memcpy(&f, src, 4);
+        return f;
+    }
+    uint16_t bits;
+    std::memcpy(&bits, src, 2);
+    return t == DType::f16 ? half_bits_to_float(bits) : bfloat_bits_to_float(bits);
+}
 
 #endif

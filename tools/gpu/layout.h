@@ -1,0 +1,51 @@
+// Where the harness puts a case's tensors in device memory (cases.h: Layout), and the copies
+// between those buffers and the contiguous host tensors of reference.h. Plain C++17, no CUDA.
+#ifndef FA_GPU_LAYOUT_H
+#define FA_GPU_LAYOUT_H
+
+#include <cstddef>
+#include <vector>
+
+#include "cases.h"
+#include "flash_attention_params.h"
+
+// The tensors of one problem, in FlashAttentionParams' order.
+enum Role { kQ, kK, kV, kOut, kDout, kDq, kDk, kDv, kRoleCount };
+
+// One tensor: (batch, heads, seqlen, cols) elements of buffer `buffer` starting at element
+// `offset`, element (b, h, i, d) at offset + b * batch + h * head + i * seq + d.
+struct Placement {
+    int buffer;
+    size_t offset;
+    FlashAttentionStrides strides;
+    int heads, seqlen, cols;
+
+    size_t at(int b, int h, int i) const {
+        return offset + b * strides.batch + h * strides.head + i * strides.seq;
+    }
+};
+
+// The buffers of a case (sizes in elements) and where each tensor lies in them. An input tensor
+// and an output tensor never share a buffer.
+struct DeviceLayout {
+    std::vector<size_t> buffer_elements;
+    Placement tensors[kRoleCount];
+};
+
+// The placement of `shape`'s tensors in `layout` (qkv needs seqlen_q = seqlen_k and head_dim_v =
+// head_dim: cases.cpp only makes such cases).
+DeviceLayout place(const AttentionShape &shape, Layout layout);
+
+// Writes the contiguous host tensor `values` (the logical order of reference.h) into the bytes of
+// its buffer, `image`, in the shape's dtype.
+void scatter(const AttentionShape &shape, const Placement &where, const std::vector<float> &values,
+             std::vector<unsigned char> *image);
+
+// Reads a tensor back from its buffer's bytes into the logical order.
+std::vector<float> gather(const AttentionShape &shape, const Placement &where,
+                          const std::vector<unsigned char> &image);
+
+// Elements of buffer `buffer` that no tensor placed in it covers, as a mask.
+std::vector<bool> gaps(const AttentionShape &shape, const DeviceLayout &layout, int buffer);
+
+#endif
