@@ -1,7 +1,8 @@
 """Run under mpiexec by test_distributed.py: ring attention on every rank, one JSON line per result.
 
     mpiexec -n P python distributed_worker.py DIR accuracy   forward and backward of every case
-                                                  against the float64 reference on the gathered sequence
+                                                  (synthetic, then real SmolLM2 inputs) against the
+                                                  float64 reference on the gathered sequence
     mpiexec -n P python distributed_worker.py DIR errors     arguments rejected on one rank or across ranks
     mpiexec -n P python distributed_worker.py DIR raises R   rank R raises in its second backward call
     mpiexec -n P python distributed_worker.py DIR stalls R   rank R stops in its second backward call
@@ -44,6 +45,11 @@ CASES = [
     (1, 2, 2, 29, 29, 48, True, None, "float16", 32),
 ]
 
+# Real attention inputs: SmolLM2-135M's prefill of a 40-token prompt (the library's fixture) at
+# three layers, causal GQA 9/3 heads, with N(0, 1) dout.
+FIXTURE = Path(fam.__file__).resolve().parent / "data" / "smollm2_attention.npz"
+REAL_CASES = ("prefill_layer0_len40", "prefill_layer14_len40", "prefill_layer29_len40")
+
 TIMEOUT_S = 60.0
 # How long the "stalls" scenario's rank stops: far beyond the others' 3 s timeout.
 JOB_STALL_S = 120.0
@@ -57,9 +63,23 @@ def emit(**fields) -> None:
         file.write(json.dumps(fields) + "\n")
 
 
-def run_case(comm, case) -> None:
+def synthetic_case(comm, case) -> None:
     *shape, causal, scale, dtype, head_dim_v = case
     q, k, v, dout = make_inputs(sum(shape), *shape, head_dim_v=head_dim_v, dtype=np.dtype(dtype))
+    run_case(comm, list(case), (q, k, v, dout), causal, scale)
+
+
+def real_case(comm, name: str) -> None:
+    with np.load(FIXTURE) as data:
+        q, k, v = (data[f"{name}_{x}"] for x in "qkv")
+    dout = np.random.default_rng(len(name)).standard_normal(q.shape).astype(q.dtype)
+    run_case(comm, name, (q, k, v, dout), True, None)
+
+
+def run_case(comm, label, tensors, causal: bool, scale) -> None:
+    """Ring forward and backward of global ``tensors`` (q, k, v, dout); rank 0 judges the gathered
+    results against the float64 reference and writes them with ``label``."""
+    q, k, v, dout = tensors
     shard = lambda x: dist.shard_sequence(x, comm=comm, causal=causal)  # noqa: E731
     q_local, k_local, v_local, dout_local = map(shard, (q, k, v, dout))
     forward_profile, backward_profile = [], []
@@ -75,10 +95,10 @@ def run_case(comm, case) -> None:
         return
     metrics = accuracy.evaluate_forward(q, k, v, *gathered[:2], causal=causal, softmax_scale=scale)
     metrics += accuracy.evaluate_backward(dout, q, k, v, *gathered[2:], causal=causal, softmax_scale=scale)
-    emit(kind="accuracy", case=list(case), world_size=comm.Get_size(), passed=all(m.passed for m in metrics),
+    emit(kind="accuracy", case=label, world_size=comm.Get_size(), passed=all(m.passed for m in metrics),
          detail=accuracy.describe(metrics),
          dtypes=[str(x.dtype) for x in gathered], shapes=[list(x.shape) for x in gathered],
-         bytes_sent=all_sent, expected_bytes=expected_bytes(comm.Get_size(), k, head_dim_v, causal))
+         bytes_sent=all_sent, expected_bytes=expected_bytes(comm.Get_size(), k, v.shape[3], causal))
 
 
 def expected_bytes(size: int, k, head_dim_v: int, causal: bool):
@@ -167,7 +187,9 @@ def main() -> None:
     _output, scenario = Path(sys.argv[1]), sys.argv[2]
     if scenario == "accuracy":
         for case in CASES:
-            run_case(comm, case)
+            synthetic_case(comm, case)
+        for name in REAL_CASES:
+            real_case(comm, name)
     elif scenario == "errors":
         errors(comm)
     elif scenario in ("raises", "stalls"):

@@ -7,7 +7,6 @@ errors instead of a hang.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,26 +22,18 @@ from flash_attention_metal import accuracy, reference  # noqa: E402
 from flash_attention_metal import distributed as dist  # noqa: E402
 from flash_attention_metal.distributed.layout import Chunk, block_calls, segments  # noqa: E402
 
-from conftest import assert_within_rule, make_inputs  # noqa: E402
-from distributed_worker import CASES  # noqa: E402
+from conftest import assert_within_rule, make_inputs, mpiexec  # noqa: E402
+from distributed_worker import CASES, REAL_CASES  # noqa: E402
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 # A hang guard only: a run takes a few seconds.
 JOB_TIMEOUT_S = 240
 
 
-def _mpiexec() -> str:
-    beside_python = Path(sys.executable).with_name("mpiexec")
-    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.fail("mpiexec not found (install the 'distributed' extra: pip install 'python[distributed]')")
-    return found
-
-
 def _run(ranks: int, directory: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """The worker under mpiexec -n ``ranks``; its result lines from every rank (rank order)."""
     directory.mkdir(parents=True, exist_ok=True)
-    job = subprocess.run([_mpiexec(), "-n", str(ranks), sys.executable, str(WORKER), str(directory), *args],
+    job = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, str(WORKER), str(directory), *args],
                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=WORKER.parent)
     paths = sorted(directory.glob("rank*.jsonl"))
     lines = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
@@ -155,7 +146,7 @@ def accuracy_runs(tmp_path_factory) -> dict[int, list[dict]]:
         job, lines = _run(ranks, tmp_path_factory.mktemp(f"accuracy{ranks}"), "accuracy")
         assert job.returncode == 0, job.stderr
         runs[ranks] = [line for line in lines if line["kind"] == "accuracy"]
-        assert len(runs[ranks]) == len(CASES), job.stdout + job.stderr
+        assert len(runs[ranks]) == len(CASES) + len(REAL_CASES), job.stdout + job.stderr
     return runs
 
 
@@ -181,6 +172,16 @@ def test_ring_equals_attention_on_the_gathered_sequence(accuracy_runs, ranks, in
     assert result["dtypes"] == [dtype, "float32", dtype, dtype, dtype], label
     assert result["bytes_sent"] == result["expected_bytes"], label
     assert result["passed"], f"{label}\n{result['detail']}"
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("name", REAL_CASES)
+def test_ring_on_real_inputs_equals_attention_on_the_gathered_sequence(accuracy_runs, ranks, name):
+    """SmolLM2's prefill attention (the library's fixture) sharded over 2 and 4 ranks."""
+    result = accuracy_runs[ranks][len(CASES) + REAL_CASES.index(name)]
+    assert result["case"] == name
+    assert result["bytes_sent"] == result["expected_bytes"], name
+    assert result["passed"], f"P={ranks} {name}\n{result['detail']}"
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -217,7 +218,7 @@ def test_a_failing_rank_makes_the_others_fail_instead_of_hanging(ranks, scenario
 
 
 def test_benchmark_prints_each_step_and_the_work_per_rank():
-    job = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", "flash_attention_metal.distributed.bench",
+    job = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "flash_attention_metal.distributed.bench",
                           "--seqlen", "32", "--heads", "2",
                           "--kv-heads", "1", "--head-dim", "16", "--causal", "--repeats", "1", "--backend", "cpu"],
                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
