@@ -9,10 +9,10 @@
 # tools/gpu/matrix_check.cu runs the CPU engine's SIMD-group matrix test kernels
 # (tests/kernels/matrix.metal) through metal_cuda.h's warp-shuffle emulation. Two planted faults
 # afterwards show that the checks can fail: the kernels built with every threadgroup_barrier
-# deleted must make racecheck report hazards, and built with exp2 replaced by exp (the kernels fold
-# log2(e) into the scale, so exp gives the wrong softmax) must make the accuracy check report
-# mismatches. A detector that misses its fault fails the run too, and so does a planted fault
-# that no longer changes the kernel source.
+# deleted must make racecheck report hazards, and built with exp2 replaced by exp (the kernels
+# take exponentials as exp2 of x * log2(e), so exp gives the wrong softmax) must make the
+# accuracy check report mismatches. A detector that misses its fault fails the run too, and so
+# does a planted fault that no longer changes the kernel source.
 #
 # Opt-in, --large: tools/gpu/large_offsets.cu runs forward and the backward's delta and dQ
 # dispatches on q, out, dout and dq of more than 2^32 elements (seqlen_q 2^25 + 5, head_dim 128;

@@ -69,7 +69,7 @@ int fa_dtype(DType dtype) {
 }
 
 FlashAttentionParams params_of(const AttentionShape &s, const DeviceLayout &layout) {
-    FlashAttentionParams p;
+    FlashAttentionParams p{};  // every field not set below (score modifiers, mask strides) is 0: off
     FlashAttentionStrides *strides[kRoleCount] = {&p.q,    &p.k,  &p.v,  &p.out,
                                                   &p.dout, &p.dq, &p.dk, &p.dv};
     for (int role = 0; role < kRoleCount; ++role) {
@@ -83,6 +83,10 @@ FlashAttentionParams params_of(const AttentionShape &s, const DeviceLayout &layo
     p.head_dim = fa_u32(s.head_dim);
     p.head_dim_v = fa_u32(s.head_dim_v);
     p.causal = s.causal ? 1u : 0u;
+    // No window but the causal mask, folded into window_right as the Metal plan does; the other
+    // score modifiers (softcap, masks, ALiBi, sinks) stay off (zero).
+    p.window_left = -1;
+    p.window_right = s.causal ? 0 : -1;
     p.softmax_scale = s.softmax_scale;
     p.kv_chunks = 1;  // the dense kernels' values, as the Metal plan sets them
     p.kv_chunk_keys = p.seqlen_k;

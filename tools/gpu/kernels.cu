@@ -25,6 +25,11 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
 #define FA_CUDA_SGID (threadIdx.x / kSimdWidth)
 #define FA_CUDA_LANE (threadIdx.x % kSimdWidth)
 
+// The optional inputs (attn_mask, alibi_slopes, sinks) are bound to lse, as the Metal plan binds a
+// placeholder when they are absent: the score modifiers are off in every case here, so the kernels
+// never read them.
+#define FA_CUDA_NO_OPTIONALS(lse) reinterpret_cast<const uchar *>(lse), lse, lse
+
 // One __global__ launcher per MSL kernel (MSL passes the built-ins as parameters, CUDA has them
 // as blockIdx/threadIdx). The parameter struct travels by value (kernel parameter space,
 // read-only like Metal's constant address space).
@@ -34,40 +39,46 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
     __global__ void __launch_bounds__(kThreads) fa_cuda_forward_combine_##SUFFIX(                  \
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
         const float *partial_out, const float *partial_lse) {                                      \
-        flash_attention_forward_combine_##SUFFIX(q, k, v, out, lse, params, partial_out,          \
+        flash_attention_forward_combine_##SUFFIX(q, k, v, out, lse, params,                       \
+                                                 FA_CUDA_NO_OPTIONALS(lse), partial_out,          \
                                                  partial_lse, FA_CUDA_TGID, threadIdx.x);          \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_delta_##SUFFIX(                   \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, float *delta) {                                               \
         flash_attention_backward_delta_##SUFFIX(dout, q, k, v, out, lse, params, delta,           \
-                                                FA_CUDA_TGID, threadIdx.x);                        \
+                                                FA_CUDA_NO_OPTIONALS(lse), FA_CUDA_TGID,           \
+                                                threadIdx.x);                                      \
     }
 
 // The kernels of one dtype and head-dim bucket.
 #define FA_CUDA_LAUNCHERS(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)             \
     __global__ void __launch_bounds__(kThreads) fa_cuda_forward_##SUFFIX##_d##DP(                  \
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params) {     \
-        flash_attention_forward_##SUFFIX##_d##DP(q, k, v, out, lse, params, FA_CUDA_TGID,          \
+        flash_attention_forward_##SUFFIX##_d##DP(q, k, v, out, lse, params,                       \
+                                                 FA_CUDA_NO_OPTIONALS(lse), FA_CUDA_TGID,          \
                                                  FA_CUDA_SGID, FA_CUDA_LANE);                      \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_forward_split_##SUFFIX##_d##DP(            \
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
         float *partial_out, float *partial_lse) {                                                  \
-        flash_attention_forward_split_##SUFFIX##_d##DP(q, k, v, out, lse, params, partial_out,     \
+        flash_attention_forward_split_##SUFFIX##_d##DP(q, k, v, out, lse, params,                 \
+                                                       FA_CUDA_NO_OPTIONALS(lse), partial_out,     \
                                                        partial_lse, FA_CUDA_TGID, FA_CUDA_SGID,    \
                                                        FA_CUDA_LANE);                              \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dq_##SUFFIX##_d##DP(              \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, const float *delta, T *dq) {                                  \
-        flash_attention_backward_dq_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta, dq,   \
+        flash_attention_backward_dq_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta,       \
+                                                     FA_CUDA_NO_OPTIONALS(lse), dq,                \
                                                      FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);    \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dkv_##SUFFIX##_d##DP(             \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, const float *delta, T *dk, T *dv) {                           \
-        flash_attention_backward_dkv_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta, dk,  \
+        flash_attention_backward_dkv_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta,      \
+                                                      FA_CUDA_NO_OPTIONALS(lse), dk,               \
                                                       dv, FA_CUDA_TGID, FA_CUDA_SGID,              \
                                                       FA_CUDA_LANE);                               \
     }

@@ -163,7 +163,7 @@ int run(int *rows_checked) {
 
     const AttentionShape shape{1, 1, 1, int(kSeqlenQ), int(kSeqlenK), int(kHeadDim), int(kHeadDim),
                                false, 1.0f / std::sqrt(float(kHeadDim)), DType::f16};
-    FlashAttentionParams p;
+    FlashAttentionParams p{};  // fields not set below (score modifiers) are 0: off
     p.q = p.out = p.dout = p.dq = fa_contiguous_strides(1, kSeqlenQ, kHeadDim);
     p.k = p.v = p.dk = p.dv = fa_contiguous_strides(1, kSeqlenK, kHeadDim);
     p.batch = 1;
@@ -174,6 +174,8 @@ int run(int *rows_checked) {
     p.head_dim = kHeadDim;
     p.head_dim_v = kHeadDim;
     p.causal = 0;
+    p.window_left = -1;  // no window (score modifiers off)
+    p.window_right = -1;
     p.softmax_scale = shape.softmax_scale;
     p.kv_chunks = 1;  // dense kernels
     p.kv_chunk_keys = kSeqlenK;
