@@ -235,7 +235,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm, causal=False, soft
 
     Returns:
         (dq, dk, dv) like q, k, v: the rows of this rank's shards of the gradients of the gathered
-        attention. Each is summed in float32 over the blocks and ranks and rounded once.
+        attention. Each block's share comes from the float32 kernels (inputs of 16 bits are widened),
+        is summed in float32 over the blocks and ranks and rounded once.
 
     Raises:
         as ``ring_attention``.
@@ -266,9 +267,13 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm, causal=False, soft
         grads = _Pair(plan.kv_shapes(source, shape), _F32, fill=0)
         for call in plan.block_calls(source):
             rows, keys = call.rows, call.keys
+            # float32 kernels: a block's share is summed with others before the one rounding to
+            # q's dtype; the 16-bit kernels would round each share first, and where one share
+            # carries almost the whole gradient the two roundings break the accuracy rule.
             dq_block, dk_block, dv_block = plan.context.backward(
-                _rows(dout, rows), _rows(q, rows), _rows(kv.first, keys), _rows(kv.second, keys),
-                _rows(out, rows), lse[:, :, rows], causal=call.causal, softmax_scale=plan.softmax_scale)
+                *(_rows(a, r).astype(_F32, copy=False) for a, r in
+                  ((dout, rows), (q, rows), (kv.first, keys), (kv.second, keys), (out, rows))),
+                lse[:, :, rows], causal=call.causal, softmax_scale=plan.softmax_scale)
             dq[:, :, rows] += dq_block
             grads.first[:, :, keys] += dk_block
             grads.second[:, :, keys] += dv_block
