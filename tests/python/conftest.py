@@ -7,6 +7,10 @@ on an Apple GPU, else the CPU engine running the .metal kernels). The library mu
 
 from __future__ import annotations
 
+import shutil
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -97,3 +101,12 @@ def causal_parts(ctx, q, k, v, split: int, causal: bool):
         outs.append(out)
         lses.append(lse)
     return (np.concatenate(outs, axis=2), np.concatenate(lses, axis=2)), part_b
+
+
+def mpiexec() -> str:
+    """The mpiexec next to this Python (the 'distributed' extra's MPICH wheel), else on PATH."""
+    beside_python = Path(sys.executable).with_name("mpiexec")
+    found = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("mpiexec not found (install the 'distributed' extra: pip install 'python[distributed]')")
+    return found
