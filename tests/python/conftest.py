@@ -24,29 +24,41 @@ def ctx() -> fam.Context:
 
 
 class _Spy:
-    """Stands in for the loaded library and records any compute call."""
+    """Stands in for the loaded library and records each compute call: its name, and the data
+    addresses it was given (the arguments after the context and the problem)."""
 
-    def __init__(self, real):
-        self._real = real
+    def __init__(self, real, ffi):
+        self._real, self._ffi = real, ffi
         self.calls = []
+        self.addresses = {}
 
     def __getattr__(self, name):
         attribute = getattr(self._real, name)
-        if name in ("fa_forward", "fa_backward"):
-            def record(*args):
-                self.calls.append(name)
-                return attribute(*args)
-            return record
-        return attribute
+        if name not in ("fa_forward", "fa_backward"):
+            return attribute
+
+        def record(*args):
+            self.calls.append(name)
+            self.addresses[name] = [int(self._ffi.cast("uintptr_t", a)) for a in args[2:]]
+            return attribute(*args)
+
+        return record
 
 
 @pytest.fixture()
-def guarded(monkeypatch):
-    """A Context whose native compute calls are recorded; the test fails if any happens."""
+def spied(monkeypatch):
+    """(context, spy): a Context whose fa_forward/fa_backward calls the spy records."""
     context = fam.Context(fam.default_backend())
-    spy = _Spy(context._native.lib)
+    spy = _Spy(context._native.lib, context._native.ffi)
     native = type(context._native)(context._native.ffi, spy, context._native.path, context._native.header_path)
     monkeypatch.setattr(context, "_native", native)
+    return context, spy
+
+
+@pytest.fixture()
+def guarded(spied):
+    """A Context whose native compute calls are recorded; the test fails if any happens."""
+    context, spy = spied
     yield context
     assert spy.calls == [], "a native call ran despite invalid arguments"
 

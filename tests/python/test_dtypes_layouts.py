@@ -88,35 +88,6 @@ def test_bshd_equals_bhsd_bit_for_bit(ctx, dtype):
         np.testing.assert_array_equal(to_bhsd(got, "bshd").view(np.uint8), want.view(np.uint8))
 
 
-class _PointerSpy:
-    """Stands in for the loaded library and records the data addresses of each compute call."""
-
-    def __init__(self, real, ffi):
-        self._real, self._ffi = real, ffi
-        self.addresses = {}
-
-    def __getattr__(self, name):
-        attribute = getattr(self._real, name)
-        if name not in ("fa_forward", "fa_backward"):
-            return attribute
-
-        def record(*args):
-            self.addresses[name] = [int(self._ffi.cast("uintptr_t", a)) for a in args[2:]]
-            return attribute(*args)
-
-        return record
-
-
-@pytest.fixture()
-def spied(monkeypatch):
-    """A Context whose fa_forward/fa_backward calls record the pointers they get."""
-    context = fam.Context(fam.default_backend())
-    spy = _PointerSpy(context._native.lib, context._native.ffi)
-    native = type(context._native)(context._native.ffi, spy, context._native.path, context._native.header_path)
-    monkeypatch.setattr(context, "_native", native)
-    return context, spy
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_packed_qkv_slices_are_read_in_place(spied, dtype):
     ctx, spy = spied

@@ -142,24 +142,6 @@ def test_rows_that_see_no_key_are_zero_where_mlx_gives_the_mean_of_v():
 
 # Arrays cross without copies: the library reads MLX's buffers and writes buffers MLX allocated.
 
-class _PointerSpy:
-    """Stands in for the loaded library and records the tensor pointers of compute calls."""
-
-    def __init__(self, real, ffi):
-        self._real, self._ffi = real, ffi
-        self.addresses = {}
-
-    def __getattr__(self, name):
-        attribute = getattr(self._real, name)
-        if name not in ("fa_forward", "fa_backward"):
-            return attribute
-
-        def record(*args):
-            self.addresses[name] = [int(self._ffi.cast("uintptr_t", a)) for a in args[2:]]
-            return attribute(*args)
-
-        return record
-
 
 def _address(array: mx.array) -> int:
     """The address of an evaluated MLX array's element [0, 0, 0, 0] (its buffer plus offset)."""
@@ -167,11 +149,8 @@ def _address(array: mx.array) -> int:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_the_library_reads_and_writes_mlx_buffers(monkeypatch, dtype):
-    context = fam.Context(fam.default_backend())
-    spy = _PointerSpy(context._native.lib, context._native.ffi)
-    monkeypatch.setattr(context, "_native", type(context._native)(context._native.ffi, spy, context._native.path,
-                                                                  context._native.header_path))
+def test_the_library_reads_and_writes_mlx_buffers(spied, dtype):
+    context, spy = spied
     q, k, v, dout = (to_mlx(a) for a in make_inputs(4, 2, 4, 2, 24, 24, 16, dtype=DTYPES[dtype][0]))
     # q as a view of a (B, L, H, D) array: read in place through its strides.
     q = q.transpose(0, 2, 1, 3).astype(q.dtype)
