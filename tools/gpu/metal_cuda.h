@@ -49,6 +49,7 @@
 // names match glibc's typedefs.
 typedef __nv_bfloat16 bfloat;
 static_assert(sizeof(bfloat) == 2, "MSL bfloat is 16-bit");
+typedef unsigned char uchar;
 typedef unsigned short ushort;
 typedef unsigned int uint;
 typedef unsigned long ulong;
