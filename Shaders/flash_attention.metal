@@ -391,9 +391,12 @@ inline void attention_forward_split(device const T *q, device const T *k, device
     const uint packed = rows.first + s.row0 + at.row;
     const bool valid = packed < rows.count;
     const uint row = valid ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
-    // The chunk's keys that some row of the block sees through the window.
-    const uint key_begin = max(chunk * p.kv_chunk_keys, key_range(p, rows.i_min).first);
-    const uint key_end = min(chunk * p.kv_chunk_keys + p.kv_chunk_keys, key_range(p, rows.i_max).end);
+    // The chunk's keys that some row of the block sees through the window, from a key tile of the
+    // chunk: the element mask does not stop at chunk ends, so a tile must not cross into the next.
+    const uint chunk_begin = chunk * p.kv_chunk_keys;
+    const uint key_begin =
+        chunk_begin + (max(chunk_begin, key_range(p, rows.i_min).first) - chunk_begin) / BK * BK;
+    const uint key_end = min(chunk_begin + p.kv_chunk_keys, key_range(p, rows.i_max).end);
     const RowModifiers mods = row_modifiers(p, alibi, b, packed_head(p, rows, kv_head, valid ? packed : 0), row);
 
     for (uint e = tid; e < BQ * DP; e += FA_THREADS_PER_THREADGROUP) {

@@ -9,8 +9,8 @@
 # tools/gpu/matrix_check.cu runs the CPU engine's SIMD-group matrix test kernels
 # (tests/kernels/matrix.metal) through metal_cuda.h's warp-shuffle emulation. Two planted faults
 # afterwards show that the checks can fail: the kernels built with every threadgroup_barrier
-# deleted must make racecheck report hazards, and built with exp2 replaced by exp (the kernels
-# take exponentials as exp2 of x * log2(e), so exp gives the wrong softmax) must make the
+# deleted must make racecheck report hazards, and built with exp2 replaced by exp (the kernels'
+# one exp2 call, in exp_of, takes x * log2(e), so exp gives the wrong softmax) must make the
 # accuracy check report mismatches. A detector that misses its fault fails the run too, and so
 # does a planted fault that no longer changes the kernel source.
 #

@@ -60,3 +60,14 @@ def test_decode_on_large_scores(ctx):
     out, lse = ctx.forward(q, k, v)
     assert np.min(lse) > 100
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse), "large scores")
+
+
+@pytest.mark.parametrize("window_size", [(256, 0), (40, -1), (300, 3)], ids=str)
+def test_decode_with_a_window_that_starts_inside_a_key_tile(ctx, window_size):
+    # 4 rows over 600 keys split into chunks; the window's first key is not on a key tile, so a
+    # chunk's tiles must start at the chunk's own tile grid or its last tile reads the next
+    # chunk's keys as well (those keys then count twice in the combine).
+    q, k, v, _ = make_inputs(33, 2, 8, 2, 4, 600, 64)
+    out, lse = ctx.forward(q, k, v, causal=True, window_size=window_size)
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True, window_size=window_size),
+                       f"window {window_size}")

@@ -50,20 +50,40 @@ Metric lse_metric(const std::vector<float> &ours, const std::vector<double> &ref
     return Metric{"lse", worst, 0.0, kLseRelative};
 }
 
-bool empty_rows_correct(const AttentionShape &s, const std::vector<float> &out,
+Metric dsinks_metric(const AttentionShape &s, const std::vector<float> &ours,
+                     const ReferenceResult &ref, const BaseResult &base) {
+    double base_error = 0.0;
+    for (int h = 0; h < s.num_heads; ++h) {
+        double sum = 0.0;
+        for (int b = 0; b < s.batch; ++b) {
+            for (int i = 0; i < s.seqlen_q; ++i) {
+                const size_t row = (size_t(b) * s.num_heads + h) * s.seqlen_q + i;
+                sum += std::fabs(double(base.sink_terms[row]) - ref.sink_terms[row]);
+            }
+        }
+        base_error = std::isfinite(sum) ? std::max(base_error, sum) : kInfinity;
+    }
+    return Metric{"dsinks", max_abs_error(ours, ref.dsinks), base_error,
+                  kGradFactor * base_error + abs_slack(s.dtype)};
+}
+
+bool empty_rows_correct(const AttentionShape &s, const AttentionInputs &in,
+                        const ReferenceResult &ref, const std::vector<float> &out,
                         const std::vector<float> &lse, const std::vector<float> &dq,
                         int *empty_rows) {
     bool correct = true;
     int count = 0;
     for (int bh = 0; bh < s.batch * s.num_heads; ++bh) {
+        const int h = bh % s.num_heads;
         for (int i = 0; i < s.seqlen_q; ++i) {
-            if (visible_keys(s, i) != 0) {
+            const size_t row = size_t(bh) * s.seqlen_q + i;
+            if (!ref.empty[row]) {
                 continue;
             }
             ++count;
-            const size_t row = size_t(bh) * s.seqlen_q + i;
             const float row_lse = lse[row];
-            correct = correct && std::isinf(row_lse) && row_lse < 0;
+            correct = correct && (s.options.sinks ? row_lse == in.sinks[size_t(h)]
+                                                  : std::isinf(row_lse) && row_lse < 0);
             // +0 and -0 both count as zero.
             for (int d = 0; d < s.head_dim_v; ++d) {
                 correct = correct && out[row * s.head_dim_v + d] == 0.0f;

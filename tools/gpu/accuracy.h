@@ -39,10 +39,17 @@ Metric tensor_metric(const std::string &name, const std::vector<float> &ours,
 // lse: relative error where ref is finite; ours must be exactly -inf where ref is -inf.
 Metric lse_metric(const std::vector<float> &ours, const std::vector<double> &ref);
 
-// Rows that see no key: out and dq must be exactly zero, lse exactly -inf (tensors in the
-// logical layouts of reference.h). Returns the number of such rows in *empty_rows and whether all
-// of them are right.
-bool empty_rows_correct(const AttentionShape &shape, const std::vector<float> &out,
+// dsinks (accuracy.py's _dsinks_metric): error max|ours - ref.dsinks|; base error the base's row
+// terms' errors summed in absolute value, max_h sum_{b,i} |base.sink_terms - ref.sink_terms| (the
+// signed sum can cancel by chance); bound GRAD_FACTOR * that + abs_slack(dtype).
+Metric dsinks_metric(const AttentionShape &shape, const std::vector<float> &ours,
+                     const ReferenceResult &ref, const BaseResult &base);
+
+// Rows that see no key (ref.empty): out and dq must be exactly zero, lse exactly -inf, or exactly
+// sinks[h] with sinks (tensors in the logical layouts of reference.h). Returns the number of such
+// rows in *empty_rows and whether all of them are right.
+bool empty_rows_correct(const AttentionShape &shape, const AttentionInputs &in,
+                        const ReferenceResult &ref, const std::vector<float> &out,
                         const std::vector<float> &lse, const std::vector<float> &dq,
                         int *empty_rows);
 

@@ -4,18 +4,61 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 
 namespace {
 
 constexpr DType f16 = DType::f16, bf16 = DType::bf16, f32 = DType::f32;
 
 // What a case changes from the defaults: head_dim_v (0: head_dim), softmax_scale (0: the library
-// default 1/sqrt(head_dim)) and the layout.
+// default 1/sqrt(head_dim)), the layout and the score modifiers.
 struct Extra {
     int head_dim_v = 0;
     float scale = 0.0f;
     Layout layout = Layout::bhsd;
+    ScoreOptions options = {};
 };
+
+const char *mask_name(MaskKind kind) {
+    switch (kind) {
+        case MaskKind::boolean:
+            return "mbool";
+        case MaskKind::additive:
+            return "madd";
+        case MaskKind::additive_f32:
+            return "maddf32";
+        case MaskKind::none:
+            break;
+    }
+    return "";
+}
+
+// The modifiers' part of a case name: _w<left>.<right> (n: unbounded), _cap<softcap>,
+// _<mask kind>.<b|1><h|1> (per batch or broadcast, per head or broadcast), _alibi (per head) or
+// _alibib (per batch and head), _sinks.
+std::string options_name(const ScoreOptions &o) {
+    std::string name;
+    char part[64];
+    if (o.window_left >= 0 || o.window_right >= 0) {
+        auto side = [](int w) { return w < 0 ? std::string("n") : std::to_string(w); };
+        name += "_w" + side(o.window_left) + "." + side(o.window_right);
+    }
+    if (o.softcap > 0.0f) {
+        std::snprintf(part, sizeof part, "_cap%g", double(o.softcap));
+        name += part;
+    }
+    if (o.mask != MaskKind::none) {
+        name += std::string("_") + mask_name(o.mask) + "." + (o.mask_per_batch ? "b" : "1") +
+                (o.mask_per_head ? "h" : "1");
+    }
+    if (o.alibi) {
+        name += o.alibi_per_batch ? "_alibib" : "_alibi";
+    }
+    if (o.sinks) {
+        name += "_sinks";
+    }
+    return name;
+}
 
 TestCase make_case(DType dtype, int head_dim, int batch, int heads, int kv_heads, int seqlen_q,
                    int seqlen_k, bool causal, Extra extra = {}) {
@@ -35,6 +78,7 @@ TestCase make_case(DType dtype, int head_dim, int batch, int heads, int kv_heads
         std::snprintf(part, sizeof part, "_s%g", double(extra.scale));
         name += part;
     }
+    name += options_name(extra.options);
     if (extra.layout != Layout::bhsd) {
         name += std::string("_") + layout_name(extra.layout);
     }
@@ -42,13 +86,62 @@ TestCase make_case(DType dtype, int head_dim, int batch, int heads, int kv_heads
         extra.scale != 0.0f ? extra.scale : float(1.0 / std::sqrt(double(head_dim)));
     return TestCase{name,
                     AttentionShape{batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim,
-                                   head_dim_v, causal, softmax_scale, dtype},
+                                   head_dim_v, causal, softmax_scale, dtype, extra.options},
                     extra.layout};
+}
+
+// A case whose additive mask hides keys with float32's lowest finite value.
+TestCase with_finite_mask_min(TestCase c) {
+    c.name += "_min";
+    c.mask_hide = -std::numeric_limits<float>::max();
+    return c;
 }
 
 Extra v(int head_dim_v, Layout layout = Layout::bhsd) { return Extra{head_dim_v, 0.0f, layout}; }
 Extra scaled(float scale) { return Extra{0, scale, Layout::bhsd}; }
 Extra laid(Layout layout) { return Extra{0, 0.0f, layout}; }
+
+// Builders of score modifiers: mods().window(16, 0).sinks() ...
+struct Mods {
+    Extra extra;
+    Mods &window(int left, int right) {
+        extra.options.window_left = left;
+        extra.options.window_right = right;
+        return *this;
+    }
+    Mods &softcap(float cap) {
+        extra.options.softcap = cap;
+        return *this;
+    }
+    Mods &mask(MaskKind kind, bool per_batch, bool per_head) {
+        extra.options.mask = kind;
+        extra.options.mask_per_batch = per_batch;
+        extra.options.mask_per_head = per_head;
+        return *this;
+    }
+    Mods &alibi(bool per_batch = false) {
+        extra.options.alibi = true;
+        extra.options.alibi_per_batch = per_batch;
+        return *this;
+    }
+    Mods &sinks() {
+        extra.options.sinks = true;
+        return *this;
+    }
+    Mods &scale(float s) {
+        extra.scale = s;
+        return *this;
+    }
+    Mods &layout(Layout l) {
+        extra.layout = l;
+        return *this;
+    }
+    operator Extra() const { return extra; }
+};
+Mods mods() { return Mods{}; }
+
+constexpr MaskKind mbool = MaskKind::boolean, madd = MaskKind::additive,
+                   maddf32 = MaskKind::additive_f32;
 
 constexpr Layout bshd = Layout::bshd, qkv = Layout::qkv, gapped = Layout::gapped;
 
@@ -192,6 +285,64 @@ std::vector<TestCase> full_grid() {
     cases.push_back(make_case(f32, 128, 1, 8, 2, 33, 77, true, v(40)));
     cases.push_back(make_case(f32, 256, 2, 4, 1, 77, 33, true, v(192)));
     cases.push_back(make_case(f32, 64, 2, 2, 2, 1, 129, true, v(256, bshd)));  // decode, split-KV
+
+    // Score modifiers (issue 15) in every dtype.
+    for (DType t : {f16, bf16, f32}) {
+        // Sliding windows: a causal window of 512 over 2048 keys (tiles outside it skipped), a
+        // symmetric one with GQA, one side only, and windows that leave rows empty (seqlen_q >
+        // seqlen_k: rows i < 41 see no key with right 3).
+        cases.push_back(make_case(t, 64, 1, 2, 1, 2048, 2048, true, mods().window(512, -1)));
+        cases.push_back(make_case(t, 40, 1, 8, 2, 33, 77, false, mods().window(8, 8)));
+        cases.push_back(make_case(t, 96, 2, 3, 3, 100, 100, false, mods().window(20, -1)));
+        cases.push_back(make_case(t, 64, 2, 3, 3, 100, 100, false, mods().window(-1, 4)));
+        cases.push_back(make_case(t, 32, 2, 4, 1, 77, 33, false, mods().window(5, 3)));
+        cases.push_back(make_case(t, 128, 2, 4, 1, 77, 33, true, mods().window(0, -1)));
+        // Softcap: saturating (scale 0.5, cap 5) and Gemma 2's 30; with a window.
+        cases.push_back(make_case(t, 64, 2, 4, 4, 65, 90, true, mods().softcap(5).scale(0.5f)));
+        cases.push_back(make_case(t, 128, 1, 8, 2, 100, 100, false, mods().softcap(30)));
+        cases.push_back(make_case(t, 256, 1, 4, 2, 60, 60, true, mods().softcap(20).window(16, 0)));
+        // ALiBi per head and per batch.
+        cases.push_back(make_case(t, 64, 2, 8, 2, 100, 100, true, mods().alibi()));
+        cases.push_back(make_case(t, 128, 2, 4, 1, 50, 120, false, mods().alibi(true)));
+        // Sinks (and dsinks), with empty causal rows (lse = sink there) and with GQA.
+        cases.push_back(make_case(t, 64, 2, 4, 2, 100, 100, true, mods().sinks()));
+        cases.push_back(make_case(t, 32, 2, 4, 1, 77, 33, true, mods().sinks()));
+        cases.push_back(make_case(t, 192, 1, 8, 2, 33, 77, false, mods().sinks()));
+        // Boolean masks: full, broadcast over batch and heads, per batch only, per head only.
+        cases.push_back(make_case(t, 64, 2, 4, 2, 60, 80, false, mods().mask(mbool, true, true)));
+        cases.push_back(make_case(t, 32, 2, 3, 3, 100, 100, true, mods().mask(mbool, false, false)));
+        cases.push_back(make_case(t, 96, 2, 4, 1, 77, 33, false, mods().mask(mbool, true, false)));
+        cases.push_back(make_case(t, 160, 1, 4, 2, 40, 90, true, mods().mask(mbool, false, true)));
+        // Additive masks in the dtype and in float32, broadcast and full.
+        cases.push_back(make_case(t, 64, 2, 4, 1, 70, 70, false, mods().mask(madd, false, true)));
+        cases.push_back(make_case(t, 128, 2, 4, 2, 65, 100, true, mods().mask(madd, true, true)));
+        cases.push_back(make_case(t, 40, 2, 3, 3, 100, 100, false, mods().mask(maddf32, false, false)));
+        cases.push_back(make_case(t, 256, 2, 2, 1, 45, 70, false, mods().mask(maddf32, true, false)));
+        cases.push_back(with_finite_mask_min(
+            make_case(t, 64, 2, 4, 2, 50, 90, false, mods().mask(maddf32, true, true))));
+        // Everything at once.
+        cases.push_back(make_case(t, 128, 2, 8, 2, 90, 130, true,
+                                  mods().window(40, -1).softcap(30).mask(mbool, true, false)
+                                      .alibi(true).sinks()));
+        cases.push_back(make_case(t, 64, 1, 4, 4, 100, 100, false,
+                                  mods().window(30, 10).softcap(10).mask(madd, false, true)
+                                      .alibi().sinks()));
+        // Decode over a long cache: the split-KV forward too (seqlen_q <= 8, >= 512 keys).
+        cases.push_back(make_case(t, 64, 2, 8, 2, 4, 600, true,
+                                  mods().window(256, -1).alibi().sinks()));
+        cases.push_back(make_case(t, 128, 1, 4, 1, 1, 700, false,
+                                  mods().softcap(30).mask(madd, true, true)));
+        cases.push_back(make_case(t, 256, 2, 6, 2, 8, 512, true, mods().mask(mbool, true, false).sinks()));
+        cases.push_back(make_case(t, 32, 1, 16, 2, 7, 520, false, mods().window(100, 50).softcap(5)
+                                      .mask(maddf32, false, true)));
+        // Strided layouts with a mask (gapped: the mask's rows have gaps too) and sinks.
+        cases.push_back(make_case(t, 64, 2, 4, 2, 60, 70, true,
+                                  mods().mask(madd, true, true).sinks().layout(gapped)));
+        cases.push_back(make_case(t, 64, 2, 4, 2, 65, 65, false,
+                                  mods().window(10, 10).alibi(true).layout(qkv)));
+        cases.push_back(make_case(t, 128, 1, 8, 2, 5, 300, true,
+                                  mods().mask(mbool, false, true).sinks().layout(bshd)));
+    }
     return cases;
 }
 
@@ -224,6 +375,18 @@ std::vector<TestCase> small_grid() {
         make_case(bf16, 192, 1, 4, 2, 50, 50, true, v(128, bshd)),
         make_case(f32, 192, 1, 8, 2, 3, 100, true, v(128)),
         make_case(f16, 64, 2, 2, 1, 40, 90, false, v(256)),
+        // score modifiers: windows (rows left empty), softcap, ALiBi, sinks and dsinks, masks,
+        // all at once, split-KV with modifiers
+        make_case(f16, 64, 2, 4, 1, 77, 33, false, mods().window(5, 3)),
+        make_case(bf16, 128, 1, 4, 2, 100, 100, true, mods().window(16, -1).softcap(5).scale(0.5f)),
+        make_case(f32, 64, 2, 4, 1, 50, 90, false, mods().alibi(true)),
+        make_case(f16, 32, 2, 4, 2, 77, 33, true, mods().sinks()),
+        make_case(bf16, 64, 2, 4, 2, 60, 80, false, mods().mask(mbool, true, true)),
+        make_case(f16, 96, 2, 4, 1, 70, 70, false, mods().mask(madd, false, true).layout(gapped)),
+        make_case(f32, 256, 2, 2, 2, 45, 70, true,
+                  mods().window(20, -1).softcap(30).mask(maddf32, true, false).alibi().sinks()),
+        make_case(f16, 64, 2, 8, 2, 4, 100, true, mods().window(40, -1).mask(mbool, false, true)
+                                                   .alibi().sinks()),
     };
 }
 
@@ -235,5 +398,38 @@ AttentionInputs random_inputs(const TestCase &test_case) {
     in.k = normal(rng, s.k_elements(), s.dtype);
     in.v = normal(rng, s.v_elements(), s.dtype);
     in.dout = normal(rng, s.out_elements(), s.dtype);
+    const ScoreOptions &o = s.options;
+    if (o.mask != MaskKind::none) {
+        const DType mask_dtype = o.mask == MaskKind::additive ? s.dtype : DType::f32;
+        in.mask = normal(rng, s.mask_elements(), mask_dtype);
+        for (int mb = 0; mb < s.mask_batches(); ++mb) {
+            for (int mh = 0; mh < s.mask_heads(); ++mh) {
+                const int empty_row = s.seqlen_q >= 4 ? (1 + mb + 2 * mh) % s.seqlen_q : -1;
+                for (int i = 0; i < s.seqlen_q; ++i) {
+                    for (int j = 0; j < s.seqlen_k; ++j) {
+                        float &m = in.mask[mask_index(s, mb, mh, i, j)];
+                        const double draw = rng.uniform_open();
+                        if (o.mask == MaskKind::boolean) {
+                            m = i != empty_row && draw < 0.75 ? 1.0f : 0.0f;
+                        } else if (i == empty_row || draw < 0.2) {
+                            m = test_case.mask_hide;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int b = 0; b < s.alibi_batches() && o.alibi; ++b) {
+        for (int h = 0; h < s.num_heads; ++h) {
+            in.alibi.push_back(
+                float(std::exp2(-8.0 * (h + 1) / s.num_heads) * (1.0 + 0.25 * b)));
+        }
+    }
+    if (o.sinks) {
+        in.sinks = normal(rng, size_t(s.num_heads), DType::f32);
+        for (float &sink : in.sinks) {
+            sink += 1.0f;
+        }
+    }
     return in;
 }

@@ -10,6 +10,10 @@ the same inputs and the same float32 softmax_scale:
   - baseline, float32 (no rounding beyond float32's, so the summation order shows in most
     elements): max|base - ref| agrees within 25%, and the two baselines differ by at most
     max|base - ref| of NumPy's.
+Cases with score modifiers (window, softcap, ALiBi, sinks, boolean and additive masks) pass them
+as keyword arguments; with sinks, dsinks of the reference must agree like the other reference
+tensors, and the dsinks base error (max_h sum_{b,i} |base term - ref term|, accuracy.py's) within
+10% (25% for float32).
 A case the Python package cannot judge is skipped, not failed: bfloat16 without ml_dtypes, and
 anything but float16 with head_dim_v = head_dim when the package predates the per-dtype rule.
 Usage: python3 tools/gpu/check_reference.py  (needs numpy and a C++17 compiler: $CXX or c++).
@@ -78,6 +82,9 @@ def _check_case(folder: pathlib.Path, line: str) -> list[str] | None:
     name, dtype_name, *numbers = line.split()
     batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v, causal = map(int, numbers[:8])
     scale = float(np.float32(numbers[8]))
+    left, right = int(numbers[9]), int(numbers[10])
+    softcap = float(np.float32(numbers[11]))
+    mask_kind, mask_per_batch, mask_per_head, alibi, alibi_per_batch, sinks = map(int, numbers[12:18])
     reason = _skip_reason(dtype_name, head_dim, head_dim_v)
     if reason:
         print(f"skip {name:40} {reason}")
@@ -92,10 +99,24 @@ def _check_case(folder: pathlib.Path, line: str) -> list[str] | None:
     # The inputs are float32 values of the dtype: the conversion is exact.
     q, k, v, dout = (load(t, np.float32, shapes[t]).astype(dtype) for t in ("q", "k", "v", "dout"))
     options = {"causal": bool(causal), "softmax_scale": scale}
+    if left >= 0 or right >= 0:
+        options["window_size"] = (left, right)
+    if softcap > 0:
+        options["softcap"] = softcap
+    if mask_kind:
+        mask_shape = (batch if mask_per_batch else 1, heads if mask_per_head else 1, seqlen_q, seqlen_k)
+        mask = load("mask", np.float32, mask_shape)
+        # boolean; additive in the dtype (exact: the values are the dtype's); additive float32
+        options["attn_mask"] = mask != 0 if mask_kind == 1 else mask.astype(dtype) if mask_kind == 2 else mask
+    if alibi:
+        options["alibi_slopes"] = load("alibi", np.float32, (batch, heads) if alibi_per_batch else (heads,))
+    if sinks:
+        options["sinks"] = load("sinks", np.float32, (heads,))
     ref_out, ref_lse = reference.forward(q, k, v, **options)
-    refs = dict(zip(("out", "dq", "dk", "dv"), (ref_out, *reference.backward(dout, q, k, v, **options))))
-    base_out, _ = accuracy.base_forward(q, k, v, **options)
-    bases = dict(zip(("out", "dq", "dk", "dv"), (base_out, *accuracy.base_backward(dout, q, k, v, **options))))
+    ref_grads = reference.backward(dout, q, k, v, **options)
+    refs = dict(zip(("out", "dq", "dk", "dv"), (ref_out, *ref_grads[:3])))
+    base_out, base_lse = accuracy.base_forward(q, k, v, **options)
+    bases = dict(zip(("out", "dq", "dk", "dv"), (base_out, *accuracy.base_backward(dout, q, k, v, **options)[:3])))
 
     problems = []
     ours_lse = load("ref_lse", np.float64, ref_lse.shape)
@@ -119,6 +140,22 @@ def _check_case(folder: pathlib.Path, line: str) -> list[str] | None:
             agree = abs(error_ours - error_numpy) <= 0.1 * error_numpy + 1e-7 and same >= 0.85
         if not agree:
             problems.append(f"base {tensor} (error {error_ours:.3e} vs {error_numpy:.3e}, {same:.1%} identical)")
+    if sinks:
+        ref_dsinks = ref_grads[3]
+        ours = load("ref_dsinks", np.float64, ref_dsinks.shape)
+        if np.abs(ours - ref_dsinks).max() > 1e-9 * max(1.0, np.abs(ref_dsinks).max()):
+            problems.append("ref dsinks")
+        ref_terms = reference.sink_terms(dout.astype(np.float64), ref_out, ref_lse, options["sinks"])
+        if np.abs(load("ref_sink_terms", np.float64, ref_terms.shape) - ref_terms).max() > 1e-9 * max(
+                1.0, np.abs(ref_terms).max()):
+            problems.append("ref sink terms")
+        numpy_terms = reference.sink_terms(dout, base_out.astype(np.float32), base_lse, options["sinks"])
+        ours_terms = load("base_sink_terms", np.float32, ref_terms.shape)
+        error_numpy = np.abs(numpy_terms - ref_terms).sum(axis=(0, 2)).max()
+        error_ours = np.abs(ours_terms - ref_terms).sum(axis=(0, 2)).max()
+        tolerance = 0.25 if dtype_name == "f32" else 0.1
+        if not abs(error_ours - error_numpy) <= tolerance * error_numpy + 1e-7:
+            problems.append(f"base dsinks (error {error_ours:.3e} vs {error_numpy:.3e})")
     print(f"{'ok' if not problems else 'FAIL':4} {name:40} {', '.join(problems)}")
     return problems
 

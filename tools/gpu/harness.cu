@@ -6,7 +6,11 @@
 // GPU (three dispatches: delta, dQ, dK/dV, on the out and lse the forward returned), and for short
 // queries (at most FA_SPLIT_MAX_QUERY_ROWS rows) the split-KV forward as well, compared with the
 // float64 reference under the accuracy rule with the dtype's baseline (reference.cpp,
-// accuracy.cpp); rows that see no key must give out 0, lse -inf and dq 0; no element of an output
+// accuracy.cpp). Cases with score modifiers (issue 15: sliding window, softcap, ALiBi, sinks,
+// boolean or additive attn_mask, broadcast or full) pass them through params and the optional
+// input buffers (absent ones are null); with sinks the backward's dsinks dispatch runs too and
+// dsinks is judged by accuracy.py's rule. Rows that see no key must give out 0, dq 0 and lse
+// -inf (sinks[h] with sinks); no element of an output
 // buffer outside the output tensors' views may change; a second run with differently poisoned
 // output buffers must be bit-identical (determinism, and no output element left unwritten).
 //
@@ -49,13 +53,13 @@ struct Options {
 // changed (must be 0).
 struct GpuResult {
     std::vector<float> out, dq, dk, dv, split_out;
-    std::vector<float> lse, split_lse;
+    std::vector<float> lse, split_lse, dsinks;
     size_t stray_writes = 0;
 
     bool operator==(const GpuResult &o) const {
         return same_bits(out, o.out) && same_bits(dq, o.dq) && same_bits(dk, o.dk) &&
                same_bits(dv, o.dv) && same_bits(split_out, o.split_out) && same_bits(lse, o.lse) &&
-               same_bits(split_lse, o.split_lse);
+               same_bits(split_lse, o.split_lse) && same_bits(dsinks, o.dsinks);
     }
     // Bitwise (decoding a dtype to float is injective, so equal floats mean equal elements).
     static bool same_bits(const std::vector<float> &a, const std::vector<float> &b) {
@@ -68,8 +72,24 @@ int fa_dtype(DType dtype) {
     return dtype == DType::f16 ? FA_DTYPE_F16 : dtype == DType::bf16 ? FA_DTYPE_BF16 : FA_DTYPE_F32;
 }
 
-FlashAttentionParams params_of(const AttentionShape &s, const DeviceLayout &layout) {
-    FlashAttentionParams p{};  // every field not set below (score modifiers, mask strides) is 0: off
+int fa_mask_type(MaskKind kind) {
+    switch (kind) {
+        case MaskKind::none:
+            return FA_MASK_NONE;
+        case MaskKind::boolean:
+            return FA_MASK_BOOL;
+        case MaskKind::additive:
+            return FA_MASK_ADDITIVE;
+        case MaskKind::additive_f32:
+            return FA_MASK_ADDITIVE_F32;
+    }
+    return FA_MASK_NONE;
+}
+
+// The parameters as the library's host fills them: causal folded into window_right = 0.
+FlashAttentionParams params_of(const AttentionShape &s, const DeviceLayout &layout,
+                               const MaskPlacement &mask) {
+    FlashAttentionParams p{};
     FlashAttentionStrides *strides[kRoleCount] = {&p.q,    &p.k,  &p.v,  &p.out,
                                                   &p.dout, &p.dq, &p.dk, &p.dv};
     for (int role = 0; role < kRoleCount; ++role) {
@@ -83,11 +103,16 @@ FlashAttentionParams params_of(const AttentionShape &s, const DeviceLayout &layo
     p.head_dim = fa_u32(s.head_dim);
     p.head_dim_v = fa_u32(s.head_dim_v);
     p.causal = s.causal ? 1u : 0u;
-    // No window but the causal mask, folded into window_right as the Metal plan does; the other
-    // score modifiers (softcap, masks, ALiBi, sinks) stay off (zero).
-    p.window_left = -1;
-    p.window_right = s.causal ? 0 : -1;
     p.softmax_scale = s.softmax_scale;
+    const ScoreOptions &o = s.options;
+    p.window_left = o.window_left;
+    p.window_right = s.window_right();
+    p.softcap = o.softcap;
+    p.mask_type = fa_u32(fa_mask_type(o.mask));
+    p.mask = mask.strides;
+    p.has_alibi = o.alibi ? 1u : 0u;
+    p.alibi_batch_stride = o.alibi_per_batch ? fa_u64(s.num_heads) : 0u;
+    p.has_sinks = o.sinks ? 1u : 0u;
     p.kv_chunks = 1;  // the dense kernels' values, as the Metal plan sets them
     p.kv_chunk_keys = p.seqlen_k;
     return p;
@@ -108,11 +133,30 @@ bool split_params(const FlashAttentionParams &dense, int dtype, FlashAttentionPa
 // The device buffers of one case, laid out by layout.h.
 class CaseBuffers {
 public:
-    CaseBuffers(const AttentionShape &shape, const DeviceLayout &layout)
-        : shape_(shape), layout_(layout), size_(dtype_size(shape.dtype)) {
+    CaseBuffers(const AttentionShape &shape, const DeviceLayout &layout, const MaskPlacement &mask)
+        : shape_(shape), layout_(layout), mask_placement_(mask), size_(dtype_size(shape.dtype)) {
         for (size_t elements : layout.buffer_elements) {
             buffers_.push_back(std::make_unique<DeviceArray<unsigned char>>(elements * size_));
         }
+        if (shape.options.mask != MaskKind::none) {
+            mask_ = std::make_unique<DeviceArray<unsigned char>>(mask.elements *
+                                                                 mask_element_size(shape));
+        }
+        if (shape.options.alibi) {
+            alibi_ = std::make_unique<DeviceArray<float>>(shape.alibi_elements());
+        }
+        if (shape.options.sinks) {
+            sinks_ = std::make_unique<DeviceArray<float>>(size_t(shape.num_heads));
+        }
+    }
+
+    // The optional inputs (null where the case has none).
+    FaCudaScoreInputs score_inputs() const {
+        FaCudaScoreInputs x;
+        x.mask = mask_ ? mask_->get() : nullptr;
+        x.alibi = alibi_ ? alibi_->get() : nullptr;
+        x.sinks = sinks_ ? sinks_->get() : nullptr;
+        return x;
     }
 
     // Uploads the input tensors into buffers whose other bytes are 0xff (NaN in every dtype), so
@@ -133,6 +177,15 @@ public:
             if (!images[i].empty()) {
                 buffers_[i]->upload(images[i]);
             }
+        }
+        if (mask_) {
+            mask_->upload(mask_image(shape_, mask_placement_, in.mask));
+        }
+        if (alibi_) {
+            alibi_->upload(in.alibi);
+        }
+        if (sinks_) {
+            sinks_->upload(in.sinks);
         }
     }
 
@@ -174,12 +227,16 @@ public:
 private:
     const AttentionShape &shape_;
     const DeviceLayout &layout_;
+    const MaskPlacement &mask_placement_;
     size_t size_;
     std::vector<std::unique_ptr<DeviceArray<unsigned char>>> buffers_;
+    std::unique_ptr<DeviceArray<unsigned char>> mask_;
+    std::unique_ptr<DeviceArray<float>> alibi_, sinks_;
     std::vector<int> checked_;
 };
 
-// Forward, then backward (delta, dQ, dK/dV) on the forward's out and lse, with outputs pre-filled
+// Forward, then backward (delta, dQ, dK/dV, and dsinks with sinks) on the forward's out and lse,
+// with outputs pre-filled
 // with `poison`; then, for a short query (split_params), the split-KV forward into the poisoned
 // out again. The workspaces (delta, partial_out, partial_lse) get the poison too when
 // `poison_workspace` (a kernel reading an element that no kernel wrote then fails the rule);
@@ -188,20 +245,25 @@ GpuResult run_on_gpu(const TestCase &c, const AttentionInputs &in, unsigned char
                      bool poison_workspace) {
     const AttentionShape &s = c.shape;
     const DeviceLayout layout = place(s, c.layout);
-    const FlashAttentionParams p = params_of(s, layout);
+    const MaskPlacement mask = place_mask(s, c.layout);
+    const FlashAttentionParams p = params_of(s, layout, mask);
     const int dtype = fa_dtype(s.dtype);
-    CaseBuffers t(s, layout);
+    CaseBuffers t(s, layout, mask);
+    const FaCudaScoreInputs extra = t.score_inputs();
     DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p));
+    DeviceArray<float> dsinks(s.options.sinks ? size_t(s.num_heads) : 0);
     t.upload_inputs(in);
     t.poison({kOut, kDq, kDk, kDv}, poison);
     lse.fill_bytes(poison);
+    dsinks.fill_bytes(poison);
     if (poison_workspace) {
         delta.fill_bytes(poison);
     }
-    check(fa_cuda_forward(p, dtype, t[kQ], t[kK], t[kV], t[kOut], lse.get()), "forward launch");
+    check(fa_cuda_forward(p, dtype, t[kQ], t[kK], t[kV], t[kOut], lse.get(), extra),
+          "forward launch");
     check(cudaDeviceSynchronize(), "forward");
     check(fa_cuda_backward(p, dtype, t[kDout], t[kQ], t[kK], t[kV], t[kOut], lse.get(),
-                           delta.get(), t[kDq], t[kDk], t[kDv]),
+                           delta.get(), t[kDq], t[kDk], t[kDv], extra, dsinks.get()),
           "backward launch");
     check(cudaDeviceSynchronize(), "backward");
     GpuResult result;
@@ -210,6 +272,9 @@ GpuResult run_on_gpu(const TestCase &c, const AttentionInputs &in, unsigned char
     result.dk = t.download(kDk, poison, &result.stray_writes);
     result.dv = t.download(kDv, poison, &result.stray_writes);
     result.lse = lse.download();
+    if (s.options.sinks) {
+        result.dsinks = dsinks.download();
+    }
     FlashAttentionParams sp;
     if (split_params(p, dtype, &sp)) {
         const size_t partials = s.lse_elements() * sp.kv_chunks;
@@ -221,7 +286,7 @@ GpuResult run_on_gpu(const TestCase &c, const AttentionInputs &in, unsigned char
         t.poison({kOut}, poison);
         lse.fill_bytes(poison);
         check(fa_cuda_forward_split(sp, dtype, t[kQ], t[kK], t[kV], t[kOut], lse.get(),
-                                    partial_out.get(), partial_lse.get()),
+                                    partial_out.get(), partial_lse.get(), extra),
               "split forward launch");
         check(cudaDeviceSynchronize(), "split forward");
         t.collect();
@@ -275,16 +340,19 @@ bool run_case(const TestCase &c, const Options &options, Margins *margins) {
         tensor_metric("dk", gpu.dk, base.dk, ref.dk, kGradFactor, s.dtype),
         tensor_metric("dv", gpu.dv, base.dv, ref.dv, kGradFactor, s.dtype),
     };
+    if (s.options.sinks) {
+        metrics.push_back(dsinks_metric(s, gpu.dsinks, ref, base));
+    }
     int empty_rows = 0;
-    bool empty_ok = empty_rows_correct(s, gpu.out, gpu.lse, gpu.dq, &empty_rows);
+    bool empty_ok = empty_rows_correct(s, in, ref, gpu.out, gpu.lse, gpu.dq, &empty_rows);
     if (!gpu.split_out.empty()) {
         metrics.push_back(
             tensor_metric("out(split)", gpu.split_out, base.out, ref.out, kOutFactor, s.dtype));
         metrics.push_back(lse_metric(gpu.split_lse, ref.lse));
         metrics.back().name = "lse(split)";
         int split_empty_rows = 0;
-        empty_ok = empty_ok &&
-                   empty_rows_correct(s, gpu.split_out, gpu.split_lse, gpu.dq, &split_empty_rows);
+        empty_ok = empty_ok && empty_rows_correct(s, in, ref, gpu.split_out, gpu.split_lse, gpu.dq,
+                                                  &split_empty_rows);
     }
     bool passed = empty_ok && deterministic && stray_writes == 0;
     std::string detail;
@@ -316,27 +384,100 @@ bool run_case(const TestCase &c, const Options &options, Margins *margins) {
     return passed;
 }
 
+// A modifier setting of the bench: its label and options.
+struct BenchModifier {
+    const char *label;
+    ScoreOptions options;
+};
+
+// The modifiers' inputs for the bench (deterministic patterns; timing needs no randomness): a
+// boolean mask allowing 3 in 4 pairs, an additive one hiding 1 in 5 with -inf, ALiBi's standard
+// slopes, sinks of 1.
+void bench_modifier_inputs(const AttentionShape &s, AttentionInputs *in) {
+    const ScoreOptions &o = s.options;
+    in->mask.resize(s.mask_elements());
+    for (size_t e = 0; e < in->mask.size(); ++e) {
+        const size_t i = e / size_t(s.seqlen_k) % size_t(s.seqlen_q), j = e % size_t(s.seqlen_k);
+        const bool hidden = (i * 7 + j * 3) % 5 == 0;
+        in->mask[e] = o.mask == MaskKind::boolean ? (hidden ? 0.0f : 1.0f)
+                      : hidden ? -std::numeric_limits<float>::infinity()
+                               : float(int((i * j) % 7) - 3) * 0.125f;
+    }
+    for (int b = 0; b < s.alibi_batches() && o.alibi; ++b) {
+        for (int h = 0; h < s.num_heads; ++h) {
+            in->alibi.push_back(float(std::exp2(-8.0 * (h + 1) / s.num_heads)));
+        }
+    }
+    in->sinks.assign(o.sinks ? size_t(s.num_heads) : 0, 1.0f);
+}
+
 // Times forward and backward (median of 5 after a warm-up) on shapes of real models, in every
-// dtype, contiguous layout.
+// dtype, contiguous layout; then each score modifier (issue 15) in float16 on one shape, next to
+// the same shape without it.
 void run_bench() {
     struct Shape {
         int batch, heads, seqlen, head_dim, head_dim_v;
         bool causal;
+        BenchModifier modifier;
     };
-    const Shape shapes[] = {{4, 16, 1024, 64, 64, false},   {4, 16, 1024, 64, 64, true},
-                            {4, 16, 2048, 128, 128, false}, {4, 16, 2048, 128, 128, true},
-                            {2, 8, 2048, 256, 256, true},   {2, 16, 2048, 192, 128, true}};
+    auto opts = [](int left, float softcap, MaskKind mask, bool per_batch, bool alibi, bool sinks) {
+        ScoreOptions o;
+        o.window_left = left;
+        o.softcap = softcap;
+        o.mask = mask;
+        o.mask_per_batch = per_batch;
+        o.alibi = alibi;
+        o.sinks = sinks;
+        return o;
+    };
+    const BenchModifier none{"", ScoreOptions{}};
+    const Shape shapes[] = {{4, 16, 1024, 64, 64, false, none},   {4, 16, 1024, 64, 64, true, none},
+                            {4, 16, 2048, 128, 128, false, none}, {4, 16, 2048, 128, 128, true, none},
+                            {2, 8, 2048, 256, 256, true, none},   {2, 16, 2048, 192, 128, true, none}};
+    const MaskKind no_mask = MaskKind::none;
+    const Shape modified[] = {
+        {2, 16, 4096, 128, 128, true, none},
+        {2, 16, 4096, 128, 128, true, {"window 512", opts(512, 0, no_mask, false, false, false)}},
+        {4, 16, 2048, 128, 128, true, {"softcap 30", opts(-1, 30, no_mask, false, false, false)}},
+        {4, 16, 2048, 128, 128, true, {"alibi", opts(-1, 0, no_mask, false, true, false)}},
+        {4, 16, 2048, 128, 128, true, {"sinks", opts(-1, 0, no_mask, false, false, true)}},
+        {4, 16, 2048, 128, 128, true,
+         {"bool mask (1,1,N,N)", opts(-1, 0, MaskKind::boolean, false, false, false)}},
+        {4, 16, 2048, 128, 128, true,
+         {"bool mask (B,1,N,N)", opts(-1, 0, MaskKind::boolean, true, false, false)}},
+        {4, 16, 2048, 128, 128, true,
+         {"f16 add mask (B,1,N,N)", opts(-1, 0, MaskKind::additive, true, false, false)}},
+        {4, 16, 2048, 128, 128, true,
+         {"f32 add mask (B,1,N,N)", opts(-1, 0, MaskKind::additive_f32, true, false, false)}},
+        {4, 16, 2048, 128, 128, true,
+         {"all (window 512)", opts(512, 30, MaskKind::boolean, true, true, true)}},
+    };
     cudaEvent_t start, stop;
     check(cudaEventCreate(&start), "cudaEventCreate");
     check(cudaEventCreate(&stop), "cudaEventCreate");
+    std::vector<std::pair<DType, Shape>> runs;
     for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
         for (const Shape &b : shapes) {
-            const AttentionShape s{b.batch, b.heads,      b.heads,  b.seqlen, b.seqlen,
-                                   b.head_dim, b.head_dim_v, b.causal, 0.125f,   dtype};
+            runs.push_back({dtype, b});
+        }
+    }
+    for (const Shape &b : modified) {
+        runs.push_back({DType::f16, b});
+    }
+    for (const auto &run : runs) {
+        const DType dtype = run.first;
+        const Shape &b = run.second;
+        {
+            const AttentionShape s{b.batch,    b.heads,      b.heads,  b.seqlen, b.seqlen,
+                                   b.head_dim, b.head_dim_v, b.causal, 0.125f,   dtype,
+                                   b.modifier.options};
             const DeviceLayout layout = place(s, Layout::bhsd);
-            const FlashAttentionParams p = params_of(s, layout);
-            CaseBuffers t(s, layout);
+            const MaskPlacement mask = place_mask(s, Layout::bhsd);
+            const FlashAttentionParams p = params_of(s, layout, mask);
+            CaseBuffers t(s, layout, mask);
+            const FaCudaScoreInputs extra = t.score_inputs();
             DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p));
+            DeviceArray<float> dsinks(size_t(s.num_heads));
             // Finite inputs in [-0.4, 0.4], which is all timing needs.
             AttentionInputs in;
             for (auto *x : {&in.q, &in.k, &in.v, &in.dout}) {
@@ -347,6 +488,7 @@ void run_bench() {
                     (*x)[i] = float(int(i * 7919 % 17) - 8) * 0.05f;
                 }
             }
+            bench_modifier_inputs(s, &in);
             t.upload_inputs(in);
             const int fa = fa_dtype(dtype);
             float times[2][5];
@@ -354,11 +496,13 @@ void run_bench() {
                 for (int pass = 0; pass < 2; ++pass) {
                     check(cudaEventRecord(start), "cudaEventRecord");
                     if (pass == 0) {
-                        check(fa_cuda_forward(p, fa, t[kQ], t[kK], t[kV], t[kOut], lse.get()),
+                        check(fa_cuda_forward(p, fa, t[kQ], t[kK], t[kV], t[kOut], lse.get(),
+                                              extra),
                               "forward launch");
                     } else {
                         check(fa_cuda_backward(p, fa, t[kDout], t[kQ], t[kK], t[kV], t[kOut],
-                                               lse.get(), delta.get(), t[kDq], t[kDk], t[kDv]),
+                                               lse.get(), delta.get(), t[kDq], t[kDk], t[kDv], extra,
+                                               dsinks.get()),
                               "backward launch");
                     }
                     check(cudaEventRecord(stop), "cudaEventRecord");
@@ -385,6 +529,9 @@ void run_bench() {
                         dtype_name(dtype), dims, b.batch, b.heads, b.seqlen,
                         b.causal ? "causal" : "full", ms[0], forward_flops / (ms[0] * 1e9), ms[1],
                         2.5 * forward_flops / (ms[1] * 1e9));
+            if (b.modifier.label[0] != '\0') {
+                std::printf("      ^ with %s (TFLOP/s counted as without it)\n", b.modifier.label);
+            }
             std::fflush(stdout);
         }
     }

@@ -25,11 +25,6 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
 #define FA_CUDA_SGID (threadIdx.x / kSimdWidth)
 #define FA_CUDA_LANE (threadIdx.x % kSimdWidth)
 
-// The optional inputs (attn_mask, alibi_slopes, sinks) are bound to lse, as the Metal plan binds a
-// placeholder when they are absent: the score modifiers are off in every case here, so the kernels
-// never read them.
-#define FA_CUDA_NO_OPTIONALS(lse) reinterpret_cast<const uchar *>(lse), lse, lse
-
 // One __global__ launcher per MSL kernel (MSL passes the built-ins as parameters, CUDA has them
 // as blockIdx/threadIdx). The parameter struct travels by value (kernel parameter space,
 // read-only like Metal's constant address space).
@@ -38,49 +33,51 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
 #define FA_CUDA_DTYPE_LAUNCHERS(T, SUFFIX)                                                         \
     __global__ void __launch_bounds__(kThreads) fa_cuda_forward_combine_##SUFFIX(                  \
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
-        const float *partial_out, const float *partial_lse) {                                      \
-        flash_attention_forward_combine_##SUFFIX(q, k, v, out, lse, params,                       \
-                                                 FA_CUDA_NO_OPTIONALS(lse), partial_out,          \
-                                                 partial_lse, FA_CUDA_TGID, threadIdx.x);          \
+        const uchar *mask, const float *alibi, const float *sinks, const float *partial_out,       \
+        const float *partial_lse) {                                                                \
+        flash_attention_forward_combine_##SUFFIX(q, k, v, out, lse, params, mask, alibi, sinks,   \
+                                                 partial_out, partial_lse, FA_CUDA_TGID,           \
+                                                 threadIdx.x);                                     \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_delta_##SUFFIX(                   \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
-        FlashAttentionParams params, float *delta) {                                               \
-        flash_attention_backward_delta_##SUFFIX(dout, q, k, v, out, lse, params, delta,           \
-                                                FA_CUDA_NO_OPTIONALS(lse), FA_CUDA_TGID,           \
-                                                threadIdx.x);                                      \
+        FlashAttentionParams params, float *delta, const uchar *mask, const float *alibi,          \
+        const float *sinks) {                                                                      \
+        flash_attention_backward_delta_##SUFFIX(dout, q, k, v, out, lse, params, delta, mask,     \
+                                                alibi, sinks, FA_CUDA_TGID, threadIdx.x);          \
     }
 
 // The kernels of one dtype and head-dim bucket.
 #define FA_CUDA_LAUNCHERS(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)             \
     __global__ void __launch_bounds__(kThreads) fa_cuda_forward_##SUFFIX##_d##DP(                  \
-        const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params) {     \
-        flash_attention_forward_##SUFFIX##_d##DP(q, k, v, out, lse, params,                       \
-                                                 FA_CUDA_NO_OPTIONALS(lse), FA_CUDA_TGID,          \
-                                                 FA_CUDA_SGID, FA_CUDA_LANE);                      \
+        const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
+        const uchar *mask, const float *alibi, const float *sinks) {                               \
+        flash_attention_forward_##SUFFIX##_d##DP(q, k, v, out, lse, params, mask, alibi, sinks,    \
+                                                 FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);        \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_forward_split_##SUFFIX##_d##DP(            \
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
-        float *partial_out, float *partial_lse) {                                                  \
-        flash_attention_forward_split_##SUFFIX##_d##DP(q, k, v, out, lse, params,                 \
-                                                       FA_CUDA_NO_OPTIONALS(lse), partial_out,     \
-                                                       partial_lse, FA_CUDA_TGID, FA_CUDA_SGID,    \
-                                                       FA_CUDA_LANE);                              \
+        const uchar *mask, const float *alibi, const float *sinks, float *partial_out,             \
+        float *partial_lse) {                                                                      \
+        flash_attention_forward_split_##SUFFIX##_d##DP(q, k, v, out, lse, params, mask, alibi,     \
+                                                       sinks, partial_out, partial_lse,            \
+                                                       FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);  \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dq_##SUFFIX##_d##DP(              \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
-        FlashAttentionParams params, const float *delta, T *dq) {                                  \
-        flash_attention_backward_dq_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta,       \
-                                                     FA_CUDA_NO_OPTIONALS(lse), dq,                \
-                                                     FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);    \
+        FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
+        const float *sinks, T *dq) {                                                               \
+        flash_attention_backward_dq_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta, mask, \
+                                                     alibi, sinks, dq, FA_CUDA_TGID, FA_CUDA_SGID, \
+                                                     FA_CUDA_LANE);                                \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dkv_##SUFFIX##_d##DP(             \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
-        FlashAttentionParams params, const float *delta, T *dk, T *dv) {                           \
+        FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
+        const float *sinks, T *dk, T *dv) {                                                        \
         flash_attention_backward_dkv_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta,      \
-                                                      FA_CUDA_NO_OPTIONALS(lse), dk,               \
-                                                      dv, FA_CUDA_TGID, FA_CUDA_SGID,              \
-                                                      FA_CUDA_LANE);                               \
+                                                      mask, alibi, sinks, dk, dv, FA_CUDA_TGID,    \
+                                                      FA_CUDA_SGID, FA_CUDA_LANE);                 \
     }
 
 #define FA_CUDA_LAUNCHERS_F16(...) FA_CUDA_LAUNCHERS(half, f16, __VA_ARGS__)
@@ -92,6 +89,13 @@ FA_CUDA_DTYPE_LAUNCHERS(bfloat, bf16)
 FA_HEAD_DIM_BUCKETS(FA_CUDA_LAUNCHERS_BF16)
 FA_CUDA_DTYPE_LAUNCHERS(float, f32)
 FA_HEAD_DIM_BUCKETS_F32(FA_CUDA_LAUNCHERS_F32)
+// dsinks reads only lse, delta and sinks (float32), whatever the dtype: one instance.
+__global__ void __launch_bounds__(kThreads) fa_cuda_backward_dsinks_kernel(
+    const float *lse, FlashAttentionParams params, const float *delta, const float *sinks,
+    float *dsinks) {
+    flash_attention_backward_dsinks(nullptr, nullptr, nullptr, nullptr, nullptr, lse, params, delta,
+                                    nullptr, nullptr, sinks, dsinks, FA_CUDA_TGID, threadIdx.x);
+}
 #undef FA_CUDA_LAUNCHERS_F16
 #undef FA_CUDA_LAUNCHERS_BF16
 #undef FA_CUDA_LAUNCHERS_F32
@@ -108,13 +112,16 @@ namespace {
 template <typename T>
 struct Bucket {
     unsigned head_dim_max, forward_block_q, forward_block_k, dq_block_q, dkv_block_k;
-    void (*forward)(const T *, const T *, const T *, T *, float *, FlashAttentionParams);
+    void (*forward)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
+                    const uchar *, const float *, const float *);
     void (*forward_split)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
-                          float *, float *);
+                          const uchar *, const float *, const float *, float *, float *);
     void (*backward_dq)(const T *, const T *, const T *, const T *, const T *, const float *,
-                        FlashAttentionParams, const float *, T *);
+                        FlashAttentionParams, const float *, const uchar *, const float *,
+                        const float *, T *);
     void (*backward_dkv)(const T *, const T *, const T *, const T *, const T *, const float *,
-                         FlashAttentionParams, const float *, T *, T *);
+                         FlashAttentionParams, const float *, const uchar *, const float *,
+                         const float *, T *, T *);
 };
 
 // A dtype: its buckets and its bucket-independent kernels.
@@ -123,9 +130,11 @@ struct DtypeKernels {
     const Bucket<T> *buckets;
     unsigned bucket_count;
     void (*forward_combine)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
-                            const float *, const float *);
+                            const uchar *, const float *, const float *, const float *,
+                            const float *);
     void (*backward_delta)(const T *, const T *, const T *, const T *, const T *, const float *,
-                           FlashAttentionParams, float *);
+                           FlashAttentionParams, float *, const uchar *, const float *,
+                           const float *);
 
     // The first bucket whose head_dim_max >= max(head_dim, head_dim_v); null when none is.
     const Bucket<T> *bucket(const FlashAttentionParams &p) const {
@@ -199,17 +208,21 @@ T *typed(void *p) {
     return static_cast<T *>(p);
 }
 
+const uchar *mask_of(const FaCudaScoreInputs &x) { return static_cast<const uchar *>(x.mask); }
+
 // The launches, per dtype. Each picks the dtype's bucket and launches its kernel over the grid of
 // the Metal dispatch plan (x fastest).
 template <typename T>
 cudaError_t forward(const DtypeKernels<T> &kernels, const FlashAttentionParams &p, const void *q,
-                    const void *k, const void *v, void *out, float *lse) {
+                    const void *k, const void *v, void *out, float *lse,
+                    const FaCudaScoreInputs &x) {
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
     }
     const dim3 grid(ceil_div(p.seqlen_q, b->forward_block_q), p.num_heads, p.batch);
-    b->forward<<<grid, kThreads>>>(typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p);
+    b->forward<<<grid, kThreads>>>(typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p,
+                                   mask_of(x), x.alibi, x.sinks);
     return cudaGetLastError();
 }
 
@@ -228,7 +241,7 @@ cudaError_t split_keys(const DtypeKernels<T> &kernels, FlashAttentionParams *p, 
 template <typename T>
 cudaError_t forward_split(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
                           const void *q, const void *k, const void *v, void *out, float *lse,
-                          float *partial_out, float *partial_lse) {
+                          float *partial_out, float *partial_lse, const FaCudaScoreInputs &x) {
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
@@ -237,40 +250,46 @@ cudaError_t forward_split(const DtypeKernels<T> &kernels, const FlashAttentionPa
     const unsigned row_blocks = ceil_div(rows, b->forward_block_q);
     const dim3 grid(p.kv_chunks * row_blocks, p.num_kv_heads, p.batch);
     b->forward_split<<<grid, kThreads>>>(typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse,
-                                         p, partial_out, partial_lse);
+                                         p, mask_of(x), x.alibi, x.sinks, partial_out,
+                                         partial_lse);
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) {
         return error;
     }
     kernels.forward_combine<<<dim3(p.seqlen_q, p.num_heads, p.batch), kThreads>>>(
-        typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p, partial_out, partial_lse);
+        typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p, mask_of(x), x.alibi,
+        x.sinks, partial_out, partial_lse);
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t backward_delta(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
                            const void *dout, const void *q, const void *k, const void *v,
-                           const void *out, const float *lse, float *delta) {
+                           const void *out, const float *lse, float *delta,
+                           const FaCudaScoreInputs &x) {
     if (kernels.bucket(p) == nullptr) {
         return cudaErrorInvalidValue;
     }
     const dim3 grid(ceil_div(p.seqlen_q, FA_DELTA_BLOCK_ROWS), p.num_heads, p.batch);
     kernels.backward_delta<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k),
-                                               typed<T>(v), typed<T>(out), lse, p, delta);
+                                               typed<T>(v), typed<T>(out), lse, p, delta,
+                                               mask_of(x), x.alibi, x.sinks);
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t backward_dq(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
                         const void *dout, const void *q, const void *k, const void *v,
-                        const void *out, const float *lse, const float *delta, void *dq) {
+                        const void *out, const float *lse, const float *delta, void *dq,
+                        const FaCudaScoreInputs &x) {
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
     }
     const dim3 grid(ceil_div(p.seqlen_q, b->dq_block_q), p.num_heads, p.batch);
     b->backward_dq<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k), typed<T>(v),
-                                       typed<T>(out), lse, p, delta, typed<T>(dq));
+                                       typed<T>(out), lse, p, delta, mask_of(x), x.alibi, x.sinks,
+                                       typed<T>(dq));
     return cudaGetLastError();
 }
 
@@ -278,14 +297,15 @@ template <typename T>
 cudaError_t backward_dkv(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
                          const void *dout, const void *q, const void *k, const void *v,
                          const void *out, const float *lse, const float *delta, void *dk,
-                         void *dv) {
+                         void *dv, const FaCudaScoreInputs &x) {
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
     }
     const dim3 grid(ceil_div(p.seqlen_k, b->dkv_block_k), p.num_kv_heads, p.batch);
     b->backward_dkv<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k), typed<T>(v),
-                                        typed<T>(out), lse, p, delta, typed<T>(dk), typed<T>(dv));
+                                        typed<T>(out), lse, p, delta, mask_of(x), x.alibi,
+                                        x.sinks, typed<T>(dk), typed<T>(dv));
     return cudaGetLastError();
 }
 
@@ -302,9 +322,9 @@ unsigned fa_cuda_bucket(const FlashAttentionParams &p, int dtype) {
 }
 
 cudaError_t fa_cuda_forward(const FlashAttentionParams &p, int dtype, const void *q, const void *k,
-                            const void *v, void *out, float *lse) {
+                            const void *v, void *out, float *lse, const FaCudaScoreInputs &x) {
     return with_dtype(dtype, [&](const auto &kernels) {
-        return forward(kernels, p, q, k, v, out, lse);
+        return forward(kernels, p, q, k, v, out, lse, x);
     });
 }
 
@@ -315,9 +335,10 @@ bool fa_cuda_split_keys(FlashAttentionParams *p, int dtype, unsigned chunks) {
 
 cudaError_t fa_cuda_forward_split(const FlashAttentionParams &p, int dtype, const void *q,
                                   const void *k, const void *v, void *out, float *lse,
-                                  float *partial_out, float *partial_lse) {
+                                  float *partial_out, float *partial_lse,
+                                  const FaCudaScoreInputs &x) {
     return with_dtype(dtype, [&](const auto &kernels) {
-        return forward_split(kernels, p, q, k, v, out, lse, partial_out, partial_lse);
+        return forward_split(kernels, p, q, k, v, out, lse, partial_out, partial_lse, x);
     });
 }
 
@@ -327,37 +348,53 @@ size_t fa_cuda_delta_elements(const FlashAttentionParams &p) {
 
 cudaError_t fa_cuda_backward_delta(const FlashAttentionParams &p, int dtype, const void *dout,
                                    const void *q, const void *k, const void *v, const void *out,
-                                   const float *lse, float *delta) {
+                                   const float *lse, float *delta, const FaCudaScoreInputs &x) {
     return with_dtype(dtype, [&](const auto &kernels) {
-        return backward_delta(kernels, p, dout, q, k, v, out, lse, delta);
+        return backward_delta(kernels, p, dout, q, k, v, out, lse, delta, x);
     });
 }
 
 cudaError_t fa_cuda_backward_dq(const FlashAttentionParams &p, int dtype, const void *dout,
                                 const void *q, const void *k, const void *v, const void *out,
-                                const float *lse, const float *delta, void *dq) {
+                                const float *lse, const float *delta, void *dq,
+                                const FaCudaScoreInputs &x) {
     return with_dtype(dtype, [&](const auto &kernels) {
-        return backward_dq(kernels, p, dout, q, k, v, out, lse, delta, dq);
+        return backward_dq(kernels, p, dout, q, k, v, out, lse, delta, dq, x);
     });
 }
 
 cudaError_t fa_cuda_backward_dkv(const FlashAttentionParams &p, int dtype, const void *dout,
                                  const void *q, const void *k, const void *v, const void *out,
-                                 const float *lse, const float *delta, void *dk, void *dv) {
+                                 const float *lse, const float *delta, void *dk, void *dv,
+                                 const FaCudaScoreInputs &x) {
     return with_dtype(dtype, [&](const auto &kernels) {
-        return backward_dkv(kernels, p, dout, q, k, v, out, lse, delta, dk, dv);
+        return backward_dkv(kernels, p, dout, q, k, v, out, lse, delta, dk, dv, x);
     });
+}
+
+cudaError_t fa_cuda_backward_dsinks(const FlashAttentionParams &p, const float *lse,
+                                    const float *delta, const float *sinks, float *dsinks) {
+    if (p.has_sinks == 0 || sinks == nullptr || dsinks == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    fa_cuda_backward_dsinks_kernel<<<dim3(p.num_heads, 1, 1), kThreads>>>(lse, p, delta, sinks,
+                                                                          dsinks);
+    return cudaGetLastError();
 }
 
 cudaError_t fa_cuda_backward(const FlashAttentionParams &p, int dtype, const void *dout,
                              const void *q, const void *k, const void *v, const void *out,
-                             const float *lse, float *delta, void *dq, void *dk, void *dv) {
-    cudaError_t error = fa_cuda_backward_delta(p, dtype, dout, q, k, v, out, lse, delta);
+                             const float *lse, float *delta, void *dq, void *dk, void *dv,
+                             const FaCudaScoreInputs &x, float *dsinks) {
+    cudaError_t error = fa_cuda_backward_delta(p, dtype, dout, q, k, v, out, lse, delta, x);
     if (error == cudaSuccess) {
-        error = fa_cuda_backward_dq(p, dtype, dout, q, k, v, out, lse, delta, dq);
+        error = fa_cuda_backward_dq(p, dtype, dout, q, k, v, out, lse, delta, dq, x);
     }
     if (error == cudaSuccess) {
-        error = fa_cuda_backward_dkv(p, dtype, dout, q, k, v, out, lse, delta, dk, dv);
+        error = fa_cuda_backward_dkv(p, dtype, dout, q, k, v, out, lse, delta, dk, dv, x);
+    }
+    if (error == cudaSuccess && p.has_sinks != 0) {
+        error = fa_cuda_backward_dsinks(p, lse, delta, x.sinks, dsinks);
     }
     return error;
 }

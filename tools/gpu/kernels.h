@@ -11,6 +11,10 @@
 // (b, h, i, d) at b * batch + h * head + i * seq + d); q, dq (B, H, Nq, head_dim), k, dk
 // (B, Hkv, Nk, head_dim), v, dv (B, Hkv, Nk, head_dim_v), out, dout (B, H, Nq, head_dim_v); lse
 // and delta (B, H, Nq) contiguous float32.
+//
+// Score modifiers (issue 15) come through params (window_left/right with causal folded into
+// window_right = 0, softcap, mask_type and mask strides, has_alibi and alibi_batch_stride,
+// has_sinks) and the optional inputs of FaCudaScoreInputs.
 #ifndef FA_GPU_KERNELS_H
 #define FA_GPU_KERNELS_H
 
@@ -29,24 +33,39 @@ inline FlashAttentionStrides fa_contiguous_strides(uint32_t heads, uint32_t seql
     return s;
 }
 
+// The optional inputs of the score modifiers, device pointers, null when params say they are
+// absent (the Metal backend binds a placeholder buffer there; null makes any read of it an error
+// that compute-sanitizer reports): attn_mask (uchar for FA_MASK_BOOL, the call's dtype for
+// FA_MASK_ADDITIVE, float for FA_MASK_ADDITIVE_F32; pair (b, h, i, j) at b * mask.batch +
+// h * mask.head + i * mask.seq + j), alibi slopes (float32, slope of (b, h) at
+// b * alibi_batch_stride + h) and sinks (float32 [num_heads]).
+struct FaCudaScoreInputs {
+    const void *mask = nullptr;
+    const float *alibi = nullptr;
+    const float *sinks = nullptr;
+};
+
 // The head_dim_max of the bucket a problem uses (0 for an unknown dtype or an unsupported head_dim
 // or head_dim_v): kernel instance names end in _d<head_dim_max>.
 unsigned fa_cuda_bucket(const FlashAttentionParams &params, int dtype);
 
 // Forward: writes out and lse. One launch of flash_attention_forward_<dtype>_d<DP>.
 cudaError_t fa_cuda_forward(const FlashAttentionParams &params, int dtype, const void *q,
-                            const void *k, const void *v, void *out, float *lse);
+                            const void *k, const void *v, void *out, float *lse,
+                            const FaCudaScoreInputs &inputs = {});
 
 // Split-KV forward (decode), the Metal plan's two dispatches for short queries:
 // flash_attention_forward_split_<dtype>_d<DP> over (kv_chunks x row blocks, Hkv, B), where a row
 // block is FWD_BQ of the (H / Hkv) x Nq query rows of one KV head, writes one normalised partial
 // result per chunk of params.kv_chunk_keys keys into partial_out (B, H, kv_chunks, Nq,
 // head_dim_v) and partial_lse (B, H, kv_chunks, Nq), float32 workspaces;
-// flash_attention_forward_combine_<dtype> over (Nq, H, B) merges them into out and lse.
+// flash_attention_forward_combine_<dtype> over (Nq, H, B) merges them into out and lse (and adds
+// the sinks to the denominator).
 // params.kv_chunks and kv_chunk_keys come from fa_cuda_split_keys.
 cudaError_t fa_cuda_forward_split(const FlashAttentionParams &params, int dtype, const void *q,
                                   const void *k, const void *v, void *out, float *lse,
-                                  float *partial_out, float *partial_lse);
+                                  float *partial_out, float *partial_lse,
+                                  const FaCudaScoreInputs &inputs = {});
 
 // Splits the keys into at most `chunks` chunks of whole forward key tiles (FWD_BK of the dtype's
 // bucket): sets params->kv_chunk_keys to the smallest such multiple that covers seqlen_k in
@@ -58,21 +77,32 @@ bool fa_cuda_split_keys(FlashAttentionParams *params, int dtype, unsigned chunks
 // Elements of the backward pass's delta workspace (D_i = rowsum(dout * out), float32): B * H * Nq.
 size_t fa_cuda_delta_elements(const FlashAttentionParams &params);
 
-// Backward, the three dispatches of the Metal backend in order: delta (writes `delta`), dQ (writes
-// dq), dK/dV (writes dk and dv); out and lse are the forward's.
+// Backward, the dispatches of the Metal backend in order: delta (writes `delta`), dQ (writes
+// dq), dK/dV (writes dk and dv), and with params.has_sinks dsinks (writes dsinks, float32
+// [num_heads]; cudaErrorInvalidValue when null); out and lse are the forward's.
 cudaError_t fa_cuda_backward(const FlashAttentionParams &params, int dtype, const void *dout,
                              const void *q, const void *k, const void *v, const void *out,
-                             const float *lse, float *delta, void *dq, void *dk, void *dv);
+                             const float *lse, float *delta, void *dq, void *dk, void *dv,
+                             const FaCudaScoreInputs &inputs = {}, float *dsinks = nullptr);
 
 // The dispatches one by one, for tests whose dK/dV would cost too much (large_offsets.cu).
 cudaError_t fa_cuda_backward_delta(const FlashAttentionParams &params, int dtype, const void *dout,
                                    const void *q, const void *k, const void *v, const void *out,
-                                   const float *lse, float *delta);
+                                   const float *lse, float *delta,
+                                   const FaCudaScoreInputs &inputs = {});
 cudaError_t fa_cuda_backward_dq(const FlashAttentionParams &params, int dtype, const void *dout,
                                 const void *q, const void *k, const void *v, const void *out,
-                                const float *lse, const float *delta, void *dq);
+                                const float *lse, const float *delta, void *dq,
+                                const FaCudaScoreInputs &inputs = {});
 cudaError_t fa_cuda_backward_dkv(const FlashAttentionParams &params, int dtype, const void *dout,
                                  const void *q, const void *k, const void *v, const void *out,
-                                 const float *lse, const float *delta, void *dk, void *dv);
+                                 const float *lse, const float *delta, void *dk, void *dv,
+                                 const FaCudaScoreInputs &inputs = {});
+
+// flash_attention_backward_dsinks over (H, 1, 1): dsinks[h] = -sum over b, i of
+// exp(sinks[h] - lse) * delta; after the delta dispatch (the Metal plan runs it last).
+// cudaErrorInvalidValue without params.has_sinks, sinks or dsinks.
+cudaError_t fa_cuda_backward_dsinks(const FlashAttentionParams &params, const float *lse,
+                                    const float *delta, const float *sinks, float *dsinks);
 
 #endif

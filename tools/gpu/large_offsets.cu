@@ -177,6 +177,14 @@ int run(int *rows_checked) {
     p.window_left = -1;  // no window (score modifiers off)
     p.window_right = -1;
     p.softmax_scale = shape.softmax_scale;
+    p.mask = FlashAttentionStrides{0, 0, 0};  // no score modifiers
+    p.alibi_batch_stride = 0;
+    p.window_left = -1;
+    p.window_right = -1;
+    p.softcap = 0.0f;
+    p.mask_type = FA_MASK_NONE;
+    p.has_alibi = 0;
+    p.has_sinks = 0;
     p.kv_chunks = 1;  // dense kernels
     p.kv_chunk_keys = kSeqlenK;
 

@@ -134,3 +134,48 @@ std::vector<bool> gaps(const AttentionShape &s, const DeviceLayout &layout, int 
     }
     return mask;
 }
+
+MaskPlacement place_mask(const AttentionShape &s, Layout layout) {
+    const bool gapped = layout == Layout::gapped;
+    const uint64_t seq = uint64_t(s.seqlen_k) + (gapped ? 3 : 0);
+    const uint64_t head = seq * s.seqlen_q + (gapped ? 5 : 0);
+    const uint64_t batch = head * s.mask_heads() + (gapped ? 7 : 0);
+    MaskPlacement m;
+    m.strides = strides(s.options.mask_per_batch ? batch : 0, s.options.mask_per_head ? head : 0, seq);
+    m.elements = s.options.mask == MaskKind::none ? 0 : size_t(batch) * s.mask_batches();
+    return m;
+}
+
+size_t mask_element_size(const AttentionShape &s) {
+    switch (s.options.mask) {
+        case MaskKind::boolean:
+            return 1;
+        case MaskKind::additive:
+            return dtype_size(s.dtype);
+        default:
+            return 4;
+    }
+}
+
+std::vector<unsigned char> mask_image(const AttentionShape &s, const MaskPlacement &where,
+                                      const std::vector<float> &mask) {
+    const size_t size = mask_element_size(s);
+    std::vector<unsigned char> image(where.elements * size, 0xff);
+    const uint64_t batch = where.strides.batch, head = where.strides.head, seq = where.strides.seq;
+    for (int b = 0; b < s.mask_batches(); ++b) {
+        for (int h = 0; h < s.mask_heads(); ++h) {
+            for (int i = 0; i < s.seqlen_q; ++i) {
+                for (int j = 0; j < s.seqlen_k; ++j) {
+                    const float value = mask[mask_index(s, b, h, i, j)];
+                    unsigned char *at = image.data() + (b * batch + h * head + i * seq + j) * size;
+                    if (s.options.mask == MaskKind::boolean) {
+                        *at = value != 0.0f ? 1 : 0;
+                    } else {
+                        encode(s.options.mask == MaskKind::additive ? s.dtype : DType::f32, value, at);
+                    }
+                }
+            }
+        }
+    }
+    return image;
+}

@@ -48,4 +48,21 @@ std::vector<float> gather(const AttentionShape &shape, const Placement &where,
 // Elements of buffer `buffer` that no tensor placed in it covers, as a mask.
 std::vector<bool> gaps(const AttentionShape &shape, const DeviceLayout &layout, int buffer);
 
+// attn_mask on the device (own buffer): its size in elements and FlashAttentionParams.mask's
+// strides, 0 on a broadcast (size-1) axis; rows of seqlen_k elements back to back, or with gaps
+// after every row, head and batch in the gapped layout.
+struct MaskPlacement {
+    size_t elements;
+    FlashAttentionStrides strides;
+};
+MaskPlacement place_mask(const AttentionShape &shape, Layout layout);
+
+// Bytes of a mask element: 1 (boolean), the dtype's (additive) or 4 (additive float32).
+size_t mask_element_size(const AttentionShape &shape);
+
+// The mask's device image: the host mask (reference.h's order) at its placement, every other byte
+// 0xff (NaN for an additive mask).
+std::vector<unsigned char> mask_image(const AttentionShape &shape, const MaskPlacement &where,
+                                      const std::vector<float> &mask);
+
 #endif

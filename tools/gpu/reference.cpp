@@ -6,12 +6,24 @@
 #include <cmath>
 #include <limits>
 
-int visible_keys(const AttentionShape &shape, int row) {
-    if (!shape.causal) {
-        return shape.seqlen_k;
+size_t mask_index(const AttentionShape &s, int b, int h, int i, int j) {
+    const size_t mb = s.options.mask_per_batch ? size_t(b) : 0;
+    const size_t mh = s.options.mask_per_head ? size_t(h) : 0;
+    return ((mb * size_t(s.mask_heads()) + mh) * size_t(s.seqlen_q) + size_t(i)) * size_t(s.seqlen_k) +
+           size_t(j);
+}
+
+bool key_visible(const AttentionShape &s, const AttentionInputs &in, int b, int h, int i, int j) {
+    const long offset = long(j) - (long(i) + s.seqlen_k - s.seqlen_q);
+    const int left = s.options.window_left, right = s.window_right();
+    if ((left >= 0 && offset < -left) || (right >= 0 && offset > right)) {
+        return false;
     }
-    const long n = long(row) + shape.seqlen_k - shape.seqlen_q + 1;
-    return int(std::clamp<long>(n, 0, shape.seqlen_k));
+    if (s.options.mask == MaskKind::none) {
+        return true;
+    }
+    const float m = in.mask[mask_index(s, b, h, i, j)];
+    return s.options.mask == MaskKind::boolean ? m != 0.0f : !(std::isinf(m) && m < 0);
 }
 
 namespace {
@@ -35,6 +47,31 @@ struct Layout {
         return (size_t(b) * s.num_heads + h) * s.seqlen_q + i;
     }
 };
+
+// The score of visible pair (i, j) of (b, h) from its scaled product softmax_scale * q.k, in
+// Real (double for the reference, float for the baseline, as reference.modify_scores): softcap,
+// ALiBi bias (computed in double, as reference.alibi_bias, then converted), additive mask. *t gets
+// tanh(scaled / softcap) (0 without softcap).
+template <typename Real>
+Real modify_score(const AttentionShape &s, const AttentionInputs &in, int b, int h, int i, int j,
+                  Real scaled, Real *t) {
+    const ScoreOptions &o = s.options;
+    Real x = scaled;
+    *t = Real(0);
+    if (o.softcap > 0.0f) {
+        *t = std::tanh(scaled / Real(o.softcap));
+        x = Real(o.softcap) * *t;
+    }
+    if (o.alibi) {
+        const double slope = in.alibi[size_t(o.alibi_per_batch ? b : 0) * s.num_heads + h];
+        const double distance = std::fabs(double(i) + s.seqlen_k - s.seqlen_q - j);
+        x = x + Real(-slope * distance);
+    }
+    if (o.mask == MaskKind::additive || o.mask == MaskKind::additive_f32) {
+        x = x + Real(in.mask[mask_index(s, b, h, i, j)]);
+    }
+    return x;
+}
 
 std::vector<double> to_double(const std::vector<float> &x) {
     return std::vector<double>(x.begin(), x.end());
@@ -105,6 +142,7 @@ ReferenceResult reference_attention(const AttentionShape &s, const AttentionInpu
     const int dim = s.head_dim, dim_v = s.head_dim_v;
     const int group = s.num_heads / s.num_kv_heads;
     const double scale = s.softmax_scale;
+    const bool with_sinks = s.options.sinks;
     const std::vector<double> q = to_double(in.q), k = to_double(in.k), v = to_double(in.v),
                               dout = to_double(in.dout);
     ReferenceResult r;
@@ -113,47 +151,76 @@ ReferenceResult reference_attention(const AttentionShape &s, const AttentionInpu
     r.dq.assign(s.q_elements(), 0.0);
     r.dk.assign(s.k_elements(), 0.0);
     r.dv.assign(s.v_elements(), 0.0);
-    std::vector<double> p(size_t(std::max(s.seqlen_k, 1)));
+    r.empty.assign(s.lse_elements(), 0);
+    if (with_sinks) {
+        r.dsinks.assign(size_t(s.num_heads), 0.0);
+        r.sink_terms.assign(s.lse_elements(), 0.0);
+    }
+    std::vector<int> keys;
+    std::vector<double> p, t;
     for (int b = 0; b < s.batch; ++b) {
         for (int h = 0; h < s.num_heads; ++h) {
             const int kvh = h / group;
+            const double sink = with_sinks ? double(in.sinks[size_t(h)]) : 0.0;
             for (int i = 0; i < s.seqlen_q; ++i) {
-                const int n = visible_keys(s, i);
-                if (n == 0) {
-                    continue;  // out 0, lse -inf, no gradient
-                }
+                const size_t row = at.lse_index(b, h, i);
+                keys.clear();
+                p.clear();
+                t.clear();
                 const double *qi = &q[at.q_row(b, h, i)];
                 const double *gi = &dout[at.out_row(b, h, i)];
-                double row_max = -std::numeric_limits<double>::infinity();
-                for (int j = 0; j < n; ++j) {
-                    p[j] = scale * dot(qi, &k[at.k_row(b, kvh, j)], dim);
-                    row_max = std::max(row_max, p[j]);
+                double row_max = with_sinks ? sink : -std::numeric_limits<double>::infinity();
+                for (int j = 0; j < s.seqlen_k; ++j) {
+                    if (!key_visible(s, in, b, h, i, j)) {
+                        continue;
+                    }
+                    double tanh_j;
+                    const double x = modify_score(s, in, b, h, i, j,
+                                                  scale * dot(qi, &k[at.k_row(b, kvh, j)], dim),
+                                                  &tanh_j);
+                    keys.push_back(j);
+                    p.push_back(x);
+                    t.push_back(tanh_j);
+                    row_max = std::max(row_max, x);
                 }
-                double total = 0.0;
-                for (int j = 0; j < n; ++j) {
-                    p[j] = std::exp(p[j] - row_max);
-                    total += p[j];
+                if (keys.empty()) {
+                    r.empty[row] = 1;
+                    if (with_sinks) {
+                        r.lse[row] = sink;  // out 0, no gradient, no sink term (D = 0)
+                    }
+                    continue;
                 }
-                r.lse[at.lse_index(b, h, i)] = row_max + std::log(total);
+                const size_t n = keys.size();
+                double total = with_sinks ? std::exp(sink - row_max) : 0.0;
+                for (size_t e = 0; e < n; ++e) {
+                    p[e] = std::exp(p[e] - row_max);
+                    total += p[e];
+                }
+                r.lse[row] = row_max + std::log(total);
                 double *oi = &r.out[at.out_row(b, h, i)];
-                for (int j = 0; j < n; ++j) {
-                    p[j] /= total;
-                    const double *vj = &v[at.v_row(b, kvh, j)];
+                for (size_t e = 0; e < n; ++e) {
+                    p[e] /= total;
+                    const double *vj = &v[at.v_row(b, kvh, keys[e])];
                     for (int d = 0; d < dim_v; ++d) {
-                        oi[d] += p[j] * vj[d];
+                        oi[d] += p[e] * vj[d];
                     }
                 }
                 const double delta = dot(gi, oi, dim_v);
+                if (with_sinks) {
+                    r.sink_terms[row] = std::exp(sink - r.lse[row]) * delta;
+                    r.dsinks[size_t(h)] -= r.sink_terms[row];
+                }
                 double *dqi = &r.dq[at.q_row(b, h, i)];
-                for (int j = 0; j < n; ++j) {
-                    const size_t kj = at.k_row(b, kvh, j), vj = at.v_row(b, kvh, j);
-                    const double ds = p[j] * (dot(gi, &v[vj], dim_v) - delta);
+                for (size_t e = 0; e < n; ++e) {
+                    const size_t kj = at.k_row(b, kvh, keys[e]), vj = at.v_row(b, kvh, keys[e]);
+                    const double ds =
+                        p[e] * (dot(gi, &v[vj], dim_v) - delta) * (1.0 - t[e] * t[e]);
                     for (int d = 0; d < dim; ++d) {
                         dqi[d] += scale * ds * k[kj + d];
                         r.dk[kj + d] += scale * ds * qi[d];
                     }
                     for (int d = 0; d < dim_v; ++d) {
-                        r.dv[vj + d] += p[j] * gi[d];
+                        r.dv[vj + d] += p[e] * gi[d];
                     }
                 }
             }
@@ -167,6 +234,7 @@ BaseResult base_attention(const AttentionShape &s, const AttentionInputs &in) {
     const int dim = s.head_dim, dim_v = s.head_dim_v;
     const int group = s.num_heads / s.num_kv_heads;
     const float scale = s.softmax_scale;
+    const bool with_sinks = s.options.sinks;
     auto round = [&](float x) { return round_to(s.dtype, x); };
     const std::vector<float> &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
     BaseResult r;
@@ -174,9 +242,13 @@ BaseResult base_attention(const AttentionShape &s, const AttentionInputs &in) {
     r.dq.assign(s.q_elements(), 0.0f);
     r.dk.assign(s.k_elements(), 0.0f);
     r.dv.assign(s.v_elements(), 0.0f);
+    r.lse.assign(s.lse_elements(), -std::numeric_limits<float>::infinity());
+    if (with_sinks) {
+        r.sink_terms.assign(s.lse_elements(), 0.0f);
+    }
     const size_t head_k = size_t(s.seqlen_k) * dim, head_v = size_t(s.seqlen_k) * dim_v;
-    std::vector<float> pr(size_t(std::max(s.seqlen_k, 1)));
-    std::vector<float> ds(pr.size());
+    std::vector<int> keys;
+    std::vector<float> pr, t, ds(size_t(std::max(s.seqlen_k, 1))), weights(ds.size());
     std::vector<float> acc(size_t(std::max(dim, dim_v)));
     std::vector<float> dk_head(head_k), dv_head(head_v), dk_group(head_k), dv_group(head_v);
     for (int b = 0; b < s.batch; ++b) {
@@ -186,56 +258,88 @@ BaseResult base_attention(const AttentionShape &s, const AttentionInputs &in) {
             for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
                 std::fill(dk_head.begin(), dk_head.end(), 0.0f);
                 std::fill(dv_head.begin(), dv_head.end(), 0.0f);
+                const float sink = with_sinks ? in.sinks[size_t(h)] : 0.0f;
                 for (int i = 0; i < s.seqlen_q; ++i) {
-                    const int n = visible_keys(s, i);
-                    if (n == 0) {
-                        continue;
-                    }
+                    const size_t row = at.lse_index(b, h, i);
                     const float *qi = &q[at.q_row(b, h, i)];
                     const float *gi = &dout[at.out_row(b, h, i)];
-                    // P: S = round(float32(q . k) * scale), softmax in float32, round.
-                    float row_max = -std::numeric_limits<float>::infinity();
-                    for (int j = 0; j < n; ++j) {
-                        pr[j] = round(dot(qi, &k[at.k_row(b, kvh, j)], dim) * scale);
-                        row_max = std::max(row_max, pr[j]);
+                    // S = round(float32(q . k) * scale), then the modifiers in float32.
+                    keys.clear();
+                    pr.clear();
+                    t.clear();
+                    float row_max = with_sinks ? sink : -std::numeric_limits<float>::infinity();
+                    for (int j = 0; j < s.seqlen_k; ++j) {
+                        if (!key_visible(s, in, b, h, i, j)) {
+                            continue;
+                        }
+                        float tanh_j;
+                        const float x = modify_score(
+                            s, in, b, h, i, j, round(dot(qi, &k[at.k_row(b, kvh, j)], dim) * scale),
+                            &tanh_j);
+                        keys.push_back(j);
+                        pr.push_back(x);
+                        t.push_back(tanh_j);
+                        row_max = std::max(row_max, x);
                     }
-                    float total = 0.0f;
-                    for (int j = 0; j < n; ++j) {
-                        pr[j] = std::exp(pr[j] - row_max);
-                        total += pr[j];
+                    if (keys.empty()) {
+                        if (with_sinks) {
+                            r.lse[row] = sink;
+                        }
+                        continue;
                     }
-                    for (int j = 0; j < n; ++j) {
-                        pr[j] = round(pr[j] / total);
+                    const size_t n = keys.size();
+                    // Softmax in float32, the row's weights (0 where hidden) summed over all
+                    // seqlen_k keys as NumPy sums them, the sink's weight joining last; P rounded.
+                    std::fill(weights.begin(), weights.end(), 0.0f);
+                    for (size_t e = 0; e < n; ++e) {
+                        pr[e] = std::exp(pr[e] - row_max);
+                        weights[size_t(keys[e])] = pr[e];
+                    }
+                    float total = pairwise_sum(weights.data(), s.seqlen_k);
+                    if (with_sinks) {
+                        total += std::exp(sink - row_max);
+                    }
+                    r.lse[row] = row_max + std::log(total);
+                    for (size_t e = 0; e < n; ++e) {
+                        pr[e] = round(pr[e] / total);
                     }
                     // O = round(P @ V).
                     std::fill(acc.begin(), acc.end(), 0.0f);
-                    for (int j = 0; j < n; ++j) {
-                        const float *vj = &v[at.v_row(b, kvh, j)];
+                    for (size_t e = 0; e < n; ++e) {
+                        const float *vj = &v[at.v_row(b, kvh, keys[e])];
                         for (int d = 0; d < dim_v; ++d) {
-                            acc[d] = std::fma(pr[j], vj[d], acc[d]);
+                            acc[d] = std::fma(pr[e], vj[d], acc[d]);
                         }
                     }
                     float *oi = &r.out[at.out_row(b, h, i)];
                     for (int d = 0; d < dim_v; ++d) {
                         oi[d] = round(acc[d]);
                     }
-                    // dP = round(dout . v), dS = round(P * (dP - D)), D = rowsum(dout * O).
+                    // dP = round(dout . v), dS = round(P * (dP - D) * (1 - tanh^2)),
+                    // D = rowsum(dout * O).
                     const float delta = sum_of_products(gi, oi, dim_v);
-                    for (int j = 0; j < n; ++j) {
-                        const float dp = round(dot(gi, &v[at.v_row(b, kvh, j)], dim_v));
-                        ds[j] = round(pr[j] * (dp - delta));
+                    if (with_sinks) {
+                        r.sink_terms[row] = std::exp(sink - r.lse[row]) * delta;
+                    }
+                    for (size_t e = 0; e < n; ++e) {
+                        const float dp = round(dot(gi, &v[at.v_row(b, kvh, keys[e])], dim_v));
+                        float dse = pr[e] * (dp - delta);
+                        if (s.options.softcap > 0.0f) {
+                            dse = dse * (1.0f - t[e] * t[e]);
+                        }
+                        ds[e] = round(dse);
                     }
                     std::fill(acc.begin(), acc.end(), 0.0f);
-                    for (int j = 0; j < n; ++j) {
-                        const float *kj = &k[at.k_row(b, kvh, j)];
-                        float *dkj = &dk_head[size_t(j) * dim];
-                        float *dvj = &dv_head[size_t(j) * dim_v];
+                    for (size_t e = 0; e < n; ++e) {
+                        const float *kj = &k[at.k_row(b, kvh, keys[e])];
+                        float *dkj = &dk_head[size_t(keys[e]) * dim];
+                        float *dvj = &dv_head[size_t(keys[e]) * dim_v];
                         for (int d = 0; d < dim; ++d) {
-                            acc[d] = std::fma(ds[j], kj[d], acc[d]);
-                            dkj[d] = std::fma(ds[j], qi[d], dkj[d]);
+                            acc[d] = std::fma(ds[e], kj[d], acc[d]);
+                            dkj[d] = std::fma(ds[e], qi[d], dkj[d]);
                         }
                         for (int d = 0; d < dim_v; ++d) {
-                            dvj[d] = std::fma(pr[j], gi[d], dvj[d]);
+                            dvj[d] = std::fma(pr[e], gi[d], dvj[d]);
                         }
                     }
                     float *dqi = &r.dq[at.q_row(b, h, i)];

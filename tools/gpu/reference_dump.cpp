@@ -3,6 +3,10 @@
 // python/flash_attention_metal (one rule in every layer). Usage: reference_dump FOLDER; prints one
 // line per case:
 // NAME DTYPE BATCH HEADS KV_HEADS SEQLEN_Q SEQLEN_K HEAD_DIM HEAD_DIM_V CAUSAL SCALE
+//   WINDOW_LEFT WINDOW_RIGHT SOFTCAP MASK MASK_PER_BATCH MASK_PER_HEAD ALIBI ALIBI_PER_BATCH SINKS
+// (MASK: 0 none, 1 boolean, 2 additive in the dtype, 3 additive float32; WINDOW_RIGHT as given,
+// causal not folded in). With a mask, alibi or sinks their float32 values are written too, and
+// with sinks the reference's dsinks and row terms and the baseline's row terms.
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -42,6 +46,14 @@ int main(int argc, char **argv) {
         "bf16_d128_b2_h4x1_q77_k33_causal",      "f32_d40_b2_h3x3_q100_k100_causal",
         "f32_d256_b2_h4x1_q77_k33_causal",       "f16_d192v128_b1_h8x2_q33_k77_causal",
         "bf16_d40v3_b2_h3x3_q100_k100_causal",   "f32_d128v40_b1_h8x2_q33_k77_causal",
+        // score modifiers (issue 15)
+        "f32_d32_b2_h4x1_q77_k33_full_w5.3",     "f16_d64_b2_h4x4_q65_k90_causal_s0.5_cap5",
+        "f16_d64_b2_h8x2_q100_k100_causal_alibi", "f32_d128_b2_h4x1_q50_k120_full_alibib",
+        "f32_d64_b2_h4x2_q100_k100_causal_sinks", "f16_d32_b2_h4x1_q77_k33_causal_sinks",
+        "f16_d64_b2_h4x2_q60_k80_full_mbool.bh", "bf16_d64_b2_h4x1_q70_k70_full_madd.1h",
+        "f32_d64_b2_h4x2_q50_k90_full_maddf32.bh_min",
+        "f16_d128_b2_h8x2_q90_k130_causal_w40.n_cap30_mbool.b1_alibib_sinks",
+        "f32_d64_b1_h4x4_q100_k100_full_w30.10_cap10_madd.1h_alibi_sinks",
     };
     const std::vector<TestCase> grid = full_grid();
     for (const char *wanted : picked) {
@@ -66,15 +78,25 @@ int main(int argc, char **argv) {
                         write(folder, c.name, "base_out", base.out) &&
                         write(folder, c.name, "base_dq", base.dq) &&
                         write(folder, c.name, "base_dk", base.dk) &&
-                        write(folder, c.name, "base_dv", base.dv);
+                        write(folder, c.name, "base_dv", base.dv) &&
+                        (in.mask.empty() || write(folder, c.name, "mask", in.mask)) &&
+                        (in.alibi.empty() || write(folder, c.name, "alibi", in.alibi)) &&
+                        (in.sinks.empty() ||
+                         (write(folder, c.name, "sinks", in.sinks) &&
+                          write(folder, c.name, "ref_dsinks", ref.dsinks) &&
+                          write(folder, c.name, "ref_sink_terms", ref.sink_terms) &&
+                          write(folder, c.name, "base_sink_terms", base.sink_terms)));
         if (!ok) {
             return 1;
         }
         const AttentionShape &s = c.shape;
-        std::printf("%s %s %d %d %d %d %d %d %d %d %.9g\n", c.name.c_str(),
-                    dtype_name(s.dtype), s.batch, s.num_heads, s.num_kv_heads, s.seqlen_q,
-                    s.seqlen_k, s.head_dim, s.head_dim_v, s.causal ? 1 : 0,
-                    double(s.softmax_scale));
+        const ScoreOptions &o = s.options;
+        std::printf("%s %s %d %d %d %d %d %d %d %d %.9g %d %d %.9g %d %d %d %d %d %d\n",
+                    c.name.c_str(), dtype_name(s.dtype), s.batch, s.num_heads, s.num_kv_heads,
+                    s.seqlen_q, s.seqlen_k, s.head_dim, s.head_dim_v, s.causal ? 1 : 0,
+                    double(s.softmax_scale), o.window_left, o.window_right, double(o.softcap),
+                    int(o.mask), o.mask_per_batch ? 1 : 0, o.mask_per_head ? 1 : 0,
+                    o.alibi ? 1 : 0, o.alibi_per_batch ? 1 : 0, o.sinks ? 1 : 0);
     }
     return 0;
 }
