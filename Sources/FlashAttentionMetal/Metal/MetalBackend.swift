@@ -25,8 +25,9 @@ final class MetalBackend: ExecutionBackend {
     private let queue: MTLCommandQueue
     private let pageSize = Int(sysconf(Int32(_SC_PAGESIZE)))  // Int32 on Darwin, an Int on Glibc
     private let lock = Lock()
-    /// Set when the GPU is lost to this process (access revoked, device removed, not permitted):
-    /// every later call fails with it as `backendUnavailable`.
+    /// Set when the GPU is lost to this process (access revoked, device removed, not permitted) or
+    /// a command buffer did not complete in time: every later call fails with it as
+    /// `backendUnavailable`.
     private var lostReason: String?
 
     /// - Throws: `backendUnavailable` when there is no Apple-silicon Metal device or no command

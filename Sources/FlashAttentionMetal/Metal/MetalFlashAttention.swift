@@ -83,6 +83,8 @@ public final class MetalFlashAttention: @unchecked Sendable {
             } catch {
                 why = "\(url.path) was refused: \(error.localizedDescription)"
             }
+        } else if precompiledLibraryURL() != nil {
+            why = "\(precompiledName) needs macOS 14 or iOS 17"
         }
         let options = try compileOptions()
         do {
@@ -274,7 +276,12 @@ public final class MetalFlashAttention: @unchecked Sendable {
             // MTLBuffer.contents() (CPU-visible storage only) finds two bytesNoCopy buffers over one
             // allocation, which may have different GPU addresses.
             ranges.append((role, buffer.gpuAddress, buffer.gpuAddress + UInt64(needed)))
-            if buffer.storageMode == .shared || buffer.storageMode == .managed {
+            // contents() is NULL for .private; .managed exists on macOS and Mac Catalyst only.
+            var cpuVisible = buffer.storageMode == .shared
+            #if os(macOS) || targetEnvironment(macCatalyst)
+            cpuVisible = cpuVisible || buffer.storageMode == .managed
+            #endif
+            if cpuVisible {
                 let start = UInt64(UInt(bitPattern: buffer.contents()))
                 hostRanges.append((role, start, start + UInt64(needed)))
             }
