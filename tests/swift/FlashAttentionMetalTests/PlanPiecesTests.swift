@@ -243,6 +243,19 @@ final class PlanPiecesTests: XCTestCase {
     }
 }
 
+/// The forward's buffers: q, k, v in, out and lse out.
+private func forwardBuffers(_ p: Problem, _ q: UnsafeRawBufferPointer, _ k: UnsafeRawBufferPointer,
+                            _ v: UnsafeRawBufferPointer, _ out: UnsafeMutableRawBufferPointer,
+                            _ lse: UnsafeMutableRawBufferPointer) -> HostBuffers {
+    var f = HostBuffers()
+    f.bindInput(.q, q.baseAddress!, for: p)
+    f.bindInput(.k, k.baseAddress!, for: p)
+    f.bindInput(.v, v.baseAddress!, for: p)
+    f.bindOutput(.out, out.baseAddress!, for: p)
+    f.bindOutput(.lse, lse.baseAddress!, for: p)
+    return f
+}
+
 /// Forward on `context`; out and lse as bit patterns.
 private func forward(_ context: Context, _ p: Problem, q: [Float16], k: [Float16], v: [Float16]) throws -> [[UInt32]] {
     var out = [Float16](repeating: 0, count: BufferRole.q.elementCount(for: p))
@@ -252,13 +265,7 @@ private func forward(_ context: Context, _ p: Problem, q: [Float16], k: [Float16
             try v.withUnsafeBytes { v in
                 try out.withUnsafeMutableBytes { out in
                     try lse.withUnsafeMutableBytes { lse in
-                        var f = HostBuffers()
-                        f.bindInput(.q, q.baseAddress!, for: p)
-                        f.bindInput(.k, k.baseAddress!, for: p)
-                        f.bindInput(.v, v.baseAddress!, for: p)
-                        f.bindOutput(.out, out.baseAddress!, for: p)
-                        f.bindOutput(.lse, lse.baseAddress!, for: p)
-                        try context.run(DispatchPlan.forward(p), buffers: f)
+                        try context.run(DispatchPlan.forward(p), buffers: forwardBuffers(p, q, k, v, out, lse))
                     }
                 }
             }
@@ -282,12 +289,7 @@ private func forwardAndBackward(_ context: Context, _ p: Problem, q: [Float16], 
                             try dq.withUnsafeMutableBytes { dq in
                                 try dk.withUnsafeMutableBytes { dk in
                                     try dv.withUnsafeMutableBytes { dv in
-                                        var f = HostBuffers()
-                                        f.bindInput(.q, q.baseAddress!, for: p)
-                                        f.bindInput(.k, k.baseAddress!, for: p)
-                                        f.bindInput(.v, v.baseAddress!, for: p)
-                                        f.bindOutput(.out, out.baseAddress!, for: p)
-                                        f.bindOutput(.lse, lse.baseAddress!, for: p)
+                                        let f = forwardBuffers(p, q, k, v, out, lse)
                                         try context.run(DispatchPlan.forward(p), buffers: f)
                                         var b = f
                                         b.bindInput(.dout, dout.baseAddress!, for: p)
