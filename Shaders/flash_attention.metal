@@ -14,12 +14,14 @@
 //       O = O exp(m - m') + P V; m = m'
 //     out = O / l, lse = m ln 2 + log l (a row that sees no key: out 0, lse -inf)
 //   backward_delta: D_i = rowsum(dO_i * O_i), once per row, in float32
+//   backward_lse_residual: R_i = log sum_j exp(S_ij - L_i) for rows whose |L_i| is too large for
+//     float32 to hold log l beside m (0 elsewhere, where nothing is recomputed)
 //   backward_dq (Algorithm 2, the dQ half), one threadgroup per BQ query rows:
-//     for each visible K/V tile: S = Q K^T, P = exp(S - L), dP = dO V^T, dS = P (dP - D),
+//     for each visible K/V tile: S = Q K^T, P = exp(S - L - R), dP = dO V^T, dS = P (dP - D),
 //     dQ += dS K; dq = softmax_scale dQ
 //   backward_dkv (the dK/dV half), one threadgroup per BK keys of one KV head:
 //     for each query head of the GQA group, in order, and each Q/dO tile that sees the keys:
-//       S^T = K Q^T, P^T = exp(S^T - L), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
+//       S^T = K Q^T, P^T = exp(S^T - L - R), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
 //       dK += dS^T Q; dk = softmax_scale dK
 //   No atomics: every output element has one writer, and sums run in a fixed order, so results
 //   are bit-identical from run to run.
@@ -180,9 +182,10 @@ inline float through_softcap(constant FlashAttentionParams &p, float ds, float t
     return p.softcap > 0.0f ? ds * (1.0f - t * t) : ds;
 }
 
-// P = exp(score - lse); 0 for a hidden pair (whose score is -inf, also when the row's lse is -inf).
-inline float probability(float score, float lse) {
-    return score == -INFINITY ? 0.0f : exp_of(score - lse);
+// P = exp((score - lse) - residual) (backward_lse_residual); 0 for a hidden pair (whose score is
+// -inf, also when the row's lse is -inf).
+inline float probability(float score, float lse, float residual) {
+    return score == -INFINITY ? 0.0f : exp_of((score - lse) - residual);
 }
 
 // ---- forward ---------------------------------------------------------------------------------
@@ -217,8 +220,8 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 // One K/V tile of the forward pass, keys [kv0, kv0 + BK) of the KV head whose rows start at k_head
 // and v_head: loads the tiles (every thread calls it), S = Q K^T over the slice and then over all
 // of head_dim, masks (only when `masked`; the lane's row is query `row`), online softmax update,
-// O += P V.
-template <uint DP, uint BQ, uint BK, uint ND, typename T, typename Storage>
+// O += P V (without WITH_V, only m and l: V is neither loaded nor multiplied).
+template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename T, typename Storage>
 inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_head,
                          device const T *v_head, device const uchar *mask,
                          constant FlashAttentionParams &p, uint kv0, bool masked, uint row,
@@ -227,7 +230,9 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
     load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
-    load_rows<BK, DP>(tg->v, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+    if (WITH_V) {
+        load_rows<BK, DP>(tg->v, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+    }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     Fragments<NK> sc;
@@ -275,7 +280,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     r.m = m_next;
 
     for (uint d = 0; d < ND; ++d) {
-        if (d < s.active_v) {
+        if (WITH_V && d < s.active_v) {
             for (uint j = 0; j < NK; ++j) {
                 simdgroup_float8x8 vf;
                 load_fragment(vf, tg->v, j * 8, s.col0 + d * 8, at);
@@ -499,25 +504,99 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
     }
 }
 
+// ---- backward: the lse residual --------------------------------------------------------------
+
+// From |lse| = 2^8 on, the float32 lse = m + log l the forward returns may have lost part of log l
+// (its last bit is worth 2^-15 there); at Hugging Face's float32-minimum mask over a whole row it
+// rounds to m, and exp(score - lse) would weigh every key 1 instead of 1 / l. Below, its rounding
+// is no larger than that of the scores themselves.
+#define FA_LSE_RESIDUAL_MIN 256.0f
+// An lse within this fraction of its value (2 to 4 ulp) of the one the forward computes here is that
+// one. A caller may pass another: ring attention passes each block the global lse of a longer row.
+#define FA_LSE_RESIDUAL_MATCH 0x1p-21f
+
+inline bool needs_residual(float lse) {
+    return isfinite(lse) && abs(lse) >= FA_LSE_RESIDUAL_MIN;
+}
+
+// R = log sum_j exp(S_j - L) from the row's own max m and sum l (l relative to m), in the order
+// that keeps log l: L - m is exact (both huge, within a factor of 2), log l is not absorbed.
+inline float lse_residual(float m, float l, float lse) {
+    if (!needs_residual(lse) || !(l > 0.0f) || abs(row_lse(m, l) - lse) > abs(lse) * FA_LSE_RESIDUAL_MATCH) {
+        return 0.0f;
+    }
+    return (m - lse) + log(l);
+}
+
+// One threadgroup per BQ query rows, as the forward. A block none of whose rows needs a residual
+// writes 0 and returns (the common case: one read of the block's lse). Otherwise the forward's
+// scores and online softmax again, without V (same tiles, same order: the same m and l).
+template <uint DP, uint BQ, uint BK, typename T, typename Storage>
+inline void attention_backward_lse_residual(device const T *q, device const T *k,
+                                            device const float *lse, device const uchar *mask,
+                                            device const float *alibi, device const float *sinks,
+                                            device float *residual,
+                                            constant FlashAttentionParams &p, Storage tg,
+                                            uint3 tgid, uint sgid, uint lane) {
+    constexpr uint SLICES = FA_SLICES(BQ);
+    constexpr uint ND = DP / SLICES / 8;
+    const uint tid = sgid * 32 + lane;
+    const FragmentCoord at = fragment_coord(lane);
+    const uint b = tgid.z;
+    const uint h = tgid.y;
+    const uint q0 = tgid.x * BQ;
+    const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
+    const uint row = q0 + s.row0 + at.row;
+    const uint last = min(q0 + BQ, p.seqlen_q) - 1;
+    // The same answer in every thread, so the branch below is uniform over the threadgroup.
+    bool needed = false;
+    for (uint i = q0; i <= last; ++i) {
+        needed = needed || needs_residual(lse[row_index(b, p.num_heads, h, p.seqlen_q, i)]);
+    }
+    float value = 0.0f;
+    if (needed) {
+        const uint kv_head = h / (p.num_heads / p.num_kv_heads);
+        const uint key_begin = key_range(p, q0).first;
+        const uint key_end = key_range(p, last).end;
+        const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
+        load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+        RowState<ND> r;
+        start_rows(r, p.has_sinks != 0, p.has_sinks != 0 ? sinks[h] : 0.0f, at);
+        for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
+            forward_tile<DP, BQ, BK, ND, false>(r, tg, k + head_offset(p.k, b, kv_head), k, mask, p,
+                                                kv0, !tile_unmasked(p, q0, BQ, kv0, BK), row, mods,
+                                                s, at, sgid, tid);
+        }
+        const float l = row_sum(r.l);
+        if (row < p.seqlen_q) {
+            value = lse_residual(r.m, l, lse[row_index(b, p.num_heads, h, p.seqlen_q, row)]);
+        }
+    }
+    if (row < p.seqlen_q && s.col0 == 0 && at.col == 0) {
+        residual[row_index(b, p.num_heads, h, p.seqlen_q, row)] = value;
+    }
+}
+
 // ---- backward: dsinks -----------------------------------------------------------------------
 
 struct DsinksStorage {
     float partial[FA_THREADS_PER_THREADGROUP];
 };
 
-// dsinks[h] = -sum over batch and query rows of exp(sinks[h] - lse) * D: a virtual key's
+// dsinks[h] = -sum over batch and query rows of exp(sinks[h] - lse - R) * D: a virtual key's
 // dS = P (dP - D) with dP = 0 (it has no value). One threadgroup per head; each thread sums rows
 // tid, tid + 128, ... in order, then a fixed tree adds the threads, so reruns are bit-identical.
 template <typename Storage>
 inline void attention_backward_dsinks(device const float *lse, device const float *delta,
-                                      device const float *sinks, device float *dsinks,
+                                      device const float *sinks, device const float *residual,
+                                      device float *dsinks,
                                       constant FlashAttentionParams &p, Storage tg, uint h,
                                       uint tid) {
     const ulong rows = ulong(p.batch) * p.seqlen_q;
     float acc = 0.0f;
     for (ulong r = tid; r < rows; r += FA_THREADS_PER_THREADGROUP) {
         const ulong at = row_index(uint(r / p.seqlen_q), p.num_heads, h, p.seqlen_q, uint(r % p.seqlen_q));
-        acc = fma(exp(sinks[h] - lse[at]), delta[at], acc);
+        acc = fma(exp((sinks[h] - lse[at]) - residual[at]), delta[at], acc);
     }
     tg->partial[tid] = acc;
     for (uint width = FA_THREADS_PER_THREADGROUP / 2; width > 0; width /= 2) {
@@ -548,9 +627,10 @@ struct BackwardQueryStorage {
 template <uint DP, uint BQ, uint BK, bool SHARED, typename T, typename Storage>
 inline void attention_backward_dq(device const T *dout, device const T *q, device const T *k,
                                   device const T *v, device const float *lse,
-                                  device const float *delta, device const uchar *mask,
-                                  device const float *alibi, constant FlashAttentionParams &p,
-                                  device T *dq, Storage tg, uint3 tgid, uint sgid, uint lane) {
+                                  device const float *delta, device const float *residual,
+                                  device const uchar *mask, device const float *alibi,
+                                  constant FlashAttentionParams &p, device T *dq, Storage tg,
+                                  uint3 tgid, uint sgid, uint lane) {
     constexpr uint SLICES = FA_SLICES(BQ);
     constexpr uint ND = DP / SLICES / 8;
     constexpr uint NK = BK / 8;
@@ -572,6 +652,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     // Rows past the end have every element hidden: their L and D are not read.
     const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, row < p.seqlen_q ? row : 0);
     const float row_lse = row < p.seqlen_q ? lse[at_row] : 0.0f;
+    const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
 
     load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
@@ -632,7 +713,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
                                           kv0 + j * 8 + at.col + e, mods, masked, t);
-                const float pe = probability(x, row_lse);
+                const float pe = probability(x, row_lse, row_residual);
                 sc.f[j].thread_elements()[e] =
                     through_softcap(p, pe * (dp.f[j].thread_elements()[e] - row_delta), t);
             }
@@ -666,8 +747,9 @@ struct BackwardKeyValueStorage {
     T v[BK][DP + FA_TILE_PAD];
     T q[BQ][DP + FA_TILE_PAD];
     T dout[SHARED ? 1 : BQ][DP + FA_TILE_PAD];
-    float lse[BQ];    // lse of the tile's rows (0 for rows past the end)
-    float delta[BQ];  // D of the tile's rows (0 likewise)
+    float lse[BQ];       // lse of the tile's rows (0 for rows past the end)
+    float residual[BQ];  // their lse residual R (0 likewise)
+    float delta[BQ];     // D of the tile's rows (0 likewise)
     float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
     float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
 };
@@ -675,10 +757,10 @@ struct BackwardKeyValueStorage {
 template <uint DP, uint BK, uint BQ, bool SHARED, typename T, typename Storage>
 inline void attention_backward_dkv(device const T *dout, device const T *q, device const T *k,
                                    device const T *v, device const float *lse,
-                                   device const float *delta, device const uchar *mask,
-                                   device const float *alibi, constant FlashAttentionParams &p,
-                                   device T *dk, device T *dv, Storage tg, uint3 tgid, uint sgid,
-                                   uint lane) {
+                                   device const float *delta, device const float *residual,
+                                   device const uchar *mask, device const float *alibi,
+                                   constant FlashAttentionParams &p, device T *dk, device T *dv,
+                                   Storage tg, uint3 tgid, uint sgid, uint lane) {
     constexpr uint SLICES = FA_SLICES(BK);
     constexpr uint ND = DP / SLICES / 8;
     constexpr uint NQ = BQ / 8;  // fragments across a query tile
@@ -719,6 +801,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                 const uint r = q0 + tid;
                 const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, r < p.seqlen_q ? r : 0);
                 tg->lse[tid] = r < p.seqlen_q ? lse[at_row] : 0.0f;
+                tg->residual[tid] = r < p.seqlen_q ? residual[at_row] : 0.0f;
                 tg->delta[tid] = r < p.seqlen_q ? delta[at_row] : 0.0f;
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -771,7 +854,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                     float t;
                     const float x = score<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
                                               mods, masked, t);
-                    const float pe = probability(x, tg->lse[i]);
+                    const float pe = probability(x, tg->lse[i], tg->residual[i]);
                     st.f[j].thread_elements()[e] = pe;
                     dpt.f[j].thread_elements()[e] =
                         through_softcap(p, pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]), t);
@@ -852,6 +935,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
         device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
         device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
+        device const float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]],              \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
         attention_backward_delta(dout, out, delta, params, tgid, tid);                             \
@@ -864,6 +948,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         flash_attention_forward_##SUFFIX##_d##DP##_threadgroup;                                    \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
         flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup;                              \
+    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
+        flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup;                      \
     typedef BackwardQueryStorage<T, DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>           \
         flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup;                                \
     typedef BackwardKeyValueStorage<T, DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>   \
@@ -918,6 +1004,29 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
+    kernel void flash_attention_backward_lse_residual_##SUFFIX##_d##DP(                            \
+        device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
+        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
+        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
+        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
+        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
+        device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
+        constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
+        device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
+        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
+        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
+        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
+        device float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]],                    \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup tg;       \
+        attention_backward_lse_residual<DP, FWD_BQ, FWD_BK>(q, k, lse, mask, alibi, sinks,         \
+                                                            lse_residual, params, &tg, tgid, sgid, \
+                                                            lane);                                 \
+    }                                                                                              \
+                                                                                                   \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_dq_##SUFFIX##_d##DP(                                      \
         device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
         device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
@@ -930,13 +1039,15 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
         device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
         device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
+        device const float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]],              \
         device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup tg;                 \
         attention_backward_dq<DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>(                \
-            dout, q, k, v, lse, delta, mask, alibi, params, dq, &tg, tgid, sgid, lane);            \
+            dout, q, k, v, lse, delta, lse_residual, mask, alibi, params, dq, &tg, tgid, sgid,     \
+            lane);            \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -952,6 +1063,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
         device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
         device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
+        device const float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]],              \
         device T *dk [[buffer(FA_BACKWARD_BUFFER_DK)]],                                            \
         device T *dv [[buffer(FA_BACKWARD_BUFFER_DV)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
@@ -959,7 +1071,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup tg;                \
         attention_backward_dkv<DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>(          \
-            dout, q, k, v, lse, delta, mask, alibi, params, dk, dv, &tg, tgid, sgid, lane);        \
+            dout, q, k, v, lse, delta, lse_residual, mask, alibi, params, dk, dv, &tg, tgid, sgid, \
+            lane);                                                                                 \
     }
 
 // Reads only lse, delta and sinks (float), whatever the dtype of the other tensors.
@@ -978,11 +1091,12 @@ kernel void flash_attention_backward_dsinks(
     device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],
     device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],
     device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],
+    device const float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]],
     device float *dsinks [[buffer(FA_BACKWARD_BUFFER_DSINKS)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
     threadgroup flash_attention_backward_dsinks_threadgroup tg;
-    attention_backward_dsinks(lse, delta, sinks, dsinks, params, &tg, tgid.x, tid);
+    attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, params, &tg, tgid.x, tid);
 }
 
 #define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__)

@@ -118,11 +118,13 @@ typedef struct FlashAttentionParams {
 #define FA_MERGE_ROWS_PER_THREADGROUP FA_SIMDGROUPS
 #define FA_MERGE_THREADS_PER_ROW 32
 
-// Buffer indices: backward. A backward pass is three dispatches (four with sinks):
+// Buffer indices: backward. A backward pass is four dispatches (five with sinks):
 // backward_delta writes delta (D_i = rowsum(dout * out), float32 [batch][num_heads][seqlen_q], a
-// workspace the backend allocates), then backward_dq writes dq and backward_dkv writes dk and dv,
-// both reading delta; with sinks, backward_dsinks writes dsinks (float32 [num_heads]). Every
-// backward kernel binds 0 ... FA_BACKWARD_BUFFER_SINKS and then its outputs.
+// workspace the backend allocates); backward_lse_residual writes lse_residual (float32, the same
+// shape, a workspace: what float32 lse cannot hold of rows whose |lse| is huge, 0 elsewhere); then
+// backward_dq writes dq and backward_dkv writes dk and dv, both reading delta and lse_residual;
+// with sinks, backward_dsinks writes dsinks (float32 [num_heads]). Every backward kernel binds
+// 0 ... FA_BACKWARD_BUFFER_LSE_RESIDUAL and then its outputs.
 #define FA_BACKWARD_BUFFER_DOUT 0
 #define FA_BACKWARD_BUFFER_Q 1
 #define FA_BACKWARD_BUFFER_K 2
@@ -134,14 +136,16 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_BUFFER_MASK 8
 #define FA_BACKWARD_BUFFER_ALIBI 9
 #define FA_BACKWARD_BUFFER_SINKS 10
-#define FA_BACKWARD_BUFFER_DQ 11
-#define FA_BACKWARD_BUFFER_DK 11
-#define FA_BACKWARD_BUFFER_DV 12
-#define FA_BACKWARD_BUFFER_DSINKS 11
-#define FA_BACKWARD_DELTA_BUFFER_COUNT 11
-#define FA_BACKWARD_DQ_BUFFER_COUNT 12
-#define FA_BACKWARD_DKV_BUFFER_COUNT 13
-#define FA_BACKWARD_DSINKS_BUFFER_COUNT 12
+#define FA_BACKWARD_BUFFER_LSE_RESIDUAL 11
+#define FA_BACKWARD_BUFFER_DQ 12
+#define FA_BACKWARD_BUFFER_DK 12
+#define FA_BACKWARD_BUFFER_DV 13
+#define FA_BACKWARD_BUFFER_DSINKS 12
+#define FA_BACKWARD_DELTA_BUFFER_COUNT 12
+#define FA_BACKWARD_LSE_RESIDUAL_BUFFER_COUNT 12
+#define FA_BACKWARD_DQ_BUFFER_COUNT 13
+#define FA_BACKWARD_DKV_BUFFER_COUNT 14
+#define FA_BACKWARD_DSINKS_BUFFER_COUNT 13
 
 // Largest supported head_dim and head_dim_v; the last bucket of the tables below.
 #define FA_MAX_HEAD_DIM 256

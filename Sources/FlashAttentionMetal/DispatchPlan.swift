@@ -4,16 +4,17 @@ import CFlashAttentionMetal
 /// role holds the problem's dtype. `outA`, `lseA`, `outB`, `lseB` are the two parts that
 /// `fa_merge_attention` merges into `out` and `lse`.
 enum BufferRole: Int, CaseIterable {
-    /// Workspaces: `delta`, D_i = rowsum(dout * out) per query row (backward); `partialOut` and
+    /// Workspaces: `delta`, D_i = rowsum(dout * out) per query row, and `lseResidual`, what float32
+    /// lse could not hold of rows whose |lse| is huge (backward); `partialOut` and
     /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward).
     /// Optional inputs: `attnMask`, `alibiSlopes`, `sinks` (float32); optional output `dsinks`.
-    case q, k, v, out, lse, dout, dq, dk, dv, delta, partialOut, partialLse, attnMask, alibiSlopes, sinks, dsinks,
+    case q, k, v, out, lse, dout, dq, dk, dv, delta, lseResidual, partialOut, partialLse, attnMask, alibiSlopes, sinks, dsinks,
          outA, lseA, outB, lseB
 
     /// Whether the role holds float32 whatever the problem's dtype.
     var isFloat32: Bool {
         switch self {
-        case .lse, .lseA, .lseB, .delta, .partialOut, .partialLse, .alibiSlopes, .sinks, .dsinks: return true
+        case .lse, .lseA, .lseB, .delta, .lseResidual, .partialOut, .partialLse, .alibiSlopes, .sinks, .dsinks: return true
         default: return false
         }
     }
@@ -41,6 +42,7 @@ enum BufferRole: Int, CaseIterable {
         case .dk: return "dk"
         case .dv: return "dv"
         case .delta: return "delta"
+        case .lseResidual: return "lse_residual"
         case .partialOut: return "partial_out"
         case .partialLse: return "partial_lse"
         case .attnMask: return "attn_mask"
@@ -60,7 +62,7 @@ enum BufferRole: Int, CaseIterable {
         switch self {
         case .q, .k, .v, .out, .dout, .dq, .dk, .dv: return problem.layouts[self]!.extent
         case .outA, .outB: return problem.layouts[.out]!.extent
-        case .lse, .lseA, .lseB, .delta: return problem.lseElements
+        case .lse, .lseA, .lseB, .delta, .lseResidual: return problem.lseElements
         // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, so these products stay small.
         case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDimV)
         case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
@@ -89,7 +91,7 @@ enum BufferRole: Int, CaseIterable {
         case .k, .v, .dk, .dv:
             let s = problem.layouts[self]!.strides
             return b * s.batch + kv * s.head
-        case .lse, .delta, .lseA, .lseB:
+        case .lse, .delta, .lseResidual, .lseA, .lseB:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ)
         // [batch][num_heads][chunk][seqlen_q] (times head_dim_v for partial_out).
         case .partialLse:
@@ -168,7 +170,7 @@ struct DispatchPlan {
     /// The roles the pass writes for the caller; every other bound role is read only.
     let outputs: [BufferRole]
     /// Roles the backend allocates for the duration of the pass (written and read by its kernels,
-    /// never by the caller): `delta` for backward.
+    /// never by the caller): `delta` and `lseResidual` for backward.
     let workspace: [BufferRole]
     /// The problem the plan was made for (buffer sizes follow from it).
     let problem: Problem
@@ -227,9 +229,11 @@ struct DispatchPlan {
                             workspace: [.partialOut, .partialLse], problem: problem)
     }
 
-    /// Backward, three dispatches in order: `flash_attention_backward_delta_<dtype>` over
+    /// Backward, four dispatches in order: `flash_attention_backward_delta_<dtype>` over
     /// (ceil(seqlen_q / FA_DELTA_BLOCK_ROWS), num_heads, batch) threadgroups writes `delta`;
-    /// `flash_attention_backward_dq_<dtype>_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
+    /// `flash_attention_backward_lse_residual_<dtype>_d<DP>` over (ceil(seqlen_q / forward_block_q),
+    /// num_heads, batch) threadgroups writes `lseResidual` (recomputing scores only for blocks with
+    /// a row whose |lse| is huge); `flash_attention_backward_dq_<dtype>_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
     /// threadgroups writes `dq`; `flash_attention_backward_dkv_<dtype>_d<DP>` over
     /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`.
     static func backward(_ problem: Problem) -> DispatchPlan {
@@ -243,6 +247,7 @@ struct DispatchPlan {
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_DELTA), role: .delta)]
             + optionalInputs(problem, mask: FA_BACKWARD_BUFFER_MASK, alibi: FA_BACKWARD_BUFFER_ALIBI,
                              sinks: FA_BACKWARD_BUFFER_SINKS)
+            + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE_RESIDUAL), role: .lseResidual)]
         func dispatch(_ kernel: String, _ outputs: [BufferBinding], rows: UInt32, block: UInt32,
                       heads: UInt32) -> Dispatch {
             Dispatch(kernelName: kernel, bindings: inputs + outputs,
@@ -253,6 +258,9 @@ struct DispatchPlan {
         }
         let delta = dispatch("flash_attention_backward_delta_\(problem.dtype.kernelSuffix)", [],
                              rows: problem.seqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads)
+        let residual = dispatch(
+            "flash_attention_backward_lse_residual_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)", [],
+            rows: problem.seqlenQ, block: b.forward_block_q, heads: problem.numHeads)
         let dq = dispatch("flash_attention_backward_dq_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
                           rows: problem.seqlenQ, block: b.dq_block_q, heads: problem.numHeads)
@@ -261,8 +269,8 @@ struct DispatchPlan {
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
                            rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads)
         guard problem.scores.hasSinks else {
-            return DispatchPlan(pass: .backward, dispatches: [delta, dq, dkv], outputs: [.dq, .dk, .dv],
-                                workspace: [.delta], problem: problem)
+            return DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv], outputs: [.dq, .dk, .dv],
+                                workspace: [.delta, .lseResidual], problem: problem)
         }
         // dsinks sums over every batch entry: it runs once over the whole problem, after the pieces.
         let dsinks = Dispatch(kernelName: "flash_attention_backward_dsinks",
@@ -270,8 +278,8 @@ struct DispatchPlan {
                               paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
                               threadgroupsPerGrid: GridSize(width: problem.numHeads, height: 1, depth: 1),
                               threadsPerThreadgroup: threadgroupSize, wholeProblem: true)
-        return DispatchPlan(pass: .backward, dispatches: [delta, dq, dkv, dsinks], outputs: [.dq, .dk, .dv, .dsinks],
-                            workspace: [.delta], problem: problem)
+        return DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv, dsinks],
+                            outputs: [.dq, .dk, .dv, .dsinks], workspace: [.delta, .lseResidual], problem: problem)
     }
 
     /// attn_mask, alibi_slopes and sinks at their indices; an absent one is bound to `lse` as a

@@ -20,6 +20,8 @@ using msl_engine::kernel_args;
 
 // Kernel signatures per element type T (see the kernel definitions in the .metal file).
 #define FA_OPTIONAL_TYPES const uchar *, const float *, const float *
+// The backward kernels' optional inputs and the lse residual (an output of backward_lse_residual).
+#define FA_BACKWARD_OPTIONAL_TYPES FA_OPTIONAL_TYPES, const float *
 template <class T>
 using ForwardKernel = void (*)(const T *, const T *, const T *, T *, float *,
                                const FlashAttentionParams &, FA_OPTIONAL_TYPES, uint3, uint, uint);
@@ -34,15 +36,20 @@ using ForwardCombineKernel = void (*)(const T *, const T *, const T *, T *, floa
 template <class T>
 using BackwardDeltaKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
                                      const float *, const FlashAttentionParams &, float *,
-                                     FA_OPTIONAL_TYPES, uint3, uint);
+                                     FA_BACKWARD_OPTIONAL_TYPES, uint3, uint);
+template <class T>
+using BackwardLseResidualKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
+                                           const float *, const FlashAttentionParams &,
+                                           const float *, FA_OPTIONAL_TYPES, float *, uint3, uint,
+                                           uint);
 template <class T>
 using BackwardDqKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
                                   const float *, const FlashAttentionParams &, const float *,
-                                  FA_OPTIONAL_TYPES, T *, uint3, uint, uint);
+                                  FA_BACKWARD_OPTIONAL_TYPES, T *, uint3, uint, uint);
 template <class T>
 using BackwardDkvKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
                                    const float *, const FlashAttentionParams &, const float *,
-                                   FA_OPTIONAL_TYPES, T *, T *, uint3, uint, uint);
+                                   FA_BACKWARD_OPTIONAL_TYPES, T *, T *, uint3, uint, uint);
 using MergeKernel = void (*)(const half *, const float *, const half *, const float *, half *, float *,
                              const FlashAttentionParams &, uint3, uint);
 
@@ -59,6 +66,9 @@ using MergeKernel = void (*)(const half *, const float *, const half *, const fl
 #define FA_BACKWARD_OPTIONALS(a)                                                                   \
     a.buffer<const uchar>(FA_BACKWARD_BUFFER_MASK), a.buffer<const float>(FA_BACKWARD_BUFFER_ALIBI), \
         a.buffer<const float>(FA_BACKWARD_BUFFER_SINKS)
+// Those and the lse residual, as the kernels that read it bind them.
+#define FA_BACKWARD_READS(a)                                                                       \
+    FA_BACKWARD_OPTIONALS(a), a.buffer<const float>(FA_BACKWARD_BUFFER_LSE_RESIDUAL)
 
 // The buffers every backward kernel binds, in [[buffer(i)]] order up to the parameters.
 #define FA_BACKWARD_INPUTS(T, a)                                                                   \
@@ -90,20 +100,28 @@ void run_forward_combine(const kernel_args &a, const builtins &t) {
 template <class T, BackwardDeltaKernel<T> Kernel>
 void run_backward_delta(const kernel_args &a, const builtins &t) {
     Kernel(FA_BACKWARD_INPUTS(T, a), a.buffer<float>(FA_BACKWARD_BUFFER_DELTA),
-           FA_BACKWARD_OPTIONALS(a), t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
+           FA_BACKWARD_READS(a), t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
+}
+
+template <class T, BackwardLseResidualKernel<T> Kernel>
+void run_backward_lse_residual(const kernel_args &a, const builtins &t) {
+    Kernel(FA_BACKWARD_INPUTS(T, a), a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA),
+           FA_BACKWARD_OPTIONALS(a), a.buffer<float>(FA_BACKWARD_BUFFER_LSE_RESIDUAL),
+           t.threadgroup_position_in_grid, t.simdgroup_index_in_threadgroup,
+           t.thread_index_in_simdgroup);
 }
 
 template <class T, BackwardDqKernel<T> Kernel>
 void run_backward_dq(const kernel_args &a, const builtins &t) {
     Kernel(FA_BACKWARD_INPUTS(T, a), a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA),
-           FA_BACKWARD_OPTIONALS(a), a.buffer<T>(FA_BACKWARD_BUFFER_DQ), t.threadgroup_position_in_grid,
+           FA_BACKWARD_READS(a), a.buffer<T>(FA_BACKWARD_BUFFER_DQ), t.threadgroup_position_in_grid,
            t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
 }
 
 template <class T, BackwardDkvKernel<T> Kernel>
 void run_backward_dkv(const kernel_args &a, const builtins &t) {
     Kernel(FA_BACKWARD_INPUTS(T, a), a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA),
-           FA_BACKWARD_OPTIONALS(a), a.buffer<T>(FA_BACKWARD_BUFFER_DK), a.buffer<T>(FA_BACKWARD_BUFFER_DV),
+           FA_BACKWARD_READS(a), a.buffer<T>(FA_BACKWARD_BUFFER_DK), a.buffer<T>(FA_BACKWARD_BUFFER_DV),
            t.threadgroup_position_in_grid, t.simdgroup_index_in_threadgroup,
            t.thread_index_in_simdgroup);
 }
@@ -123,7 +141,7 @@ void run_backward_dsinks(const kernel_args &a, const builtins &t) {
         a.buffer<const uchar>(FA_BACKWARD_BUFFER_K), a.buffer<const uchar>(FA_BACKWARD_BUFFER_V),
         a.buffer<const uchar>(FA_BACKWARD_BUFFER_OUT), a.buffer<const float>(FA_BACKWARD_BUFFER_LSE),
         a.constant_ref<const FlashAttentionParams>(FA_BACKWARD_BUFFER_PARAMS),
-        a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA), FA_BACKWARD_OPTIONALS(a),
+        a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA), FA_BACKWARD_READS(a),
         a.buffer<float>(FA_BACKWARD_BUFFER_DSINKS), t.threadgroup_position_in_grid,
         t.thread_index_in_threadgroup);
 }
@@ -147,6 +165,8 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
                     FA_FORWARD_BUFFER_COUNT)                                                       \
     FA_KERNEL_ENTRY(T, flash_attention_forward_split_##SUFFIX##_d##DP, run_forward_split,          \
                     FA_FORWARD_SPLIT_BUFFER_COUNT)                                                 \
+    FA_KERNEL_ENTRY(T, flash_attention_backward_lse_residual_##SUFFIX##_d##DP,                     \
+                    run_backward_lse_residual, FA_BACKWARD_LSE_RESIDUAL_BUFFER_COUNT)              \
     FA_KERNEL_ENTRY(T, flash_attention_backward_dq_##SUFFIX##_d##DP, run_backward_dq,              \
                     FA_BACKWARD_DQ_BUFFER_COUNT)                                                   \
     FA_KERNEL_ENTRY(T, flash_attention_backward_dkv_##SUFFIX##_d##DP, run_backward_dkv,            \

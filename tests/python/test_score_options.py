@@ -320,6 +320,38 @@ def test_a_row_masked_with_the_float32_minimum_is_the_uniform_average(ctx):
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, attn_mask=mask), "float32 minimum row")
 
 
+# Rows whose every key gets a huge finite additive value (Hugging Face's float32 or float16
+# minimum for a fully padded row, masked_fill(-1e9)): float32 lse = max + log(row sum) cannot hold
+# the log beside such a max, so the backward must not take P = exp(score - lse) at its word.
+HUGE_FILLS = {"f32min": np.finfo(np.float32).min, "1e9": -1e9, "f16min": -65504.0, "3e4": -3e4}
+
+
+@pytest.mark.parametrize("fill", HUGE_FILLS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_masked_with_a_huge_finite_value_have_exact_gradients(ctx, fill, dtype):
+    q, k, v, dout = make_inputs(43, 2, HEADS, 2, 50, 90, 64, dtype=DTYPES[dtype])
+    mask = np.zeros((2, HEADS, 50, 90), np.float32)
+    mask[:, :, 3] = HUGE_FILLS[fill]
+    mask[1, 2, 40:] = HUGE_FILLS[fill]
+    mask[0, 1, 7, :30] = HUGE_FILLS[fill]
+    judge(ctx, q, k, v, dout, dict(attn_mask=mask), f"fill {fill}")
+    # The same in the input dtype where it holds the value, and with sinks.
+    if -HUGE_FILLS[fill] <= float(ml_dtypes.finfo(DTYPES[dtype]).max):
+        sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+        judge(ctx, q, k, v, dout, dict(attn_mask=mask.astype(DTYPES[dtype]), sinks=sinks), f"fill {fill} sinks")
+
+
+def test_decode_rows_masked_with_the_float32_minimum_have_exact_gradients(ctx):
+    # The split-KV forward's lse (merged from chunks) before the same backward.
+    q, k, v, dout = make_inputs(44, 2, HEADS, 2, 3, 600, 32)
+    mask = np.zeros((2, 1, 3, 600), np.float32)
+    mask[0, :, 1] = np.finfo(np.float32).min
+    out, lse = ctx.forward(q, k, v, attn_mask=mask)
+    assert ctx.last_profile.dispatches[0].kernel.startswith("flash_attention_forward_split")
+    grads = ctx.backward(dout, q, k, v, out, lse, attn_mask=mask)
+    assert_within_rule(accuracy.evaluate_backward(dout, q, k, v, *grads, attn_mask=mask), "decode f32min")
+
+
 def test_a_huge_finite_additive_value_gives_no_nan(ctx):
     q, k, v, _ = make_inputs(42, 1, 2, 2, 8, 8, 16)
     mask = np.zeros((8, 8), np.float32)

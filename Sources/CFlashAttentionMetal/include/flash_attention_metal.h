@@ -179,8 +179,15 @@ fa_status fa_forward(fa_context *context, const fa_problem *problem,
                      const void *q, const void *k, const void *v,
                      void *out, float *lse);
 
-/* Backward pass: dq, dk, dv from dout and the q, k, v, out, lse of the forward pass.
+/* Backward pass: dq, dk, dv from dout and the q, k, v, out, lse of the forward pass
+ * (FlashAttention-2, Dao 2023, Algorithm 2: P = exp(S - lse), D = rowsum(dout * out)).
  * dk and dv sum over the query heads that share a KV head. Deterministic.
+ * Where |lse| >= 256, float32 lse may have lost part of log(row sum) beside the row max (a whole
+ * row masked with FLT_MIN-like additive values: lse rounds to the max): for such rows the backward
+ * recomputes the row's softmax normaliser from the scores, when lse is, to 2-4 ulp, the one the
+ * forward gives these keys. An lse of a longer row (blockwise or ring attention over key blocks)
+ * is used as given; at such magnitudes, where it does not differ from the block's own by more than
+ * that, it is taken as the block's own.
  * Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
 fa_status fa_backward(fa_context *context, const fa_problem *problem,
                       const void *dout, const void *q, const void *k, const void *v,
