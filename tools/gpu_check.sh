@@ -14,11 +14,11 @@
 # accuracy check report mismatches. A detector that misses its fault fails the run too, and so
 # does a planted fault that no longer changes the kernel source.
 #
-# Opt-in, --large: tools/gpu/large_offsets.cu runs forward and the backward's delta and dQ
-# dispatches on q, out, dout and dq of more than 2^32 elements (seqlen_q 2^25 + 5, head_dim 128;
-# about 35 GB of device memory) and checks sampled rows, those past element 2^32 included, against
-# the float64 reference. Its planted
-# fault, the kernels built with every ulong replaced by uint (32-bit offsets), must fail it.
+# Opt-in, --large: tools/gpu/large_offsets.cu runs forward and the backward's delta, lse residual
+# and dQ dispatches on q, out, dout and dq of more than 2^32 elements (seqlen_q 2^25 + 5, head_dim
+# 128; about 35 GB of device memory) and checks sampled rows, those past element 2^32 included,
+# against the float64 reference. Its planted fault, the kernels built with every ulong replaced by
+# uint (32-bit offsets), must fail it.
 # --large-only builds and runs just that step (and its planted fault).
 #
 # Usage: tools/gpu_check.sh [--no-bench] [--no-mutants] [--large | --large-only]

@@ -320,6 +320,13 @@ std::vector<TestCase> full_grid() {
         cases.push_back(make_case(t, 256, 2, 2, 1, 45, 70, false, mods().mask(maddf32, true, false)));
         cases.push_back(with_finite_mask_min(
             make_case(t, 64, 2, 4, 2, 50, 90, false, mods().mask(maddf32, true, true))));
+        // The backward's lse residual: rows whose |lse| >= 256. Whole rows at float32's lowest
+        // value (their lse rounds to the row max; the residual restores log(l)); with sinks such a
+        // row's lse is the sink's, so only the scores' scale makes |lse| huge there (softmax_scale
+        // 30: most rows' max above 256, the residual their lse's rounding).
+        cases.push_back(with_finite_mask_min(
+            make_case(t, 128, 1, 4, 2, 40, 70, true, mods().mask(maddf32, false, true).sinks())));
+        cases.push_back(make_case(t, 32, 2, 4, 2, 50, 60, true, mods().sinks().scale(30.0f)));
         // Everything at once.
         cases.push_back(make_case(t, 128, 2, 8, 2, 90, 130, true,
                                   mods().window(40, -1).softcap(30).mask(mbool, true, false)
@@ -387,6 +394,11 @@ std::vector<TestCase> small_grid() {
                   mods().window(20, -1).softcap(30).mask(maddf32, true, false).alibi().sinks()),
         make_case(f16, 64, 2, 8, 2, 4, 100, true, mods().window(40, -1).mask(mbool, false, true)
                                                    .alibi().sinks()),
+        // the backward's lse residual recomputing rows (|lse| >= 256): whole rows at float32's
+        // lowest value; sinks with scores scaled past 256
+        with_finite_mask_min(make_case(f16, 128, 1, 4, 2, 40, 70, true,
+                                       mods().mask(maddf32, false, true))),
+        make_case(bf16, 32, 2, 4, 2, 50, 60, true, mods().sinks().scale(30.0f)),
     };
 }
 

@@ -41,14 +41,18 @@ struct TestCase {
 // modifiers of issue 15 in every dtype (sliding windows, a causal window of 512 over 2048 keys,
 // windows that leave rows empty, softcap, ALiBi per head and per batch, sinks with dsinks, boolean
 // and additive masks broadcast and full, a float32-minimum additive mask, all at once; GQA,
-// decode through the split-KV forward, strided layouts).
+// decode through the split-KV forward, strided layouts); rows whose |lse| >= 256 for the
+// backward's lse residual (whole rows at float32's lowest value, with and without sinks; sinks
+// with softmax_scale 30).
 std::vector<TestCase> full_grid();
 
-// The sanitizer grid: about 30 cases, seqlen <= 100, covering every dtype, the buckets, GQA, MQA,
+// The sanitizer grid: 44 cases, seqlen <= 100, covering every dtype, the buckets, GQA, MQA,
 // cross-attention both ways, decode and short GQA queries (split-KV forward), causal empty rows,
 // strided layouts, head_dim_v != head_dim and float32 at head_dim 256 (whose backward kernels
 // share one tile buffer); and each score modifier at least once (window with empty rows, softcap,
-// ALiBi, sinks and the dsinks kernel, boolean and additive masks, split-KV with modifiers).
+// ALiBi, sinks and the dsinks kernel, boolean and additive masks, split-KV with modifiers); two
+// whose lse residual dispatch recomputes rows (|lse| >= 256: whole rows at float32's lowest value;
+// sinks with softmax_scale 30), so that racecheck sees its barriers.
 std::vector<TestCase> small_grid();
 
 // The layout's name as in case names ("bhsd", "bshd", "qkv", "gapped").

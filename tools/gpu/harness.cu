@@ -3,22 +3,29 @@
 // For every case of the grid (cases.cpp): seeded inputs in the case's dtype (float16, bfloat16 or
 // float32), placed on the device in the case's layout (layout.h: contiguous, bshd, slices of a
 // packed qkv tensor, or rows with gaps; the kernels get the strides), forward then backward on the
-// GPU (three dispatches: delta, dQ, dK/dV, on the out and lse the forward returned), and for short
-// queries (at most FA_SPLIT_MAX_QUERY_ROWS rows) the split-KV forward as well, compared with the
-// float64 reference under the accuracy rule with the dtype's baseline (reference.cpp,
-// accuracy.cpp). Cases with score modifiers (issue 15: sliding window, softcap, ALiBi, sinks,
-// boolean or additive attn_mask, broadcast or full) pass them through params and the optional
-// input buffers (absent ones are null); with sinks the backward's dsinks dispatch runs too and
-// dsinks is judged by accuracy.py's rule. Rows that see no key must give out 0, dq 0 and lse
-// -inf (sinks[h] with sinks); no element of an output
-// buffer outside the output tensors' views may change; a second run with differently poisoned
-// output buffers must be bit-identical (determinism, and no output element left unwritten).
+// GPU on the out and lse the forward returned, in the Metal plan's four dispatches:
+//   delta         D = rowsum(dout * out) into a float32 workspace;
+//   lse residual  into a second float32 workspace: 0, except in rows whose |lse| >= 256, where
+//                 float32 lse = max + log(sum) may have lost part of the log (a whole row masked
+//                 with float32's lowest value: lse rounds to the max); a row block holding such a
+//                 row runs the forward's scores and online softmax again (no V) and writes
+//                 R = (max - lse) + log(sum), what lse lost;
+//   dQ, dK/dV     with P = exp((S - lse) - R);
+// and for short queries (at most FA_SPLIT_MAX_QUERY_ROWS rows) the split-KV forward as well,
+// compared with the float64 reference under the accuracy rule with the dtype's baseline
+// (reference.cpp, accuracy.cpp). Cases with score modifiers (issue 15: sliding window, softcap,
+// ALiBi, sinks, boolean or additive attn_mask, broadcast or full) pass them through params and the
+// optional input buffers (absent ones are null); with sinks the backward's dsinks dispatch runs
+// too (last, with the same P) and dsinks is judged by accuracy.py's rule. Rows that see no key
+// must give out 0, dq 0 and lse -inf (sinks[h] with sinks); no element of an output buffer outside
+// the output tensors' views may change; a second run with differently poisoned output buffers must
+// be bit-identical (determinism, and no output element left unwritten).
 //
 // Usage: harness [--small] [--case SUBSTRING] [--once] [--bench] [--help]
 //   --small   the sanitizer grid instead of the full one
 //   --case S  only cases whose name contains S (e.g. d40_, bf16_, causal, h8x2, v128, qkv)
 //   --once    one GPU run per case (no determinism rerun; for the slow sanitizer tools), the
-//             workspaces (delta, split-KV partials) not poisoned (for initcheck)
+//             workspaces (delta, lse residual, split-KV partials) not poisoned (for initcheck)
 //   --bench   instead of the grid, time forward and backward on larger shapes (no checks)
 // Prints one line per case and "cuda-accuracy: N cases, M mismatches"; exits 1 on any mismatch or
 // CUDA error, 2 on bad arguments.
@@ -235,10 +242,10 @@ private:
     std::vector<int> checked_;
 };
 
-// Forward, then backward (delta, dQ, dK/dV, and dsinks with sinks) on the forward's out and lse,
-// with outputs pre-filled
-// with `poison`; then, for a short query (split_params), the split-KV forward into the poisoned
-// out again. The workspaces (delta, partial_out, partial_lse) get the poison too when
+// Forward, then backward (delta, lse residual, dQ, dK/dV, and dsinks with sinks) on the forward's
+// out and lse, with outputs pre-filled with `poison`; then, for a short query (split_params), the
+// split-KV forward into the poisoned out again. The workspaces (delta, lse_residual, partial_out,
+// partial_lse) get the poison too when
 // `poison_workspace` (a kernel reading an element that no kernel wrote then fails the rule);
 // without it, they stay as cudaMalloc returns them, so that initcheck reports such a read.
 GpuResult run_on_gpu(const TestCase &c, const AttentionInputs &in, unsigned char poison,
@@ -250,7 +257,8 @@ GpuResult run_on_gpu(const TestCase &c, const AttentionInputs &in, unsigned char
     const int dtype = fa_dtype(s.dtype);
     CaseBuffers t(s, layout, mask);
     const FaCudaScoreInputs extra = t.score_inputs();
-    DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p));
+    DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p)),
+        lse_residual(fa_cuda_delta_elements(p));
     DeviceArray<float> dsinks(s.options.sinks ? size_t(s.num_heads) : 0);
     t.upload_inputs(in);
     t.poison({kOut, kDq, kDk, kDv}, poison);
@@ -258,12 +266,14 @@ GpuResult run_on_gpu(const TestCase &c, const AttentionInputs &in, unsigned char
     dsinks.fill_bytes(poison);
     if (poison_workspace) {
         delta.fill_bytes(poison);
+        lse_residual.fill_bytes(poison);
     }
     check(fa_cuda_forward(p, dtype, t[kQ], t[kK], t[kV], t[kOut], lse.get(), extra),
           "forward launch");
     check(cudaDeviceSynchronize(), "forward");
     check(fa_cuda_backward(p, dtype, t[kDout], t[kQ], t[kK], t[kV], t[kOut], lse.get(),
-                           delta.get(), t[kDq], t[kDk], t[kDv], extra, dsinks.get()),
+                           delta.get(), lse_residual.get(), t[kDq], t[kDk], t[kDv], extra,
+                           dsinks.get()),
           "backward launch");
     check(cudaDeviceSynchronize(), "backward");
     GpuResult result;
@@ -476,7 +486,8 @@ void run_bench() {
             const FlashAttentionParams p = params_of(s, layout, mask);
             CaseBuffers t(s, layout, mask);
             const FaCudaScoreInputs extra = t.score_inputs();
-            DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p));
+            DeviceArray<float> lse(s.lse_elements()), delta(fa_cuda_delta_elements(p)),
+                lse_residual(fa_cuda_delta_elements(p));
             DeviceArray<float> dsinks(size_t(s.num_heads));
             // Finite inputs in [-0.4, 0.4], which is all timing needs.
             AttentionInputs in;
@@ -501,8 +512,8 @@ void run_bench() {
                               "forward launch");
                     } else {
                         check(fa_cuda_backward(p, fa, t[kDout], t[kQ], t[kK], t[kV], t[kOut],
-                                               lse.get(), delta.get(), t[kDq], t[kDk], t[kDv], extra,
-                                               dsinks.get()),
+                                               lse.get(), delta.get(), lse_residual.get(), t[kDq],
+                                               t[kDk], t[kDv], extra, dsinks.get()),
                               "backward launch");
                     }
                     check(cudaEventRecord(stop), "cudaEventRecord");

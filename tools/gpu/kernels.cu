@@ -42,9 +42,10 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_delta_##SUFFIX(                   \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, float *delta, const uchar *mask, const float *alibi,          \
-        const float *sinks) {                                                                      \
+        const float *sinks, const float *lse_residual) {                                           \
         flash_attention_backward_delta_##SUFFIX(dout, q, k, v, out, lse, params, delta, mask,     \
-                                                alibi, sinks, FA_CUDA_TGID, threadIdx.x);          \
+                                                alibi, sinks, lse_residual, FA_CUDA_TGID,          \
+                                                threadIdx.x);                                      \
     }
 
 // The kernels of one dtype and head-dim bucket.
@@ -63,21 +64,29 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
                                                        sinks, partial_out, partial_lse,            \
                                                        FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);  \
     }                                                                                              \
+    __global__ void __launch_bounds__(kThreads) fa_cuda_backward_lse_residual_##SUFFIX##_d##DP(    \
+        const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
+        FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
+        const float *sinks, float *lse_residual) {                                                 \
+        flash_attention_backward_lse_residual_##SUFFIX##_d##DP(                                    \
+            dout, q, k, v, out, lse, params, delta, mask, alibi, sinks, lse_residual,              \
+            FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);                                             \
+    }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dq_##SUFFIX##_d##DP(              \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
-        const float *sinks, T *dq) {                                                               \
+        const float *sinks, const float *lse_residual, T *dq) {                                    \
         flash_attention_backward_dq_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta, mask, \
-                                                     alibi, sinks, dq, FA_CUDA_TGID, FA_CUDA_SGID, \
-                                                     FA_CUDA_LANE);                                \
+                                                     alibi, sinks, lse_residual, dq, FA_CUDA_TGID, \
+                                                     FA_CUDA_SGID, FA_CUDA_LANE);                  \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dkv_##SUFFIX##_d##DP(             \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
-        const float *sinks, T *dk, T *dv) {                                                        \
+        const float *sinks, const float *lse_residual, T *dk, T *dv) {                             \
         flash_attention_backward_dkv_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta,      \
-                                                      mask, alibi, sinks, dk, dv, FA_CUDA_TGID,    \
-                                                      FA_CUDA_SGID, FA_CUDA_LANE);                 \
+                                                      mask, alibi, sinks, lse_residual, dk, dv,    \
+                                                      FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);   \
     }
 
 #define FA_CUDA_LAUNCHERS_F16(...) FA_CUDA_LAUNCHERS(half, f16, __VA_ARGS__)
@@ -89,12 +98,13 @@ FA_CUDA_DTYPE_LAUNCHERS(bfloat, bf16)
 FA_HEAD_DIM_BUCKETS(FA_CUDA_LAUNCHERS_BF16)
 FA_CUDA_DTYPE_LAUNCHERS(float, f32)
 FA_HEAD_DIM_BUCKETS_F32(FA_CUDA_LAUNCHERS_F32)
-// dsinks reads only lse, delta and sinks (float32), whatever the dtype: one instance.
+// dsinks reads only lse, delta, sinks and lse_residual (float32), whatever the dtype: one instance.
 __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dsinks_kernel(
     const float *lse, FlashAttentionParams params, const float *delta, const float *sinks,
-    float *dsinks) {
+    const float *lse_residual, float *dsinks) {
     flash_attention_backward_dsinks(nullptr, nullptr, nullptr, nullptr, nullptr, lse, params, delta,
-                                    nullptr, nullptr, sinks, dsinks, FA_CUDA_TGID, threadIdx.x);
+                                    nullptr, nullptr, sinks, lse_residual, dsinks, FA_CUDA_TGID,
+                                    threadIdx.x);
 }
 #undef FA_CUDA_LAUNCHERS_F16
 #undef FA_CUDA_LAUNCHERS_BF16
@@ -116,12 +126,15 @@ struct Bucket {
                     const uchar *, const float *, const float *);
     void (*forward_split)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
                           const uchar *, const float *, const float *, float *, float *);
+    void (*backward_lse_residual)(const T *, const T *, const T *, const T *, const T *,
+                                  const float *, FlashAttentionParams, const float *,
+                                  const uchar *, const float *, const float *, float *);
     void (*backward_dq)(const T *, const T *, const T *, const T *, const T *, const float *,
                         FlashAttentionParams, const float *, const uchar *, const float *,
-                        const float *, T *);
+                        const float *, const float *, T *);
     void (*backward_dkv)(const T *, const T *, const T *, const T *, const T *, const float *,
                          FlashAttentionParams, const float *, const uchar *, const float *,
-                         const float *, T *, T *);
+                         const float *, const float *, T *, T *);
 };
 
 // A dtype: its buckets and its bucket-independent kernels.
@@ -134,7 +147,7 @@ struct DtypeKernels {
                             const float *);
     void (*backward_delta)(const T *, const T *, const T *, const T *, const T *, const float *,
                            FlashAttentionParams, float *, const uchar *, const float *,
-                           const float *);
+                           const float *, const float *);
 
     // The first bucket whose head_dim_max >= max(head_dim, head_dim_v); null when none is.
     const Bucket<T> *bucket(const FlashAttentionParams &p) const {
@@ -159,6 +172,7 @@ struct DtypeKernels {
               DKV_BK,                                                                              \
               fa_cuda_forward_##SUFFIX##_d##DP,                                                    \
               fa_cuda_forward_split_##SUFFIX##_d##DP,                                              \
+              fa_cuda_backward_lse_residual_##SUFFIX##_d##DP,                                      \
               fa_cuda_backward_dq_##SUFFIX##_d##DP,                                                \
               fa_cuda_backward_dkv_##SUFFIX##_d##DP},
 #define FA_CUDA_BUCKET_F16(...) FA_CUDA_BUCKET(half, f16, __VA_ARGS__)
@@ -266,22 +280,39 @@ template <typename T>
 cudaError_t backward_delta(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
                            const void *dout, const void *q, const void *k, const void *v,
                            const void *out, const float *lse, float *delta,
-                           const FaCudaScoreInputs &x) {
+                           const float *lse_residual, const FaCudaScoreInputs &x) {
     if (kernels.bucket(p) == nullptr) {
         return cudaErrorInvalidValue;
     }
     const dim3 grid(ceil_div(p.seqlen_q, FA_DELTA_BLOCK_ROWS), p.num_heads, p.batch);
     kernels.backward_delta<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k),
                                                typed<T>(v), typed<T>(out), lse, p, delta,
-                                               mask_of(x), x.alibi, x.sinks);
+                                               mask_of(x), x.alibi, x.sinks, lse_residual);
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t backward_lse_residual(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
+                                  const void *dout, const void *q, const void *k, const void *v,
+                                  const void *out, const float *lse, const float *delta,
+                                  float *lse_residual, const FaCudaScoreInputs &x) {
+    const Bucket<T> *b = kernels.bucket(p);
+    if (b == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    // The forward's row blocks: the residual recomputes the forward's m and l tile by tile.
+    const dim3 grid(ceil_div(p.seqlen_q, b->forward_block_q), p.num_heads, p.batch);
+    b->backward_lse_residual<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k),
+                                                 typed<T>(v), typed<T>(out), lse, p, delta,
+                                                 mask_of(x), x.alibi, x.sinks, lse_residual);
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t backward_dq(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
                         const void *dout, const void *q, const void *k, const void *v,
-                        const void *out, const float *lse, const float *delta, void *dq,
-                        const FaCudaScoreInputs &x) {
+                        const void *out, const float *lse, const float *delta,
+                        const float *lse_residual, void *dq, const FaCudaScoreInputs &x) {
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
@@ -289,15 +320,16 @@ cudaError_t backward_dq(const DtypeKernels<T> &kernels, const FlashAttentionPara
     const dim3 grid(ceil_div(p.seqlen_q, b->dq_block_q), p.num_heads, p.batch);
     b->backward_dq<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k), typed<T>(v),
                                        typed<T>(out), lse, p, delta, mask_of(x), x.alibi, x.sinks,
-                                       typed<T>(dq));
+                                       lse_residual, typed<T>(dq));
     return cudaGetLastError();
 }
 
 template <typename T>
 cudaError_t backward_dkv(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
                          const void *dout, const void *q, const void *k, const void *v,
-                         const void *out, const float *lse, const float *delta, void *dk,
-                         void *dv, const FaCudaScoreInputs &x) {
+                         const void *out, const float *lse, const float *delta,
+                         const float *lse_residual, void *dk, void *dv,
+                         const FaCudaScoreInputs &x) {
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
@@ -305,7 +337,7 @@ cudaError_t backward_dkv(const DtypeKernels<T> &kernels, const FlashAttentionPar
     const dim3 grid(ceil_div(p.seqlen_k, b->dkv_block_k), p.num_kv_heads, p.batch);
     b->backward_dkv<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k), typed<T>(v),
                                         typed<T>(out), lse, p, delta, mask_of(x), x.alibi,
-                                        x.sinks, typed<T>(dk), typed<T>(dv));
+                                        x.sinks, lse_residual, typed<T>(dk), typed<T>(dv));
     return cudaGetLastError();
 }
 
@@ -348,53 +380,71 @@ size_t fa_cuda_delta_elements(const FlashAttentionParams &p) {
 
 cudaError_t fa_cuda_backward_delta(const FlashAttentionParams &p, int dtype, const void *dout,
                                    const void *q, const void *k, const void *v, const void *out,
-                                   const float *lse, float *delta, const FaCudaScoreInputs &x) {
+                                   const float *lse, float *delta, const float *lse_residual,
+                                   const FaCudaScoreInputs &x) {
     return with_dtype(dtype, [&](const auto &kernels) {
-        return backward_delta(kernels, p, dout, q, k, v, out, lse, delta, x);
+        return backward_delta(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, x);
+    });
+}
+
+cudaError_t fa_cuda_backward_lse_residual(const FlashAttentionParams &p, int dtype,
+                                          const void *dout, const void *q, const void *k,
+                                          const void *v, const void *out, const float *lse,
+                                          const float *delta, float *lse_residual,
+                                          const FaCudaScoreInputs &x) {
+    return with_dtype(dtype, [&](const auto &kernels) {
+        return backward_lse_residual(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, x);
     });
 }
 
 cudaError_t fa_cuda_backward_dq(const FlashAttentionParams &p, int dtype, const void *dout,
                                 const void *q, const void *k, const void *v, const void *out,
-                                const float *lse, const float *delta, void *dq,
-                                const FaCudaScoreInputs &x) {
+                                const float *lse, const float *delta, const float *lse_residual,
+                                void *dq, const FaCudaScoreInputs &x) {
     return with_dtype(dtype, [&](const auto &kernels) {
-        return backward_dq(kernels, p, dout, q, k, v, out, lse, delta, dq, x);
+        return backward_dq(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, dq, x);
     });
 }
 
 cudaError_t fa_cuda_backward_dkv(const FlashAttentionParams &p, int dtype, const void *dout,
                                  const void *q, const void *k, const void *v, const void *out,
-                                 const float *lse, const float *delta, void *dk, void *dv,
-                                 const FaCudaScoreInputs &x) {
+                                 const float *lse, const float *delta, const float *lse_residual,
+                                 void *dk, void *dv, const FaCudaScoreInputs &x) {
     return with_dtype(dtype, [&](const auto &kernels) {
-        return backward_dkv(kernels, p, dout, q, k, v, out, lse, delta, dk, dv, x);
+        return backward_dkv(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, dk, dv, x);
     });
 }
 
 cudaError_t fa_cuda_backward_dsinks(const FlashAttentionParams &p, const float *lse,
-                                    const float *delta, const float *sinks, float *dsinks) {
+                                    const float *delta, const float *lse_residual,
+                                    const float *sinks, float *dsinks) {
     if (p.has_sinks == 0 || sinks == nullptr || dsinks == nullptr) {
         return cudaErrorInvalidValue;
     }
     fa_cuda_backward_dsinks_kernel<<<dim3(p.num_heads, 1, 1), kThreads>>>(lse, p, delta, sinks,
-                                                                          dsinks);
+                                                                          lse_residual, dsinks);
     return cudaGetLastError();
 }
 
 cudaError_t fa_cuda_backward(const FlashAttentionParams &p, int dtype, const void *dout,
                              const void *q, const void *k, const void *v, const void *out,
-                             const float *lse, float *delta, void *dq, void *dk, void *dv,
-                             const FaCudaScoreInputs &x, float *dsinks) {
-    cudaError_t error = fa_cuda_backward_delta(p, dtype, dout, q, k, v, out, lse, delta, x);
+                             const float *lse, float *delta, float *lse_residual, void *dq,
+                             void *dk, void *dv, const FaCudaScoreInputs &x, float *dsinks) {
+    cudaError_t error =
+        fa_cuda_backward_delta(p, dtype, dout, q, k, v, out, lse, delta, lse_residual, x);
     if (error == cudaSuccess) {
-        error = fa_cuda_backward_dq(p, dtype, dout, q, k, v, out, lse, delta, dq, x);
+        error = fa_cuda_backward_lse_residual(p, dtype, dout, q, k, v, out, lse, delta,
+                                              lse_residual, x);
     }
     if (error == cudaSuccess) {
-        error = fa_cuda_backward_dkv(p, dtype, dout, q, k, v, out, lse, delta, dk, dv, x);
+        error = fa_cuda_backward_dq(p, dtype, dout, q, k, v, out, lse, delta, lse_residual, dq, x);
+    }
+    if (error == cudaSuccess) {
+        error = fa_cuda_backward_dkv(p, dtype, dout, q, k, v, out, lse, delta, lse_residual, dk,
+                                     dv, x);
     }
     if (error == cudaSuccess && p.has_sinks != 0) {
-        error = fa_cuda_backward_dsinks(p, lse, delta, x.sinks, dsinks);
+        error = fa_cuda_backward_dsinks(p, lse, delta, lse_residual, x.sinks, dsinks);
     }
     return error;
 }

@@ -9,8 +9,8 @@
 // `dtype` is FA_DTYPE_F16, FA_DTYPE_BF16 or FA_DTYPE_F32, the element type of q, k, v, out, dout,
 // dq, dk and dv (device pointers, each addressed through its strides in params: element
 // (b, h, i, d) at b * batch + h * head + i * seq + d); q, dq (B, H, Nq, head_dim), k, dk
-// (B, Hkv, Nk, head_dim), v, dv (B, Hkv, Nk, head_dim_v), out, dout (B, H, Nq, head_dim_v); lse
-// and delta (B, H, Nq) contiguous float32.
+// (B, Hkv, Nk, head_dim), v, dv (B, Hkv, Nk, head_dim_v), out, dout (B, H, Nq, head_dim_v); lse,
+// delta and lse_residual (B, H, Nq) contiguous float32.
 //
 // Score modifiers (issue 15) come through params (window_left/right with causal folded into
 // window_right = 0, softcap, mask_type and mask strides, has_alibi and alibi_batch_stride,
@@ -74,35 +74,50 @@ cudaError_t fa_cuda_forward_split(const FlashAttentionParams &params, int dtype,
 // unsupported dtype or head dim, or chunks == 0.
 bool fa_cuda_split_keys(FlashAttentionParams *params, int dtype, unsigned chunks);
 
-// Elements of the backward pass's delta workspace (D_i = rowsum(dout * out), float32): B * H * Nq.
+// Elements of each of the backward pass's two float32 workspaces, delta (D_i = rowsum(dout * out))
+// and lse_residual: B * H * Nq.
 size_t fa_cuda_delta_elements(const FlashAttentionParams &params);
 
-// Backward, the dispatches of the Metal backend in order: delta (writes `delta`), dQ (writes
-// dq), dK/dV (writes dk and dv), and with params.has_sinks dsinks (writes dsinks, float32
-// [num_heads]; cudaErrorInvalidValue when null); out and lse are the forward's.
+// Backward, the dispatches of the Metal backend in order: delta (writes `delta`); lse residual
+// (writes `lse_residual`: 0 for a row whose |lse| < 256, else R = log sum_j exp(S_ij - lse_i)
+// recomputed from the scores, what float32 lse = max + log(l) lost of log(l)); dQ (writes dq),
+// dK/dV (writes dk and dv), both with P = exp((S - lse) - R); and with params.has_sinks dsinks
+// (writes dsinks, float32 [num_heads]; cudaErrorInvalidValue when null); out and lse are the
+// forward's.
 cudaError_t fa_cuda_backward(const FlashAttentionParams &params, int dtype, const void *dout,
                              const void *q, const void *k, const void *v, const void *out,
-                             const float *lse, float *delta, void *dq, void *dk, void *dv,
-                             const FaCudaScoreInputs &inputs = {}, float *dsinks = nullptr);
+                             const float *lse, float *delta, float *lse_residual, void *dq,
+                             void *dk, void *dv, const FaCudaScoreInputs &inputs = {},
+                             float *dsinks = nullptr);
 
-// The dispatches one by one, for tests whose dK/dV would cost too much (large_offsets.cu).
+// The dispatches one by one, for tests whose dK/dV would cost too much (large_offsets.cu). Every
+// backward kernel binds lse_residual (the delta kernel does not read it).
 cudaError_t fa_cuda_backward_delta(const FlashAttentionParams &params, int dtype, const void *dout,
                                    const void *q, const void *k, const void *v, const void *out,
-                                   const float *lse, float *delta,
+                                   const float *lse, float *delta, const float *lse_residual,
                                    const FaCudaScoreInputs &inputs = {});
+// flash_attention_backward_lse_residual_<dtype>_d<DP> over the forward's grid
+// (ceil(Nq / FWD_BQ), H, B): a block none of whose rows has |lse| >= 256 writes 0; otherwise it
+// runs the forward's scores and online softmax again (without V) for R.
+cudaError_t fa_cuda_backward_lse_residual(const FlashAttentionParams &params, int dtype,
+                                          const void *dout, const void *q, const void *k,
+                                          const void *v, const void *out, const float *lse,
+                                          const float *delta, float *lse_residual,
+                                          const FaCudaScoreInputs &inputs = {});
 cudaError_t fa_cuda_backward_dq(const FlashAttentionParams &params, int dtype, const void *dout,
                                 const void *q, const void *k, const void *v, const void *out,
-                                const float *lse, const float *delta, void *dq,
-                                const FaCudaScoreInputs &inputs = {});
+                                const float *lse, const float *delta, const float *lse_residual,
+                                void *dq, const FaCudaScoreInputs &inputs = {});
 cudaError_t fa_cuda_backward_dkv(const FlashAttentionParams &params, int dtype, const void *dout,
                                  const void *q, const void *k, const void *v, const void *out,
-                                 const float *lse, const float *delta, void *dk, void *dv,
-                                 const FaCudaScoreInputs &inputs = {});
+                                 const float *lse, const float *delta, const float *lse_residual,
+                                 void *dk, void *dv, const FaCudaScoreInputs &inputs = {});
 
 // flash_attention_backward_dsinks over (H, 1, 1): dsinks[h] = -sum over b, i of
-// exp(sinks[h] - lse) * delta; after the delta dispatch (the Metal plan runs it last).
-// cudaErrorInvalidValue without params.has_sinks, sinks or dsinks.
+// exp((sinks[h] - lse) - R) * delta; after the delta and lse residual dispatches (the Metal plan
+// runs it last). cudaErrorInvalidValue without params.has_sinks, sinks or dsinks.
 cudaError_t fa_cuda_backward_dsinks(const FlashAttentionParams &params, const float *lse,
-                                    const float *delta, const float *sinks, float *dsinks);
+                                    const float *delta, const float *lse_residual,
+                                    const float *sinks, float *dsinks);
 
 #endif

@@ -8,9 +8,10 @@
 // 8.6 GB each as float16 (34.4 GB of device memory in all).
 //
 // q and dout are filled on the device by a hash of the 64-bit element index (so two rows 2^25
-// apart differ), k and v on the host. out, lse, the delta workspace and dq are poisoned with NaN
-// before the run, so a row a kernel never writes fails. Forward, then the backward's delta and dQ
-// dispatches on the forward's out and lse. dK/dV is not run: each key's gradient sums over all
+// apart differ), k and v on the host. out, lse, the delta and lse residual workspaces and dq are
+// poisoned with NaN before the run, so a row a kernel never writes fails. Forward, then the
+// backward's delta, lse residual (0 on every row here: |lse| < 256) and dQ dispatches on the
+// forward's out and lse. dK/dV is not run: each key's gradient sums over all
 // 33.5 M query rows, so its reference would need every row on the host, and the one threadgroup
 // that owns the 16 keys would walk all of q.
 //
@@ -153,8 +154,8 @@ int run(int *rows_checked) {
     check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties");
     size_t free_bytes = 0, total_bytes = 0;
     check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
-    // q, dout, out, dq; lse and delta.
-    const size_t needed = 4 * kQElements * sizeof(uint16_t) + 2 * size_t(kSeqlenQ) * sizeof(float);
+    // q, dout, out, dq; lse, delta and lse_residual.
+    const size_t needed = 4 * kQElements * sizeof(uint16_t) + 3 * size_t(kSeqlenQ) * sizeof(float);
     std::printf("device: %s (sm_%d%d), %.1f GB free; needs %.1f GB\n", prop.name, prop.major,
                 prop.minor, free_bytes / 1e9, needed / 1e9);
     if (free_bytes < needed) {
@@ -190,7 +191,8 @@ int run(int *rows_checked) {
 
     DeviceArray<uint16_t> q(kQElements), dout(kQElements), out(kQElements), dq(kQElements),
         k(kKvElements), v(kKvElements);
-    DeviceArray<float> lse(kSeqlenQ), delta(fa_cuda_delta_elements(p));
+    DeviceArray<float> lse(kSeqlenQ), delta(fa_cuda_delta_elements(p)),
+        lse_residual(fa_cuda_delta_elements(p));
     const std::vector<float> k_host = host_values(kKvElements, kKSeed),
                              v_host = host_values(kKvElements, kVSeed);
     k.upload(to_half_bits(k_host));
@@ -203,8 +205,9 @@ int run(int *rows_checked) {
     dq.fill_bytes(0xff);
     lse.fill_bytes(0xff);
     delta.fill_bytes(0xff);
+    lse_residual.fill_bytes(0xff);
     check(cudaDeviceSynchronize(), "fill");
-    std::printf("filled q and dout, poisoned out, lse, delta and dq: %.2f s\n",
+    std::printf("filled q and dout, poisoned out, lse, delta, lse_residual and dq: %.2f s\n",
                 seconds_since(start));
 
     start = std::chrono::steady_clock::now();
@@ -214,13 +217,19 @@ int run(int *rows_checked) {
     std::printf("forward: %.2f s\n", seconds_since(start));
     start = std::chrono::steady_clock::now();
     check(fa_cuda_backward_delta(p, FA_DTYPE_F16, dout.get(), q.get(), k.get(), v.get(), out.get(),
-                                 lse.get(), delta.get()),
+                                 lse.get(), delta.get(), lse_residual.get()),
           "backward delta launch");
     check(cudaDeviceSynchronize(), "backward delta");
     std::printf("backward delta: %.2f s\n", seconds_since(start));
     start = std::chrono::steady_clock::now();
+    check(fa_cuda_backward_lse_residual(p, FA_DTYPE_F16, dout.get(), q.get(), k.get(), v.get(),
+                                        out.get(), lse.get(), delta.get(), lse_residual.get()),
+          "backward lse residual launch");
+    check(cudaDeviceSynchronize(), "backward lse residual");
+    std::printf("backward lse residual: %.2f s\n", seconds_since(start));
+    start = std::chrono::steady_clock::now();
     check(fa_cuda_backward_dq(p, FA_DTYPE_F16, dout.get(), q.get(), k.get(), v.get(), out.get(),
-                              lse.get(), delta.get(), dq.get()),
+                              lse.get(), delta.get(), lse_residual.get(), dq.get()),
           "backward dq launch");
     check(cudaDeviceSynchronize(), "backward dq");
     std::printf("backward dq: %.2f s\n", seconds_since(start));
