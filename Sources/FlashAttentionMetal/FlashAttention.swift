@@ -77,7 +77,8 @@ public final class FlashAttention: @unchecked Sendable {
     /// Backward pass into caller-owned memory: `dq` (like `q`), `dk` (like `k`) and `dv` (like `v`)
     /// from `dout` and the `q, k, v, out, lse` of the forward pass. `dk` and `dv` sum over the query
     /// heads that share a KV head. With `options.sinks`, `dsinks` (`numHeads` floats) receives the
-    /// sinks' gradient.
+    /// sinks' gradient. Math: FlashAttention-2 (Dao 2023), Algorithm 2; rows with |lse| >= 256 get
+    /// their softmax normaliser recomputed (`fa_backward` in the C header says when).
     /// - Throws: as ``forward(q:k:v:out:lse:shape:causal:softmaxScale:options:)``; `invalidArgument`
     ///   when sinks are given without `dsinks`.
     public func backward<Element: AttentionElement>(

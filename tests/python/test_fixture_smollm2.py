@@ -120,3 +120,25 @@ def test_merge_of_a_split_cache_meets_the_accuracy_rule(context, name):
         base_out, _ = accuracy.base_merge_attention(*base_a, *base_b)
         assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True, base_out=base_out),
                            f"{name} split {split}")
+
+
+PREFILL = [name for name in CASES if name.startswith("prefill_")]
+
+
+@pytest.mark.parametrize("name", PREFILL)
+def test_left_padded_batch_with_a_float32_minimum_mask_has_exact_gradients(context, name):
+    # A batch as Hugging Face pads it for a causal LM: the prompt, and the prompt again with its
+    # first 13 tokens as left padding; the 4-D additive mask holds float32's minimum where a query
+    # may not look (padding and the future). The second entry's first 13 query rows see no real
+    # key: every key of those rows gets the minimum, a row float32 lse cannot carry into the backward.
+    q, k, v = _qkv(name)
+    n, pad = q.shape[2], 13
+    q2, k2, v2 = (np.concatenate([a, a], axis=0) for a in (q, k, v))
+    allowed = np.tril(np.ones((n, n), bool))[None].repeat(2, axis=0)
+    allowed[1, :, :pad] = False
+    mask = np.where(allowed, 0.0, np.finfo(np.float32).min).astype(np.float32)[:, None]
+    dout = np.random.default_rng(7).standard_normal(q2.shape).astype(q2.dtype)
+    out, lse = context.forward(q2, k2, v2, attn_mask=mask)
+    assert_within_rule(accuracy.evaluate_forward(q2, k2, v2, out, lse, attn_mask=mask), f"{name} forward")
+    grads = context.backward(dout, q2, k2, v2, out, lse, attn_mask=mask)
+    assert_within_rule(accuracy.evaluate_backward(dout, q2, k2, v2, *grads, attn_mask=mask), f"{name} backward")

@@ -7,6 +7,7 @@ FLOPs; attention's forward is 4 B H Nq Nk D)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import flash_attention_metal as fam
@@ -81,3 +82,20 @@ def test_a_sliding_window_multiplies_only_the_tiles_it_shows(cpu):
     assert 0.12 <= _mma_ratio(cpu.last_profile, 1, 1, n, n, head_dim) <= 0.135
     cpu.backward(dout, q, k, v, out, lse, causal=True, window_size=(512, 0))
     assert _mma_ratio(cpu.last_profile, 1, 1, n, n, head_dim) <= 0.135 * 3.75
+
+
+def test_the_lse_residual_pass_recomputes_only_blocks_with_a_huge_lse(cpu):
+    # Rows 70 and 71 (in the third 32-row block of head 1) are masked with float32's minimum: only
+    # that block redoes Q K^T (no V), once over the 96 keys; every other block reads its lse only.
+    n, d = 96, 64
+    q, k, v, dout = make_inputs(43, 1, 2, 2, n, n, d)
+    mask = np.zeros((1, 2, n, n), np.float32)
+    mask[0, 1, 70:72] = np.finfo(np.float32).min
+    out, lse = cpu.forward(q, k, v)
+    cpu.backward(dout, q, k, v, out, lse)
+    residual = [x for x in cpu.last_profile.dispatches if x.kernel.startswith("flash_attention_backward_lse_residual")]
+    assert len(residual) == 1 and residual[0].simdgroup_multiply_accumulates == 0
+    out, lse = cpu.forward(q, k, v, attn_mask=mask)
+    cpu.backward(dout, q, k, v, out, lse, attn_mask=mask)
+    residual = [x for x in cpu.last_profile.dispatches if x.kernel.startswith("flash_attention_backward_lse_residual")]
+    assert residual[0].simdgroup_multiply_accumulates * 512 == 32 * n * d

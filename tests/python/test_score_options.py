@@ -352,6 +352,20 @@ def test_decode_rows_masked_with_the_float32_minimum_have_exact_gradients(ctx):
     assert_within_rule(accuracy.evaluate_backward(dout, q, k, v, *grads, attn_mask=mask), "decode f32min")
 
 
+def test_key_blocks_with_the_global_lse_of_huge_scores_give_their_share(ctx):
+    # Ring attention's use of the backward: each key block with the whole row's lse returns its
+    # share of the gradients. With |lse| >= 256 the residual pass must keep that lse as given.
+    q, k, v, dout = make_inputs(45, 1, HEADS, 2, 40, 80, 32, dtype=np.float32)
+    scale = 60.0
+    out, lse = ctx.forward(q, k, v, softmax_scale=scale)
+    assert np.mean(np.abs(lse) >= 256) > 0.9
+    parts = [ctx.backward(dout, q, k[:, :, keys], v[:, :, keys], out, lse, softmax_scale=scale)
+             for keys in (slice(0, 40), slice(40, 80))]
+    dq = parts[0][0] + parts[1][0]
+    dk, dv = (np.concatenate([part[i] for part in parts], axis=2) for i in (1, 2))
+    assert_within_rule(accuracy.evaluate_backward(dout, q, k, v, dq, dk, dv, softmax_scale=scale), "blockwise")
+
+
 def test_a_huge_finite_additive_value_gives_no_nan(ctx):
     q, k, v, _ = make_inputs(42, 1, 2, 2, 8, 8, 16)
     mask = np.zeros((8, 8), np.float32)

@@ -184,7 +184,7 @@ fa_status fa_forward(fa_context *context, const fa_problem *problem,
  * dk and dv sum over the query heads that share a KV head. Deterministic.
  * Where |lse| >= 256, float32 lse may have lost part of log(row sum) beside the row max (a whole
  * row masked with FLT_MIN-like additive values: lse rounds to the max): for such rows the backward
- * recomputes the row's softmax normaliser from the scores, when lse is, to 2-4 ulp, the one the
+ * recomputes the row's softmax normaliser from the scores, when lse is, to 4-8 ulp, the one the
  * forward gives these keys. An lse of a longer row (blockwise or ring attention over key blocks)
  * is used as given; at such magnitudes, where it does not differ from the block's own by more than
  * that, it is taken as the block's own.

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "7c1fa2f121888e40"
+    static let sourceHash = "faf8a208422b133a"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, dQ,
@@ -999,9 +999,9 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
 // rounds to m, and exp(score - lse) would weigh every key 1 instead of 1 / l. Below, its rounding
 // is no larger than that of the scores themselves.
 #define FA_LSE_RESIDUAL_MIN 256.0f
-// An lse within this fraction of its value (2 to 4 ulp) of the one the forward computes here is that
+// An lse within this fraction of its value (4 to 8 ulp) of the one the forward computes here is that
 // one. A caller may pass another: ring attention passes each block the global lse of a longer row.
-#define FA_LSE_RESIDUAL_MATCH 0x1p-21f
+#define FA_LSE_RESIDUAL_MATCH 4.76837158203125e-7f  // 2^-21
 
 inline bool needs_residual(float lse) {
     return isfinite(lse) && abs(lse) >= FA_LSE_RESIDUAL_MIN;
@@ -1392,10 +1392,9 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 #define FA_DQ_SHARED(T, DP, BQ, BK) (sizeof(BackwardQueryStorage<T, DP, BQ, BK, false>) > 32768)
 #define FA_DKV_SHARED(T, DP, BK, BQ) (sizeof(BackwardKeyValueStorage<T, DP, BK, BQ, false>) > 32768)
 
-// The kernels of one dtype (element type T, name suffix SUFFIX) that do not depend on the bucket.
-#define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX)                                                         \
-    kernel void flash_attention_forward_combine_##SUFFIX(                                          \
-        device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                         \
+// The buffers every forward kernel binds, in [[buffer(i)]] order up to sinks.
+#define FA_FORWARD_KERNEL_BUFFERS(T)                                                               \
+    device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                             \
         device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
         device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
         device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
@@ -1403,7 +1402,28 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
         device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
         device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
-        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
+        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]]
+
+// The buffers every backward kernel binds, in [[buffer(i)]] order up to the lse residual; DELTA
+// and RESIDUAL are `const` except in the kernel that writes that workspace.
+#define FA_BACKWARD_KERNEL_BUFFERS(T, DELTA, RESIDUAL)                                             \
+    device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                      \
+        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
+        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
+        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
+        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
+        device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
+        constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
+        device DELTA float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
+        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
+        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
+        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
+        device RESIDUAL float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]]
+
+// The kernels of one dtype (element type T, name suffix SUFFIX) that do not depend on the bucket.
+#define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX)                                                         \
+    kernel void flash_attention_forward_combine_##SUFFIX(                                          \
+        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
         device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                 \
         device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                 \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
@@ -1412,18 +1432,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     }                                                                                              \
                                                                                                    \
     kernel void flash_attention_backward_delta_##SUFFIX(                                           \
-        device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
-        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
-        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
-        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
-        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
-        device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
-        constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
-        device float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                                  \
-        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
-        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
-        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
-        device const float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]],              \
+        FA_BACKWARD_KERNEL_BUFFERS(T, , const),                                                    \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
         attention_backward_delta(dout, out, delta, params, tgid, tid);                             \
@@ -1453,15 +1462,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_##SUFFIX##_d##DP(                                          \
-        device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                         \
-        device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
-        device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
-        device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
-        device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
-        constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
-        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
-        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
-        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
+        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
@@ -1472,15 +1473,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_split_##SUFFIX##_d##DP(                                    \
-        device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                         \
-        device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
-        device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
-        device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
-        device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
-        constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
-        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
-        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
-        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],                             \
+        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
         device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
         device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
@@ -1493,18 +1486,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_lse_residual_##SUFFIX##_d##DP(                            \
-        device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
-        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
-        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
-        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
-        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
-        device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
-        constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
-        device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
-        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
-        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
-        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
-        device float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]],                    \
+        FA_BACKWARD_KERNEL_BUFFERS(T, const, ),                                                    \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
@@ -1516,18 +1498,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_dq_##SUFFIX##_d##DP(                                      \
-        device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
-        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
-        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
-        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
-        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
-        device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
-        constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
-        device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
-        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
-        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
-        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
-        device const float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]],              \
+        FA_BACKWARD_KERNEL_BUFFERS(T, const, const),                                               \
         device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
@@ -1540,18 +1511,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_dkv_##SUFFIX##_d##DP(                                     \
-        device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                  \
-        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
-        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
-        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
-        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
-        device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
-        constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
-        device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
-        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
-        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
-        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
-        device const float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]],              \
+        FA_BACKWARD_KERNEL_BUFFERS(T, const, const),                                               \
         device T *dk [[buffer(FA_BACKWARD_BUFFER_DK)]],                                            \
         device T *dv [[buffer(FA_BACKWARD_BUFFER_DV)]],                                            \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
@@ -1568,18 +1528,7 @@ typedef DsinksStorage flash_attention_backward_dsinks_threadgroup;
 
 [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
 kernel void flash_attention_backward_dsinks(
-    device const uchar *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],
-    device const uchar *q [[buffer(FA_BACKWARD_BUFFER_Q)]],
-    device const uchar *k [[buffer(FA_BACKWARD_BUFFER_K)]],
-    device const uchar *v [[buffer(FA_BACKWARD_BUFFER_V)]],
-    device const uchar *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],
-    device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],
-    constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],
-    device const float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],
-    device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],
-    device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],
-    device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],
-    device const float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]],
+    FA_BACKWARD_KERNEL_BUFFERS(uchar, const, const),
     device float *dsinks [[buffer(FA_BACKWARD_BUFFER_DSINKS)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {

@@ -24,8 +24,8 @@ final class DispatchPlanTests: XCTestCase {
             XCTAssertEqual(forward.dispatches.map(\.kernelName), ["flash_attention_forward_f16_d\(bucket)"])
             let backward = DispatchPlan.backward(p)
             XCTAssertEqual(backward.dispatches.map(\.kernelName),
-                           ["flash_attention_backward_delta_f16", "flash_attention_backward_dq_f16_d\(bucket)",
-                            "flash_attention_backward_dkv_f16_d\(bucket)"])
+                           ["flash_attention_backward_delta_f16", "flash_attention_backward_lse_residual_f16_d\(bucket)",
+                            "flash_attention_backward_dq_f16_d\(bucket)", "flash_attention_backward_dkv_f16_d\(bucket)"])
             XCTAssertEqual(forward.dispatches[0].params.head_dim, UInt32(headDim))
         }
         XCTAssertThrowsError(try problem(headDim: 257)) { error in
@@ -49,11 +49,13 @@ final class DispatchPlanTests: XCTestCase {
             XCTAssertEqual(f.threadsPerThreadgroup, threads)
             XCTAssertEqual(f.threadgroupsPerGrid, GridSize(width: (100 + fbq - 1) / fbq, height: 6, depth: 2))
             let b = DispatchPlan.backward(p).dispatches
-            XCTAssertEqual(b.map(\.threadsPerThreadgroup), [threads, threads, threads])
+            XCTAssertEqual(b.map(\.threadsPerThreadgroup), [threads, threads, threads, threads])
             XCTAssertEqual(b[0].threadgroupsPerGrid, GridSize(width: 1, height: 6, depth: 2))
-            XCTAssertEqual(b[1].threadgroupsPerGrid, GridSize(width: (100 + dqbq - 1) / dqbq, height: 6, depth: 2))
+            // The lse residual runs over the forward's row blocks (it redoes the forward's scores).
+            XCTAssertEqual(b[1].threadgroupsPerGrid, f.threadgroupsPerGrid)
+            XCTAssertEqual(b[2].threadgroupsPerGrid, GridSize(width: (100 + dqbq - 1) / dqbq, height: 6, depth: 2))
             // dK/dV runs over key blocks and KV heads, not query heads.
-            XCTAssertEqual(b[2].threadgroupsPerGrid, GridSize(width: (33 + dkvbk - 1) / dkvbk, height: 3, depth: 2))
+            XCTAssertEqual(b[3].threadgroupsPerGrid, GridSize(width: (33 + dkvbk - 1) / dkvbk, height: 3, depth: 2))
         }
     }
 
@@ -83,19 +85,26 @@ final class DispatchPlanTests: XCTestCase {
                       BufferBinding(index: 2, role: .k), BufferBinding(index: 3, role: .v),
                       BufferBinding(index: 4, role: .out), BufferBinding(index: 5, role: .lse),
                       BufferBinding(index: 7, role: .delta), BufferBinding(index: 8, role: .lse),
-                      BufferBinding(index: 9, role: .lse), BufferBinding(index: 10, role: .lse)]
+                      BufferBinding(index: 9, role: .lse), BufferBinding(index: 10, role: .lse),
+                      BufferBinding(index: 11, role: .lseResidual)]
         XCTAssertEqual(plan.dispatches[0].bindings, inputs)
-        XCTAssertEqual(plan.dispatches[1].bindings, inputs + [BufferBinding(index: 11, role: .dq)])
-        XCTAssertEqual(plan.dispatches[2].bindings,
-                       inputs + [BufferBinding(index: 11, role: .dk), BufferBinding(index: 12, role: .dv)])
-        XCTAssertEqual(plan.dispatches.map(\.paramsIndex), [6, 6, 6])
+        XCTAssertEqual(plan.dispatches[1].bindings, inputs)
+        XCTAssertEqual(plan.dispatches[2].bindings, inputs + [BufferBinding(index: 12, role: .dq)])
+        XCTAssertEqual(plan.dispatches[3].bindings,
+                       inputs + [BufferBinding(index: 12, role: .dk), BufferBinding(index: 13, role: .dv)])
+        XCTAssertEqual(plan.dispatches.map(\.paramsIndex), [6, 6, 6, 6])
         XCTAssertEqual(plan.dispatches.map(\.bufferCount),
-                       [Int(FA_BACKWARD_DELTA_BUFFER_COUNT), Int(FA_BACKWARD_DQ_BUFFER_COUNT),
-                        Int(FA_BACKWARD_DKV_BUFFER_COUNT)])
+                       [Int(FA_BACKWARD_DELTA_BUFFER_COUNT), Int(FA_BACKWARD_LSE_RESIDUAL_BUFFER_COUNT),
+                        Int(FA_BACKWARD_DQ_BUFFER_COUNT), Int(FA_BACKWARD_DKV_BUFFER_COUNT)])
         XCTAssertEqual(plan.outputs, [.dq, .dk, .dv])
-        // D = rowsum(dout * out) lives in a workspace the backend allocates, one float per query row.
-        XCTAssertEqual(plan.workspace, [.delta])
+        // D = rowsum(dout * out) and the lse residual live in workspaces the backend allocates, one
+        // float per query row each; the residual pass runs over the forward's row blocks.
+        XCTAssertEqual(plan.workspace, [.delta, .lseResidual])
         XCTAssertEqual(BufferRole.delta.byteCount(for: p), BufferRole.lse.byteCount(for: p))
+        XCTAssertEqual(BufferRole.lseResidual.byteCount(for: p), BufferRole.lse.byteCount(for: p))
+        XCTAssertEqual(plan.dispatches[1].threadgroupsPerGrid,
+                       GridSize(width: (p.seqlenQ + p.bucket.forward_block_q - 1) / p.bucket.forward_block_q,
+                                height: p.numHeads, depth: p.batch))
         for d in plan.dispatches {
             XCTAssertEqual(d.params.causal, 0)
             XCTAssertEqual(d.params.softmax_scale, 1 / Float(64).squareRoot())

@@ -57,9 +57,10 @@ final class PlanPiecesTests: XCTestCase {
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .q) }, [0, 6 * 5 * 8 * 2, 12 * 5 * 8 * 2])
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .dk) }, [0, 3 * 5 * 8 * 2, 6 * 5 * 8 * 2])
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .lse) }, [0, 6 * 5 * 4, 12 * 5 * 4])
-        // The backward's workspace: D_i per query row, laid out like lse.
-        XCTAssertEqual(plan.workspace, [.delta])
+        // The backward's workspaces: D_i and the lse residual per query row, laid out like lse.
+        XCTAssertEqual(plan.workspace, [.delta, .lseResidual])
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .delta) }, [0, 6 * 5 * 4, 12 * 5 * 4])
+        XCTAssertEqual(pieces.map { $0.byteOffset(of: .lseResidual) }, [0, 6 * 5 * 4, 12 * 5 * 4])
     }
 
     /// Each piece is the plan of its slice (same pass, grids over the slice's heads and batch),
@@ -170,6 +171,7 @@ final class PlanPiecesTests: XCTestCase {
         XCTAssertEqual(six.dispatches.map(\.threadgroupBarriers), one.dispatches.map(\.threadgroupBarriers))
         XCTAssertTrue(six.dispatches.allSatisfy {
             ($0.simdgroupMultiplyAccumulates ?? 0) > 0 || $0.kernelName.hasPrefix("flash_attention_backward_delta")
+                || $0.kernelName.hasPrefix("flash_attention_backward_lse_residual")
         })
     }
 

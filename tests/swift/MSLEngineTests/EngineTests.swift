@@ -68,7 +68,8 @@ final class EngineTests: XCTestCase {
     /// Apple's 32 KiB; the combine and D pre-pass kernels declare none.
     func testAttentionKernelsAreRegisteredWithinThreadgroupMemory() {
         let buffers = ["flash_attention_forward": 9, "flash_attention_forward_split": 11,
-                       "flash_attention_backward_dq": 12, "flash_attention_backward_dkv": 13]
+                       "flash_attention_backward_lse_residual": 12, "flash_attention_backward_dq": 13,
+                       "flash_attention_backward_dkv": 14]
         var info = msl_engine_kernel_info()
         for dtype in ["f16", "bf16", "f32"] {
             for dim in [32, 64, 96, 128, 192, 256] {
@@ -80,7 +81,7 @@ final class EngineTests: XCTestCase {
                                   "\(name): \(info.threadgroup_memory_length) bytes")
                 }
             }
-            for (kernel, count) in [("flash_attention_backward_delta", 11), ("flash_attention_forward_combine", 11)] {
+            for (kernel, count) in [("flash_attention_backward_delta", 12), ("flash_attention_forward_combine", 11)] {
                 let name = "\(kernel)_\(dtype)"
                 XCTAssertEqual(msl_engine_describe_kernel(name, &info), 1, name)
                 XCTAssertEqual(info.buffer_count, UInt32(count), name)
@@ -88,7 +89,7 @@ final class EngineTests: XCTestCase {
             }
         }
         XCTAssertEqual(msl_engine_describe_kernel("flash_attention_backward_dsinks", &info), 1)
-        XCTAssertEqual(info.buffer_count, 12)
+        XCTAssertEqual(info.buffer_count, 13)
         XCTAssertEqual(info.threadgroup_memory_length, 128 * 4)
         XCTAssertEqual(msl_engine_describe_kernel("no_such_kernel", &info), 0)
     }
