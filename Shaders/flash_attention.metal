@@ -1,5 +1,5 @@
-// FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, dQ,
-// dK/dV), on simdgroup_matrix tiles.
+// FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
+// residual, dQ, dK/dV), on simdgroup_matrix tiles.
 //
 // Math: FlashAttention-2 (Dao, 2023). Operands: Q, K, V, O (out), L (lse), dO (dout), D (delta),
 // S = Q K^T, P = softmax(S), dP = dO V^T, dS = P (dP - D). Every exponential is exp2 of a
@@ -511,8 +511,12 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
 // rounds to m, and exp(score - lse) would weigh every key 1 instead of 1 / l. Below, its rounding
 // is no larger than that of the scores themselves.
 #define FA_LSE_RESIDUAL_MIN 256.0f
-// An lse within this fraction of its value (4 to 8 ulp) of the one the forward computes here is that
-// one. A caller may pass another: ring attention passes each block the global lse of a longer row.
+// The residual is taken only where the given lse is the one this forward gives these keys: equal to
+// it (the dense forward computes the very same m and l), or, for the split-KV forward's shapes
+// (seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS, chunks merged in another order), within this fraction of
+// its value (4 to 8 ulp). Any other lse, e.g. ring attention's global lse of a longer row, is used
+// as given. Where that one rounds to this very value (a whole row of float32 minima, say), the two
+// cannot be told apart and the block's own is used.
 #define FA_LSE_RESIDUAL_MATCH 4.76837158203125e-7f  // 2^-21
 
 inline bool needs_residual(float lse) {
@@ -521,8 +525,9 @@ inline bool needs_residual(float lse) {
 
 // R = log sum_j exp(S_j - L) from the row's own max m and sum l (l relative to m), in the order
 // that keeps log l: L - m is exact (both huge, within a factor of 2), log l is not absorbed.
-inline float lse_residual(float m, float l, float lse) {
-    if (!needs_residual(lse) || !(l > 0.0f) || abs(row_lse(m, l) - lse) > abs(lse) * FA_LSE_RESIDUAL_MATCH) {
+inline float residual_of_row(constant FlashAttentionParams &p, float m, float l, float lse) {
+    const float slack = p.seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS ? abs(lse) * FA_LSE_RESIDUAL_MATCH : 0.0f;
+    if (!needs_residual(lse) || !(l > 0.0f) || !(abs(row_lse(m, l) - lse) <= slack)) {
         return 0.0f;
     }
     return (m - lse) + log(l);
@@ -569,7 +574,7 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
         }
         const float l = row_sum(r.l);
         if (row < p.seqlen_q) {
-            value = lse_residual(r.m, l, lse[row_index(b, p.num_heads, h, p.seqlen_q, row)]);
+            value = residual_of_row(p, r.m, l, lse[row_index(b, p.num_heads, h, p.seqlen_q, row)]);
         }
     }
     if (row < p.seqlen_q && s.col0 == 0 && at.col == 0) {
@@ -1018,7 +1023,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         threadgroup flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup tg;                 \
         attention_backward_dq<DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>(                \
             dout, q, k, v, lse, delta, lse_residual, mask, alibi, params, dq, &tg, tgid, sgid,     \
-            lane);            \
+            lane);                                                                                 \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \

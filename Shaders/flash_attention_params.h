@@ -192,7 +192,7 @@ typedef struct FlashAttentionParams {
 // threadgroup storage within 32 KiB (static_assert at the instantiation):
 //   forward: (BQ + 2 BK) (DP + 8) halves (+ 4 x 8 x BK floats when split over head_dim)
 //   dQ:      2 (BQ + BK) (DP + 8) halves + 2 x 8 x BK floats per partial set
-//   dK/dV:   2 (BK + BQ) (DP + 8) halves + 2 x BQ floats + 2 x 8 x BQ floats per partial set
+//   dK/dV:   2 (BK + BQ) (DP + 8) halves + 3 x BQ floats + 2 x 8 x BQ floats per partial set
 #define FA_HEAD_DIM_BUCKETS(X)           \
     X(32, 32, 32, 32, 32, 32, 32)        \
     X(64, 32, 32, 32, 32, 32, 32)        \

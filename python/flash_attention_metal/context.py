@@ -202,8 +202,8 @@ class Context:
             out, lse: as ``forward`` returned them for the same q, k, v and options. Rows whose
                 |lse| >= 256 (a whole row masked with float32's minimum, say), where float32 lse
                 may have lost part of log(row sum) beside the row max, get their normaliser
-                recomputed from the scores when lse is this forward's to 4-8 ulp (the C header's
-                fa_backward says what that means for the lse of a longer row).
+                recomputed from the scores when lse is this forward's (the C header's fa_backward
+                says when, and what that means for the lse of a longer row).
             causal, softmax_scale, layout, attn_mask, window_size, softcap, alibi_slopes, sinks: as
                 for ``forward`` (views read in place likewise).
             dq, dk, dv: optional arrays to write the gradients into instead of fresh ones, each of

@@ -182,12 +182,13 @@ fa_status fa_forward(fa_context *context, const fa_problem *problem,
 /* Backward pass: dq, dk, dv from dout and the q, k, v, out, lse of the forward pass
  * (FlashAttention-2, Dao 2023, Algorithm 2: P = exp(S - lse), D = rowsum(dout * out)).
  * dk and dv sum over the query heads that share a KV head. Deterministic.
- * Where |lse| >= 256, float32 lse may have lost part of log(row sum) beside the row max (a whole
- * row masked with FLT_MIN-like additive values: lse rounds to the max): for such rows the backward
- * recomputes the row's softmax normaliser from the scores, when lse is, to 4-8 ulp, the one the
- * forward gives these keys. An lse of a longer row (blockwise or ring attention over key blocks)
- * is used as given; at such magnitudes, where it does not differ from the block's own by more than
- * that, it is taken as the block's own.
+ * Where |lse| >= 256, float32 lse may have lost part of log(row sum) beside the row max (a row
+ * whose every key gets -FLT_MAX from an additive mask: lse rounds to the max). For such rows the
+ * backward recomputes the softmax normaliser from the scores when lse is the one fa_forward gives
+ * these keys: equal to it, or within 4-8 ulp for seqlen_q <= 8 (the split-KV forward merges
+ * chunks in another order). Any other lse, such as the lse of a longer row in blockwise or ring
+ * attention over key blocks, is used as given, except where it rounds to the block's own value
+ * (e.g. -FLT_MAX over every block): then the block's own normaliser is used.
  * Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
 fa_status fa_backward(fa_context *context, const fa_problem *problem,
                       const void *dout, const void *q, const void *k, const void *v,
