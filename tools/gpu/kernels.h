@@ -79,8 +79,9 @@ bool fa_cuda_split_keys(FlashAttentionParams *params, int dtype, unsigned chunks
 size_t fa_cuda_delta_elements(const FlashAttentionParams &params);
 
 // Backward, the dispatches of the Metal backend in order: delta (writes `delta`); lse residual
-// (writes `lse_residual`: 0 for a row whose |lse| < 256, else R = log sum_j exp(S_ij - lse_i)
-// recomputed from the scores, what float32 lse = max + log(l) lost of log(l)); dQ (writes dq),
+// (writes `lse_residual`: for a row whose |lse| >= 256 and whose lse is the one the forward gives,
+// R = log sum_j exp(S_ij - lse_i) recomputed from the scores, what float32 lse = max + log(l)
+// lost of log(l); 0 for every other row); dQ (writes dq),
 // dK/dV (writes dk and dv), both with P = exp((S - lse) - R); and with params.has_sinks dsinks
 // (writes dsinks, float32 [num_heads]; cudaErrorInvalidValue when null); out and lse are the
 // forward's.
