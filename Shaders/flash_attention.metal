@@ -12,7 +12,7 @@
 //       load K, V tiles; S = Q K^T (scaled); element masks only on tiles crossing the diagonal or
 //       the end; m' = max(m, rowmax S); P = exp(S - m'); l = l exp(m - m') + rowsum P;
 //       O = O exp(m - m') + P V; m = m'
-//     out = O / l, lse = m ln 2 + log l (a row that sees no key: out 0, lse -inf)
+//     out = O / l, lse = m + log l (a row that sees no key: out 0, lse -inf)
 //   backward_delta: D_i = rowsum(dO_i * O_i), once per row, in float32
 //   backward_lse_residual: R_i = log sum_j exp(S_ij - L_i) for rows whose |L_i| is too large for
 //     float32 to hold log l beside m (0 elsewhere, where nothing is recomputed)
