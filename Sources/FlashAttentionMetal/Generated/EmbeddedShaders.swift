@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "070503f788daeeb6"
+    static let sourceHash = "7472559d0d23d5c5"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -572,6 +572,42 @@ inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgi
     return s;
 }
 
+// x = A B^T over the SIMD-group's head_dim slice: A the 8 rows [a_row0, a_row0 + 8) of tile `a`,
+// B the rows [8j, 8j + 8) of tile `b` for fragment j of x, summed over the slice's first `active`
+// 8-column fragments (of ND): S = Q K^T, dP = dO V^T and their transposes.
+template <uint ND, uint N, typename TileA, typename TileB>
+inline void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
+                               SimdgroupSlice s, uint active, FragmentCoord at) {
+    clear(x);
+    for (uint d = 0; d < ND; ++d) {
+        if (d < active) {
+            simdgroup_float8x8 af;
+            load_fragment(af, a, a_row0, s.col0 + d * 8, at);
+            for (uint j = 0; j < N; ++j) {
+                simdgroup_float8x8 bt;
+                load_fragment_transposed(bt, b, j * 8, s.col0 + d * 8, at);
+                simdgroup_multiply_accumulate(x.f[j], af, bt, x.f[j]);
+            }
+        }
+    }
+}
+
+// acc += P B over the slice's first `active` fragments (of ND): P an 8 x 8N block, B the rows
+// [0, 8N) of tile `b`: O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
+template <uint ND, uint N, typename TileB>
+inline void accumulate_product(thread Fragments<ND> &acc, thread Fragments<N> &p, TileB b,
+                               SimdgroupSlice s, uint active, FragmentCoord at) {
+    for (uint d = 0; d < ND; ++d) {
+        if (d < active) {
+            for (uint j = 0; j < N; ++j) {
+                simdgroup_float8x8 bf;
+                load_fragment(bf, b, j * 8, s.col0 + d * 8, at);
+                simdgroup_multiply_accumulate(acc.f[d], p.f[j], bf, acc.f[d]);
+            }
+        }
+    }
+}
+
 // Sums the head_dim slices' partial products (no-op for one slice). All threads call it.
 template <uint SLICES, uint N, typename Partials>
 inline void sum_over_slices(thread Fragments<N> &x, Partials partials, uint sgid,
@@ -724,18 +760,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     Fragments<NK> sc;
-    clear(sc);
-    for (uint d = 0; d < ND; ++d) {
-        if (d < s.active) {
-            simdgroup_float8x8 qf;
-            load_fragment(qf, tg->q, s.row0, s.col0 + d * 8, at);
-            for (uint j = 0; j < NK; ++j) {
-                simdgroup_float8x8 kt;
-                load_fragment_transposed(kt, tg->k, j * 8, s.col0 + d * 8, at);
-                simdgroup_multiply_accumulate(sc.f[j], qf, kt, sc.f[j]);
-            }
-        }
-    }
+    product_transposed<ND>(sc, tg->q, s.row0, tg->k, s, s.active, at);
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
 
     // Online softmax; P replaces S in place.
@@ -767,14 +792,8 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     }
     r.m = m_next;
 
-    for (uint d = 0; d < ND; ++d) {
-        if (WITH_V && d < s.active_v) {
-            for (uint j = 0; j < NK; ++j) {
-                simdgroup_float8x8 vf;
-                load_fragment(vf, tg->v, j * 8, s.col0 + d * 8, at);
-                simdgroup_multiply_accumulate(r.o.f[d], sc.f[j], vf, r.o.f[d]);
-            }
-        }
+    if (WITH_V) {
+        accumulate_product(r.o, sc, tg->v, s, s.active_v, at);
     }
 }
 
@@ -1164,18 +1183,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 
         // dP = dO V^T.
         Fragments<NK> dp;
-        clear(dp);
-        for (uint d = 0; d < ND; ++d) {
-            if (d < s.active_v) {
-                simdgroup_float8x8 dof;
-                load_fragment(dof, tg->dout, s.row0, s.col0 + d * 8, at);
-                for (uint j = 0; j < NK; ++j) {
-                    simdgroup_float8x8 vt;
-                    load_fragment_transposed(vt, v_tile, j * 8, s.col0 + d * 8, at);
-                    simdgroup_multiply_accumulate(dp.f[j], dof, vt, dp.f[j]);
-                }
-            }
-        }
+        product_transposed<ND>(dp, tg->dout, s.row0, v_tile, s, s.active_v, at);
         if (SHARED) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
             load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
@@ -1184,18 +1192,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 
         // S = Q K^T.
         Fragments<NK> sc;
-        clear(sc);
-        for (uint d = 0; d < ND; ++d) {
-            if (d < s.active) {
-                simdgroup_float8x8 qf;
-                load_fragment(qf, tg->q, s.row0, s.col0 + d * 8, at);
-                for (uint j = 0; j < NK; ++j) {
-                    simdgroup_float8x8 kt;
-                    load_fragment_transposed(kt, tg->k, j * 8, s.col0 + d * 8, at);
-                    simdgroup_multiply_accumulate(sc.f[j], qf, kt, sc.f[j]);
-                }
-            }
-        }
+        product_transposed<ND>(sc, tg->q, s.row0, tg->k, s, s.active, at);
         sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
@@ -1213,15 +1210,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         }
 
         // dQ += dS K.
-        for (uint d = 0; d < ND; ++d) {
-            if (d < s.active) {
-                for (uint j = 0; j < NK; ++j) {
-                    simdgroup_float8x8 kf;
-                    load_fragment(kf, tg->k, j * 8, s.col0 + d * 8, at);
-                    simdgroup_multiply_accumulate(dq_acc.f[d], sc.f[j], kf, dq_acc.f[d]);
-                }
-            }
-        }
+        accumulate_product(dq_acc, sc, tg->k, s, s.active, at);
     }
 
     if (row < p.seqlen_q) {
@@ -1301,18 +1290,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 
             // S^T = K Q^T.
             Fragments<NQ> st;
-            clear(st);
-            for (uint d = 0; d < ND; ++d) {
-                if (d < s.active) {
-                    simdgroup_float8x8 kf;
-                    load_fragment(kf, tg->k, s.row0, s.col0 + d * 8, at);
-                    for (uint j = 0; j < NQ; ++j) {
-                        simdgroup_float8x8 qt;
-                        load_fragment_transposed(qt, tg->q, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(st.f[j], kf, qt, st.f[j]);
-                    }
-                }
-            }
+            product_transposed<ND>(st, tg->k, s.row0, tg->q, s, s.active, at);
             if (SHARED) {
                 threadgroup_barrier(mem_flags::mem_threadgroup);
                 load_rows<BQ, DP>(dout_tile, dout_head, q0, p.seqlen_q, p.dout.seq, p.head_dim_v, tid);
@@ -1321,18 +1299,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 
             // dP^T = V dO^T.
             Fragments<NQ> dpt;
-            clear(dpt);
-            for (uint d = 0; d < ND; ++d) {
-                if (d < s.active_v) {
-                    simdgroup_float8x8 vf;
-                    load_fragment(vf, tg->v, s.row0, s.col0 + d * 8, at);
-                    for (uint j = 0; j < NQ; ++j) {
-                        simdgroup_float8x8 dot;
-                        load_fragment_transposed(dot, dout_tile, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(dpt.f[j], vf, dot, dpt.f[j]);
-                    }
-                }
-            }
+            product_transposed<ND>(dpt, tg->v, s.row0, dout_tile, s, s.active_v, at);
             sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
             sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
 
@@ -1355,15 +1322,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             }
 
             // dV += P^T dO.
-            for (uint d = 0; d < ND; ++d) {
-                if (d < s.active_v) {
-                    for (uint j = 0; j < NQ; ++j) {
-                        simdgroup_float8x8 dof;
-                        load_fragment(dof, dout_tile, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(dv_acc.f[d], st.f[j], dof, dv_acc.f[d]);
-                    }
-                }
-            }
+            accumulate_product(dv_acc, st, dout_tile, s, s.active_v, at);
             if (SHARED) {
                 threadgroup_barrier(mem_flags::mem_threadgroup);
                 load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
@@ -1371,15 +1330,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             }
 
             // dK += dS^T Q.
-            for (uint d = 0; d < ND; ++d) {
-                if (d < s.active) {
-                    for (uint j = 0; j < NQ; ++j) {
-                        simdgroup_float8x8 qf;
-                        load_fragment(qf, tg->q, j * 8, s.col0 + d * 8, at);
-                        simdgroup_multiply_accumulate(dk_acc.f[d], dpt.f[j], qf, dk_acc.f[d]);
-                    }
-                }
-            }
+            accumulate_product(dk_acc, dpt, tg->q, s, s.active, at);
         }
     }
 
