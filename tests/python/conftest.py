@@ -24,23 +24,32 @@ def ctx() -> fam.Context:
 
 
 class _Spy:
-    """Stands in for the loaded library and records each compute call: its name, and the data
-    addresses it was given (the arguments after the context and the problem)."""
+    """Stands in for the loaded library and records each compute call: its name, the data
+    addresses it was given (the arguments after the context and the problem) and the attn_mask
+    fields of its fa_problem (address, (batch, head, seq) strides, type), read during the call
+    because the cffi struct lives only that long."""
 
     def __init__(self, real, ffi):
         self._real, self._ffi = real, ffi
         self.calls = []
         self.addresses = {}
+        self.masks = []
+
+    def _address(self, pointer) -> int:
+        return int(self._ffi.cast("uintptr_t", pointer))
 
     def __getattr__(self, name):
         attribute = getattr(self._real, name)
         if name not in ("fa_forward", "fa_backward"):
             return attribute
 
-        def record(*args):
+        def record(context, problem, *arrays):
             self.calls.append(name)
-            self.addresses[name] = [int(self._ffi.cast("uintptr_t", a)) for a in args[2:]]
-            return attribute(*args)
+            self.addresses[name] = [self._address(a) for a in arrays]
+            strides = problem.attn_mask_strides
+            self.masks.append((self._address(problem.attn_mask), (strides.batch, strides.head, strides.seq),
+                               int(problem.attn_mask_type)))
+            return attribute(context, problem, *arrays)
 
         return record
 

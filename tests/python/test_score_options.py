@@ -230,36 +230,6 @@ def test_module_functions_take_the_options(ctx):
         np.testing.assert_array_equal(got, want)
 
 
-class _ProblemSpy:
-    """Stands in for the loaded library and records the attn_mask fields of each fa_problem."""
-
-    def __init__(self, real, ffi):
-        self._real, self._ffi = real, ffi
-        self.masks = []
-
-    def __getattr__(self, name):
-        attribute = getattr(self._real, name)
-        if name not in ("fa_forward", "fa_backward"):
-            return attribute
-
-        def record(context, problem, *args):
-            strides = problem.attn_mask_strides
-            self.masks.append((int(self._ffi.cast("uintptr_t", problem.attn_mask)),
-                               (strides.batch, strides.head, strides.seq), int(problem.attn_mask_type)))
-            return attribute(context, problem, *args)
-
-        return record
-
-
-@pytest.fixture()
-def spied(monkeypatch):
-    context = fam.Context(fam.default_backend())
-    spy = _ProblemSpy(context._native.lib, context._native.ffi)
-    native = type(context._native)(context._native.ffi, spy, context._native.path, context._native.header_path)
-    monkeypatch.setattr(context, "_native", native)
-    return context, spy
-
-
 def test_broadcast_masks_are_passed_in_place_with_zero_strides(spied):
     ctx, spy = spied
     lib = ctx._native.lib
