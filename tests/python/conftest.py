@@ -96,6 +96,24 @@ def assert_within_rule(metrics: list[accuracy.Metric], label: str) -> None:
     assert all(m.passed for m in metrics), f"{label}\n{accuracy.describe(metrics)}"
 
 
+def judge(ctx, q, k, v, dout, options: dict, label: str, layout: str = "bhsd"):
+    """Forward and backward with ``options`` in ``layout``, each output checked for dtype, shape
+    and the accuracy rule; returns (out, lse, grads)."""
+    out, lse = ctx.forward(q, k, v, layout=layout, **options)
+    assert out.dtype == q.dtype and out.shape == q.shape[:3] + v.shape[3:]
+    assert lse.dtype == np.float32 and lse.shape == to_bhsd(q, layout).shape[:3]
+    qb, kb, vb, doutb = (to_bhsd(a, layout) for a in (q, k, v, dout))
+    assert_within_rule(accuracy.evaluate_forward(qb, kb, vb, to_bhsd(out, layout), lse, **options),
+                       f"forward {label}")
+    grads = ctx.backward(dout, q, k, v, out, lse, layout=layout, **options)
+    assert len(grads) == (4 if options.get("sinks") is not None else 3)
+    for grad, like in zip(grads, (q, k, v)):
+        assert grad.dtype == like.dtype and grad.shape == like.shape
+    bhsd_grads = [to_bhsd(g, layout) for g in grads[:3]] + list(grads[3:])
+    assert_within_rule(accuracy.evaluate_backward(doutb, qb, kb, vb, *bhsd_grads, **options), f"backward {label}")
+    return out, lse, grads
+
+
 def causal_parts(ctx, q, k, v, split: int, causal: bool):
     """(out, lse) of attention over keys [0, split) and over keys [split, seqlen_k), each with the
     restriction of the full mask, computed by the library.

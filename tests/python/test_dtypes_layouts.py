@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 import flash_attention_metal as fam
-from flash_attention_metal import accuracy
 
-from conftest import assert_within_rule, make_inputs, to_bhsd
+from conftest import judge, make_inputs, to_bhsd
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32]
 LAYOUTS = ["bhsd", "bshd"]
@@ -38,37 +37,19 @@ def _label(case):
     return f"{_name(dtype)}-{layout}-Hkv{kv_heads}-{'causal' if causal else 'full'}-D{d}-Dv{dv}"
 
 
-def _judge(ctx, q, k, v, dout, layout, label, causal=False):
-    """Forward and backward in ``layout``, each output checked for dtype, shape and the rule."""
-    out, lse = ctx.forward(q, k, v, causal=causal, layout=layout)
-    assert out.dtype == q.dtype and out.shape == q.shape[:3] + v.shape[3:]
-    assert lse.dtype == np.float32 and lse.shape == to_bhsd(q, layout).shape[:3]
-    qb, kb, vb, doutb = (to_bhsd(a, layout) for a in (q, k, v, dout))
-    assert_within_rule(accuracy.evaluate_forward(qb, kb, vb, to_bhsd(out, layout), lse, causal=causal),
-                       f"forward {label}")
-    grads = ctx.backward(dout, q, k, v, out, lse, causal=causal, layout=layout)
-    for grad, like in zip(grads, (q, k, v)):
-        assert grad.dtype == like.dtype and grad.shape == like.shape
-    assert_within_rule(
-        accuracy.evaluate_backward(doutb, qb, kb, vb, *(to_bhsd(g, layout) for g in grads), causal=causal),
-        f"backward {label}",
-    )
-    return out, lse, grads
-
-
 @pytest.mark.parametrize("case", GRID, ids=_label)
 def test_grid_within_the_rule_of_each_dtype(ctx, case):
     dtype, layout, kv_heads, causal, (head_dim, head_dim_v) = case
     q, k, v, dout = make_inputs(len(_label(case)), 2, 4, kv_heads, 19, 37, head_dim,
                                 head_dim_v=head_dim_v, dtype=dtype, layout=layout)
-    _judge(ctx, q, k, v, dout, layout, _label(case), causal=causal)
+    judge(ctx, q, k, v, dout, dict(causal=causal), _label(case), layout)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_mla_head_dim_192_and_head_dim_v_128(ctx, dtype):
     # DeepSeek's MLA: q and k carry 128 no-PE + 64 RoPE dims, v 128; FlashAttention's layout.
     q, k, v, dout = make_inputs(192, 1, 4, 4, 40, 40, 192, head_dim_v=128, dtype=dtype, layout="bshd")
-    out, _, (dq, dk, dv) = _judge(ctx, q, k, v, dout, "bshd", f"MLA {_name(dtype)}", causal=True)
+    out, _, (dq, dk, dv) = judge(ctx, q, k, v, dout, dict(causal=True), f"MLA {_name(dtype)}", "bshd")
     assert out.shape == (1, 40, 4, 128) and dq.shape == dk.shape == (1, 40, 4, 192) and dv.shape == (1, 40, 4, 128)
 
 

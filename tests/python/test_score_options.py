@@ -13,7 +13,7 @@ from allpairspy import AllPairs
 import flash_attention_metal as fam
 from flash_attention_metal import accuracy
 
-from conftest import assert_within_rule, make_inputs, to_bhsd
+from conftest import assert_within_rule, judge, make_inputs
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 HEADS = 4
@@ -65,22 +65,6 @@ def case_options(case, rng, batch, seqlen_q, seqlen_k, dtype) -> dict:
     if case["sinks"]:
         options["sinks"] = (2 * rng.standard_normal(HEADS)).astype(np.float32)
     return options
-
-
-def judge(ctx, q, k, v, dout, options, label, layout="bhsd"):
-    """Forward and backward in ``layout``, checked against the rule; returns (out, lse, grads)."""
-    out, lse = ctx.forward(q, k, v, layout=layout, **options)
-    assert out.dtype == q.dtype and lse.dtype == np.float32
-    qb, kb, vb, doutb = (to_bhsd(a, layout) for a in (q, k, v, dout))
-    assert_within_rule(accuracy.evaluate_forward(qb, kb, vb, to_bhsd(out, layout), lse, **options),
-                       f"forward {label}")
-    grads = ctx.backward(dout, q, k, v, out, lse, layout=layout, **options)
-    assert len(grads) == (4 if options.get("sinks") is not None else 3)
-    for grad, like in zip(grads, (q, k, v)):
-        assert grad.dtype == like.dtype and grad.shape == like.shape
-    bhsd_grads = [to_bhsd(g, layout) for g in grads[:3]] + list(grads[3:])
-    assert_within_rule(accuracy.evaluate_backward(doutb, qb, kb, vb, *bhsd_grads, **options), f"backward {label}")
-    return out, lse, grads
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_label(c) for c in CASES])
