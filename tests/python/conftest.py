@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import flash_attention_metal as fam
-from flash_attention_metal import accuracy
+from flash_attention_metal import _default, _native, accuracy
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +70,41 @@ def guarded(spied):
     context, spy = spied
     yield context
     assert spy.calls == [], "a native call ran despite invalid arguments"
+
+
+@pytest.fixture()
+def library_missing(monkeypatch, tmp_path):
+    """No library loaded and LIBRARY_ENV naming a missing file: the first call that needs the
+    library raises LIBRARY_NOT_FOUND."""
+    monkeypatch.setenv(fam.LIBRARY_ENV, str(tmp_path / "missing.so"))
+    monkeypatch.setattr(_native, "_native", None)
+    monkeypatch.setattr(_default, "_context", None)
+
+
+@pytest.fixture()
+def inputs():
+    """Valid float16 arguments of a forward and a backward (batch 2, num_heads 4, num_kv_heads 2,
+    seqlen_q 5, seqlen_k 6, head_dim 8) by name: q, k, v, dout, out, lse."""
+    q, k, v, dout = make_inputs(0, 2, 4, 2, 5, 6, 8)
+    return dict(dout=dout, q=q, k=k, v=v, out=np.zeros_like(q), lse=np.zeros(q.shape[:3], np.float32))
+
+
+def run_forward(context, args, **options):
+    """context.forward on the q, k, v of ``args`` (an ``inputs`` dict)."""
+    return context.forward(args["q"], args["k"], args["v"], **options)
+
+
+def run_backward(context, args, **options):
+    """context.backward on the dout, q, k, v, out, lse of ``args`` (an ``inputs`` dict)."""
+    return context.backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"], **options)
+
+
+def both_raise(context, args, error, rule, **options):
+    """forward and backward on ``args`` with ``options`` both raise ``error`` matching ``rule``."""
+    with pytest.raises(error, match=rule):
+        run_forward(context, args, **options)
+    with pytest.raises(error, match=rule):
+        run_backward(context, args, **options)
 
 
 def make_inputs(seed: int, batch: int, heads: int, kv_heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flash_attention_metal as fam
-from flash_attention_metal import _default, _native, accuracy, reference
+from flash_attention_metal import accuracy, reference
 
 from conftest import assert_within_rule, causal_parts, make_inputs
 
@@ -194,10 +194,7 @@ def test_head_dim_above_the_supported_range(ctx):
         ctx.merge_attention(out, lse, out, lse)
 
 
-def test_checked_before_the_library_is_loaded(monkeypatch, tmp_path, parts):
-    monkeypatch.setenv(fam.LIBRARY_ENV, str(tmp_path / "missing.so"))
-    monkeypatch.setattr(_native, "_native", None)
-    monkeypatch.setattr(_default, "_context", None)
+def test_checked_before_the_library_is_loaded(library_missing, parts):
     bad = dict(parts, lse_a=parts["lse_a"].astype(np.float64))
     with pytest.raises(TypeError, match="lse_a must have dtype float32"):
         _merge(bad)

@@ -9,25 +9,7 @@ import numpy as np
 import pytest
 
 import flash_attention_metal as fam
-from flash_attention_metal import _default, _native
-
-from conftest import make_inputs
-
-
-@pytest.fixture()
-def inputs():
-    q, k, v, dout = make_inputs(0, 2, 4, 2, 5, 6, 8)
-    out = np.zeros_like(q)
-    lse = np.zeros(q.shape[:3], dtype=np.float32)
-    return dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
-
-
-def _forward(context, args, **kwargs):
-    context.forward(args["q"], args["k"], args["v"], **kwargs)
-
-
-def _backward(context, args, **kwargs):
-    context.backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"], **kwargs)
+from conftest import both_raise, make_inputs, run_backward, run_forward
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v"])
@@ -35,10 +17,7 @@ def _backward(context, args, **kwargs):
 def test_qkv_must_be_float16_bfloat16_or_float32(guarded, inputs, name, dtype):
     inputs[name] = inputs[name].astype(dtype)
     rule = rf"{name} must have dtype float16, bfloat16 or float32, got {np.dtype(dtype).name}"
-    with pytest.raises(TypeError, match=rule):
-        _forward(guarded, inputs)
-    with pytest.raises(TypeError, match=rule):
-        _backward(guarded, inputs)
+    both_raise(guarded, inputs, TypeError, rule)
 
 
 @pytest.mark.parametrize("name", ["k", "v", "dout", "out"])
@@ -47,25 +26,22 @@ def test_every_tensor_must_have_q_dtype(guarded, inputs, name, dtype):
     inputs[name] = inputs[name].astype(dtype)
     rule = rf"{name} must have q's dtype float16, got {np.dtype(dtype).name} \(q, k, v, dout and out share one dtype"
     with pytest.raises(TypeError, match=rule):
-        _backward(guarded, inputs)
+        run_backward(guarded, inputs)
     if name in ("k", "v"):
         with pytest.raises(TypeError, match=rule):
-            _forward(guarded, inputs)
+            run_forward(guarded, inputs)
 
 
 @pytest.mark.parametrize("layout", ["BSHD", "bsdh", "", "sbhd"])
 def test_layout_must_be_bhsd_or_bshd(guarded, inputs, layout):
     rule = rf"layout must be 'bhsd' \(batch, num_heads, seqlen, head_dim\) or 'bshd' .*got {layout!r}"
-    with pytest.raises(ValueError, match=rule):
-        _forward(guarded, inputs, layout=layout)
-    with pytest.raises(ValueError, match=rule):
-        _backward(guarded, inputs, layout=layout)
+    both_raise(guarded, inputs, ValueError, rule, layout=layout)
 
 
 @pytest.mark.parametrize("layout", [None, 1, b"bshd"])
 def test_layout_must_be_a_str(guarded, inputs, layout):
     with pytest.raises(TypeError, match=rf"layout must be a str \('bhsd' or 'bshd'\), got {type(layout).__name__}"):
-        _forward(guarded, inputs, layout=layout)
+        run_forward(guarded, inputs, layout=layout)
 
 
 def test_bshd_shapes_are_read_in_bshd_order(guarded):
@@ -105,38 +81,38 @@ def test_head_dim_v_above_the_supported_range_is_rejected(guarded):
 def test_inputs_must_be_arrays(guarded, inputs):
     inputs["q"] = inputs["q"].tolist()
     with pytest.raises(TypeError, match="q must be a numpy.ndarray, got list"):
-        _forward(guarded, inputs)
+        run_forward(guarded, inputs)
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v"])
 def test_inputs_must_be_4d(guarded, inputs, name):
     inputs[name] = inputs[name][0]
     with pytest.raises(ValueError, match=rf"{name} must be 4-D, got 3-D"):
-        _forward(guarded, inputs)
+        run_forward(guarded, inputs)
 
 
 def test_zero_sized_dimensions_are_rejected(guarded, inputs):
     inputs["q"] = inputs["q"][:, :, :0]
     with pytest.raises(ValueError, match="q has a zero-sized dimension"):
-        _forward(guarded, inputs)
+        run_forward(guarded, inputs)
 
 
 def test_batch_must_match(guarded, inputs):
     inputs["k"] = inputs["k"][:1]
     with pytest.raises(ValueError, match="k batch size 1 must equal q batch size 2"):
-        _forward(guarded, inputs)
+        run_forward(guarded, inputs)
 
 
 def test_head_dim_must_match(guarded, inputs):
     inputs["k"] = inputs["k"][..., :4]
     with pytest.raises(ValueError, match="k head_dim 4 must equal q head_dim 8"):
-        _forward(guarded, inputs)
+        run_forward(guarded, inputs)
 
 
 def test_v_must_match_k_seqlen(guarded, inputs):
     inputs["v"] = inputs["v"][:, :, :3]
     with pytest.raises(ValueError, match=r"v shape .* must equal k shape"):
-        _forward(guarded, inputs)
+        run_forward(guarded, inputs)
 
 
 def test_heads_must_be_divisible_by_kv_heads(guarded):
@@ -155,20 +131,20 @@ def test_head_dim_above_the_supported_range_is_rejected(guarded):
 def test_lse_must_be_float32(guarded, inputs):
     inputs["lse"] = inputs["lse"].astype(np.float64)
     with pytest.raises(TypeError, match="lse must have dtype float32, got float64"):
-        _backward(guarded, inputs)
+        run_backward(guarded, inputs)
 
 
 def test_lse_shape_must_be_batch_heads_seqlen_q(guarded, inputs):
     inputs["lse"] = inputs["lse"][:, :2]
     with pytest.raises(ValueError, match=r"lse shape \(2, 2, 5\) must be \(batch, num_heads, seqlen_q\)"):
-        _backward(guarded, inputs)
+        run_backward(guarded, inputs)
 
 
 @pytest.mark.parametrize("name", ["dout", "out"])
 def test_dout_and_out_must_have_q_shape(guarded, inputs, name):
     inputs[name] = inputs[name][:, :, :4]
     with pytest.raises(ValueError, match=rf"{name} shape .* must equal q shape"):
-        _backward(guarded, inputs)
+        run_backward(guarded, inputs)
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf"), 1e39, -1e39,
@@ -176,10 +152,7 @@ def test_dout_and_out_must_have_q_shape(guarded, inputs, name):
                                    pytest.param(Fraction(-(10**400), 3), id="-10**400/3")])
 def test_softmax_scale_must_be_finite(guarded, inputs, scale):
     rule = r"softmax_scale must be finite and representable as float32 \(\|softmax_scale\| <= 3.402823e\+38\)"
-    with pytest.raises(ValueError, match=rule):
-        _forward(guarded, inputs, softmax_scale=scale)
-    with pytest.raises(ValueError, match=rule):
-        _backward(guarded, inputs, softmax_scale=scale)
+    both_raise(guarded, inputs, ValueError, rule, softmax_scale=scale)
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v", "dout", "out", "lse"])
@@ -188,10 +161,10 @@ def test_non_native_byte_order_is_rejected_and_named(guarded, inputs, name):
     expected = "float32" if name == "lse" else "float16"
     rule = f"{name} must be native-byte-order {expected}, got big-endian {expected}"
     with pytest.raises(TypeError, match=rule):
-        _backward(guarded, inputs)
+        run_backward(guarded, inputs)
     if name in ("q", "k", "v"):
         with pytest.raises(TypeError, match=rule):
-            _forward(guarded, inputs)
+            run_forward(guarded, inputs)
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v", "dout", "out", "lse"])
@@ -199,16 +172,13 @@ def test_masked_arrays_are_rejected(guarded, inputs, name):
     inputs[name] = np.ma.masked_array(inputs[name], mask=np.zeros(inputs[name].shape, dtype=bool))
     rule = rf"{name} is a numpy masked array; masked arrays are not supported .*{name}\.filled\(value\) or {name}\.data"
     with pytest.raises(TypeError, match=rule):
-        _backward(guarded, inputs)
+        run_backward(guarded, inputs)
     if name in ("q", "k", "v"):
         with pytest.raises(TypeError, match=rule):
-            _forward(guarded, inputs)
+            run_forward(guarded, inputs)
 
 
-def test_arguments_are_checked_before_the_library_is_loaded(monkeypatch, tmp_path, inputs):
-    monkeypatch.setenv(fam.LIBRARY_ENV, str(tmp_path / "missing.so"))
-    monkeypatch.setattr(_native, "_native", None)
-    monkeypatch.setattr(_default, "_context", None)
+def test_arguments_are_checked_before_the_library_is_loaded(library_missing, inputs):
     wrong = {name: array.astype(np.float64) for name, array in inputs.items()}
     with pytest.raises(TypeError, match="q must have dtype float16, bfloat16 or float32, got float64"):
         fam.forward(wrong["q"], wrong["k"], wrong["v"])
@@ -229,15 +199,12 @@ def test_arguments_are_checked_before_the_library_is_loaded(monkeypatch, tmp_pat
 @pytest.mark.parametrize("scale", ["0.5", True, np.bool_(False), [0.5], 1j])
 def test_softmax_scale_must_be_a_real_number(guarded, inputs, scale):
     with pytest.raises(TypeError, match="softmax_scale must be a real number or None"):
-        _forward(guarded, inputs, softmax_scale=scale)
+        run_forward(guarded, inputs, softmax_scale=scale)
 
 
 @pytest.mark.parametrize("causal", [1, 0, "yes", None, 1.0])
 def test_causal_must_be_a_bool(guarded, inputs, causal):
-    with pytest.raises(TypeError, match="causal must be a bool"):
-        _forward(guarded, inputs, causal=causal)
-    with pytest.raises(TypeError, match="causal must be a bool"):
-        _backward(guarded, inputs, causal=causal)
+    both_raise(guarded, inputs, TypeError, "causal must be a bool", causal=causal)
 
 
 def test_numpy_scalars_are_accepted(ctx, inputs):
@@ -285,9 +252,9 @@ def _given(inputs):
 
 def _call_with(context, args, name, array):
     if name in ("out", "lse"):
-        _forward(context, args, **{name: array})
+        run_forward(context, args, **{name: array})
     else:
-        _backward(context, args, **{name: array})
+        run_backward(context, args, **{name: array})
 
 
 @pytest.mark.parametrize("name", ["out", "lse", "dq", "dk", "dv"])
@@ -319,13 +286,13 @@ def test_given_outputs_must_be_addressable_in_place(guarded, inputs):
     q = inputs["q"]
     wide = np.empty(q.shape[:3] + (2 * q.shape[3],), q.dtype)
     with pytest.raises(ValueError, match=r"^out must be writable in place"):
-        _forward(guarded, inputs, out=wide[..., ::2])
+        run_forward(guarded, inputs, out=wide[..., ::2])
     with pytest.raises(ValueError, match=r"^dk must be writable in place"):
         one = np.empty(inputs["k"].shape[1:], q.dtype)
-        _backward(guarded, inputs, dk=np.lib.stride_tricks.as_strided(one, inputs["k"].shape, (0,) + one.strides))
+        run_backward(guarded, inputs, dk=np.lib.stride_tricks.as_strided(one, inputs["k"].shape, (0,) + one.strides))
     lse_t = np.empty(q.shape[:3][::-1], np.float32).T
     with pytest.raises(ValueError, match=r"^lse must be writable in place \(C-contiguous"):
-        _forward(guarded, inputs, lse=lse_t)
+        run_forward(guarded, inputs, lse=lse_t)
 
 
 @pytest.mark.parametrize("name, other", [("out", "q"), ("dq", "dout"), ("dk", "k"), ("dv", "out")])
@@ -339,6 +306,6 @@ def test_given_outputs_must_not_overlap_each_other(guarded, inputs):
     given = _given(inputs)
     with pytest.raises(ValueError, match=r"^lse shares memory with out"):
         lse = given["out"].reshape(-1).view(np.float32)[: given["lse"].size].reshape(given["lse"].shape)
-        _forward(guarded, inputs, out=given["out"], lse=lse)
+        run_forward(guarded, inputs, out=given["out"], lse=lse)
     with pytest.raises(ValueError, match=r"^dv shares memory with dk"):
-        _backward(guarded, inputs, dk=given["dk"], dv=given["dk"])
+        run_backward(guarded, inputs, dk=given["dk"], dv=given["dk"])
