@@ -29,16 +29,6 @@ ARRAYS = _load()
 CASES = [str(name) for name in ARRAYS["cases"]]
 
 
-@pytest.fixture(scope="module")
-def context():
-    try:
-        return fa.default_context()
-    except fa.FlashAttentionError as error:
-        if error.status_name == "LIBRARY_NOT_FOUND":
-            pytest.skip(f"libFlashAttentionMetal is not built: {error.message}")
-        raise
-
-
 def _case(name: str):
     return tuple(ARRAYS[f"{name}_{part}"] for part in ("q", "k", "v", "dout"))
 

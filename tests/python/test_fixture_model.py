@@ -66,16 +66,10 @@ def test_regenerated_fixture_matches_the_committed_one(model):
             np.testing.assert_array_equal(array, committed[key], err_msg=key)
 
 
+@pytest.mark.usefixtures("context")
 def test_embeddings_example_passes_on_the_library(capsys):
-    import flash_attention_metal as fa
     import minilm_embeddings
 
-    try:
-        fa.default_context()
-    except fa.FlashAttentionError as error:
-        if error.status_name == "LIBRARY_NOT_FOUND":
-            pytest.skip(f"libFlashAttentionMetal is not built: {error.message}")
-        raise
     status = minilm_embeddings.main(["--model-dir", str(MODEL_DIR)])
     printed = capsys.readouterr().out
     assert status == 0, printed
@@ -85,19 +79,11 @@ def test_embeddings_example_passes_on_the_library(capsys):
     assert min(float(row.split()[-3]) for row in rows) >= 0.9999
 
 
-def test_padded_batch_with_a_padding_mask_embeds_like_each_text_alone(model):
+def test_padded_batch_with_a_padding_mask_embeds_like_each_text_alone(model, context):
     # Texts of 8 to 40 tokens padded to the longest, as a batched BERT runs them: the library's
     # attention with the (batch, 1, 1, tokens) padding mask gives every text the embedding it gets
     # alone; without the mask the padding leaks into the shorter texts.
-    import flash_attention_metal as fa
     from minilm_texts import SAMPLE_TEXTS
-
-    try:
-        context = fa.default_context()
-    except fa.FlashAttentionError as error:
-        if error.status_name == "LIBRARY_NOT_FOUND":
-            pytest.skip(f"libFlashAttentionMetal is not built: {error.message}")
-        raise
 
     def attend(q, k, v, mask=None):
         q16, k16, v16 = (a.astype(np.float16) for a in (q, k, v))

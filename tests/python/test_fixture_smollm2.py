@@ -28,16 +28,6 @@ DECODE = [name for name in CASES if "decode_" in name]
 PROMPT_TOKENS = int(next(name for name in CASES if name.startswith("prefill_")).split("_len")[1])
 
 
-@pytest.fixture(scope="module")
-def context():
-    try:
-        return fa.default_context()
-    except fa.FlashAttentionError as error:
-        if error.status_name == "LIBRARY_NOT_FOUND":
-            pytest.skip(f"libFlashAttentionMetal is not built: {error.message}")
-        raise
-
-
 def _qkv(name: str):
     return tuple(ARRAYS[f"{name}_{part}"] for part in ("q", "k", "v"))
 

@@ -68,15 +68,7 @@ def test_regenerated_fixture_matches_the_committed_one(model, committed):
             np.testing.assert_array_equal(array, committed[key], err_msg=key)
 
 
-def test_generation_with_the_library_matches_the_reference_run(model, committed, capsys):
-    import flash_attention_metal as fa
-
-    try:
-        context = fa.default_context()
-    except fa.FlashAttentionError as error:
-        if error.status_name == "LIBRARY_NOT_FOUND":
-            pytest.skip(f"libFlashAttentionMetal is not built: {error.message}")
-        raise
+def test_generation_with_the_library_matches_the_reference_run(model, committed, context, capsys):
     # The fixture's short prompt (40 tokens): the library's dense decode path, and fast.
     status = smollm2_generate.generate_and_check(model, context, make_smollm2_fixture.SHORT_PROMPT, 16, 16)
     printed = capsys.readouterr().out
