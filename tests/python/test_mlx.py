@@ -71,11 +71,6 @@ def to_numpy(array: mx.array) -> np.ndarray:
                     dtype=np.float64)
 
 
-def _sees_a_key(seqlen_q: int, seqlen_k: int, causal: bool) -> np.ndarray:
-    rows = np.arange(seqlen_q)
-    return rows + seqlen_k - seqlen_q >= 0 if causal else np.ones(seqlen_q, dtype=bool)
-
-
 def _vjp(attention, q, k, v, dout, causal: bool, scale: float):
     """out, dq, dk, dv of ``attention`` (MLX's signature) through mx.vjp, on MLX's CPU device."""
     def f(q, k, v):
@@ -93,7 +88,7 @@ def test_outputs_and_gradients_match_the_reference_and_mlx(dtype, case):
     np_dtype, mx_dtype = DTYPES[dtype]
     *shape, head_dim_v, causal = case
     q, k, v, dout = make_inputs(sum(shape) + head_dim_v, *shape, head_dim_v=head_dim_v, dtype=np_dtype)
-    seen = _sees_a_key(q.shape[2], k.shape[2], causal)
+    seen = fam.reference.visible_keys(q.shape[2], k.shape[2], causal).any(axis=1)
     dout[:, :, ~seen] = 0
     scale = 0.8 * q.shape[-1] ** -0.5  # not the default: a scale that is not passed on fails
     arrays = [to_mlx(a) for a in (q, k, v, dout)]
