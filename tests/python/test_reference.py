@@ -9,26 +9,7 @@ import pytest
 from flash_attention_metal import accuracy, reference
 
 from conftest import make_inputs
-
-
-def _naive_forward(q, k, v, causal, scale):
-    """Loop-per-row attention, written independently of reference.forward."""
-    batch, heads, seqlen_q, head_dim = q.shape
-    group = heads // k.shape[1]
-    seqlen_k = k.shape[2]
-    out = np.zeros(q.shape[:3] + v.shape[3:])
-    lse = np.full(q.shape[:3], -np.inf)
-    for b in range(batch):
-        for h in range(heads):
-            for i in range(seqlen_q):
-                keys = [j for j in range(seqlen_k) if not causal or j <= i + seqlen_k - seqlen_q]
-                if not keys:
-                    continue
-                s = np.array([scale * np.dot(q[b, h, i].astype(float), k[b, h // group, j].astype(float)) for j in keys])
-                w = np.exp(s - s.max())
-                lse[b, h, i] = s.max() + np.log(w.sum())
-                out[b, h, i] = (w / w.sum()) @ v[b, h // group, keys].astype(float)
-    return out, lse
+from naive_attention import naive_forward, numeric_gradients
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -36,7 +17,7 @@ def _naive_forward(q, k, v, causal, scale):
 def test_forward_matches_naive_loops(shape, causal):
     q, k, v, _ = make_inputs(1, *shape)
     out, lse = reference.forward(q, k, v, causal=causal, softmax_scale=0.3)
-    want_out, want_lse = _naive_forward(q, k, v, causal, 0.3)
+    want_out, want_lse = naive_forward(q, k, v, 0.3, causal=causal)
     np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     finite = np.isfinite(want_lse)
@@ -52,16 +33,7 @@ def test_backward_matches_finite_differences(causal):
     def loss(q_, k_, v_):
         return float(np.sum(dout * reference.forward(q_, k_, v_, causal=causal, softmax_scale=1 / np.sqrt(3))[0]))
 
-    step = 1e-6
-    for index, (name, grad) in enumerate(zip("qkv", grads)):
-        tensors = [q, k, v]
-        numeric = np.zeros_like(tensors[index])
-        for position in np.ndindex(*numeric.shape):
-            plus = [t.copy() for t in tensors]
-            minus = [t.copy() for t in tensors]
-            plus[index][position] += step
-            minus[index][position] -= step
-            numeric[position] = (loss(*plus) - loss(*minus)) / (2 * step)
+    for name, grad, numeric in zip("qkv", grads, numeric_gradients(loss, [q, k, v])):
         np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7, err_msg=f"d{name}")
 
 
@@ -159,7 +131,7 @@ def test_head_dim_v_forward_matches_naive_loops(causal):
     q, k, v, _ = make_inputs(10, 1, 4, 2, 6, 9, 5, head_dim_v=3)
     out, lse = reference.forward(q, k, v, causal=causal)
     assert out.shape == (1, 4, 6, 3)
-    want_out, want_lse = _naive_forward(q, k, v, causal, 1 / np.sqrt(5))
+    want_out, want_lse = naive_forward(q, k, v, 1 / np.sqrt(5), causal=causal)
     np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
     finite = np.isfinite(want_lse)
     np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-12)
@@ -173,16 +145,7 @@ def test_head_dim_v_backward_matches_finite_differences():
     def loss(q_, k_, v_):
         return float(np.sum(dout * reference.forward(q_, k_, v_, causal=True)[0]))
 
-    step = 1e-6
-    for index, (name, grad) in enumerate(zip("qkv", grads)):
-        tensors = [q, k, v]
-        numeric = np.zeros_like(tensors[index])
-        for position in np.ndindex(*numeric.shape):
-            plus = [t.copy() for t in tensors]
-            minus = [t.copy() for t in tensors]
-            plus[index][position] += step
-            minus[index][position] -= step
-            numeric[position] = (loss(*plus) - loss(*minus)) / (2 * step)
+    for name, grad, numeric in zip("qkv", grads, numeric_gradients(loss, [q, k, v])):
         np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7, err_msg=f"d{name}")
 
 

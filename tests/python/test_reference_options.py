@@ -4,8 +4,6 @@ finite differences (the softcap's tanh, the sinks' dsinks), and the baseline's e
 
 from __future__ import annotations
 
-import math
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -13,51 +11,7 @@ import pytest
 from flash_attention_metal import accuracy, reference
 
 from conftest import make_inputs
-
-
-def _naive_forward(q, k, v, scale, *, causal=False, attn_mask=None, window_size=(-1, -1), softcap=0.0,
-                   alibi_slopes=None, sinks=None):
-    """One row at a time, straight from the definitions (FlashAttention's window and ALiBi,
-    PyTorch's masks, gpt-oss's sinks); independent of reference.py."""
-    batch, heads, seqlen_q, _ = q.shape
-    seqlen_k, group = k.shape[2], heads // k.shape[1]
-    mask = None if attn_mask is None else np.broadcast_to(attn_mask, (batch, heads, seqlen_q, seqlen_k))
-    slopes = None if alibi_slopes is None else np.broadcast_to(alibi_slopes, (batch, heads))
-    left, right = window_size
-    if causal:
-        right = 0
-    out = np.zeros(q.shape[:3] + v.shape[3:])
-    lse = np.full(q.shape[:3], -np.inf)
-    for b in range(batch):
-        for h in range(heads):
-            for i in range(seqlen_q):
-                diagonal = i + seqlen_k - seqlen_q
-                logits, values = [], []
-                for j in range(seqlen_k):
-                    if (left >= 0 and j < diagonal - left) or (right >= 0 and j > diagonal + right):
-                        continue
-                    if mask is not None and mask.dtype == bool and not mask[b, h, i, j]:
-                        continue
-                    x = scale * float(np.dot(q[b, h, i].astype(float), k[b, h // group, j].astype(float)))
-                    if softcap > 0:
-                        x = softcap * math.tanh(x / softcap)
-                    if slopes is not None:
-                        x -= float(slopes[b, h]) * abs(diagonal - j)
-                    if mask is not None and mask.dtype != bool:
-                        x += float(mask[b, h, i, j])
-                    if x != -math.inf:
-                        logits.append(x)
-                        values.append(v[b, h // group, j].astype(float))
-                if sinks is not None:
-                    logits.append(float(sinks[h]))
-                    values.append(np.zeros(v.shape[3]))
-                if not logits:
-                    continue
-                top = max(logits)
-                weights = np.exp(np.array(logits) - top)
-                lse[b, h, i] = top + math.log(weights.sum())
-                out[b, h, i] = (weights / weights.sum()) @ np.array(values)
-    return out, lse
+from naive_attention import naive_forward, numeric_gradients
 
 
 def _options(rng, batch, heads, seqlen_q, seqlen_k, dtype=np.float16):
@@ -88,7 +42,7 @@ def test_forward_matches_naive_loops(shape, name):
     q, k, v, _ = make_inputs(21, *shape)
     options = _options(np.random.default_rng(22), shape[0], shape[1], shape[3], shape[4])[name]
     out, lse = reference.forward(q, k, v, softmax_scale=0.6, **options)
-    want_out, want_lse = _naive_forward(q, k, v, 0.6, **options)
+    want_out, want_lse = naive_forward(q, k, v, 0.6, **options)
     np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     finite = np.isfinite(want_lse)
@@ -107,15 +61,7 @@ def test_backward_matches_finite_differences(name):
         changed = dict(options, sinks=sinks_) if sinks_ is not None else options
         return float(np.sum(dout * reference.forward(q_, k_, v_, **changed)[0]))
 
-    step = 1e-6
-    for index, (name_, grad) in enumerate(zip(("dq", "dk", "dv", "dsinks"), grads)):
-        numeric = np.zeros_like(tensors[index])
-        for position in np.ndindex(*numeric.shape):
-            plus = [t.copy() for t in tensors]
-            minus = [t.copy() for t in tensors]
-            plus[index][position] += step
-            minus[index][position] -= step
-            numeric[position] = (loss(*plus) - loss(*minus)) / (2 * step)
+    for name_, grad, numeric in zip(("dq", "dk", "dv", "dsinks"), grads, numeric_gradients(loss, tensors)):
         np.testing.assert_allclose(grad, numeric, rtol=1e-5, atol=1e-7, err_msg=name_)
 
 
