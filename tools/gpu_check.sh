@@ -130,10 +130,10 @@ compile_host() {  # compile_host UNIT: compiles tools/gpu/UNIT into $BUILD/host-
 for unit in reference.cpp accuracy.cpp; do
     compile_host "$unit"
 done
+compile_host layout.cpp  # the harness's and large_offsets.cu's
 if [ "$DEFAULT" = 1 ]; then
     compile_host harness.cu
     compile_host cases.cpp
-    compile_host layout.cpp
 fi
 [ "$LARGE" = 1 ] && compile_host large_offsets.cu
 for job in "${build_jobs[@]}"; do
@@ -156,8 +156,8 @@ if [ "$DEFAULT" = 1 ]; then
     fi
 fi
 if [ "$LARGE" = 1 ]; then
-    link "$BUILD/kernels.o" "$BUILD/large_offsets" large_offsets
-    [ "$MUTANTS" = 1 ] && link "$BUILD/kernels-offset32.o" "$BUILD/large_offsets-offset32" large_offsets
+    link "$BUILD/kernels.o" "$BUILD/large_offsets" large_offsets layout
+    [ "$MUTANTS" = 1 ] && link "$BUILD/kernels-offset32.o" "$BUILD/large_offsets-offset32" large_offsets layout
 fi
 cat "$BUILD"/*.o.log >"$BUILD/build.log"
 echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/build.log)"

@@ -79,52 +79,6 @@ int fa_dtype(DType dtype) {
     return dtype == DType::f16 ? FA_DTYPE_F16 : dtype == DType::bf16 ? FA_DTYPE_BF16 : FA_DTYPE_F32;
 }
 
-int fa_mask_type(MaskKind kind) {
-    switch (kind) {
-        case MaskKind::none:
-            return FA_MASK_NONE;
-        case MaskKind::boolean:
-            return FA_MASK_BOOL;
-        case MaskKind::additive:
-            return FA_MASK_ADDITIVE;
-        case MaskKind::additive_f32:
-            return FA_MASK_ADDITIVE_F32;
-    }
-    return FA_MASK_NONE;
-}
-
-// The parameters as the library's host fills them: causal folded into window_right = 0.
-FlashAttentionParams params_of(const AttentionShape &s, const DeviceLayout &layout,
-                               const MaskPlacement &mask) {
-    FlashAttentionParams p{};
-    FlashAttentionStrides *strides[kRoleCount] = {&p.q,    &p.k,  &p.v,  &p.out,
-                                                  &p.dout, &p.dq, &p.dk, &p.dv};
-    for (int role = 0; role < kRoleCount; ++role) {
-        *strides[role] = layout.tensors[role].strides;
-    }
-    p.batch = fa_u32(s.batch);
-    p.num_heads = fa_u32(s.num_heads);
-    p.num_kv_heads = fa_u32(s.num_kv_heads);
-    p.seqlen_q = fa_u32(s.seqlen_q);
-    p.seqlen_k = fa_u32(s.seqlen_k);
-    p.head_dim = fa_u32(s.head_dim);
-    p.head_dim_v = fa_u32(s.head_dim_v);
-    p.causal = s.causal ? 1u : 0u;
-    p.softmax_scale = s.softmax_scale;
-    const ScoreOptions &o = s.options;
-    p.window_left = o.window_left;
-    p.window_right = s.window_right();
-    p.softcap = o.softcap;
-    p.mask_type = fa_u32(fa_mask_type(o.mask));
-    p.mask = mask.strides;
-    p.has_alibi = o.alibi ? 1u : 0u;
-    p.alibi_batch_stride = o.alibi_per_batch ? fa_u64(s.num_heads) : 0u;
-    p.has_sinks = o.sinks ? 1u : 0u;
-    p.kv_chunks = 1;  // the dense kernels' values, as the Metal plan sets them
-    p.kv_chunk_keys = p.seqlen_k;
-    return p;
-}
-
 // Chunks the harness splits the keys into for the split-KV forward: at least two and, on most
 // shapes, a shorter last one.
 constexpr unsigned kSplitChunks = 3;

@@ -24,15 +24,6 @@
 
 #include "flash_attention_params.h"
 
-// The strides of a contiguous (batch, heads, seqlen, cols) tensor.
-inline FlashAttentionStrides fa_contiguous_strides(uint32_t heads, uint32_t seqlen, uint32_t cols) {
-    FlashAttentionStrides s;
-    s.seq = cols;
-    s.head = uint64_t(seqlen) * cols;
-    s.batch = uint64_t(heads) * s.head;
-    return s;
-}
-
 // The optional inputs of the score modifiers, device pointers, null when params say they are
 // absent (the Metal backend binds a placeholder buffer there; null makes any read of it an error
 // that compute-sanitizer reports): attn_mask (uchar for FA_MASK_BOOL, the call's dtype for

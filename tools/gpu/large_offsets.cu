@@ -42,6 +42,7 @@
 #include "device_array.h"
 #include "dtype_bits.h"
 #include "kernels.h"
+#include "layout.h"
 #include "reference.h"
 
 namespace {
@@ -164,30 +165,8 @@ int run(int *rows_checked) {
 
     const AttentionShape shape{1, 1, 1, int(kSeqlenQ), int(kSeqlenK), int(kHeadDim), int(kHeadDim),
                                false, 1.0f / std::sqrt(float(kHeadDim)), DType::f16};
-    FlashAttentionParams p{};  // fields not set below (score modifiers) are 0: off
-    p.q = p.out = p.dout = p.dq = fa_contiguous_strides(1, kSeqlenQ, kHeadDim);
-    p.k = p.v = p.dk = p.dv = fa_contiguous_strides(1, kSeqlenK, kHeadDim);
-    p.batch = 1;
-    p.num_heads = 1;
-    p.num_kv_heads = 1;
-    p.seqlen_q = kSeqlenQ;
-    p.seqlen_k = kSeqlenK;
-    p.head_dim = kHeadDim;
-    p.head_dim_v = kHeadDim;
-    p.causal = 0;
-    p.window_left = -1;  // no window (score modifiers off)
-    p.window_right = -1;
-    p.softmax_scale = shape.softmax_scale;
-    p.mask = FlashAttentionStrides{0, 0, 0};  // no score modifiers
-    p.alibi_batch_stride = 0;
-    p.window_left = -1;
-    p.window_right = -1;
-    p.softcap = 0.0f;
-    p.mask_type = FA_MASK_NONE;
-    p.has_alibi = 0;
-    p.has_sinks = 0;
-    p.kv_chunks = 1;  // dense kernels
-    p.kv_chunk_keys = kSeqlenK;
+    // Contiguous (bhsd) tensors, no score modifiers (no mask: its strides 0), the dense kernels.
+    const FlashAttentionParams p = params_of(shape, place(shape, Layout::bhsd), MaskPlacement{});
 
     DeviceArray<uint16_t> q(kQElements), dout(kQElements), out(kQElements), dq(kQElements),
         k(kKvElements), v(kKvElements);

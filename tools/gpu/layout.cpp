@@ -28,6 +28,21 @@ size_t extent(int batch, const Placement &p) {
     return p.at(batch - 1, p.heads - 1, p.seqlen - 1) + size_t(p.cols);
 }
 
+// FlashAttentionParams.mask_type of a mask kind.
+int fa_mask_type(MaskKind kind) {
+    switch (kind) {
+        case MaskKind::none:
+            return FA_MASK_NONE;
+        case MaskKind::boolean:
+            return FA_MASK_BOOL;
+        case MaskKind::additive:
+            return FA_MASK_ADDITIVE;
+        case MaskKind::additive_f32:
+            return FA_MASK_ADDITIVE_F32;
+    }
+    return FA_MASK_NONE;
+}
+
 }  // namespace
 
 DeviceLayout place(const AttentionShape &s, Layout layout) {
@@ -178,4 +193,35 @@ std::vector<unsigned char> mask_image(const AttentionShape &s, const MaskPlaceme
         }
     }
     return image;
+}
+
+FlashAttentionParams params_of(const AttentionShape &s, const DeviceLayout &layout,
+                               const MaskPlacement &mask) {
+    FlashAttentionParams p{};
+    FlashAttentionStrides *role_strides[kRoleCount] = {&p.q,    &p.k,  &p.v,  &p.out,
+                                                       &p.dout, &p.dq, &p.dk, &p.dv};
+    for (int role = 0; role < kRoleCount; ++role) {
+        *role_strides[role] = layout.tensors[role].strides;
+    }
+    p.batch = fa_u32(s.batch);
+    p.num_heads = fa_u32(s.num_heads);
+    p.num_kv_heads = fa_u32(s.num_kv_heads);
+    p.seqlen_q = fa_u32(s.seqlen_q);
+    p.seqlen_k = fa_u32(s.seqlen_k);
+    p.head_dim = fa_u32(s.head_dim);
+    p.head_dim_v = fa_u32(s.head_dim_v);
+    p.causal = s.causal ? 1u : 0u;
+    p.softmax_scale = s.softmax_scale;
+    const ScoreOptions &o = s.options;
+    p.window_left = o.window_left;
+    p.window_right = s.window_right();
+    p.softcap = o.softcap;
+    p.mask_type = fa_u32(fa_mask_type(o.mask));
+    p.mask = mask.strides;
+    p.has_alibi = o.alibi ? 1u : 0u;
+    p.alibi_batch_stride = o.alibi_per_batch ? fa_u64(s.num_heads) : 0u;
+    p.has_sinks = o.sinks ? 1u : 0u;
+    p.kv_chunks = 1;  // the dense kernels' values, as the Metal plan sets them
+    p.kv_chunk_keys = p.seqlen_k;
+    return p;
 }

@@ -1,5 +1,6 @@
-// Where the harness puts a case's tensors in device memory (cases.h: Layout), and the copies
-// between those buffers and the contiguous host tensors of reference.h. Plain C++17, no CUDA.
+// Where the harness puts a case's tensors in device memory (cases.h: Layout), the copies between
+// those buffers and the contiguous host tensors of reference.h, and the kernels' parameters of a
+// placed case. Plain C++17, no CUDA.
 #ifndef FA_GPU_LAYOUT_H
 #define FA_GPU_LAYOUT_H
 
@@ -64,5 +65,10 @@ size_t mask_element_size(const AttentionShape &shape);
 // 0xff (NaN for an additive mask).
 std::vector<unsigned char> mask_image(const AttentionShape &shape, const MaskPlacement &where,
                                       const std::vector<float> &mask);
+
+// The kernels' parameters of `shape` placed by `layout` with its mask at `mask`, as the library's
+// host fills them: causal folded into window_right = 0; the dense kernels' kv_chunks = 1.
+FlashAttentionParams params_of(const AttentionShape &shape, const DeviceLayout &layout,
+                               const MaskPlacement &mask);
 
 #endif
