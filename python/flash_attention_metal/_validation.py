@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from .reference import NO_WINDOW
+
 _UINT32_MAX = 2**32 - 1
 
 #: The dtypes of q, k, v, dout and the outputs (one per call); lse is always float32.
@@ -250,8 +252,6 @@ def check_merge(out_a, lse_a, out_b, lse_b) -> tuple[int, int]:
 # Names and meanings follow FlashAttention (window_size, softcap, alibi_slopes) and PyTorch
 # (attn_mask: True = may attend, or additive); the math is in ``reference``.
 
-#: window_size's default: neither side bounded (FlashAttention's (-1, -1)).
-NO_WINDOW = (-1, -1)
 _INT32_MAX = 2**31 - 1
 _FLOAT32 = np.dtype(np.float32)
 

@@ -117,6 +117,14 @@ def base_backward(dout, q, k, v, *, causal=False, softmax_scale=None, attn_mask=
     """The baseline backward in q's dtype: (dq, dk, dv), and dsinks (float32) after them when sinks
     are given. D = rowsum(dout * out) in float32; dS = P (dP - D) in float32, through the softcap's
     1 - tanh^2 in float32, rounded once; dsinks = -sum exp(sinks - lse) D in float32."""
+    return _base_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, attn_mask=attn_mask,
+                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)[0]
+
+
+def _base_backward(dout, q, k, v, *, causal=False, softmax_scale=None, attn_mask=None,
+                   window_size=reference.NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None):
+    """(``base_backward``'s result, out, lse): out and lse are the ``base_forward`` it recomputes
+    on the way, bit for bit."""
     dtype = q.dtype
     scale = reference.default_scale(q.shape[3], softmax_scale)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
@@ -135,9 +143,9 @@ def base_backward(dout, q, k, v, *, causal=False, softmax_scale=None, attn_mask=
     dk = ((np.swapaxes(dscores, -1, -2).astype(_F32) @ q.astype(_F32)) * _F32(scale)).astype(dtype)
     dv = _matmul(np.swapaxes(probabilities, -1, -2), dout, dtype)
     grads = (dq, _reduce_kv(dk, num_kv_heads), _reduce_kv(dv, num_kv_heads))
-    if sinks is None:
-        return grads
-    return (*grads, -reference.sink_terms(dout, out.astype(_F32), lse, sinks).sum(axis=(0, 2)))
+    if sinks is not None:
+        grads = (*grads, -reference.sink_terms(dout, out.astype(_F32), lse, sinks).sum(axis=(0, 2)))
+    return grads, out, lse
 
 
 def max_abs_error(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -209,8 +217,8 @@ def evaluate_backward(dout, q, k, v, dq, dk, dv, dsinks=None, *, causal=False, s
     """Judges a backward result (dq, dk, dv, and dsinks when ``options`` has sinks) for dout, q, k, v
     of one dtype: one metric per gradient (dsinks: see the module docstring). ``options``:
     attn_mask, window_size, softcap, alibi_slopes, sinks as for ``reference.backward``."""
-    refs = reference.backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
-    bases = base_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
+    refs, ref_out, ref_lse = reference._backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
+    bases, base_out, base_lse = _base_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
     metrics = [
         _metric(name, ours, base, ref, GRAD_FACTOR)
         for name, ours, base, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), bases, refs)
@@ -219,17 +227,17 @@ def evaluate_backward(dout, q, k, v, dq, dk, dv, dsinks=None, *, causal=False, s
         return metrics
     if dsinks is None:
         raise ValueError("dsinks must be given when sinks are (the backward returns it fourth)")
-    return metrics + [_dsinks_metric(dsinks, refs[3], dout, q, k, v, causal, softmax_scale, options)]
+    return metrics + [_dsinks_metric(dsinks, refs[3], dout, q.dtype, (ref_out, ref_lse), (base_out, base_lse),
+                                     options["sinks"])]
 
 
-def _dsinks_metric(dsinks, ref, dout, q, k, v, causal, softmax_scale, options) -> Metric:
+def _dsinks_metric(dsinks, ref, dout, dtype, ref_result, base_result, sinks) -> Metric:
     # The base's error summed row by row, without the cancellation of its signed sum.
-    ref_out, ref_lse = reference.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
-    base_out, base_lse = base_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
-    ref_terms = reference.sink_terms(np.asarray(dout, dtype=np.float64), ref_out, ref_lse, options["sinks"])
-    base_terms = reference.sink_terms(dout, base_out.astype(_F32), base_lse, options["sinks"])
+    (ref_out, ref_lse), (base_out, base_lse) = ref_result, base_result
+    ref_terms = reference.sink_terms(np.asarray(dout, dtype=np.float64), ref_out, ref_lse, sinks)
+    base_terms = reference.sink_terms(dout, base_out.astype(_F32), base_lse, sinks)
     base_error = float(np.max(np.sum(np.abs(base_terms - ref_terms), axis=(0, 2))))
-    return Metric("dsinks", max_abs_error(dsinks, ref), base_error, GRAD_FACTOR * base_error + slack(q.dtype))
+    return Metric("dsinks", max_abs_error(dsinks, ref), base_error, GRAD_FACTOR * base_error + slack(dtype))
 
 
 def describe(metrics: list[Metric]) -> str:

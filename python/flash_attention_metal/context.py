@@ -166,9 +166,15 @@ class Context:
                 when ``cancel`` stopped the call).
             KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
-        shape, causal, scale, options = _validation.check_forward(
+        checked = _validation.check_forward(
             q, k, v, causal, softmax_scale, layout, attn_mask=attn_mask, window_size=window_size,
             softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        return self._forward(q, k, v, checked, layout, out, lse)
+
+    def _forward(self, q, k, v, checked, layout, out=None, lse=None):
+        """``forward`` on arguments ``_validation.check_forward`` passed, ``checked`` being what it
+        returned: the checks that need the library, then the call."""
+        shape, causal, scale, options = checked
         _validation.check_head_dim(shape, self.max_head_dim)
         lse_shape = (shape.batch, shape.num_heads, shape.seqlen_q)
         _check_given_outputs({"out": (out, q.dtype, q.shape[:3] + (shape.head_dim_v,)),
@@ -223,9 +229,15 @@ class Context:
                 when ``cancel`` stopped the call).
             KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
-        shape, causal, scale, options = _validation.check_backward(
+        checked = _validation.check_backward(
             dout, q, k, v, out, lse, causal, softmax_scale, layout, attn_mask=attn_mask,
             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+        return self._backward(dout, q, k, v, out, lse, checked, layout, dq, dk, dv)
+
+    def _backward(self, dout, q, k, v, out, lse, checked, layout, dq=None, dk=None, dv=None):
+        """``backward`` on arguments ``_validation.check_backward`` passed, ``checked`` being what
+        it returned: the checks that need the library, then the call."""
+        shape, causal, scale, options = checked
         _validation.check_head_dim(shape, self.max_head_dim)
         given = {"dq": dq, "dk": dk, "dv": dv}
         _check_given_outputs({name: (given[name], q.dtype, like.shape) for name, like in zip(given, (q, k, v))},

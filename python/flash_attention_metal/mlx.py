@@ -128,10 +128,12 @@ def _attention(q, k, v, scale, causal, context):
     """(out, lse) of the library's forward, as new MLX arrays the library wrote."""
     evaluate(q, k, v)
     views = [numpy_view(a) for a in (q, k, v)]
-    shape, _, _, _ = _validation.check_forward(*views, causal, scale)
+    # Checked before the outputs are allocated, which a wrong shape could make huge.
+    checked = _validation.check_forward(*views, causal, scale)
+    shape = checked[0]
     out, out_view = new_output((shape.batch, shape.num_heads, shape.seqlen_q, shape.head_dim_v), q.dtype)
     lse, lse_view = new_output((shape.batch, shape.num_heads, shape.seqlen_q), mx.float32)
-    context.forward(*views, causal=causal, softmax_scale=scale, out=out_view, lse=lse_view)
+    context._forward(*views, checked, "bhsd", out_view, lse_view)
     return out, lse
 
 

@@ -218,6 +218,14 @@ def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None, attn_ma
         dk and dv sum over each GQA group; rows the mask leaves without keys contribute zero (even
         when the inputs hold NaN); NaN or infinite inputs seen by a row propagate as NaN.
     """
+    return _backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, attn_mask=attn_mask,
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)[0]
+
+
+def _backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None, attn_mask=None, window_size=NO_WINDOW,
+              softcap: float = 0.0, alibi_slopes=None, sinks=None):
+    """(``backward``'s result, out, lse): out and lse are the ``forward`` it recomputes on the way,
+    bit for bit what ``forward`` returns (``accuracy`` reuses them)."""
     _check_shapes(q, k, v)
     if np.shape(dout) != q.shape[:3] + v.shape[3:]:
         raise ValueError(f"dout shape {np.shape(dout)} must be (B, H, Nq, Dv) = {q.shape[:3] + v.shape[3:]}")
@@ -243,9 +251,9 @@ def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None, attn_ma
     dk = scale * masked_matmul(np.swapaxes(dscores, -1, -2), keys_t, q64)
     dv = masked_matmul(np.swapaxes(probabilities, -1, -2), keys_t, dout64)
     grads = (dq, reduce_kv(dk, num_kv_heads), reduce_kv(dv, num_kv_heads))
-    if sinks is None:
-        return grads
-    return (*grads, -sink_terms(dout64, out, lse, sinks).sum(axis=(0, 2)))
+    if sinks is not None:
+        grads = (*grads, -sink_terms(dout64, out, lse, sinks).sum(axis=(0, 2)))
+    return grads, out, lse
 
 
 def sink_terms(dout, out, lse, sinks) -> np.ndarray:

@@ -205,8 +205,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.json is not None and args.compare is None:
         args.usage_error("argument --json: needs --compare (the sweep prints its table only)")
-    bench_decode.check_options(args)
     args.heads = args.heads or (bench_decode.HEADS if args.decode else _HEADS)
+    bench_decode.check_options(args)
     context = context_for(args.backend)
     check_head_dim(args, context)
     if args.profile:

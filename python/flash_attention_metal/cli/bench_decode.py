@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """Usage errors for options that need --decode or do not go with it."""
+    """Usage errors for options that need --decode or do not go with it (--heads resolved)."""
     if not args.decode:
         for option, value in (("--query-rows", args.query_rows), ("--kv-heads", args.kv_heads)):
             if value is not None:
@@ -62,9 +62,8 @@ def check_options(args: argparse.Namespace) -> None:
     for option, value in (("--compare", args.compare), ("--plot", args.plot), ("--json", args.json)):
         if value is not None:
             args.usage_error(f"argument {option}: not allowed with --decode")
-    heads = args.heads or HEADS
-    if args.kv_heads is not None and heads % args.kv_heads != 0:
-        args.usage_error(f"argument --kv-heads: must divide --heads ({heads}), got {args.kv_heads}")
+    if args.kv_heads is not None and args.heads % args.kv_heads != 0:
+        args.usage_error(f"argument --kv-heads: must divide --heads ({args.heads}), got {args.kv_heads}")
 
 
 def cache_keys(args: argparse.Namespace, backend: str) -> tuple:

@@ -22,27 +22,21 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import context as _context
+from ..cli import _types
 from . import layout, ring, sharding
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _arguments(argv) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m flash_attention_metal.distributed.bench",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqlen", type=_positive, default=4096, help="global sequence length (default 4096)")
-    parser.add_argument("--batch", type=_positive, default=1)
-    parser.add_argument("--heads", type=_positive, default=8)
-    parser.add_argument("--kv-heads", type=_positive, default=2)
-    parser.add_argument("--head-dim", type=_positive, default=64)
+    parser.add_argument("--seqlen", type=_types.positive_int, default=4096, help="global sequence length (default 4096)")
+    parser.add_argument("--batch", type=_types.positive_int, default=1)
+    parser.add_argument("--heads", type=_types.positive_int, default=8)
+    parser.add_argument("--kv-heads", type=_types.positive_int, default=2)
+    parser.add_argument("--head-dim", type=_types.positive_int, default=64)
     parser.add_argument("--causal", action="store_true", help="causal mask (zigzag layout)")
-    parser.add_argument("--repeats", type=_positive, default=3)
-    parser.add_argument("--backend", default="auto", help="auto, metal or cpu (default auto)")
+    parser.add_argument("--repeats", type=_types.positive_int, default=3)
+    parser.add_argument("--backend", type=_types.backend, default="auto", help="auto, metal or cpu (default auto)")
     return parser.parse_args(argv)
 
 

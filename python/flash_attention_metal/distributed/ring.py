@@ -246,6 +246,10 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm, causal=False, soft
         lambda: (*_validation.check_backward(dout, q, k, v, out, lse, causal, softmax_scale)[:3], q.dtype),
         context, timeout, profile)
     dq = np.zeros(q.shape, dtype=_F32)
+    # float32 kernels: a block's share is summed with others before the one rounding to q's dtype;
+    # the 16-bit kernels would round each share first, and where one share carries almost the whole
+    # gradient the two roundings break the accuracy rule. The rows of each call are views of these.
+    dout32, q32, out32 = (a.astype(_F32, copy=False) for a in (dout, q, out))
     kv = _Pair.of(k, v)
     outgoing = None  # the float32 dK/dV of the previous block, on its way to the next rank
     steps = []
@@ -265,14 +269,11 @@ def ring_attention_backward(dout, q, k, v, out, lse, *, comm, causal=False, soft
                                    f"dK/dV of rank {source}'s block"))
         start = time.perf_counter()
         grads = _Pair(plan.kv_shapes(source, shape), _F32, fill=0)
+        k32, v32 = (a.astype(_F32, copy=False) for a in (kv.first, kv.second))
         for call in plan.block_calls(source):
             rows, keys = call.rows, call.keys
-            # float32 kernels: a block's share is summed with others before the one rounding to
-            # q's dtype; the 16-bit kernels would round each share first, and where one share
-            # carries almost the whole gradient the two roundings break the accuracy rule.
             dq_block, dk_block, dv_block = plan.context.backward(
-                *(_rows(a, r).astype(_F32, copy=False) for a, r in
-                  ((dout, rows), (q, rows), (kv.first, keys), (kv.second, keys), (out, rows))),
+                _rows(dout32, rows), _rows(q32, rows), _rows(k32, keys), _rows(v32, keys), _rows(out32, rows),
                 lse[:, :, rows], causal=call.causal, softmax_scale=plan.softmax_scale)
             dq[:, :, rows] += dq_block
             grads.first[:, :, keys] += dk_block
