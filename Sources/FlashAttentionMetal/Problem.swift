@@ -91,7 +91,12 @@ struct Problem {
     /// Validates a C descriptor. `pointer` may be null; its `struct_size` is read first so that no
     /// byte past what the caller declared is read, and fields past it take their defaults.
     static func validate(_ pointer: UnsafePointer<fa_problem>?) throws -> Problem {
-        let p = try descriptor(pointer)
+        try validate(descriptor(pointer))
+    }
+
+    /// Validates a descriptor already read by `descriptor(_:)` (fields past the caller's
+    /// `struct_size` zero).
+    static func validate(_ p: fa_problem) throws -> Problem {
         guard p.causal <= 1 else {
             throw FlashAttentionError.invalidArgument("causal (\(p.causal)) must be 0 or 1")
         }
