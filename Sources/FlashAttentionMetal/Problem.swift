@@ -78,8 +78,6 @@ struct Problem {
     let bucket: FlashAttentionBucket
     /// Layouts of the eight tensors (their extents fit in `Int` bytes).
     let layouts: [BufferRole: TensorLayout]
-    /// Elements of lse (and of the delta workspace): batch * numHeads * seqlenQ.
-    let lseElements: Int
     /// The split-KV chunking of the forward pass, or nil for the dense forward.
     let split: KeyValueSplit?
     /// Window, softcap, mask, ALiBi and sinks.
@@ -191,8 +189,8 @@ struct Problem {
     /// Memberwise: the checked initializer below and `slice` end here.
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
-                 bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], lseElements: Int,
-                 scores: ScoreSpec, split: KeyValueSplit?) {
+                 bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
+                 split: KeyValueSplit?) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -205,7 +203,6 @@ struct Problem {
         self.softmaxScale = softmaxScale
         self.bucket = bucket
         self.layouts = layouts
-        self.lseElements = lseElements
         self.scores = scores
         self.split = split
     }
@@ -260,13 +257,14 @@ struct Problem {
             }
             layouts[role] = layout
         }
-        let lse = try Problem.checkedCount([b, h, sq], bytesPerElement: 4, of: "lse")
+        // lse (and the delta workspace) must fit too; `lseElements` is then this product.
+        _ = try Problem.checkedCount([b, h, sq], bytesPerElement: 4, of: "lse")
         let scores = try ScoreSpec(causal: causal, window: window, softcap: softcap, maskType: maskType,
                                    maskStrides: maskStrides, hasAlibi: hasAlibi, alibiPerBatch: alibiPerBatch,
                                    hasSinks: hasSinks, dims: (b, h, sq, sk))
         self.init(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
                   seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
-                  causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, lseElements: lse, scores: scores,
+                  causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
                   split: KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk),
                                        seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket))
     }
@@ -305,10 +303,12 @@ struct Problem {
         return Problem(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(kv), seqlenQ: seqlenQ,
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
-                       lseElements: b * h * Int(seqlenQ),
                        scores: scores.slice(batch: b, heads: h, seqlenQ: Int(seqlenQ), seqlenK: Int(seqlenK)),
                        split: split)
     }
+
+    /// Elements of lse (and of the delta workspace): batch * numHeads * seqlenQ (checked by validation).
+    var lseElements: Int { Int(batch) * Int(numHeads) * Int(seqlenQ) }
 
     /// Query heads per KV head (the GQA group).
     var groupSize: UInt32 { numHeads / numKVHeads }
