@@ -328,10 +328,4 @@ struct Problem {
             mask_type: scores.maskType, has_alibi: scores.hasAlibi ? 1 : 0, has_sinks: scores.hasSinks ? 1 : 0,
             kv_chunks: split?.chunks ?? 1, kv_chunk_keys: split?.chunkKeys ?? seqlenK)
     }
-
-    /// The Swift shape of this problem.
-    var shape: AttentionShape {
-        AttentionShape(batch: Int(batch), numHeads: Int(numHeads), numKVHeads: Int(numKVHeads),
-                       seqlenQ: Int(seqlenQ), seqlenK: Int(seqlenK), headDim: Int(headDim), headDimV: Int(headDimV))
-    }
 }

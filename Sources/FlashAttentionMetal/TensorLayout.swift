@@ -19,15 +19,6 @@ public enum AttentionDType: UInt32, CaseIterable, Sendable {
         case .float32: return "f32"
         }
     }
-
-    /// The C name, for messages.
-    var cName: String {
-        switch self {
-        case .float16: return "FA_DTYPE_FLOAT16"
-        case .bfloat16: return "FA_DTYPE_BFLOAT16"
-        case .float32: return "FA_DTYPE_FLOAT32"
-        }
-    }
 }
 
 /// Element strides of a `[batch][heads][seqlen][headDim]` tensor whose last axis is contiguous:
