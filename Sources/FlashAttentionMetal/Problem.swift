@@ -258,7 +258,7 @@ struct Problem {
             layouts[role] = layout
         }
         // lse (and the delta workspace) must fit too; `lseElements` is then this product.
-        _ = try Problem.checkedCount([b, h, sq], bytesPerElement: 4, of: "lse")
+        _ = try TensorLayout.checkedCount([b, h, sq], bytesPerElement: 4, of: "lse")
         let scores = try ScoreSpec(causal: causal, window: window, softcap: softcap, maskType: maskType,
                                    maskStrides: maskStrides, hasAlibi: hasAlibi, alibiPerBatch: alibiPerBatch,
                                    hasSinks: hasSinks, dims: (b, h, sq, sk))
@@ -267,23 +267,6 @@ struct Problem {
                   causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
                   split: KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk),
                                        seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket))
-    }
-
-    /// The product of `factors`, checked so that the byte size of a buffer of that many elements
-    /// fits in `Int` (pointer arithmetic on the host and 64-bit offsets in the kernels).
-    private static func checkedCount(_ factors: [Int], bytesPerElement: Int, of name: String) throws -> Int {
-        var count = 1
-        for factor in factors {
-            let (product, overflow) = count.multipliedReportingOverflow(by: factor)
-            guard !overflow else {
-                throw FlashAttentionError.invalidArgument("\(name) has more elements than fit in a 64-bit size")
-            }
-            count = product
-        }
-        guard !count.multipliedReportingOverflow(by: bytesPerElement).overflow else {
-            throw FlashAttentionError.invalidArgument("\(name) (\(count) elements) has more bytes than fit in a 64-bit size")
-        }
-        return count
     }
 
     /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their

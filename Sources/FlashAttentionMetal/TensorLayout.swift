@@ -60,14 +60,7 @@ struct TensorLayout: Equatable {
     init(_ name: String, strides given: TensorStrides?, dims: (Int, Int, Int, Int), written: Bool) throws {
         let (batch, heads, seqlen, cols) = dims
         if given == nil {
-            var count = 1
-            for factor in [batch, heads, seqlen, cols] {
-                let (product, overflow) = count.multipliedReportingOverflow(by: factor)
-                guard !overflow else {
-                    throw FlashAttentionError.invalidArgument("\(name) has more elements than fit in a 64-bit size")
-                }
-                count = product
-            }
+            _ = try TensorLayout.checkedCount([batch, heads, seqlen, cols], of: name)
         }
         let strides = given ?? .contiguous(heads: heads, seqlen: seqlen, cols: cols)
         let axes = [("batch", strides.batch, batch), ("head", strides.head, heads), ("seq", strides.seq, seqlen)]
@@ -100,6 +93,23 @@ struct TensorLayout: Equatable {
         self.extent = extent
         self.rows = (batch, heads, seqlen)
         self.cols = cols
+    }
+
+    /// The product of `factors`, checked so that the byte size of a buffer of that many elements
+    /// fits in `Int` (pointer arithmetic on the host and 64-bit offsets in the kernels).
+    static func checkedCount(_ factors: [Int], bytesPerElement: Int = 1, of name: String) throws -> Int {
+        var count = 1
+        for factor in factors {
+            let (product, overflow) = count.multipliedReportingOverflow(by: factor)
+            guard !overflow else {
+                throw FlashAttentionError.invalidArgument("\(name) has more elements than fit in a 64-bit size")
+            }
+            count = product
+        }
+        guard !count.multipliedReportingOverflow(by: bytesPerElement).overflow else {
+            throw FlashAttentionError.invalidArgument("\(name) (\(count) elements) has more bytes than fit in a 64-bit size")
+        }
+        return count
     }
 
     /// The same strides over the first `batch` entries and `heads` heads: the part a piece of a
