@@ -56,15 +56,23 @@ enum BufferRole: Int, CaseIterable {
         }
     }
 
+    /// The role whose layout in `Problem.layouts` this buffer has: `out` for the merge's `outA` and
+    /// `outB`, the role itself otherwise.
+    private var layoutRole: BufferRole {
+        switch self {
+        case .outA, .outB: return .out
+        default: return self
+        }
+    }
+
     /// Elements of this buffer for `problem`: for a tensor, the elements its layout spans from
     /// element [0][0][0][0] to the last one.
     func elementCount(for problem: Problem) -> Int {
         switch self {
-        case .q, .k, .v, .out, .dout, .dq, .dk, .dv: return problem.layouts[self]!.extent
-        case .outA, .outB: return problem.layouts[.out]!.extent
+        case .q, .k, .v, .out, .dout, .dq, .dk, .dv, .outA, .outB: return problem.layouts[layoutRole]!.extent
         case .lse, .lseA, .lseB, .delta, .lseResidual: return problem.lseElements
         // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, so these products stay small.
-        case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDimV)
+        case .partialOut: return BufferRole.partialLse.elementCount(for: problem) * Int(problem.headDimV)
         case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
         case .attnMask: return problem.scores.maskExtent
         case .alibiSlopes: return Int(problem.numHeads) * (problem.scores.alibiPerBatch ? Int(problem.batch) : 1)
@@ -82,11 +90,8 @@ enum BufferRole: Int, CaseIterable {
     func elementOffset(batch: UInt32, kvHead: UInt32, in problem: Problem) -> Int {
         let b = Int(batch), kv = Int(kvHead), g = Int(problem.groupSize)
         switch self {
-        case .q, .out, .dout, .dq:
-            let s = problem.layouts[self]!.strides
-            return b * s.batch + kv * g * s.head
-        case .outA, .outB:
-            let s = problem.layouts[.out]!.strides
+        case .q, .out, .dout, .dq, .outA, .outB:
+            let s = problem.layouts[layoutRole]!.strides
             return b * s.batch + kv * g * s.head
         case .k, .v, .dk, .dv:
             let s = problem.layouts[self]!.strides
@@ -97,7 +102,7 @@ enum BufferRole: Int, CaseIterable {
         case .partialLse:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
         case .partialOut:
-            return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
+            return BufferRole.partialLse.elementOffset(batch: batch, kvHead: kvHead, in: problem)
                 * Int(problem.headDimV)
         case .attnMask:
             let s = problem.scores.maskStrides
