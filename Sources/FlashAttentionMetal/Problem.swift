@@ -286,7 +286,7 @@ struct Problem {
         return Problem(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(kv), seqlenQ: seqlenQ,
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
-                       scores: scores.slice(batch: b, heads: h, seqlenQ: Int(seqlenQ), seqlenK: Int(seqlenK)),
+                       scores: scores.slice(batch: b, heads: h),
                        split: split)
     }
 
@@ -302,8 +302,7 @@ struct Problem {
         return FlashAttentionParams(
             q: strides(.q), k: strides(.k), v: strides(.v), out: strides(.out), dout: strides(.dout),
             dq: strides(.dq), dk: strides(.dk), dv: strides(.dv),
-            mask: FlashAttentionStrides(batch: UInt64(scores.maskStrides.batch), head: UInt64(scores.maskStrides.head),
-                                        seq: UInt64(scores.maskStrides.seq)),
+            mask: scores.mask?.params ?? FlashAttentionStrides(batch: 0, head: 0, seq: 0),
             alibi_batch_stride: scores.alibiPerBatch ? UInt64(numHeads) : 0,
             batch: batch, num_heads: numHeads, num_kv_heads: numKVHeads, seqlen_q: seqlenQ, seqlen_k: seqlenK,
             head_dim: headDim, head_dim_v: headDimV, causal: causal ? 1 : 0, window_left: scores.windowLeft,

@@ -55,9 +55,12 @@ struct TensorLayout: Equatable {
     }
 
     /// Checks `strides` (nil: contiguous) for a tensor of `dims` = (batch, heads, seqlen, cols).
-    /// Strides must be positive; a tensor the call writes (`written`) must not overlap itself: once
-    /// the axes are sorted by stride, each stride must step over everything the smaller axes span.
-    init(_ name: String, strides given: TensorStrides?, dims: (Int, Int, Int, Int), written: Bool) throws {
+    /// Strides must be positive, or, for a `broadcast` input (the attention mask, whose elements
+    /// are at most 4 bytes), not negative: a zero stride repeats that axis. A tensor the call writes
+    /// (`written`) must not overlap itself: once the axes are sorted by stride, each stride must
+    /// step over everything the smaller axes span.
+    init(_ name: String, strides given: TensorStrides?, dims: (Int, Int, Int, Int), written: Bool,
+         broadcast: Bool = false) throws {
         let (batch, heads, seqlen, cols) = dims
         if given == nil {
             _ = try TensorLayout.checkedCount([batch, heads, seqlen, cols], of: name)
@@ -66,15 +69,20 @@ struct TensorLayout: Equatable {
         let axes = [("batch", strides.batch, batch), ("head", strides.head, heads), ("seq", strides.seq, seqlen)]
         var extent = cols
         for (axis, stride, count) in axes {
-            guard stride >= 1 else {
-                throw FlashAttentionError.invalidArgument(
-                    "\(name) strides: the \(axis) stride (\(stride)) must be at least 1 (or all three strides 0 "
+            guard stride >= (broadcast ? 0 : 1) else {
+                throw FlashAttentionError.invalidArgument(broadcast
+                    ? "\(name) strides: the \(axis) stride (\(stride)) must not be negative (0 broadcasts)"
+                    : "\(name) strides: the \(axis) stride (\(stride)) must be at least 1 (or all three strides 0 "
                         + "for the contiguous layout)")
             }
             let (span, overflow) = stride.multipliedReportingOverflow(by: count - 1)
             let (sum, overflowSum) = extent.addingReportingOverflow(span)
-            guard !overflow, !overflowSum else {
-                throw FlashAttentionError.invalidArgument("\(name) has more elements than fit in a 64-bit size")
+            // The caller checks a tensor's bytes with its dtype; a broadcast input's (4 bytes at
+            // most) are checked here.
+            guard !overflow, !overflowSum, !(broadcast && sum.multipliedReportingOverflow(by: 4).overflow) else {
+                throw FlashAttentionError.invalidArgument(broadcast
+                    ? "\(name) spans more elements than fit in a 64-bit size"
+                    : "\(name) has more elements than fit in a 64-bit size")
             }
             extent = sum
         }
