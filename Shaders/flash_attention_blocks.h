@@ -44,21 +44,21 @@ inline KeyRange key_range(constant FlashAttentionParams &p, uint row) {
 inline KeyRange row_range(constant FlashAttentionParams &p, uint key0, uint keys) {
     const long shift = long(p.seqlen_k) - long(p.seqlen_q);
     const long first = p.window_right < 0 ? 0 : long(key0) - shift - p.window_right;
-    const long end = p.window_left < 0 ? long(p.seqlen_q) : long(key0) + keys - 1 - shift + p.window_left + 1;
+    const long end = p.window_left < 0 ? long(p.seqlen_q) : long(key0) + keys - shift + p.window_left;
     KeyRange r;
     r.first = clamp_index(first, p.seqlen_q);
     r.end = clamp_index(end, p.seqlen_q);
     return r;
 }
 
-// Whether query `row` sees key `key` through the window; rows and keys past the end see nothing.
-// (A boolean attn_mask is applied separately.)
-inline bool in_window(constant FlashAttentionParams &p, uint row, uint key) {
-    if (row >= p.seqlen_q || key >= p.seqlen_k) {
-        return false;
+// The keys query `row` sees through the window; none for a row past the end (keys past the end
+// are outside every range). A boolean attn_mask is applied separately.
+inline KeyRange visible_keys(constant FlashAttentionParams &p, uint row) {
+    KeyRange r = key_range(p, row);
+    if (row >= p.seqlen_q) {
+        r.end = r.first;
     }
-    const KeyRange r = key_range(p, row);
-    return key >= r.first && key < r.end;
+    return r;
 }
 
 // Whether every pair of rows [row0, row0 + rows) x keys [key0, key0 + keys) exists, lies in the

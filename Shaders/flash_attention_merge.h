@@ -36,9 +36,9 @@ inline float merge_normalizer(float weight_sum) {
     return weight_sum == 0.0f ? 0.0f : 1.0f / weight_sum;
 }
 
-// flash_attention_merge: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b), rows laid out
-// as fa_forward's out and lse for p (batch, num_heads, seqlen_q, head_dim; the other fields are
-// not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch), threadgroups
+// flash_attention_merge: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b), contiguous
+// rows of head_dim elements and their lse for p (batch, num_heads, seqlen_q, head_dim; the other
+// fields are not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch), threadgroups
 // of FA_MERGE_ROWS_PER_THREADGROUP * FA_MERGE_THREADS_PER_ROW threads; the threads of a row stride
 // over head_dim, so consecutive threads touch consecutive elements. No barriers, no SIMD-group
 // functions: every thread's work is independent.
@@ -50,7 +50,7 @@ inline void attention_merge(device const half *out_a, device const float *lse_a,
     if (row >= p.seqlen_q) {
         return;
     }
-    const ulong r = (ulong(tgid.z) * p.num_heads + tgid.y) * p.seqlen_q + row;
+    const ulong r = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row);
     const float la = lse_a[r];
     const float lb = lse_b[r];
     const float m = max(la, lb);

@@ -172,8 +172,8 @@ typedef struct FlashAttentionParams {
 #define FA_SPLIT_MAX_QUERY_ROWS 8
 #define FA_SPLIT_MIN_CHUNK_KEYS 256
 #define FA_SPLIT_TARGET_THREADGROUPS 320
-// Threadgroup tiles of half are stored with rows padded by 8 halves (16 bytes), against bank
-// conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
+// Threadgroup tiles are stored with rows padded by 8 elements (16 bytes of half, 32 of float),
+// against bank conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
 #define FA_TILE_PAD 8
 
 // Head-dim buckets of the 2-byte dtypes (f16, bf16):

@@ -5,22 +5,22 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "7472559d0d23d5c5"
+    static let sourceHash = "8d6669f3cde7fe41"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
 // residual, dQ, dK/dV), on simdgroup_matrix tiles.
 //
 // Math: FlashAttention-2 (Dao, 2023). Operands: Q, K, V, O (out), L (lse), dO (dout), D (delta),
-// S = Q K^T, P = softmax(S), dP = dO V^T, dS = P (dP - D). Every exponential is exp2 of a
-// difference x - m (<= 0) times log2(e) (exp_of): the hardware's exp2, while scores, maxima and
-// lse stay in natural units.
+// S = Q K^T, P = softmax(S), dP = dO V^T, dS = P (dP - D). Every exponential of a score is exp2
+// of a difference x - m (<= 0) times log2(e) (exp_of): the hardware's exp2, while scores, maxima
+// and lse stay in natural units (the merges of lse values and dsinks use exp).
 //
 //   forward (Algorithm 1), one threadgroup per BQ query rows:
 //     load Q block; m = -inf, l = 0, O = 0
 //     for each K/V tile of BK keys that some row of the block sees:
-//       load K, V tiles; S = Q K^T (scaled); element masks only on tiles crossing the diagonal or
-//       the end; m' = max(m, rowmax S); P = exp(S - m'); l = l exp(m - m') + rowsum P;
+//       load K, V tiles; S = Q K^T (scaled, softcap, ALiBi, attn_mask); element masks only on
+//       tiles that a window, causal edge or the end crosses; m' = max(m, rowmax S); P = exp(S - m'); l = l exp(m - m') + rowsum P;
 //       O = O exp(m - m') + P V; m = m'
 //     out = O / l, lse = m + log l (a row that sees no key: out 0, lse -inf)
 //   backward_delta: D_i = rowsum(dO_i * O_i), once per row, in float32
@@ -236,8 +236,8 @@ typedef struct FlashAttentionParams {
 #define FA_SPLIT_MAX_QUERY_ROWS 8
 #define FA_SPLIT_MIN_CHUNK_KEYS 256
 #define FA_SPLIT_TARGET_THREADGROUPS 320
-// Threadgroup tiles of half are stored with rows padded by 8 halves (16 bytes), against bank
-// conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
+// Threadgroup tiles are stored with rows padded by 8 elements (16 bytes of half, 32 of float),
+// against bank conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
 #define FA_TILE_PAD 8
 
 // Head-dim buckets of the 2-byte dtypes (f16, bf16):
@@ -420,21 +420,21 @@ inline KeyRange key_range(constant FlashAttentionParams &p, uint row) {
 inline KeyRange row_range(constant FlashAttentionParams &p, uint key0, uint keys) {
     const long shift = long(p.seqlen_k) - long(p.seqlen_q);
     const long first = p.window_right < 0 ? 0 : long(key0) - shift - p.window_right;
-    const long end = p.window_left < 0 ? long(p.seqlen_q) : long(key0) + keys - 1 - shift + p.window_left + 1;
+    const long end = p.window_left < 0 ? long(p.seqlen_q) : long(key0) + keys - shift + p.window_left;
     KeyRange r;
     r.first = clamp_index(first, p.seqlen_q);
     r.end = clamp_index(end, p.seqlen_q);
     return r;
 }
 
-// Whether query `row` sees key `key` through the window; rows and keys past the end see nothing.
-// (A boolean attn_mask is applied separately.)
-inline bool in_window(constant FlashAttentionParams &p, uint row, uint key) {
-    if (row >= p.seqlen_q || key >= p.seqlen_k) {
-        return false;
+// The keys query `row` sees through the window; none for a row past the end (keys past the end
+// are outside every range). A boolean attn_mask is applied separately.
+inline KeyRange visible_keys(constant FlashAttentionParams &p, uint row) {
+    KeyRange r = key_range(p, row);
+    if (row >= p.seqlen_q) {
+        r.end = r.first;
     }
-    const KeyRange r = key_range(p, row);
-    return key >= r.first && key < r.end;
+    return r;
 }
 
 // Whether every pair of rows [row0, row0 + rows) x keys [key0, key0 + keys) exists, lies in the
@@ -510,9 +510,9 @@ inline float merge_normalizer(float weight_sum) {
     return weight_sum == 0.0f ? 0.0f : 1.0f / weight_sum;
 }
 
-// flash_attention_merge: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b), rows laid out
-// as fa_forward's out and lse for p (batch, num_heads, seqlen_q, head_dim; the other fields are
-// not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch), threadgroups
+// flash_attention_merge: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b), contiguous
+// rows of head_dim elements and their lse for p (batch, num_heads, seqlen_q, head_dim; the other
+// fields are not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch), threadgroups
 // of FA_MERGE_ROWS_PER_THREADGROUP * FA_MERGE_THREADS_PER_ROW threads; the threads of a row stride
 // over head_dim, so consecutive threads touch consecutive elements. No barriers, no SIMD-group
 // functions: every thread's work is independent.
@@ -524,7 +524,7 @@ inline void attention_merge(device const half *out_a, device const float *lse_a,
     if (row >= p.seqlen_q) {
         return;
     }
-    const ulong r = (ulong(tgid.z) * p.num_heads + tgid.y) * p.seqlen_q + row;
+    const ulong r = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row);
     const float la = lse_a[r];
     const float lb = lse_b[r];
     const float m = max(la, lb);
@@ -651,11 +651,12 @@ inline float exp_of(float x) {
 
 // ---- scores ----------------------------------------------------------------------------------
 
-// What shapes one lane's scores besides q . k: the ALiBi slope of its row's head and where its row of
-// attn_mask starts (flash_attention_params.h: FA_MASK_*).
+// What shapes one lane's scores besides q . k: the ALiBi slope of its row's head, where its row of
+// attn_mask starts (flash_attention_params.h: FA_MASK_*) and the keys its row sees.
 struct RowModifiers {
     float slope;
     ulong mask_row;
+    KeyRange keys;  // the keys the row sees through the window (visible_keys)
 };
 
 inline RowModifiers row_modifiers(constant FlashAttentionParams &p, device const float *alibi,
@@ -663,6 +664,7 @@ inline RowModifiers row_modifiers(constant FlashAttentionParams &p, device const
     RowModifiers m;
     m.slope = p.has_alibi != 0 ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
     m.mask_row = head_offset(p.mask, b, h) + ulong(row) * p.mask.seq;
+    m.keys = visible_keys(p, row);
     return m;
 }
 
@@ -674,15 +676,12 @@ template <typename T>
 inline float score(constant FlashAttentionParams &p, device const uchar *mask, float raw,
                     uint row, uint key, RowModifiers m, bool checked, thread float &t) {
     t = 0.0f;
-    if (checked && !in_window(p, row, key)) {
+    if (checked && !(key >= m.keys.first && key < m.keys.end)) {
         return -INFINITY;
     }
     const ulong at = m.mask_row + key;
     if (p.mask_type == FA_MASK_BOOL && mask[at] == 0) {
         return -INFINITY;
-    }
-    if (p.softcap == 0.0f && p.has_alibi == 0 && p.mask_type == FA_MASK_NONE) {
-        return raw * p.softmax_scale;
     }
     float x = raw * p.softmax_scale;
     if (p.softcap > 0.0f) {
@@ -714,11 +713,12 @@ inline float probability(float score, float lse, float residual) {
 
 // ---- forward ---------------------------------------------------------------------------------
 
-template <typename T, uint DP, uint BQ, uint BK>
+// Without WITH_V (the backward's lse residual pass: scores only) the V tile is a placeholder.
+template <typename T, uint DP, uint BQ, uint BK, bool WITH_V = true>
 struct ForwardStorage {
     T q[BQ][DP + FA_TILE_PAD];
     T k[BK][DP + FA_TILE_PAD];
-    T v[BK][DP + FA_TILE_PAD];
+    T v[WITH_V ? BK : 1][DP + FA_TILE_PAD];
     float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
 };
 
@@ -934,15 +934,8 @@ inline void attention_forward_split(device const T *q, device const T *k, device
     const float l = row_sum(r.l);
     if (valid) {
         const ulong index = partial_index(p, rows, b, kv_head, packed, chunk);
-        const float scale = l > 0.0f ? 1.0f / l : 0.0f;
-        for (uint d = 0; d < ND; ++d) {
-            for (uint e = 0; e < 2; ++e) {
-                const uint col = s.col0 + d * 8 + at.col + e;
-                if (col < p.head_dim_v) {
-                    partial_out[index * p.head_dim_v + col] = r.o.f[d].thread_elements()[e] * scale;
-                }
-            }
-        }
+        store_row(partial_out + index * p.head_dim_v, r.o, l > 0.0f ? 1.0f / l : 0.0f, p.head_dim_v, s,
+                  at);
         if (s.col0 == 0 && at.col == 0) {
             partial_lse[index] = row_lse(r.m, l);
         }
@@ -1075,6 +1068,7 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
         RowState<ND> r;
         start_rows(r, p.has_sinks != 0, p.has_sinks != 0 ? sinks[h] : 0.0f, at);
         for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
+            // (k stands in for the V that is not read.)
             forward_tile<DP, BQ, BK, ND, false>(r, tg, k + head_offset(p.k, b, kv_head), k, mask, p,
                                                 kv0, !tile_unmasked(p, q0, BQ, kv0, BK), row, mods,
                                                 s, at, sgid, tid);
@@ -1272,7 +1266,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         const uint h = kv_head * group + g;
         device const T *q_head = q + head_offset(p.q, b, h);
         device const T *dout_head = dout + head_offset(p.dout, b, h);
-        const float slope = p.has_alibi != 0 ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
+        // The head's slope and mask start; per element only the mask row moves.
+        const RowModifiers head_mods = row_modifiers(p, alibi, b, h, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
             load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
@@ -1308,9 +1303,9 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             for (uint j = 0; j < NQ; ++j) {
                 for (uint e = 0; e < 2; ++e) {
                     const uint i = j * 8 + at.col + e;
-                    RowModifiers mods;
-                    mods.slope = slope;
-                    mods.mask_row = head_offset(p.mask, b, h) + ulong(q0 + i) * p.mask.seq;
+                    RowModifiers mods = head_mods;
+                    mods.mask_row += ulong(q0 + i) * p.mask.seq;
+                    mods.keys = visible_keys(p, q0 + i);
                     float t;
                     const float x = score<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
                                               mods, masked, t);
@@ -1401,7 +1396,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         flash_attention_forward_##SUFFIX##_d##DP##_threadgroup;                                    \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
         flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup;                              \
-    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
+    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK, false>                                           \
         flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup;                      \
     typedef BackwardQueryStorage<T, DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>           \
         flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup;                                \

@@ -57,18 +57,8 @@ namespace metal {
         const float x = float(b);                                                                  \
         return bfloat(EXPR);                                                                       \
     }                                                                                              \
-    template <int N> vec<float, N> NAME(const vec<float, N> &v) {                                  \
-        vec<float, N> r;                                                                           \
-        for (int i = 0; i < N; ++i) r[i] = NAME(v[i]);                                            \
-        return r;                                                                                  \
-    }                                                                                              \
-    template <int N> vec<half, N> NAME(const vec<half, N> &v) {                                    \
-        vec<half, N> r;                                                                            \
-        for (int i = 0; i < N; ++i) r[i] = NAME(v[i]);                                            \
-        return r;                                                                                  \
-    }                                                                                              \
-    template <int N> vec<bfloat, N> NAME(const vec<bfloat, N> &v) {                                \
-        vec<bfloat, N> r;                                                                          \
+    template <class T, int N> vec<T, N> NAME(const vec<T, N> &v) {                                 \
+        vec<T, N> r;                                                                               \
         for (int i = 0; i < N; ++i) r[i] = NAME(v[i]);                                            \
         return r;                                                                                  \
     }
