@@ -115,14 +115,15 @@ public func _exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa
     withAutoreleasePool {
         do {
             let ctx = try context(handle)
-            let p = try Problem.validate(problem)
+            let descriptor = try Problem.descriptor(problem)
+            let p = try Problem.validate(descriptor)
             var buffers = HostBuffers()
             try buffers.bindInput(.q, required(q, "q"), for: p)
             try buffers.bindInput(.k, required(k, "k"), for: p)
             try buffers.bindInput(.v, required(v, "v"), for: p)
             try buffers.bindOutput(.out, required(out, "out"), for: p)
             try buffers.bindOutput(.lse, required(lse, "lse"), for: p)
-            try bindOptionalInputs(&buffers, try Problem.descriptor(problem), p)
+            try bindOptionalInputs(&buffers, descriptor, p)
             try ctx.run(DispatchPlan.forward(p), buffers: buffers)
             return FA_STATUS_SUCCESS
         } catch {
@@ -142,7 +143,8 @@ public func _exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<f
     withAutoreleasePool {
         do {
             let ctx = try context(handle)
-            let p = try Problem.validate(problem)
+            let descriptor = try Problem.descriptor(problem)
+            let p = try Problem.validate(descriptor)
             var buffers = HostBuffers()
             try buffers.bindInput(.dout, required(dout, "dout"), for: p)
             try buffers.bindInput(.q, required(q, "q"), for: p)
@@ -153,7 +155,6 @@ public func _exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<f
             try buffers.bindOutput(.dq, required(dq, "dq"), for: p)
             try buffers.bindOutput(.dk, required(dk, "dk"), for: p)
             try buffers.bindOutput(.dv, required(dv, "dv"), for: p)
-            let descriptor = try Problem.descriptor(problem)
             try bindOptionalInputs(&buffers, descriptor, p)
             if p.scores.hasSinks {
                 buffers.bindOutput(.dsinks, try required(descriptor.dsinks, "dsinks (sinks are given)"), for: p)

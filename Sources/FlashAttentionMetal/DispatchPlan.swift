@@ -56,17 +56,26 @@ enum BufferRole: Int, CaseIterable {
         }
     }
 
+    /// This buffer's layout in `problem`: a tensor's own, `out`'s for the merge's `outA` and `outB`,
+    /// the attention mask's (nil without a mask); nil for lse and the other float32 roles.
+    private func layout(in problem: Problem) -> TensorLayout? {
+        switch self {
+        case .outA, .outB: return problem.layouts[.out]
+        case .attnMask: return problem.scores.mask
+        default: return problem.layouts[self]
+        }
+    }
+
     /// Elements of this buffer for `problem`: for a tensor, the elements its layout spans from
     /// element [0][0][0][0] to the last one.
     func elementCount(for problem: Problem) -> Int {
         switch self {
-        case .q, .k, .v, .out, .dout, .dq, .dk, .dv: return problem.layouts[self]!.extent
-        case .outA, .outB: return problem.layouts[.out]!.extent
+        case .q, .k, .v, .out, .dout, .dq, .dk, .dv, .outA, .outB: return layout(in: problem)!.extent
         case .lse, .lseA, .lseB, .delta, .lseResidual: return problem.lseElements
         // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, so these products stay small.
-        case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDimV)
+        case .partialOut: return BufferRole.partialLse.elementCount(for: problem) * Int(problem.headDimV)
         case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
-        case .attnMask: return problem.scores.maskExtent
+        case .attnMask: return layout(in: problem)?.extent ?? 0
         case .alibiSlopes: return Int(problem.numHeads) * (problem.scores.alibiPerBatch ? Int(problem.batch) : 1)
         case .sinks, .dsinks: return Int(problem.numHeads)
         }
@@ -82,14 +91,12 @@ enum BufferRole: Int, CaseIterable {
     func elementOffset(batch: UInt32, kvHead: UInt32, in problem: Problem) -> Int {
         let b = Int(batch), kv = Int(kvHead), g = Int(problem.groupSize)
         switch self {
-        case .q, .out, .dout, .dq:
-            let s = problem.layouts[self]!.strides
-            return b * s.batch + kv * g * s.head
-        case .outA, .outB:
-            let s = problem.layouts[.out]!.strides
+        // The mask is bound only when the problem has one.
+        case .q, .out, .dout, .dq, .outA, .outB, .attnMask:
+            let s = layout(in: problem)!.strides
             return b * s.batch + kv * g * s.head
         case .k, .v, .dk, .dv:
-            let s = problem.layouts[self]!.strides
+            let s = layout(in: problem)!.strides
             return b * s.batch + kv * s.head
         case .lse, .delta, .lseResidual, .lseA, .lseB:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ)
@@ -97,11 +104,8 @@ enum BufferRole: Int, CaseIterable {
         case .partialLse:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
         case .partialOut:
-            return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
+            return BufferRole.partialLse.elementOffset(batch: batch, kvHead: kvHead, in: problem)
                 * Int(problem.headDimV)
-        case .attnMask:
-            let s = problem.scores.maskStrides
-            return b * s.batch + kv * g * s.head
         case .alibiSlopes:
             return (problem.scores.alibiPerBatch ? b * Int(problem.numHeads) : 0) + kv * g
         // dsinks is written only by the dispatch that runs once over the whole problem.

@@ -78,8 +78,6 @@ struct Problem {
     let bucket: FlashAttentionBucket
     /// Layouts of the eight tensors (their extents fit in `Int` bytes).
     let layouts: [BufferRole: TensorLayout]
-    /// Elements of lse (and of the delta workspace): batch * numHeads * seqlenQ.
-    let lseElements: Int
     /// The split-KV chunking of the forward pass, or nil for the dense forward.
     let split: KeyValueSplit?
     /// Window, softcap, mask, ALiBi and sinks.
@@ -91,7 +89,12 @@ struct Problem {
     /// Validates a C descriptor. `pointer` may be null; its `struct_size` is read first so that no
     /// byte past what the caller declared is read, and fields past it take their defaults.
     static func validate(_ pointer: UnsafePointer<fa_problem>?) throws -> Problem {
-        let p = try descriptor(pointer)
+        try validate(descriptor(pointer))
+    }
+
+    /// Validates a descriptor already read by `descriptor(_:)` (fields past the caller's
+    /// `struct_size` zero).
+    static func validate(_ p: fa_problem) throws -> Problem {
         guard p.causal <= 1 else {
             throw FlashAttentionError.invalidArgument("causal (\(p.causal)) must be 0 or 1")
         }
@@ -186,8 +189,8 @@ struct Problem {
     /// Memberwise: the checked initializer below and `slice` end here.
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
-                 bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], lseElements: Int,
-                 scores: ScoreSpec, split: KeyValueSplit?) {
+                 bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
+                 split: KeyValueSplit?) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -200,7 +203,6 @@ struct Problem {
         self.softmaxScale = softmaxScale
         self.bucket = bucket
         self.layouts = layouts
-        self.lseElements = lseElements
         self.scores = scores
         self.split = split
     }
@@ -255,32 +257,16 @@ struct Problem {
             }
             layouts[role] = layout
         }
-        let lse = try Problem.checkedCount([b, h, sq], bytesPerElement: 4, of: "lse")
+        // lse (and the delta workspace) must fit too; `lseElements` is then this product.
+        _ = try TensorLayout.checkedCount([b, h, sq], bytesPerElement: 4, of: "lse")
         let scores = try ScoreSpec(causal: causal, window: window, softcap: softcap, maskType: maskType,
                                    maskStrides: maskStrides, hasAlibi: hasAlibi, alibiPerBatch: alibiPerBatch,
                                    hasSinks: hasSinks, dims: (b, h, sq, sk))
         self.init(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
                   seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
-                  causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, lseElements: lse, scores: scores,
+                  causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
                   split: KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk),
                                        seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket))
-    }
-
-    /// The product of `factors`, checked so that the byte size of a buffer of that many elements
-    /// fits in `Int` (pointer arithmetic on the host and 64-bit offsets in the kernels).
-    private static func checkedCount(_ factors: [Int], bytesPerElement: Int, of name: String) throws -> Int {
-        var count = 1
-        for factor in factors {
-            let (product, overflow) = count.multipliedReportingOverflow(by: factor)
-            guard !overflow else {
-                throw FlashAttentionError.invalidArgument("\(name) has more elements than fit in a 64-bit size")
-            }
-            count = product
-        }
-        guard !count.multipliedReportingOverflow(by: bytesPerElement).overflow else {
-            throw FlashAttentionError.invalidArgument("\(name) (\(count) elements) has more bytes than fit in a 64-bit size")
-        }
-        return count
     }
 
     /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their
@@ -300,10 +286,12 @@ struct Problem {
         return Problem(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(kv), seqlenQ: seqlenQ,
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
-                       lseElements: b * h * Int(seqlenQ),
-                       scores: scores.slice(batch: b, heads: h, seqlenQ: Int(seqlenQ), seqlenK: Int(seqlenK)),
+                       scores: scores.slice(batch: b, heads: h),
                        split: split)
     }
+
+    /// Elements of lse (and of the delta workspace): batch * numHeads * seqlenQ (checked by validation).
+    var lseElements: Int { Int(batch) * Int(numHeads) * Int(seqlenQ) }
 
     /// Query heads per KV head (the GQA group).
     var groupSize: UInt32 { numHeads / numKVHeads }
@@ -314,19 +302,12 @@ struct Problem {
         return FlashAttentionParams(
             q: strides(.q), k: strides(.k), v: strides(.v), out: strides(.out), dout: strides(.dout),
             dq: strides(.dq), dk: strides(.dk), dv: strides(.dv),
-            mask: FlashAttentionStrides(batch: UInt64(scores.maskStrides.batch), head: UInt64(scores.maskStrides.head),
-                                        seq: UInt64(scores.maskStrides.seq)),
+            mask: scores.mask?.params ?? FlashAttentionStrides(batch: 0, head: 0, seq: 0),
             alibi_batch_stride: scores.alibiPerBatch ? UInt64(numHeads) : 0,
             batch: batch, num_heads: numHeads, num_kv_heads: numKVHeads, seqlen_q: seqlenQ, seqlen_k: seqlenK,
             head_dim: headDim, head_dim_v: headDimV, causal: causal ? 1 : 0, window_left: scores.windowLeft,
             window_right: scores.windowRight, softmax_scale: softmaxScale, softcap: scores.softcap,
             mask_type: scores.maskType, has_alibi: scores.hasAlibi ? 1 : 0, has_sinks: scores.hasSinks ? 1 : 0,
             kv_chunks: split?.chunks ?? 1, kv_chunk_keys: split?.chunkKeys ?? seqlenK)
-    }
-
-    /// The Swift shape of this problem.
-    var shape: AttentionShape {
-        AttentionShape(batch: Int(batch), numHeads: Int(numHeads), numKVHeads: Int(numKVHeads),
-                       seqlenQ: Int(seqlenQ), seqlenK: Int(seqlenK), headDim: Int(headDim), headDimV: Int(headDimV))
     }
 }

@@ -47,16 +47,15 @@ struct ScoreSpec: Equatable {
     var windowLeft: Int32 = -1
     var windowRight: Int32 = -1
     var softcap: Float = 0
-    /// FA_MASK_* kind and the mask's layout (elements it spans from element 0).
+    /// FA_MASK_* kind and the mask's layout over `[batch][heads][seqlenQ][seqlenK]` (nil for none).
     var maskType: UInt32 = UInt32(FA_MASK_NONE)
-    var maskStrides = TensorStrides(batch: 0, head: 0, seq: 0)
-    var maskExtent = 0
+    var mask: TensorLayout?
     var alibiPerBatch = false
     var hasAlibi = false
     var hasSinks = false
 
-    /// Checks the modifiers for a problem of the given sizes; `maskElementSize` is the mask's
-    /// element size in bytes (it follows its type and the dtype).
+    /// Checks the modifiers for a problem of the given sizes; `maskStrides` matter only when
+    /// `maskType` is not `FA_MASK_NONE`.
     init(causal: Bool, window: (left: Int, right: Int)?, softcap: Float, maskType: UInt32,
          maskStrides: TensorStrides, hasAlibi: Bool, alibiPerBatch: Bool, hasSinks: Bool,
          dims: (batch: Int, heads: Int, seqlenQ: Int, seqlenK: Int)) throws {
@@ -81,23 +80,9 @@ struct ScoreSpec: Equatable {
         }
         self.maskType = maskType
         if maskType != UInt32(FA_MASK_NONE) {
-            let axes = [("batch", maskStrides.batch, dims.batch), ("head", maskStrides.head, dims.heads),
-                        ("seq", maskStrides.seq, dims.seqlenQ)]
-            var extent = dims.seqlenK
-            for (axis, stride, count) in axes {
-                guard stride >= 0 else {
-                    throw FlashAttentionError.invalidArgument(
-                        "attn_mask strides: the \(axis) stride (\(stride)) must not be negative (0 broadcasts)")
-                }
-                let (span, overflow) = stride.multipliedReportingOverflow(by: count - 1)
-                let (sum, overflowSum) = extent.addingReportingOverflow(span)
-                guard !overflow, !overflowSum, !sum.multipliedReportingOverflow(by: 4).overflow else {
-                    throw FlashAttentionError.invalidArgument("attn_mask spans more elements than fit in a 64-bit size")
-                }
-                extent = sum
-            }
-            self.maskStrides = maskStrides
-            maskExtent = extent
+            mask = try TensorLayout("attn_mask", strides: maskStrides,
+                                    dims: (dims.batch, dims.heads, dims.seqlenQ, dims.seqlenK), written: false,
+                                    broadcast: true)
         }
         self.hasAlibi = hasAlibi
         self.alibiPerBatch = alibiPerBatch
@@ -108,12 +93,9 @@ struct ScoreSpec: Equatable {
 
     /// The same modifiers over the first `batch` entries and `heads` heads (a piece of a split
     /// plan): the mask spans less.
-    func slice(batch: Int, heads: Int, seqlenQ: Int, seqlenK: Int) -> ScoreSpec {
+    func slice(batch: Int, heads: Int) -> ScoreSpec {
         var sliced = self
-        if maskType != UInt32(FA_MASK_NONE) {
-            sliced.maskExtent = (batch - 1) * maskStrides.batch + (heads - 1) * maskStrides.head
-                + (seqlenQ - 1) * maskStrides.seq + seqlenK
-        }
+        sliced.mask = mask?.slice(batch: batch, heads: heads)
         return sliced
     }
 }

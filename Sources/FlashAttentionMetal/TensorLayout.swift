@@ -19,15 +19,6 @@ public enum AttentionDType: UInt32, CaseIterable, Sendable {
         case .float32: return "f32"
         }
     }
-
-    /// The C name, for messages.
-    var cName: String {
-        switch self {
-        case .float16: return "FA_DTYPE_FLOAT16"
-        case .bfloat16: return "FA_DTYPE_BFLOAT16"
-        case .float32: return "FA_DTYPE_FLOAT32"
-        }
-    }
 }
 
 /// Element strides of a `[batch][heads][seqlen][headDim]` tensor whose last axis is contiguous:
@@ -64,33 +55,34 @@ struct TensorLayout: Equatable {
     }
 
     /// Checks `strides` (nil: contiguous) for a tensor of `dims` = (batch, heads, seqlen, cols).
-    /// Strides must be positive; a tensor the call writes (`written`) must not overlap itself: once
-    /// the axes are sorted by stride, each stride must step over everything the smaller axes span.
-    init(_ name: String, strides given: TensorStrides?, dims: (Int, Int, Int, Int), written: Bool) throws {
+    /// Strides must be positive, or, for a `broadcast` input (the attention mask, whose elements
+    /// are at most 4 bytes), not negative: a zero stride repeats that axis. A tensor the call writes
+    /// (`written`) must not overlap itself: once the axes are sorted by stride, each stride must
+    /// step over everything the smaller axes span.
+    init(_ name: String, strides given: TensorStrides?, dims: (Int, Int, Int, Int), written: Bool,
+         broadcast: Bool = false) throws {
         let (batch, heads, seqlen, cols) = dims
         if given == nil {
-            var count = 1
-            for factor in [batch, heads, seqlen, cols] {
-                let (product, overflow) = count.multipliedReportingOverflow(by: factor)
-                guard !overflow else {
-                    throw FlashAttentionError.invalidArgument("\(name) has more elements than fit in a 64-bit size")
-                }
-                count = product
-            }
+            _ = try TensorLayout.checkedCount([batch, heads, seqlen, cols], of: name)
         }
         let strides = given ?? .contiguous(heads: heads, seqlen: seqlen, cols: cols)
         let axes = [("batch", strides.batch, batch), ("head", strides.head, heads), ("seq", strides.seq, seqlen)]
         var extent = cols
         for (axis, stride, count) in axes {
-            guard stride >= 1 else {
-                throw FlashAttentionError.invalidArgument(
-                    "\(name) strides: the \(axis) stride (\(stride)) must be at least 1 (or all three strides 0 "
+            guard stride >= (broadcast ? 0 : 1) else {
+                throw FlashAttentionError.invalidArgument(broadcast
+                    ? "\(name) strides: the \(axis) stride (\(stride)) must not be negative (0 broadcasts)"
+                    : "\(name) strides: the \(axis) stride (\(stride)) must be at least 1 (or all three strides 0 "
                         + "for the contiguous layout)")
             }
             let (span, overflow) = stride.multipliedReportingOverflow(by: count - 1)
             let (sum, overflowSum) = extent.addingReportingOverflow(span)
-            guard !overflow, !overflowSum else {
-                throw FlashAttentionError.invalidArgument("\(name) has more elements than fit in a 64-bit size")
+            // The caller checks a tensor's bytes with its dtype; a broadcast input's (4 bytes at
+            // most) are checked here.
+            guard !overflow, !overflowSum, !(broadcast && sum.multipliedReportingOverflow(by: 4).overflow) else {
+                throw FlashAttentionError.invalidArgument(broadcast
+                    ? "\(name) spans more elements than fit in a 64-bit size"
+                    : "\(name) has more elements than fit in a 64-bit size")
             }
             extent = sum
         }
@@ -109,6 +101,23 @@ struct TensorLayout: Equatable {
         self.extent = extent
         self.rows = (batch, heads, seqlen)
         self.cols = cols
+    }
+
+    /// The product of `factors`, checked so that the byte size of a buffer of that many elements
+    /// fits in `Int` (pointer arithmetic on the host and 64-bit offsets in the kernels).
+    static func checkedCount(_ factors: [Int], bytesPerElement: Int = 1, of name: String) throws -> Int {
+        var count = 1
+        for factor in factors {
+            let (product, overflow) = count.multipliedReportingOverflow(by: factor)
+            guard !overflow else {
+                throw FlashAttentionError.invalidArgument("\(name) has more elements than fit in a 64-bit size")
+            }
+            count = product
+        }
+        guard !count.multipliedReportingOverflow(by: bytesPerElement).overflow else {
+            throw FlashAttentionError.invalidArgument("\(name) (\(count) elements) has more bytes than fit in a 64-bit size")
+        }
+        return count
     }
 
     /// The same strides over the first `batch` entries and `heads` heads: the part a piece of a
