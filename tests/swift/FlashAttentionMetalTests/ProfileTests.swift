@@ -16,8 +16,8 @@ final class ProfileTests: XCTestCase {
         func values(_ count: Int, _ salt: Int) -> [Float16] {
             (0..<count).map { Float16(Float(($0 * 37 + salt * 11 + seed) % 23) / 11 - 1) }
         }
-        return (values(shape.queryElementCount, 1), values(shape.keyValueElementCount, 2),
-                values(shape.keyValueElementCount, 3))
+        return (values(shape.queryElementCount, 1), values(shape.keyElementCount, 2),
+                values(shape.valueElementCount, 3))
     }
 
     private func forwardProfile(_ attention: FlashAttention, _ shape: AttentionShape, causal: Bool = false) throws
