@@ -61,9 +61,14 @@ def test_regenerated_fixture_matches_the_committed_one(model, committed):
     assert sorted(fresh) == sorted(committed)
     for key, array in fresh.items():
         if array.dtype.kind == "f":
-            # Another BLAS may round float32 products differently, flipping a float16 rounding.
-            np.testing.assert_allclose(array.astype(np.float32), committed[key].astype(np.float32),
-                                       rtol=2e-3, atol=2e-3, err_msg=key)
+            # Another BLAS (or OpenBLAS kernel for another CPU) rounds float32 products differently;
+            # each flipped float16 rounding is carried through the later layers (seen: up to 1.1e-3
+            # of an array's largest magnitude at layer 29). Provenance holds within 4 float16 ulps
+            # at that magnitude (2^-8 of it); another model or prompt differs by O(1).
+            fresh_values = array.astype(np.float64)
+            stored = committed[key].astype(np.float64)
+            assert fresh_values.shape == stored.shape, key
+            assert np.abs(fresh_values - stored).max() <= 2.0**-8 * np.abs(stored).max(), key
         else:
             np.testing.assert_array_equal(array, committed[key], err_msg=key)
 
