@@ -52,6 +52,7 @@
 using namespace metal;
 
 #include "flash_attention_params.h"
+#include "flash_attention_features.h"
 #include "flash_attention_fragment.h"
 #include "flash_attention_blocks.h"
 #include "flash_attention_merge.h"
@@ -174,7 +175,7 @@ struct RowModifiers {
 inline RowModifiers row_modifiers(constant FlashAttentionParams &p, device const float *alibi,
                                   uint b, uint h, uint row) {
     RowModifiers m;
-    m.slope = p.has_alibi != 0 ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
+    m.slope = alibi_on(p) ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
     m.mask_row = head_offset(p.mask, b, h) + ulong(row) * p.mask.seq;
     m.keys = visible_keys(p, row);
     return m;
@@ -192,20 +193,20 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
         return -INFINITY;
     }
     const ulong at = m.mask_row + key;
-    if (p.mask_type == FA_MASK_BOOL && mask[at] == 0) {
+    if (mask_type_of(p) == FA_MASK_BOOL && mask[at] == 0) {
         return -INFINITY;
     }
     float x = raw * p.softmax_scale;
-    if (p.softcap > 0.0f) {
+    if (softcap_on(p)) {
         t = tanh(x / p.softcap);
         x = p.softcap * t;
     }
-    if (p.has_alibi != 0) {
+    if (alibi_on(p)) {
         x -= m.slope * abs(float(long(row) + long(p.seqlen_k) - long(p.seqlen_q) - long(key)));
     }
-    if (p.mask_type == FA_MASK_ADDITIVE) {
+    if (mask_type_of(p) == FA_MASK_ADDITIVE) {
         x += float(((device const T *)mask)[at]);
-    } else if (p.mask_type == FA_MASK_ADDITIVE_F32) {
+    } else if (mask_type_of(p) == FA_MASK_ADDITIVE_F32) {
         x += ((device const float *)mask)[at];
     }
     return x;
@@ -214,7 +215,7 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
 // dS with respect to softmax_scale * q . k from dS with respect to the final score: the softcap
 // multiplies it by d(c tanh(x / c))/dx = 1 - tanh^2.
 inline float through_softcap(constant FlashAttentionParams &p, float ds, float t) {
-    return p.softcap > 0.0f ? ds * (1.0f - t * t) : ds;
+    return softcap_on(p) ? ds * (1.0f - t * t) : ds;
 }
 
 // P = exp((score - lse) - residual) (backward_lse_residual); 0 for a hidden pair (whose score is
@@ -337,7 +338,7 @@ inline void attention_forward(device const T *q, device const T *k, device const
 
     load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
     RowState<ND> r;
-    start_rows(r, p.has_sinks != 0, p.has_sinks != 0 ? sinks[h] : 0.0f, at);
+    start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
                                  v + head_offset(p.v, b, kv_head), mask, p, kv0,
@@ -465,7 +466,7 @@ inline void attention_forward_combine(device const float *partial_out,
                                       device T *out, device float *lse,
                                       constant FlashAttentionParams &p, uint3 tgid, uint tid) {
     const ulong first = (ulong(tgid.z) * p.num_heads + tgid.y) * p.kv_chunks * p.seqlen_q + tgid.x;
-    const float sink = p.has_sinks != 0 ? sinks[tgid.y] : -INFINITY;
+    const float sink = sinks_on(p) ? sinks[tgid.y] : -INFINITY;
     float top = sink;
     for (uint c = 0; c < p.kv_chunks; ++c) {
         top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
@@ -578,7 +579,7 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
         const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
         load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
         RowState<ND> r;
-        start_rows(r, p.has_sinks != 0, p.has_sinks != 0 ? sinks[h] : 0.0f, at);
+        start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
         for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
             // (k stands in for the V that is not read.)
             forward_tile<DP, BQ, BK, ND, false>(r, tg, k + head_offset(p.k, b, kv_head), k, mask, p,

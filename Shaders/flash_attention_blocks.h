@@ -66,7 +66,7 @@ inline KeyRange visible_keys(constant FlashAttentionParams &p, uint row) {
 // every thread of a threadgroup.
 inline bool tile_unmasked(constant FlashAttentionParams &p, uint row0, uint rows, uint key0,
                           uint keys) {
-    if (p.mask_type == FA_MASK_BOOL || ulong(row0) + rows > p.seqlen_q ||
+    if (mask_type_of(p) == FA_MASK_BOOL || ulong(row0) + rows > p.seqlen_q ||
         ulong(key0) + keys > p.seqlen_k) {
         return false;
     }

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "8d6669f3cde7fe41"
+    static let sourceHash = "31b82d3100a01e6c"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -278,6 +278,19 @@ typedef struct FlashAttentionParams {
 
 #endif
 // ---- end flash_attention_params.h ----
+// ---- begin flash_attention_features.h (spliced by tools/embed_shaders.py) ----
+// The score features of a call (flash_attention_params.h: mask_type, softcap, has_alibi,
+// has_sinks), read by the kernels only through these functions, so how a kernel learns them
+// (a field of the parameter struct, or a value fixed when its pipeline is built) is decided here.
+
+inline uint mask_type_of(constant FlashAttentionParams &p) { return p.mask_type; }
+
+inline bool softcap_on(constant FlashAttentionParams &p) { return p.softcap > 0.0f; }
+
+inline bool alibi_on(constant FlashAttentionParams &p) { return p.has_alibi != 0; }
+
+inline bool sinks_on(constant FlashAttentionParams &p) { return p.has_sinks != 0; }
+// ---- end flash_attention_features.h ----
 // ---- begin flash_attention_fragment.h (spliced by tools/embed_shaders.py) ----
 // The 8x8 fragment layer of the kernels: simdgroup_float8x8 values, the lane mapping Apple GPUs
 // use for them, loads from threadgroup tiles of half, and reductions over a fragment row.
@@ -442,7 +455,7 @@ inline KeyRange visible_keys(constant FlashAttentionParams &p, uint row) {
 // every thread of a threadgroup.
 inline bool tile_unmasked(constant FlashAttentionParams &p, uint row0, uint rows, uint key0,
                           uint keys) {
-    if (p.mask_type == FA_MASK_BOOL || ulong(row0) + rows > p.seqlen_q ||
+    if (mask_type_of(p) == FA_MASK_BOOL || ulong(row0) + rows > p.seqlen_q ||
         ulong(key0) + keys > p.seqlen_k) {
         return false;
     }
@@ -662,7 +675,7 @@ struct RowModifiers {
 inline RowModifiers row_modifiers(constant FlashAttentionParams &p, device const float *alibi,
                                   uint b, uint h, uint row) {
     RowModifiers m;
-    m.slope = p.has_alibi != 0 ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
+    m.slope = alibi_on(p) ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
     m.mask_row = head_offset(p.mask, b, h) + ulong(row) * p.mask.seq;
     m.keys = visible_keys(p, row);
     return m;
@@ -680,20 +693,20 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
         return -INFINITY;
     }
     const ulong at = m.mask_row + key;
-    if (p.mask_type == FA_MASK_BOOL && mask[at] == 0) {
+    if (mask_type_of(p) == FA_MASK_BOOL && mask[at] == 0) {
         return -INFINITY;
     }
     float x = raw * p.softmax_scale;
-    if (p.softcap > 0.0f) {
+    if (softcap_on(p)) {
         t = tanh(x / p.softcap);
         x = p.softcap * t;
     }
-    if (p.has_alibi != 0) {
+    if (alibi_on(p)) {
         x -= m.slope * abs(float(long(row) + long(p.seqlen_k) - long(p.seqlen_q) - long(key)));
     }
-    if (p.mask_type == FA_MASK_ADDITIVE) {
+    if (mask_type_of(p) == FA_MASK_ADDITIVE) {
         x += float(((device const T *)mask)[at]);
-    } else if (p.mask_type == FA_MASK_ADDITIVE_F32) {
+    } else if (mask_type_of(p) == FA_MASK_ADDITIVE_F32) {
         x += ((device const float *)mask)[at];
     }
     return x;
@@ -702,7 +715,7 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
 // dS with respect to softmax_scale * q . k from dS with respect to the final score: the softcap
 // multiplies it by d(c tanh(x / c))/dx = 1 - tanh^2.
 inline float through_softcap(constant FlashAttentionParams &p, float ds, float t) {
-    return p.softcap > 0.0f ? ds * (1.0f - t * t) : ds;
+    return softcap_on(p) ? ds * (1.0f - t * t) : ds;
 }
 
 // P = exp((score - lse) - residual) (backward_lse_residual); 0 for a hidden pair (whose score is
@@ -825,7 +838,7 @@ inline void attention_forward(device const T *q, device const T *k, device const
 
     load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
     RowState<ND> r;
-    start_rows(r, p.has_sinks != 0, p.has_sinks != 0 ? sinks[h] : 0.0f, at);
+    start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
                                  v + head_offset(p.v, b, kv_head), mask, p, kv0,
@@ -953,7 +966,7 @@ inline void attention_forward_combine(device const float *partial_out,
                                       device T *out, device float *lse,
                                       constant FlashAttentionParams &p, uint3 tgid, uint tid) {
     const ulong first = (ulong(tgid.z) * p.num_heads + tgid.y) * p.kv_chunks * p.seqlen_q + tgid.x;
-    const float sink = p.has_sinks != 0 ? sinks[tgid.y] : -INFINITY;
+    const float sink = sinks_on(p) ? sinks[tgid.y] : -INFINITY;
     float top = sink;
     for (uint c = 0; c < p.kv_chunks; ++c) {
         top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
@@ -1066,7 +1079,7 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
         const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
         load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
         RowState<ND> r;
-        start_rows(r, p.has_sinks != 0, p.has_sinks != 0 ? sinks[h] : 0.0f, at);
+        start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
         for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
             // (k stands in for the V that is not read.)
             forward_tile<DP, BQ, BK, ND, false>(r, tg, k + head_offset(p.k, b, kv_head), k, mask, p,
