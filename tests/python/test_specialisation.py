@@ -1,8 +1,9 @@
-"""The kernels' features as function constants compiled in (Shaders/flash_attention_features.h,
-docs/specialisation.md): the source accepts the prelude that hosts without function constants put
-before it (PyTorch's compile_shader), and a kernel compiled with a feature off holds none of its
-code. Checked with clang's C++ for OpenCL compile of tools/check_address_spaces.py, the compiler
-next to Apple's that this machine has."""
+"""The kernels' features as function constants (Shaders/flash_attention_features.h,
+docs/specialisation.md): every kernel references exactly the constants the plan gives its
+dispatches (Metal refuses a pipeline whose kernel references one without a value, whether or not it
+runs that code); the source accepts the prelude that hosts without function constants put before it
+(PyTorch's compile_shader); and a kernel compiled with a feature off holds none of its code.
+Checked in clang's LLVM IR of the C++ for OpenCL compile of tools/check_address_spaces.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,12 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+import flash_attention_metal as fam
+
+from conftest import make_inputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHECK = ROOT / "tools" / "check_address_spaces.py"
@@ -53,11 +59,76 @@ def clang() -> str:
     return found
 
 
-def optimised_ir(clang: str, source: pathlib.Path) -> str:
-    command = check_address_spaces.clang_command(clang, source, "-O2", "-S", "-emit-llvm", "-o", "-")
+def ir(clang: str, source: pathlib.Path, *flags: str) -> str:
+    command = check_address_spaces.clang_command(clang, source, *flags, "-S", "-emit-llvm", "-o", "-")
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     return result.stdout
+
+
+def optimised_ir(clang: str, source: pathlib.Path) -> str:
+    return ir(clang, source, "-O2")
+
+
+FUNCTION = re.compile(r"^define [^@]*@\"?([\w.$]+)\"?\(.*?^}", re.MULTILINE | re.DOTALL)
+CONSTANT = re.compile(r"@(fa_mask_type|fa_has_softcap|fa_has_alibi|fa_has_sinks)\b")
+CALL = re.compile(r"\bcall [^@\n]*@\"?([\w.$]+)\"?\(")
+SUFFIX = re.compile(r"_(f16|bf16|f32)(_d\d+)?$")
+
+
+def referenced_constants(module: str) -> dict[str, set[str]]:
+    """For each kernel of the IR, the function constants it or any function it calls references."""
+    bodies = {match.group(1): match.group(0) for match in FUNCTION.finditer(module)}
+    direct = {name: set(CONSTANT.findall(body)) for name, body in bodies.items()}
+    calls = {name: set(CALL.findall(body)) & bodies.keys() for name, body in bodies.items()}
+    closure = {}
+    for kernel, body in bodies.items():
+        if "spir_kernel" not in body.split("\n", 1)[0]:
+            continue
+        seen, todo = set(), [kernel]
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo.extend(calls[name])
+        closure[kernel] = set().union(*(direct[name] for name in seen))
+    return closure
+
+
+def planned_constants(ctx) -> dict[str, set[str]]:
+    """Per kernel family (a name without dtype and bucket), the constants the plan gives it: read
+    from the profiles of a forward, a backward with every feature, a decode forward and a merge."""
+    rng = np.random.default_rng(5)
+    planned = {}
+
+    def record():
+        for d in ctx.last_profile.dispatches:
+            planned.setdefault(SUFFIX.sub("", d.kernel), set()).update(d.specialization)
+
+    q, k, v, dout = make_inputs(50, 1, 2, 1, 24, 40, 16)
+    options = dict(softcap=20.0, alibi_slopes=np.array([0.5, 0.25], np.float32),
+                   sinks=np.array([0.0, 1.0], np.float32), attn_mask=rng.random((1, 1, 24, 40)) > 0.3)
+    out, lse = ctx.forward(q, k, v, **options)
+    record()
+    ctx.backward(dout, q, k, v, out, lse, **options)
+    record()
+    q, k, v, _ = make_inputs(51, 1, 2, 1, 1, 600, 16)
+    ctx.forward(q, k, v)
+    record()
+    ctx.merge_attention(out, lse, out, lse)
+    record()
+    return planned
+
+
+def test_each_kernel_references_exactly_the_constants_its_dispatches_get(clang, ctx):
+    planned = planned_constants(ctx)
+    assert {"flash_attention_forward_split", "flash_attention_forward_combine", "flash_attention_backward_dsinks",
+            "flash_attention_merge"} <= planned.keys(), sorted(planned)
+    referenced = referenced_constants(ir(clang, ROOT / "Shaders" / "flash_attention.metal"))
+    families = {SUFFIX.sub("", kernel) for kernel in referenced}
+    assert families == planned.keys(), "every kernel family is planned and exists"
+    for kernel, constants in sorted(referenced.items()):
+        assert constants == planned[SUFFIX.sub("", kernel)], kernel
 
 
 def test_every_kernel_compiles_after_the_prelude(tmp_path):
