@@ -81,6 +81,29 @@ typedef struct FlashAttentionParams {
 #define FA_MASK_ADDITIVE 2  // the call's dtype, added to the scores
 #define FA_MASK_ADDITIVE_F32 3
 
+// Function constants: the score features that choose a kernel's code path are fixed when its
+// pipeline is built (MSL `constant T name [[function_constant(index)]]`, set with
+// MTLFunctionConstantValues), so the common path has no per-element test of them. The kernels read
+// them only through flash_attention_features.h.
+// X(INDEX, TYPE, NAME, VALUE): constant NAME of MSL type TYPE (bool or uint) at INDEX; its value for
+// a call is VALUE, an expression of that call's FlashAttentionParams `p` (a bool's is 0 or 1). The
+// dispatch plan gives each dispatch the constants its kernel reads (DispatchPlan.swift); the CPU
+// engine and the CUDA check build take them per dispatch; hosts that cannot set function constants
+// prepend `#define FA_FUNCTION_CONSTANTS_PREDEFINED 1` and `constant TYPE NAME = value;` lines.
+#define FA_FUNCTION_CONSTANT_MASK_TYPE 0
+#define FA_FUNCTION_CONSTANT_SOFTCAP 1
+#define FA_FUNCTION_CONSTANT_ALIBI 2
+#define FA_FUNCTION_CONSTANT_SINKS 3
+#define FA_FUNCTION_CONSTANT_COUNT 4
+#define FA_FUNCTION_CONSTANTS(X)                                                                   \
+    X(FA_FUNCTION_CONSTANT_MASK_TYPE, uint, fa_mask_type, (p).mask_type)                           \
+    X(FA_FUNCTION_CONSTANT_SOFTCAP, bool, fa_has_softcap, (p).softcap > 0.0f)                      \
+    X(FA_FUNCTION_CONSTANT_ALIBI, bool, fa_has_alibi, (p).has_alibi != 0)                          \
+    X(FA_FUNCTION_CONSTANT_SINKS, bool, fa_has_sinks, (p).has_sinks != 0)
+// How C and Swift name the two MSL types a constant can have.
+#define FA_FUNCTION_CONSTANT_TYPE_bool 0
+#define FA_FUNCTION_CONSTANT_TYPE_uint 1
+
 // Buffer indices: forward. The optional inputs (attn_mask, alibi_slopes, sinks) are bound to a
 // placeholder buffer when absent; the kernels read them only when params say they exist.
 #define FA_FORWARD_BUFFER_Q 0

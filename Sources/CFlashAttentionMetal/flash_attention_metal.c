@@ -67,6 +67,32 @@ int fa_bucket_for_head_dim(uint32_t dtype, uint32_t head_dim, FlashAttentionBuck
     return 0;
 }
 
+#define FA_CONSTANT_ROW(INDEX, TYPE, NAME, VALUE) [INDEX] = {#NAME, #TYPE, FA_FUNCTION_CONSTANT_TYPE_##TYPE},
+static const FlashAttentionFunctionConstant function_constants[] = {FA_FUNCTION_CONSTANTS(FA_CONSTANT_ROW)};
+#undef FA_CONSTANT_ROW
+#define FA_CONSTANT_ONE(INDEX, TYPE, NAME, VALUE) +1
+_Static_assert(sizeof function_constants / sizeof function_constants[0] == FA_FUNCTION_CONSTANT_COUNT &&
+                   0 FA_FUNCTION_CONSTANTS(FA_CONSTANT_ONE) == FA_FUNCTION_CONSTANT_COUNT,
+               "FA_FUNCTION_CONSTANTS must number its constants 0 ... FA_FUNCTION_CONSTANT_COUNT - 1");
+#undef FA_CONSTANT_ONE
+
+int fa_function_constant(uint32_t index, FlashAttentionFunctionConstant *constant) {
+    if (index >= FA_FUNCTION_CONSTANT_COUNT) return 0;
+    *constant = function_constants[index];
+    return 1;
+}
+
+uint32_t fa_function_constant_value(uint32_t index, const FlashAttentionParams *params) {
+    const FlashAttentionParams p = *params;
+    switch (index) {
+#define FA_CONSTANT_CASE(INDEX, TYPE, NAME, VALUE) \
+    case INDEX: return (uint32_t)(VALUE);
+        FA_FUNCTION_CONSTANTS(FA_CONSTANT_CASE)
+#undef FA_CONSTANT_CASE
+    }
+    return 0;
+}
+
 _Static_assert(FA_DTYPE_FLOAT16 == FA_DTYPE_F16 && FA_DTYPE_BFLOAT16 == FA_DTYPE_BF16 &&
                    FA_DTYPE_FLOAT32 == FA_DTYPE_F32,
                "fa_dtype and the kernels' dtype numbers must agree");

@@ -176,6 +176,15 @@ private func checkStructSize<T>(_ pointer: UnsafeMutablePointer<T>, _ name: Stri
     }
 }
 
+/// Writes `text` into the C char array `field` as a NUL-terminated string, truncated to fit.
+private func copyCString<Field>(_ text: String, to field: inout Field) {
+    withUnsafeMutableBytes(of: &field) { bytes in
+        let utf8 = Array(text.utf8.prefix(bytes.count - 1))
+        bytes.copyBytes(from: utf8)
+        bytes[utf8.count] = 0
+    }
+}
+
 /// fa_context_last_profile: see flash_attention_metal.h.
 @_cdecl("fa_context_last_profile")
 public func _exportContextLastProfile(_ handle: OpaquePointer?, _ profile: UnsafeMutablePointer<fa_profile>?)
@@ -217,11 +226,8 @@ public func _exportContextLastProfileDispatch(_ handle: OpaquePointer?, _ index:
         out.pointee.simdgroup_multiply_accumulates = d.simdgroupMultiplyAccumulates ?? .max
         out.pointee.threadgroup_barriers = d.threadgroupBarriers ?? .max
         out.pointee.seconds = d.seconds ?? .nan
-        withUnsafeMutableBytes(of: &out.pointee.kernel_name) { name in
-            let utf8 = Array(d.kernelName.utf8.prefix(name.count - 1))
-            name.copyBytes(from: utf8)
-            name[utf8.count] = 0
-        }
+        copyCString(d.kernelName, to: &out.pointee.kernel_name)
+        copyCString(SpecializationConstant.text(d.specialization), to: &out.pointee.specialization)
         return FA_STATUS_SUCCESS
     } catch {
         return report(error)

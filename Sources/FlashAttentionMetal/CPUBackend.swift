@@ -6,6 +6,16 @@ import Darwin
 import CFlashAttentionMetal
 import MSLEngine
 
+extension SpecializationType {
+    /// The engine's name for the type.
+    var engineType: msl_engine_constant_type {
+        switch self {
+        case .bool: return MSL_ENGINE_CONSTANT_BOOL
+        case .uint32: return MSL_ENGINE_CONSTANT_UINT
+        }
+    }
+}
+
 /// Runs the plan on the CPU engine, which executes the same `Shaders/flash_attention.metal` source
 /// with Metal's threadgroup semantics (see Sources/MSLEngine).
 final class CPUBackend: ExecutionBackend {
@@ -55,6 +65,11 @@ final class CPUBackend: ExecutionBackend {
                 msl_engine_last_dispatch_stats(&stats)
                 profile.dispatches[n].simdgroupMultiplyAccumulates? += stats.simdgroup_multiply_accumulates
                 profile.dispatches[n].threadgroupBarriers? += stats.threadgroup_barriers
+                let before = profile.dispatches[n].functionConstantsRead ?? []
+                profile.dispatches[n].functionConstantsRead = dispatch.specialization.enumerated().compactMap {
+                    stats.function_constants_read & (1 << $0.offset) != 0 || before.contains($0.element.name)
+                        ? $0.element.name : nil
+                }
                 profile.dispatches[n].seconds? += stats.seconds
                 profile.seconds += stats.seconds
             }
@@ -67,7 +82,7 @@ final class CPUBackend: ExecutionBackend {
         var info = msl_engine_kernel_info()
         let memory = msl_engine_describe_kernel(dispatch.kernelName, &info) != 0 ? info.threadgroup_memory_length : 0
         return DispatchProfile(dispatch, threadgroupMemoryLength: memory, simdgroupMultiplyAccumulates: 0,
-                               threadgroupBarriers: 0, seconds: 0)
+                               threadgroupBarriers: 0, functionConstantsRead: [], seconds: 0)
     }
 
     /// The engine checks `cancellation` before every threadgroup, the first one included.
@@ -88,9 +103,13 @@ final class CPUBackend: ExecutionBackend {
             }
             slots[dispatch.paramsIndex] = msl_engine_buffer(contents: paramBytes.baseAddress,
                                                             length: paramBytes.count)
+            let constants = dispatch.specialization.map {
+                msl_engine_function_constant(index: UInt32($0.index), type: $0.type.engineType.rawValue,
+                                             value: $0.value)
+            }
             var message = [CChar](repeating: 0, count: 1024)
-            let status = msl_engine_dispatch_cancellable(
-                dispatch.kernelName, slots, UInt32(slots.count),
+            let status = msl_engine_dispatch_specialized(
+                dispatch.kernelName, slots, UInt32(slots.count), constants, UInt32(constants.count),
                 msl_engine_size(width: dispatch.threadgroupsPerGrid.width,
                                 height: dispatch.threadgroupsPerGrid.height,
                                 depth: dispatch.threadgroupsPerGrid.depth),
@@ -104,8 +123,10 @@ final class CPUBackend: ExecutionBackend {
             switch status {
             case MSL_ENGINE_OUT_OF_MEMORY: throw FlashAttentionError.outOfMemory(text)
             case MSL_ENGINE_CANCELLED: throw FlashAttentionError.cancelled("cancelled by fa_context_cancel: \(text)")
-            // A kernel the plan names but the engine lacks is a build defect, not a user error.
-            case MSL_ENGINE_UNKNOWN_KERNEL: throw FlashAttentionError.internalError(text)
+            // A kernel the plan names but the engine lacks, or a constant it reads that the plan does
+            // not set, is a defect of the library, not a user error.
+            case MSL_ENGINE_UNKNOWN_KERNEL, MSL_ENGINE_FUNCTION_CONSTANT_UNSET:
+                throw FlashAttentionError.internalError(text)
             default: throw FlashAttentionError.executionFailed(text)
             }
         }

@@ -129,7 +129,8 @@ struct BufferBinding: Equatable {
 }
 
 /// One kernel launch: `dispatchThreadgroups(threadgroupsPerGrid, threadsPerThreadgroup)` of
-/// `kernelName` with `bindings` and the parameter struct at `paramsIndex`.
+/// `kernelName`, specialised with `specialization`, with `bindings` and the parameter struct at
+/// `paramsIndex`.
 struct Dispatch {
     let kernelName: String
     let bindings: [BufferBinding]
@@ -140,6 +141,9 @@ struct Dispatch {
     /// Whether the kernel must see the whole problem (it sums over batch entries): a split plan
     /// runs it once, after its pieces, instead of once per piece.
     var wholeProblem = false
+    /// The values of the function constants the kernel reads, exactly those: its pipeline is built
+    /// for them (one per kernel name and specialization).
+    var specialization: [SpecializationConstant] = []
 
     /// Number of `[[buffer(i)]]` slots, the parameter struct included.
     var bufferCount: Int { bindings.count + 1 }
@@ -211,14 +215,16 @@ struct DispatchPlan {
                         BufferBinding(index: Int(FA_FORWARD_BUFFER_LSE), role: .lse)]
         bindings += optionalInputs(problem, mask: FA_FORWARD_BUFFER_MASK, alibi: FA_FORWARD_BUFFER_ALIBI,
                                    sinks: FA_FORWARD_BUFFER_SINKS)
-        func dispatch(_ kernel: String, _ grid: GridSize) -> Dispatch {
+        func dispatch(_ kernel: String, _ grid: GridSize, reads constants: [Int32]) -> Dispatch {
             Dispatch(kernelName: kernel, bindings: bindings, paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
-                     params: problem.params, threadgroupsPerGrid: grid, threadsPerThreadgroup: threadgroupSize)
+                     params: problem.params, threadgroupsPerGrid: grid, threadsPerThreadgroup: threadgroupSize,
+                     specialization: SpecializationConstant.values(constants, for: problem.params))
         }
         guard let split = problem.split else {
             let dense = dispatch("flash_attention_forward_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                                  GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
-                                          height: problem.numHeads, depth: problem.batch))
+                                          height: problem.numHeads, depth: problem.batch),
+                                 reads: KernelConstants.scoreAndSinks)
             return DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse], workspace: [],
                                 problem: problem)
         }
@@ -226,9 +232,11 @@ struct DispatchPlan {
                      BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
         let chunks = dispatch("flash_attention_forward_split_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                               GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
-                                       depth: problem.batch))
+                                       depth: problem.batch),
+                              reads: KernelConstants.score)
         let combine = dispatch("flash_attention_forward_combine_\(problem.dtype.kernelSuffix)",
-                               GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch))
+                               GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch),
+                               reads: KernelConstants.sinks)
         return DispatchPlan(pass: .forward, dispatches: [chunks, combine], outputs: [.out, .lse],
                             workspace: [.partialOut, .partialLse], problem: problem)
     }
@@ -253,25 +261,30 @@ struct DispatchPlan {
                              sinks: FA_BACKWARD_BUFFER_SINKS)
             + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE_RESIDUAL), role: .lseResidual)]
         func dispatch(_ kernel: String, _ outputs: [BufferBinding], rows: UInt32, block: UInt32,
-                      heads: UInt32) -> Dispatch {
+                      heads: UInt32, reads constants: [Int32]) -> Dispatch {
             Dispatch(kernelName: kernel, bindings: inputs + outputs,
                      paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
                      threadgroupsPerGrid: GridSize(width: blocks(rows, block), height: heads,
                                                    depth: problem.batch),
-                     threadsPerThreadgroup: threadgroupSize)
+                     threadsPerThreadgroup: threadgroupSize,
+                     specialization: SpecializationConstant.values(constants, for: problem.params))
         }
         let delta = dispatch("flash_attention_backward_delta_\(problem.dtype.kernelSuffix)", [],
-                             rows: problem.seqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads)
+                             rows: problem.seqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads,
+                             reads: [])
         let residual = dispatch(
             "flash_attention_backward_lse_residual_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)", [],
-            rows: problem.seqlenQ, block: b.forward_block_q, heads: problem.numHeads)
+            rows: problem.seqlenQ, block: b.forward_block_q, heads: problem.numHeads,
+            reads: KernelConstants.scoreAndSinks)
         let dq = dispatch("flash_attention_backward_dq_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
-                          rows: problem.seqlenQ, block: b.dq_block_q, heads: problem.numHeads)
+                          rows: problem.seqlenQ, block: b.dq_block_q, heads: problem.numHeads,
+                          reads: KernelConstants.score)
         let dkv = dispatch("flash_attention_backward_dkv_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                            [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
-                           rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads)
+                           rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads,
+                           reads: KernelConstants.score)
         guard problem.scores.hasSinks else {
             return DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv], outputs: [.dq, .dk, .dv],
                                 workspace: [.delta, .lseResidual], problem: problem)
@@ -284,6 +297,17 @@ struct DispatchPlan {
                               threadsPerThreadgroup: threadgroupSize, wholeProblem: true)
         return DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv, dsinks],
                             outputs: [.dq, .dk, .dv, .dsinks], workspace: [.delta, .lseResidual], problem: problem)
+    }
+
+    /// The function constants (`FA_FUNCTION_CONSTANT_*`) each kernel reads through
+    /// flash_attention_features.h: the score features in every kernel that computes scores, the
+    /// sinks where a kernel starts or ends a row's softmax (the dense forward and the lse residual
+    /// start it at the sink; the split forward leaves it to its combine). The delta, dsinks and merge
+    /// kernels read none.
+    private enum KernelConstants {
+        static let score = [FA_FUNCTION_CONSTANT_MASK_TYPE, FA_FUNCTION_CONSTANT_SOFTCAP, FA_FUNCTION_CONSTANT_ALIBI]
+        static let sinks = [FA_FUNCTION_CONSTANT_SINKS]
+        static let scoreAndSinks = score + sinks
     }
 
     /// attn_mask, alibi_slopes and sinks at their indices; an absent one is bound to `lse` as a

@@ -56,6 +56,12 @@ public struct DispatchProfile: Sendable, Equatable {
     /// Threadgroup barriers the dispatch executed, counted once per threadgroup and barrier.
     /// CPU engine only; nil on Metal.
     public var threadgroupBarriers: UInt64?
+    /// The function constants the kernel was specialised with (its pipeline's on Metal): the
+    /// features it was compiled for (``SpecializationConstant``).
+    public var specialization: [SpecializationConstant]
+    /// The names of the constants of ``specialization`` that some thread read, in its order. CPU
+    /// engine only; nil on Metal.
+    public var functionConstantsRead: [String]?
     /// Wall time of this dispatch on the CPU engine; nil on Metal, where the call's kernels share
     /// command buffers and only ``Profile/seconds`` is measured.
     public var seconds: Double?
@@ -63,25 +69,29 @@ public struct DispatchProfile: Sendable, Equatable {
     /// Creates a dispatch record from its parts.
     public init(kernelName: String, threadgroupsPerGrid: Size, threadsPerThreadgroup: Size,
                 threadgroupMemoryLength: Int, simdgroupMultiplyAccumulates: UInt64?,
-                threadgroupBarriers: UInt64?, seconds: Double?) {
+                threadgroupBarriers: UInt64?, specialization: [SpecializationConstant] = [],
+                functionConstantsRead: [String]? = nil, seconds: Double?) {
         self.kernelName = kernelName
         self.threadgroupsPerGrid = threadgroupsPerGrid
         self.threadsPerThreadgroup = threadsPerThreadgroup
         self.threadgroupMemoryLength = threadgroupMemoryLength
         self.simdgroupMultiplyAccumulates = simdgroupMultiplyAccumulates
         self.threadgroupBarriers = threadgroupBarriers
+        self.specialization = specialization
+        self.functionConstantsRead = functionConstantsRead
         self.seconds = seconds
     }
 
     /// The record of a planned dispatch, with what the backend measured.
     init(_ dispatch: Dispatch, threadgroupMemoryLength: Int, simdgroupMultiplyAccumulates: UInt64?,
-         threadgroupBarriers: UInt64?, seconds: Double?) {
+         threadgroupBarriers: UInt64?, functionConstantsRead: [String]?, seconds: Double?) {
         self.init(kernelName: dispatch.kernelName,
                   threadgroupsPerGrid: Size(dispatch.threadgroupsPerGrid),
                   threadsPerThreadgroup: Size(dispatch.threadsPerThreadgroup),
                   threadgroupMemoryLength: threadgroupMemoryLength,
                   simdgroupMultiplyAccumulates: simdgroupMultiplyAccumulates,
-                  threadgroupBarriers: threadgroupBarriers, seconds: seconds)
+                  threadgroupBarriers: threadgroupBarriers, specialization: dispatch.specialization,
+                  functionConstantsRead: functionConstantsRead, seconds: seconds)
     }
 }
 

@@ -9,7 +9,7 @@ time (not an Apple GPU figure). SIMD-group matrix products and barriers are coun
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _UNAVAILABLE = 2**64 - 1  # UINT64_MAX: a counter the backend cannot measure (Metal)
 
@@ -29,6 +29,9 @@ class DispatchProfile:
         threadgroup_barriers: threadgroup barriers executed, one per threadgroup and barrier;
             None on Metal.
         seconds: wall time of this dispatch on the CPU engine; None on Metal.
+        specialization: the function constants the kernel was compiled with, name to value (a
+            bool as 0 or 1), e.g. ``{"fa_mask_type": 0, "fa_has_softcap": 1}``; empty for a kernel
+            without (docs/specialisation.md).
     """
 
     kernel: str
@@ -38,6 +41,7 @@ class DispatchProfile:
     simdgroup_multiply_accumulates: int | None
     threadgroup_barriers: int | None
     seconds: float | None
+    specialization: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,9 +79,16 @@ def last_profile(native, handle) -> Profile | None:
             simdgroup_multiply_accumulates=_counter(record.simdgroup_multiply_accumulates),
             threadgroup_barriers=_counter(record.threadgroup_barriers),
             seconds=None if math.isnan(record.seconds) else float(record.seconds),
+            specialization=_specialization(ffi.string(record.specialization).decode("utf-8", "replace")),
         ))
     return Profile(seconds=float(summary.seconds), dispatches=dispatches,
                    command_buffers=int(summary.command_buffers))
+
+
+def _specialization(text: str) -> dict[str, int]:
+    """``name=value`` pairs separated by spaces, as fa_dispatch_profile.specialization holds them."""
+    pairs = (item.partition("=") for item in text.split())
+    return {name: int(value) for name, _, value in pairs}
 
 
 def _counter(value: int) -> int | None:

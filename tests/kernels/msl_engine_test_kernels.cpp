@@ -5,6 +5,7 @@
 #include "barrier.metal"
 #include "bfloat.metal"
 #include "counters.metal"
+#include "function_constants.metal"
 #include "limits.metal"
 #include "matrix.metal"
 #include "planted_out_of_bounds.metal"
@@ -106,6 +107,9 @@ void run_float_reduction(const kernel_args &a, const builtins &t) {
                     t.simdgroups_per_threadgroup, t.threadgroup_position_in_grid,
                     t.threads_per_threadgroup);
 }
+void run_function_constant_reader(const kernel_args &a, const builtins &t) {
+    function_constant_reader(a.buffer<uint>(0), t.thread_index_in_threadgroup);
+}
 void run_planted_out_of_bounds_read(const kernel_args &a, const builtins &t) {
     planted_out_of_bounds_read(a.buffer<const float>(0), a.buffer<float>(1),
                                a.constant_ref<const uint>(2), t.thread_position_in_grid.x);
@@ -143,6 +147,7 @@ const msl_engine::kernel_entry kTestKernels[] = {
     TEST_KERNEL(oversized_threadgroup_memory, 1, sizeof(oversized_threadgroup), "limits.metal", 10),
     TEST_KERNEL(float_reduction, 2, sizeof(partial_sums_threadgroup), "limits.metal", 23),
     TEST_KERNEL(planted_out_of_bounds_read, 3, 0, "planted_out_of_bounds.metal", 6),
+    TEST_KERNEL(function_constant_reader, 1, 0, "function_constants.metal", 16),
 };
 
 } // namespace

@@ -132,3 +132,13 @@ def test_profile_table_marks_what_metal_cannot_measure():
     assert text.splitlines()[2].split() == ["(call", "total)", "1", "command", "buffer", "0.002500"]
     split = bench_profile.format_profiles({"forward 512": fam.Profile(0.0025, [dispatch], command_buffers=6)})
     assert split.splitlines()[2].split() == ["(call", "total)", "6", "command", "buffers", "0.002500"]
+
+
+def test_profile_names_the_specialisation_of_each_kernel(ctx):
+    """The forward kernel is compiled for the call's features (docs/specialisation.md)."""
+    q, k, v, _ = make_inputs(0, 1, *SHAPE[1:])
+    ctx.forward(q, k, v)
+    off = {"fa_mask_type": 0, "fa_has_softcap": 0, "fa_has_alibi": 0, "fa_has_sinks": 0}
+    assert ctx.last_profile.dispatches[0].specialization == off
+    ctx.forward(q, k, v, softcap=30.0)
+    assert ctx.last_profile.dispatches[0].specialization == {**off, "fa_has_softcap": 1}

@@ -224,6 +224,21 @@ T *typed(void *p) {
 
 const uchar *mask_of(const FaCudaScoreInputs &x) { return static_cast<const uchar *>(x.mask); }
 
+// The function constants of the launches that follow (FA_FUNCTION_CONSTANTS, each value computed
+// from the parameter struct as the Metal plan computes it): a value per launch, as Metal
+// specialises a pipeline per dispatch. Every launch gets all of them; the CPU engine checks that
+// the plan gives each kernel those it reads.
+cudaError_t specialise(const FlashAttentionParams &p) {
+    metal::function_constant_values c{};
+#define FA_CUDA_CONSTANT(INDEX, TYPE, NAME, VALUE)                                                \
+    c.set |= 1u << (INDEX);                                                                        \
+    c.type[INDEX] = metal::function_constant_type<TYPE>::value;                                    \
+    c.value[INDEX] = unsigned(VALUE);
+    FA_FUNCTION_CONSTANTS(FA_CUDA_CONSTANT)
+#undef FA_CUDA_CONSTANT
+    return cudaMemcpyToSymbol(metal::function_constants, &c, sizeof c);
+}
+
 // The launches, per dtype. Each picks the dtype's bucket and launches its kernel over the grid of
 // the Metal dispatch plan (x fastest).
 template <typename T>
@@ -233,6 +248,9 @@ cudaError_t forward(const DtypeKernels<T> &kernels, const FlashAttentionParams &
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
+    }
+    if (const cudaError_t error = specialise(p); error != cudaSuccess) {
+        return error;
     }
     const dim3 grid(ceil_div(p.seqlen_q, b->forward_block_q), p.num_heads, p.batch);
     b->forward<<<grid, kThreads>>>(typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p,
@@ -260,6 +278,9 @@ cudaError_t forward_split(const DtypeKernels<T> &kernels, const FlashAttentionPa
     if (b == nullptr) {
         return cudaErrorInvalidValue;
     }
+    if (const cudaError_t error = specialise(p); error != cudaSuccess) {
+        return error;
+    }
     const unsigned rows = p.num_heads / p.num_kv_heads * p.seqlen_q;
     const unsigned row_blocks = ceil_div(rows, b->forward_block_q);
     const dim3 grid(p.kv_chunks * row_blocks, p.num_kv_heads, p.batch);
@@ -284,6 +305,9 @@ cudaError_t backward_delta(const DtypeKernels<T> &kernels, const FlashAttentionP
     if (kernels.bucket(p) == nullptr) {
         return cudaErrorInvalidValue;
     }
+    if (const cudaError_t error = specialise(p); error != cudaSuccess) {
+        return error;
+    }
     const dim3 grid(ceil_div(p.seqlen_q, FA_DELTA_BLOCK_ROWS), p.num_heads, p.batch);
     kernels.backward_delta<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k),
                                                typed<T>(v), typed<T>(out), lse, p, delta,
@@ -299,6 +323,9 @@ cudaError_t backward_lse_residual(const DtypeKernels<T> &kernels, const FlashAtt
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
+    }
+    if (const cudaError_t error = specialise(p); error != cudaSuccess) {
+        return error;
     }
     // The forward's row blocks: the residual recomputes the forward's m and l tile by tile.
     const dim3 grid(ceil_div(p.seqlen_q, b->forward_block_q), p.num_heads, p.batch);
@@ -317,6 +344,9 @@ cudaError_t backward_dq(const DtypeKernels<T> &kernels, const FlashAttentionPara
     if (b == nullptr) {
         return cudaErrorInvalidValue;
     }
+    if (const cudaError_t error = specialise(p); error != cudaSuccess) {
+        return error;
+    }
     const dim3 grid(ceil_div(p.seqlen_q, b->dq_block_q), p.num_heads, p.batch);
     b->backward_dq<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k), typed<T>(v),
                                        typed<T>(out), lse, p, delta, mask_of(x), x.alibi, x.sinks,
@@ -333,6 +363,9 @@ cudaError_t backward_dkv(const DtypeKernels<T> &kernels, const FlashAttentionPar
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
+    }
+    if (const cudaError_t error = specialise(p); error != cudaSuccess) {
+        return error;
     }
     const dim3 grid(ceil_div(p.seqlen_k, b->dkv_block_k), p.num_kv_heads, p.batch);
     b->backward_dkv<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k), typed<T>(v),
@@ -420,6 +453,9 @@ cudaError_t fa_cuda_backward_dsinks(const FlashAttentionParams &p, const float *
                                     const float *sinks, float *dsinks) {
     if (p.has_sinks == 0 || sinks == nullptr || dsinks == nullptr) {
         return cudaErrorInvalidValue;
+    }
+    if (const cudaError_t error = specialise(p); error != cudaSuccess) {
+        return error;
     }
     fa_cuda_backward_dsinks_kernel<<<dim3(p.num_heads, 1, 1), kThreads>>>(lse, p, delta, sinks,
                                                                           lse_residual, dsinks);

@@ -14,7 +14,9 @@
 //
 // Score modifiers (issue 15) come through params (window_left/right with causal folded into
 // window_right = 0, softcap, mask_type and mask strides, has_alibi and alibi_batch_stride,
-// has_sinks) and the optional inputs of FaCudaScoreInputs.
+// has_sinks) and the optional inputs of FaCudaScoreInputs; each launch first sets the kernels'
+// function constants (mask type, softcap, ALiBi and sinks on or off) from params, the values the
+// Metal plan's specialisation gives them.
 #ifndef FA_GPU_KERNELS_H
 #define FA_GPU_KERNELS_H
 

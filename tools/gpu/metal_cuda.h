@@ -29,6 +29,7 @@
 #include <cuda_fp16.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #ifndef INFINITY
 #define INFINITY (__builtin_inff())
@@ -373,7 +374,42 @@ __device__ __forceinline__ void simdgroup_multiply(simdgroup_matrix<TD, 8, 8> &d
     simdgroup_multiply_accumulate(d, a, b, make_filled_simdgroup_matrix<TD, 8, 8>(TD(0)));
 }
 
+// ---- Function constants (MSL `constant T name [[function_constant(index)]]`, fixed when Metal
+// builds a pipeline): the kernels declare each with MSL_FUNCTION_CONSTANT(index, type, name)
+// (Shaders/flash_attention_features.h), here a value per launch. The host copies a launch's values
+// into function_constants (cudaMemcpyToSymbol, ordered with the launches on the default stream)
+// before it launches; a read of a constant the launch did not set, or set with another type,
+// traps, so the launch fails as Metal refuses to build such a pipeline. Types: bool and uint.
+constexpr unsigned kMaxFunctionConstants = 32;
+
+struct function_constant_values {
+    unsigned set;  // bit i: constant i has a value
+    unsigned char type[kMaxFunctionConstants];
+    unsigned value[kMaxFunctionConstants];  // a bool's is 0 or 1
+};
+
+template <class T> struct function_constant_type;
+template <> struct function_constant_type<bool> { static constexpr unsigned char value = 0; };
+template <> struct function_constant_type<unsigned> { static constexpr unsigned char value = 1; };
+
+static __constant__ function_constant_values function_constants;
+
+template <class T, unsigned Index> struct function_constant {
+    static_assert(Index < kMaxFunctionConstants, "function constant index out of range");
+    __device__ __forceinline__ operator T() const {
+        if (((function_constants.set >> Index) & 1u) == 0 ||
+            function_constants.type[Index] != function_constant_type<T>::value) {
+            printf("function constant %u is read, but the launch does not set it with this type\n", Index);
+            __trap();
+        }
+        return T(function_constants.value[Index]);
+    }
+};
+
 }  // namespace metal
+
+#define MSL_FUNCTION_CONSTANT(INDEX, TYPE, NAME) \
+    static __device__ const metal::function_constant<TYPE, INDEX> NAME{};
 
 // Address spaces and function qualifiers. `constant` and `thread` carry no meaning in CUDA's
 // generic address space; `threadgroup` variables are block-shared; kernels become device

@@ -31,6 +31,21 @@ static inline uint32_t fa_threads_per_threadgroup(void) { return FA_THREADS_PER_
  * unknown. */
 FA_INTERNAL int fa_bucket_for_head_dim(uint32_t dtype, uint32_t head_dim, FlashAttentionBucket *bucket);
 
+/* One function constant of FA_FUNCTION_CONSTANTS (flash_attention_params.h). */
+typedef struct FlashAttentionFunctionConstant {
+    const char *name;      /* as the kernels spell it, e.g. "fa_mask_type" */
+    const char *type_name; /* its MSL type: "bool" or "uint" */
+    uint32_t type;         /* FA_FUNCTION_CONSTANT_TYPE_bool or FA_FUNCTION_CONSTANT_TYPE_uint */
+} FlashAttentionFunctionConstant;
+
+/* Fills *constant with the function constant at index (FA_FUNCTION_CONSTANT_*) and returns 1;
+ * returns 0 when index is FA_FUNCTION_CONSTANT_COUNT or more. */
+FA_INTERNAL int fa_function_constant(uint32_t index, FlashAttentionFunctionConstant *constant);
+
+/* The value of the function constant at index for a call with *params (FA_FUNCTION_CONSTANTS'
+ * VALUE; a bool's is 0 or 1); 0 for an index without a constant. */
+FA_INTERNAL uint32_t fa_function_constant_value(uint32_t index, const FlashAttentionParams *params);
+
 /* Sets this thread's fa_last_error_message(); null clears it. Copies the text. */
 FA_INTERNAL void fa_set_last_error(const char *message);
 

@@ -253,6 +253,10 @@ typedef struct fa_dispatch_profile {
     double seconds;                          /* wall time of this dispatch (CPU engine; NaN on
                                                 Metal) */
     char kernel_name[64];                    /* NUL-terminated, e.g. "flash_attention_forward_d64" */
+    char specialization[128];                /* NUL-terminated: the function constants the kernel
+                                                was compiled with, "name=value" separated by
+                                                spaces (a bool as 0 or 1), e.g. "fa_mask_type=0
+                                                fa_has_softcap=1"; empty for a kernel without */
 } fa_dispatch_profile;
 
 /* Fills *profile with the calling thread's last profile on context (see above).

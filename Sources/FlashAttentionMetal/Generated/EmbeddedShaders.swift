@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "31b82d3100a01e6c"
+    static let sourceHash = "2e9802e3670eeb13"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -145,6 +145,29 @@ typedef struct FlashAttentionParams {
 #define FA_MASK_ADDITIVE 2  // the call's dtype, added to the scores
 #define FA_MASK_ADDITIVE_F32 3
 
+// Function constants: the score features that choose a kernel's code path are fixed when its
+// pipeline is built (MSL `constant T name [[function_constant(index)]]`, set with
+// MTLFunctionConstantValues), so the common path has no per-element test of them. The kernels read
+// them only through flash_attention_features.h.
+// X(INDEX, TYPE, NAME, VALUE): constant NAME of MSL type TYPE (bool or uint) at INDEX; its value for
+// a call is VALUE, an expression of that call's FlashAttentionParams `p` (a bool's is 0 or 1). The
+// dispatch plan gives each dispatch the constants its kernel reads (DispatchPlan.swift); the CPU
+// engine and the CUDA check build take them per dispatch; hosts that cannot set function constants
+// prepend `#define FA_FUNCTION_CONSTANTS_PREDEFINED 1` and `constant TYPE NAME = value;` lines.
+#define FA_FUNCTION_CONSTANT_MASK_TYPE 0
+#define FA_FUNCTION_CONSTANT_SOFTCAP 1
+#define FA_FUNCTION_CONSTANT_ALIBI 2
+#define FA_FUNCTION_CONSTANT_SINKS 3
+#define FA_FUNCTION_CONSTANT_COUNT 4
+#define FA_FUNCTION_CONSTANTS(X)                                                                   \
+    X(FA_FUNCTION_CONSTANT_MASK_TYPE, uint, fa_mask_type, (p).mask_type)                           \
+    X(FA_FUNCTION_CONSTANT_SOFTCAP, bool, fa_has_softcap, (p).softcap > 0.0f)                      \
+    X(FA_FUNCTION_CONSTANT_ALIBI, bool, fa_has_alibi, (p).has_alibi != 0)                          \
+    X(FA_FUNCTION_CONSTANT_SINKS, bool, fa_has_sinks, (p).has_sinks != 0)
+// How C and Swift name the two MSL types a constant can have.
+#define FA_FUNCTION_CONSTANT_TYPE_bool 0
+#define FA_FUNCTION_CONSTANT_TYPE_uint 1
+
 // Buffer indices: forward. The optional inputs (attn_mask, alibi_slopes, sinks) are bound to a
 // placeholder buffer when absent; the kernels read them only when params say they exist.
 #define FA_FORWARD_BUFFER_Q 0
@@ -279,17 +302,44 @@ typedef struct FlashAttentionParams {
 #endif
 // ---- end flash_attention_params.h ----
 // ---- begin flash_attention_features.h (spliced by tools/embed_shaders.py) ----
-// The score features of a call (flash_attention_params.h: mask_type, softcap, has_alibi,
-// has_sinks), read by the kernels only through these functions, so how a kernel learns them
-// (a field of the parameter struct, or a value fixed when its pipeline is built) is decided here.
+// The score features of a call (flash_attention_params.h, FA_FUNCTION_CONSTANTS: mask type,
+// softcap, ALiBi, sinks), read by the kernels only through these four functions. They are function
+// constants, fixed when a kernel's pipeline is built, so every test of them folds away and a kernel
+// compiled for "no features" has none of their code. The parameter struct still carries the
+// feature's data (softcap's value, the mask strides); `p` stays in the signatures for that reason
+// and so that call sites read the same whichever way a host supplies the constants:
+// - Metal: `constant T name [[function_constant(index)]]`, each without a default, so a pipeline
+//   whose kernel reads one that MTLFunctionConstantValues did not set fails to build (a constant
+//   is optional only where is_function_constant_defined() tests it; none is).
+// - Hosts that cannot set function constants (PyTorch's compile_shader) define
+//   FA_FUNCTION_CONSTANTS_PREDEFINED and every constant as `constant T name = value;` before
+//   this source (the library writes that prelude: functionConstantPrelude in Specialization.swift).
+// - The CPU engine, the CUDA check build and the address-space check declare a constant through
+//   their <metal_stdlib>'s MSL_FUNCTION_CONSTANT(index, type, name): a per-dispatch value that is
+//   an error to read when the dispatch did not set it (the clang check: an external constant).
 
-inline uint mask_type_of(constant FlashAttentionParams &p) { return p.mask_type; }
+#if defined(FA_FUNCTION_CONSTANTS_PREDEFINED)
+#elif defined(MSL_FUNCTION_CONSTANT)
+#define FA_DECLARE_FUNCTION_CONSTANT(INDEX, TYPE, NAME, VALUE) MSL_FUNCTION_CONSTANT(INDEX, TYPE, NAME)
+FA_FUNCTION_CONSTANTS(FA_DECLARE_FUNCTION_CONSTANT)
+#undef FA_DECLARE_FUNCTION_CONSTANT
+#else
+#define FA_DECLARE_FUNCTION_CONSTANT(INDEX, TYPE, NAME, VALUE) \
+    constant TYPE NAME [[function_constant(INDEX)]];
+FA_FUNCTION_CONSTANTS(FA_DECLARE_FUNCTION_CONSTANT)
+#undef FA_DECLARE_FUNCTION_CONSTANT
+#endif
 
-inline bool softcap_on(constant FlashAttentionParams &p) { return p.softcap > 0.0f; }
+inline uint mask_type_of(constant FlashAttentionParams &p) { return fa_mask_type; }
 
-inline bool alibi_on(constant FlashAttentionParams &p) { return p.has_alibi != 0; }
+// `b ? true : false`, not `b`: clang (21) emits the value of a program-scope `constant bool` with an
+// initializer (the PREDEFINED prelude) as a load that LLVM does not fold, and the dead feature code
+// would stay; a condition it folds itself.
+inline bool softcap_on(constant FlashAttentionParams &p) { return fa_has_softcap ? true : false; }
 
-inline bool sinks_on(constant FlashAttentionParams &p) { return p.has_sinks != 0; }
+inline bool alibi_on(constant FlashAttentionParams &p) { return fa_has_alibi ? true : false; }
+
+inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? true : false; }
 // ---- end flash_attention_features.h ----
 // ---- begin flash_attention_fragment.h (spliced by tools/embed_shaders.py) ----
 // The 8x8 fragment layer of the kernels: simdgroup_float8x8 values, the lane mapping Apple GPUs

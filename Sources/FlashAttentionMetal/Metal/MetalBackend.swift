@@ -88,7 +88,8 @@ final class MetalBackend: ExecutionBackend {
         let dispatches = try plan.dispatches.map { dispatch in
             let state = try kernels.checkedPipeline(for: dispatch)
             return DispatchProfile(dispatch, threadgroupMemoryLength: state.staticThreadgroupMemoryLength,
-                                   simdgroupMultiplyAccumulates: nil, threadgroupBarriers: nil, seconds: nil)
+                                   simdgroupMultiplyAccumulates: nil, threadgroupBarriers: nil,
+                                   functionConstantsRead: nil, seconds: nil)
         }
         return Profile(seconds: commandBuffers.reduce(0.0) { $0 + ($1.gpuEndTime - $1.gpuStartTime) },
                        dispatches: dispatches, commandBuffers: commandBuffers.count)

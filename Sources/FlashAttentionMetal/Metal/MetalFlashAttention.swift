@@ -40,15 +40,13 @@ public final class MetalFlashAttention: @unchecked Sendable {
     public let device: MTLDevice
     /// Where the kernels came from, for users (``FlashAttention/backendNote``).
     let origin: String
-    private let library: MTLLibrary
-    private let lock = Lock()
-    /// Built pipelines, and the errors of those that could not be built (not retried).
-    private var pipelines: [String: Result<MTLComputePipelineState, FlashAttentionError>] = [:]
+    /// One pipeline per kernel name and specialization, built on first use.
+    private let pipelines: MetalPipelines
 
     /// Loads the precompiled `flash_attention-<hash>.metallib` that `./build.sh` puts next to the
     /// library when Metal accepts it; else compiles the embedded MSL source (Shaders/ with its header
     /// spliced in), which needs no Metal toolchain but takes seconds. Pipelines are built per kernel
-    /// on first use.
+    /// and specialization (the function constants of its features) on first use.
     /// - Throws: ``FlashAttentionError/backendUnavailable(_:)`` when `device` is not an Apple-silicon
     ///   GPU (family Apple7: M1, A14 and later), ``FlashAttentionError/executionFailed(_:)`` with the
     ///   compiler's message when the source does not compile.
@@ -58,7 +56,9 @@ public final class MetalFlashAttention: @unchecked Sendable {
             throw FlashAttentionError.backendUnavailable(MetalFlashAttention.notAppleSilicon(device))
         }
         self.device = device
-        (library, origin) = try MetalFlashAttention.library(for: device)
+        let (library, origin) = try MetalFlashAttention.library(for: device)
+        self.origin = origin
+        pipelines = MetalPipelines(device: device, library: library)
     }
 
     /// Why `device` cannot run the kernels.
@@ -148,7 +148,7 @@ public final class MetalFlashAttention: @unchecked Sendable {
     /// pressure can lower maxTotalThreadsPerThreadgroup below the threadgroup size, and an
     /// oversized dispatch has been seen to run silently as zeros.
     func checkedPipeline(for dispatch: Dispatch) throws -> MTLComputePipelineState {
-        let state = try pipeline(named: dispatch.kernelName)
+        let state = try pipelines.pipeline(for: dispatch)
         let size = dispatch.threadsPerThreadgroup
         let threads = Int(size.width) * Int(size.height) * Int(size.depth)
         // MTLComputePipelineState.maxTotalThreadsPerThreadgroup, .staticThreadgroupMemoryLength
@@ -164,32 +164,6 @@ public final class MetalFlashAttention: @unchecked Sendable {
                     + "\(device.name) has \(device.maxThreadgroupMemoryLength)")
         }
         return state
-    }
-
-    /// MTLLibrary.makeFunction(name:) and MTLDevice.makeComputePipelineState(function:), once per
-    /// kernel name; a failure is kept, so a kernel that cannot be built is not compiled again.
-    private func pipeline(named name: String) throws -> MTLComputePipelineState {
-        let result: Result<MTLComputePipelineState, FlashAttentionError> = lock.withLock {
-            if let known = pipelines[name] { return known }
-            let built: Result<MTLComputePipelineState, FlashAttentionError>
-            if let function = library.makeFunction(name: name) {
-                do {
-                    built = .success(try device.makeComputePipelineState(function: function))
-                } catch {
-                    built = .failure(.executionFailed("Metal could not build the pipeline of \(name) on "
-                                                          + "\(device.name): \(error.localizedDescription)"))
-                }
-            } else if name.contains("_bf16") {
-                // Compiled below MSL 3.1 (or a .metallib built without bfloat): no bfloat kernels.
-                built = .failure(.unsupported("bfloat16 needs Metal Shading Language 3.1 (macOS 14, iOS 17); the "
-                                                  + "kernels on \(device.name) were compiled without it"))
-            } else {
-                built = .failure(.internalError("the Metal library has no kernel named \(name)"))
-            }
-            pipelines[name] = built
-            return built
-        }
-        return try result.get()
     }
 
     // MARK: Encoding

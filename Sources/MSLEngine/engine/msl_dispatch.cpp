@@ -60,6 +60,7 @@ struct dispatch_outcome {
     std::atomic<uint64_t> switches{0};
     std::atomic<uint64_t> matrix_multiplies{0};
     std::atomic<uint64_t> barriers{0};
+    std::atomic<uint32_t> constants_read{0};
 
     void record(uint64_t at, msl_engine_status s, std::string text) {
         std::lock_guard<std::mutex> lock(mutex);
@@ -78,6 +79,8 @@ struct dispatch_job {
     metal::uint3 groups;
     metal::uint3 threads;
     uint64_t total;
+    const msl_engine_function_constant *constants;
+    uint32_t constant_count;
     const msl_engine_cancellation *cancellation;
     uint64_t start_epoch;
     std::atomic<uint64_t> next{0};
@@ -90,6 +93,7 @@ struct dispatch_job {
     void work() {
         threadgroup_runner runner;
         runner.watch(cancellation, start_epoch);
+        runner.specialize(constants, constant_count);
         std::string text;
         uint64_t done = 0;
         while (!outcome.failed.load(std::memory_order_relaxed)) {
@@ -116,6 +120,7 @@ struct dispatch_job {
         outcome.switches.fetch_add(runner.switches(), std::memory_order_relaxed);
         outcome.matrix_multiplies.fetch_add(runner.matrix_multiplies(), std::memory_order_relaxed);
         outcome.barriers.fetch_add(runner.barriers(), std::memory_order_relaxed);
+        outcome.constants_read.fetch_or(runner.constants_read(), std::memory_order_relaxed);
     }
 };
 
@@ -161,6 +166,36 @@ msl_engine_status validate(const kernel_entry &k, const msl_engine_buffer *buffe
     return MSL_ENGINE_SUCCESS;
 }
 
+msl_engine_status validate_constants(const kernel_entry &k, const msl_engine_function_constant *constants,
+                                     uint32_t count, std::string *text) {
+    const std::string where = format("kernel '%s' (%s)", k.name,
+                                     source_location(k.file, k.line).c_str());
+    if (count > MSL_ENGINE_MAX_FUNCTION_CONSTANTS || (count > 0 && constants == nullptr)) {
+        *text = format("%s: %u function constants%s; at most %u are allowed", where.c_str(), count,
+                       constants == nullptr ? " and no list" : "", MSL_ENGINE_MAX_FUNCTION_CONSTANTS);
+        return MSL_ENGINE_INVALID_DISPATCH;
+    }
+    for (uint32_t i = 0; i < count; ++i) {
+        const msl_engine_function_constant &c = constants[i];
+        if (c.type != MSL_ENGINE_CONSTANT_BOOL && c.type != MSL_ENGINE_CONSTANT_UINT) {
+            *text = format("%s: function constant %u has unknown type %u", where.c_str(), c.index, c.type);
+            return MSL_ENGINE_INVALID_DISPATCH;
+        }
+        if (c.type == MSL_ENGINE_CONSTANT_BOOL && c.value > 1) {
+            *text = format("%s: bool function constant %u has value %u; a bool is 0 or 1", where.c_str(),
+                           c.index, c.value);
+            return MSL_ENGINE_INVALID_DISPATCH;
+        }
+        for (uint32_t j = 0; j < i; ++j) {
+            if (constants[j].index == c.index) {
+                *text = format("%s: function constant %u is set twice", where.c_str(), c.index);
+                return MSL_ENGINE_INVALID_DISPATCH;
+            }
+        }
+    }
+    return MSL_ENGINE_SUCCESS;
+}
+
 } // namespace
 } // namespace msl_engine
 
@@ -190,6 +225,17 @@ extern "C" msl_engine_status msl_engine_dispatch_cancellable(
     msl_engine_size threadgroups_per_grid, msl_engine_size threads_per_threadgroup,
     const msl_engine_cancellation *cancellation, uint64_t start_epoch, char *message,
     size_t message_capacity) {
+    return msl_engine_dispatch_specialized(kernel_name, buffers, buffer_count, nullptr, 0,
+                                           threadgroups_per_grid, threads_per_threadgroup,
+                                           cancellation, start_epoch, message, message_capacity);
+}
+
+extern "C" msl_engine_status msl_engine_dispatch_specialized(
+    const char *kernel_name, const msl_engine_buffer *buffers, uint32_t buffer_count,
+    const msl_engine_function_constant *constants, uint32_t constant_count,
+    msl_engine_size threadgroups_per_grid, msl_engine_size threads_per_threadgroup,
+    const msl_engine_cancellation *cancellation, uint64_t start_epoch, char *message,
+    size_t message_capacity) {
     const auto start = std::chrono::steady_clock::now();
     last_stats = msl_engine_dispatch_stats{};
     copy_message(std::string(), message, message_capacity);
@@ -203,9 +249,11 @@ extern "C" msl_engine_status msl_engine_dispatch_cancellable(
         return MSL_ENGINE_UNKNOWN_KERNEL;
     }
     std::string text;
-    const msl_engine_status invalid = validate(*kernel, buffers, buffer_count,
-                                               threadgroups_per_grid, threads_per_threadgroup,
-                                               &text);
+    msl_engine_status invalid = validate(*kernel, buffers, buffer_count, threadgroups_per_grid,
+                                         threads_per_threadgroup, &text);
+    if (invalid == MSL_ENGINE_SUCCESS) {
+        invalid = validate_constants(*kernel, constants, constant_count, &text);
+    }
     if (invalid != MSL_ENGINE_SUCCESS) {
         copy_message(text, message, message_capacity);
         return invalid;
@@ -219,6 +267,8 @@ extern "C" msl_engine_status msl_engine_dispatch_cancellable(
     job.threads = metal::uint3(threads_per_threadgroup.width, threads_per_threadgroup.height,
                                threads_per_threadgroup.depth);
     job.total = uint64_t(job.groups.x) * job.groups.y * job.groups.z;
+    job.constants = constants;
+    job.constant_count = constant_count;
     job.cancellation = cancellation;
     job.start_epoch = start_epoch;
 
@@ -240,6 +290,7 @@ extern "C" msl_engine_status msl_engine_dispatch_cancellable(
     last_stats.fiber_switches = job.outcome.switches.load();
     last_stats.simdgroup_multiply_accumulates = job.outcome.matrix_multiplies.load();
     last_stats.threadgroup_barriers = job.outcome.barriers.load();
+    last_stats.function_constants_read = job.outcome.constants_read.load();
     last_stats.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (job.outcome.failed.load()) {

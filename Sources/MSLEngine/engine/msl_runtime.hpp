@@ -58,6 +58,12 @@ void simd_collective(const char *operation, simd_combine_fn combine, const void 
 /// The calling thread's index in its SIMD-group (0..31); 0 outside a dispatch.
 uint32_t simd_lane();
 
+/// The value of the dispatch's function constant `index` declared with `type`
+/// (msl_engine_constant_type) and `name`. When the dispatch does not set it with that type, the
+/// threadgroup fails (MSL_ENGINE_FUNCTION_CONSTANT_UNSET) and the calling thread never resumes.
+/// A function constant exists only in a dispatch: reading one outside traps.
+uint32_t function_constant(uint32_t index, uint32_t type, const char *name);
+
 } // namespace runtime
 } // namespace msl_engine
 

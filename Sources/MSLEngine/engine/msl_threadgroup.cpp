@@ -18,7 +18,8 @@
 
 namespace msl_engine {
 
-enum class lane_state : uint8_t { ready, at_barrier, at_simd, returned };
+// faulted: stopped for good by an error found in the lane itself (an unset function constant).
+enum class lane_state : uint8_t { ready, at_barrier, at_simd, returned, faulted };
 
 /// One thread of the threadgroup being run.
 struct lane {
@@ -178,7 +179,8 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
         case lane_state::returned: on_return(l); break;
         case lane_state::at_barrier: on_barrier(l); break;
         case lane_state::at_simd: on_simd(l); break;
-        case lane_state::ready: break;
+        case lane_state::ready:
+        case lane_state::faulted: break;
         }
     }
     if (status_ == MSL_ENGINE_SUCCESS && returned_ < count_) diagnose_stall();
@@ -197,6 +199,35 @@ void threadgroup_runner::fail(msl_engine_status status, const std::string &what)
     message_ = format("kernel '%s' (%s), threadgroup (%u, %u, %u): %s", kernel_->name,
                       source_location(kernel_->file, kernel_->line).c_str(), position_.x,
                       position_.y, position_.z, what.c_str());
+}
+
+uint32_t threadgroup_runner::read_function_constant(lane &l, uint32_t index, uint32_t type,
+                                                   const char *name) {
+    static const char *const type_names[] = {"bool", "uint"};
+    const char *declared = type < 2 ? type_names[type] : "?";
+    for (uint32_t i = 0; i < constant_count_; ++i) {
+        const msl_engine_function_constant &c = constants_[i];
+        if (c.index != index) continue;
+        if (c.type == type) {
+            constants_read_ |= 1u << i;
+            return c.value;
+        }
+        fail(MSL_ENGINE_FUNCTION_CONSTANT_UNSET,
+             format("thread %u reads function constant '%s' (index %u) as %s, but the dispatch "
+                    "sets it as %s",
+                    l.thread, name, index, declared, c.type < 2 ? type_names[c.type] : "?"));
+        break;
+    }
+    if (status_ == MSL_ENGINE_SUCCESS) {
+        fail(MSL_ENGINE_FUNCTION_CONSTANT_UNSET,
+             format("thread %u reads function constant '%s' (index %u, %s), which the dispatch "
+                    "does not set; Metal refuses to build a pipeline whose kernel reads a function "
+                    "constant without a value",
+                    l.thread, name, index, declared));
+    }
+    l.state = lane_state::faulted;
+    fiber_switch(l.context, scheduler_);
+    __builtin_trap(); // a faulted lane is discarded, never resumed
 }
 
 std::string threadgroup_runner::describe_wait(const lane &l) const {
@@ -355,6 +386,12 @@ void simd_collective(const char *operation, simd_combine_fn combine, const void 
 uint32_t simd_lane() {
     const lane *l = current_lane;
     return l == nullptr ? 0 : l->lane_id;
+}
+
+uint32_t function_constant(uint32_t index, uint32_t type, const char *name) {
+    lane *l = current_lane;
+    if (l == nullptr) __builtin_trap();
+    return l->runner->read_function_constant(*l, index, type, name);
 }
 
 } // namespace runtime

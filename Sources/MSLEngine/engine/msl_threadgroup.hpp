@@ -44,6 +44,20 @@ class threadgroup_runner {
         start_epoch_ = start_epoch;
     }
 
+    /// From now on run() gives the kernel these function constant values (valid while it runs;
+    /// the dispatch validated them).
+    void specialize(const msl_engine_function_constant *constants, uint32_t count) {
+        constants_ = constants;
+        constant_count_ = count;
+    }
+
+    /// The value of function constant `index` of `type` for lane `l`; fails the threadgroup and
+    /// parks the lane for good when the dispatch does not set it so (runtime::function_constant).
+    uint32_t read_function_constant(lane &l, uint32_t index, uint32_t type, const char *name);
+
+    /// Bit i: constants[i] of specialize() was read so far.
+    uint32_t constants_read() const { return constants_read_; }
+
     /// Fiber switches done so far (both directions counted).
     uint64_t switches() const { return switches_; }
     /// 8x8x8 SIMD-group matrix multiply-accumulates completed so far (one per SIMD-group call).
@@ -102,6 +116,9 @@ class threadgroup_runner {
     uint64_t barriers_ = 0;
     const msl_engine_cancellation *cancellation_ = nullptr;
     uint64_t start_epoch_ = 0;
+    const msl_engine_function_constant *constants_ = nullptr;
+    uint32_t constant_count_ = 0;
+    uint32_t constants_read_ = 0;
 };
 
 } // namespace msl_engine

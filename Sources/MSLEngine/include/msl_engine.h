@@ -22,7 +22,9 @@ typedef enum msl_engine_status {
     MSL_ENGINE_BARRIER_DIVERGENCE = 4,        /* a barrier not reached by every thread, or at different sites */
     MSL_ENGINE_SIMDGROUP_DIVERGENCE = 5,      /* a SIMD-group function not reached by every lane alike */
     MSL_ENGINE_OUT_OF_MEMORY = 6,
-    MSL_ENGINE_CANCELLED = 7                  /* msl_engine_dispatch_cancellable: stopped before every threadgroup finished */
+    MSL_ENGINE_CANCELLED = 7,                 /* msl_engine_dispatch_cancellable: stopped before every threadgroup finished */
+    MSL_ENGINE_FUNCTION_CONSTANT_UNSET = 8    /* a thread read a function constant the dispatch does not set (or sets
+                                                 with another type) */
 } msl_engine_status;
 
 /* A buffer bound at index i of the kernel's [[buffer(i)]] arguments. */
@@ -36,6 +38,24 @@ typedef struct msl_engine_size {
     uint32_t height;
     uint32_t depth;
 } msl_engine_size;
+
+/* A function constant of a dispatch: the value of the kernel's MSL_FUNCTION_CONSTANT(index, type,
+ * name) declaration (<metal_stdlib>), the engine's model of MSL's
+ * `constant type name [[function_constant(index)]]`, which Metal fixes when it builds a pipeline
+ * (MTLFunctionConstantValues). type is the declared type, value its bits (a bool's 0 or 1). */
+typedef enum msl_engine_constant_type {
+    MSL_ENGINE_CONSTANT_BOOL = 0,
+    MSL_ENGINE_CONSTANT_UINT = 1
+} msl_engine_constant_type;
+
+typedef struct msl_engine_function_constant {
+    uint32_t index;
+    uint32_t type; /* msl_engine_constant_type */
+    uint32_t value;
+} msl_engine_function_constant;
+
+/* Function constants one dispatch may set. */
+#define MSL_ENGINE_MAX_FUNCTION_CONSTANTS 32u
 
 /* Runs kernel_name over threadgroups_per_grid threadgroups of threads_per_threadgroup threads,
  * like dispatchThreadgroups:threadsPerThreadgroup:. buffers[i] is bound at [[buffer(i)]].
@@ -86,6 +106,25 @@ msl_engine_status msl_engine_dispatch_cancellable(const char *kernel_name,
                                                   uint64_t start_epoch,
                                                   char *message, size_t message_capacity);
 
+/* msl_engine_dispatch_cancellable with function constants: constants[0 ... constant_count - 1]
+ * (null when constant_count is 0) hold the values the kernel's function constants read, at most
+ * MSL_ENGINE_MAX_FUNCTION_CONSTANTS with distinct indices. A thread that reads a constant the list
+ * lacks, or has with another type, fails the dispatch with MSL_ENGINE_FUNCTION_CONSTANT_UNSET (the
+ * message names the constant and its index): Metal refuses to build a pipeline whose kernel reads a
+ * function constant without a value (MTLLibrary.makeFunction(name:constantValues:)); the engine
+ * finds it when a thread reads it. A bad list (too long, an index twice, an unknown type, a bool
+ * value other than 0 or 1) is MSL_ENGINE_INVALID_DISPATCH. The other dispatch functions set none. */
+msl_engine_status msl_engine_dispatch_specialized(const char *kernel_name,
+                                                  const msl_engine_buffer *buffers,
+                                                  uint32_t buffer_count,
+                                                  const msl_engine_function_constant *constants,
+                                                  uint32_t constant_count,
+                                                  msl_engine_size threadgroups_per_grid,
+                                                  msl_engine_size threads_per_threadgroup,
+                                                  const msl_engine_cancellation *cancellation,
+                                                  uint64_t start_epoch,
+                                                  char *message, size_t message_capacity);
+
 /* Whether a kernel of that name is registered (1) or not (0). */
 int msl_engine_has_kernel(const char *kernel_name);
 
@@ -119,6 +158,8 @@ typedef struct msl_engine_dispatch_stats {
                                                 collective (not one per lane) */
     uint64_t threadgroup_barriers; /* threadgroup_barrier releases, one per threadgroup and barrier
                                       (not one per thread) */
+    uint32_t function_constants_read; /* bit i: some thread read the dispatch's constants[i]
+                                         (msl_engine_dispatch_specialized) */
     double seconds;          /* wall time of the dispatch */
 } msl_engine_dispatch_stats;
 

@@ -49,6 +49,9 @@ final class ProfileTests: XCTestCase {
             XCTAssertEqual(msl_engine_describe_kernel(dispatch.kernelName, &info), 1, file: file, line: line)
             XCTAssertEqual(record.threadgroupMemoryLength, info.threadgroup_memory_length, record.kernelName,
                            file: file, line: line)
+            XCTAssertEqual(record.specialization, dispatch.specialization, record.kernelName, file: file, line: line)
+            XCTAssertTrue(Set(record.functionConstantsRead ?? ["none counted"]).isSubset(of: dispatch.specialization.map(\.name)),
+                          record.kernelName, file: file, line: line)
             XCTAssertNotNil(record.simdgroupMultiplyAccumulates, file: file, line: line)
             XCTAssertNotNil(record.threadgroupBarriers, file: file, line: line)
             XCTAssertGreaterThan(record.seconds ?? 0, 0, record.kernelName, file: file, line: line)
@@ -197,6 +200,10 @@ final class ProfileTests: XCTestCase {
         XCTAssertEqual(fa_context_last_profile_dispatch(ctx, 0, &record), FA_STATUS_SUCCESS)
         let name = withUnsafeBytes(of: record.kernel_name) { String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self) }
         XCTAssertEqual(name, plan.dispatches[0].kernelName)
+        let specialization = withUnsafeBytes(of: record.specialization) {
+            String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self)
+        }
+        XCTAssertEqual(specialization, "fa_mask_type=0 fa_has_softcap=0 fa_has_alibi=0 fa_has_sinks=0")
         let grid = plan.dispatches[0].threadgroupsPerGrid, threads = plan.dispatches[0].threadsPerThreadgroup
         XCTAssertTrue(record.threadgroups_per_grid == (grid.width, grid.height, grid.depth))
         XCTAssertTrue(record.threads_per_threadgroup == (threads.width, threads.height, threads.depth))
@@ -220,7 +227,7 @@ final class ProfileTests: XCTestCase {
                        "profile->struct_size (8) must be at least sizeof(fa_profile) (\(MemoryLayout<fa_profile>.size))")
         record.struct_size = 0
         XCTAssertEqual(failure(fa_context_last_profile_dispatch(ctx, 0, &record)),
-                       "dispatch->struct_size (0) must be at least sizeof(fa_dispatch_profile) (120)")
+                       "dispatch->struct_size (0) must be at least sizeof(fa_dispatch_profile) (248)")
     }
 }
 
