@@ -64,6 +64,43 @@ def test_ctrl_c_during_a_long_call_raises_keyboard_interrupt_promptly(operation)
     assert elapsed < EXIT_BOUND_SECONDS, f"the child took {elapsed:.2f} s to stop after SIGINT"
 
 
+_POOL_CHILD = """
+import concurrent.futures, sys, numpy as np, flash_attention_metal as fam
+q = np.random.default_rng(0).standard_normal((1, 1, {n}, 64)).astype(np.float16)
+pool = concurrent.futures.ThreadPoolExecutor(2)
+futures = [pool.submit(fam.forward, q, q, q), pool.submit(fam.Context("cpu").forward, q, q, q)]
+print("calling", flush=True)
+try:
+    with pool:
+        [future.result() for future in futures]
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", *(future.exception().status_name for future in futures), flush=True)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
+def test_ctrl_c_cancels_the_calls_of_worker_threads():
+    """The ThreadPoolExecutor case: KeyboardInterrupt in the main thread, and each worker's call (on
+    the default context and on its own) stopped with FA_STATUS_CANCELLED, so the pool's shutdown
+    does not wait for them."""
+    env = dict(os.environ, FLASH_ATTENTION_METAL_BACKEND="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(fam.__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    child = subprocess.Popen([sys.executable, "-c", _POOL_CHILD.format(n=LONG_SEQLEN)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "calling", child.stderr.read()
+        time.sleep(1.0)  # both calls inside the library by now
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        stdout, stderr = child.communicate(timeout=120)
+        elapsed = time.monotonic() - sent
+    finally:
+        child.kill()
+    assert stdout.split() == ["interrupted", "FA_STATUS_CANCELLED", "FA_STATUS_CANCELLED"], stdout + stderr
+    assert elapsed < EXIT_BOUND_SECONDS, f"the child took {elapsed:.2f} s to stop after SIGINT"
+
+
 def test_cancel_from_another_thread_stops_the_calls_in_flight():
     ctx = fam.Context("cpu")
     q = np.random.default_rng(1).standard_normal((1, 1, LONG_SEQLEN, 64)).astype(np.float16)
