@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-# One wording wherever matplotlib is missing (the README says the same).
+# One wording wherever matplotlib is missing (docs/python.md says the same).
 MATPLOTLIB_HINT = 'pip install matplotlib (or, in the repository: pip install -e "python[bench]")'
 
 

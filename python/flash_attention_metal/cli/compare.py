@@ -182,9 +182,9 @@ def print_table(results: list[dict], names: list[str], resolution: int) -> None:
 #: What the columns of the table mean, printed under it.
 LEGEND = (
     "ms: best wall time of one call as Python sees it (validation, dispatch, waiting for the result);",
-    "device ms: the library's own time of the same call from its profile (Metal: GPU time of its command",
-    "buffers; CPU engine: the engine's wall time), so ms - device ms is the host's overhead; library only.",
-    "peak MiB: memory one call adds at its peak; ms/lib, MiB/lib: the peer's figure over the library's.",
+    "device ms: the library only, its own time of one more run from the call's profile (Metal: GPU time",
+    "of its command buffers; CPU engine: the engine's wall time); a single run, so on a busy machine it",
+    "can exceed ms. peak MiB: memory one call adds at its peak; ms/lib, MiB/lib: peer over library.",
 )
 
 
