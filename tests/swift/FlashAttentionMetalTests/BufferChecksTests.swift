@@ -313,41 +313,30 @@ final class BufferChecksTests: XCTestCase {
         let shape = Self.shape
         let q = (0..<shape.queryElementCount).map { Float($0 % 7) / 7 - 0.4 }
         let k = (0..<shape.keyElementCount).map { Float($0 % 5) / 5 - 0.3 }
-        var lse: [Float] = [-.infinity, .nan, .infinity, 1, 2, 3]
-        var (dq, dk, dv) = ([Float](repeating: 9, count: q.count), [Float](repeating: 9, count: k.count),
-                            [Float](repeating: 9, count: k.count))
-        var dsinks: [Float] = [9, 9]
-        var sinks: [Float] = [0.25, -0.5]
-        let backend = try CPUBackend()
-        try q.withUnsafeBytes { q in
-            try k.withUnsafeBytes { k in
-                try lse.withUnsafeMutableBytes { l in
-                    try sinks.withUnsafeMutableBytes { s in
-                        try dq.withUnsafeMutableBytes { dq in
-                            try dk.withUnsafeMutableBytes { dk in
-                                try dv.withUnsafeMutableBytes { dv in
-                                    try dsinks.withUnsafeMutableBytes { ds in
-                                        var b = HostBuffers()
-                                        for role in [BufferRole.q, .dout, .out] { b.bindInput(role, q.baseAddress!, for: problem) }
-                                        b.bindInput(.k, k.baseAddress!, for: problem)
-                                        b.bindInput(.v, k.baseAddress!, for: problem)
-                                        b.bindInput(.lse, l.baseAddress!, for: problem)
-                                        b.bindInput(.sinks, s.baseAddress!, for: problem)
-                                        b.bindOutput(.dq, dq.baseAddress!, for: problem)
-                                        b.bindOutput(.dk, dk.baseAddress!, for: problem)
-                                        b.bindOutput(.dv, dv.baseAddress!, for: problem)
-                                        b.bindOutput(.dsinks, ds.baseAddress!, for: problem)
-                                        let cancellation = Cancellation()
-                                        _ = try backend.execute(DispatchPlan.backward(problem), buffers: b,
-                                                                cancellation: cancellation.token())
-                                    }
-                                }
-                            }
-                        }
-                    }
-                }
-            }
+        let lse: [Float] = [-.infinity, .nan, .infinity, 1, 2, 3]
+        // Host copies of the arrays, bound by role; the outputs start as 9 so that unwritten
+        // elements show.
+        var memory: [UnsafeMutableRawBufferPointer] = []
+        defer { memory.forEach { $0.deallocate() } }
+        func place(_ values: [Float]) -> UnsafeMutableRawPointer {
+            let bytes = UnsafeMutableRawBufferPointer.allocate(byteCount: values.count * 4, alignment: 16)
+            bytes.copyMemory(from: UnsafeRawBufferPointer(start: values, count: values.count * 4))
+            memory.append(bytes)
+            return bytes.baseAddress!
         }
+        var b = HostBuffers()
+        let qAt = place(q), kAt = place(k)
+        for role in [BufferRole.q, .dout, .out] { b.bindInput(role, qAt, for: problem) }
+        for role in [BufferRole.k, .v] { b.bindInput(role, kAt, for: problem) }
+        b.bindInput(.lse, place(lse), for: problem)
+        b.bindInput(.sinks, place([0.25, -0.5]), for: problem)
+        for (role, count) in [(BufferRole.dq, q.count), (.dk, k.count), (.dv, k.count), (.dsinks, 2)] {
+            b.bindOutput(role, place([Float](repeating: 9, count: count)), for: problem)
+        }
+        let cancellation = Cancellation()
+        _ = try CPUBackend().execute(DispatchPlan.backward(problem), buffers: b, cancellation: cancellation.token())
+        func read(_ role: BufferRole) -> [Float] { Array(b[role]!.bindMemory(to: Float.self)) }
+        let (dq, dk, dv, dsinks) = (read(.dq), read(.dk), read(.dv), read(.dsinks))
         XCTAssertTrue((dq + dk + dv + dsinks).allSatisfy(\.isFinite), "\(dq) \(dk) \(dv) \(dsinks)")
         XCTAssertTrue(dq[0..<24].allSatisfy { $0 == 0 }, "rows with lse -inf, NaN, +inf: \(dq[0..<24])")
         XCTAssertTrue(dq[24...].contains { $0 != 0 })
