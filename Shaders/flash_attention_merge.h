@@ -36,15 +36,17 @@ inline float merge_normalizer(float weight_sum) {
     return weight_sum == 0.0f ? 0.0f : 1.0f / weight_sum;
 }
 
-// flash_attention_merge: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b), contiguous
-// rows of head_dim elements and their lse for p (batch, num_heads, seqlen_q, head_dim; the other
-// fields are not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch), threadgroups
-// of FA_MERGE_ROWS_PER_THREADGROUP * FA_MERGE_THREADS_PER_ROW threads; the threads of a row stride
-// over head_dim, so consecutive threads touch consecutive elements. No barriers, no SIMD-group
-// functions: every thread's work is independent.
-inline void attention_merge(device const half *out_a, device const float *lse_a,
-                            device const half *out_b, device const float *lse_b,
-                            device half *out, device float *lse,
+// flash_attention_merge_<dtype>: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b),
+// contiguous rows of head_dim elements of T (half, bfloat or float; the sums in float32, out rounded
+// to T once) and their float32 lse, for p (batch, num_heads, seqlen_q, head_dim; the other fields
+// are not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch),
+// threadgroups of FA_MERGE_ROWS_PER_THREADGROUP * FA_MERGE_THREADS_PER_ROW threads; the threads of
+// a row stride over head_dim, so consecutive threads touch consecutive elements. No barriers, no
+// SIMD-group functions: every thread's work is independent.
+template <typename T>
+inline void attention_merge(device const T *out_a, device const float *lse_a,
+                            device const T *out_b, device const float *lse_b,
+                            device T *out, device float *lse,
                             constant FlashAttentionParams &p, uint3 tgid, uint tid) {
     const uint row = tgid.x * FA_MERGE_ROWS_PER_THREADGROUP + tid / FA_MERGE_THREADS_PER_ROW;
     if (row >= p.seqlen_q) {
@@ -62,9 +64,24 @@ inline void attention_merge(device const half *out_a, device const float *lse_a,
     for (uint d = tid % FA_MERGE_THREADS_PER_ROW; d < p.head_dim; d += FA_MERGE_THREADS_PER_ROW) {
         float acc = merge_accumulate(0.0f, wa, float(out_a[start + d]));
         acc = merge_accumulate(acc, wb, float(out_b[start + d]));
-        out[start + d] = half(acc * scale);
+        out[start + d] = T(acc * scale);
     }
     if (tid % FA_MERGE_THREADS_PER_ROW == 0) {
         lse[r] = merged_lse(m, sum);
     }
 }
+
+// The merge kernel of element type T, named flash_attention_merge_<SUFFIX> (f16, bf16, f32).
+#define FA_DEFINE_MERGE_KERNEL(T, SUFFIX)                                                          \
+    kernel void flash_attention_merge_##SUFFIX(                                                    \
+        device const T *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],                                   \
+        device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],                               \
+        device const T *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],                                   \
+        device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],                               \
+        device T *out [[buffer(FA_MERGE_BUFFER_OUT)]],                                             \
+        device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],                                         \
+        constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],                  \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint tid [[thread_index_in_threadgroup]]) {                                                \
+        attention_merge<T>(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);               \
+    }

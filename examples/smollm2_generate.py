@@ -9,8 +9,9 @@ prompt is a document and a question (``smollm2_texts``): 590 tokens, so that eve
 attends over more than 512 keys and takes the library's split-KV path. It checks that the first
 --check-tokens generated tokens are identical and that every library attention call is within the
 project's accuracy rule (flash_attention_metal.accuracy, judged after the run so the timing is the
-generation's own), then prints the answer, tokens/s, the time spent in the library's attention and
-the kernels the decode calls ran (from their profiles).
+generation's own). It prints the answer token by token as it is generated, then tokens/s (the
+first token's wait, the prompt's prefill, apart), the time spent in the library's attention and the
+kernels the decode calls ran (from their profiles).
 
 Exit status: 0 when both checks pass, 1 when either fails, 2 when the library or the model cannot
 be loaded.
@@ -85,6 +86,32 @@ def worst_ratio(calls: list) -> tuple:
     return worst, where
 
 
+class TokenStream:
+    """Prints the answer as it is generated (the text each new token adds, held back while the
+    tokens so far end inside a character) and keeps, per token, the logit gap between the chosen
+    token and the runner-up, and when the first token came."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.tokens: list = []
+        self.printed = ""
+        self.margins: list = []
+        self.first_token_seconds = None
+
+    def on_token(self, token: int, logits: np.ndarray) -> None:
+        if self.first_token_seconds is None:
+            self.first_token_seconds = time.perf_counter()
+        top2 = np.partition(logits, -2)[-2:]
+        self.margins.append(float(top2[1] - top2[0]))
+        if token == self.model.config.eos_token_id:
+            return
+        self.tokens.append(token)
+        text = self.model.decode(self.tokens)
+        if text.startswith(self.printed) and not text.endswith("\ufffd"):
+            print(text[len(self.printed):], end="", flush=True)
+            self.printed = text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("auto", "metal", "cpu"), default=None,
@@ -127,22 +154,21 @@ def generate_and_check(model, context, prompt: str, max_new_tokens: int, check_t
     print(f"user: {shown!r}  ({prompt_ids.size} prompt tokens with the chat template)")
 
     calls: list = []
-    margins: list = []
-
-    def record_margin(token, logits):
-        top2 = np.partition(logits, -2)[-2:]
-        margins.append(float(top2[1] - top2[0]))
-
+    stream = TokenStream(model)
+    print("assistant: ", end="", flush=True)
     start = time.perf_counter()
-    ours = model.generate(prompt_ids, max_new_tokens, library_attention(context, calls), record_margin)
+    ours = model.generate(prompt_ids, max_new_tokens, library_attention(context, calls), stream.on_token)
     seconds = time.perf_counter() - start
-    print(f"assistant: {model.decode(ours)}")
+    print()
     attention_seconds = sum(call.seconds for call in calls)
     decode = [call for call in calls if call.q.shape[2] == 1]
-    print(f"{len(ours)} tokens in {seconds:.2f} s: {len(ours) / seconds:.2f} tokens/s (prefill included; NumPy "
-          f"float32 model); attention: {len(calls)} library calls ({len(calls) - len(decode)} prefill, "
-          f"{len(decode)} decode with seqlen_q = 1), {attention_seconds:.2f} s "
-          f"({100 * attention_seconds / seconds:.0f}% of the run)")
+    first = stream.first_token_seconds - start
+    rest = f"then {(len(ours) - 1) / (seconds - first):.2f} tokens/s" if len(ours) > 1 else "no more tokens"
+    print(f"{len(ours)} tokens in {seconds:.2f} s: {len(ours) / seconds:.2f} tokens/s (the first after {first:.2f} s, "
+          f"the prefill of {prompt_ids.size} prompt tokens; {rest}; NumPy float32 model); attention: "
+          f"{len(calls)} library calls ({len(calls) - len(decode)} prefill, {len(decode)} decode with seqlen_q = 1), "
+          f"{attention_seconds:.2f} s ({100 * attention_seconds / seconds:.0f}% of the run)")
+    margins = stream.margins
     paths = Counter(" + ".join(call.kernels) for call in decode)
     print("decode calls ran " + "; ".join(f"{path} ({n})" for path, n in paths.most_common()))
 

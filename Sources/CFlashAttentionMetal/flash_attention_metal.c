@@ -3,8 +3,6 @@
 
 #include <string.h>
 
-#define FA_VERSION "0.2.0"
-
 static _Thread_local char last_error[1024];
 
 const char *fa_version(void) { return FA_VERSION; }

@@ -234,17 +234,31 @@ public func _exportContextLastProfileDispatch(_ handle: OpaquePointer?, _ index:
     }
 }
 
-/// fa_merge_attention: see flash_attention_metal.h.
+/// fa_merge_attention: see flash_attention_metal.h (fa_merge_attention_v2 with FA_DTYPE_FLOAT16).
 @_cdecl("fa_merge_attention")
 public func _exportMergeAttention(_ handle: OpaquePointer?, _ rows: UInt64, _ headDim: UInt32,
                                  _ outA: UnsafePointer<UInt16>?, _ lseA: UnsafePointer<Float>?,
                                  _ outB: UnsafePointer<UInt16>?, _ lseB: UnsafePointer<Float>?,
                                  _ out: UnsafeMutablePointer<UInt16>?, _ lse: UnsafeMutablePointer<Float>?)
     -> fa_status {
+    _exportMergeAttentionV2(handle, rows, headDim, FA_DTYPE_FLOAT16.rawValue, outA, lseA, outB, lseB, out, lse)
+}
+
+/// fa_merge_attention_v2: see flash_attention_metal.h.
+@_cdecl("fa_merge_attention_v2")
+public func _exportMergeAttentionV2(_ handle: OpaquePointer?, _ rows: UInt64, _ headDim: UInt32, _ dtype: UInt32,
+                                   _ outA: UnsafeRawPointer?, _ lseA: UnsafePointer<Float>?,
+                                   _ outB: UnsafeRawPointer?, _ lseB: UnsafePointer<Float>?,
+                                   _ out: UnsafeMutableRawPointer?, _ lse: UnsafeMutablePointer<Float>?)
+    -> fa_status {
     withAutoreleasePool {
         do {
             let ctx = try context(handle)
-            let p = try Problem.merge(rows: rows, headDim: Int(headDim))
+            guard let type = AttentionDType(rawValue: dtype) else {
+                throw FlashAttentionError.invalidArgument(
+                    "dtype (\(dtype)) must be FA_DTYPE_FLOAT16, FA_DTYPE_BFLOAT16 or FA_DTYPE_FLOAT32")
+            }
+            let p = try Problem.merge(rows: rows, headDim: Int(headDim), dtype: type)
             var buffers = HostBuffers()
             try buffers.bindInput(.outA, required(outA, "out_a"), for: p)
             try buffers.bindInput(.lseA, required(lseA, "lse_a"), for: p)
@@ -252,9 +266,7 @@ public func _exportMergeAttention(_ handle: OpaquePointer?, _ rows: UInt64, _ he
             try buffers.bindInput(.lseB, required(lseB, "lse_b"), for: p)
             try buffers.bindOutput(.out, required(out, "out"), for: p)
             try buffers.bindOutput(.lse, required(lse, "lse"), for: p)
-            let plan = DispatchPlan.merge(p)
-            try buffers.checkOutputsDisjoint(plan)
-            try ctx.run(plan, buffers: buffers)
+            try ctx.run(DispatchPlan.merge(p), buffers: buffers)
             return FA_STATUS_SUCCESS
         } catch {
             return report(error)

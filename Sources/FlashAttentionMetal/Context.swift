@@ -68,8 +68,15 @@ final class Context {
 
     /// Runs `plan` and keeps its profile as the calling thread's last one on this context; on
     /// failure (cancellation included) poisons its outputs and rethrows (the last profile stays
-    /// that of the last success).
+    /// that of the last success). Every entry point comes through here, so here are the checks
+    /// that need the buffers: no output overlaps another bound buffer, and backward's lse is one
+    /// that forward can give (`HostBuffers.checkLse`); both throw `invalidArgument` before
+    /// anything is written.
     func run(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+        try buffers.checkOutputsDisjoint(plan)
+        if plan.pass == .backward {
+            try buffers.checkLse(of: plan.problem)
+        }
         let profile: Profile
         do {
             profile = try backend.execute(plan, buffers: buffers, cancellation: cancellation.token())

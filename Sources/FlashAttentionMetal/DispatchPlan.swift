@@ -2,7 +2,7 @@ import CFlashAttentionMetal
 
 /// What a kernel buffer holds. `lse`, `lseA`, `lseB` and the workspaces are float32; every other
 /// role holds the problem's dtype. `outA`, `lseA`, `outB`, `lseB` are the two parts that
-/// `fa_merge_attention` merges into `out` and `lse`.
+/// `fa_merge_attention_v2` merges into `out` and `lse`.
 enum BufferRole: Int, CaseIterable {
     /// Workspaces: `delta`, D_i = rowsum(dout * out) per query row, and `lseResidual`, what float32
     /// lse could not hold of rows whose |lse| is huge (backward); `partialOut` and
@@ -325,14 +325,14 @@ struct DispatchPlan {
         GridSize(width: fa_threads_per_threadgroup(), height: 1, depth: 1)
     }
 
-    /// Merge (`fa_merge_attention`): `flash_attention_merge` over (ceil(seqlen_q /
+    /// Merge (`fa_merge_attention_v2`): `flash_attention_merge_<dtype>` over (ceil(seqlen_q /
     /// FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch) threadgroups, FA_MERGE_THREADS_PER_ROW
     /// threads per row; `problem` gives the row layout (``Problem/merge(rows:headDim:)``).
     static func merge(_ problem: Problem) -> DispatchPlan {
         let rows = UInt32(FA_MERGE_ROWS_PER_THREADGROUP)
         assert(rows * UInt32(FA_MERGE_THREADS_PER_ROW) == threadgroupSize.width)
         let dispatch = Dispatch(
-            kernelName: "flash_attention_merge",
+            kernelName: "flash_attention_merge_\(problem.dtype.kernelSuffix)",
             bindings: [BufferBinding(index: Int(FA_MERGE_BUFFER_OUT_A), role: .outA),
                        BufferBinding(index: Int(FA_MERGE_BUFFER_LSE_A), role: .lseA),
                        BufferBinding(index: Int(FA_MERGE_BUFFER_OUT_B), role: .outB),

@@ -1,3 +1,5 @@
+import CFlashAttentionMetal
+
 /// Exact, memory-efficient attention (FlashAttention-2, Dao 2023) over float16, bfloat16 or float32
 /// host buffers, run by Metal on Apple GPUs or by the CPU engine that executes the same Metal
 /// kernels.
@@ -8,8 +10,16 @@
 /// zero gradients. Query head `h` reads KV head `h / (numHeads / numKVHeads)`. Results are
 /// deterministic. See ``AttentionShape`` for the layout.
 ///
+/// Buffers: no output may share memory with another output or an input of the same call (byte
+/// ranges from each buffer's first to its last element; checked, `invalidArgument`, nothing
+/// written). Backward's `lse` must be the one forward returned: NaN and `+inf` are rejected, and
+/// `-inf` is accepted only for a row that sees no key (checked on the buffer before any kernel runs).
+///
 /// One instance may be used from several threads at once.
 public final class FlashAttention: @unchecked Sendable {
+    /// The library's version, "MAJOR.MINOR.PATCH" (`FA_VERSION` of the C header).
+    public static var version: String { FA_VERSION }
+
     private let context: Context
 
     /// Creates the device state: for Metal a device, a command queue and the compiled kernels; for
@@ -53,6 +63,7 @@ public final class FlashAttention: @unchecked Sendable {
     ///   - softmaxScale: any finite value; nil means `1 / sqrt(headDim)`.
     ///   - options: sliding window, softcap, ALiBi, sinks and `attnMask` (``AttentionOptions``).
     /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for a bad shape, scale, option or buffer length,
+    ///   or an output overlapping another buffer of the call;
     ///   ``FlashAttentionError/unsupported(_:)`` for `headDim` or `headDimV` above 256 (or bfloat16
     ///   where Metal lacks it), ``FlashAttentionError/executionFailed(_:)`` when the device fails
     ///   (outputs are then NaN).
@@ -79,8 +90,11 @@ public final class FlashAttention: @unchecked Sendable {
     /// heads that share a KV head. With `options.sinks`, `dsinks` (`numHeads` floats) receives the
     /// sinks' gradient. Math: FlashAttention-2 (Dao 2023), Algorithm 2; rows with |lse| >= 256 get
     /// their softmax normaliser recomputed (`fa_backward` in the C header says when).
+    /// `lse` must be the forward's: a NaN or `+inf` element, or `-inf` on a row that sees a key
+    /// (a key its causal mask, window and `attnMask` leave visible, or a sink whose logit is not
+    /// `-inf`), is an `invalidArgument` naming the element, e.g. `lse[0][3][17]`.
     /// - Throws: as ``forward(q:k:v:out:lse:shape:causal:softmaxScale:options:)``; `invalidArgument`
-    ///   when sinks are given without `dsinks`.
+    ///   when sinks are given without `dsinks`, or for an lse forward cannot give.
     public func backward<Element: AttentionElement>(
         dout: UnsafeBufferPointer<Element>, q: UnsafeBufferPointer<Element>, k: UnsafeBufferPointer<Element>,
         v: UnsafeBufferPointer<Element>, out: UnsafeBufferPointer<Element>, lse: UnsafeBufferPointer<Float>,
@@ -226,26 +240,30 @@ extension FlashAttention {
     /// Merges two attention results over disjoint key sets of the same queries into the result
     /// over their union, into caller-owned memory: the log-sum-exp combine of split-KV decoding and
     /// ring attention. Per row, with `m = max(lseA, lseB)`, `wA = exp(lseA - m)`,
-    /// `wB = exp(lseB - m)`: `out = (wA outA + wB outB) / (wA + wB)` and `lse = m + log(wA + wB)`.
-    /// A part with lse `-inf` (it saw no key) contributes nothing and its out is not used; a row
-    /// empty in both parts gets `out = 0`, `lse = -inf`.
+    /// `wB = exp(lseB - m)`: `out = (wA outA + wB outB) / (wA + wB)` and `lse = m + log(wA + wB)`,
+    /// in float32, `out` rounded to `Element` once. A part with lse `-inf` (it saw no key)
+    /// contributes nothing and its out is not used; a row empty in both parts gets `out = 0`,
+    /// `lse = -inf`.
     ///
     /// - Parameters:
-    ///   - outA, outB: float16 bit patterns, `rows * headDim` elements (`[rows][headDim]`), e.g. the
-    ///     `out` of ``forward(q:k:v:out:lse:shape:causal:softmaxScale:)`` over each key set.
+    ///   - outA, outB: `rows * headDim` elements (`[rows][headDim]`) of any ``AttentionElement``
+    ///     (float16, bfloat16, float32; `UInt16` as float16 bit patterns), e.g. the `out` of
+    ///     ``forward(q:k:v:out:lse:shape:causal:softmaxScale:options:)`` over each key set.
     ///   - lseA, lseB: float32, `rows` elements, the matching `lse`; `rows = lseA.count`.
-    ///   - out, lse: the merge, sized like `outA` and `lseA`; must not overlap any input.
+    ///   - out, lse: the merge, sized like `outA` and `lseA`; must not overlap each other or any
+    ///     input (checked: `invalidArgument`).
     ///   - headDim: `1...256`.
     /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for mismatched counts, `rows` outside
     ///   `1...UInt32.max` or overlapping buffers, ``FlashAttentionError/unsupported(_:)`` for
-    ///   `headDim > 256`, ``FlashAttentionError/executionFailed(_:)`` when the device fails
-    ///   (outputs are then NaN).
-    public func mergeAttention(outA: UnsafeBufferPointer<UInt16>, lseA: UnsafeBufferPointer<Float>,
-                               outB: UnsafeBufferPointer<UInt16>, lseB: UnsafeBufferPointer<Float>,
-                               out: UnsafeMutableBufferPointer<UInt16>, lse: UnsafeMutableBufferPointer<Float>,
-                               headDim: Int) throws {
+    ///   `headDim > 256` (or bfloat16 where Metal lacks it), ``FlashAttentionError/executionFailed(_:)``
+    ///   when the device fails (outputs are then NaN).
+    public func mergeAttention<Element: AttentionElement>(
+        outA: UnsafeBufferPointer<Element>, lseA: UnsafeBufferPointer<Float>, outB: UnsafeBufferPointer<Element>,
+        lseB: UnsafeBufferPointer<Float>, out: UnsafeMutableBufferPointer<Element>,
+        lse: UnsafeMutableBufferPointer<Float>, headDim: Int
+    ) throws {
         try withAutoreleasePool {
-            let p = try Problem.merge(rows: UInt64(lseA.count), headDim: headDim)
+            let p = try Problem.merge(rows: UInt64(lseA.count), headDim: headDim, dtype: Element.attentionDType)
             var buffers = HostBuffers()
             try buffers.bindInput(.outA, checked(UnsafeRawBufferPointer(outA), .outA, p), for: p)
             try buffers.bindInput(.lseA, checked(UnsafeRawBufferPointer(lseA), .lseA, p), for: p)
@@ -253,10 +271,35 @@ extension FlashAttention {
             try buffers.bindInput(.lseB, checked(UnsafeRawBufferPointer(lseB), .lseB, p), for: p)
             try buffers.bindOutput(.out, checked(UnsafeMutableRawBufferPointer(out), .out, p), for: p)
             try buffers.bindOutput(.lse, checked(UnsafeMutableRawBufferPointer(lse), .lse, p), for: p)
-            let plan = DispatchPlan.merge(p)
-            try buffers.checkOutputsDisjoint(plan)
-            try context.run(plan, buffers: buffers)
+            try context.run(DispatchPlan.merge(p), buffers: buffers)
         }
+    }
+
+    /// Merges two attention results over disjoint key sets into the result over their union;
+    /// returns `out` (like `outA`) and `lse` (float32, like `lseA`). See
+    /// ``mergeAttention(outA:lseA:outB:lseB:out:lse:headDim:)``.
+    public func mergeAttention<Element: AttentionElement>(outA: [Element], lseA: [Float], outB: [Element],
+                                                          lseB: [Float], headDim: Int) throws
+        -> (out: [Element], lse: [Float]) {
+        let p = try Problem.merge(rows: UInt64(lseA.count), headDim: headDim, dtype: Element.attentionDType)
+        try expect(outA.count, .outA, p)
+        var out = [Element](repeating: Element(), count: BufferRole.out.elementCount(for: p))
+        var lse = [Float](repeating: 0, count: p.lseElements)
+        try outA.withUnsafeBufferPointer { outA in
+            try lseA.withUnsafeBufferPointer { lseA in
+                try outB.withUnsafeBufferPointer { outB in
+                    try lseB.withUnsafeBufferPointer { lseB in
+                        try out.withUnsafeMutableBufferPointer { out in
+                            try lse.withUnsafeMutableBufferPointer { lse in
+                                try mergeAttention(outA: outA, lseA: lseA, outB: outB, lseB: lseB, out: out,
+                                                   lse: lse, headDim: headDim)
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        return (out, lse)
     }
 }
 
@@ -282,46 +325,3 @@ private func checked(_ buffer: UnsafeMutableRawBufferPointer, _ role: BufferRole
     -> UnsafeMutableRawPointer {
     UnsafeMutableRawPointer(mutating: try checked(UnsafeRawBufferPointer(buffer), role, problem))
 }
-
-// Float16 does not exist on macOS for x86_64; there the UInt16 bit-pattern API above serves.
-#if !((os(macOS) || targetEnvironment(macCatalyst)) && arch(x86_64))
-extension FlashAttention {
-    /// Merges two attention results over disjoint key sets into the result over their union;
-    /// returns `out` (float16, like `outA`) and `lse` (float32, like `lseA`). See
-    /// ``mergeAttention(outA:lseA:outB:lseB:out:lse:headDim:)``.
-    public func mergeAttention(outA: [Float16], lseA: [Float], outB: [Float16], lseB: [Float],
-                               headDim: Int) throws -> (out: [Float16], lse: [Float]) {
-        let p = try Problem.merge(rows: UInt64(lseA.count), headDim: headDim)
-        try expect(outA.count, .outA, p)
-        var out = [Float16](repeating: 0, count: BufferRole.out.elementCount(for: p))
-        var lse = [Float](repeating: 0, count: p.lseElements)
-        try outA.asBits { outA in
-            try lseA.withUnsafeBufferPointer { lseA in
-                try outB.asBits { outB in
-                    try lseB.withUnsafeBufferPointer { lseB in
-                        try out.asMutableBits { out in
-                            try lse.withUnsafeMutableBufferPointer { lse in
-                                try mergeAttention(outA: outA, lseA: lseA, outB: outB, lseB: lseB, out: out,
-                                                   lse: lse, headDim: headDim)
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        return (out, lse)
-    }
-}
-
-extension Array where Element == Float16 {
-    /// The elements as float16 bit patterns, without a copy.
-    fileprivate func asBits<R>(_ body: (UnsafeBufferPointer<UInt16>) throws -> R) rethrows -> R {
-        try withUnsafeBufferPointer { try $0.withMemoryRebound(to: UInt16.self, body) }
-    }
-
-    fileprivate mutating func asMutableBits<R>(_ body: (UnsafeMutableBufferPointer<UInt16>) throws -> R) rethrows
-        -> R {
-        try withUnsafeMutableBufferPointer { try $0.withMemoryRebound(to: UInt16.self, body) }
-    }
-}
-#endif

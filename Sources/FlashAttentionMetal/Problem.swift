@@ -172,10 +172,10 @@ struct Problem {
                            hasSinks: options.sinks != nil)
     }
 
-    /// Validates the sizes of a merge (`fa_merge_attention`): `rows` rows of `headDim` elements,
-    /// laid out as the `out` and `lse` of a forward problem with one sequence of `rows` queries in
-    /// one head (the merge kernel reads only batch, num_heads, seqlen_q and head_dim).
-    static func merge(rows: UInt64, headDim: Int) throws -> Problem {
+    /// Validates the sizes of a merge (`fa_merge_attention_v2`): `rows` rows of `headDim` elements
+    /// of `dtype`, laid out as the `out` and `lse` of a forward problem with one sequence of `rows`
+    /// queries in one head (the merge kernel reads only batch, num_heads, seqlen_q and head_dim).
+    static func merge(rows: UInt64, headDim: Int, dtype: AttentionDType = .float16) throws -> Problem {
         guard rows >= 1 else {
             throw FlashAttentionError.invalidArgument("rows (0) must be at least 1")
         }
@@ -183,7 +183,7 @@ struct Problem {
             throw FlashAttentionError.invalidArgument("rows (\(rows)) must be at most \(UInt32.max)")
         }
         return try Problem(AttentionShape(batch: 1, numHeads: 1, seqlenQ: Int(rows), seqlenK: 1, headDim: headDim),
-                           dtype: .float16, causal: false, softmaxScale: 1, strides: ProblemStrides())
+                           dtype: dtype, causal: false, softmaxScale: 1, strides: ProblemStrides())
     }
 
     /// Memberwise: the checked initializer below and `slice` end here.

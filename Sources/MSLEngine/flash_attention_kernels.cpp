@@ -50,7 +50,8 @@ template <class T>
 using BackwardDkvKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
                                    const float *, const FlashAttentionParams &, const float *,
                                    FA_BACKWARD_OPTIONAL_TYPES, T *, T *, uint3, uint, uint);
-using MergeKernel = void (*)(const half *, const float *, const half *, const float *, half *, float *,
+template <typename T>
+using MergeKernel = void (*)(const T *, const float *, const T *, const float *, T *, float *,
                              const FlashAttentionParams &, uint3, uint);
 
 // The buffers every forward kernel binds, in [[buffer(i)]] order up to the parameters.
@@ -126,11 +127,11 @@ void run_backward_dkv(const kernel_args &a, const builtins &t) {
            t.thread_index_in_simdgroup);
 }
 
-template <MergeKernel Kernel>
+template <typename T, MergeKernel<T> Kernel>
 void run_merge(const kernel_args &a, const builtins &t) {
-    Kernel(a.buffer<const half>(FA_MERGE_BUFFER_OUT_A), a.buffer<const float>(FA_MERGE_BUFFER_LSE_A),
-           a.buffer<const half>(FA_MERGE_BUFFER_OUT_B), a.buffer<const float>(FA_MERGE_BUFFER_LSE_B),
-           a.buffer<half>(FA_MERGE_BUFFER_OUT), a.buffer<float>(FA_MERGE_BUFFER_LSE),
+    Kernel(a.buffer<const T>(FA_MERGE_BUFFER_OUT_A), a.buffer<const float>(FA_MERGE_BUFFER_LSE_A),
+           a.buffer<const T>(FA_MERGE_BUFFER_OUT_B), a.buffer<const float>(FA_MERGE_BUFFER_LSE_B),
+           a.buffer<T>(FA_MERGE_BUFFER_OUT), a.buffer<float>(FA_MERGE_BUFFER_LSE),
            a.constant_ref<const FlashAttentionParams>(FA_MERGE_BUFFER_PARAMS),
            t.threadgroup_position_in_grid, t.thread_index_in_threadgroup);
 }
@@ -151,11 +152,13 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
 #define FA_KERNEL_ENTRY(T, NAME, RUN, BUFFERS)                                                     \
     {#NAME, RUN<T, NAME>, BUFFERS, sizeof(NAME##_threadgroup), kSource, 0},
 
-// The combine and delta kernels declare no threadgroup storage.
+// The combine, delta and merge kernels declare no threadgroup storage.
 #define FA_DTYPE_ENTRIES(T, SUFFIX)                                                                \
-    {"flash_attention_forward_combine_" #SUFFIX,                                                   \
-     run_forward_combine<T, flash_attention_forward_combine_##SUFFIX>,                             \
-     FA_FORWARD_SPLIT_BUFFER_COUNT, 0, kSource, 0},                                                \
+    {"flash_attention_merge_" #SUFFIX, run_merge<T, flash_attention_merge_##SUFFIX>,               \
+     FA_MERGE_BUFFER_COUNT, 0, kSource, 0},                                                        \
+        {"flash_attention_forward_combine_" #SUFFIX,                                               \
+         run_forward_combine<T, flash_attention_forward_combine_##SUFFIX>,                         \
+         FA_FORWARD_SPLIT_BUFFER_COUNT, 0, kSource, 0},                                            \
         {"flash_attention_backward_delta_" #SUFFIX,                                                \
          run_backward_delta<T, flash_attention_backward_delta_##SUFFIX>,                           \
          FA_BACKWARD_DELTA_BUFFER_COUNT, 0, kSource, 0},
@@ -176,9 +179,7 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
 #define FA_BF16_ENTRIES(...) FA_BUCKET_ENTRIES(bfloat, bf16, __VA_ARGS__)
 #define FA_F32_ENTRIES(...) FA_BUCKET_ENTRIES(float, f32, __VA_ARGS__)
 
-// The merge kernel declares no threadgroup storage.
 const msl_engine::kernel_entry kTable[] = {
-    {"flash_attention_merge", run_merge<flash_attention_merge>, FA_MERGE_BUFFER_COUNT, 0, kSource, 0},
     {"flash_attention_backward_dsinks", run_backward_dsinks, FA_BACKWARD_DSINKS_BUFFER_COUNT,
      sizeof(flash_attention_backward_dsinks_threadgroup), kSource, 0},
     FA_DTYPE_ENTRIES(half, f16) FA_HEAD_DIM_BUCKETS(FA_F16_ENTRIES)

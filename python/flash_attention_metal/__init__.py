@@ -17,14 +17,15 @@ The module functions run on a default Context created on first use; ``$FLASH_ATT
 
 from __future__ import annotations
 
-from . import _default, _validation, accuracy, reference
+from . import _default, _header, _validation, accuracy, reference
 from ._default import BACKEND_ENV, default_backend, default_context
 from ._native import LIBRARY_ENV
 from .context import BACKENDS, Context
 from .errors import FlashAttentionError
 from .profile import DispatchProfile, Profile
 
-__version__ = "0.1.0"
+#: FA_VERSION of the C header, the project's one definition of its version (the library's too).
+__version__ = _header.version()
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None, window_size=(-1, -1),
@@ -72,7 +73,7 @@ def last_profile():
 
 def merge_attention(out_a, lse_a, out_b, lse_b):
     """``Context.merge_attention`` on the default context: merges two attention results over
-    disjoint key sets into the result over their union; returns (out float16, lse float32)
+    disjoint key sets into the result over their union; returns (out like out_a, lse float32)
     (arguments checked before the library is loaded, as for ``forward``)."""
     _validation.check_merge(out_a, lse_a, out_b, lse_b)
     return default_context().merge_attention(out_a, lse_a, out_b, lse_b)

@@ -14,14 +14,11 @@ from pathlib import Path
 
 import cffi
 
+from ._header import HEADER_NAME, PACKAGE_DIR, REPO_ROOT, header_candidates
 from .errors import FlashAttentionError
 
-HEADER_NAME = "flash_attention_metal.h"
 LIBRARY_ENV = "FLASH_ATTENTION_METAL_LIBRARY"
 
-_PACKAGE_DIR = Path(__file__).resolve().parent
-# python/flash_attention_metal -> python -> repository root (an editable or in-tree checkout).
-_REPO_ROOT = _PACKAGE_DIR.parent.parent
 _CDEF_BEGIN = "/* FA_CDEF_BEGIN */"
 _CDEF_END = "/* FA_CDEF_END */"
 
@@ -29,14 +26,6 @@ _CDEF_END = "/* FA_CDEF_END */"
 def library_file_name() -> str:
     """The platform's file name of the library: ``.dylib`` on macOS, ``.so`` elsewhere."""
     return "libFlashAttentionMetal.dylib" if sys.platform == "darwin" else "libFlashAttentionMetal.so"
-
-
-def header_candidates() -> list[Path]:
-    """Where the C header is looked for, in order: next to the package, then the source tree."""
-    return [
-        _PACKAGE_DIR / HEADER_NAME,
-        _REPO_ROOT / "Sources" / "CFlashAttentionMetal" / "include" / HEADER_NAME,
-    ]
 
 
 def library_candidates() -> list[Path]:
@@ -50,7 +39,7 @@ def library_candidates() -> list[Path]:
     if override:
         return [Path(override)]
     name = library_file_name()
-    return [_PACKAGE_DIR / name, _REPO_ROOT / ".build" / "release" / name]
+    return [PACKAGE_DIR / name, REPO_ROOT / ".build" / "release" / name]
 
 
 def extract_cdef(header_text: str) -> str:

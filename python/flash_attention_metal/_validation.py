@@ -219,21 +219,29 @@ def check_like_q(name: str, array, q: np.ndarray, head_dim_v: int) -> None:
 
 
 def check_lse(lse, shape: Shape) -> None:
-    """Checks lse: float32 of shape (batch, num_heads, seqlen_q), as forward returned it."""
+    """Checks lse: float32 of shape (batch, num_heads, seqlen_q), as forward returned it: no NaN
+    or +inf (-inf, forward's lse of a row without visible keys, is checked against the masks by
+    the library, which reads the masks anyway)."""
     check_array("lse", lse, dtypes=(np.dtype(np.float32),), ndim=3)
     expected = (shape.batch, shape.num_heads, shape.seqlen_q)
     if lse.shape != expected:
         raise ValueError(f"lse shape {lse.shape} must be (batch, num_heads, seqlen_q) = {expected}")
+    # max is NaN where any element is, +inf where one is; it allocates nothing of lse's size.
+    if not lse.max() < np.inf:
+        b, h, i = (int(x) for x in np.argwhere(np.isnan(lse) | np.isposinf(lse))[0])
+        raise ValueError(f"lse[{b}, {h}, {i}] is {lse[b, h, i]}: backward needs the lse that forward returned "
+                         f"(finite, or -inf for a row that sees no key)")
 
 
 def check_merge(out_a, lse_a, out_b, lse_b) -> tuple[int, int]:
-    """Checks the two parts of ``merge_attention``: out_a, out_b float16 of one shape
-    (..., head_dim); lse_a, lse_b float32 of shape (...), the same leading shape. Returns
-    (rows, head_dim), rows being the product of the leading dimensions (at most 2**32 - 1)."""
-    check_array("out_a", out_a, dtypes=(np.dtype(np.float16),), ndim=None)
+    """Checks the two parts of ``merge_attention``: out_a, out_b of one dtype (float16, bfloat16
+    or float32) and shape (..., head_dim); lse_a, lse_b float32 of shape (...), the same leading
+    shape. Returns (rows, head_dim), rows being the product of the leading dimensions (at most
+    2**32 - 1)."""
+    check_array("out_a", out_a, ndim=None)
     if out_a.ndim < 1:
         raise ValueError("out_a must have at least 1 dimension (..., head_dim), got a 0-D array")
-    check_array("out_b", out_b, dtypes=(np.dtype(np.float16),), ndim=None)
+    check_array("out_b", out_b, dtypes=(out_a.dtype,), ndim=None)
     if out_b.shape != out_a.shape:
         raise ValueError(f"out_b shape {out_b.shape} must equal out_a shape {out_a.shape}")
     leading = out_a.shape[:-1]

@@ -288,17 +288,18 @@ class Context:
 
         Per row, with m = max(lse_a, lse_b), w_a = exp(lse_a - m), w_b = exp(lse_b - m):
         out = (w_a out_a + w_b out_b) / (w_a + w_b) and lse = m + log(w_a + w_b), in float32 with
-        one rounding of out to float16. A part with lse -inf (it saw no key) contributes nothing
+        one rounding of out to its dtype. A part with lse -inf (it saw no key) contributes nothing
         and its out is not used; a row empty in both parts gets out 0 and lse -inf (no NaN).
         ``forward`` over keys k[:, :, :s] merged with ``forward`` over k[:, :, s:] is ``forward``
         over all keys (for causal masks, when each part's mask is the restriction of the full one).
 
         Args:
-            out_a, out_b: float16, one shape (..., head_dim), e.g. ``forward``'s out.
+            out_a, out_b: float16, bfloat16 or float32 (one dtype), one shape (..., head_dim), e.g.
+                ``forward``'s out.
             lse_a, lse_b: float32 of shape (...), the leading shape of out_a, e.g. ``forward``'s lse.
 
         Returns:
-            (out, lse): out float16 like out_a, lse float32 like lse_a. Fresh arrays.
+            (out, lse): out like out_a (dtype and shape), lse float32 like lse_a. Fresh arrays.
 
         Raises:
             TypeError, ValueError: invalid arguments (checked before any native call).
@@ -311,17 +312,17 @@ class Context:
             raise ValueError(f"head_dim {head_dim} (the last dimension of out_a) is outside the supported "
                              f"range 1..{self.max_head_dim}")
         # Shapes first: np.ascontiguousarray turns a 0-D lse (one row) into shape (1,).
-        out = np.empty(out_a.shape, dtype=np.float16)
+        out = np.empty(out_a.shape, dtype=out_a.dtype)
         lse = np.empty(lse_a.shape, dtype=np.float32)
         out_a, lse_a, out_b, lse_b = (np.ascontiguousarray(a) for a in (out_a, lse_a, out_b, lse_b))
         ffi, lib = self._native.ffi, self._native.lib
         arguments = (
-            self._handle, rows, head_dim,
-            _half_in(ffi, out_a), ffi.from_buffer("float[]", lse_a),
-            _half_in(ffi, out_b), ffi.from_buffer("float[]", lse_b),
-            _half_out(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True),
+            self._handle, rows, head_dim, getattr(lib, _DTYPE_CODES[out.dtype.name]),
+            _address(ffi, out_a), ffi.from_buffer("float[]", lse_a),
+            _address(ffi, out_b), ffi.from_buffer("float[]", lse_b),
+            _address(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True),
         )
-        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_merge_attention(*arguments)), self.cancel)
+        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_merge_attention_v2(*arguments)), self.cancel)
         return out, lse
 
     def _problem(self, shape: _validation.Shape, causal: bool, scale: float, dtype=np.float16, tensors=None):
@@ -365,13 +366,10 @@ def _pointer(ffi, tensor: _layout.Tensor):
     return ffi.cast("void *", tensor.address)
 
 
-def _half_in(ffi, array: np.ndarray):
-    # merge_attention's float16 has no C type; its ABI takes the bit patterns as uint16_t.
-    return ffi.from_buffer("uint16_t[]", array)
-
-
-def _half_out(ffi, array: np.ndarray):
-    return ffi.from_buffer("uint16_t[]", array, require_writable=True)
+def _address(ffi, array: np.ndarray):
+    # A contiguous array's data as void * (cffi's from_buffer cannot read ml_dtypes' bfloat16); the
+    # caller keeps the array alive for the call.
+    return ffi.cast("void *", array.ctypes.data)
 
 
 __all__ = ["BACKENDS", "Context", "normalize_backend"]

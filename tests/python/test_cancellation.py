@@ -43,24 +43,57 @@ except KeyboardInterrupt:
 """
 
 
-@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
-@pytest.mark.parametrize("operation", ["forward", "backward"])
-def test_ctrl_c_during_a_long_call_raises_keyboard_interrupt_promptly(operation):
-    env = dict(os.environ)
+def _interrupt(script: str, *args: str, backend: str | None = None):
+    """Runs ``script`` in a child Python, sends it SIGINT once it has printed "calling" and had a
+    second to enter the library; returns the child, its stdout and stderr, and the seconds from
+    SIGINT to its exit."""
+    env = dict(os.environ, **({"FLASH_ATTENTION_METAL_BACKEND": backend} if backend else {}))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(fam.__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
-    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(n=LONG_SEQLEN), operation], env=env,
+    child = subprocess.Popen([sys.executable, "-c", script, *args], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "calling", child.stderr.read()
-        time.sleep(0.5)  # inside the native call by now
+        time.sleep(1.0)  # inside the native calls by now
         sent = time.monotonic()
         child.send_signal(signal.SIGINT)
-        stdout, stderr = child.communicate(timeout=60)
+        stdout, stderr = child.communicate(timeout=120)
         elapsed = time.monotonic() - sent
     finally:
         child.kill()
+    return child, stdout, stderr, elapsed
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
+@pytest.mark.parametrize("operation", ["forward", "backward"])
+def test_ctrl_c_during_a_long_call_raises_keyboard_interrupt_promptly(operation):
+    child, stdout, stderr, elapsed = _interrupt(_CHILD.format(n=LONG_SEQLEN), operation)
     assert stdout.strip() == "interrupted", stdout + stderr
     assert child.returncode == 0, stderr
+    assert elapsed < EXIT_BOUND_SECONDS, f"the child took {elapsed:.2f} s to stop after SIGINT"
+
+
+_POOL_CHILD = """
+import concurrent.futures, sys, numpy as np, flash_attention_metal as fam
+q = np.random.default_rng(0).standard_normal((1, 1, {n}, 64)).astype(np.float16)
+pool = concurrent.futures.ThreadPoolExecutor(2)
+futures = [pool.submit(fam.forward, q, q, q), pool.submit(fam.Context("cpu").forward, q, q, q)]
+print("calling", flush=True)
+try:
+    with pool:
+        [future.result() for future in futures]
+    print("finished", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", *(future.exception().status_name for future in futures), flush=True)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
+def test_ctrl_c_cancels_the_calls_of_worker_threads():
+    """The ThreadPoolExecutor case: KeyboardInterrupt in the main thread, and each worker's call (on
+    the default context and on its own) stopped with FA_STATUS_CANCELLED, so the pool's shutdown
+    does not wait for them."""
+    _, stdout, stderr, elapsed = _interrupt(_POOL_CHILD.format(n=LONG_SEQLEN), backend="cpu")
+    assert stdout.split() == ["interrupted", "FA_STATUS_CANCELLED", "FA_STATUS_CANCELLED"], stdout + stderr
     assert elapsed < EXIT_BOUND_SECONDS, f"the child took {elapsed:.2f} s to stop after SIGINT"
 
 

@@ -9,11 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import flash_attention_metal as fam
-from flash_attention_metal.cli import bench, check, main
+from flash_attention_metal.cli import _measure, bench, check, main
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -31,7 +32,8 @@ def test_info_reports_version_backend_device_and_library():
     assert fields["backend"] == "cpu"
     assert fields["library"].endswith(("libFlashAttentionMetal.so", "libFlashAttentionMetal.dylib"))
     assert fields["max head_dim"] == "256"
-    assert fields["library version"].count(".") == 2
+    # One version, the header's FA_VERSION: the package's and the loaded library's agree.
+    assert fields["version"] == fam.__version__ and fam.__version__.count(".") == 2
     assert fields["device"]
     assert fields["note"] == "-"
 
@@ -80,12 +82,26 @@ def _write_npz(path, **arrays):
     return path
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_check_input_in_every_dtype(tmp_path, capsys, dtype):
+    """Real MiniLM inputs cast to bfloat16 (np.savez stores it as 'V2') or float32 pass the rule."""
+    with np.load(check.BUILTIN_INPUT) as data:
+        name = str(data["cases"][0])
+        parts = {f"{name}_{p}": data[f"{name}_{p}"].astype(getattr(ml_dtypes, dtype, None) or dtype)
+                 for p in ("q", "k", "v", "dout")}
+    path = _write_npz(tmp_path / "input.npz", cases=np.array([name]), **parts)
+    assert main(["check", "--backend", "cpu", "--input", str(path)]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(name)]
+    assert [row[2] for row in rows] == [dtype, dtype] and all(row[-1] == "ok" for row in rows)
+
+
 @pytest.mark.parametrize("content, lacks", [
     ("text", "is not an .npz archive"),
     ("npy", "holds a single array, not an .npz archive"),
     ("no cases", "lacks the array 'cases'"),
     ("no dout", "lacks tiny_dout"),
-    ("float32", "tiny_q is float32 of shape (1, 2, 3, 4); check needs float16"),
+    ("float32", "tiny_k is float16 of shape (1, 2, 3, 4); check needs float16, bfloat16 or float32"),
+    ("float64", "tiny_q is float64 of shape (1, 2, 3, 4); check needs float16, bfloat16 or float32"),
 ])
 def test_check_input_without_the_expected_content_is_one_line_and_exit_1(tmp_path, capsys, content, lacks):
     half = np.zeros((1, 2, 3, 4), dtype=np.float16)
@@ -101,7 +117,7 @@ def test_check_input_without_the_expected_content_is_one_line_and_exit_1(tmp_pat
     elif content == "no dout":
         _write_npz(path, cases=np.array(["tiny"]), **parts)
     else:
-        _write_npz(path, cases=np.array(["tiny"]), **{**parts, "tiny_q": half.astype(np.float32),
+        _write_npz(path, cases=np.array(["tiny"]), **{**parts, "tiny_q": half.astype(content),
                                                       "tiny_dout": half})
     assert main(["check", "--backend", "cpu", "--input", str(path)]) == 1
     captured = capsys.readouterr()
@@ -138,7 +154,7 @@ def test_check_warms_up_before_the_first_timed_row(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(check, "context_for", lambda backend: _SlowFirstCallContext())
     assert main(["check", "--input", str(tmp_path / "tiny.npz")]) == 0
     first_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny "))
-    forward_ms = float(first_row.split()[3])
+    forward_ms = float(first_row.split()[4])
     assert forward_ms < 500, first_row  # the one-second first call was the warm-up, not timed
 
 
@@ -174,8 +190,8 @@ def test_bench_times_and_counts_flops(tmp_path):
 
 
 def test_flop_count_follows_flash_attention():
-    assert bench.forward_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
-    assert bench.forward_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
+    assert _measure.forward_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
+    assert _measure.forward_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
     result = bench.Result(seqlen=8, causal=False, forward_ms=1.0, backward_ms=2.0, forward_flops=1e9)
     assert result.forward_tflops == pytest.approx(1.0)  # 1e9 FLOP in 1 ms
     assert result.backward_tflops == pytest.approx(1.25)  # 2.5e9 FLOP in 2 ms
@@ -209,8 +225,8 @@ def test_bench_plot_in_a_format_matplotlib_cannot_write_is_a_usage_error(tmp_pat
 
 
 def test_throughput_is_shown_in_gflops_below_one_tflops():
-    assert bench.throughput_unit([0.002, 0.5]) == (1e3, "GFLOP/s")
-    assert bench.throughput_unit([0.5, 3.0]) == (1.0, "TFLOP/s")
+    assert _measure.throughput_unit([0.002, 0.5]) == (1e3, "GFLOP/s")
+    assert _measure.throughput_unit([0.5, 3.0]) == (1.0, "TFLOP/s")
 
 
 def test_bench_help_shows_the_defaults(capsys):
@@ -222,9 +238,9 @@ def test_bench_help_shows_the_defaults(capsys):
         assert re.search(re.escape(option) + r".*?\(default: " + default, text), option
 
 
-def test_the_matplotlib_hint_is_the_readme_wording():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert bench.MATPLOTLIB_HINT in readme
+def test_the_matplotlib_hint_is_the_documented_wording():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "python.md").read_text()
+    assert _measure.MATPLOTLIB_HINT in page
 
 
 @pytest.mark.parametrize("option, value, rule", [
@@ -234,7 +250,8 @@ def test_the_matplotlib_hint_is_the_readme_wording():
     ("--seqlens", "ten", "must be an integer, got 'ten'"),
     ("--batch", "0", "must be an integer in 1..4294967295"),
     ("--heads", "-1", "must be an integer in 1..4294967295"),
-    ("--head-dim", "0", "must be an integer in 1..4294967295"),
+    ("--head-dim", "0", "must be in 1..256 (the library's largest head_dim), got 0"),
+    ("--head-dim", "-3", "must be in 1..256 (the library's largest head_dim), got -3"),
     ("--repeats", "0", "must be an integer in 1..4294967295"),
 ])
 def test_bench_rejects_bad_sizes_while_parsing(capsys, option, value, rule):
@@ -269,7 +286,7 @@ class _NoMemory:
 
 
 def test_bench_out_of_memory_is_a_clean_error_on_its_own_line(monkeypatch, capsys):
-    monkeypatch.setattr(bench.np.random, "default_rng", lambda seed: _NoMemory())
+    monkeypatch.setattr(_measure.np.random, "default_rng", lambda seed: _NoMemory())
     assert main(["bench", "--backend", "cpu", "--seqlens", "4000000000", "--repeats", "1"]) == 1
     lines = capsys.readouterr().err.splitlines()
     errors = [line for line in lines if "error:" in line]

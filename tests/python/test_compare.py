@@ -95,6 +95,7 @@ def test_compare_runs_every_installed_peer_and_writes_the_record(tmp_path):
                 assert entry["ms"] > 0 and entry["tflops"] == pytest.approx(r["flops"][operation] / entry["ms"] / 1e9)
                 assert entry["peak_memory_bytes"] >= 0, entry
                 assert (entry["device_ms"] > 0) if name == "library" else ("device_ms" not in entry), entry
+    assert all(line in result.stdout for line in compare.LEGEND), "the table's columns are explained"
     # Every peer row carries its time ratio to the library's row of the same case and operation.
     rows = [line.split() for line in result.stdout.splitlines()]
     for name in installed:

@@ -155,7 +155,7 @@ def accuracy_runs(tmp_path_factory) -> dict[int, list[dict]]:
 # whole value and carries a full half-spacing of rounding (1.83e-3), so the float32 sum (error
 # 1.98e-3) rounds to the neighbouring float16: error 3.50e-3 against the bound 2.59e-3 (base 0.86e-3).
 # The library returns float16 gradients only; float32 partial results would remove the double
-# rounding. 0 of 1000 random cases exceed the rule at P = 4 (README, "Sequence parallelism").
+# rounding. 0 of 1000 random cases exceed the rule at P = 4 (docs/distributed.md, "Accuracy").
 @pytest.mark.parametrize("ranks, index", [(ranks, index) for ranks in (2, 4) for index in range(len(CASES))])
 def test_ring_equals_attention_on_the_gathered_sequence(accuracy_runs, ranks, index):
     result = accuracy_runs[ranks][index]

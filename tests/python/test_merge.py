@@ -5,6 +5,7 @@ argument checks."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -47,6 +48,17 @@ def test_merge_of_parts_is_attention_over_all_keys(ctx, case):
     if causal and nq > nk:
         empty = nq - nk
         assert np.all(np.isneginf(lse[:, :, :empty])) and np.all(out[:, :, :empty] == 0)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("case", CASES[1::3], ids=_label)
+def test_merge_in_every_dtype(ctx, case, dtype):
+    b, h, hk, nq, nk, d, split, causal = case
+    q, k, v, _ = make_inputs(sum(case[:7]), b, h, hk, nq, nk, d, dtype=dtype)
+    (out_a, lse_a), (out_b, lse_b) = causal_parts(ctx, q, k, v, split, causal)
+    out, lse = ctx.merge_attention(out_a, lse_a, out_b, lse_b)
+    assert out.dtype == np.dtype(dtype) and lse.dtype == np.float32
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=causal), _label(case))
 
 
 def test_three_parts_in_either_order(ctx):
@@ -159,7 +171,8 @@ def _merge(args):
     return fam.merge_attention(args["out_a"], args["lse_a"], args["out_b"], args["lse_b"])
 
 
-@pytest.mark.parametrize("name, dtype, expected", [("out_a", np.float32, "float16"), ("out_b", np.float64, "float16"),
+@pytest.mark.parametrize("name, dtype, expected", [("out_a", np.float64, "float16, bfloat16 or float32"),
+                                                   ("out_b", np.float32, "float16"),
                                                    ("lse_a", np.float16, "float32"), ("lse_b", np.float64, "float32")])
 def test_dtypes_are_checked(parts, name, dtype, expected):
     parts[name] = parts[name].astype(dtype)
@@ -209,7 +222,7 @@ def test_profile_of_a_merge(ctx):
     lse_a = rng.standard_normal((3, 5)).astype(np.float32)
     ctx.merge_attention(out_a, lse_a, out_a, lse_a)
     (dispatch,) = ctx.last_profile.dispatches
-    assert dispatch.kernel == "flash_attention_merge"
+    assert dispatch.kernel == "flash_attention_merge_f16"
     assert dispatch.threadgroups == (4, 1, 1)  # 15 rows, 4 per threadgroup
     assert dispatch.threads_per_threadgroup == (128, 1, 1)
     if ctx.backend == "cpu":

@@ -44,3 +44,21 @@ def test_every_data_file_is_package_data_of_its_own_package(project):
         package = ".".join((_PACKAGE_DIR.name, *path.parent.relative_to(_PACKAGE_DIR).parts))
         patterns = package_data.get(package, [])
         assert any(fnmatch.fnmatch(path.name, p) for p in patterns), f"{path.name} not in package-data of {package}"
+
+
+def test_one_version_everywhere(project):
+    """FA_VERSION of the C header is the only definition: the library's fa_version(), the package's
+    __version__ and its installed metadata all report it, and pyproject.toml states none."""
+    from importlib import metadata
+
+    from flash_attention_metal import _header, _native
+
+    assert project["project"]["dynamic"] == ["version"] and "version" not in project["project"]
+    header = _header.header_version(_header.header_candidates()[-1].read_text(encoding="utf-8"))
+    loaded = _native.native()
+    assert loaded.ffi.string(loaded.lib.fa_version()).decode() == header
+    assert fam.__version__ == header
+    assert metadata.version("flash_attention_metal") == header
+    definitions = [path for path in (_PACKAGE_DIR.parent.parent / "Sources").rglob("*.[ch]")
+                   if re.search(r'#define FA_VERSION "', path.read_text(encoding="utf-8"))]
+    assert [path.name for path in definitions] == ["flash_attention_metal.h"]

@@ -21,6 +21,12 @@
  * A row that sees no key gets out = 0, lse = -inf and zero gradients.
  * GQA/MQA: num_heads % num_kv_heads == 0; query head h reads KV head h / (num_heads / num_kv_heads).
  *
+ * Outputs must not overlap: no output of a call (out, lse, dq, dk, dv, dsinks) may share a byte
+ * with another output or an input of that call, the buffers being the bytes from each one's first
+ * to its last element as its strides lay it out (so interleaved slices of one packed buffer count
+ * as overlapping, as NumPy's may_share_memory says). Checked before anything runs:
+ * FA_STATUS_INVALID_ARGUMENT, e.g. "out must not overlap k", nothing written.
+ *
  * Errors: every function returns an fa_status; on failure fa_last_error_message() (per thread)
  * says what was wrong, naming the argument and the rule. Output buffers of a call that fails after
  * validation are filled with NaN so that nothing half-written looks valid. No function aborts or
@@ -31,6 +37,11 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+/* The version of this header and of the library built with it, "MAJOR.MINOR.PATCH": the project's
+ * one definition of its version (fa_version() returns it; the Python package takes its version from
+ * this line). "Since" notes below name the version that added a declaration. */
+#define FA_VERSION "0.3.0"
 
 #ifdef __cplusplus
 extern "C" {
@@ -125,7 +136,7 @@ typedef struct fa_problem {
     float *dsinks;                  /* backward with sinks: [num_heads] float32 output */
 } fa_problem;
 
-/* Library version, "MAJOR.MINOR.PATCH". Static storage. */
+/* The library's version, FA_VERSION of the header it was built with. Static storage. */
 const char *fa_version(void);
 
 /* Largest head_dim and head_dim_v the kernels support. */
@@ -164,17 +175,17 @@ const char *fa_context_device_name(const fa_context *context);
  * stays valid while the context lives. Null for a null context. */
 const char *fa_context_backend_note(const fa_context *context);
 
-/* Cancels the calls in flight on context: every fa_forward, fa_backward or fa_merge_attention that
- * started on it before this call stops early (the CPU engine within its current threadgroups, Metal
- * before its next command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN,
- * unless it had already finished its work. Calls that start afterwards run normally. Thread-safe,
- * lock-free; returns at once without waiting for the calls to stop. Errors: INVALID_ARGUMENT (null
- * context). */
+/* Cancels the calls in flight on context: every fa_forward, fa_backward or merge that started on
+ * it before this call stops early (the CPU engine within its current threadgroups, Metal before its
+ * next command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN, unless it
+ * had already finished its work. Calls that start afterwards run normally. Thread-safe, lock-free;
+ * returns at once without waiting for the calls to stop. Errors: INVALID_ARGUMENT (null context). */
 fa_status fa_context_cancel(fa_context *context);
 
 /* Forward pass: out = softmax(softmax_scale * q k^T, masked) v, and lse.
- * Tensors as described above (elements of problem->dtype). Errors: INVALID_ARGUMENT,
- * UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
+ * Tensors as described above (elements of problem->dtype); out and lse must not overlap each other
+ * or q, k, v, attn_mask, alibi_slopes, sinks. Errors: INVALID_ARGUMENT, UNSUPPORTED,
+ * EXECUTION_FAILED, CANCELLED. */
 fa_status fa_forward(fa_context *context, const fa_problem *problem,
                      const void *q, const void *k, const void *v,
                      void *out, float *lse);
@@ -189,6 +200,12 @@ fa_status fa_forward(fa_context *context, const fa_problem *problem,
  * chunks in another order). Any other lse, such as the lse of a longer row in blockwise or ring
  * attention over key blocks, is used as given, except where it rounds to the block's own value
  * (e.g. -FLT_MAX over every block): then the block's own normaliser is used.
+ * lse must be what fa_forward returned: a NaN or +inf element, or -inf on a row that sees a key
+ * (one that its causal mask, window and attn_mask leave visible, or a sink whose logit is not
+ * -inf), is INVALID_ARGUMENT naming the element, e.g. "lse[0][3][17] is -inf, but that query row
+ * sees key 0 ...". The library reads lse (and, for -inf rows, their attn_mask row) before any
+ * kernel runs; the kernels also give a row whose lse is not finite a zero gradient, so no NaN or
+ * inf reaches dq, dk, dv or dsinks from lse.
  * Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
 fa_status fa_backward(fa_context *context, const fa_problem *problem,
                       const void *dout, const void *q, const void *k, const void *v,
@@ -200,15 +217,23 @@ fa_status fa_backward(fa_context *context, const fa_problem *problem,
  * online-softmax rescaling applied to whole parts). Per row, with m = max(lse_a, lse_b),
  * w_a = exp(lse_a - m), w_b = exp(lse_b - m):
  *   out = (w_a out_a + w_b out_b) / (w_a + w_b),   lse = m + log(w_a + w_b),
- * computed in float32 and rounded once to float16. A part with lse = -inf (it saw no key)
+ * computed in float32 and rounded once to dtype. A part with lse = -inf (it saw no key)
  * contributes nothing and its out is not used (it may hold anything, NaN included); a row that is
  * empty in both parts gets out = 0 and lse = -inf; no NaN comes from -inf. A NaN lse propagates.
- * Layout: out_a, out_b, out float16 [rows][head_dim]; lse_a, lse_b, lse float32 [rows]. The out
- * and lse of fa_forward are such arrays with rows = batch * num_heads * seqlen_q, so merging
- * fa_forward over keys k[:, :, :s] with fa_forward over k[:, :, s:] gives fa_forward over all
- * keys (for causal masks, choose parts whose masks are the restriction of the full mask).
- * rows in 1 ... 2^32 - 1, head_dim in 1 ... fa_max_head_dim(); out and lse must not overlap any
- * input. Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
+ * Layout: out_a, out_b, out [rows][head_dim] elements of dtype (an fa_dtype: float16, bfloat16 or
+ * float32); lse_a, lse_b, lse float32 [rows]. The out and lse of fa_forward are such arrays with
+ * rows = batch * num_heads * seqlen_q, so merging fa_forward over keys k[:, :, :s] with fa_forward
+ * over k[:, :, s:] gives fa_forward over all keys (for causal masks, choose parts whose masks are
+ * the restriction of the full mask). rows in 1 ... 2^32 - 1, head_dim in 1 ... fa_max_head_dim().
+ * Errors: INVALID_ARGUMENT (also for an output overlapping another argument, see fa_forward),
+ * UNSUPPORTED, EXECUTION_FAILED, CANCELLED. Since 0.3.0. */
+fa_status fa_merge_attention_v2(fa_context *context, uint64_t rows, uint32_t head_dim, uint32_t dtype,
+                                const void *out_a, const float *lse_a,
+                                const void *out_b, const float *lse_b,
+                                void *out, float *lse);
+
+/* fa_merge_attention_v2 with dtype FA_DTYPE_FLOAT16 (the 0.2 entry point; float16 as uint16_t bit
+ * patterns). */
 fa_status fa_merge_attention(fa_context *context, uint64_t rows, uint32_t head_dim,
                              const uint16_t *out_a, const float *lse_a,
                              const uint16_t *out_b, const float *lse_b,
@@ -252,7 +277,7 @@ typedef struct fa_dispatch_profile {
                                                 and barrier (CPU engine; UINT64_MAX on Metal) */
     double seconds;                          /* wall time of this dispatch (CPU engine; NaN on
                                                 Metal) */
-    char kernel_name[64];                    /* NUL-terminated, e.g. "flash_attention_forward_d64" */
+    char kernel_name[64];                    /* NUL-terminated, e.g. "flash_attention_forward_f16_d64" */
     char specialization[128];                /* NUL-terminated: the function constants the kernel
                                                 was compiled with, "name=value" separated by
                                                 spaces (a bool as 0 or 1), e.g. "fa_mask_type=0

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "2e9802e3670eeb13"
+    static let sourceHash = "8baa6d8696601943"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -573,15 +573,17 @@ inline float merge_normalizer(float weight_sum) {
     return weight_sum == 0.0f ? 0.0f : 1.0f / weight_sum;
 }
 
-// flash_attention_merge: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b), contiguous
-// rows of head_dim elements and their lse for p (batch, num_heads, seqlen_q, head_dim; the other
-// fields are not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch), threadgroups
-// of FA_MERGE_ROWS_PER_THREADGROUP * FA_MERGE_THREADS_PER_ROW threads; the threads of a row stride
-// over head_dim, so consecutive threads touch consecutive elements. No barriers, no SIMD-group
-// functions: every thread's work is independent.
-inline void attention_merge(device const half *out_a, device const float *lse_a,
-                            device const half *out_b, device const float *lse_b,
-                            device half *out, device float *lse,
+// flash_attention_merge_<dtype>: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b),
+// contiguous rows of head_dim elements of T (half, bfloat or float; the sums in float32, out rounded
+// to T once) and their float32 lse, for p (batch, num_heads, seqlen_q, head_dim; the other fields
+// are not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch),
+// threadgroups of FA_MERGE_ROWS_PER_THREADGROUP * FA_MERGE_THREADS_PER_ROW threads; the threads of
+// a row stride over head_dim, so consecutive threads touch consecutive elements. No barriers, no
+// SIMD-group functions: every thread's work is independent.
+template <typename T>
+inline void attention_merge(device const T *out_a, device const float *lse_a,
+                            device const T *out_b, device const float *lse_b,
+                            device T *out, device float *lse,
                             constant FlashAttentionParams &p, uint3 tgid, uint tid) {
     const uint row = tgid.x * FA_MERGE_ROWS_PER_THREADGROUP + tid / FA_MERGE_THREADS_PER_ROW;
     if (row >= p.seqlen_q) {
@@ -599,12 +601,27 @@ inline void attention_merge(device const half *out_a, device const float *lse_a,
     for (uint d = tid % FA_MERGE_THREADS_PER_ROW; d < p.head_dim; d += FA_MERGE_THREADS_PER_ROW) {
         float acc = merge_accumulate(0.0f, wa, float(out_a[start + d]));
         acc = merge_accumulate(acc, wb, float(out_b[start + d]));
-        out[start + d] = half(acc * scale);
+        out[start + d] = T(acc * scale);
     }
     if (tid % FA_MERGE_THREADS_PER_ROW == 0) {
         lse[r] = merged_lse(m, sum);
     }
 }
+
+// The merge kernel of element type T, named flash_attention_merge_<SUFFIX> (f16, bf16, f32).
+#define FA_DEFINE_MERGE_KERNEL(T, SUFFIX)                                                          \
+    kernel void flash_attention_merge_##SUFFIX(                                                    \
+        device const T *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],                                   \
+        device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],                               \
+        device const T *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],                                   \
+        device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],                               \
+        device T *out [[buffer(FA_MERGE_BUFFER_OUT)]],                                             \
+        device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],                                         \
+        constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],                  \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint tid [[thread_index_in_threadgroup]]) {                                                \
+        attention_merge<T>(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);               \
+    }
 // ---- end flash_attention_merge.h ----
 
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
@@ -772,6 +789,14 @@ inline float through_softcap(constant FlashAttentionParams &p, float ds, float t
 // -inf, also when the row's lse is -inf).
 inline float probability(float score, float lse, float residual) {
     return score == -INFINITY ? 0.0f : exp_of((score - lse) - residual);
+}
+
+// The lse a backward row works with: as given where finite; +inf for -inf, +inf and NaN, so that
+// every P and the sink's weight of that row are exp(-inf) = 0 and its gradient is zero, never NaN
+// or inf. The forward gives -inf only to rows without visible keys (all P 0 already); the host
+// rejects the others where it can read lse (LseCheck.swift), this covers lse in GPU memory.
+inline float backward_row_lse(float lse) {
+    return isfinite(lse) ? lse : INFINITY;
 }
 
 // ---- forward ---------------------------------------------------------------------------------
@@ -1165,7 +1190,7 @@ inline void attention_backward_dsinks(device const float *lse, device const floa
     float acc = 0.0f;
     for (ulong r = tid; r < rows; r += FA_THREADS_PER_THREADGROUP) {
         const ulong at = row_index(uint(r / p.seqlen_q), p.num_heads, h, p.seqlen_q, uint(r % p.seqlen_q));
-        acc = fma(exp((sinks[h] - lse[at]) - residual[at]), delta[at], acc);
+        acc = fma(exp((sinks[h] - backward_row_lse(lse[at])) - residual[at]), delta[at], acc);
     }
     tg->partial[tid] = acc;
     for (uint width = FA_THREADS_PER_THREADGROUP / 2; width > 0; width /= 2) {
@@ -1220,7 +1245,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
     // Rows past the end have every element hidden: their L and D are not read.
     const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, row < p.seqlen_q ? row : 0);
-    const float row_lse = row < p.seqlen_q ? lse[at_row] : 0.0f;
+    const float row_lse = row < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
     const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
 
@@ -1340,7 +1365,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             if (tid < BQ) {
                 const uint r = q0 + tid;
                 const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, r < p.seqlen_q ? r : 0);
-                tg->lse[tid] = r < p.seqlen_q ? lse[at_row] : 0.0f;
+                tg->lse[tid] = r < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
                 tg->residual[tid] = r < p.seqlen_q ? residual[at_row] : 0.0f;
                 tg->delta[tid] = r < p.seqlen_q ? delta[at_row] : 0.0f;
             }
@@ -1564,18 +1589,12 @@ FA_DEFINE_DTYPE_KERNELS(bfloat, bf16)
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_BF16)
 #endif
 
-// fa_merge_attention: two results over disjoint key sets -> the result over their union
-// (flash_attention_merge.h).
-kernel void flash_attention_merge(device const half *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],
-                                  device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],
-                                  device const half *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],
-                                  device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],
-                                  device half *out [[buffer(FA_MERGE_BUFFER_OUT)]],
-                                  device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],
-                                  constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],
-                                  uint3 tgid [[threadgroup_position_in_grid]],
-                                  uint tid [[thread_index_in_threadgroup]]) {
-    attention_merge(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);
-}
+// fa_merge_attention(_v2): two results over disjoint key sets -> the result over their union
+// (flash_attention_merge.h), one kernel per dtype.
+FA_DEFINE_MERGE_KERNEL(half, f16)
+FA_DEFINE_MERGE_KERNEL(float, f32)
+#if !defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)
+FA_DEFINE_MERGE_KERNEL(bfloat, bf16)
+#endif
 """#
 }

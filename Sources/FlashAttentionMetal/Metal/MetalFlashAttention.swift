@@ -188,7 +188,9 @@ public final class MetalFlashAttention: @unchecked Sendable {
     }
 
     /// Encodes the backward pass: `dq`, `dk`, `dv` from `dout` and the `q`, `k`, `v`, `out`, `lse`
-    /// of the forward pass. `dk` and `dv` sum over the query heads that share a KV head.
+    /// of the forward pass. `dk` and `dv` sum over the query heads that share a KV head. `lse` is
+    /// not read on the host here (the GPU may write it earlier in the same command buffer): a row
+    /// whose lse is not finite gets a zero gradient from the kernels, never NaN.
     /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:dtype:causal:softmaxScale:)``.
     public func encodeBackward(into commandBuffer: MTLCommandBuffer, dout: MTLBuffer, q: MTLBuffer, k: MTLBuffer,
                                v: MTLBuffer, out: MTLBuffer, lse: MTLBuffer, dq: MTLBuffer, dk: MTLBuffer,
@@ -204,14 +206,15 @@ public final class MetalFlashAttention: @unchecked Sendable {
 
     /// Encodes the merge of two attention results over disjoint key sets (see
     /// ``FlashAttention/mergeAttention(outA:lseA:outB:lseB:out:lse:headDim:)``): `outA`, `outB`,
-    /// `out` float16 `[rows][headDim]`, `lseA`, `lseB`, `lse` float32 `[rows]`.
-    /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:causal:softmaxScale:)``, and
+    /// `out` `[rows][headDim]` elements of `dtype`, `lseA`, `lseB`, `lse` float32 `[rows]`.
+    /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:dtype:causal:softmaxScale:)``, and
     ///   ``FlashAttentionError/invalidArgument(_:)`` for `rows` outside `1...UInt32.max`.
     public func encodeMerge(into commandBuffer: MTLCommandBuffer, outA: MTLBuffer, lseA: MTLBuffer, outB: MTLBuffer,
-                            lseB: MTLBuffer, out: MTLBuffer, lse: MTLBuffer, rows: Int, headDim: Int) throws {
+                            lseB: MTLBuffer, out: MTLBuffer, lse: MTLBuffer, rows: Int, headDim: Int,
+                            dtype: AttentionDType = .float16) throws {
         try withAutoreleasePool {
             guard rows >= 1 else { throw FlashAttentionError.invalidArgument("rows (\(rows)) must be at least 1") }
-            let problem = try Problem.merge(rows: UInt64(rows), headDim: headDim)
+            let problem = try Problem.merge(rows: UInt64(rows), headDim: headDim, dtype: dtype)
             try encode(DispatchPlan.merge(problem),
                        buffers: [.outA: outA, .lseA: lseA, .outB: outB, .lseB: lseB, .out: out, .lse: lse],
                        into: commandBuffer)

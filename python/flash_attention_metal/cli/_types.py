@@ -22,6 +22,31 @@ def positive_int(text: str) -> int:
     return value
 
 
+def head_dim(text: str) -> int:
+    """An integer from 1; the upper bound, the library's largest head_dim, is checked once the
+    library is loaded (``bench.check_head_dim``), and named here too when it can be."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be in {head_dim_range()}, got {value}")
+    return value
+
+
+def head_dim_range(largest: int | None = None) -> str:
+    """"1..N (the library's largest head_dim)", N read from the library unless given."""
+    if largest is None:
+        from .._native import native
+        from ..errors import FlashAttentionError
+
+        try:
+            largest = int(native().lib.fa_max_head_dim())
+        except FlashAttentionError:
+            return "1..the library's largest head_dim (see `info`)"
+    return f"1..{largest} (the library's largest head_dim)"
+
+
 def backend(text: str) -> str:
     """A backend name, normalized as ``Context`` normalizes it (case and spaces ignored)."""
     try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _types
+from ._measure import best_ms, random_inputs
 from .progress import track
 
 _CPU_KEYS = (1024, 4096)
@@ -73,7 +74,6 @@ def cache_keys(args: argparse.Namespace, backend: str) -> tuple:
 
 def measure(context, seqlen_q: int, seqlen_k: int, args: argparse.Namespace) -> DecodeResult:
     """Times the causal forward of one decode shape and reads the profile of its last run."""
-    from .bench import best_ms, random_inputs
 
     shapes = [(args.batch, args.heads, seqlen_q, args.head_dim)]
     shapes += [(args.batch, args.kv_heads, seqlen_k, args.head_dim)] * 2

@@ -4,7 +4,8 @@ The built-in input is ``data/minilm_attention.npz``: attention inputs captured f
 all-MiniLM-L6-v2 (key ``cases``, the case names; per case ``<name>_q``, ``<name>_k``, ``<name>_v``,
 ``<name>_dout``, float16 (1, 12, L, 32)). Without it (and without --input), seeded N(0, 1) input of
 the same shape is used and the output says so; a file named with --input must exist and hold cases
-in that format.
+in that format, in float16, bfloat16 or float32 (one dtype per case; NumPy saves ml_dtypes'
+bfloat16 as the 2-byte void dtype 'V2', which is read back as bfloat16).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from .. import accuracy
@@ -25,13 +27,15 @@ BUILTIN_INPUT = Path(__file__).resolve().parent.parent / "data" / "minilm_attent
 _RANDOM_LENGTHS = (9, 64, 100, 250)
 _RANDOM_SEED = 20240601
 _PARTS = ("q", "k", "v", "dout")
-_FORMAT = ("an array 'cases' of case names and, per case, float16 arrays <name>_q, <name>_k, <name>_v, "
-           "<name>_dout of shape (batch, heads, seqlen, head_dim)")
+_FORMAT = ("an array 'cases' of case names and, per case, arrays <name>_q, <name>_k, <name>_v, <name>_dout "
+           "of one dtype (float16, bfloat16 or float32) and shape (batch, heads, seqlen, head_dim)")
+_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32))
 
 
 @dataclass(frozen=True)
 class Case:
-    """One attention input: float16 q (1, H, L, D), k, v like q, and the incoming gradient dout."""
+    """One attention input: q (B, H, Lq, D), k and v (B, Hkv, Lk, D), the incoming gradient dout
+    like q, all of one dtype (float16, bfloat16 or float32)."""
 
     name: str
     q: np.ndarray
@@ -93,12 +97,21 @@ def read_cases(path: Path) -> list[Case]:
         if missing:
             shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             raise ValueError(f"{path} lacks {shown} (check needs {_FORMAT})")
-        arrays = {key: data[key] for key in keys}
-    for key, array in arrays.items():
-        if array.dtype != np.float16 or array.ndim != 4:
-            raise ValueError(f"{path}: {key} is {array.dtype} of shape {array.shape}; check needs float16 "
-                             f"(batch, heads, seqlen, head_dim)")
+        arrays = {key: _as_attention_dtype(data[key]) for key in keys}
+    for name in names:
+        first = arrays[f"{name}_q"].dtype
+        for part in _PARTS:
+            key = f"{name}_{part}"
+            array = arrays[key]
+            if array.dtype not in _DTYPES or array.dtype != first or array.ndim != 4:
+                raise ValueError(f"{path}: {key} is {array.dtype} of shape {array.shape}; check needs float16, "
+                                 f"bfloat16 or float32 (batch, heads, seqlen, head_dim), the dtype of {name}_q")
     return [Case(name, *(arrays[f"{name}_{part}"] for part in _PARTS)) for name in names]
+
+
+def _as_attention_dtype(array: np.ndarray) -> np.ndarray:
+    """``array``, with the 2-byte void dtype that np.save gives ml_dtypes' bfloat16 read as bfloat16."""
+    return array.view(ml_dtypes.bfloat16) if array.dtype == np.dtype("V2") else array
 
 
 def _timed(function, *args, **kwargs):
@@ -116,12 +129,12 @@ def warm_up(context, case: Case) -> None:
 
 def run_cases(context, cases: list[Case]) -> bool:
     """Runs forward and backward on every case, non-causal and causal, after a warm-up, and prints
-    one line per run with the time and each tensor's error against its bound. Returns whether all
-    passed."""
+    one line per run with the times and each tensor's error as a fraction of its bound (the run
+    passes when none exceeds 1). Returns whether all passed."""
     warm_up(context, cases[0])
     names = ("out", "lse", "dq", "dk", "dv")
-    print(f"{'case':<24} {'causal':<6} {'shape (B,H,L,D)':<17} {'fwd ms':>8} {'bwd ms':>8}  "
-          + "  ".join(f"{name + ' err/bound':>21}" for name in names) + "  result")
+    print(f"{'case':<20} {'causal':<6} {'dtype':<8} {'shape (B,H,L,D)':<16} {'fwd ms':>8} {'bwd ms':>8} "
+          + " ".join(f"{name:>7}" for name in names) + "  result")
     failures = 0
     for case in cases:
         for causal in (False, True):
@@ -132,14 +145,18 @@ def run_cases(context, cases: list[Case]) -> bool:
             passed = all(metric.passed for metric in metrics)
             failures += not passed
             shape = ",".join(str(n) for n in case.q.shape)
-            print(f"{case.name:<24} {str(causal):<6} {shape:<17} {forward_ms:8.2f} {backward_ms:8.2f}  "
-                  + "  ".join(f"{m.error:10.2e}/{m.bound:<10.2e}" for m in metrics)
+            print(f"{case.name:<20} {str(causal):<6} {case.q.dtype.name:<8} {shape:<16} {forward_ms:8.2f} "
+                  f"{backward_ms:8.2f} " + " ".join(f"{_fraction(m):>7.3g}" for m in metrics)
                   + f"  {'ok' if passed else 'FAIL'}")
     runs = 2 * len(cases)
-    print(f"{runs - failures} of {runs} runs within the accuracy rule "
-          f"(out <= {accuracy.OUT_FACTOR:g}x base error, gradients <= {accuracy.GRAD_FACTOR:g}x, "
-          f"lse relative <= {accuracy.LSE_RELATIVE:g})")
+    print(f"{runs - failures} of {runs} runs within the accuracy rule (out ... dv: each tensor's largest error / "
+          f"its bound,\nthe bound being {accuracy.OUT_FACTOR:g}x the baseline's error for out, "
+          f"{accuracy.GRAD_FACTOR:g}x for the gradients, {accuracy.LSE_RELATIVE:g} relative for lse)")
     return failures == 0
+
+
+def _fraction(metric) -> float:
+    return metric.error / metric.bound if metric.bound > 0 else float("inf") if metric.error > 0 else 0.0
 
 
 def run(args: argparse.Namespace) -> int:

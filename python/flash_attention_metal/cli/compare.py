@@ -4,7 +4,7 @@ For each sequence length and head_dim the cases are prefill (Nq = Nk, every head
 non-causal and causal), prefill with GQA (a quarter as many KV heads, causal) and decode (one query
 against Nk keys, GQA). Each implementation (``peers.py``) runs forward and forward+backward on the
 same float16 inputs; the table shows per run the best time of ``--repeats`` after a warm-up call
-(``bench.best_ms``), the throughput (FlashAttention's FLOP count), the peak memory of one call
+(``_measure.best_ms``), the throughput (FlashAttention's FLOP count), the peak memory of one call
 (``_peak_memory``) and, for the peers, the ratios peer/library of time and memory. The library's
 device time comes from its profile of one more run (``Context.last_profile``): GPU time on Metal,
 the engine's wall time on the CPU. Peers that are not installed are
@@ -27,7 +27,7 @@ from contextlib import closing
 from pathlib import Path
 
 from . import _peak_memory, _types
-from .bench import best_ms, pyplot, throughput_unit
+from ._measure import best_ms, pyplot, throughput_unit
 from .peers import OPERATIONS, PEERS, Case, Library, Unavailable, load_peer
 from .progress import track
 
@@ -175,6 +175,17 @@ def print_table(results: list[dict], names: list[str], resolution: int) -> None:
                 print(f"{head} {entry['ms']:10.3f} {entry['tflops'] * factor:9.3g} "
                       f"{_cell(entry.get('device_ms'), '.3f', 10)} {_cell(mib, '.2f', 9)} "
                       f"{_cell(time_ratio, '.2f', 8)} {memory_ratio or '-':>8}")
+    for line in LEGEND:
+        print(line)
+
+
+#: What the columns of the table mean, printed under it.
+LEGEND = (
+    "ms: best wall time of one call as Python sees it (validation, dispatch, waiting for the result);",
+    "device ms: the library only, its own time of one more run from the call's profile (Metal: GPU time",
+    "of its command buffers; CPU engine: the engine's wall time); a single run, so on a busy machine it",
+    "can exceed ms. peak MiB: memory one call adds at its peak; ms/lib, MiB/lib: peer over library.",
+)
 
 
 def _entries(result: dict):

@@ -9,16 +9,18 @@ from ._context import context_for
 
 
 def run(args: argparse.Namespace) -> int:
-    """Prints version, backend, device, the backend's note (where the Metal kernels came from, or
+    """Prints the version (and the loaded library's where it differs), backend, device, the backend's note (where the Metal kernels came from, or
     why auto runs on the CPU engine), library and header paths, largest head_dim; returns 0."""
     loaded = native()
     context = context_for(args.backend)
-    version = loaded.ffi.string(loaded.lib.fa_version()).decode()
+    library_version = loaded.ffi.string(loaded.lib.fa_version()).decode()
     from .. import __version__
 
+    version = __version__
+    if library_version != __version__:
+        version += f" (the loaded library is {library_version}: rebuild it with ./build.sh)"
     rows = [
-        ("library version", version),
-        ("package version", __version__),
+        ("version", version),
         ("backend", context.backend),
         ("device", context.device),
         ("note", context.note or "-"),

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from .bench import forward_flops, random_inputs
+from ._measure import forward_flops, random_inputs
 
 OPERATIONS = ("forward", "fwd+bwd")
 PEERS = ("mlx", "torch", "numpy")

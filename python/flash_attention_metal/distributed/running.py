@@ -5,8 +5,8 @@ combine): with lse_x = log sum_j exp(s_j) over each set, lse = log(exp(lse_a) + 
 out = (exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b); a part with lse -inf contributes nothing.
 
 The running result stays float32 and is rounded once at the end: a float16 running result would be
-rounded at every one of the 2P-1 (causal) or P-1 merges of a row (see the README's "Sequence
-parallelism" for the measurement).
+rounded at every one of the 2P-1 (causal) or P-1 merges of a row (docs/distributed.md, "Accuracy",
+has the measurement).
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ final class EmbeddedShadersTests: XCTestCase {
             XCTAssertTrue(source.contains(name), name)
         }
         // The merge kernel and its header (spliced, not included).
-        XCTAssertTrue(source.contains("kernel void flash_attention_merge("))
+        XCTAssertTrue(source.contains("kernel void flash_attention_merge_##SUFFIX("))
+        XCTAssertTrue(source.contains("FA_DEFINE_MERGE_KERNEL(bfloat, bf16)"))
         XCTAssertTrue(source.contains("inline float merge_weight("))
     }
 }

@@ -12,7 +12,7 @@ final class MergeTests: XCTestCase {
         let plan = DispatchPlan.merge(p)
         XCTAssertEqual(plan.dispatches.count, 1)
         let d = plan.dispatches[0]
-        XCTAssertEqual(d.kernelName, "flash_attention_merge")
+        XCTAssertEqual(d.kernelName, "flash_attention_merge_f16")
         XCTAssertEqual(d.bindings, [BufferBinding(index: 0, role: .outA), BufferBinding(index: 1, role: .lseA),
                                     BufferBinding(index: 2, role: .outB), BufferBinding(index: 3, role: .lseB),
                                     BufferBinding(index: 4, role: .out), BufferBinding(index: 5, role: .lse)])
@@ -24,6 +24,11 @@ final class MergeTests: XCTestCase {
         XCTAssertEqual([d.params.batch, d.params.num_heads, d.params.seqlen_q, d.params.head_dim], [1, 1, 9, 40])
         XCTAssertEqual(BufferRole.outB.byteCount(for: p), 9 * 40 * 2)
         XCTAssertEqual(BufferRole.lseA.byteCount(for: p), 9 * 4)
+        for (dtype, suffix) in [(AttentionDType.bfloat16, "bf16"), (.float32, "f32")] {
+            let typed = try Problem.merge(rows: 9, headDim: 40, dtype: dtype)
+            XCTAssertEqual(DispatchPlan.merge(typed).dispatches[0].kernelName, "flash_attention_merge_\(suffix)")
+            XCTAssertEqual(BufferRole.outB.byteCount(for: typed), 9 * 40 * dtype.size)
+        }
         let largest = DispatchPlan.merge(try Problem.merge(rows: UInt64(UInt32.max), headDim: 1)).dispatches[0]
         XCTAssertEqual(largest.threadgroupsPerGrid.width, UInt32((UInt64(UInt32.max) + 3) / 4))
     }
@@ -86,40 +91,55 @@ final class MergeTests: XCTestCase {
                                                           headDim: 4)) {
             XCTAssertEqual($0 as? FlashAttentionError, .invalidArgument("lse_b has 4 elements; the shape needs 3"))
         }
-        XCTAssertThrowsError(try attention.mergeAttention(outA: [], lseA: [], outB: [], lseB: [], headDim: 4)) {
+        XCTAssertThrowsError(try attention.mergeAttention(outA: [Float16](), lseA: [], outB: [], lseB: [], headDim: 4)) {
             XCTAssertEqual($0 as? FlashAttentionError, .invalidArgument("rows (0) must be at least 1"))
         }
     }
 
     /// Rows: both parts seen, one empty, both empty, a NaN output in an empty part (never read), a
-    /// part that dominates so much that the other's weight underflows.
-    func testMergeMath() throws {
+    /// part that dominates so much that the other's weight underflows; in every dtype, `out`
+    /// within one rounding to the dtype of the float64 merge of the same inputs.
+    private func checkMergeMath<E: AttentionElement & Equatable>(_ make: (Float) -> E, _ value: (E) -> Double,
+                                                                 ulp: Double, nan: E) throws {
         let attention = try FlashAttention(backend: .cpu)
         let headDim = 70  // more than the 32 threads of a row: each thread strides over two or three
         let lseA: [Float] = [0.5, -.infinity, 2, -.infinity, 1000]
         let lseB: [Float] = [1.5, 3, -.infinity, -.infinity, 0]
-        var outA = [Float16](repeating: 0, count: lseA.count * headDim)
+        var outA = [E](repeating: make(0), count: lseA.count * headDim)
         var outB = outA
         for i in outA.indices {
-            outA[i] = Float16(Float(i % 13) / 8 - 0.7)
-            outB[i] = Float16(Float(i % 7) / 4 - 0.9)
+            outA[i] = make(Float(i % 13) / 8 - 0.7)
+            outB[i] = make(Float(i % 7) / 4 - 0.9)
         }
-        for d in 0..<headDim { outA[headDim + d] = .nan }
+        for d in 0..<headDim { outA[headDim + d] = nan }
         let (out, lse) = try attention.mergeAttention(outA: outA, lseA: lseA, outB: outB, lseB: lseB,
                                                       headDim: headDim)
         let wa = 1 / (1 + exp(Double(lseB[0] - lseA[0])))
         XCTAssertEqual(Double(lse[0]), 1.5 + log(1 + exp(-1.0)), accuracy: 1e-6)
         for d in 0..<headDim {
-            let expected = wa * Double(outA[d]) + (1 - wa) * Double(outB[d])
-            XCTAssertEqual(Double(out[d]), expected, accuracy: 1e-3 * max(1, abs(expected)))
+            let expected = wa * value(outA[d]) + (1 - wa) * value(outB[d])
+            XCTAssertEqual(value(out[d]), expected, accuracy: ulp * max(1, abs(expected)))
             XCTAssertEqual(out[headDim + d], outB[headDim + d])      // only b saw keys
             XCTAssertEqual(out[2 * headDim + d], outA[2 * headDim + d])  // only a saw keys
-            XCTAssertEqual(out[3 * headDim + d], 0)                  // neither saw keys
+            XCTAssertEqual(value(out[3 * headDim + d]), 0)           // neither saw keys
             XCTAssertEqual(out[4 * headDim + d], outA[4 * headDim + d])  // b's weight underflows
         }
         XCTAssertEqual(lse[1], 3)
         XCTAssertEqual(lse[2], 2)
         XCTAssertEqual(lse[3], -.infinity)
         XCTAssertEqual(lse[4], 1000)
+    }
+
+    func testMergeMathFloat16() throws {
+        try checkMergeMath({ Float16($0) }, { Double($0) }, ulp: 1.0 / 1024, nan: .nan)
+    }
+
+    func testMergeMathBFloat16() throws {
+        try checkMergeMath({ BFloat16($0) }, { Double($0.floatValue) }, ulp: 1.0 / 128,
+                           nan: BFloat16(bitPattern: 0x7FC0))
+    }
+
+    func testMergeMathFloat32() throws {
+        try checkMergeMath({ $0 }, { Double($0) }, ulp: 1e-6, nan: .nan)
     }
 }
