@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _interruptible, _layout, _options, _validation
-from ._abi import new_problem
+from ._abi import DTYPE_CODES, new_problem
 from ._native import NativeLibrary, native
 from .profile import Profile, last_profile
 
@@ -314,7 +314,7 @@ class Context:
         lse = np.empty(lse_a.shape, dtype=np.float32)
         out_a, lse_a, out_b, lse_b = (np.ascontiguousarray(a) for a in (out_a, lse_a, out_b, lse_b))
         ffi, lib = self._native.ffi, self._native.lib
-        self._call("fa_merge_attention_v2", rows, head_dim, getattr(lib, _DTYPE_CODES[out.dtype.name]),
+        self._call("fa_merge_attention_v2", rows, head_dim, getattr(lib, DTYPE_CODES[out.dtype.name]),
                    _address(ffi, out_a), ffi.from_buffer("float[]", lse_a),
                    _address(ffi, out_b), ffi.from_buffer("float[]", lse_b),
                    _address(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True))
