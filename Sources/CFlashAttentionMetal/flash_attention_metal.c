@@ -1,5 +1,7 @@
 /* dladdr is a GNU extension in glibc. */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include "flash_attention_metal.h"
 #include "flash_attention_internal.h"
 

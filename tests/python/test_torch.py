@@ -248,6 +248,7 @@ def _small():
 @pytest.mark.parametrize("call, error, rule", [
     (lambda q, k, v: fat.flash_attn_func(q, k, v, dropout_p=0.1), NotImplementedError, "dropout_p=0.1"),
     (lambda q, k, v: fat.flash_attn_func(q, k, v, return_attn_probs=True), NotImplementedError, "return_attn_probs"),
+    (lambda q, k, v: fat.flash_attn_func(q, k, v, deterministic=None), TypeError, "deterministic must be a bool"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, dropout_p=0.5), NotImplementedError, "dropout"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k.float(), v), TypeError, "key must have query's dtype"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q.double(), k, v), TypeError, "query must have dtype float16"),

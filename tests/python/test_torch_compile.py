@@ -12,6 +12,7 @@ from pathlib import Path
 from torch_env import torch  # noqa: E402  (first: skips without PyTorch)
 import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from functorch.compile import make_boxed_func  # noqa: E402
 
 from flash_attention_metal import torch as fat  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -23,7 +24,7 @@ def _graphs_backend(graphs: dict):
     def keep(name):
         def compiler(graph, _inputs):
             graphs[name] = graph
-            return graph.forward
+            return make_boxed_func(graph.forward)
         return compiler
 
     return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))

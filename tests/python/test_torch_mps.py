@@ -1,20 +1,27 @@
 """The MPS path's translation of the exported plan into ``torch.mps.compile_shader`` calls, run here
 without a GPU: ``torch._C._mps_compileShader`` (what ``torch.mps.compile_shader`` calls after
 embedding headers) is replaced by a stand-in whose kernels run each dispatch on the CPU engine by
-kernel name, and check every argument against compile_shader's contract (PyTorch
-``torch/csrc/mps/Module.cpp``, ``OperationUtils.mm``):
+kernel name, and check every argument against compile_shader's contract as PyTorch's
+``torch/csrc/mps/Module.cpp`` (``_mps_MetalKernel.__call__``, ``OptionalArgCaster``,
+``optional_vec_from_pyobject``) and ``aten/src/ATen/native/mps/OperationUtils.mm``
+(``MetalKernelFunction``, ``compileLibrary``, ``mtl_setBuffer``) define it:
 
-- the source is a dispatch's constants prelude (the function constants' values, which the stand-in
-  hands the engine as the dispatch's constants) and ``fa_plan_kernel_source()``, left unchanged by
+- the source is ASCII (Metal gets it through NSASCIIStringEncoding) and is a dispatch's constants
+  prelude (the function constants' values, which the stand-in hands the engine as the dispatch's
+  constants: compile_shader has none) followed by ``fa_plan_kernel_source()``, left unchanged by
   compile_shader's embedding of PyTorch's headers;
-- argument i is ``[[buffer(i)]]``, every index up to the kernel's last bound; a tensor argument binds
-  its storage at ``storage_offset() * element_size()`` (here: its CPU data_ptr()), never a 0-D
-  CPU tensor (that would be setBytes); a list of Python ints is setBytes of int64 values; no
-  ``arg_casts``, no floats;
-- ``threads`` is the grid in threads and ``group_size`` the threadgroup, 3 axes each, whole
-  threadgroups, at most the pipeline's max_threads_per_threadgroup.
+- argument i is ``[[buffer(i)]]``; a tensor binds its storage's buffer at ``storage_offset() *
+  element_size()`` bytes (never through ``data_ptr()``); any other argument is setBytes: a Python
+  int as int64, a float as float32, a non-empty list of either as a vector of that type (every
+  element of the first one's type, ints within int64), through ``arg_casts`` when given; None and
+  other types are refused;
+- ``threads`` and ``group_size`` are each an int or 1 to 3 ints of one length; ``threads`` is the
+  grid in threads (dispatchThreads; by default the first tensor's numel), ``group_size`` the
+  threadgroup (by default the pipeline's maximum), its product at most the pipeline's
+  max_threads_per_threadgroup; the kernels need whole threadgroups.
 The results must be bit for bit those of the CPU path (the same kernels on the same engine, through
-fa_forward and fa_backward), for plans in one piece and in many (bindings at offsets).
+fa_forward and fa_backward), for plans in one piece and in many (bindings at offsets), with
+``Tensor.data_ptr`` refused on the MPS path. Cost: about 20 s of ./build.sh test on 2 cores.
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ class StandInLibrary:
     as Metal would compile them in."""
 
     def __init__(self, compiler: StandInCompiler, source: str):
+        # DynamicMetalShaderLibrary hands Metal the text as an NSString made with NSASCIIStringEncoding.
+        assert source.isascii(), "compile_shader's source must be ASCII"
         lines = source.split("\n")
         assert lines[0] == "#define FA_FUNCTION_CONSTANTS_PREDEFINED 1", "no constants prelude"
         count = next(i for i, line in enumerate(lines[1:], 1) if not line.startswith("constant "))
@@ -93,39 +102,99 @@ class StandInLibrary:
         return StandInKernel(self, name, info)
 
 
+# arg_casts as Module.cpp's OptionalArgCaster applies them: struct formats of the cast types
+# (bf16 is not modelled: the translation never casts).
+_CASTS = {"": None, "fp16": "e", "int32": "i", "int16": "h", "int8": "b", "uint8": "B"}
+
+
+def _sizes(value, name: str):
+    """Module.cpp's optional_vec_from_pyobject: None, an int, or a list of 1 to 3 ints (uint64)."""
+    if value is None:
+        return None
+    if type(value) is int:
+        return [value]
+    assert isinstance(value, (list, tuple)) and all(type(x) is int and 0 <= x < 2**64 for x in value), \
+        f"{name}={value!r} is neither an int nor a list of non-negative ints"
+    assert 0 < len(value) < 4, f"{name} has {len(value)} dimensions: 1 to 3"
+    return list(value)
+
+
+def _set_bytes(argument, cast: str) -> bytes:
+    """The bytes ``setBytes`` gets for a non-tensor argument (Module.cpp's OptionalArgCaster: a
+    Python int is an int64, a float a float32, a list of either a vector of that type; anything
+    else, None included, is refused), through ``cast`` when arg_casts names one."""
+    assert cast in _CASTS, f"unsupported cast {cast!r}"
+    if isinstance(argument, (list, tuple)):
+        assert argument, "an empty list can not be an argument to a metal kernel"
+        kind = int if type(argument[0]) is int else float if type(argument[0]) is float else None
+        assert kind is not None, f"a list of {type(argument[0]).__name__} is not a kernel argument"
+        values = list(argument)
+    else:
+        kind = int if type(argument) is int else float if type(argument) is float else None
+        assert kind is not None, f"a {type(argument).__name__} is not a kernel argument"
+        values = [argument]
+    # pybind11 casts every element to the first one's type: a float among ints fails, an int out
+    # of int64's range fails.
+    assert all(type(x) is kind for x in values), f"mixed element types in {argument!r}"
+    if kind is int:
+        assert all(-2**63 <= x < 2**63 for x in values), f"{argument!r} does not fit int64"
+    code = _CASTS[cast] or ("q" if kind is int else "f")
+    return struct.pack(f"<{len(values)}{code}", *values)
+
+
 class StandInKernel:
+    """A kernel of the stand-in library, called as Module.cpp's ``_mps_MetalKernel.__call__``:
+    positional arguments bound at their position, keyword-only ``threads``, ``group_size``,
+    ``arg_casts`` and ``error_buf_idx``; ``dispatchThreads(threads, group_size)``, which the stand-in
+    runs as whole threadgroups on the CPU engine (the kernels are written for whole threadgroups:
+    the plan's grid is)."""
+
     def __init__(self, library: StandInLibrary, name: str, info):
         self.library, self.name, self.info = library, name, info
         self.max_threads_per_threadgroup = library.compiler.max_threads
         self.static_thread_group_memory_length = info.threadgroup_memory_length
 
-    def _bind(self, ffi, argument, keep):
+    def _bind(self, ffi, index, argument, casts, keep):
+        """(address, length) of what Metal binds at ``[[buffer(index)]]`` for ``argument``."""
         if isinstance(argument, torch.Tensor):
-            assert argument.dim() >= 1, "a 0-D CPU tensor would be sent with setBytes, not bound"
-            assert argument.device.type == "cpu"
-            # Metal binds the storage at storage_offset() * element_size(): a CPU tensor's data_ptr().
-            end = argument.untyped_storage().data_ptr() + argument.untyped_storage().nbytes()
-            return argument.data_ptr(), end - argument.data_ptr()
-        assert isinstance(argument, list) and argument and all(type(x) is int for x in argument), \
-            f"{self.name}: argument {argument!r} is neither a tensor nor a list of ints"
-        data = ffi.new("char[]", struct.pack(f"<{len(argument)}q", *argument))
-        keep.append(data)
-        return ffi.cast("uintptr_t", data), len(argument) * 8
+            # The stand-in's tensors are on the CPU but stand for MPS tensors: Metal binds the
+            # storage's buffer at storage_offset() * element_size() bytes (mtl_setBuffer), to its end.
+            # A 0-D CPU tensor would be setBytes, any other CPU tensor "Passed CPU tensor to MPS op".
+            assert argument.dim() >= 1, f"{self.name}: argument {index} is a 0-D tensor"
+            storage = argument.untyped_storage()
+            offset = argument.storage_offset() * argument.element_size()
+            return storage.data_ptr() + offset, storage.nbytes() - offset
+        cast = casts.get(index, casts.get(None, "")) if casts else ""
+        data = _set_bytes(argument, cast)
+        buffer = ffi.new("char[]", data)
+        keep.append(buffer)
+        return ffi.cast("uintptr_t", buffer), len(data)
 
     def __call__(self, *arguments, threads=None, group_size=None, arg_casts=None, error_buf_idx=None):
-        assert arg_casts is None and error_buf_idx is None
-        assert isinstance(threads, list) and isinstance(group_size, list) and len(threads) == len(group_size) == 3
-        assert math.prod(group_size) <= self.max_threads_per_threadgroup
-        assert all(t % g == 0 for t, g in zip(threads, group_size)), "partial threadgroups"
-        assert len(arguments) >= self.info.buffer_count, "a buffer the kernel reads is unbound"
-        assert all(a is not None for a in arguments), "an index is left unbound"
+        assert error_buf_idx is None, "the translation binds no error buffer"
+        casts = {None: arg_casts} if isinstance(arg_casts, str) else dict(arg_casts or {})
+        threads, group_size = _sizes(threads, "threads"), _sizes(group_size, "group_size")
         compiler = self.library.compiler
         ffi, keep = compiler.ffi, []
-        constants = ffi.new("msl_engine_function_constant[]", self.library.constants)
-        buffers = ffi.new("msl_engine_buffer[]", len(arguments))
+        buffers = ffi.new("msl_engine_buffer[]", max(len(arguments), 1))
         for i, argument in enumerate(arguments):
-            address, length = self._bind(ffi, argument, keep)
+            if threads is None and isinstance(argument, torch.Tensor):
+                threads = [argument.numel()]  # compile_shader's default grid: the first tensor's numel
+            address, length = self._bind(ffi, i, argument, casts, keep)
             buffers[i].contents, buffers[i].length = ffi.cast("void *", address), length
+        assert threads is not None, "the number of threads is undefined"
+        assert group_size is None or len(group_size) == len(threads), "size and group_size dimensions differ"
+        axes = len(threads)
+        if group_size is None:  # MetalKernelFunction::dispatch's defaults
+            group_size = [min(threads[0], self.max_threads_per_threadgroup)] if axes == 1 else \
+                [self.max_threads_per_threadgroup] + [1] * (axes - 1)
+        assert math.prod(group_size) <= self.max_threads_per_threadgroup, \
+            f"Threadgroup size exceeds {self.max_threads_per_threadgroup} limit"
+        threads, group_size = threads + [1] * (3 - axes), group_size + [1] * (3 - axes)
+        assert all(g > 0 and t % g == 0 for t, g in zip(threads, group_size)), \
+            f"{self.name}: threads {threads} are not whole threadgroups of {group_size}"
+        assert len(arguments) >= self.info.buffer_count, "a buffer the kernel reads is unbound"
+        constants = ffi.new("msl_engine_function_constant[]", self.library.constants)
         groups = [t // g for t, g in zip(threads, group_size)]
         message = ffi.new("char[1024]")
         status = compiler.engine.msl_engine_dispatch_specialized(
@@ -178,15 +247,24 @@ def _run(module, sizes, options, dout_seed=9):
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_translation_gives_the_cpu_paths_bits(compiler, case):
+def test_translation_gives_the_cpu_paths_bits(compiler, monkeypatch, case):
     sizes, options = CASES[case]
     expected = _run(_host, sizes, options)
+
+    def refuse(_tensor):
+        raise AssertionError("the MPS path took a tensor's data_ptr()")
+
+    monkeypatch.setattr(torch.Tensor, "data_ptr", refuse)
     got = _run(_mps, sizes, options)
     for name, mine, theirs in zip(("out", "lse", "dq", "dk", "dv"), got, expected):
         assert torch.equal(mine, theirs), name
-    # One library per constants prelude of the two plans, each compiled once; every dispatch ran.
+    # One library per constants prelude of the two plans, each compiled once (a second call
+    # compiles nothing); every dispatch ran.
     preludes = {d.constants_prelude for made in _mps._plans.values() for d in made.dispatches}
     assert len(compiler.sources) == len(set(compiler.sources)) == len(preludes)
+    compiled = len(compiler.sources)
+    assert all(torch.equal(a, b) for a, b in zip(_run(_mps, sizes, options), got))
+    assert len(compiler.sources) == compiled
     names = [name for name, _ in compiler.dispatches]
     assert names[0].startswith("flash_attention_forward_") and names[-1].startswith("flash_attention_backward_dkv_")
     if "decode" in case:
@@ -229,3 +307,47 @@ def test_features_reach_the_engine_as_function_constants(compiler):
     _run(_mps, sizes, options)
     forward = next(source for source in compiler.sources if "fa_has_softcap = true" in source)
     assert "constant uint fa_mask_type = 1;" in forward and "constant bool fa_has_alibi = true;" in forward
+
+
+def _forward_kernel(compiler):
+    """The forward kernel of a small float16 problem, compiled by the stand-in, with arguments
+    that satisfy the contract (tensors at their binding indices, the parameter words)."""
+    sizes, options = CASES["float16, causal GQA"]
+    q, k, v, _, _ = _case(*sizes)
+    _, _, call = _mps.forward_call(_native.native(), q, k, v, None, None, 0.2, True, None, 0.0, False, _mps._present)
+    dispatch, = _mps._plan_for(call.problem, "forward").dispatches
+    arguments = [None] * (len(dispatch.bindings) + 1)
+    for binding in dispatch.bindings:
+        arguments[binding.index] = call.tensors[binding.role]
+    arguments[dispatch.params_index] = _mps._words(dispatch.params)
+    kernel = getattr(torch.mps.compile_shader(plan.specialized_source(dispatch)), dispatch.kernel_name)
+    return kernel, arguments, dispatch
+
+
+@pytest.mark.parametrize("break_it, complaint", [
+    (lambda a, d: dict(arguments=a[:-1]), "a buffer the kernel reads is unbound"),
+    (lambda a, d: dict(arguments=[None if x is a[d.params_index] else x for x in a]), "a NoneType"),
+    (lambda a, d: dict(arguments=[x + [0.5] if isinstance(x, list) else x for x in a]), "mixed element types"),
+    (lambda a, d: dict(arguments=[[2**63] + x[1:] if isinstance(x, list) else x for x in a]),
+     "does not fit int64"),
+    (lambda a, d: dict(arguments=[[] if isinstance(x, list) else x for x in a]), "an empty list"),
+    (lambda a, d: dict(threads=[t + 1 for t in d.threads_per_grid]), "not whole threadgroups"),
+    (lambda a, d: dict(threads=list(d.threads_per_grid)[:2]), "dimensions differ"),
+    (lambda a, d: dict(group_size=[2048, 1, 1]), "Threadgroup size exceeds 1024"),
+    (lambda a, d: dict(threads=[1, 1, 1, 1], group_size=[1, 1, 1, 1]), "1 to 3"),
+])
+def test_the_stand_in_refuses_what_compile_shader_refuses(compiler, break_it, complaint):
+    """The stand-in is only as good as its checks: each way of breaking compile_shader's contract
+    (or the kernels' whole threadgroups) fails, and the unbroken call runs."""
+    kernel, arguments, dispatch = _forward_kernel(compiler)
+    call = dict(arguments=arguments, threads=list(dispatch.threads_per_grid),
+                group_size=list(dispatch.threads_per_threadgroup))
+    kernel(*call["arguments"], threads=call["threads"], group_size=call["group_size"])
+    call.update(break_it(arguments, dispatch))
+    with pytest.raises(AssertionError, match=complaint):
+        kernel(*call["arguments"], threads=call["threads"], group_size=call["group_size"])
+
+
+def test_the_stand_in_refuses_a_non_ascii_source(compiler):
+    with pytest.raises(AssertionError, match="ASCII"):
+        torch.mps.compile_shader("// \u00e9\n" + plan.kernel_source())

@@ -76,7 +76,7 @@ def _forward(q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, b
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=True, return_attn_probs=False):
     """FlashAttention's ``flash_attn_func``: exact attention with a fused backward, in the (batch,
     seqlen, nheads, headdim) layout.
 
@@ -93,7 +93,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         softcap: > 0 applies softcap * tanh(scores / softcap) (Gemma 2); 0.0 is off.
         alibi_slopes: float32 (nheads,) or (batch_size, nheads): a bias of
             -slope * |i + seqlen_k - seqlen_q - j| on the scaled scores; no gradient.
-        deterministic: accepted; the backward is always deterministic (no atomics).
+        deterministic: a bool, accepted either way: the backward is always deterministic (no
+            atomics).
         return_attn_probs: must be False (not implemented).
 
     Returns:
@@ -106,6 +107,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         FlashAttentionError: the library reported an error.
     """
     _check_dropout(dropout_p)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs=True: the attention probabilities are never formed; pass False")
     _check_tensors({"q": q, "k": k, "v": v}, 4, 4)
