@@ -18,7 +18,7 @@ memory. Rows:
 - floor: a stand-in for attention that costs no memory of its own (v repeated over the query
   heads): the memory of the rest of the model.
 
-    python benchmarks/torch_memory.py                    # seqlen 4096 (the library: a minute or more on the CPU engine)
+    python benchmarks/torch_memory.py                    # seqlen 4096 (the library: minutes on the CPU engine)
     python benchmarks/torch_memory.py --seqlens 1024 4096
 
 The children run with OMP_WAIT_POLICY=PASSIVE, so that PyTorch's idle OpenMP threads do not spin
@@ -32,10 +32,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from flash_attention_metal.cli._peak_memory import method, peak_growth
+from flash_attention_metal.cli._peak_memory import measured_step, method
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -81,15 +80,7 @@ def child(implementation: str, seqlen: int) -> dict:
 
     step(tiny.sequences(data, 1, 65))  # warm-up
     tokens = tiny.sequences(data, 1, seqlen + 1)
-    result = {}
-
-    def measured():
-        start = time.perf_counter()
-        result["loss"] = step(tokens)
-        result["seconds"] = time.perf_counter() - start
-
-    result["rss_growth"] = peak_growth(measured)
-    return result
+    return measured_step(step, tokens)
 
 
 def main(argv=None) -> int:

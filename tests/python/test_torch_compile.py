@@ -83,3 +83,16 @@ def test_training_loss_follows_pytorch_attention():
     theirs = torch.tensor(train(F.scaled_dot_product_attention))
     assert ours[-1] < 0.8 * ours[0], f"the model did not learn: {ours}"
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=0)
+
+
+def test_the_memory_benchmark_measures_every_row():
+    """benchmarks/torch_memory.py's measured step at seqlen 64, each of its rows in this process (its
+    own run puts each in a fresh one: 50 s here for four imports of PyTorch): the three attentions
+    give one loss, the floor's stand-in another."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import torch_memory
+
+    results = {name: torch_memory.child(name, 64) for name, _ in torch_memory.ROWS}
+    assert all(r["rss_growth"] >= 0 and r["seconds"] > 0 for r in results.values())
+    losses = [results[name]["loss"] for name in ("math", "library", "default")]
+    assert max(losses) - min(losses) <= 1e-4 * losses[0] and results["floor"]["loss"] != losses[0]
