@@ -2,6 +2,8 @@
 transformer block compiled forward and backward, with the library's two operators in the traced
 forward and backward graphs and the results of eager PyTorch attention; and a tiny language model
 trained with the library's attention, whose losses follow the ones PyTorch's attention gives.
+
+Cost: about 7 s of ./build.sh test's pytest (measured on 2 shared cores; importing PyTorch is not counted).
 """
 
 from __future__ import annotations
