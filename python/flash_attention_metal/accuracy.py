@@ -54,7 +54,9 @@ sum is no yardstick (it cancels by chance: ours/that reached 50x on correct kern
 the rows' absolute errors grows with the rows where the error grows with their square root (it let
 a 3 % error pass in bfloat16 at 256 rows). A sum of independent errors of root sum of squares s
 exceeds 4 s with probability 6e-5 (normal tail), so DSINKS_FACTOR = 4 plays the role of the others'
-2x-the-maximum-error (the maximum of thousands of such errors is itself about 4 s).
+2x-the-maximum-error (the maximum of thousands of such errors is itself about 4 s). Measured on the
+CPU engine over random problems with sinks (up to 300 rows): ours/s at most 2.04 in float16 and
+bfloat16 (60 problems each) and 2.31 in float32 (40).
 """
 
 from __future__ import annotations
