@@ -7,6 +7,8 @@
 # first). The release library is untouched.
 #   tests/metal_standin/build.sh [SOURCES_DIR]   SOURCES_DIR replaces Sources/FlashAttentionMetal
 #                                                (the planted-defect test builds a modified copy)
+# Environment: METAL_STANDIN_OUT (output folder, default build/metal-standin); METAL_STANDIN_SWIFT6=0
+# skips the Swift 6 type-check and METAL_STANDIN_SWIFT_TESTS=0 the Swift tests' executable.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ROOT=$(pwd)
@@ -31,9 +33,17 @@ mapfile -t OBJECTS < <(find "$RELEASE/MSLEngine.build" "$RELEASE/CFlashAttention
 
 swiftc -swift-version 6 -parse-as-library -module-name Metal -emit-module -emit-module-path "$OUT/Metal.swiftmodule" \
     -emit-library -static -o "$OUT/libMetal.a" "${CLANG_MODULES[@]}" "${STANDIN[@]}"
-swiftc -swift-version 6 -typecheck -module-name FlashAttentionMetal -I "$OUT" "${CLANG_MODULES[@]}" "${BACKEND[@]}"
+[[ ${METAL_STANDIN_SWIFT6:-1} != 1 ]] ||
+    swiftc -swift-version 6 -typecheck -module-name FlashAttentionMetal -I "$OUT" "${CLANG_MODULES[@]}" "${BACKEND[@]}"
 swiftc -swift-version 5 -Onone -enable-testing -parse-as-library -module-name FlashAttentionMetal \
     -emit-module -emit-module-path "$OUT/FlashAttentionMetal.swiftmodule" -emit-library \
     -o "$OUT/libFlashAttentionMetal.so" -I "$OUT" "${CLANG_MODULES[@]}" "${BACKEND[@]}" \
     "$OUT/libMetal.a" "${OBJECTS[@]}" -lstdc++
 echo "built $OUT/libFlashAttentionMetal.so (Metal backend on the stand-in)"
+[[ ${METAL_STANDIN_SWIFT_TESTS:-1} == 1 ]] || exit 0
+# The Swift tests of the Metal backend, run without SwiftPM (whose discovery is replaced by allTests).
+printf 'import XCTest\nXCTMain([testCase(MetalBackendTests.allTests)])\n' > "$OUT/main.swift"
+swiftc -swift-version 5 -Onone -module-name MetalBackendTests -I "$OUT" "${CLANG_MODULES[@]}" \
+    "$ROOT/tests/swift/MetalBackendTests/MetalBackendTests.swift" "$OUT/main.swift" \
+    -L "$OUT" -lFlashAttentionMetal -Xlinker -rpath -Xlinker "$OUT" -o "$OUT/metal-backend-tests"
+echo "built $OUT/metal-backend-tests (run it to run tests/swift/MetalBackendTests)"

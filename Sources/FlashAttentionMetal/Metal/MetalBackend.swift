@@ -16,11 +16,13 @@ final class MetalBackend: ExecutionBackend {
     /// macOS stops a command buffer that runs for seconds and may then refuse the process's later
     /// work; 2^35 FLOP (34 GFLOP) is about 15 ms at the M1's 2.6 TFLOPS FP16 peak, 0.3 s at a
     /// twentieth of it, while a command buffer costs tens of microseconds.
-    static let flopsPerCommandBuffer = 1 << 35
+    static let defaultFlopsPerCommandBuffer = 1 << 35
     /// How long to wait for the next command buffer to complete before giving up on the call: far
     /// beyond what the watchdog lets one run, so only a hung GPU or driver reaches it.
     static let completionTimeoutSeconds = 60
 
+    /// `defaultFlopsPerCommandBuffer`; tests lower it to run many command buffers.
+    let flopsPerCommandBuffer: Int
     private let kernels: MetalFlashAttention
     private let queue: MTLCommandQueue
     private let pageSize = Int(sysconf(Int32(_SC_PAGESIZE)))  // Int32 on Darwin, an Int on Glibc
@@ -32,7 +34,8 @@ final class MetalBackend: ExecutionBackend {
 
     /// - Throws: `backendUnavailable` when there is no Apple-silicon Metal device or no command
     ///   queue; `executionFailed` when the shaders do not compile.
-    init() throws {
+    init(flopsPerCommandBuffer: Int = MetalBackend.defaultFlopsPerCommandBuffer) throws {
+        self.flopsPerCommandBuffer = flopsPerCommandBuffer
         let device = try MetalBackend.appleSiliconDevice()
         // MTLDevice.makeCommandQueue(): one queue per context, shared by its calls.
         guard let queue = device.makeCommandQueue() else {
@@ -70,7 +73,7 @@ final class MetalBackend: ExecutionBackend {
     func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
         try prepare(plan)
         let wrapped = try wrap(buffers, for: plan)
-        let commandBuffers = try run(plan.pieces(maxFlops: MetalBackend.flopsPerCommandBuffer),
+        let commandBuffers = try run(plan.pieces(maxFlops: flopsPerCommandBuffer),
                                      buffers: wrapped.metal, cancellation: cancellation)
         for (role, buffer) in wrapped.copyBack {
             buffers.copyOutput(role, from: buffer.contents(), of: plan.problem)
@@ -219,7 +222,7 @@ final class MetalBackend: ExecutionBackend {
         if code == .timeout {
             throw FlashAttentionError.executionFailed(
                 "the GPU watchdog stopped \(place): \(text). Each command buffer holds at most "
-                    + "\(MetalBackend.flopsPerCommandBuffer) FLOP of work, or one batch entry and KV head "
+                    + "\(flopsPerCommandBuffer) FLOP of work, or one batch entry and KV head "
                     + "(\(piece.plan.flopsPerUnit) FLOP here), which cannot be split further: use shorter "
                     + "sequences per call")
         }
