@@ -195,7 +195,7 @@ case "${1:-build}" in
         .venv/bin/python examples/smollm2_generate.py
         ;;
     test) run_tests ;;
-    -h | --help | help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' ;;
+    -h | --help | help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' ;;
     *)
         echo "build.sh: unknown command '$1' (use: ./build.sh [build|run|test])" >&2
         exit 2

@@ -197,3 +197,45 @@ def test_msl_31_compile_failure_keeps_other_dtypes(cpu, monkeypatch):
     q, k, v = _small(ml_dtypes.bfloat16)
     assert _status(lambda: context.forward(q, k, v)) == "FA_STATUS_UNSUPPORTED"
 
+
+
+def _page_aligned(array: np.ndarray) -> np.ndarray:
+    """A copy of array at a 16 KiB boundary (Apple silicon's page), its size a multiple of 16 KiB:
+    memory the Metal backend wraps without a copy."""
+    page = 16 * 1024
+    assert array.nbytes % page == 0
+    raw = np.empty(array.nbytes + page, np.uint8)
+    start = -raw.ctypes.data % page
+    aligned = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    aligned[...] = array
+    return aligned
+
+
+def test_page_fault_on_wrapped_inputs_retries_with_copies(cpu, metal, monkeypatch):
+    """A GPU page fault on inputs wrapped without a copy: the call runs again on copies and
+    succeeds; without wrapped inputs a page fault is a library defect (internal error)."""
+    q, k, v = _inputs(np.random.default_rng(9), np.float16, 1, 2, 2, 64, 64, 64)  # 16 KiB each
+    expected = cpu.forward(q, k, v)
+    aligned = [_page_aligned(x) for x in (q, k, v)]
+    monkeypatch.setenv(FAULT_ENV, "commit:pageFault:1")
+    _same(expected, metal.forward(*aligned), "forward retried on copies")
+    assert metal.last_profile.command_buffers == 1
+    monkeypatch.setenv(FAULT_ENV, "commit:pageFault:2")
+    assert _status(lambda: metal.forward(*aligned)) == "FA_STATUS_INTERNAL_ERROR"
+    monkeypatch.setenv(FAULT_ENV, "commit:pageFault:all")
+    assert _status(lambda: metal.forward(q[:, :, 1:], k, v)) == "FA_STATUS_INTERNAL_ERROR"
+
+
+def test_read_only_inputs_are_copied(cpu, metal):
+    """Page-aligned memory the process may not write is not wrapped (the stand-in refuses it, as
+    Metal may refuse memory it cannot map): the call copies it and gives the CPU backend's result."""
+    q, k, v = _inputs(np.random.default_rng(10), np.float16, 1, 2, 2, 64, 64, 64)
+    q_locked = _page_aligned(q)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    prot_read, prot_write = 1, 2
+    assert libc.mprotect(q_locked.ctypes.data, q_locked.nbytes, prot_read) == 0, ctypes.get_errno()
+    try:
+        _same(cpu.forward(q, k, v), metal.forward(q_locked, k, v), "read-only q")
+    finally:
+        libc.mprotect(q_locked.ctypes.data, q_locked.nbytes, prot_read | prot_write)

@@ -121,10 +121,9 @@ final class StandInDevice: MTLDevice, @unchecked Sendable {
             violation("makeBuffer(bytesNoCopy:) needs a page-aligned pointer and a length that ends on a page "
                           + "(\(applePageSize) bytes on Apple silicon): got \(pointer), \(length) bytes", page)
         }
-        if !WritableMappings.cover(pointer, length) {
-            violation("makeBuffer(bytesNoCopy:) wraps memory that is not one readable and writable allocation "
-                          + "(\(pointer), \(length) bytes)", page)
-        }
+        // Memory that is not readable and writable end to end is refused (nil), as Metal may refuse
+        // memory it cannot map for the GPU.
+        guard WritableMappings.cover(pointer, length) else { return nil }
         return StandInBuffer(device: self, memory: pointer, length: length, storageMode: options.storageMode,
                              release: { deallocator?(pointer, length) })
     }
