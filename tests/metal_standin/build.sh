@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the Metal backend against the stand-in Metal module (tests/swift/MetalStandIn) on Linux, where
 # `canImport(Metal)` is otherwise false: build/metal-standin/libFlashAttentionMetal.so, the library
-# with both backends, its Metal one running the kernels on the CPU engine (docs/metal-standin.md).
+# with both backends, its Metal one running the kernels on the CPU engine (docs/metal.md).
 # Sources/FlashAttentionMetal is compiled in Swift 5 mode (the package's) and type-checked in Swift 6
 # mode; the stand-in in Swift 6 mode. Reuses the C and C++ objects of the release build (./build.sh
 # first). The release library is untouched.

@@ -1,6 +1,6 @@
 """The Metal backend executed on Linux: the stand-in build (tests/metal_standin/build.sh, which
 ./build.sh test runs first) compiles Sources/FlashAttentionMetal with `canImport(Metal)` true
-against a stand-in Metal module that runs the kernels on the CPU engine (docs/metal-standin.md).
+against a stand-in Metal module that runs the kernels on the CPU engine (docs/metal.md).
 
 Here, in child processes on that build: the Swift tests of the Metal backend; the bit-for-bit
 comparison with the CPU backend that reaches every kernel and the error paths

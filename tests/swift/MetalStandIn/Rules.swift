@@ -2,7 +2,7 @@
 // with Apple's signatures, backed by host memory and the CPU engine (Sources/MSLEngine), which runs
 // the same kernels by name. Tests only: tests/metal_standin/build.sh compiles the backend against it
 // on Linux. Where Apple documents a precondition, breaking it stops the process with the rule and
-// its page, as Metal's API validation layer does on a Mac (docs/metal-standin.md).
+// its page, as Metal's API validation layer does on a Mac (docs/metal.md).
 #if canImport(Glibc)
 import Glibc
 #endif
