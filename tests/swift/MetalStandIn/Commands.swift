@@ -29,7 +29,7 @@ public final class MTLCommandBufferDescriptor {
 
 // https://developer.apple.com/documentation/metal/mtlcommandencodererrorstate
 public enum MTLCommandEncoderErrorState: Int, Sendable {
-    case unknown = 0, completed = 1, affected = 2, pending = 3, faulted = 4
+    case completed = 1, affected = 2, faulted = 4
 }
 
 // https://developer.apple.com/documentation/metal/mtlcommandbufferencoderinfo
