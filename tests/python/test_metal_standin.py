@@ -25,7 +25,7 @@ STANDIN = ROOT / "build" / "metal-standin"
 LIBRARY = STANDIN / "libFlashAttentionMetal.so"
 # The tests that run again on Context("metal") through the stand-in: every dtype, layout, head_dim
 # bucket, score option, split-KV decode, merges, backward's lse handling, given outputs, errors,
-# profiles, specialisation, cancellation and threads (about 330 tests, 40 s on 2 cores). The rest
+# profiles, specialisation, cancellation and threads (212 tests, 70 s on 2 cores). The rest
 # of the directory tests the Python layer, the reference, the CLI or the models, which no backend
 # changes.
 METAL_SUBSET = [

@@ -127,9 +127,9 @@ final class MetalBackend: ExecutionBackend {
     /// (unless `copyInputs`) when pointer and length are page multiples, which
     /// MTLDevice.makeBuffer(bytesNoCopy:length:options:deallocator:) requires, and the range is one
     /// writable VM region (`isOneWritableRegion`); else copied (makeBuffer(bytes:length:options:)).
-    /// `wrappedInputs` says whether any input was wrapped without a copy. Outputs always in Metal's own memory
-    /// (makeBuffer(length:options:), which zero-fills them), copied back only after every command
-    /// buffer succeeded and only where the output's layout addresses elements
+    /// `wrappedInputs` says whether any input was wrapped without a copy. Outputs always in Metal's
+    /// own memory (makeBuffer(length:options:), which zero-fills them), copied back only after
+    /// every command buffer succeeded and only where the output's layout addresses elements
     /// (HostBuffers.copyOutput): the GPU never writes the caller's memory, even when a call times
     /// out and returns while the GPU still runs, and the gaps of a strided output stay the caller's.
     private func wrap(_ buffers: HostBuffers, for plan: DispatchPlan, copyInputs: Bool) throws
@@ -183,7 +183,8 @@ final class MetalBackend: ExecutionBackend {
         var address = start
         var size: mach_vm_size_t = 0
         var info = vm_region_basic_info_data_64_t()
-        var infoCount = mach_msg_type_number_t(MemoryLayout<vm_region_basic_info_data_64_t>.size / MemoryLayout<Int32>.size)
+        var infoCount = mach_msg_type_number_t(
+            MemoryLayout<vm_region_basic_info_data_64_t>.size / MemoryLayout<Int32>.size)
         var object: mach_port_t = 0
         let status = withUnsafeMutablePointer(to: &info) {
             $0.withMemoryRebound(to: Int32.self, capacity: Int(infoCount)) {

@@ -93,9 +93,12 @@ public final class MetalFlashAttention: @unchecked Sendable {
         var failures: [String] = []
         for version in try languageVersions() {
             do {
-                let library = try device.makeLibrary(source: EmbeddedShaders.source, options: compileOptions(version))
-                let retried = failures.isEmpty ? "" : "; without the bfloat16 kernels: " + failures.joined(separator: "; ")
-                return (library, "kernels compiled from the embedded source when the context was created (\(why)\(retried))")
+                let library = try device.makeLibrary(source: EmbeddedShaders.source,
+                                                     options: compileOptions(version))
+                let retried = failures.isEmpty
+                    ? "" : "; without the bfloat16 kernels: " + failures.joined(separator: "; ")
+                return (library,
+                        "kernels compiled from the embedded source when the context was created (\(why)\(retried))")
             } catch {
                 failures.append("MSL \(version.rawValue >> 16).\(version.rawValue & 0xFFFF) failed: "
                                     + error.localizedDescription)
