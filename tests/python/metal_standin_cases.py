@@ -175,6 +175,17 @@ def test_command_buffer_errors(metal, monkeypatch, code, status):
     metal.forward(q, k, v)
 
 
+def test_a_failed_command_buffer_names_the_faulted_kernel(metal, monkeypatch):
+    """The error names the encoder Metal marks faulted (MTLCommandBufferEncoderInfo through the
+    NSError's userInfo), not every kernel of the command buffer."""
+    q, k, v = _small()
+    out, lse = metal.forward(q, k, v)
+    monkeypatch.setenv(FAULT_ENV, "commit:internal:1")
+    with pytest.raises(fam.FlashAttentionError) as raised:
+        metal.backward(q, q, k, v, out, lse)
+    assert "command buffer 1 of 1 (flash_attention_backward_delta_f16):" in str(raised.value), raised.value
+
+
 @pytest.mark.parametrize("code", ["accessRevoked", "notPermitted"])
 def test_device_lost(monkeypatch, code):
     """Errors that take the GPU from the process make every later call of that context fail."""

@@ -36,7 +36,10 @@ final class FaultPlan: @unchecked Sendable {
     private var used = 0
 
     private func current() -> [Substring] {
-        guard let value = getenv("FLASH_ATTENTION_METAL_STANDIN_FAULT") else { return [] }
+        guard let value = getenv("FLASH_ATTENTION_METAL_STANDIN_FAULT") else {
+            seen = ""
+            return []
+        }
         let text = String(cString: value)
         if text != seen {
             seen = text
