@@ -5,7 +5,8 @@
 #   ./build.sh run     set-up (.venv with the Python package), build, then the main job:
 #                      python -m flash_attention_metal check, then examples/smollm2_generate.py
 #   ./build.sh test    build, then every test: the address-space check of the kernels, swift test,
-#                      the sanitized run, the C program, pytest (with the workflow linters)
+#                      the sanitized run, the C program, on Linux the Metal backend's build against
+#                      the stand-in Metal module, pytest (with the workflow linters)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 ROOT=$(pwd)
@@ -177,6 +178,11 @@ run_tests() {
         warn "tests/run_sanitized.sh is missing: skipping the sanitized run"
     fi
     run_c_test
+    if [[ "$(uname -s)" != Darwin ]]; then
+        # The Metal backend compiled against the stand-in Metal module; tests/python/test_metal_standin.py runs it.
+        say "the Metal backend on the stand-in Metal module (tests/metal_standin/build.sh)"
+        tests/metal_standin/build.sh
+    fi
     say "pytest"
     .venv/bin/python -m pytest tests/python -q
     say "all tests passed"
@@ -192,7 +198,7 @@ case "${1:-build}" in
         .venv/bin/python examples/smollm2_generate.py
         ;;
     test) run_tests ;;
-    -h | --help | help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' ;;
+    -h | --help | help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' ;;
     *)
         echo "build.sh: unknown command '$1' (use: ./build.sh [build|run|test])" >&2
         exit 2

@@ -186,18 +186,24 @@ public func _exportPlanGetSpecialization(_ handle: OpaquePointer?, _ dispatch: U
     }
 }
 
+/// A C string made once and never written or freed afterwards, so threads may share it (Swift 6
+/// language mode requires a global to be Sendable).
+private struct SharedCString: @unchecked Sendable {
+    let pointer: UnsafeMutablePointer<CChar>?
+}
+
 /// The embedded kernel source as a C string, made once (nil only when out of memory).
-private let kernelSource: UnsafeMutablePointer<CChar>? = strdup(EmbeddedShaders.source)
+private let kernelSource = SharedCString(pointer: strdup(EmbeddedShaders.source))
 /// The .metallib's path as a C string, made once; nil when there is none.
-private let metallibPath: UnsafeMutablePointer<CChar>? = PrecompiledShaders.path.flatMap { strdup($0) }
+private let metallibPath = SharedCString(pointer: PrecompiledShaders.path.flatMap { strdup($0) })
 
 /// fa_plan_kernel_source: see flash_attention_metal.h.
 @_cdecl("fa_plan_kernel_source")
-public func _exportPlanKernelSource() -> UnsafePointer<CChar>? { kernelSource.map { UnsafePointer($0) } }
+public func _exportPlanKernelSource() -> UnsafePointer<CChar>? { kernelSource.pointer.map { UnsafePointer($0) } }
 
 /// fa_plan_metallib_path: see flash_attention_metal.h.
 @_cdecl("fa_plan_metallib_path")
-public func _exportPlanMetallibPath() -> UnsafePointer<CChar>? { metallibPath.map { UnsafePointer($0) } }
+public func _exportPlanMetallibPath() -> UnsafePointer<CChar>? { metallibPath.pointer.map { UnsafePointer($0) } }
 
 /// fa_plan_execute: see flash_attention_metal.h.
 @_cdecl("fa_plan_execute")

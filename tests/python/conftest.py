@@ -7,6 +7,7 @@ on an Apple GPU, else the CPU engine running the .metal kernels). The library mu
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -16,6 +17,11 @@ import pytest
 
 import flash_attention_metal as fam
 from flash_attention_metal import _default, _native, accuracy
+
+
+# Whether a Metal device may exist: on macOS, and in the stand-in build (tests/metal_standin), whose
+# Metal backend runs on the CPU engine.
+METAL_MAY_EXIST = sys.platform == "darwin" or Path(os.environ.get(fam.LIBRARY_ENV, "")).parent.name == "metal-standin"
 
 
 @pytest.fixture(scope="session")

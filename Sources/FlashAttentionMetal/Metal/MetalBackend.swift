@@ -4,6 +4,9 @@
 // library's. Not compiled on Linux; each Metal call was checked against Apple's documentation.
 #if canImport(Metal)
 import CFlashAttentionMetal
+#if canImport(Darwin)
+import Darwin
+#endif
 import Foundation
 import Metal
 
@@ -16,23 +19,30 @@ final class MetalBackend: ExecutionBackend {
     /// macOS stops a command buffer that runs for seconds and may then refuse the process's later
     /// work; 2^35 FLOP (34 GFLOP) is about 15 ms at the M1's 2.6 TFLOPS FP16 peak, 0.3 s at a
     /// twentieth of it, while a command buffer costs tens of microseconds.
-    static let flopsPerCommandBuffer = 1 << 35
-    /// How long to wait for the next command buffer to complete before giving up on the call: far
-    /// beyond what the watchdog lets one run, so only a hung GPU or driver reaches it.
-    static let completionTimeoutSeconds = 60
+    static let defaultFlopsPerCommandBuffer = 1 << 35
+    /// How long to wait for a command buffer to complete before giving up on the call: this plus
+    /// its work at `slowestFlopsPerSecond`, far beyond what the watchdog lets one run, so only a
+    /// hung GPU or driver reaches it.
+    static let completionTimeoutSeconds = 60.0
+    /// A throughput below any Apple-silicon GPU's (the M1's FP16 peak is 2.6 TFLOPS).
+    static let slowestFlopsPerSecond = 1e10
 
+    /// `defaultFlopsPerCommandBuffer`; tests lower it to run many command buffers.
+    let flopsPerCommandBuffer: Int
     private let kernels: MetalFlashAttention
     private let queue: MTLCommandQueue
-    private let pageSize = Int(sysconf(Int32(_SC_PAGESIZE)))  // Int32 on Darwin, an Int on Glibc
+    /// The alignment of memory wrapped without a copy: the VM page (16 KiB on Apple silicon; a
+    /// multiple of it is a multiple of any smaller page). Int32 on Darwin, an Int on Glibc.
+    private let pageSize = max(Int(sysconf(Int32(_SC_PAGESIZE))), 1 << 14)
     private let lock = Lock()
-    /// Set when the GPU is lost to this process (access revoked, device removed, not permitted) or
-    /// a command buffer did not complete in time: every later call fails with it as
-    /// `backendUnavailable`.
+    /// Set when the GPU is lost to this process (access revoked, device removed, not permitted):
+    /// every later call fails with it as `backendUnavailable`.
     private var lostReason: String?
 
     /// - Throws: `backendUnavailable` when there is no Apple-silicon Metal device or no command
     ///   queue; `executionFailed` when the shaders do not compile.
-    init() throws {
+    init(flopsPerCommandBuffer: Int = MetalBackend.defaultFlopsPerCommandBuffer) throws {
+        self.flopsPerCommandBuffer = flopsPerCommandBuffer
         let device = try MetalBackend.appleSiliconDevice()
         // MTLDevice.makeCommandQueue(): one queue per context, shared by its calls.
         guard let queue = device.makeCommandQueue() else {
@@ -67,15 +77,32 @@ final class MetalBackend: ExecutionBackend {
         }
     }
 
+    /// A GPU page fault (MTLCommandBufferError.pageFault) while running a piece.
+    private struct PageFault: Error {
+        let message: String
+    }
+
     func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
         try prepare(plan)
-        let wrapped = try wrap(buffers, for: plan)
-        let commandBuffers = try run(plan.pieces(maxFlops: MetalBackend.flopsPerCommandBuffer),
-                                     buffers: wrapped.metal, cancellation: cancellation)
-        for (role, buffer) in wrapped.copyBack {
-            buffers.copyOutput(role, from: buffer.contents(), of: plan.problem)
+        var copyInputs = false
+        while true {
+            let wrapped = try wrap(buffers, for: plan, copyInputs: copyInputs)
+            do {
+                let commandBuffers = try run(plan.pieces(maxFlops: flopsPerCommandBuffer),
+                                             buffers: wrapped.metal, cancellation: cancellation)
+                for (role, buffer) in wrapped.copyBack {
+                    buffers.copyOutput(role, from: buffer.contents(), of: plan.problem)
+                }
+                return try profile(plan, commandBuffers: commandBuffers)
+            } catch let fault as PageFault {
+                // Memory that Metal wrapped without a copy and the GPU then could not read (pages
+                // the system would not map for it): once more with copies.
+                guard wrapped.wrappedInputs, !copyInputs else {
+                    throw FlashAttentionError.internalError(fault.message)
+                }
+                copyInputs = true
+            }
         }
-        return try profile(plan, commandBuffers: commandBuffers)
     }
 
     /// The profile of a completed call. MTLCommandBuffer gpuStartTime and gpuEndTime (host time in
@@ -96,19 +123,21 @@ final class MetalBackend: ExecutionBackend {
     }
 
     /// MTLBuffers for every role the plan binds. The workspace in GPU-only memory for the whole
-    /// problem (each piece binds its part, as of the caller's buffers). Inputs without a copy when
-    /// pointer and length are page multiples (MTLDevice.makeBuffer(bytesNoCopy:length:options:
-    /// deallocator:) needs that and may still refuse memory that is not one VM region), else copied
-    /// (makeBuffer(bytes:length:options:)). Outputs always in Metal's own memory
-    /// (makeBuffer(length:options:), which zero-fills them), copied back only after every command
-    /// buffer succeeded and only where the output's layout addresses elements
+    /// problem (each piece binds its part, as of the caller's buffers). Inputs without a copy
+    /// (unless `copyInputs`) when pointer and length are page multiples, which
+    /// MTLDevice.makeBuffer(bytesNoCopy:length:options:deallocator:) requires, and the range is one
+    /// writable VM region (`isOneWritableRegion`); else copied (makeBuffer(bytes:length:options:)).
+    /// `wrappedInputs` says whether any input was wrapped without a copy. Outputs always in Metal's
+    /// own memory (makeBuffer(length:options:), which zero-fills them), copied back only after
+    /// every command buffer succeeded and only where the output's layout addresses elements
     /// (HostBuffers.copyOutput): the GPU never writes the caller's memory, even when a call times
     /// out and returns while the GPU still runs, and the gaps of a strided output stay the caller's.
-    private func wrap(_ buffers: HostBuffers, for plan: DispatchPlan) throws
-        -> (metal: [BufferRole: MTLBuffer], copyBack: [(role: BufferRole, buffer: MTLBuffer)]) {
+    private func wrap(_ buffers: HostBuffers, for plan: DispatchPlan, copyInputs: Bool) throws
+        -> (metal: [BufferRole: MTLBuffer], copyBack: [(role: BufferRole, buffer: MTLBuffer)], wrappedInputs: Bool) {
         let device = kernels.device
         var metal = try kernels.makeWorkspace(for: plan)
         var copyBack: [(role: BufferRole, buffer: MTLBuffer)] = []
+        var wrappedInputs = false
         for role in plan.boundRoles where !plan.workspace.contains(role) {
             guard let host = buffers[role], let base = host.baseAddress else {
                 throw FlashAttentionError.internalError("no host buffer for \(role.name)")
@@ -125,8 +154,10 @@ final class MetalBackend: ExecutionBackend {
                 buffer = device.makeBuffer(length: host.count, options: shared)
                 if let buffer { copyBack.append((role, buffer)) }
             } else {
-                if Int(bitPattern: base) % pageSize == 0 && host.count % pageSize == 0 {
+                if !copyInputs && Int(bitPattern: base) % pageSize == 0 && host.count % pageSize == 0
+                    && MetalBackend.isOneWritableRegion(base, host.count) {
                     buffer = device.makeBuffer(bytesNoCopy: base, length: host.count, options: shared, deallocator: nil)
+                    wrappedInputs = wrappedInputs || buffer != nil
                 }
                 if buffer == nil {
                     buffer = device.makeBuffer(bytes: base, length: host.count, options: shared)
@@ -138,7 +169,34 @@ final class MetalBackend: ExecutionBackend {
             }
             metal[role] = buffer
         }
-        return (metal, copyBack)
+        return (metal, copyBack, wrappedInputs)
+    }
+
+    /// Whether `count` bytes at `base` lie in one VM region that the process may write:
+    /// mach_vm_region(2) with VM_REGION_BASIC_INFO_64 gives the region at or after an address and its
+    /// protection (the object name port it returns is released). Memory mapped read-only (a file
+    /// mapped for reading) or spanning regions is copied.
+    /// Elsewhere (the stand-in build on Linux) the stand-in's makeBuffer(bytesNoCopy:) checks it.
+    private static func isOneWritableRegion(_ base: UnsafeMutableRawPointer, _ count: Int) -> Bool {
+        #if canImport(Darwin)
+        let start = mach_vm_address_t(UInt(bitPattern: base))
+        var address = start
+        var size: mach_vm_size_t = 0
+        var info = vm_region_basic_info_data_64_t()
+        var infoCount = mach_msg_type_number_t(
+            MemoryLayout<vm_region_basic_info_data_64_t>.size / MemoryLayout<Int32>.size)
+        var object: mach_port_t = 0
+        let status = withUnsafeMutablePointer(to: &info) {
+            $0.withMemoryRebound(to: Int32.self, capacity: Int(infoCount)) {
+                mach_vm_region(mach_task_self_, &address, &size, VM_REGION_BASIC_INFO_64, $0, &infoCount, &object)
+            }
+        }
+        if object != 0 { mach_port_deallocate(mach_task_self_, object) }
+        return status == KERN_SUCCESS && address <= start && start + mach_vm_size_t(count) <= address + size
+            && info.protection & VM_PROT_WRITE != 0
+        #else
+        return true
+        #endif
     }
 
     /// Commits one command buffer per piece, in order, then waits once for all of them, and returns
@@ -146,7 +204,9 @@ final class MetalBackend: ExecutionBackend {
     /// (the profile reads their GPU times). Cancellation is checked before each commit: a committed
     /// command buffer runs to completion. Every committed command buffer is waited for, even when
     /// encoding a later piece fails or the call is cancelled, because it reads the caller's memory;
-    /// the wait for each completion is bounded by `completionTimeoutSeconds`.
+    /// the wait for each completion is bounded by `completionSeconds(piece)`. A wait that runs out
+    /// fails the call, not the device: the command buffers left running write only Metal's own
+    /// buffers.
     private func run(_ pieces: [PlanPiece], buffers: [BufferRole: MTLBuffer],
                      cancellation: CancellationToken) throws -> [MTLCommandBuffer] {
         let completions = DispatchSemaphore(value: 0)
@@ -171,15 +231,12 @@ final class MetalBackend: ExecutionBackend {
             }
         }
         for n in committed.indices {
-            guard completions.wait(timeout: .now() + .seconds(MetalBackend.completionTimeoutSeconds)) == .success else {
-                // The late command buffers may still read the caller's inputs (bytesNoCopy): later
-                // calls fail at once rather than queue more work behind them.
-                let reason = "Metal: \(committed.count - n) of \(pieces.count) command buffers did not complete "
-                    + "within \(MetalBackend.completionTimeoutSeconds) s of the previous one (the GPU or its "
-                    + "driver may be hung); the outputs were not written, and the inputs must stay allocated "
-                    + "until the process ends"
-                lock.withLock { lostReason = lostReason ?? reason }
-                throw FlashAttentionError.executionFailed(reason)
+            let seconds = MetalBackend.completionSeconds(pieces[n])
+            guard completions.wait(timeout: .now() + seconds) == .success else {
+                throw FlashAttentionError.executionFailed(
+                    "Metal: command buffer \(n + 1) of \(pieces.count) did not complete within "
+                        + "\(Int(seconds.rounded(.up))) s of the previous one (the GPU or its driver may be hung); the "
+                        + "outputs were not written")
             }
         }
         if let encodingError { throw encodingError }
@@ -187,6 +244,14 @@ final class MetalBackend: ExecutionBackend {
             try check(commandBuffer, piece: pieces[n], number: n + 1, of: pieces.count)
         }
         return committed
+    }
+
+    /// The wait for `piece`'s command buffer: `completionTimeoutSeconds` plus its work at
+    /// `slowestFlopsPerSecond`.
+    private static func completionSeconds(_ piece: PlanPiece) -> Double {
+        let p = piece.plan.problem
+        let flops = Double(piece.plan.flopsPerUnit) * Double(p.batch) * Double(p.numKVHeads)
+        return completionTimeoutSeconds + flops / slowestFlopsPerSecond
     }
 
     /// MTLCommandQueue.makeCommandBuffer(descriptor:) with MTLCommandBufferDescriptor.errorOptions
@@ -219,13 +284,13 @@ final class MetalBackend: ExecutionBackend {
         if code == .timeout {
             throw FlashAttentionError.executionFailed(
                 "the GPU watchdog stopped \(place): \(text). Each command buffer holds at most "
-                    + "\(MetalBackend.flopsPerCommandBuffer) FLOP of work, or one batch entry and KV head "
+                    + "\(flopsPerCommandBuffer) FLOP of work, or one batch entry and KV head "
                     + "(\(piece.plan.flopsPerUnit) FLOP here), which cannot be split further: use shorter "
                     + "sequences per call")
         }
         if code == .pageFault {
-            throw FlashAttentionError.internalError(
-                "GPU page fault in \(place): \(text) (a kernel accessed memory outside its buffers: please report)")
+            throw PageFault(message: "GPU page fault in \(place): \(text) (a kernel accessed memory outside its "
+                                + "buffers: please report)")
         }
         if let code, MetalBackend.losesTheDevice(code) {
             let reason = "Metal can no longer be used on \(deviceName) by this process: \(text)"

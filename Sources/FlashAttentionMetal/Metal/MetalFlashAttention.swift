@@ -83,15 +83,26 @@ public final class MetalFlashAttention: @unchecked Sendable {
         } else if precompiledLibraryURL() != nil {
             why = "\(PrecompiledShaders.fileName) needs macOS 14 or iOS 17"
         }
-        let options = try compileOptions()
-        do {
-            // MTLDevice.makeLibrary(source:options:): no include path, hence the spliced header.
-            let library = try device.makeLibrary(source: EmbeddedShaders.source, options: options)
-            return (library, "kernels compiled from the embedded source when the context was created (\(why))")
-        } catch {
-            throw FlashAttentionError.executionFailed(
-                "Metal could not compile the embedded shaders for \(device.name): \(error.localizedDescription)")
+        // MTLDevice.makeLibrary(source:options:): no include path, hence the spliced header. MSL 3.1
+        // where the OS has it; if that compile fails, MSL 3.0, where the source's
+        // `#if defined(__HAVE_BFLOAT__)` leaves out the bfloat16 kernels and nothing else: one
+        // dtype lost rather than every kernel.
+        var failures: [String] = []
+        for version in try languageVersions() {
+            do {
+                let library = try device.makeLibrary(source: EmbeddedShaders.source,
+                                                     options: compileOptions(version))
+                let retried = failures.isEmpty
+                    ? "" : "; without the bfloat16 kernels: " + failures.joined(separator: "; ")
+                return (library,
+                        "kernels compiled from the embedded source when the context was created (\(why)\(retried))")
+            } catch {
+                failures.append("MSL \(version.rawValue >> 16).\(version.rawValue & 0xFFFF) failed: "
+                                    + error.localizedDescription)
+            }
         }
+        throw FlashAttentionError.executionFailed(
+            "Metal could not compile the embedded shaders for \(device.name): " + failures.joined(separator: "; "))
     }
 
     /// The .metallib next to the library (``PrecompiledShaders/path``).
@@ -99,35 +110,35 @@ public final class MetalFlashAttention: @unchecked Sendable {
         PrecompiledShaders.path.map { URL(fileURLWithPath: $0) }
     }
 
-    /// The options build.sh's `xcrun metal` uses too: the pinned language version
-    /// (FA_MSL_VERSION_MAJOR.MINOR, or .FA_MSL_BFLOAT_VERSION_MINOR where the OS has it, which
-    /// adds the bfloat16 kernels) and no fast math, so that infinities (lse of a row without keys)
-    /// and exp/log precision are as the CPU engine computes them.
-    private static func compileOptions() throws -> MTLCompileOptions {
-        let options = MTLCompileOptions()
-        // MTLCompileOptions.languageVersion; MTLLanguageVersion raw values are major << 16 | minor
-        // (version3_0 = 196608, version3_1 = 196609: macOS 14, iOS 17).
-        var minor = UInt(FA_MSL_VERSION_MINOR)
+    /// The language versions to compile at, in order: FA_MSL_VERSION_MAJOR.FA_MSL_BFLOAT_VERSION_MINOR
+    /// (3.1, which adds the bfloat16 kernels) where the OS has it (macOS 14, iOS 17), then
+    /// FA_MSL_VERSION_MAJOR.FA_MSL_VERSION_MINOR (3.0). MTLLanguageVersion raw values are
+    /// major << 16 | minor (version3_0 = 196608, version3_1 = 196609;
+    /// developer.apple.com/documentation/metal/mtllanguageversion).
+    private static func languageVersions() throws -> [MTLLanguageVersion] {
+        var minors = [UInt(FA_MSL_VERSION_MINOR)]
         if #available(macOS 14.0, iOS 17.0, tvOS 17.0, visionOS 1.0, *) {
-            minor = UInt(FA_MSL_BFLOAT_VERSION_MINOR)
+            minors.insert(UInt(FA_MSL_BFLOAT_VERSION_MINOR), at: 0)
         }
-        let raw = UInt(FA_MSL_VERSION_MAJOR) << 16 | minor
-        guard let version = MTLLanguageVersion(rawValue: raw) else {
-            throw FlashAttentionError.internalError("no MTLLanguageVersion for raw value \(raw)")
+        return try minors.map { minor in
+            let raw = UInt(FA_MSL_VERSION_MAJOR) << 16 | minor
+            guard let version = MTLLanguageVersion(rawValue: raw) else {
+                throw FlashAttentionError.internalError("no MTLLanguageVersion for raw value \(raw)")
+            }
+            return version
         }
+    }
+
+    /// The options build.sh's `xcrun metal` uses too: `version` and safe math with precise
+    /// functions, so that infinities (lse of a row without keys) and exp/log precision are as the
+    /// CPU engine computes them. MTLCompileOptions.fastMathEnabled = false sets mathMode .safe and
+    /// mathFloatingPointFunctions .precise (developer.apple.com/documentation/metal/mtlcompileoptions/
+    /// mathmode); it exists in every SDK (deprecated from macOS 15 and iOS 18, where mathMode
+    /// replaces it), so one line serves every Xcode from 15 on.
+    private static func compileOptions(_ version: MTLLanguageVersion) -> MTLCompileOptions {
+        let options = MTLCompileOptions()
         options.languageVersion = version
-        #if compiler(>=6.0)  // Xcode 16: the macOS 15 / iOS 18 SDKs declare mathMode
-        if #available(macOS 15.0, iOS 18.0, tvOS 18.0, visionOS 2.0, *) {
-            // MTLCompileOptions.mathMode and .mathFloatingPointFunctions (macOS 15+, iOS 18+).
-            options.mathMode = .safe
-            options.mathFloatingPointFunctions = .precise
-        } else {
-            // The same on older systems: mathMode .safe and precise functions.
-            options.fastMathEnabled = false
-        }
-        #else
         options.fastMathEnabled = false
-        #endif
         return options
     }
 

@@ -311,6 +311,11 @@ extern "C" int msl_engine_has_kernel(const char *kernel_name) {
     return kernel_name != nullptr && find_kernel(kernel_name) != nullptr;
 }
 
+extern "C" const char *msl_engine_kernel_name(size_t index) {
+    const kernel_entry *k = kernel_at(index);
+    return k == nullptr ? nullptr : k->name;
+}
+
 extern "C" int msl_engine_describe_kernel(const char *kernel_name, msl_engine_kernel_info *info) {
     const kernel_entry *k = kernel_name == nullptr ? nullptr : find_kernel(kernel_name);
     if (k == nullptr || info == nullptr) return 0;

@@ -60,6 +60,9 @@ const kernel_entry *flash_attention_kernel_table(size_t *count);
 /// already registered keeps its first entry.
 void register_kernels(const kernel_entry *entries, size_t count);
 
+/// The index-th registered entry (tables in registration order), or null past the last one.
+const kernel_entry *kernel_at(size_t index);
+
 /// The entry named `name`, or null. The attention kernels' table is always registered.
 const kernel_entry *find_kernel(const char *name);
 

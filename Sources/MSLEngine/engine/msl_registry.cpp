@@ -73,4 +73,13 @@ const kernel_entry *find_kernel(const char *name) {
     return nullptr;
 }
 
+const kernel_entry *kernel_at(size_t index) {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    for (const table &t : tables()) {
+        if (index < t.count) return &t.entries[index];
+        index -= t.count;
+    }
+    return nullptr;
+}
+
 } // namespace msl_engine

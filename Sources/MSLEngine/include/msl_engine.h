@@ -128,6 +128,10 @@ msl_engine_status msl_engine_dispatch_specialized(const char *kernel_name,
 /* Whether a kernel of that name is registered (1) or not (0). */
 int msl_engine_has_kernel(const char *kernel_name);
 
+/* The name of the index-th registered kernel (0-based, in registration order), or null when index
+ * is not below the number of registered kernels: how a host lists the kernels (static storage). */
+const char *msl_engine_kernel_name(size_t index);
+
 /* A registered kernel, as its engine entry describes it. */
 typedef struct msl_engine_kernel_info {
     uint32_t buffer_count;            /* buffers the kernel reads: indices 0..buffer_count-1 */

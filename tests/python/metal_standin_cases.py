@@ -1,0 +1,252 @@
+"""The Metal backend on the stand-in Metal module against the CPU backend, bit for bit.
+
+Run by test_metal_standin.py in a child process whose libFlashAttentionMetal is the stand-in build
+(tests/metal_standin/build.sh): there ``Context("metal")`` is the Metal backend (MetalBackend.swift:
+buffer wrapping, command buffers, pipelines, encoders) over the stand-in, and ``Context("cpu")`` the
+CPU backend, in one library. Every case runs on both and every output must be equal byte for byte;
+together the cases dispatch every kernel the engine has through the Metal backend (checked last).
+Not collected on its own (the name does not start with test_).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import flash_attention_metal as fam
+
+DTYPES = {"f16": np.float16, "bf16": ml_dtypes.bfloat16, "f32": np.float32}
+# One head_dim per bucket (d32 ... d256), most of them below the bucket's maximum.
+HEAD_DIMS = [24, 64, 80, 128, 160, 256]
+FAULT_ENV = "FLASH_ATTENTION_METAL_STANDIN_FAULT"
+
+_KERNELS_RUN: set[str] = set()
+
+
+@pytest.fixture(scope="module")
+def cpu() -> fam.Context:
+    return fam.Context("cpu")
+
+
+@pytest.fixture(scope="module")
+def metal() -> fam.Context:
+    context = fam.Context("metal")
+    assert context.device == "Metal stand-in (CPU engine)", context
+    return context
+
+
+def _bits(array) -> bytes:
+    return np.ascontiguousarray(array).view(np.uint8).tobytes()
+
+
+def _same(cpu_result, metal_result, what: str) -> None:
+    for n, (a, b) in enumerate(zip(cpu_result, metal_result)):
+        if a is None:
+            assert b is None
+            continue
+        assert a.dtype == b.dtype and a.shape == b.shape, (what, n)
+        assert _bits(a) == _bits(b), f"{what}: output {n} differs between the CPU and Metal backends"
+
+
+def _record(metal: fam.Context) -> None:
+    _KERNELS_RUN.update(d.kernel for d in metal.last_profile.dispatches)
+
+
+def _inputs(rng, dtype, batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v=None):
+    def make(*shape):
+        return rng.standard_normal(shape).astype(np.float32).astype(dtype)
+
+    return (make(batch, heads, seqlen_q, head_dim), make(batch, kv_heads, seqlen_k, head_dim),
+            make(batch, kv_heads, seqlen_k, head_dim_v or head_dim))
+
+
+def _options(case: int, rng, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> dict:
+    """A different score option per case, so that the cases reach each of them in each dtype."""
+    choice = case % 6
+    if choice == 1:
+        return {"causal": True}
+    if choice == 2:
+        return {"softcap": 30.0, "window_size": (9, 3)}
+    if choice == 3:
+        return {"alibi_slopes": rng.uniform(0.01, 0.5, (heads,)).astype(np.float32), "causal": True}
+    if choice == 4:
+        mask = rng.standard_normal((batch, 1, seqlen_q, seqlen_k)).astype(np.float32)
+        mask[..., ::5] = -np.inf
+        return {"attn_mask": mask, "sinks": rng.standard_normal(heads).astype(np.float32)}
+    if choice == 5:
+        return {"attn_mask": rng.random((batch, heads, seqlen_q, seqlen_k)) > 0.3}
+    return {}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("bucket", range(len(HEAD_DIMS)))
+def test_forward_backward_decode(cpu, metal, dtype, bucket):
+    """Forward and backward (GQA, unequal lengths, a score option), then a decode-shaped forward
+    (split-KV: the split and combine kernels)."""
+    rng = np.random.default_rng(1000 * bucket + len(dtype))
+    head_dim = HEAD_DIMS[bucket]
+    q, k, v = _inputs(rng, DTYPES[dtype], 1, 4, 2, 19, 27, head_dim)
+    options = _options(bucket + 3 * list(DTYPES).index(dtype), rng, 1, 4, 19, 27)
+    forward = [c.forward(q, k, v, **options) for c in (cpu, metal)]
+    _record(metal)
+    _same(*forward, f"forward {dtype} d{head_dim} {sorted(options)}")
+    out, lse = forward[0]
+    dout = rng.standard_normal(out.shape).astype(np.float32).astype(out.dtype)
+    backward = [c.backward(dout, q, k, v, out, lse, **options) for c in (cpu, metal)]
+    _record(metal)
+    _same(*backward, f"backward {dtype} d{head_dim} {sorted(options)}")
+
+    q, k, v = _inputs(rng, DTYPES[dtype], 1, 2, 1, 1, 600, head_dim)
+    decode = [c.forward(q, k, v) for c in (cpu, metal)]
+    _record(metal)
+    assert any("split" in d.kernel for d in metal.last_profile.dispatches)
+    _same(*decode, f"decode {dtype} d{head_dim}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_merge(cpu, metal, dtype):
+    rng = np.random.default_rng(7)
+    out_a, out_b = (rng.standard_normal((2, 3, 5, 40)).astype(np.float32).astype(DTYPES[dtype]) for _ in "ab")
+    lse_a, lse_b = (rng.standard_normal((2, 3, 5)).astype(np.float32) for _ in "ab")
+    lse_b[0, 0, 0] = -np.inf
+    merged = [c.merge_attention(out_a, lse_a, out_b, lse_b) for c in (cpu, metal)]
+    _record(metal)
+    _same(*merged, f"merge {dtype}")
+
+
+def test_bshd_views_and_given_outputs(cpu, metal):
+    """Strided inputs read in place and outputs written into given arrays: the Metal backend copies
+    back only the addressed elements, as the CPU backend writes them."""
+    rng = np.random.default_rng(3)
+    qkv = rng.standard_normal((2, 33, 3, 4, 64)).astype(np.float16)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    results = []
+    for context in (cpu, metal):
+        out = np.full((2, 33, 4, 64 + 8), 7, np.float16)[..., :64]
+        lse = np.full((2, 4, 33), 5, np.float32)
+        context.forward(q, k, v, layout="bshd", causal=True, out=out, lse=lse)
+        results.append((out.base, lse))
+    _record(metal)
+    _same(*results, "bshd views, given outputs")
+
+
+def test_all_kernels_reached():
+    """Every kernel the engine has went through the Metal backend in the cases above."""
+    library = ctypes.CDLL(os.environ[fam.LIBRARY_ENV])
+    library.msl_engine_kernel_name.restype = ctypes.c_char_p
+    library.msl_engine_kernel_name.argtypes = [ctypes.c_size_t]
+    names = set()
+    while (name := library.msl_engine_kernel_name(len(names))) is not None:
+        names.add(name.decode())
+    assert len(names) > 50
+    assert names - _KERNELS_RUN == set()
+
+
+# Error paths: the faults a healthy device never shows, planted through the stand-in.
+
+def _status(call) -> str:
+    with pytest.raises(fam.FlashAttentionError) as raised:
+        call()
+    return raised.value.status_name
+
+
+def _small(dtype=np.float16):
+    return _inputs(np.random.default_rng(5), dtype, 1, 2, 2, 16, 16, 32)
+
+
+@pytest.mark.parametrize("code, status", [
+    ("timeout", "FA_STATUS_EXECUTION_FAILED"),
+    ("outOfMemory", "FA_STATUS_OUT_OF_MEMORY"),
+    ("internal", "FA_STATUS_EXECUTION_FAILED"),
+])
+def test_command_buffer_errors(metal, monkeypatch, code, status):
+    """A failed command buffer is an error of that kind; the outputs given hold NaN, not results;
+    the device stays usable."""
+    q, k, v = _small()
+    out = np.zeros_like(q)
+    monkeypatch.setenv(FAULT_ENV, f"commit:{code}:1")
+    assert _status(lambda: metal.forward(q, k, v, out=out)) == status
+    assert np.isnan(out.astype(np.float32)).all()
+    monkeypatch.delenv(FAULT_ENV)
+    metal.forward(q, k, v)
+
+
+def test_a_failed_command_buffer_names_the_faulted_kernel(metal, monkeypatch):
+    """The error names the encoder Metal marks faulted (MTLCommandBufferEncoderInfo through the
+    NSError's userInfo), not every kernel of the command buffer."""
+    q, k, v = _small()
+    out, lse = metal.forward(q, k, v)
+    monkeypatch.setenv(FAULT_ENV, "commit:internal:1")
+    with pytest.raises(fam.FlashAttentionError) as raised:
+        metal.backward(q, q, k, v, out, lse)
+    assert "command buffer 1 of 1 (flash_attention_backward_delta_f16):" in str(raised.value), raised.value
+
+
+@pytest.mark.parametrize("code", ["accessRevoked", "notPermitted"])
+def test_device_lost(monkeypatch, code):
+    """Errors that take the GPU from the process make every later call of that context fail."""
+    q, k, v = _small()
+    context = fam.Context("metal")
+    monkeypatch.setenv(FAULT_ENV, f"commit:{code}:1")
+    assert _status(lambda: context.forward(q, k, v)) == "FA_STATUS_BACKEND_UNAVAILABLE"
+    monkeypatch.delenv(FAULT_ENV)
+    assert _status(lambda: context.forward(q, k, v)) == "FA_STATUS_BACKEND_UNAVAILABLE"
+
+
+def test_msl_31_compile_failure_keeps_other_dtypes(cpu, monkeypatch):
+    """When the MSL 3.1 compile fails the backend compiles at 3.0: every dtype but bfloat16."""
+    monkeypatch.setenv(FAULT_ENV, "compile:3.1")
+    context = fam.Context("metal")
+    monkeypatch.delenv(FAULT_ENV)
+    assert "without the bfloat16 kernels" in context.note and "MSL 3.1 failed" in context.note
+    q, k, v = _small()
+    _same(cpu.forward(q, k, v), context.forward(q, k, v), "forward after the MSL 3.0 retry")
+    q, k, v = _small(ml_dtypes.bfloat16)
+    assert _status(lambda: context.forward(q, k, v)) == "FA_STATUS_UNSUPPORTED"
+
+
+
+def _page_aligned(array: np.ndarray) -> np.ndarray:
+    """A copy of array at a 16 KiB boundary (Apple silicon's page), its size a multiple of 16 KiB:
+    memory the Metal backend wraps without a copy."""
+    page = 16 * 1024
+    assert array.nbytes % page == 0
+    raw = np.empty(array.nbytes + page, np.uint8)
+    start = -raw.ctypes.data % page
+    aligned = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    aligned[...] = array
+    return aligned
+
+
+def test_page_fault_on_wrapped_inputs_retries_with_copies(cpu, metal, monkeypatch):
+    """A GPU page fault on inputs wrapped without a copy: the call runs again on copies and
+    succeeds; without wrapped inputs a page fault is a library defect (internal error)."""
+    q, k, v = _inputs(np.random.default_rng(9), np.float16, 1, 2, 2, 64, 64, 64)  # 16 KiB each
+    expected = cpu.forward(q, k, v)
+    aligned = [_page_aligned(x) for x in (q, k, v)]
+    monkeypatch.setenv(FAULT_ENV, "commit:pageFault:1")
+    _same(expected, metal.forward(*aligned), "forward retried on copies")
+    assert metal.last_profile.command_buffers == 1
+    monkeypatch.setenv(FAULT_ENV, "commit:pageFault:2")
+    assert _status(lambda: metal.forward(*aligned)) == "FA_STATUS_INTERNAL_ERROR"
+    monkeypatch.setenv(FAULT_ENV, "commit:pageFault:all")
+    assert _status(lambda: metal.forward(q[:, :, 1:], k, v)) == "FA_STATUS_INTERNAL_ERROR"
+
+
+def test_read_only_inputs_are_copied(cpu, metal):
+    """Page-aligned memory the process may not write is not wrapped (the stand-in refuses it, as
+    Metal may refuse memory it cannot map): the call copies it and gives the CPU backend's result."""
+    q, k, v = _inputs(np.random.default_rng(10), np.float16, 1, 2, 2, 64, 64, 64)
+    q_locked = _page_aligned(q)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    prot_read, prot_write = 1, 2
+    assert libc.mprotect(q_locked.ctypes.data, q_locked.nbytes, prot_read) == 0, ctypes.get_errno()
+    try:
+        _same(cpu.forward(q, k, v), metal.forward(q_locked, k, v), "read-only q")
+    finally:
+        libc.mprotect(q_locked.ctypes.data, q_locked.nbytes, prot_read | prot_write)

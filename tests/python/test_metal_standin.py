@@ -1,0 +1,99 @@
+"""The Metal backend executed on Linux: the stand-in build (tests/metal_standin/build.sh, which
+./build.sh test runs first) compiles Sources/FlashAttentionMetal with `canImport(Metal)` true
+against a stand-in Metal module that runs the kernels on the CPU engine (docs/metal.md).
+
+Here, in child processes on that build: the Swift tests of the Metal backend; the bit-for-bit
+comparison with the CPU backend that reaches every kernel and the error paths
+(metal_standin_cases.py); a named subset of this directory's tests on ``Context("metal")``; and
+copies of the backend with a planted defect, which must make the comparison fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flash_attention_metal as fam
+
+ROOT = Path(__file__).resolve().parents[2]
+STANDIN = ROOT / "build" / "metal-standin"
+LIBRARY = STANDIN / "libFlashAttentionMetal.so"
+# The tests that run again on Context("metal") through the stand-in: every dtype, layout, head_dim
+# bucket, score option, split-KV decode, merges, backward's lse handling, given outputs, errors,
+# profiles, specialisation, cancellation and threads (212 tests, 70 s on 2 cores). The rest
+# of the directory tests the Python layer, the reference, the CLI or the models, which no backend
+# changes.
+METAL_SUBSET = [
+    "test_dtypes_layouts.py", "test_score_options.py", "test_split_kv.py", "test_merge.py",
+    "test_backward_lse.py", "test_given_outputs.py", "test_errors.py", "test_profile.py",
+    "test_semantics.py", "test_specialisation.py", "test_layout.py", "test_cancellation.py",
+    "test_threads.py",
+]
+
+pytestmark = pytest.mark.skipif(sys.platform == "darwin", reason="macOS has the real Metal module")
+
+
+def _library() -> Path:
+    if not LIBRARY.exists():
+        pytest.fail(f"{LIBRARY} is missing: run tests/metal_standin/build.sh (./build.sh test does)")
+    return LIBRARY
+
+
+def _pytest(library: Path, *args: str, backend: str = "auto", timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **{fam.LIBRARY_ENV: str(library), fam.BACKEND_ENV: backend})
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys", *args],
+                          cwd=ROOT / "tests" / "python", env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _passed(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+
+
+def test_swift_tests_of_the_metal_backend():
+    _library()
+    result = subprocess.run([str(STANDIN / "metal-backend-tests")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    assert "with 0 failures" in result.stdout + result.stderr
+
+
+def test_metal_backend_equals_the_cpu_backend_bit_for_bit():
+    _passed(_pytest(_library(), "metal_standin_cases.py"))
+
+
+def test_named_subset_on_context_metal():
+    _passed(_pytest(_library(), *METAL_SUBSET, backend="metal", timeout=600))
+
+
+# A defect planted in a copy of MetalFlashAttention.swift: the original line, the planted one, and
+# what the failure must say.
+PLANTS = {
+    # k and v swapped (buffers 1 and 2): same sizes, so only the results show it.
+    "wrong buffer index": ("index: binding.index)", "index: [1: 2, 2: 1][binding.index] ?? binding.index)",
+                           "differs between the CPU and Metal"),
+    "misaligned offset": ("offset: piece.byteOffset(of: binding.role),", "offset: piece.byteOffset(of: binding.role) + 1,",
+                          "is not aligned"),
+}
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+def test_a_planted_defect_fails_the_suite(tmp_path, plant):
+    _library()
+    original, planted, symptom = PLANTS[plant]
+    sources = tmp_path / "FlashAttentionMetal"
+    shutil.copytree(ROOT / "Sources" / "FlashAttentionMetal", sources)
+    encoder = sources / "Metal" / "MetalFlashAttention.swift"
+    text = encoder.read_text()
+    assert text.count(original) == 1, f"the line to plant into is gone: {original}"
+    encoder.write_text(text.replace(original, planted))
+    out = tmp_path / "build"
+    env = dict(os.environ, METAL_STANDIN_OUT=str(out), METAL_STANDIN_SWIFT_TESTS="0", METAL_STANDIN_SWIFT6="0")
+    subprocess.run([str(ROOT / "tests" / "metal_standin" / "build.sh"), str(sources)], env=env, check=True,
+                   capture_output=True, timeout=600)
+    result = _pytest(out / "libFlashAttentionMetal.so", "metal_standin_cases.py", "-x", "-k", "forward_backward")
+    assert result.returncode != 0
+    assert symptom in result.stdout + result.stderr, (result.stdout + result.stderr)[-4000:]

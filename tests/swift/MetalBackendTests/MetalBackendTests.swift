@@ -1,0 +1,128 @@
+// The Metal backend on the stand-in Metal module (tests/metal_standin/build.sh compiles and runs
+// this file; it needs `canImport(Metal)`): the host path in many command buffers and the app path
+// (MetalFlashAttention encoding into the caller's command buffer), each bit for bit the CPU backend's.
+import Metal
+import XCTest
+
+@testable import FlashAttentionMetal
+
+final class MetalBackendTests: XCTestCase {
+    /// For XCTMain: tests/metal_standin/build.sh runs this file without SwiftPM's test discovery.
+    static let allTests = [
+        ("testCommandBufferPiecesEqualTheCPUBackend", testCommandBufferPiecesEqualTheCPUBackend),
+        ("testEncodeForwardEqualsTheCPUBackend", testEncodeForwardEqualsTheCPUBackend),
+    ]
+
+    private let shape = AttentionShape(batch: 2, numHeads: 4, numKVHeads: 2, seqlenQ: 19, seqlenK: 23, headDim: 24)
+
+    private func inputs(_ p: Problem, seed: UInt64) -> (q: [Float16], k: [Float16], v: [Float16], dout: [Float16]) {
+        var state = seed
+        func next(_ count: Int) -> [Float16] {
+            (0..<count).map { _ in
+                state = state &* 6364136223846793005 &+ 1442695040888963407
+                return Float16(Float(Int64(bitPattern: state) >> 40) / Float(1 << 22))
+            }
+        }
+        return (next(BufferRole.q.elementCount(for: p)), next(BufferRole.k.elementCount(for: p)),
+                next(BufferRole.k.elementCount(for: p)), next(BufferRole.q.elementCount(for: p)))
+    }
+
+    /// Forward then backward through `context`: every output's bits, and each pass's command buffers.
+    private func run(_ context: Context, _ p: Problem, seed: UInt64) throws -> (bits: [[UInt32]], pieces: [Int]) {
+        let (q, k, v, dout) = inputs(p, seed: seed)
+        var out = [Float16](repeating: 0, count: BufferRole.q.elementCount(for: p)), dq = out
+        var lse = [Float](repeating: 0, count: p.lseElements)
+        var dk = [Float16](repeating: 0, count: BufferRole.k.elementCount(for: p)), dv = dk
+        var pieces: [Int] = []
+        try q.withUnsafeBytes { q in try k.withUnsafeBytes { k in try v.withUnsafeBytes { v in
+            try dout.withUnsafeBytes { dout in try out.withUnsafeMutableBytes { out in
+                try lse.withUnsafeMutableBytes { lse in try dq.withUnsafeMutableBytes { dq in
+                    try dk.withUnsafeMutableBytes { dk in try dv.withUnsafeMutableBytes { dv in
+                        var f = HostBuffers()
+                        f.bindInput(.q, q.baseAddress!, for: p)
+                        f.bindInput(.k, k.baseAddress!, for: p)
+                        f.bindInput(.v, v.baseAddress!, for: p)
+                        f.bindOutput(.out, out.baseAddress!, for: p)
+                        f.bindOutput(.lse, lse.baseAddress!, for: p)
+                        try context.run(DispatchPlan.forward(p), buffers: f)
+                        pieces.append(context.lastProfile?.commandBuffers ?? 0)
+                        var b = f
+                        b.bindInput(.out, out.baseAddress!, for: p)
+                        b.bindInput(.lse, lse.baseAddress!, for: p)
+                        b.bindInput(.dout, dout.baseAddress!, for: p)
+                        b.bindOutput(.dq, dq.baseAddress!, for: p)
+                        b.bindOutput(.dk, dk.baseAddress!, for: p)
+                        b.bindOutput(.dv, dv.baseAddress!, for: p)
+                        try context.run(DispatchPlan.backward(p), buffers: b)
+                        pieces.append(context.lastProfile?.commandBuffers ?? 0)
+                    } }
+                } }
+            } }
+        } } }
+        let halves = [out, dq, dk, dv].map { $0.map { UInt32($0.bitPattern) } }
+        return (halves + [lse.map(\.bitPattern)], pieces)
+    }
+
+    /// The host path cut into one command buffer per piece (per KV head, per batch entry, whole)
+    /// gives the CPU backend's results bit for bit, and commits as many command buffers as pieces.
+    func testCommandBufferPiecesEqualTheCPUBackend() throws {
+        for causal in [false, true] {
+            let p = try Problem.validate(shape, causal: causal, softmaxScale: nil)
+            let reference = try run(Context(backend: try CPUBackend()), p, seed: causal ? 1 : 2)
+            let unit = DispatchPlan.forward(p).flopsPerUnit
+            for budget in [unit, 2 * unit, MetalBackend.defaultFlopsPerCommandBuffer] {
+                let metal = try run(Context(backend: try MetalBackend(flopsPerCommandBuffer: budget)), p,
+                                    seed: causal ? 1 : 2)
+                XCTAssertEqual(metal.bits, reference.bits, "causal \(causal), \(budget) FLOP per command buffer")
+                XCTAssertEqual(metal.pieces, [DispatchPlan.forward(p), DispatchPlan.backward(p)].map {
+                    $0.pieces(maxFlops: budget).count
+                })
+            }
+        }
+    }
+
+    /// The app path: encodeForward into a command buffer the test owns, then commit and wait.
+    func testEncodeForwardEqualsTheCPUBackend() throws {
+        let device = try XCTUnwrap(MTLCreateSystemDefaultDevice())
+        let kernels = try MetalFlashAttention(device: device)
+        let p = try Problem.validate(shape, causal: true, softmaxScale: nil)
+        let (q, k, v, _) = inputs(p, seed: 3)
+        let expected = try FlashAttention(backend: .cpu).forward(q: q, k: k, v: v, shape: shape, causal: true)
+        func buffer<T>(_ values: [T]) throws -> MTLBuffer {
+            try XCTUnwrap(values.withUnsafeBytes {
+                device.makeBuffer(bytes: $0.baseAddress!, length: $0.count, options: .storageModeShared)
+            })
+        }
+        let out = try XCTUnwrap(device.makeBuffer(length: q.count * 2, options: .storageModeShared))
+        let lse = try XCTUnwrap(device.makeBuffer(length: p.lseElements * 4, options: .storageModeShared))
+        let queue = try XCTUnwrap(device.makeCommandQueue())
+        let commandBuffer = try XCTUnwrap(queue.makeCommandBuffer(descriptor: MTLCommandBufferDescriptor()))
+        let qBuffer = try buffer(q), kBuffer = try buffer(k), vBuffer = try buffer(v)
+        try kernels.encodeForward(into: commandBuffer, q: qBuffer, k: kBuffer, v: vBuffer, out: out, lse: lse,
+                                  shape: shape, causal: true)
+        commandBuffer.commit()
+        commandBuffer.waitUntilCompleted()
+        XCTAssertEqual(commandBuffer.status, .completed)
+        XCTAssertGreaterThan(commandBuffer.gpuEndTime, commandBuffer.gpuStartTime)
+        let outBits = (0..<q.count).map { out.contents().load(fromByteOffset: 2 * $0, as: UInt16.self) }
+        let lseBits = (0..<p.lseElements).map { lse.contents().load(fromByteOffset: 4 * $0, as: UInt32.self) }
+        XCTAssertEqual(outBits, expected.out.map(\.bitPattern))
+        XCTAssertEqual(lseBits, expected.lse.map(\.bitPattern))
+
+        // A committed command buffer is refused before anything is encoded; so is an output that
+        // shares memory with an input.
+        XCTAssertThrowsError(try kernels.encodeForward(into: commandBuffer, q: qBuffer, k: kBuffer, v: vBuffer,
+                                                       out: out, lse: lse, shape: shape)) {
+            guard case .invalidArgument(let message)? = $0 as? FlashAttentionError else {
+                return XCTFail("\($0)")
+            }
+            XCTAssertTrue(message.contains("already committed"), message)
+        }
+        let fresh = try XCTUnwrap(queue.makeCommandBuffer(descriptor: MTLCommandBufferDescriptor()))
+        XCTAssertThrowsError(try kernels.encodeForward(into: fresh, q: qBuffer, k: kBuffer, v: vBuffer, out: qBuffer,
+                                                       lse: lse, shape: shape)) {
+            XCTAssertEqual($0 as? FlashAttentionError,
+                           .invalidArgument("out shares memory with q: an output may not alias another output or an input"))
+        }
+    }
+}

@@ -1,0 +1,226 @@
+// The device and its buffers: host memory.
+#if canImport(Glibc)
+import Glibc
+#endif
+import Foundation
+import MSLEngine
+
+// https://developer.apple.com/documentation/metal/mtlgpufamily
+public enum MTLGPUFamily: Int, Sendable {
+    case apple7 = 1007
+}
+
+// https://developer.apple.com/documentation/metal/mtlstoragemode
+public enum MTLStorageMode: UInt, Sendable {
+    case shared = 0
+    case `private` = 2
+}
+
+// https://developer.apple.com/documentation/metal/mtlresourceoptions
+public struct MTLResourceOptions: OptionSet, Sendable {
+    public let rawValue: UInt
+    public init(rawValue: UInt) { self.rawValue = rawValue }
+    // https://developer.apple.com/documentation/metal/mtlresourceoptions/storagemodeshared
+    public static let storageModeShared = MTLResourceOptions([])
+    // https://developer.apple.com/documentation/metal/mtlresourceoptions/storagemodeprivate
+    public static let storageModePrivate = MTLResourceOptions(rawValue: 2 << 4)
+
+    var storageMode: MTLStorageMode { contains(.storageModePrivate) ? .private : .shared }
+}
+
+// https://developer.apple.com/documentation/metal/mtlsize
+public struct MTLSize: Sendable {
+    public var width: Int
+    public var height: Int
+    public var depth: Int
+    // https://developer.apple.com/documentation/metal/mtlsize/init(width:height:depth:)
+    public init(width: Int, height: Int, depth: Int) {
+        self.width = width
+        self.height = height
+        self.depth = depth
+    }
+}
+
+// https://developer.apple.com/documentation/metal/mtldevice
+public protocol MTLDevice: AnyObject {
+    // https://developer.apple.com/documentation/metal/mtldevice/name
+    var name: String { get }
+    // https://developer.apple.com/documentation/metal/mtldevice/maxbufferlength
+    var maxBufferLength: Int { get }
+    // https://developer.apple.com/documentation/metal/mtldevice/maxthreadgroupmemorylength
+    var maxThreadgroupMemoryLength: Int { get }
+    // https://developer.apple.com/documentation/metal/mtldevice/supportsfamily(_:)
+    func supportsFamily(_ gpuFamily: MTLGPUFamily) -> Bool
+    // https://developer.apple.com/documentation/metal/mtldevice/makecommandqueue()
+    func makeCommandQueue() -> MTLCommandQueue?
+    // https://developer.apple.com/documentation/metal/mtldevice/makebuffer(length:options:)
+    func makeBuffer(length: Int, options: MTLResourceOptions) -> MTLBuffer?
+    // https://developer.apple.com/documentation/metal/mtldevice/makebuffer(bytes:length:options:)
+    func makeBuffer(bytes pointer: UnsafeRawPointer, length: Int, options: MTLResourceOptions) -> MTLBuffer?
+    // https://developer.apple.com/documentation/metal/mtldevice/makebuffer(bytesnocopy:length:options:deallocator:)
+    func makeBuffer(bytesNoCopy pointer: UnsafeMutableRawPointer, length: Int, options: MTLResourceOptions,
+                    deallocator: (@Sendable (UnsafeMutableRawPointer, Int) -> Void)?) -> MTLBuffer?
+    // https://developer.apple.com/documentation/metal/mtldevice/makelibrary(url:)
+    func makeLibrary(URL url: URL) throws -> MTLLibrary
+    // https://developer.apple.com/documentation/metal/mtldevice/makelibrary(source:options:)
+    func makeLibrary(source: String, options: MTLCompileOptions?) throws -> MTLLibrary
+    // https://developer.apple.com/documentation/metal/mtldevice/makecomputepipelinestate(function:)
+    func makeComputePipelineState(function computeFunction: MTLFunction) throws -> MTLComputePipelineState
+}
+
+// https://developer.apple.com/documentation/metal/mtlcreatesystemdefaultdevice()
+public func MTLCreateSystemDefaultDevice() -> MTLDevice? { StandInDevice.shared }
+
+// https://developer.apple.com/documentation/metal/mtlbuffer
+public protocol MTLBuffer: AnyObject {
+    // https://developer.apple.com/documentation/metal/mtlresource/device
+    var device: MTLDevice { get }
+    // https://developer.apple.com/documentation/metal/mtlbuffer/length
+    var length: Int { get }
+    // https://developer.apple.com/documentation/metal/mtlresource/storagemode
+    var storageMode: MTLStorageMode { get }
+    // https://developer.apple.com/documentation/metal/mtlbuffer/gpuaddress
+    var gpuAddress: UInt64 { get }
+    // https://developer.apple.com/documentation/metal/mtlbuffer/contents()
+    func contents() -> UnsafeMutableRawPointer
+}
+
+/// The one device: Apple7 limits (32 KiB of threadgroup memory), buffers of host memory.
+final class StandInDevice: MTLDevice, @unchecked Sendable {
+    static let shared = StandInDevice()
+
+    let name = "Metal stand-in (CPU engine)"
+    let maxBufferLength = 1 << 34
+    let maxThreadgroupMemoryLength = 32 * 1024
+
+    func supportsFamily(_ gpuFamily: MTLGPUFamily) -> Bool { gpuFamily == .apple7 }
+
+    func makeCommandQueue() -> MTLCommandQueue? { StandInCommandQueue(device: self) }
+
+    func makeBuffer(length: Int, options: MTLResourceOptions) -> MTLBuffer? {
+        checkLength(length, "mtldevice/makebuffer(length:options:)")
+        // Zero-filled, as documented.
+        guard let memory = calloc(max(length, 1), 1) else { return nil }
+        return StandInBuffer(device: self, memory: memory, length: length, storageMode: options.storageMode,
+                             release: { free(memory) })
+    }
+
+    func makeBuffer(bytes pointer: UnsafeRawPointer, length: Int, options: MTLResourceOptions) -> MTLBuffer? {
+        checkLength(length, "mtldevice/makebuffer(bytes:length:options:)")
+        guard let memory = malloc(max(length, 1)) else { return nil }
+        memory.copyMemory(from: pointer, byteCount: length)
+        return StandInBuffer(device: self, memory: memory, length: length, storageMode: options.storageMode,
+                             release: { free(memory) })
+    }
+
+    func makeBuffer(bytesNoCopy pointer: UnsafeMutableRawPointer, length: Int, options: MTLResourceOptions,
+                    deallocator: (@Sendable (UnsafeMutableRawPointer, Int) -> Void)?) -> MTLBuffer? {
+        let page = "mtldevice/makebuffer(bytesnocopy:length:options:deallocator:)"
+        checkLength(length, page)
+        if Int(bitPattern: pointer) % applePageSize != 0 || length % applePageSize != 0 {
+            violation("makeBuffer(bytesNoCopy:) needs a page-aligned pointer and a length that ends on a page "
+                          + "(\(applePageSize) bytes on Apple silicon): got \(pointer), \(length) bytes", page)
+        }
+        // Memory that is not readable and writable end to end is refused (nil), as Metal may refuse
+        // memory it cannot map for the GPU.
+        guard WritableMappings.cover(pointer, length) else { return nil }
+        return StandInBuffer(device: self, memory: pointer, length: length, storageMode: options.storageMode,
+                             release: { deallocator?(pointer, length) })
+    }
+
+    private func checkLength(_ length: Int, _ page: String) {
+        if length <= 0 || length > maxBufferLength {
+            violation("a buffer's length must be in 1...maxBufferLength (\(maxBufferLength)): got \(length)", page)
+        }
+    }
+
+    func makeLibrary(URL url: URL) throws -> MTLLibrary {
+        throw NSError(domain: "MTLLibraryErrorDomain", code: 1, userInfo: [
+            NSLocalizedDescriptionKey: "the Metal stand-in loads no .metallib (\(url.path))",
+        ])
+    }
+
+    func makeLibrary(source: String, options: MTLCompileOptions?) throws -> MTLLibrary {
+        let version = options?.languageVersion ?? .version3_1
+        let major = Int(version.rawValue >> 16), minor = Int(version.rawValue & 0xFFFF)
+        if FaultPlan.shared.compileFails(major: major, minor: minor) {
+            throw NSError(domain: "MTLLibraryErrorDomain", code: 3, userInfo: [
+                NSLocalizedDescriptionKey: "program_source: error: (stand-in fault) MSL \(major).\(minor) refused",
+            ])
+        }
+        guard source.contains("kernel void") else {
+            throw NSError(domain: "MTLLibraryErrorDomain", code: 3,
+                          userInfo: [NSLocalizedDescriptionKey: "program_source: no kernel"])
+        }
+        // The source's `#if defined(__HAVE_BFLOAT__)` drops the bfloat16 kernels below MSL 3.1.
+        return StandInLibrary(device: self, withBFloat: major > 3 || (major == 3 && minor >= 1))
+    }
+
+    func makeComputePipelineState(function computeFunction: MTLFunction) throws -> MTLComputePipelineState {
+        guard let function = computeFunction as? StandInFunction, function.device === self else {
+            violation("a pipeline's function must come from a library of the same device",
+                      "mtldevice/makecomputepipelinestate(function:)")
+        }
+        var info = msl_engine_kernel_info()
+        guard msl_engine_describe_kernel(function.name, &info) != 0 else {
+            fatalError("Metal stand-in: the CPU engine has no kernel \(function.name)")
+        }
+        // Compiling fails when a kernel declares more threadgroup memory than the device has.
+        guard info.threadgroup_memory_length <= maxThreadgroupMemoryLength else {
+            throw NSError(domain: "MTLLibraryErrorDomain", code: 2, userInfo: [
+                NSLocalizedDescriptionKey: "\(function.name) declares \(info.threadgroup_memory_length) bytes of "
+                    + "threadgroup memory; the device has \(maxThreadgroupMemoryLength)",
+            ])
+        }
+        return StandInPipeline(function: function, staticThreadgroupMemoryLength: info.threadgroup_memory_length)
+    }
+}
+
+final class StandInBuffer: MTLBuffer, @unchecked Sendable {
+    let device: MTLDevice
+    let memory: UnsafeMutableRawPointer
+    let length: Int
+    let storageMode: MTLStorageMode
+    private let release: () -> Void
+
+    init(device: MTLDevice, memory: UnsafeMutableRawPointer, length: Int, storageMode: MTLStorageMode,
+         release: @escaping () -> Void) {
+        self.device = device
+        self.memory = memory
+        self.length = length
+        self.storageMode = storageMode
+        self.release = release
+    }
+
+    deinit { release() }
+
+    var gpuAddress: UInt64 { UInt64(UInt(bitPattern: memory)) }
+
+    func contents() -> UnsafeMutableRawPointer {
+        // Documented: NULL for private storage, which the CPU cannot address.
+        if storageMode == .private {
+            violation("contents() of a buffer with private storage (the CPU cannot address it)", "mtlbuffer/contents()")
+        }
+        return memory
+    }
+}
+
+/// Whether a range of addresses lies in mappings that are readable and writable, end to end
+/// (/proc/self/maps): what wrapping caller memory without a copy assumes.
+enum WritableMappings {
+    static func cover(_ pointer: UnsafeRawPointer, _ length: Int) -> Bool {
+        guard let maps = try? String(contentsOfFile: "/proc/self/maps", encoding: .utf8) else { return true }
+        var next = UInt(bitPattern: pointer)
+        let end = next + UInt(length)
+        for line in maps.split(separator: "\n") {
+            let fields = line.split(separator: " ")
+            guard fields.count >= 2 else { continue }
+            let bounds = fields[0].split(separator: "-").compactMap { UInt($0, radix: 16) }
+            guard bounds.count == 2, bounds[0] <= next, next < bounds[1] else { continue }
+            guard fields[1].hasPrefix("rw") else { return false }
+            next = bounds[1]
+            if next >= end { return true }
+        }
+        return false
+    }
+}

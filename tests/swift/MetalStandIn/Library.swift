@@ -1,0 +1,121 @@
+// Libraries, functions with their constants, and pipelines: the CPU engine's kernels by name.
+import Foundation
+import MSLEngine
+
+// https://developer.apple.com/documentation/metal/mtllanguageversion
+public enum MTLLanguageVersion: UInt, Sendable {
+    // https://developer.apple.com/documentation/metal/mtllanguageversion/version3_0
+    case version3_0 = 196608
+    // https://developer.apple.com/documentation/metal/mtllanguageversion/version3_1
+    case version3_1 = 196609
+}
+
+// https://developer.apple.com/documentation/metal/mtlcompileoptions
+public final class MTLCompileOptions {
+    public init() {}
+    // https://developer.apple.com/documentation/metal/mtlcompileoptions/languageversion
+    public var languageVersion: MTLLanguageVersion = .version3_1
+    // https://developer.apple.com/documentation/metal/mtlcompileoptions/fastmathenabled
+    public var fastMathEnabled = true
+}
+
+// https://developer.apple.com/documentation/metal/mtldatatype
+public enum MTLDataType: UInt, Sendable {
+    case uint = 33
+    case bool = 53
+}
+
+// https://developer.apple.com/documentation/metal/mtlfunctionconstantvalues
+public final class MTLFunctionConstantValues {
+    fileprivate var values: [Int: (type: MTLDataType, bits: UInt32)] = [:]
+    public init() {}
+
+    // https://developer.apple.com/documentation/metal/mtlfunctionconstantvalues/setconstantvalue(_:type:index:)
+    public func setConstantValue(_ value: UnsafeRawPointer, type: MTLDataType, index: Int) {
+        switch type {
+        case .bool: values[index] = (type, UInt32(value.load(as: UInt8.self)))
+        case .uint: values[index] = (type, value.loadUnaligned(as: UInt32.self))
+        }
+    }
+}
+
+// https://developer.apple.com/documentation/metal/mtllibrary
+public protocol MTLLibrary: AnyObject {
+    // https://developer.apple.com/documentation/metal/mtllibrary/functionnames
+    var functionNames: [String] { get }
+    // https://developer.apple.com/documentation/metal/mtllibrary/makefunction(name:)
+    func makeFunction(name functionName: String) -> MTLFunction?
+    // https://developer.apple.com/documentation/metal/mtllibrary/makefunction(name:constantvalues:)
+    func makeFunction(name: String, constantValues: MTLFunctionConstantValues) throws -> MTLFunction
+}
+
+// https://developer.apple.com/documentation/metal/mtlfunction
+public protocol MTLFunction: AnyObject {}
+
+// https://developer.apple.com/documentation/metal/mtlcomputepipelinestate
+public protocol MTLComputePipelineState: AnyObject {
+    // https://developer.apple.com/documentation/metal/mtlcomputepipelinestate/maxtotalthreadsperthreadgroup
+    var maxTotalThreadsPerThreadgroup: Int { get }
+    // https://developer.apple.com/documentation/metal/mtlcomputepipelinestate/staticthreadgroupmemorylength
+    var staticThreadgroupMemoryLength: Int { get }
+}
+
+/// The engine's kernels, without the bfloat16 ones when compiled below MSL 3.1.
+final class StandInLibrary: MTLLibrary, @unchecked Sendable {
+    let device: StandInDevice
+    let functionNames: [String]
+
+    init(device: StandInDevice, withBFloat: Bool) {
+        self.device = device
+        var names: [String] = []
+        while let name = msl_engine_kernel_name(names.count) {
+            names.append(String(cString: name))
+        }
+        functionNames = names.filter { withBFloat || !$0.contains("_bf16") }
+    }
+
+    func makeFunction(name functionName: String) -> MTLFunction? {
+        functionNames.contains(functionName) ? StandInFunction(device: device, name: functionName, constants: nil) : nil
+    }
+
+    func makeFunction(name: String, constantValues: MTLFunctionConstantValues) throws -> MTLFunction {
+        guard functionNames.contains(name) else {
+            throw NSError(domain: "MTLLibraryErrorDomain", code: 5,
+                          userInfo: [NSLocalizedDescriptionKey: "Function \(name) was not found in the library"])
+        }
+        let constants = constantValues.values.sorted { $0.key < $1.key }.map {
+            msl_engine_function_constant(index: UInt32($0.key),
+                                         type: ($0.value.type == .bool ? MSL_ENGINE_CONSTANT_BOOL
+                                                    : MSL_ENGINE_CONSTANT_UINT).rawValue,
+                                         value: $0.value.bits)
+        }
+        return StandInFunction(device: device, name: name, constants: constants)
+    }
+}
+
+/// A kernel and, when made with constant values, those values. Which constants a kernel reads is
+/// known only when a thread reads one: a dispatch that reads an unset constant stops the process
+/// (on a Mac, makeFunction(name:constantValues:) throws and no pipeline exists).
+final class StandInFunction: MTLFunction, @unchecked Sendable {
+    let device: StandInDevice
+    let name: String
+    let constants: [msl_engine_function_constant]?
+
+    init(device: StandInDevice, name: String, constants: [msl_engine_function_constant]?) {
+        self.device = device
+        self.name = name
+        self.constants = constants
+    }
+}
+
+final class StandInPipeline: MTLComputePipelineState, @unchecked Sendable {
+    let function: StandInFunction
+    /// Apple GPUs' limit; register pressure can lower it on a Mac, never here.
+    let maxTotalThreadsPerThreadgroup = 1024
+    let staticThreadgroupMemoryLength: Int
+
+    init(function: StandInFunction, staticThreadgroupMemoryLength: Int) {
+        self.function = function
+        self.staticThreadgroupMemoryLength = staticThreadgroupMemoryLength
+    }
+}
