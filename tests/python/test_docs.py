@@ -192,3 +192,28 @@ def test_the_output_matcher():
     assert _matches(_masked("x   1  ok"), _masked("x 1 ok"))
     assert not _matches(["a", "b"], ["a", "c"])
     assert not _matches(["a"], ["a", "extra"])
+
+
+# A page named in a Markdown link (not a URL), or as `docs/<name>.md` in code text, relative to the
+# page or to the repository root (docs name each other both ways).
+_PAGE_REFERENCE = re.compile(r"\]\((?![a-z]+://)([^)#\s]+\.md)(?:#[^)]*)?\)|`(docs/[\w.-]+\.md)`")
+
+
+def _references(page: Path) -> list[tuple[int, str]]:
+    found = []
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+        for match in _PAGE_REFERENCE.finditer(line):
+            found.append((number, match.group(1) or match.group(2)))
+    return found
+
+
+@pytest.mark.parametrize("page", _PAGES, ids=lambda page: str(page.relative_to(_ROOT)))
+def test_every_page_it_links_to_exists(page):
+    missing = [f"{page.relative_to(_ROOT)}:{number}: {target}" for number, target in _references(page)
+               if not ((page.parent / target).exists() or (_ROOT / target).exists())]
+    assert not missing, "links to pages that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_link_finder():
+    sample = _PAGE_REFERENCE.findall("see [a](docs/a.md#x), `docs/b.md` and [c](http://x.org/c.md)")
+    assert [a or b for a, b in sample] == ["docs/a.md", "docs/b.md"]
