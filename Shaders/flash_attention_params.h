@@ -66,6 +66,14 @@ typedef struct FlashAttentionParams {
     fa_u32 has_sinks;     // 1: one virtual key per head with logit sinks[h] and no value
     fa_u32 kv_chunks;     // split-KV forward only: chunks of keys per (batch, KV head), else 1
     fa_u32 kv_chunk_keys; // split-KV forward only: keys per chunk (a multiple of the key tile)
+    // The edge paths, chosen once per call by the host (0, the common case, takes neither):
+    // 1: some tile copy cannot move 16-byte chunks (the address of a bound q, k, v, out or dout,
+    // one of their strides, head_dim or head_dim_v is not a multiple of 16 bytes), so every copy
+    // takes the checked scalar path (flash_attention_loader.h).
+    fa_u32 scalar_copies;
+    // 1: head_dim or head_dim_v is below the bucket's width, so the products skip the zero
+    // fragments past them (the active-fragment test).
+    fa_u32 partial_columns;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -195,6 +203,9 @@ typedef struct FlashAttentionParams {
 #define FA_SPLIT_MAX_QUERY_ROWS 8
 #define FA_SPLIT_MIN_CHUNK_KEYS 256
 #define FA_SPLIT_TARGET_THREADGROUPS 320
+// Bytes one thread moves per load and store of a tile copy (flash_attention_loader.h); rows whose
+// address, strides or width are not multiples of it take the checked scalar copy (scalar_copies).
+#define FA_CHUNK_BYTES 16
 // Threadgroup tiles are stored with rows padded by 8 elements (16 bytes of half, 32 of float),
 // against bank conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
 #define FA_TILE_PAD 8
