@@ -562,27 +562,52 @@ inline void attention_forward_combine(device const float *partial_out,
     }
 }
 
-// ---- backward: D = rowsum(dO * O) ------------------------------------------------------------
+// ---- backward: D = rowsum(dO * O) ----------------------------------------------------------
 
-// One thread per query row; D in float32, read by both gradient kernels.
+// Columns of dO and O per step of the delta pre-pass: 64 bytes of each row.
+#define FA_DELTA_STEP_COLUMNS(T) (64 / sizeof(T))
+
 template <typename T>
+struct DeltaStorage {
+    uint4 dout[FA_DELTA_BLOCK_ROWS][FA_ROW_CHUNKS(T, FA_DELTA_STEP_COLUMNS(T))];
+    uint4 out[FA_DELTA_BLOCK_ROWS][FA_ROW_CHUNKS(T, FA_DELTA_STEP_COLUMNS(T))];
+};
+
+// One thread per query row; D in float32, read by both gradient kernels. The rows' columns are
+// staged through threadgroup memory FA_DELTA_STEP_COLUMNS at a time with the tile copies, whose
+// loads are coalesced (neighbouring threads read neighbouring chunks of a row), then each thread
+// sums its own row.
+template <typename T, typename Storage>
 inline void attention_backward_delta(device const T *dout, device const T *out,
                                      device float *delta, constant FlashAttentionParams &p,
-                                     uint3 tgid, uint tid) {
-    const uint row = tgid.x * FA_DELTA_BLOCK_ROWS + tid;
-    if (row < p.seqlen_q) {
-        device const T *dout_row = dout + head_offset(p.dout, tgid.z, tgid.y) + ulong(row) * p.dout.seq;
-        device const T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(row) * p.out.seq;
-        // Eight interleaved partial sums added pairwise (NumPy's float32 summation): a single
-        // running sum over head_dim loses bits that dP - D, often a near-cancellation, exposes.
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (uint d = 0; d < p.head_dim_v; d += 8) {
-            for (uint j = 0; j < 8; ++j) {
-                if (d + j < p.head_dim_v) {
-                    acc[j] = fma(float(dout_row[d + j]), float(out_row[d + j]), acc[j]);
-                }
+                                     Storage tg, uint3 tgid, uint tid) {
+    constexpr uint STEP = FA_DELTA_STEP_COLUMNS(T);
+    const uint first = tgid.x * FA_DELTA_BLOCK_ROWS;
+    const uint row = first + tid;
+    device const T *dout_head = dout + head_offset(p.dout, tgid.z, tgid.y);
+    device const T *out_head = out + head_offset(p.out, tgid.z, tgid.y);
+    // Eight interleaved partial sums added pairwise (NumPy's float32 summation): a single
+    // running sum over head_dim loses bits that dP - D, often a near-cancellation, exposes.
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (uint c0 = 0; c0 < p.head_dim_v; c0 += STEP) {
+        TileStream<T, FA_DELTA_BLOCK_ROWS, STEP> ds = tile_stream<T, FA_DELTA_BLOCK_ROWS, STEP>(
+            dout_head + c0, first, p.seqlen_q, p.dout.seq, p.head_dim_v - c0, tid);
+        TileStream<T, FA_DELTA_BLOCK_ROWS, STEP> os = tile_stream<T, FA_DELTA_BLOCK_ROWS, STEP>(
+            out_head + c0, first, p.seqlen_q, p.out.seq, p.head_dim_v - c0, tid);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        load_tile<FA_DELTA_BLOCK_ROWS, STEP>(tg->dout, ds, first, p, tid);
+        load_tile<FA_DELTA_BLOCK_ROWS, STEP>(tg->out, os, first, p, tid);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        // STEP is a multiple of 8, so column c0 + i belongs to partial sum i % 8.
+        FA_UNROLL
+        for (uint i = 0; i < STEP; ++i) {
+            if (c0 + i < p.head_dim_v) {
+                acc[i % 8] = fma(tile_element<T>(tg->dout, tid, i), tile_element<T>(tg->out, tid, i),
+                                 acc[i % 8]);
             }
         }
+    }
+    if (row < p.seqlen_q) {
         delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] =
             ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
@@ -871,6 +896,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         seek(ds, dout + head_offset(p.dout, b, h), rows.first);
         // The head's slope and mask start; per element only the mask row moves.
         const RowModifiers head_mods = row_modifiers(p, alibi, b, h, 0);
+        // The head's rows of lse, residual and delta (one 64-bit multiply per head, not per tile).
+        const ulong head_rows = row_index(b, p.num_heads, h, p.seqlen_q, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
             load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
@@ -879,7 +906,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             }
             if (tid < BQ) {
                 const uint r = q0 + tid;
-                const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, r < p.seqlen_q ? r : 0);
+                const ulong at_row = head_rows + (r < p.seqlen_q ? r : 0);
                 tg->lse[tid] = r < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
                 tg->residual[tid] = r < p.seqlen_q ? residual[at_row] : 0.0f;
                 tg->delta[tid] = r < p.seqlen_q ? delta[at_row] : 0.0f;
@@ -978,6 +1005,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 
 // The kernels of one dtype (element type T, name suffix SUFFIX) that do not depend on the bucket.
 #define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX)                                                         \
+    typedef DeltaStorage<T> flash_attention_backward_delta_##SUFFIX##_threadgroup;                 \
+                                                                                                   \
     kernel void flash_attention_forward_combine_##SUFFIX(                                          \
         FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
         device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                 \
@@ -987,11 +1016,13 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         attention_forward_combine(partial_out, partial_lse, sinks, out, lse, params, tgid, tid);   \
     }                                                                                              \
                                                                                                    \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_delta_##SUFFIX(                                           \
         FA_BACKWARD_KERNEL_BUFFERS(T, , const),                                                    \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_backward_delta(dout, out, delta, params, tgid, tid);                             \
+        threadgroup flash_attention_backward_delta_##SUFFIX##_threadgroup tg;                      \
+        attention_backward_delta(dout, out, delta, params, &tg, tgid, tid);                        \
     }
 
 // The kernels of one dtype and head-dim bucket. The threadgroup storage type of kernel K is
