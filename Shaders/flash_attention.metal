@@ -61,6 +61,12 @@ using namespace metal;
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
 
+// The partial products of the head_dim slices, per SIMD-group an 8 x COLS block (sum_over_slices);
+// a single float where there is one slice, which never touches it, so that it costs no
+// threadgroup memory (occupancy: flash_attention_params.h).
+#define FA_PARTIALS(NAME, SLICES, COLS)                                                            \
+    float NAME[(SLICES) > 1 ? FA_SIMDGROUPS : 1][(SLICES) > 1 ? 8 : 1][(SLICES) > 1 ? (COLS) : 1]
+
 // Where one SIMD-group works: rows [row0, row0 + 8) of the threadgroup's block and columns
 // [col0, col0 + 8 * fragments) of its head_dim slice, of which `active` fragments lie inside
 // head_dim (q, k) and `active_v` inside head_dim_v (v, out). A SIMD-group whose rows all lie past
@@ -282,7 +288,7 @@ struct ForwardStorage {
     uint4 q[BQ][FA_ROW_CHUNKS(T, DP)];
     uint4 k[BK][FA_ROW_CHUNKS(T, DP)];
     uint4 v[WITH_V ? BK : 1][FA_ROW_CHUNKS(T, DP)];
-    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+    FA_PARTIALS(s_partial, FA_SLICES(BQ), BK);
 };
 
 // The online softmax of one lane's row (Algorithm 1): running max m of the scores, this lane's part
@@ -740,8 +746,8 @@ struct BackwardQueryStorage {
     uint4 dout[BQ][FA_ROW_CHUNKS(T, DP)];
     uint4 k[BK][FA_ROW_CHUNKS(T, DP)];
     uint4 v[SHARED ? 1 : BK][FA_ROW_CHUNKS(T, DP)];
-    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
-    float dp_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+    FA_PARTIALS(s_partial, FA_SLICES(BQ), BK);
+    FA_PARTIALS(dp_partial, FA_SLICES(BQ), BK);
 };
 
 template <uint DP, uint BQ, uint BK, bool SHARED, typename T, typename Storage>
@@ -847,8 +853,8 @@ struct BackwardKeyValueStorage {
     float lse[BQ];       // lse of the tile's rows (0 for rows past the end)
     float residual[BQ];  // their lse residual R (0 likewise)
     float delta[BQ];     // D of the tile's rows (0 likewise)
-    float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
-    float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
+    FA_PARTIALS(s_partial, FA_SLICES(BK), BQ);
+    FA_PARTIALS(dp_partial, FA_SLICES(BK), BQ);
 };
 
 template <uint DP, uint BK, uint BQ, bool SHARED, typename T, typename Storage>
@@ -1042,6 +1048,11 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                       sizeof(flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup) <= 32768 && \
                       sizeof(flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup) <= 32768,  \
                   "threadgroup storage above 32 KiB");                                             \
+    static_assert(sizeof(T) == 4 || DP > 128 ||                                                    \
+                      FA_CORE_THREADGROUP_BYTES /                                                  \
+                              sizeof(flash_attention_forward_##SUFFIX##_d##DP##_threadgroup) >=    \
+                          FA_FORWARD_MIN_THREADGROUPS_PER_CORE,                                    \
+                  "forward threadgroups per core below the target (flash_attention_params.h)");    \
     static_assert(DP % (8 * FA_SLICES(FWD_BQ)) == 0 && DP % (8 * FA_SLICES(DQ_BQ)) == 0 &&         \
                       DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
                       DKV_BQ % 8 == 0,                                                             \

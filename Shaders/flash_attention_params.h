@@ -235,6 +235,31 @@ typedef struct FlashAttentionParams {
     X(192, 16, 16, 16, 16, 16, 16)       \
     X(256, 16, 16, 16, 8, 16, 8)
 
+// Occupancy. An Apple7/8 GPU core has about 60 KB of threadgroup memory (metal-benchmarks,
+// philipturner; at most 32 KiB per threadgroup), so a kernel whose threadgroup uses B bytes runs at
+// most FA_CORE_THREADGROUP_BYTES / B threadgroups per core at once. Threadgroup bytes per kernel
+// and bucket (the engine's sizeof of each <kernel>_threadgroup struct) / threadgroups per core:
+//   half, bfloat   forward        dQ             dK/dV
+//   d32            7696 / 7       10256 / 5      10640 / 5
+//   d64           13840 / 4       18448 / 3      18832 / 3
+//   d96           19984 / 3       26640 / 2      27024 / 2
+//   d128          17424 / 3       26128 / 2      26320 / 2
+//   d192          21248 / 2       29696 / 2      29888 / 2
+//   d256          27392 / 2       27392 / 2      27488 / 2
+//   float
+//   d32           15376 / 3       20496 / 2      20880 / 2
+//   d64           27664 / 2       27664 / 2      27856 / 2
+//   d96           26640 / 2       30720 / 2      30912 / 1
+//   d128          28160 / 2       28160 / 2      28256 / 2
+//   d192          20224 / 3       27648 / 2      27744 / 2
+//   d256          26368 / 2       28448 / 2      28544 / 2
+//   backward_delta: 20480 / 3 (half, bfloat), 24576 / 2 (float); the other kernels use less.
+// The target, checked at the instantiation: at least FA_FORWARD_MIN_THREADGROUPS_PER_CORE forward
+// threadgroups per core for half and bfloat up to head_dim 128 (MLX's steel attention fits 4).
+// float32's tiles take twice the bytes: its buckets trade rows for 2 threadgroups per core.
+#define FA_CORE_THREADGROUP_BYTES 61440
+#define FA_FORWARD_MIN_THREADGROUPS_PER_CORE 3
+
 // Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
 // (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB
 // (the backward kernels at 256) the two streamed tiles share one buffer (see the storage structs).

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "01157d91e162138a"
+    static let sourceHash = "e7f5cc1d3faf2af1"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -298,6 +298,31 @@ typedef struct FlashAttentionParams {
     X(128, 32, 16, 32, 16, 32, 16)       \
     X(192, 16, 16, 16, 16, 16, 16)       \
     X(256, 16, 16, 16, 8, 16, 8)
+
+// Occupancy. An Apple7/8 GPU core has about 60 KB of threadgroup memory (metal-benchmarks,
+// philipturner; at most 32 KiB per threadgroup), so a kernel whose threadgroup uses B bytes runs at
+// most FA_CORE_THREADGROUP_BYTES / B threadgroups per core at once. Threadgroup bytes per kernel
+// and bucket (the engine's sizeof of each <kernel>_threadgroup struct) / threadgroups per core:
+//   half, bfloat   forward        dQ             dK/dV
+//   d32            7696 / 7       10256 / 5      10640 / 5
+//   d64           13840 / 4       18448 / 3      18832 / 3
+//   d96           19984 / 3       26640 / 2      27024 / 2
+//   d128          17424 / 3       26128 / 2      26320 / 2
+//   d192          21248 / 2       29696 / 2      29888 / 2
+//   d256          27392 / 2       27392 / 2      27488 / 2
+//   float
+//   d32           15376 / 3       20496 / 2      20880 / 2
+//   d64           27664 / 2       27664 / 2      27856 / 2
+//   d96           26640 / 2       30720 / 2      30912 / 1
+//   d128          28160 / 2       28160 / 2      28256 / 2
+//   d192          20224 / 3       27648 / 2      27744 / 2
+//   d256          26368 / 2       28448 / 2      28544 / 2
+//   backward_delta: 20480 / 3 (half, bfloat), 24576 / 2 (float); the other kernels use less.
+// The target, checked at the instantiation: at least FA_FORWARD_MIN_THREADGROUPS_PER_CORE forward
+// threadgroups per core for half and bfloat up to head_dim 128 (MLX's steel attention fits 4).
+// float32's tiles take twice the bytes: its buckets trade rows for 2 threadgroups per core.
+#define FA_CORE_THREADGROUP_BYTES 61440
+#define FA_FORWARD_MIN_THREADGROUPS_PER_CORE 3
 
 // Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
 // (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB
@@ -866,6 +891,12 @@ inline void attention_merge(device const T *out_a, device const float *lse_a,
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
 
+// The partial products of the head_dim slices, per SIMD-group an 8 x COLS block (sum_over_slices);
+// a single float where there is one slice, which never touches it, so that it costs no
+// threadgroup memory (occupancy: flash_attention_params.h).
+#define FA_PARTIALS(NAME, SLICES, COLS)                                                            \
+    float NAME[(SLICES) > 1 ? FA_SIMDGROUPS : 1][(SLICES) > 1 ? 8 : 1][(SLICES) > 1 ? (COLS) : 1]
+
 // Where one SIMD-group works: rows [row0, row0 + 8) of the threadgroup's block and columns
 // [col0, col0 + 8 * fragments) of its head_dim slice, of which `active` fragments lie inside
 // head_dim (q, k) and `active_v` inside head_dim_v (v, out). A SIMD-group whose rows all lie past
@@ -1087,7 +1118,7 @@ struct ForwardStorage {
     uint4 q[BQ][FA_ROW_CHUNKS(T, DP)];
     uint4 k[BK][FA_ROW_CHUNKS(T, DP)];
     uint4 v[WITH_V ? BK : 1][FA_ROW_CHUNKS(T, DP)];
-    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+    FA_PARTIALS(s_partial, FA_SLICES(BQ), BK);
 };
 
 // The online softmax of one lane's row (Algorithm 1): running max m of the scores, this lane's part
@@ -1545,8 +1576,8 @@ struct BackwardQueryStorage {
     uint4 dout[BQ][FA_ROW_CHUNKS(T, DP)];
     uint4 k[BK][FA_ROW_CHUNKS(T, DP)];
     uint4 v[SHARED ? 1 : BK][FA_ROW_CHUNKS(T, DP)];
-    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
-    float dp_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+    FA_PARTIALS(s_partial, FA_SLICES(BQ), BK);
+    FA_PARTIALS(dp_partial, FA_SLICES(BQ), BK);
 };
 
 template <uint DP, uint BQ, uint BK, bool SHARED, typename T, typename Storage>
@@ -1652,8 +1683,8 @@ struct BackwardKeyValueStorage {
     float lse[BQ];       // lse of the tile's rows (0 for rows past the end)
     float residual[BQ];  // their lse residual R (0 likewise)
     float delta[BQ];     // D of the tile's rows (0 likewise)
-    float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
-    float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
+    FA_PARTIALS(s_partial, FA_SLICES(BK), BQ);
+    FA_PARTIALS(dp_partial, FA_SLICES(BK), BQ);
 };
 
 template <uint DP, uint BK, uint BQ, bool SHARED, typename T, typename Storage>
@@ -1847,6 +1878,11 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                       sizeof(flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup) <= 32768 && \
                       sizeof(flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup) <= 32768,  \
                   "threadgroup storage above 32 KiB");                                             \
+    static_assert(sizeof(T) == 4 || DP > 128 ||                                                    \
+                      FA_CORE_THREADGROUP_BYTES /                                                  \
+                              sizeof(flash_attention_forward_##SUFFIX##_d##DP##_threadgroup) >=    \
+                          FA_FORWARD_MIN_THREADGROUPS_PER_CORE,                                    \
+                  "forward threadgroups per core below the target (flash_attention_params.h)");    \
     static_assert(DP % (8 * FA_SLICES(FWD_BQ)) == 0 && DP % (8 * FA_SLICES(DQ_BQ)) == 0 &&         \
                       DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
                       DKV_BQ % 8 == 0,                                                             \
