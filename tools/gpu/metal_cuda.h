@@ -418,8 +418,10 @@ __device__ __forceinline__ To as_type(const From &from) {
 
 }  // namespace metal
 
-// The kernels' full unroll of a loop with a constant trip count (clang's spelling elsewhere).
-#define FA_UNROLL _Pragma("unroll")
+// The kernels' full unroll of a loop with a constant trip count (FA_UNROLL) is left to nvcc's own
+// measure here: this build checks correctness, not speed, and forcing every such loop open made
+// compiling the kernels several times slower on the H200 (docs/verification.md, issue 21).
+#define FA_UNROLL
 
 #define MSL_FUNCTION_CONSTANT(INDEX, TYPE, NAME) \
     static __device__ const metal::function_constant<TYPE, INDEX> NAME{};
