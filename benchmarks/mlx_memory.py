@@ -38,10 +38,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from flash_attention_metal.cli._peak_memory import method, peak_growth
+from flash_attention_metal.cli._peak_memory import measured_step, method
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -72,14 +71,7 @@ def child(implementation: str, seqlen: int) -> dict:
     mx.clear_cache()
     active = mx.get_active_memory()
     mx.reset_peak_memory()
-    result = {}
-
-    def measured():
-        start = time.perf_counter()
-        result["loss"] = step(tokens)
-        result["seconds"] = time.perf_counter() - start
-
-    result["rss_growth"] = peak_growth(measured)
+    result = measured_step(step, tokens)
     result["mlx_peak"] = mx.get_peak_memory() - active
     return result
 

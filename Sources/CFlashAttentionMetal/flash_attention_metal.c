@@ -1,6 +1,11 @@
+/* dladdr is a GNU extension in glibc. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include "flash_attention_metal.h"
 #include "flash_attention_internal.h"
 
+#include <dlfcn.h>
 #include <string.h>
 
 static _Thread_local char last_error[1024];
@@ -32,6 +37,12 @@ void fa_set_last_error(const char *message) {
     }
     strncpy(last_error, message, sizeof last_error - 1);
     last_error[sizeof last_error - 1] = '\0';
+}
+
+const char *fa_loaded_image_path(void) {
+    Dl_info info;
+    if (dladdr((const void *)&fa_loaded_image_path, &info) == 0) return NULL;
+    return info.dli_fname;
 }
 
 #define FA_BUCKET_ROW(dmax, fbq, fbk, dqbq, dqbk, dkvbk, dkvbq) {dmax, fbq, fbk, dqbq, dqbk, dkvbk, dkvbq},

@@ -7,20 +7,20 @@ import CFlashAttentionMetal
 // their C symbols, and the underscore keeps them out of the Swift API's completion and docs.
 
 /// Converts a thrown error to a status and records its message for fa_last_error_message().
-private func report(_ error: Error) -> fa_status {
+func report(_ error: Error) -> fa_status {
     let failure = error as? FlashAttentionError ?? .internalError("unexpected error: \(error)")
     fa_set_last_error(failure.message)
     return failure.status
 }
 
 /// The context behind a handle, or an `invalidArgument` error for null.
-private func context(_ handle: OpaquePointer?) throws -> Context {
+func context(_ handle: OpaquePointer?) throws -> Context {
     guard let handle else { throw FlashAttentionError.invalidArgument("context must not be null") }
     return Unmanaged<Context>.fromOpaque(UnsafeRawPointer(handle)).takeUnretainedValue()
 }
 
 /// `name` must not be null; returns it unwrapped.
-private func required<P>(_ pointer: P?, _ name: String) throws -> P {
+func required<P>(_ pointer: P?, _ name: String) throws -> P {
     guard let pointer else { throw FlashAttentionError.invalidArgument("\(name) must not be null") }
     return pointer
 }
@@ -168,7 +168,7 @@ public func _exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<f
 }
 
 /// `struct_size` of a caller's versioned struct must cover the fields this library writes.
-private func checkStructSize<T>(_ pointer: UnsafeMutablePointer<T>, _ name: String, _ type: String) throws {
+func checkStructSize<T>(_ pointer: UnsafeMutablePointer<T>, _ name: String, _ type: String) throws {
     let declared = UnsafeRawPointer(pointer).load(as: UInt32.self)
     guard Int(declared) >= MemoryLayout<T>.size else {
         throw FlashAttentionError.invalidArgument(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._abi import set_score_fields
 from ._validation import ScoreOptions
 
 _FLOAT32 = np.dtype(np.float32)
@@ -52,23 +53,18 @@ def abi_mask(mask: np.ndarray, seqlen_k: int) -> Mask:
 def set_problem_fields(problem, options: ScoreOptions, seqlen_k: int, ffi, lib) -> tuple:
     """Writes the options into an fa_problem (fields left zero leave an option off). Returns the
     arrays its pointers point into: keep the tuple alive until the call returns."""
-    if options.window is not None:
-        problem.use_window = 1
-        problem.window_left, problem.window_right = options.window
-    problem.softcap = options.softcap
     keep = []
+    mask = alibi = sinks = None
     if options.attn_mask is not None:
-        mask = abi_mask(options.attn_mask, seqlen_k)
-        problem.attn_mask_type = getattr(lib, mask.kind)
-        problem.attn_mask = ffi.cast("const void *", mask.array.ctypes.data)
-        strides = problem.attn_mask_strides
-        strides.batch, strides.head, strides.seq = mask.strides
-        keep.append(mask.array)
+        abi = abi_mask(options.attn_mask, seqlen_k)
+        mask = (abi.array.ctypes.data, abi.strides, abi.kind)
+        keep.append(abi.array)
     if options.alibi_slopes is not None:
-        problem.alibi_slopes = ffi.cast("const float *", options.alibi_slopes.ctypes.data)
-        problem.alibi_per_batch = int(options.alibi_slopes.ndim == 2)
+        alibi = (options.alibi_slopes.ctypes.data, options.alibi_slopes.ndim == 2)
         keep.append(options.alibi_slopes)
     if options.sinks is not None:
-        problem.sinks = ffi.cast("const float *", options.sinks.ctypes.data)
+        sinks = options.sinks.ctypes.data
         keep.append(options.sinks)
+    set_score_fields(problem, ffi, lib, window=options.window, softcap=options.softcap, mask=mask, alibi=alibi,
+                     sinks=sinks)
     return tuple(keep)

@@ -123,14 +123,19 @@ def resolve_softmax_scale(softmax_scale, head_dim: int, name: str = "softmax_sca
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"{name} must be a real number or None, got {type(softmax_scale).__name__}")
-    rule = f"{name} must be finite and representable as float32 (|{name}| <= {_FLOAT32_MAX:.7g})"
     try:
         value = float(softmax_scale)
     except OverflowError:
-        raise ValueError(f"{rule}, got {_short_repr(softmax_scale)}") from None
+        raise ValueError(f"{_scale_rule(name)}, got {_short_repr(softmax_scale)}") from None
     if not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
-        raise ValueError(f"{rule}, got {value}")
+        raise ValueError(f"{_scale_rule(name)}, got {value}")
     return value
+
+
+# The rules' texts are made only for an error: torch.compile traces the checks of
+# flash_attention_metal.torch, and it cannot trace a format specification.
+def _scale_rule(name: str) -> str:
+    return f"{name} must be finite and representable as float32 (|{name}| <= {_FLOAT32_MAX:.7g})"
 
 
 def _short_repr(value) -> str:
@@ -285,14 +290,17 @@ class ScoreOptions:
 def check_window_size(window_size) -> tuple[int, int] | None:
     """window_size must be a (left, right) tuple or list of ints, each -1 (unbounded) or
     0 ... 2**31 - 1; returns it as Python ints, or None for (-1, -1)."""
-    rule = f"window_size must be a (left, right) pair, each -1 (unbounded) or a number of keys from 0 to {_INT32_MAX}"
+    def rule() -> str:
+        return (f"window_size must be a (left, right) pair, each -1 (unbounded) or a number of keys from 0 to "
+                f"{_INT32_MAX}, got {_short_repr(window_size)}")
+
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"{rule}, got {_short_repr(window_size)}")
+        raise TypeError(rule())
     for side in window_size:
         if isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral):
-            raise TypeError(f"{rule}, got {_short_repr(window_size)} (a {type(side).__name__} in it)")
+            raise TypeError(f"{rule()} (a {type(side).__name__} in it)")
         if not -1 <= int(side) <= _INT32_MAX:
-            raise ValueError(f"{rule}, got {_short_repr(window_size)}")
+            raise ValueError(rule())
     left, right = (int(side) for side in window_size)
     return None if (left, right) == NO_WINDOW else (left, right)
 
@@ -302,14 +310,17 @@ def check_softcap(softcap) -> float:
     range and not rounding to 0 in float32 when positive; returns it as a float."""
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number (0.0 is off), got {type(softcap).__name__}")
-    rule = f"softcap must be finite and >= 0 (0 is off; at most {_FLOAT32_MAX:.7g}, a float32)"
+    def rule() -> str:
+        return f"softcap must be finite and >= 0 (0 is off; at most {_FLOAT32_MAX:.7g}, a float32)"
+
     try:
         value = float(softcap)
     except OverflowError:
-        raise ValueError(f"{rule}, got {_short_repr(softcap)}") from None
+        raise ValueError(f"{rule()}, got {_short_repr(softcap)}") from None
     if not math.isfinite(value) or value < 0 or value > _FLOAT32_MAX:
-        raise ValueError(f"{rule}, got {value}")
-    if value > 0 and np.float32(value) == 0:
+        raise ValueError(f"{rule()}, got {value}")
+    # At most half float32's smallest subnormal (2**-149), a value rounds to 0 in float32.
+    if 0 < value <= 2.0**-150:
         raise ValueError(f"softcap {value} rounds to 0 in float32, which turns it off; pass 0.0 or a larger value")
     return value
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _interruptible, _layout, _options, _validation
+from ._abi import DTYPE_CODES, new_problem
 from ._native import NativeLibrary, native
 from .profile import Profile, last_profile
 
@@ -186,12 +187,8 @@ class Context:
         ffi, lib = self._native.ffi, self._native.lib
         problem = self._problem(shape, causal, scale, q.dtype, tensors)
         keep = _options.set_problem_fields(problem, options, shape.seqlen_k, ffi, lib)
-        arguments = (
-            self._handle, problem,
-            *(_pointer(ffi, tensors[name]) for name in ("q", "k", "v", "out")),
-            ffi.from_buffer("float[]", lse, require_writable=True),
-        )
-        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_forward(*arguments)), self.cancel)
+        self._call("fa_forward", problem, *(_pointer(ffi, tensors[name]) for name in ("q", "k", "v", "out")),
+                   ffi.from_buffer("float[]", lse, require_writable=True))
         del keep  # the arrays the problem points into lived until here
         return out, lse
 
@@ -254,15 +251,16 @@ class Context:
         if options.sinks is not None:
             grads.append(np.empty(shape.num_heads, dtype=np.float32))
             problem.dsinks = ffi.from_buffer("float[]", grads[3], require_writable=True)
-        arguments = (
-            self._handle, problem,
-            *(_pointer(ffi, tensors[name]) for name in ("dout", "q", "k", "v", "out")),
-            ffi.from_buffer("float[]", lse),
-            *(_pointer(ffi, tensors[name]) for name in ("dq", "dk", "dv")),
-        )
-        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_backward(*arguments)), self.cancel)
+        self._call("fa_backward", problem, *(_pointer(ffi, tensors[name]) for name in ("dout", "q", "k", "v", "out")),
+                   ffi.from_buffer("float[]", lse), *(_pointer(ffi, tensors[name]) for name in ("dq", "dk", "dv")))
         del keep  # the arrays the problem points into lived until here
         return tuple(grads)
+
+    def _call(self, function: str, *arguments) -> None:
+        """``lib.<function>(context, *arguments)``, interruptible when made from the main thread
+        (Ctrl-C cancels it); raises FlashAttentionError when the library reports a failure."""
+        call = getattr(self._native.lib, function)
+        _interruptible.call(lambda: self._native.raise_for_status(call(self._handle, *arguments)), self.cancel)
 
     def cancel(self) -> None:
         """Cancels the calls in flight on this context, from any thread (``fa_context_cancel``).
@@ -316,36 +314,18 @@ class Context:
         lse = np.empty(lse_a.shape, dtype=np.float32)
         out_a, lse_a, out_b, lse_b = (np.ascontiguousarray(a) for a in (out_a, lse_a, out_b, lse_b))
         ffi, lib = self._native.ffi, self._native.lib
-        arguments = (
-            self._handle, rows, head_dim, getattr(lib, _DTYPE_CODES[out.dtype.name]),
-            _address(ffi, out_a), ffi.from_buffer("float[]", lse_a),
-            _address(ffi, out_b), ffi.from_buffer("float[]", lse_b),
-            _address(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True),
-        )
-        _interruptible.call(lambda: self._native.raise_for_status(lib.fa_merge_attention_v2(*arguments)), self.cancel)
+        self._call("fa_merge_attention_v2", rows, head_dim, getattr(lib, DTYPE_CODES[out.dtype.name]),
+                   _address(ffi, out_a), ffi.from_buffer("float[]", lse_a),
+                   _address(ffi, out_b), ffi.from_buffer("float[]", lse_b),
+                   _address(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True))
         return out, lse
 
     def _problem(self, shape: _validation.Shape, causal: bool, scale: float, dtype=np.float16, tensors=None):
         """The fa_problem of a call, score options off (``_options.set_problem_fields`` sets them);
         ``tensors`` maps fa_problem's stride fields (q, k, v, out, dout, dq, dk, dv) to their
         ``_layout.Tensor`` (absent ones: contiguous)."""
-        ffi, lib = self._native.ffi, self._native.lib
-        problem = ffi.new("fa_problem *")
-        problem.struct_size = ffi.sizeof("fa_problem")
-        problem.batch = shape.batch
-        problem.num_heads = shape.num_heads
-        problem.num_kv_heads = shape.num_kv_heads
-        problem.seqlen_q = shape.seqlen_q
-        problem.seqlen_k = shape.seqlen_k
-        problem.head_dim = shape.head_dim
-        problem.causal = int(causal)
-        problem.softmax_scale = scale
-        problem.dtype = getattr(lib, _DTYPE_CODES[np.dtype(dtype).name])
-        problem.head_dim_v = shape.head_dim_v
-        for name, tensor in (tensors or {}).items():
-            strides = getattr(problem, name)
-            strides.batch, strides.head, strides.seq = tensor.strides
-        return problem
+        strides = {name: tensor.strides for name, tensor in (tensors or {}).items()}
+        return new_problem(self._native.ffi, self._native.lib, shape, causal, scale, np.dtype(dtype).name, strides)
 
 
 def _check_given_outputs(outputs: dict, layout: str, inputs: dict) -> None:
@@ -356,9 +336,6 @@ def _check_given_outputs(outputs: dict, layout: str, inputs: dict) -> None:
         if array is not None:
             _layout.check_given_output(name, array, dtype, shape, layout, others)
             others[name] = array
-
-
-_DTYPE_CODES = {"float16": "FA_DTYPE_FLOAT16", "bfloat16": "FA_DTYPE_BFLOAT16", "float32": "FA_DTYPE_FLOAT32"}
 
 
 def _pointer(ffi, tensor: _layout.Tensor):

@@ -31,6 +31,10 @@ static inline uint32_t fa_threads_per_threadgroup(void) { return FA_THREADS_PER_
  * unknown. */
 FA_INTERNAL int fa_bucket_for_head_dim(uint32_t dtype, uint32_t head_dim, FlashAttentionBucket *bucket);
 
+/* The path of the file this library was loaded from (the shared library, or the app that links it
+ * statically), as the dynamic loader gives it; NULL when it cannot say. Owned by the loader. */
+FA_INTERNAL const char *fa_loaded_image_path(void);
+
 /* One function constant of FA_FUNCTION_CONSTANTS (flash_attention_params.h). */
 typedef struct FlashAttentionFunctionConstant {
     const char *name;      /* as the kernels spell it, e.g. "fa_mask_type" */

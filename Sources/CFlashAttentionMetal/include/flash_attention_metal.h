@@ -294,6 +294,213 @@ fa_status fa_context_last_profile(const fa_context *context, fa_profile *profile
 fa_status fa_context_last_profile_dispatch(const fa_context *context, uint32_t index,
                                            fa_dispatch_profile *dispatch);
 
+/* ---- The dispatch plan, exported ----
+ *
+ * Every call runs a plan: the list of kernel dispatches the library computes once for both of its
+ * backends (kernel name, specialisation constants, grid, threadgroup size, which buffer is bound at
+ * each [[buffer(i)]] and at what byte offset, the parameter bytes) plus the workspaces the kernels
+ * share. A framework with its own Metal command encoder (PyTorch's torch.mps.compile_shader, MLX's
+ * eval_gpu) builds the plan of a problem here, compiles fa_plan_kernel_source() (or loads
+ * fa_plan_metallib_path()) and encodes the dispatches in order on its own buffers, so the kernels
+ * run on the framework's stream without a copy or a synchronisation. On the host,
+ * fa_plan_execute runs a plan on a context's backend (the CPU engine or Metal) with the caller's
+ * buffers. Reading a plan: fa_plan_get_info, then fa_plan_get_buffer for 0 ... buffer_count - 1,
+ * fa_plan_get_dispatch for 0 ... dispatch_count - 1 and, per dispatch, fa_plan_get_binding and
+ * fa_plan_get_specialization. Every record struct starts with struct_size: set it to the sizeof of
+ * the struct you pass (so the ABI can grow); the library fills the fields it knows and leaves
+ * struct_size as it is. A plan is immutable and may be read from several threads at once. */
+
+/* The passes a plan can be made for. */
+typedef enum fa_pass {
+    FA_PASS_FORWARD = 0,  /* q, k, v (+ attn_mask, alibi_slopes, sinks) -> out, lse */
+    FA_PASS_BACKWARD = 1, /* dout, q, k, v, out, lse (+ the same options) -> dq, dk, dv (+ dsinks) */
+    FA_PASS_MERGE = 2     /* out_a, lse_a, out_b, lse_b -> out, lse (fa_plan_create_merge) */
+} fa_pass;
+
+/* What a buffer of a plan holds. Tensors have the problem's dtype and layout (fa_problem); lse,
+ * lse_a, lse_b and the workspaces are float32; attn_mask has its fa_attn_mask_type's elements.
+ * Workspaces (written and read only by the plan's own kernels): delta (D_i = rowsum(dout * out)) and
+ * lse_residual (backward), partial_out and partial_lse (the split-KV forward of decode shapes). */
+typedef enum fa_buffer_role {
+    FA_BUFFER_ROLE_Q = 0,
+    FA_BUFFER_ROLE_K = 1,
+    FA_BUFFER_ROLE_V = 2,
+    FA_BUFFER_ROLE_OUT = 3,
+    FA_BUFFER_ROLE_LSE = 4,
+    FA_BUFFER_ROLE_DOUT = 5,
+    FA_BUFFER_ROLE_DQ = 6,
+    FA_BUFFER_ROLE_DK = 7,
+    FA_BUFFER_ROLE_DV = 8,
+    FA_BUFFER_ROLE_DELTA = 9,
+    FA_BUFFER_ROLE_LSE_RESIDUAL = 10,
+    FA_BUFFER_ROLE_PARTIAL_OUT = 11,
+    FA_BUFFER_ROLE_PARTIAL_LSE = 12,
+    FA_BUFFER_ROLE_ATTN_MASK = 13,
+    FA_BUFFER_ROLE_ALIBI_SLOPES = 14,
+    FA_BUFFER_ROLE_SINKS = 15,
+    FA_BUFFER_ROLE_DSINKS = 16,
+    FA_BUFFER_ROLE_OUT_A = 17,
+    FA_BUFFER_ROLE_LSE_A = 18,
+    FA_BUFFER_ROLE_OUT_B = 19,
+    FA_BUFFER_ROLE_LSE_B = 20,
+    FA_BUFFER_ROLE_COUNT = 21
+} fa_buffer_role;
+
+/* How a plan uses a buffer. */
+typedef enum fa_buffer_usage {
+    FA_BUFFER_INPUT = 0,    /* read only; the caller provides it */
+    FA_BUFFER_OUTPUT = 1,   /* written (and possibly read back) by the kernels; the caller provides it */
+    FA_BUFFER_WORKSPACE = 2 /* allocated by whoever runs the plan, for the duration of the pass; its
+                               contents need no initialisation and are garbage afterwards */
+} fa_buffer_usage;
+
+/* Types of specialisation constants (Metal function constants). */
+typedef enum fa_specialization_type {
+    FA_SPECIALIZATION_BOOL = 0,  /* MSL bool; value 0 or 1 */
+    FA_SPECIALIZATION_UINT32 = 1 /* MSL uint */
+} fa_specialization_type;
+
+/* Opaque, immutable. */
+typedef struct fa_plan fa_plan;
+
+/* A plan as a whole. */
+typedef struct fa_plan_info {
+    uint32_t struct_size;
+    uint32_t pass;           /* fa_pass */
+    uint32_t dispatch_count; /* dispatches, to encode in order 0 ... dispatch_count - 1 */
+    uint32_t buffer_count;   /* buffers (roles) the dispatches bind, workspaces included */
+    uint32_t piece_count;    /* pieces the dispatches are grouped in (fa_plan_create) */
+} fa_plan_info;
+
+/* One buffer of a plan. */
+typedef struct fa_plan_buffer {
+    uint32_t struct_size;
+    uint32_t role;          /* fa_buffer_role; each role appears once */
+    uint32_t usage;         /* fa_buffer_usage */
+    uint32_t element_size;  /* bytes per element */
+    uint64_t byte_count;    /* bytes the kernels may touch from the buffer's start (its element
+                               [0][0][0][0]): for a tensor, the span of its layout to its last
+                               element; a workspace must have at least this many bytes */
+} fa_plan_buffer;
+
+/* One kernel dispatch: dispatchThreadgroups(threadgroups_per_grid, threads_per_threadgroup) of the
+ * kernel kernel_name, specialised with its constants, buffers bound as its bindings say and
+ * params_size bytes at params (copy them with setBytes) bound at [[buffer(params_index)]]. Buffer
+ * indices 0 ... binding_count are all bound: the bindings and params_index. A host whose grid is
+ * given in threads (dispatchThreads) uses threadgroups_per_grid[i] * threads_per_threadgroup[i]. */
+typedef struct fa_plan_dispatch {
+    uint32_t struct_size;
+    uint32_t piece;                      /* 0 ... piece_count - 1, non-decreasing over the dispatches */
+    uint32_t threadgroups_per_grid[3];   /* x, y, z */
+    uint32_t threads_per_threadgroup[3]; /* x, y, z */
+    uint32_t binding_count;              /* fa_plan_get_binding 0 ... binding_count - 1 */
+    uint32_t specialization_count;       /* fa_plan_get_specialization 0 ... count - 1 */
+    uint32_t params_index;               /* [[buffer(params_index)]] takes the parameter bytes */
+    uint32_t params_size;                /* bytes at params: the kernels' FlashAttentionParams
+                                            (Shaders/flash_attention_params.h) with its tail
+                                            padding, a multiple of 8 */
+    const void *params;                  /* owned by the plan: valid while it lives */
+    const char *kernel_name;             /* NUL-terminated; owned by the plan */
+    const char *constants_prelude;       /* for hosts that cannot set function constants: the text
+                                            to put before fa_plan_kernel_source() to compile this
+                                            dispatch's kernel with its constants (see
+                                            fa_plan_specialization); NUL-terminated, owned by the plan */
+} fa_plan_dispatch;
+
+/* One buffer binding of a dispatch: the buffer of `role` at [[buffer(index)]], `byte_offset` bytes
+ * from its start (setBuffer(_:offset:index:) with the role's buffer offset by byte_offset). Roles
+ * the kernels do not read (an absent optional input) are bound to another buffer of the plan. */
+typedef struct fa_plan_binding {
+    uint32_t struct_size;
+    uint32_t index;        /* [[buffer(index)]] */
+    uint32_t role;         /* fa_buffer_role: one of the plan's buffers */
+    uint64_t byte_offset;  /* from the start of the role's buffer; a multiple of its element size */
+    uint64_t byte_length;  /* bytes from byte_offset the dispatch may touch */
+} fa_plan_binding;
+
+/* One specialisation constant of a dispatch: the value of a function constant its kernel reads
+ * (exactly those are listed). Metal sets it with MTLFunctionConstantValues
+ * (setConstantValue(_:type:index:), index `index`) when it makes the kernel's function. A host that
+ * cannot (PyTorch's compile_shader) compiles the dispatch's constants_prelude followed by
+ * fa_plan_kernel_source() instead: the preprocessor line that defines
+ * FA_FUNCTION_CONSTANTS_PREDEFINED as 1, then "constant bool <name> = true|false;" or
+ * "constant uint <name> = <value>;" for every function constant of the kernels in index order (the
+ * dispatch's values; false or 0 for those its kernel does not read), and caches one compiled
+ * library per prelude text. */
+typedef struct fa_plan_specialization {
+    uint32_t struct_size;
+    uint32_t index;        /* [[function_constant(index)]] */
+    uint32_t type;         /* fa_specialization_type */
+    uint32_t value;        /* 0 or 1 for FA_SPECIALIZATION_BOOL */
+    const char *name;      /* the constant's name in the kernel source; owned by the plan */
+} fa_plan_specialization;
+
+/* Makes the plan of `pass` (FA_PASS_FORWARD or FA_PASS_BACKWARD) for `problem`, validated exactly as
+ * fa_forward and fa_backward validate it. Of the pointer fields only the presence is read (never the
+ * memory): attn_mask (with attn_mask_type), alibi_slopes and sinks say whether those inputs exist,
+ * any non-null value will do; dsinks is not read (the backward plan of a problem with sinks writes
+ * the dsinks buffer). max_flops_per_piece: 0 gives one piece holding the whole pass; otherwise the
+ * pass is cut into pieces of at most that many floating-point operations (ranges of batch entries or
+ * of KV heads with their query heads; at least one such unit each), whose dispatches bind the
+ * buffers at the offsets of their range: what the Metal backend does with 2^35 against the GPU
+ * watchdog, one command buffer per piece. Pieces compute bit for bit what the whole pass computes.
+ * Errors: INVALID_ARGUMENT (null problem or out_plan, an unknown pass, anything fa_forward or
+ * fa_backward would refuse), UNSUPPORTED (head_dim), OUT_OF_MEMORY. */
+fa_status fa_plan_create(const fa_problem *problem, fa_pass pass, uint64_t max_flops_per_piece,
+                         fa_plan **out_plan);
+
+/* Makes the FA_PASS_MERGE plan of fa_merge_attention for `rows` rows of `head_dim` elements (the
+ * same rules). Errors: INVALID_ARGUMENT, UNSUPPORTED. */
+fa_status fa_plan_create_merge(uint64_t rows, uint32_t head_dim, fa_plan **out_plan);
+
+/* Destroys a plan; null is ignored. The pointers it handed out become invalid. */
+void fa_plan_destroy(fa_plan *plan);
+
+/* Fills *info. Errors: INVALID_ARGUMENT (null plan or info, struct_size below sizeof(fa_plan_info)). */
+fa_status fa_plan_get_info(const fa_plan *plan, fa_plan_info *info);
+
+/* Fills *buffer with buffer `index` (0 ... buffer_count - 1, in order of first binding).
+ * Errors: INVALID_ARGUMENT (null plan or buffer, struct_size too small, index out of range). */
+fa_status fa_plan_get_buffer(const fa_plan *plan, uint32_t index, fa_plan_buffer *buffer);
+
+/* Fills *dispatch with dispatch `index` (0 ... dispatch_count - 1, in encoding order).
+ * Errors: INVALID_ARGUMENT (null plan or dispatch, struct_size too small, index out of range). */
+fa_status fa_plan_get_dispatch(const fa_plan *plan, uint32_t index, fa_plan_dispatch *dispatch);
+
+/* Fills *binding with binding `index` (0 ... binding_count - 1) of dispatch `dispatch`.
+ * Errors: INVALID_ARGUMENT (null plan or binding, struct_size too small, an index out of range). */
+fa_status fa_plan_get_binding(const fa_plan *plan, uint32_t dispatch, uint32_t index, fa_plan_binding *binding);
+
+/* Fills *specialization with constant `index` (0 ... specialization_count - 1, by function-constant
+ * index) of dispatch `dispatch`. Errors: as fa_plan_get_binding. */
+fa_status fa_plan_get_specialization(const fa_plan *plan, uint32_t dispatch, uint32_t index,
+                                     fa_plan_specialization *specialization);
+
+/* The Metal Shading Language source of every kernel a plan names, self-contained (the headers of
+ * Shaders/ spliced in), for MTLDevice.makeLibrary(source:options:) or torch.mps.compile_shader:
+ * compile it as MSL 3.0, or 3.1 for the bfloat16 kernels, without fast math (the kernels rely on
+ * infinities). NUL-terminated, static storage; NULL only when the library ran out of memory
+ * making its copy. */
+const char *fa_plan_kernel_source(void);
+
+/* The path of the precompiled kernels, flash_attention-<hash>.metallib, built by build.sh on a Mac
+ * from exactly fa_plan_kernel_source() (MSL 3.1, macOS 14) and found next to this library when it
+ * was loaded; NULL when there is none (Linux, or the Metal compiler was not installed). Static
+ * storage. */
+const char *fa_plan_metallib_path(void);
+
+/* Runs `plan` on context's backend with the caller's buffers: buffers[role] for each fa_buffer_role
+ * role below buffer_count (pass FA_BUFFER_ROLE_COUNT entries), each pointing at the start of that
+ * role's memory of at least the plan's byte_count for it, laid out as the problem says. Every input
+ * and output of the plan must be given; workspaces are allocated by the library, so their entries
+ * (and those of roles the plan does not use) must be NULL. Outputs must not overlap any other
+ * buffer. The CPU engine reads and writes the buffers in place; Metal copies them (a framework with
+ * GPU buffers encodes the plan itself). Cancellation, profiles and NaN-filled outputs on failure are
+ * as for fa_forward. Errors: INVALID_ARGUMENT (a null context, plan or required buffer, a non-null
+ * workspace, overlapping outputs), UNSUPPORTED, EXECUTION_FAILED, CANCELLED, OUT_OF_MEMORY. */
+fa_status fa_plan_execute(fa_context *context, const fa_plan *plan, void *const *buffers,
+                          uint32_t buffer_count);
+
 /* FA_CDEF_END */
 
 #ifdef __cplusplus

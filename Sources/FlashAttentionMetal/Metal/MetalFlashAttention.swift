@@ -69,11 +69,8 @@ public final class MetalFlashAttention: @unchecked Sendable {
 
     // MARK: Library
 
-    /// The file name of the .metallib built from exactly the embedded source.
-    static var precompiledName: String { "flash_attention-\(EmbeddedShaders.sourceHash).metallib" }
-
     private static func library(for device: MTLDevice) throws -> (MTLLibrary, String) {
-        var why = "no \(precompiledName) next to the library"
+        var why = "no \(PrecompiledShaders.fileName) next to the library"
         // build.sh builds the .metallib for macOS 14 (MSL 3.1, bfloat): older systems compile the
         // source, as MSL 3.0 without the bfloat16 kernels.
         if #available(macOS 14.0, iOS 17.0, tvOS 17.0, visionOS 1.0, *), let url = precompiledLibraryURL() {
@@ -84,7 +81,7 @@ public final class MetalFlashAttention: @unchecked Sendable {
                 why = "\(url.path) was refused: \(error.localizedDescription)"
             }
         } else if precompiledLibraryURL() != nil {
-            why = "\(precompiledName) needs macOS 14 or iOS 17"
+            why = "\(PrecompiledShaders.fileName) needs macOS 14 or iOS 17"
         }
         let options = try compileOptions()
         do {
@@ -97,17 +94,9 @@ public final class MetalFlashAttention: @unchecked Sendable {
         }
     }
 
-    /// `precompiledName` in the folder of the file this code was loaded from (the dylib, or the app
-    /// when the package is linked statically), as loaded and with links resolved: build.sh links
-    /// the library and the .metallib next to the Python package.
+    /// The .metallib next to the library (``PrecompiledShaders/path``).
     private static func precompiledLibraryURL() -> URL? {
-        var info = Dl_info()
-        // dladdr(3) on #dsohandle, the header of this image.
-        guard dladdr(#dsohandle, &info) != 0, let file = info.dli_fname else { return nil }
-        let image = URL(fileURLWithPath: String(cString: file))
-        return [image, image.resolvingSymlinksInPath()]
-            .map { $0.deletingLastPathComponent().appendingPathComponent(precompiledName) }
-            .first { FileManager.default.fileExists(atPath: $0.path) }
+        PrecompiledShaders.path.map { URL(fileURLWithPath: $0) }
     }
 
     /// The options build.sh's `xcrun metal` uses too: the pinned language version

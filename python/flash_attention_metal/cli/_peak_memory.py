@@ -26,6 +26,7 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 _KIB = 1024
@@ -74,6 +75,20 @@ def peak_growth(operation) -> int:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     operation()
     return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)  # bytes on macOS
+
+
+def measured_step(step, *arguments) -> dict:
+    """One training step ``step(*arguments)``, which returns its loss, measured: {"loss": that loss,
+    "seconds": its wall time, "rss_growth": its ``peak_growth`` in bytes}."""
+    result = {}
+
+    def run():
+        start = time.perf_counter()
+        result["loss"] = step(*arguments)
+        result["seconds"] = time.perf_counter() - start
+
+    result["rss_growth"] = peak_growth(run)
+    return result
 
 
 def memory_ratio(peer_bytes: int, library_bytes: int, resolution: int) -> str:

@@ -1,0 +1,189 @@
+"""The exported dispatch plan (``fa_plan_*`` in flash_attention_metal.h), read into Python values.
+
+A framework that encodes Metal work on its own stream (PyTorch's ``torch.mps.compile_shader``, see
+``flash_attention_metal.torch``) runs a pass of the library by compiling ``kernel_source()`` and
+encoding each ``Dispatch`` of the pass's ``Plan`` in order: its kernel, specialised by its
+constants; at each ``Binding.index`` the buffer of ``Binding.role`` offset by ``byte_offset``; the
+parameter bytes at ``params_index``; ``threadgroups_per_grid`` threadgroups of
+``threads_per_threadgroup`` threads. Workspaces (``Buffer.usage == "workspace"``) are allocated by
+the host for the pass, uninitialised. Role names are the C enumerators' (``FA_BUFFER_ROLE_Q`` is
+``"q"``, ``FA_BUFFER_ROLE_LSE_RESIDUAL`` is ``"lse_residual"``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._native import NativeLibrary, native
+
+_TYPE_NAMES = {"FA_SPECIALIZATION_BOOL": "bool", "FA_SPECIALIZATION_UINT32": "uint"}
+_USAGE_NAMES = {"FA_BUFFER_INPUT": "input", "FA_BUFFER_OUTPUT": "output", "FA_BUFFER_WORKSPACE": "workspace"}
+_PASS_NAMES = {"forward": "FA_PASS_FORWARD", "backward": "FA_PASS_BACKWARD"}
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One buffer of a plan: ``role``; ``usage`` "input", "output" or "workspace"; bytes per element;
+    ``byte_count``, the bytes the kernels may touch from its start."""
+
+    role: str
+    usage: str
+    element_size: int
+    byte_count: int
+
+
+@dataclass(frozen=True)
+class Binding:
+    """The buffer of ``role`` at ``[[buffer(index)]]``, ``byte_offset`` bytes from its start;
+    the dispatch touches at most ``byte_length`` bytes from there."""
+
+    index: int
+    role: str
+    byte_offset: int
+    byte_length: int
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """A function constant: ``name`` in the kernel source, its ``index``, ``type`` ("bool" or
+    "uint", MSL's names) and ``value`` (0 or 1 for a bool)."""
+
+    name: str
+    index: int
+    type: str
+    value: int
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One kernel dispatch, in encoding order (see the module docstring). ``params`` holds the
+    parameter struct's bytes (a multiple of 8); ``piece`` says which piece of the plan it is in;
+    ``specialization`` the values of the function constants its kernel reads, and
+    ``constants_prelude`` the text that stands for them before the kernel source where a compiler
+    cannot set function constants (``specialized_source``)."""
+
+    kernel_name: str
+    piece: int
+    threadgroups_per_grid: tuple[int, int, int]
+    threads_per_threadgroup: tuple[int, int, int]
+    bindings: tuple[Binding, ...]
+    specialization: tuple[Specialization, ...]
+    params_index: int
+    params: bytes
+    constants_prelude: str
+
+    @property
+    def threads_per_grid(self) -> tuple[int, int, int]:
+        """The grid in threads, for hosts that dispatch threads (dispatchThreads)."""
+        return tuple(g * t for g, t in zip(self.threadgroups_per_grid, self.threads_per_threadgroup))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A pass as dispatches and buffers."""
+
+    pass_name: str
+    piece_count: int
+    buffers: tuple[Buffer, ...]
+    dispatches: tuple[Dispatch, ...]
+
+    def buffer(self, role: str) -> Buffer:
+        """The buffer of ``role``; KeyError when the plan does not use it."""
+        for buffer in self.buffers:
+            if buffer.role == role:
+                return buffer
+        raise KeyError(f"the {self.pass_name} plan has no {role} buffer")
+
+
+def _names(lib, prefix: str) -> dict[int, str]:
+    # cffi exposes the header's enumerators as ints on lib.
+    return {getattr(lib, name): name for name in dir(lib) if name.startswith(prefix)}
+
+
+def _role_names(lib) -> dict[int, str]:
+    prefix = "FA_BUFFER_ROLE_"
+    return {code: name[len(prefix):].lower() for code, name in _names(lib, prefix).items()
+            if name != "FA_BUFFER_ROLE_COUNT"}
+
+
+def _record(library: NativeLibrary, struct: str, getter, *indices):
+    """One record through its fa_plan_get_* function, struct_size set (raises on failure)."""
+    record = library.ffi.new(f"{struct} *")
+    record.struct_size = library.ffi.sizeof(struct)
+    library.raise_for_status(getter(*indices, record))
+    return record
+
+
+def read(handle, library: NativeLibrary | None = None) -> Plan:
+    """The ``Plan`` of an ``fa_plan *`` (which stays the caller's)."""
+    library = library or native()
+    ffi, lib = library.ffi, library.lib
+    roles = _role_names(lib)
+    usages = {getattr(lib, name): usage for name, usage in _USAGE_NAMES.items()}
+    types = {getattr(lib, name): type_name for name, type_name in _TYPE_NAMES.items()}
+    info = _record(library, "fa_plan_info", lib.fa_plan_get_info, handle)
+    passes = {code: name[len("FA_PASS_"):].lower() for code, name in _names(lib, "FA_PASS_").items()}
+    buffers = []
+    for i in range(info.buffer_count):
+        b = _record(library, "fa_plan_buffer", lib.fa_plan_get_buffer, handle, i)
+        buffers.append(Buffer(roles[b.role], usages[b.usage], b.element_size, b.byte_count))
+    dispatches = []
+    for n in range(info.dispatch_count):
+        d = _record(library, "fa_plan_dispatch", lib.fa_plan_get_dispatch, handle, n)
+        bindings = tuple(
+            Binding(b.index, roles[b.role], b.byte_offset, b.byte_length)
+            for b in (_record(library, "fa_plan_binding", lib.fa_plan_get_binding, handle, n, i)
+                      for i in range(d.binding_count)))
+        constants = tuple(
+            Specialization(ffi.string(s.name).decode(), s.index, types[s.type], s.value)
+            for s in (_record(library, "fa_plan_specialization", lib.fa_plan_get_specialization, handle, n, i)
+                      for i in range(d.specialization_count)))
+        dispatches.append(Dispatch(
+            ffi.string(d.kernel_name).decode(), d.piece, tuple(d.threadgroups_per_grid),
+            tuple(d.threads_per_threadgroup), bindings, constants, d.params_index,
+            ffi.buffer(d.params, d.params_size)[:], ffi.string(d.constants_prelude).decode()))
+    # "pass" is a Python keyword, hence getattr.
+    return Plan(passes[getattr(info, "pass")], info.piece_count, tuple(buffers), tuple(dispatches))
+
+
+def create(problem, pass_name: str, max_flops_per_piece: int = 0, library: NativeLibrary | None = None) -> Plan:
+    """The plan of ``pass_name`` ("forward" or "backward") for ``problem``, a cffi ``fa_problem *``
+    whose pointer fields only mark which optional inputs exist (fa_plan_create); pieces of at most
+    ``max_flops_per_piece`` operations (0: one piece).
+
+    Raises FlashAttentionError with the library's message for a problem it refuses, ValueError for
+    an unknown pass name."""
+    if pass_name not in _PASS_NAMES:
+        raise ValueError(f"pass_name must be one of {', '.join(map(repr, _PASS_NAMES))}, got {pass_name!r}")
+    library = library or native()
+    ffi, lib = library.ffi, library.lib
+    holder = ffi.new("fa_plan **")
+    library.raise_for_status(lib.fa_plan_create(problem, getattr(lib, _PASS_NAMES[pass_name]),
+                                                max_flops_per_piece, holder))
+    try:
+        return read(holder[0], library)
+    finally:
+        lib.fa_plan_destroy(holder[0])
+
+
+def kernel_source(library: NativeLibrary | None = None) -> str:
+    """The self-contained MSL source of every kernel a plan names (fa_plan_kernel_source)."""
+    library = library or native()
+    return library.ffi.string(library.lib.fa_plan_kernel_source()).decode("utf-8")
+
+
+def specialized_source(dispatch: Dispatch, library: NativeLibrary | None = None) -> str:
+    """What a host without function constants compiles for ``dispatch``: its constants prelude,
+    then ``kernel_source()``. Dispatches with one prelude share the compiled library."""
+    return dispatch.constants_prelude + kernel_source(library)
+
+
+def metallib_path(library: NativeLibrary | None = None) -> str | None:
+    """The precompiled kernels next to the library (fa_plan_metallib_path), or None."""
+    library = library or native()
+    path = library.lib.fa_plan_metallib_path()
+    return None if path == library.ffi.NULL else library.ffi.string(path).decode()
+
+
+__all__ = ["Binding", "Buffer", "Dispatch", "Plan", "Specialization", "create",
+           "kernel_source", "metallib_path", "read", "specialized_source"]

@@ -1,0 +1,147 @@
+"""The operators on MPS tensors: the library's exported dispatch plan encoded on PyTorch's own MPS
+stream through ``torch.mps.compile_shader``, so there is no copy and no synchronisation per call.
+
+The contract of compile_shader (PyTorch ``torch/csrc/mps/Module.cpp``, ``MetalKernelFunction`` in
+``aten/src/ATen/native/mps/OperationUtils.mm``), on which the translation below rests:
+- a kernel is called as ``lib.<name>(*args, threads=, group_size=)``; argument i is bound at
+  ``[[buffer(i)]]``; an MPS tensor is bound as its storage's MTLBuffer at ``storage_offset() *
+  element_size()`` bytes (its strides are not passed: the plan's parameter bytes carry them); a list
+  of Python ints is copied with setBytes as int64 values (no ``arg_casts``), which is how the
+  parameter struct's bytes travel, as little-endian int64 words;
+- ``threads`` is the grid in threads (dispatchThreads), ``group_size`` the threadgroup; the plan's
+  grid is whole threadgroups, so threads = threadgroups * group_size on each axis;
+- the library is compiled as MSL 3.1 or later without fast math (unless PYTORCH_MPS_FAST_MATH is
+  set, which this module refuses: the kernels rely on infinities); there are no function constants,
+  so each dispatch compiles its constants prelude (``constant`` definitions of the function
+  constants, from the plan) before the source (``plan.specialized_source``): one compiled library
+  per prelude, cached;
+- encoding goes to the current MPS stream, which commits when PyTorch decides.
+An MPS tensor's ``data_ptr()`` is never used as an address (it is an MTLBuffer handle plus an
+offset). Values that need the data (NaN in an additive mask) are not checked here: the kernels
+give defined output for any input without a synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import threading
+from collections import OrderedDict
+
+import torch
+
+from .. import plan as _plan
+from .._native import native
+from ._tensors import backward_call, forward_call
+
+#: Work per piece of a plan (0: the whole pass in one piece). PyTorch commits the MPS stream's
+#: command buffers on its own schedule, so pieces would not reach the GPU in separate command
+#: buffers: one piece, whose bindings start at offset 0.
+MAX_FLOPS_PER_PIECE = 0
+#: Threadgroup memory of an Apple GPU threadgroup (Apple7 and later).
+_MAX_THREADGROUP_MEMORY = 32768
+#: A stand-in address for an optional input that is present: a plan reads only presence.
+_PRESENT = 1
+_PLAN_CACHE_SIZE = 256
+
+_lock = threading.Lock()
+_libraries: dict = {}
+_plans: OrderedDict = OrderedDict()
+
+
+def _compile(dispatch: _plan.Dispatch):
+    """The compiled library of the dispatch's specialisation, compiled on first use (once per
+    process and prelude)."""
+    key = dispatch.constants_prelude
+    with _lock:
+        if key in _libraries:
+            return _libraries[key]
+    fast_math = os.environ.get("PYTORCH_MPS_FAST_MATH")
+    if fast_math is not None and fast_math != "0":
+        raise RuntimeError(
+            f"PYTORCH_MPS_FAST_MATH is set ({fast_math!r}): torch.mps.compile_shader would compile the attention "
+            "kernels with fast math, which breaks the infinities they rely on (rows without keys, masked "
+            "scores); unset it (or set it to 0) before the first MPS call")
+    library = torch.mps.compile_shader(_plan.specialized_source(dispatch))
+    with _lock:
+        return _libraries.setdefault(key, library)
+
+
+def _plan_for(p, pass_name: str) -> _plan.Plan:
+    """The plan of ``pass_name`` for fa_problem ``p``, cached by the problem's bytes (its pointer
+    fields hold only presence markers, so equal problems have equal bytes)."""
+    library = native()
+    key = (pass_name, MAX_FLOPS_PER_PIECE, library.ffi.buffer(p)[:])
+    with _lock:
+        if key in _plans:
+            _plans.move_to_end(key)
+            return _plans[key]
+    made = _plan.create(p, pass_name, MAX_FLOPS_PER_PIECE, library)
+    with _lock:
+        _plans[key] = made
+        while len(_plans) > _PLAN_CACHE_SIZE:
+            _plans.popitem(last=False)
+    return made
+
+
+def _at(t: torch.Tensor, byte_offset: int) -> torch.Tensor:
+    """``t`` as compile_shader binds it, ``byte_offset`` bytes further into its storage."""
+    if byte_offset == 0:
+        return t
+    return torch.as_strided(t, (1,), (1,), t.storage_offset() + byte_offset // t.element_size())
+
+
+def _words(params: bytes) -> list[int]:
+    """The parameter bytes as the int64 values whose setBytes copy is those bytes."""
+    return list(struct.unpack(f"<{len(params) // 8}q", params))
+
+
+def run(p, pass_name: str, tensors: dict) -> None:
+    """Encodes the plan of ``pass_name`` for fa_problem ``p`` on the current MPS stream, binding
+    ``tensors`` (role name -> tensor, each laid out as the problem says) and workspaces it allocates.
+
+    Raises RuntimeError when a kernel's pipeline cannot run the plan's threadgroups (register
+    pressure lowers its thread limit) or needs more threadgroup memory than a threadgroup has."""
+    made = _plan_for(p, pass_name)
+    buffers = dict(tensors)
+    device = next(iter(tensors.values())).device
+    for buffer in made.buffers:
+        if buffer.usage == "workspace":
+            buffers[buffer.role] = torch.empty(max(buffer.byte_count, 1), dtype=torch.uint8, device=device)
+    for dispatch in made.dispatches:
+        kernel = getattr(_compile(dispatch), dispatch.kernel_name)
+        group = list(dispatch.threads_per_threadgroup)
+        if math.prod(group) > kernel.max_threads_per_threadgroup:
+            raise RuntimeError(
+                f"{dispatch.kernel_name} needs {math.prod(group)} threads per threadgroup; its pipeline allows "
+                f"{kernel.max_threads_per_threadgroup} on this GPU")
+        if kernel.static_thread_group_memory_length > _MAX_THREADGROUP_MEMORY:
+            raise RuntimeError(
+                f"{dispatch.kernel_name} needs {kernel.static_thread_group_memory_length} bytes of threadgroup "
+                f"memory; a threadgroup has {_MAX_THREADGROUP_MEMORY}")
+        arguments = [None] * (len(dispatch.bindings) + 1)
+        for binding in dispatch.bindings:
+            arguments[binding.index] = _at(buffers[binding.role], binding.byte_offset)
+        arguments[dispatch.params_index] = _words(dispatch.params)
+        kernel(*arguments, threads=list(dispatch.threads_per_grid), group_size=group)
+
+
+def _present(_tensor) -> int:
+    return _PRESENT
+
+
+def forward(q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd):
+    """(out, lse) of the forward plan; arguments as the forward operator's (``window`` None or a pair)."""
+    out, lse, call = forward_call(native(), q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd,
+                                  _present)
+    run(call.problem, "forward", call.tensors)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd):
+    """(dq, dk, dv) of the backward plan; arguments as the backward operator's."""
+    grads, call = backward_call(native(), dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal, window,
+                                softcap, bshd, _present)
+    run(call.problem, "backward", call.tensors)
+    return grads

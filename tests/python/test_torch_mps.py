@@ -1,0 +1,355 @@
+"""The MPS path's translation of the exported plan into ``torch.mps.compile_shader`` calls, run here
+without a GPU: ``torch._C._mps_compileShader`` (what ``torch.mps.compile_shader`` calls after
+embedding headers) is replaced by a stand-in whose kernels run each dispatch on the CPU engine by
+kernel name, and check every argument against compile_shader's contract as PyTorch's
+``torch/csrc/mps/Module.cpp`` (``_mps_MetalKernel.__call__``, ``OptionalArgCaster``,
+``optional_vec_from_pyobject``) and ``aten/src/ATen/native/mps/OperationUtils.mm``
+(``MetalKernelFunction``, ``compileLibrary``, ``mtl_setBuffer``) define it:
+
+- the source is ASCII (Metal gets it through NSASCIIStringEncoding) and is a dispatch's constants
+  prelude (the function constants' values, which the stand-in hands the engine as the dispatch's
+  constants: compile_shader has none) followed by ``fa_plan_kernel_source()``, left unchanged by
+  compile_shader's embedding of PyTorch's headers;
+- argument i is ``[[buffer(i)]]``; a tensor binds its storage's buffer at ``storage_offset() *
+  element_size()`` bytes (never through ``data_ptr()``); any other argument is setBytes: a Python
+  int as int64, a float as float32, a non-empty list of either as a vector of that type (every
+  element of the first one's type, ints within int64), through ``arg_casts`` when given; None and
+  other types are refused;
+- ``threads`` and ``group_size`` are each an int or 1 to 3 ints of one length; ``threads`` is the
+  grid in threads (dispatchThreads; by default the first tensor's numel), ``group_size`` the
+  threadgroup (by default the pipeline's maximum), its product at most the pipeline's
+  max_threads_per_threadgroup; the kernels need whole threadgroups.
+The results must be bit for bit those of the CPU path (the same kernels on the same engine, through
+fa_forward and fa_backward), for plans in one piece and in many (bindings at offsets), with
+``Tensor.data_ptr`` refused on the MPS path.
+
+Cost: about 5 s of ./build.sh test's pytest (measured on 2 shared cores; importing PyTorch is not counted).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+
+import pytest
+
+from torch_env import torch  # noqa: E402  (first: skips without PyTorch)
+
+from flash_attention_metal import _native, plan  # noqa: E402
+from flash_attention_metal.torch import _host, _mps  # noqa: E402
+
+_ENGINE_CDEF = """
+typedef struct { void *contents; size_t length; } msl_engine_buffer;
+typedef struct { uint32_t width; uint32_t height; uint32_t depth; } msl_engine_size;
+typedef struct { uint32_t buffer_count; size_t threadgroup_memory_length; const char *file; unsigned line; }
+    msl_engine_kernel_info;
+typedef struct { uint32_t index; uint32_t type; uint32_t value; } msl_engine_function_constant;
+int msl_engine_dispatch_specialized(const char *kernel_name, const msl_engine_buffer *buffers, uint32_t buffer_count,
+                                    const msl_engine_function_constant *constants, uint32_t constant_count,
+                                    msl_engine_size threadgroups_per_grid, msl_engine_size threads_per_threadgroup,
+                                    const void *cancellation, uint64_t start_epoch, char *message,
+                                    size_t message_capacity);
+int msl_engine_describe_kernel(const char *kernel_name, msl_engine_kernel_info *info);
+"""
+
+
+class StandInCompiler:
+    """Stands in for torch._C._mps_compileShader: records the libraries it compiles and the
+    dispatches their kernels run (name, threadgroups per grid) on the CPU engine."""
+
+    def __init__(self, max_threads_per_threadgroup: int = 1024):
+        import cffi
+
+        self.ffi = cffi.FFI()
+        self.ffi.cdef(_ENGINE_CDEF)
+        # The engine's C entry points are exported by libFlashAttentionMetal (Sources/MSLEngine/include).
+        self.engine = self.ffi.dlopen(str(_native.native().path))
+        self.max_threads = max_threads_per_threadgroup
+        self.sources = []
+        self.dispatches = []
+
+    def __call__(self, source: str):
+        self.sources.append(source)
+        return StandInLibrary(self, source)
+
+
+_CONSTANT = re.compile(r"^constant (bool|uint) (\w+) = (true|false|\d+);$")
+
+
+class StandInLibrary:
+    """The source must be a constants prelude (the define, then one line per function constant in
+    index order) and the kernel source; the prelude's values become the engine's function constants,
+    as Metal would compile them in."""
+
+    def __init__(self, compiler: StandInCompiler, source: str):
+        # DynamicMetalShaderLibrary hands Metal the text as an NSString made with NSASCIIStringEncoding.
+        assert source.isascii(), "compile_shader's source must be ASCII"
+        lines = source.split("\n")
+        assert lines[0] == "#define FA_FUNCTION_CONSTANTS_PREDEFINED 1", "no constants prelude"
+        count = next(i for i, line in enumerate(lines[1:], 1) if not line.startswith("constant "))
+        self.constants = []
+        for index, line in enumerate(lines[1:count]):
+            kind, _name, value = _CONSTANT.match(line).groups()
+            bits = {"true": 1, "false": 0}[value] if kind == "bool" else int(value)
+            self.constants.append((index, 0 if kind == "bool" else 1, bits))
+        # compile_shader's header embedding ends the text with one more newline; nothing else changes.
+        assert "\n".join(lines[count:]).rstrip("\n") == plan.kernel_source().rstrip("\n"), \
+            "compile_shader got other text than the kernel source"
+        self.compiler = compiler
+
+    def __getattr__(self, name: str):
+        info = self.compiler.ffi.new("msl_engine_kernel_info *")
+        assert self.compiler.engine.msl_engine_describe_kernel(name.encode(), info), f"no kernel {name}"
+        return StandInKernel(self, name, info)
+
+
+# arg_casts as Module.cpp's OptionalArgCaster applies them: struct formats of the cast types
+# (bf16 is not modelled: the translation never casts).
+_CASTS = {"": None, "fp16": "e", "int32": "i", "int16": "h", "int8": "b", "uint8": "B"}
+
+
+def _sizes(value, name: str):
+    """Module.cpp's optional_vec_from_pyobject: None, an int, or a list of 1 to 3 ints (uint64)."""
+    if value is None:
+        return None
+    if type(value) is int:
+        return [value]
+    assert isinstance(value, (list, tuple)) and all(type(x) is int and 0 <= x < 2**64 for x in value), \
+        f"{name}={value!r} is neither an int nor a list of non-negative ints"
+    assert 0 < len(value) < 4, f"{name} has {len(value)} dimensions: 1 to 3"
+    return list(value)
+
+
+def _set_bytes(argument, cast: str) -> bytes:
+    """The bytes ``setBytes`` gets for a non-tensor argument (Module.cpp's OptionalArgCaster: a
+    Python int is an int64, a float a float32, a list of either a vector of that type; anything
+    else, None included, is refused), through ``cast`` when arg_casts names one."""
+    assert cast in _CASTS, f"unsupported cast {cast!r}"
+    if isinstance(argument, (list, tuple)):
+        assert argument, "an empty list can not be an argument to a metal kernel"
+        kind = int if type(argument[0]) is int else float if type(argument[0]) is float else None
+        assert kind is not None, f"a list of {type(argument[0]).__name__} is not a kernel argument"
+        values = list(argument)
+    else:
+        kind = int if type(argument) is int else float if type(argument) is float else None
+        assert kind is not None, f"a {type(argument).__name__} is not a kernel argument"
+        values = [argument]
+    # pybind11 casts every element to the first one's type: a float among ints fails, an int out
+    # of int64's range fails.
+    assert all(type(x) is kind for x in values), f"mixed element types in {argument!r}"
+    if kind is int:
+        assert all(-2**63 <= x < 2**63 for x in values), f"{argument!r} does not fit int64"
+    code = _CASTS[cast] or ("q" if kind is int else "f")
+    return struct.pack(f"<{len(values)}{code}", *values)
+
+
+class StandInKernel:
+    """A kernel of the stand-in library, called as Module.cpp's ``_mps_MetalKernel.__call__``:
+    positional arguments bound at their position, keyword-only ``threads``, ``group_size``,
+    ``arg_casts`` and ``error_buf_idx``; ``dispatchThreads(threads, group_size)``, which the stand-in
+    runs as whole threadgroups on the CPU engine (the kernels are written for whole threadgroups:
+    the plan's grid is)."""
+
+    def __init__(self, library: StandInLibrary, name: str, info):
+        self.library, self.name, self.info = library, name, info
+        self.max_threads_per_threadgroup = library.compiler.max_threads
+        self.static_thread_group_memory_length = info.threadgroup_memory_length
+
+    def _bind(self, ffi, index, argument, casts, keep):
+        """(address, length) of what Metal binds at ``[[buffer(index)]]`` for ``argument``."""
+        if isinstance(argument, torch.Tensor):
+            # The stand-in's tensors are on the CPU but stand for MPS tensors: Metal binds the
+            # storage's buffer at storage_offset() * element_size() bytes (mtl_setBuffer), to its end.
+            # A 0-D CPU tensor would be setBytes, any other CPU tensor "Passed CPU tensor to MPS op".
+            assert argument.dim() >= 1, f"{self.name}: argument {index} is a 0-D tensor"
+            storage = argument.untyped_storage()
+            offset = argument.storage_offset() * argument.element_size()
+            return storage.data_ptr() + offset, storage.nbytes() - offset
+        cast = casts.get(index, casts.get(None, "")) if casts else ""
+        data = _set_bytes(argument, cast)
+        buffer = ffi.new("char[]", data)
+        keep.append(buffer)
+        return ffi.cast("uintptr_t", buffer), len(data)
+
+    def __call__(self, *arguments, threads=None, group_size=None, arg_casts=None, error_buf_idx=None):
+        assert error_buf_idx is None, "the translation binds no error buffer"
+        casts = {None: arg_casts} if isinstance(arg_casts, str) else dict(arg_casts or {})
+        threads, group_size = _sizes(threads, "threads"), _sizes(group_size, "group_size")
+        compiler = self.library.compiler
+        ffi, keep = compiler.ffi, []
+        buffers = ffi.new("msl_engine_buffer[]", max(len(arguments), 1))
+        for i, argument in enumerate(arguments):
+            if threads is None and isinstance(argument, torch.Tensor):
+                threads = [argument.numel()]  # compile_shader's default grid: the first tensor's numel
+            address, length = self._bind(ffi, i, argument, casts, keep)
+            buffers[i].contents, buffers[i].length = ffi.cast("void *", address), length
+        assert threads is not None, "the number of threads is undefined"
+        assert group_size is None or len(group_size) == len(threads), "size and group_size dimensions differ"
+        axes = len(threads)
+        if group_size is None:  # MetalKernelFunction::dispatch's defaults
+            group_size = [min(threads[0], self.max_threads_per_threadgroup)] if axes == 1 else \
+                [self.max_threads_per_threadgroup] + [1] * (axes - 1)
+        assert math.prod(group_size) <= self.max_threads_per_threadgroup, \
+            f"Threadgroup size exceeds {self.max_threads_per_threadgroup} limit"
+        threads, group_size = threads + [1] * (3 - axes), group_size + [1] * (3 - axes)
+        assert all(g > 0 and t % g == 0 for t, g in zip(threads, group_size)), \
+            f"{self.name}: threads {threads} are not whole threadgroups of {group_size}"
+        assert len(arguments) >= self.info.buffer_count, "a buffer the kernel reads is unbound"
+        constants = ffi.new("msl_engine_function_constant[]", self.library.constants)
+        groups = [t // g for t, g in zip(threads, group_size)]
+        message = ffi.new("char[1024]")
+        status = compiler.engine.msl_engine_dispatch_specialized(
+            self.name.encode(), buffers, len(arguments), constants, len(self.library.constants), groups, group_size,
+            ffi.NULL, 0, message, 1024)
+        assert status == 0, ffi.string(message).decode()
+        compiler.dispatches.append((self.name, tuple(groups)))
+
+
+@pytest.fixture()
+def compiler(monkeypatch):
+    stand_in = StandInCompiler()
+    monkeypatch.setattr(torch._C, "_mps_compileShader", stand_in, raising=False)
+    monkeypatch.setattr(_mps, "_libraries", {})
+    monkeypatch.setattr(_mps, "_plans", type(_mps._plans)())
+    return stand_in
+
+
+def _case(dtype, batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, mask=False, alibi=False, bshd=False):
+    g = torch.Generator().manual_seed(seqlen_q * 7 + seqlen_k)
+    def normal(shape):
+        if bshd:
+            b, h, s, d = shape
+            return torch.randn((b, s, h, d), generator=g).to(dtype).transpose(1, 2)
+        return torch.randn(shape, generator=g).to(dtype)
+    q = normal((batch, heads, seqlen_q, head_dim))
+    k, v = normal((batch, kv_heads, seqlen_k, head_dim)), normal((batch, kv_heads, seqlen_k, head_dim))
+    attn_mask = (torch.rand(seqlen_q, seqlen_k, generator=g) < 0.8).expand(batch, heads, seqlen_q, seqlen_k) \
+        if mask else None
+    slopes = torch.rand(batch, heads, generator=g) if alibi else None
+    return q, k, v, attn_mask, slopes
+
+
+CASES = {
+    "float16, causal GQA": ((torch.float16, 2, 4, 2, 37, 45, 64), dict(causal=True)),
+    "bfloat16, mask, ALiBi, window, softcap, bshd": ((torch.bfloat16, 2, 4, 1, 29, 33, 32),
+                                                     dict(mask=True, alibi=True, window=(6, 3), softcap=8.0)),
+    "float32, decode (split-KV workspaces)": ((torch.float32, 1, 8, 2, 2, 700, 128), dict(causal=True)),
+}
+
+
+def _run(module, sizes, options, dout_seed=9):
+    mask, alibi = options.get("mask", False), options.get("alibi", False)
+    q, k, v, attn_mask, slopes = _case(*sizes, mask=mask, alibi=alibi, bshd=bool(options.get("window")))
+    settings = (0.2, options.get("causal", False), options.get("window"), options.get("softcap", 0.0), False)
+    out, lse = module.forward(q, k, v, attn_mask, slopes, *settings)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(dout_seed)).to(out.dtype)
+    grads = module.backward(dout, q, k, v, out, lse, attn_mask, slopes, *settings)
+    return (out, lse, *grads)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_translation_gives_the_cpu_paths_bits(compiler, monkeypatch, case):
+    sizes, options = CASES[case]
+    expected = _run(_host, sizes, options)
+
+    def refuse(_tensor):
+        raise AssertionError("the MPS path took a tensor's data_ptr()")
+
+    monkeypatch.setattr(torch.Tensor, "data_ptr", refuse)
+    got = _run(_mps, sizes, options)
+    for name, mine, theirs in zip(("out", "lse", "dq", "dk", "dv"), got, expected):
+        assert torch.equal(mine, theirs), name
+    # One library per constants prelude of the two plans, each compiled once (a second call
+    # compiles nothing); every dispatch ran.
+    preludes = {d.constants_prelude for made in _mps._plans.values() for d in made.dispatches}
+    assert len(compiler.sources) == len(set(compiler.sources)) == len(preludes)
+    compiled = len(compiler.sources)
+    assert all(torch.equal(a, b) for a, b in zip(_run(_mps, sizes, options), got))
+    assert len(compiler.sources) == compiled
+    names = [name for name, _ in compiler.dispatches]
+    assert names[0].startswith("flash_attention_forward_") and names[-1].startswith("flash_attention_backward_dkv_")
+    if "decode" in case:
+        assert names[:2] == ["flash_attention_forward_split_f32_d128", "flash_attention_forward_combine_f32"]
+
+
+def test_pieces_bind_at_offsets(compiler, monkeypatch):
+    """A plan cut into pieces: each piece's dispatches bind the buffers at the piece's offsets
+    (views of the tensors further into their storage) and still give the whole plan's bits."""
+    sizes, options = CASES["float16, causal GQA"]
+    expected = _run(_mps, sizes, options)
+    whole = len(compiler.dispatches)
+    monkeypatch.setattr(_mps, "MAX_FLOPS_PER_PIECE", 1)
+    got = _run(_mps, sizes, options)
+    assert len(compiler.dispatches) - whole > 2 * whole  # 4 pieces (2 batch entries x 2 KV heads) per pass
+    for mine, theirs in zip(got, expected):
+        assert torch.equal(mine, theirs)
+
+
+def test_a_pipeline_with_fewer_threads_is_refused(compiler):
+    compiler.max_threads = 64
+    sizes, options = CASES["float16, causal GQA"]
+    with pytest.raises(RuntimeError, match=r"needs 128 threads per threadgroup; its pipeline allows 64"):
+        _run(_mps, sizes, options)
+
+
+def test_fast_math_is_refused(compiler, monkeypatch):
+    monkeypatch.setenv("PYTORCH_MPS_FAST_MATH", "1")
+    sizes, options = CASES["float16, causal GQA"]
+    with pytest.raises(RuntimeError, match="PYTORCH_MPS_FAST_MATH is set"):
+        _run(_mps, sizes, options)
+    assert compiler.sources == []
+
+
+def test_features_reach_the_engine_as_function_constants(compiler):
+    """The bfloat16 case's mask, ALiBi and softcap: the kernels read them as function constants,
+    here from the prelude of the source compile_shader got (a kernel that read one the prelude did
+    not set would fail its dispatch on the engine)."""
+    sizes, options = CASES["bfloat16, mask, ALiBi, window, softcap, bshd"]
+    _run(_mps, sizes, options)
+    forward = next(source for source in compiler.sources if "fa_has_softcap = true" in source)
+    assert "constant uint fa_mask_type = 1;" in forward and "constant bool fa_has_alibi = true;" in forward
+
+
+def _forward_kernel(compiler):
+    """The forward kernel of a small float16 problem, compiled by the stand-in, with arguments
+    that satisfy the contract (tensors at their binding indices, the parameter words)."""
+    sizes, options = CASES["float16, causal GQA"]
+    q, k, v, _, _ = _case(*sizes)
+    _, _, call = _mps.forward_call(_native.native(), q, k, v, None, None, 0.2, True, None, 0.0, False, _mps._present)
+    dispatch, = _mps._plan_for(call.problem, "forward").dispatches
+    arguments = [None] * (len(dispatch.bindings) + 1)
+    for binding in dispatch.bindings:
+        arguments[binding.index] = call.tensors[binding.role]
+    arguments[dispatch.params_index] = _mps._words(dispatch.params)
+    kernel = getattr(torch.mps.compile_shader(plan.specialized_source(dispatch)), dispatch.kernel_name)
+    return kernel, arguments, dispatch
+
+
+@pytest.mark.parametrize("break_it, complaint", [
+    (lambda a, d: dict(arguments=a[:-1]), "a buffer the kernel reads is unbound"),
+    (lambda a, d: dict(arguments=[None if x is a[d.params_index] else x for x in a]), "a NoneType"),
+    (lambda a, d: dict(arguments=[x + [0.5] if isinstance(x, list) else x for x in a]), "mixed element types"),
+    (lambda a, d: dict(arguments=[[2**63] + x[1:] if isinstance(x, list) else x for x in a]),
+     "does not fit int64"),
+    (lambda a, d: dict(arguments=[[] if isinstance(x, list) else x for x in a]), "an empty list"),
+    (lambda a, d: dict(threads=[t + 1 for t in d.threads_per_grid]), "not whole threadgroups"),
+    (lambda a, d: dict(threads=list(d.threads_per_grid)[:2]), "dimensions differ"),
+    (lambda a, d: dict(group_size=[2048, 1, 1]), "Threadgroup size exceeds 1024"),
+    (lambda a, d: dict(threads=[1, 1, 1, 1], group_size=[1, 1, 1, 1]), "1 to 3"),
+])
+def test_the_stand_in_refuses_what_compile_shader_refuses(compiler, break_it, complaint):
+    """The stand-in is only as good as its checks: each way of breaking compile_shader's contract
+    (or the kernels' whole threadgroups) fails, and the unbroken call runs."""
+    kernel, arguments, dispatch = _forward_kernel(compiler)
+    call = dict(arguments=arguments, threads=list(dispatch.threads_per_grid),
+                group_size=list(dispatch.threads_per_threadgroup))
+    kernel(*call["arguments"], threads=call["threads"], group_size=call["group_size"])
+    call.update(break_it(arguments, dispatch))
+    with pytest.raises(AssertionError, match=complaint):
+        kernel(*call["arguments"], threads=call["threads"], group_size=call["group_size"])
+
+
+def test_the_stand_in_refuses_a_non_ascii_source(compiler):
+    with pytest.raises(AssertionError, match="ASCII"):
+        torch.mps.compile_shader("// \u00e9\n" + plan.kernel_source())
