@@ -314,17 +314,16 @@ struct Problem {
     }
 
     /// Whether the tensors the kernels copy in tiles (`BufferRole.copiedInTiles`) can be copied in
-    /// FA_CHUNK_BYTES-byte chunks as far as the layouts go: head_dim, head_dim_v and the stride of
-    /// every axis longer than 1 are multiples of FA_CHUNK_BYTES in bytes (the addresses are checked
-    /// per call: `FlashAttentionParams.checkingAlignment`).
+    /// FA_CHUNK_BYTES-byte chunks as far as the layouts go: head_dim, head_dim_v and every stride are
+    /// multiples of FA_CHUNK_BYTES in bytes (the addresses are checked per call:
+    /// `FlashAttentionParams.checkingAlignment`). Strides of axes of length 1 count too, so that the
+    /// pieces of a split plan, which start at multiples of the strides, get the whole plan's answer.
     var layoutsAllowChunks: Bool {
         let size = dtype.size, chunk = Int(FA_CHUNK_BYTES)
         guard (Int(headDim) * size) % chunk == 0 && (Int(headDimV) * size) % chunk == 0 else { return false }
         return BufferRole.copiedInTiles.allSatisfy { role in
             guard let layout = layouts[role] else { return true }
-            let axes = [(layout.strides.batch, layout.rows.batch), (layout.strides.head, layout.rows.heads),
-                        (layout.strides.seq, layout.rows.seqlen)]
-            return axes.allSatisfy { stride, length in length <= 1 || (stride * size) % chunk == 0 }
+            return [layout.strides.batch, layout.strides.head, layout.strides.seq].allSatisfy { ($0 * size) % chunk == 0 }
         }
     }
 }

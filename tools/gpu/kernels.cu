@@ -385,23 +385,18 @@ namespace {
 // The edge paths of a launch, chosen as the library's plan and backends choose them
 // (FlashAttentionParams.scalar_copies and partial_columns, Problem.swift): the checked scalar copy
 // when a tensor the kernels copy in tiles (those in `copied`, null for unbound) starts at an
-// address, or has head_dim, head_dim_v or a stride of an axis longer than 1, that is not a
-// multiple of FA_CHUNK_BYTES bytes; the active-fragment test when head_dim or head_dim_v is below
-// the bucket's width.
+// address, or has head_dim, head_dim_v or a stride that is not a multiple of FA_CHUNK_BYTES
+// bytes; the active-fragment test when head_dim or head_dim_v is below the bucket's width.
 FlashAttentionParams edge_paths(FlashAttentionParams p, int dtype,
                                 std::initializer_list<const void *> copied) {
     const uint64_t size = dtype == FA_DTYPE_F32 ? 4 : 2;
     const auto aligned = [&](uint64_t elements) { return elements * size % FA_CHUNK_BYTES == 0; };
-    const auto strides_aligned = [&](const FlashAttentionStrides &s, unsigned heads, unsigned rows) {
-        return (p.batch <= 1 || aligned(s.batch)) && (heads <= 1 || aligned(s.head)) &&
-               (rows <= 1 || aligned(s.seq));
+    const auto strides_aligned = [&](const FlashAttentionStrides &s) {
+        return aligned(s.batch) && aligned(s.head) && aligned(s.seq);
     };
-    bool chunks = aligned(p.head_dim) && aligned(p.head_dim_v) &&
-                  strides_aligned(p.q, p.num_heads, p.seqlen_q) &&
-                  strides_aligned(p.k, p.num_kv_heads, p.seqlen_k) &&
-                  strides_aligned(p.v, p.num_kv_heads, p.seqlen_k) &&
-                  strides_aligned(p.out, p.num_heads, p.seqlen_q) &&
-                  strides_aligned(p.dout, p.num_heads, p.seqlen_q);
+    bool chunks = aligned(p.head_dim) && aligned(p.head_dim_v) && strides_aligned(p.q) &&
+                  strides_aligned(p.k) && strides_aligned(p.v) && strides_aligned(p.out) &&
+                  strides_aligned(p.dout);
     for (const void *tensor : copied) {
         chunks = chunks && reinterpret_cast<uintptr_t>(tensor) % FA_CHUNK_BYTES == 0;
     }
