@@ -36,7 +36,7 @@ template <>
 struct TileWords<half> {
     enum : uint { PER_WORD = 2 };
     static inline uint bits(half x) { return uint(as_type<ushort>(x)); }
-    static inline float element(uint w, uint i) { return float(as_type<half>(ushort(w >> (16 * i)))); }
+    static inline float element(uint w, uint i) { return float(as_type<half2>(w)[i]); }
 };
 
 template <>

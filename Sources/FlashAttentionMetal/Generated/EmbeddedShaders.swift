@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "e7f5cc1d3faf2af1"
+    static let sourceHash = "deace2a6d0814939"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -416,7 +416,7 @@ template <>
 struct TileWords<half> {
     enum : uint { PER_WORD = 2 };
     static inline uint bits(half x) { return uint(as_type<ushort>(x)); }
-    static inline float element(uint w, uint i) { return float(as_type<half>(ushort(w >> (16 * i)))); }
+    static inline float element(uint w, uint i) { return float(as_type<half2>(w)[i]); }
 };
 
 template <>
