@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "deace2a6d0814939"
+    static let sourceHash = "03bd9c2d7cdc62af"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -283,8 +283,10 @@ typedef struct FlashAttentionParams {
 // <kernel>_<dtype>_d<head_dim_max>, e.g. flash_attention_forward_f16_d64.
 // Why these sizes: the forward follows MLX's steel attention (BQ 32 = 4 SIMD-groups x 8 rows; K/V
 // tiles of 32 keys, 16 from head_dim 128), whose published throughput on M-series GPUs is 87-97 %
-// of a measured f16 matmul ceiling. From head_dim 192 the accumulators are split over two head_dim
-// slices (BQ 16, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. The
+// of a measured f16 matmul ceiling. At head_dim 192 the forward keeps 32 query rows, each
+// SIMD-group the whole head_dim of 8 of them, as MLX does (its tiles fit: (32 + 2 x 16) x 200
+// halves, 25.6 KB); the backward kernels and head_dim 256 split the accumulators over two head_dim
+// slices (16 rows, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. The
 // backward follows metal-flash-attention's three kernels (D pre-pass, dQ over query blocks, dK/dV
 // over key blocks with K, V, dK, dV resident); its tiles are the largest that keep each kernel's
 // threadgroup storage within 32 KiB (static_assert at the instantiation):
@@ -296,7 +298,7 @@ typedef struct FlashAttentionParams {
     X(64, 32, 32, 32, 32, 32, 32)        \
     X(96, 32, 32, 32, 32, 32, 32)        \
     X(128, 32, 16, 32, 16, 32, 16)       \
-    X(192, 16, 16, 16, 16, 16, 16)       \
+    X(192, 32, 16, 16, 16, 16, 16)       \
     X(256, 16, 16, 16, 8, 16, 8)
 
 // Occupancy. An Apple7/8 GPU core has about 60 KB of threadgroup memory (metal-benchmarks,
@@ -308,7 +310,7 @@ typedef struct FlashAttentionParams {
 //   d64           13840 / 4       18448 / 3      18832 / 3
 //   d96           19984 / 3       26640 / 2      27024 / 2
 //   d128          17424 / 3       26128 / 2      26320 / 2
-//   d192          21248 / 2       29696 / 2      29888 / 2
+//   d192          25616 / 2       29696 / 2      29888 / 2
 //   d256          27392 / 2       27392 / 2      27488 / 2
 //   float
 //   d32           15376 / 3       20496 / 2      20880 / 2
