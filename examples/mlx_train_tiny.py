@@ -179,10 +179,10 @@ def main(argv=None) -> int:
             print(f"{t + 1:4d} " + "".join(f"{curves[name][t]:18.6f}" for name in names))
     ref, base, ours = (curves[name] for name in names)
     error, base_error = float(np.abs(ours - ref).max()), float(np.abs(base - ref).max())
-    bound = accuracy.OUT_FACTOR * base_error + accuracy.slack(args.dtype)
+    bound = accuracy.bound("out", base_error, ref)
     passed = error <= bound
     print(f"max |library - MLX float32| = {error:.2e}; max |MLX {args.dtype} - MLX float32| = {base_error:.2e}; "
-          f"bound 2 * {base_error:.2e} + slack = {bound:.2e}: {'pass' if passed else 'FAIL'}")
+          f"bound 2 * {base_error:.2e} + atol = {bound:.2e}: {'pass' if passed else 'FAIL'}")
     return 0 if passed else 1
 
 

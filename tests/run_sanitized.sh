@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Runs every XCTest of the package (the engine's and the library's) under AddressSanitizer and
-# under UndefinedBehaviorSanitizer, each in its own scratch path (.build/asan, .build/ubsan), and
-# requires zero findings. Then proves ASan is really watching the kernels: the test that reads
-# past the end of a buffer from an MSL test kernel (tests/kernels/planted_out_of_bounds.metal),
-# skipped unless MSL_ENGINE_PLANTED_OOB=1, must fail with an AddressSanitizer
-# heap-buffer-overflow report.
+# Runs every XCTest of the package (the engine's and the library's, the attention kernels in
+# float16, bfloat16 and float32) under AddressSanitizer and under UndefinedBehaviorSanitizer, each
+# in its own scratch path (.build/asan, .build/ubsan), and requires zero findings. Then proves both
+# are really watching the kernels: the test that reads past the end of a buffer from an MSL test
+# kernel (tests/kernels/planted_out_of_bounds.metal), skipped unless MSL_ENGINE_PLANTED_OOB=1, must
+# fail with an AddressSanitizer heap-buffer-overflow report, and the one that overflows a signed
+# int (tests/kernels/planted_undefined_behaviour.metal), skipped unless MSL_ENGINE_PLANTED_UB=1,
+# with UndefinedBehaviorSanitizer's signed-integer-overflow report.
 #
 # Usage: tests/run_sanitized.sh            (from anywhere; logs go to .build/sanitizers/)
 # Prints one line per step and a summary line; exits non-zero when any step fails.
@@ -51,8 +53,8 @@ clean_run() { # name log command...
 # swift-corelibs-xctest and -foundation (Linux) leak objects of their own (XCTest's test-suite
 # objects at exit; a weak-reference side table in Foundation's Process.run). They are suppressed
 # by module, with allocation stacks cut to 7 frames: those modules then show up only in the stacks
-# of objects they allocated themselves, and a leak allocated in the engine or the library (several
-# C++ or Swift frames deep) is still reported (checked by planting one).
+# of objects they allocated themselves, so a leak allocated in the engine or the library (several
+# C++ or Swift frames deep) should still be reported. No planted leak checks that.
 lsan_suppressions="$logs/lsan.supp"
 printf 'leak:libXCTest.so\nleak:libFoundation.so\n' >"$lsan_suppressions"
 # LeakSanitizer is not available with ASan on macOS; there only ASan's own checks run.
@@ -88,8 +90,20 @@ clean_run "UndefinedBehaviorSanitizer: swift test" "$logs/ubsan.log" \
     env UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
     swift test "${ubsan_flags[@]}" --scratch-path "$root/.build/ubsan"
 
+planted_log="$logs/ubsan-planted.log"
+MSL_ENGINE_PLANTED_UB=1 UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
+    swift test --skip-build "${ubsan_flags[@]}" --scratch-path "$root/.build/ubsan" \
+    --filter 'MSLEngineTests.EngineTests/testPlantedSignedOverflow' >"$planted_log" 2>&1
+planted_rc=$?
+if [ $planted_rc -ne 0 ] && grep -q "runtime error: signed integer overflow" "$planted_log"; then
+    report "UBSan: planted signed overflow" PASS "caught: signed integer overflow"
+else
+    report "UBSan: planted signed overflow" FAIL "not caught (exit status $planted_rc), log $planted_log"
+    show_tail "$planted_log"
+fi
+
 if [ ${#failed[@]} -eq 0 ]; then
-    echo "run_sanitized: PASS (ASan and UBSan: zero findings; planted out-of-bounds read caught)"
+    echo "run_sanitized: PASS (ASan and UBSan: zero findings; planted out-of-bounds read and signed overflow caught)"
     exit 0
 fi
 echo "run_sanitized: FAIL (${failed[*]})"

@@ -9,6 +9,7 @@
 #include "limits.metal"
 #include "matrix.metal"
 #include "planted_out_of_bounds.metal"
+#include "planted_undefined_behaviour.metal"
 #include "simd.metal"
 
 #include "include/msl_engine_test_kernels.h"
@@ -115,6 +116,11 @@ void run_planted_out_of_bounds_read(const kernel_args &a, const builtins &t) {
                                a.constant_ref<const uint>(2), t.thread_position_in_grid.x);
 }
 
+void run_planted_signed_overflow(const kernel_args &a, const builtins &t) {
+    planted_signed_overflow(a.buffer<const int>(0), a.buffer<int>(1), a.constant_ref<const int>(2),
+                            t.thread_position_in_grid.x);
+}
+
 // LINE is where the kernel is defined; EngineTests checks every one against the .metal source.
 #define TEST_KERNEL(NAME, BUFFERS, THREADGROUP_BYTES, FILE, LINE)                                  \
     msl_engine::kernel_entry {                                                                     \
@@ -147,6 +153,7 @@ const msl_engine::kernel_entry kTestKernels[] = {
     TEST_KERNEL(oversized_threadgroup_memory, 1, sizeof(oversized_threadgroup), "limits.metal", 10),
     TEST_KERNEL(float_reduction, 2, sizeof(partial_sums_threadgroup), "limits.metal", 23),
     TEST_KERNEL(planted_out_of_bounds_read, 3, 0, "planted_out_of_bounds.metal", 6),
+    TEST_KERNEL(planted_signed_overflow, 3, 0, "planted_undefined_behaviour.metal", 6),
     TEST_KERNEL(function_constant_reader, 1, 0, "function_constants.metal", 16),
 };
 

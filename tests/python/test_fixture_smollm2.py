@@ -60,10 +60,31 @@ def test_case_arrays_are_real_gqa_attention_inputs(name):
     assert float(np.abs(k).max()) > 4.0
 
 
+def _causal_attention_float64(q, k, v):
+    """Bottom-right causal GQA attention in float64, written here apart from reference.py: each
+    query head's key head by integer division, scale 1/sqrt(head_dim), the mask as a triangle of
+    -inf shifted by seqlen_k - seqlen_q, softmax through its logsumexp."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    k, v = k[:, np.arange(q.shape[1]) // group], v[:, np.arange(q.shape[1]) // group]
+    logits = np.einsum("bhid,bhjd->bhij", q, k) / np.sqrt(q.shape[3])
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    hidden = np.arange(seqlen_k)[None, :] > np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)
+    logits = np.where(hidden, -np.inf, logits)
+    top = logits.max(axis=-1, keepdims=True)
+    lse = top[..., 0] + np.log(np.exp(logits - top).sum(axis=-1))
+    return np.einsum("bhij,bhjd->bhid", np.exp(logits - lse[..., None]), v), lse
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_stored_reference_is_the_reference(name):
     q, k, v = _qkv(name)
     out, lse = reference.forward(q, k, v, causal=True)
+    np.testing.assert_allclose(ARRAYS[f"{name}_ref_out"], out, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ARRAYS[f"{name}_ref_lse"], lse, rtol=1e-6)
+    # And recomputed without reference.py, so that a fault of the reference shared by the fixture's
+    # maker and the tests cannot hide.
+    out, lse = _causal_attention_float64(q, k, v)
     np.testing.assert_allclose(ARRAYS[f"{name}_ref_out"], out, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(ARRAYS[f"{name}_ref_lse"], lse, rtol=1e-6)
 

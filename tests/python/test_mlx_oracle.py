@@ -84,10 +84,9 @@ def test_forward_and_gradients_match_mlx(ctx, case):
     ours = [out[:, :, seen], dq, dk, dv]
     ref[0], base[0] = ref[0][:, :, seen], base[0][:, :, seen]
     report = []
-    for name, factor, mine, exact, framework in zip(
-            ("out", "dq", "dk", "dv"), (accuracy.OUT_FACTOR,) + (accuracy.GRAD_FACTOR,) * 3, ours, ref, base):
+    for name, mine, exact, framework in zip(("out", "dq", "dk", "dv"), ours, ref, base):
         error = float(np.max(np.abs(mine.astype(np.float64) - exact), initial=0.0))
-        bound = factor * float(np.max(np.abs(framework - exact), initial=0.0)) + accuracy.slack(q.dtype)
+        bound = accuracy.bound(name, float(np.max(np.abs(framework - exact), initial=0.0)), exact)
         report.append((name, error, bound))
     text = "\n".join(f"{n}: max|ours - mlx float32| {e:.3e}, bound {b:.3e}" for n, e, b in report)
     assert all(np.isfinite(e) and e <= b for _, e, b in report), f"{_label(case)}\n{text}"

@@ -4,6 +4,8 @@ such shapes on the CPU engine."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -26,6 +28,17 @@ DECODE = [
 ]
 
 
+def _split_forward(ctx, q, k, v, **options):
+    """ctx.forward, asserting from its profile that the split-KV path ran: the split kernel over
+    key chunks, then their combine, and no dense forward."""
+    out, lse = ctx.forward(q, k, v, **options)
+    kernels = [dispatch.kernel for dispatch in ctx.last_profile.dispatches]
+    assert kernels and kernels[0].startswith("flash_attention_forward_split_"), kernels
+    assert any(name.startswith("flash_attention_forward_combine_") for name in kernels), kernels
+    assert not any(re.fullmatch(r"flash_attention_forward_(f16|bf16|f32)_d\d+", name) for name in kernels), kernels
+    return out, lse
+
+
 def _label(case):
     b, h, hk, nq, nk, d, causal = case
     return f"B{b}-H{h}-Hkv{hk}-Nq{nq}-Nk{nk}-D{d}-{'causal' if causal else 'full'}"
@@ -35,9 +48,9 @@ def _label(case):
 def test_decode_within_rule_and_deterministic(ctx, case):
     b, h, hk, nq, nk, d, causal = case
     q, k, v, _ = make_inputs(sum(case[:6]), b, h, hk, nq, nk, d)
-    out, lse = ctx.forward(q, k, v, causal=causal)
+    out, lse = _split_forward(ctx, q, k, v, causal=causal)
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=causal), _label(case))
-    again, again_lse = ctx.forward(q, k, v, causal=causal)
+    again, again_lse = _split_forward(ctx, q, k, v, causal=causal)
     np.testing.assert_array_equal(out.view(np.uint16), again.view(np.uint16))
     np.testing.assert_array_equal(lse.view(np.uint32), again_lse.view(np.uint32))
 
@@ -47,7 +60,7 @@ def test_chunk_that_some_rows_do_not_see(ctx):
     # last chunk holds key 2304 alone, which causal rows 0-6 of 8 do not see (their partial lse is
     # -inf and must weigh nothing in the combine).
     q, k, v, _ = make_inputs(31, 4, 9, 9, 8, 2305, 32)
-    out, lse = ctx.forward(q, k, v, causal=True)
+    out, lse = _split_forward(ctx, q, k, v, causal=True)
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True), "empty last chunk")
 
 
@@ -57,7 +70,7 @@ def test_decode_on_large_scores(ctx):
     q, k, v, _ = make_inputs(32, 1, 4, 1, 2, 1500, 16)
     q = (q.astype(np.float32) + 6).astype(np.float16)
     k = (k.astype(np.float32) + 6).astype(np.float16)
-    out, lse = ctx.forward(q, k, v)
+    out, lse = _split_forward(ctx, q, k, v)
     assert np.min(lse) > 100
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse), "large scores")
 
@@ -68,6 +81,6 @@ def test_decode_with_a_window_that_starts_inside_a_key_tile(ctx, window_size):
     # chunk's tiles must start at the chunk's own tile grid or its last tile reads the next
     # chunk's keys as well (those keys then count twice in the combine).
     q, k, v, _ = make_inputs(33, 2, 8, 2, 4, 600, 64)
-    out, lse = ctx.forward(q, k, v, causal=True, window_size=window_size)
+    out, lse = _split_forward(ctx, q, k, v, causal=True, window_size=window_size)
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True, window_size=window_size),
                        f"window {window_size}")

@@ -298,11 +298,11 @@ bool run_case(const TestCase &c, const Options &options, Margins *margins) {
     const ReferenceResult ref = reference_attention(s, in);
     const BaseResult base = base_attention(s, in);
     std::vector<Metric> metrics = {
-        tensor_metric("out", gpu.out, base.out, ref.out, kOutFactor, s.dtype),
+        tensor_metric("out", gpu.out, base.out, ref.out, rule_factor(kOutFactor, s.options.softcap)),
         lse_metric(gpu.lse, ref.lse),
-        tensor_metric("dq", gpu.dq, base.dq, ref.dq, kGradFactor, s.dtype),
-        tensor_metric("dk", gpu.dk, base.dk, ref.dk, kGradFactor, s.dtype),
-        tensor_metric("dv", gpu.dv, base.dv, ref.dv, kGradFactor, s.dtype),
+        tensor_metric("dq", gpu.dq, base.dq, ref.dq, rule_factor(kGradFactor, s.options.softcap)),
+        tensor_metric("dk", gpu.dk, base.dk, ref.dk, rule_factor(kGradFactor, s.options.softcap)),
+        tensor_metric("dv", gpu.dv, base.dv, ref.dv, rule_factor(kGradFactor, s.options.softcap)),
     };
     if (s.options.sinks) {
         metrics.push_back(dsinks_metric(s, gpu.dsinks, ref, base));
@@ -311,7 +311,8 @@ bool run_case(const TestCase &c, const Options &options, Margins *margins) {
     bool empty_ok = empty_rows_correct(s, in, ref, gpu.out, gpu.lse, gpu.dq, &empty_rows);
     if (!gpu.split_out.empty()) {
         metrics.push_back(
-            tensor_metric("out(split)", gpu.split_out, base.out, ref.out, kOutFactor, s.dtype));
+            tensor_metric("out(split)", gpu.split_out, base.out, ref.out,
+                          rule_factor(kOutFactor, s.options.softcap)));
         metrics.push_back(lse_metric(gpu.split_lse, ref.lse));
         metrics.back().name = "lse(split)";
         int split_empty_rows = 0;

@@ -235,8 +235,8 @@ int run(int *rows_checked) {
         append(&ref_dq, c.ref.dq);
         checks.push_back(std::move(c));
     }
-    const Metric out_all = tensor_metric("out", all_out, base_out, ref_out, kOutFactor, DType::f16);
-    const Metric dq_all = tensor_metric("dq", all_dq, base_dq, ref_dq, kGradFactor, DType::f16);
+    const Metric out_all = tensor_metric("out", all_out, base_out, ref_out, kOutFactor);
+    const Metric dq_all = tensor_metric("dq", all_dq, base_dq, ref_dq, kGradFactor);
     std::printf("sampled rows together: out error %.2e, base %.2e, bound %.2e; dq error %.2e, "
                 "base %.2e, bound %.2e\n",
                 out_all.error, out_all.base_error, out_all.bound, dq_all.error, dq_all.base_error,
@@ -245,8 +245,8 @@ int run(int *rows_checked) {
     int mismatches = 0;
     for (const RowCheck &c : checks) {
         const double out_error =
-            tensor_metric("out", c.out, c.base.out, c.ref.out, 0, DType::f16).error;
-        const double dq_error = tensor_metric("dq", c.dq, c.base.dq, c.ref.dq, 0, DType::f16).error;
+            tensor_metric("out", c.out, c.base.out, c.ref.out, 0).error;
+        const double dq_error = tensor_metric("dq", c.dq, c.base.dq, c.ref.dq, 0).error;
         const Metric lse_row = lse_metric({c.lse}, c.ref.lse);
         const bool out_ok = std::isfinite(out_error) && out_error <= out_all.bound;
         const bool dq_ok = std::isfinite(dq_error) && dq_error <= dq_all.bound;
@@ -256,7 +256,7 @@ int run(int *rows_checked) {
             for (const RowCheck &high : checks) {
                 if (high.row == kBoundaryRow + c.row) {
                     const Metric high_out =
-                        tensor_metric("out", c.out, high.base.out, high.ref.out, 0, DType::f16);
+                        tensor_metric("out", c.out, high.base.out, high.ref.out, 0);
                     wrapped = std::isfinite(high_out.error) && high_out.error <= out_all.bound;
                 }
             }

@@ -148,7 +148,8 @@ enum Reference {
     /// heads of a GQA group summed (float32 accumulation, rounded), as autograd through a repeat does.
     static func baseBackward(_ c: AttentionCase, dout: [Float16], q: [Float16], k: [Float16], v: [Float16])
         -> BackwardResult {
-        let p = baseForward(c, q: q, k: k, v: v).p
+        let forward = baseForward(c, q: q, k: k, v: v)
+        let p = forward.p
         let dout = dout.map(Float.init), q = q.map(Float.init), k = k.map(Float.init), v = v.map(Float.init)
         var dq = [Double](repeating: 0, count: c.qCount)
         var dkSum = [Float](repeating: 0, count: c.kvCount)
@@ -166,8 +167,10 @@ enum Reference {
                         for d in 0..<c.headDim { acc += dout[qo + d] * v[ki(c, b, hk, j) + d] }
                         dp[j] = h(acc)
                     }
+                    // D = rowsum(dout * out) in float32 with out rounded to float16 (FlashAttention-2,
+                    // as the kernels and accuracy.py's base).
                     var rowSum: Float = 0
-                    for j in 0..<c.seqlenK { rowSum += row[j] * dp[j] }
+                    for d in 0..<c.headDim { rowSum += dout[qo + d] * Float(forward.out[qo + d]) }
                     for j in 0..<c.seqlenK { ds[i][j] = h(row[j] * (dp[j] - rowSum)) }
                     for d in 0..<c.headDim {
                         var acc: Float = 0
@@ -192,6 +195,17 @@ enum Reference {
             }
         }
         return BackwardResult(dq: dq, dk: dkSum.map { Double(h($0)) }, dv: dvSum.map { Double(h($0)) })
+    }
+
+    /// FlashAttention's atol (python/flash_attention_metal/accuracy.py's absolute_term):
+    /// 2 * max|(ref + 0.3 - 0.3) - ref| with every step rounded to float32.
+    static func absoluteTerm(_ ref: [Double]) -> Double {
+        var worst: Float = 0
+        for value in ref where value.isFinite {
+            let r = Float(value)
+            worst = max(worst, abs((r + 0.3) - 0.3 - r))
+        }
+        return 2 * Double(worst)
     }
 
     /// max |a - b| over finite pairs; infinity where one side is NaN.

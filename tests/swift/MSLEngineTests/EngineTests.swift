@@ -101,7 +101,7 @@ final class EngineTests: XCTestCase {
     func testTestKernelEntriesNameTheirDefinitions() {
         msl_engine_test_kernels_register()
         for file in ["barrier.metal", "bfloat.metal", "counters.metal", "simd.metal", "matrix.metal", "limits.metal",
-                     "planted_out_of_bounds.metal", "function_constants.metal"] {
+                     "planted_out_of_bounds.metal", "planted_undefined_behaviour.metal", "function_constants.metal"] {
             let kernels = kernelSourceLines(file).compactMap { line -> String? in
                 guard line.hasPrefix("kernel void ") else { return nil }
                 return String(line.dropFirst("kernel void ".count).prefix { $0 != "(" })
@@ -183,6 +183,19 @@ final class EngineTests: XCTestCase {
         let out = HostBuffer<Float>(count: 64, zero: 0)
         let count = HostBuffer<UInt32>([1])
         let r = dispatch("planted_out_of_bounds_read", [input.binding, out.binding, count.binding], threads: (64, 1, 1))
+        XCTAssertEqual(r.status, MSL_ENGINE_SUCCESS, r.message)
+    }
+
+    /// A signed int overflow in an MSL test kernel; tests/run_sanitized.sh runs it with
+    /// MSL_ENGINE_PLANTED_UB=1 under UndefinedBehaviorSanitizer and expects its report.
+    func testPlantedSignedOverflow() throws {
+        guard ProcessInfo.processInfo.environment["MSL_ENGINE_PLANTED_UB"] == "1" else {
+            throw XCTSkip("set MSL_ENGINE_PLANTED_UB=1 to run the planted signed overflow")
+        }
+        let input = HostBuffer<Int32>([Int32.max, 0])
+        let out = HostBuffer<Int32>(count: 2, zero: 0)
+        let step = HostBuffer<Int32>([1])
+        let r = dispatch("planted_signed_overflow", [input.binding, out.binding, step.binding], threads: (2, 1, 1))
         XCTAssertEqual(r.status, MSL_ENGINE_SUCCESS, r.message)
     }
 }
