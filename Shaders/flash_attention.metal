@@ -53,6 +53,7 @@ using namespace metal;
 
 #include "flash_attention_params.h"
 #include "flash_attention_features.h"
+#include "flash_attention_loader.h"
 #include "flash_attention_fragment.h"
 #include "flash_attention_blocks.h"
 #include "flash_attention_merge.h"
@@ -60,17 +61,24 @@ using namespace metal;
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
 
+// The partial products of the head_dim slices, per SIMD-group an 8 x COLS block (sum_over_slices);
+// a single float where there is one slice, which never touches it, so that it costs no
+// threadgroup memory (occupancy: flash_attention_params.h).
+#define FA_PARTIALS(NAME, SLICES, COLS)                                                            \
+    float NAME[(SLICES) > 1 ? FA_SIMDGROUPS : 1][(SLICES) > 1 ? 8 : 1][(SLICES) > 1 ? (COLS) : 1]
+
 // Where one SIMD-group works: rows [row0, row0 + 8) of the threadgroup's block and columns
 // [col0, col0 + 8 * fragments) of its head_dim slice, of which `active` fragments lie inside
 // head_dim (q, k) and `active_v` inside head_dim_v (v, out). A SIMD-group whose rows all lie past
-// the end of the block's rows has no active fragment: it multiplies nothing (but still loads tiles
-// and meets the barriers with the others).
+// the end of the block's rows is not live and has no active fragment: it multiplies nothing (but
+// still loads tiles and meets the barriers with the others).
 struct SimdgroupSlice {
     uint row0;
     uint col0;
     uint active;
     uint active_v;
     uint first_sgid;  // the SIMD-group holding slice 0 of the same rows
+    bool live;
 };
 
 template <uint DP, uint SLICES>
@@ -79,45 +87,83 @@ inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgi
     s.row0 = (sgid / SLICES) * 8;
     s.col0 = (sgid % SLICES) * (DP / SLICES);
     const bool live = s.row0 < rows_left;
+    s.live = live;
     s.active = live ? active_fragments(p.head_dim, s.col0, DP / SLICES / 8) : 0;
     s.active_v = live ? active_fragments(p.head_dim_v, s.col0, DP / SLICES / 8) : 0;
     s.first_sgid = sgid - sgid % SLICES;
     return s;
 }
 
+// Products over a head_dim slice. With every column of the bucket inside head_dim and head_dim_v
+// (FlashAttentionParams.partial_columns 0, the common case) a live SIMD-group multiplies all ND
+// fragments of its slice, fully unrolled, without a test; otherwise (CHECKED) only the first
+// `active` ones, the rest being zero padding.
+
 // x = A B^T over the SIMD-group's head_dim slice: A the 8 rows [a_row0, a_row0 + 8) of tile `a`,
 // B the rows [8j, 8j + 8) of tile `b` for fragment j of x, summed over the slice's first `active`
-// 8-column fragments (of ND): S = Q K^T, dP = dO V^T and their transposes.
-template <uint ND, uint N, typename TileA, typename TileB>
-inline void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
-                               SimdgroupSlice s, uint active, FragmentCoord at) {
+// 8-column fragments (of ND), all of them unless CHECKED.
+template <typename T, uint ND, bool CHECKED, uint N, typename TileA, typename TileB>
+inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
+                                    uint col0, uint active, FragmentCoord at) {
     clear(x);
+    FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
-        if (d < active) {
+        if (!CHECKED || d < active) {
             simdgroup_float8x8 af;
-            load_fragment(af, a, a_row0, s.col0 + d * 8, at);
+            load_fragment<T>(af, a, a_row0, col0 + d * 8, at);
+            FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bt;
-                load_fragment_transposed(bt, b, j * 8, s.col0 + d * 8, at);
+                load_fragment_transposed<T>(bt, b, j * 8, col0 + d * 8, at);
                 simdgroup_multiply_accumulate(x.f[j], af, bt, x.f[j]);
             }
         }
     }
 }
 
-// acc += P B over the slice's first `active` fragments (of ND): P an 8 x 8N block, B the rows
-// [0, 8N) of tile `b`: O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
-template <uint ND, uint N, typename TileB>
-inline void accumulate_product(thread Fragments<ND> &acc, thread Fragments<N> &p, TileB b,
-                               SimdgroupSlice s, uint active, FragmentCoord at) {
+// S = Q K^T, dP = dO V^T and their transposes (see product_transposed_over); x = 0 for a SIMD-group
+// that is not live.
+template <typename T, uint ND, uint N, typename TileA, typename TileB>
+inline void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
+                               SimdgroupSlice s, uint active, constant FlashAttentionParams &p,
+                               FragmentCoord at) {
+    if (p.partial_columns != 0) {
+        product_transposed_over<T, ND, true>(x, a, a_row0, b, s.col0, active, at);
+    } else if (s.live) {
+        product_transposed_over<T, ND, false>(x, a, a_row0, b, s.col0, active, at);
+    } else {
+        clear(x);
+    }
+}
+
+// acc += P B over the slice's first `active` fragments (of ND; all of them unless CHECKED): P an
+// 8 x 8N block, B the rows [0, 8N) of tile `b`.
+template <typename T, bool CHECKED, uint ND, uint N, typename TileB>
+inline void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<N> &p, TileB b,
+                                    uint col0, uint active, FragmentCoord at) {
+    FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
-        if (d < active) {
+        if (!CHECKED || d < active) {
+            FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bf;
-                load_fragment(bf, b, j * 8, s.col0 + d * 8, at);
+                load_fragment<T>(bf, b, j * 8, col0 + d * 8, at);
                 simdgroup_multiply_accumulate(acc.f[d], p.f[j], bf, acc.f[d]);
             }
         }
+    }
+}
+
+// O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q (see accumulate_product_over); nothing for a
+// SIMD-group that is not live.
+template <typename T, uint ND, uint N, typename TileB>
+inline void accumulate_product(thread Fragments<ND> &acc, thread Fragments<N> &x, TileB b,
+                               SimdgroupSlice s, uint active, constant FlashAttentionParams &p,
+                               FragmentCoord at) {
+    if (p.partial_columns != 0) {
+        accumulate_product_over<T, true>(acc, x, b, s.col0, active, at);
+    } else if (s.live) {
+        accumulate_product_over<T, false>(acc, x, b, s.col0, active, at);
     }
 }
 
@@ -137,7 +183,9 @@ inline void sum_over_slices(thread Fragments<N> &x, Partials partials, uint sgid
 template <uint N, typename T>
 inline void store_row(device T *dst, thread Fragments<N> &x, float scale, uint cols,
                       SimdgroupSlice s, FragmentCoord at) {
+    FA_UNROLL
     for (uint d = 0; d < N; ++d) {
+        FA_UNROLL
         for (uint e = 0; e < 2; ++e) {
             const uint col = s.col0 + d * 8 + at.col + e;
             if (col < cols) {
@@ -237,10 +285,10 @@ inline float backward_row_lse(float lse) {
 // Without WITH_V (the backward's lse residual pass: scores only) the V tile is a placeholder.
 template <typename T, uint DP, uint BQ, uint BK, bool WITH_V = true>
 struct ForwardStorage {
-    T q[BQ][DP + FA_TILE_PAD];
-    T k[BK][DP + FA_TILE_PAD];
-    T v[WITH_V ? BK : 1][DP + FA_TILE_PAD];
-    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+    uint4 q[BQ][FA_ROW_CHUNKS(T, DP)];
+    uint4 k[BK][FA_ROW_CHUNKS(T, DP)];
+    uint4 v[WITH_V ? BK : 1][FA_ROW_CHUNKS(T, DP)];
+    FA_PARTIALS(s_partial, FA_SLICES(BQ), BK);
 };
 
 // The online softmax of one lane's row (Algorithm 1): running max m of the scores, this lane's part
@@ -262,31 +310,33 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
     clear(r.o);
 }
 
-// One K/V tile of the forward pass, keys [kv0, kv0 + BK) of the KV head whose rows start at k_head
-// and v_head: loads the tiles (every thread calls it), S = Q K^T over the slice and then over all
-// of head_dim, masks (only when `masked`; the lane's row is query `row`), online softmax update,
-// O += P V (without WITH_V, only m and l: V is neither loaded nor multiplied).
+// One K/V tile of the forward pass, keys [kv0, kv0 + BK) (the next tiles of the streams ks and vs
+// over the KV head's K and V): loads the tiles (every thread calls it), S = Q K^T over the slice
+// and then over all of head_dim, masks (only when `masked`; the lane's row is query `row`), online
+// softmax update, O += P V (without WITH_V, only m and l: V is neither loaded nor multiplied).
 template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename T, typename Storage>
-inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_head,
-                         device const T *v_head, device const uchar *mask,
+inline void forward_tile(thread RowState<ND> &r, Storage tg, thread TileStream<T, BK, DP> &ks,
+                         thread TileStream<T, BK, DP> &vs, device const uchar *mask,
                          constant FlashAttentionParams &p, uint kv0, bool masked, uint row,
                          RowModifiers mods, SimdgroupSlice s, FragmentCoord at, uint sgid,
                          uint tid) {
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+    load_tile<BK, DP>(tg->k, ks, kv0, p, tid);
     if (WITH_V) {
-        load_rows<BK, DP>(tg->v, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+        load_tile<BK, DP>(tg->v, vs, kv0, p, tid);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     Fragments<NK> sc;
-    product_transposed<ND>(sc, tg->q, s.row0, tg->k, s, s.active, at);
+    product_transposed<T, ND>(sc, tg->q, s.row0, tg->k, s, s.active, p, at);
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
 
     // Online softmax; P replaces S in place.
     float tile_max = -INFINITY;
+    FA_UNROLL
     for (uint j = 0; j < NK; ++j) {
+        FA_UNROLL
         for (uint e = 0; e < 2; ++e) {
             float t;
             const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
@@ -300,11 +350,14 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     const float m_base = m_next == -INFINITY ? 0.0f : m_next;
     const float correction = exp_of(r.m - m_base);
     r.l *= correction;
+    FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
         r.o.f[d].thread_elements()[0] *= correction;
         r.o.f[d].thread_elements()[1] *= correction;
     }
+    FA_UNROLL
     for (uint j = 0; j < NK; ++j) {
+        FA_UNROLL
         for (uint e = 0; e < 2; ++e) {
             const float pe = exp_of(sc.f[j].thread_elements()[e] - m_base);
             sc.f[j].thread_elements()[e] = pe;
@@ -314,7 +367,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     r.m = m_next;
 
     if (WITH_V) {
-        accumulate_product(r.o, sc, tg->v, s, s.active_v, at);
+        accumulate_product<T>(r.o, sc, tg->v, s, s.active_v, p, at);
     }
 }
 
@@ -344,13 +397,18 @@ inline void attention_forward(device const T *q, device const T *k, device const
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
 
-    load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+    TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
+                                                      p.q.seq, p.head_dim, tid);
+    load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
+    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
+    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
     RowState<ND> r;
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
-                                 v + head_offset(p.v, b, kv_head), mask, p, kv0,
-                                 !tile_unmasked(p, q0, BQ, kv0, BK), row, mods, s, at, sgid, tid);
+        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, !tile_unmasked(p, q0, BQ, kv0, BK),
+                                 row, mods, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);
@@ -432,24 +490,35 @@ inline void attention_forward_split(device const T *q, device const T *k, device
     const uint key_end = min(chunk_begin + p.kv_chunk_keys, key_range(p, rows.i_max).end);
     const RowModifiers mods = row_modifiers(p, alibi, b, packed_head(p, rows, kv_head, valid ? packed : 0), row);
 
-    for (uint e = tid; e < BQ * DP; e += FA_THREADS_PER_THREADGROUP) {
-        const uint r = e / DP;
-        const uint d = e % DP;
+    // The packed rows come from several heads: copied once per launch, word by word.
+    constexpr uint PER_WORD = TileWords<T>::PER_WORD;
+    constexpr uint WORDS = DP / PER_WORD;
+    for (uint e = tid; e < BQ * WORDS; e += FA_THREADS_PER_THREADGROUP) {
+        const uint r = e / WORDS;
+        const uint w = e % WORDS;
         const uint at_row = rows.first + r;
-        tg->q[r][d] = (at_row < rows.count && d < p.head_dim)
-                          ? q[head_offset(p.q, b, packed_head(p, rows, kv_head, at_row)) +
-                              ulong(at_row % p.seqlen_q) * p.q.seq + d]
-                          : T(0.0f);
+        uint bits = 0;
+        for (uint i = 0; i < PER_WORD; ++i) {
+            const uint d = w * PER_WORD + i;
+            if (at_row < rows.count && d < p.head_dim) {
+                bits |= TileWords<T>::bits(q[head_offset(p.q, b, packed_head(p, rows, kv_head, at_row)) +
+                                    ulong(at_row % p.seqlen_q) * p.q.seq + d])
+                        << (16 * i);
+            }
+        }
+        tg->q[r][w / 4][w % 4] = bits;
     }
+    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
+    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
     // The sink joins once, in the combine.
     RowState<ND> r;
     start_rows(r, false, 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         const bool masked = !rows.full || !tile_unmasked(p, rows.i_min, rows.i_max - rows.i_min + 1,
                                                          kv0, BK);
-        forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
-                                 v + head_offset(p.v, b, kv_head), mask, p, kv0, masked, row,
-                                 mods, s, at, sgid, tid);
+        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, masked, row, mods, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);
@@ -499,27 +568,52 @@ inline void attention_forward_combine(device const float *partial_out,
     }
 }
 
-// ---- backward: D = rowsum(dO * O) ------------------------------------------------------------
+// ---- backward: D = rowsum(dO * O) ----------------------------------------------------------
 
-// One thread per query row; D in float32, read by both gradient kernels.
+// Columns of dO and O per step of the delta pre-pass: 64 bytes of each row.
+#define FA_DELTA_STEP_COLUMNS(T) (64 / sizeof(T))
+
 template <typename T>
+struct DeltaStorage {
+    uint4 dout[FA_DELTA_BLOCK_ROWS][FA_ROW_CHUNKS(T, FA_DELTA_STEP_COLUMNS(T))];
+    uint4 out[FA_DELTA_BLOCK_ROWS][FA_ROW_CHUNKS(T, FA_DELTA_STEP_COLUMNS(T))];
+};
+
+// One thread per query row; D in float32, read by both gradient kernels. The rows' columns are
+// staged through threadgroup memory FA_DELTA_STEP_COLUMNS at a time with the tile copies, whose
+// loads are coalesced (neighbouring threads read neighbouring chunks of a row), then each thread
+// sums its own row.
+template <typename T, typename Storage>
 inline void attention_backward_delta(device const T *dout, device const T *out,
                                      device float *delta, constant FlashAttentionParams &p,
-                                     uint3 tgid, uint tid) {
-    const uint row = tgid.x * FA_DELTA_BLOCK_ROWS + tid;
-    if (row < p.seqlen_q) {
-        device const T *dout_row = dout + head_offset(p.dout, tgid.z, tgid.y) + ulong(row) * p.dout.seq;
-        device const T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(row) * p.out.seq;
-        // Eight interleaved partial sums added pairwise (NumPy's float32 summation): a single
-        // running sum over head_dim loses bits that dP - D, often a near-cancellation, exposes.
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (uint d = 0; d < p.head_dim_v; d += 8) {
-            for (uint j = 0; j < 8; ++j) {
-                if (d + j < p.head_dim_v) {
-                    acc[j] = fma(float(dout_row[d + j]), float(out_row[d + j]), acc[j]);
-                }
+                                     Storage tg, uint3 tgid, uint tid) {
+    constexpr uint STEP = FA_DELTA_STEP_COLUMNS(T);
+    const uint first = tgid.x * FA_DELTA_BLOCK_ROWS;
+    const uint row = first + tid;
+    device const T *dout_head = dout + head_offset(p.dout, tgid.z, tgid.y);
+    device const T *out_head = out + head_offset(p.out, tgid.z, tgid.y);
+    // Eight interleaved partial sums added pairwise (NumPy's float32 summation): a single
+    // running sum over head_dim loses bits that dP - D, often a near-cancellation, exposes.
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (uint c0 = 0; c0 < p.head_dim_v; c0 += STEP) {
+        TileStream<T, FA_DELTA_BLOCK_ROWS, STEP> ds = tile_stream<T, FA_DELTA_BLOCK_ROWS, STEP>(
+            dout_head + c0, first, p.seqlen_q, p.dout.seq, p.head_dim_v - c0, tid);
+        TileStream<T, FA_DELTA_BLOCK_ROWS, STEP> os = tile_stream<T, FA_DELTA_BLOCK_ROWS, STEP>(
+            out_head + c0, first, p.seqlen_q, p.out.seq, p.head_dim_v - c0, tid);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        load_tile<FA_DELTA_BLOCK_ROWS, STEP>(tg->dout, ds, first, p, tid);
+        load_tile<FA_DELTA_BLOCK_ROWS, STEP>(tg->out, os, first, p, tid);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        // STEP is a multiple of 8, so column c0 + i belongs to partial sum i % 8.
+        FA_UNROLL
+        for (uint i = 0; i < STEP; ++i) {
+            if (c0 + i < p.head_dim_v) {
+                acc[i % 8] = fma(tile_element<T>(tg->dout, tid, i), tile_element<T>(tg->out, tid, i),
+                                 acc[i % 8]);
             }
         }
+    }
+    if (row < p.seqlen_q) {
         delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] =
             ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
@@ -585,14 +679,19 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
         const uint key_begin = key_range(p, q0).first;
         const uint key_end = key_range(p, last).end;
         const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
-        load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+        TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0,
+                                                          p.seqlen_q, p.q.seq, p.head_dim, tid);
+        load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
+        TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head),
+                                                          key_begin, p.seqlen_k, p.k.seq,
+                                                          p.head_dim, tid);
         RowState<ND> r;
         start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
         for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-            // (k stands in for the V that is not read.)
-            forward_tile<DP, BQ, BK, ND, false>(r, tg, k + head_offset(p.k, b, kv_head), k, mask, p,
-                                                kv0, !tile_unmasked(p, q0, BQ, kv0, BK), row, mods,
-                                                s, at, sgid, tid);
+            // (ks stands in for the V stream, which is not read.)
+            forward_tile<DP, BQ, BK, ND, false>(r, tg, ks, ks, mask, p, kv0,
+                                                !tile_unmasked(p, q0, BQ, kv0, BK), row, mods, s,
+                                                at, sgid, tid);
         }
         const float l = row_sum(r.l);
         if (row < p.seqlen_q) {
@@ -643,12 +742,12 @@ inline void attention_backward_dsinks(device const float *lse, device const floa
 // first for dP, then K for S and dQ, so each is still read once per tile.
 template <typename T, uint DP, uint BQ, uint BK, bool SHARED>
 struct BackwardQueryStorage {
-    T q[BQ][DP + FA_TILE_PAD];
-    T dout[BQ][DP + FA_TILE_PAD];
-    T k[BK][DP + FA_TILE_PAD];
-    T v[SHARED ? 1 : BK][DP + FA_TILE_PAD];
-    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
-    float dp_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+    uint4 q[BQ][FA_ROW_CHUNKS(T, DP)];
+    uint4 dout[BQ][FA_ROW_CHUNKS(T, DP)];
+    uint4 k[BK][FA_ROW_CHUNKS(T, DP)];
+    uint4 v[SHARED ? 1 : BK][FA_ROW_CHUNKS(T, DP)];
+    FA_PARTIALS(s_partial, FA_SLICES(BQ), BK);
+    FA_PARTIALS(dp_partial, FA_SLICES(BQ), BK);
 };
 
 template <uint DP, uint BQ, uint BK, bool SHARED, typename T, typename Storage>
@@ -671,8 +770,6 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
-    device const T *k_head = k + head_offset(p.k, b, kv_head);
-    device const T *v_head = v + head_offset(p.v, b, kv_head);
     const uint key_begin = key_range(p, q0).first;
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
@@ -682,38 +779,47 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
 
-    load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
-    load_rows<BQ, DP>(tg->dout, dout + head_offset(p.dout, b, h), q0, p.seqlen_q, p.dout.seq,
-                      p.head_dim_v, tid);
+    TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
+                                                      p.q.seq, p.head_dim, tid);
+    load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
+    TileStream<T, BQ, DP> ds = tile_stream<T, BQ, DP>(dout + head_offset(p.dout, b, h), q0,
+                                                      p.seqlen_q, p.dout.seq, p.head_dim_v, tid);
+    load_tile<BQ, DP>(tg->dout, ds, q0, p, tid);
+    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
+    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
 
     Fragments<ND> dq_acc;
     clear(dq_acc);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_rows<BK, DP>(v_tile, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+        load_tile<BK, DP>(v_tile, vs, kv0, p, tid);
         if (!SHARED) {
-            load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+            load_tile<BK, DP>(tg->k, ks, kv0, p, tid);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
         // dP = dO V^T.
         Fragments<NK> dp;
-        product_transposed<ND>(dp, tg->dout, s.row0, v_tile, s, s.active_v, at);
+        product_transposed<T, ND>(dp, tg->dout, s.row0, v_tile, s, s.active_v, p, at);
         if (SHARED) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+            load_tile<BK, DP>(tg->k, ks, kv0, p, tid);
             threadgroup_barrier(mem_flags::mem_threadgroup);
         }
 
         // S = Q K^T.
         Fragments<NK> sc;
-        product_transposed<ND>(sc, tg->q, s.row0, tg->k, s, s.active, at);
+        product_transposed<T, ND>(sc, tg->q, s.row0, tg->k, s, s.active, p, at);
         sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
         // dS = P (dP - D) (through the softcap), in place of S.
         const bool masked = !tile_unmasked(p, q0, BQ, kv0, BK);
+        FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
+            FA_UNROLL
             for (uint e = 0; e < 2; ++e) {
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
@@ -725,7 +831,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         }
 
         // dQ += dS K.
-        accumulate_product(dq_acc, sc, tg->k, s, s.active, at);
+        accumulate_product<T>(dq_acc, sc, tg->k, s, s.active, p, at);
     }
 
     if (row < p.seqlen_q) {
@@ -740,15 +846,15 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 // dO for dP and dV, then Q again for dK.
 template <typename T, uint DP, uint BK, uint BQ, bool SHARED>
 struct BackwardKeyValueStorage {
-    T k[BK][DP + FA_TILE_PAD];
-    T v[BK][DP + FA_TILE_PAD];
-    T q[BQ][DP + FA_TILE_PAD];
-    T dout[SHARED ? 1 : BQ][DP + FA_TILE_PAD];
+    uint4 k[BK][FA_ROW_CHUNKS(T, DP)];
+    uint4 v[BK][FA_ROW_CHUNKS(T, DP)];
+    uint4 q[BQ][FA_ROW_CHUNKS(T, DP)];
+    uint4 dout[SHARED ? 1 : BQ][FA_ROW_CHUNKS(T, DP)];
     float lse[BQ];       // lse of the tile's rows (0 for rows past the end)
     float residual[BQ];  // their lse residual R (0 likewise)
     float delta[BQ];     // D of the tile's rows (0 likewise)
-    float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
-    float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
+    FA_PARTIALS(s_partial, FA_SLICES(BK), BQ);
+    FA_PARTIALS(dp_partial, FA_SLICES(BK), BQ);
 };
 
 template <uint DP, uint BK, uint BQ, bool SHARED, typename T, typename Storage>
@@ -774,10 +880,17 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     // The query rows that see some key of the block through the window.
     const KeyRange rows = row_range(p, k0, BK);
 
-    load_rows<BK, DP>(tg->k, k + head_offset(p.k, b, kv_head), k0, p.seqlen_k, p.k.seq, p.head_dim,
-                      tid);
-    load_rows<BK, DP>(tg->v, v + head_offset(p.v, b, kv_head), k0, p.seqlen_k, p.v.seq,
-                      p.head_dim_v, tid);
+    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), k0,
+                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
+    load_tile<BK, DP>(tg->k, ks, k0, p, tid);
+    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), k0,
+                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+    load_tile<BK, DP>(tg->v, vs, k0, p, tid);
+    // Streams over each query head's Q and dO, moved to the head below.
+    TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q, rows.first, p.seqlen_q, p.q.seq,
+                                                      p.head_dim, tid);
+    TileStream<T, BQ, DP> ds = tile_stream<T, BQ, DP>(dout, rows.first, p.seqlen_q, p.dout.seq,
+                                                      p.head_dim_v, tid);
 
     Fragments<ND> dk_acc;
     Fragments<ND> dv_acc;
@@ -785,19 +898,21 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     clear(dv_acc);
     for (uint g = 0; g < group; ++g) {
         const uint h = kv_head * group + g;
-        device const T *q_head = q + head_offset(p.q, b, h);
-        device const T *dout_head = dout + head_offset(p.dout, b, h);
+        seek(qs, q + head_offset(p.q, b, h), rows.first);
+        seek(ds, dout + head_offset(p.dout, b, h), rows.first);
         // The head's slope and mask start; per element only the mask row moves.
         const RowModifiers head_mods = row_modifiers(p, alibi, b, h, 0);
+        // The head's rows of lse, residual and delta (one 64-bit multiply per head, not per tile).
+        const ulong head_rows = row_index(b, p.num_heads, h, p.seqlen_q, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+            load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
             if (!SHARED) {
-                load_rows<BQ, DP>(tg->dout, dout_head, q0, p.seqlen_q, p.dout.seq, p.head_dim_v, tid);
+                load_tile<BQ, DP>(tg->dout, ds, q0, p, tid);
             }
             if (tid < BQ) {
                 const uint r = q0 + tid;
-                const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, r < p.seqlen_q ? r : 0);
+                const ulong at_row = head_rows + (r < p.seqlen_q ? r : 0);
                 tg->lse[tid] = r < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
                 tg->residual[tid] = r < p.seqlen_q ? residual[at_row] : 0.0f;
                 tg->delta[tid] = r < p.seqlen_q ? delta[at_row] : 0.0f;
@@ -806,22 +921,24 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 
             // S^T = K Q^T.
             Fragments<NQ> st;
-            product_transposed<ND>(st, tg->k, s.row0, tg->q, s, s.active, at);
+            product_transposed<T, ND>(st, tg->k, s.row0, tg->q, s, s.active, p, at);
             if (SHARED) {
                 threadgroup_barrier(mem_flags::mem_threadgroup);
-                load_rows<BQ, DP>(dout_tile, dout_head, q0, p.seqlen_q, p.dout.seq, p.head_dim_v, tid);
+                load_tile<BQ, DP>(dout_tile, ds, q0, p, tid);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
             }
 
             // dP^T = V dO^T.
             Fragments<NQ> dpt;
-            product_transposed<ND>(dpt, tg->v, s.row0, dout_tile, s, s.active_v, at);
+            product_transposed<T, ND>(dpt, tg->v, s.row0, dout_tile, s, s.active_v, p, at);
             sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
             sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
 
             // P^T in place of S^T, dS^T (through the softcap) in place of dP^T.
             const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
+            FA_UNROLL
             for (uint j = 0; j < NQ; ++j) {
+                FA_UNROLL
                 for (uint e = 0; e < 2; ++e) {
                     const uint i = j * 8 + at.col + e;
                     RowModifiers mods = head_mods;
@@ -838,15 +955,15 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             }
 
             // dV += P^T dO.
-            accumulate_product(dv_acc, st, dout_tile, s, s.active_v, at);
+            accumulate_product<T>(dv_acc, st, dout_tile, s, s.active_v, p, at);
             if (SHARED) {
                 threadgroup_barrier(mem_flags::mem_threadgroup);
-                load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+                reload_tile<BQ, DP>(tg->q, qs, q0, p, tid);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
             }
 
             // dK += dS^T Q.
-            accumulate_product(dk_acc, dpt, tg->q, s, s.active, at);
+            accumulate_product<T>(dk_acc, dpt, tg->q, s, s.active, p, at);
         }
     }
 
@@ -894,6 +1011,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 
 // The kernels of one dtype (element type T, name suffix SUFFIX) that do not depend on the bucket.
 #define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX)                                                         \
+    typedef DeltaStorage<T> flash_attention_backward_delta_##SUFFIX##_threadgroup;                 \
+                                                                                                   \
     kernel void flash_attention_forward_combine_##SUFFIX(                                          \
         FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
         device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                 \
@@ -903,11 +1022,13 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         attention_forward_combine(partial_out, partial_lse, sinks, out, lse, params, tgid, tid);   \
     }                                                                                              \
                                                                                                    \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_delta_##SUFFIX(                                           \
         FA_BACKWARD_KERNEL_BUFFERS(T, , const),                                                    \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_backward_delta(dout, out, delta, params, tgid, tid);                             \
+        threadgroup flash_attention_backward_delta_##SUFFIX##_threadgroup tg;                      \
+        attention_backward_delta(dout, out, delta, params, &tg, tgid, tid);                        \
     }
 
 // The kernels of one dtype and head-dim bucket. The threadgroup storage type of kernel K is
@@ -927,6 +1048,11 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                       sizeof(flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup) <= 32768 && \
                       sizeof(flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup) <= 32768,  \
                   "threadgroup storage above 32 KiB");                                             \
+    static_assert(sizeof(T) == 4 || DP > 128 ||                                                    \
+                      FA_CORE_THREADGROUP_BYTES /                                                  \
+                              sizeof(flash_attention_forward_##SUFFIX##_d##DP##_threadgroup) >=    \
+                          FA_FORWARD_MIN_THREADGROUPS_PER_CORE,                                    \
+                  "forward threadgroups per core below the target (flash_attention_params.h)");    \
     static_assert(DP % (8 * FA_SLICES(FWD_BQ)) == 0 && DP % (8 * FA_SLICES(DQ_BQ)) == 0 &&         \
                       DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
                       DKV_BQ % 8 == 0,                                                             \

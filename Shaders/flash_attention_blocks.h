@@ -1,6 +1,5 @@
 // The block layer of the kernels: where rows live in device memory, which (query, key) pairs are
-// visible, which tiles need an element mask, and the copy of a block of rows from device memory
-// into a threadgroup tile.
+// visible and which tiles need an element mask (the copies of tiles: flash_attention_loader.h).
 //
 // Masks (bottom-right aligned, as FlashAttention >= 2.1, MLX and PyTorch's lower-right causal):
 // query i sees key j iff j < seqlen_k and i + shift - window_left <= j <= i + shift + window_right
@@ -79,18 +78,4 @@ inline bool tile_unmasked(constant FlashAttentionParams &p, uint row0, uint rows
 inline uint active_fragments(uint head_dim, uint col0, uint n) {
     const uint padded = (head_dim + 7) / 8 * 8;
     return padded <= col0 ? 0u : min(n, (padded - col0) / 8);
-}
-
-// Copies rows [first, first + ROWS) of a [seqlen][cols] matrix whose rows lie `stride` elements
-// apart (src points at its row 0) into tile[ROWS][>= DP], zero past seqlen and past cols. The
-// threadgroup's threads share the copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
-template <uint ROWS, uint DP, typename T, typename Tile>
-inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, ulong stride,
-                      uint cols, uint tid) {
-    for (uint e = tid; e < ROWS * DP; e += FA_THREADS_PER_THREADGROUP) {
-        const uint r = e / DP;
-        const uint d = e % DP;
-        const ulong row = ulong(first) + r;
-        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0.0f);
-    }
 }

@@ -1,5 +1,6 @@
 // The 8x8 fragment layer of the kernels: simdgroup_float8x8 values, the lane mapping Apple GPUs
-// use for them, loads from threadgroup tiles of half, and reductions over a fragment row.
+// use for them, loads from threadgroup tiles (flash_attention_loader.h), and reductions over a
+// fragment row. Every loop over fragments has a constant trip count and is fully unrolled.
 //
 // Every fragment holds float32 (MLX's steel attention does the same: half elements are converted
 // as they are read from threadgroup memory), so each simdgroup_multiply_accumulate has one element
@@ -33,26 +34,31 @@ struct Fragments {
 
 template <uint N>
 inline void clear(thread Fragments<N> &x) {
+    FA_UNROLL
     for (uint j = 0; j < N; ++j) {
         x.f[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     }
 }
 
-// f = tile[row0, row0 + 8) x [col0, col0 + 8), as float. `Tile` is a threadgroup array of rows of
-// half (a template parameter: see metal_stdlib of the CPU engine for why).
-template <typename Tile>
+// f = tile[row0, row0 + 8) x [col0, col0 + 8), as float: the lane's pair is one 32-bit word of a
+// tile of 2-byte T. `Tile` is a threadgroup tile of elements of type T (flash_attention_loader.h;
+// a template parameter: see metal_stdlib of the CPU engine for why).
+template <typename T, typename Tile>
 inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint col0,
                           FragmentCoord at) {
-    f.thread_elements()[0] = float(tile[row0 + at.row][col0 + at.col]);
-    f.thread_elements()[1] = float(tile[row0 + at.row][col0 + at.col + 1]);
+    float lo;
+    float hi;
+    tile_pair<T>(tile, row0 + at.row, col0 + at.col, lo, hi);
+    f.thread_elements()[0] = lo;
+    f.thread_elements()[1] = hi;
 }
 
 // f = the transpose of tile[row0, row0 + 8) x [col0, col0 + 8), as float.
-template <typename Tile>
+template <typename T, typename Tile>
 inline void load_fragment_transposed(thread simdgroup_float8x8 &f, Tile tile, uint row0,
                                      uint col0, FragmentCoord at) {
-    f.thread_elements()[0] = float(tile[row0 + at.col][col0 + at.row]);
-    f.thread_elements()[1] = float(tile[row0 + at.col + 1][col0 + at.row]);
+    f.thread_elements()[0] = tile_element<T>(tile, row0 + at.col, col0 + at.row);
+    f.thread_elements()[1] = tile_element<T>(tile, row0 + at.col + 1, col0 + at.row);
 }
 
 // The maximum and the sum of x over the four lanes that hold one fragment row.
@@ -72,6 +78,7 @@ inline float row_sum(float x) {
 // Between the two calls the caller places a threadgroup barrier (all threads reach it).
 template <uint N, typename Partials>
 inline void store_partial(thread Fragments<N> &x, Partials partials, uint sgid, FragmentCoord at) {
+    FA_UNROLL
     for (uint j = 0; j < N; ++j) {
         partials[sgid][at.row][j * 8 + at.col] = x.f[j].thread_elements()[0];
         partials[sgid][at.row][j * 8 + at.col + 1] = x.f[j].thread_elements()[1];
@@ -81,9 +88,12 @@ inline void store_partial(thread Fragments<N> &x, Partials partials, uint sgid, 
 template <uint N, uint SLICES, typename Partials>
 inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_sgid,
                          FragmentCoord at) {
+    FA_UNROLL
     for (uint j = 0; j < N; ++j) {
+        FA_UNROLL
         for (uint e = 0; e < 2; ++e) {
             float sum = 0.0f;
+            FA_UNROLL
             for (uint w = 0; w < SLICES; ++w) {
                 sum += partials[first_sgid + w][at.row][j * 8 + at.col + e];
             }

@@ -66,6 +66,14 @@ typedef struct FlashAttentionParams {
     fa_u32 has_sinks;     // 1: one virtual key per head with logit sinks[h] and no value
     fa_u32 kv_chunks;     // split-KV forward only: chunks of keys per (batch, KV head), else 1
     fa_u32 kv_chunk_keys; // split-KV forward only: keys per chunk (a multiple of the key tile)
+    // The edge paths, chosen once per call by the host (0, the common case, takes neither):
+    // 1: some tile copy cannot move 16-byte chunks (the address of a bound q, k, v, out or dout,
+    // one of their strides, head_dim or head_dim_v is not a multiple of 16 bytes), so every copy
+    // takes the checked scalar path (flash_attention_loader.h).
+    fa_u32 scalar_copies;
+    // 1: head_dim or head_dim_v is below the bucket's width, so the products skip the zero
+    // fragments past them (the active-fragment test).
+    fa_u32 partial_columns;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -195,6 +203,9 @@ typedef struct FlashAttentionParams {
 #define FA_SPLIT_MAX_QUERY_ROWS 8
 #define FA_SPLIT_MIN_CHUNK_KEYS 256
 #define FA_SPLIT_TARGET_THREADGROUPS 320
+// Bytes one thread moves per load and store of a tile copy (flash_attention_loader.h); rows whose
+// address, strides or width are not multiples of it take the checked scalar copy (scalar_copies).
+#define FA_CHUNK_BYTES 16
 // Threadgroup tiles are stored with rows padded by 8 elements (16 bytes of half, 32 of float),
 // against bank conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
 #define FA_TILE_PAD 8
@@ -208,8 +219,10 @@ typedef struct FlashAttentionParams {
 // <kernel>_<dtype>_d<head_dim_max>, e.g. flash_attention_forward_f16_d64.
 // Why these sizes: the forward follows MLX's steel attention (BQ 32 = 4 SIMD-groups x 8 rows; K/V
 // tiles of 32 keys, 16 from head_dim 128), whose published throughput on M-series GPUs is 87-97 %
-// of a measured f16 matmul ceiling. From head_dim 192 the accumulators are split over two head_dim
-// slices (BQ 16, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. The
+// of a measured f16 matmul ceiling. At head_dim 192 the forward keeps 32 query rows, each
+// SIMD-group the whole head_dim of 8 of them, as MLX does (its tiles fit: (32 + 2 x 16) x 200
+// halves, 25.6 KB); the backward kernels and head_dim 256 split the accumulators over two head_dim
+// slices (16 rows, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. The
 // backward follows metal-flash-attention's three kernels (D pre-pass, dQ over query blocks, dK/dV
 // over key blocks with K, V, dK, dV resident); its tiles are the largest that keep each kernel's
 // threadgroup storage within 32 KiB (static_assert at the instantiation):
@@ -221,8 +234,33 @@ typedef struct FlashAttentionParams {
     X(64, 32, 32, 32, 32, 32, 32)        \
     X(96, 32, 32, 32, 32, 32, 32)        \
     X(128, 32, 16, 32, 16, 32, 16)       \
-    X(192, 16, 16, 16, 16, 16, 16)       \
+    X(192, 32, 16, 16, 16, 16, 16)       \
     X(256, 16, 16, 16, 8, 16, 8)
+
+// Occupancy. An Apple7/8 GPU core has about 60 KB of threadgroup memory (metal-benchmarks,
+// philipturner; at most 32 KiB per threadgroup), so a kernel whose threadgroup uses B bytes runs at
+// most FA_CORE_THREADGROUP_BYTES / B threadgroups per core at once. Threadgroup bytes per kernel
+// and bucket (the engine's sizeof of each <kernel>_threadgroup struct) / threadgroups per core:
+//   half, bfloat   forward        dQ             dK/dV
+//   d32            7696 / 7       10256 / 5      10640 / 5
+//   d64           13840 / 4       18448 / 3      18832 / 3
+//   d96           19984 / 3       26640 / 2      27024 / 2
+//   d128          17424 / 3       26128 / 2      26320 / 2
+//   d192          25616 / 2       29696 / 2      29888 / 2
+//   d256          27392 / 2       27392 / 2      27488 / 2
+//   float
+//   d32           15376 / 3       20496 / 2      20880 / 2
+//   d64           27664 / 2       27664 / 2      27856 / 2
+//   d96           26640 / 2       30720 / 2      30912 / 1
+//   d128          28160 / 2       28160 / 2      28256 / 2
+//   d192          20224 / 3       27648 / 2      27744 / 2
+//   d256          26368 / 2       28448 / 2      28544 / 2
+//   backward_delta: 20480 / 3 (half, bfloat), 24576 / 2 (float); the other kernels use less.
+// The target, checked at the instantiation: at least FA_FORWARD_MIN_THREADGROUPS_PER_CORE forward
+// threadgroups per core for half and bfloat up to head_dim 128 (MLX's steel attention fits 4).
+// float32's tiles take twice the bytes: its buckets trade rows for 2 threadgroups per core.
+#define FA_CORE_THREADGROUP_BYTES 61440
+#define FA_FORWARD_MIN_THREADGROUPS_PER_CORE 3
 
 // Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
 // (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB

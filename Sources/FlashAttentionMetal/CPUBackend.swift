@@ -88,7 +88,9 @@ final class CPUBackend: ExecutionBackend {
     /// The engine checks `cancellation` before every threadgroup, the first one included.
     private func run(_ dispatch: Dispatch, of piece: PlanPiece, buffers: HostBuffers,
                      cancellation: CancellationToken) throws {
-        var params = dispatch.params
+        var params = dispatch.params.checkingAlignment { role in
+            buffers[role]?.baseAddress.map { UInt(bitPattern: $0 + piece.byteOffset(of: role)) }
+        }
         try withUnsafeMutableBytes(of: &params) { paramBytes in
             var slots = [msl_engine_buffer](repeating: msl_engine_buffer(contents: nil, length: 0),
                                             count: dispatch.bufferCount)

@@ -11,6 +11,9 @@ enum BufferRole: Int, CaseIterable {
     case q, k, v, out, lse, dout, dq, dk, dv, delta, lseResidual, partialOut, partialLse, attnMask, alibiSlopes, sinks, dsinks,
          outA, lseA, outB, lseB
 
+    /// The inputs whose rows the kernels copy into threadgroup tiles (in 16-byte chunks when aligned).
+    static let copiedInTiles: [BufferRole] = [.q, .k, .v, .out, .dout]
+
     /// Whether the role holds float32 whatever the problem's dtype.
     var isFloat32: Bool {
         switch self {

@@ -308,6 +308,36 @@ struct Problem {
             head_dim: headDim, head_dim_v: headDimV, causal: causal ? 1 : 0, window_left: scores.windowLeft,
             window_right: scores.windowRight, softmax_scale: softmaxScale, softcap: scores.softcap,
             mask_type: scores.maskType, has_alibi: scores.hasAlibi ? 1 : 0, has_sinks: scores.hasSinks ? 1 : 0,
-            kv_chunks: split?.chunks ?? 1, kv_chunk_keys: split?.chunkKeys ?? seqlenK)
+            kv_chunks: split?.chunks ?? 1, kv_chunk_keys: split?.chunkKeys ?? seqlenK,
+            scalar_copies: layoutsAllowChunks ? 0 : 1,
+            partial_columns: headDim == bucket.head_dim_max && headDimV == bucket.head_dim_max ? 0 : 1)
+    }
+
+    /// Whether the tensors the kernels copy in tiles (`BufferRole.copiedInTiles`) can be copied in
+    /// FA_CHUNK_BYTES-byte chunks as far as the layouts go: head_dim, head_dim_v and every stride are
+    /// multiples of FA_CHUNK_BYTES in bytes (the addresses are checked per call:
+    /// `FlashAttentionParams.checkingAlignment`). Strides of axes of length 1 count too, so that the
+    /// pieces of a split plan, which start at multiples of the strides, get the whole plan's answer.
+    var layoutsAllowChunks: Bool {
+        let size = dtype.size, chunk = Int(FA_CHUNK_BYTES)
+        guard (Int(headDim) * size) % chunk == 0 && (Int(headDimV) * size) % chunk == 0 else { return false }
+        return BufferRole.copiedInTiles.allSatisfy { role in
+            guard let layout = layouts[role] else { return true }
+            return [layout.strides.batch, layout.strides.head, layout.strides.seq].allSatisfy { ($0 * size) % chunk == 0 }
+        }
+    }
+}
+
+extension FlashAttentionParams {
+    /// These parameters with `scalar_copies` set when a tensor the kernels copy in tiles starts at a
+    /// byte address that is not a multiple of FA_CHUNK_BYTES (an in-place view such as x[..., 1:65]):
+    /// the kernels' 16-byte loads need aligned rows. `address(role)` is where a bound role's tensor
+    /// starts (on Metal its offset in a buffer whose contents are page-aligned), nil when unbound.
+    func checkingAlignment(_ address: (BufferRole) -> UInt?) -> FlashAttentionParams {
+        var params = self
+        if BufferRole.copiedInTiles.contains(where: { address($0).map { $0 % UInt(FA_CHUNK_BYTES) != 0 } ?? false }) {
+            params.scalar_copies = 1
+        }
+        return params
     }
 }

@@ -152,7 +152,7 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
 #define FA_KERNEL_ENTRY(T, NAME, RUN, BUFFERS)                                                     \
     {#NAME, RUN<T, NAME>, BUFFERS, sizeof(NAME##_threadgroup), kSource, 0},
 
-// The combine, delta and merge kernels declare no threadgroup storage.
+// The combine and merge kernels declare no threadgroup storage.
 #define FA_DTYPE_ENTRIES(T, SUFFIX)                                                                \
     {"flash_attention_merge_" #SUFFIX, run_merge<T, flash_attention_merge_##SUFFIX>,               \
      FA_MERGE_BUFFER_COUNT, 0, kSource, 0},                                                        \
@@ -161,7 +161,8 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
          FA_FORWARD_SPLIT_BUFFER_COUNT, 0, kSource, 0},                                            \
         {"flash_attention_backward_delta_" #SUFFIX,                                                \
          run_backward_delta<T, flash_attention_backward_delta_##SUFFIX>,                           \
-         FA_BACKWARD_DELTA_BUFFER_COUNT, 0, kSource, 0},
+         FA_BACKWARD_DELTA_BUFFER_COUNT, sizeof(flash_attention_backward_delta_##SUFFIX##_threadgroup), \
+         kSource, 0},
 
 #define FA_BUCKET_ENTRIES(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)             \
     FA_KERNEL_ENTRY(T, flash_attention_forward_##SUFFIX##_d##DP, run_forward,                      \

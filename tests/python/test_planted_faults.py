@@ -61,7 +61,7 @@ ROUND_O_TO_HALF = (r"\1\n        for (uint d_ = 0; d_ < ND; ++d_) {\n"
 FAULTS = [
     # The forward's O rounded to float16 after every key tile's P V.
     Fault("O accumulated in float16", "flash_attention.metal",
-          r"(accumulate_product\(r\.o,[^;]*\);)", ROUND_O_TO_HALF,
+          r"(accumulate_product<T>\(r\.o,[^;]*\);)", ROUND_O_TO_HALF,
           "test_long_sequences.py::test_long_forward_of_few_rows_within_rule"),
     # O not multiplied by exp(m - m') on the second key tile (the running sum still is).
     Fault("rescale of O dropped on one tile", "flash_attention.metal",

@@ -353,3 +353,21 @@ def test_the_stand_in_refuses_what_compile_shader_refuses(compiler, break_it, co
 def test_the_stand_in_refuses_a_non_ascii_source(compiler):
     with pytest.raises(AssertionError, match="ASCII"):
         torch.mps.compile_shader("// \u00e9\n" + plan.kernel_source())
+
+
+def test_a_view_off_a_16_byte_boundary_gives_the_cpu_paths_bits(compiler):
+    """q, k and v whose data start 2 bytes past a 16-byte boundary, with aligned strides: the plan's
+    parameters take the 16-byte tile copies, so the MPS path binds aligned copies of them."""
+    def shifted(t):
+        flat = torch.zeros(t.numel() + 1, dtype=t.dtype)
+        flat[1:] = t.reshape(-1)
+        return flat[1:].view(t.shape)
+
+    q, k, v, _, _ = _case(torch.float16, 1, 2, 2, 20, 30, 64)
+    q, k, v = shifted(q), shifted(k), shifted(v)
+    assert q.storage_offset() * q.element_size() % 16 == 2
+    settings = (0.2, True, None, 0.0, False)
+    expected = _host.forward(q, k, v, None, None, *settings)
+    got = _mps.forward(q, k, v, None, None, *settings)
+    for mine, theirs in zip(got, expected):
+        assert torch.equal(mine, theirs)

@@ -9,6 +9,8 @@
 
 #include "kernels.h"
 
+#include <initializer_list>
+
 namespace {
 
 constexpr unsigned kThreads = FA_THREADS_PER_THREADGROUP;
@@ -376,6 +378,36 @@ cudaError_t backward_dkv(const DtypeKernels<T> &kernels, const FlashAttentionPar
 
 }  // namespace
 
+unsigned fa_cuda_bucket(const FlashAttentionParams &p, int dtype);
+
+namespace {
+
+// The edge paths of a launch, chosen as the library's plan and backends choose them
+// (FlashAttentionParams.scalar_copies and partial_columns, Problem.swift): the checked scalar copy
+// when a tensor the kernels copy in tiles (those in `copied`, null for unbound) starts at an
+// address, or has head_dim, head_dim_v or a stride that is not a multiple of FA_CHUNK_BYTES
+// bytes; the active-fragment test when head_dim or head_dim_v is below the bucket's width.
+FlashAttentionParams edge_paths(FlashAttentionParams p, int dtype,
+                                std::initializer_list<const void *> copied) {
+    const uint64_t size = dtype == FA_DTYPE_F32 ? 4 : 2;
+    const auto aligned = [&](uint64_t elements) { return elements * size % FA_CHUNK_BYTES == 0; };
+    const auto strides_aligned = [&](const FlashAttentionStrides &s) {
+        return aligned(s.batch) && aligned(s.head) && aligned(s.seq);
+    };
+    bool chunks = aligned(p.head_dim) && aligned(p.head_dim_v) && strides_aligned(p.q) &&
+                  strides_aligned(p.k) && strides_aligned(p.v) && strides_aligned(p.out) &&
+                  strides_aligned(p.dout);
+    for (const void *tensor : copied) {
+        chunks = chunks && reinterpret_cast<uintptr_t>(tensor) % FA_CHUNK_BYTES == 0;
+    }
+    const unsigned width = fa_cuda_bucket(p, dtype);
+    p.scalar_copies = chunks ? 0u : 1u;
+    p.partial_columns = p.head_dim == width && p.head_dim_v == width ? 0u : 1u;
+    return p;
+}
+
+}  // namespace
+
 unsigned fa_cuda_bucket(const FlashAttentionParams &p, int dtype) {
     unsigned head_dim_max = 0;
     with_dtype(dtype, [&](const auto &kernels) {
@@ -386,8 +418,9 @@ unsigned fa_cuda_bucket(const FlashAttentionParams &p, int dtype) {
     return head_dim_max;
 }
 
-cudaError_t fa_cuda_forward(const FlashAttentionParams &p, int dtype, const void *q, const void *k,
+cudaError_t fa_cuda_forward(const FlashAttentionParams &given, int dtype, const void *q, const void *k,
                             const void *v, void *out, float *lse, const FaCudaScoreInputs &x) {
+    const FlashAttentionParams p = edge_paths(given, dtype, {q, k, v});
     return with_dtype(dtype, [&](const auto &kernels) {
         return forward(kernels, p, q, k, v, out, lse, x);
     });
@@ -398,10 +431,11 @@ bool fa_cuda_split_keys(FlashAttentionParams *p, int dtype, unsigned chunks) {
            cudaSuccess;
 }
 
-cudaError_t fa_cuda_forward_split(const FlashAttentionParams &p, int dtype, const void *q,
+cudaError_t fa_cuda_forward_split(const FlashAttentionParams &given, int dtype, const void *q,
                                   const void *k, const void *v, void *out, float *lse,
                                   float *partial_out, float *partial_lse,
                                   const FaCudaScoreInputs &x) {
+    const FlashAttentionParams p = edge_paths(given, dtype, {q, k, v});
     return with_dtype(dtype, [&](const auto &kernels) {
         return forward_split(kernels, p, q, k, v, out, lse, partial_out, partial_lse, x);
     });
@@ -411,38 +445,42 @@ size_t fa_cuda_delta_elements(const FlashAttentionParams &p) {
     return size_t(p.batch) * p.num_heads * p.seqlen_q;
 }
 
-cudaError_t fa_cuda_backward_delta(const FlashAttentionParams &p, int dtype, const void *dout,
+cudaError_t fa_cuda_backward_delta(const FlashAttentionParams &given, int dtype, const void *dout,
                                    const void *q, const void *k, const void *v, const void *out,
                                    const float *lse, float *delta, const float *lse_residual,
                                    const FaCudaScoreInputs &x) {
+    const FlashAttentionParams p = edge_paths(given, dtype, {dout, q, k, v, out});
     return with_dtype(dtype, [&](const auto &kernels) {
         return backward_delta(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, x);
     });
 }
 
-cudaError_t fa_cuda_backward_lse_residual(const FlashAttentionParams &p, int dtype,
+cudaError_t fa_cuda_backward_lse_residual(const FlashAttentionParams &given, int dtype,
                                           const void *dout, const void *q, const void *k,
                                           const void *v, const void *out, const float *lse,
                                           const float *delta, float *lse_residual,
                                           const FaCudaScoreInputs &x) {
+    const FlashAttentionParams p = edge_paths(given, dtype, {dout, q, k, v, out});
     return with_dtype(dtype, [&](const auto &kernels) {
         return backward_lse_residual(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, x);
     });
 }
 
-cudaError_t fa_cuda_backward_dq(const FlashAttentionParams &p, int dtype, const void *dout,
+cudaError_t fa_cuda_backward_dq(const FlashAttentionParams &given, int dtype, const void *dout,
                                 const void *q, const void *k, const void *v, const void *out,
                                 const float *lse, const float *delta, const float *lse_residual,
                                 void *dq, const FaCudaScoreInputs &x) {
+    const FlashAttentionParams p = edge_paths(given, dtype, {dout, q, k, v, out});
     return with_dtype(dtype, [&](const auto &kernels) {
         return backward_dq(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, dq, x);
     });
 }
 
-cudaError_t fa_cuda_backward_dkv(const FlashAttentionParams &p, int dtype, const void *dout,
+cudaError_t fa_cuda_backward_dkv(const FlashAttentionParams &given, int dtype, const void *dout,
                                  const void *q, const void *k, const void *v, const void *out,
                                  const float *lse, const float *delta, const float *lse_residual,
                                  void *dk, void *dv, const FaCudaScoreInputs &x) {
+    const FlashAttentionParams p = edge_paths(given, dtype, {dout, q, k, v, out});
     return with_dtype(dtype, [&](const auto &kernels) {
         return backward_dkv(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, dk, dv, x);
     });

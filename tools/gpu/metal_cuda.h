@@ -30,6 +30,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #ifndef INFINITY
 #define INFINITY (__builtin_inff())
@@ -406,7 +407,21 @@ template <class T, unsigned Index> struct function_constant {
     }
 };
 
+// Reinterprets the bits of a value as another type of the same size (MSL as_type).
+template <class To, class From>
+__device__ __forceinline__ To as_type(const From &from) {
+    static_assert(sizeof(To) == sizeof(From), "as_type needs types of the same size");
+    To to;
+    memcpy(&to, &from, sizeof(To));
+    return to;
+}
+
 }  // namespace metal
+
+// The kernels' full unroll of a loop with a constant trip count (FA_UNROLL) is left to nvcc's own
+// measure here: this build checks correctness, not speed, and forcing every such loop open made
+// compiling the kernels several times slower on the H200 (docs/verification.md, issue 21).
+#define FA_UNROLL
 
 #define MSL_FUNCTION_CONSTANT(INDEX, TYPE, NAME) \
     static __device__ const metal::function_constant<TYPE, INDEX> NAME{};

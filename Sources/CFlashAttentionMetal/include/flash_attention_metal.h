@@ -445,7 +445,10 @@ typedef struct fa_plan_specialization {
  * buffers at the offsets of their range: what the Metal backend does with 2^35 against the GPU
  * watchdog, one command buffer per piece. Pieces compute bit for bit what the whole pass computes.
  * Errors: INVALID_ARGUMENT (null problem or out_plan, an unknown pass, anything fa_forward or
- * fa_backward would refuse), UNSUPPORTED (head_dim), OUT_OF_MEMORY. */
+ * fa_backward would refuse), UNSUPPORTED (head_dim), OUT_OF_MEMORY. The parameter bytes take the
+ * kernels' 16-byte tile copies when head_dim, head_dim_v and every stride of q, k, v, out and dout
+ * are multiples of 16 bytes: a host that encodes the dispatches itself then binds each of those
+ * tensors at a 16-byte boundary (copying a view that starts elsewhere, e.g. x[..., 1:65]). */
 fa_status fa_plan_create(const fa_problem *problem, fa_pass pass, uint64_t max_flops_per_piece,
                          fa_plan **out_plan);
 

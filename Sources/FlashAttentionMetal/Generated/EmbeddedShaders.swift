@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "8baa6d8696601943"
+    static let sourceHash = "03bd9c2d7cdc62af"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -130,6 +130,14 @@ typedef struct FlashAttentionParams {
     fa_u32 has_sinks;     // 1: one virtual key per head with logit sinks[h] and no value
     fa_u32 kv_chunks;     // split-KV forward only: chunks of keys per (batch, KV head), else 1
     fa_u32 kv_chunk_keys; // split-KV forward only: keys per chunk (a multiple of the key tile)
+    // The edge paths, chosen once per call by the host (0, the common case, takes neither):
+    // 1: some tile copy cannot move 16-byte chunks (the address of a bound q, k, v, out or dout,
+    // one of their strides, head_dim or head_dim_v is not a multiple of 16 bytes), so every copy
+    // takes the checked scalar path (flash_attention_loader.h).
+    fa_u32 scalar_copies;
+    // 1: head_dim or head_dim_v is below the bucket's width, so the products skip the zero
+    // fragments past them (the active-fragment test).
+    fa_u32 partial_columns;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -259,6 +267,9 @@ typedef struct FlashAttentionParams {
 #define FA_SPLIT_MAX_QUERY_ROWS 8
 #define FA_SPLIT_MIN_CHUNK_KEYS 256
 #define FA_SPLIT_TARGET_THREADGROUPS 320
+// Bytes one thread moves per load and store of a tile copy (flash_attention_loader.h); rows whose
+// address, strides or width are not multiples of it take the checked scalar copy (scalar_copies).
+#define FA_CHUNK_BYTES 16
 // Threadgroup tiles are stored with rows padded by 8 elements (16 bytes of half, 32 of float),
 // against bank conflicts between the rows a SIMD-group reads (MLX steel attention does the same).
 #define FA_TILE_PAD 8
@@ -272,8 +283,10 @@ typedef struct FlashAttentionParams {
 // <kernel>_<dtype>_d<head_dim_max>, e.g. flash_attention_forward_f16_d64.
 // Why these sizes: the forward follows MLX's steel attention (BQ 32 = 4 SIMD-groups x 8 rows; K/V
 // tiles of 32 keys, 16 from head_dim 128), whose published throughput on M-series GPUs is 87-97 %
-// of a measured f16 matmul ceiling. From head_dim 192 the accumulators are split over two head_dim
-// slices (BQ 16, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. The
+// of a measured f16 matmul ceiling. At head_dim 192 the forward keeps 32 query rows, each
+// SIMD-group the whole head_dim of 8 of them, as MLX does (its tiles fit: (32 + 2 x 16) x 200
+// halves, 25.6 KB); the backward kernels and head_dim 256 split the accumulators over two head_dim
+// slices (16 rows, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. The
 // backward follows metal-flash-attention's three kernels (D pre-pass, dQ over query blocks, dK/dV
 // over key blocks with K, V, dK, dV resident); its tiles are the largest that keep each kernel's
 // threadgroup storage within 32 KiB (static_assert at the instantiation):
@@ -285,8 +298,33 @@ typedef struct FlashAttentionParams {
     X(64, 32, 32, 32, 32, 32, 32)        \
     X(96, 32, 32, 32, 32, 32, 32)        \
     X(128, 32, 16, 32, 16, 32, 16)       \
-    X(192, 16, 16, 16, 16, 16, 16)       \
+    X(192, 32, 16, 16, 16, 16, 16)       \
     X(256, 16, 16, 16, 8, 16, 8)
+
+// Occupancy. An Apple7/8 GPU core has about 60 KB of threadgroup memory (metal-benchmarks,
+// philipturner; at most 32 KiB per threadgroup), so a kernel whose threadgroup uses B bytes runs at
+// most FA_CORE_THREADGROUP_BYTES / B threadgroups per core at once. Threadgroup bytes per kernel
+// and bucket (the engine's sizeof of each <kernel>_threadgroup struct) / threadgroups per core:
+//   half, bfloat   forward        dQ             dK/dV
+//   d32            7696 / 7       10256 / 5      10640 / 5
+//   d64           13840 / 4       18448 / 3      18832 / 3
+//   d96           19984 / 3       26640 / 2      27024 / 2
+//   d128          17424 / 3       26128 / 2      26320 / 2
+//   d192          25616 / 2       29696 / 2      29888 / 2
+//   d256          27392 / 2       27392 / 2      27488 / 2
+//   float
+//   d32           15376 / 3       20496 / 2      20880 / 2
+//   d64           27664 / 2       27664 / 2      27856 / 2
+//   d96           26640 / 2       30720 / 2      30912 / 1
+//   d128          28160 / 2       28160 / 2      28256 / 2
+//   d192          20224 / 3       27648 / 2      27744 / 2
+//   d256          26368 / 2       28448 / 2      28544 / 2
+//   backward_delta: 20480 / 3 (half, bfloat), 24576 / 2 (float); the other kernels use less.
+// The target, checked at the instantiation: at least FA_FORWARD_MIN_THREADGROUPS_PER_CORE forward
+// threadgroups per core for half and bfloat up to head_dim 128 (MLX's steel attention fits 4).
+// float32's tiles take twice the bytes: its buckets trade rows for 2 threadgroups per core.
+#define FA_CORE_THREADGROUP_BYTES 61440
+#define FA_FORWARD_MIN_THREADGROUPS_PER_CORE 3
 
 // Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
 // (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB
@@ -341,9 +379,243 @@ inline bool alibi_on(constant FlashAttentionParams &p) { return fa_has_alibi ? t
 
 inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? true : false; }
 // ---- end flash_attention_features.h ----
+// ---- begin flash_attention_loader.h (spliced by tools/embed_shaders.py) ----
+// The loader layer of the kernels: threadgroup tiles stored as rows of 16-byte chunks, and the
+// copy of blocks of rows from device memory into them.
+//
+// A tile copy moves 16 bytes per load and per store (8 half or bfloat elements, 4 float), as MLX's
+// steel block loader does (`BlockLoaderT`, ml-explore/mlx steel/attn/loader.h; facts only): each
+// thread owns one fixed (row, chunk) of the tile, computed once per kernel (TileStream), and every
+// tile moves its pointer by one addition. Bounds are checked only on a tile that crosses the end of
+// the rows (the last key tile, the last query block); columns past head_dim, which lie in whole
+// chunks on this path, are a per-thread predicate computed once.
+//
+// The 16-byte path needs every row of the tensor to start at a 16-byte boundary: the host sets
+// FlashAttentionParams.scalar_copies when a tensor's address, a stride or a head_dim is not a
+// multiple of 16 bytes (an in-place view such as x[..., 1:65]), and every copy of that call takes
+// the checked scalar path (load_rows) instead, chosen per call, never per element.
+
+// Fully unrolls the loop that follows (a constant trip count): the fragments of a simdgroup_matrix
+// array stay in registers, as in MLX's steel attention (STEEL_PRAGMA_UNROLL). The CUDA check build
+// defines its own spelling.
+#ifndef FA_UNROLL
+#define FA_UNROLL _Pragma("clang loop unroll(full)")
+#endif
+
+// A threadgroup tile is an array of rows of 16-byte chunks (uint4), each row DP elements of type
+// T plus FA_TILE_PAD padding elements, little-endian: element c of a row is 16-bit half c % 2 of
+// word c / 2 of the row (2-byte T) or word c (float). Copies move whole chunks; fragments read
+// 32-bit words and take their elements with as_type (no address-space cast is needed anywhere,
+// which the CPU engine's `threadgroup` could not spell).
+#define FA_ROW_CHUNKS(T, DP) (((DP) + FA_TILE_PAD) * sizeof(T) / FA_CHUNK_BYTES)
+
+// How elements of type T sit in the 32-bit words of a tile: PER_WORD of them, `bits` the word of
+// one element (in the low bits), `element(w, i)` element i of word w as float.
+template <typename T>
+struct TileWords;
+
+template <>
+struct TileWords<half> {
+    enum : uint { PER_WORD = 2 };
+    static inline uint bits(half x) { return uint(as_type<ushort>(x)); }
+    static inline float element(uint w, uint i) { return float(as_type<half2>(w)[i]); }
+};
+
+template <>
+struct TileWords<float> {
+    enum : uint { PER_WORD = 1 };
+    static inline uint bits(float x) { return as_type<uint>(x); }
+    static inline float element(uint w, uint i) { return as_type<float>(w); }
+};
+
+#if !defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)
+template <>
+struct TileWords<bfloat> {
+    enum : uint { PER_WORD = 2 };
+    static inline uint bits(bfloat x) { return uint(as_type<ushort>(x)); }
+    static inline float element(uint w, uint i) { return float(as_type<bfloat>(ushort(w >> (16 * i)))); }
+};
+#endif
+
+// Word `w` of row `row` of a tile.
+template <typename Tile>
+inline uint tile_word(Tile tile, uint row, uint w) {
+    return tile[row][w / 4][w % 4];
+}
+
+// Element (row, col) of a tile of T, as float.
+template <typename T, typename Tile>
+inline float tile_element(Tile tile, uint row, uint col) {
+    typedef TileWords<T> W;
+    return W::element(tile_word(tile, row, col / W::PER_WORD), col % W::PER_WORD);
+}
+
+// Elements (row, col) and (row, col + 1) of a tile of T, col even, as float: into lo and hi (for
+// 2-byte T both from one word).
+template <typename T, typename Tile>
+inline void tile_pair(Tile tile, uint row, uint col, thread float &lo, thread float &hi) {
+    typedef TileWords<T> W;
+    const uint w = tile_word(tile, row, col / W::PER_WORD);
+    lo = W::element(w, 0);
+    hi = W::PER_WORD == 2 ? W::element(w, 1) : W::element(tile_word(tile, row, col + 1), 0);
+}
+
+// Copies rows [first, first + ROWS) of a [seqlen][cols] matrix of T whose rows lie `stride`
+// elements apart (src points at its row 0) into the tile, zero past seqlen and past cols, element
+// by element with every bound checked: the path of a call whose tensors are not 16-byte aligned.
+// Each thread writes whole words (threads never share one); the threadgroup's threads share the
+// copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
+template <uint ROWS, uint DP, typename T, typename Tile>
+inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, ulong stride,
+                      uint cols, uint tid) {
+    constexpr uint PER_WORD = TileWords<T>::PER_WORD;
+    constexpr uint WORDS = ROWS * DP / PER_WORD;
+    FA_UNROLL
+    for (uint k = 0; k < (WORDS + FA_THREADS_PER_THREADGROUP - 1) / FA_THREADS_PER_THREADGROUP; ++k) {
+        const uint e = tid + k * FA_THREADS_PER_THREADGROUP;
+        if (WORDS % FA_THREADS_PER_THREADGROUP == 0 || e < WORDS) {
+            const uint r = e / (DP / PER_WORD);
+            const uint w = e % (DP / PER_WORD);
+            const ulong row = ulong(first) + r;
+            uint bits = 0;
+            FA_UNROLL
+            for (uint i = 0; i < PER_WORD; ++i) {
+                const uint d = w * PER_WORD + i;
+                if (row < seqlen && d < cols) {
+                    bits |= TileWords<T>::bits(src[row * stride + d]) << (16 * i);
+                }
+            }
+            tile[r][w / 4][w % 4] = bits;
+        }
+    }
+}
+
+// One thread's part of copying tiles of ROWS rows of a [seqlen][cols] matrix, DP columns wide
+// (cols <= DP), one tile after the other. The CHUNKS chunks of a row are spread over the threads:
+// thread t copies chunk t % CHUNKS of rows t / CHUNKS + k * STEP (k < PASSES); threads past
+// STEP * CHUNKS copy nothing. `next` points at the thread's first chunk of the next tile.
+template <typename T, uint ROWS, uint DP>
+struct TileStream {
+    // (An enum: MSL wants a static data member in the constant address space, the engine not.)
+    enum : uint {
+        V = FA_CHUNK_BYTES / sizeof(T),
+        CHUNKS = DP / V,
+        STEP = FA_THREADS_PER_THREADGROUP / CHUNKS,
+        PASSES = (ROWS + STEP - 1) / STEP,
+        // 1: every thread's rows lie inside the tile, so an interior tile needs no row test.
+        EXACT = ROWS % STEP == 0 && FA_THREADS_PER_THREADGROUP % CHUNKS == 0,
+    };
+
+    device const uint4 *next;
+    device const T *src;  // row 0 of the matrix (the scalar path)
+    ulong stride;         // elements between rows
+    ulong pass_step;      // chunks between a thread's rows of one tile
+    ulong tile_step;      // chunks between tiles
+    uint seqlen;
+    uint cols;
+    uint row;             // the thread's first row in a tile (ROWS or more: none)
+    uint chunk;           // its chunk of that row
+    bool cols_inside;     // the chunk holds columns below cols (else it is zero)
+};
+
+static_assert(sizeof(uint4) == FA_CHUNK_BYTES, "a chunk is one uint4");
+
+// A stream over the matrix at `src` (row 0) whose first tile starts at row `first`. The only
+// 64-bit multiplies of a copy are here, once per matrix.
+template <typename T, uint ROWS, uint DP>
+inline TileStream<T, ROWS, DP> tile_stream(device const T *src, uint first, uint seqlen,
+                                           ulong stride, uint cols, uint tid) {
+    typedef TileStream<T, ROWS, DP> S;
+    static_assert(DP % S::V == 0 && S::CHUNKS <= FA_THREADS_PER_THREADGROUP,
+                  "a tile row must split into at most one chunk per thread");
+    S s;
+    const bool copies = tid < S::STEP * S::CHUNKS;
+    s.row = copies ? tid / S::CHUNKS : ROWS;
+    s.chunk = tid % S::CHUNKS;
+    s.src = src;
+    s.stride = stride;
+    s.seqlen = seqlen;
+    s.cols = cols;
+    s.cols_inside = s.chunk * S::V < cols;
+    s.pass_step = ulong(S::STEP) * (stride / S::V);
+    s.tile_step = ulong(ROWS) * (stride / S::V);
+    s.next = (device const uint4 *)(src + ulong(first + (copies ? s.row : 0)) * stride) + s.chunk;
+    return s;
+}
+
+// Moves the stream to the matrix at `src` (row 0), its next tile starting at row `first`.
+template <typename T, uint ROWS, uint DP>
+inline void seek(thread TileStream<T, ROWS, DP> &s, device const T *src, uint first) {
+    s.src = src;
+    s.next = (device const uint4 *)(src + ulong(first + (s.row < ROWS ? s.row : 0)) * s.stride) +
+             s.chunk;
+}
+
+// Copies rows [first, first + ROWS) into `tile`, the thread's chunks starting at `from`.
+template <uint ROWS, uint DP, typename T, typename Tile>
+inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
+                      device const uint4 *from, uint first, constant FlashAttentionParams &p,
+                      uint tid) {
+    typedef TileStream<T, ROWS, DP> S;
+    if (p.scalar_copies != 0) {
+        load_rows<ROWS, DP>(tile, s.src, first, s.seqlen, s.stride, s.cols, tid);
+        return;
+    }
+    const uint4 zero = uint4(0);
+    if (S::EXACT != 0 && first + ROWS <= s.seqlen) {
+        // An interior tile: no row test.
+        if (s.cols_inside) {
+            FA_UNROLL
+            for (uint k = 0; k < S::PASSES; ++k) {
+                tile[s.row + k * S::STEP][s.chunk] = *from;
+                from += s.pass_step;
+            }
+        } else {
+            FA_UNROLL
+            for (uint k = 0; k < S::PASSES; ++k) {
+                tile[s.row + k * S::STEP][s.chunk] = zero;
+            }
+        }
+        return;
+    }
+    // The tile crosses the end of the rows (or the bucket's chunks leave some threads idle).
+    const uint rows_inside = s.seqlen > first ? s.seqlen - first : 0;
+    FA_UNROLL
+    for (uint k = 0; k < S::PASSES; ++k) {
+        const uint r = s.row + k * S::STEP;
+        if (r < ROWS) {
+            if (s.cols_inside && r < rows_inside) {
+                tile[r][s.chunk] = *from;
+            } else {
+                tile[r][s.chunk] = zero;
+            }
+        }
+        from += s.pass_step;
+    }
+}
+
+// Copies the stream's next tile, rows [first, first + ROWS), into `tile` and advances the stream
+// to the tile after it. Every thread of the threadgroup calls it with the same `first`: the first
+// row of the previous call plus ROWS (or the `first` of tile_stream or seek).
+template <uint ROWS, uint DP, typename T, typename Tile>
+inline void load_tile(Tile tile, thread TileStream<T, ROWS, DP> &s, uint first,
+                      constant FlashAttentionParams &p, uint tid) {
+    device const uint4 *from = s.next;
+    s.next += s.tile_step;
+    copy_tile(tile, s, from, first, p, tid);
+}
+
+// Copies the tile that the last load_tile of the stream copied (rows [first, first + ROWS)) again.
+template <uint ROWS, uint DP, typename T, typename Tile>
+inline void reload_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s, uint first,
+                        constant FlashAttentionParams &p, uint tid) {
+    copy_tile(tile, s, s.next - s.tile_step, first, p, tid);
+}
+// ---- end flash_attention_loader.h ----
 // ---- begin flash_attention_fragment.h (spliced by tools/embed_shaders.py) ----
 // The 8x8 fragment layer of the kernels: simdgroup_float8x8 values, the lane mapping Apple GPUs
-// use for them, loads from threadgroup tiles of half, and reductions over a fragment row.
+// use for them, loads from threadgroup tiles (flash_attention_loader.h), and reductions over a
+// fragment row. Every loop over fragments has a constant trip count and is fully unrolled.
 //
 // Every fragment holds float32 (MLX's steel attention does the same: half elements are converted
 // as they are read from threadgroup memory), so each simdgroup_multiply_accumulate has one element
@@ -377,26 +649,31 @@ struct Fragments {
 
 template <uint N>
 inline void clear(thread Fragments<N> &x) {
+    FA_UNROLL
     for (uint j = 0; j < N; ++j) {
         x.f[j] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     }
 }
 
-// f = tile[row0, row0 + 8) x [col0, col0 + 8), as float. `Tile` is a threadgroup array of rows of
-// half (a template parameter: see metal_stdlib of the CPU engine for why).
-template <typename Tile>
+// f = tile[row0, row0 + 8) x [col0, col0 + 8), as float: the lane's pair is one 32-bit word of a
+// tile of 2-byte T. `Tile` is a threadgroup tile of elements of type T (flash_attention_loader.h;
+// a template parameter: see metal_stdlib of the CPU engine for why).
+template <typename T, typename Tile>
 inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint col0,
                           FragmentCoord at) {
-    f.thread_elements()[0] = float(tile[row0 + at.row][col0 + at.col]);
-    f.thread_elements()[1] = float(tile[row0 + at.row][col0 + at.col + 1]);
+    float lo;
+    float hi;
+    tile_pair<T>(tile, row0 + at.row, col0 + at.col, lo, hi);
+    f.thread_elements()[0] = lo;
+    f.thread_elements()[1] = hi;
 }
 
 // f = the transpose of tile[row0, row0 + 8) x [col0, col0 + 8), as float.
-template <typename Tile>
+template <typename T, typename Tile>
 inline void load_fragment_transposed(thread simdgroup_float8x8 &f, Tile tile, uint row0,
                                      uint col0, FragmentCoord at) {
-    f.thread_elements()[0] = float(tile[row0 + at.col][col0 + at.row]);
-    f.thread_elements()[1] = float(tile[row0 + at.col + 1][col0 + at.row]);
+    f.thread_elements()[0] = tile_element<T>(tile, row0 + at.col, col0 + at.row);
+    f.thread_elements()[1] = tile_element<T>(tile, row0 + at.col + 1, col0 + at.row);
 }
 
 // The maximum and the sum of x over the four lanes that hold one fragment row.
@@ -416,6 +693,7 @@ inline float row_sum(float x) {
 // Between the two calls the caller places a threadgroup barrier (all threads reach it).
 template <uint N, typename Partials>
 inline void store_partial(thread Fragments<N> &x, Partials partials, uint sgid, FragmentCoord at) {
+    FA_UNROLL
     for (uint j = 0; j < N; ++j) {
         partials[sgid][at.row][j * 8 + at.col] = x.f[j].thread_elements()[0];
         partials[sgid][at.row][j * 8 + at.col + 1] = x.f[j].thread_elements()[1];
@@ -425,9 +703,12 @@ inline void store_partial(thread Fragments<N> &x, Partials partials, uint sgid, 
 template <uint N, uint SLICES, typename Partials>
 inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_sgid,
                          FragmentCoord at) {
+    FA_UNROLL
     for (uint j = 0; j < N; ++j) {
+        FA_UNROLL
         for (uint e = 0; e < 2; ++e) {
             float sum = 0.0f;
+            FA_UNROLL
             for (uint w = 0; w < SLICES; ++w) {
                 sum += partials[first_sgid + w][at.row][j * 8 + at.col + e];
             }
@@ -438,8 +719,7 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
 // ---- end flash_attention_fragment.h ----
 // ---- begin flash_attention_blocks.h (spliced by tools/embed_shaders.py) ----
 // The block layer of the kernels: where rows live in device memory, which (query, key) pairs are
-// visible, which tiles need an element mask, and the copy of a block of rows from device memory
-// into a threadgroup tile.
+// visible and which tiles need an element mask (the copies of tiles: flash_attention_loader.h).
 //
 // Masks (bottom-right aligned, as FlashAttention >= 2.1, MLX and PyTorch's lower-right causal):
 // query i sees key j iff j < seqlen_k and i + shift - window_left <= j <= i + shift + window_right
@@ -518,20 +798,6 @@ inline bool tile_unmasked(constant FlashAttentionParams &p, uint row0, uint rows
 inline uint active_fragments(uint head_dim, uint col0, uint n) {
     const uint padded = (head_dim + 7) / 8 * 8;
     return padded <= col0 ? 0u : min(n, (padded - col0) / 8);
-}
-
-// Copies rows [first, first + ROWS) of a [seqlen][cols] matrix whose rows lie `stride` elements
-// apart (src points at its row 0) into tile[ROWS][>= DP], zero past seqlen and past cols. The
-// threadgroup's threads share the copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
-template <uint ROWS, uint DP, typename T, typename Tile>
-inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, ulong stride,
-                      uint cols, uint tid) {
-    for (uint e = tid; e < ROWS * DP; e += FA_THREADS_PER_THREADGROUP) {
-        const uint r = e / DP;
-        const uint d = e % DP;
-        const ulong row = ulong(first) + r;
-        tile[r][d] = (row < seqlen && d < cols) ? src[row * stride + d] : T(0.0f);
-    }
 }
 // ---- end flash_attention_blocks.h ----
 // ---- begin flash_attention_merge.h (spliced by tools/embed_shaders.py) ----
@@ -627,17 +893,24 @@ inline void attention_merge(device const T *out_a, device const float *lse_a,
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
 
+// The partial products of the head_dim slices, per SIMD-group an 8 x COLS block (sum_over_slices);
+// a single float where there is one slice, which never touches it, so that it costs no
+// threadgroup memory (occupancy: flash_attention_params.h).
+#define FA_PARTIALS(NAME, SLICES, COLS)                                                            \
+    float NAME[(SLICES) > 1 ? FA_SIMDGROUPS : 1][(SLICES) > 1 ? 8 : 1][(SLICES) > 1 ? (COLS) : 1]
+
 // Where one SIMD-group works: rows [row0, row0 + 8) of the threadgroup's block and columns
 // [col0, col0 + 8 * fragments) of its head_dim slice, of which `active` fragments lie inside
 // head_dim (q, k) and `active_v` inside head_dim_v (v, out). A SIMD-group whose rows all lie past
-// the end of the block's rows has no active fragment: it multiplies nothing (but still loads tiles
-// and meets the barriers with the others).
+// the end of the block's rows is not live and has no active fragment: it multiplies nothing (but
+// still loads tiles and meets the barriers with the others).
 struct SimdgroupSlice {
     uint row0;
     uint col0;
     uint active;
     uint active_v;
     uint first_sgid;  // the SIMD-group holding slice 0 of the same rows
+    bool live;
 };
 
 template <uint DP, uint SLICES>
@@ -646,45 +919,83 @@ inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgi
     s.row0 = (sgid / SLICES) * 8;
     s.col0 = (sgid % SLICES) * (DP / SLICES);
     const bool live = s.row0 < rows_left;
+    s.live = live;
     s.active = live ? active_fragments(p.head_dim, s.col0, DP / SLICES / 8) : 0;
     s.active_v = live ? active_fragments(p.head_dim_v, s.col0, DP / SLICES / 8) : 0;
     s.first_sgid = sgid - sgid % SLICES;
     return s;
 }
 
+// Products over a head_dim slice. With every column of the bucket inside head_dim and head_dim_v
+// (FlashAttentionParams.partial_columns 0, the common case) a live SIMD-group multiplies all ND
+// fragments of its slice, fully unrolled, without a test; otherwise (CHECKED) only the first
+// `active` ones, the rest being zero padding.
+
 // x = A B^T over the SIMD-group's head_dim slice: A the 8 rows [a_row0, a_row0 + 8) of tile `a`,
 // B the rows [8j, 8j + 8) of tile `b` for fragment j of x, summed over the slice's first `active`
-// 8-column fragments (of ND): S = Q K^T, dP = dO V^T and their transposes.
-template <uint ND, uint N, typename TileA, typename TileB>
-inline void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
-                               SimdgroupSlice s, uint active, FragmentCoord at) {
+// 8-column fragments (of ND), all of them unless CHECKED.
+template <typename T, uint ND, bool CHECKED, uint N, typename TileA, typename TileB>
+inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
+                                    uint col0, uint active, FragmentCoord at) {
     clear(x);
+    FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
-        if (d < active) {
+        if (!CHECKED || d < active) {
             simdgroup_float8x8 af;
-            load_fragment(af, a, a_row0, s.col0 + d * 8, at);
+            load_fragment<T>(af, a, a_row0, col0 + d * 8, at);
+            FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bt;
-                load_fragment_transposed(bt, b, j * 8, s.col0 + d * 8, at);
+                load_fragment_transposed<T>(bt, b, j * 8, col0 + d * 8, at);
                 simdgroup_multiply_accumulate(x.f[j], af, bt, x.f[j]);
             }
         }
     }
 }
 
-// acc += P B over the slice's first `active` fragments (of ND): P an 8 x 8N block, B the rows
-// [0, 8N) of tile `b`: O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
-template <uint ND, uint N, typename TileB>
-inline void accumulate_product(thread Fragments<ND> &acc, thread Fragments<N> &p, TileB b,
-                               SimdgroupSlice s, uint active, FragmentCoord at) {
+// S = Q K^T, dP = dO V^T and their transposes (see product_transposed_over); x = 0 for a SIMD-group
+// that is not live.
+template <typename T, uint ND, uint N, typename TileA, typename TileB>
+inline void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
+                               SimdgroupSlice s, uint active, constant FlashAttentionParams &p,
+                               FragmentCoord at) {
+    if (p.partial_columns != 0) {
+        product_transposed_over<T, ND, true>(x, a, a_row0, b, s.col0, active, at);
+    } else if (s.live) {
+        product_transposed_over<T, ND, false>(x, a, a_row0, b, s.col0, active, at);
+    } else {
+        clear(x);
+    }
+}
+
+// acc += P B over the slice's first `active` fragments (of ND; all of them unless CHECKED): P an
+// 8 x 8N block, B the rows [0, 8N) of tile `b`.
+template <typename T, bool CHECKED, uint ND, uint N, typename TileB>
+inline void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<N> &p, TileB b,
+                                    uint col0, uint active, FragmentCoord at) {
+    FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
-        if (d < active) {
+        if (!CHECKED || d < active) {
+            FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bf;
-                load_fragment(bf, b, j * 8, s.col0 + d * 8, at);
+                load_fragment<T>(bf, b, j * 8, col0 + d * 8, at);
                 simdgroup_multiply_accumulate(acc.f[d], p.f[j], bf, acc.f[d]);
             }
         }
+    }
+}
+
+// O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q (see accumulate_product_over); nothing for a
+// SIMD-group that is not live.
+template <typename T, uint ND, uint N, typename TileB>
+inline void accumulate_product(thread Fragments<ND> &acc, thread Fragments<N> &x, TileB b,
+                               SimdgroupSlice s, uint active, constant FlashAttentionParams &p,
+                               FragmentCoord at) {
+    if (p.partial_columns != 0) {
+        accumulate_product_over<T, true>(acc, x, b, s.col0, active, at);
+    } else if (s.live) {
+        accumulate_product_over<T, false>(acc, x, b, s.col0, active, at);
     }
 }
 
@@ -704,7 +1015,9 @@ inline void sum_over_slices(thread Fragments<N> &x, Partials partials, uint sgid
 template <uint N, typename T>
 inline void store_row(device T *dst, thread Fragments<N> &x, float scale, uint cols,
                       SimdgroupSlice s, FragmentCoord at) {
+    FA_UNROLL
     for (uint d = 0; d < N; ++d) {
+        FA_UNROLL
         for (uint e = 0; e < 2; ++e) {
             const uint col = s.col0 + d * 8 + at.col + e;
             if (col < cols) {
@@ -804,10 +1117,10 @@ inline float backward_row_lse(float lse) {
 // Without WITH_V (the backward's lse residual pass: scores only) the V tile is a placeholder.
 template <typename T, uint DP, uint BQ, uint BK, bool WITH_V = true>
 struct ForwardStorage {
-    T q[BQ][DP + FA_TILE_PAD];
-    T k[BK][DP + FA_TILE_PAD];
-    T v[WITH_V ? BK : 1][DP + FA_TILE_PAD];
-    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+    uint4 q[BQ][FA_ROW_CHUNKS(T, DP)];
+    uint4 k[BK][FA_ROW_CHUNKS(T, DP)];
+    uint4 v[WITH_V ? BK : 1][FA_ROW_CHUNKS(T, DP)];
+    FA_PARTIALS(s_partial, FA_SLICES(BQ), BK);
 };
 
 // The online softmax of one lane's row (Algorithm 1): running max m of the scores, this lane's part
@@ -829,31 +1142,33 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
     clear(r.o);
 }
 
-// One K/V tile of the forward pass, keys [kv0, kv0 + BK) of the KV head whose rows start at k_head
-// and v_head: loads the tiles (every thread calls it), S = Q K^T over the slice and then over all
-// of head_dim, masks (only when `masked`; the lane's row is query `row`), online softmax update,
-// O += P V (without WITH_V, only m and l: V is neither loaded nor multiplied).
+// One K/V tile of the forward pass, keys [kv0, kv0 + BK) (the next tiles of the streams ks and vs
+// over the KV head's K and V): loads the tiles (every thread calls it), S = Q K^T over the slice
+// and then over all of head_dim, masks (only when `masked`; the lane's row is query `row`), online
+// softmax update, O += P V (without WITH_V, only m and l: V is neither loaded nor multiplied).
 template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename T, typename Storage>
-inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_head,
-                         device const T *v_head, device const uchar *mask,
+inline void forward_tile(thread RowState<ND> &r, Storage tg, thread TileStream<T, BK, DP> &ks,
+                         thread TileStream<T, BK, DP> &vs, device const uchar *mask,
                          constant FlashAttentionParams &p, uint kv0, bool masked, uint row,
                          RowModifiers mods, SimdgroupSlice s, FragmentCoord at, uint sgid,
                          uint tid) {
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+    load_tile<BK, DP>(tg->k, ks, kv0, p, tid);
     if (WITH_V) {
-        load_rows<BK, DP>(tg->v, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+        load_tile<BK, DP>(tg->v, vs, kv0, p, tid);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     Fragments<NK> sc;
-    product_transposed<ND>(sc, tg->q, s.row0, tg->k, s, s.active, at);
+    product_transposed<T, ND>(sc, tg->q, s.row0, tg->k, s, s.active, p, at);
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
 
     // Online softmax; P replaces S in place.
     float tile_max = -INFINITY;
+    FA_UNROLL
     for (uint j = 0; j < NK; ++j) {
+        FA_UNROLL
         for (uint e = 0; e < 2; ++e) {
             float t;
             const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
@@ -867,11 +1182,14 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     const float m_base = m_next == -INFINITY ? 0.0f : m_next;
     const float correction = exp_of(r.m - m_base);
     r.l *= correction;
+    FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
         r.o.f[d].thread_elements()[0] *= correction;
         r.o.f[d].thread_elements()[1] *= correction;
     }
+    FA_UNROLL
     for (uint j = 0; j < NK; ++j) {
+        FA_UNROLL
         for (uint e = 0; e < 2; ++e) {
             const float pe = exp_of(sc.f[j].thread_elements()[e] - m_base);
             sc.f[j].thread_elements()[e] = pe;
@@ -881,7 +1199,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, device const T *k_h
     r.m = m_next;
 
     if (WITH_V) {
-        accumulate_product(r.o, sc, tg->v, s, s.active_v, at);
+        accumulate_product<T>(r.o, sc, tg->v, s, s.active_v, p, at);
     }
 }
 
@@ -911,13 +1229,18 @@ inline void attention_forward(device const T *q, device const T *k, device const
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
 
-    load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+    TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
+                                                      p.q.seq, p.head_dim, tid);
+    load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
+    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
+    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
     RowState<ND> r;
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
-                                 v + head_offset(p.v, b, kv_head), mask, p, kv0,
-                                 !tile_unmasked(p, q0, BQ, kv0, BK), row, mods, s, at, sgid, tid);
+        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, !tile_unmasked(p, q0, BQ, kv0, BK),
+                                 row, mods, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);
@@ -999,24 +1322,35 @@ inline void attention_forward_split(device const T *q, device const T *k, device
     const uint key_end = min(chunk_begin + p.kv_chunk_keys, key_range(p, rows.i_max).end);
     const RowModifiers mods = row_modifiers(p, alibi, b, packed_head(p, rows, kv_head, valid ? packed : 0), row);
 
-    for (uint e = tid; e < BQ * DP; e += FA_THREADS_PER_THREADGROUP) {
-        const uint r = e / DP;
-        const uint d = e % DP;
+    // The packed rows come from several heads: copied once per launch, word by word.
+    constexpr uint PER_WORD = TileWords<T>::PER_WORD;
+    constexpr uint WORDS = DP / PER_WORD;
+    for (uint e = tid; e < BQ * WORDS; e += FA_THREADS_PER_THREADGROUP) {
+        const uint r = e / WORDS;
+        const uint w = e % WORDS;
         const uint at_row = rows.first + r;
-        tg->q[r][d] = (at_row < rows.count && d < p.head_dim)
-                          ? q[head_offset(p.q, b, packed_head(p, rows, kv_head, at_row)) +
-                              ulong(at_row % p.seqlen_q) * p.q.seq + d]
-                          : T(0.0f);
+        uint bits = 0;
+        for (uint i = 0; i < PER_WORD; ++i) {
+            const uint d = w * PER_WORD + i;
+            if (at_row < rows.count && d < p.head_dim) {
+                bits |= TileWords<T>::bits(q[head_offset(p.q, b, packed_head(p, rows, kv_head, at_row)) +
+                                    ulong(at_row % p.seqlen_q) * p.q.seq + d])
+                        << (16 * i);
+            }
+        }
+        tg->q[r][w / 4][w % 4] = bits;
     }
+    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
+    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
     // The sink joins once, in the combine.
     RowState<ND> r;
     start_rows(r, false, 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         const bool masked = !rows.full || !tile_unmasked(p, rows.i_min, rows.i_max - rows.i_min + 1,
                                                          kv0, BK);
-        forward_tile<DP, BQ, BK>(r, tg, k + head_offset(p.k, b, kv_head),
-                                 v + head_offset(p.v, b, kv_head), mask, p, kv0, masked, row,
-                                 mods, s, at, sgid, tid);
+        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, masked, row, mods, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);
@@ -1066,27 +1400,52 @@ inline void attention_forward_combine(device const float *partial_out,
     }
 }
 
-// ---- backward: D = rowsum(dO * O) ------------------------------------------------------------
+// ---- backward: D = rowsum(dO * O) ----------------------------------------------------------
 
-// One thread per query row; D in float32, read by both gradient kernels.
+// Columns of dO and O per step of the delta pre-pass: 64 bytes of each row.
+#define FA_DELTA_STEP_COLUMNS(T) (64 / sizeof(T))
+
 template <typename T>
+struct DeltaStorage {
+    uint4 dout[FA_DELTA_BLOCK_ROWS][FA_ROW_CHUNKS(T, FA_DELTA_STEP_COLUMNS(T))];
+    uint4 out[FA_DELTA_BLOCK_ROWS][FA_ROW_CHUNKS(T, FA_DELTA_STEP_COLUMNS(T))];
+};
+
+// One thread per query row; D in float32, read by both gradient kernels. The rows' columns are
+// staged through threadgroup memory FA_DELTA_STEP_COLUMNS at a time with the tile copies, whose
+// loads are coalesced (neighbouring threads read neighbouring chunks of a row), then each thread
+// sums its own row.
+template <typename T, typename Storage>
 inline void attention_backward_delta(device const T *dout, device const T *out,
                                      device float *delta, constant FlashAttentionParams &p,
-                                     uint3 tgid, uint tid) {
-    const uint row = tgid.x * FA_DELTA_BLOCK_ROWS + tid;
-    if (row < p.seqlen_q) {
-        device const T *dout_row = dout + head_offset(p.dout, tgid.z, tgid.y) + ulong(row) * p.dout.seq;
-        device const T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(row) * p.out.seq;
-        // Eight interleaved partial sums added pairwise (NumPy's float32 summation): a single
-        // running sum over head_dim loses bits that dP - D, often a near-cancellation, exposes.
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (uint d = 0; d < p.head_dim_v; d += 8) {
-            for (uint j = 0; j < 8; ++j) {
-                if (d + j < p.head_dim_v) {
-                    acc[j] = fma(float(dout_row[d + j]), float(out_row[d + j]), acc[j]);
-                }
+                                     Storage tg, uint3 tgid, uint tid) {
+    constexpr uint STEP = FA_DELTA_STEP_COLUMNS(T);
+    const uint first = tgid.x * FA_DELTA_BLOCK_ROWS;
+    const uint row = first + tid;
+    device const T *dout_head = dout + head_offset(p.dout, tgid.z, tgid.y);
+    device const T *out_head = out + head_offset(p.out, tgid.z, tgid.y);
+    // Eight interleaved partial sums added pairwise (NumPy's float32 summation): a single
+    // running sum over head_dim loses bits that dP - D, often a near-cancellation, exposes.
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (uint c0 = 0; c0 < p.head_dim_v; c0 += STEP) {
+        TileStream<T, FA_DELTA_BLOCK_ROWS, STEP> ds = tile_stream<T, FA_DELTA_BLOCK_ROWS, STEP>(
+            dout_head + c0, first, p.seqlen_q, p.dout.seq, p.head_dim_v - c0, tid);
+        TileStream<T, FA_DELTA_BLOCK_ROWS, STEP> os = tile_stream<T, FA_DELTA_BLOCK_ROWS, STEP>(
+            out_head + c0, first, p.seqlen_q, p.out.seq, p.head_dim_v - c0, tid);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        load_tile<FA_DELTA_BLOCK_ROWS, STEP>(tg->dout, ds, first, p, tid);
+        load_tile<FA_DELTA_BLOCK_ROWS, STEP>(tg->out, os, first, p, tid);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        // STEP is a multiple of 8, so column c0 + i belongs to partial sum i % 8.
+        FA_UNROLL
+        for (uint i = 0; i < STEP; ++i) {
+            if (c0 + i < p.head_dim_v) {
+                acc[i % 8] = fma(tile_element<T>(tg->dout, tid, i), tile_element<T>(tg->out, tid, i),
+                                 acc[i % 8]);
             }
         }
+    }
+    if (row < p.seqlen_q) {
         delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] =
             ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
@@ -1152,14 +1511,19 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
         const uint key_begin = key_range(p, q0).first;
         const uint key_end = key_range(p, last).end;
         const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
-        load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+        TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0,
+                                                          p.seqlen_q, p.q.seq, p.head_dim, tid);
+        load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
+        TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head),
+                                                          key_begin, p.seqlen_k, p.k.seq,
+                                                          p.head_dim, tid);
         RowState<ND> r;
         start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
         for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-            // (k stands in for the V that is not read.)
-            forward_tile<DP, BQ, BK, ND, false>(r, tg, k + head_offset(p.k, b, kv_head), k, mask, p,
-                                                kv0, !tile_unmasked(p, q0, BQ, kv0, BK), row, mods,
-                                                s, at, sgid, tid);
+            // (ks stands in for the V stream, which is not read.)
+            forward_tile<DP, BQ, BK, ND, false>(r, tg, ks, ks, mask, p, kv0,
+                                                !tile_unmasked(p, q0, BQ, kv0, BK), row, mods, s,
+                                                at, sgid, tid);
         }
         const float l = row_sum(r.l);
         if (row < p.seqlen_q) {
@@ -1210,12 +1574,12 @@ inline void attention_backward_dsinks(device const float *lse, device const floa
 // first for dP, then K for S and dQ, so each is still read once per tile.
 template <typename T, uint DP, uint BQ, uint BK, bool SHARED>
 struct BackwardQueryStorage {
-    T q[BQ][DP + FA_TILE_PAD];
-    T dout[BQ][DP + FA_TILE_PAD];
-    T k[BK][DP + FA_TILE_PAD];
-    T v[SHARED ? 1 : BK][DP + FA_TILE_PAD];
-    float s_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
-    float dp_partial[FA_SLICES(BQ) > 1 ? FA_SIMDGROUPS : 1][8][BK];
+    uint4 q[BQ][FA_ROW_CHUNKS(T, DP)];
+    uint4 dout[BQ][FA_ROW_CHUNKS(T, DP)];
+    uint4 k[BK][FA_ROW_CHUNKS(T, DP)];
+    uint4 v[SHARED ? 1 : BK][FA_ROW_CHUNKS(T, DP)];
+    FA_PARTIALS(s_partial, FA_SLICES(BQ), BK);
+    FA_PARTIALS(dp_partial, FA_SLICES(BQ), BK);
 };
 
 template <uint DP, uint BQ, uint BK, bool SHARED, typename T, typename Storage>
@@ -1238,8 +1602,6 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
-    device const T *k_head = k + head_offset(p.k, b, kv_head);
-    device const T *v_head = v + head_offset(p.v, b, kv_head);
     const uint key_begin = key_range(p, q0).first;
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
@@ -1249,38 +1611,47 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
 
-    load_rows<BQ, DP>(tg->q, q + head_offset(p.q, b, h), q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
-    load_rows<BQ, DP>(tg->dout, dout + head_offset(p.dout, b, h), q0, p.seqlen_q, p.dout.seq,
-                      p.head_dim_v, tid);
+    TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
+                                                      p.q.seq, p.head_dim, tid);
+    load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
+    TileStream<T, BQ, DP> ds = tile_stream<T, BQ, DP>(dout + head_offset(p.dout, b, h), q0,
+                                                      p.seqlen_q, p.dout.seq, p.head_dim_v, tid);
+    load_tile<BQ, DP>(tg->dout, ds, q0, p, tid);
+    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
+    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
+                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
 
     Fragments<ND> dq_acc;
     clear(dq_acc);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_rows<BK, DP>(v_tile, v_head, kv0, p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+        load_tile<BK, DP>(v_tile, vs, kv0, p, tid);
         if (!SHARED) {
-            load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+            load_tile<BK, DP>(tg->k, ks, kv0, p, tid);
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
 
         // dP = dO V^T.
         Fragments<NK> dp;
-        product_transposed<ND>(dp, tg->dout, s.row0, v_tile, s, s.active_v, at);
+        product_transposed<T, ND>(dp, tg->dout, s.row0, v_tile, s, s.active_v, p, at);
         if (SHARED) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_rows<BK, DP>(tg->k, k_head, kv0, p.seqlen_k, p.k.seq, p.head_dim, tid);
+            load_tile<BK, DP>(tg->k, ks, kv0, p, tid);
             threadgroup_barrier(mem_flags::mem_threadgroup);
         }
 
         // S = Q K^T.
         Fragments<NK> sc;
-        product_transposed<ND>(sc, tg->q, s.row0, tg->k, s, s.active, at);
+        product_transposed<T, ND>(sc, tg->q, s.row0, tg->k, s, s.active, p, at);
         sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
         // dS = P (dP - D) (through the softcap), in place of S.
         const bool masked = !tile_unmasked(p, q0, BQ, kv0, BK);
+        FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
+            FA_UNROLL
             for (uint e = 0; e < 2; ++e) {
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
@@ -1292,7 +1663,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         }
 
         // dQ += dS K.
-        accumulate_product(dq_acc, sc, tg->k, s, s.active, at);
+        accumulate_product<T>(dq_acc, sc, tg->k, s, s.active, p, at);
     }
 
     if (row < p.seqlen_q) {
@@ -1307,15 +1678,15 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 // dO for dP and dV, then Q again for dK.
 template <typename T, uint DP, uint BK, uint BQ, bool SHARED>
 struct BackwardKeyValueStorage {
-    T k[BK][DP + FA_TILE_PAD];
-    T v[BK][DP + FA_TILE_PAD];
-    T q[BQ][DP + FA_TILE_PAD];
-    T dout[SHARED ? 1 : BQ][DP + FA_TILE_PAD];
+    uint4 k[BK][FA_ROW_CHUNKS(T, DP)];
+    uint4 v[BK][FA_ROW_CHUNKS(T, DP)];
+    uint4 q[BQ][FA_ROW_CHUNKS(T, DP)];
+    uint4 dout[SHARED ? 1 : BQ][FA_ROW_CHUNKS(T, DP)];
     float lse[BQ];       // lse of the tile's rows (0 for rows past the end)
     float residual[BQ];  // their lse residual R (0 likewise)
     float delta[BQ];     // D of the tile's rows (0 likewise)
-    float s_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
-    float dp_partial[FA_SLICES(BK) > 1 ? FA_SIMDGROUPS : 1][8][BQ];
+    FA_PARTIALS(s_partial, FA_SLICES(BK), BQ);
+    FA_PARTIALS(dp_partial, FA_SLICES(BK), BQ);
 };
 
 template <uint DP, uint BK, uint BQ, bool SHARED, typename T, typename Storage>
@@ -1341,10 +1712,17 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     // The query rows that see some key of the block through the window.
     const KeyRange rows = row_range(p, k0, BK);
 
-    load_rows<BK, DP>(tg->k, k + head_offset(p.k, b, kv_head), k0, p.seqlen_k, p.k.seq, p.head_dim,
-                      tid);
-    load_rows<BK, DP>(tg->v, v + head_offset(p.v, b, kv_head), k0, p.seqlen_k, p.v.seq,
-                      p.head_dim_v, tid);
+    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), k0,
+                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
+    load_tile<BK, DP>(tg->k, ks, k0, p, tid);
+    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), k0,
+                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+    load_tile<BK, DP>(tg->v, vs, k0, p, tid);
+    // Streams over each query head's Q and dO, moved to the head below.
+    TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q, rows.first, p.seqlen_q, p.q.seq,
+                                                      p.head_dim, tid);
+    TileStream<T, BQ, DP> ds = tile_stream<T, BQ, DP>(dout, rows.first, p.seqlen_q, p.dout.seq,
+                                                      p.head_dim_v, tid);
 
     Fragments<ND> dk_acc;
     Fragments<ND> dv_acc;
@@ -1352,19 +1730,21 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     clear(dv_acc);
     for (uint g = 0; g < group; ++g) {
         const uint h = kv_head * group + g;
-        device const T *q_head = q + head_offset(p.q, b, h);
-        device const T *dout_head = dout + head_offset(p.dout, b, h);
+        seek(qs, q + head_offset(p.q, b, h), rows.first);
+        seek(ds, dout + head_offset(p.dout, b, h), rows.first);
         // The head's slope and mask start; per element only the mask row moves.
         const RowModifiers head_mods = row_modifiers(p, alibi, b, h, 0);
+        // The head's rows of lse, residual and delta (one 64-bit multiply per head, not per tile).
+        const ulong head_rows = row_index(b, p.num_heads, h, p.seqlen_q, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
-            load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+            load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
             if (!SHARED) {
-                load_rows<BQ, DP>(tg->dout, dout_head, q0, p.seqlen_q, p.dout.seq, p.head_dim_v, tid);
+                load_tile<BQ, DP>(tg->dout, ds, q0, p, tid);
             }
             if (tid < BQ) {
                 const uint r = q0 + tid;
-                const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, r < p.seqlen_q ? r : 0);
+                const ulong at_row = head_rows + (r < p.seqlen_q ? r : 0);
                 tg->lse[tid] = r < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
                 tg->residual[tid] = r < p.seqlen_q ? residual[at_row] : 0.0f;
                 tg->delta[tid] = r < p.seqlen_q ? delta[at_row] : 0.0f;
@@ -1373,22 +1753,24 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 
             // S^T = K Q^T.
             Fragments<NQ> st;
-            product_transposed<ND>(st, tg->k, s.row0, tg->q, s, s.active, at);
+            product_transposed<T, ND>(st, tg->k, s.row0, tg->q, s, s.active, p, at);
             if (SHARED) {
                 threadgroup_barrier(mem_flags::mem_threadgroup);
-                load_rows<BQ, DP>(dout_tile, dout_head, q0, p.seqlen_q, p.dout.seq, p.head_dim_v, tid);
+                load_tile<BQ, DP>(dout_tile, ds, q0, p, tid);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
             }
 
             // dP^T = V dO^T.
             Fragments<NQ> dpt;
-            product_transposed<ND>(dpt, tg->v, s.row0, dout_tile, s, s.active_v, at);
+            product_transposed<T, ND>(dpt, tg->v, s.row0, dout_tile, s, s.active_v, p, at);
             sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
             sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
 
             // P^T in place of S^T, dS^T (through the softcap) in place of dP^T.
             const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
+            FA_UNROLL
             for (uint j = 0; j < NQ; ++j) {
+                FA_UNROLL
                 for (uint e = 0; e < 2; ++e) {
                     const uint i = j * 8 + at.col + e;
                     RowModifiers mods = head_mods;
@@ -1405,15 +1787,15 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             }
 
             // dV += P^T dO.
-            accumulate_product(dv_acc, st, dout_tile, s, s.active_v, at);
+            accumulate_product<T>(dv_acc, st, dout_tile, s, s.active_v, p, at);
             if (SHARED) {
                 threadgroup_barrier(mem_flags::mem_threadgroup);
-                load_rows<BQ, DP>(tg->q, q_head, q0, p.seqlen_q, p.q.seq, p.head_dim, tid);
+                reload_tile<BQ, DP>(tg->q, qs, q0, p, tid);
                 threadgroup_barrier(mem_flags::mem_threadgroup);
             }
 
             // dK += dS^T Q.
-            accumulate_product(dk_acc, dpt, tg->q, s, s.active, at);
+            accumulate_product<T>(dk_acc, dpt, tg->q, s, s.active, p, at);
         }
     }
 
@@ -1461,6 +1843,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 
 // The kernels of one dtype (element type T, name suffix SUFFIX) that do not depend on the bucket.
 #define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX)                                                         \
+    typedef DeltaStorage<T> flash_attention_backward_delta_##SUFFIX##_threadgroup;                 \
+                                                                                                   \
     kernel void flash_attention_forward_combine_##SUFFIX(                                          \
         FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
         device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                 \
@@ -1470,11 +1854,13 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         attention_forward_combine(partial_out, partial_lse, sinks, out, lse, params, tgid, tid);   \
     }                                                                                              \
                                                                                                    \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_delta_##SUFFIX(                                           \
         FA_BACKWARD_KERNEL_BUFFERS(T, , const),                                                    \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_backward_delta(dout, out, delta, params, tgid, tid);                             \
+        threadgroup flash_attention_backward_delta_##SUFFIX##_threadgroup tg;                      \
+        attention_backward_delta(dout, out, delta, params, &tg, tgid, tid);                        \
     }
 
 // The kernels of one dtype and head-dim bucket. The threadgroup storage type of kernel K is
@@ -1494,6 +1880,11 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                       sizeof(flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup) <= 32768 && \
                       sizeof(flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup) <= 32768,  \
                   "threadgroup storage above 32 KiB");                                             \
+    static_assert(sizeof(T) == 4 || DP > 128 ||                                                    \
+                      FA_CORE_THREADGROUP_BYTES /                                                  \
+                              sizeof(flash_attention_forward_##SUFFIX##_d##DP##_threadgroup) >=    \
+                          FA_FORWARD_MIN_THREADGROUPS_PER_CORE,                                    \
+                  "forward threadgroups per core below the target (flash_attention_params.h)");    \
     static_assert(DP % (8 * FA_SLICES(FWD_BQ)) == 0 && DP % (8 * FA_SLICES(DQ_BQ)) == 0 &&         \
                       DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
                       DKV_BQ % 8 == 0,                                                             \

@@ -327,7 +327,9 @@ public final class MetalFlashAttention: @unchecked Sendable {
                 encoder.setBuffer(buffers[binding.role], offset: piece.byteOffset(of: binding.role),
                                   index: binding.index)
             }
-            var params = dispatch.params
+            var params = dispatch.params.checkingAlignment { role in
+                dispatch.bindings.contains { $0.role == role } ? UInt(piece.byteOffset(of: role)) : nil
+            }
             encoder.setBytes(&params, length: MemoryLayout<FlashAttentionParams>.size, index: dispatch.paramsIndex)
             encoder.dispatchThreadgroups(metalSize(dispatch.threadgroupsPerGrid),
                                          threadsPerThreadgroup: metalSize(dispatch.threadsPerThreadgroup))

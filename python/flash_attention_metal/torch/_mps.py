@@ -44,6 +44,9 @@ _MAX_THREADGROUP_MEMORY = 32768
 #: A stand-in address for an optional input that is present: a plan reads only presence.
 _PRESENT = 1
 _PLAN_CACHE_SIZE = 256
+#: The inputs the kernels copy into threadgroup memory in chunks of this many bytes (FA_CHUNK_BYTES).
+_CHUNKED_ROLES = ("q", "k", "v", "out", "dout")
+_CHUNK_BYTES = 16
 
 _lock = threading.Lock()
 _libraries: dict = {}
@@ -92,6 +95,18 @@ def _at(t: torch.Tensor, byte_offset: int) -> torch.Tensor:
     return torch.as_strided(t, (1,), (1,), t.storage_offset() + byte_offset // t.element_size())
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where compile_shader would bind it at a byte offset that is not a multiple of 16 (a
+    view such as ``x[..., 1:65]``), a copy with the same strides in storage of its own. The plan's
+    parameters take the kernels' 16-byte tile copies whenever the strides and head dims are
+    multiples of 16 bytes (FA_CHUNK_BYTES, ``scalar_copies`` in Shaders/flash_attention_params.h),
+    and its bindings' offsets are multiples of the strides; the plan cannot see where compile_shader
+    binds a view, so an input copied in tiles must start at a 16-byte boundary."""
+    if t.storage_offset() * t.element_size() % _CHUNK_BYTES == 0:
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
 def _words(params: bytes) -> list[int]:
     """The parameter bytes as the int64 values whose setBytes copy is those bytes."""
     return list(struct.unpack(f"<{len(params) // 8}q", params))
@@ -105,6 +120,10 @@ def run(p, pass_name: str, tensors: dict) -> None:
     pressure lowers its thread limit) or needs more threadgroup memory than a threadgroup has."""
     made = _plan_for(p, pass_name)
     buffers = dict(tensors)
+    outputs = {b.role for b in made.buffers if b.usage == "output"}
+    for role in _CHUNKED_ROLES:
+        if role in buffers and role not in outputs:
+            buffers[role] = _aligned(buffers[role])
     device = next(iter(tensors.values())).device
     for buffer in made.buffers:
         if buffer.usage == "workspace":
