@@ -48,6 +48,14 @@ struct Layout {
     }
 };
 
+// float32 exp, log and tanh correctly rounded (through double, whose own error is far below half a
+// float32 ulp): the same values on every host, where C libraries' float32 versions are an ulp off
+// now and then (glibc's tanhf in 18% of arguments) and NumPy's SIMD exp up to 2 ulp off (39%).
+float exp32(float x) { return float(std::exp(double(x))); }
+float log32(float x) { return float(std::log(double(x))); }
+float tanh_of(float x) { return float(std::tanh(double(x))); }
+double tanh_of(double x) { return std::tanh(x); }
+
 // The score of visible pair (i, j) of (b, h) from its scaled product softmax_scale * q.k, in
 // Real (double for the reference, float for the baseline, as reference.modify_scores): softcap,
 // ALiBi bias (computed in double, as reference.alibi_bias, then converted), additive mask. *t gets
@@ -59,7 +67,7 @@ Real modify_score(const AttentionShape &s, const AttentionInputs &in, int b, int
     Real x = scaled;
     *t = Real(0);
     if (o.softcap > 0.0f) {
-        *t = std::tanh(scaled / Real(o.softcap));
+        *t = tanh_of(scaled / Real(o.softcap));
         x = Real(o.softcap) * *t;
     }
     if (o.alibi) {
@@ -309,14 +317,14 @@ BaseResult base_attention(const AttentionShape &s, const AttentionInputs &in) {
                     // seqlen_k keys as NumPy sums them, the sink's weight joining last; P rounded.
                     std::fill(weights.begin(), weights.end(), 0.0f);
                     for (size_t e = 0; e < n; ++e) {
-                        pr[e] = std::exp(pr[e] - row_max);
+                        pr[e] = exp32(pr[e] - row_max);
                         weights[size_t(keys[e])] = pr[e];
                     }
                     float total = pairwise_sum(weights.data(), s.seqlen_k);
                     if (with_sinks) {
-                        total += std::exp(sink - row_max);
+                        total += exp32(sink - row_max);
                     }
-                    r.lse[row] = row_max + std::log(total);
+                    r.lse[row] = row_max + log32(total);
                     for (size_t e = 0; e < n; ++e) {
                         pr[e] = round(pr[e] / total);
                     }
@@ -336,7 +344,7 @@ BaseResult base_attention(const AttentionShape &s, const AttentionInputs &in) {
                     // D = rowsum(dout * O).
                     const float delta = sum_of_products(gi, oi, dim_v);
                     if (with_sinks) {
-                        r.sink_terms[row] = std::exp(sink - r.lse[row]) * delta;
+                        r.sink_terms[row] = exp32(sink - r.lse[row]) * delta;
                     }
                     for (size_t e = 0; e < n; ++e) {
                         const float dp = round(dot(gi, &v[at.v_row(b, kvh, keys[e])], dim_v));
@@ -432,9 +440,9 @@ BaseResult streamed_base_attention(const AttentionShape &s, const AttentionInput
                             new_max = std::max(new_max, scores[start + e]);
                         }
                         const float shift = new_max == -infinity ? 0.0f : new_max;
-                        const float rescale = std::exp(running_max - shift);
+                        const float rescale = exp32(running_max - shift);
                         for (int e = 0; e < width; ++e) {
-                            weights[e] = std::exp(scores[start + e] - shift);
+                            weights[e] = exp32(scores[start + e] - shift);
                         }
                         total = product(total, rescale) + pairwise_sum(weights.data(), width);
                         for (int d = 0; d < dim_v; ++d) {
@@ -450,8 +458,8 @@ BaseResult streamed_base_attention(const AttentionShape &s, const AttentionInput
                     }
                     if (with_sinks) {
                         const float new_max = std::max(running_max, sink);
-                        const float rescale = std::exp(running_max - new_max);
-                        total = product(total, rescale) + std::exp(sink - new_max);
+                        const float rescale = exp32(running_max - new_max);
+                        total = product(total, rescale) + exp32(sink - new_max);
                         for (int d = 0; d < dim_v; ++d) {
                             oi[d] = oi[d] * rescale;
                         }
@@ -465,7 +473,7 @@ BaseResult streamed_base_attention(const AttentionShape &s, const AttentionInput
                     for (int d = 0; d < dim_v; ++d) {
                         oi[d] = oi[d] / total;
                     }
-                    const float log_total = std::log(total);
+                    const float log_total = log32(total);
                     const float lse = running_max + log_total;
                     r.lse[row] = lse;
                     // What float32 lost of log(total) beside the max at large |lse|.
@@ -475,7 +483,7 @@ BaseResult streamed_base_attention(const AttentionShape &s, const AttentionInput
                     // dS = P (dP - D) (1 - tanh^2).
                     const float delta = sum_of_products(gi, oi, dim_v);
                     if (with_sinks) {
-                        r.sink_terms[row] = std::exp(sink - lse) * delta;
+                        r.sink_terms[row] = exp32(sink - lse) * delta;
                     }
                     for (int j = 0; j < seqlen_k; ++j) {
                         p[j] = 0.0f;
@@ -483,7 +491,7 @@ BaseResult streamed_base_attention(const AttentionShape &s, const AttentionInput
                         if (!visible[j]) {
                             continue;
                         }
-                        p[j] = std::exp((scores[j] - lse) - residual);
+                        p[j] = exp32((scores[j] - lse) - residual);
                         const float dp = streamed_dot(gi, &v[at.v_row(b, kvh, j)], dim_v);
                         ds[j] = product(p[j], dp - delta);
                         if (s.options.softcap > 0.0f) {
