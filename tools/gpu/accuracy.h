@@ -10,7 +10,9 @@
 #include "reference.h"
 
 // The factors of FlashAttention's tests (Dao-AILab/flash-attention, hopper/test_flash_attn.py):
-// max|ours - ref| <= factor * max|base - ref| + absolute_term(ref).
+// max|ours - ref| <= factor * max|base - ref| + absolute_term(ref), max|base - ref| the largest
+// over the dtype's baselines (reference.h's baselines(): one for float16 and bfloat16; for float32
+// the kernels' streamed order and a blocked order, as accuracy.py).
 constexpr double kOutFactor = 2.0;      // out
 constexpr double kGradFactor = 2.0;     // dq, dk, dv
 constexpr double kSoftcapFactor = 4.0;  // out and the gradients with a softcap
