@@ -160,6 +160,21 @@ float sum_of_products(const float *a, const float *b, int n) {
     return pairwise_sum(products.data(), n);
 }
 
+// A baseline of the shape's sizes before any row is computed: zeros, lse -inf (a row that sees no
+// key), sink_terms only with sinks.
+BaseResult zero_base(const AttentionShape &s) {
+    BaseResult r;
+    r.out.assign(s.out_elements(), 0.0f);
+    r.dq.assign(s.q_elements(), 0.0f);
+    r.dk.assign(s.k_elements(), 0.0f);
+    r.dv.assign(s.v_elements(), 0.0f);
+    r.lse.assign(s.lse_elements(), -std::numeric_limits<float>::infinity());
+    if (s.options.sinks) {
+        r.sink_terms.assign(s.lse_elements(), 0.0f);
+    }
+    return r;
+}
+
 }  // namespace
 
 ReferenceResult reference_attention(const AttentionShape &s, const AttentionInputs &in) {
@@ -262,15 +277,7 @@ BaseResult base_attention(const AttentionShape &s, const AttentionInputs &in) {
     const bool with_sinks = s.options.sinks;
     auto round = [&](float x) { return round_to(s.dtype, x); };
     const std::vector<float> &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
-    BaseResult r;
-    r.out.assign(s.out_elements(), 0.0f);
-    r.dq.assign(s.q_elements(), 0.0f);
-    r.dk.assign(s.k_elements(), 0.0f);
-    r.dv.assign(s.v_elements(), 0.0f);
-    r.lse.assign(s.lse_elements(), -std::numeric_limits<float>::infinity());
-    if (with_sinks) {
-        r.sink_terms.assign(s.lse_elements(), 0.0f);
-    }
+    BaseResult r = zero_base(s);
     const size_t head_k = size_t(s.seqlen_k) * dim, head_v = size_t(s.seqlen_k) * dim_v;
     std::vector<int> keys;
     std::vector<float> pr, t, ds(size_t(std::max(s.seqlen_k, 1))), weights(ds.size());
@@ -399,15 +406,7 @@ BaseResult streamed_base_attention(const AttentionShape &s, const AttentionInput
     const bool with_sinks = s.options.sinks;
     const float infinity = std::numeric_limits<float>::infinity();
     const std::vector<float> &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
-    BaseResult r;
-    r.out.assign(s.out_elements(), 0.0f);
-    r.dq.assign(s.q_elements(), 0.0f);
-    r.dk.assign(s.k_elements(), 0.0f);
-    r.dv.assign(s.v_elements(), 0.0f);
-    r.lse.assign(s.lse_elements(), -infinity);
-    if (with_sinks) {
-        r.sink_terms.assign(s.lse_elements(), 0.0f);
-    }
+    BaseResult r = zero_base(s);
     const size_t keys = size_t(std::max(seqlen_k, 1));
     std::vector<char> visible(keys);
     std::vector<float> scores(keys), t(keys), p(keys), ds(keys), weights(kStreamWidth);
