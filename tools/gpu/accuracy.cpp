@@ -23,6 +23,13 @@ double max_abs_error(const std::vector<Value> &ours, const std::vector<double> &
     return worst;
 }
 
+// bound = factor * base_error + absolute_term(ref).
+Metric judged(const std::string &name, const std::vector<float> &ours, double base_error,
+              const std::vector<double> &ref, double factor) {
+    return Metric{name, max_abs_error(ours, ref), base_error,
+                  factor * base_error + absolute_term(ref)};
+}
+
 }  // namespace
 
 bool Metric::passed() const { return std::isfinite(error) && error <= bound; }
@@ -43,9 +50,17 @@ double absolute_term(const std::vector<double> &ref) {
 
 Metric tensor_metric(const std::string &name, const std::vector<float> &ours,
                      const std::vector<float> &base, const std::vector<double> &ref, double factor) {
-    const double base_error = max_abs_error(base, ref);
-    return Metric{name, max_abs_error(ours, ref), base_error,
-                  factor * base_error + absolute_term(ref)};
+    return judged(name, ours, max_abs_error(base, ref), ref, factor);
+}
+
+Metric tensor_metric(const std::string &name, const std::vector<float> &ours,
+                     const std::vector<BaseResult> &bases, std::vector<float> BaseResult::*tensor,
+                     const std::vector<double> &ref, double factor) {
+    double base_error = 0.0;
+    for (const BaseResult &base : bases) {
+        base_error = std::max(base_error, max_abs_error(base.*tensor, ref));
+    }
+    return judged(name, ours, base_error, ref, factor);
 }
 
 Metric lse_metric(const std::vector<float> &ours, const std::vector<double> &ref) {

@@ -10,7 +10,9 @@
 #include "reference.h"
 
 // The factors of FlashAttention's tests (Dao-AILab/flash-attention, hopper/test_flash_attn.py):
-// max|ours - ref| <= factor * max|base - ref| + absolute_term(ref).
+// max|ours - ref| <= factor * max|base - ref| + absolute_term(ref), max|base - ref| the largest
+// over the dtype's baselines (reference.h's baselines(): one for float16 and bfloat16; for float32
+// the kernels' streamed order and a blocked order, as accuracy.py).
 constexpr double kOutFactor = 2.0;      // out
 constexpr double kGradFactor = 2.0;     // dq, dk, dv
 constexpr double kSoftcapFactor = 4.0;  // out and the gradients with a softcap
@@ -42,13 +44,22 @@ struct Metric {
 Metric tensor_metric(const std::string &name, const std::vector<float> &ours,
                      const std::vector<float> &base, const std::vector<double> &ref, double factor);
 
+// The same against several baselines (reference.h's baselines(); `tensor` picks out, dq, dk or
+// dv): the base error is the largest of their max|base - ref| (accuracy.py's _metric). float32 has
+// two, the kernels' streamed order and a blocked BLAS order: which one rounds a near one-hot row's
+// dominant scores luckier is chance, so neither alone bounds a correct kernel (accuracy.py).
+Metric tensor_metric(const std::string &name, const std::vector<float> &ours,
+                     const std::vector<BaseResult> &bases, std::vector<float> BaseResult::*tensor,
+                     const std::vector<double> &ref, double factor);
+
 // lse: relative error where ref is finite; ours must be exactly -inf where ref is -inf.
 Metric lse_metric(const std::vector<float> &ours, const std::vector<double> &ref);
 
 // dsinks (accuracy.py's _dsinks_metric): error max|ours - ref.dsinks|; base error the root sum of
 // squares of the base's row terms' errors, max_h sqrt(sum_{b,i} (base.sink_terms - ref.sink_terms)^2)
 // (the rows' errors are independent: their sum grows with that, and the base's own signed sum
-// can cancel by chance); bound kDsinksFactor * that + absolute_term(ref.dsinks).
+// can cancel by chance); bound kDsinksFactor * that + absolute_term(ref.dsinks). `base` is
+// baselines().front(): for float32 the streamed order, as accuracy.py's base_backward.
 Metric dsinks_metric(const AttentionShape &shape, const std::vector<float> &ours,
                      const ReferenceResult &ref, const BaseResult &base);
 

@@ -296,23 +296,24 @@ bool run_case(const TestCase &c, const Options &options, Margins *margins) {
     const bool deterministic = !options.repeat || again == gpu;
     const size_t stray_writes = gpu.stray_writes + again.stray_writes;
     const ReferenceResult ref = reference_attention(s, in);
-    const BaseResult base = base_attention(s, in);
+    const std::vector<BaseResult> bases = baselines(s, in);
+    const double out_factor = rule_factor(kOutFactor, s.options.softcap);
+    const double grad_factor = rule_factor(kGradFactor, s.options.softcap);
     std::vector<Metric> metrics = {
-        tensor_metric("out", gpu.out, base.out, ref.out, rule_factor(kOutFactor, s.options.softcap)),
+        tensor_metric("out", gpu.out, bases, &BaseResult::out, ref.out, out_factor),
         lse_metric(gpu.lse, ref.lse),
-        tensor_metric("dq", gpu.dq, base.dq, ref.dq, rule_factor(kGradFactor, s.options.softcap)),
-        tensor_metric("dk", gpu.dk, base.dk, ref.dk, rule_factor(kGradFactor, s.options.softcap)),
-        tensor_metric("dv", gpu.dv, base.dv, ref.dv, rule_factor(kGradFactor, s.options.softcap)),
+        tensor_metric("dq", gpu.dq, bases, &BaseResult::dq, ref.dq, grad_factor),
+        tensor_metric("dk", gpu.dk, bases, &BaseResult::dk, ref.dk, grad_factor),
+        tensor_metric("dv", gpu.dv, bases, &BaseResult::dv, ref.dv, grad_factor),
     };
     if (s.options.sinks) {
-        metrics.push_back(dsinks_metric(s, gpu.dsinks, ref, base));
+        metrics.push_back(dsinks_metric(s, gpu.dsinks, ref, bases.front()));
     }
     int empty_rows = 0;
     bool empty_ok = empty_rows_correct(s, in, ref, gpu.out, gpu.lse, gpu.dq, &empty_rows);
     if (!gpu.split_out.empty()) {
         metrics.push_back(
-            tensor_metric("out(split)", gpu.split_out, base.out, ref.out,
-                          rule_factor(kOutFactor, s.options.softcap)));
+            tensor_metric("out(split)", gpu.split_out, bases, &BaseResult::out, ref.out, out_factor));
         metrics.push_back(lse_metric(gpu.split_lse, ref.lse));
         metrics.back().name = "lse(split)";
         int split_empty_rows = 0;

@@ -48,6 +48,14 @@ struct Layout {
     }
 };
 
+// float32 exp, log and tanh correctly rounded (through double, whose own error is far below half a
+// float32 ulp): the same values on every host, where C libraries' float32 versions are an ulp off
+// now and then (glibc's tanhf in 18% of arguments) and NumPy's SIMD exp up to 2 ulp off (39%).
+float exp32(float x) { return float(std::exp(double(x))); }
+float log32(float x) { return float(std::log(double(x))); }
+float tanh_of(float x) { return float(std::tanh(double(x))); }
+double tanh_of(double x) { return std::tanh(x); }
+
 // The score of visible pair (i, j) of (b, h) from its scaled product softmax_scale * q.k, in
 // Real (double for the reference, float for the baseline, as reference.modify_scores): softcap,
 // ALiBi bias (computed in double, as reference.alibi_bias, then converted), additive mask. *t gets
@@ -59,7 +67,7 @@ Real modify_score(const AttentionShape &s, const AttentionInputs &in, int b, int
     Real x = scaled;
     *t = Real(0);
     if (o.softcap > 0.0f) {
-        *t = std::tanh(scaled / Real(o.softcap));
+        *t = tanh_of(scaled / Real(o.softcap));
         x = Real(o.softcap) * *t;
     }
     if (o.alibi) {
@@ -127,12 +135,44 @@ float pairwise_sum(const float *x, int n) {
     return pairwise_sum(x, half) + pairwise_sum(x + half, n - half);
 }
 
+// a * b rounded to float32 before anything is added to it, whatever the host compiler's
+// -ffp-contract: NumPy's order in the streamed baseline (no fused multiply-add).
+float product(float a, float b) {
+    volatile float p = a * b;
+    return p;
+}
+
+// sum(a[d] * b[d]) one term at a time in index order, each product rounded (accuracy.py's
+// _streamed_matmul).
+float streamed_dot(const float *a, const float *b, int n) {
+    float acc = 0.0f;
+    for (int d = 0; d < n; ++d) {
+        acc = acc + product(a[d], b[d]);
+    }
+    return acc;
+}
+
 float sum_of_products(const float *a, const float *b, int n) {
     std::vector<float> products(size_t(std::max(n, 0)));
     for (int i = 0; i < n; ++i) {
         products[size_t(i)] = a[i] * b[i];
     }
     return pairwise_sum(products.data(), n);
+}
+
+// A baseline of the shape's sizes before any row is computed: zeros, lse -inf (a row that sees no
+// key), sink_terms only with sinks.
+BaseResult zero_base(const AttentionShape &s) {
+    BaseResult r;
+    r.out.assign(s.out_elements(), 0.0f);
+    r.dq.assign(s.q_elements(), 0.0f);
+    r.dk.assign(s.k_elements(), 0.0f);
+    r.dv.assign(s.v_elements(), 0.0f);
+    r.lse.assign(s.lse_elements(), -std::numeric_limits<float>::infinity());
+    if (s.options.sinks) {
+        r.sink_terms.assign(s.lse_elements(), 0.0f);
+    }
+    return r;
 }
 
 }  // namespace
@@ -237,15 +277,7 @@ BaseResult base_attention(const AttentionShape &s, const AttentionInputs &in) {
     const bool with_sinks = s.options.sinks;
     auto round = [&](float x) { return round_to(s.dtype, x); };
     const std::vector<float> &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
-    BaseResult r;
-    r.out.assign(s.out_elements(), 0.0f);
-    r.dq.assign(s.q_elements(), 0.0f);
-    r.dk.assign(s.k_elements(), 0.0f);
-    r.dv.assign(s.v_elements(), 0.0f);
-    r.lse.assign(s.lse_elements(), -std::numeric_limits<float>::infinity());
-    if (with_sinks) {
-        r.sink_terms.assign(s.lse_elements(), 0.0f);
-    }
+    BaseResult r = zero_base(s);
     const size_t head_k = size_t(s.seqlen_k) * dim, head_v = size_t(s.seqlen_k) * dim_v;
     std::vector<int> keys;
     std::vector<float> pr, t, ds(size_t(std::max(s.seqlen_k, 1))), weights(ds.size());
@@ -292,14 +324,14 @@ BaseResult base_attention(const AttentionShape &s, const AttentionInputs &in) {
                     // seqlen_k keys as NumPy sums them, the sink's weight joining last; P rounded.
                     std::fill(weights.begin(), weights.end(), 0.0f);
                     for (size_t e = 0; e < n; ++e) {
-                        pr[e] = std::exp(pr[e] - row_max);
+                        pr[e] = exp32(pr[e] - row_max);
                         weights[size_t(keys[e])] = pr[e];
                     }
                     float total = pairwise_sum(weights.data(), s.seqlen_k);
                     if (with_sinks) {
-                        total += std::exp(sink - row_max);
+                        total += exp32(sink - row_max);
                     }
-                    r.lse[row] = row_max + std::log(total);
+                    r.lse[row] = row_max + log32(total);
                     for (size_t e = 0; e < n; ++e) {
                         pr[e] = round(pr[e] / total);
                     }
@@ -319,7 +351,7 @@ BaseResult base_attention(const AttentionShape &s, const AttentionInputs &in) {
                     // D = rowsum(dout * O).
                     const float delta = sum_of_products(gi, oi, dim_v);
                     if (with_sinks) {
-                        r.sink_terms[row] = std::exp(sink - r.lse[row]) * delta;
+                        r.sink_terms[row] = exp32(sink - r.lse[row]) * delta;
                     }
                     for (size_t e = 0; e < n; ++e) {
                         const float dp = round(dot(gi, &v[at.v_row(b, kvh, keys[e])], dim_v));
@@ -364,4 +396,143 @@ BaseResult base_attention(const AttentionShape &s, const AttentionInputs &in) {
         }
     }
     return r;
+}
+
+BaseResult streamed_base_attention(const AttentionShape &s, const AttentionInputs &in) {
+    const Layout at{s};
+    const int dim = s.head_dim, dim_v = s.head_dim_v, seqlen_k = s.seqlen_k;
+    const int group = s.num_heads / s.num_kv_heads;
+    const float scale = s.softmax_scale;
+    const bool with_sinks = s.options.sinks;
+    const float infinity = std::numeric_limits<float>::infinity();
+    const std::vector<float> &q = in.q, &k = in.k, &v = in.v, &dout = in.dout;
+    BaseResult r = zero_base(s);
+    const size_t keys = size_t(std::max(seqlen_k, 1));
+    std::vector<char> visible(keys);
+    std::vector<float> scores(keys), t(keys), p(keys), ds(keys), weights(kStreamWidth);
+    std::vector<float> acc(static_cast<size_t>(dim));
+    std::vector<float> dk_group(size_t(seqlen_k) * dim), dv_group(size_t(seqlen_k) * dim_v);
+    for (int b = 0; b < s.batch; ++b) {
+        for (int kvh = 0; kvh < s.num_kv_heads; ++kvh) {
+            std::fill(dk_group.begin(), dk_group.end(), 0.0f);
+            std::fill(dv_group.begin(), dv_group.end(), 0.0f);
+            // The rows of the group's query heads one after the other (accuracy.py's _group_rows).
+            for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+                const float sink = with_sinks ? in.sinks[size_t(h)] : 0.0f;
+                for (int i = 0; i < s.seqlen_q; ++i) {
+                    const size_t row = at.lse_index(b, h, i);
+                    const float *qi = &q[at.q_row(b, h, i)];
+                    const float *gi = &dout[at.out_row(b, h, i)];
+                    for (int j = 0; j < seqlen_k; ++j) {
+                        visible[j] = key_visible(s, in, b, h, i, j);
+                        const float scaled = streamed_dot(qi, &k[at.k_row(b, kvh, j)], dim) * scale;
+                        const float x = modify_score(s, in, b, h, i, j, scaled, &t[j]);
+                        scores[j] = visible[j] ? x : -infinity;
+                    }
+                    // The online softmax: running max, sum and rescale of out once per tile.
+                    float *oi = &r.out[at.out_row(b, h, i)];
+                    float running_max = -infinity, total = 0.0f;
+                    for (int start = 0; start < seqlen_k; start += kStreamWidth) {
+                        const int width = std::min(kStreamWidth, seqlen_k - start);
+                        float new_max = running_max;
+                        for (int e = 0; e < width; ++e) {
+                            new_max = std::max(new_max, scores[start + e]);
+                        }
+                        const float shift = new_max == -infinity ? 0.0f : new_max;
+                        const float rescale = exp32(running_max - shift);
+                        for (int e = 0; e < width; ++e) {
+                            weights[e] = exp32(scores[start + e] - shift);
+                        }
+                        total = product(total, rescale) + pairwise_sum(weights.data(), width);
+                        for (int d = 0; d < dim_v; ++d) {
+                            oi[d] = oi[d] * rescale;
+                        }
+                        for (int e = 0; e < width; ++e) {
+                            const float *vj = &v[at.v_row(b, kvh, start + e)];
+                            for (int d = 0; d < dim_v; ++d) {
+                                oi[d] = oi[d] + product(weights[e], vj[d]);
+                            }
+                        }
+                        running_max = new_max;
+                    }
+                    if (with_sinks) {
+                        const float new_max = std::max(running_max, sink);
+                        const float rescale = exp32(running_max - new_max);
+                        total = product(total, rescale) + exp32(sink - new_max);
+                        for (int d = 0; d < dim_v; ++d) {
+                            oi[d] = oi[d] * rescale;
+                        }
+                        running_max = new_max;
+                    }
+                    // A row that sees no key (and has no sink): out 0, lse -inf, no gradient.
+                    if (!(total > 0.0f)) {
+                        std::fill(oi, oi + dim_v, 0.0f);
+                        continue;
+                    }
+                    for (int d = 0; d < dim_v; ++d) {
+                        oi[d] = oi[d] / total;
+                    }
+                    const float log_total = log32(total);
+                    const float lse = running_max + log_total;
+                    r.lse[row] = lse;
+                    // What float32 lost of log(total) beside the max at large |lse|.
+                    const float residual =
+                        std::fabs(lse) >= kLseResidualMin ? (running_max - lse) + log_total : 0.0f;
+                    // P from the streamed lse, dP = dout . v, D = rowsum(dout * out),
+                    // dS = P (dP - D) (1 - tanh^2).
+                    const float delta = sum_of_products(gi, oi, dim_v);
+                    if (with_sinks) {
+                        r.sink_terms[row] = exp32(sink - lse) * delta;
+                    }
+                    for (int j = 0; j < seqlen_k; ++j) {
+                        p[j] = 0.0f;
+                        ds[j] = 0.0f;
+                        if (!visible[j]) {
+                            continue;
+                        }
+                        p[j] = exp32((scores[j] - lse) - residual);
+                        const float dp = streamed_dot(gi, &v[at.v_row(b, kvh, j)], dim_v);
+                        ds[j] = product(p[j], dp - delta);
+                        if (s.options.softcap > 0.0f) {
+                            ds[j] = product(ds[j], 1.0f - product(t[j], t[j]));
+                        }
+                    }
+                    // Hidden keys add zeros in NumPy's sums: skipping them changes no value.
+                    std::fill(acc.begin(), acc.end(), 0.0f);
+                    for (int j = 0; j < seqlen_k; ++j) {
+                        if (!visible[j]) {
+                            continue;
+                        }
+                        const float *kj = &k[at.k_row(b, kvh, j)];
+                        float *dkj = &dk_group[size_t(j) * dim];
+                        float *dvj = &dv_group[size_t(j) * dim_v];
+                        for (int d = 0; d < dim; ++d) {
+                            acc[d] = acc[d] + product(ds[j], kj[d]);
+                            dkj[d] = dkj[d] + product(ds[j], qi[d]);
+                        }
+                        for (int d = 0; d < dim_v; ++d) {
+                            dvj[d] = dvj[d] + product(p[j], gi[d]);
+                        }
+                    }
+                    float *dqi = &r.dq[at.q_row(b, h, i)];
+                    for (int d = 0; d < dim; ++d) {
+                        dqi[d] = acc[d] * scale;
+                    }
+                }
+            }
+            const size_t first_k = at.k_row(b, kvh, 0), first_v = at.v_row(b, kvh, 0);
+            for (size_t e = 0; e < dk_group.size(); ++e) {
+                r.dk[first_k + e] = dk_group[e] * scale;
+            }
+            std::copy(dv_group.begin(), dv_group.end(), r.dv.begin() + first_v);
+        }
+    }
+    return r;
+}
+
+std::vector<BaseResult> baselines(const AttentionShape &s, const AttentionInputs &in) {
+    if (s.dtype != DType::f32) {
+        return {base_attention(s, in)};
+    }
+    return {streamed_base_attention(s, in), base_attention(s, in)};
 }

@@ -112,7 +112,29 @@ ReferenceResult reference_attention(const AttentionShape &shape, const Attention
 // head, then summed over the GQA group in float32 and rounded once (the backward of repeating KV
 // heads). Softcap, ALiBi and the additive mask in float32 on the rounded scaled S, the sinks in the
 // float32 softmax's denominator, dS through the softcap's 1 - tanh^2 in float32 (accuracy.py). For
-// float32 every rounding is to float32 itself: the plain float32 computation.
+// float32 every rounding is to float32 itself: the plain float32 computation, products summed by
+// fma in index order, the harness's stand-in for NumPy's blocked order (the second of baselines()).
 BaseResult base_attention(const AttentionShape &shape, const AttentionInputs &in);
+
+// accuracy.py's STREAM_WIDTH and LSE_RESIDUAL_MIN: the streamed baseline's key tile, and the |lse|
+// from which its backward corrects P by the float32 lse's residual.
+constexpr int kStreamWidth = 8;
+constexpr float kLseResidualMin = 256.0f;
+
+// The float32 baseline in the kernels' streamed order (accuracy.py's _streamed_forward and
+// _streamed_backward, the same float32 operations in the same order): every reduction (S over
+// head_dim, O over keys, dP over head_dim_v, dQ over keys, dK and dV over the rows of all query
+// heads of a GQA group, head after head) one rounded product at a time in index order; the online
+// softmax's running max, sum (NumPy's pairwise sum of the tile's weights) and rescale of O once per
+// kStreamWidth keys, the sink joining the denominator last; P recomputed from the streamed lse,
+// less its residual where |lse| >= kLseResidualMin; D = rowsum(dout * out) as NumPy sums it. Only
+// meaningful for float32 inputs (nothing is rounded to another dtype).
+BaseResult streamed_base_attention(const AttentionShape &shape, const AttentionInputs &in);
+
+// The baselines the accuracy rule takes, each tensor's base error being the largest of theirs
+// (accuracy.py's _metric): base_attention alone for float16 and bfloat16; for float32 first
+// streamed_base_attention (whose sink_terms dsinks is judged by, as accuracy.py's base_backward),
+// then base_attention.
+std::vector<BaseResult> baselines(const AttentionShape &shape, const AttentionInputs &in);
 
 #endif

@@ -6,7 +6,8 @@
 //   WINDOW_LEFT WINDOW_RIGHT SOFTCAP MASK MASK_PER_BATCH MASK_PER_HEAD ALIBI ALIBI_PER_BATCH SINKS
 // (MASK: 0 none, 1 boolean, 2 additive in the dtype, 3 additive float32; WINDOW_RIGHT as given,
 // causal not folded in). With a mask, alibi or sinks their float32 values are written too, and
-// with sinks the reference's dsinks and row terms and the baseline's row terms.
+// with sinks the reference's dsinks and row terms and the baseline's row terms. float32 cases
+// also get the streamed baseline (streamed_out, _lse, _dq, _dk, _dv and, with sinks, _sink_terms).
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -44,7 +45,7 @@ int main(int argc, char **argv) {
         "f16_d104_b2_h4x1_q77_k33_causal",       "f16_d200_b2_h2x2_q1_k129_causal",
         "f16_d72_b2_h6x3_q31_k31_causal_s0.5",   "bf16_d64_b1_h8x2_q33_k77_causal",
         "bf16_d128_b2_h4x1_q77_k33_causal",      "f32_d40_b2_h3x3_q100_k100_causal",
-        "f32_d256_b2_h4x1_q77_k33_causal",       "f16_d192v128_b1_h8x2_q33_k77_causal",
+        "f32_d256_b2_h4x1_q77_k33_causal",       "f32_d104_b2_h4x1_q77_k33_causal",       "f16_d192v128_b1_h8x2_q33_k77_causal",
         "bf16_d40v3_b2_h3x3_q100_k100_causal",   "f32_d128v40_b1_h8x2_q33_k77_causal",
         // score modifiers (issue 15)
         "f32_d32_b2_h4x1_q77_k33_full_w5.3",     "f16_d64_b2_h4x4_q65_k90_causal_s0.5_cap5",
@@ -70,6 +71,8 @@ int main(int argc, char **argv) {
         const AttentionInputs in = random_inputs(c);
         const ReferenceResult ref = reference_attention(c.shape, in);
         const BaseResult base = base_attention(c.shape, in);
+        const bool streamed = c.shape.dtype == DType::f32;
+        const BaseResult stream = streamed ? streamed_base_attention(c.shape, in) : BaseResult{};
         const bool ok = write(folder, c.name, "q", in.q) && write(folder, c.name, "k", in.k) &&
                         write(folder, c.name, "v", in.v) &&
                         write(folder, c.name, "dout", in.dout) &&
@@ -82,13 +85,20 @@ int main(int argc, char **argv) {
                         write(folder, c.name, "base_dq", base.dq) &&
                         write(folder, c.name, "base_dk", base.dk) &&
                         write(folder, c.name, "base_dv", base.dv) &&
+                        (!streamed || (write(folder, c.name, "streamed_out", stream.out) &&
+                                       write(folder, c.name, "streamed_lse", stream.lse) &&
+                                       write(folder, c.name, "streamed_dq", stream.dq) &&
+                                       write(folder, c.name, "streamed_dk", stream.dk) &&
+                                       write(folder, c.name, "streamed_dv", stream.dv))) &&
                         (in.mask.empty() || write(folder, c.name, "mask", in.mask)) &&
                         (in.alibi.empty() || write(folder, c.name, "alibi", in.alibi)) &&
                         (in.sinks.empty() ||
                          (write(folder, c.name, "sinks", in.sinks) &&
                           write(folder, c.name, "ref_dsinks", ref.dsinks) &&
                           write(folder, c.name, "ref_sink_terms", ref.sink_terms) &&
-                          write(folder, c.name, "base_sink_terms", base.sink_terms)));
+                          write(folder, c.name, "base_sink_terms", base.sink_terms) &&
+                          (!streamed ||
+                           write(folder, c.name, "streamed_sink_terms", stream.sink_terms))));
         if (!ok) {
             return 1;
         }
