@@ -170,6 +170,12 @@ final class PlanPiecesTests: XCTestCase {
         let perHead = try CPUBackend(flopsPerPiece: DispatchPlan.forward(short).flopsPerUnit)
         let result = try forward(Context(backend: perHead), short, q: q, k: k, v: v)
         assertSame(result, reference, "split-KV forward in 6 pieces")
+        // Below one unit: each unit's split kernel one (chunk, row block) per piece, then its combine.
+        let perBlock = DispatchPlan.forward(short).pieces(maxFlops: 1)
+        XCTAssertEqual(perBlock.map { $0.plan.dispatches[0].params.block_offset },
+                       Array(repeating: [0, 1, 0], count: 6).flatMap { $0 })
+        let blocks = try forward(Context(backend: try CPUBackend(flopsPerPiece: 1)), short, q: q, k: k, v: v)
+        assertSame(blocks, reference, "split-KV forward in blocks")
     }
 
     /// The profile of a pass run in pieces counts them (Metal: one command buffer each) and keeps
