@@ -282,9 +282,8 @@ final class MetalBackend: ExecutionBackend {
         if code == .timeout {
             throw FlashAttentionError.executionFailed(
                 "the GPU watchdog stopped \(place): \(text). Each command buffer holds at most "
-                    + "\(flopsPerCommandBuffer) FLOP of work, or one block of rows of one head "
-                    + "(\(piece.flops) FLOP here), which cannot be split further: use shorter "
-                    + "sequences per call")
+                    + "\(flopsPerCommandBuffer) FLOP of work, or one block of rows of a GQA group where "
+                    + "that is more (\(piece.flops) FLOP here): use shorter sequences per call")
         }
         if code == .pageFault {
             throw PageFault(message: "GPU page fault in \(place): \(text) (a kernel accessed memory outside its "
