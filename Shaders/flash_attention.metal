@@ -388,7 +388,7 @@ inline void attention_forward(device const T *q, device const T *k, device const
     const FragmentCoord at = fragment_coord(lane);
     const uint b = tgid.z;
     const uint h = tgid.y;
-    const uint q0 = tgid.x * BQ;
+    const uint q0 = (tgid.x + p.block_offset) * BQ;
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
@@ -476,8 +476,9 @@ inline void attention_forward_split(device const T *q, device const T *k, device
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
     const uint row_blocks = (group * p.seqlen_q + BQ - 1) / BQ;
-    const uint chunk = tgid.x / row_blocks;
-    const PackedRows rows = packed_rows<BQ>(p, tgid.x % row_blocks);
+    const uint x = tgid.x + p.block_offset;
+    const uint chunk = x / row_blocks;
+    const PackedRows rows = packed_rows<BQ>(p, x % row_blocks);
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, rows.count - rows.first);
     const uint packed = rows.first + s.row0 + at.row;
     const bool valid = packed < rows.count;
@@ -588,7 +589,7 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
                                      device float *delta, constant FlashAttentionParams &p,
                                      Storage tg, uint3 tgid, uint tid) {
     constexpr uint STEP = FA_DELTA_STEP_COLUMNS(T);
-    const uint first = tgid.x * FA_DELTA_BLOCK_ROWS;
+    const uint first = (tgid.x + p.block_offset) * FA_DELTA_BLOCK_ROWS;
     const uint row = first + tid;
     device const T *dout_head = dout + head_offset(p.dout, tgid.z, tgid.y);
     device const T *out_head = out + head_offset(p.out, tgid.z, tgid.y);
@@ -664,7 +665,7 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
     const FragmentCoord at = fragment_coord(lane);
     const uint b = tgid.z;
     const uint h = tgid.y;
-    const uint q0 = tgid.x * BQ;
+    const uint q0 = (tgid.x + p.block_offset) * BQ;
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint last = min(q0 + BQ, p.seqlen_q) - 1;
@@ -766,7 +767,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 
     const uint b = tgid.z;
     const uint h = tgid.y;
-    const uint q0 = tgid.x * BQ;
+    const uint q0 = (tgid.x + p.block_offset) * BQ;
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
@@ -874,7 +875,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
-    const uint k0 = tgid.x * BK;
+    const uint k0 = (tgid.x + p.block_offset) * BK;
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_k - k0);
     const uint key = k0 + s.row0 + at.row;
     // The query rows that see some key of the block through the window.

@@ -74,6 +74,11 @@ typedef struct FlashAttentionParams {
     // 1: head_dim or head_dim_v is below the bucket's width, so the products skip the zero
     // fragments past them (the active-fragment test).
     fa_u32 partial_columns;
+    // Added to a threadgroup's x index (threadgroup_position_in_grid.x) by the kernels whose x
+    // axis is a block of rows: query blocks (forward, split-KV forward, lse residual, delta, dQ)
+    // and key blocks (dK/dV). A piece of a long pass dispatches a range of blocks, starting here
+    // (PlanPieces.swift); 0 (a value-initialised struct's) runs the grid from block 0.
+    fa_u32 block_offset;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.

@@ -138,12 +138,19 @@ struct Dispatch {
     let kernelName: String
     let bindings: [BufferBinding]
     let paramsIndex: Int
-    let params: FlashAttentionParams
-    let threadgroupsPerGrid: GridSize
+    /// A piece that runs a range of the grid's x axis sets `block_offset` to its first x.
+    var params: FlashAttentionParams
+    var threadgroupsPerGrid: GridSize
     let threadsPerThreadgroup: GridSize
     /// Whether the kernel must see the whole problem (it sums over batch entries): a split plan
     /// runs it once, after its pieces, instead of once per piece.
     var wholeProblem = false
+    /// For a kernel that adds `params.block_offset` to its threadgroup's x index (x is a block of
+    /// query or key rows, or a split-KV (chunk, row block) pair, and threadgroups of different x
+    /// share no output): an upper bound of the floating-point operations of the whole grid, so
+    /// that a piece can run a range of x alone (`DispatchPlan.pieces(maxFlops:)`). Nil: the
+    /// kernel's grid runs whole (its work is small next to the score kernels').
+    var blockWork: Int?
     /// The values of the function constants the kernel reads, exactly those: its pipeline is built
     /// for them (one per kernel name and specialization).
     var specialization: [SpecializationConstant] = []
@@ -218,16 +225,18 @@ struct DispatchPlan {
                         BufferBinding(index: Int(FA_FORWARD_BUFFER_LSE), role: .lse)]
         bindings += optionalInputs(problem, mask: FA_FORWARD_BUFFER_MASK, alibi: FA_FORWARD_BUFFER_ALIBI,
                                    sinks: FA_FORWARD_BUFFER_SINKS)
-        func dispatch(_ kernel: String, _ grid: GridSize, reads constants: [Int32]) -> Dispatch {
+        func dispatch(_ kernel: String, _ grid: GridSize, reads constants: [Int32], blockWork: Int?) -> Dispatch {
             Dispatch(kernelName: kernel, bindings: bindings, paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
                      params: problem.params, threadgroupsPerGrid: grid, threadsPerThreadgroup: threadgroupSize,
+                     blockWork: blockWork,
                      specialization: SpecializationConstant.values(constants, for: problem.params))
         }
+        let scoreWork = problem.scoreWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement)
         guard let split = problem.split else {
             let dense = dispatch("flash_attention_forward_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                                  GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
                                           height: problem.numHeads, depth: problem.batch),
-                                 reads: KernelConstants.scoreAndSinks)
+                                 reads: KernelConstants.scoreAndSinks, blockWork: scoreWork)
             return DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse], workspace: [],
                                 problem: problem)
         }
@@ -236,10 +245,11 @@ struct DispatchPlan {
         let chunks = dispatch("flash_attention_forward_split_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                               GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
                                        depth: problem.batch),
-                              reads: KernelConstants.score)
+                              reads: KernelConstants.score, blockWork: scoreWork)
+        // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, each merging its chunks: small.
         let combine = dispatch("flash_attention_forward_combine_\(problem.dtype.kernelSuffix)",
                                GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch),
-                               reads: KernelConstants.sinks)
+                               reads: KernelConstants.sinks, blockWork: nil)
         return DispatchPlan(pass: .forward, dispatches: [chunks, combine], outputs: [.out, .lse],
                             workspace: [.partialOut, .partialLse], problem: problem)
     }
@@ -264,30 +274,34 @@ struct DispatchPlan {
                              sinks: FA_BACKWARD_BUFFER_SINKS)
             + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE_RESIDUAL), role: .lseResidual)]
         func dispatch(_ kernel: String, _ outputs: [BufferBinding], rows: UInt32, block: UInt32,
-                      heads: UInt32, reads constants: [Int32]) -> Dispatch {
+                      heads: UInt32, reads constants: [Int32], blockWork: Int) -> Dispatch {
             Dispatch(kernelName: kernel, bindings: inputs + outputs,
                      paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
                      threadgroupsPerGrid: GridSize(width: blocks(rows, block), height: heads,
                                                    depth: problem.batch),
                      threadsPerThreadgroup: threadgroupSize,
+                     blockWork: blockWork,
                      specialization: SpecializationConstant.values(constants, for: problem.params))
         }
+        // Matrix products per (query row, key, head_dim element): the residual recomputes Q K^T;
+        // dQ recomputes it and forms dO V^T and dS K; dK/dV recompute both scores and add P^T dO
+        // and dS^T Q. The delta pass reads each row of dout and out once.
         let delta = dispatch("flash_attention_backward_delta_\(problem.dtype.kernelSuffix)", [],
                              rows: problem.seqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads,
-                             reads: [])
+                             reads: [], blockWork: problem.rowWork(flopsPerElement: 2))
         let residual = dispatch(
             "flash_attention_backward_lse_residual_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)", [],
             rows: problem.seqlenQ, block: b.forward_block_q, heads: problem.numHeads,
-            reads: KernelConstants.scoreAndSinks)
+            reads: KernelConstants.scoreAndSinks, blockWork: problem.scoreWork(flopsPerScoreElement: 2))
         let dq = dispatch("flash_attention_backward_dq_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
                           rows: problem.seqlenQ, block: b.dq_block_q, heads: problem.numHeads,
-                          reads: KernelConstants.score)
+                          reads: KernelConstants.score, blockWork: problem.scoreWork(flopsPerScoreElement: 6))
         let dkv = dispatch("flash_attention_backward_dkv_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                            [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
                            rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads,
-                           reads: KernelConstants.score)
+                           reads: KernelConstants.score, blockWork: problem.scoreWork(flopsPerScoreElement: 8))
         guard problem.scores.hasSinks else {
             return DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv], outputs: [.dq, .dk, .dv],
                                 workspace: [.delta, .lseResidual], problem: problem)

@@ -1,11 +1,16 @@
 /// One part of a split plan, run on its own (by Metal in its own command buffer): the same pass on
 /// the problem restricted to a range of batch entries, or, inside one batch entry, to a range of KV
-/// heads with their query heads (whole GQA groups). Each buffer of the piece is the part of the full
-/// buffer that starts at `byteOffset(of:)`, so the kernels see an ordinary, smaller problem.
+/// heads with their query heads (whole GQA groups); or, when one batch entry and KV head alone
+/// exceeds the budget, one dispatch of that unit over a range of its blocks (query blocks for the
+/// forward, delta, lse residual and dQ; key blocks for dK/dV), which its parameter struct's
+/// `block_offset` tells the kernel. Each buffer of the piece is the part of the full buffer that
+/// starts at `byteOffset(of:)`, so the kernels see an ordinary, smaller problem.
 ///
 /// Splitting is exact: a threadgroup's work depends only on its own (batch, head, block) and on
-/// the sizes, and a GQA group never straddles two pieces (dK/dV sum over the group in order), so
-/// the pieces compute bit for bit what the whole plan computes.
+/// the sizes, a GQA group never straddles two pieces (dK/dV sum over the group in order, inside one
+/// threadgroup), and no two threadgroups write the same element, so the pieces compute bit for bit
+/// what the whole plan computes. The pieces run in order, so a dispatch's block pieces all finish
+/// before the next dispatch's start (dQ and dK/dV read the whole unit's delta).
 struct PlanPiece {
     /// The pass on the slice.
     let plan: DispatchPlan
@@ -14,17 +19,20 @@ struct PlanPiece {
     let firstKVHead: UInt32
     /// The problem the offsets refer to.
     let full: Problem
+    /// Floating-point operations of the piece, an upper bound (what the completion wait scales with).
+    let flops: Int
 
-    init(plan: DispatchPlan, firstBatch: UInt32, firstKVHead: UInt32, full: Problem) {
+    init(plan: DispatchPlan, firstBatch: UInt32, firstKVHead: UInt32, full: Problem, flops: Int) {
         self.plan = plan
         self.firstBatch = firstBatch
         self.firstKVHead = firstKVHead
         self.full = full
+        self.flops = flops
     }
 
     /// All of `plan` as one piece.
     init(whole plan: DispatchPlan) {
-        self.init(plan: plan, firstBatch: 0, firstKVHead: 0, full: plan.problem)
+        self.init(plan: plan, firstBatch: 0, firstKVHead: 0, full: plan.problem, flops: plan.flops)
     }
 
     /// Bytes from the start of the full buffer of `role` to the start of this piece's part: the
@@ -35,44 +43,79 @@ struct PlanPiece {
     }
 }
 
+extension Problem {
+    /// `factors` multiplied, saturating at `Int.max`.
+    private static func saturatingProduct(_ factors: [Int]) -> Int {
+        var product = 1
+        for factor in factors {
+            let (next, overflow) = product.multipliedReportingOverflow(by: factor)
+            if overflow { return Int.max }
+            product = next
+        }
+        return product
+    }
+
+    /// Floating-point operations of a kernel that does `flopsPerScoreElement` per (query head, query
+    /// row, key, head_dim element) of `units` units of splitting (batch entry, KV head with its
+    /// query heads; all of the problem's by default), head_dim padded to the bucket's; saturating.
+    func scoreWork(flopsPerScoreElement: Int, units: Int? = nil) -> Int {
+        Problem.saturatingProduct([flopsPerScoreElement, units ?? Int(batch) * Int(numKVHeads), Int(groupSize),
+                                   Int(seqlenQ), Int(seqlenK), Int(bucket.head_dim_max)])
+    }
+
+    /// Floating-point operations of a kernel that does `flopsPerElement` per element of out (head_dim
+    /// padded to the bucket's) of the whole problem; saturating.
+    func rowWork(flopsPerElement: Int) -> Int {
+        Problem.saturatingProduct([flopsPerElement, Int(batch), Int(numHeads), Int(seqlenQ), Int(bucket.head_dim_max)])
+    }
+}
+
 extension DispatchPlan {
     /// Floating-point operations of one unit of splitting (one batch entry, one KV head and its
     /// query heads), saturating at `Int.max`.
     var flopsPerUnit: Int {
-        let p = problem
-        var flops = pass.flopsPerScoreElement
-        for factor in [Int(p.groupSize), Int(p.seqlenQ), Int(p.seqlenK), Int(p.bucket.head_dim_max)] {
-            let (product, overflow) = flops.multipliedReportingOverflow(by: factor)
-            if overflow { return Int.max }
-            flops = product
-        }
-        return flops
+        problem.scoreWork(flopsPerScoreElement: pass.flopsPerScoreElement, units: 1)
     }
 
-    /// The plan cut into pieces of at most `maxFlops` each (one unit when a unit alone is larger), in
-    /// order of batch entry, then KV head. Whole batch entries are grouped while a piece holds at
-    /// least one; otherwise each batch entry is cut into ranges of KV heads. A plan within the
-    /// budget is one piece: itself.
+    /// Floating-point operations of the whole plan, saturating.
+    var flops: Int { problem.scoreWork(flopsPerScoreElement: pass.flopsPerScoreElement) }
+
+    /// The plan cut into pieces of at most `maxFlops` each, in order of batch entry, then KV head.
+    /// Whole batch entries are grouped while a piece holds at least one; otherwise each batch entry
+    /// is cut into ranges of KV heads; when one KV head of one batch entry alone is larger, each of
+    /// its dispatches with `blockWork` above the budget is cut into ranges of blocks (at least one
+    /// block each: a single block larger than `maxFlops` is one piece). A plan within the budget is
+    /// one piece: itself.
     func pieces(maxFlops: Int) -> [PlanPiece] {
         let p = problem
-        let unitsPerPiece = UInt64(max(1, maxFlops / flopsPerUnit))
+        let unitFlops = flopsPerUnit
+        let unitsPerPiece = UInt64(max(1, maxFlops / unitFlops))
         let kvHeads = UInt64(p.numKVHeads)
-        if unitsPerPiece >= UInt64(p.batch) * kvHeads {
+        if unitsPerPiece >= UInt64(p.batch) * kvHeads && unitFlops <= maxFlops {
             return [PlanPiece(whole: self)]
         }
         var pieces: [PlanPiece] = []
         func add(batches: Range<UInt32>, kvHeads: Range<UInt32>) {
-            let sliced = DispatchPlan.make(pass, p.slice(batches: batches, kvHeads: kvHeads))
-            pieces.append(PlanPiece(plan: sliced.keeping { !$0.wholeProblem }, firstBatch: batches.lowerBound,
-                                    firstKVHead: kvHeads.lowerBound, full: p))
+            let sliced = DispatchPlan.make(pass, p.slice(batches: batches, kvHeads: kvHeads)).keeping { !$0.wholeProblem }
+            guard unitFlops > maxFlops else {
+                pieces.append(PlanPiece(plan: sliced, firstBatch: batches.lowerBound, firstKVHead: kvHeads.lowerBound,
+                                        full: p, flops: sliced.flops))
+                return
+            }
+            for dispatch in sliced.dispatches {
+                for (part, flops) in dispatch.blockRanges(maxFlops: maxFlops, otherwise: sliced.flops) {
+                    pieces.append(PlanPiece(plan: sliced.keeping(part), firstBatch: batches.lowerBound,
+                                            firstKVHead: kvHeads.lowerBound, full: p, flops: flops))
+                }
+            }
         }
-        if unitsPerPiece >= kvHeads {
+        if unitsPerPiece >= kvHeads && unitFlops <= maxFlops {
             let step = UInt32(unitsPerPiece / kvHeads)
             for b in stride(from: UInt32(0), to: p.batch, by: Int(step)) {
                 add(batches: b..<b + min(step, p.batch - b), kvHeads: 0..<p.numKVHeads)
             }
         } else {
-            let step = UInt32(unitsPerPiece)
+            let step = UInt32(min(unitsPerPiece, kvHeads))
             for b in 0..<p.batch {
                 for h in stride(from: UInt32(0), to: p.numKVHeads, by: Int(step)) {
                     add(batches: b..<b + 1, kvHeads: h..<h + min(step, p.numKVHeads - h))
@@ -90,5 +133,30 @@ extension DispatchPlan {
     func keeping(_ include: (Dispatch) -> Bool) -> DispatchPlan {
         DispatchPlan(pass: pass, dispatches: dispatches.filter(include), outputs: outputs, workspace: workspace,
                      problem: problem)
+    }
+
+    /// The same plan with `dispatch` alone.
+    func keeping(_ dispatch: Dispatch) -> DispatchPlan {
+        DispatchPlan(pass: pass, dispatches: [dispatch], outputs: outputs, workspace: workspace, problem: problem)
+    }
+}
+
+extension Dispatch {
+    /// This dispatch cut along its grid's x axis into ranges of at most `maxFlops` of `blockWork`
+    /// (at least one block each), each with `block_offset` at its first block, and the work of
+    /// each; itself alone (with its `blockWork`, or `otherwise` without one) when it has no
+    /// `blockWork` or fits.
+    func blockRanges(maxFlops: Int, otherwise: Int) -> [(Dispatch, Int)] {
+        let width = Int(threadgroupsPerGrid.width)
+        guard let work = blockWork, work > maxFlops, width > 1 else { return [(self, blockWork ?? otherwise)] }
+        let perBlock = work / width + (work % width == 0 ? 0 : 1)
+        let step = max(1, maxFlops / perBlock)
+        return stride(from: 0, to: width, by: step).map { first in
+            let count = min(step, width - first)
+            var part = self
+            part.params.block_offset = params.block_offset + UInt32(first)
+            part.threadgroupsPerGrid.width = UInt32(count)
+            return (part, perBlock.multipliedReportingOverflow(by: count).overflow ? Int.max : perBlock * count)
+        }
     }
 }

@@ -310,7 +310,8 @@ struct Problem {
             mask_type: scores.maskType, has_alibi: scores.hasAlibi ? 1 : 0, has_sinks: scores.hasSinks ? 1 : 0,
             kv_chunks: split?.chunks ?? 1, kv_chunk_keys: split?.chunkKeys ?? seqlenK,
             scalar_copies: layoutsAllowChunks ? 0 : 1,
-            partial_columns: headDim == bucket.head_dim_max && headDimV == bucket.head_dim_max ? 0 : 1)
+            partial_columns: headDim == bucket.head_dim_max && headDimV == bucket.head_dim_max ? 0 : 1,
+            block_offset: 0)
     }
 
     /// Whether the tensors the kernels copy in tiles (`BufferRole.copiedInTiles`) can be copied in

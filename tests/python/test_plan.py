@@ -76,10 +76,18 @@ def test_plan_invariants(name):
 
 
 def test_pieces():
-    made = plan.create(_problem(Shape(2, 6, 3, 37, 29, 40)), "backward", max_flops_per_piece=1)
+    # One unit (batch entry, KV head with its 2 query heads): 10 FLOP x 2 x 37 x 29 x 64 (bucket).
+    made = plan.create(_problem(Shape(2, 6, 3, 37, 29, 40)), "backward", max_flops_per_piece=10 * 2 * 37 * 29 * 64)
     assert made.piece_count == 6
     assert [d.piece for d in made.dispatches] == [n for n in range(6) for _ in range(4)]
     assert {b.byte_offset for d in made.dispatches[-4:] for b in d.bindings} != {0}
+    # Below one unit, each kernel of a unit over ranges of its blocks, one block each here: delta 1
+    # block of 128 rows, the lse residual and dQ 2 query blocks of 32, dK/dV 1 key block of 32.
+    blocks = plan.create(_problem(Shape(2, 6, 3, 37, 29, 40)), "backward", max_flops_per_piece=1)
+    assert blocks.piece_count == 6 * 6
+    assert [d.piece for d in blocks.dispatches] == list(range(36))
+    assert {d.threadgroups_per_grid[0] for d in blocks.dispatches} == {1}
+    assert [d.kernel_name.split("_")[3] for d in blocks.dispatches[:6]] == ["delta", "lse", "lse", "dq", "dq", "dkv"]
 
 
 def test_errors():

@@ -256,8 +256,9 @@ typedef struct fa_profile {
                                 gpuStartTime summed over them. CPU engine: the engine's wall time
                                 of the call's dispatches, summed. */
     uint32_t command_buffers; /* pieces the pass ran in: Metal, one command buffer each (ranges of
-                                 batch entries or KV heads of at most 2^35 FLOP, against the GPU
-                                 watchdog); CPU engine, 1. 0 when dispatch_count is 0. */
+                                 batch entries, KV heads or blocks of rows of at most 2^35 FLOP,
+                                 against the GPU watchdog); CPU engine, 1. 0 when dispatch_count
+                                 is 0. */
 } fa_profile;
 
 /* One dispatched kernel of the last call. Set struct_size to sizeof(fa_dispatch_profile).
@@ -441,8 +442,10 @@ typedef struct fa_plan_specialization {
  * any non-null value will do; dsinks is not read (the backward plan of a problem with sinks writes
  * the dsinks buffer). max_flops_per_piece: 0 gives one piece holding the whole pass; otherwise the
  * pass is cut into pieces of at most that many floating-point operations (ranges of batch entries or
- * of KV heads with their query heads; at least one such unit each), whose dispatches bind the
- * buffers at the offsets of their range: what the Metal backend does with 2^35 against the GPU
+ * of KV heads with their query heads; when one batch entry and KV head alone is larger, one dispatch
+ * of it over a range of its query or key blocks, at least one block, the parameter bytes' block_offset
+ * at the range's first block), whose dispatches bind the buffers at the offsets of their range
+ * (dispatches of pieces run in order): what the Metal backend does with 2^35 against the GPU
  * watchdog, one command buffer per piece. Pieces compute bit for bit what the whole pass computes.
  * Errors: INVALID_ARGUMENT (null problem or out_plan, an unknown pass, anything fa_forward or
  * fa_backward would refuse), UNSUPPORTED (head_dim), OUT_OF_MEMORY. The parameter bytes take the

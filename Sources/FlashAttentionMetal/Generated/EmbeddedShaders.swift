@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "03bd9c2d7cdc62af"
+    static let sourceHash = "518dd92a11b93732"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -138,6 +138,11 @@ typedef struct FlashAttentionParams {
     // 1: head_dim or head_dim_v is below the bucket's width, so the products skip the zero
     // fragments past them (the active-fragment test).
     fa_u32 partial_columns;
+    // Added to a threadgroup's x index (threadgroup_position_in_grid.x) by the kernels whose x
+    // axis is a block of rows: query blocks (forward, split-KV forward, lse residual, delta, dQ)
+    // and key blocks (dK/dV). A piece of a long pass dispatches a range of blocks, starting here
+    // (PlanPieces.swift); 0 (a value-initialised struct's) runs the grid from block 0.
+    fa_u32 block_offset;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -1220,7 +1225,7 @@ inline void attention_forward(device const T *q, device const T *k, device const
     const FragmentCoord at = fragment_coord(lane);
     const uint b = tgid.z;
     const uint h = tgid.y;
-    const uint q0 = tgid.x * BQ;
+    const uint q0 = (tgid.x + p.block_offset) * BQ;
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
@@ -1308,8 +1313,9 @@ inline void attention_forward_split(device const T *q, device const T *k, device
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
     const uint row_blocks = (group * p.seqlen_q + BQ - 1) / BQ;
-    const uint chunk = tgid.x / row_blocks;
-    const PackedRows rows = packed_rows<BQ>(p, tgid.x % row_blocks);
+    const uint x = tgid.x + p.block_offset;
+    const uint chunk = x / row_blocks;
+    const PackedRows rows = packed_rows<BQ>(p, x % row_blocks);
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, rows.count - rows.first);
     const uint packed = rows.first + s.row0 + at.row;
     const bool valid = packed < rows.count;
@@ -1420,7 +1426,7 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
                                      device float *delta, constant FlashAttentionParams &p,
                                      Storage tg, uint3 tgid, uint tid) {
     constexpr uint STEP = FA_DELTA_STEP_COLUMNS(T);
-    const uint first = tgid.x * FA_DELTA_BLOCK_ROWS;
+    const uint first = (tgid.x + p.block_offset) * FA_DELTA_BLOCK_ROWS;
     const uint row = first + tid;
     device const T *dout_head = dout + head_offset(p.dout, tgid.z, tgid.y);
     device const T *out_head = out + head_offset(p.out, tgid.z, tgid.y);
@@ -1496,7 +1502,7 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
     const FragmentCoord at = fragment_coord(lane);
     const uint b = tgid.z;
     const uint h = tgid.y;
-    const uint q0 = tgid.x * BQ;
+    const uint q0 = (tgid.x + p.block_offset) * BQ;
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint last = min(q0 + BQ, p.seqlen_q) - 1;
@@ -1598,7 +1604,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 
     const uint b = tgid.z;
     const uint h = tgid.y;
-    const uint q0 = tgid.x * BQ;
+    const uint q0 = (tgid.x + p.block_offset) * BQ;
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_q - q0);
     const uint row = q0 + s.row0 + at.row;
     const uint kv_head = h / (p.num_heads / p.num_kv_heads);
@@ -1706,7 +1712,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
-    const uint k0 = tgid.x * BK;
+    const uint k0 = (tgid.x + p.block_offset) * BK;
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_k - k0);
     const uint key = k0 + s.row0 + at.row;
     // The query rows that see some key of the block through the window.

@@ -249,9 +249,7 @@ final class MetalBackend: ExecutionBackend {
     /// The wait for `piece`'s command buffer: `completionTimeoutSeconds` plus its work at
     /// `slowestFlopsPerSecond`.
     private static func completionSeconds(_ piece: PlanPiece) -> Double {
-        let p = piece.plan.problem
-        let flops = Double(piece.plan.flopsPerUnit) * Double(p.batch) * Double(p.numKVHeads)
-        return completionTimeoutSeconds + flops / slowestFlopsPerSecond
+        completionTimeoutSeconds + Double(piece.flops) / slowestFlopsPerSecond
     }
 
     /// MTLCommandQueue.makeCommandBuffer(descriptor:) with MTLCommandBufferDescriptor.errorOptions
@@ -284,9 +282,8 @@ final class MetalBackend: ExecutionBackend {
         if code == .timeout {
             throw FlashAttentionError.executionFailed(
                 "the GPU watchdog stopped \(place): \(text). Each command buffer holds at most "
-                    + "\(flopsPerCommandBuffer) FLOP of work, or one batch entry and KV head "
-                    + "(\(piece.plan.flopsPerUnit) FLOP here), which cannot be split further: use shorter "
-                    + "sequences per call")
+                    + "\(flopsPerCommandBuffer) FLOP of work, or one block of rows of a GQA group where "
+                    + "that is more (\(piece.flops) FLOP here): use shorter sequences per call")
         }
         if code == .pageFault {
             throw PageFault(message: "GPU page fault in \(place): \(text) (a kernel accessed memory outside its "

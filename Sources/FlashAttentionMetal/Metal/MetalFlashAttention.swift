@@ -317,7 +317,7 @@ public final class MetalFlashAttention: @unchecked Sendable {
             // MTLCommandBuffer.makeComputeCommandEncoder(); MTLComputeCommandEncoder
             // setComputePipelineState(_:), setBuffer(_:offset:index:) (device buffers: offsets are
             // multiples of the element size), setBytes(_:length:index:) (below 4 KB: the parameter
-            // struct, under 300 bytes), dispatchThreadgroups(_:threadsPerThreadgroup:), endEncoding().
+            // struct, 304 bytes), dispatchThreadgroups(_:threadsPerThreadgroup:), endEncoding().
             guard let encoder = commandBuffer.makeComputeCommandEncoder() else {
                 throw FlashAttentionError.executionFailed("Metal could not create a compute command encoder")
             }

@@ -27,7 +27,31 @@ final class PlanPiecesTests: XCTestCase {
                                                        seqlenK: Int(UInt32.max), headDim: 256),
                                         causal: false, softmaxScale: nil)
         XCTAssertEqual(DispatchPlan.backward(huge).flopsPerUnit, Int.max)
-        XCTAssertEqual(DispatchPlan.backward(huge).pieces(maxFlops: 1 << 35).count, 1)
+    }
+
+    /// One head of a 32K x 32K backward (head_dim 128) in command buffers of 2^35 FLOP: every
+    /// dispatch but delta is cut into ranges of blocks, none above the budget, each range starting
+    /// where the previous one ended.
+    func testLongHeadIsCutIntoBlockRanges() throws {
+        let p = try Problem.validate(AttentionShape(batch: 1, numHeads: 1, seqlenQ: 32_768, seqlenK: 32_768,
+                                                    headDim: 128),
+                                     causal: true, softmaxScale: nil)
+        let plan = DispatchPlan.backward(p)
+        let budget = 1 << 35
+        let pieces = plan.pieces(maxFlops: budget)
+        XCTAssertTrue(pieces.allSatisfy { $0.plan.dispatches.count == 1 && $0.flops <= budget })
+        for dispatch in plan.dispatches {
+            let parts = pieces.map { $0.plan.dispatches[0] }.filter { $0.kernelName == dispatch.kernelName }
+            XCTAssertEqual(parts.map(\.params.block_offset),
+                           parts.indices.map { parts[..<$0].reduce(0) { $0 + $1.threadgroupsPerGrid.width } })
+            XCTAssertEqual(parts.reduce(0) { $0 + $1.threadgroupsPerGrid.width }, dispatch.threadgroupsPerGrid.width)
+        }
+        // 1024 blocks of 32 rows each. Delta: 2 x 32768 x 128 FLOP, one piece. The lse residual:
+        // 2 x 32768^2 x 128 = 2^38 FLOP, 128 blocks per piece. dQ: 6 x 2^37, 42 blocks per piece.
+        // dK/dV: 8 x 2^37 = 2^40, 32 blocks per piece.
+        XCTAssertEqual(pieces.map { $0.plan.dispatches[0].threadgroupsPerGrid.width },
+                       [256] + Array(repeating: 128, count: 8) + Array(repeating: 42, count: 24) + [16]
+                        + Array(repeating: 32, count: 32))
     }
 
     /// Budgets of 1 to 6 units: KV head ranges inside a batch entry below 2 units, whole batch
@@ -35,9 +59,10 @@ final class PlanPiecesTests: XCTestCase {
     func testPieceLayout() throws {
         let plan = DispatchPlan.forward(try problem())
         let unit = plan.flopsPerUnit
-        XCTAssertEqual(layout(plan.pieces(maxFlops: 1)),
+        XCTAssertEqual(layout(plan.pieces(maxFlops: unit)),
                        [[0, 1, 0, 1], [0, 1, 1, 1], [1, 1, 0, 1], [1, 1, 1, 1], [2, 1, 0, 1], [2, 1, 1, 1]])
-        XCTAssertEqual(layout(plan.pieces(maxFlops: unit)), layout(plan.pieces(maxFlops: 1)))
+        // Below one unit, each unit's 2 query blocks run one per piece.
+        XCTAssertEqual(layout(plan.pieces(maxFlops: unit - 1)), layout(plan.pieces(maxFlops: unit)).flatMap { [$0, $0] })
         XCTAssertEqual(layout(plan.pieces(maxFlops: 2 * unit)), [[0, 1, 0, 2], [1, 1, 0, 2], [2, 1, 0, 2]])
         XCTAssertEqual(layout(plan.pieces(maxFlops: 5 * unit - 1)), [[0, 2, 0, 2], [2, 1, 0, 2]])
         XCTAssertEqual(layout(plan.pieces(maxFlops: 6 * unit)), [[0, 3, 0, 2]])
@@ -145,6 +170,12 @@ final class PlanPiecesTests: XCTestCase {
         let perHead = try CPUBackend(flopsPerPiece: DispatchPlan.forward(short).flopsPerUnit)
         let result = try forward(Context(backend: perHead), short, q: q, k: k, v: v)
         assertSame(result, reference, "split-KV forward in 6 pieces")
+        // Below one unit: each unit's split kernel one (chunk, row block) per piece, then its combine.
+        let perBlock = DispatchPlan.forward(short).pieces(maxFlops: 1)
+        XCTAssertEqual(perBlock.map { $0.plan.dispatches[0].params.block_offset },
+                       Array(repeating: [0, 1, 0], count: 6).flatMap { $0 })
+        let blocks = try forward(Context(backend: try CPUBackend(flopsPerPiece: 1)), short, q: q, k: k, v: v)
+        assertSame(blocks, reference, "split-KV forward in blocks")
     }
 
     /// The profile of a pass run in pieces counts them (Metal: one command buffer each) and keeps
@@ -190,40 +221,7 @@ final class PlanPiecesTests: XCTestCase {
         let v = rng.next(BufferRole.v.elementCount(for: p)), dout = rng.next(BufferRole.out.elementCount(for: p))
         let slopes = options.alibiSlopes!, sinks = options.sinks!
         func run(_ context: Context) throws -> [[UInt32]] {
-            var out = [Float16](repeating: 0, count: BufferRole.out.elementCount(for: p))
-            var lse = [Float](repeating: 0, count: p.lseElements)
-            var dq = [Float16](repeating: 0, count: q.count), dk = [Float16](repeating: 0, count: k.count), dv = dk
-            var dsinks = [Float](repeating: 0, count: 4)
-            try withExtendedLifetime((q, k, v, dout, mask, slopes, sinks)) {
-                try out.withUnsafeMutableBytes { out in
-                    try lse.withUnsafeMutableBytes { lse in
-                        try dq.withUnsafeMutableBytes { dq in
-                            try dk.withUnsafeMutableBytes { dk in
-                                try dv.withUnsafeMutableBytes { dv in
-                                    try dsinks.withUnsafeMutableBytes { ds in
-                                        var f = HostBuffers()
-                                        for (role, array) in [(BufferRole.q, q), (.k, k), (.v, v), (.dout, dout)] {
-                                            array.withUnsafeBytes { f.bindInput(role, $0.baseAddress!, for: p) }
-                                        }
-                                        mask.withUnsafeBytes { f.bindInput(.attnMask, $0.baseAddress!, for: p) }
-                                        slopes.withUnsafeBytes { f.bindInput(.alibiSlopes, $0.baseAddress!, for: p) }
-                                        sinks.withUnsafeBytes { f.bindInput(.sinks, $0.baseAddress!, for: p) }
-                                        f.bindOutput(.out, out.baseAddress!, for: p)
-                                        f.bindOutput(.lse, lse.baseAddress!, for: p)
-                                        try context.run(DispatchPlan.forward(p), buffers: f)
-                                        f.bindOutput(.dq, dq.baseAddress!, for: p)
-                                        f.bindOutput(.dk, dk.baseAddress!, for: p)
-                                        f.bindOutput(.dv, dv.baseAddress!, for: p)
-                                        f.bindOutput(.dsinks, ds.baseAddress!, for: p)
-                                        try context.run(DispatchPlan.backward(p), buffers: f)
-                                    }
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-            return [out, dq, dk, dv].map { $0.map { UInt32($0.bitPattern) } } + [lse, dsinks].map { $0.map(\.bitPattern) }
+            try modifiedOutputs(context, p, q: q, k: k, v: v, dout: dout, mask: mask, slopes: slopes, sinks: sinks)
         }
         let reference = try run(Context(backend: try CPUBackend()))
         XCTAssertTrue(reference[5].allSatisfy { Float(bitPattern: $0) != 0 }, "dsinks computed")
@@ -234,6 +232,40 @@ final class PlanPiecesTests: XCTestCase {
         let pieces = DispatchPlan.backward(p).pieces(maxFlops: unit)
         XCTAssertEqual(pieces.last?.plan.dispatches.map(\.kernelName), ["flash_attention_backward_dsinks"])
         XCTAssertFalse(pieces.dropLast().contains { $0.plan.dispatches.contains(where: \.wholeProblem) })
+    }
+
+    /// One KV head (a GQA group of 2) of 300 x 300 rows, causal with a window, ALiBi, a padding
+    /// mask, softcap and sinks, in budgets below one unit: each dispatch runs in ranges of query
+    /// blocks (forward, delta, lse residual, dQ) or key blocks (dK/dV), each piece with its own
+    /// `block_offset`, and the results are the whole plan's bit for bit, dsinks included.
+    func testBlockPiecesGiveBitIdenticalResults() throws {
+        let shape = AttentionShape(batch: 1, numHeads: 2, numKVHeads: 1, seqlenQ: 300, seqlenK: 300, headDim: 16)
+        let mask = (0..<300).map { UInt8($0 % 7 == 5 ? 0 : 1) }
+        let options = AttentionOptions(windowLeft: 90, windowRight: -1, softcap: 5, alibiSlopes: [0.25, 0.0625],
+                                       sinks: [1, -0.5],
+                                       attnMask: .boolean(mask, strides: TensorStrides(batch: 300, head: 0, seq: 0)))
+        let p = try Problem.validate(shape, causal: true, softmaxScale: nil, options: options)
+        var rng = Normal16(seed: 17)
+        let q = rng.next(BufferRole.q.elementCount(for: p)), k = rng.next(BufferRole.k.elementCount(for: p))
+        let v = rng.next(BufferRole.v.elementCount(for: p)), dout = rng.next(BufferRole.out.elementCount(for: p))
+        func run(_ flopsPerPiece: Int) throws -> [[UInt32]] {
+            try modifiedOutputs(Context(backend: try CPUBackend(flopsPerPiece: flopsPerPiece)), p, q: q, k: k, v: v,
+                                dout: dout, mask: mask, slopes: options.alibiSlopes!, sinks: options.sinks!)
+        }
+        let reference = try run(.max)
+        let forward = DispatchPlan.forward(p), backward = DispatchPlan.backward(p)
+        // 10 query blocks of 32 rows (forward, dQ, lse residual), 3 of 128 (delta), 10 key blocks.
+        for budget in [1, forward.flopsPerUnit / 3] {
+            let pieces = forward.pieces(maxFlops: budget) + backward.pieces(maxFlops: budget)
+            XCTAssertGreaterThan(pieces.count, 8, "budget \(budget)")
+            XCTAssertTrue(pieces.allSatisfy { $0.plan.dispatches.count == 1 })
+            XCTAssertTrue(pieces.contains { $0.plan.dispatches[0].params.block_offset > 0 })
+            assertSame(try run(budget), reference, "budget \(budget)")
+        }
+        XCTAssertEqual(forward.pieces(maxFlops: 1).count, 10)
+        // delta 3, lse residual 10, dQ 10, dK/dV 10, then dsinks over the whole problem.
+        XCTAssertEqual(backward.pieces(maxFlops: 1).map { $0.plan.dispatches[0].params.block_offset },
+                       Array(0..<3) + Array(0..<10) + Array(0..<10) + Array(0..<10) + [0])
     }
 
     private func assertSame(_ result: [[UInt32]], _ reference: [[UInt32]], _ label: String,
@@ -310,4 +342,44 @@ private func forwardAndBackward(_ context: Context, _ p: Problem, q: [Float16], 
     }
     let halves = [out, dq, dk, dv].map { $0.map { UInt32($0.bitPattern) } }
     return halves + [lse.map(\.bitPattern)]
+}
+
+/// Forward then backward on `context` with a boolean mask, ALiBi slopes and sinks (the problem's
+/// options); out, dq, dk, dv, lse and dsinks as bit patterns.
+private func modifiedOutputs(_ context: Context, _ p: Problem, q: [Float16], k: [Float16], v: [Float16],
+                             dout: [Float16], mask: [UInt8], slopes: [Float], sinks: [Float]) throws -> [[UInt32]] {
+    var out = [Float16](repeating: 0, count: BufferRole.out.elementCount(for: p))
+    var lse = [Float](repeating: 0, count: p.lseElements)
+    var dq = [Float16](repeating: 0, count: q.count), dk = [Float16](repeating: 0, count: k.count), dv = dk
+    var dsinks = [Float](repeating: 0, count: Int(p.numHeads))
+    try withExtendedLifetime((q, k, v, dout, mask, slopes, sinks)) {
+        try out.withUnsafeMutableBytes { out in
+            try lse.withUnsafeMutableBytes { lse in
+                try dq.withUnsafeMutableBytes { dq in
+                    try dk.withUnsafeMutableBytes { dk in
+                        try dv.withUnsafeMutableBytes { dv in
+                            try dsinks.withUnsafeMutableBytes { ds in
+                                var f = HostBuffers()
+                                for (role, array) in [(BufferRole.q, q), (.k, k), (.v, v), (.dout, dout)] {
+                                    array.withUnsafeBytes { f.bindInput(role, $0.baseAddress!, for: p) }
+                                }
+                                mask.withUnsafeBytes { f.bindInput(.attnMask, $0.baseAddress!, for: p) }
+                                slopes.withUnsafeBytes { f.bindInput(.alibiSlopes, $0.baseAddress!, for: p) }
+                                sinks.withUnsafeBytes { f.bindInput(.sinks, $0.baseAddress!, for: p) }
+                                f.bindOutput(.out, out.baseAddress!, for: p)
+                                f.bindOutput(.lse, lse.baseAddress!, for: p)
+                                try context.run(DispatchPlan.forward(p), buffers: f)
+                                f.bindOutput(.dq, dq.baseAddress!, for: p)
+                                f.bindOutput(.dk, dk.baseAddress!, for: p)
+                                f.bindOutput(.dv, dv.baseAddress!, for: p)
+                                f.bindOutput(.dsinks, ds.baseAddress!, for: p)
+                                try context.run(DispatchPlan.backward(p), buffers: f)
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return [out, dq, dk, dv].map { $0.map { UInt32($0.bitPattern) } } + [lse, dsinks].map { $0.map(\.bitPattern) }
 }

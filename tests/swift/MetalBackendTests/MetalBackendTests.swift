@@ -11,6 +11,7 @@ final class MetalBackendTests: XCTestCase {
     static let allTests = [
         ("testCommandBufferPiecesEqualTheCPUBackend", testCommandBufferPiecesEqualTheCPUBackend),
         ("testEncodeForwardEqualsTheCPUBackend", testEncodeForwardEqualsTheCPUBackend),
+        ("testBlockPiecesEqualTheCPUBackend", testBlockPiecesEqualTheCPUBackend),
     ]
 
     private let shape = AttentionShape(batch: 2, numHeads: 4, numKVHeads: 2, seqlenQ: 19, seqlenK: 23, headDim: 24)
@@ -78,6 +79,25 @@ final class MetalBackendTests: XCTestCase {
                     $0.pieces(maxFlops: budget).count
                 })
             }
+        }
+    }
+
+    /// One KV head (a GQA group of 2) of 100 x 90 rows, causal with a window, in budgets below
+    /// one unit: every dispatch runs in command buffers of ranges of query or key blocks, each with
+    /// its own parameter bytes (`block_offset`), and gives the CPU backend's results bit for bit.
+    func testBlockPiecesEqualTheCPUBackend() throws {
+        let p = try Problem.validate(AttentionShape(batch: 1, numHeads: 2, numKVHeads: 1, seqlenQ: 100, seqlenK: 90,
+                                                    headDim: 24),
+                                     causal: true, softmaxScale: nil,
+                                     options: AttentionOptions(windowLeft: 40, windowRight: -1))
+        let reference = try run(Context(backend: try CPUBackend()), p, seed: 4)
+        let unit = DispatchPlan.forward(p).flopsPerUnit
+        for budget in [1, unit / 2] {
+            let metal = try run(Context(backend: try MetalBackend(flopsPerCommandBuffer: budget)), p, seed: 4)
+            XCTAssertEqual(metal.bits, reference.bits, "\(budget) FLOP per command buffer")
+            let expected = [DispatchPlan.forward(p), DispatchPlan.backward(p)].map { $0.pieces(maxFlops: budget).count }
+            XCTAssertEqual(metal.pieces, expected)
+            XCTAssertGreaterThan(expected[0], 1)
         }
     }
 
