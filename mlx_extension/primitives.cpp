@@ -135,7 +135,7 @@ std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const m
     mx::Stream s = mx::to_stream(device);
     for (auto [name, a] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}}) {
         if (a->ndim() != 4) {
-            throw std::invalid_argument(std::string(name) + " must be 4-d (batch, heads, seqlen, head_dim), got " +
+            throw std::invalid_argument(std::string(name) + " must be 4-D (batch, heads, seqlen, head_dim), got " +
                                         std::to_string(a->ndim()) + " dimensions");
         }
         if (a->dtype() != q.dtype()) throw std::invalid_argument(std::string(name) + " must have q's dtype");
