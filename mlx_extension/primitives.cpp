@@ -46,13 +46,6 @@ void check_status(fa_status status, const char* call) {
     }
 }
 
-// Every input of a node is made row-contiguous when the node is built; a layout that is not is a bug.
-void require_contiguous(const mx::array& a) {
-    if (!a.flags().row_contiguous) {
-        throw std::logic_error("flash_attention_metal: a primitive input is not row-contiguous");
-    }
-}
-
 void allocate(mx::array& a) { a.set_data(mx::allocator::malloc(a.nbytes())); }
 
 // vmap: moves the mapped axis to the front (broadcasting unmapped inputs to `size` there) and
@@ -120,6 +113,14 @@ fa_problem make_problem(const Options& options, const mx::array& q, const mx::ar
     }
     if (options.has_sinks) p.sinks = static_cast<const float*>(present());
     return p;
+}
+
+void require_contiguous(const std::vector<mx::array>& inputs) {
+    for (const auto& a : inputs) {
+        if (!a.flags().row_contiguous) {
+            throw std::logic_error("flash_attention_metal: a primitive input is not row-contiguous");
+        }
+    }
 }
 
 void check_problem(const fa_problem& problem, fa_pass pass) {
@@ -192,7 +193,7 @@ bool Forward::is_equivalent(const mx::Primitive& other) const {
 }
 
 void Forward::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-    for (const auto& a : inputs) require_contiguous(a);
+    require_contiguous(inputs);
     const mx::array* mask = options_.mask_type != FA_ATTN_MASK_NONE ? &inputs[3] : nullptr;
     fa_problem problem = make_problem(options_, inputs[0], inputs[1], inputs[2], mask);
     if (mask != nullptr) problem.attn_mask = mask->data<void>();
@@ -283,7 +284,7 @@ bool Backward::is_equivalent(const mx::Primitive& other) const {
 }
 
 void Backward::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-    for (const auto& a : inputs) require_contiguous(a);
+    require_contiguous(inputs);
     const mx::array* mask = options_.mask_type != FA_ATTN_MASK_NONE ? &inputs[6] : nullptr;
     fa_problem problem = make_problem(options_, inputs[1], inputs[2], inputs[3], mask);
     if (mask != nullptr) problem.attn_mask = mask->data<void>();

@@ -90,6 +90,10 @@ class Backward : public mx::Primitive {
 fa_problem make_problem(const Options& options, const mx::array& q, const mx::array& k, const mx::array& v,
                         const mx::array* mask);
 
+// Every input of a node is made row-contiguous when the node is built (the library is handed
+// contiguous tensors); throws std::logic_error if one is not, which would be a bug here.
+void require_contiguous(const std::vector<mx::array>& inputs);
+
 // Throws std::invalid_argument with the library's message when the problem is not one it runs
 // (the checks of fa_forward/fa_backward, without touching memory).
 void check_problem(const fa_problem& problem, fa_pass pass);

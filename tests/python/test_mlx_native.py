@@ -189,3 +189,20 @@ def test_what_is_not_supported_raises_naming_it():
         mx.vmap(lambda s: ours(q, k, v, scale=0.5, sinks=s))(mx.zeros((3, 4)))
     with pytest.raises(TypeError, match="^mask must be a bool or float16/bfloat16/float32 array"):
         ours(q, k, v, scale=0.5, mask=mx.zeros((16, 16), dtype=mx.int32))
+
+
+def test_the_metal_branch_of_eval_gpu_type_checks_against_mlx_headers():
+    # eval_gpu's Metal code cannot be built here (the wheel lacks <Metal/Metal.hpp>); with a stub of
+    # the metal-cpp names it uses, it is compiled against MLX's real device.h (-fsyntax-only).
+    import shutil
+    import subprocess
+    compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    root = Path(__file__).resolve().parents[2]
+    include = Path(mx.__file__).resolve().parent / "include"  # mlx/core*.so -> mlx/include
+    result = subprocess.run([compiler, "-std=c++20", "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-D_METAL_",
+                             "-I", str(root / "tests" / "mlx_metal_stub"), "-isystem", str(include),
+                             "-I", str(root / "Sources" / "CFlashAttentionMetal" / "include"),
+                             str(root / "mlx_extension" / "eval_gpu.cpp")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
