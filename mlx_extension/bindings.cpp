@@ -24,5 +24,12 @@ NB_MODULE(_mlx_ext, m) {
         "Attention out (B, H, Lq, Dv) of the fused forward node (its vjp is the fused backward node). "
         "mask: None, a bool array or an additive array broadcastable to (B, H, Lq, Lk); sinks: None or "
         "(H,). Raises ValueError naming the argument for what the library refuses.");
+    m.def("forward_with_lse", &flash_attention_mlx::attention, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a,
+          "mask"_a = nb::none(), "sinks"_a = nb::none(), "stream"_a = nb::none(),
+          "[out, lse] of the forward node. No gradient flows through lse (its cotangent is not used): "
+          "for code with its own vjp (ring attention).");
+    m.def("backward", &flash_attention_mlx::attention_backward, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a,
+          "scale"_a, "causal"_a, "stream"_a = nb::none(),
+          "[dq, dk, dv] of the backward node; lse may be that of a longer row (blockwise or ring attention).");
     m.attr("ABI_VERSION") = FA_VERSION;
 }

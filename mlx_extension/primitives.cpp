@@ -181,6 +181,27 @@ std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const m
                                   std::make_shared<Forward>(s, options), std::move(inputs));
 }
 
+std::vector<mx::array> attention_backward(const mx::array& dout, const mx::array& q, const mx::array& k,
+                                          const mx::array& v, const mx::array& out, const mx::array& lse,
+                                          float scale, bool causal, mx::StreamOrDevice device) {
+    mx::Stream s = mx::to_stream(device);
+    // The forward's checks of q, k, v (shapes, dtypes), then those of the backward's own arrays.
+    attention(q, k, v, scale, causal, std::nullopt, std::nullopt, s);
+    Options options{scale, causal, FA_ATTN_MASK_NONE, false};
+    mx::Shape out_shape = {q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
+    if (dout.shape() != out_shape || out.shape() != out_shape || dout.dtype() != q.dtype() || out.dtype() != q.dtype()) {
+        throw std::invalid_argument("dout and out must have q's dtype and shape (batch, num_heads, seqlen_q, head_dim_v)");
+    }
+    if (lse.shape() != mx::Shape{q.shape(0), q.shape(1), q.shape(2)} || lse.dtype() != mx::float32) {
+        throw std::invalid_argument("lse must be float32 (batch, num_heads, seqlen_q)");
+    }
+    std::vector<mx::array> inputs;
+    for (const auto* a : {&dout, &q, &k, &v, &out, &lse}) inputs.push_back(mx::contiguous(*a, false, s));
+    check_problem(make_problem(options, inputs[1], inputs[2], inputs[3], nullptr), FA_PASS_BACKWARD);
+    return mx::array::make_arrays({q.shape(), k.shape(), v.shape()}, {q.dtype(), q.dtype(), q.dtype()},
+                                  std::make_shared<Backward>(s, options), std::move(inputs));
+}
+
 // ---- Forward ----
 
 std::vector<mx::Shape> Forward::output_shapes(const std::vector<mx::array>& inputs) {

@@ -40,6 +40,13 @@ std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const m
                                  bool causal, const std::optional<mx::array>& mask,
                                  const std::optional<mx::array>& sinks, mx::StreamOrDevice s = {});
 
+// The backward node on its own: (dq, dk, dv) of attention from dout and the forward's q, k, v, out
+// and lse, which may be the lse of a longer row (ring attention over key blocks: the library uses
+// it as given). No mask or sinks. Same dtype rules and errors as attention().
+std::vector<mx::array> attention_backward(const mx::array& dout, const mx::array& q, const mx::array& k,
+                                          const mx::array& v, const mx::array& out, const mx::array& lse,
+                                          float scale, bool causal, mx::StreamOrDevice s = {});
+
 // The forward node: inputs q, k, v[, mask][, sinks]; outputs out, lse.
 class Forward : public mx::Primitive {
   public:

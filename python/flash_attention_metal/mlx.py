@@ -121,6 +121,61 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force
     return _mlx_fallback._attention(q, k, v, scale, causal, default_context() if context is None else context)[0]
 
 
+def ring_attention(q, k, v, *, scale, causal=False, group=None):
+    """Attention over a sequence sharded across the ranks of an ``mx.distributed`` group (context
+    parallelism): this rank's rows of out. Differentiable with ``mx.grad``/``mx.vjp`` (the ring
+    backward); not inside ``mx.compile`` (each step evaluates what it sends). Needs the extension.
+
+    Args:
+        q: mx.array (batch, num_heads, local seqlen_q, head_dim): this rank's shard, as
+            ``shard_sequence(q_global, causal=causal, group=group)`` gives it.
+        k, v: mx.array (batch, num_kv_heads, local seqlen_k, head_dim / head_dim_v), sharded alike;
+            q's dtype (float16, bfloat16 or float32).
+        scale: the softmax scale, a finite number; the same on every rank.
+        causal: bool; bottom-right over the GLOBAL sequences; selects the zigzag layout.
+        group: the mx.distributed group (None: ``mx.distributed.init()``).
+
+    Returns:
+        mx.array (batch, num_heads, local seqlen_q, head_dim_v) in q's dtype: this rank's rows of
+        the attention of the gathered sequences (merged in float32, rounded once).
+
+    Raises:
+        TypeError, ValueError: as scaled_dot_product_attention; shards of unequal length; shapes,
+            dtype, scale or causal differing between ranks (every rank raises).
+        RuntimeError: the extension is not built (PATH_NOTE says why).
+    """
+    ring = _ring_module()
+    _check_arrays(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is None:
+        raise TypeError("scale is required (as in MLX), e.g. scale=q.shape[-1] ** -0.5")
+    scale = _validation.resolve_softmax_scale(scale, q.shape[-1], "scale")
+    group = mx.distributed.init() if group is None else group
+    ring.agree(group, q, k, v, scale, causal)
+    return ring.ring_attention(q, k, v, scale, causal, group)[0]
+
+
+def shard_sequence(x, *, causal=False, group=None):
+    """This rank's shard of the global ``x`` (batch, heads, seqlen, dim) for ``ring_attention``:
+    contiguous, or zigzag (chunks r and 2P-1-r) when ``causal``; seqlen must be a multiple of P
+    (2P when causal) so that every shard has the same length. Raises ValueError otherwise."""
+    return _ring_module().shard_sequence(x, causal, mx.distributed.init() if group is None else group)
+
+
+def unshard_sequence(x_local, *, causal=False, group=None):
+    """The global sequence from every rank's shard (an all_gather over ``group``): the inverse of
+    ``shard_sequence``, e.g. for ``ring_attention``'s out or the gradients of the shards."""
+    return _ring_module().unshard_sequence(x_local, causal, mx.distributed.init() if group is None else group)
+
+
+def _ring_module():
+    if not NATIVE:
+        raise RuntimeError(f"ring_attention needs the MLX extension: {PATH_NOTE}")
+    from . import _mlx_ring
+    return _mlx_ring
+
+
 def _describe(value) -> str:
     return f"an array of dtype {value.dtype}" if isinstance(value, mx.array) else type(value).__name__
 
@@ -155,4 +210,5 @@ def _check_arrays(q, k, v) -> None:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {array.dtype} (convert explicitly)")
 
 
-__all__ = ["scaled_dot_product_attention", "NATIVE", "PATH_NOTE"]
+__all__ = ["scaled_dot_product_attention", "ring_attention", "shard_sequence", "unshard_sequence", "NATIVE",
+           "PATH_NOTE"]
