@@ -4,6 +4,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <typeinfo>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -81,11 +82,6 @@ int mapped_size(const std::vector<mx::array>& inputs, const std::vector<int>& ax
 mx::array fold_mask(const mx::array& mask, int axis, int size, int batch, const mx::Stream& s) {
     if (axis < 0 && mask.shape(0) == 1) return mask;
     return mx::contiguous(fold(mask, axis, size, s, batch), false, s);
-}
-
-const char* no_second_derivatives() {
-    return "flash_attention_metal.mlx.scaled_dot_product_attention has no second derivatives (grad of "
-           "grad, jvp of its vjp); use mx.fast.scaled_dot_product_attention for those";
 }
 
 }  // namespace
@@ -202,6 +198,19 @@ std::vector<mx::array> attention_backward(const mx::array& dout, const mx::array
                                   std::make_shared<Backward>(s, options), std::move(inputs));
 }
 
+// ---- Both nodes ----
+
+std::vector<mx::array> Node::jvp(const std::vector<mx::array>&, const std::vector<mx::array>&,
+                                 const std::vector<int>&) {
+    throw std::invalid_argument(
+        "flash_attention_metal.mlx.scaled_dot_product_attention has no jvp (forward-mode differentiation) and "
+        "no second derivatives; use mx.vjp/mx.grad, or mx.fast.scaled_dot_product_attention");
+}
+
+bool Node::is_equivalent(const mx::Primitive& other) const {
+    return typeid(*this) == typeid(other) && options_ == static_cast<const Node&>(other).options_;
+}
+
 // ---- Forward ----
 
 std::vector<mx::Shape> Forward::output_shapes(const std::vector<mx::array>& inputs) {
@@ -209,9 +218,6 @@ std::vector<mx::Shape> Forward::output_shapes(const std::vector<mx::array>& inpu
     return {{q.shape(0), q.shape(1), q.shape(2), inputs[2].shape(3)}, {q.shape(0), q.shape(1), q.shape(2)}};
 }
 
-bool Forward::is_equivalent(const mx::Primitive& other) const {
-    return options_ == static_cast<const Forward&>(other).options_;
-}
 
 void Forward::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
     require_contiguous(inputs);
@@ -266,12 +272,6 @@ std::vector<mx::array> Forward::vjp(const std::vector<mx::array>& primals, const
     return result;
 }
 
-std::vector<mx::array> Forward::jvp(const std::vector<mx::array>&, const std::vector<mx::array>&,
-                                    const std::vector<int>&) {
-    throw std::invalid_argument(
-        "flash_attention_metal.mlx.scaled_dot_product_attention has no jvp (forward-mode differentiation); use "
-        "mx.vjp/mx.grad, or mx.fast.scaled_dot_product_attention");
-}
 
 std::pair<std::vector<mx::array>, std::vector<int>> Forward::vmap(const std::vector<mx::array>& inputs,
                                                                   const std::vector<int>& axes) {
@@ -300,9 +300,6 @@ std::vector<mx::Shape> Backward::output_shapes(const std::vector<mx::array>& inp
     return shapes;
 }
 
-bool Backward::is_equivalent(const mx::Primitive& other) const {
-    return options_ == static_cast<const Backward&>(other).options_;
-}
 
 void Backward::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
     require_contiguous(inputs);
@@ -326,13 +323,11 @@ void Backward::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::ar
 
 std::vector<mx::array> Backward::vjp(const std::vector<mx::array>&, const std::vector<mx::array>&,
                                      const std::vector<int>&, const std::vector<mx::array>&) {
-    throw std::invalid_argument(no_second_derivatives());
+    throw std::invalid_argument(
+        "flash_attention_metal.mlx.scaled_dot_product_attention has no second derivatives (grad of grad); use "
+        "mx.fast.scaled_dot_product_attention for those");
 }
 
-std::vector<mx::array> Backward::jvp(const std::vector<mx::array>&, const std::vector<mx::array>&,
-                                     const std::vector<int>&) {
-    throw std::invalid_argument(no_second_derivatives());
-}
 
 std::pair<std::vector<mx::array>, std::vector<int>> Backward::vmap(const std::vector<mx::array>& inputs,
                                                                    const std::vector<int>& axes) {

@@ -47,48 +47,49 @@ std::vector<mx::array> attention_backward(const mx::array& dout, const mx::array
                                           const mx::array& v, const mx::array& out, const mx::array& lse,
                                           float scale, bool causal, mx::StreamOrDevice s = {});
 
-// The forward node: inputs q, k, v[, mask][, sinks]; outputs out, lse.
-class Forward : public mx::Primitive {
+// What both nodes share: their Options (equivalent nodes have equal ones, for mx.compile's
+// common-subexpression elimination) and the refusal of forward-mode differentiation.
+class Node : public mx::Primitive {
   public:
-    Forward(mx::Stream stream, Options options) : mx::Primitive(stream), options_(options) {}
+    Node(mx::Stream stream, Options options) : mx::Primitive(stream), options_(options) {}
+
+    std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
+                               const std::vector<int>& argnums) override;
+    bool is_equivalent(const mx::Primitive& other) const override;
+
+  protected:
+    Options options_;
+};
+
+// The forward node: inputs q, k, v[, mask][, sinks]; outputs out, lse.
+class Forward : public Node {
+  public:
+    using Node::Node;
 
     void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
     void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
     std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                                const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
-    std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
-                               const std::vector<int>& argnums) override;
     std::pair<std::vector<mx::array>, std::vector<int>> vmap(const std::vector<mx::array>& inputs,
                                                              const std::vector<int>& axes) override;
     std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
     const char* name() const override { return "FlashAttentionForward"; }
-    bool is_equivalent(const mx::Primitive& other) const override;
-    const Options& options() const { return options_; }
-
-  private:
-    Options options_;
 };
 
 // The backward node: inputs dout, q, k, v, out, lse[, mask][, sinks]; outputs dq, dk, dv[, dsinks
-// float32 (H,)]. Its own vjp and jvp are refused (no second derivatives).
-class Backward : public mx::Primitive {
+// float32 (H,)]. Its vjp is refused (no second derivatives).
+class Backward : public Node {
   public:
-    Backward(mx::Stream stream, Options options) : mx::Primitive(stream), options_(options) {}
+    using Node::Node;
 
     void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
     void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
     std::vector<mx::array> vjp(const std::vector<mx::array>& primals, const std::vector<mx::array>& cotangents,
                                const std::vector<int>& argnums, const std::vector<mx::array>& outputs) override;
-    std::vector<mx::array> jvp(const std::vector<mx::array>& primals, const std::vector<mx::array>& tangents,
-                               const std::vector<int>& argnums) override;
     std::pair<std::vector<mx::array>, std::vector<int>> vmap(const std::vector<mx::array>& inputs,
                                                              const std::vector<int>& axes) override;
     std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
     const char* name() const override { return "FlashAttentionBackward"; }
-    bool is_equivalent(const mx::Primitive& other) const override;
-
-  private:
-    Options options_;
 };
 
 // The library's problem description of a node's arrays (contiguous tensors; the mask's size-1
