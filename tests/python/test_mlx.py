@@ -341,9 +341,12 @@ def test_the_example_runs_and_passes(capsys):
     assert "MLX float32       MLX float16   library float16" in printed and printed.rstrip().endswith("pass")
 
 
-def test_the_memory_benchmark_runs():
+@pytest.mark.parametrize("options", [[], ["--compile"]], ids=["eager", "compiled"])
+def test_the_memory_benchmark_runs(options):
+    if options and not fam_mlx.NATIVE:
+        pytest.skip(fam_mlx.PATH_NOTE)
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "mlx_memory.py"
-    result = subprocess.run([sys.executable, str(script), "--seqlens", "64"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, str(script), "--seqlens", "64", *options], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.lstrip().startswith("64 ")]
     assert len(rows) == 3 and all("MiB" in row for row in rows), result.stdout
