@@ -18,8 +18,9 @@ measures:
   figure to read for GPU memory (MLX's Metal buffers).
 
 A third row, the floor, runs the same step with a stand-in for attention that costs no memory of
-its own (it returns v, repeated over the query heads): the memory of the rest of the model. The
-library's row sits above the floor for a reason of its own: it evaluates q, k, v in the forward and
+its own (it returns v, repeated over the query heads): the memory of the rest of the model. On
+the pure-Python fallback (no MLX extension) the library's row sits above the floor for a reason of
+its own: it evaluates q, k, v in the forward and
 dout in the vjp while MLX traces the step, and MLX keeps every array it evaluated during a
 transformation (with its graph) until the step's graph is released, where its single lazy
 evaluation would free intermediates as it goes. That overhead is linear in seqlen; MLX's own
