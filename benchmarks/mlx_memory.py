@@ -54,33 +54,6 @@ _MIB = 1 << 20
 IMPLEMENTATIONS = ("mlx", "library", "floor")
 
 
-def _compiled_step(model, optimizer):
-    """make_step's step with value_and_grad and the update inside mx.compile (model and optimizer
-    state as the compiled function's implicit inputs and outputs)."""
-    from functools import partial
-
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    import mlx_train_tiny as tiny
-
-    value_and_grad = nn.value_and_grad(model, tiny.loss_fn)
-    state = [model.state, optimizer.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def update(tokens):
-        loss, grads = value_and_grad(model, tokens)
-        optimizer.update(model, grads)
-        return loss
-
-    def step(tokens):
-        loss = update(tokens)
-        mx.eval(state, loss)
-        return loss.item()
-
-    return step
-
-
 def child(implementation: str, seqlen: int, compiled: bool = False) -> dict:
     """One measured training step in this process; returns the figures."""
     import mlx.core as mx
@@ -98,7 +71,7 @@ def child(implementation: str, seqlen: int, compiled: bool = False) -> dict:
     mx.random.seed(0)
     model = tiny.TinyTransformer(attention, attention_dtype=mx.float16)
     optimizer = optim.Adam(learning_rate=1e-3)
-    step = (_compiled_step if compiled else tiny.make_step)(model, optimizer)
+    step = (tiny.make_compiled_step if compiled else tiny.make_step)(model, optimizer)
     step(next(tiny.batches(1, 1, 64, 16, seed=1)))  # warm-up
     tokens = next(tiny.batches(1, 1, seqlen, 16))
     mx.eval(tokens)

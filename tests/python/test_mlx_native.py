@@ -6,7 +6,6 @@ is not built; the fallback path keeps its tests in test_mlx.py. About 10 s on 2 
 from __future__ import annotations
 
 import sys
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,6 @@ from flash_attention_metal import accuracy
 from conftest import make_inputs
 
 mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install -e 'python[mlx]'; needs Python 3.10+)")
-nn = pytest.importorskip("mlx.nn")
 optim = pytest.importorskip("mlx.optimizers")
 
 from flash_attention_metal import mlx as fam_mlx  # noqa: E402
@@ -104,17 +102,8 @@ def _tiny_curve(attention, dtype, steps=12):
     mx.random.seed(0)
     model = mlx_train_tiny.TinyTransformer(attention, 16, 32, 4, 2, 1, dtype)
     mx.eval(model.parameters())
-    optimizer = optim.Adam(learning_rate=3e-3)
-    value_and_grad = nn.value_and_grad(model, mlx_train_tiny.loss_fn)
-    state = [model.state, optimizer.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def step(tokens):
-        loss, grads = value_and_grad(model, tokens)
-        optimizer.update(model, grads)
-        return loss
-
-    return np.array([step(tokens).item() for tokens in mlx_train_tiny.batches(steps, 8, 32, 16, 0)])
+    step = mlx_train_tiny.make_compiled_step(model, optim.Adam(learning_rate=3e-3))
+    return np.array([step(tokens) for tokens in mlx_train_tiny.batches(steps, 8, 32, 16, 0)])
 
 
 def test_a_compiled_training_step_follows_mlx():
