@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds and tests libFlashAttentionMetal. Safe to re-run.
-#   ./build.sh         the release library (.build/release/libFlashAttentionMetal.so|.dylib);
+#   ./build.sh         the release library (.build/release/libFlashAttentionMetal.so|.dylib) and, when
+#                      .venv has MLX, the MLX extension (python/flash_attention_metal/_mlx_ext);
 #                      on macOS also .build/release/flash_attention-<hash>.metallib when `xcrun metal` works
 #   ./build.sh run     set-up (.venv with the Python package), build, then the main job:
 #                      python -m flash_attention_metal check, then examples/smollm2_generate.py
@@ -130,6 +131,22 @@ setup_venv() {
     fi
 }
 
+# The MLX extension (mlx_extension/: the attention as MLX primitives) into python/flash_attention_metal/,
+# when .venv has MLX (with nanobind and cmake from the mlx or test extra); without MLX (Python < 3.10)
+# flash_attention_metal.mlx has its pure-Python path and says so (flash_attention_metal.mlx.PATH_NOTE).
+build_mlx_extension() {
+    local python=.venv/bin/python
+    if [[ ! -x $python ]] || ! "$python" -c "import mlx.core, nanobind, cmake" 2>/dev/null; then
+        say "note: no MLX with nanobind and cmake in .venv: skipping the MLX extension (flash_attention_metal.mlx" \
+            "uses its pure-Python path)"
+        return 0
+    fi
+    say "building the MLX extension (mlx_extension/ -> python/flash_attention_metal/_mlx_ext)"
+    "$python" -m cmake -S mlx_extension -B build/mlx_ext -DCMAKE_BUILD_TYPE=Release \
+        -DPython_EXECUTABLE="$ROOT/$python" -DFA_LIBRARY_DIR="$ROOT/.build/release" > /dev/null
+    "$python" -m cmake --build build/mlx_ext -j "$(getconf _NPROCESSORS_ONLN)"
+}
+
 # The C programs of tests/c, each compiled against the public header and linked to the built library.
 run_c_test() {
     local cc=${CC:-cc} program name
@@ -168,6 +185,7 @@ check_address_spaces() {
 run_tests() {
     build_library
     setup_venv
+    build_mlx_extension
     check_address_spaces
     say "swift test"
     swift test
@@ -189,10 +207,14 @@ run_tests() {
 }
 
 case "${1:-build}" in
-    build) build_library ;;
+    build)
+        build_library
+        build_mlx_extension
+        ;;
     run)
         setup_venv
         build_library
+        build_mlx_extension
         .venv/bin/python -m flash_attention_metal check
         say "SmolLM2-135M-Instruct answering a chat prompt, every attention call through the library"
         .venv/bin/python examples/smollm2_generate.py

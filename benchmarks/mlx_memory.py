@@ -18,8 +18,9 @@ measures:
   figure to read for GPU memory (MLX's Metal buffers).
 
 A third row, the floor, runs the same step with a stand-in for attention that costs no memory of
-its own (it returns v, repeated over the query heads): the memory of the rest of the model. The
-library's row sits above the floor for a reason of its own: it evaluates q, k, v in the forward and
+its own (it returns v, repeated over the query heads): the memory of the rest of the model. On
+the pure-Python fallback (no MLX extension) the library's row sits above the floor for a reason of
+its own: it evaluates q, k, v in the forward and
 dout in the vjp while MLX traces the step, and MLX keeps every array it evaluated during a
 transformation (with its graph) until the step's graph is released, where its single lazy
 evaluation would free intermediates as it goes. That overhead is linear in seqlen; MLX's own
@@ -27,6 +28,11 @@ attention gradient is quadratic.
 
     python benchmarks/mlx_memory.py                      # seqlens 1024 2048 4096 (library: minutes on the CPU engine)
     python benchmarks/mlx_memory.py --seqlens 4096 --backend cpu
+    python benchmarks/mlx_memory.py --seqlens 4096 8192 --compile   # the step inside mx.compile (native path)
+
+With ``--compile`` every row's step (value_and_grad and Adam's update) runs inside ``mx.compile``,
+which needs the library's native path (the MLX extension; the fallback refuses mx.compile). The
+measured step is the first at its seqlen, so it includes MLX's trace and compile of that shape.
 
 Figures from the CPU engine or MLX's CPU backend are not Apple GPU figures.
 """
@@ -48,7 +54,7 @@ _MIB = 1 << 20
 IMPLEMENTATIONS = ("mlx", "library", "floor")
 
 
-def child(implementation: str, seqlen: int) -> dict:
+def child(implementation: str, seqlen: int, compiled: bool = False) -> dict:
     """One measured training step in this process; returns the figures."""
     import mlx.core as mx
     import mlx.optimizers as optim
@@ -64,7 +70,8 @@ def child(implementation: str, seqlen: int) -> dict:
             return mx.repeat(v, q.shape[1] // v.shape[1], axis=1)
     mx.random.seed(0)
     model = tiny.TinyTransformer(attention, attention_dtype=mx.float16)
-    step = tiny.make_step(model, optim.Adam(learning_rate=1e-3))
+    optimizer = optim.Adam(learning_rate=1e-3)
+    step = (tiny.make_compiled_step if compiled else tiny.make_step)(model, optimizer)
     step(next(tiny.batches(1, 1, 64, 16, seed=1)))  # warm-up
     tokens = next(tiny.batches(1, 1, seqlen, 16))
     mx.eval(tokens)
@@ -81,10 +88,11 @@ def main(argv=None) -> int:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--backend", choices=("auto", "metal", "cpu"), default=None,
                         help="the library's backend (default: $FLASH_ATTENTION_METAL_BACKEND or auto)")
-    parser.add_argument("--child", nargs=2, metavar=("IMPLEMENTATION", "SEQLEN"), help=argparse.SUPPRESS)
+    parser.add_argument("--compile", action="store_true", help="run each step inside mx.compile")
+    parser.add_argument("--child", nargs=3, metavar=("IMPLEMENTATION", "SEQLEN", "COMPILED"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child[0], int(args.child[1]))))
+        print(json.dumps(child(args.child[0], int(args.child[1]), args.child[2] == "1")))
         return 0
     env = dict(os.environ)
     if args.backend:
@@ -95,14 +103,14 @@ def main(argv=None) -> int:
 
     context = fam.Context(args.backend or fam.default_backend())
     print(f"one training step of the tiny transformer (2 layers, 4 heads, 2 KV heads, head_dim 16, causal, "
-          f"float16 attention), batch 1; MLX {mx.__version__} on {mx.default_device()}, library on "
+          f"float16 attention), batch 1{', compiled step' if args.compile else ''}; MLX {mx.__version__} on {mx.default_device()}, library on "
           f"{context.backend} ({context.device}); {method()}")
     print(f"{'seqlen':>6} {'attention':<34} {'peak RSS growth':>16} {'MLX peak':>12} {'step s':>8} {'loss':>8}")
     for seqlen in args.seqlens:
         scores = 2 * 4 * seqlen * seqlen * 4  # layers x heads x L^2 float32
         rows = {}
         for implementation in IMPLEMENTATIONS:
-            run = subprocess.run([sys.executable, __file__, "--child", implementation, str(seqlen)],
+            run = subprocess.run([sys.executable, __file__, "--child", implementation, str(seqlen), str(int(args.compile))],
                                  capture_output=True, text=True, env=env)
             if run.returncode != 0:
                 print(run.stderr, file=sys.stderr)

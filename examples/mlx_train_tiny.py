@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -113,6 +114,27 @@ def make_step(model: nn.Module, optimizer: optim.Optimizer):
         loss, grads = value_and_grad(model, tokens)
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state, loss)
+        return loss.item()
+
+    return step
+
+
+def make_compiled_step(model: nn.Module, optimizer: optim.Optimizer):
+    """make_step's step with value_and_grad and the update inside ``mx.compile`` (model and optimizer
+    state as the compiled function's implicit inputs and outputs). The attention must be traceable:
+    MLX's, or flash_attention_metal.mlx's native path."""
+    value_and_grad = nn.value_and_grad(model, loss_fn)
+    state = [model.state, optimizer.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def update(tokens):
+        loss, grads = value_and_grad(model, tokens)
+        optimizer.update(model, grads)
+        return loss
+
+    def step(tokens: mx.array) -> float:
+        loss = update(tokens)
+        mx.eval(state, loss)
         return loss.item()
 
     return step

@@ -2,32 +2,32 @@
 fused backward: ``flash_attention_metal.mlx.scaled_dot_product_attention``.
 
 MLX's fast attention has no fused backward: under ``mx.grad`` it falls back to unfused operations
-that keep the (seqlen_q x seqlen_k) score matrix of every head. This function is an
-``mx.custom_function`` whose forward runs the library's forward (FlashAttention-2, Algorithm 1)
-and whose vjp runs the library's backward (Algorithm 2) with the ``out`` and ``lse`` the forward
-saved, so training holds O(seqlen) memory per head instead of O(seqlen^2).
+that keep the (seqlen_q x seqlen_k) score matrix of every head. Here the forward (FlashAttention-2,
+Algorithm 1) and the backward (Algorithm 2, from the ``out`` and ``lse`` the forward saved) are
+MLX primitives, so training holds O(seqlen) memory per head instead of O(seqlen^2).
 
-Which MLX transformations work (tested in tests/python/test_mlx.py):
-- ``mx.grad``, ``mx.value_and_grad``, ``mx.vjp``, ``nn.value_and_grad`` (``nn.Module`` training
-  with ``mlx.optimizers``): yes.
-- ``mx.compile``, ``mx.vmap``: no. The library computes on evaluated arrays (MLX arrays handed to it
-  as NumPy views), and MLX does not evaluate while it traces; the call raises NotImplementedError
-  saying so. Compile the layers around the attention instead.
-- ``mx.jvp`` and second derivatives (grad of grad): not implemented (NotImplementedError); without
-  that error they would silently give zeros, as the library's results carry no MLX graph.
+Two paths (``NATIVE`` says which one this process has, ``PATH_NOTE`` why):
+- native (the MLX extension ``_mlx_ext``, built from mlx_extension/ by ./build.sh when MLX is
+  installed): graph nodes ``FlashAttentionForward``/``FlashAttentionBackward`` evaluated on MLX's
+  stream (on the CPU stream through the library's CPU engine). ``mx.grad``, ``mx.value_and_grad``,
+  ``mx.vjp``, ``mx.compile`` (also of a training step), ``mx.vmap`` over any axis, array masks
+  (boolean: True = may attend; additive) and sinks; output shapes are known without evaluation.
+- pure-Python fallback (``_mlx_fallback``: an ``mx.custom_function`` on NumPy views of evaluated
+  arrays; used when the extension is absent or a ``context`` is passed): ``mx.grad`` and the like
+  only; ``mx.compile``/``mx.vmap``, array masks and sinks raise NotImplementedError.
+Neither path has ``mx.jvp`` or second derivatives (they raise instead of giving zeros), nor a
+gradient with respect to an array mask (stop it with ``mx.stop_gradient``).
 
 Semantics are MLX's where the two agree: q (B, num_heads, seqlen_q, head_dim), k (B, num_kv_heads,
 seqlen_k, head_dim), v (B, num_kv_heads, seqlen_k, head_dim_v); GQA/MQA from the head counts (k and
 v not repeated); ``mask="causal"`` aligned bottom-right (the last query sees the last key); the
 softmax in float32; float16, bfloat16 and float32. One difference: a query row that sees no key
-(``mask="causal"`` with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows) gets 0 here and a
-zero gradient (FlashAttention's convention), while MLX returns the mean of v for it.
+(``mask="causal"`` with seqlen_q > seqlen_k, or a boolean mask row of False) gets 0 here and a zero
+gradient (FlashAttention's convention), while MLX returns the mean of v (or NaN) for it.
 
-Not supported yet: array masks (boolean or additive) and attention sinks raise NotImplementedError.
-
-Copies: none for inputs that are row-contiguous MLX arrays or views of them whose last axis is
-contiguous, none for outputs (MLX allocates them and the library writes into them; see
-``_mlx_arrays``). MLX itself needs Python 3.10 or later.
+Copies: the fallback copies no row-contiguous input (``_mlx_arrays``); the native path makes
+inputs row-contiguous in the graph (MLX's ``contiguous``: free when they already are) and reads a
+mask's size-1 axes as broadcasts. MLX itself needs Python 3.10 or later.
 """
 
 from __future__ import annotations
@@ -41,10 +41,20 @@ except ImportError as error:  # the message names the extra that installs MLX
         "Linux, pip install mlx on Apple silicon"
     ) from error
 
-from . import _validation
+from . import _mlx_fallback, _validation
 from ._default import default_context
-from ._mlx_arrays import DTYPES, evaluate, new_output, numpy_view
+from ._mlx_arrays import DTYPES
 from .context import Context
+
+try:
+    from . import _mlx_ext
+except ImportError as _error:  # not built (./build.sh builds it where MLX is installed)
+    _mlx_ext = None
+    PATH_NOTE = (f"pure-Python fallback (no mx.compile/mx.vmap, array masks or sinks): the MLX extension "
+                 f"flash_attention_metal._mlx_ext did not load ({_error}); ./build.sh builds it")
+else:
+    PATH_NOTE = "native: the MLX extension flash_attention_metal._mlx_ext (MLX primitives)"
+NATIVE = _mlx_ext is not None
 
 
 def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force_fused=False, stream=None,
@@ -58,14 +68,18 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force
         v: mx.array (batch, num_kv_heads, seqlen_k, head_dim_v), q's dtype.
         scale: the softmax scale, a finite real number (required, as in MLX; usually
             ``q.shape[-1] ** -0.5``).
-        mask: None (every query sees every key) or ``"causal"`` (query i sees key j iff
-            j <= i + seqlen_k - seqlen_q: bottom-right, as MLX).
-        sinks: must be None (attention sinks are not supported yet).
+        mask: None (every query sees every key), ``"causal"`` (query i sees key j iff
+            j <= i + seqlen_k - seqlen_q: bottom-right, as MLX), or (native path) an mx.array
+            broadcastable to (batch, num_heads, seqlen_q, seqlen_k): bool (True = may attend) or
+            float16/bfloat16/float32 added to the scaled scores (applied in float32).
+        sinks: None, or (native path) an mx.array (num_heads,) of float logits: one virtual key
+            per head that takes part in the softmax and contributes no value (MLX's sinks).
         force_fused: accepted for MLX's signature; the computation is always fused.
-        stream: accepted for MLX's signature and not used: the attention runs on ``context``'s
-            backend (Metal or the CPU engine), not on an MLX stream.
-        context: the ``flash_attention_metal.Context`` to run on; None: the default context
-            (``$FLASH_ATTENTION_METAL_BACKEND``).
+        stream: the MLX stream or device of the native path's nodes (None: MLX's default); not
+            used by the fallback, which runs on ``context``'s backend.
+        context: None: the native path when the extension is built, else the fallback on the
+            default context (``$FLASH_ATTENTION_METAL_BACKEND``); a ``flash_attention_metal.Context``:
+            the fallback on that context.
 
     Returns:
         mx.array (batch, num_heads, seqlen_q, head_dim_v) in q's dtype: each row rounded once from
@@ -73,38 +87,111 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force
 
     Raises:
         TypeError: q, k or v not an mx.array, or not all of one dtype of float16, bfloat16 and
-            float32; scale missing or not a real number; mask neither None, a str nor an array.
+            float32; scale missing or not a real number; mask neither None, a str nor an mx.array,
+            or an array mask or sinks of another dtype.
         ValueError: shapes (named by argument, from the library's checks), head_dim or head_dim_v
-            above ``context.max_head_dim``, a non-finite scale, a mask string other than "causal".
-        NotImplementedError: an array mask, sinks, or a call inside ``mx.compile``/``mx.vmap``.
-        FlashAttentionError: the library reported an error.
+            above the library's maximum, a non-finite scale, a mask string other than "causal"; on
+            the native path also a gradient asked of the mask, mx.jvp, second derivatives, mx.vmap
+            over the sinks.
+        NotImplementedError: on the fallback: an array mask, sinks, mx.compile/mx.vmap, mx.jvp,
+            second derivatives.
+        FlashAttentionError: the library reported an error (fallback).
     """
     causal = _check_mask(mask)
-    if sinks is not None:
-        raise NotImplementedError(
-            "sinks: attention sinks are not supported by flash_attention_metal yet; pass sinks=None or use "
-            "mx.fast.scaled_dot_product_attention"
-        )
     _check_arrays(q, k, v)
     if scale is None:
         raise TypeError("scale is required (as in MLX), e.g. scale=q.shape[-1] ** -0.5")
     scale = _validation.resolve_softmax_scale(scale, q.shape[-1], "scale")
-    return _attention(q, k, v, scale, causal, default_context() if context is None else context)[0]
+    array_mask = None if causal or mask is None else mask
+    if sinks is not None:
+        if not isinstance(sinks, mx.array) or not mx.issubdtype(sinks.dtype, mx.floating):
+            raise TypeError(f"sinks must be None or a floating mx.array (num_heads,), got {_describe(sinks)}")
+    if context is None and NATIVE:
+        return _mlx_ext.attention(q, k, v, scale, causal, array_mask, sinks, stream=stream)
+    if array_mask is not None:
+        raise NotImplementedError(
+            "mask: array masks (boolean or additive) need the MLX extension (" + PATH_NOTE + "); only "
+            "mask=None and mask='causal' here. Use mx.fast.scaled_dot_product_attention for array masks"
+        )
+    if sinks is not None:
+        raise NotImplementedError(
+            "sinks: attention sinks need the MLX extension (" + PATH_NOTE + "); pass sinks=None or use "
+            "mx.fast.scaled_dot_product_attention"
+        )
+    return _mlx_fallback._attention(q, k, v, scale, causal, default_context() if context is None else context)[0]
+
+
+def ring_attention(q, k, v, *, scale, causal=False, group=None):
+    """Attention over a sequence sharded across the ranks of an ``mx.distributed`` group (context
+    parallelism): this rank's rows of out. Differentiable with ``mx.grad``/``mx.vjp`` (the ring
+    backward); not inside ``mx.compile`` (each step evaluates what it sends). Needs the extension.
+
+    Args:
+        q: mx.array (batch, num_heads, local seqlen_q, head_dim): this rank's shard, as
+            ``shard_sequence(q_global, causal=causal, group=group)`` gives it.
+        k, v: mx.array (batch, num_kv_heads, local seqlen_k, head_dim / head_dim_v), sharded alike;
+            q's dtype (float16, bfloat16 or float32).
+        scale: the softmax scale, a finite number; the same on every rank.
+        causal: bool; bottom-right over the GLOBAL sequences; selects the zigzag layout.
+        group: the mx.distributed group (None: ``mx.distributed.init()``).
+
+    Returns:
+        mx.array (batch, num_heads, local seqlen_q, head_dim_v) in q's dtype: this rank's rows of
+        the attention of the gathered sequences (merged in float32, rounded once).
+
+    Raises:
+        TypeError, ValueError: as scaled_dot_product_attention; shards of unequal length; shapes,
+            dtype, scale or causal differing between ranks (every rank raises).
+        RuntimeError: the extension is not built (PATH_NOTE says why).
+    """
+    ring = _ring_module()
+    _check_arrays(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if scale is None:
+        raise TypeError("scale is required (as in MLX), e.g. scale=q.shape[-1] ** -0.5")
+    scale = _validation.resolve_softmax_scale(scale, q.shape[-1], "scale")
+    group = mx.distributed.init() if group is None else group
+    ring.agree(group, q, k, v, scale, causal)
+    return ring.ring_attention(q, k, v, scale, causal, group)[0]
+
+
+def shard_sequence(x, *, causal=False, group=None):
+    """This rank's shard of the global ``x`` (batch, heads, seqlen, dim) for ``ring_attention``:
+    contiguous, or zigzag (chunks r and 2P-1-r) when ``causal``; seqlen must be a multiple of P
+    (2P when causal) so that every shard has the same length. Raises ValueError otherwise."""
+    return _ring_module().shard_sequence(x, causal, mx.distributed.init() if group is None else group)
+
+
+def unshard_sequence(x_local, *, causal=False, group=None):
+    """The global sequence from every rank's shard (an all_gather over ``group``): the inverse of
+    ``shard_sequence``, e.g. for ``ring_attention``'s out or the gradients of the shards."""
+    return _ring_module().unshard_sequence(x_local, causal, mx.distributed.init() if group is None else group)
+
+
+def _ring_module():
+    if not NATIVE:
+        raise RuntimeError(f"ring_attention needs the MLX extension: {PATH_NOTE}")
+    from . import _mlx_ring
+    return _mlx_ring
+
+
+def _describe(value) -> str:
+    return f"an array of dtype {value.dtype}" if isinstance(value, mx.array) else type(value).__name__
 
 
 def _check_mask(mask) -> bool:
-    """Whether ``mask`` asks for the causal mask; raises for what is not supported."""
+    """Whether ``mask`` asks for the causal mask; raises for what is never accepted."""
     if mask is None:
         return False
     if isinstance(mask, str):
         if mask != "causal":
-            raise ValueError(f"mask must be None, 'causal' or an array (array masks are not supported yet), got {mask!r}")
+            raise ValueError(f"mask must be None, 'causal' or an array, got {mask!r}")
         return True
     if isinstance(mask, mx.array):
-        raise NotImplementedError(
-            "mask: array masks (boolean or additive) are not supported by flash_attention_metal yet; only "
-            "mask=None and mask='causal'. Use mx.fast.scaled_dot_product_attention for array masks"
-        )
+        if mask.dtype != mx.bool_ and mask.dtype not in DTYPES:
+            raise TypeError(f"mask must be a bool or float16/bfloat16/float32 array, got {mask.dtype}")
+        return False
     raise TypeError(f"mask must be None, 'causal' or an mx.array, got {type(mask).__name__}")
 
 
@@ -123,61 +210,5 @@ def _check_arrays(q, k, v) -> None:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {array.dtype} (convert explicitly)")
 
 
-@mx.custom_function
-def _attention(q, k, v, scale, causal, context):
-    """(out, lse) of the library's forward, as new MLX arrays the library wrote."""
-    evaluate(q, k, v)
-    views = [numpy_view(a) for a in (q, k, v)]
-    # Checked before the outputs are allocated, which a wrong shape could make huge.
-    checked = _validation.check_forward(*views, causal, scale)
-    shape = checked[0]
-    out, out_view = new_output((shape.batch, shape.num_heads, shape.seqlen_q, shape.head_dim_v), q.dtype)
-    lse, lse_view = new_output((shape.batch, shape.num_heads, shape.seqlen_q), mx.float32)
-    context._forward(*views, checked, "bhsd", out_view, lse_view)
-    return out, lse
-
-
-@_attention.vjp
-def _attention_vjp(primals, cotangents, outputs):
-    # lse is internal to scaled_dot_product_attention, so its cotangent is zero and is not used.
-    q, k, v, scale, causal, context = primals
-    out, lse = outputs
-    dq, dk, dv = _attention_backward(cotangents[0], q, k, v, out, lse, scale, causal, context)
-    return dq, dk, dv, None, None, None
-
-
-@_attention.jvp
-def _attention_jvp(primals, tangents):
-    raise NotImplementedError(
-        "flash_attention_metal.mlx.scaled_dot_product_attention has no jvp (forward-mode differentiation); "
-        "use mx.vjp/mx.grad, or mx.fast.scaled_dot_product_attention"
-    )
-
-
-@mx.custom_function
-def _attention_backward(dout, q, k, v, out, lse, scale, causal, context):
-    """(dq, dk, dv) of the library's backward, as new MLX arrays the library wrote."""
-    evaluate(dout, q, k, v, out, lse)
-    views = [numpy_view(a) for a in (dout, q, k, v, out, lse)]
-    grads = [new_output(a.shape, q.dtype) for a in (q, k, v)]
-    context.backward(*views, causal=causal, softmax_scale=scale,
-                     dq=grads[0][1], dk=grads[1][1], dv=grads[2][1])
-    return tuple(array for array, _ in grads)
-
-
-@_attention_backward.vjp
-def _attention_backward_vjp(primals, cotangents, outputs):
-    raise NotImplementedError(
-        "flash_attention_metal.mlx.scaled_dot_product_attention has no second derivatives (grad of grad); "
-        "use mx.fast.scaled_dot_product_attention for those"
-    )
-
-
-@_attention_backward.jvp
-def _attention_backward_jvp(primals, tangents):
-    raise NotImplementedError(
-        "flash_attention_metal.mlx.scaled_dot_product_attention has no second derivatives (jvp of its vjp)"
-    )
-
-
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["scaled_dot_product_attention", "ring_attention", "shard_sequence", "unshard_sequence", "NATIVE",
+           "PATH_NOTE"]

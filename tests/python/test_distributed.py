@@ -20,7 +20,7 @@ from mpi4py import MPI  # noqa: E402
 
 from flash_attention_metal import accuracy, reference  # noqa: E402
 from flash_attention_metal import distributed as dist  # noqa: E402
-from flash_attention_metal.distributed.layout import Chunk, block_calls, segments  # noqa: E402
+from flash_attention_metal.sequence_layout import Chunk, block_calls, segments  # noqa: E402
 
 from conftest import assert_within_rule, make_inputs, mpiexec  # noqa: E402
 from distributed_worker import CASES, REAL_CASES  # noqa: E402

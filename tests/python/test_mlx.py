@@ -229,12 +229,15 @@ def test_nn_module_training_step_updates_the_parameters():
     assert all(not np.array_equal(a, b) for a, b in zip(before, after))
 
 
+# The pure-Python fallback (a context given, or no extension): its limits raise. The native path's
+# transformations are tested in test_mlx_native.py.
+
 @pytest.mark.parametrize("transform", ["compile", "vmap"])
-def test_compile_and_vmap_raise_not_implemented(transform):
+def test_compile_and_vmap_raise_not_implemented_on_the_fallback(transform):
     q, k, v, _ = _small()
 
     def f(q, k, v):
-        return fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5)
+        return fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5, context=fam.default_context())
 
     with pytest.raises(NotImplementedError, match="cannot run inside mx.compile or mx.vmap"):
         if transform == "compile":
@@ -243,11 +246,11 @@ def test_compile_and_vmap_raise_not_implemented(transform):
             mx.vmap(f)(q[None], k[None], v[None])
 
 
-def test_jvp_and_second_derivatives_raise_instead_of_returning_zeros():
+def test_jvp_and_second_derivatives_raise_instead_of_returning_zeros_on_the_fallback():
     q, k, v, _ = _small(mx.float32)
 
     def f(q):
-        return fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5)
+        return fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5, context=fam.default_context())
 
     with pytest.raises(NotImplementedError, match="no jvp"):
         mx.jvp(f, [q], [q])
@@ -257,12 +260,14 @@ def test_jvp_and_second_derivatives_raise_instead_of_returning_zeros():
 
 # Arguments: MLX's signature, with clear errors for what is not supported.
 
-def test_array_masks_and_sinks_are_not_supported_yet():
+def test_array_masks_and_sinks_need_the_extension():
     q, k, v, _ = _small()
-    with pytest.raises(NotImplementedError, match=r"^mask: array masks"):
-        fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mx.ones((16, 16), dtype=mx.bool_))
-    with pytest.raises(NotImplementedError, match=r"^sinks: "):
-        fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5, sinks=mx.zeros((4,)))
+    context = fam.default_context()
+    with pytest.raises(NotImplementedError, match=r"^mask: array masks .* need the MLX extension"):
+        fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mx.ones((16, 16), dtype=mx.bool_),
+                                             context=context)
+    with pytest.raises(NotImplementedError, match=r"^sinks: attention sinks need the MLX extension"):
+        fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5, sinks=mx.zeros((4,)), context=context)
 
 
 @pytest.mark.parametrize("mask, error", [("full", ValueError), ("CAUSAL", ValueError), (1, TypeError)])
@@ -291,13 +296,20 @@ def test_scale_is_required_and_finite(scale, error, text):
         fam_mlx.scaled_dot_product_attention(q, k, v, scale=scale)
 
 
-def test_shape_errors_name_the_argument():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "fallback"])
+def test_shape_errors_name_the_argument(native):
+    if native and not fam_mlx.NATIVE:
+        pytest.skip(fam_mlx.PATH_NOTE)
+    context = None if native else fam.default_context()
     q, k, v, _ = _small()
     with pytest.raises(ValueError, match=r"^q must be 4-D"):
-        fam_mlx.scaled_dot_product_attention(q[0], k, v, scale=0.5)
-    with pytest.raises(ValueError, match=r"^q num_heads 4 must be divisible by k/v num_kv_heads 3"):
+        fam_mlx.scaled_dot_product_attention(q[0], k, v, scale=0.5, context=context)
+    # The library's own message on the native path, the Python package's on the fallback.
+    heads = (r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)" if native
+             else r"^q num_heads 4 must be divisible by k/v num_kv_heads 3")
+    with pytest.raises(ValueError, match=heads):
         fam_mlx.scaled_dot_product_attention(q, mx.concatenate([k, k[:, :1]], axis=1),
-                                             mx.concatenate([v, v[:, :1]], axis=1), scale=0.5)
+                                             mx.concatenate([v, v[:, :1]], axis=1), scale=0.5, context=context)
 
 
 # Training: the tiny transformer of examples/mlx_train_tiny.py, 50 steps.
@@ -326,9 +338,12 @@ def test_the_example_runs_and_passes(capsys):
     assert "MLX float32       MLX float16   library float16" in printed and printed.rstrip().endswith("pass")
 
 
-def test_the_memory_benchmark_runs():
+@pytest.mark.parametrize("options", [[], ["--compile"]], ids=["eager", "compiled"])
+def test_the_memory_benchmark_runs(options):
+    if options and not fam_mlx.NATIVE:
+        pytest.skip(fam_mlx.PATH_NOTE)
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "mlx_memory.py"
-    result = subprocess.run([sys.executable, str(script), "--seqlens", "64"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, str(script), "--seqlens", "64", *options], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.lstrip().startswith("64 ")]
     assert len(rows) == 3 and all("MiB" in row for row in rows), result.stdout

@@ -18,7 +18,7 @@ Launch with ``mpiexec -n P python -m mpi4py your_script.py`` (``-m mpi4py`` abor
 a rank raises).
 """
 
-from .layout import SequenceLayout, rank_work
+from ..sequence_layout import SequenceLayout, rank_work
 from .ring import StepProfile, ring_attention, ring_attention_backward
 from .sharding import shard_sequence, unshard_sequence
 from .transport import DEFAULT_TIMEOUT_S, RingTimeoutError

@@ -22,8 +22,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import context as _context
+from .. import sequence_layout as layout
 from ..cli import _types
-from . import layout, ring, sharding
+from . import ring, sharding
 
 
 def _arguments(argv) -> argparse.Namespace:

@@ -1,4 +1,6 @@
-"""Where each rank's rows sit in the global sequence, and which (query, key) pairs a block computes.
+"""Where each rank's rows sit in the global sequence, and which (query, key) pairs a block computes:
+the layout of ring attention shared by its two transports (flash_attention_metal.distributed over
+MPI, flash_attention_metal.mlx.ring_attention over mx.distributed).
 
 A global sequence of ``seqlen`` rows is cut into chunks the way ``numpy.array_split`` cuts it (the
 first ``seqlen % n`` chunks one row longer). Without a causal mask there are P chunks and rank r holds

@@ -1,0 +1,35 @@
+// The Python module flash_attention_metal._mlx_ext (nanobind in MLX's domain, so mx.array passes
+// through MLX's own type caster). Imported by flash_attention_metal.mlx after mlx.core.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "primitives.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_mlx_ext, m) {
+    m.doc() = "flash_attention_metal's MLX primitives (fused forward and backward); use flash_attention_metal.mlx";
+    m.def(
+        "attention",
+        [](const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v, float scale, bool causal,
+           const std::optional<mlx::core::array>& mask, const std::optional<mlx::core::array>& sinks,
+           mlx::core::StreamOrDevice stream) {
+            return flash_attention_mlx::attention(q, k, v, scale, causal, mask, sinks, stream)[0];
+        },
+        "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a, "mask"_a = nb::none(), "sinks"_a = nb::none(),
+        "stream"_a = nb::none(),
+        "Attention out (B, H, Lq, Dv) of the fused forward node (its vjp is the fused backward node). "
+        "mask: None, a bool array or an additive array broadcastable to (B, H, Lq, Lk); sinks: None or "
+        "(H,). Raises ValueError naming the argument for what the library refuses.");
+    m.def("forward_with_lse", &flash_attention_mlx::attention, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a,
+          "mask"_a = nb::none(), "sinks"_a = nb::none(), "stream"_a = nb::none(),
+          "[out, lse] of the forward node. No gradient flows through lse (its cotangent is not used): "
+          "for code with its own vjp (ring attention).");
+    m.def("backward", &flash_attention_mlx::attention_backward, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a,
+          "scale"_a, "causal"_a, "stream"_a = nb::none(),
+          "[dq, dk, dv] of the backward node; lse may be that of a longer row (blockwise or ring attention).");
+    m.attr("ABI_VERSION") = FA_VERSION;
+}

@@ -1,0 +1,177 @@
+// GPU evaluation of the primitives: the library's exported dispatch plan (fa_plan_*) encoded on
+// MLX's own Metal command encoder, so the kernels run on MLX's stream, on MLX's buffers, with MLX's
+// hazard tracking (its buffers are untracked: an encoder of our own would race with it).
+// Only where MLX was built with Metal (_METAL_, from MLX's CMake config). NOT COMPILED HERE: the
+// Linux mlx-cpu wheel's Metal headers include <Metal/Metal.hpp>, which it does not ship. Every MLX
+// call below was checked against the 0.32.4 wheel's mlx/backend/metal/device.h (CommandEncoder:
+// set_compute_pipeline_state, set_input_array(a, idx, offset), set_output_array(a, idx, offset),
+// set_bytes(const T*, n, idx), dispatch_threadgroups(MTL::Size, MTL::Size), add_temporary;
+// Device: get_library(name, builder), get_kernel(name, lib, hash_name, MTLFCList)) and against
+// MLX's own uses in mlx/backend/metal/scaled_dot_product_attention.cpp (function constants as
+// {&value, MTL::DataType::DataTypeBool, index}, temporaries allocated then add_temporary).
+#include "primitives.h"
+
+#include <stdexcept>
+
+#ifdef _METAL_
+#include <map>
+#include <memory>
+#include <string>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/metal/device.h"
+#endif
+
+namespace flash_attention_mlx {
+
+#ifdef _METAL_
+namespace {
+
+// fa_buffer_role -> the node's array bound for it: inputs read, outputs written.
+struct Roles {
+    std::map<uint32_t, const mx::array*> reads;
+    std::map<uint32_t, mx::array*> writes;
+};
+
+struct PlanDeleter {
+    void operator()(fa_plan* plan) const { fa_plan_destroy(plan); }
+};
+
+void check_plan(fa_status status, const char* call) {
+    if (status != FA_STATUS_SUCCESS) {
+        throw std::runtime_error(std::string("flash_attention_metal ") + call + ": " + fa_last_error_message());
+    }
+}
+
+// The pipeline of one dispatch: kernel_name specialised with its function constants, compiled
+// once per process from fa_plan_kernel_source() (MLX's default CompileOptions: safe math, which the
+// kernels need for their infinities) and cached by MLX under a name that includes the constants.
+MTL::ComputePipelineState* pipeline(mx::metal::Device& device, const fa_plan* plan, uint32_t index,
+                                    const fa_plan_dispatch& dispatch) {
+    auto* library = device.get_library("flash_attention_metal", [] { return std::string(fa_plan_kernel_source()); });
+    // The values must outlive get_kernel, which reads them through the pointers.
+    std::vector<uint32_t> values(dispatch.specialization_count);
+    std::unique_ptr<bool[]> bools(new bool[dispatch.specialization_count]);
+    mx::metal::MTLFCList constants;
+    std::string hash = dispatch.kernel_name;
+    for (uint32_t i = 0; i < dispatch.specialization_count; ++i) {
+        fa_plan_specialization s{};
+        s.struct_size = sizeof s;
+        check_plan(fa_plan_get_specialization(plan, index, i, &s), "fa_plan_get_specialization");
+        values[i] = s.value;
+        bools[i] = s.value != 0;
+        if (s.type == FA_SPECIALIZATION_BOOL) {
+            constants.emplace_back(&bools[i], MTL::DataType::DataTypeBool, s.index);
+        } else {
+            constants.emplace_back(&values[i], MTL::DataType::DataTypeUInt, s.index);
+        }
+        hash += "_" + std::to_string(s.index) + "_" + std::to_string(s.value);
+    }
+    return device.get_kernel(dispatch.kernel_name, library, hash, constants);
+}
+
+// Encodes every dispatch of the plan of `problem` for `pass`: roles bound to `roles`' arrays (at
+// their offsets), workspaces allocated as MLX temporaries, parameters by set_bytes.
+void encode(const mx::Stream& stream, const fa_problem& problem, fa_pass pass, Roles roles) {
+    fa_plan* raw = nullptr;
+    check_plan(fa_plan_create(&problem, pass, 0, &raw), "fa_plan_create");
+    std::unique_ptr<fa_plan, PlanDeleter> plan(raw);
+    fa_plan_info info{};
+    info.struct_size = sizeof info;
+    check_plan(fa_plan_get_info(plan.get(), &info), "fa_plan_get_info");
+
+    auto& device = mx::metal::device(stream.device);
+    auto& encoder = mx::metal::get_command_encoder(stream);
+    std::vector<mx::array> workspaces;
+    std::vector<uint32_t> workspace_roles;
+    for (uint32_t i = 0; i < info.buffer_count; ++i) {
+        fa_plan_buffer buffer{};
+        buffer.struct_size = sizeof buffer;
+        check_plan(fa_plan_get_buffer(plan.get(), i, &buffer), "fa_plan_get_buffer");
+        if (buffer.usage == FA_BUFFER_WORKSPACE) {
+            if (buffer.byte_count > uint64_t(INT32_MAX)) {
+                throw std::runtime_error("flash_attention_metal: a workspace above 2 GiB");
+            }
+            workspaces.emplace_back(mx::Shape{static_cast<int>(buffer.byte_count)}, mx::uint8, nullptr,
+                                    std::vector<mx::array>{});
+            workspaces.back().set_data(mx::allocator::malloc(buffer.byte_count));
+            workspace_roles.push_back(buffer.role);
+        } else if ((buffer.usage == FA_BUFFER_OUTPUT ? roles.writes.count(buffer.role)
+                                                     : roles.reads.count(buffer.role)) == 0) {
+            throw std::logic_error("flash_attention_metal: the plan binds a role the node does not have");
+        }
+    }
+    // Workspaces are written by one dispatch and read by a later one: bound as outputs, so that
+    // MLX's encoder puts a barrier between the two.
+    for (size_t w = 0; w < workspaces.size(); ++w) roles.writes[workspace_roles[w]] = &workspaces[w];
+    for (uint32_t d = 0; d < info.dispatch_count; ++d) {
+        fa_plan_dispatch dispatch{};
+        dispatch.struct_size = sizeof dispatch;
+        check_plan(fa_plan_get_dispatch(plan.get(), d, &dispatch), "fa_plan_get_dispatch");
+        auto* kernel = pipeline(device, plan.get(), d, dispatch);
+        const auto* t = dispatch.threads_per_threadgroup;
+        if (kernel->maxTotalThreadsPerThreadgroup() < NS::UInteger(t[0]) * t[1] * t[2]) {
+            throw std::runtime_error(std::string("flash_attention_metal: kernel ") + dispatch.kernel_name +
+                                     " allows fewer threads per threadgroup than its plan uses");
+        }
+        encoder.set_compute_pipeline_state(kernel);
+        for (uint32_t b = 0; b < dispatch.binding_count; ++b) {
+            fa_plan_binding binding{};
+            binding.struct_size = sizeof binding;
+            check_plan(fa_plan_get_binding(plan.get(), d, b, &binding), "fa_plan_get_binding");
+            auto offset = static_cast<int64_t>(binding.byte_offset);
+            auto written = roles.writes.find(binding.role);
+            if (written != roles.writes.end()) {
+                encoder.set_output_array(*written->second, binding.index, offset);
+            } else {
+                encoder.set_input_array(*roles.reads.at(binding.role), binding.index, offset);
+            }
+        }
+        encoder.set_bytes(static_cast<const uint8_t*>(dispatch.params), dispatch.params_size, dispatch.params_index);
+        const auto* g = dispatch.threadgroups_per_grid;
+        encoder.dispatch_threadgroups(MTL::Size(g[0], g[1], g[2]), MTL::Size(t[0], t[1], t[2]));
+    }
+    for (auto& workspace : workspaces) encoder.add_temporary(std::move(workspace));
+}
+
+}  // namespace
+
+void Forward::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    require_contiguous(inputs);
+    const mx::array* mask = options_.mask_type != FA_ATTN_MASK_NONE ? &inputs[3] : nullptr;
+    fa_problem problem = make_problem(options_, inputs[0], inputs[1], inputs[2], mask);
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    Roles roles;
+    roles.reads = {{FA_BUFFER_ROLE_Q, &inputs[0]}, {FA_BUFFER_ROLE_K, &inputs[1]}, {FA_BUFFER_ROLE_V, &inputs[2]}};
+    roles.writes = {{FA_BUFFER_ROLE_OUT, &outputs[0]}, {FA_BUFFER_ROLE_LSE, &outputs[1]}};
+    if (mask != nullptr) roles.reads[FA_BUFFER_ROLE_ATTN_MASK] = mask;
+    if (options_.has_sinks) roles.reads[FA_BUFFER_ROLE_SINKS] = &inputs.back();
+    encode(stream(), problem, FA_PASS_FORWARD, std::move(roles));
+}
+
+void Backward::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    require_contiguous(inputs);
+    const mx::array* mask = options_.mask_type != FA_ATTN_MASK_NONE ? &inputs[6] : nullptr;
+    fa_problem problem = make_problem(options_, inputs[1], inputs[2], inputs[3], mask);
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    Roles roles;
+    roles.reads = {{FA_BUFFER_ROLE_DOUT, &inputs[0]}, {FA_BUFFER_ROLE_Q, &inputs[1]}, {FA_BUFFER_ROLE_K, &inputs[2]},
+                   {FA_BUFFER_ROLE_V, &inputs[3]}, {FA_BUFFER_ROLE_OUT, &inputs[4]}, {FA_BUFFER_ROLE_LSE, &inputs[5]}};
+    roles.writes = {{FA_BUFFER_ROLE_DQ, &outputs[0]}, {FA_BUFFER_ROLE_DK, &outputs[1]}, {FA_BUFFER_ROLE_DV, &outputs[2]}};
+    if (mask != nullptr) roles.reads[FA_BUFFER_ROLE_ATTN_MASK] = mask;
+    if (options_.has_sinks) {
+        roles.reads[FA_BUFFER_ROLE_SINKS] = &inputs.back();
+        roles.writes[FA_BUFFER_ROLE_DSINKS] = &outputs[3];
+    }
+    encode(stream(), problem, FA_PASS_BACKWARD, std::move(roles));
+}
+#else
+// MLX without Metal never schedules a node on the GPU; these say so if asked.
+constexpr const char* kNoMetal = "flash_attention_metal: this MLX has no Metal backend; run on the CPU stream";
+
+void Forward::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) { throw std::runtime_error(kNoMetal); }
+
+void Backward::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) { throw std::runtime_error(kNoMetal); }
+#endif
+
+}  // namespace flash_attention_mlx
