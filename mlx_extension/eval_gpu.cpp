@@ -14,10 +14,14 @@
 #include <stdexcept>
 
 #ifdef _METAL_
+#include <cstddef>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "../Shaders/flash_attention_params.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/metal/device.h"
 #endif
@@ -68,6 +72,37 @@ MTL::ComputePipelineState* pipeline(mx::metal::Device& device, const fa_plan* pl
         hash += "_" + std::to_string(s.index) + "_" + std::to_string(s.value);
     }
     return device.get_kernel(dispatch.kernel_name, library, hash, constants);
+}
+
+// The dispatch's parameter bytes, with scalar_copies set where a tensor the kernels copy in 16-byte
+// tiles is bound at an address that is not a multiple of FA_CHUNK_BYTES: the plan sees only
+// layouts, and an MLX view (a slice, a reshape of one) can start anywhere in its buffer
+// (array::offset(), which set_input_array adds to the binding's offset). The Swift host does the
+// same (FlashAttentionParams.checkingAlignment); the header asks every host for it.
+std::vector<uint8_t> aligned_params(const fa_plan* plan, uint32_t index, const fa_plan_dispatch& dispatch,
+                                    const Roles& roles) {
+    if (dispatch.params_size != sizeof(FlashAttentionParams)) {
+        throw std::logic_error("flash_attention_metal: the plan's parameter bytes are not a FlashAttentionParams");
+    }
+    std::vector<uint8_t> bytes(static_cast<const uint8_t*>(dispatch.params),
+                               static_cast<const uint8_t*>(dispatch.params) + dispatch.params_size);
+    for (uint32_t b = 0; b < dispatch.binding_count; ++b) {
+        fa_plan_binding binding{};
+        binding.struct_size = sizeof binding;
+        check_plan(fa_plan_get_binding(plan, index, b, &binding), "fa_plan_get_binding");
+        switch (binding.role) {
+            case FA_BUFFER_ROLE_Q: case FA_BUFFER_ROLE_K: case FA_BUFFER_ROLE_V: case FA_BUFFER_ROLE_OUT:
+            case FA_BUFFER_ROLE_DOUT: break;
+            default: continue;
+        }
+        auto written = roles.writes.find(binding.role);
+        const mx::array& a = written != roles.writes.end() ? *written->second : *roles.reads.at(binding.role);
+        if ((a.offset() + static_cast<int64_t>(binding.byte_offset)) % FA_CHUNK_BYTES != 0) {
+            const fa_u32 scalar = 1;
+            std::memcpy(bytes.data() + offsetof(FlashAttentionParams, scalar_copies), &scalar, sizeof scalar);
+        }
+    }
+    return bytes;
 }
 
 // Encodes every dispatch of the plan of `problem` for `pass`: roles bound to `roles`' arrays (at
@@ -127,7 +162,8 @@ void encode(const mx::Stream& stream, const fa_problem& problem, fa_pass pass, R
                 encoder.set_input_array(*roles.reads.at(binding.role), binding.index, offset);
             }
         }
-        encoder.set_bytes(static_cast<const uint8_t*>(dispatch.params), dispatch.params_size, dispatch.params_index);
+        auto params = aligned_params(plan.get(), d, dispatch, roles);
+        encoder.set_bytes(params.data(), static_cast<int>(params.size()), dispatch.params_index);
         const auto* g = dispatch.threadgroups_per_grid;
         encoder.dispatch_threadgroups(MTL::Size(g[0], g[1], g[2]), MTL::Size(t[0], t[1], t[2]));
     }
