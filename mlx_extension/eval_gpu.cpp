@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #ifdef _METAL_
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <map>
@@ -129,7 +130,8 @@ void encode(const mx::Stream& stream, const fa_problem& problem, fa_pass pass, R
             }
             workspaces.emplace_back(mx::Shape{static_cast<int>(buffer.byte_count)}, mx::uint8, nullptr,
                                     std::vector<mx::array>{});
-            workspaces.back().set_data(mx::allocator::malloc(buffer.byte_count));
+            // At least one byte: MLX's allocator gives no buffer for 0 and the kernels bind every one.
+            workspaces.back().set_data(mx::allocator::malloc(std::max<uint64_t>(buffer.byte_count, 1)));
             workspace_roles.push_back(buffer.role);
         } else if ((buffer.usage == FA_BUFFER_OUTPUT ? roles.writes.count(buffer.role)
                                                      : roles.reads.count(buffer.role)) == 0) {

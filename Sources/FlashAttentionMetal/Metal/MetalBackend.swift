@@ -206,7 +206,8 @@ final class MetalBackend: ExecutionBackend {
     /// encoding a later piece fails or the call is cancelled, because it reads the caller's memory;
     /// the wait for each completion is bounded by `completionSeconds(piece)`. A wait that runs out
     /// fails the call, not the device: the command buffers left running write only Metal's own
-    /// buffers.
+    /// buffers, but they may still read inputs wrapped without a copy (makeBuffer(bytesNoCopy:) does
+    /// not own that memory), so the error tells the caller to keep the inputs allocated.
     private func run(_ pieces: [PlanPiece], buffers: [BufferRole: MTLBuffer],
                      cancellation: CancellationToken) throws -> [MTLCommandBuffer] {
         let completions = DispatchSemaphore(value: 0)
@@ -236,7 +237,8 @@ final class MetalBackend: ExecutionBackend {
                 throw FlashAttentionError.executionFailed(
                     "Metal: command buffer \(n + 1) of \(pieces.count) did not complete within "
                         + "\(Int(seconds.rounded(.up))) s of the previous one (the GPU or its driver may be hung); the "
-                        + "outputs were not written")
+                        + "outputs were not written, and the inputs must stay allocated until the process ends "
+                        + "(command buffers still running may read them)")
             }
         }
         if let encodingError { throw encodingError }
