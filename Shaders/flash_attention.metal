@@ -110,7 +110,7 @@ inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0
     for (uint d = 0; d < ND; ++d) {
         if (!CHECKED || d < active) {
             simdgroup_float8x8 af;
-            load_fragment<T>(af, a, a_row0, col0 + d * 8, at);
+            load_fragment<T>(af, a, a_row0, col0 / 8 + d, at);
             FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bt;
@@ -147,7 +147,7 @@ inline void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<
             FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bf;
-                load_fragment<T>(bf, b, j * 8, col0 + d * 8, at);
+                load_fragment<T>(bf, b, j * 8, col0 / 8 + d, at);
                 simdgroup_multiply_accumulate(acc.f[d], p.f[j], bf, acc.f[d]);
             }
         }

@@ -40,17 +40,22 @@ inline void clear(thread Fragments<N> &x) {
     }
 }
 
-// f = tile[row0, row0 + 8) x [col0, col0 + 8), as float: the lane's pair is one 32-bit word of a
-// tile of 2-byte T. `Tile` is a threadgroup tile of elements of type T (flash_attention_loader.h;
-// a template parameter: see metal_stdlib of the CPU engine for why).
+// f = tile[row0, row0 + 8) x [8 fcol, 8 fcol + 8), as float: the lane's pair is one 32-bit word of
+// a tile of 2-byte T, read as one load. `Tile` is a threadgroup tile of elements of type T
+// (flash_attention_loader.h; a template parameter: see metal_stdlib of the CPU engine for why).
+// The column comes as a fragment index so that the lane's chunk and word are the fragment's chunk
+// plus lane-only terms (no division per fragment).
 template <typename T, typename Tile>
-inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint col0,
+inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint fcol,
                           FragmentCoord at) {
-    float lo;
-    float hi;
-    tile_pair<T>(tile, row0 + at.row, col0 + at.col, lo, hi);
-    f.thread_elements()[0] = lo;
-    f.thread_elements()[1] = hi;
+    typedef TileWords<T> W;
+    const uint row = row0 + at.row;
+    const uint chunk = fcol * (8 / W::PER_CHUNK) + at.col / W::PER_CHUNK;
+    const uint w = (at.col % W::PER_CHUNK) / W::PER_WORD;
+    const uint lo = tile[row][chunk][w];
+    f.thread_elements()[0] = W::element(lo, 0);
+    f.thread_elements()[1] =
+        W::PER_WORD == 2 ? W::element(lo, 1) : W::element(tile[row][chunk][w + 1], 0);
 }
 
 // f = the transpose of tile[row0, row0 + 8) x [col0, col0 + 8), as float.

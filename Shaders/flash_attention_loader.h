@@ -27,21 +27,22 @@
 // which the CPU engine's `threadgroup` could not spell).
 #define FA_ROW_CHUNKS(T, DP) (((DP) + FA_TILE_PAD) * sizeof(T) / FA_CHUNK_BYTES)
 
-// How elements of type T sit in the 32-bit words of a tile: PER_WORD of them, `bits` the word of
-// one element (in the low bits), `element(w, i)` element i of word w as float.
+// How elements of type T sit in the 32-bit words of a tile: PER_WORD of them (PER_CHUNK in a
+// 16-byte chunk), `bits` the word of one element (in the low bits), `element(w, i)` element i of
+// word w as float.
 template <typename T>
 struct TileWords;
 
 template <>
 struct TileWords<half> {
-    enum : uint { PER_WORD = 2 };
+    enum : uint { PER_WORD = 2, PER_CHUNK = FA_CHUNK_BYTES / 2 };
     static inline uint bits(half x) { return uint(as_type<ushort>(x)); }
     static inline float element(uint w, uint i) { return float(as_type<half2>(w)[i]); }
 };
 
 template <>
 struct TileWords<float> {
-    enum : uint { PER_WORD = 1 };
+    enum : uint { PER_WORD = 1, PER_CHUNK = FA_CHUNK_BYTES / 4 };
     static inline uint bits(float x) { return as_type<uint>(x); }
     static inline float element(uint w, uint i) { return as_type<float>(w); }
 };
@@ -49,7 +50,7 @@ struct TileWords<float> {
 #if !defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)
 template <>
 struct TileWords<bfloat> {
-    enum : uint { PER_WORD = 2 };
+    enum : uint { PER_WORD = 2, PER_CHUNK = FA_CHUNK_BYTES / 2 };
     static inline uint bits(bfloat x) { return uint(as_type<ushort>(x)); }
     static inline float element(uint w, uint i) { return float(as_type<bfloat>(ushort(w >> (16 * i)))); }
 };
@@ -66,16 +67,6 @@ template <typename T, typename Tile>
 inline float tile_element(Tile tile, uint row, uint col) {
     typedef TileWords<T> W;
     return W::element(tile_word(tile, row, col / W::PER_WORD), col % W::PER_WORD);
-}
-
-// Elements (row, col) and (row, col + 1) of a tile of T, col even, as float: into lo and hi (for
-// 2-byte T both from one word).
-template <typename T, typename Tile>
-inline void tile_pair(Tile tile, uint row, uint col, thread float &lo, thread float &hi) {
-    typedef TileWords<T> W;
-    const uint w = tile_word(tile, row, col / W::PER_WORD);
-    lo = W::element(w, 0);
-    hi = W::PER_WORD == 2 ? W::element(w, 1) : W::element(tile_word(tile, row, col + 1), 0);
 }
 
 // Copies rows [first, first + ROWS) of a [seqlen][cols] matrix of T whose rows lie `stride`

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "518dd92a11b93732"
+    static let sourceHash = "8299c818f642c8cf"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -414,21 +414,22 @@ inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? t
 // which the CPU engine's `threadgroup` could not spell).
 #define FA_ROW_CHUNKS(T, DP) (((DP) + FA_TILE_PAD) * sizeof(T) / FA_CHUNK_BYTES)
 
-// How elements of type T sit in the 32-bit words of a tile: PER_WORD of them, `bits` the word of
-// one element (in the low bits), `element(w, i)` element i of word w as float.
+// How elements of type T sit in the 32-bit words of a tile: PER_WORD of them (PER_CHUNK in a
+// 16-byte chunk), `bits` the word of one element (in the low bits), `element(w, i)` element i of
+// word w as float.
 template <typename T>
 struct TileWords;
 
 template <>
 struct TileWords<half> {
-    enum : uint { PER_WORD = 2 };
+    enum : uint { PER_WORD = 2, PER_CHUNK = FA_CHUNK_BYTES / 2 };
     static inline uint bits(half x) { return uint(as_type<ushort>(x)); }
     static inline float element(uint w, uint i) { return float(as_type<half2>(w)[i]); }
 };
 
 template <>
 struct TileWords<float> {
-    enum : uint { PER_WORD = 1 };
+    enum : uint { PER_WORD = 1, PER_CHUNK = FA_CHUNK_BYTES / 4 };
     static inline uint bits(float x) { return as_type<uint>(x); }
     static inline float element(uint w, uint i) { return as_type<float>(w); }
 };
@@ -436,7 +437,7 @@ struct TileWords<float> {
 #if !defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)
 template <>
 struct TileWords<bfloat> {
-    enum : uint { PER_WORD = 2 };
+    enum : uint { PER_WORD = 2, PER_CHUNK = FA_CHUNK_BYTES / 2 };
     static inline uint bits(bfloat x) { return uint(as_type<ushort>(x)); }
     static inline float element(uint w, uint i) { return float(as_type<bfloat>(ushort(w >> (16 * i)))); }
 };
@@ -453,16 +454,6 @@ template <typename T, typename Tile>
 inline float tile_element(Tile tile, uint row, uint col) {
     typedef TileWords<T> W;
     return W::element(tile_word(tile, row, col / W::PER_WORD), col % W::PER_WORD);
-}
-
-// Elements (row, col) and (row, col + 1) of a tile of T, col even, as float: into lo and hi (for
-// 2-byte T both from one word).
-template <typename T, typename Tile>
-inline void tile_pair(Tile tile, uint row, uint col, thread float &lo, thread float &hi) {
-    typedef TileWords<T> W;
-    const uint w = tile_word(tile, row, col / W::PER_WORD);
-    lo = W::element(w, 0);
-    hi = W::PER_WORD == 2 ? W::element(w, 1) : W::element(tile_word(tile, row, col + 1), 0);
 }
 
 // Copies rows [first, first + ROWS) of a [seqlen][cols] matrix of T whose rows lie `stride`
@@ -660,17 +651,22 @@ inline void clear(thread Fragments<N> &x) {
     }
 }
 
-// f = tile[row0, row0 + 8) x [col0, col0 + 8), as float: the lane's pair is one 32-bit word of a
-// tile of 2-byte T. `Tile` is a threadgroup tile of elements of type T (flash_attention_loader.h;
-// a template parameter: see metal_stdlib of the CPU engine for why).
+// f = tile[row0, row0 + 8) x [8 fcol, 8 fcol + 8), as float: the lane's pair is one 32-bit word of
+// a tile of 2-byte T, read as one load. `Tile` is a threadgroup tile of elements of type T
+// (flash_attention_loader.h; a template parameter: see metal_stdlib of the CPU engine for why).
+// The column comes as a fragment index so that the lane's chunk and word are the fragment's chunk
+// plus lane-only terms (no division per fragment).
 template <typename T, typename Tile>
-inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint col0,
+inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint fcol,
                           FragmentCoord at) {
-    float lo;
-    float hi;
-    tile_pair<T>(tile, row0 + at.row, col0 + at.col, lo, hi);
-    f.thread_elements()[0] = lo;
-    f.thread_elements()[1] = hi;
+    typedef TileWords<T> W;
+    const uint row = row0 + at.row;
+    const uint chunk = fcol * (8 / W::PER_CHUNK) + at.col / W::PER_CHUNK;
+    const uint w = (at.col % W::PER_CHUNK) / W::PER_WORD;
+    const uint lo = tile[row][chunk][w];
+    f.thread_elements()[0] = W::element(lo, 0);
+    f.thread_elements()[1] =
+        W::PER_WORD == 2 ? W::element(lo, 1) : W::element(tile[row][chunk][w + 1], 0);
 }
 
 // f = the transpose of tile[row0, row0 + 8) x [col0, col0 + 8), as float.
@@ -947,7 +943,7 @@ inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0
     for (uint d = 0; d < ND; ++d) {
         if (!CHECKED || d < active) {
             simdgroup_float8x8 af;
-            load_fragment<T>(af, a, a_row0, col0 + d * 8, at);
+            load_fragment<T>(af, a, a_row0, col0 / 8 + d, at);
             FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bt;
@@ -984,7 +980,7 @@ inline void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<
             FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bf;
-                load_fragment<T>(bf, b, j * 8, col0 + d * 8, at);
+                load_fragment<T>(bf, b, j * 8, col0 / 8 + d, at);
                 simdgroup_multiply_accumulate(acc.f[d], p.f[j], bf, acc.f[d]);
             }
         }
