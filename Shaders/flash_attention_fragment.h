@@ -66,6 +66,22 @@ inline void load_fragment_transposed(thread simdgroup_float8x8 &f, Tile tile, ui
     f.thread_elements()[1] = tile_element<T>(tile, row0 + at.col + 1, col0 + at.row);
 }
 
+// f = the transpose of rows [row0, row0 + 8) x columns [8 fcol, 8 fcol + 8) of a DP-wide tile of
+// 2-byte T in the paired layout (PairedRows, flash_attention_loader.h): the lane's pair, (row0 +
+// at.col, c) and the row after, is one 32-bit word.
+template <typename T, uint DP, typename Tile>
+inline void load_fragment_paired(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint fcol,
+                                 FragmentCoord at) {
+    typedef TileWords<T> W;
+    // Fragments of columns per tile row (a guard for the row-major instances, which never call).
+    constexpr uint HALF = DP >= 16 ? DP / 16 : 1;
+    const uint row = row0 + at.col + fcol / HALF;
+    const uint chunk = fcol % HALF * 2 + at.row / 4;
+    const uint pair = tile[row][chunk][at.row % 4];
+    f.thread_elements()[0] = W::element(pair, 0);
+    f.thread_elements()[1] = W::element(pair, 1);
+}
+
 // The maximum and the sum of x over the four lanes that hold one fragment row.
 inline float row_max(float x) {
     x = max(x, simd_shuffle_xor(x, ushort(1)));
