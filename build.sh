@@ -216,7 +216,7 @@ run_tests() {
         tests/metal_standin/build.sh
     fi
     say "pytest on every core (pytest-xdist), but the serial tests"
-    .venv/bin/python -m pytest tests/python -q -n auto --dist loadgroup -m "not serial"
+    .venv/bin/python -m pytest tests/python -q -n auto --dist loadfile -m "not serial"
     if [[ -n $sanitized ]]; then
         local status=0
         wait "$sanitized" || status=$?

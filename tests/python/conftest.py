@@ -19,16 +19,14 @@ import flash_attention_metal as fam
 from flash_attention_metal import _default, _native, accuracy
 
 
-# How ./build.sh test runs these tests on every core (pytest-xdist): `-n auto --dist loadgroup -m
+# How ./build.sh test runs these tests on every core (pytest-xdist): `-n auto --dist loadfile -m
 # "not serial"`, then `-m serial` alone. Serial: tests that time a child process (Ctrl-C's exit
-# bound) or take fixed resources (the MLX ring backend's port runs). The modules below keep their
-# tests on one worker (one xdist group each): their module fixtures build kernels, run MPI jobs or
-# load models, which a second worker would repeat. The slowest modules are scheduled first, so that
-# no worker is left with a long test at the end.
+# bound) or take fixed resources (the MLX ring backend's port runs). loadfile keeps each module on
+# one worker, so module fixtures that build kernels, run MPI jobs or load models run once. The
+# slowest modules are scheduled first, so that no worker is left with a long module at the end.
 SERIAL_MARKER = "serial"
-ONE_WORKER_MODULES = {"test_planted_faults.py", "test_distributed.py", "test_smollm2_model.py",
-                      "test_fixture_model.py"}
-SLOW_MODULES_FIRST = ["test_planted_faults.py", "test_metal_standin.py", "test_distributed.py",
+SLOW_MODULES_FIRST = ["test_planted_faults.py", "test_metal_standin.py", "test_compare.py",
+                      "test_distributed_smollm2.py", "test_smollm2_model.py", "test_distributed.py",
                       "test_long_sequences.py"]
 
 
@@ -37,9 +35,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in ONE_WORKER_MODULES:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
     rank = {name: i for i, name in enumerate(SLOW_MODULES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
