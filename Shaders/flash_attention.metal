@@ -533,6 +533,8 @@ inline void attention_forward_split(device const T *q, device const T *k, device
     }
 }
 
+#include "flash_attention_decode.h"
+
 // Combines the chunks of one query row (threadgroup (i, h, b)) with the log-sum-exp merge of
 // flash_attention_merge.h: out = sum_c w_c O_c / sum_c w_c with w_c = exp(lse_c - max_c lse_c),
 // lse = max + log(sum_c w_c), chunks in order; a sink adds its weight to the denominator only. A
@@ -1039,6 +1041,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         flash_attention_forward_##SUFFIX##_d##DP##_threadgroup;                                    \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
         flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup;                              \
+    typedef DecodeStorage<DP> flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup;       \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK, false>                                           \
         flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup;                      \
     typedef BackwardQueryStorage<T, DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>           \
@@ -1081,6 +1084,19 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
         attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, mask, alibi, partial_out, partial_lse, \
                                                     params, &tg, tgid, sgid, lane);                \
+    }                                                                                              \
+                                                                                                   \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
+    kernel void flash_attention_forward_decode_##SUFFIX##_d##DP(                                   \
+        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
+        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
+        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup tg;              \
+        attention_forward_decode<DP>(q, k, v, mask, alibi, partial_out, partial_lse, params, &tg,  \
+                                     tgid, sgid, lane);                                            \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \

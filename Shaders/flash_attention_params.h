@@ -198,16 +198,27 @@ typedef struct FlashAttentionParams {
 // Rows of one threadgroup of the backward_delta kernel (one thread per row).
 #define FA_DELTA_BLOCK_ROWS FA_THREADS_PER_THREADGROUP
 
-// Split-KV forward (decode). Chosen when seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS: with that few rows
-// per head the dense forward fills one mostly padded row block per head and launches only
-// batch x num_heads threadgroups, each streaming the whole cache alone. The split kernel packs
-// the query rows of a GQA group into one block per KV head (each K/V element is read once per
-// chunk and KV head, not once per query head) and splits the keys into chunks of at least
-// FA_SPLIT_MIN_CHUNK_KEYS, as many as give FA_SPLIT_TARGET_THREADGROUPS threadgroups (4 per core
-// of an 80-core GPU). The chunking is a function of the shape alone, so results are deterministic.
+// Split-KV forward. With few query rows per head the dense forward fills one mostly padded row
+// block per head and launches only batch x num_heads threadgroups, each streaming the whole cache
+// alone. The split kernels pack the query rows of a GQA group into blocks per KV head (each K/V
+// element is read once per chunk and row block, not once per query head) and split the keys into
+// chunks: the decode kernel (flash_attention_decode.h) for seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS, the
+// tiled split kernel for seqlen_q <= FA_SPLIT_TILED_MAX_QUERY_ROWS when the dense grid has fewer
+// threadgroups than the GPU holds at once. Chunks of at least FA_SPLIT_MIN_CHUNK_KEYS keys, as many
+// as give every core two waves of threadgroups (KeyValueSplit.swift; docs/decode.md); the plan is
+// a function of the shape and the planned core count alone, so results are deterministic.
 #define FA_SPLIT_MAX_QUERY_ROWS 8
-#define FA_SPLIT_MIN_CHUNK_KEYS 256
-#define FA_SPLIT_TARGET_THREADGROUPS 320
+#define FA_SPLIT_TILED_MAX_QUERY_ROWS 64
+#define FA_SPLIT_MIN_CHUNK_KEYS 64
+// The GPU core count plans assume without the FLASH_ATTENTION_GPU_CORES override: 10, the GPU of
+// the base M1-M4 chips (Apple's tech specs), so the CPU engine plans as for that GPU.
+#define FA_NOMINAL_GPU_CORES 10
+// The decode forward (flash_attention_decode.h) serves seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS: each
+// threadgroup takes FA_DECODE_ROWS(DP) packed rows, whose q and output slices every lane keeps in
+// registers (FA_DECODE_ROWS(DP) x DP / 32 floats of each, 32 at most), and stores FA_SIMDGROUPS
+// such states in threadgroup memory once, at the end (FA_DECODE_THREADGROUP_BYTES).
+#define FA_DECODE_ROWS(DP) ((DP) <= 128 ? 8 : (DP) <= 256 ? 4 : 2)
+#define FA_DECODE_THREADGROUP_BYTES(DP) (FA_SIMDGROUPS * FA_DECODE_ROWS(DP) * ((DP) + 2) * 4)
 // Bytes one thread moves per load and store of a tile copy (flash_attention_loader.h); rows whose
 // address, strides or width are not multiples of it take the checked scalar copy (scalar_copies).
 #define FA_CHUNK_BYTES 16

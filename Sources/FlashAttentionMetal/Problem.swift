@@ -266,7 +266,8 @@ struct Problem {
                   seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
                   causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
                   split: KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk),
-                                       seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket))
+                                       seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket,
+                                       cores: try GPUCores.planned()))
     }
 
     /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their

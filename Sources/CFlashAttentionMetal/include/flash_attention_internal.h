@@ -23,6 +23,12 @@ typedef struct FlashAttentionBucket {
     uint32_t dkv_block_q;      /* query rows per Q/dO tile */
 } FlashAttentionBucket;
 
+/* Packed query rows per decode threadgroup, and its threadgroup bytes, for a bucket's head_dim_max. */
+static inline uint32_t fa_decode_rows(uint32_t head_dim_max) { return FA_DECODE_ROWS(head_dim_max); }
+static inline uint32_t fa_decode_threadgroup_bytes(uint32_t head_dim_max) {
+    return FA_DECODE_THREADGROUP_BYTES(head_dim_max);
+}
+
 /* Threads per threadgroup of every kernel (FA_SIMDGROUPS SIMD-groups of 32). */
 static inline uint32_t fa_threads_per_threadgroup(void) { return FA_THREADS_PER_THREADGROUP; }
 
