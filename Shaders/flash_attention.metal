@@ -376,6 +376,15 @@ inline float row_lse(float m, float l) {
     return l > 0.0f ? m + log(l) : -INFINITY;
 }
 
+// A split-KV chunk's softmax state at entry `index` of partial_lse: its running max m and log l,
+// apart (entries 2 index and 2 index + 1), so that a chunk's share survives where |m| is too large
+// for float32 to add log l (rows masked with the float32 minimum); (-inf, 0) for a chunk without
+// keys.
+inline void store_partial_lse(device float *partial_lse, ulong index, float m, float l) {
+    partial_lse[2 * index] = l > 0.0f ? m : -INFINITY;
+    partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
+}
+
 template <uint DP, uint BQ, uint BK, typename T, typename Storage>
 inline void attention_forward(device const T *q, device const T *k, device const T *v,
                               device T *out, device float *lse, device const uchar *mask,
@@ -528,7 +537,7 @@ inline void attention_forward_split(device const T *q, device const T *k, device
         store_row(partial_out + index * p.head_dim_v, r.o, l > 0.0f ? 1.0f / l : 0.0f, p.head_dim_v, s,
                   at);
         if (s.col0 == 0 && at.col == 0) {
-            partial_lse[index] = row_lse(r.m, l);
+            store_partial_lse(partial_lse, index, r.m, l);
         }
     }
 }
@@ -540,6 +549,13 @@ inline void attention_forward_split(device const T *q, device const T *k, device
 // lse = max + log(sum_c w_c), chunks in order; a sink adds its weight to the denominator only. A
 // chunk with lse -inf weighs 0 (its partial output is not used); a row without any key (and no
 // sink) gets out 0, lse -inf.
+// The weight of the chunk at entry `index` of partial_lse relative to the largest chunk max `top`:
+// l exp(m - top), exactly 0 for a chunk without keys.
+inline float chunk_weight(device const float *partial_lse, ulong index, float top) {
+    const float m = partial_lse[2 * index];
+    return m == -INFINITY ? 0.0f : exp((m - top) + partial_lse[2 * index + 1]);
+}
+
 template <typename T>
 inline void attention_forward_combine(device const float *partial_out,
                                       device const float *partial_lse, device const float *sinks,
@@ -549,11 +565,11 @@ inline void attention_forward_combine(device const float *partial_out,
     const float sink = sinks_on(p) ? sinks[tgid.y] : -INFINITY;
     float top = sink;
     for (uint c = 0; c < p.kv_chunks; ++c) {
-        top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
+        top = max(top, partial_lse[2 * (first + ulong(c) * p.seqlen_q)]);
     }
     float total = merge_weight(sink, top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
-        total += merge_weight(partial_lse[first + ulong(c) * p.seqlen_q], top);
+        total += chunk_weight(partial_lse, first + ulong(c) * p.seqlen_q, top);
     }
     const float scale = merge_normalizer(total);
     device T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(tgid.x) * p.out.seq;
@@ -561,7 +577,7 @@ inline void attention_forward_combine(device const float *partial_out,
         float acc = 0.0f;
         for (uint c = 0; c < p.kv_chunks; ++c) {
             const ulong part = first + ulong(c) * p.seqlen_q;
-            acc = merge_accumulate(acc, merge_weight(partial_lse[part], top),
+            acc = merge_accumulate(acc, chunk_weight(partial_lse, part, top),
                                    partial_out[part * p.head_dim_v + d]);
         }
         out_row[d] = T(acc * scale);

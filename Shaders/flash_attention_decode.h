@@ -10,7 +10,8 @@
 //     each lane loads its slice of the block's q rows (as float)
 //     for each key j of the chunk that some row sees, SIMD-group j % FA_SIMDGROUPS:
 //       load the lane's K and V slices of key j
-//       per row: s = score(simd_sum(q . k)); online softmax of (m, l, o) in registers
+//       per row: s = score(simd_sum(q . k)) (four rows per reduction); online softmax of
+//       (m, l, o) in registers
 //     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
 //     SIMD-group order; the chunk's normalised output and lse go to partial_out / partial_lse,
 //     which forward_combine (flash_attention.metal) merges over the chunks with the sink.
@@ -113,6 +114,7 @@ inline DecodeSlice<DecodeLane<T, DP>::WORDS> load_slice(device const T *row, uin
             const uint c = col0 + i * PER_PIECE;
             typename P::type x = typename P::type(0);
             if (c < cols) {
+                FA_DEVICE_READ(row + c, L::PIECE);
                 x = *(device const typename P::type *)(row + c);
             }
             P::put(x, s.w + i * (L::PIECE / 4));
@@ -127,6 +129,7 @@ inline DecodeSlice<DecodeLane<T, DP>::WORDS> load_slice(device const T *row, uin
         for (uint i = 0; i < PER_WORD; ++i) {
             const uint d = col0 + w * PER_WORD + i;
             if (d < cols) {
+                FA_DEVICE_READ(row + d, sizeof(T));
                 bits |= TileWords<T>::bits(row[d]) << (16 * i);
             }
         }
@@ -140,6 +143,36 @@ template <typename T, uint WORDS>
 inline float slice_element(thread const DecodeSlice<WORDS> &s, uint i) {
     typedef TileWords<T> W;
     return W::element(s.w[i / W::PER_WORD], i % W::PER_WORD);
+}
+
+// Sums each of the R values over the SIMD-group, four rows per reduction (R is 2, 4 or 8).
+template <uint R>
+inline void simd_sum_rows(thread float *x) {
+    if (R % 4 == 0) {
+        FA_UNROLL
+        for (uint r = 0; r < R; r += 4) {
+            float4 v;
+            v.x = x[r];
+            v.y = x[r + 1];
+            v.z = x[r + 2];
+            v.w = x[r + 3];
+            const float4 s = simd_sum(v);
+            x[r] = s.x;
+            x[r + 1] = s.y;
+            x[r + 2] = s.z;
+            x[r + 3] = s.w;
+        }
+    } else {
+        FA_UNROLL
+        for (uint r = 0; r < R; r += 2) {
+            float2 v;
+            v.x = x[r];
+            v.y = x[r + 1];
+            const float2 s = simd_sum(v);
+            x[r] = s.x;
+            x[r + 1] = s.y;
+        }
+    }
 }
 
 // Each SIMD-group's online-softmax state of the block's rows, merged once after the key loop.
@@ -218,16 +251,21 @@ inline void attention_forward_decode(device const T *q, device const T *k, devic
             kf[e] = slice_element<T>(kw, e);
             vf[e] = slice_element<T>(vw, e);
         }
+        float dot[R];
+        FA_UNROLL
+        for (uint r = 0; r < R; ++r) {
+            dot[r] = 0.0f;
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                dot[r] = fma(qs[r][e], kf[e], dot[r]);
+            }
+        }
+        simd_sum_rows<R>(dot);
         FA_UNROLL
         for (uint r = 0; r < R; ++r) {
             if (r < live) {  // the same for the whole SIMD-group
-                float dot = 0.0f;
-                FA_UNROLL
-                for (uint e = 0; e < L::E; ++e) {
-                    dot = fma(qs[r][e], kf[e], dot);
-                }
                 float t;
-                const float s = score<T>(p, mask, simd_sum(dot), row[r], j, mods[r], true, t);
+                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], true, t);
                 const float m_next = max(m[r], s);
                 // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0.
                 const float m_base = m_next == -INFINITY ? 0.0f : m_next;
@@ -276,7 +314,7 @@ inline void attention_forward_decode(device const T *q, device const T *k, devic
             const ulong index = partial_index(p, rows, b, kv_head, rows.first + r, chunk);
             partial_out[index * p.head_dim_v + d] = total > 0.0f ? acc / total : 0.0f;
             if (d == 0) {
-                partial_lse[index] = row_lse(top, total);
+                store_partial_lse(partial_lse, index, top, total);
             }
         }
     }

@@ -132,7 +132,8 @@ typedef struct FlashAttentionParams {
 // Split-KV forward (short queries over long KV caches): both of its kernels bind 0 ... 10.
 // forward_split writes one partial result per chunk of keys: partial_out (float32
 // [batch][num_heads][kv_chunks][seqlen_q][head_dim], normalised) and partial_lse (float32
-// [batch][num_heads][kv_chunks][seqlen_q], -inf for a chunk the row does not see), workspaces the
+// [batch][num_heads][kv_chunks][seqlen_q][2], each chunk's running max and log of its sum: -inf and
+// 0 for a chunk the row does not see), workspaces the
 // backend allocates; forward_combine merges them into out and lse.
 #define FA_FORWARD_BUFFER_PARTIAL_OUT 9
 #define FA_FORWARD_BUFFER_PARTIAL_LSE 10

@@ -76,8 +76,9 @@ enum BufferRole: Int, CaseIterable {
         case .q, .k, .v, .out, .dout, .dq, .dk, .dv, .outA, .outB: return layout(in: problem)!.extent
         case .lse, .lseA, .lseB, .delta, .lseResidual: return problem.lseElements
         // At most FA_SPLIT_TILED_MAX_QUERY_ROWS rows per head, so these products stay small.
-        case .partialOut: return BufferRole.partialLse.elementCount(for: problem) * Int(problem.headDimV)
-        case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
+        case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDimV)
+        // A running max and the log of a sum per row and chunk.
+        case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0) * 2
         case .attnMask: return layout(in: problem)?.extent ?? 0
         case .alibiSlopes: return Int(problem.numHeads) * (problem.scores.alibiPerBatch ? Int(problem.batch) : 1)
         case .sinks, .dsinks: return Int(problem.numHeads)
@@ -103,12 +104,10 @@ enum BufferRole: Int, CaseIterable {
             return b * s.batch + kv * s.head
         case .lse, .delta, .lseResidual, .lseA, .lseB:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ)
-        // [batch][num_heads][chunk][seqlen_q] (times head_dim_v for partial_out).
-        case .partialLse:
-            return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
-        case .partialOut:
-            return BufferRole.partialLse.elementOffset(batch: batch, kvHead: kvHead, in: problem)
-                * Int(problem.headDimV)
+        // [batch][num_heads][chunk][seqlen_q] times 2 (partial_lse) or head_dim_v (partial_out).
+        case .partialLse, .partialOut:
+            let rows = (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
+            return rows * (self == .partialLse ? 2 : Int(problem.headDimV))
         case .alibiSlopes:
             return (problem.scores.alibiPerBatch ? b * Int(problem.numHeads) : 0) + kv * g
         // dsinks is written only by the dispatch that runs once over the whole problem.

@@ -312,7 +312,7 @@ def test_bench_decode_times_decode_shapes_and_reports_the_dispatches(capsys):
         assert float(r[2]) > 0 and float(r[3]) == pytest.approx(2 * 2 * int(keys) * 32 * 2 / 1e6, abs=0.01)
         assert int(r[5]) >= 1
     assert rows[("1", "40")][6:] == ["flash_attention_forward_f16_d32"]
-    assert rows[("1", "600")][6:] == ["flash_attention_forward_split_f16_d32", "+", "flash_attention_forward_combine_f16"]
+    assert rows[("1", "600")][6:] == ["flash_attention_forward_decode_f16_d32", "+", "flash_attention_forward_combine_f16"]
 
 
 @pytest.mark.parametrize("options, message", [

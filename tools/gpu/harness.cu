@@ -242,7 +242,7 @@ GpuResult run_on_gpu(const TestCase &c, const AttentionInputs &in, unsigned char
     FlashAttentionParams sp;
     if (split_params(p, dtype, &sp)) {
         const size_t partials = s.lse_elements() * sp.kv_chunks;
-        DeviceArray<float> partial_out(partials * size_t(s.head_dim_v)), partial_lse(partials);
+        DeviceArray<float> partial_out(partials * size_t(s.head_dim_v)), partial_lse(2 * partials);
         if (poison_workspace) {
             partial_out.fill_bytes(poison);
             partial_lse.fill_bytes(poison);

@@ -261,6 +261,9 @@ typedef struct fa_profile {
                                  is 0. */
 } fa_profile;
 
+/* Buffers whose device reads fa_dispatch_profile.device_bytes_read counts. */
+#define FA_PROFILE_COUNTED_BUFFERS 16
+
 /* One dispatched kernel of the last call. Set struct_size to sizeof(fa_dispatch_profile).
  * Counters the backend cannot measure are UINT64_MAX (Metal: both counters) and times it cannot
  * measure are NaN (Metal: per-dispatch seconds; only the call's total is timed). */
@@ -283,6 +286,11 @@ typedef struct fa_dispatch_profile {
                                                 was compiled with, "name=value" separated by
                                                 spaces (a bool as 0 or 1), e.g. "fa_mask_type=0
                                                 fa_has_softcap=1"; empty for a kernel without */
+    /* Since 0.x (a struct_size up to the end of specialization is still accepted, this left
+     * alone): bytes the dispatch read from the buffer bound at [[buffer(i)]], i <
+     * FA_PROFILE_COUNTED_BUFFERS, through the kernels' tile copies and decode slice loads (q, k,
+     * v, out, dout). CPU engine; UINT64_MAX on Metal. */
+    uint64_t device_bytes_read[16];  /* FA_PROFILE_COUNTED_BUFFERS */
 } fa_dispatch_profile;
 
 /* Fills *profile with the calling thread's last profile on context (see above).

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "2f972cf27d0d3e9e"
+    static let sourceHash = "dce96ab055b1360a"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -196,7 +196,8 @@ typedef struct FlashAttentionParams {
 // Split-KV forward (short queries over long KV caches): both of its kernels bind 0 ... 10.
 // forward_split writes one partial result per chunk of keys: partial_out (float32
 // [batch][num_heads][kv_chunks][seqlen_q][head_dim], normalised) and partial_lse (float32
-// [batch][num_heads][kv_chunks][seqlen_q], -inf for a chunk the row does not see), workspaces the
+// [batch][num_heads][kv_chunks][seqlen_q][2], each chunk's running max and log of its sum: -inf and
+// 0 for a chunk the row does not see), workspaces the
 // backend allocates; forward_combine merges them into out and lse.
 #define FA_FORWARD_BUFFER_PARTIAL_OUT 9
 #define FA_FORWARD_BUFFER_PARTIAL_LSE 10
@@ -418,6 +419,15 @@ inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? t
 #define FA_UNROLL _Pragma("clang loop unroll(full)")
 #endif
 
+// Counts a device load of BYTES bytes at ADDRESS where the host counts them per buffer (the CPU
+// engine's profile: MSL_COUNT_DEVICE_READ); nothing elsewhere. The tile copies and the decode
+// kernel's slice loads call it, so q, k, v, out and dout reads are counted.
+#if defined(MSL_COUNT_DEVICE_READ)
+#define FA_DEVICE_READ(ADDRESS, BYTES) MSL_COUNT_DEVICE_READ(ADDRESS, BYTES)
+#else
+#define FA_DEVICE_READ(ADDRESS, BYTES)
+#endif
+
 // A threadgroup tile is an array of rows of 16-byte chunks (uint4), each row DP elements of type
 // T plus FA_TILE_PAD padding elements, little-endian: element c of a row is 16-bit half c % 2 of
 // word c / 2 of the row (2-byte T) or word c (float). Copies move whole chunks; fragments read
@@ -498,6 +508,7 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
             for (uint i = 0; i < PER_WORD; ++i) {
                 const uint d = w * PER_WORD + i;
                 if (row < seqlen && d < cols) {
+                    FA_DEVICE_READ(src + row * stride + d, sizeof(T));
                     bits |= TileWords<T>::bits(src[row * stride + d]) << (16 * i);
                 }
             }
@@ -583,6 +594,7 @@ inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
         if (s.cols_inside) {
             FA_UNROLL
             for (uint k = 0; k < S::PASSES; ++k) {
+                FA_DEVICE_READ(from, FA_CHUNK_BYTES);
                 tile[s.row + k * S::STEP][s.chunk] = *from;
                 from += s.pass_step;
             }
@@ -601,6 +613,7 @@ inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
         const uint r = s.row + k * S::STEP;
         if (r < ROWS) {
             if (s.cols_inside && r < rows_inside) {
+                FA_DEVICE_READ(from, FA_CHUNK_BYTES);
                 tile[r][s.chunk] = *from;
             } else {
                 tile[r][s.chunk] = zero;
@@ -1224,6 +1237,15 @@ inline float row_lse(float m, float l) {
     return l > 0.0f ? m + log(l) : -INFINITY;
 }
 
+// A split-KV chunk's softmax state at entry `index` of partial_lse: its running max m and log l,
+// apart (entries 2 index and 2 index + 1), so that a chunk's share survives where |m| is too large
+// for float32 to add log l (rows masked with the float32 minimum); (-inf, 0) for a chunk without
+// keys.
+inline void store_partial_lse(device float *partial_lse, ulong index, float m, float l) {
+    partial_lse[2 * index] = l > 0.0f ? m : -INFINITY;
+    partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
+}
+
 template <uint DP, uint BQ, uint BK, typename T, typename Storage>
 inline void attention_forward(device const T *q, device const T *k, device const T *v,
                               device T *out, device float *lse, device const uchar *mask,
@@ -1376,7 +1398,7 @@ inline void attention_forward_split(device const T *q, device const T *k, device
         store_row(partial_out + index * p.head_dim_v, r.o, l > 0.0f ? 1.0f / l : 0.0f, p.head_dim_v, s,
                   at);
         if (s.col0 == 0 && at.col == 0) {
-            partial_lse[index] = row_lse(r.m, l);
+            store_partial_lse(partial_lse, index, r.m, l);
         }
     }
 }
@@ -1394,7 +1416,8 @@ inline void attention_forward_split(device const T *q, device const T *k, device
 //     each lane loads its slice of the block's q rows (as float)
 //     for each key j of the chunk that some row sees, SIMD-group j % FA_SIMDGROUPS:
 //       load the lane's K and V slices of key j
-//       per row: s = score(simd_sum(q . k)); online softmax of (m, l, o) in registers
+//       per row: s = score(simd_sum(q . k)) (four rows per reduction); online softmax of
+//       (m, l, o) in registers
 //     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
 //     SIMD-group order; the chunk's normalised output and lse go to partial_out / partial_lse,
 //     which forward_combine (flash_attention.metal) merges over the chunks with the sink.
@@ -1497,6 +1520,7 @@ inline DecodeSlice<DecodeLane<T, DP>::WORDS> load_slice(device const T *row, uin
             const uint c = col0 + i * PER_PIECE;
             typename P::type x = typename P::type(0);
             if (c < cols) {
+                FA_DEVICE_READ(row + c, L::PIECE);
                 x = *(device const typename P::type *)(row + c);
             }
             P::put(x, s.w + i * (L::PIECE / 4));
@@ -1511,6 +1535,7 @@ inline DecodeSlice<DecodeLane<T, DP>::WORDS> load_slice(device const T *row, uin
         for (uint i = 0; i < PER_WORD; ++i) {
             const uint d = col0 + w * PER_WORD + i;
             if (d < cols) {
+                FA_DEVICE_READ(row + d, sizeof(T));
                 bits |= TileWords<T>::bits(row[d]) << (16 * i);
             }
         }
@@ -1524,6 +1549,36 @@ template <typename T, uint WORDS>
 inline float slice_element(thread const DecodeSlice<WORDS> &s, uint i) {
     typedef TileWords<T> W;
     return W::element(s.w[i / W::PER_WORD], i % W::PER_WORD);
+}
+
+// Sums each of the R values over the SIMD-group, four rows per reduction (R is 2, 4 or 8).
+template <uint R>
+inline void simd_sum_rows(thread float *x) {
+    if (R % 4 == 0) {
+        FA_UNROLL
+        for (uint r = 0; r < R; r += 4) {
+            float4 v;
+            v.x = x[r];
+            v.y = x[r + 1];
+            v.z = x[r + 2];
+            v.w = x[r + 3];
+            const float4 s = simd_sum(v);
+            x[r] = s.x;
+            x[r + 1] = s.y;
+            x[r + 2] = s.z;
+            x[r + 3] = s.w;
+        }
+    } else {
+        FA_UNROLL
+        for (uint r = 0; r < R; r += 2) {
+            float2 v;
+            v.x = x[r];
+            v.y = x[r + 1];
+            const float2 s = simd_sum(v);
+            x[r] = s.x;
+            x[r + 1] = s.y;
+        }
+    }
 }
 
 // Each SIMD-group's online-softmax state of the block's rows, merged once after the key loop.
@@ -1602,16 +1657,21 @@ inline void attention_forward_decode(device const T *q, device const T *k, devic
             kf[e] = slice_element<T>(kw, e);
             vf[e] = slice_element<T>(vw, e);
         }
+        float dot[R];
+        FA_UNROLL
+        for (uint r = 0; r < R; ++r) {
+            dot[r] = 0.0f;
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                dot[r] = fma(qs[r][e], kf[e], dot[r]);
+            }
+        }
+        simd_sum_rows<R>(dot);
         FA_UNROLL
         for (uint r = 0; r < R; ++r) {
             if (r < live) {  // the same for the whole SIMD-group
-                float dot = 0.0f;
-                FA_UNROLL
-                for (uint e = 0; e < L::E; ++e) {
-                    dot = fma(qs[r][e], kf[e], dot);
-                }
                 float t;
-                const float s = score<T>(p, mask, simd_sum(dot), row[r], j, mods[r], true, t);
+                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], true, t);
                 const float m_next = max(m[r], s);
                 // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0.
                 const float m_base = m_next == -INFINITY ? 0.0f : m_next;
@@ -1660,7 +1720,7 @@ inline void attention_forward_decode(device const T *q, device const T *k, devic
             const ulong index = partial_index(p, rows, b, kv_head, rows.first + r, chunk);
             partial_out[index * p.head_dim_v + d] = total > 0.0f ? acc / total : 0.0f;
             if (d == 0) {
-                partial_lse[index] = row_lse(top, total);
+                store_partial_lse(partial_lse, index, top, total);
             }
         }
     }
@@ -1672,6 +1732,13 @@ inline void attention_forward_decode(device const T *q, device const T *k, devic
 // lse = max + log(sum_c w_c), chunks in order; a sink adds its weight to the denominator only. A
 // chunk with lse -inf weighs 0 (its partial output is not used); a row without any key (and no
 // sink) gets out 0, lse -inf.
+// The weight of the chunk at entry `index` of partial_lse relative to the largest chunk max `top`:
+// l exp(m - top), exactly 0 for a chunk without keys.
+inline float chunk_weight(device const float *partial_lse, ulong index, float top) {
+    const float m = partial_lse[2 * index];
+    return m == -INFINITY ? 0.0f : exp((m - top) + partial_lse[2 * index + 1]);
+}
+
 template <typename T>
 inline void attention_forward_combine(device const float *partial_out,
                                       device const float *partial_lse, device const float *sinks,
@@ -1681,11 +1748,11 @@ inline void attention_forward_combine(device const float *partial_out,
     const float sink = sinks_on(p) ? sinks[tgid.y] : -INFINITY;
     float top = sink;
     for (uint c = 0; c < p.kv_chunks; ++c) {
-        top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
+        top = max(top, partial_lse[2 * (first + ulong(c) * p.seqlen_q)]);
     }
     float total = merge_weight(sink, top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
-        total += merge_weight(partial_lse[first + ulong(c) * p.seqlen_q], top);
+        total += chunk_weight(partial_lse, first + ulong(c) * p.seqlen_q, top);
     }
     const float scale = merge_normalizer(total);
     device T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(tgid.x) * p.out.seq;
@@ -1693,7 +1760,7 @@ inline void attention_forward_combine(device const float *partial_out,
         float acc = 0.0f;
         for (uint c = 0; c < p.kv_chunks; ++c) {
             const ulong part = first + ulong(c) * p.seqlen_q;
-            acc = merge_accumulate(acc, merge_weight(partial_lse[part], top),
+            acc = merge_accumulate(acc, chunk_weight(partial_lse, part, top),
                                    partial_out[part * p.head_dim_v + d]);
         }
         out_row[d] = T(acc * scale);

@@ -153,7 +153,7 @@ final class PlanPiecesTests: XCTestCase {
         let pieces = plan.pieces(maxFlops: plan.flopsPerUnit)
         XCTAssertEqual(pieces.count, 6)
         XCTAssertTrue(pieces.allSatisfy { $0.plan.problem.split == p.split })
-        XCTAssertEqual(pieces[1].byteOffset(of: .partialLse), 2 * Int(chunks) * 2 * 4)
+        XCTAssertEqual(pieces[1].byteOffset(of: .partialLse), 2 * Int(chunks) * 2 * 2 * 4)
         XCTAssertEqual(pieces[1].byteOffset(of: .partialOut), 2 * Int(chunks) * 2 * 8 * 4)
 
 

@@ -68,6 +68,7 @@ final class EngineTests: XCTestCase {
     /// Apple's 32 KiB; the combine and D pre-pass kernels declare none.
     func testAttentionKernelsAreRegisteredWithinThreadgroupMemory() {
         let buffers = ["flash_attention_forward": 9, "flash_attention_forward_split": 11,
+                       "flash_attention_forward_decode": 11,
                        "flash_attention_backward_lse_residual": 12, "flash_attention_backward_dq": 13,
                        "flash_attention_backward_dkv": 14]
         var info = msl_engine_kernel_info()
