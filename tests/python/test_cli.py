@@ -301,7 +301,7 @@ def test_backend_option_is_normalized_like_the_context():
 
 
 def test_bench_decode_times_decode_shapes_and_reports_the_dispatches(capsys):
-    # 600 keys: at least two chunks of FA_SPLIT_MIN_CHUNK_KEYS (256), so the split-KV path runs.
+    # At most 8 query rows take the decode kernel and its combine at any length.
     assert main(["bench", "--decode", "--backend", "cpu", "--seqlens", "40", "600", "--query-rows", "1", "3",
                  "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
@@ -311,7 +311,7 @@ def test_bench_decode_times_decode_shapes_and_reports_the_dispatches(capsys):
     for (_, keys), r in rows.items():
         assert float(r[2]) > 0 and float(r[3]) == pytest.approx(2 * 2 * int(keys) * 32 * 2 / 1e6, abs=0.01)
         assert int(r[5]) >= 1
-    assert rows[("1", "40")][6:] == ["flash_attention_forward_f16_d32"]
+    assert rows[("1", "40")][6:] == ["flash_attention_forward_decode_f16_d32", "+", "flash_attention_forward_combine_f16"]
     assert rows[("1", "600")][6:] == ["flash_attention_forward_decode_f16_d32", "+", "flash_attention_forward_combine_f16"]
 
 
