@@ -342,6 +342,8 @@ std::vector<TestCase> full_grid() {
         cases.push_back(make_case(t, 256, 2, 6, 2, 8, 512, true, mods().mask(mbool, true, false).sinks()));
         cases.push_back(make_case(t, 32, 1, 16, 2, 7, 520, false, mods().window(100, 50).softcap(5)
                                       .mask(maddf32, false, true)));
+        // 16 rows over a cache (speculative decoding): the tiled split kernel.
+        cases.push_back(make_case(t, 64, 1, 8, 2, 16, 600, true, mods().alibi().sinks()));
         // Strided layouts with a mask (gapped: the mask's rows have gaps too) and sinks.
         cases.push_back(make_case(t, 64, 2, 4, 2, 60, 70, true,
                                   mods().mask(madd, true, true).sinks().layout(gapped)));
