@@ -183,12 +183,13 @@ final class DispatchPlanTests: XCTestCase {
     }
 
     /// The split-KV thresholds: the decode kernel for at most FA_SPLIT_MAX_QUERY_ROWS rows at any
-    /// length; the tiled kernel needs two chunks of at least FA_SPLIT_MIN_CHUNK_KEYS keys.
+    /// length; the tiled kernel needs two chunks (multiples of FA_SPLIT_MIN_CHUNK_KEYS keys, the
+    /// last one shorter).
     func testSplitKVThresholds() throws {
         XCTAssertEqual(try problem(seqlenQ: 8, seqlenK: 512).split?.kernel, .decode)
         XCTAssertEqual(try problem(seqlenQ: 1, seqlenK: 7).split?.chunks, 1)
         XCTAssertNil(try problem(seqlenQ: 65, seqlenK: 100_000).split)
-        XCTAssertNil(try problem(seqlenQ: 9, seqlenK: 127).split)
+        XCTAssertNil(try problem(seqlenQ: 9, seqlenK: 63).split)
         XCTAssertEqual(try problem(seqlenQ: 9, seqlenK: 128).split?.kernel, .tiled)
         // Rows of a GQA group beyond one block: 16 heads per KV head x 8 rows = 128 packed rows.
         let packed = try XCTUnwrap(try problem(batch: 1, heads: 16, kvHeads: 1, seqlenQ: 8, seqlenK: 4096,
