@@ -286,7 +286,7 @@ typedef struct fa_dispatch_profile {
                                                 was compiled with, "name=value" separated by
                                                 spaces (a bool as 0 or 1), e.g. "fa_mask_type=0
                                                 fa_has_softcap=1"; empty for a kernel without */
-    /* Since 0.x (a struct_size up to the end of specialization is still accepted, this left
+    /* Added after 0.3.0 (a struct_size up to the end of specialization is still accepted, this left
      * alone): bytes the dispatch read from the buffer bound at [[buffer(i)]], i <
      * FA_PROFILE_COUNTED_BUFFERS, through the kernels' tile copies and decode slice loads (q, k,
      * v, out, dout). CPU engine; UINT64_MAX on Metal. */
