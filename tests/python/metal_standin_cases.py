@@ -86,7 +86,7 @@ def _options(case: int, rng, batch: int, heads: int, seqlen_q: int, seqlen_k: in
 @pytest.mark.parametrize("bucket", range(len(HEAD_DIMS)))
 def test_forward_backward_decode(cpu, metal, dtype, bucket):
     """Forward and backward (GQA, unequal lengths, a score option), then a decode-shaped forward
-    (split-KV: the split and combine kernels)."""
+    (the decode and combine kernels) and 16 rows over the same cache (the tiled split kernel)."""
     rng = np.random.default_rng(1000 * bucket + len(dtype))
     head_dim = HEAD_DIMS[bucket]
     q, k, v = _inputs(rng, DTYPES[dtype], 1, 4, 2, 19, 27, head_dim)
@@ -103,8 +103,13 @@ def test_forward_backward_decode(cpu, metal, dtype, bucket):
     q, k, v = _inputs(rng, DTYPES[dtype], 1, 2, 1, 1, 600, head_dim)
     decode = [c.forward(q, k, v) for c in (cpu, metal)]
     _record(metal)
-    assert any("split" in d.kernel for d in metal.last_profile.dispatches)
+    assert any("decode" in d.kernel for d in metal.last_profile.dispatches)
     _same(*decode, f"decode {dtype} d{head_dim}")
+    q = _inputs(rng, DTYPES[dtype], 1, 2, 1, 16, 600, head_dim)[0]
+    speculative = [c.forward(q, k, v) for c in (cpu, metal)]
+    _record(metal)
+    assert any("split" in d.kernel for d in metal.last_profile.dispatches)
+    _same(*speculative, f"16 rows {dtype} d{head_dim}")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
