@@ -124,3 +124,31 @@ def test_the_largest_head_dim_is_576(ctx):
     q, k, v, _ = make_inputs(13, 1, 1, 1, 2, 2, 577)
     with pytest.raises(ValueError, match="head_dim 577 is outside the supported range 1..576"):
         ctx.forward(q, k, v)
+
+
+def test_torch_wrapper_passes_the_new_sizes_through(ctx):
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install -e 'python[torch]')")
+    from flash_attention_metal import torch as fat
+
+    q, k, v, dout = make_inputs(14, 1, 4, 2, 6, 40, 512, dtype=np.float16, layout="bshd")
+    tq, tk, tv = (torch.from_numpy(a).requires_grad_() for a in (q, k, v))
+    out = fat.flash_attn_func(tq, tk, tv, causal=True)
+    grads = torch.autograd.grad(out, (tq, tk, tv), torch.from_numpy(dout))
+    # The same kernels on the same bytes: identical to the library's own result.
+    ref_out, lse = ctx.forward(q, k, v, causal=True, layout="bshd")
+    ref_grads = ctx.backward(dout, q, k, v, ref_out, lse, causal=True, layout="bshd")
+    np.testing.assert_array_equal(out.detach().numpy(), ref_out)
+    for grad, ref in zip(grads, ref_grads):
+        np.testing.assert_array_equal(grad.numpy(), ref)
+    q32 = torch.zeros(1, 1, 2, 576)
+    with pytest.raises(fam.FlashAttentionError, match=r"with dtype float32 must be at most 256"):
+        fat.scaled_dot_product_attention(q32, q32, q32[..., :512])
+
+
+def test_mlx_wrapper_passes_the_new_sizes_through(ctx):
+    mx = pytest.importorskip("mlx.core", reason="MLX is not installed")
+    from flash_attention_metal import mlx as fam_mlx
+
+    q, k, v, _ = make_inputs(15, 1, 8, 1, 1, 300, 576, head_dim_v=512, dtype=np.float16)
+    out = fam_mlx.scaled_dot_product_attention(mx.array(q), mx.array(k), mx.array(v), scale=0.05)
+    np.testing.assert_array_equal(np.array(out), ctx.forward(q, k, v, softmax_scale=0.05)[0])
