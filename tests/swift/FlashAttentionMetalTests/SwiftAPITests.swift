@@ -92,10 +92,10 @@ final class SwiftAPITests: XCTestCase {
     }
 
     func testErrorDescription() {
-        let error = FlashAttentionError.unsupported("head_dim (300) must be at most fa_max_head_dim() (256)")
+        let error = FlashAttentionError.unsupported("head_dim (600) must be at most fa_max_head_dim() (576)")
         XCTAssertEqual(error.description,
-                       "FA_STATUS_UNSUPPORTED: head_dim (300) must be at most fa_max_head_dim() (256)")
-        XCTAssertEqual(error.message, "head_dim (300) must be at most fa_max_head_dim() (256)")
+                       "FA_STATUS_UNSUPPORTED: head_dim (600) must be at most fa_max_head_dim() (576)")
+        XCTAssertEqual(error.message, "head_dim (600) must be at most fa_max_head_dim() (576)")
     }
 
     /// A backend failure reaches the caller with its message, and every output of the failed pass
