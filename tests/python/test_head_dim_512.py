@@ -37,6 +37,9 @@ CASES = [
     ("sinks", "bfloat16", 2, 1, 17, 25, 512, 512, dict(sinks=np.array([1.0, -0.5], np.float32)), "bhsd"),
     ("mla 576/512 prefill", "float16", 4, 1, 33, 40, 576, 512, dict(causal=True), "bhsd"),
     ("mla 576/512 bshd", "bfloat16", 2, 1, 20, 30, 576, 512, {}, "bshd"),
+    # Between the buckets: the zero columns past head_dim or head_dim_v are skipped.
+    ("300 in d512", "float16", 2, 1, 21, 37, 300, 300, dict(causal=True), "bhsd"),
+    ("520/64 in d576", "bfloat16", 2, 2, 9, 30, 520, 64, {}, "bhsd"),
 ]
 
 
