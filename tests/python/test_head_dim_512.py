@@ -25,6 +25,12 @@ def _kernels(ctx) -> list[str]:
     return [d.kernel for d in ctx.last_profile.dispatches]
 
 
+def _split_kernels(suffix: str, bucket: int) -> set[str]:
+    """The kernels that may write a decode call's chunks: the tiled split kernel, or the decode
+    kernel (issue 23) where the library has it."""
+    return {f"flash_attention_forward_{name}_{suffix}_d{bucket}" for name in ("split", "decode")}
+
+
 # (label, dtype, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v, options, layout)
 CASES = [
     ("prefill GQA causal", "float16", 4, 2, 37, 45, 512, 512, dict(causal=True), "bhsd"),
@@ -64,12 +70,13 @@ def test_masks(ctx, dtype, kind):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mla_decode_takes_the_split_kernel_of_the_576_bucket(ctx, dtype):
+def test_mla_decode_takes_the_split_path_of_the_576_bucket(ctx, dtype):
     # DeepSeek's MLA decode: one KV head (the latent cache), many query heads, 1 query row.
     q, k, v, _ = make_inputs(9, 2, 8, 1, 1, 600, 576, head_dim_v=512, dtype=DTYPES[dtype])
     out, lse = ctx.forward(q, k, v, causal=True)
     suffix = "f16" if dtype == "float16" else "bf16"
-    assert _kernels(ctx) == [f"flash_attention_forward_split_{suffix}_d576", f"flash_attention_forward_combine_{suffix}"]
+    chunks, combine = _kernels(ctx)
+    assert chunks in _split_kernels(suffix, 576) and combine == f"flash_attention_forward_combine_{suffix}"
     assert out.shape == (2, 8, 1, 512)
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True), f"mla decode {dtype}")
 
@@ -101,8 +108,8 @@ def test_exported_plan_names_the_new_buckets():
         problem = _abi.new_problem(library.ffi, library.lib, shape, True, 0.05, "bfloat16", {})
         return [d.kernel_name for d in plan.create(problem, pass_name).dispatches]
 
-    assert kernels(Shape(1, 8, 1, 1, 4096, 576, 512), "forward") == [
-        "flash_attention_forward_split_bf16_d576", "flash_attention_forward_combine_bf16"]
+    chunks, combine = kernels(Shape(1, 8, 1, 1, 4096, 576, 512), "forward")
+    assert chunks in _split_kernels("bf16", 576) and combine == "flash_attention_forward_combine_bf16"
     assert kernels(Shape(1, 8, 2, 100, 100, 512), "forward") == ["flash_attention_forward_bf16_d512"]
     assert kernels(Shape(1, 8, 2, 100, 100, 512), "backward") == [
         "flash_attention_backward_delta_bf16", "flash_attention_backward_lse_residual_bf16_d512",
