@@ -114,6 +114,7 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
 // STEP * CHUNKS copy nothing. `next` points at the thread's first chunk of the next tile.
 template <typename T, uint ROWS, uint DP>
 struct TileStream {
+    typedef T element;
     // (An enum: MSL wants a static data member in the constant address space, the engine not.)
     enum : uint {
         V = FA_CHUNK_BYTES / sizeof(T),

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _default, _validation, quantized
+from . import _default, _layout, _options, _validation, quantized
 
 #: FlashAttention arguments this library does not implement: NotImplementedError names them.
 UNSUPPORTED = {"rotary_cos": None, "rotary_sin": None, "rotary_interleaved": True, "cache_leftpad": None,
@@ -234,25 +234,70 @@ def append(problem: Problem, k, v, layout: str) -> None:
                 array[slots, :, rows] = part
 
 
-def sequence(cache: Cache, problem: Problem, b: int, dtype) -> np.ndarray:
-    """Batch element b's keys or values as a (1, num_kv_heads, seqlen_k, width) array of ``dtype``
-    (a view for a contiguous float cache; gathered pages, or rows dequantized in float32 and rounded
-    to dtype, otherwise)."""
-    n = int(problem.seqlens_k[b])
-    if not cache.quantized and problem.block_table is None:
-        slot = int(problem.slots[b])
-        return cache.arrays[0][slot:slot + 1, :, :n]
-    slots, rows = problem.positions(b, 0, n)
-    parts = [a[slots, :, rows] for a in cache.arrays]  # (n, num_kv_heads, last)
+def _cache_tensor(cache: Cache) -> list:
+    # The ABI form of a cache: (address, element strides) of its data, scales and biases, each
+    # addressed in place (a cache is never copied: appends write it).
+    forms = []
+    for array in cache.arrays:
+        strides = _layout.element_strides(array)
+        if strides is None:
+            raise ValueError(f"{cache.name} must be addressable in place (last axis contiguous, other strides "
+                             f"positive, aligned), got strides {array.strides}; allocate it with empty_cache")
+        forms.append((array.ctypes.data, strides))
     if cache.quantized:
-        q = quantized.unpack(parts[0], cache.bits).astype(np.float32)
-        shape = q.shape
-        groups = q.reshape(shape[:-1] + (-1, cache.group_size))
-        w = groups * parts[1].astype(np.float32)[..., None] + parts[2].astype(np.float32)[..., None]
-        rows_ = w.reshape(shape).astype(dtype)
+        packed, scales = cache.arrays[0], cache.arrays[1]
+        words, groups = packed.shape[3], scales.shape[3]
+        if not all(p_ == s_ == 0 or p_ // words * groups == s_ for p_, s_ in zip(forms[0][1], forms[1][1])) \
+                or forms[1][1] != forms[2][1]:
+            raise ValueError(f"{cache.name}'s scales and biases must be laid out like its packed words (e.g. all "
+                             "three C-contiguous, as mx.quantize returns them)")
+    return forms
+
+
+def _run(context, problem: Problem, qb, out, lse, batches, causal, scale, options) -> None:
+    # One fa_forward over the batch elements `batches` (all of one seqlen_k): the caches are read
+    # in place through the ABI's kv_* fields, contiguous or through a block table.
+    native = context._native
+    ffi, lib = native.ffi, native.lib
+    n = len(batches)
+    seqlen_k = int(problem.seqlens_k[batches[0]])
+    kc, vc = problem.k_cache, problem.v_cache
+    shape = _validation.Shape(n, qb.shape[1], kc.arrays[0].shape[1], qb.shape[2], seqlen_k, qb.shape[3], vc.head_dim)
+    _validation.check_head_dim(shape, context.max_head_dim)
+    q_part = _layout.as_input(np.ascontiguousarray(qb[batches]), "bhsd")
+    out_part = np.empty((n,) + out.shape[1:], dtype=out.dtype)
+    lse_part = np.empty((n,) + lse.shape[1:], dtype=np.float32)
+    k_forms, v_forms = _cache_tensor(kc), _cache_tensor(vc)
+    tensors = {"q": q_part, "out": _layout.as_output(out_part, "bhsd"),
+               "k": _layout.Tensor(kc.arrays[0], *k_forms[0]), "v": _layout.Tensor(vc.arrays[0], *v_forms[0])}
+    c_problem = context._problem(shape, causal, scale, qb.dtype, tensors)
+    slots = kc.arrays[0].shape[0]
+    if problem.block_table is not None:
+        table = np.ascontiguousarray(problem.block_table[batches])
+        c_problem.kv_cache_rows = problem.page_block_size
+    elif n == len(problem.slots) and np.array_equal(problem.slots, np.arange(n)):
+        table = None
+        c_problem.kv_cache_rows = problem.page_block_size
     else:
-        rows_ = parts[0]
-    return rows_.transpose(1, 0, 2)[None]
+        # cache_batch_idx: each sequence is one block of seqlen_cache rows.
+        table = np.ascontiguousarray(problem.slots[batches, None].astype(np.int32))
+        c_problem.kv_cache_rows = problem.page_block_size
+    if table is not None:
+        c_problem.kv_block_table = ffi.cast("const int32_t *", table.ctypes.data)
+        c_problem.kv_max_blocks = table.shape[1]
+        c_problem.kv_num_blocks = slots
+    if kc.quantized:
+        c_problem.kv_bits = kc.bits
+        c_problem.kv_group_size = kc.group_size
+        for name, form in (("k_scales", k_forms[1]), ("k_biases", k_forms[2]), ("v_scales", v_forms[1]),
+                           ("v_biases", v_forms[2])):
+            setattr(c_problem, name, ffi.cast("const void *", form[0]))
+    keep = _options.set_problem_fields(c_problem, options, seqlen_k, ffi, lib)
+    context._call("fa_forward", c_problem, *(ffi.cast("void *", tensors[name].address) for name in ("q", "k", "v", "out")),
+                  ffi.from_buffer("float[]", lse_part, require_writable=True))
+    del keep, table
+    out[batches] = out_part
+    lse[batches] = lse_part
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
@@ -312,13 +357,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if k is not None:
         append(problem, k, v, layout)
     context = context if context is not None else _default.default_context()
+    scale = _validation.resolve_softmax_scale(softmax_scale, qb.shape[3])
     out = np.empty(qb.shape[:3] + (problem.v_cache.head_dim,), dtype=q.dtype)
     lse = np.empty((batch, num_heads, seqlen_q), dtype=np.float32)
-    for b in range(batch):
-        slopes = None if alibi_slopes is None else (alibi_slopes if alibi_slopes.ndim == 1 else alibi_slopes[b:b + 1])
-        keys = sequence(problem.k_cache, problem, b, q.dtype)
-        values = sequence(problem.v_cache, problem, b, q.dtype)
-        context.forward(qb[b:b + 1], keys, values, causal=causal, softmax_scale=softmax_scale, layout="bhsd",
-                        alibi_slopes=slopes, out=out[b:b + 1], lse=lse[b:b + 1], **options)
+    # One call per distinct seqlen_k (the kernels take one key count per call).
+    for seqlen_k in np.unique(problem.seqlens_k):
+        batches = np.flatnonzero(problem.seqlens_k == seqlen_k)
+        slopes = None if alibi_slopes is None or alibi_slopes.ndim == 1 else alibi_slopes[batches]
+        shape = _validation.Shape(len(batches), num_heads, num_heads, seqlen_q, int(seqlen_k), qb.shape[3])
+        checked = _validation.check_score_options(shape, q.dtype, alibi_slopes=alibi_slopes if slopes is None
+                                                  else slopes, **options)
+        _run(context, problem, qb, out, lse, batches, causal, scale, checked)
     out = out if layout == "bhsd" else np.ascontiguousarray(out.transpose(0, 2, 1, 3))
     return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,113 @@
+import CFlashAttentionMetal
+
+/// The KV cache a forward problem reads `k` and `v` from (fa_problem's `kv_*` fields, documented
+/// in the C header): contiguous per sequence or paged through a block table, elements of the dtype
+/// or mx.quantize's affine format. The kernels (Shaders/flash_attention_kv_cache.h) address rows
+/// through it and dequantize in registers.
+struct KVCacheSpec {
+    /// Rows per sequence (contiguous) or per block (paged).
+    let cacheRows: UInt32
+    /// Whether rows are found through the block table.
+    let paged: Bool
+    /// Entries per row of the block table (paged), else 1.
+    let maxBlocks: UInt32
+    /// Blocks of the cache (paged), else the batch.
+    let slots: UInt32
+    /// 0: elements of the dtype; 4 or 8: packed words.
+    let bits: UInt32
+    let groupSize: UInt32
+
+    var quantized: Bool { bits != 0 }
+
+    /// Units (elements, or uint32 words when quantized) of a row of `cols` elements.
+    func units(_ cols: UInt32) -> Int { quantized ? Int(cols * bits / 32) : Int(cols) }
+
+    /// Scale (and bias) entries of a row of `cols` elements.
+    func groups(_ cols: UInt32) -> Int { quantized ? Int(cols / groupSize) : 0 }
+
+    /// Checks the `kv_*` fields of `p` (nil when `kv_cache_rows` is 0: plain k and v) and, in
+    /// host memory, every block-table entry that holds one of the first `seqlen_k` rows.
+    static func validate(_ p: fa_problem) throws -> KVCacheSpec? {
+        guard p.kv_cache_rows != 0 else {
+            guard p.kv_block_table == nil && p.kv_bits == 0 && p.k_scales == nil && p.v_scales == nil else {
+                throw FlashAttentionError.invalidArgument(
+                    "kv_cache_rows is 0 (plain k and v), but kv_block_table, kv_bits or scales are set")
+            }
+            return nil
+        }
+        let headDimV = p.head_dim_v == 0 ? p.head_dim : p.head_dim_v
+        guard [0, 4, 8].contains(p.kv_bits) else {
+            throw FlashAttentionError.invalidArgument("kv_bits (\(p.kv_bits)) must be 0, 4 or 8")
+        }
+        if p.kv_bits != 0 {
+            guard [32, 64, 128].contains(p.kv_group_size) else {
+                throw FlashAttentionError.invalidArgument("kv_group_size (\(p.kv_group_size)) must be 32, 64 or 128")
+            }
+            guard p.head_dim % p.kv_group_size == 0 && headDimV % p.kv_group_size == 0 else {
+                throw FlashAttentionError.invalidArgument(
+                    "head_dim (\(p.head_dim)) and head_dim_v (\(headDimV)) must be multiples of kv_group_size (\(p.kv_group_size))")
+            }
+            guard p.k_scales != nil && p.k_biases != nil && p.v_scales != nil && p.v_biases != nil else {
+                throw FlashAttentionError.invalidArgument("a quantized cache (kv_bits \(p.kv_bits)) needs k_scales, k_biases, v_scales and v_biases")
+            }
+        } else if p.k_scales != nil || p.k_biases != nil || p.v_scales != nil || p.v_biases != nil {
+            throw FlashAttentionError.invalidArgument("scales and biases are given but kv_bits is 0")
+        }
+        let paged = p.kv_block_table != nil
+        let rows = UInt64(p.kv_cache_rows)
+        if paged {
+            guard p.kv_max_blocks >= 1 && p.kv_num_blocks >= 1 else {
+                throw FlashAttentionError.invalidArgument(
+                    "kv_max_blocks (\(p.kv_max_blocks)) and kv_num_blocks (\(p.kv_num_blocks)) must be at least 1 with a block table")
+            }
+        }
+        let capacity = paged ? UInt64(p.kv_max_blocks) * rows : rows
+        guard UInt64(p.seqlen_k) <= capacity else {
+            throw FlashAttentionError.invalidArgument(
+                "seqlen_k (\(p.seqlen_k)) must be at most the cache's capacity (\(capacity) rows per sequence)")
+        }
+        if paged, let table = p.kv_block_table {
+            let used = Int((UInt64(p.seqlen_k) + rows - 1) / rows)
+            for b in 0..<Int(p.batch) {
+                for i in 0..<used {
+                    let entry = table[b * Int(p.kv_max_blocks) + i]
+                    guard entry >= 0 && UInt32(entry) < p.kv_num_blocks else {
+                        throw FlashAttentionError.invalidArgument(
+                            "kv_block_table[\(b)][\(i)] (\(entry)) must lie in [0, kv_num_blocks = \(p.kv_num_blocks)): it holds rows of batch element \(b)")
+                    }
+                }
+            }
+        }
+        return KVCacheSpec(cacheRows: p.kv_cache_rows, paged: paged, maxBlocks: paged ? p.kv_max_blocks : 1,
+                           slots: paged ? p.kv_num_blocks : p.batch, bits: p.kv_bits,
+                           groupSize: p.kv_bits == 0 ? 0 : p.kv_group_size)
+    }
+
+    /// Checks that the strides of a quantized cache tensor are whole rows of words (so that its
+    /// scales and biases are laid out like it, a row's groups where its words are).
+    func checkStrides(_ layout: TensorLayout, cols: UInt32, name: String) throws {
+        guard quantized else { return }
+        let words = units(cols)
+        let s = layout.strides
+        guard s.batch % words == 0 && s.head % words == 0 && s.seq % words == 0 else {
+            throw FlashAttentionError.invalidArgument(
+                "\(name) strides (\(s.batch), \(s.head), \(s.seq)) must be multiples of its words per row (\(words)) in a quantized cache")
+        }
+    }
+
+    /// Elements of the scales (or biases) that go with a quantized cache tensor laid out by
+    /// `layout`, whose rows hold `cols` elements.
+    func scaleCount(_ layout: TensorLayout, cols: UInt32) -> Int {
+        guard quantized else { return 0 }
+        return (layout.extent - units(cols)) / units(cols) * groups(cols) + groups(cols)
+    }
+
+    /// The kernels' fields.
+    func apply(to params: inout FlashAttentionParams) {
+        params.kv_page_rows = paged ? cacheRows : 0
+        params.kv_max_blocks = maxBlocks
+        params.kv_num_blocks = slots
+        params.kv_bits = bits
+        params.kv_group_size = groupSize
+    }
+}
