@@ -341,7 +341,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     for name, value in unsupported.items():
         if name not in UNSUPPORTED:
             raise TypeError(f"flash_attn_with_kvcache() got an unexpected keyword argument {name!r}")
-        if value is not UNSUPPORTED[name] and value != UNSUPPORTED[name]:
+        default = UNSUPPORTED[name]
+        if value is not default and (default is None or isinstance(value, np.ndarray) or value != default):
             raise NotImplementedError(f"{name} is not implemented by flash_attention_metal's flash_attn_with_kvcache "
                                       f"(apply rotary embeddings and left padding before the call; the library "
                                       f"chooses its own key splits)")
