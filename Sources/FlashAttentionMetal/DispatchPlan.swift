@@ -26,10 +26,9 @@ enum BufferRole: Int, CaseIterable {
 
     /// Bytes per element for `problem`.
     func elementSize(for problem: Problem) -> Int {
-        switch self {
-        case .blockTable: return 4
-        case .k, .v where problem.kvCache?.quantized ?? false: return 4
-        default: break
+        // (A `where` clause would bind to the last pattern of a case only.)
+        if self == .blockTable || (self == .k || self == .v) && problem.kvCache?.quantized ?? false {
+            return 4
         }
         guard self == .attnMask else { return isFloat32 ? 4 : problem.dtype.size }
         switch Int32(problem.scores.maskType) {

@@ -231,3 +231,29 @@ def test_quantize_matches_mlx():
 def test_empty_cache_is_page_aligned():
     cache = fam.empty_cache((3, 16, 2, 64), np.float16)
     assert cache.ctypes.data % fam.kv_cache.PAGE_BYTES == 0 and cache.flags.c_contiguous and cache.shape == (3, 16, 2, 64)
+
+
+@pytest.mark.parametrize("bits", [None, 4, 8])
+def test_plan_buffers_span_exactly_the_cache(bits):
+    """The plan binds the _kvcache kernels with the cache's roles, each spanning exactly its bytes
+    (a wrong element size would make the Metal backend copy, and the overlap check compare, memory
+    past the cache)."""
+    from flash_attention_metal import _abi, _native, _validation, plan
+    library = _native.native()
+    ffi, lib = library.ffi, library.lib
+    problem = _abi.new_problem(ffi, lib, _validation.Shape(2, 4, 2, 1, 40, 64), False, 0.125, "float16", {})
+    table = np.int32([[0, 1, 2], [3, 4, 5]])
+    problem.kv_cache_rows, problem.kv_max_blocks, problem.kv_num_blocks = PAGE, 3, 7
+    problem.kv_block_table = ffi.cast("const int32_t *", table.ctypes.data)
+    if bits:
+        problem.kv_bits, problem.kv_group_size = bits, 32
+        for name in ("k_scales", "k_biases", "v_scales", "v_biases"):
+            setattr(problem, name, ffi.cast("const void *", table.ctypes.data))
+    built = plan.create(problem, "forward")
+    sizes = {buffer.role: buffer.byte_count for buffer in built.buffers}
+    row_bytes = 64 * bits // 8 if bits else 64 * 2
+    assert sizes["k"] == sizes["v"] == 7 * 2 * PAGE * row_bytes
+    assert sizes["block_table"] == table.nbytes
+    if bits:
+        assert sizes["k_scales"] == sizes["v_biases"] == 7 * 2 * PAGE * 2 * 2
+    assert built.dispatches[0].kernel_name.startswith("flash_attention_forward_kvcache_f16_d64")
