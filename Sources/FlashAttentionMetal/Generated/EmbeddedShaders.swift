@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "2bd65b8220707400"
+    static let sourceHash = "eda447f9325bfdeb"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -2145,12 +2145,7 @@ inline KVCacheHead<T> kv_cache_head(constant FlashAttentionParams &p, device con
 template <typename T, uint ROWS, uint DP>
 struct CacheStream {
     typedef T element;
-    enum : uint {
-        V = FA_CHUNK_BYTES / sizeof(T),
-        CHUNKS = DP / V,
-        STEP = FA_THREADS_PER_THREADGROUP / CHUNKS,
-        PASSES = (ROWS + STEP - 1) / STEP,
-    };
+    typedef TileStream<T, ROWS, DP> Geometry;  // V, CHUNKS, STEP, PASSES: TileStream's
     KVCacheHead<T> head;
     uint seqlen;
     uint cols;
@@ -2161,8 +2156,8 @@ struct CacheStream {
 
 template <typename T, uint ROWS, uint DP>
 inline CacheStream<T, ROWS, DP> cache_stream(KVCacheHead<T> head, uint seqlen, uint cols, uint tid) {
-    typedef CacheStream<T, ROWS, DP> S;
-    S s;
+    typedef TileStream<T, ROWS, DP> S;
+    CacheStream<T, ROWS, DP> s;
     s.head = head;
     s.seqlen = seqlen;
     s.cols = cols;
@@ -2176,7 +2171,7 @@ inline CacheStream<T, ROWS, DP> cache_stream(KVCacheHead<T> head, uint seqlen, u
 template <uint ROWS, uint DP, typename T, typename Tile>
 inline void load_tile(Tile tile, thread CacheStream<T, ROWS, DP> &s, uint first,
                       constant FlashAttentionParams &p, uint tid) {
-    typedef CacheStream<T, ROWS, DP> S;
+    typedef typename CacheStream<T, ROWS, DP>::Geometry S;
     FA_UNROLL
     for (uint k = 0; k < S::PASSES; ++k) {
         const uint r = s.row + k * S::STEP;
