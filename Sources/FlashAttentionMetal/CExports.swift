@@ -41,6 +41,7 @@ private func bindOptionalInputs(_ buffers: inout HostBuffers, _ d: fa_problem, _
 /// Binds a KV cache's block table and quantization scales and biases (fa_problem's `kv_*` fields).
 private func bindKVCache(_ buffers: inout HostBuffers, _ d: fa_problem, _ p: Problem) throws {
     guard let kv = p.kvCache else { return }
+    try kv.checkBlockTable(d.kv_block_table, p)
     if kv.paged, let table = d.kv_block_table {
         buffers.bindInput(.blockTable, table, for: p)
     }

@@ -25,8 +25,8 @@ struct KVCacheSpec {
     /// Scale (and bias) entries of a row of `cols` elements.
     func groups(_ cols: UInt32) -> Int { quantized ? Int(cols / groupSize) : 0 }
 
-    /// Checks the `kv_*` fields of `p` (nil when `kv_cache_rows` is 0: plain k and v) and, in
-    /// host memory, every block-table entry that holds one of the first `seqlen_k` rows.
+    /// Checks the `kv_*` fields of `p` (nil when `kv_cache_rows` is 0: plain k and v). Pointers
+    /// are not read (a plan's problem may hold markers): `checkBlockTable` reads the table.
     static func validate(_ p: fa_problem) throws -> KVCacheSpec? {
         guard p.kv_cache_rows != 0 else {
             guard p.kv_block_table == nil && p.kv_bits == 0 && p.k_scales == nil && p.v_scales == nil else {
@@ -66,21 +66,26 @@ struct KVCacheSpec {
             throw FlashAttentionError.invalidArgument(
                 "seqlen_k (\(p.seqlen_k)) must be at most the cache's capacity (\(capacity) rows per sequence)")
         }
-        if paged, let table = p.kv_block_table {
-            let used = Int((UInt64(p.seqlen_k) + rows - 1) / rows)
-            for b in 0..<Int(p.batch) {
-                for i in 0..<used {
-                    let entry = table[b * Int(p.kv_max_blocks) + i]
-                    guard entry >= 0 && UInt32(entry) < p.kv_num_blocks else {
-                        throw FlashAttentionError.invalidArgument(
-                            "kv_block_table[\(b)][\(i)] (\(entry)) must lie in [0, kv_num_blocks = \(p.kv_num_blocks)): it holds rows of batch element \(b)")
-                    }
-                }
-            }
-        }
         return KVCacheSpec(cacheRows: p.kv_cache_rows, paged: paged, maxBlocks: paged ? p.kv_max_blocks : 1,
                            slots: paged ? p.kv_num_blocks : p.batch, bits: p.kv_bits,
                            groupSize: p.kv_bits == 0 ? 0 : p.kv_group_size)
+    }
+
+    /// Checks, in host memory, every entry of `table` (the caller's kv_block_table of `problem`)
+    /// that holds one of the first seqlen_k rows of a batch element: in [0, kv_num_blocks). The
+    /// kernels clamp the entries anyway; this turns a wrong table into an error before dispatch.
+    func checkBlockTable(_ table: UnsafePointer<Int32>?, _ problem: Problem) throws {
+        guard paged, let table else { return }
+        let used = (Int(problem.seqlenK) + Int(cacheRows) - 1) / Int(cacheRows)
+        for b in 0..<Int(problem.batch) {
+            for i in 0..<used {
+                let entry = table[b * Int(maxBlocks) + i]
+                guard entry >= 0 && UInt32(entry) < slots else {
+                    throw FlashAttentionError.invalidArgument(
+                        "kv_block_table[\(b)][\(i)] (\(entry)) must lie in [0, kv_num_blocks = \(slots)): it holds rows of batch element \(b)")
+                }
+            }
+        }
     }
 
     /// Checks that the strides of a quantized cache tensor are whole rows of words (so that its

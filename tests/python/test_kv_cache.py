@@ -257,3 +257,36 @@ def test_plan_buffers_span_exactly_the_cache(bits):
     if bits:
         assert sizes["k_scales"] == sizes["v_biases"] == 7 * 2 * PAGE * 2 * 2
     assert built.dispatches[0].kernel_name.startswith("flash_attention_forward_kvcache_f16_d64")
+
+
+def test_kernels_clamp_a_wrong_table(ctx):
+    """fa_plan_execute does not read the table on the host: a table with entries past both ends
+    runs on the kernels' clamps (into [0, num_blocks)) and gives what the clamped table gives,
+    without reading outside the cache (the sanitized CUDA build checks the same clamps)."""
+    from flash_attention_metal import _abi, _validation
+    ffi, lib = ctx._native.ffi, ctx._native.lib
+    rng = np.random.default_rng(6)
+    blocks, heads, head_dim = 4, 2, 64
+    k_cache, v_cache = (_rows(rng, (blocks, heads, PAGE, head_dim), np.float16) for _ in range(2))
+    q = _rows(rng, (1, heads, 3, head_dim), np.float16)
+    wrong, clamped = np.int32([[99, -5, 2]]), np.int32([[3, 0, 2]])
+    problem = _abi.new_problem(ffi, lib, _validation.Shape(1, heads, heads, 3, 40, head_dim), True, 0.125,
+                               "float16", {})
+    problem.kv_cache_rows, problem.kv_max_blocks, problem.kv_num_blocks = PAGE, 3, blocks
+    problem.kv_block_table = ffi.cast("const int32_t *", wrong.ctypes.data)
+    holder = ffi.new("fa_plan **")
+    ctx._native.raise_for_status(lib.fa_plan_create(problem, lib.FA_PASS_FORWARD, 0, holder))
+    out, lse = np.zeros((1, heads, 3, head_dim), np.float16), np.zeros((1, heads, 3), np.float32)
+    buffers = ffi.new("void *[]", lib.FA_BUFFER_ROLE_COUNT)
+    for role, array in ((lib.FA_BUFFER_ROLE_Q, q), (lib.FA_BUFFER_ROLE_K, k_cache), (lib.FA_BUFFER_ROLE_V, v_cache),
+                        (lib.FA_BUFFER_ROLE_OUT, out), (lib.FA_BUFFER_ROLE_LSE, lse),
+                        (lib.FA_BUFFER_ROLE_BLOCK_TABLE, wrong)):
+        buffers[role] = ffi.cast("void *", array.ctypes.data)
+    try:
+        ctx._native.raise_for_status(lib.fa_plan_execute(ctx._handle, holder[0], buffers, lib.FA_BUFFER_ROLE_COUNT))
+    finally:
+        lib.fa_plan_destroy(holder[0])
+    expected, expected_lse = fam.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=40, block_table=clamped,
+                                                         causal=True, layout="bhsd", return_softmax_lse=True,
+                                                         context=ctx)
+    assert np.array_equal(out, expected) and np.array_equal(lse, expected_lse)
