@@ -152,19 +152,47 @@ inline CacheStream<T, ROWS, DP> cache_stream(KVCacheHead<T> head, uint seqlen, u
     return s;
 }
 
-// Copies rows [first, first + ROWS) of the cache head into `tile` (zero past seqlen and cols).
-template <uint ROWS, uint DP, typename T, typename Tile>
+// The chunk of a paired tile (PairedRows, flash_attention_loader.h) that holds columns
+// [col, col + 4) of rows t and t + 1 (t even): word i is (t, col + i) | (t + 1, col + i) << 16.
+template <typename T, uint ROWS, uint DP>
+inline uint4 kv_pair_chunk(thread const CacheStream<T, ROWS, DP> &s, uint t, uint col) {
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (t < s.seqlen) {
+        kv_elements<4>(s.head, t, col, s.cols, a);
+    }
+    if (t + 1 < s.seqlen) {
+        kv_elements<4>(s.head, t + 1, col, s.cols, b);
+    }
+    uint4 out;
+    FA_UNROLL
+    for (uint i = 0; i < 4; ++i) {
+        out[i] = TileWords<T>::bits(T(a[i])) | (TileWords<T>::bits(T(b[i])) << 16);
+    }
+    return out;
+}
+
+// Copies rows [first, first + ROWS) of the cache head into `tile` (zero past seqlen and cols),
+// row-major or, PAIRED, in the paired layout: the thread's (tile row, chunk) is then a chunk of
+// the pair of rows it holds, built from both rows (no shuffles: rows are fetched one by one).
+template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
 inline void load_tile(Tile tile, thread CacheStream<T, ROWS, DP> &s, uint first,
                       constant FlashAttentionParams &p, uint tid) {
     typedef typename CacheStream<T, ROWS, DP>::Geometry S;
+    static_assert(!PAIRED || (PairedRows<T, DP>::ON != 0 && ROWS % 2 == 0),
+                  "paired tiles need whole row pairs of a 2-byte type");
     FA_UNROLL
     for (uint k = 0; k < S::PASSES; ++k) {
         const uint r = s.row + k * S::STEP;
         if (r < ROWS) {
             const uint t = first + r;
-            tile[r][s.chunk] = s.cols_inside && t < s.seqlen
-                                   ? kv_chunk(s.head, t, s.chunk, s.cols, p.scalar_copies != 0)
-                                   : uint4(0);
+            if (PAIRED) {
+                tile[r][s.chunk] = kv_pair_chunk(s, t - r % 2, r % 2 * (DP / 2) + s.chunk * 4);
+            } else {
+                tile[r][s.chunk] = s.cols_inside && t < s.seqlen
+                                       ? kv_chunk(s.head, t, s.chunk, s.cols, p.scalar_copies != 0)
+                                       : uint4(0);
+            }
         }
     }
 }
