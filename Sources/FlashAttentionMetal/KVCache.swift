@@ -116,3 +116,123 @@ struct KVCacheSpec {
         params.kv_group_size = groupSize
     }
 }
+
+/// A KV cache for ``FlashAttention/forward(q:cache:out:lse:shape:causal:softmaxScale:)``: the keys
+/// and values of `shape.batch` sequences, contiguous (`blockTable` nil: `[batch][numKVHeads][rows]
+/// [headDim]`) or paged (`[numBlocks][numKVHeads][rows][headDim]`, `rows` the page_block_size, row t
+/// of sequence b in block `blockTable[b * maxBlocks + t / rows]`), elements of the call's dtype or,
+/// with `bits` 4 or 8, mx.quantize's packed uint32 words with `kScales`, `kBiases`, `vScales`,
+/// `vBiases` (one element of the dtype per `groupSize` elements of a row, laid out like the words).
+/// The fields mirror fa_problem's `kv_*` fields (flash_attention_metal.h has the full rules). Each
+/// buffer must hold at least the bytes the layout spans; the memory must stay valid for the call.
+public struct AttentionKVCache {
+    public var k: UnsafeRawBufferPointer
+    public var v: UnsafeRawBufferPointer
+    /// Rows per sequence (contiguous) or per block (paged), >= seqlenK (contiguous).
+    public var rows: Int
+    public var blockTable: UnsafeBufferPointer<Int32>?
+    public var maxBlocks: Int
+    public var numBlocks: Int
+    public var bits: Int
+    public var groupSize: Int
+    public var kScales: UnsafeRawBufferPointer?
+    public var kBiases: UnsafeRawBufferPointer?
+    public var vScales: UnsafeRawBufferPointer?
+    public var vBiases: UnsafeRawBufferPointer?
+
+    /// A cache of plain elements; pass `blockTable`, `maxBlocks` and `numBlocks` for a paged one.
+    public init(k: UnsafeRawBufferPointer, v: UnsafeRawBufferPointer, rows: Int,
+                blockTable: UnsafeBufferPointer<Int32>? = nil, maxBlocks: Int = 0, numBlocks: Int = 0,
+                bits: Int = 0, groupSize: Int = 0, kScales: UnsafeRawBufferPointer? = nil,
+                kBiases: UnsafeRawBufferPointer? = nil, vScales: UnsafeRawBufferPointer? = nil,
+                vBiases: UnsafeRawBufferPointer? = nil) {
+        self.k = k
+        self.v = v
+        self.rows = rows
+        self.blockTable = blockTable
+        self.maxBlocks = maxBlocks
+        self.numBlocks = numBlocks
+        self.bits = bits
+        self.groupSize = groupSize
+        self.kScales = kScales
+        self.kBiases = kBiases
+        self.vScales = vScales
+        self.vBiases = vBiases
+    }
+}
+
+extension FlashAttention {
+    /// Forward pass over a KV cache (no append: write new rows into the cache first): `q`, `out`
+    /// and `lse` as in ``forward(q:k:v:out:lse:shape:causal:softmaxScale:options:)`` (contiguous),
+    /// `shape.seqlenK` keys of every sequence read through `cache`, bottom-right causal when
+    /// `causal`. Score options beyond causal and the scale: the C ABI (`fa_forward`'s `kv_*` fields).
+    /// - Throws: `invalidArgument` for a wrong size, a cache field outside its rule, a buffer smaller
+    ///   than its layout or a block-table entry outside `[0, numBlocks)` (checked before any kernel
+    ///   runs; the kernels clamp entries as well).
+    public func forward<Element: AttentionElement>(
+        q: UnsafeBufferPointer<Element>, cache: AttentionKVCache, out: UnsafeMutableBufferPointer<Element>,
+        lse: UnsafeMutableBufferPointer<Float>, shape: AttentionShape, causal: Bool = false, softmaxScale: Float? = nil
+    ) throws {
+        func u32(_ value: Int, _ name: String) throws -> UInt32 {
+            guard let v = UInt32(exactly: value) else {
+                throw FlashAttentionError.invalidArgument("\(name) (\(value)) must lie in 0 ... \(UInt32.max)")
+            }
+            return v
+        }
+        var d = fa_problem()
+        d.struct_size = UInt32(MemoryLayout<fa_problem>.size)
+        (d.batch, d.num_heads, d.num_kv_heads) = (try u32(shape.batch, "batch"), try u32(shape.numHeads, "num_heads"),
+                                                  try u32(shape.numKVHeads, "num_kv_heads"))
+        (d.seqlen_q, d.seqlen_k) = (try u32(shape.seqlenQ, "seqlen_q"), try u32(shape.seqlenK, "seqlen_k"))
+        (d.head_dim, d.head_dim_v) = (try u32(shape.headDim, "head_dim"), try u32(shape.headDimV, "head_dim_v"))
+        d.causal = causal ? 1 : 0
+        d.softmax_scale = softmaxScale ?? 1 / Float(max(shape.headDim, 1)).squareRoot()
+        d.dtype = Element.attentionDType.rawValue
+        d.kv_cache_rows = try u32(cache.rows, "rows")
+        d.kv_block_table = cache.blockTable?.baseAddress
+        d.kv_max_blocks = try u32(cache.maxBlocks, "maxBlocks")
+        d.kv_num_blocks = try u32(cache.numBlocks, "numBlocks")
+        d.kv_bits = try u32(cache.bits, "bits")
+        d.kv_group_size = try u32(cache.groupSize, "groupSize")
+        (d.k_scales, d.k_biases) = (cache.kScales?.baseAddress, cache.kBiases?.baseAddress)
+        (d.v_scales, d.v_biases) = (cache.vScales?.baseAddress, cache.vBiases?.baseAddress)
+        guard d.kv_cache_rows > 0 else {
+            throw FlashAttentionError.invalidArgument("rows (0) must be at least 1")
+        }
+        try withAutoreleasePool {
+            let p = try Problem.validate(d)
+            if let table = cache.blockTable, table.count < Int(p.batch) * Int(d.kv_max_blocks) {
+                throw FlashAttentionError.invalidArgument(
+                    "blockTable has \(table.count) entries; batch x maxBlocks is \(Int(p.batch) * Int(d.kv_max_blocks))")
+            }
+            try p.kvCache?.checkBlockTable(d.kv_block_table, p)
+            var buffers = HostBuffers()
+            func bind(_ role: BufferRole, _ bytes: UnsafeRawBufferPointer?) throws {
+                guard let bytes, let base = bytes.baseAddress, bytes.count >= role.byteCount(for: p) else {
+                    throw FlashAttentionError.invalidArgument(
+                        "\(role.name) must hold at least \(role.byteCount(for: p)) bytes, got \(bytes?.count ?? 0)")
+                }
+                buffers.bindInput(role, base, for: p)
+            }
+            try bind(.q, UnsafeRawBufferPointer(q))
+            try bind(.k, cache.k)
+            try bind(.v, cache.v)
+            if let table = cache.blockTable { try bind(.blockTable, UnsafeRawBufferPointer(table)) }
+            if cache.bits != 0 {
+                for (role, bytes) in [(BufferRole.kScales, cache.kScales), (.kBiases, cache.kBiases),
+                                      (.vScales, cache.vScales), (.vBiases, cache.vBiases)] {
+                    try bind(role, bytes)
+                }
+            }
+            for (role, bytes) in [(BufferRole.out, UnsafeMutableRawBufferPointer(out)),
+                                  (.lse, UnsafeMutableRawBufferPointer(lse))] {
+                guard let base = bytes.baseAddress, bytes.count == role.byteCount(for: p) else {
+                    throw FlashAttentionError.invalidArgument(
+                        "\(role.name) must hold \(role.byteCount(for: p)) bytes, got \(bytes.count)")
+                }
+                buffers.bindOutput(role, base, for: p)
+            }
+            try context.run(DispatchPlan.forward(p), buffers: buffers)
+        }
+    }
+}
