@@ -43,6 +43,7 @@ inline ulong kv_row(thread const KVCacheHead<T> &c, uint t, thread ulong &scale_
         return ulong(t) * c.row_stride;
     }
     const uint block = min(t / c.page_rows, c.max_blocks - 1);
+    FA_DEVICE_READ(c.table + block, 4);
     const uint page = uint(min(max(c.table[block], 0), int(c.num_blocks) - 1));
     const uint r = t - (t / c.page_rows) * c.page_rows;
     scale_row = ulong(page) * c.scale_block_stride + ulong(r) * c.scale_row_stride;
@@ -58,18 +59,34 @@ inline void kv_elements(thread const KVCacheHead<T> &c, uint t, uint col, uint c
     if (c.bits == 0) {
         FA_UNROLL
         for (uint e = 0; e < N; ++e) {
-            x[e] = col + e < cols ? float(c.data[row + col + e]) : 0.0f;
+            x[e] = 0.0f;
+            if (col + e < cols) {
+                FA_DEVICE_READ(c.data + row + col + e, sizeof(T));
+                x[e] = float(c.data[row + col + e]);
+            }
         }
         return;
     }
+    // The N elements lie in one group and in at most two words (N * bits <= 64, col a multiple of
+    // N): each word, the scale and the bias are loaded once.
     device const uint *words = (device const uint *)c.data + row;
-    const float scale = float(c.scales[scale_row + col / c.group_size]);
-    const float bias = float(c.biases[scale_row + col / c.group_size]);
+    const uint first_bit = col * c.bits;
+    const uint w0 = first_bit / 32;
+    const bool two = (first_bit % 32) + N * c.bits > 32;
+    const ulong group = scale_row + col / c.group_size;
+    FA_DEVICE_READ(words + w0, two ? 8 : 4);
+    FA_DEVICE_READ(c.scales + group, sizeof(T));
+    FA_DEVICE_READ(c.biases + group, sizeof(T));
+    const uint lo = words[w0];
+    const uint hi = two ? words[w0 + 1] : 0u;
+    const float scale = float(c.scales[group]);
+    const float bias = float(c.biases[group]);
     const uint mask = (1u << c.bits) - 1u;
     FA_UNROLL
     for (uint e = 0; e < N; ++e) {
-        const uint bit = (col + e) * c.bits;
-        x[e] = col + e < cols ? scale * float((words[bit / 32] >> (bit % 32)) & mask) + bias : 0.0f;
+        const uint bit = first_bit % 32 + e * c.bits;
+        const uint q = ((bit < 32 ? lo >> bit : hi >> (bit - 32))) & mask;
+        x[e] = col + e < cols ? scale * float(q) + bias : 0.0f;
     }
 }
 
@@ -81,7 +98,9 @@ inline uint4 kv_chunk(thread const KVCacheHead<T> &c, uint t, uint chunk, uint c
     constexpr uint PER_WORD = TileWords<T>::PER_WORD;
     if (c.bits == 0 && !scalar) {
         ulong scale_row;
-        return *(device const uint4 *)(c.data + kv_row(c, t, scale_row) + chunk * V);
+        device const T *at = c.data + kv_row(c, t, scale_row) + chunk * V;
+        FA_DEVICE_READ(at, FA_CHUNK_BYTES);
+        return *(device const uint4 *)at;
     }
     float x[V];
     kv_elements<V>(c, t, chunk * V, cols, x);
