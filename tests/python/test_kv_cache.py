@@ -294,3 +294,25 @@ def test_kernels_clamp_a_wrong_table(ctx):
                                                          causal=True, layout="bhsd", return_softmax_lse=True,
                                                          context=ctx)
     assert np.array_equal(out, expected) and np.array_equal(lse, expected_lse)
+
+
+def test_decode_reads_a_float16_cache_once(ctx):
+    """The CPU engine's device-bytes counter: a decode call over a float16 cache loads every K and V
+    row of the sequence once (the split kernel's cache instance), and an 8-bit cache its words once
+    (docs/kv-cache.md has the scale and bias loads)."""
+    rng = np.random.default_rng(8)
+    heads, kv_heads, head_dim, keys = 8, 2, 64, 512
+    q = _rows(rng, (1, 1, heads, head_dim), np.float16)
+    k_cache, v_cache = (_rows(rng, (1, keys, kv_heads, head_dim), np.float16) for _ in range(2))
+
+    def counted(k, v, bits=None):
+        fam.flash_attn_with_kvcache(q, k, v, cache_seqlens=keys, bits=bits, context=ctx)
+        total = np.zeros(16, dtype=np.int64)
+        for dispatch in ctx.last_profile.dispatches:
+            total += np.array(dispatch.device_bytes_read[:16])
+        return total
+
+    plain = counted(k_cache, v_cache)
+    assert plain[1] == plain[2] == k_cache.nbytes
+    packed = counted(quantized.quantize(k_cache, 64, 8), quantized.quantize(v_cache, 64, 8), bits=8)
+    assert packed[1] == packed[2] == k_cache.nbytes // 2
