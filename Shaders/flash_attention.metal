@@ -321,12 +321,13 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 // over the KV head's K and V): loads the tiles (every thread calls it), S = Q K^T over the slice
 // and then over all of head_dim, masks (only when `masked`; the lane's row is query `row`), online
 // softmax update, O += P V (without WITH_V, only m and l: V is neither loaded nor multiplied).
-template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename T, typename Storage>
-inline void forward_tile(thread RowState<ND> &r, Storage tg, thread TileStream<T, BK, DP> &ks,
-                         thread TileStream<T, BK, DP> &vs, device const uchar *mask,
-                         constant FlashAttentionParams &p, uint kv0, bool masked, uint row,
-                         RowModifiers mods, SimdgroupSlice s, FragmentCoord at, uint sgid,
-                         uint tid) {
+template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
+          typename Storage>
+inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thread VS &vs,
+                         device const uchar *mask, constant FlashAttentionParams &p, uint kv0,
+                         bool masked, uint row, RowModifiers mods, SimdgroupSlice s,
+                         FragmentCoord at, uint sgid, uint tid) {
+    typedef typename KS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // K is read only transposed: paired rows where the bucket allows (PairedRows).
@@ -394,9 +395,30 @@ inline void store_partial_lse(device float *partial_lse, ulong index, float m, f
     partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
 }
 
-template <uint DP, uint BQ, uint BK, typename T, typename Storage>
-inline void attention_forward(device const T *q, device const T *k, device const T *v,
-                              device T *out, device float *lse, device const uchar *mask,
+// The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
+// the one for KV caches): tile streams over batch element b's KV head.
+template <typename T>
+struct DeviceKV {
+    device const T *k;
+    device const T *v;
+
+    template <uint ROWS, uint DP>
+    TileStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head, uint first,
+                                 uint tid) const {
+        return tile_stream<T, ROWS, DP>(k + head_offset(p.k, b, kv_head), first, p.seqlen_k, p.k.seq,
+                                        p.head_dim, tid);
+    }
+
+    template <uint ROWS, uint DP>
+    TileStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head, uint first,
+                                   uint tid) const {
+        return tile_stream<T, ROWS, DP>(v + head_offset(p.v, b, kv_head), first, p.seqlen_k, p.v.seq,
+                                        p.head_dim_v, tid);
+    }
+};
+
+template <uint DP, uint BQ, uint BK, typename T, typename KV, typename Storage>
+inline void attention_forward(device const T *q, KV kv, device T *out, device float *lse, device const uchar *mask,
                               device const float *alibi, device const float *sinks,
                               constant FlashAttentionParams &p, Storage tg, uint3 tgid, uint sgid,
                               uint lane) {
@@ -418,10 +440,8 @@ inline void attention_forward(device const T *q, device const T *k, device const
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
     load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
-    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
-    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+    auto ks = kv.template keys<BK, DP>(p, b, kv_head, key_begin, tid);
+    auto vs = kv.template values<BK, DP>(p, b, kv_head, key_begin, tid);
     RowState<ND> r;
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
@@ -480,9 +500,8 @@ inline ulong partial_index(constant FlashAttentionParams &p, PackedRows r, uint 
 
 // One chunk of keys for one block of packed rows: threadgroups (row blocks x chunks, KV heads,
 // batch), x = chunk * row_blocks + row block. Writes the chunk's normalised output and lse.
-template <uint DP, uint BQ, uint BK, typename T, typename Storage>
-inline void attention_forward_split(device const T *q, device const T *k, device const T *v,
-                                    device const uchar *mask, device const float *alibi,
+template <uint DP, uint BQ, uint BK, typename T, typename KV, typename Storage>
+inline void attention_forward_split(device const T *q, KV kv, device const uchar *mask, device const float *alibi,
                                     device float *partial_out, device float *partial_lse,
                                     constant FlashAttentionParams &p, Storage tg, uint3 tgid,
                                     uint sgid, uint lane) {
@@ -527,10 +546,8 @@ inline void attention_forward_split(device const T *q, device const T *k, device
         }
         tg->q[r][w / 4][w % 4] = bits;
     }
-    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
-    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+    auto ks = kv.template keys<BK, DP>(p, b, kv_head, key_begin, tid);
+    auto vs = kv.template values<BK, DP>(p, b, kv_head, key_begin, tid);
     // The sink joins once, in the combine.
     RowState<ND> r;
     start_rows(r, false, 0.0f, at);
@@ -1102,8 +1119,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_##SUFFIX##_d##DP##_threadgroup tg;                     \
-        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, mask, alibi, sinks, params, &tg,  \
-                                              tgid, sgid, lane);                                   \
+        attention_forward<DP, FWD_BQ, FWD_BK>(q, DeviceKV<T>{k, v}, out, lse, mask, alibi, sinks,  \
+                                              params, &tg, tgid, sgid, lane);                      \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -1115,8 +1132,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
-        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, mask, alibi, partial_out, partial_lse, \
-                                                    params, &tg, tgid, sgid, lane);                \
+        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, \
+                                                    partial_lse, params, &tg, tgid, sgid, lane);   \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -1184,9 +1201,11 @@ kernel void flash_attention_backward_dsinks(
     attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, params, &tg, tgid.x, tid);
 }
 
-#define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__)
-#define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__)
-#define FA_DEFINE_F32(...) FA_DEFINE_KERNELS(float, f32, __VA_ARGS__)
+#include "flash_attention_kv_cache.h"
+
+#define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(half, f16, __VA_ARGS__)
+#define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(bfloat, bf16, __VA_ARGS__)
+#define FA_DEFINE_F32(...) FA_DEFINE_KERNELS(float, f32, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(float, f32, __VA_ARGS__)
 
 FA_DEFINE_DTYPE_KERNELS(half, f16)
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_F16)

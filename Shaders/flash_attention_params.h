@@ -80,6 +80,18 @@ typedef struct FlashAttentionParams {
     // and key blocks (dK/dV). A piece of a long pass dispatches a range of blocks, starting here
     // (PlanPieces.swift); 0 (a value-initialised struct's) runs the grid from block 0.
     fa_u32 block_offset;
+    // KV-cache forward only (flash_attention_kv_cache.h; 0 elsewhere). k and v are caches: rows
+    // of batch element b at k + head_offset(p.k, b, head) + t * p.k.seq (contiguous, kv_page_rows
+    // 0) or, paged, block table[b][t / kv_page_rows] (kv_max_blocks entries per row, values
+    // clamped into [0, kv_num_blocks)) with p.k.batch between blocks. kv_bits 4 or 8: k and v
+    // are mx.quantize's packed uint32 words (strides in words) with scales and biases of
+    // kv_group_size elements per entry laid out like the words; 0: the dtype.
+    fa_u32 kv_page_rows;
+    fa_u32 kv_max_blocks;
+    fa_u32 kv_num_blocks;
+    fa_u32 kv_bits;
+    fa_u32 kv_group_size;
+    fa_u32 kv_reserved;  // keeps the struct a multiple of 8 bytes
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -139,6 +151,16 @@ typedef struct FlashAttentionParams {
 #define FA_FORWARD_BUFFER_PARTIAL_OUT 9
 #define FA_FORWARD_BUFFER_PARTIAL_LSE 10
 #define FA_FORWARD_SPLIT_BUFFER_COUNT 11
+// KV-cache forward kernels (dense and split, flash_attention_kv_cache.h): the forward's buffers
+// (and the split's partial results), then the block table (int32 [batch][kv_max_blocks]; a
+// placeholder for contiguous caches) and the scales and biases of quantized K and V
+// (placeholders when unquantized).
+#define FA_KV_CACHE_BUFFER_TABLE 11
+#define FA_KV_CACHE_BUFFER_K_SCALES 12
+#define FA_KV_CACHE_BUFFER_K_BIASES 13
+#define FA_KV_CACHE_BUFFER_V_SCALES 14
+#define FA_KV_CACHE_BUFFER_V_BIASES 15
+#define FA_KV_CACHE_BUFFER_COUNT 16
 
 // Buffer indices: flash_attention_merge (fa_merge_attention), out and lse of two parts in, their
 // merge out; rows laid out as forward's out and lse.

@@ -38,6 +38,28 @@ private func bindOptionalInputs(_ buffers: inout HostBuffers, _ d: fa_problem, _
     }
 }
 
+/// Binds a KV cache's block table and quantization scales and biases (fa_problem's `kv_*` fields).
+private func bindKVCache(_ buffers: inout HostBuffers, _ d: fa_problem, _ p: Problem) throws {
+    guard let kv = p.kvCache else { return }
+    try kv.checkBlockTable(d.kv_block_table, p)
+    if kv.paged, let table = d.kv_block_table {
+        buffers.bindInput(.blockTable, table, for: p)
+    }
+    if kv.quantized {
+        for (role, pointer) in [(BufferRole.kScales, d.k_scales), (.kBiases, d.k_biases), (.vScales, d.v_scales),
+                                (.vBiases, d.v_biases)] {
+            buffers.bindInput(role, try required(pointer, role.name), for: p)
+        }
+    }
+}
+
+/// Throws `unsupported` for a KV-cache problem in a pass other than the forward.
+func requireNoKVCache(_ p: Problem) throws {
+    guard p.kvCache == nil else {
+        throw FlashAttentionError.unsupported("KV caches (kv_cache_rows != 0) are read by the forward pass only")
+    }
+}
+
 /// fa_context_create: see flash_attention_metal.h.
 @_cdecl("fa_context_create")
 public func _exportContextCreate(_ backend: fa_backend, _ outContext: UnsafeMutablePointer<OpaquePointer?>?)
@@ -124,6 +146,7 @@ public func _exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa
             try buffers.bindOutput(.out, required(out, "out"), for: p)
             try buffers.bindOutput(.lse, required(lse, "lse"), for: p)
             try bindOptionalInputs(&buffers, descriptor, p)
+            try bindKVCache(&buffers, descriptor, p)
             try ctx.run(DispatchPlan.forward(p), buffers: buffers)
             return FA_STATUS_SUCCESS
         } catch {
@@ -145,6 +168,7 @@ public func _exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<f
             let ctx = try context(handle)
             let descriptor = try Problem.descriptor(problem)
             let p = try Problem.validate(descriptor)
+            try requireNoKVCache(p)
             var buffers = HostBuffers()
             try buffers.bindInput(.dout, required(dout, "dout"), for: p)
             try buffers.bindInput(.q, required(q, "q"), for: p)

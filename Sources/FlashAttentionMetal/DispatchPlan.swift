@@ -8,8 +8,10 @@ enum BufferRole: Int, CaseIterable {
     /// lse could not hold of rows whose |lse| is huge (backward); `partialOut` and
     /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward).
     /// Optional inputs: `attnMask`, `alibiSlopes`, `sinks` (float32); optional output `dsinks`.
+    /// KV caches (forward): `blockTable` (int32) and a quantized cache's `kScales`, `kBiases`,
+    /// `vScales`, `vBiases` (the dtype), with `k` and `v` then packed uint32 words.
     case q, k, v, out, lse, dout, dq, dk, dv, delta, lseResidual, partialOut, partialLse, attnMask, alibiSlopes, sinks, dsinks,
-         outA, lseA, outB, lseB
+         outA, lseA, outB, lseB, blockTable, kScales, kBiases, vScales, vBiases
 
     /// The inputs whose rows the kernels copy into threadgroup tiles (in 16-byte chunks when aligned).
     static let copiedInTiles: [BufferRole] = [.q, .k, .v, .out, .dout]
@@ -24,6 +26,10 @@ enum BufferRole: Int, CaseIterable {
 
     /// Bytes per element for `problem`.
     func elementSize(for problem: Problem) -> Int {
+        // (A `where` clause would bind to the last pattern of a case only.)
+        if self == .blockTable || (self == .k || self == .v) && problem.kvCache?.quantized ?? false {
+            return 4
+        }
         guard self == .attnMask else { return isFloat32 ? 4 : problem.dtype.size }
         switch Int32(problem.scores.maskType) {
         case FA_MASK_BOOL: return 1
@@ -56,6 +62,11 @@ enum BufferRole: Int, CaseIterable {
         case .lseA: return "lse_a"
         case .outB: return "out_b"
         case .lseB: return "lse_b"
+        case .blockTable: return "kv_block_table"
+        case .kScales: return "k_scales"
+        case .kBiases: return "k_biases"
+        case .vScales: return "v_scales"
+        case .vBiases: return "v_biases"
         }
     }
 
@@ -82,6 +93,11 @@ enum BufferRole: Int, CaseIterable {
         case .attnMask: return layout(in: problem)?.extent ?? 0
         case .alibiSlopes: return Int(problem.numHeads) * (problem.scores.alibiPerBatch ? Int(problem.batch) : 1)
         case .sinks, .dsinks: return Int(problem.numHeads)
+        case .blockTable:
+            guard let kv = problem.kvCache, kv.paged else { return 0 }
+            return Int(problem.batch) * Int(kv.maxBlocks)
+        case .kScales, .kBiases: return problem.kvCache?.scaleCount(problem.layouts[.k]!, cols: problem.headDim) ?? 0
+        case .vScales, .vBiases: return problem.kvCache?.scaleCount(problem.layouts[.v]!, cols: problem.headDimV) ?? 0
         }
     }
 
@@ -113,6 +129,9 @@ enum BufferRole: Int, CaseIterable {
         // dsinks is written only by the dispatch that runs once over the whole problem.
         case .sinks, .dsinks:
             return kv * g
+        // KV-cache problems are never cut into pieces (PlanPieces).
+        case .blockTable, .kScales, .kBiases, .vScales, .vBiases:
+            return 0
         }
     }
 }
@@ -226,28 +245,48 @@ struct DispatchPlan {
                         BufferBinding(index: Int(FA_FORWARD_BUFFER_LSE), role: .lse)]
         bindings += optionalInputs(problem, mask: FA_FORWARD_BUFFER_MASK, alibi: FA_FORWARD_BUFFER_ALIBI,
                                    sinks: FA_FORWARD_BUFFER_SINKS)
-        func dispatch(_ kernel: String, _ grid: GridSize, reads constants: [Int32], blockWork: Int?) -> Dispatch {
-            Dispatch(kernelName: kernel, bindings: bindings, paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
+        // A KV cache: the `_kvcache` kernels, which also bind the block table and the scales and
+        // biases (placeholders where the cache has none; the kernels then read none).
+        let cache = problem.kvCache
+        let kvName = cache == nil ? "" : "kvcache_"
+        let kvBindings = cache.map { kv -> [BufferBinding] in
+            [BufferBinding(index: Int(FA_KV_CACHE_BUFFER_TABLE), role: kv.paged ? .blockTable : .lse),
+             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_K_SCALES), role: kv.quantized ? .kScales : .lse),
+             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_K_BIASES), role: kv.quantized ? .kBiases : .lse),
+             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_V_SCALES), role: kv.quantized ? .vScales : .lse),
+             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_V_BIASES), role: kv.quantized ? .vBiases : .lse)]
+        } ?? []
+        func dispatch(_ kernel: String, _ grid: GridSize, reads constants: [Int32], blockWork: Int?,
+                      cacheBindings: [BufferBinding] = []) -> Dispatch {
+            Dispatch(kernelName: kernel, bindings: bindings + cacheBindings, paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
                      params: problem.params, threadgroupsPerGrid: grid, threadsPerThreadgroup: threadgroupSize,
                      blockWork: blockWork,
                      specialization: SpecializationConstant.values(constants, for: problem.params))
         }
         let scoreWork = problem.scoreWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement)
         guard let split = problem.split else {
-            let dense = dispatch("flash_attention_forward_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
+            // The dense kernel has no partial results: placeholders keep its indices gapless.
+            let unused = cache == nil ? [] : [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .lse),
+                                              BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .lse)]
+            let dense = dispatch("flash_attention_forward_\(kvName)\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                                  GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
                                           height: problem.numHeads, depth: problem.batch),
-                                 reads: KernelConstants.scoreAndSinks, blockWork: scoreWork)
+                                 reads: KernelConstants.scoreAndSinks, blockWork: scoreWork,
+                                 cacheBindings: unused + kvBindings)
             return DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse], workspace: [],
                                 problem: problem)
         }
         bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
                      BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
-        let kernel = split.kernel == .decode ? "decode" : "split"
+        // A KV cache is read by the tiled split kernel's `_kvcache` instance (the decode kernel has
+        // no cache source yet): its row blocks are forward_block_q packed rows.
+        let kernel = cache != nil ? "split_kvcache" : split.kernel == .decode ? "decode" : "split"
+        let rowBlocks = cache == nil ? split.rowBlocks
+            : blocks(problem.groupSize * problem.seqlenQ, b.forward_block_q)
         let chunks = dispatch("flash_attention_forward_\(kernel)_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
-                              GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
+                              GridSize(width: split.chunks * rowBlocks, height: problem.numKVHeads,
                                        depth: problem.batch),
-                              reads: KernelConstants.score, blockWork: scoreWork)
+                              reads: KernelConstants.score, blockWork: scoreWork, cacheBindings: kvBindings)
         // At most FA_SPLIT_TILED_MAX_QUERY_ROWS rows per head, each merging its chunks: small.
         let combine = dispatch("flash_attention_forward_combine_\(problem.dtype.kernelSuffix)",
                                GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch),

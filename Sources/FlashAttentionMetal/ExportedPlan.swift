@@ -116,6 +116,11 @@ extension BufferRole {
         case .lseA: return FA_BUFFER_ROLE_LSE_A
         case .outB: return FA_BUFFER_ROLE_OUT_B
         case .lseB: return FA_BUFFER_ROLE_LSE_B
+        case .blockTable: return FA_BUFFER_ROLE_BLOCK_TABLE
+        case .kScales: return FA_BUFFER_ROLE_K_SCALES
+        case .kBiases: return FA_BUFFER_ROLE_K_BIASES
+        case .vScales: return FA_BUFFER_ROLE_V_SCALES
+        case .vBiases: return FA_BUFFER_ROLE_V_BIASES
         }
     }
 }

@@ -20,7 +20,7 @@ public final class FlashAttention: @unchecked Sendable {
     /// The library's version, "MAJOR.MINOR.PATCH" (`FA_VERSION` of the C header).
     public static var version: String { FA_VERSION }
 
-    private let context: Context
+    let context: Context
 
     /// Creates the device state: for Metal a device, a command queue and the compiled kernels; for
     /// the CPU the engine.

@@ -46,7 +46,9 @@ public func _exportPlanCreate(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_
         let plan: DispatchPlan
         switch pass {
         case FA_PASS_FORWARD: plan = DispatchPlan.forward(p)
-        case FA_PASS_BACKWARD: plan = DispatchPlan.backward(p)
+        case FA_PASS_BACKWARD:
+            try requireNoKVCache(p)
+            plan = DispatchPlan.backward(p)
         default:
             throw FlashAttentionError.invalidArgument("pass (\(pass.rawValue)) must be FA_PASS_FORWARD or "
                                                           + "FA_PASS_BACKWARD (FA_PASS_MERGE: fa_plan_create_merge)")

@@ -83,6 +83,8 @@ struct Problem {
     let split: KeyValueSplit?
     /// Window, softcap, mask, ALiBi and sinks.
     let scores: ScoreSpec
+    /// The KV cache k and v are read from (forward), or nil for plain tensors.
+    let kvCache: KVCacheSpec?
 
     /// The size of a 0.1 `fa_problem`: the fields up to `softmax_scale`.
     private static let firstVersionSize = MemoryLayout<fa_problem>.offset(of: \fa_problem.dtype)!
@@ -130,7 +132,7 @@ struct Problem {
                            window: p.use_window == 1 ? (Int(p.window_left), Int(p.window_right)) : nil,
                            softcap: p.softcap, maskType: p.attn_mask_type, maskStrides: maskStrides,
                            hasAlibi: p.alibi_slopes != nil, alibiPerBatch: p.alibi_per_batch == 1,
-                           hasSinks: p.sinks != nil)
+                           hasSinks: p.sinks != nil, kvCache: try KVCacheSpec.validate(p))
     }
 
     /// The caller's descriptor as far as its `struct_size` goes, later fields zero (their defaults).
@@ -191,7 +193,7 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?) {
+                 split: KeyValueSplit?, kvCache: KVCacheSpec?) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -206,13 +208,14 @@ struct Problem {
         self.layouts = layouts
         self.scores = scores
         self.split = split
+        self.kvCache = kvCache
     }
 
     private init(_ shape: AttentionShape, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  strides: ProblemStrides, window: (left: Int, right: Int)? = nil, softcap: Float = 0,
                  maskType: UInt32 = UInt32(FA_MASK_NONE),
                  maskStrides: TensorStrides = TensorStrides(batch: 0, head: 0, seq: 0), hasAlibi: Bool = false,
-                 alibiPerBatch: Bool = false, hasSinks: Bool = false) throws {
+                 alibiPerBatch: Bool = false, hasSinks: Bool = false, kvCache: KVCacheSpec? = nil) throws {
         let dims = [("batch", shape.batch), ("num_heads", shape.numHeads), ("num_kv_heads", shape.numKVHeads),
                     ("seqlen_q", shape.seqlenQ), ("seqlen_k", shape.seqlenK), ("head_dim", shape.headDim),
                     ("head_dim_v", shape.headDimV)]
@@ -247,8 +250,12 @@ struct Problem {
         }
         let (b, h, hk, sq, sk) = (shape.batch, shape.numHeads, shape.numKVHeads, shape.seqlenQ, shape.seqlenK)
         let tensors: [(BufferRole, TensorStrides?, (Int, Int, Int, Int))] = [
-            (.q, strides.q, (b, h, sq, shape.headDim)), (.k, strides.k, (b, hk, sk, shape.headDim)),
-            (.v, strides.v, (b, hk, sk, shape.headDimV)), (.out, strides.out, (b, h, sq, shape.headDimV)),
+            (.q, strides.q, (b, h, sq, shape.headDim)),
+            (.k, strides.k, kvCache.map { (Int($0.slots), hk, Int($0.cacheRows), $0.units(UInt32(shape.headDim))) }
+                ?? (b, hk, sk, shape.headDim)),
+            (.v, strides.v, kvCache.map { (Int($0.slots), hk, Int($0.cacheRows), $0.units(UInt32(shape.headDimV))) }
+                ?? (b, hk, sk, shape.headDimV)),
+            (.out, strides.out, (b, h, sq, shape.headDimV)),
             (.dout, strides.dout, (b, h, sq, shape.headDimV)), (.dq, strides.dq, (b, h, sq, shape.headDim)),
             (.dk, strides.dk, (b, hk, sk, shape.headDim)), (.dv, strides.dv, (b, hk, sk, shape.headDimV)),
         ]
@@ -256,12 +263,15 @@ struct Problem {
         for (role, given, tensorDims) in tensors {
             let layout = try TensorLayout(role.name, strides: given, dims: tensorDims,
                                           written: [.out, .dq, .dk, .dv].contains(role))
-            guard !layout.extent.multipliedReportingOverflow(by: dtype.size).overflow else {
+            let size = (role == .k || role == .v) && kvCache?.quantized ?? false ? 4 : dtype.size
+            guard !layout.extent.multipliedReportingOverflow(by: size).overflow else {
                 throw FlashAttentionError.invalidArgument(
                     "\(role.name) (\(layout.extent) elements) has more bytes than fit in a 64-bit size")
             }
             layouts[role] = layout
         }
+        try kvCache?.checkStrides(layouts[.k]!, cols: UInt32(shape.headDim), name: "k")
+        try kvCache?.checkStrides(layouts[.v]!, cols: UInt32(shape.headDimV), name: "v")
         // lse (and the delta workspace) must fit too; `lseElements` is then this product.
         _ = try TensorLayout.checkedCount([b, h, sq], bytesPerElement: 4, of: "lse")
         let scores = try ScoreSpec(causal: causal, window: window, softcap: softcap, maskType: maskType,
@@ -272,7 +282,8 @@ struct Problem {
                   causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
                   split: KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk),
                                        seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket,
-                                       cores: try GPUCores.planned()))
+                                       cores: try GPUCores.planned()),
+                  kvCache: kvCache)
     }
 
     /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their
@@ -293,7 +304,7 @@ struct Problem {
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
                        scores: scores.slice(batch: b, heads: h),
-                       split: split)
+                       split: split, kvCache: kvCache)
     }
 
     /// Elements of lse (and of the delta workspace): batch * numHeads * seqlenQ (checked by validation).
@@ -308,7 +319,7 @@ struct Problem {
         // Columns a head dim fills in whole 8-column fragments: the products skip fragments only
         // where this falls short of the bucket (the tiles are zero past head_dim in any case).
         func fragmentColumns(_ dim: UInt32) -> UInt32 { (dim + 7) / 8 * 8 }
-        return FlashAttentionParams(
+        var params = FlashAttentionParams(
             q: strides(.q), k: strides(.k), v: strides(.v), out: strides(.out), dout: strides(.dout),
             dq: strides(.dq), dk: strides(.dk), dv: strides(.dv),
             mask: scores.mask?.params ?? FlashAttentionStrides(batch: 0, head: 0, seq: 0),
@@ -321,7 +332,10 @@ struct Problem {
             scalar_copies: layoutsAllowChunks ? 0 : 1,
             partial_columns: fragmentColumns(headDim) == bucket.head_dim_max
                 && fragmentColumns(headDimV) == bucket.head_dim_max ? 0 : 1,
-            block_offset: 0)
+            block_offset: 0, kv_page_rows: 0, kv_max_blocks: 0, kv_num_blocks: 0, kv_bits: 0, kv_group_size: 0,
+            kv_reserved: 0)
+        kvCache?.apply(to: &params)
+        return params
     }
 
     /// Whether the tensors the kernels copy in tiles (`BufferRole.copiedInTiles`) can be copied in
@@ -333,6 +347,8 @@ struct Problem {
         let size = dtype.size, chunk = Int(FA_CHUNK_BYTES)
         guard (Int(headDim) * size) % chunk == 0 && (Int(headDimV) * size) % chunk == 0 else { return false }
         return BufferRole.copiedInTiles.allSatisfy { role in
+            // A quantized cache's words are dequantized element by element, never moved in chunks.
+            if (role == .k || role == .v) && kvCache?.quantized ?? false { return true }
             guard let layout = layouts[role] else { return true }
             return [layout.strides.batch, layout.strides.head, layout.strides.seq].allSatisfy { ($0 * size) % chunk == 0 }
         }
@@ -346,7 +362,8 @@ extension FlashAttentionParams {
     /// starts (on Metal its offset in a buffer whose contents are page-aligned), nil when unbound.
     func checkingAlignment(_ address: (BufferRole) -> UInt?) -> FlashAttentionParams {
         var params = self
-        if BufferRole.copiedInTiles.contains(where: { address($0).map { $0 % UInt(FA_CHUNK_BYTES) != 0 } ?? false }) {
+        let chunked = BufferRole.copiedInTiles.filter { kv_bits == 0 || ($0 != .k && $0 != .v) }
+        if chunked.contains(where: { address($0).map { $0 % UInt(FA_CHUNK_BYTES) != 0 } ?? false }) {
             params.scalar_copies = 1
         }
         return params

@@ -29,6 +29,16 @@ template <class T>
 using ForwardSplitKernel = void (*)(const T *, const T *, const T *, T *, float *,
                                     const FlashAttentionParams &, FA_OPTIONAL_TYPES, float *,
                                     float *, uint3, uint, uint);
+// The KV-cache forward kernels bind the cache's table, scales and biases after the others.
+#define FA_KV_CACHE_TYPES(T) const int *, const T *, const T *, const T *, const T *
+template <class T>
+using ForwardKvCacheKernel = void (*)(const T *, const T *, const T *, T *, float *,
+                                      const FlashAttentionParams &, FA_OPTIONAL_TYPES,
+                                      FA_KV_CACHE_TYPES(T), uint3, uint, uint);
+template <class T>
+using ForwardSplitKvCacheKernel = void (*)(const T *, const T *, const T *, T *, float *,
+                                           const FlashAttentionParams &, FA_OPTIONAL_TYPES, float *,
+                                           float *, FA_KV_CACHE_TYPES(T), uint3, uint, uint);
 template <class T>
 using ForwardCombineKernel = void (*)(const T *, const T *, const T *, T *, float *,
                                       const FlashAttentionParams &, FA_OPTIONAL_TYPES,
@@ -89,6 +99,25 @@ void run_forward_split(const kernel_args &a, const builtins &t) {
     Kernel(FA_FORWARD_INPUTS(T, a), a.buffer<float>(FA_FORWARD_BUFFER_PARTIAL_OUT),
            a.buffer<float>(FA_FORWARD_BUFFER_PARTIAL_LSE), t.threadgroup_position_in_grid,
            t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
+}
+
+#define FA_KV_CACHE_INPUTS(T, a)                                                                   \
+    a.buffer<const int>(FA_KV_CACHE_BUFFER_TABLE), a.buffer<const T>(FA_KV_CACHE_BUFFER_K_SCALES), \
+        a.buffer<const T>(FA_KV_CACHE_BUFFER_K_BIASES),                                            \
+        a.buffer<const T>(FA_KV_CACHE_BUFFER_V_SCALES), a.buffer<const T>(FA_KV_CACHE_BUFFER_V_BIASES)
+
+template <class T, ForwardKvCacheKernel<T> Kernel>
+void run_forward_kvcache(const kernel_args &a, const builtins &t) {
+    Kernel(FA_FORWARD_INPUTS(T, a), FA_KV_CACHE_INPUTS(T, a), t.threadgroup_position_in_grid,
+           t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
+}
+
+template <class T, ForwardSplitKvCacheKernel<T> Kernel>
+void run_forward_split_kvcache(const kernel_args &a, const builtins &t) {
+    Kernel(FA_FORWARD_INPUTS(T, a), a.buffer<float>(FA_FORWARD_BUFFER_PARTIAL_OUT),
+           a.buffer<float>(FA_FORWARD_BUFFER_PARTIAL_LSE), FA_KV_CACHE_INPUTS(T, a),
+           t.threadgroup_position_in_grid, t.simdgroup_index_in_threadgroup,
+           t.thread_index_in_simdgroup);
 }
 
 template <class T, ForwardCombineKernel<T> Kernel>
@@ -171,6 +200,10 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
                     FA_FORWARD_SPLIT_BUFFER_COUNT)                                                 \
     FA_KERNEL_ENTRY(T, flash_attention_forward_decode_##SUFFIX##_d##DP, run_forward_split,         \
                     FA_FORWARD_SPLIT_BUFFER_COUNT)                                                 \
+    FA_KERNEL_ENTRY(T, flash_attention_forward_kvcache_##SUFFIX##_d##DP, run_forward_kvcache,      \
+                    FA_KV_CACHE_BUFFER_COUNT)                                                      \
+    FA_KERNEL_ENTRY(T, flash_attention_forward_split_kvcache_##SUFFIX##_d##DP,                     \
+                    run_forward_split_kvcache, FA_KV_CACHE_BUFFER_COUNT)                           \
     FA_KERNEL_ENTRY(T, flash_attention_backward_lse_residual_##SUFFIX##_d##DP,                     \
                     run_backward_lse_residual, FA_BACKWARD_LSE_RESIDUAL_BUFFER_COUNT)              \
     FA_KERNEL_ENTRY(T, flash_attention_backward_dq_##SUFFIX##_d##DP, run_backward_dq,              \

@@ -17,11 +17,12 @@ The module functions run on a default Context created on first use; ``$FLASH_ATT
 
 from __future__ import annotations
 
-from . import _default, _header, _validation, accuracy, reference
+from . import _default, _header, _validation, accuracy, quantized, reference
 from ._default import BACKEND_ENV, default_backend, default_context
 from ._native import LIBRARY_ENV
 from .context import BACKENDS, Context
 from .errors import FlashAttentionError
+from .kv_cache import empty_cache, flash_attn_with_kvcache
 from .profile import DispatchProfile, Profile
 
 #: FA_VERSION of the C header, the project's one definition of its version (the library's too).
@@ -92,8 +93,11 @@ __all__ = [
     "backward",
     "default_backend",
     "default_context",
+    "empty_cache",
+    "flash_attn_with_kvcache",
     "forward",
     "last_profile",
     "merge_attention",
+    "quantized",
     "reference",
 ]

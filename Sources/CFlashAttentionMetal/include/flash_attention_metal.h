@@ -134,6 +134,33 @@ typedef struct fa_problem {
     uint32_t alibi_per_batch;       /* 1: alibi_slopes is [batch][num_heads] */
     const float *sinks;             /* NULL, or [num_heads] float32 logits of one virtual key per head */
     float *dsinks;                  /* backward with sinks: [num_heads] float32 output */
+    /* Since 0.4.0 (unreleased): k and v are KV caches (fa_forward only; flash_attn_with_kvcache's). With
+     * kv_cache_rows 0 (the default) k and v are plain tensors. Otherwise batch element b attends
+     * to its first seqlen_k cache rows:
+     *  - contiguous (kv_block_table NULL): k is [batch][num_kv_heads][kv_cache_rows][head_dim]
+     *    by its strides (seqlen_k <= kv_cache_rows);
+     *  - paged: k is [kv_num_blocks][num_kv_heads][kv_cache_rows][head_dim] (kv_cache_rows = the
+     *    page_block_size, any value >= 1; strides.batch between blocks), row t of batch element b
+     *    in block kv_block_table[b * kv_max_blocks + t / kv_cache_rows], row t % kv_cache_rows;
+     *    seqlen_k <= kv_max_blocks * kv_cache_rows; the entries that hold one of the seqlen_k rows
+     *    must lie in [0, kv_num_blocks) (checked in host memory before any kernel runs; the
+     *    kernels clamp every entry, so no table reads or writes out of bounds).
+     * v likewise with head_dim_v. kv_bits 4 or 8: k and v hold mx.quantize's (affine) packed
+     * uint32 words, head_dim * kv_bits / 32 per row, strides counted in words (each a multiple of
+     * the words per row); k_scales, k_biases, v_scales, v_biases hold one element of dtype per
+     * kv_group_size (32, 64 or 128) elements of a row, laid out like the words (a row's
+     * head_dim / kv_group_size entries where its words are); element = scale * q + bias,
+     * dequantized in registers. kv_bits 0: elements of dtype, scales and biases NULL. */
+    uint32_t kv_cache_rows;
+    const int32_t *kv_block_table;  /* NULL (contiguous) or int32 [batch][kv_max_blocks] */
+    uint32_t kv_max_blocks;
+    uint32_t kv_num_blocks;
+    uint32_t kv_bits;               /* 0, 4 or 8 */
+    uint32_t kv_group_size;         /* 32, 64 or 128 when kv_bits != 0 */
+    const void *k_scales;
+    const void *k_biases;
+    const void *v_scales;
+    const void *v_biases;
 } fa_problem;
 
 /* The library's version, FA_VERSION of the header it was built with. Static storage. */
@@ -353,7 +380,12 @@ typedef enum fa_buffer_role {
     FA_BUFFER_ROLE_LSE_A = 18,
     FA_BUFFER_ROLE_OUT_B = 19,
     FA_BUFFER_ROLE_LSE_B = 20,
-    FA_BUFFER_ROLE_COUNT = 21
+    FA_BUFFER_ROLE_BLOCK_TABLE = 21,  /* int32 kv_block_table (fa_problem); the others below: */
+    FA_BUFFER_ROLE_K_SCALES = 22,     /* a quantized KV cache's scales and biases */
+    FA_BUFFER_ROLE_K_BIASES = 23,
+    FA_BUFFER_ROLE_V_SCALES = 24,
+    FA_BUFFER_ROLE_V_BIASES = 25,
+    FA_BUFFER_ROLE_COUNT = 26
 } fa_buffer_role;
 
 /* How a plan uses a buffer. */
