@@ -8,8 +8,11 @@ enum BufferRole: Int, CaseIterable {
     /// lse could not hold of rows whose |lse| is huge (backward); `partialOut` and
     /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward).
     /// Optional inputs: `attnMask`, `alibiSlopes`, `sinks` (float32); optional output `dsinks`.
+    /// Variable-length batches: `cuSeqlensQ`, `cuSeqlensK` (int32 inputs, sequences + 1) and the
+    /// workspace `sequenceTable` (FlashAttentionParams, sequences + 1) that the pass's first kernel
+    /// writes and the others bind in place of the parameter struct.
     case q, k, v, out, lse, dout, dq, dk, dv, delta, lseResidual, partialOut, partialLse, attnMask, alibiSlopes, sinks, dsinks,
-         outA, lseA, outB, lseB
+         outA, lseA, outB, lseB, cuSeqlensQ, cuSeqlensK, sequenceTable
 
     /// The inputs whose rows the kernels copy into threadgroup tiles (in 16-byte chunks when aligned).
     static let copiedInTiles: [BufferRole] = [.q, .k, .v, .out, .dout]
@@ -24,7 +27,12 @@ enum BufferRole: Int, CaseIterable {
 
     /// Bytes per element for `problem`.
     func elementSize(for problem: Problem) -> Int {
-        guard self == .attnMask else { return isFloat32 ? 4 : problem.dtype.size }
+        switch self {
+        case .cuSeqlensQ, .cuSeqlensK: return 4
+        case .sequenceTable: return MemoryLayout<FlashAttentionParams>.stride
+        case .attnMask: break
+        default: return isFloat32 ? 4 : problem.dtype.size
+        }
         switch Int32(problem.scores.maskType) {
         case FA_MASK_BOOL: return 1
         case FA_MASK_ADDITIVE: return problem.dtype.size
@@ -56,6 +64,9 @@ enum BufferRole: Int, CaseIterable {
         case .lseA: return "lse_a"
         case .outB: return "out_b"
         case .lseB: return "lse_b"
+        case .cuSeqlensQ: return "cu_seqlens_q"
+        case .cuSeqlensK: return "cu_seqlens_k"
+        case .sequenceTable: return "sequence_table"
         }
     }
 
@@ -79,8 +90,10 @@ enum BufferRole: Int, CaseIterable {
         case .partialOut: return BufferRole.partialLse.elementCount(for: problem) * Int(problem.headDimV)
         case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
         case .attnMask: return layout(in: problem)?.extent ?? 0
-        case .alibiSlopes: return Int(problem.numHeads) * (problem.scores.alibiPerBatch ? Int(problem.batch) : 1)
+        case .alibiSlopes:
+            return Int(problem.numHeads) * (problem.scores.alibiPerBatch ? Int(problem.varlen?.sequences ?? problem.batch) : 1)
         case .sinks, .dsinks: return Int(problem.numHeads)
+        case .cuSeqlensQ, .cuSeqlensK, .sequenceTable: return Int(problem.varlen?.sequences ?? 0) + 1
         }
     }
 
@@ -114,6 +127,9 @@ enum BufferRole: Int, CaseIterable {
         // dsinks is written only by the dispatch that runs once over the whole problem.
         case .sinks, .dsinks:
             return kv * g
+        // A variable-length plan runs whole (`DispatchPlan.pieces`).
+        case .cuSeqlensQ, .cuSeqlensK, .sequenceTable:
+            return 0
         }
     }
 }
@@ -154,6 +170,9 @@ struct Dispatch {
     /// The values of the function constants the kernel reads, exactly those: its pipeline is built
     /// for them (one per kernel name and specialization).
     var specialization: [SpecializationConstant] = []
+    /// Nil: `params` is bound at `paramsIndex` (as bytes). Otherwise this buffer is, in its place:
+    /// the kernels of a variable-length pass read their sequence's struct from `sequenceTable`.
+    var paramsRole: BufferRole?
 
     /// Number of `[[buffer(i)]]` slots, the parameter struct included.
     var bufferCount: Int { bindings.count + 1 }
@@ -234,11 +253,11 @@ struct DispatchPlan {
         let scoreWork = problem.scoreWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement)
         guard let split = problem.split else {
             let dense = dispatch("flash_attention_forward_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
-                                 GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
-                                          height: problem.numHeads, depth: problem.batch),
+                                 GridSize(width: blocks(problem.gridSeqlenQ, b.forward_block_q),
+                                          height: problem.numHeads, depth: problem.gridBatch),
                                  reads: KernelConstants.scoreAndSinks, blockWork: scoreWork)
-            return DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse], workspace: [],
-                                problem: problem)
+            return withSequenceTable(DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse],
+                                                  workspace: [], problem: problem))
         }
         bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
                      BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
@@ -278,7 +297,7 @@ struct DispatchPlan {
             Dispatch(kernelName: kernel, bindings: inputs + outputs,
                      paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
                      threadgroupsPerGrid: GridSize(width: blocks(rows, block), height: heads,
-                                                   depth: problem.batch),
+                                                   depth: problem.gridBatch),
                      threadsPerThreadgroup: threadgroupSize,
                      blockWork: blockWork,
                      specialization: SpecializationConstant.values(constants, for: problem.params))
@@ -287,24 +306,25 @@ struct DispatchPlan {
         // dQ recomputes it and forms dO V^T and dS K; dK/dV recompute both scores and add P^T dO
         // and dS^T Q. The delta pass reads each row of dout and out once.
         let delta = dispatch("flash_attention_backward_delta_\(problem.dtype.kernelSuffix)", [],
-                             rows: problem.seqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads,
+                             rows: problem.gridSeqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads,
                              reads: [], blockWork: problem.rowWork(flopsPerElement: 2))
         let residual = dispatch(
             "flash_attention_backward_lse_residual_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)", [],
-            rows: problem.seqlenQ, block: b.forward_block_q, heads: problem.numHeads,
+            rows: problem.gridSeqlenQ, block: b.forward_block_q, heads: problem.numHeads,
             reads: KernelConstants.scoreAndSinks, blockWork: problem.scoreWork(flopsPerScoreElement: 2))
         let dq = dispatch("flash_attention_backward_dq_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
-                          rows: problem.seqlenQ, block: b.dq_block_q, heads: problem.numHeads,
+                          rows: problem.gridSeqlenQ, block: b.dq_block_q, heads: problem.numHeads,
                           reads: KernelConstants.score, blockWork: problem.scoreWork(flopsPerScoreElement: 6))
         let dkv = dispatch("flash_attention_backward_dkv_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                            [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
-                           rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads,
+                           rows: problem.gridSeqlenK, block: b.dkv_block_k, heads: problem.numKVHeads,
                            reads: KernelConstants.score, blockWork: problem.scoreWork(flopsPerScoreElement: 8))
         guard problem.scores.hasSinks else {
-            return DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv], outputs: [.dq, .dk, .dv],
-                                workspace: [.delta, .lseResidual], problem: problem)
+            return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv],
+                                                  outputs: [.dq, .dk, .dv], workspace: [.delta, .lseResidual],
+                                                  problem: problem))
         }
         // dsinks sums over every batch entry: it runs once over the whole problem, after the pieces.
         let dsinks = Dispatch(kernelName: "flash_attention_backward_dsinks",
@@ -312,8 +332,9 @@ struct DispatchPlan {
                               paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
                               threadgroupsPerGrid: GridSize(width: problem.numHeads, height: 1, depth: 1),
                               threadsPerThreadgroup: threadgroupSize, wholeProblem: true)
-        return DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv, dsinks],
-                            outputs: [.dq, .dk, .dv, .dsinks], workspace: [.delta, .lseResidual], problem: problem)
+        return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv, dsinks],
+                                              outputs: [.dq, .dk, .dv, .dsinks], workspace: [.delta, .lseResidual],
+                                              problem: problem))
     }
 
     /// The function constants (`FA_FUNCTION_CONSTANT_*`) each kernel reads through
@@ -365,8 +386,39 @@ struct DispatchPlan {
                             problem: problem)
     }
 
+    /// A variable-length pass (`problem.varlen`): `plan` after `flash_attention_varlen_sequences`
+    /// (one threadgroup) writes the sequence table from cu_seqlens_q and cu_seqlens_k, its
+    /// dispatches over sequences bind that table at their parameter index (dsinks, which sums over
+    /// all rows of the packed problem, keeps the host's struct). Dense plans are returned as they are.
+    private static func withSequenceTable(_ plan: DispatchPlan) -> DispatchPlan {
+        guard plan.problem.varlen != nil else { return plan }
+        let table = Dispatch(kernelName: "flash_attention_varlen_sequences",
+                             bindings: [BufferBinding(index: Int(FA_VARLEN_BUFFER_CU_SEQLENS_Q), role: .cuSeqlensQ),
+                                        BufferBinding(index: Int(FA_VARLEN_BUFFER_CU_SEQLENS_K), role: .cuSeqlensK),
+                                        BufferBinding(index: Int(FA_VARLEN_BUFFER_TABLE), role: .sequenceTable)],
+                             paramsIndex: Int(FA_VARLEN_BUFFER_PARAMS), params: plan.problem.params,
+                             threadgroupsPerGrid: GridSize(width: 1, height: 1, depth: 1),
+                             threadsPerThreadgroup: threadgroupSize)
+        let dispatches = plan.dispatches.map { dispatch -> Dispatch in
+            var d = dispatch
+            d.blockWork = nil
+            if !d.wholeProblem { d.paramsRole = .sequenceTable }
+            return d
+        }
+        return DispatchPlan(pass: plan.pass, dispatches: [table] + dispatches, outputs: plan.outputs,
+                            workspace: plan.workspace + [.sequenceTable], problem: plan.problem)
+    }
+
     /// ceil(length / block), computed without the overflow of `length + block - 1` near 2^32.
     private static func blocks(_ length: UInt32, _ block: UInt32) -> UInt32 {
         length / block + (length % block == 0 ? 0 : 1)
     }
+}
+
+extension Problem {
+    /// The query rows, keys and batch entries the grids cover: the longest sequence's and the
+    /// sequences of a variable-length batch (whose threadgroups past their sequence's end return).
+    var gridSeqlenQ: UInt32 { varlen?.maxSeqlenQ ?? seqlenQ }
+    var gridSeqlenK: UInt32 { varlen?.maxSeqlenK ?? seqlenK }
+    var gridBatch: UInt32 { varlen?.sequences ?? batch }
 }

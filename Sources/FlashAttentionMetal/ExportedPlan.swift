@@ -116,6 +116,9 @@ extension BufferRole {
         case .lseA: return FA_BUFFER_ROLE_LSE_A
         case .outB: return FA_BUFFER_ROLE_OUT_B
         case .lseB: return FA_BUFFER_ROLE_LSE_B
+        // fa_plan_create refuses variable-length problems, the only ones that bind these.
+        case .cuSeqlensQ, .cuSeqlensK, .sequenceTable:
+            preconditionFailure("\(name) has no fa_buffer_role (fa_plan_create refuses varlen problems)")
         }
     }
 }

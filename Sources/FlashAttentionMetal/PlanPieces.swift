@@ -91,7 +91,8 @@ extension DispatchPlan {
         let unitFlops = flopsPerUnit
         let unitsPerPiece = UInt64(max(1, maxFlops / unitFlops))
         let kvHeads = UInt64(p.numKVHeads)
-        if unitsPerPiece >= UInt64(p.batch) * kvHeads && unitFlops <= maxFlops {
+        // A variable-length plan's sequence table describes the whole problem: it runs whole.
+        if p.varlen != nil || unitsPerPiece >= UInt64(p.batch) * kvHeads && unitFlops <= maxFlops {
             return [PlanPiece(whole: self)]
         }
         var pieces: [PlanPiece] = []

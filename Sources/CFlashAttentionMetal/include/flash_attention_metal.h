@@ -134,6 +134,26 @@ typedef struct fa_problem {
     uint32_t alibi_per_batch;       /* 1: alibi_slopes is [batch][num_heads] */
     const float *sinks;             /* NULL, or [num_heads] float32 logits of one virtual key per head */
     float *dsinks;                  /* backward with sinks: [num_heads] float32 output */
+    /* Added after 0.3.0: variable-length batches (FlashAttention's flash_attn_varlen_func). Both tables
+     * NULL: a dense problem. Both given: `batch` sequences packed along the rows, seqlen_q = total_q
+     * and seqlen_k = total_k rows in all; q (total_q, num_heads, head_dim), k (total_k,
+     * num_kv_heads, head_dim), v (total_k, num_kv_heads, head_dim_v), out like q with head_dim_v,
+     * lse float32 (num_heads, total_q); their fa_strides give the head and row (seq) strides, the
+     * batch stride is ignored (all-zero strides: contiguous (total, heads, dim)). Sequence b is
+     * query rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]),
+     * each attending only within itself with causal and the window bottom-right aligned per
+     * sequence; alibi_slopes may be [batch][num_heads]; attn_mask must be NULL. A sequence may be
+     * empty: its rows get out 0, lse -inf and zero gradients. The tables are int32 [batch + 1] in
+     * host memory (device memory for the exported plan's hosts), starting at 0, non-decreasing,
+     * ending at the totals; the library does not read their values on the host: the kernels clamp
+     * each value into the tensors, so a wrong table gives wrong numbers and rows left unwritten,
+     * never an access out of bounds (the Python package checks tables before the call). The pass
+     * covers max_seqlen_q query rows (max_seqlen_k keys for dk, dv) per sequence: each must be at
+     * least the longest sequence's length, at least 1 and at most the total. */
+    const int32_t *cu_seqlens_q;
+    const int32_t *cu_seqlens_k;
+    uint32_t max_seqlen_q;
+    uint32_t max_seqlen_k;
 } fa_problem;
 
 /* The library's version, FA_VERSION of the header it was built with. Static storage. */
