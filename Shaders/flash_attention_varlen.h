@@ -49,6 +49,17 @@ inline uint clamped_boundary(device const int *cu_seqlens, uint i, uint limit) {
     return clamp_index(long(cu_seqlens[i]), long(limit));
 }
 
+// dst = src word by word: MSL has no implicit copy of a struct between the constant and device
+// address spaces (tools/check_address_spaces.py enforces that), and this follows any new field.
+inline void copy_params(device FlashAttentionParams &dst, constant FlashAttentionParams &src) {
+    static_assert(sizeof(FlashAttentionParams) % 4 == 0, "FlashAttentionParams is whole 32-bit words");
+    device uint *to = reinterpret_cast<device uint *>(&dst);
+    constant uint *from = reinterpret_cast<constant uint *>(&src);
+    for (uint i = 0; i < sizeof(FlashAttentionParams) / 4; ++i) {
+        to[i] = from[i];
+    }
+}
+
 struct VarlenSequencesStorage {
     uint max_q[FA_VARLEN_THREADS];
     uint max_k[FA_VARLEN_THREADS];
@@ -81,20 +92,20 @@ inline void varlen_sequences(device const int *cu_q, device const int *cu_k,
         k0 = max(k0, tg->max_k[t]);
     }
     if (tid == 0) {
-        table[0] = p;
+        copy_params(table[0], p);
     }
     for (uint b = first; b < end; ++b) {
         q0 = max(q0, clamped_boundary(cu_q, b, p.seqlen_q));
         k0 = max(k0, clamped_boundary(cu_k, b, p.seqlen_k));
         const uint q_end = max(q0, clamped_boundary(cu_q, b + 1, p.seqlen_q));
         const uint k_end = max(k0, clamped_boundary(cu_k, b + 1, p.seqlen_k));
-        FlashAttentionParams s = p;
+        device FlashAttentionParams &s = table[1 + b];
+        copy_params(s, p);
         s.seqlen_q = q_end - q0;
         s.seqlen_k = k_end - k0;
-        s.kv_chunk_keys = s.seqlen_k;
+        s.kv_chunk_keys = k_end - k0;
         s.seq_q0 = q0;
         s.seq_k0 = k0;
         s.lse_rows = p.seqlen_q;
-        table[1 + b] = s;
     }
 }

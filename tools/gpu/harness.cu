@@ -44,6 +44,7 @@
 #include "device_array.h"
 #include "kernels.h"
 #include "layout.h"
+#include "varlen_cases.h"
 
 namespace {
 
@@ -584,6 +585,8 @@ int main(int argc, char **argv) {
             ++run;
             mismatches += run_case(c, options, &margins[int(c.shape.dtype)]) ? 0 : 1;
         }
+        // Variable-length batches: each sequence against the dense kernels (varlen_cases.cu).
+        mismatches += run_varlen_cases(options.filter, &run);
         for (DType dtype : {DType::f16, DType::bf16, DType::f32}) {
             const Margins &m = margins[int(dtype)];
             if (m.out_case.empty() && m.lse_case.empty()) {
@@ -599,7 +602,8 @@ int main(int argc, char **argv) {
         }
         std::printf("cuda-accuracy: %d cases, %d mismatches\n", run, mismatches);
     } catch (const CudaFailure &failure) {
-        std::printf("FAIL %-44s CUDA error: %s\n", run > 0 ? cases[run - 1].name.c_str() : "-",
+        const bool in_grid = run > 0 && size_t(run) <= cases.size();
+        std::printf("FAIL %-44s CUDA error: %s\n", in_grid ? cases[run - 1].name.c_str() : "-",
                     failure.message.c_str());
         std::printf("cuda-accuracy: %d cases, %d mismatches (stopped at a CUDA error)\n", run,
                     mismatches + 1);
