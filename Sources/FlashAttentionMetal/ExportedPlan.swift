@@ -92,6 +92,10 @@ final class ExportedPlan {
 }
 
 extension BufferRole {
+    /// The roles an exported plan can bind: all but the variable-length ones (fa_plan_create refuses
+    /// varlen problems).
+    static let withABIRole = allCases.filter { ![.cuSeqlensQ, .cuSeqlensK, .sequenceTable].contains($0) }
+
     /// The role's `fa_buffer_role`.
     var abi: fa_buffer_role {
         switch self {

@@ -224,7 +224,7 @@ public func _exportPlanExecute(_ contextHandle: OpaquePointer?, _ planHandle: Op
             }
             let plan = exported.plan
             var buffers = HostBuffers()
-            for role in BufferRole.allCases {
+            for role in BufferRole.withABIRole {
                 let name = "buffers[\(role.abi.rawValue)] (\(role.name))"
                 guard let (_, usage) = exported.buffers.first(where: { $0.role == role }) else {
                     guard pointer(role) == nil else {

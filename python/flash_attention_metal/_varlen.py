@@ -142,9 +142,15 @@ def check_varlen_lse(lse, shape: Shape) -> np.ndarray:
 
 
 def _tensor(array: np.ndarray, output: bool = False) -> _layout.Tensor:
-    # (total, heads, dim) is the "bshd" form of a one-entry batch.
+    """(total, heads, dim) as the "bshd" form of a one-entry batch, with explicit strides: the ABI
+    reads all-zero strides of a varlen problem as contiguous (total, heads, dim), whereas
+    ``_layout`` gives them to a (batch, heads, seqlen, dim)-contiguous view, e.g. one copied."""
     view = array[np.newaxis]
-    return _layout.as_output(view, "bshd") if output else _layout.as_input(view, "bshd")
+    tensor = _layout.as_output(view, "bshd") if output else _layout.as_input(view, "bshd")
+    if tensor.strides != _layout.CONTIGUOUS:
+        return tensor
+    _, heads, rows, dim = tensor.array.shape
+    return _layout.Tensor(tensor.array, tensor.address, (heads * rows * dim, rows * dim, dim))
 
 
 def _problem(context, checked: Varlen, dtype, tensors: dict):

@@ -145,6 +145,10 @@ def test_strided_views_are_read_in_place_and_give_the_same_bits(ctx):
                                    causal=True)
     for ours, theirs in zip(grads, expected):
         np.testing.assert_array_equal(ours, theirs)
+    # Head-major memory ((heads, total, dim) transposed): the head stride exceeds the row stride.
+    head_major = [np.ascontiguousarray(x.transpose(1, 0, 2)).transpose(1, 0, 2) for x in (qs, ks, vs)]
+    for ours, theirs in zip(ctx.forward_varlen(*head_major, *tables, causal=True), contiguous):
+        np.testing.assert_array_equal(ours, theirs)
 
 
 BAD_TABLES = {
