@@ -20,7 +20,7 @@ public final class FlashAttention: @unchecked Sendable {
     /// The library's version, "MAJOR.MINOR.PATCH" (`FA_VERSION` of the C header).
     public static var version: String { FA_VERSION }
 
-    private let context: Context
+    let context: Context
 
     /// Creates the device state: for Metal a device, a command queue and the compiled kernels; for
     /// the CPU the engine.
@@ -210,7 +210,7 @@ public final class FlashAttention: @unchecked Sendable {
 }
 
 /// Runs `body` with `options`' mask, ALiBi slopes and sinks bound (checked against `problem`).
-private func withOptionalInputs(_ options: AttentionOptions, _ problem: Problem, _ buffers: HostBuffers,
+func withOptionalInputs(_ options: AttentionOptions, _ problem: Problem, _ buffers: HostBuffers,
                                 _ body: (HostBuffers) throws -> Void) throws {
     var buffers = buffers
     func bind<T>(_ array: [T]?, _ role: BufferRole, _ next: () throws -> Void) throws {
@@ -312,7 +312,7 @@ private func expect(_ count: Int, _ role: BufferRole, _ problem: Problem) throws
 }
 
 /// The start of `buffer` after checking that it holds exactly the elements `role` needs.
-private func checked(_ buffer: UnsafeRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
+func checked(_ buffer: UnsafeRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
     -> UnsafeRawPointer {
     try expect(buffer.count / role.elementSize(for: problem), role, problem)
     guard let base = buffer.baseAddress else {
@@ -321,7 +321,7 @@ private func checked(_ buffer: UnsafeRawBufferPointer, _ role: BufferRole, _ pro
     return base
 }
 
-private func checked(_ buffer: UnsafeMutableRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
+func checked(_ buffer: UnsafeMutableRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
     -> UnsafeMutableRawPointer {
     UnsafeMutableRawPointer(mutating: try checked(UnsafeRawBufferPointer(buffer), role, problem))
 }

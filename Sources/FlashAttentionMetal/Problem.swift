@@ -186,7 +186,7 @@ struct Problem {
     /// Validates a Swift shape; `softmaxScale` nil means `1 / sqrt(headDim)`.
     static func validate(_ shape: AttentionShape, dtype: AttentionDType = .float16, causal: Bool,
                          softmaxScale: Float?, strides: ProblemStrides = ProblemStrides(),
-                         options: AttentionOptions = AttentionOptions()) throws -> Problem {
+                         options: AttentionOptions = AttentionOptions(), varlen: VarlenSpec? = nil) throws -> Problem {
         let scale = softmaxScale ?? (shape.headDim > 0 ? 1 / Float(shape.headDim).squareRoot() : 1)
         var maskType = UInt32(FA_MASK_NONE)
         var maskStrides = TensorStrides(batch: 0, head: 0, seq: 0)
@@ -201,7 +201,7 @@ struct Problem {
         return try Problem(shape, dtype: dtype, causal: causal, softmaxScale: scale, strides: strides,
                            window: window, softcap: options.softcap, maskType: maskType, maskStrides: maskStrides,
                            hasAlibi: options.alibiSlopes != nil, alibiPerBatch: alibiPerBatch,
-                           hasSinks: options.sinks != nil)
+                           hasSinks: options.sinks != nil, varlen: varlen)
     }
 
     /// Validates the sizes of a merge (`fa_merge_attention_v2`): `rows` rows of `headDim` elements
