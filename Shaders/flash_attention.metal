@@ -102,20 +102,27 @@ inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgi
 
 // x = A B^T over the SIMD-group's head_dim slice: A the 8 rows [a_row0, a_row0 + 8) of tile `a`,
 // B the rows [8j, 8j + 8) of tile `b` for fragment j of x, summed over the slice's first `active`
-// 8-column fragments (of ND), all of them unless CHECKED.
-template <typename T, uint ND, bool CHECKED, uint N, typename TileA, typename TileB>
+// 8-column fragments (of ND), all of them unless CHECKED. B_PAIRED: tile `b` is in the paired
+// layout of that width (PairedRows), 0 row-major.
+template <typename T, uint ND, bool CHECKED, uint B_PAIRED, uint N, typename TileA, typename TileB>
 inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
                                     uint col0, uint active, FragmentCoord at) {
+    static_assert(B_PAIRED == 0 || ND * 8 == B_PAIRED, "a paired tile is read in one slice");
     clear(x);
     FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
         if (!CHECKED || d < active) {
             simdgroup_float8x8 af;
-            load_fragment<T>(af, a, a_row0, col0 + d * 8, at);
+            load_fragment<T>(af, a, a_row0, col0 / 8 + d, at);
             FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bt;
-                load_fragment_transposed<T>(bt, b, j * 8, col0 + d * 8, at);
+                if (B_PAIRED != 0) {
+                    // One slice (asserted): column fragment d, a constant once unrolled.
+                    load_fragment_paired<T, B_PAIRED>(bt, b, j * 8, d, at);
+                } else {
+                    load_fragment_transposed<T>(bt, b, j * 8, col0 + d * 8, at);
+                }
                 simdgroup_multiply_accumulate(x.f[j], af, bt, x.f[j]);
             }
         }
@@ -124,14 +131,14 @@ inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0
 
 // S = Q K^T, dP = dO V^T and their transposes (see product_transposed_over); x = 0 for a SIMD-group
 // that is not live.
-template <typename T, uint ND, uint N, typename TileA, typename TileB>
+template <typename T, uint ND, uint B_PAIRED = 0, uint N, typename TileA, typename TileB>
 inline void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
                                SimdgroupSlice s, uint active, constant FlashAttentionParams &p,
                                FragmentCoord at) {
     if (p.partial_columns != 0) {
-        product_transposed_over<T, ND, true>(x, a, a_row0, b, s.col0, active, at);
+        product_transposed_over<T, ND, true, B_PAIRED>(x, a, a_row0, b, s.col0, active, at);
     } else if (s.live) {
-        product_transposed_over<T, ND, false>(x, a, a_row0, b, s.col0, active, at);
+        product_transposed_over<T, ND, false, B_PAIRED>(x, a, a_row0, b, s.col0, active, at);
     } else {
         clear(x);
     }
@@ -148,7 +155,7 @@ inline void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<
             FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bf;
-                load_fragment<T>(bf, b, j * 8, col0 + d * 8, at);
+                load_fragment<T>(bf, b, j * 8, col0 / 8 + d, at);
                 simdgroup_multiply_accumulate(acc.f[d], p.f[j], bf, acc.f[d]);
             }
         }
@@ -323,14 +330,16 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, thread TileStream<T
                          uint tid) {
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    load_tile<BK, DP>(tg->k, ks, kv0, p, tid);
+    // K is read only transposed: paired rows where the bucket allows (PairedRows).
+    constexpr uint K_PAIRED = PairedRows<T, DP>::WIDTH;
+    load_tile<BK, DP, K_PAIRED != 0>(tg->k, ks, kv0, p, tid);
     if (WITH_V) {
         load_tile<BK, DP>(tg->v, vs, kv0, p, tid);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     Fragments<NK> sc;
-    product_transposed<T, ND>(sc, tg->q, s.row0, tg->k, s, s.active, p, at);
+    product_transposed<T, ND, K_PAIRED>(sc, tg->q, s.row0, tg->k, s, s.active, p, at);
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
 
     // Online softmax; P replaces S in place.
@@ -796,7 +805,9 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     clear(dq_acc);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile<BK, DP>(v_tile, vs, kv0, p, tid);
+        // V is read only transposed: paired rows where the bucket allows (PairedRows).
+        constexpr uint V_PAIRED = SHARED ? 0 : PairedRows<T, DP>::WIDTH;
+        load_tile<BK, DP, V_PAIRED != 0>(v_tile, vs, kv0, p, tid);
         if (!SHARED) {
             load_tile<BK, DP>(tg->k, ks, kv0, p, tid);
         }
@@ -804,7 +815,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 
         // dP = dO V^T.
         Fragments<NK> dp;
-        product_transposed<T, ND>(dp, tg->dout, s.row0, v_tile, s, s.active_v, p, at);
+        product_transposed<T, ND, V_PAIRED>(dp, tg->dout, s.row0, v_tile, s, s.active_v, p, at);
         if (SHARED) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
             load_tile<BK, DP>(tg->k, ks, kv0, p, tid);

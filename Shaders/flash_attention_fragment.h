@@ -40,17 +40,22 @@ inline void clear(thread Fragments<N> &x) {
     }
 }
 
-// f = tile[row0, row0 + 8) x [col0, col0 + 8), as float: the lane's pair is one 32-bit word of a
-// tile of 2-byte T. `Tile` is a threadgroup tile of elements of type T (flash_attention_loader.h;
-// a template parameter: see metal_stdlib of the CPU engine for why).
+// f = tile[row0, row0 + 8) x [8 fcol, 8 fcol + 8), as float: the lane's pair is one 32-bit word of
+// a tile of 2-byte T, read as one load. `Tile` is a threadgroup tile of elements of type T
+// (flash_attention_loader.h; a template parameter: see metal_stdlib of the CPU engine for why).
+// The column comes as a fragment index so that the lane's chunk and word are the fragment's chunk
+// plus lane-only terms (no division per fragment).
 template <typename T, typename Tile>
-inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint col0,
+inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint fcol,
                           FragmentCoord at) {
-    float lo;
-    float hi;
-    tile_pair<T>(tile, row0 + at.row, col0 + at.col, lo, hi);
-    f.thread_elements()[0] = lo;
-    f.thread_elements()[1] = hi;
+    typedef TileWords<T> W;
+    const uint row = row0 + at.row;
+    const uint chunk = fcol * (8 / W::PER_CHUNK) + at.col / W::PER_CHUNK;
+    const uint w = (at.col % W::PER_CHUNK) / W::PER_WORD;
+    const uint lo = tile[row][chunk][w];
+    f.thread_elements()[0] = W::element(lo, 0);
+    f.thread_elements()[1] =
+        W::PER_WORD == 2 ? W::element(lo, 1) : W::element(tile[row][chunk][w + 1], 0);
 }
 
 // f = the transpose of tile[row0, row0 + 8) x [col0, col0 + 8), as float.
@@ -59,6 +64,22 @@ inline void load_fragment_transposed(thread simdgroup_float8x8 &f, Tile tile, ui
                                      uint col0, FragmentCoord at) {
     f.thread_elements()[0] = tile_element<T>(tile, row0 + at.col, col0 + at.row);
     f.thread_elements()[1] = tile_element<T>(tile, row0 + at.col + 1, col0 + at.row);
+}
+
+// f = the transpose of rows [row0, row0 + 8) x columns [8 fcol, 8 fcol + 8) of a DP-wide tile of
+// 2-byte T in the paired layout (PairedRows, flash_attention_loader.h): the lane's pair, (row0 +
+// at.col, c) and the row after, is one 32-bit word.
+template <typename T, uint DP, typename Tile>
+inline void load_fragment_paired(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint fcol,
+                                 FragmentCoord at) {
+    typedef TileWords<T> W;
+    // Fragments of columns per tile row (a guard for the row-major instances, which never call).
+    constexpr uint HALF = DP >= 16 ? DP / 16 : 1;
+    const uint row = row0 + at.col + fcol / HALF;
+    const uint chunk = fcol % HALF * 2 + at.row / 4;
+    const uint pair = tile[row][chunk][at.row % 4];
+    f.thread_elements()[0] = W::element(pair, 0);
+    f.thread_elements()[1] = W::element(pair, 1);
 }
 
 // The maximum and the sum of x over the four lanes that hold one fragment row.

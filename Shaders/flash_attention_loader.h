@@ -27,21 +27,22 @@
 // which the CPU engine's `threadgroup` could not spell).
 #define FA_ROW_CHUNKS(T, DP) (((DP) + FA_TILE_PAD) * sizeof(T) / FA_CHUNK_BYTES)
 
-// How elements of type T sit in the 32-bit words of a tile: PER_WORD of them, `bits` the word of
-// one element (in the low bits), `element(w, i)` element i of word w as float.
+// How elements of type T sit in the 32-bit words of a tile: PER_WORD of them (PER_CHUNK in a
+// 16-byte chunk), `bits` the word of one element (in the low bits), `element(w, i)` element i of
+// word w as float.
 template <typename T>
 struct TileWords;
 
 template <>
 struct TileWords<half> {
-    enum : uint { PER_WORD = 2 };
+    enum : uint { PER_WORD = 2, PER_CHUNK = FA_CHUNK_BYTES / 2 };
     static inline uint bits(half x) { return uint(as_type<ushort>(x)); }
     static inline float element(uint w, uint i) { return float(as_type<half2>(w)[i]); }
 };
 
 template <>
 struct TileWords<float> {
-    enum : uint { PER_WORD = 1 };
+    enum : uint { PER_WORD = 1, PER_CHUNK = FA_CHUNK_BYTES / 4 };
     static inline uint bits(float x) { return as_type<uint>(x); }
     static inline float element(uint w, uint i) { return as_type<float>(w); }
 };
@@ -49,7 +50,7 @@ struct TileWords<float> {
 #if !defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)
 template <>
 struct TileWords<bfloat> {
-    enum : uint { PER_WORD = 2 };
+    enum : uint { PER_WORD = 2, PER_CHUNK = FA_CHUNK_BYTES / 2 };
     static inline uint bits(bfloat x) { return uint(as_type<ushort>(x)); }
     static inline float element(uint w, uint i) { return float(as_type<bfloat>(ushort(w >> (16 * i)))); }
 };
@@ -68,22 +69,12 @@ inline float tile_element(Tile tile, uint row, uint col) {
     return W::element(tile_word(tile, row, col / W::PER_WORD), col % W::PER_WORD);
 }
 
-// Elements (row, col) and (row, col + 1) of a tile of T, col even, as float: into lo and hi (for
-// 2-byte T both from one word).
-template <typename T, typename Tile>
-inline void tile_pair(Tile tile, uint row, uint col, thread float &lo, thread float &hi) {
-    typedef TileWords<T> W;
-    const uint w = tile_word(tile, row, col / W::PER_WORD);
-    lo = W::element(w, 0);
-    hi = W::PER_WORD == 2 ? W::element(w, 1) : W::element(tile_word(tile, row, col + 1), 0);
-}
-
 // Copies rows [first, first + ROWS) of a [seqlen][cols] matrix of T whose rows lie `stride`
 // elements apart (src points at its row 0) into the tile, zero past seqlen and past cols, element
 // by element with every bound checked: the path of a call whose tensors are not 16-byte aligned.
 // Each thread writes whole words (threads never share one); the threadgroup's threads share the
-// copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
-template <uint ROWS, uint DP, typename T, typename Tile>
+// copy (thread `tid` of FA_THREADS_PER_THREADGROUP). PAIRED: in the paired layout (PairedRows).
+template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
 inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, ulong stride,
                       uint cols, uint tid) {
     constexpr uint PER_WORD = TileWords<T>::PER_WORD;
@@ -94,11 +85,13 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
         if (WORDS % FA_THREADS_PER_THREADGROUP == 0 || e < WORDS) {
             const uint r = e / (DP / PER_WORD);
             const uint w = e % (DP / PER_WORD);
-            const ulong row = ulong(first) + r;
             uint bits = 0;
             FA_UNROLL
             for (uint i = 0; i < PER_WORD; ++i) {
-                const uint d = w * PER_WORD + i;
+                // Word w of tile row r holds elements (r, w * PER_WORD + i); paired, element
+                // (r - r % 2 + i, r % 2 * DP / 2 + w).
+                const ulong row = ulong(first) + (PAIRED ? r - r % 2 + i : r);
+                const uint d = PAIRED ? r % 2 * (DP / 2) + w : w * PER_WORD + i;
                 if (row < seqlen && d < cols) {
                     bits |= TileWords<T>::bits(src[row * stride + d]) << (16 * i);
                 }
@@ -107,6 +100,26 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
         }
     }
 }
+
+// The paired layout of a tile of 2-byte T, for a matrix that the products read only transposed
+// (K in the forward, V in dQ): rows 2i and 2i + 1 share tile rows 2i and 2i + 1, column c of both
+// in one 32-bit word (row 2i in the low half), columns below DP / 2 in tile row 2i and the rest in
+// tile row 2i + 1. A lane's pair of a transposed fragment, (r, c) and (r + 1, c) with r even, is
+// then one word (load_fragment_paired) instead of two elements of two rows. MLX's steel attention
+// stores K transposed for the same reason (its K loader writes the tile with the column stride;
+// ml-explore/mlx steel/attn/kernels/steel_attention.h, facts only); pairs keep the copy's 16-byte
+// stores. The copy pairs a thread's chunk with the same chunk of the next (or previous) row, which
+// thread tid ^ CHUNKS of its SIMD-group holds (two SIMD shuffles per chunk), so it needs a
+// power-of-two CHUNKS below 32: head_dim 32, 64 and 128 buckets; the others stay row-major.
+template <typename T, uint DP>
+struct PairedRows {
+    enum : uint {
+        CHUNKS = DP * sizeof(T) / FA_CHUNK_BYTES,
+        ON = sizeof(T) == 2 && CHUNKS < 32 && (CHUNKS & (CHUNKS - 1)) == 0,
+        // The template argument of the products that read such a tile: its width, 0 if row-major.
+        WIDTH = ON ? DP : 0,
+    };
+};
 
 // One thread's part of copying tiles of ROWS rows of a [seqlen][cols] matrix, DP columns wide
 // (cols <= DP), one tile after the other. The CHUNKS chunks of a row are spread over the threads:
@@ -169,14 +182,63 @@ inline void seek(thread TileStream<T, ROWS, DP> &s, device const T *src, uint fi
              s.chunk;
 }
 
-// Copies rows [first, first + ROWS) into `tile`, the thread's chunks starting at `from`.
+// Copies rows [first, first + ROWS) into `tile` in the paired layout (PairedRows): the thread's
+// chunk of row r and the same chunk of row r ^ 1, interleaved, give the chunk that it stores; the
+// partner thread (tid ^ CHUNKS) stores the other half. Every lane reaches the shuffles.
 template <uint ROWS, uint DP, typename T, typename Tile>
+inline void copy_paired(Tile tile, thread const TileStream<T, ROWS, DP> &s,
+                        device const uint4 *from, uint first) {
+    typedef TileStream<T, ROWS, DP> S;
+    // Instantiated for every stream (C++14 has no `if constexpr`); copy_tile asserts the layout.
+    constexpr uint HALF = S::CHUNKS > 1 ? S::CHUNKS / 2 : 1;
+    const bool interior = first + ROWS <= s.seqlen;
+    const uint rows_inside = s.seqlen > first ? s.seqlen - first : 0;
+    // Read once: the shuffles are calls, after which the stream's fields would be read again.
+    const uint row = s.row;
+    const bool cols_inside = s.cols_inside;
+    const bool odd = (row & 1) != 0;
+    // The thread's chunk of the pair's two tile rows (STEP is even: the parity stays).
+    const uint half_row = row - (row & 1) + s.chunk / HALF;
+    const uint out_chunk = 2 * (s.chunk % HALF) + (row & 1);
+    FA_UNROLL
+    for (uint k = 0; k < S::PASSES; ++k) {
+        uint4 own = uint4(0);
+        if (cols_inside && (interior || row + k * S::STEP < rows_inside)) {
+            own = *from;
+        }
+        from += s.pass_step;
+        // The even row's thread stores columns 0-3 of the chunk, the odd row's columns 4-7: each
+        // sends the partner the two words it lacks.
+        const uint in0 = simd_shuffle_xor(odd ? own.x : own.z, ushort(S::CHUNKS));
+        const uint in1 = simd_shuffle_xor(odd ? own.y : own.w, ushort(S::CHUNKS));
+        const uint lo0 = odd ? in0 : own.x;
+        const uint lo1 = odd ? in1 : own.y;
+        const uint hi0 = odd ? own.z : in0;
+        const uint hi1 = odd ? own.w : in1;
+        uint4 pair;
+        pair.x = (lo0 & 0xffffu) | (hi0 << 16);
+        pair.y = (lo0 >> 16) | (hi0 & 0xffff0000u);
+        pair.z = (lo1 & 0xffffu) | (hi1 << 16);
+        pair.w = (lo1 >> 16) | (hi1 & 0xffff0000u);
+        tile[half_row + k * S::STEP][out_chunk] = pair;
+    }
+}
+
+// Copies rows [first, first + ROWS) into `tile`, the thread's chunks starting at `from` (in the
+// paired layout when PAIRED).
+template <uint ROWS, uint DP, bool PAIRED, typename T, typename Tile>
 inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
                       device const uint4 *from, uint first, constant FlashAttentionParams &p,
                       uint tid) {
     typedef TileStream<T, ROWS, DP> S;
+    static_assert(!PAIRED || (PairedRows<T, DP>::ON != 0 && S::EXACT != 0 && ROWS % 2 == 0),
+                  "paired tiles need whole row pairs and a power-of-two chunk count below 32");
     if (p.scalar_copies != 0) {
-        load_rows<ROWS, DP>(tile, s.src, first, s.seqlen, s.stride, s.cols, tid);
+        load_rows<ROWS, DP, PAIRED>(tile, s.src, first, s.seqlen, s.stride, s.cols, tid);
+        return;
+    }
+    if (PAIRED) {
+        copy_paired(tile, s, from, first);
         return;
     }
     const uint4 zero = uint4(0);
@@ -212,20 +274,21 @@ inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
     }
 }
 
-// Copies the stream's next tile, rows [first, first + ROWS), into `tile` and advances the stream
-// to the tile after it. Every thread of the threadgroup calls it with the same `first`: the first
-// row of the previous call plus ROWS (or the `first` of tile_stream or seek).
-template <uint ROWS, uint DP, typename T, typename Tile>
+// Copies the stream's next tile, rows [first, first + ROWS), into `tile` (in the paired layout
+// when PAIRED) and advances the stream to the tile after it. Every thread of the threadgroup calls
+// it with the same `first`: the first row of the previous call plus ROWS (or the `first` of
+// tile_stream or seek).
+template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
 inline void load_tile(Tile tile, thread TileStream<T, ROWS, DP> &s, uint first,
                       constant FlashAttentionParams &p, uint tid) {
     device const uint4 *from = s.next;
     s.next += s.tile_step;
-    copy_tile(tile, s, from, first, p, tid);
+    copy_tile<ROWS, DP, PAIRED>(tile, s, from, first, p, tid);
 }
 
 // Copies the tile that the last load_tile of the stream copied (rows [first, first + ROWS)) again.
 template <uint ROWS, uint DP, typename T, typename Tile>
 inline void reload_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s, uint first,
                         constant FlashAttentionParams &p, uint tid) {
-    copy_tile(tile, s, s.next - s.tile_step, first, p, tid);
+    copy_tile<ROWS, DP, false>(tile, s, s.next - s.tile_step, first, p, tid);
 }

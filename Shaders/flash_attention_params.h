@@ -71,8 +71,9 @@ typedef struct FlashAttentionParams {
     // one of their strides, head_dim or head_dim_v is not a multiple of 16 bytes), so every copy
     // takes the checked scalar path (flash_attention_loader.h).
     fa_u32 scalar_copies;
-    // 1: head_dim or head_dim_v is below the bucket's width, so the products skip the zero
-    // fragments past them (the active-fragment test).
+    // 1: a whole 8-column fragment of the bucket lies past head_dim or head_dim_v (rounded up to
+    // a multiple of 8), so the products skip the zero fragments past them (the active-fragment
+    // test). Columns past head_dim inside a fragment are zero in the tiles and need no test.
     fa_u32 partial_columns;
     // Added to a threadgroup's x index (threadgroup_position_in_grid.x) by the kernels whose x
     // axis is a block of rows: query blocks (forward, split-KV forward, lse residual, delta, dQ)

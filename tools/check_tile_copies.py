@@ -4,8 +4,9 @@
 Compiles the kernels as tools/check_address_spaces.py does (C++ for OpenCL 2021, SPIR target, the
 <metal_stdlib> of tools/clcpp), at -O2 with line tables, and attributes every instruction to the
 innermost source function it came from (the debug scopes survive inlining). Then it requires of the
-code of the 16-byte tile copy, `copy_tile` in Shaders/flash_attention_loader.h, in every kernel
-(its checked scalar path, `load_rows`, is a function of its own and exempt):
+code of the 16-byte tile copies, `copy_tile` and `copy_paired` (the paired layout) in
+Shaders/flash_attention_loader.h, in every kernel (their checked scalar path, `load_rows`, is a
+function of its own and exempt):
   - no 64-bit integer multiply and no integer division or remainder (the thread's row and chunk
     are computed once per kernel in `tile_stream`; a tile moves its pointer by additions),
   - every device load 16 bytes wide and at least one such load (the copies move whole chunks),
@@ -31,6 +32,7 @@ import check_address_spaces  # noqa: E402  (the compile command and the clang it
 
 ROOT = check_address_spaces.ROOT
 COPY = "copy_tile"
+COPIES = (COPY, "copy_paired")
 SCALAR_PATH = "load_rows"
 PER_TILE = ("product_transposed_over", "accumulate_product_over", "forward_tile")
 
@@ -81,17 +83,17 @@ def findings(ir: str) -> list[str]:
         if not debug:
             continue
         function = where.get(debug.group(1), "?")
-        if function == COPY:
+        if function in COPIES:
             load = DEVICE_LOAD.search(line)
             if load:
                 width = WIDTHS.get(load.group(1).strip())
                 if width is None:
-                    problems.append(f"{COPY}: a device load narrower than 16 bytes: {line.strip()}")
+                    problems.append(f"{function}: a device load narrower than 16 bytes: {line.strip()}")
                 else:
                     counts["wide"] += 1
             if DEVICE_COPY.search(line):
                 counts["wide"] += 1
-        if function == COPY or function in PER_TILE:
+        if function in COPIES or function in PER_TILE:
             if MUL64.search(line):
                 problems.append(f"{function}: a 64-bit multiply: {line.strip()}")
             if DIVISION.search(line):

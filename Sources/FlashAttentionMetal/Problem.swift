@@ -357,6 +357,9 @@ struct Problem {
     /// The kernels' parameter struct for this problem.
     var params: FlashAttentionParams {
         func strides(_ role: BufferRole) -> FlashAttentionStrides { layouts[role]!.params }
+        // Columns a head dim fills in whole 8-column fragments: the products skip fragments only
+        // where this falls short of the bucket (the tiles are zero past head_dim in any case).
+        func fragmentColumns(_ dim: UInt32) -> UInt32 { (dim + 7) / 8 * 8 }
         return FlashAttentionParams(
             q: strides(.q), k: strides(.k), v: strides(.v), out: strides(.out), dout: strides(.dout),
             dq: strides(.dq), dk: strides(.dk), dv: strides(.dv),
@@ -368,7 +371,8 @@ struct Problem {
             mask_type: scores.maskType, has_alibi: scores.hasAlibi ? 1 : 0, has_sinks: scores.hasSinks ? 1 : 0,
             kv_chunks: split?.chunks ?? 1, kv_chunk_keys: split?.chunkKeys ?? seqlenK,
             scalar_copies: layoutsAllowChunks ? 0 : 1,
-            partial_columns: headDim == bucket.head_dim_max && headDimV == bucket.head_dim_max ? 0 : 1,
+            partial_columns: fragmentColumns(headDim) == bucket.head_dim_max
+                && fragmentColumns(headDimV) == bucket.head_dim_max ? 0 : 1,
             block_offset: 0, sequences: varlen?.sequences ?? 0, seq_q0: 0, seq_k0: 0, lse_rows: 0)
     }
 

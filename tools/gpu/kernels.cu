@@ -416,7 +416,8 @@ namespace {
 // (FlashAttentionParams.scalar_copies and partial_columns, Problem.swift): the checked scalar copy
 // when a tensor the kernels copy in tiles (those in `copied`, null for unbound) starts at an
 // address, or has head_dim, head_dim_v or a stride that is not a multiple of FA_CHUNK_BYTES
-// bytes; the active-fragment test when head_dim or head_dim_v is below the bucket's width.
+// bytes; the active-fragment test when a whole 8-column fragment of the bucket lies past head_dim
+// or head_dim_v.
 FlashAttentionParams edge_paths(FlashAttentionParams p, int dtype,
                                 std::initializer_list<const void *> copied) {
     const uint64_t size = dtype == FA_DTYPE_F32 ? 4 : 2;
@@ -432,7 +433,9 @@ FlashAttentionParams edge_paths(FlashAttentionParams p, int dtype,
     }
     const unsigned width = fa_cuda_bucket(p, dtype);
     p.scalar_copies = chunks ? 0u : 1u;
-    p.partial_columns = p.head_dim == width && p.head_dim_v == width ? 0u : 1u;
+    const auto fragment_columns = [](unsigned dim) { return (dim + 7) / 8 * 8; };
+    p.partial_columns =
+        fragment_columns(p.head_dim) == width && fragment_columns(p.head_dim_v) == width ? 0u : 1u;
     return p;
 }
 

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "79a83b7efa7913af"
+    static let sourceHash = "fe9ccd87cac90eb2"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -135,8 +135,9 @@ typedef struct FlashAttentionParams {
     // one of their strides, head_dim or head_dim_v is not a multiple of 16 bytes), so every copy
     // takes the checked scalar path (flash_attention_loader.h).
     fa_u32 scalar_copies;
-    // 1: head_dim or head_dim_v is below the bucket's width, so the products skip the zero
-    // fragments past them (the active-fragment test).
+    // 1: a whole 8-column fragment of the bucket lies past head_dim or head_dim_v (rounded up to
+    // a multiple of 8), so the products skip the zero fragments past them (the active-fragment
+    // test). Columns past head_dim inside a fragment are zero in the tiles and need no test.
     fa_u32 partial_columns;
     // Added to a threadgroup's x index (threadgroup_position_in_grid.x) by the kernels whose x
     // axis is a block of rows: query blocks (forward, split-KV forward, lse residual, delta, dQ)
@@ -437,21 +438,22 @@ inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? t
 // which the CPU engine's `threadgroup` could not spell).
 #define FA_ROW_CHUNKS(T, DP) (((DP) + FA_TILE_PAD) * sizeof(T) / FA_CHUNK_BYTES)
 
-// How elements of type T sit in the 32-bit words of a tile: PER_WORD of them, `bits` the word of
-// one element (in the low bits), `element(w, i)` element i of word w as float.
+// How elements of type T sit in the 32-bit words of a tile: PER_WORD of them (PER_CHUNK in a
+// 16-byte chunk), `bits` the word of one element (in the low bits), `element(w, i)` element i of
+// word w as float.
 template <typename T>
 struct TileWords;
 
 template <>
 struct TileWords<half> {
-    enum : uint { PER_WORD = 2 };
+    enum : uint { PER_WORD = 2, PER_CHUNK = FA_CHUNK_BYTES / 2 };
     static inline uint bits(half x) { return uint(as_type<ushort>(x)); }
     static inline float element(uint w, uint i) { return float(as_type<half2>(w)[i]); }
 };
 
 template <>
 struct TileWords<float> {
-    enum : uint { PER_WORD = 1 };
+    enum : uint { PER_WORD = 1, PER_CHUNK = FA_CHUNK_BYTES / 4 };
     static inline uint bits(float x) { return as_type<uint>(x); }
     static inline float element(uint w, uint i) { return as_type<float>(w); }
 };
@@ -459,7 +461,7 @@ struct TileWords<float> {
 #if !defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)
 template <>
 struct TileWords<bfloat> {
-    enum : uint { PER_WORD = 2 };
+    enum : uint { PER_WORD = 2, PER_CHUNK = FA_CHUNK_BYTES / 2 };
     static inline uint bits(bfloat x) { return uint(as_type<ushort>(x)); }
     static inline float element(uint w, uint i) { return float(as_type<bfloat>(ushort(w >> (16 * i)))); }
 };
@@ -478,22 +480,12 @@ inline float tile_element(Tile tile, uint row, uint col) {
     return W::element(tile_word(tile, row, col / W::PER_WORD), col % W::PER_WORD);
 }
 
-// Elements (row, col) and (row, col + 1) of a tile of T, col even, as float: into lo and hi (for
-// 2-byte T both from one word).
-template <typename T, typename Tile>
-inline void tile_pair(Tile tile, uint row, uint col, thread float &lo, thread float &hi) {
-    typedef TileWords<T> W;
-    const uint w = tile_word(tile, row, col / W::PER_WORD);
-    lo = W::element(w, 0);
-    hi = W::PER_WORD == 2 ? W::element(w, 1) : W::element(tile_word(tile, row, col + 1), 0);
-}
-
 // Copies rows [first, first + ROWS) of a [seqlen][cols] matrix of T whose rows lie `stride`
 // elements apart (src points at its row 0) into the tile, zero past seqlen and past cols, element
 // by element with every bound checked: the path of a call whose tensors are not 16-byte aligned.
 // Each thread writes whole words (threads never share one); the threadgroup's threads share the
-// copy (thread `tid` of FA_THREADS_PER_THREADGROUP).
-template <uint ROWS, uint DP, typename T, typename Tile>
+// copy (thread `tid` of FA_THREADS_PER_THREADGROUP). PAIRED: in the paired layout (PairedRows).
+template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
 inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, ulong stride,
                       uint cols, uint tid) {
     constexpr uint PER_WORD = TileWords<T>::PER_WORD;
@@ -504,11 +496,13 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
         if (WORDS % FA_THREADS_PER_THREADGROUP == 0 || e < WORDS) {
             const uint r = e / (DP / PER_WORD);
             const uint w = e % (DP / PER_WORD);
-            const ulong row = ulong(first) + r;
             uint bits = 0;
             FA_UNROLL
             for (uint i = 0; i < PER_WORD; ++i) {
-                const uint d = w * PER_WORD + i;
+                // Word w of tile row r holds elements (r, w * PER_WORD + i); paired, element
+                // (r - r % 2 + i, r % 2 * DP / 2 + w).
+                const ulong row = ulong(first) + (PAIRED ? r - r % 2 + i : r);
+                const uint d = PAIRED ? r % 2 * (DP / 2) + w : w * PER_WORD + i;
                 if (row < seqlen && d < cols) {
                     bits |= TileWords<T>::bits(src[row * stride + d]) << (16 * i);
                 }
@@ -517,6 +511,26 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
         }
     }
 }
+
+// The paired layout of a tile of 2-byte T, for a matrix that the products read only transposed
+// (K in the forward, V in dQ): rows 2i and 2i + 1 share tile rows 2i and 2i + 1, column c of both
+// in one 32-bit word (row 2i in the low half), columns below DP / 2 in tile row 2i and the rest in
+// tile row 2i + 1. A lane's pair of a transposed fragment, (r, c) and (r + 1, c) with r even, is
+// then one word (load_fragment_paired) instead of two elements of two rows. MLX's steel attention
+// stores K transposed for the same reason (its K loader writes the tile with the column stride;
+// ml-explore/mlx steel/attn/kernels/steel_attention.h, facts only); pairs keep the copy's 16-byte
+// stores. The copy pairs a thread's chunk with the same chunk of the next (or previous) row, which
+// thread tid ^ CHUNKS of its SIMD-group holds (two SIMD shuffles per chunk), so it needs a
+// power-of-two CHUNKS below 32: head_dim 32, 64 and 128 buckets; the others stay row-major.
+template <typename T, uint DP>
+struct PairedRows {
+    enum : uint {
+        CHUNKS = DP * sizeof(T) / FA_CHUNK_BYTES,
+        ON = sizeof(T) == 2 && CHUNKS < 32 && (CHUNKS & (CHUNKS - 1)) == 0,
+        // The template argument of the products that read such a tile: its width, 0 if row-major.
+        WIDTH = ON ? DP : 0,
+    };
+};
 
 // One thread's part of copying tiles of ROWS rows of a [seqlen][cols] matrix, DP columns wide
 // (cols <= DP), one tile after the other. The CHUNKS chunks of a row are spread over the threads:
@@ -579,14 +593,63 @@ inline void seek(thread TileStream<T, ROWS, DP> &s, device const T *src, uint fi
              s.chunk;
 }
 
-// Copies rows [first, first + ROWS) into `tile`, the thread's chunks starting at `from`.
+// Copies rows [first, first + ROWS) into `tile` in the paired layout (PairedRows): the thread's
+// chunk of row r and the same chunk of row r ^ 1, interleaved, give the chunk that it stores; the
+// partner thread (tid ^ CHUNKS) stores the other half. Every lane reaches the shuffles.
 template <uint ROWS, uint DP, typename T, typename Tile>
+inline void copy_paired(Tile tile, thread const TileStream<T, ROWS, DP> &s,
+                        device const uint4 *from, uint first) {
+    typedef TileStream<T, ROWS, DP> S;
+    // Instantiated for every stream (C++14 has no `if constexpr`); copy_tile asserts the layout.
+    constexpr uint HALF = S::CHUNKS > 1 ? S::CHUNKS / 2 : 1;
+    const bool interior = first + ROWS <= s.seqlen;
+    const uint rows_inside = s.seqlen > first ? s.seqlen - first : 0;
+    // Read once: the shuffles are calls, after which the stream's fields would be read again.
+    const uint row = s.row;
+    const bool cols_inside = s.cols_inside;
+    const bool odd = (row & 1) != 0;
+    // The thread's chunk of the pair's two tile rows (STEP is even: the parity stays).
+    const uint half_row = row - (row & 1) + s.chunk / HALF;
+    const uint out_chunk = 2 * (s.chunk % HALF) + (row & 1);
+    FA_UNROLL
+    for (uint k = 0; k < S::PASSES; ++k) {
+        uint4 own = uint4(0);
+        if (cols_inside && (interior || row + k * S::STEP < rows_inside)) {
+            own = *from;
+        }
+        from += s.pass_step;
+        // The even row's thread stores columns 0-3 of the chunk, the odd row's columns 4-7: each
+        // sends the partner the two words it lacks.
+        const uint in0 = simd_shuffle_xor(odd ? own.x : own.z, ushort(S::CHUNKS));
+        const uint in1 = simd_shuffle_xor(odd ? own.y : own.w, ushort(S::CHUNKS));
+        const uint lo0 = odd ? in0 : own.x;
+        const uint lo1 = odd ? in1 : own.y;
+        const uint hi0 = odd ? own.z : in0;
+        const uint hi1 = odd ? own.w : in1;
+        uint4 pair;
+        pair.x = (lo0 & 0xffffu) | (hi0 << 16);
+        pair.y = (lo0 >> 16) | (hi0 & 0xffff0000u);
+        pair.z = (lo1 & 0xffffu) | (hi1 << 16);
+        pair.w = (lo1 >> 16) | (hi1 & 0xffff0000u);
+        tile[half_row + k * S::STEP][out_chunk] = pair;
+    }
+}
+
+// Copies rows [first, first + ROWS) into `tile`, the thread's chunks starting at `from` (in the
+// paired layout when PAIRED).
+template <uint ROWS, uint DP, bool PAIRED, typename T, typename Tile>
 inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
                       device const uint4 *from, uint first, constant FlashAttentionParams &p,
                       uint tid) {
     typedef TileStream<T, ROWS, DP> S;
+    static_assert(!PAIRED || (PairedRows<T, DP>::ON != 0 && S::EXACT != 0 && ROWS % 2 == 0),
+                  "paired tiles need whole row pairs and a power-of-two chunk count below 32");
     if (p.scalar_copies != 0) {
-        load_rows<ROWS, DP>(tile, s.src, first, s.seqlen, s.stride, s.cols, tid);
+        load_rows<ROWS, DP, PAIRED>(tile, s.src, first, s.seqlen, s.stride, s.cols, tid);
+        return;
+    }
+    if (PAIRED) {
+        copy_paired(tile, s, from, first);
         return;
     }
     const uint4 zero = uint4(0);
@@ -622,22 +685,23 @@ inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
     }
 }
 
-// Copies the stream's next tile, rows [first, first + ROWS), into `tile` and advances the stream
-// to the tile after it. Every thread of the threadgroup calls it with the same `first`: the first
-// row of the previous call plus ROWS (or the `first` of tile_stream or seek).
-template <uint ROWS, uint DP, typename T, typename Tile>
+// Copies the stream's next tile, rows [first, first + ROWS), into `tile` (in the paired layout
+// when PAIRED) and advances the stream to the tile after it. Every thread of the threadgroup calls
+// it with the same `first`: the first row of the previous call plus ROWS (or the `first` of
+// tile_stream or seek).
+template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
 inline void load_tile(Tile tile, thread TileStream<T, ROWS, DP> &s, uint first,
                       constant FlashAttentionParams &p, uint tid) {
     device const uint4 *from = s.next;
     s.next += s.tile_step;
-    copy_tile(tile, s, from, first, p, tid);
+    copy_tile<ROWS, DP, PAIRED>(tile, s, from, first, p, tid);
 }
 
 // Copies the tile that the last load_tile of the stream copied (rows [first, first + ROWS)) again.
 template <uint ROWS, uint DP, typename T, typename Tile>
 inline void reload_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s, uint first,
                         constant FlashAttentionParams &p, uint tid) {
-    copy_tile(tile, s, s.next - s.tile_step, first, p, tid);
+    copy_tile<ROWS, DP, false>(tile, s, s.next - s.tile_step, first, p, tid);
 }
 // ---- end flash_attention_loader.h ----
 // ---- begin flash_attention_fragment.h (spliced by tools/embed_shaders.py) ----
@@ -683,17 +747,22 @@ inline void clear(thread Fragments<N> &x) {
     }
 }
 
-// f = tile[row0, row0 + 8) x [col0, col0 + 8), as float: the lane's pair is one 32-bit word of a
-// tile of 2-byte T. `Tile` is a threadgroup tile of elements of type T (flash_attention_loader.h;
-// a template parameter: see metal_stdlib of the CPU engine for why).
+// f = tile[row0, row0 + 8) x [8 fcol, 8 fcol + 8), as float: the lane's pair is one 32-bit word of
+// a tile of 2-byte T, read as one load. `Tile` is a threadgroup tile of elements of type T
+// (flash_attention_loader.h; a template parameter: see metal_stdlib of the CPU engine for why).
+// The column comes as a fragment index so that the lane's chunk and word are the fragment's chunk
+// plus lane-only terms (no division per fragment).
 template <typename T, typename Tile>
-inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint col0,
+inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint fcol,
                           FragmentCoord at) {
-    float lo;
-    float hi;
-    tile_pair<T>(tile, row0 + at.row, col0 + at.col, lo, hi);
-    f.thread_elements()[0] = lo;
-    f.thread_elements()[1] = hi;
+    typedef TileWords<T> W;
+    const uint row = row0 + at.row;
+    const uint chunk = fcol * (8 / W::PER_CHUNK) + at.col / W::PER_CHUNK;
+    const uint w = (at.col % W::PER_CHUNK) / W::PER_WORD;
+    const uint lo = tile[row][chunk][w];
+    f.thread_elements()[0] = W::element(lo, 0);
+    f.thread_elements()[1] =
+        W::PER_WORD == 2 ? W::element(lo, 1) : W::element(tile[row][chunk][w + 1], 0);
 }
 
 // f = the transpose of tile[row0, row0 + 8) x [col0, col0 + 8), as float.
@@ -702,6 +771,22 @@ inline void load_fragment_transposed(thread simdgroup_float8x8 &f, Tile tile, ui
                                      uint col0, FragmentCoord at) {
     f.thread_elements()[0] = tile_element<T>(tile, row0 + at.col, col0 + at.row);
     f.thread_elements()[1] = tile_element<T>(tile, row0 + at.col + 1, col0 + at.row);
+}
+
+// f = the transpose of rows [row0, row0 + 8) x columns [8 fcol, 8 fcol + 8) of a DP-wide tile of
+// 2-byte T in the paired layout (PairedRows, flash_attention_loader.h): the lane's pair, (row0 +
+// at.col, c) and the row after, is one 32-bit word.
+template <typename T, uint DP, typename Tile>
+inline void load_fragment_paired(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint fcol,
+                                 FragmentCoord at) {
+    typedef TileWords<T> W;
+    // Fragments of columns per tile row (a guard for the row-major instances, which never call).
+    constexpr uint HALF = DP >= 16 ? DP / 16 : 1;
+    const uint row = row0 + at.col + fcol / HALF;
+    const uint chunk = fcol % HALF * 2 + at.row / 4;
+    const uint pair = tile[row][chunk][at.row % 4];
+    f.thread_elements()[0] = W::element(pair, 0);
+    f.thread_elements()[1] = W::element(pair, 1);
 }
 
 // The maximum and the sum of x over the four lanes that hold one fragment row.
@@ -1081,20 +1166,27 @@ inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgi
 
 // x = A B^T over the SIMD-group's head_dim slice: A the 8 rows [a_row0, a_row0 + 8) of tile `a`,
 // B the rows [8j, 8j + 8) of tile `b` for fragment j of x, summed over the slice's first `active`
-// 8-column fragments (of ND), all of them unless CHECKED.
-template <typename T, uint ND, bool CHECKED, uint N, typename TileA, typename TileB>
+// 8-column fragments (of ND), all of them unless CHECKED. B_PAIRED: tile `b` is in the paired
+// layout of that width (PairedRows), 0 row-major.
+template <typename T, uint ND, bool CHECKED, uint B_PAIRED, uint N, typename TileA, typename TileB>
 inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
                                     uint col0, uint active, FragmentCoord at) {
+    static_assert(B_PAIRED == 0 || ND * 8 == B_PAIRED, "a paired tile is read in one slice");
     clear(x);
     FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
         if (!CHECKED || d < active) {
             simdgroup_float8x8 af;
-            load_fragment<T>(af, a, a_row0, col0 + d * 8, at);
+            load_fragment<T>(af, a, a_row0, col0 / 8 + d, at);
             FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bt;
-                load_fragment_transposed<T>(bt, b, j * 8, col0 + d * 8, at);
+                if (B_PAIRED != 0) {
+                    // One slice (asserted): column fragment d, a constant once unrolled.
+                    load_fragment_paired<T, B_PAIRED>(bt, b, j * 8, d, at);
+                } else {
+                    load_fragment_transposed<T>(bt, b, j * 8, col0 + d * 8, at);
+                }
                 simdgroup_multiply_accumulate(x.f[j], af, bt, x.f[j]);
             }
         }
@@ -1103,14 +1195,14 @@ inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0
 
 // S = Q K^T, dP = dO V^T and their transposes (see product_transposed_over); x = 0 for a SIMD-group
 // that is not live.
-template <typename T, uint ND, uint N, typename TileA, typename TileB>
+template <typename T, uint ND, uint B_PAIRED = 0, uint N, typename TileA, typename TileB>
 inline void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
                                SimdgroupSlice s, uint active, constant FlashAttentionParams &p,
                                FragmentCoord at) {
     if (p.partial_columns != 0) {
-        product_transposed_over<T, ND, true>(x, a, a_row0, b, s.col0, active, at);
+        product_transposed_over<T, ND, true, B_PAIRED>(x, a, a_row0, b, s.col0, active, at);
     } else if (s.live) {
-        product_transposed_over<T, ND, false>(x, a, a_row0, b, s.col0, active, at);
+        product_transposed_over<T, ND, false, B_PAIRED>(x, a, a_row0, b, s.col0, active, at);
     } else {
         clear(x);
     }
@@ -1127,7 +1219,7 @@ inline void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<
             FA_UNROLL
             for (uint j = 0; j < N; ++j) {
                 simdgroup_float8x8 bf;
-                load_fragment<T>(bf, b, j * 8, col0 + d * 8, at);
+                load_fragment<T>(bf, b, j * 8, col0 / 8 + d, at);
                 simdgroup_multiply_accumulate(acc.f[d], p.f[j], bf, acc.f[d]);
             }
         }
@@ -1302,14 +1394,16 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, thread TileStream<T
                          uint tid) {
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    load_tile<BK, DP>(tg->k, ks, kv0, p, tid);
+    // K is read only transposed: paired rows where the bucket allows (PairedRows).
+    constexpr uint K_PAIRED = PairedRows<T, DP>::WIDTH;
+    load_tile<BK, DP, K_PAIRED != 0>(tg->k, ks, kv0, p, tid);
     if (WITH_V) {
         load_tile<BK, DP>(tg->v, vs, kv0, p, tid);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
     Fragments<NK> sc;
-    product_transposed<T, ND>(sc, tg->q, s.row0, tg->k, s, s.active, p, at);
+    product_transposed<T, ND, K_PAIRED>(sc, tg->q, s.row0, tg->k, s, s.active, p, at);
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
 
     // Online softmax; P replaces S in place.
@@ -1775,7 +1869,9 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     clear(dq_acc);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile<BK, DP>(v_tile, vs, kv0, p, tid);
+        // V is read only transposed: paired rows where the bucket allows (PairedRows).
+        constexpr uint V_PAIRED = SHARED ? 0 : PairedRows<T, DP>::WIDTH;
+        load_tile<BK, DP, V_PAIRED != 0>(v_tile, vs, kv0, p, tid);
         if (!SHARED) {
             load_tile<BK, DP>(tg->k, ks, kv0, p, tid);
         }
@@ -1783,7 +1879,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 
         // dP = dO V^T.
         Fragments<NK> dp;
-        product_transposed<T, ND>(dp, tg->dout, s.row0, v_tile, s, s.active_v, p, at);
+        product_transposed<T, ND, V_PAIRED>(dp, tg->dout, s.row0, v_tile, s, s.active_v, p, at);
         if (SHARED) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
             load_tile<BK, DP>(tg->k, ks, kv0, p, tid);

@@ -34,6 +34,15 @@ final class DispatchPlanTests: XCTestCase {
         }
     }
 
+    /// The products test active fragments (partial_columns 1) only where a whole 8-column fragment
+    /// of the bucket lies past head_dim: 40 of 64 and 100 of 128, not 60 of 64 or 124 of 128.
+    func testPartialColumnsOnlyForWholeZeroFragments() throws {
+        for (headDim, partial) in [(64, 0), (60, 0), (57, 0), (56, 1), (40, 1), (124, 0), (120, 1), (100, 1)] {
+            XCTAssertEqual(try problem(headDim: headDim).params.partial_columns, UInt32(partial),
+                           "head_dim \(headDim)")
+        }
+    }
+
     /// The block sizes of the plan are the rows of FA_HEAD_DIM_BUCKETS, read through the C table;
     /// every kernel runs 4 SIMD-groups of 32 threads.
     func testBlockSizesComeFromTheBucketTable() throws {
