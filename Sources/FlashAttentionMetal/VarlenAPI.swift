@@ -68,12 +68,7 @@ extension FlashAttention {
         try withAutoreleasePool {
             let p = try varlenProblem(batch, numHeads, numKVHeads, headDim, headDimV, Element.attentionDType, causal,
                                       softmaxScale, options)
-            var buffers = HostBuffers()
-            try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
-            try buffers.bindInput(.k, checked(UnsafeRawBufferPointer(k), .k, p), for: p)
-            try buffers.bindInput(.v, checked(UnsafeRawBufferPointer(v), .v, p), for: p)
-            try buffers.bindOutput(.out, checked(UnsafeMutableRawBufferPointer(out), .out, p), for: p)
-            try buffers.bindOutput(.lse, checked(UnsafeMutableRawBufferPointer(lse), .lse, p), for: p)
+            let buffers = try forwardBuffers(q: q, k: k, v: v, out: out, lse: lse, p)
             try withTables(batch, p, buffers) { buffers in
                 try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.forward(p), buffers: $0) }
             }
@@ -97,22 +92,8 @@ extension FlashAttention {
         try withAutoreleasePool {
             let p = try varlenProblem(batch, numHeads, numKVHeads, headDim, headDimV, Element.attentionDType, causal,
                                       softmaxScale, options)
-            var buffers = HostBuffers()
-            try buffers.bindInput(.dout, checked(UnsafeRawBufferPointer(dout), .dout, p), for: p)
-            try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
-            try buffers.bindInput(.k, checked(UnsafeRawBufferPointer(k), .k, p), for: p)
-            try buffers.bindInput(.v, checked(UnsafeRawBufferPointer(v), .v, p), for: p)
-            try buffers.bindInput(.out, checked(UnsafeRawBufferPointer(out), .out, p), for: p)
-            try buffers.bindInput(.lse, checked(UnsafeRawBufferPointer(lse), .lse, p), for: p)
-            try buffers.bindOutput(.dq, checked(UnsafeMutableRawBufferPointer(dq), .dq, p), for: p)
-            try buffers.bindOutput(.dk, checked(UnsafeMutableRawBufferPointer(dk), .dk, p), for: p)
-            try buffers.bindOutput(.dv, checked(UnsafeMutableRawBufferPointer(dv), .dv, p), for: p)
-            if p.scores.hasSinks {
-                guard let dsinks else {
-                    throw FlashAttentionError.invalidArgument("dsinks must be given with sinks")
-                }
-                try buffers.bindOutput(.dsinks, checked(UnsafeMutableRawBufferPointer(dsinks), .dsinks, p), for: p)
-            }
+            let buffers = try backwardBuffers(dout: dout, q: q, k: k, v: v, out: out, lse: lse, dq: dq, dk: dk, dv: dv,
+                                              dsinks: dsinks, p)
             try withTables(batch, p, buffers) { buffers in
                 try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.backward(p), buffers: $0) }
             }
