@@ -97,7 +97,8 @@ def referenced_constants(module: str) -> dict[str, set[str]]:
 
 def planned_constants(ctx) -> dict[str, set[str]]:
     """Per kernel family (a name without dtype and bucket), the constants the plan gives it: read
-    from the profiles of a forward, a backward with every feature, a decode forward and a merge."""
+    from the profiles of a forward, a backward with every feature, a decode forward, a merge and a
+    variable-length forward."""
     rng = np.random.default_rng(5)
     planned = {}
 
@@ -116,6 +117,11 @@ def planned_constants(ctx) -> dict[str, set[str]]:
     ctx.forward(q, k, v)
     record()
     ctx.merge_attention(out, lse, out, lse)
+    record()
+    # A variable-length forward: its first dispatch writes the sequence table (no constants).
+    packed = np.ascontiguousarray(q[0].transpose(1, 0, 2))
+    table = np.array([0, 1], np.int32)
+    ctx.forward_varlen(packed, packed, packed, table, table, 1, 1)
     record()
     return planned
 
