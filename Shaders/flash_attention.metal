@@ -386,6 +386,15 @@ inline float row_lse(float m, float l) {
     return l > 0.0f ? m + log(l) : -INFINITY;
 }
 
+// A split-KV chunk's softmax state at entry `index` of partial_lse: its running max m and log l,
+// apart (entries 2 index and 2 index + 1), so that a chunk's share survives where |m| is too large
+// for float32 to add log l (rows masked with the float32 minimum); (-inf, 0) for a chunk without
+// keys.
+inline void store_partial_lse(device float *partial_lse, ulong index, float m, float l) {
+    partial_lse[2 * index] = l > 0.0f ? m : -INFINITY;
+    partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
+}
+
 template <uint DP, uint BQ, uint BK, typename T, typename Storage>
 inline void attention_forward(device const T *q, device const T *k, device const T *v,
                               device T *out, device float *lse, device const uchar *mask,
@@ -538,16 +547,25 @@ inline void attention_forward_split(device const T *q, device const T *k, device
         store_row(partial_out + index * p.head_dim_v, r.o, l > 0.0f ? 1.0f / l : 0.0f, p.head_dim_v, s,
                   at);
         if (s.col0 == 0 && at.col == 0) {
-            partial_lse[index] = row_lse(r.m, l);
+            store_partial_lse(partial_lse, index, r.m, l);
         }
     }
 }
+
+#include "flash_attention_decode.h"
 
 // Combines the chunks of one query row (threadgroup (i, h, b)) with the log-sum-exp merge of
 // flash_attention_merge.h: out = sum_c w_c O_c / sum_c w_c with w_c = exp(lse_c - max_c lse_c),
 // lse = max + log(sum_c w_c), chunks in order; a sink adds its weight to the denominator only. A
 // chunk with lse -inf weighs 0 (its partial output is not used); a row without any key (and no
 // sink) gets out 0, lse -inf.
+// The weight of the chunk at entry `index` of partial_lse relative to the largest chunk max `top`:
+// l exp(m - top), exactly 0 for a chunk without keys.
+inline float chunk_weight(device const float *partial_lse, ulong index, float top) {
+    const float m = partial_lse[2 * index];
+    return m == -INFINITY ? 0.0f : exp((m - top) + partial_lse[2 * index + 1]);
+}
+
 template <typename T>
 inline void attention_forward_combine(device const float *partial_out,
                                       device const float *partial_lse, device const float *sinks,
@@ -557,11 +575,11 @@ inline void attention_forward_combine(device const float *partial_out,
     const float sink = sinks_on(p) ? sinks[tgid.y] : -INFINITY;
     float top = sink;
     for (uint c = 0; c < p.kv_chunks; ++c) {
-        top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
+        top = max(top, partial_lse[2 * (first + ulong(c) * p.seqlen_q)]);
     }
     float total = merge_weight(sink, top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
-        total += merge_weight(partial_lse[first + ulong(c) * p.seqlen_q], top);
+        total += chunk_weight(partial_lse, first + ulong(c) * p.seqlen_q, top);
     }
     const float scale = merge_normalizer(total);
     device T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(tgid.x) * p.out.seq;
@@ -569,7 +587,7 @@ inline void attention_forward_combine(device const float *partial_out,
         float acc = 0.0f;
         for (uint c = 0; c < p.kv_chunks; ++c) {
             const ulong part = first + ulong(c) * p.seqlen_q;
-            acc = merge_accumulate(acc, merge_weight(partial_lse[part], top),
+            acc = merge_accumulate(acc, chunk_weight(partial_lse, part, top),
                                    partial_out[part * p.head_dim_v + d]);
         }
         out_row[d] = T(acc * scale);
@@ -1061,6 +1079,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         flash_attention_forward_##SUFFIX##_d##DP##_threadgroup;                                    \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
         flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup;                              \
+    typedef DecodeStorage<DP> flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup;       \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK, false>                                           \
         flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup;                      \
     typedef BackwardQueryStorage<T, DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>           \
@@ -1080,6 +1099,12 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                       DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
                       DKV_BQ % 8 == 0,                                                             \
                   "blocks must split into 8x8 fragments");                                         \
+    static_assert(DP <= (sizeof(T) == 4 ? FA_MAX_HEAD_DIM_F32 : FA_MAX_HEAD_DIM),                  \
+                  "a bucket above the dtype's largest head_dim (flash_attention_params.h)");       \
+    static_assert(FA_ACCUMULATOR_FLOATS(DP, FWD_BQ) <= FA_MAX_ACCUMULATOR_FLOATS &&                \
+                      FA_ACCUMULATOR_FLOATS(DP, DQ_BQ) <= FA_MAX_ACCUMULATOR_FLOATS &&             \
+                      2 * FA_ACCUMULATOR_FLOATS(DP, DKV_BK) <= FA_MAX_ACCUMULATOR_FLOATS,          \
+                  "accumulators per lane above the budget (flash_attention_params.h)");            \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_##SUFFIX##_d##DP(                                          \
@@ -1109,6 +1134,19 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
         attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, mask, alibi, partial_out, partial_lse, \
                                                     params, &tg, tgid, sgid, lane);                \
+    }                                                                                              \
+                                                                                                   \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
+    kernel void flash_attention_forward_decode_##SUFFIX##_d##DP(                                   \
+        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
+        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
+        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup tg;              \
+        attention_forward_decode<DP>(q, k, v, mask, alibi, partial_out, partial_lse, params, &tg,  \
+                                     tgid, sgid, lane);                                            \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \

@@ -20,6 +20,15 @@
 #define FA_UNROLL _Pragma("clang loop unroll(full)")
 #endif
 
+// Counts a device load of BYTES bytes at ADDRESS where the host counts them per buffer (the CPU
+// engine's profile: MSL_COUNT_DEVICE_READ); nothing elsewhere. The tile copies and the decode
+// kernel's slice loads call it, so q, k, v, out and dout reads are counted.
+#if defined(MSL_COUNT_DEVICE_READ)
+#define FA_DEVICE_READ(ADDRESS, BYTES) MSL_COUNT_DEVICE_READ(ADDRESS, BYTES)
+#else
+#define FA_DEVICE_READ(ADDRESS, BYTES)
+#endif
+
 // A threadgroup tile is an array of rows of 16-byte chunks (uint4), each row DP elements of type
 // T plus FA_TILE_PAD padding elements, little-endian: element c of a row is 16-bit half c % 2 of
 // word c / 2 of the row (2-byte T) or word c (float). Copies move whole chunks; fragments read
@@ -93,6 +102,7 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
                 const ulong row = ulong(first) + (PAIRED ? r - r % 2 + i : r);
                 const uint d = PAIRED ? r % 2 * (DP / 2) + w : w * PER_WORD + i;
                 if (row < seqlen && d < cols) {
+                    FA_DEVICE_READ(src + row * stride + d, sizeof(T));
                     bits |= TileWords<T>::bits(src[row * stride + d]) << (16 * i);
                 }
             }
@@ -204,6 +214,7 @@ inline void copy_paired(Tile tile, thread const TileStream<T, ROWS, DP> &s,
     for (uint k = 0; k < S::PASSES; ++k) {
         uint4 own = uint4(0);
         if (cols_inside && (interior || row + k * S::STEP < rows_inside)) {
+            FA_DEVICE_READ(from, FA_CHUNK_BYTES);
             own = *from;
         }
         from += s.pass_step;
@@ -247,6 +258,7 @@ inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
         if (s.cols_inside) {
             FA_UNROLL
             for (uint k = 0; k < S::PASSES; ++k) {
+                FA_DEVICE_READ(from, FA_CHUNK_BYTES);
                 tile[s.row + k * S::STEP][s.chunk] = *from;
                 from += s.pass_step;
             }
@@ -265,6 +277,7 @@ inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
         const uint r = s.row + k * S::STEP;
         if (r < ROWS) {
             if (s.cols_inside && r < rows_inside) {
+                FA_DEVICE_READ(from, FA_CHUNK_BYTES);
                 tile[r][s.chunk] = *from;
             } else {
                 tile[r][s.chunk] = zero;

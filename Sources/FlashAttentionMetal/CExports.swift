@@ -215,7 +215,13 @@ public func _exportContextLastProfileDispatch(_ handle: OpaquePointer?, _ index:
     do {
         let ctx = try context(handle)
         let out = try required(dispatch, "dispatch")
-        try checkStructSize(out, "dispatch", "fa_dispatch_profile")
+        // Callers built before device_bytes_read pass the struct up to specialization only.
+        let declared = Int(UnsafeRawPointer(out).load(as: UInt32.self))
+        let counted = MemoryLayout<fa_dispatch_profile>.offset(of: \fa_dispatch_profile.device_bytes_read)!
+        guard declared >= counted else {
+            throw FlashAttentionError.invalidArgument(
+                "dispatch->struct_size (\(declared)) must be at least \(counted) (fa_dispatch_profile up to specialization)")
+        }
         let dispatches = ctx.lastProfile?.dispatches ?? []
         guard Int(index) < dispatches.count else {
             throw FlashAttentionError.invalidArgument(
@@ -233,6 +239,13 @@ public func _exportContextLastProfileDispatch(_ handle: OpaquePointer?, _ index:
         out.pointee.seconds = d.seconds ?? .nan
         copyCString(d.kernelName, to: &out.pointee.kernel_name)
         copyCString(SpecializationConstant.text(d.specialization), to: &out.pointee.specialization)
+        if declared >= MemoryLayout<fa_dispatch_profile>.size {
+            let counts = d.deviceBytesRead ?? []
+            withUnsafeMutableBytes(of: &out.pointee.device_bytes_read) { raw in
+                let slots = raw.bindMemory(to: UInt64.self)
+                for i in slots.indices { slots[i] = i < counts.count ? counts[i] : .max }
+            }
+        }
         return FA_STATUS_SUCCESS
     } catch {
         return report(error)

@@ -65,6 +65,11 @@ final class CPUBackend: ExecutionBackend {
                 msl_engine_last_dispatch_stats(&stats)
                 profile.dispatches[n].simdgroupMultiplyAccumulates? += stats.simdgroup_multiply_accumulates
                 profile.dispatches[n].threadgroupBarriers? += stats.threadgroup_barriers
+                withUnsafeBytes(of: stats.device_bytes_read) { counts in
+                    for (i, bytes) in counts.bindMemory(to: UInt64.self).enumerated() {
+                        profile.dispatches[n].deviceBytesRead?[i] += bytes
+                    }
+                }
                 let before = profile.dispatches[n].functionConstantsRead ?? []
                 profile.dispatches[n].functionConstantsRead = dispatch.specialization.enumerated().compactMap {
                     stats.function_constants_read & (1 << $0.offset) != 0 || before.contains($0.element.name)
@@ -82,7 +87,9 @@ final class CPUBackend: ExecutionBackend {
         var info = msl_engine_kernel_info()
         let memory = msl_engine_describe_kernel(dispatch.kernelName, &info) != 0 ? info.threadgroup_memory_length : 0
         return DispatchProfile(dispatch, threadgroupMemoryLength: memory, simdgroupMultiplyAccumulates: 0,
-                               threadgroupBarriers: 0, functionConstantsRead: [], seconds: 0)
+                               threadgroupBarriers: 0,
+                               deviceBytesRead: [UInt64](repeating: 0, count: Int(MSL_ENGINE_COUNTED_BUFFERS)),
+                               functionConstantsRead: [], seconds: 0)
     }
 
     /// The engine checks `cancellation` before every threadgroup, the first one included.

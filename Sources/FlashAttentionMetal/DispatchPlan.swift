@@ -86,9 +86,10 @@ enum BufferRole: Int, CaseIterable {
         switch self {
         case .q, .k, .v, .out, .dout, .dq, .dk, .dv, .outA, .outB: return layout(in: problem)!.extent
         case .lse, .lseA, .lseB, .delta, .lseResidual: return problem.lseElements
-        // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, so these products stay small.
-        case .partialOut: return BufferRole.partialLse.elementCount(for: problem) * Int(problem.headDimV)
-        case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0)
+        // At most FA_SPLIT_TILED_MAX_QUERY_ROWS rows per head, so these products stay small.
+        case .partialOut: return problem.lseElements * Int(problem.split?.chunks ?? 0) * Int(problem.headDimV)
+        // A running max and the log of a sum per row and chunk.
+        case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0) * 2
         case .attnMask: return layout(in: problem)?.extent ?? 0
         case .alibiSlopes:
             return Int(problem.numHeads) * (problem.scores.alibiPerBatch ? Int(problem.varlen?.sequences ?? problem.batch) : 1)
@@ -116,12 +117,10 @@ enum BufferRole: Int, CaseIterable {
             return b * s.batch + kv * s.head
         case .lse, .delta, .lseResidual, .lseA, .lseB:
             return (b * Int(problem.numHeads) + kv * g) * Int(problem.seqlenQ)
-        // [batch][num_heads][chunk][seqlen_q] (times head_dim_v for partial_out).
-        case .partialLse:
-            return (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
-        case .partialOut:
-            return BufferRole.partialLse.elementOffset(batch: batch, kvHead: kvHead, in: problem)
-                * Int(problem.headDimV)
+        // [batch][num_heads][chunk][seqlen_q] times 2 (partial_lse) or head_dim_v (partial_out).
+        case .partialLse, .partialOut:
+            let rows = (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
+            return rows * (self == .partialLse ? 2 : Int(problem.headDimV))
         case .alibiSlopes:
             return (problem.scores.alibiPerBatch ? b * Int(problem.numHeads) : 0) + kv * g
         // dsinks is written only by the dispatch that runs once over the whole problem.
@@ -231,9 +230,11 @@ struct DispatchPlan {
     }
 
     /// Forward. Dense: `flash_attention_forward_<dtype>_d<DP>` over (ceil(seqlen_q / forward_block_q),
-    /// num_heads, batch) threadgroups. Split-KV (`problem.split`, decode shapes):
-    /// `flash_attention_forward_split_<dtype>_d<DP>` over (chunks x row blocks, num_kv_heads, batch)
-    /// threadgroups writes one partial result per chunk, then `flash_attention_forward_combine_<dtype>`
+    /// num_heads, batch) threadgroups. Split-KV (`problem.split`, short queries over long caches):
+    /// `flash_attention_forward_decode_<dtype>_d<DP>` (seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS) or
+    /// `flash_attention_forward_split_<dtype>_d<DP>` (up to FA_SPLIT_TILED_MAX_QUERY_ROWS) over
+    /// (chunks x row blocks, num_kv_heads, batch) threadgroups writes one partial result per chunk,
+    /// then `flash_attention_forward_combine_<dtype>`
     /// over (seqlen_q, num_heads, batch) threadgroups merges them into out and lse.
     static func forward(_ problem: Problem) -> DispatchPlan {
         let b = problem.bucket
@@ -261,11 +262,12 @@ struct DispatchPlan {
         }
         bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
                      BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
-        let chunks = dispatch("flash_attention_forward_split_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
+        let kernel = split.kernel == .decode ? "decode" : "split"
+        let chunks = dispatch("flash_attention_forward_\(kernel)_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                               GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
                                        depth: problem.batch),
                               reads: KernelConstants.score, blockWork: scoreWork)
-        // At most FA_SPLIT_MAX_QUERY_ROWS rows per head, each merging its chunks: small.
+        // At most FA_SPLIT_TILED_MAX_QUERY_ROWS rows per head, each merging its chunks: small.
         let combine = dispatch("flash_attention_forward_combine_\(problem.dtype.kernelSuffix)",
                                GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch),
                                reads: KernelConstants.sinks, blockWork: nil)

@@ -1,32 +1,99 @@
 import CFlashAttentionMetal
+#if canImport(Glibc)
+import Glibc
+#elseif canImport(Darwin)
+import Darwin
+#endif
 
-/// How the split-KV forward (decode: few query rows over a long KV cache) divides the keys of each
-/// (batch, KV head) into chunks, or nil for the dense forward. The rule and its reasons are at
-/// FA_SPLIT_MAX_QUERY_ROWS in flash_attention_params.h; it depends on the shape alone, so a shape
-/// is always computed the same way (bit-identical reruns).
+/// How the split-KV forward divides the keys of each (batch, KV head) into chunks, or nil for the
+/// dense forward. Two kernels write the chunks' partial results (merged by
+/// `flash_attention_forward_combine`):
+/// - `decode` (`flash_attention_forward_decode_<dtype>_d<DP>`, Shaders/flash_attention_decode.h)
+///   for seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS, whatever the length;
+/// - `tiled` (`flash_attention_forward_split_<dtype>_d<DP>`) for seqlen_q up to
+///   FA_SPLIT_TILED_MAX_QUERY_ROWS (speculative decoding, chunked prefill) when the dense grid
+///   would give fewer threadgroups than the GPU's cores hold at once.
+///
+/// Chunks (docs/decode.md has the table): every core gets two waves of threadgroups,
+/// 2 x cores x threadgroups resident per core, where the keys allow chunks of at least
+/// FA_SPLIT_MIN_CHUNK_KEYS; chunk lengths are multiples of that. The plan depends on the shape and
+/// the core count alone, so a shape is always computed the same way (bit-identical reruns, and
+/// the CPU engine and a GPU of the same core count agree).
 struct KeyValueSplit: Equatable {
-    /// Chunks per (batch, KV head); at least 2.
+    enum Kernel: Equatable {
+        case decode
+        case tiled
+    }
+
+    let kernel: Kernel
+    /// Chunks per (batch, KV head); at least 1 (decode) or 2 (tiled).
     let chunks: UInt32
-    /// Keys per chunk, a multiple of the forward key tile; the last chunk may be shorter.
+    /// Keys per chunk, a multiple of FA_SPLIT_MIN_CHUNK_KEYS; the last chunk may be shorter.
     let chunkKeys: UInt32
-    /// Threadgroups per chunk along x: blocks of forward_block_q packed query rows (group x seqlen_q).
+    /// Threadgroups per chunk along x: blocks of packed query rows (group x seqlen_q), of
+    /// FA_DECODE_ROWS rows (decode) or forward_block_q rows (tiled).
     let rowBlocks: UInt32
 
     init?(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
-          bucket: FlashAttentionBucket) {
-        guard seqlenQ <= UInt32(FA_SPLIT_MAX_QUERY_ROWS) else { return nil }
+          bucket: FlashAttentionBucket, cores: UInt32) {
+        let kernel: Kernel
+        let rowsPerBlock: UInt64
+        let resident: UInt64
+        if seqlenQ <= UInt32(FA_SPLIT_MAX_QUERY_ROWS) {
+            kernel = .decode
+            rowsPerBlock = UInt64(fa_decode_rows(bucket.head_dim_max))
+            resident = UInt64(FA_CORE_THREADGROUP_BYTES) / UInt64(fa_decode_threadgroup_bytes(bucket.head_dim_max))
+        } else if seqlenQ <= UInt32(FA_SPLIT_TILED_MAX_QUERY_ROWS) {
+            kernel = .tiled
+            rowsPerBlock = UInt64(bucket.forward_block_q)
+            resident = UInt64(FA_FORWARD_MIN_THREADGROUPS_PER_CORE)
+            let dense = UInt64(batch) * UInt64(numHeads) * ((UInt64(seqlenQ) + rowsPerBlock - 1) / rowsPerBlock)
+            guard dense < UInt64(cores) * resident else { return nil }
+        } else {
+            return nil
+        }
         let packedRows = UInt64(numHeads / numKVHeads) * UInt64(seqlenQ)
-        let rowBlocks = (packedRows + UInt64(bucket.forward_block_q) - 1) / UInt64(bucket.forward_block_q)
+        let rowBlocks = (packedRows + rowsPerBlock - 1) / rowsPerBlock
         let perChunk = UInt64(batch) * UInt64(numKVHeads) * rowBlocks
-        let wanted = (UInt64(FA_SPLIT_TARGET_THREADGROUPS) + perChunk - 1) / perChunk
-        let most = UInt64(seqlenK) / UInt64(FA_SPLIT_MIN_CHUNK_KEYS)
+        let target = 2 * UInt64(cores) * max(resident, 1)
+        let wanted = (target + perChunk - 1) / perChunk
+        let granule = UInt64(FA_SPLIT_MIN_CHUNK_KEYS)
+        let most = max(UInt64(seqlenK) / granule, 1)
         let chunks = min(wanted, most)
-        guard chunks >= 2 else { return nil }
-        let tile = UInt64(bucket.forward_block_k)
         let keys = (UInt64(seqlenK) + chunks - 1) / chunks
-        let chunkKeys = (keys + tile - 1) / tile * tile
-        self.chunks = UInt32((UInt64(seqlenK) + chunkKeys - 1) / chunkKeys)
+        // Rounded down: the chunks made are at least the chunks wanted (two waves at least).
+        let chunkKeys = max(keys / granule, 1) * granule
+        let made = (UInt64(seqlenK) + chunkKeys - 1) / chunkKeys
+        guard kernel == .decode || made >= 2 else { return nil }
+        self.kernel = kernel
+        self.chunks = UInt32(made)
         self.chunkKeys = UInt32(chunkKeys)
         self.rowBlocks = UInt32(rowBlocks)
+    }
+
+    /// Threadgroups of the chunks' dispatch.
+    var threadgroups: UInt64 { UInt64(chunks) * UInt64(rowBlocks) }
+}
+
+/// The GPU core count plans are made for: `FLASH_ATTENTION_GPU_CORES` from the environment when set
+/// (read at each validation), else FA_NOMINAL_GPU_CORES, the nominal GPU of the CPU engine (so its
+/// results never depend on the machine). Tests and users set the variable to plan for another GPU;
+/// the split-KV chunking (`KeyValueSplit`) is its only reader.
+enum GPUCores {
+    static let environmentVariable = "FLASH_ATTENTION_GPU_CORES"
+    static let limit: UInt32 = 4096
+
+    /// The override's value, or FA_NOMINAL_GPU_CORES without one.
+    /// - Throws: `invalidArgument` when the variable is set but not a whole number in 1...4096.
+    static func planned() throws -> UInt32 {
+        guard let value = getenv(environmentVariable) else {
+            return UInt32(FA_NOMINAL_GPU_CORES)
+        }
+        let text = String(cString: value)
+        guard let cores = UInt32(text), (1...limit).contains(cores) else {
+            throw FlashAttentionError.invalidArgument(
+                "\(environmentVariable) (\(text)) must be a whole number of GPU cores from 1 to \(limit)")
+        }
+        return cores
     }
 }

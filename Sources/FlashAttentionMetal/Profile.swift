@@ -56,6 +56,11 @@ public struct DispatchProfile: Sendable, Equatable {
     /// Threadgroup barriers the dispatch executed, counted once per threadgroup and barrier.
     /// CPU engine only; nil on Metal.
     public var threadgroupBarriers: UInt64?
+    /// Bytes the dispatch read from each bound buffer, indexed by its `[[buffer(i)]]` index (the
+    /// first FA_PROFILE_COUNTED_BUFFERS): the loads of the kernels' tile copies and decode slice
+    /// loads (q, k, v, out, dout; not the masks, ALiBi slopes, sinks, lse or workspaces). CPU
+    /// engine only; nil on Metal.
+    public var deviceBytesRead: [UInt64]?
     /// The function constants the kernel was specialised with (its pipeline's on Metal): the
     /// features it was compiled for (``SpecializationConstant``).
     public var specialization: [SpecializationConstant]
@@ -69,7 +74,8 @@ public struct DispatchProfile: Sendable, Equatable {
     /// Creates a dispatch record from its parts.
     public init(kernelName: String, threadgroupsPerGrid: Size, threadsPerThreadgroup: Size,
                 threadgroupMemoryLength: Int, simdgroupMultiplyAccumulates: UInt64?,
-                threadgroupBarriers: UInt64?, specialization: [SpecializationConstant] = [],
+                threadgroupBarriers: UInt64?, deviceBytesRead: [UInt64]? = nil,
+                specialization: [SpecializationConstant] = [],
                 functionConstantsRead: [String]? = nil, seconds: Double?) {
         self.kernelName = kernelName
         self.threadgroupsPerGrid = threadgroupsPerGrid
@@ -77,6 +83,7 @@ public struct DispatchProfile: Sendable, Equatable {
         self.threadgroupMemoryLength = threadgroupMemoryLength
         self.simdgroupMultiplyAccumulates = simdgroupMultiplyAccumulates
         self.threadgroupBarriers = threadgroupBarriers
+        self.deviceBytesRead = deviceBytesRead
         self.specialization = specialization
         self.functionConstantsRead = functionConstantsRead
         self.seconds = seconds
@@ -84,13 +91,15 @@ public struct DispatchProfile: Sendable, Equatable {
 
     /// The record of a planned dispatch, with what the backend measured.
     init(_ dispatch: Dispatch, threadgroupMemoryLength: Int, simdgroupMultiplyAccumulates: UInt64?,
-         threadgroupBarriers: UInt64?, functionConstantsRead: [String]?, seconds: Double?) {
+         threadgroupBarriers: UInt64?, deviceBytesRead: [UInt64]? = nil, functionConstantsRead: [String]?,
+         seconds: Double?) {
         self.init(kernelName: dispatch.kernelName,
                   threadgroupsPerGrid: Size(dispatch.threadgroupsPerGrid),
                   threadsPerThreadgroup: Size(dispatch.threadsPerThreadgroup),
                   threadgroupMemoryLength: threadgroupMemoryLength,
                   simdgroupMultiplyAccumulates: simdgroupMultiplyAccumulates,
-                  threadgroupBarriers: threadgroupBarriers, specialization: dispatch.specialization,
+                  threadgroupBarriers: threadgroupBarriers, deviceBytesRead: deviceBytesRead,
+                  specialization: dispatch.specialization,
                   functionConstantsRead: functionConstantsRead, seconds: seconds)
     }
 }

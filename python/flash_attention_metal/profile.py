@@ -3,7 +3,8 @@
 Per context and per thread: ``Context.last_profile`` reads the profile of the calling thread's last
 successful forward, backward or merge on that context. Times are measured: on Metal the GPU time
 of the call's command buffers (gpuEndTime - gpuStartTime), on the CPU engine the engine's wall
-time (not an Apple GPU figure). SIMD-group matrix products and barriers are counted by the CPU engine only.
+time (not an Apple GPU figure). SIMD-group matrix products, barriers and device bytes read are counted
+by the CPU engine only.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class DispatchProfile:
         threadgroup_barriers: threadgroup barriers executed, one per threadgroup and barrier;
             None on Metal.
         seconds: wall time of this dispatch on the CPU engine; None on Metal.
+        device_bytes_read: bytes read from each bound buffer, indexed by its ``[[buffer(i)]]``
+            index (16 slots), by the kernels' tile copies and decode slice loads (q, k, v, out,
+            dout); None on Metal. For the forward kernels k is slot 1 and v slot 2.
         specialization: the function constants the kernel was compiled with, name to value (a
             bool as 0 or 1), e.g. ``{"fa_mask_type": 0, "fa_has_softcap": 1}``; empty for a kernel
             without (docs/specialisation.md).
@@ -42,6 +46,7 @@ class DispatchProfile:
     threadgroup_barriers: int | None
     seconds: float | None
     specialization: dict[str, int] = field(default_factory=dict)
+    device_bytes_read: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ def last_profile(native, handle) -> Profile | None:
             threadgroup_barriers=_counter(record.threadgroup_barriers),
             seconds=None if math.isnan(record.seconds) else float(record.seconds),
             specialization=_specialization(ffi.string(record.specialization).decode("utf-8", "replace")),
+            device_bytes_read=_counters(record.device_bytes_read),
         ))
     return Profile(seconds=float(summary.seconds), dispatches=dispatches,
                    command_buffers=int(summary.command_buffers))
@@ -93,6 +99,11 @@ def _specialization(text: str) -> dict[str, int]:
 
 def _counter(value: int) -> int | None:
     return None if value == _UNAVAILABLE else int(value)
+
+
+def _counters(values) -> tuple[int, ...] | None:
+    counts = tuple(int(value) for value in values)
+    return None if all(value == _UNAVAILABLE for value in counts) else counts
 
 
 __all__ = ["DispatchProfile", "Profile", "last_profile"]

@@ -31,7 +31,7 @@ def test_info_reports_version_backend_device_and_library():
     fields = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in result.stdout.splitlines())
     assert fields["backend"] == "cpu"
     assert fields["library"].endswith(("libFlashAttentionMetal.so", "libFlashAttentionMetal.dylib"))
-    assert fields["max head_dim"] == "256"
+    assert fields["max head_dim"] == "576"
     # One version, the header's FA_VERSION: the package's and the loaded library's agree.
     assert fields["version"] == fam.__version__ and fam.__version__.count(".") == 2
     assert fields["device"]
@@ -250,8 +250,8 @@ def test_the_matplotlib_hint_is_the_documented_wording():
     ("--seqlens", "ten", "must be an integer, got 'ten'"),
     ("--batch", "0", "must be an integer in 1..4294967295"),
     ("--heads", "-1", "must be an integer in 1..4294967295"),
-    ("--head-dim", "0", "must be in 1..256 (the library's largest head_dim), got 0"),
-    ("--head-dim", "-3", "must be in 1..256 (the library's largest head_dim), got -3"),
+    ("--head-dim", "0", "must be in 1..576 (the library's largest head_dim), got 0"),
+    ("--head-dim", "-3", "must be in 1..576 (the library's largest head_dim), got -3"),
     ("--repeats", "0", "must be an integer in 1..4294967295"),
 ])
 def test_bench_rejects_bad_sizes_while_parsing(capsys, option, value, rule):
@@ -301,7 +301,7 @@ def test_backend_option_is_normalized_like_the_context():
 
 
 def test_bench_decode_times_decode_shapes_and_reports_the_dispatches(capsys):
-    # 600 keys: at least two chunks of FA_SPLIT_MIN_CHUNK_KEYS (256), so the split-KV path runs.
+    # At most 8 query rows take the decode kernel and its combine at any length.
     assert main(["bench", "--decode", "--backend", "cpu", "--seqlens", "40", "600", "--query-rows", "1", "3",
                  "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
@@ -311,8 +311,8 @@ def test_bench_decode_times_decode_shapes_and_reports_the_dispatches(capsys):
     for (_, keys), r in rows.items():
         assert float(r[2]) > 0 and float(r[3]) == pytest.approx(2 * 2 * int(keys) * 32 * 2 / 1e6, abs=0.01)
         assert int(r[5]) >= 1
-    assert rows[("1", "40")][6:] == ["flash_attention_forward_f16_d32"]
-    assert rows[("1", "600")][6:] == ["flash_attention_forward_split_f16_d32", "+", "flash_attention_forward_combine_f16"]
+    assert rows[("1", "40")][6:] == ["flash_attention_forward_decode_f16_d32", "+", "flash_attention_forward_combine_f16"]
+    assert rows[("1", "600")][6:] == ["flash_attention_forward_decode_f16_d32", "+", "flash_attention_forward_combine_f16"]
 
 
 @pytest.mark.parametrize("options, message", [

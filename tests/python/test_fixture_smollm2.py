@@ -96,7 +96,7 @@ def test_forward_meets_the_accuracy_rule(context, name):
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True), name)
     if name.startswith("long_decode_"):
         kernels = [d.kernel for d in context.last_profile.dispatches]
-        assert kernels == ["flash_attention_forward_split_f16_d64", "flash_attention_forward_combine_f16"], kernels
+        assert kernels == ["flash_attention_forward_decode_f16_d64", "flash_attention_forward_combine_f16"], kernels
 
 
 @pytest.mark.parametrize("name", DECODE)

@@ -50,25 +50,28 @@ def test_head_dim_padding_is_only_to_a_multiple_of_8(cpu, head_dim, padded):
 def test_decode_grid_packs_the_gqa_group_and_splits_the_keys(cpu):
     q, k, v, _ = make_inputs(42, 1, 8, 2, 1, 4096, 64)
     cpu.forward(q, k, v)
-    split, combine = cpu.last_profile.dispatches
-    assert split.kernel.startswith("flash_attention_forward_split")
-    chunks, kv_heads, batch = split.threadgroups
-    assert (kv_heads, batch) == (2, 1) and chunks == 16  # 4096 keys / 256, capped at 320 / 2
+    decode, combine = cpu.last_profile.dispatches
+    assert decode.kernel == "flash_attention_forward_decode_f16_d64"
+    chunks, kv_heads, batch = decode.threadgroups
+    # Two waves of 7 threadgroups per core on the nominal 10 cores want 70 chunks per KV head
+    # pair; 4096 keys allow 64 of at least 64 keys.
+    assert (kv_heads, batch) == (2, 1) and chunks == 64
     assert combine.threadgroups == (1, 8, 1)
+    # No matrix products, one barrier per threadgroup (the merge after the key loop).
+    assert decode.simdgroup_multiply_accumulates == 0 and decode.threadgroup_barriers == chunks * kv_heads
 
 
 def test_simdgroups_without_rows_multiply_nothing(cpu):
-    # Decode: 4 query heads per KV head x 1 row = 4 packed rows of a 32-row block; only the first
-    # SIMD-group's 8 rows hold any, so the products are those of 8 rows per KV head and key.
-    q, k, v, _ = make_inputs(43, 1, 8, 2, 1, 4096, 64)
+    # 16 rows, 2 query heads per KV head: 32 packed rows, one tiled split block per chunk; each
+    # SIMD-group's 8 rows hold rows, so the products are exactly those of the rows.
+    q, k, v, _ = make_inputs(43, 1, 4, 2, 16, 4096, 64)
     cpu.forward(q, k, v)
-    split = cpu.last_profile.dispatches[0]
-    assert _mma_ratio(cpu.last_profile, 1, 2, 8, 4096, 64) == pytest.approx(1.0)
+    assert cpu.last_profile.dispatches[0].kernel == "flash_attention_forward_split_f16_d64"
+    assert _mma_ratio(cpu.last_profile, 1, 4, 16, 4096, 64) == pytest.approx(1.0)
     # A dense block of 33 rows: the second threadgroup's SIMD-groups 1-3 hold no row.
     q, k, v, _ = make_inputs(44, 1, 1, 1, 33, 64, 64)
     cpu.forward(q, k, v)
     assert _mma_ratio(cpu.last_profile, 1, 1, 40, 64, 64) == pytest.approx(1.0)
-    assert split.threadgroups[0] == 16
 
 
 def test_a_sliding_window_multiplies_only_the_tiles_it_shows(cpu):

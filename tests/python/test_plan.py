@@ -34,6 +34,7 @@ def _problem(shape: Shape, causal=True, dtype="float16", **options):
 PROBLEMS = {
     "dense forward": ("forward", Shape(2, 6, 3, 37, 29, 40), {}),
     "split-KV forward (decode)": ("forward", Shape(1, 8, 2, 1, 3000, 64), {}),
+    "split-KV forward (tiled, 16 rows)": ("forward", Shape(1, 2, 1, 16, 3000, 64), {}),
     "backward, mask, ALiBi and sinks": ("backward", Shape(2, 4, 2, 33, 45, 128),
                                         dict(mask=(1, (0, 0, 45), "FA_ATTN_MASK_BOOL"), alibi=(1, False), sinks=1)),
 }
@@ -71,7 +72,8 @@ def test_plan_invariants(name):
         assert made.buffer("attn_mask").byte_count == 33 * 45 and made.buffer("sinks").byte_count == 4 * 4
     if "split" in name:
         assert {usage["partial_out"], usage["partial_lse"]} == {"workspace"}
-        assert [d.kernel_name for d in made.dispatches] == ["flash_attention_forward_split_f16_d64",
+        kernel = "split" if "tiled" in name else "decode"
+        assert [d.kernel_name for d in made.dispatches] == [f"flash_attention_forward_{kernel}_f16_d64",
                                                             "flash_attention_forward_combine_f16"]
 
 

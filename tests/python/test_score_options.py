@@ -128,7 +128,7 @@ def test_decode_shapes_within_the_rule(ctx, case):
     *shape, options = case
     q, k, v, dout = make_inputs(sum(shape), *shape)
     out, lse = ctx.forward(q, k, v, **options)
-    assert ctx.last_profile.dispatches[0].kernel.startswith("flash_attention_forward_split")
+    assert ctx.last_profile.dispatches[0].kernel.startswith("flash_attention_forward_decode")
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, **options), f"decode {shape}")
     grads = ctx.backward(dout, q, k, v, out, lse, **options)
     assert_within_rule(accuracy.evaluate_backward(dout, q, k, v, *grads, **options), f"decode backward {shape}")
@@ -301,7 +301,7 @@ def test_decode_rows_masked_with_the_float32_minimum_have_exact_gradients(ctx):
     mask = np.zeros((2, 1, 3, 600), np.float32)
     mask[0, :, 1] = np.finfo(np.float32).min
     out, lse = ctx.forward(q, k, v, attn_mask=mask)
-    assert ctx.last_profile.dispatches[0].kernel.startswith("flash_attention_forward_split")
+    assert ctx.last_profile.dispatches[0].kernel.startswith("flash_attention_forward_decode")
     grads = ctx.backward(dout, q, k, v, out, lse, attn_mask=mask)
     assert_within_rule(accuracy.evaluate_backward(dout, q, k, v, *grads, attn_mask=mask), "decode f32min")
 

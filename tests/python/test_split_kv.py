@@ -33,7 +33,8 @@ def _split_forward(ctx, q, k, v, **options):
     key chunks, then their combine, and no dense forward."""
     out, lse = ctx.forward(q, k, v, **options)
     kernels = [dispatch.kernel for dispatch in ctx.last_profile.dispatches]
-    assert kernels and kernels[0].startswith("flash_attention_forward_split_"), kernels
+    split = "decode" if q.shape[2] <= 8 else "split"
+    assert kernels and kernels[0].startswith(f"flash_attention_forward_{split}_"), kernels
     assert any(name.startswith("flash_attention_forward_combine_") for name in kernels), kernels
     assert not any(re.fullmatch(r"flash_attention_forward_(f16|bf16|f32)_d\d+", name) for name in kernels), kernels
     return out, lse

@@ -270,7 +270,7 @@ def test_translation_gives_the_cpu_paths_bits(compiler, monkeypatch, case):
     names = [name for name, _ in compiler.dispatches]
     assert names[0].startswith("flash_attention_forward_") and names[-1].startswith("flash_attention_backward_dkv_")
     if "decode" in case:
-        assert names[:2] == ["flash_attention_forward_split_f32_d128", "flash_attention_forward_combine_f32"]
+        assert names[:2] == ["flash_attention_forward_decode_f32_d128", "flash_attention_forward_combine_f32"]
 
 
 def test_pieces_bind_at_offsets(compiler, monkeypatch):

@@ -11,7 +11,8 @@
 //                 row runs the forward's scores and online softmax again (no V) and writes
 //                 R = (max - lse) + log(sum), what lse lost;
 //   dQ, dK/dV     with P = exp((S - lse) - R);
-// and for short queries (at most FA_SPLIT_MAX_QUERY_ROWS rows) the split-KV forward as well,
+// and for short queries (at most FA_SPLIT_TILED_MAX_QUERY_ROWS rows) the split-KV forward as well
+// (the decode kernel up to FA_SPLIT_MAX_QUERY_ROWS rows),
 // compared with the float64 reference under the accuracy rule with the dtype's baseline
 // (reference.cpp, accuracy.cpp). Cases with score modifiers (issue 15: sliding window, softcap,
 // ALiBi, sinks, boolean or additive attn_mask, broadcast or full) pass them through params and the
@@ -85,10 +86,11 @@ int fa_dtype(DType dtype) {
 constexpr unsigned kSplitChunks = 3;
 
 // The parameters of the split-KV forward when the Metal plan could take it for this shape (at
-// most FA_SPLIT_MAX_QUERY_ROWS query rows) and the keys make at least two chunks; false otherwise.
+// most FA_SPLIT_TILED_MAX_QUERY_ROWS query rows: the decode kernel up to FA_SPLIT_MAX_QUERY_ROWS,
+// the tiled one above) and the keys make at least two chunks; false otherwise.
 bool split_params(const FlashAttentionParams &dense, int dtype, FlashAttentionParams *split) {
     *split = dense;
-    return dense.seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS &&
+    return dense.seqlen_q <= FA_SPLIT_TILED_MAX_QUERY_ROWS &&
            fa_cuda_split_keys(split, dtype, kSplitChunks) && split->kv_chunks >= 2;
 }
 
@@ -243,7 +245,7 @@ GpuResult run_on_gpu(const TestCase &c, const AttentionInputs &in, unsigned char
     FlashAttentionParams sp;
     if (split_params(p, dtype, &sp)) {
         const size_t partials = s.lse_elements() * sp.kv_chunks;
-        DeviceArray<float> partial_out(partials * size_t(s.head_dim_v)), partial_lse(partials);
+        DeviceArray<float> partial_out(partials * size_t(s.head_dim_v)), partial_lse(2 * partials);
         if (poison_workspace) {
             partial_out.fill_bytes(poison);
             partial_lse.fill_bytes(poison);

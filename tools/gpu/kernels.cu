@@ -71,6 +71,14 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
                                                        sinks, partial_out, partial_lse,            \
                                                        FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);  \
     }                                                                                              \
+    __global__ void __launch_bounds__(kThreads) fa_cuda_forward_decode_##SUFFIX##_d##DP(           \
+        const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
+        const uchar *mask, const float *alibi, const float *sinks, float *partial_out,             \
+        float *partial_lse) {                                                                      \
+        flash_attention_forward_decode_##SUFFIX##_d##DP(q, k, v, out, lse, params, mask, alibi,    \
+                                                        sinks, partial_out, partial_lse,           \
+                                                        FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE); \
+    }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_lse_residual_##SUFFIX##_d##DP(    \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
@@ -141,6 +149,8 @@ struct Bucket {
                     const uchar *, const float *, const float *, FlashAttentionParams *);
     void (*forward_split)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
                           const uchar *, const float *, const float *, float *, float *);
+    void (*forward_decode)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
+                           const uchar *, const float *, const float *, float *, float *);
     void (*backward_lse_residual)(const T *, const T *, const T *, const T *, const T *,
                                   const float *, FlashAttentionParams, const float *,
                                   const uchar *, const float *, const float *, float *,
@@ -188,6 +198,7 @@ struct DtypeKernels {
               DKV_BK,                                                                              \
               fa_cuda_forward_##SUFFIX##_d##DP,                                                    \
               fa_cuda_forward_split_##SUFFIX##_d##DP,                                              \
+              fa_cuda_forward_decode_##SUFFIX##_d##DP,                                             \
               fa_cuda_backward_lse_residual_##SUFFIX##_d##DP,                                      \
               fa_cuda_backward_dq_##SUFFIX##_d##DP,                                                \
               fa_cuda_backward_dkv_##SUFFIX##_d##DP},
@@ -307,12 +318,14 @@ cudaError_t forward_split(const DtypeKernels<T> &kernels, const FlashAttentionPa
     if (const cudaError_t error = specialise(p); error != cudaSuccess) {
         return error;
     }
+    // As the Metal plan: the decode kernel up to FA_SPLIT_MAX_QUERY_ROWS rows, the tiled one above.
+    const bool decode = p.seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS;
     const unsigned rows = p.num_heads / p.num_kv_heads * p.seqlen_q;
-    const unsigned row_blocks = ceil_div(rows, b->forward_block_q);
+    const unsigned row_blocks = ceil_div(rows, decode ? FA_DECODE_ROWS(b->head_dim_max) : b->forward_block_q);
     const dim3 grid(p.kv_chunks * row_blocks, p.num_kv_heads, p.batch);
-    b->forward_split<<<grid, kThreads>>>(typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse,
-                                         p, mask_of(x), x.alibi, x.sinks, partial_out,
-                                         partial_lse);
+    (decode ? b->forward_decode : b->forward_split)<<<grid, kThreads>>>(
+        typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p, mask_of(x), x.alibi, x.sinks,
+        partial_out, partial_lse);
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) {
         return error;

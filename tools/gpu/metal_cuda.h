@@ -213,7 +213,7 @@ __device__ __forceinline__ vec<T, N> shuffle(vec<T, N> v, unsigned arg) {
 // Butterfly all-reduce: after each xor step lanes l and l ^ m hold op(a, b) and op(b, a), equal
 // for a commutative op, so every lane ends with the same bits.
 template <class T, class Op> __device__ __forceinline__ T reduce(T v, Op op) {
-    for (unsigned m = 16; m > 0; m /= 2) v = op(v, __shfl_xor_sync(kAllLanes, v, m));
+    for (unsigned m = 16; m > 0; m /= 2) v = op(v, shuffle<1>(v, m));
     return v;
 }
 }  // namespace simd_detail

@@ -108,12 +108,12 @@ typedef struct fa_problem {
     uint32_t num_kv_heads;
     uint32_t seqlen_q;
     uint32_t seqlen_k;
-    uint32_t head_dim;      /* of q and k: 1 ... fa_max_head_dim() */
+    uint32_t head_dim;      /* of q and k: 1 ... fa_max_head_dim() (256 in float32) */
     uint32_t causal;        /* 0 or 1 */
     float softmax_scale;    /* finite; the usual value is 1 / sqrt(head_dim) */
     /* Since 0.2.0. */
     uint32_t dtype;         /* fa_dtype; default FA_DTYPE_FLOAT16 */
-    uint32_t head_dim_v;    /* of v, out, dout, dv: 1 ... fa_max_head_dim(); 0 means head_dim */
+    uint32_t head_dim_v;    /* of v, out, dout, dv: 1 ... fa_max_head_dim() (256 in float32); 0 means head_dim */
     fa_strides q;           /* the layouts; all-zero strides mean contiguous */
     fa_strides k;
     fa_strides v;
@@ -159,7 +159,8 @@ typedef struct fa_problem {
 /* The library's version, FA_VERSION of the header it was built with. Static storage. */
 const char *fa_version(void);
 
-/* Largest head_dim and head_dim_v the kernels support. */
+/* Largest head_dim and head_dim_v the kernels support (576) in float16 and bfloat16; float32 stops at
+ * 256 (FA_STATUS_UNSUPPORTED above, naming head_dim and the dtype: its tiles would not fit 32 KiB). */
 uint32_t fa_max_head_dim(void);
 
 /* A short name for a status, e.g. "FA_STATUS_UNSUPPORTED". Static storage. */
@@ -281,6 +282,9 @@ typedef struct fa_profile {
                                  is 0. */
 } fa_profile;
 
+/* Buffers whose device reads fa_dispatch_profile.device_bytes_read counts. */
+#define FA_PROFILE_COUNTED_BUFFERS 16
+
 /* One dispatched kernel of the last call. Set struct_size to sizeof(fa_dispatch_profile).
  * Counters the backend cannot measure are UINT64_MAX (Metal: both counters) and times it cannot
  * measure are NaN (Metal: per-dispatch seconds; only the call's total is timed). */
@@ -303,6 +307,11 @@ typedef struct fa_dispatch_profile {
                                                 was compiled with, "name=value" separated by
                                                 spaces (a bool as 0 or 1), e.g. "fa_mask_type=0
                                                 fa_has_softcap=1"; empty for a kernel without */
+    /* Added after 0.3.0 (a struct_size up to the end of specialization is still accepted, this left
+     * alone): bytes the dispatch read from the buffer bound at [[buffer(i)]], i <
+     * FA_PROFILE_COUNTED_BUFFERS, through the kernels' tile copies and decode slice loads (q, k,
+     * v, out, dout). CPU engine; UINT64_MAX on Metal. */
+    uint64_t device_bytes_read[16];  /* FA_PROFILE_COUNTED_BUFFERS */
 } fa_dispatch_profile;
 
 /* Fills *profile with the calling thread's last profile on context (see above).

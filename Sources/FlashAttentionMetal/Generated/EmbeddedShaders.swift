@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "fe9ccd87cac90eb2"
+    static let sourceHash = "c40edea51daeac52"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -210,7 +210,8 @@ typedef struct FlashAttentionParams {
 // Split-KV forward (short queries over long KV caches): both of its kernels bind 0 ... 10.
 // forward_split writes one partial result per chunk of keys: partial_out (float32
 // [batch][num_heads][kv_chunks][seqlen_q][head_dim], normalised) and partial_lse (float32
-// [batch][num_heads][kv_chunks][seqlen_q], -inf for a chunk the row does not see), workspaces the
+// [batch][num_heads][kv_chunks][seqlen_q][2], each chunk's running max and log of its sum: -inf and
+// 0 for a chunk the row does not see), workspaces the
 // backend allocates; forward_combine merges them into out and lse.
 #define FA_FORWARD_BUFFER_PARTIAL_OUT 9
 #define FA_FORWARD_BUFFER_PARTIAL_LSE 10
@@ -271,8 +272,11 @@ typedef struct FlashAttentionParams {
 #define FA_VARLEN_BUFFER_PARAMS 3
 #define FA_VARLEN_BUFFER_COUNT 4
 
-// Largest supported head_dim and head_dim_v; the last bucket of the tables below.
-#define FA_MAX_HEAD_DIM 256
+// Largest supported head_dim and head_dim_v: the last bucket of FA_HEAD_DIM_BUCKETS (float16 and
+// bfloat16). float32's table (FA_HEAD_DIM_BUCKETS_F32) stops at FA_MAX_HEAD_DIM_F32: its tiles at
+// 512 would not fit 32 KiB even at 8 x 8 (see that table), so larger head dims are UNSUPPORTED there.
+#define FA_MAX_HEAD_DIM 576
+#define FA_MAX_HEAD_DIM_F32 256
 
 // Every kernel runs FA_SIMDGROUPS SIMD-groups of 32 threads per threadgroup. A kernel owns a block
 // of rows (query rows for forward and dQ, key rows for dK/dV); each SIMD-group owns 8 of them and
@@ -286,16 +290,27 @@ typedef struct FlashAttentionParams {
 // Rows of one threadgroup of the backward_delta kernel (one thread per row).
 #define FA_DELTA_BLOCK_ROWS FA_THREADS_PER_THREADGROUP
 
-// Split-KV forward (decode). Chosen when seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS: with that few rows
-// per head the dense forward fills one mostly padded row block per head and launches only
-// batch x num_heads threadgroups, each streaming the whole cache alone. The split kernel packs
-// the query rows of a GQA group into one block per KV head (each K/V element is read once per
-// chunk and KV head, not once per query head) and splits the keys into chunks of at least
-// FA_SPLIT_MIN_CHUNK_KEYS, as many as give FA_SPLIT_TARGET_THREADGROUPS threadgroups (4 per core
-// of an 80-core GPU). The chunking is a function of the shape alone, so results are deterministic.
+// Split-KV forward. With few query rows per head the dense forward fills one mostly padded row
+// block per head and launches only batch x num_heads threadgroups, each streaming the whole cache
+// alone. The split kernels pack the query rows of a GQA group into blocks per KV head (each K/V
+// element is read once per chunk and row block, not once per query head) and split the keys into
+// chunks: the decode kernel (flash_attention_decode.h) for seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS, the
+// tiled split kernel for seqlen_q <= FA_SPLIT_TILED_MAX_QUERY_ROWS when the dense grid has fewer
+// threadgroups than the GPU holds at once. Chunks of at least FA_SPLIT_MIN_CHUNK_KEYS keys, as many
+// as give every core two waves of threadgroups (KeyValueSplit.swift; docs/decode.md); the plan is
+// a function of the shape and the planned core count alone, so results are deterministic.
 #define FA_SPLIT_MAX_QUERY_ROWS 8
-#define FA_SPLIT_MIN_CHUNK_KEYS 256
-#define FA_SPLIT_TARGET_THREADGROUPS 320
+#define FA_SPLIT_TILED_MAX_QUERY_ROWS 64
+#define FA_SPLIT_MIN_CHUNK_KEYS 64
+// The GPU core count plans assume without the FLASH_ATTENTION_GPU_CORES override: 10, the GPU of
+// the base M1-M4 chips (Apple's tech specs), so the CPU engine plans as for that GPU.
+#define FA_NOMINAL_GPU_CORES 10
+// The decode forward (flash_attention_decode.h) serves seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS: each
+// threadgroup takes FA_DECODE_ROWS(DP) packed rows, whose q and output slices every lane keeps in
+// registers (FA_DECODE_ROWS(DP) x DP / 32 floats of each, 32 at most), and stores FA_SIMDGROUPS
+// such states in threadgroup memory once, at the end (FA_DECODE_THREADGROUP_BYTES).
+#define FA_DECODE_ROWS(DP) ((DP) <= 128 ? 8 : (DP) <= 256 ? 4 : 2)
+#define FA_DECODE_THREADGROUP_BYTES(DP) (FA_SIMDGROUPS * FA_DECODE_ROWS(DP) * ((DP) + 2) * 4)
 // Bytes one thread moves per load and store of a tile copy (flash_attention_loader.h); rows whose
 // address, strides or width are not multiples of it take the checked scalar copy (scalar_copies).
 #define FA_CHUNK_BYTES 16
@@ -315,7 +330,11 @@ typedef struct FlashAttentionParams {
 // of a measured f16 matmul ceiling. At head_dim 192 the forward keeps 32 query rows, each
 // SIMD-group the whole head_dim of 8 of them, as MLX does (its tiles fit: (32 + 2 x 16) x 200
 // halves, 25.6 KB); the backward kernels and head_dim 256 split the accumulators over two head_dim
-// slices (16 rows, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. The
+// slices (16 rows, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. At 512
+// (Gemma's global layers) and 576 (DeepSeek's MLA decode with absorbed weights: head_dim 576,
+// head_dim_v 512, which takes the 576 bucket) every kernel owns 8 rows split over 4 head_dim
+// slices, so a lane keeps the accumulators of d256 (512) or 12.5 % more (576; see
+// FA_MAX_ACCUMULATOR_FLOATS), and the backward's two streamed tiles share one buffer. The
 // backward follows metal-flash-attention's three kernels (D pre-pass, dQ over query blocks, dK/dV
 // over key blocks with K, V, dK, dV resident); its tiles are the largest that keep each kernel's
 // threadgroup storage within 32 KiB (static_assert at the instantiation):
@@ -328,7 +347,9 @@ typedef struct FlashAttentionParams {
     X(96, 32, 32, 32, 32, 32, 32)        \
     X(128, 32, 16, 32, 16, 32, 16)       \
     X(192, 32, 16, 16, 16, 16, 16)       \
-    X(256, 16, 16, 16, 8, 16, 8)
+    X(256, 16, 16, 16, 8, 16, 8)         \
+    X(512, 8, 8, 8, 8, 8, 8)             \
+    X(576, 8, 8, 8, 8, 8, 8)
 
 // Occupancy. An Apple7/8 GPU core has about 60 KB of threadgroup memory (metal-benchmarks,
 // philipturner; at most 32 KiB per threadgroup), so a kernel whose threadgroup uses B bytes runs at
@@ -341,6 +362,8 @@ typedef struct FlashAttentionParams {
 //   d128          17424 / 3       26128 / 2      26320 / 2
 //   d192          25616 / 2       29696 / 2      29888 / 2
 //   d256          27392 / 2       27392 / 2      27488 / 2
+//   d512          25984 / 2       28048 / 2      28144 / 2
+//   d576          29056 / 2       31248 / 1      31344 / 1
 //   float
 //   d32           15376 / 3       20496 / 2      20880 / 2
 //   d64           27664 / 2       27664 / 2      27856 / 2
@@ -354,6 +377,24 @@ typedef struct FlashAttentionParams {
 // float32's tiles take twice the bytes: its buckets trade rows for 2 threadgroups per core.
 #define FA_CORE_THREADGROUP_BYTES 61440
 #define FA_FORWARD_MIN_THREADGROUPS_PER_CORE 3
+
+// Registers. A kernel owning ROWS rows keeps, per lane, FA_ACCUMULATOR_FLOATS(DP, ROWS) float32
+// accumulator elements of each output it sums over keys or queries (forward and split: O; dQ: dQ;
+// dK/dV: dK and dV, twice that): a SIMD-group's 8 rows x DP / (32 / ROWS) head_dim columns over
+// its 32 lanes. The budget, checked at the instantiation so that no bucket's accumulators outgrow
+// the registers (no spills by construction): FA_MAX_ACCUMULATOR_FLOATS per lane per kernel.
+//   half, bfloat   forward  dQ  dK/dV        float   forward  dQ  dK/dV
+//   d32                 8    8     16        d32           8   8     16
+//   d64                16   16     32        d64          16  16     32
+//   d96                24   24     48        d96          24  12     24
+//   d128               32   32     64        d128         16  16     32
+//   d192               48   24     48        d192         12  12     24
+//   d256               32   32     64        d256         16  16     32
+//   d512               32   32     64
+//   d576               36   36     72
+// d512 keeps exactly d256's; d576's dK/dV (72) sets the budget.
+#define FA_ACCUMULATOR_FLOATS(DP, ROWS) ((DP) * (ROWS) / FA_THREADS_PER_THREADGROUP)
+#define FA_MAX_ACCUMULATOR_FLOATS 72
 
 // Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
 // (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB
@@ -431,6 +472,15 @@ inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? t
 #define FA_UNROLL _Pragma("clang loop unroll(full)")
 #endif
 
+// Counts a device load of BYTES bytes at ADDRESS where the host counts them per buffer (the CPU
+// engine's profile: MSL_COUNT_DEVICE_READ); nothing elsewhere. The tile copies and the decode
+// kernel's slice loads call it, so q, k, v, out and dout reads are counted.
+#if defined(MSL_COUNT_DEVICE_READ)
+#define FA_DEVICE_READ(ADDRESS, BYTES) MSL_COUNT_DEVICE_READ(ADDRESS, BYTES)
+#else
+#define FA_DEVICE_READ(ADDRESS, BYTES)
+#endif
+
 // A threadgroup tile is an array of rows of 16-byte chunks (uint4), each row DP elements of type
 // T plus FA_TILE_PAD padding elements, little-endian: element c of a row is 16-bit half c % 2 of
 // word c / 2 of the row (2-byte T) or word c (float). Copies move whole chunks; fragments read
@@ -504,6 +554,7 @@ inline void load_rows(Tile tile, device const T *src, uint first, uint seqlen, u
                 const ulong row = ulong(first) + (PAIRED ? r - r % 2 + i : r);
                 const uint d = PAIRED ? r % 2 * (DP / 2) + w : w * PER_WORD + i;
                 if (row < seqlen && d < cols) {
+                    FA_DEVICE_READ(src + row * stride + d, sizeof(T));
                     bits |= TileWords<T>::bits(src[row * stride + d]) << (16 * i);
                 }
             }
@@ -615,6 +666,7 @@ inline void copy_paired(Tile tile, thread const TileStream<T, ROWS, DP> &s,
     for (uint k = 0; k < S::PASSES; ++k) {
         uint4 own = uint4(0);
         if (cols_inside && (interior || row + k * S::STEP < rows_inside)) {
+            FA_DEVICE_READ(from, FA_CHUNK_BYTES);
             own = *from;
         }
         from += s.pass_step;
@@ -658,6 +710,7 @@ inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
         if (s.cols_inside) {
             FA_UNROLL
             for (uint k = 0; k < S::PASSES; ++k) {
+                FA_DEVICE_READ(from, FA_CHUNK_BYTES);
                 tile[s.row + k * S::STEP][s.chunk] = *from;
                 from += s.pass_step;
             }
@@ -676,6 +729,7 @@ inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
         const uint r = s.row + k * S::STEP;
         if (r < ROWS) {
             if (s.cols_inside && r < rows_inside) {
+                FA_DEVICE_READ(from, FA_CHUNK_BYTES);
                 tile[r][s.chunk] = *from;
             } else {
                 tile[r][s.chunk] = zero;
@@ -1450,6 +1504,15 @@ inline float row_lse(float m, float l) {
     return l > 0.0f ? m + log(l) : -INFINITY;
 }
 
+// A split-KV chunk's softmax state at entry `index` of partial_lse: its running max m and log l,
+// apart (entries 2 index and 2 index + 1), so that a chunk's share survives where |m| is too large
+// for float32 to add log l (rows masked with the float32 minimum); (-inf, 0) for a chunk without
+// keys.
+inline void store_partial_lse(device float *partial_lse, ulong index, float m, float l) {
+    partial_lse[2 * index] = l > 0.0f ? m : -INFINITY;
+    partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
+}
+
 template <uint DP, uint BQ, uint BK, typename T, typename Storage>
 inline void attention_forward(device const T *q, device const T *k, device const T *v,
                               device T *out, device float *lse, device const uchar *mask,
@@ -1602,16 +1665,347 @@ inline void attention_forward_split(device const T *q, device const T *k, device
         store_row(partial_out + index * p.head_dim_v, r.o, l > 0.0f ? 1.0f / l : 0.0f, p.head_dim_v, s,
                   at);
         if (s.col0 == 0 && at.col == 0) {
-            partial_lse[index] = row_lse(r.m, l);
+            store_partial_lse(partial_lse, index, r.m, l);
         }
     }
 }
+
+// ---- begin flash_attention_decode.h (spliced by tools/embed_shaders.py) ----
+// The decode forward: at most FA_SPLIT_MAX_QUERY_ROWS query rows per head over a KV cache, bound by
+// memory bandwidth. Shaped like MLX's `sdpa_vector` (ml-explore/mlx, kernels/sdpa_vector.h; facts
+// only, no code): every lane holds a contiguous slice of head_dim and reads it straight from device
+// memory with the widest aligned vector loads, the SIMD-groups take the keys in turn, and nothing
+// is staged in threadgroup memory in the key loop (no barrier there). Unlike sdpa_vector, one
+// threadgroup serves the packed rows of a whole GQA group (as the split-KV forward packs them:
+// index g * seqlen_q + i), so each K/V element is read once per chunk of keys and block of rows.
+//
+//   threadgroup (chunk x row block, KV head, batch), FA_SIMDGROUPS SIMD-groups:
+//     each lane loads its slice of the block's q rows (as float)
+//     for each key j of the chunk that some row sees, SIMD-group j % FA_SIMDGROUPS:
+//       load the lane's K and V slices of key j
+//       per row: s = score(simd_sum(q . k)) (four rows per reduction); online softmax of
+//       (m, l, o) in registers
+//     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
+//     SIMD-group order; the chunk's normalised output and lse go to partial_out / partial_lse,
+//     which forward_combine (flash_attention.metal) merges over the chunks with the sink.
+//
+// Sums run in a fixed order (lanes by simd_sum, keys in order per SIMD-group, SIMD-groups 0..3,
+// chunks 0..n): results are bit-identical from run to run.
+
+// How one lane holds a row of a bucket DP wide: E elements of T, the smallest power of two that
+// covers DP / 32 and fills at least one 32-bit word; LANES lanes hold columns (the others hold
+// zeros). The slice is read in PIECES loads of PIECE bytes (at most FA_CHUNK_BYTES, the widest
+// aligned load), e.g. 8 bytes at head_dim 128 in half, 16 in float.
+template <typename T, uint DP>
+struct DecodeLane {
+    enum : uint {
+        SPAN = (DP + 31) / 32,
+        POW2 = SPAN <= 1 ? 1 : SPAN <= 2 ? 2 : SPAN <= 4 ? 4 : SPAN <= 8 ? 8 : SPAN <= 16 ? 16 : 32,
+        E = POW2 * sizeof(T) < 4 ? 4 / sizeof(T) : POW2,
+        BYTES = E * sizeof(T),
+        PIECE = BYTES < FA_CHUNK_BYTES ? BYTES : FA_CHUNK_BYTES,
+        PIECES = BYTES / PIECE,
+        WORDS = BYTES / 4,
+        LANES = DP / E,
+    };
+};
+
+// One lane's slice of a row, as the 32-bit words it was loaded in (TileWords<T> reads them).
+template <uint WORDS>
+struct DecodeSlice {
+    uint w[WORDS];
+};
+
+// A load of BYTES bytes as one vector of words.
+template <uint BYTES>
+struct DecodePiece;
+
+template <>
+struct DecodePiece<4> {
+    typedef uint type;
+    static inline void put(type x, thread uint *w) { w[0] = x; }
+};
+
+template <>
+struct DecodePiece<8> {
+    typedef uint2 type;
+    static inline void put(type x, thread uint *w) {
+        w[0] = x.x;
+        w[1] = x.y;
+    }
+};
+
+template <>
+struct DecodePiece<16> {
+    typedef uint4 type;
+    static inline void put(type x, thread uint *w) {
+        w[0] = x.x;
+        w[1] = x.y;
+        w[2] = x.z;
+        w[3] = x.w;
+    }
+};
+
+// Where the rows of one KV head's K or V lie: row `key` at `head + key * stride`. The only place
+// the decode kernel addresses the cache: a paged or quantized source replaces this struct and its
+// two functions. The key loop moves by whole steps (a 64-bit add), never multiplying per key.
+template <typename T>
+struct CacheRows {
+    device const T *row;  // the current key's row
+    ulong step;           // elements from one of the SIMD-group's keys to its next
+};
+
+// The rows of the matrix at `head` (row 0; rows `stride` elements apart) from key `first` on, in
+// steps of `keys` keys.
+template <typename T>
+inline CacheRows<T> cache_rows(device const T *head, ulong stride, uint first, uint keys) {
+    CacheRows<T> c;
+    c.row = head + ulong(first) * stride;
+    c.step = ulong(keys) * stride;
+    return c;
+}
+
+template <typename T>
+inline void next_row(thread CacheRows<T> &c) {
+    c.row += c.step;
+}
+
+// Loads the lane's slice, columns [col0, col0 + E), of the row at `row` (`cols` wide; zero past
+// cols). The vector path needs what the host's scalar_copies = 0 promises (rows and head_dims on
+// 16-byte boundaries), which also puts each piece wholly inside or outside cols; otherwise every
+// element is loaded and checked alone.
+template <typename T, uint DP>
+inline DecodeSlice<DecodeLane<T, DP>::WORDS> load_slice(device const T *row, uint col0, uint cols,
+                                                        bool scalar) {
+    typedef DecodeLane<T, DP> L;
+    typedef DecodePiece<L::PIECE> P;
+    constexpr uint PER_PIECE = L::PIECE / sizeof(T);
+    DecodeSlice<L::WORDS> s;
+    if (!scalar) {
+        FA_UNROLL
+        for (uint i = 0; i < L::PIECES; ++i) {
+            const uint c = col0 + i * PER_PIECE;
+            typename P::type x = typename P::type(0);
+            if (c < cols) {
+                FA_DEVICE_READ(row + c, L::PIECE);
+                x = *(device const typename P::type *)(row + c);
+            }
+            P::put(x, s.w + i * (L::PIECE / 4));
+        }
+        return s;
+    }
+    constexpr uint PER_WORD = TileWords<T>::PER_WORD;
+    FA_UNROLL
+    for (uint w = 0; w < L::WORDS; ++w) {
+        uint bits = 0;
+        FA_UNROLL
+        for (uint i = 0; i < PER_WORD; ++i) {
+            const uint d = col0 + w * PER_WORD + i;
+            if (d < cols) {
+                FA_DEVICE_READ(row + d, sizeof(T));
+                bits |= TileWords<T>::bits(row[d]) << (16 * i);
+            }
+        }
+        s.w[w] = bits;
+    }
+    return s;
+}
+
+// Element i of a slice, as float.
+template <typename T, uint WORDS>
+inline float slice_element(thread const DecodeSlice<WORDS> &s, uint i) {
+    typedef TileWords<T> W;
+    return W::element(s.w[i / W::PER_WORD], i % W::PER_WORD);
+}
+
+// Sums each of the R values over the SIMD-group, four rows per reduction (R is 2, 4 or 8).
+template <uint R>
+inline void simd_sum_rows(thread float *x) {
+    if (R % 4 == 0) {
+        FA_UNROLL
+        for (uint r = 0; r < R; r += 4) {
+            float4 v;
+            v.x = x[r];
+            v.y = x[r + 1];
+            v.z = x[r + 2];
+            v.w = x[r + 3];
+            const float4 s = simd_sum(v);
+            x[r] = s.x;
+            x[r + 1] = s.y;
+            x[r + 2] = s.z;
+            x[r + 3] = s.w;
+        }
+    } else {
+        FA_UNROLL
+        for (uint r = 0; r < R; r += 2) {
+            float2 v;
+            v.x = x[r];
+            v.y = x[r + 1];
+            const float2 s = simd_sum(v);
+            x[r] = s.x;
+            x[r + 1] = s.y;
+        }
+    }
+}
+
+// Each SIMD-group's online-softmax state of the block's rows, merged once after the key loop.
+template <uint DP>
+struct DecodeStorage {
+    float o[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)][DP];
+    float m[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
+    float l[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
+};
+
+// One chunk of keys for one block of FA_DECODE_ROWS(DP) packed rows: threadgroups (row blocks x
+// chunks, KV heads, batch), x = chunk * row_blocks + row block, as the split-KV forward. Writes the
+// chunk's normalised output and lse of each row (partial_index).
+template <uint DP, typename T, typename Storage>
+inline void attention_forward_decode(device const T *q, device const T *k, device const T *v,
+                                     device const uchar *mask, device const float *alibi,
+                                     device float *partial_out, device float *partial_lse,
+                                     constant FlashAttentionParams &p, Storage tg, uint3 tgid,
+                                     uint sgid, uint lane) {
+    typedef DecodeLane<T, DP> L;
+    constexpr uint R = FA_DECODE_ROWS(DP);
+    static_assert(sizeof(DecodeStorage<DP>) == FA_DECODE_THREADGROUP_BYTES(DP),
+                  "the host sizes the decode threadgroup by FA_DECODE_THREADGROUP_BYTES");
+    const uint b = tgid.z;
+    const uint kv_head = tgid.y;
+    const uint group = p.num_heads / p.num_kv_heads;
+    const uint row_blocks = (group * p.seqlen_q + R - 1) / R;
+    const uint x = tgid.x + p.block_offset;
+    const uint chunk = x / row_blocks;
+    const PackedRows rows = packed_rows<R>(p, x % row_blocks);
+    const uint live = min(R, rows.count - rows.first);  // rows of the block that exist
+    const uint col0 = lane * L::E;
+    const bool scalar = p.scalar_copies != 0;
+
+    float qs[R][L::E];
+    float o[R][L::E];
+    float m[R];
+    float l[R];
+    uint row[R];
+    RowModifiers mods[R];
+    FA_UNROLL
+    for (uint r = 0; r < R; ++r) {
+        const uint packed = rows.first + (r < live ? r : 0);
+        const uint h = packed_head(p, rows, kv_head, packed);
+        row[r] = r < live ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
+        mods[r] = row_modifiers(p, alibi, b, h, row[r]);
+        const DecodeSlice<L::WORDS> s = load_slice<T, DP>(
+            q + head_offset(p.q, b, h) + ulong(packed % p.seqlen_q) * p.q.seq, col0,
+            r < live ? p.head_dim : 0, scalar);
+        FA_UNROLL
+        for (uint e = 0; e < L::E; ++e) {
+            qs[r][e] = slice_element<T>(s, e);
+            o[r][e] = 0.0f;
+        }
+        m[r] = -INFINITY;  // the sink joins once, in the combine
+        l[r] = 0.0f;
+    }
+
+    // The chunk's keys that some row of the block sees through the window.
+    const uint chunk_begin = chunk * p.kv_chunk_keys;
+    const uint key_begin = max(chunk_begin, key_range(p, rows.i_min).first);
+    const uint key_end = min(chunk_begin + p.kv_chunk_keys, key_range(p, rows.i_max).end);
+    CacheRows<T> ks = cache_rows(k + head_offset(p.k, b, kv_head), p.k.seq, key_begin + sgid,
+                                 FA_SIMDGROUPS);
+    CacheRows<T> vs = cache_rows(v + head_offset(p.v, b, kv_head), p.v.seq, key_begin + sgid,
+                                 FA_SIMDGROUPS);
+    for (uint j = key_begin + sgid; j < key_end; j += FA_SIMDGROUPS) {
+        const DecodeSlice<L::WORDS> kw = load_slice<T, DP>(ks.row, col0, p.head_dim, scalar);
+        const DecodeSlice<L::WORDS> vw = load_slice<T, DP>(vs.row, col0, p.head_dim_v, scalar);
+        next_row(ks);
+        next_row(vs);
+        float kf[L::E];
+        float vf[L::E];
+        FA_UNROLL
+        for (uint e = 0; e < L::E; ++e) {
+            kf[e] = slice_element<T>(kw, e);
+            vf[e] = slice_element<T>(vw, e);
+        }
+        float dot[R];
+        FA_UNROLL
+        for (uint r = 0; r < R; ++r) {
+            dot[r] = 0.0f;
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                dot[r] = fma(qs[r][e], kf[e], dot[r]);
+            }
+        }
+        simd_sum_rows<R>(dot);
+        FA_UNROLL
+        for (uint r = 0; r < R; ++r) {
+            if (r < live) {  // the same for the whole SIMD-group
+                float t;
+                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], true, t);
+                const float m_next = max(m[r], s);
+                // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0.
+                const float m_base = m_next == -INFINITY ? 0.0f : m_next;
+                const float correction = exp_of(m[r] - m_base);
+                const float pe = exp_of(s - m_base);
+                l[r] = fma(l[r], correction, pe);
+                FA_UNROLL
+                for (uint e = 0; e < L::E; ++e) {
+                    o[r][e] = fma(o[r][e], correction, pe * vf[e]);
+                }
+                m[r] = m_next;
+            }
+        }
+    }
+
+    FA_UNROLL
+    for (uint r = 0; r < R; ++r) {
+        if (lane < L::LANES) {
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                tg->o[sgid][r][col0 + e] = o[r][e];
+            }
+        }
+        if (lane == 0) {
+            tg->m[sgid][r] = m[r];
+            tg->l[sgid][r] = l[r];
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint e = sgid * 32 + lane; e < R * DP; e += FA_THREADS_PER_THREADGROUP) {
+        const uint r = e / DP;
+        const uint d = e % DP;
+        if (r < live && d < p.head_dim_v) {
+            float top = -INFINITY;
+            for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
+                top = max(top, tg->m[g][r]);
+            }
+            const float base = top == -INFINITY ? 0.0f : top;
+            float total = 0.0f;
+            float acc = 0.0f;
+            for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
+                const float w = exp_of(tg->m[g][r] - base);
+                total = fma(tg->l[g][r], w, total);
+                acc = fma(tg->o[g][r][d], w, acc);
+            }
+            const ulong index = partial_index(p, rows, b, kv_head, rows.first + r, chunk);
+            partial_out[index * p.head_dim_v + d] = total > 0.0f ? acc / total : 0.0f;
+            if (d == 0) {
+                store_partial_lse(partial_lse, index, top, total);
+            }
+        }
+    }
+}
+// ---- end flash_attention_decode.h ----
 
 // Combines the chunks of one query row (threadgroup (i, h, b)) with the log-sum-exp merge of
 // flash_attention_merge.h: out = sum_c w_c O_c / sum_c w_c with w_c = exp(lse_c - max_c lse_c),
 // lse = max + log(sum_c w_c), chunks in order; a sink adds its weight to the denominator only. A
 // chunk with lse -inf weighs 0 (its partial output is not used); a row without any key (and no
 // sink) gets out 0, lse -inf.
+// The weight of the chunk at entry `index` of partial_lse relative to the largest chunk max `top`:
+// l exp(m - top), exactly 0 for a chunk without keys.
+inline float chunk_weight(device const float *partial_lse, ulong index, float top) {
+    const float m = partial_lse[2 * index];
+    return m == -INFINITY ? 0.0f : exp((m - top) + partial_lse[2 * index + 1]);
+}
+
 template <typename T>
 inline void attention_forward_combine(device const float *partial_out,
                                       device const float *partial_lse, device const float *sinks,
@@ -1621,11 +2015,11 @@ inline void attention_forward_combine(device const float *partial_out,
     const float sink = sinks_on(p) ? sinks[tgid.y] : -INFINITY;
     float top = sink;
     for (uint c = 0; c < p.kv_chunks; ++c) {
-        top = max(top, partial_lse[first + ulong(c) * p.seqlen_q]);
+        top = max(top, partial_lse[2 * (first + ulong(c) * p.seqlen_q)]);
     }
     float total = merge_weight(sink, top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
-        total += merge_weight(partial_lse[first + ulong(c) * p.seqlen_q], top);
+        total += chunk_weight(partial_lse, first + ulong(c) * p.seqlen_q, top);
     }
     const float scale = merge_normalizer(total);
     device T *out_row = out + head_offset(p.out, tgid.z, tgid.y) + ulong(tgid.x) * p.out.seq;
@@ -1633,7 +2027,7 @@ inline void attention_forward_combine(device const float *partial_out,
         float acc = 0.0f;
         for (uint c = 0; c < p.kv_chunks; ++c) {
             const ulong part = first + ulong(c) * p.seqlen_q;
-            acc = merge_accumulate(acc, merge_weight(partial_lse[part], top),
+            acc = merge_accumulate(acc, chunk_weight(partial_lse, part, top),
                                    partial_out[part * p.head_dim_v + d]);
         }
         out_row[d] = T(acc * scale);
@@ -2125,6 +2519,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         flash_attention_forward_##SUFFIX##_d##DP##_threadgroup;                                    \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
         flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup;                              \
+    typedef DecodeStorage<DP> flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup;       \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK, false>                                           \
         flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup;                      \
     typedef BackwardQueryStorage<T, DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>           \
@@ -2144,6 +2539,12 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                       DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
                       DKV_BQ % 8 == 0,                                                             \
                   "blocks must split into 8x8 fragments");                                         \
+    static_assert(DP <= (sizeof(T) == 4 ? FA_MAX_HEAD_DIM_F32 : FA_MAX_HEAD_DIM),                  \
+                  "a bucket above the dtype's largest head_dim (flash_attention_params.h)");       \
+    static_assert(FA_ACCUMULATOR_FLOATS(DP, FWD_BQ) <= FA_MAX_ACCUMULATOR_FLOATS &&                \
+                      FA_ACCUMULATOR_FLOATS(DP, DQ_BQ) <= FA_MAX_ACCUMULATOR_FLOATS &&             \
+                      2 * FA_ACCUMULATOR_FLOATS(DP, DKV_BK) <= FA_MAX_ACCUMULATOR_FLOATS,          \
+                  "accumulators per lane above the budget (flash_attention_params.h)");            \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_##SUFFIX##_d##DP(                                          \
@@ -2173,6 +2574,19 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
         attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, mask, alibi, partial_out, partial_lse, \
                                                     params, &tg, tgid, sgid, lane);                \
+    }                                                                                              \
+                                                                                                   \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
+    kernel void flash_attention_forward_decode_##SUFFIX##_d##DP(                                   \
+        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
+        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
+        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup tg;              \
+        attention_forward_decode<DP>(q, k, v, mask, alibi, partial_out, partial_lse, params, &tg,  \
+                                     tgid, sgid, lane);                                            \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \

@@ -60,6 +60,7 @@ struct dispatch_outcome {
     std::atomic<uint64_t> switches{0};
     std::atomic<uint64_t> matrix_multiplies{0};
     std::atomic<uint64_t> barriers{0};
+    std::atomic<uint64_t> bytes_read[MSL_ENGINE_COUNTED_BUFFERS] = {};
     std::atomic<uint32_t> constants_read{0};
 
     void record(uint64_t at, msl_engine_status s, std::string text) {
@@ -120,6 +121,9 @@ struct dispatch_job {
         outcome.switches.fetch_add(runner.switches(), std::memory_order_relaxed);
         outcome.matrix_multiplies.fetch_add(runner.matrix_multiplies(), std::memory_order_relaxed);
         outcome.barriers.fetch_add(runner.barriers(), std::memory_order_relaxed);
+        for (uint32_t i = 0; i < MSL_ENGINE_COUNTED_BUFFERS; ++i) {
+            outcome.bytes_read[i].fetch_add(runner.bytes_read()[i], std::memory_order_relaxed);
+        }
         outcome.constants_read.fetch_or(runner.constants_read(), std::memory_order_relaxed);
     }
 };
@@ -290,6 +294,9 @@ extern "C" msl_engine_status msl_engine_dispatch_specialized(
     last_stats.fiber_switches = job.outcome.switches.load();
     last_stats.simdgroup_multiply_accumulates = job.outcome.matrix_multiplies.load();
     last_stats.threadgroup_barriers = job.outcome.barriers.load();
+    for (uint32_t i = 0; i < MSL_ENGINE_COUNTED_BUFFERS; ++i) {
+        last_stats.device_bytes_read[i] = job.outcome.bytes_read[i].load();
+    }
     last_stats.function_constants_read = job.outcome.constants_read.load();
     last_stats.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

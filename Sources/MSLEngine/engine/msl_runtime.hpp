@@ -55,6 +55,10 @@ void threadgroup_barrier(const char *file, unsigned line);
 void simd_collective(const char *operation, simd_combine_fn combine, const void *in, void *out,
                      uint32_t arg, const char *file, unsigned line);
 
+/// Counts a read of `bytes` bytes at `address` against the dispatch buffer that holds it
+/// (msl_engine_dispatch_stats.device_bytes_read); nothing outside a dispatch or any buffer.
+void device_read(const void *address, size_t bytes);
+
 /// The calling thread's index in its SIMD-group (0..31); 0 outside a dispatch.
 uint32_t simd_lane();
 

@@ -327,6 +327,18 @@ void threadgroup_runner::complete(simd_group &g) {
     }
 }
 
+void threadgroup_runner::count_read(const void *address, size_t bytes) {
+    const auto at = reinterpret_cast<uintptr_t>(address);
+    const uint32_t n = args_->buffer_count < MSL_ENGINE_COUNTED_BUFFERS ? args_->buffer_count : MSL_ENGINE_COUNTED_BUFFERS;
+    for (uint32_t i = 0; i < n; ++i) {
+        const auto base = reinterpret_cast<uintptr_t>(args_->buffers[i].contents);
+        if (base != 0 && at >= base && at - base < args_->buffers[i].length) {
+            bytes_read_[i] += bytes;
+            return;
+        }
+    }
+}
+
 void threadgroup_runner::diagnose_stall() {
     for (uint32_t gi = 0; gi < groups_.size(); ++gi) {
         const simd_group &g = groups_[gi];
@@ -381,6 +393,11 @@ void simd_collective(const char *operation, simd_combine_fn combine, const void 
     l->combine = combine;
     l->slot = simd_slot{in, out, arg};
     fiber_switch(l->context, l->runner->scheduler_context());
+}
+
+void device_read(const void *address, size_t bytes) {
+    lane *l = current_lane;
+    if (l != nullptr) l->runner->count_read(address, bytes);
 }
 
 uint32_t simd_lane() {

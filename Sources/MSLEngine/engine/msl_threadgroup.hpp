@@ -64,6 +64,10 @@ class threadgroup_runner {
     uint64_t matrix_multiplies() const { return matrix_multiplies_; }
     /// Threadgroup barriers released so far (one per threadgroup and barrier).
     uint64_t barriers() const { return barriers_; }
+    /// Bytes read so far from each of the first MSL_ENGINE_COUNTED_BUFFERS buffers.
+    const uint64_t *bytes_read() const { return bytes_read_; }
+    /// Counts a read of `bytes` at `address` against the running threadgroup's buffer holding it.
+    void count_read(const void *address, size_t bytes);
 
     /// The OS thread's own context, to which blocked or returning lanes switch.
     fiber &scheduler_context() { return scheduler_; }
@@ -114,6 +118,7 @@ class threadgroup_runner {
     uint64_t switches_ = 0;
     uint64_t matrix_multiplies_ = 0;
     uint64_t barriers_ = 0;
+    uint64_t bytes_read_[MSL_ENGINE_COUNTED_BUFFERS] = {};
     const msl_engine_cancellation *cancellation_ = nullptr;
     uint64_t start_epoch_ = 0;
     const msl_engine_function_constant *constants_ = nullptr;

@@ -152,6 +152,9 @@ uint32_t msl_engine_worker_count(void);
  * depend on it (threadgroups are independent); tests use it to show that. */
 void msl_engine_set_worker_count(uint32_t workers);
 
+/* Buffers whose device reads a dispatch counts: [[buffer(0)]] ... [[buffer(15)]]. */
+#define MSL_ENGINE_COUNTED_BUFFERS 16
+
 /* What the calling thread's last msl_engine_dispatch did. */
 typedef struct msl_engine_dispatch_stats {
     uint32_t workers;        /* OS threads that ran threadgroups */
@@ -162,6 +165,10 @@ typedef struct msl_engine_dispatch_stats {
                                                 collective (not one per lane) */
     uint64_t threadgroup_barriers; /* threadgroup_barrier releases, one per threadgroup and barrier
                                       (not one per thread) */
+    uint64_t device_bytes_read[MSL_ENGINE_COUNTED_BUFFERS]; /* bytes the kernel read from buffer i
+                                      ([[buffer(i)]], i < MSL_ENGINE_COUNTED_BUFFERS) through
+                                      MSL_COUNT_DEVICE_READ, the hook the kernels' loaders call at
+                                      each device load (a load outside every buffer is not counted) */
     uint32_t function_constants_read; /* bit i: some thread read the dispatch's constants[i]
                                          (msl_engine_dispatch_specialized) */
     double seconds;          /* wall time of the dispatch */

@@ -13,10 +13,11 @@ final class DispatchPlanTests: XCTestCase {
                              causal: causal, softmaxScale: scale)
     }
 
-    /// Every bucket boundary: head_dim -> the bucket's head_dim_max, and 257 rejected.
+    /// Every bucket boundary: head_dim -> the bucket's head_dim_max, and 577 rejected.
     func testBucketBoundaries() throws {
         let expected: [(Int, UInt32)] = [(1, 32), (32, 32), (33, 64), (64, 64), (65, 96), (96, 96), (97, 128),
-                                         (128, 128), (129, 192), (192, 192), (193, 256), (256, 256)]
+                                         (128, 128), (129, 192), (192, 192), (193, 256), (256, 256), (257, 512),
+                                         (512, 512), (513, 576), (576, 576)]
         for (headDim, bucket) in expected {
             let p = try problem(headDim: headDim)
             XCTAssertEqual(p.bucket.head_dim_max, bucket, "head_dim \(headDim)")
@@ -28,9 +29,9 @@ final class DispatchPlanTests: XCTestCase {
                             "flash_attention_backward_dq_f16_d\(bucket)", "flash_attention_backward_dkv_f16_d\(bucket)"])
             XCTAssertEqual(forward.dispatches[0].params.head_dim, UInt32(headDim))
         }
-        XCTAssertThrowsError(try problem(headDim: 257)) { error in
+        XCTAssertThrowsError(try problem(headDim: 577)) { error in
             XCTAssertEqual(error as? FlashAttentionError,
-                           .unsupported("head_dim (257) must be at most fa_max_head_dim() (256)"))
+                           .unsupported("head_dim (577) must be at most fa_max_head_dim() (576)"))
         }
     }
 
@@ -49,7 +50,7 @@ final class DispatchPlanTests: XCTestCase {
         // (head_dim_max, forward BQ, dQ BQ, dK/dV BK)
         let table: [(UInt32, UInt32, UInt32, UInt32)] = [
             (32, 32, 32, 32), (64, 32, 32, 32), (96, 32, 32, 32), (128, 32, 32, 32), (192, 32, 16, 16),
-            (256, 16, 16, 16),
+            (256, 16, 16, 16), (512, 8, 8, 8), (576, 8, 8, 8),
         ]
         let threads = GridSize(width: 128, height: 1, depth: 1)
         for (dmax, fbq, dqbq, dkvbk) in table {
@@ -143,45 +144,81 @@ final class DispatchPlanTests: XCTestCase {
         XCTAssertEqual(BufferRole.lse.byteCount(for: p), 2 * 6 * 5 * 4)
     }
 
-    /// Decode shapes take the split-KV forward: for B=1, H=32, KV heads 8, seqlen_q 1, seqlen_k 32768,
-    /// head_dim 128 at least 320 threadgroups (4 per core of an 80-core GPU), the query heads of a
-    /// GQA group packed into one block, and every K/V element read exactly once per call.
-    func testDecodeTakesTheSplitKVForward() throws {
+    /// Decode shapes take the decode forward: for B=1, H=32, KV heads 8, seqlen_q 1, seqlen_k 32768,
+    /// head_dim 128 on the nominal GPU (FA_NOMINAL_GPU_CORES = 10, 3 decode threadgroups per core)
+    /// two waves, 60 threadgroups at least: 8 chunks of 4096 keys x 8 KV heads; the query heads of
+    /// a GQA group packed into one block, and every K/V element read exactly once per call.
+    func testDecodeTakesTheDecodeForward() throws {
         let p = try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 32768, headDim: 128,
                             causal: true, scale: nil)
         let split = try XCTUnwrap(p.split)
         let plan = DispatchPlan.forward(p)
         XCTAssertEqual(plan.dispatches.map(\.kernelName),
-                       ["flash_attention_forward_split_f16_d128", "flash_attention_forward_combine_f16"])
+                       ["flash_attention_forward_decode_f16_d128", "flash_attention_forward_combine_f16"])
         XCTAssertEqual(plan.workspace, [.partialOut, .partialLse])
-        let grid = plan.dispatches[0].threadgroupsPerGrid
-        XCTAssertEqual(grid, GridSize(width: split.chunks, height: 8, depth: 1))
-        XCTAssertGreaterThanOrEqual(grid.width * grid.height * grid.depth, 320)
-        XCTAssertEqual(split.rowBlocks, 1)
-        XCTAssertEqual(split.chunkKeys % p.bucket.forward_block_k, 0)
+        XCTAssertEqual(plan.dispatches[0].threadgroupsPerGrid, GridSize(width: 8, height: 8, depth: 1))
+        XCTAssertEqual([split.rowBlocks, split.chunkKeys], [1, 4096])
         // Keys each threadgroup streams: its chunk (the last one shorter); the chunks tile the cache.
         let streamed = (0..<split.chunks).map { min(split.chunkKeys, p.seqlenK - $0 * split.chunkKeys) }
-        XCTAssertEqual(streamed.reduce(0, +) * split.rowBlocks, p.seqlenK)
+        XCTAssertEqual(streamed.reduce(0, +), p.seqlenK)
         XCTAssertEqual(plan.dispatches[1].threadgroupsPerGrid, GridSize(width: 1, height: 32, depth: 1))
         XCTAssertEqual([plan.dispatches[0].params.kv_chunks, plan.dispatches[0].params.kv_chunk_keys],
                        [split.chunks, split.chunkKeys])
-        XCTAssertEqual(BufferRole.partialLse.elementCount(for: p), 32 * Int(split.chunks))
+        XCTAssertEqual(BufferRole.partialLse.elementCount(for: p), 32 * Int(split.chunks) * 2)
         XCTAssertEqual(BufferRole.partialOut.elementCount(for: p), 32 * Int(split.chunks) * 128)
     }
 
-    /// The split-KV rule: at most FA_SPLIT_MAX_QUERY_ROWS query rows, chunks of at least
-    /// FA_SPLIT_MIN_CHUNK_KEYS keys, no split when fewer than two chunks would result.
+    /// The chunk rule at other core counts (docs/decode.md's table): two waves of 3 threadgroups per
+    /// core where chunks of at least 64 keys allow it, the shape's maximum otherwise.
+    func testChunksFollowTheCoreCount() throws {
+        var bucket = FlashAttentionBucket()
+        XCTAssertEqual(fa_bucket_for_head_dim(UInt32(FA_DTYPE_F16), 128, &bucket), 1)
+        func split(_ kvHeads: UInt32, _ keys: UInt32, _ cores: UInt32, seqlenQ: UInt32 = 1) -> KeyValueSplit? {
+            KeyValueSplit(batch: 1, numHeads: 32, numKVHeads: kvHeads, seqlenQ: seqlenQ, seqlenK: keys,
+                          bucket: bucket, cores: cores)
+        }
+        for (kvHeads, keys, cores, chunks, threadgroups) in [(8, 32768, 40, 31, 248), (1, 32768, 40, 64, 256),
+                                                              (8, 1024, 40, 16, 128), (8, 131072, 80, 61, 488),
+                                                              (1, 1024, 10, 16, 64)] as [(UInt32, UInt32, UInt32, UInt32, UInt64)] {
+            let s = try XCTUnwrap(split(kvHeads, keys, cores))
+            XCTAssertEqual(s.kernel, .decode)
+            XCTAssertEqual([UInt64(s.chunks), s.threadgroups * UInt64(kvHeads)], [UInt64(chunks), threadgroups],
+                           "KV heads \(kvHeads), \(keys) keys, \(cores) cores")
+            XCTAssertGreaterThanOrEqual(s.chunkKeys, UInt32(FA_SPLIT_MIN_CHUNK_KEYS))
+        }
+        // 16 rows (speculative decoding): 32 dense threadgroups fill 10 cores (30 at once), not 40.
+        XCTAssertNil(split(8, 32768, 10, seqlenQ: 16))
+        XCTAssertEqual(try XCTUnwrap(split(8, 32768, 40, seqlenQ: 16)).kernel, .tiled)
+        XCTAssertNil(split(8, 32768, 40, seqlenQ: 65))
+    }
+
+    /// The split-KV thresholds: the decode kernel for at most FA_SPLIT_MAX_QUERY_ROWS rows at any
+    /// length; the tiled kernel needs two chunks (multiples of FA_SPLIT_MIN_CHUNK_KEYS keys, the
+    /// last one shorter).
     func testSplitKVThresholds() throws {
-        XCTAssertNotNil(try problem(seqlenQ: 8, seqlenK: 512).split)
-        XCTAssertNil(try problem(seqlenQ: 9, seqlenK: 100_000).split)
-        XCTAssertNil(try problem(seqlenQ: 1, seqlenK: 511).split)
-        let many = try XCTUnwrap(try problem(batch: 1, heads: 4, kvHeads: 1, seqlenQ: 1, seqlenK: 1024).split)
-        XCTAssertEqual(many.chunks, 4)
+        XCTAssertEqual(try problem(seqlenQ: 8, seqlenK: 512).split?.kernel, .decode)
+        XCTAssertEqual(try problem(seqlenQ: 1, seqlenK: 7).split?.chunks, 1)
+        XCTAssertNil(try problem(seqlenQ: 65, seqlenK: 100_000).split)
+        XCTAssertNil(try problem(seqlenQ: 9, seqlenK: 63).split)
+        XCTAssertEqual(try problem(seqlenQ: 9, seqlenK: 128).split?.kernel, .tiled)
         // Rows of a GQA group beyond one block: 16 heads per KV head x 8 rows = 128 packed rows.
         let packed = try XCTUnwrap(try problem(batch: 1, heads: 16, kvHeads: 1, seqlenQ: 8, seqlenK: 4096,
                                                headDim: 64).split)
-        XCTAssertEqual(packed.rowBlocks, 4)
+        XCTAssertEqual(packed.rowBlocks, 16)
         XCTAssertEqual(try problem(seqlenQ: 100, seqlenK: 33).params.kv_chunks, 1)
+    }
+
+    /// FLASH_ATTENTION_GPU_CORES plans for another GPU; a bad value is an error naming it.
+    func testCoreCountOverride() throws {
+        defer { unsetenv(GPUCores.environmentVariable) }
+        setenv(GPUCores.environmentVariable, "40", 1)
+        XCTAssertEqual(try GPUCores.planned(), 40)
+        setenv(GPUCores.environmentVariable, "0", 1)
+        XCTAssertThrowsError(try problem(seqlenQ: 1, seqlenK: 512)) { error in
+            XCTAssertTrue("\(error)".contains("FLASH_ATTENTION_GPU_CORES (0)"), "\(error)")
+        }
+        unsetenv(GPUCores.environmentVariable)
+        XCTAssertEqual(try GPUCores.planned(), UInt32(FA_NOMINAL_GPU_CORES))
     }
 
     /// Masks, ALiBi and sinks bind their own buffers; sinks add the dsinks dispatch and output;

@@ -51,6 +51,7 @@ final class EmbeddedShadersTests: XCTestCase {
         XCTAssertTrue(source.contains("FA_HEAD_DIM_BUCKETS"))
         XCTAssertTrue(source.contains("FA_HEAD_DIM_BUCKETS_F32"))
         for name in ["flash_attention_forward_##SUFFIX##_d", "flash_attention_forward_split_##SUFFIX##_d",
+                     "flash_attention_forward_decode_##SUFFIX##_d",
                      "flash_attention_backward_dq_##SUFFIX##_d", "flash_attention_backward_dkv_##SUFFIX##_d",
                      "flash_attention_backward_lse_residual_##SUFFIX##_d",
                      "flash_attention_forward_combine_##SUFFIX", "flash_attention_backward_delta_##SUFFIX"] {

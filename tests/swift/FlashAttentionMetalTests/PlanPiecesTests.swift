@@ -153,16 +153,16 @@ final class PlanPiecesTests: XCTestCase {
         let pieces = plan.pieces(maxFlops: plan.flopsPerUnit)
         XCTAssertEqual(pieces.count, 6)
         XCTAssertTrue(pieces.allSatisfy { $0.plan.problem.split == p.split })
-        XCTAssertEqual(pieces[1].byteOffset(of: .partialLse), 2 * Int(chunks) * 2 * 4)
+        XCTAssertEqual(pieces[1].byteOffset(of: .partialLse), 2 * Int(chunks) * 2 * 2 * 4)
         XCTAssertEqual(pieces[1].byteOffset(of: .partialOut), 2 * Int(chunks) * 2 * 8 * 4)
 
 
-        // Run on a shorter cache (2 chunks, cheap on the CPU engine): the pieces bind their parts of
-        // the partial workspaces.
+        // Run on a shorter cache (10 chunks of 64 keys, cheap on the CPU engine): the pieces bind
+        // their parts of the partial workspaces.
         let short = try Problem.validate(AttentionShape(batch: 3, numHeads: 4, numKVHeads: 2, seqlenQ: 2,
                                                         seqlenK: 600, headDim: 8),
                                          causal: true, softmaxScale: nil)
-        XCTAssertEqual(short.split?.chunks, 2)
+        XCTAssertEqual(short.split?.chunks, 10)
         var rng = Normal16(seed: 5)
         let q = rng.next(BufferRole.q.elementCount(for: short)), k = rng.next(BufferRole.k.elementCount(for: short))
         let v = rng.next(BufferRole.k.elementCount(for: short))
@@ -173,7 +173,7 @@ final class PlanPiecesTests: XCTestCase {
         // Below one unit: each unit's split kernel one (chunk, row block) per piece, then its combine.
         let perBlock = DispatchPlan.forward(short).pieces(maxFlops: 1)
         XCTAssertEqual(perBlock.map { $0.plan.dispatches[0].params.block_offset },
-                       Array(repeating: [0, 1, 0], count: 6).flatMap { $0 })
+                       Array(repeating: Array(0..<10) + [0], count: 6).flatMap { $0 })
         let blocks = try forward(Context(backend: try CPUBackend(flopsPerPiece: 1)), short, q: q, k: k, v: v)
         assertSame(blocks, reference, "split-KV forward in blocks")
     }

@@ -61,7 +61,7 @@ final class SpecializationTests: XCTestCase {
     /// The names of the constants each kernel reads, by kernel name.
     private func expectedConstants(_ kernel: String) -> [String] {
         let score = ["fa_mask_type", "fa_has_softcap", "fa_has_alibi"]
-        for (prefix, names) in [("flash_attention_forward_split_", score),
+        for (prefix, names) in [("flash_attention_forward_split_", score), ("flash_attention_forward_decode_", score),
                                 ("flash_attention_forward_combine_", ["fa_has_sinks"]),
                                 ("flash_attention_forward_", score + ["fa_has_sinks"]),
                                 ("flash_attention_backward_lse_residual_", score + ["fa_has_sinks"]),

@@ -1,0 +1,321 @@
+// The decode forward: at most FA_SPLIT_MAX_QUERY_ROWS query rows per head over a KV cache, bound by
+// memory bandwidth. Shaped like MLX's `sdpa_vector` (ml-explore/mlx, kernels/sdpa_vector.h; facts
+// only, no code): every lane holds a contiguous slice of head_dim and reads it straight from device
+// memory with the widest aligned vector loads, the SIMD-groups take the keys in turn, and nothing
+// is staged in threadgroup memory in the key loop (no barrier there). Unlike sdpa_vector, one
+// threadgroup serves the packed rows of a whole GQA group (as the split-KV forward packs them:
+// index g * seqlen_q + i), so each K/V element is read once per chunk of keys and block of rows.
+//
+//   threadgroup (chunk x row block, KV head, batch), FA_SIMDGROUPS SIMD-groups:
+//     each lane loads its slice of the block's q rows (as float)
+//     for each key j of the chunk that some row sees, SIMD-group j % FA_SIMDGROUPS:
+//       load the lane's K and V slices of key j
+//       per row: s = score(simd_sum(q . k)) (four rows per reduction); online softmax of
+//       (m, l, o) in registers
+//     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
+//     SIMD-group order; the chunk's normalised output and lse go to partial_out / partial_lse,
+//     which forward_combine (flash_attention.metal) merges over the chunks with the sink.
+//
+// Sums run in a fixed order (lanes by simd_sum, keys in order per SIMD-group, SIMD-groups 0..3,
+// chunks 0..n): results are bit-identical from run to run.
+
+// How one lane holds a row of a bucket DP wide: E elements of T, the smallest power of two that
+// covers DP / 32 and fills at least one 32-bit word; LANES lanes hold columns (the others hold
+// zeros). The slice is read in PIECES loads of PIECE bytes (at most FA_CHUNK_BYTES, the widest
+// aligned load), e.g. 8 bytes at head_dim 128 in half, 16 in float.
+template <typename T, uint DP>
+struct DecodeLane {
+    enum : uint {
+        SPAN = (DP + 31) / 32,
+        POW2 = SPAN <= 1 ? 1 : SPAN <= 2 ? 2 : SPAN <= 4 ? 4 : SPAN <= 8 ? 8 : SPAN <= 16 ? 16 : 32,
+        E = POW2 * sizeof(T) < 4 ? 4 / sizeof(T) : POW2,
+        BYTES = E * sizeof(T),
+        PIECE = BYTES < FA_CHUNK_BYTES ? BYTES : FA_CHUNK_BYTES,
+        PIECES = BYTES / PIECE,
+        WORDS = BYTES / 4,
+        LANES = DP / E,
+    };
+};
+
+// One lane's slice of a row, as the 32-bit words it was loaded in (TileWords<T> reads them).
+template <uint WORDS>
+struct DecodeSlice {
+    uint w[WORDS];
+};
+
+// A load of BYTES bytes as one vector of words.
+template <uint BYTES>
+struct DecodePiece;
+
+template <>
+struct DecodePiece<4> {
+    typedef uint type;
+    static inline void put(type x, thread uint *w) { w[0] = x; }
+};
+
+template <>
+struct DecodePiece<8> {
+    typedef uint2 type;
+    static inline void put(type x, thread uint *w) {
+        w[0] = x.x;
+        w[1] = x.y;
+    }
+};
+
+template <>
+struct DecodePiece<16> {
+    typedef uint4 type;
+    static inline void put(type x, thread uint *w) {
+        w[0] = x.x;
+        w[1] = x.y;
+        w[2] = x.z;
+        w[3] = x.w;
+    }
+};
+
+// Where the rows of one KV head's K or V lie: row `key` at `head + key * stride`. The only place
+// the decode kernel addresses the cache: a paged or quantized source replaces this struct and its
+// two functions. The key loop moves by whole steps (a 64-bit add), never multiplying per key.
+template <typename T>
+struct CacheRows {
+    device const T *row;  // the current key's row
+    ulong step;           // elements from one of the SIMD-group's keys to its next
+};
+
+// The rows of the matrix at `head` (row 0; rows `stride` elements apart) from key `first` on, in
+// steps of `keys` keys.
+template <typename T>
+inline CacheRows<T> cache_rows(device const T *head, ulong stride, uint first, uint keys) {
+    CacheRows<T> c;
+    c.row = head + ulong(first) * stride;
+    c.step = ulong(keys) * stride;
+    return c;
+}
+
+template <typename T>
+inline void next_row(thread CacheRows<T> &c) {
+    c.row += c.step;
+}
+
+// Loads the lane's slice, columns [col0, col0 + E), of the row at `row` (`cols` wide; zero past
+// cols). The vector path needs what the host's scalar_copies = 0 promises (rows and head_dims on
+// 16-byte boundaries), which also puts each piece wholly inside or outside cols; otherwise every
+// element is loaded and checked alone.
+template <typename T, uint DP>
+inline DecodeSlice<DecodeLane<T, DP>::WORDS> load_slice(device const T *row, uint col0, uint cols,
+                                                        bool scalar) {
+    typedef DecodeLane<T, DP> L;
+    typedef DecodePiece<L::PIECE> P;
+    constexpr uint PER_PIECE = L::PIECE / sizeof(T);
+    DecodeSlice<L::WORDS> s;
+    if (!scalar) {
+        FA_UNROLL
+        for (uint i = 0; i < L::PIECES; ++i) {
+            const uint c = col0 + i * PER_PIECE;
+            typename P::type x = typename P::type(0);
+            if (c < cols) {
+                FA_DEVICE_READ(row + c, L::PIECE);
+                x = *(device const typename P::type *)(row + c);
+            }
+            P::put(x, s.w + i * (L::PIECE / 4));
+        }
+        return s;
+    }
+    constexpr uint PER_WORD = TileWords<T>::PER_WORD;
+    FA_UNROLL
+    for (uint w = 0; w < L::WORDS; ++w) {
+        uint bits = 0;
+        FA_UNROLL
+        for (uint i = 0; i < PER_WORD; ++i) {
+            const uint d = col0 + w * PER_WORD + i;
+            if (d < cols) {
+                FA_DEVICE_READ(row + d, sizeof(T));
+                bits |= TileWords<T>::bits(row[d]) << (16 * i);
+            }
+        }
+        s.w[w] = bits;
+    }
+    return s;
+}
+
+// Element i of a slice, as float.
+template <typename T, uint WORDS>
+inline float slice_element(thread const DecodeSlice<WORDS> &s, uint i) {
+    typedef TileWords<T> W;
+    return W::element(s.w[i / W::PER_WORD], i % W::PER_WORD);
+}
+
+// Sums each of the R values over the SIMD-group, four rows per reduction (R is 2, 4 or 8).
+template <uint R>
+inline void simd_sum_rows(thread float *x) {
+    if (R % 4 == 0) {
+        FA_UNROLL
+        for (uint r = 0; r < R; r += 4) {
+            float4 v;
+            v.x = x[r];
+            v.y = x[r + 1];
+            v.z = x[r + 2];
+            v.w = x[r + 3];
+            const float4 s = simd_sum(v);
+            x[r] = s.x;
+            x[r + 1] = s.y;
+            x[r + 2] = s.z;
+            x[r + 3] = s.w;
+        }
+    } else {
+        FA_UNROLL
+        for (uint r = 0; r < R; r += 2) {
+            float2 v;
+            v.x = x[r];
+            v.y = x[r + 1];
+            const float2 s = simd_sum(v);
+            x[r] = s.x;
+            x[r + 1] = s.y;
+        }
+    }
+}
+
+// Each SIMD-group's online-softmax state of the block's rows, merged once after the key loop.
+template <uint DP>
+struct DecodeStorage {
+    float o[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)][DP];
+    float m[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
+    float l[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
+};
+
+// One chunk of keys for one block of FA_DECODE_ROWS(DP) packed rows: threadgroups (row blocks x
+// chunks, KV heads, batch), x = chunk * row_blocks + row block, as the split-KV forward. Writes the
+// chunk's normalised output and lse of each row (partial_index).
+template <uint DP, typename T, typename Storage>
+inline void attention_forward_decode(device const T *q, device const T *k, device const T *v,
+                                     device const uchar *mask, device const float *alibi,
+                                     device float *partial_out, device float *partial_lse,
+                                     constant FlashAttentionParams &p, Storage tg, uint3 tgid,
+                                     uint sgid, uint lane) {
+    typedef DecodeLane<T, DP> L;
+    constexpr uint R = FA_DECODE_ROWS(DP);
+    static_assert(sizeof(DecodeStorage<DP>) == FA_DECODE_THREADGROUP_BYTES(DP),
+                  "the host sizes the decode threadgroup by FA_DECODE_THREADGROUP_BYTES");
+    const uint b = tgid.z;
+    const uint kv_head = tgid.y;
+    const uint group = p.num_heads / p.num_kv_heads;
+    const uint row_blocks = (group * p.seqlen_q + R - 1) / R;
+    const uint x = tgid.x + p.block_offset;
+    const uint chunk = x / row_blocks;
+    const PackedRows rows = packed_rows<R>(p, x % row_blocks);
+    const uint live = min(R, rows.count - rows.first);  // rows of the block that exist
+    const uint col0 = lane * L::E;
+    const bool scalar = p.scalar_copies != 0;
+
+    float qs[R][L::E];
+    float o[R][L::E];
+    float m[R];
+    float l[R];
+    uint row[R];
+    RowModifiers mods[R];
+    FA_UNROLL
+    for (uint r = 0; r < R; ++r) {
+        const uint packed = rows.first + (r < live ? r : 0);
+        const uint h = packed_head(p, rows, kv_head, packed);
+        row[r] = r < live ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
+        mods[r] = row_modifiers(p, alibi, b, h, row[r]);
+        const DecodeSlice<L::WORDS> s = load_slice<T, DP>(
+            q + head_offset(p.q, b, h) + ulong(packed % p.seqlen_q) * p.q.seq, col0,
+            r < live ? p.head_dim : 0, scalar);
+        FA_UNROLL
+        for (uint e = 0; e < L::E; ++e) {
+            qs[r][e] = slice_element<T>(s, e);
+            o[r][e] = 0.0f;
+        }
+        m[r] = -INFINITY;  // the sink joins once, in the combine
+        l[r] = 0.0f;
+    }
+
+    // The chunk's keys that some row of the block sees through the window.
+    const uint chunk_begin = chunk * p.kv_chunk_keys;
+    const uint key_begin = max(chunk_begin, key_range(p, rows.i_min).first);
+    const uint key_end = min(chunk_begin + p.kv_chunk_keys, key_range(p, rows.i_max).end);
+    CacheRows<T> ks = cache_rows(k + head_offset(p.k, b, kv_head), p.k.seq, key_begin + sgid,
+                                 FA_SIMDGROUPS);
+    CacheRows<T> vs = cache_rows(v + head_offset(p.v, b, kv_head), p.v.seq, key_begin + sgid,
+                                 FA_SIMDGROUPS);
+    for (uint j = key_begin + sgid; j < key_end; j += FA_SIMDGROUPS) {
+        const DecodeSlice<L::WORDS> kw = load_slice<T, DP>(ks.row, col0, p.head_dim, scalar);
+        const DecodeSlice<L::WORDS> vw = load_slice<T, DP>(vs.row, col0, p.head_dim_v, scalar);
+        next_row(ks);
+        next_row(vs);
+        float kf[L::E];
+        float vf[L::E];
+        FA_UNROLL
+        for (uint e = 0; e < L::E; ++e) {
+            kf[e] = slice_element<T>(kw, e);
+            vf[e] = slice_element<T>(vw, e);
+        }
+        float dot[R];
+        FA_UNROLL
+        for (uint r = 0; r < R; ++r) {
+            dot[r] = 0.0f;
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                dot[r] = fma(qs[r][e], kf[e], dot[r]);
+            }
+        }
+        simd_sum_rows<R>(dot);
+        FA_UNROLL
+        for (uint r = 0; r < R; ++r) {
+            if (r < live) {  // the same for the whole SIMD-group
+                float t;
+                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], true, t);
+                const float m_next = max(m[r], s);
+                // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0.
+                const float m_base = m_next == -INFINITY ? 0.0f : m_next;
+                const float correction = exp_of(m[r] - m_base);
+                const float pe = exp_of(s - m_base);
+                l[r] = fma(l[r], correction, pe);
+                FA_UNROLL
+                for (uint e = 0; e < L::E; ++e) {
+                    o[r][e] = fma(o[r][e], correction, pe * vf[e]);
+                }
+                m[r] = m_next;
+            }
+        }
+    }
+
+    FA_UNROLL
+    for (uint r = 0; r < R; ++r) {
+        if (lane < L::LANES) {
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                tg->o[sgid][r][col0 + e] = o[r][e];
+            }
+        }
+        if (lane == 0) {
+            tg->m[sgid][r] = m[r];
+            tg->l[sgid][r] = l[r];
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint e = sgid * 32 + lane; e < R * DP; e += FA_THREADS_PER_THREADGROUP) {
+        const uint r = e / DP;
+        const uint d = e % DP;
+        if (r < live && d < p.head_dim_v) {
+            float top = -INFINITY;
+            for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
+                top = max(top, tg->m[g][r]);
+            }
+            const float base = top == -INFINITY ? 0.0f : top;
+            float total = 0.0f;
+            float acc = 0.0f;
+            for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
+                const float w = exp_of(tg->m[g][r] - base);
+                total = fma(tg->l[g][r], w, total);
+                acc = fma(tg->o[g][r][d], w, acc);
+            }
+            const ulong index = partial_index(p, rows, b, kv_head, rows.first + r, chunk);
+            partial_out[index * p.head_dim_v + d] = total > 0.0f ? acc / total : 0.0f;
+            if (d == 0) {
+                store_partial_lse(partial_lse, index, top, total);
+            }
+        }
+    }
+}

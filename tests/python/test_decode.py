@@ -1,0 +1,120 @@
+"""The decode forward (flash_attention_decode.h) and the split-KV plan by GPU core count
+(docs/decode.md): every option and dtype at decode shapes, strided and unaligned caches, the K/V
+bytes read, the core-count override, 9-64 query rows, and a long synthetic cache, against the
+float64 reference under the accuracy rule. Shapes whose plan the Swift DispatchPlan tests pin."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import flash_attention_metal as fam
+from flash_attention_metal import accuracy
+
+from conftest import assert_within_rule, make_inputs
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+CORES = "FLASH_ATTENTION_GPU_CORES"
+FORWARD_K, FORWARD_V = 1, 2  # FA_FORWARD_BUFFER_K, FA_FORWARD_BUFFER_V
+
+
+def _options(name: str, batch: int, heads: int, seqlen_q: int, seqlen_k: int, dtype) -> dict:
+    rng = np.random.default_rng(len(name))
+    if name == "bool mask":
+        return dict(attn_mask=rng.random((batch, 1, seqlen_q, seqlen_k)) > 0.3)
+    if name == "additive mask":
+        return dict(attn_mask=rng.standard_normal((batch, heads, seqlen_q, seqlen_k)).astype(dtype))
+    return {
+        "none": {},
+        "causal window": dict(causal=True, window_size=(90, 0)),
+        "softcap": dict(softcap=3.0),
+        "alibi": dict(causal=True, alibi_slopes=np.linspace(0.02, 0.2, heads, dtype=np.float32)),
+        "sinks": dict(sinks=np.linspace(-1, 3, heads, dtype=np.float32)),
+    }[name]
+
+
+def _decode(ctx, q, k, v, **options):
+    out, lse = ctx.forward(q, k, v, **options)
+    kernels = [d.kernel for d in ctx.last_profile.dispatches]
+    assert kernels[0].startswith("flash_attention_forward_decode_") and "combine" in kernels[1], kernels
+    return out, lse
+
+
+OPTIONS = ["none", "causal window", "softcap", "alibi", "sinks", "bool mask", "additive mask"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", OPTIONS)
+def test_every_option_and_dtype(ctx, name, dtype):
+    # 3 rows (bottom-right causal over 3 queries), GQA 2, keys not a multiple of a chunk.
+    b, h, hk, nq, nk, d = 2, 4, 2, 3, 333, 64
+    q, k, v, _ = make_inputs(7, b, h, hk, nq, nk, d, dtype=DTYPES[dtype])
+    options = _options(name, b, h, nq, nk, DTYPES[dtype])
+    out, lse = _decode(ctx, q, k, v, **options)
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, **options), f"{name} {dtype}")
+
+
+@pytest.mark.parametrize("head_dim", [8, 80, 160, 256])
+def test_every_bucket_and_width(ctx, head_dim):
+    # Widths inside the buckets 32, 96, 192 and 256 (lanes past head_dim load nothing).
+    q, k, v, _ = make_inputs(head_dim, 1, 6, 2, 8, 300, head_dim, dtype=np.float32)
+    out, lse = _decode(ctx, q, k, v, causal=True)
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True), f"d{head_dim}")
+
+
+def test_strided_and_unaligned_caches(ctx):
+    # A preallocated cache read up to its fill (strided rows of the batch and head axes), and a
+    # view one element into the head axis (rows off 16-byte boundaries: the element-load path).
+    q, k_all, v_all, _ = make_inputs(9, 1, 4, 2, 2, 512, 72)
+    k, v = k_all[:, :, :300, :64], v_all[:, :, :300, :64]
+    out, lse = _decode(ctx, q[..., :64], k, v, causal=True)
+    assert_within_rule(accuracy.evaluate_forward(q[..., :64], k, v, out, lse, causal=True), "strided")
+    k, v = k_all[:, :, :300, 1:65], v_all[:, :, :300, 1:65]
+    out, lse = _decode(ctx, q[..., 1:65], k, v)
+    assert_within_rule(accuracy.evaluate_forward(q[..., 1:65], k, v, out, lse), "unaligned")
+
+
+def test_reads_the_cache_once_per_row_block(ctx):
+    # B=1, H=32, head_dim 128, 1024 keys: with 8 KV heads a GQA group's 4 rows fill one block and
+    # K and V are read exactly once; with 1 KV head, 32 rows make 4 blocks that each read them.
+    for kv_heads, ratio in [(8, 1.0), (1, 4.0)]:
+        q, k, v, _ = make_inputs(11, 1, 32, kv_heads, 1, 1024, 128)
+        _decode(ctx, q, k, v)
+        read = ctx.last_profile.dispatches[0].device_bytes_read
+        if read is None:
+            pytest.skip("the backend counts no device reads (Metal)")
+        assert (read[FORWARD_K] + read[FORWARD_V]) / (k.nbytes + v.nbytes) == ratio
+
+
+def test_core_count_override_plans_for_another_gpu(ctx, monkeypatch):
+    q, k, v, _ = make_inputs(12, 1, 32, 8, 1, 1024, 128)
+    out, lse = _decode(ctx, q, k, v)
+    assert ctx.last_profile.dispatches[0].threadgroups == (8, 8, 1)  # nominal 10 cores: 2 x 10 x 3
+    monkeypatch.setenv(CORES, "40")
+    again, again_lse = _decode(ctx, q, k, v)
+    assert ctx.last_profile.dispatches[0].threadgroups == (16, 8, 1)  # 16 chunks of 64 keys: the most
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, again, again_lse), "40 cores")
+    monkeypatch.setenv(CORES, "many")
+    with pytest.raises(fam.FlashAttentionError, match=CORES):
+        ctx.forward(q, k, v)
+
+
+def test_speculative_rows_take_the_split_kernel_when_cores_would_idle(ctx, monkeypatch):
+    # 16 rows x 32 heads: 32 dense threadgroups fill the nominal 10 cores (30 at once) but not 40,
+    # where the tiled split kernel serves them over 512 keys (8 chunks of 64).
+    q, k, v, _ = make_inputs(13, 1, 32, 8, 16, 512, 64)
+    ctx.forward(q, k, v, causal=True)
+    assert ctx.last_profile.dispatches[0].kernel == "flash_attention_forward_f16_d64"
+    monkeypatch.setenv(CORES, "40")
+    out, lse = ctx.forward(q, k, v, causal=True)
+    assert [d.kernel for d in ctx.last_profile.dispatches] == ["flash_attention_forward_split_f16_d64",
+                                                               "flash_attention_forward_combine_f16"]
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True), "16 rows at 40 cores")
+
+
+def test_a_long_cache(ctx):
+    # 131072 keys (128K), one head of width 64: 8 chunks of 16384 keys on the nominal GPU.
+    q, k, v, _ = make_inputs(14, 1, 1, 1, 1, 131072, 64)
+    out, lse = _decode(ctx, q, k, v)
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse), "128K keys")
