@@ -123,9 +123,9 @@ def planned_constants(ctx) -> dict[str, set[str]]:
     ctx.merge_attention(out, lse, out, lse)
     record()
     # A variable-length forward: its first dispatch writes the sequence table (no constants).
-    packed = np.ascontiguousarray(q[0].transpose(1, 0, 2))
-    table = np.array([0, 1], np.int32)
-    ctx.forward_varlen(packed, packed, packed, table, table, 1, 1)
+    packed = rng.standard_normal((3, 2, 16)).astype(np.float16)
+    table = np.array([0, 1, 3], np.int32)
+    ctx.forward_varlen(packed, packed, packed, table, table, 2, 2)
     record()
     return planned
 
