@@ -92,6 +92,19 @@ typedef struct FlashAttentionParams {
     fa_u32 kv_bits;
     fa_u32 kv_group_size;
     fa_u32 kv_reserved;  // keeps the struct a multiple of 8 bytes
+    // Variable-length batches (packed sequences, FlashAttention's varlen call; flash_attention_varlen.h).
+    // 0: a dense problem. Otherwise the number of sequences: the host's struct then describes the
+    // packed tensors as one batch entry of seqlen_q = total_q rows and seqlen_k = total_k keys, and
+    // the kernels other than the sequence table's and dsinks read their threadgroup's sequence's own
+    // struct from the table that flash_attention_varlen_sequences wrote (bound at the parameter
+    // index in place of the host's): seqlen_q and seqlen_k that sequence's lengths, seq_q0 and
+    // seq_k0 its first query row and key in the packed tensors.
+    fa_u32 sequences;
+    fa_u32 seq_q0;
+    fa_u32 seq_k0;
+    // Rows per head of lse, delta and the lse residual in a sequence's struct: the packed total_q
+    // (they are [num_heads][total_q]); unused (0) in a dense problem, whose rows per head are seqlen_q.
+    fa_u32 lse_rows;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -206,6 +219,16 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_DQ_BUFFER_COUNT 13
 #define FA_BACKWARD_DKV_BUFFER_COUNT 14
 #define FA_BACKWARD_DSINKS_BUFFER_COUNT 13
+
+// Buffer indices: flash_attention_varlen_sequences, the first dispatch of a varlen pass. It reads
+// cu_seqlens_q and cu_seqlens_k (int32, sequences + 1 each) and the host's parameters, and writes the
+// sequence table (FlashAttentionParams [sequences + 1]: the host's struct, then one per sequence)
+// that the pass's other kernels bind at their parameter index.
+#define FA_VARLEN_BUFFER_CU_SEQLENS_Q 0
+#define FA_VARLEN_BUFFER_CU_SEQLENS_K 1
+#define FA_VARLEN_BUFFER_TABLE 2
+#define FA_VARLEN_BUFFER_PARAMS 3
+#define FA_VARLEN_BUFFER_COUNT 4
 
 // Largest supported head_dim and head_dim_v: the last bucket of FA_HEAD_DIM_BUCKETS (float16 and
 // bfloat16). float32's table (FA_HEAD_DIM_BUCKETS_F32) stops at FA_MAX_HEAD_DIM_F32: its tiles at

@@ -25,7 +25,8 @@ func required<P>(_ pointer: P?, _ name: String) throws -> P {
     return pointer
 }
 
-/// Binds attn_mask, alibi_slopes and sinks where the descriptor gives them (validated in `p`).
+/// Binds attn_mask, alibi_slopes, sinks and the cu_seqlens tables where the descriptor gives them
+/// (validated in `p`).
 private func bindOptionalInputs(_ buffers: inout HostBuffers, _ d: fa_problem, _ p: Problem) throws {
     if let mask = d.attn_mask, p.scores.maskType != UInt32(FA_MASK_NONE) {
         buffers.bindInput(.attnMask, mask, for: p)
@@ -35,6 +36,10 @@ private func bindOptionalInputs(_ buffers: inout HostBuffers, _ d: fa_problem, _
     }
     if let sinks = d.sinks {
         buffers.bindInput(.sinks, sinks, for: p)
+    }
+    if p.varlen != nil, let cuQ = d.cu_seqlens_q, let cuK = d.cu_seqlens_k {
+        buffers.bindInput(.cuSeqlensQ, cuQ, for: p)
+        buffers.bindInput(.cuSeqlensK, cuK, for: p)
     }
 }
 

@@ -92,6 +92,10 @@ final class ExportedPlan {
 }
 
 extension BufferRole {
+    /// The roles an exported plan can bind: all but the variable-length ones (fa_plan_create refuses
+    /// varlen problems).
+    static let withABIRole = allCases.filter { ![.cuSeqlensQ, .cuSeqlensK, .sequenceTable].contains($0) }
+
     /// The role's `fa_buffer_role`.
     var abi: fa_buffer_role {
         switch self {
@@ -121,6 +125,9 @@ extension BufferRole {
         case .kBiases: return FA_BUFFER_ROLE_K_BIASES
         case .vScales: return FA_BUFFER_ROLE_V_SCALES
         case .vBiases: return FA_BUFFER_ROLE_V_BIASES
+        // fa_plan_create refuses variable-length problems, the only ones that bind these.
+        case .cuSeqlensQ, .cuSeqlensK, .sequenceTable:
+            preconditionFailure("\(name) has no fa_buffer_role (fa_plan_create refuses varlen problems)")
         }
     }
 }

@@ -43,6 +43,10 @@ public func _exportPlanCreate(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_
         let out = try required(outPlan, "out_plan")
         out.pointee = nil
         let p = try Problem.validate(problem)
+        // Its hosts bind the plan's buffers by role; the varlen roles are not in fa_plan_buffer_role yet.
+        guard p.varlen == nil else {
+            throw FlashAttentionError.unsupported("cu_seqlens_q (variable-length batches) is not supported by fa_plan_create yet")
+        }
         let plan: DispatchPlan
         switch pass {
         case FA_PASS_FORWARD: plan = DispatchPlan.forward(p)
@@ -222,7 +226,7 @@ public func _exportPlanExecute(_ contextHandle: OpaquePointer?, _ planHandle: Op
             }
             let plan = exported.plan
             var buffers = HostBuffers()
-            for role in BufferRole.allCases {
+            for role in BufferRole.withABIRole {
                 let name = "buffers[\(role.abi.rawValue)] (\(role.name))"
                 guard let (_, usage) = exported.buffers.first(where: { $0.role == role }) else {
                     guard pointer(role) == nil else {

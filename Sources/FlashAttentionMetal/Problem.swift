@@ -61,6 +61,14 @@ struct ProblemStrides {
     var q, k, v, out, dout, dq, dk, dv: TensorStrides?
 }
 
+/// The sequences of a variable-length batch (``Problem/varlen``): `sequences` packed along the rows
+/// of a one-entry problem, each covering at most `maxSeqlenQ` query rows and `maxSeqlenK` keys.
+struct VarlenSpec: Equatable {
+    let sequences: UInt32
+    let maxSeqlenQ: UInt32
+    let maxSeqlenK: UInt32
+}
+
 /// A validated attention problem: the one place where shapes, dtype, layouts, flags and the scale
 /// are checked, for the C exports and the Swift API alike. Holding a `Problem` means every rule
 /// below held.
@@ -85,6 +93,9 @@ struct Problem {
     let scores: ScoreSpec
     /// The KV cache k and v are read from (forward), or nil for plain tensors.
     let kvCache: KVCacheSpec?
+    /// Nil for a dense problem. A variable-length batch is a problem of one batch entry whose
+    /// seqlen_q and seqlen_k rows are the packed totals, cut into sequences by the kernels.
+    let varlen: VarlenSpec?
 
     /// The size of a 0.1 `fa_problem`: the fields up to `softmax_scale`.
     private static let firstVersionSize = MemoryLayout<fa_problem>.offset(of: \fa_problem.dtype)!
@@ -112,10 +123,24 @@ struct Problem {
             }
             return TensorStrides(batch: Int(s.batch), head: Int(s.head), seq: Int(s.seq))
         }
-        let layout = ProblemStrides(q: try strides(p.q, "q"), k: try strides(p.k, "k"), v: try strides(p.v, "v"),
-                                    out: try strides(p.out, "out"), dout: try strides(p.dout, "dout"),
-                                    dq: try strides(p.dq, "dq"), dk: try strides(p.dk, "dk"),
-                                    dv: try strides(p.dv, "dv"))
+        let isVarlen = p.cu_seqlens_q != nil || p.cu_seqlens_k != nil
+        let headDimV = Int(p.head_dim_v == 0 ? p.head_dim : p.head_dim_v)
+        // A packed tensor without strides is contiguous (total, heads, dim); its one batch entry's
+        // stride is the whole tensor's span.
+        func strides(_ s: fa_strides, _ name: String, heads: UInt32, rows: UInt32, dim: Int) throws -> TensorStrides? {
+            let given = try strides(s, name)
+            guard isVarlen && given == nil else { return given }
+            return TensorStrides(batch: Int(max(rows, 1)) * Int(heads) * dim, head: dim, seq: Int(heads) * dim)
+        }
+        let (h, hk, d, sq, sk) = (p.num_heads, p.num_kv_heads, Int(p.head_dim), p.seqlen_q, p.seqlen_k)
+        let layout = ProblemStrides(q: try strides(p.q, "q", heads: h, rows: sq, dim: d),
+                                    k: try strides(p.k, "k", heads: hk, rows: sk, dim: d),
+                                    v: try strides(p.v, "v", heads: hk, rows: sk, dim: headDimV),
+                                    out: try strides(p.out, "out", heads: h, rows: sq, dim: headDimV),
+                                    dout: try strides(p.dout, "dout", heads: h, rows: sq, dim: headDimV),
+                                    dq: try strides(p.dq, "dq", heads: h, rows: sq, dim: d),
+                                    dk: try strides(p.dk, "dk", heads: hk, rows: sk, dim: d),
+                                    dv: try strides(p.dv, "dv", heads: hk, rows: sk, dim: headDimV))
         let shape = AttentionShape(batch: Int(p.batch), numHeads: Int(p.num_heads), numKVHeads: Int(p.num_kv_heads),
                                    seqlenQ: Int(p.seqlen_q), seqlenK: Int(p.seqlen_k), headDim: Int(p.head_dim),
                                    headDimV: p.head_dim_v == 0 ? Int(p.head_dim) : Int(p.head_dim_v))
@@ -128,11 +153,18 @@ struct Problem {
         }
         let maskStrides = TensorStrides(batch: Int(p.attn_mask_strides.batch), head: Int(p.attn_mask_strides.head),
                                         seq: Int(p.attn_mask_strides.seq))
+        var varlen: VarlenSpec?
+        if p.cu_seqlens_q != nil || p.cu_seqlens_k != nil {
+            guard p.cu_seqlens_q != nil && p.cu_seqlens_k != nil else {
+                throw FlashAttentionError.invalidArgument("cu_seqlens_q and cu_seqlens_k must be given together")
+            }
+            varlen = VarlenSpec(sequences: p.batch, maxSeqlenQ: p.max_seqlen_q, maxSeqlenK: p.max_seqlen_k)
+        }
         return try Problem(shape, dtype: dtype, causal: p.causal == 1, softmaxScale: p.softmax_scale, strides: layout,
                            window: p.use_window == 1 ? (Int(p.window_left), Int(p.window_right)) : nil,
                            softcap: p.softcap, maskType: p.attn_mask_type, maskStrides: maskStrides,
                            hasAlibi: p.alibi_slopes != nil, alibiPerBatch: p.alibi_per_batch == 1,
-                           hasSinks: p.sinks != nil, kvCache: try KVCacheSpec.validate(p))
+                           hasSinks: p.sinks != nil, kvCache: try KVCacheSpec.validate(p), varlen: varlen)
     }
 
     /// The caller's descriptor as far as its `struct_size` goes, later fields zero (their defaults).
@@ -157,7 +189,7 @@ struct Problem {
     /// Validates a Swift shape; `softmaxScale` nil means `1 / sqrt(headDim)`.
     static func validate(_ shape: AttentionShape, dtype: AttentionDType = .float16, causal: Bool,
                          softmaxScale: Float?, strides: ProblemStrides = ProblemStrides(),
-                         options: AttentionOptions = AttentionOptions()) throws -> Problem {
+                         options: AttentionOptions = AttentionOptions(), varlen: VarlenSpec? = nil) throws -> Problem {
         let scale = softmaxScale ?? (shape.headDim > 0 ? 1 / Float(shape.headDim).squareRoot() : 1)
         var maskType = UInt32(FA_MASK_NONE)
         var maskStrides = TensorStrides(batch: 0, head: 0, seq: 0)
@@ -172,7 +204,7 @@ struct Problem {
         return try Problem(shape, dtype: dtype, causal: causal, softmaxScale: scale, strides: strides,
                            window: window, softcap: options.softcap, maskType: maskType, maskStrides: maskStrides,
                            hasAlibi: options.alibiSlopes != nil, alibiPerBatch: alibiPerBatch,
-                           hasSinks: options.sinks != nil)
+                           hasSinks: options.sinks != nil, varlen: varlen)
     }
 
     /// Validates the sizes of a merge (`fa_merge_attention_v2`): `rows` rows of `headDim` elements
@@ -193,7 +225,7 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?, kvCache: KVCacheSpec?) {
+                 split: KeyValueSplit?, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -209,13 +241,25 @@ struct Problem {
         self.scores = scores
         self.split = split
         self.kvCache = kvCache
+        self.varlen = varlen
     }
 
     private init(_ shape: AttentionShape, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  strides: ProblemStrides, window: (left: Int, right: Int)? = nil, softcap: Float = 0,
                  maskType: UInt32 = UInt32(FA_MASK_NONE),
                  maskStrides: TensorStrides = TensorStrides(batch: 0, head: 0, seq: 0), hasAlibi: Bool = false,
-                 alibiPerBatch: Bool = false, hasSinks: Bool = false, kvCache: KVCacheSpec? = nil) throws {
+                 alibiPerBatch: Bool = false, hasSinks: Bool = false, kvCache: KVCacheSpec? = nil,
+                 varlen: VarlenSpec? = nil) throws {
+        // A variable-length batch: `batch` sequences packed into one entry of the totals' rows.
+        var shape = shape
+        if let varlen {
+            guard kvCache == nil else {
+                throw FlashAttentionError.invalidArgument(
+                    "cu_seqlens_q and cu_seqlens_k (variable-length batches) cannot be combined with a KV cache (kv_cache_rows)")
+            }
+            try Problem.checkVarlen(varlen, shape: shape, maskType: maskType)
+            shape.batch = 1
+        }
         let dims = [("batch", shape.batch), ("num_heads", shape.numHeads), ("num_kv_heads", shape.numKVHeads),
                     ("seqlen_q", shape.seqlenQ), ("seqlen_k", shape.seqlenK), ("head_dim", shape.headDim),
                     ("head_dim_v", shape.headDimV)]
@@ -280,10 +324,28 @@ struct Problem {
         self.init(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
                   seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
                   causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
-                  split: KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk),
-                                       seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket,
-                                       cores: try GPUCores.planned()),
-                  kvCache: kvCache)
+                  split: varlen != nil ? nil : KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h),
+                                                              numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
+                                                              seqlenK: UInt32(sk), bucket: bucket,
+                                                              cores: try GPUCores.planned()),
+                  kvCache: kvCache, varlen: varlen)
+    }
+
+    /// The rules of a variable-length batch that the host can check (the tables' values live where
+    /// the kernels read them and are clamped there: flash_attention_varlen.h).
+    private static func checkVarlen(_ varlen: VarlenSpec, shape: AttentionShape, maskType: UInt32) throws {
+        guard varlen.sequences >= 1 else {
+            throw FlashAttentionError.invalidArgument("batch (0), the number of sequences, must be at least 1")
+        }
+        for (name, value, total) in [("max_seqlen_q", varlen.maxSeqlenQ, shape.seqlenQ),
+                                     ("max_seqlen_k", varlen.maxSeqlenK, shape.seqlenK)]
+            where value < 1 || Int(value) > total {
+            throw FlashAttentionError.invalidArgument(
+                "\(name) (\(value)) must be at least 1 and at most the total rows (\(total))")
+        }
+        guard maskType == UInt32(FA_MASK_NONE) else {
+            throw FlashAttentionError.invalidArgument("attn_mask must be NULL with cu_seqlens (variable-length batches)")
+        }
     }
 
     /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their
@@ -304,7 +366,7 @@ struct Problem {
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
                        scores: scores.slice(batch: b, heads: h),
-                       split: split, kvCache: kvCache)
+                       split: split, kvCache: kvCache, varlen: varlen)
     }
 
     /// Elements of lse (and of the delta workspace): batch * numHeads * seqlenQ (checked by validation).
@@ -333,7 +395,7 @@ struct Problem {
             partial_columns: fragmentColumns(headDim) == bucket.head_dim_max
                 && fragmentColumns(headDimV) == bucket.head_dim_max ? 0 : 1,
             block_offset: 0, kv_page_rows: 0, kv_max_blocks: 0, kv_num_blocks: 0, kv_bits: 0, kv_group_size: 0,
-            kv_reserved: 0)
+            kv_reserved: 0, sequences: varlen?.sequences ?? 0, seq_q0: 0, seq_k0: 0, lse_rows: 0)
         kvCache?.apply(to: &params)
         return params
     }

@@ -176,6 +176,13 @@ void run_backward_dsinks(const kernel_args &a, const builtins &t) {
         t.thread_index_in_threadgroup);
 }
 
+void run_varlen_sequences(const kernel_args &a, const builtins &t) {
+    flash_attention_varlen_sequences(
+        a.buffer<const int>(FA_VARLEN_BUFFER_CU_SEQLENS_Q), a.buffer<const int>(FA_VARLEN_BUFFER_CU_SEQLENS_K),
+        a.buffer<FlashAttentionParams>(FA_VARLEN_BUFFER_TABLE),
+        a.constant_ref<const FlashAttentionParams>(FA_VARLEN_BUFFER_PARAMS), t.thread_index_in_threadgroup);
+}
+
 constexpr const char *kSource = "Shaders/flash_attention.metal";
 
 #define FA_KERNEL_ENTRY(T, NAME, RUN, BUFFERS)                                                     \
@@ -218,6 +225,8 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
 const msl_engine::kernel_entry kTable[] = {
     {"flash_attention_backward_dsinks", run_backward_dsinks, FA_BACKWARD_DSINKS_BUFFER_COUNT,
      sizeof(flash_attention_backward_dsinks_threadgroup), kSource, 0},
+    {"flash_attention_varlen_sequences", run_varlen_sequences, FA_VARLEN_BUFFER_COUNT,
+     sizeof(flash_attention_varlen_sequences_threadgroup), kSource, 0},
     FA_DTYPE_ENTRIES(half, f16) FA_HEAD_DIM_BUCKETS(FA_F16_ENTRIES)
     FA_DTYPE_ENTRIES(bfloat, bf16) FA_HEAD_DIM_BUCKETS(FA_BF16_ENTRIES)
     FA_DTYPE_ENTRIES(float, f32) FA_HEAD_DIM_BUCKETS_F32(FA_F32_ENTRIES)};

@@ -363,3 +363,73 @@ def kvcache_forward(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block
         outs.append(out)
         lses.append(lse)
     return np.concatenate(outs), np.concatenate(lses)
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """(b, query rows slice, key slice) of each sequence of a variable-length batch."""
+    cu_q, cu_k = (np.asarray(c, dtype=np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+    return [(b, slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1])))
+            for b in range(len(cu_q) - 1)]
+
+
+def sequence_view(x, rows: slice) -> np.ndarray:
+    """Rows ``rows`` of a packed (total, heads, dim) tensor as a one-entry (1, heads, len, dim) batch."""
+    return np.swapaxes(np.asarray(x)[rows], 0, 1)[None]
+
+
+def _sequence_alibi(alibi_slopes, b: int):
+    if alibi_slopes is None or np.ndim(alibi_slopes) == 1:
+        return alibi_slopes
+    return np.asarray(alibi_slopes)[b]
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False, softmax_scale=None,
+                   window_size=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+    """``forward`` of a variable-length batch (FlashAttention's varlen semantics), sequence by
+    sequence: q (total_q, H, D), k (total_k, H_kv, D), v (total_k, H_kv, Dv); sequence b is query
+    rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) over keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]),
+    causal and window bottom-right per sequence; alibi_slopes (H,) or (batch, H).
+
+    Returns:
+        (out, lse): float64 (total_q, H, Dv) and (H, total_q); a sequence without keys gives its
+        rows out 0 and lse -inf (sinks[h] with sinks).
+    """
+    scale = default_scale(np.shape(q)[2], softmax_scale)
+    out = np.zeros(np.shape(q)[:2] + np.shape(v)[2:], dtype=np.float64)
+    lse = np.full((np.shape(q)[1], np.shape(q)[0]), -np.inf)
+    for b, rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if rows.stop == rows.start:
+            continue
+        if keys.stop == keys.start:
+            if sinks is not None:
+                lse[:, rows] = np.asarray(sinks, dtype=np.float64)[:, None]
+            continue
+        o, l = forward(sequence_view(q, rows), sequence_view(k, keys), sequence_view(v, keys), causal=causal,
+                       softmax_scale=scale, window_size=window_size, softcap=softcap,
+                       alibi_slopes=_sequence_alibi(alibi_slopes, b), sinks=sinks)
+        out[rows] = np.swapaxes(o[0], 0, 1)
+        lse[:, rows] = l[0]
+    return out, lse
+
+
+def backward_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False, softmax_scale=None,
+                    window_size=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+    """``backward`` of a variable-length batch, sequence by sequence (see ``forward_varlen``):
+    returns float64 (dq, dk, dv) shaped like q, k, v, and dsinks (H,) summed over the sequences
+    after them when sinks are given. Rows of a sequence without keys (or queries) get zero
+    gradients."""
+    scale = default_scale(np.shape(q)[2], softmax_scale)
+    grads = [np.zeros(np.shape(x), dtype=np.float64) for x in (q, k, v)]
+    if sinks is not None:
+        grads.append(np.zeros(np.shape(sinks), dtype=np.float64))
+    for b, rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if rows.stop == rows.start or keys.stop == keys.start:
+            continue
+        result = backward(sequence_view(dout, rows), sequence_view(q, rows), sequence_view(k, keys),
+                          sequence_view(v, keys), causal=causal, softmax_scale=scale, window_size=window_size,
+                          softcap=softcap, alibi_slopes=_sequence_alibi(alibi_slopes, b), sinks=sinks)
+        for grad, part, span in zip(grads, result, (rows, keys, keys)):
+            grad[span] = np.swapaxes(part[0], 0, 1)
+        if sinks is not None:
+            grads[3] += result[3]
+    return tuple(grads)

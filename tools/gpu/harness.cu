@@ -49,6 +49,7 @@
 #include "dump.h"
 #include "kernels.h"
 #include "layout.h"
+#include "varlen_cases.h"
 
 namespace {
 
@@ -543,9 +544,12 @@ int main(int argc, char **argv) {
             ++run;
             failures += run_case(c, options, dump) ? 0 : 1;
         }
+        // Variable-length batches: each sequence against the dense kernels (varlen_cases.cu).
+        failures += run_varlen_cases(options.filter, &run);
         std::printf("cuda-harness: %d cases, %d failures\n", run, failures);
     } catch (const CudaFailure &failure) {
-        std::printf("FAIL %-44s CUDA error: %s\n", run > 0 ? cases[run - 1].name.c_str() : "-",
+        const bool in_grid = run > 0 && size_t(run) <= cases.size();
+        std::printf("FAIL %-44s CUDA error: %s\n", in_grid ? cases[run - 1].name.c_str() : "-",
                     failure.message.c_str());
         std::printf("cuda-harness: %d cases, %d failures (stopped at a CUDA error)\n", run,
                     failures + 1);

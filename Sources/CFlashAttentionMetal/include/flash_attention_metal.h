@@ -161,6 +161,26 @@ typedef struct fa_problem {
     const void *k_biases;
     const void *v_scales;
     const void *v_biases;
+    /* Added after 0.3.0: variable-length batches (FlashAttention's flash_attn_varlen_func). Both tables
+     * NULL: a dense problem. Both given: `batch` sequences packed along the rows, seqlen_q = total_q
+     * and seqlen_k = total_k rows in all; q (total_q, num_heads, head_dim), k (total_k,
+     * num_kv_heads, head_dim), v (total_k, num_kv_heads, head_dim_v), out like q with head_dim_v,
+     * lse float32 (num_heads, total_q); their fa_strides give the head and row (seq) strides, the
+     * batch stride is ignored (all-zero strides: contiguous (total, heads, dim)). Sequence b is
+     * query rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]),
+     * each attending only within itself with causal and the window bottom-right aligned per
+     * sequence; alibi_slopes may be [batch][num_heads]; attn_mask must be NULL. A sequence may be
+     * empty: its rows get out 0, lse -inf and zero gradients. The tables are int32 [batch + 1] in
+     * host memory (device memory for the exported plan's hosts), starting at 0, non-decreasing,
+     * ending at the totals; the library does not read their values on the host: the kernels clamp
+     * each value into the tensors, so a wrong table gives wrong numbers and rows left unwritten,
+     * never an access out of bounds (the Python package checks tables before the call). The pass
+     * covers max_seqlen_q query rows (max_seqlen_k keys for dk, dv) per sequence: each must be at
+     * least the longest sequence's length, at least 1 and at most the total. */
+    const int32_t *cu_seqlens_q;
+    const int32_t *cu_seqlens_k;
+    uint32_t max_seqlen_q;
+    uint32_t max_seqlen_k;
 } fa_problem;
 
 /* The library's version, FA_VERSION of the header it was built with. Static storage. */
@@ -290,7 +310,7 @@ typedef struct fa_profile {
 } fa_profile;
 
 /* Buffers whose device reads fa_dispatch_profile.device_bytes_read counts. */
-#define FA_PROFILE_COUNTED_BUFFERS 16
+enum { FA_PROFILE_COUNTED_BUFFERS = 16 };
 
 /* One dispatched kernel of the last call. Set struct_size to sizeof(fa_dispatch_profile).
  * Counters the backend cannot measure are UINT64_MAX (Metal: both counters) and times it cannot
@@ -318,7 +338,7 @@ typedef struct fa_dispatch_profile {
      * alone): bytes the dispatch read from the buffer bound at [[buffer(i)]], i <
      * FA_PROFILE_COUNTED_BUFFERS, through the kernels' tile copies and decode slice loads (q, k,
      * v, out, dout). CPU engine; UINT64_MAX on Metal. */
-    uint64_t device_bytes_read[16];  /* FA_PROFILE_COUNTED_BUFFERS */
+    uint64_t device_bytes_read[FA_PROFILE_COUNTED_BUFFERS];
 } fa_dispatch_profile;
 
 /* Fills *profile with the calling thread's last profile on context (see above).

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "d1e0368404dd98ee"
+    static let sourceHash = "193ada57436f7e6f"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -156,6 +156,19 @@ typedef struct FlashAttentionParams {
     fa_u32 kv_bits;
     fa_u32 kv_group_size;
     fa_u32 kv_reserved;  // keeps the struct a multiple of 8 bytes
+    // Variable-length batches (packed sequences, FlashAttention's varlen call; flash_attention_varlen.h).
+    // 0: a dense problem. Otherwise the number of sequences: the host's struct then describes the
+    // packed tensors as one batch entry of seqlen_q = total_q rows and seqlen_k = total_k keys, and
+    // the kernels other than the sequence table's and dsinks read their threadgroup's sequence's own
+    // struct from the table that flash_attention_varlen_sequences wrote (bound at the parameter
+    // index in place of the host's): seqlen_q and seqlen_k that sequence's lengths, seq_q0 and
+    // seq_k0 its first query row and key in the packed tensors.
+    fa_u32 sequences;
+    fa_u32 seq_q0;
+    fa_u32 seq_k0;
+    // Rows per head of lse, delta and the lse residual in a sequence's struct: the packed total_q
+    // (they are [num_heads][total_q]); unused (0) in a dense problem, whose rows per head are seqlen_q.
+    fa_u32 lse_rows;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -270,6 +283,16 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_DQ_BUFFER_COUNT 13
 #define FA_BACKWARD_DKV_BUFFER_COUNT 14
 #define FA_BACKWARD_DSINKS_BUFFER_COUNT 13
+
+// Buffer indices: flash_attention_varlen_sequences, the first dispatch of a varlen pass. It reads
+// cu_seqlens_q and cu_seqlens_k (int32, sequences + 1 each) and the host's parameters, and writes the
+// sequence table (FlashAttentionParams [sequences + 1]: the host's struct, then one per sequence)
+// that the pass's other kernels bind at their parameter index.
+#define FA_VARLEN_BUFFER_CU_SEQLENS_Q 0
+#define FA_VARLEN_BUFFER_CU_SEQLENS_K 1
+#define FA_VARLEN_BUFFER_TABLE 2
+#define FA_VARLEN_BUFFER_PARAMS 3
+#define FA_VARLEN_BUFFER_COUNT 4
 
 // Largest supported head_dim and head_dim_v: the last bucket of FA_HEAD_DIM_BUCKETS (float16 and
 // bfloat16). float32's table (FA_HEAD_DIM_BUCKETS_F32) stops at FA_MAX_HEAD_DIM_F32: its tiles at
@@ -904,6 +927,13 @@ inline ulong row_index(uint b, uint heads, uint head, uint seqlen, uint row) {
     return (ulong(b) * heads + head) * seqlen + row;
 }
 
+// Index of query row `row` of head `head` of batch `b` in lse, delta and the lse residual:
+// [batch][num_heads][seqlen_q], or in a varlen sequence's struct [num_heads][lse_rows] (the caller's
+// pointer then starts at the sequence's first row, b is 0).
+inline ulong lse_index(constant FlashAttentionParams &p, uint b, uint head, uint row) {
+    return row_index(b, p.num_heads, head, p.sequences == 0 ? p.seqlen_q : p.lse_rows, row);
+}
+
 // x clamped to [0, limit].
 inline uint clamp_index(long x, long limit) {
     return uint(x < 0 ? 0 : (x > limit ? limit : x));
@@ -1056,6 +1086,119 @@ inline void attention_merge(device const T *out_a, device const float *lse_a,
         attention_merge<T>(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);               \
     }
 // ---- end flash_attention_merge.h ----
+// ---- begin flash_attention_varlen.h (spliced by tools/embed_shaders.py) ----
+// Variable-length batches (FlashAttention's flash_attn_varlen_func): sequences packed along the
+// rows of q (total_q rows) and of k and v (total_k rows), sequence b being query rows
+// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]); lse, delta
+// and the lse residual are [num_heads][total_q]. Every pass starts with
+// flash_attention_varlen_sequences, which turns the two tables into one FlashAttentionParams per
+// sequence; the other kernels run over (blocks of max_seqlen rows, heads, sequences) and, in their
+// prologue, take their sequence's struct (sequence_params), leave when their block starts past the
+// sequence's end, and move their pointers to the sequence's first row: the kernel bodies then see
+// an ordinary one-entry problem with that sequence's lengths (causal and the window bottom-right
+// per sequence, as FlashAttention).
+//
+// The tables are not trusted: each value is clamped to [0, total] and to at least the values before
+// it, so a wrong table gives disjoint sequences inside the tensors (wrong numbers, rows left
+// unwritten), never an access out of bounds or two threadgroups writing one row.
+
+// Threads of flash_attention_varlen_sequences: one threadgroup, each thread a contiguous range of
+// sequences.
+#define FA_VARLEN_THREADS FA_THREADS_PER_THREADGROUP
+
+// The struct a threadgroup of sequence `b` works with: the host's for a dense problem, else
+// sequence b's entry of the table bound in the host's place (its entry 0 is the host's struct).
+inline constant FlashAttentionParams &sequence_params(constant FlashAttentionParams &params, uint b) {
+    return params.sequences == 0 ? params : (&params)[1 + b];
+}
+
+// Whether a threadgroup whose block starts at row `first` has nothing to do: past the end of its
+// sequence's `rows` (only in a varlen pass, whose grid covers max_seqlen rows).
+inline bool block_past_end(uint first, uint rows) {
+    return first >= rows;
+}
+
+// The threadgroup position the kernel bodies see: batch entry 0 of the packed problem in a varlen
+// pass (the pointers already start at the sequence), the grid's own otherwise.
+inline uint3 sequence_tgid(constant FlashAttentionParams &p, uint3 tgid) {
+    uint3 position = tgid;
+    position.z = p.sequences == 0 ? tgid.z : 0u;
+    return position;
+}
+
+// The ALiBi slopes of the threadgroup's sequence: row b of a [sequences][num_heads] table (the
+// host's alibi_batch_stride), or the shared [num_heads] row.
+inline device const float *sequence_alibi(constant FlashAttentionParams &p, device const float *alibi,
+                                          uint b) {
+    return p.sequences == 0 ? alibi : alibi + ulong(b) * p.alibi_batch_stride;
+}
+
+// cu_seqlens[i] clamped to [0, limit].
+inline uint clamped_boundary(device const int *cu_seqlens, uint i, uint limit) {
+    return clamp_index(long(cu_seqlens[i]), long(limit));
+}
+
+// dst = src word by word: MSL has no implicit copy of a struct between the constant and device
+// address spaces (tools/check_address_spaces.py enforces that), and this follows any new field.
+inline void copy_params(device FlashAttentionParams &dst, constant FlashAttentionParams &src) {
+    static_assert(sizeof(FlashAttentionParams) % 4 == 0, "FlashAttentionParams is whole 32-bit words");
+    device uint *to = reinterpret_cast<device uint *>(&dst);
+    constant uint *from = reinterpret_cast<constant uint *>(&src);
+    for (uint i = 0; i < sizeof(FlashAttentionParams) / 4; ++i) {
+        to[i] = from[i];
+    }
+}
+
+struct VarlenSequencesStorage {
+    uint max_q[FA_VARLEN_THREADS];
+    uint max_k[FA_VARLEN_THREADS];
+};
+
+// Writes the sequence table: entry 0 the host's struct, entry 1 + b sequence b's. Sequence b spans
+// [s_b, s_{b+1}) with s_i = max over j <= i of cu_seqlens[j] clamped to [0, total] (the same for
+// keys): thread t first takes the maximum of its range's boundaries, then starts from the maximum
+// of the ranges before it.
+template <typename Storage>
+inline void varlen_sequences(device const int *cu_q, device const int *cu_k,
+                             device FlashAttentionParams *table, constant FlashAttentionParams &p,
+                             Storage tg, uint tid) {
+    const uint per_thread = (p.sequences + FA_VARLEN_THREADS - 1) / FA_VARLEN_THREADS;
+    const uint first = min(tid * per_thread, p.sequences);
+    const uint end = min(first + per_thread, p.sequences);
+    uint max_q = 0;
+    uint max_k = 0;
+    for (uint b = first; b < end; ++b) {
+        max_q = max(max_q, clamped_boundary(cu_q, b, p.seqlen_q));
+        max_k = max(max_k, clamped_boundary(cu_k, b, p.seqlen_k));
+    }
+    tg->max_q[tid] = max_q;
+    tg->max_k[tid] = max_k;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    uint q0 = 0;
+    uint k0 = 0;
+    for (uint t = 0; t < tid; ++t) {
+        q0 = max(q0, tg->max_q[t]);
+        k0 = max(k0, tg->max_k[t]);
+    }
+    if (tid == 0) {
+        copy_params(table[0], p);
+    }
+    for (uint b = first; b < end; ++b) {
+        q0 = max(q0, clamped_boundary(cu_q, b, p.seqlen_q));
+        k0 = max(k0, clamped_boundary(cu_k, b, p.seqlen_k));
+        const uint q_end = max(q0, clamped_boundary(cu_q, b + 1, p.seqlen_q));
+        const uint k_end = max(k0, clamped_boundary(cu_k, b + 1, p.seqlen_k));
+        device FlashAttentionParams &s = table[1 + b];
+        copy_params(s, p);
+        s.seqlen_q = q_end - q0;
+        s.seqlen_k = k_end - k0;
+        s.kv_chunk_keys = k_end - k0;
+        s.seq_q0 = q0;
+        s.seq_k0 = k0;
+        s.lse_rows = p.seqlen_q;
+    }
+}
+// ---- end flash_attention_varlen.h ----
 
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
@@ -1453,7 +1596,7 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
         store_row(out + head_offset(p.out, b, h) + ulong(row) * p.out.seq, r.o,
                   l > 0.0f ? 1.0f / l : 0.0f, p.head_dim_v, s, at);
         if (s.col0 == 0 && at.col == 0) {
-            lse[row_index(b, p.num_heads, h, p.seqlen_q, row)] = row_lse(r.m, l);
+            lse[lse_index(p, b, h, row)] = row_lse(r.m, l);
         }
     }
 }
@@ -1980,7 +2123,7 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
         }
     }
     if (row < p.seqlen_q) {
-        delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] =
+        delta[lse_index(p, tgid.z, tgid.y, row)] =
             ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
 }
@@ -2037,7 +2180,7 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
     // The same answer in every thread, so the branch below is uniform over the threadgroup.
     bool needed = false;
     for (uint i = q0; i <= last; ++i) {
-        needed = needed || needs_residual(lse[row_index(b, p.num_heads, h, p.seqlen_q, i)]);
+        needed = needed || needs_residual(lse[lse_index(p, b, h, i)]);
     }
     float value = 0.0f;
     if (needed) {
@@ -2061,11 +2204,11 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
         }
         const float l = row_sum(r.l);
         if (row < p.seqlen_q) {
-            value = residual_of_row(p, r.m, l, lse[row_index(b, p.num_heads, h, p.seqlen_q, row)]);
+            value = residual_of_row(p, r.m, l, lse[lse_index(p, b, h, row)]);
         }
     }
     if (row < p.seqlen_q && s.col0 == 0 && at.col == 0) {
-        residual[row_index(b, p.num_heads, h, p.seqlen_q, row)] = value;
+        residual[lse_index(p, b, h, row)] = value;
     }
 }
 
@@ -2140,7 +2283,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
     // Rows past the end have every element hidden: their L and D are not read.
-    const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, row < p.seqlen_q ? row : 0);
+    const ulong at_row = lse_index(p, b, h, row < p.seqlen_q ? row : 0);
     const float row_lse = row < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
     const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
@@ -2271,7 +2414,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         // The head's slope and mask start; per element only the mask row moves.
         const RowModifiers head_mods = row_modifiers(p, alibi, b, h, 0);
         // The head's rows of lse, residual and delta (one 64-bit multiply per head, not per tile).
-        const ulong head_rows = row_index(b, p.num_heads, h, p.seqlen_q, 0);
+        const ulong head_rows = lse_index(p, b, h, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
             load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
@@ -2377,6 +2520,11 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
         device RESIDUAL float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]]
 
+// A tensor's pointer moved to the first query row (key) of the sequence of struct `p`
+// (flash_attention_varlen.h); unmoved in a dense problem, whose seq_q0 and seq_k0 are 0.
+#define FA_QUERY_ROWS(X) ((X) + ulong(p.seq_q0) * p.X.seq)
+#define FA_KEY_ROWS(X) ((X) + ulong(p.seq_k0) * p.X.seq)
+
 // The kernels of one dtype (element type T, name suffix SUFFIX) that do not depend on the bucket.
 #define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX)                                                         \
     typedef DeltaStorage<T> flash_attention_backward_delta_##SUFFIX##_threadgroup;                 \
@@ -2396,7 +2544,12 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
         threadgroup flash_attention_backward_delta_##SUFFIX##_threadgroup tg;                      \
-        attention_backward_delta(dout, out, delta, params, &tg, tgid, tid);                        \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * FA_DELTA_BLOCK_ROWS, p.seqlen_q)) {          \
+            return;                                                                                \
+        }                                                                                          \
+        attention_backward_delta(FA_QUERY_ROWS(dout), FA_QUERY_ROWS(out), delta + p.seq_q0, p, &tg, \
+                                 sequence_tgid(p, tgid), tid);                                     \
     }
 
 // The kernels of one dtype and head-dim bucket. The threadgroup storage type of kernel K is
@@ -2440,8 +2593,15 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_##SUFFIX##_d##DP##_threadgroup tg;                     \
-        attention_forward<DP, FWD_BQ, FWD_BK>(q, DeviceKV<T>{k, v}, out, lse, mask, alibi, sinks,  \
-                                              params, &tg, tgid, sgid, lane);                      \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * FWD_BQ, p.seqlen_q)) {                      \
+            return;                                                                                \
+        }                                                                                          \
+        attention_forward<DP, FWD_BQ, FWD_BK>(                                                     \
+            FA_QUERY_ROWS(q), DeviceKV<T>{FA_KEY_ROWS(k), FA_KEY_ROWS(v)}, FA_QUERY_ROWS(out),     \
+            lse + p.seq_q0,                                                                        \
+            mask, sequence_alibi(p, alibi, tgid.z), sinks, p, &tg, sequence_tgid(p, tgid), sgid,   \
+            lane);                                                                                 \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -2477,9 +2637,13 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup tg;       \
-        attention_backward_lse_residual<DP, FWD_BQ, FWD_BK>(q, k, lse, mask, alibi, sinks,         \
-                                                            lse_residual, params, &tg, tgid, sgid, \
-                                                            lane);                                 \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * FWD_BQ, p.seqlen_q)) {                      \
+            return;                                                                                \
+        }                                                                                          \
+        attention_backward_lse_residual<DP, FWD_BQ, FWD_BK>(                                       \
+            FA_QUERY_ROWS(q), FA_KEY_ROWS(k), lse + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), \
+            sinks, lse_residual + p.seq_q0, p, &tg, sequence_tgid(p, tgid), sgid, lane);           \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -2490,9 +2654,14 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup tg;                 \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * DQ_BQ, p.seqlen_q)) {                       \
+            return;                                                                                \
+        }                                                                                          \
         attention_backward_dq<DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>(                \
-            dout, q, k, v, lse, delta, lse_residual, mask, alibi, params, dq, &tg, tgid, sgid,     \
-            lane);                                                                                 \
+            FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0, \
+            delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,  \
+            FA_QUERY_ROWS(dq), &tg, sequence_tgid(p, tgid), sgid, lane);                           \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -2504,9 +2673,14 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup tg;                \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * DKV_BK, p.seqlen_k)) {                      \
+            return;                                                                                \
+        }                                                                                          \
         attention_backward_dkv<DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>(          \
-            dout, q, k, v, lse, delta, lse_residual, mask, alibi, params, dk, dv, &tg, tgid, sgid, \
-            lane);                                                                                 \
+            FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0, \
+            delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,  \
+            FA_KEY_ROWS(dk), FA_KEY_ROWS(dv), &tg, sequence_tgid(p, tgid), sgid, lane);            \
     }
 
 // Reads only lse, delta and sinks (float), whatever the dtype of the other tensors.
@@ -2520,6 +2694,20 @@ kernel void flash_attention_backward_dsinks(
     uint tid [[thread_index_in_threadgroup]]) {
     threadgroup flash_attention_backward_dsinks_threadgroup tg;
     attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, params, &tg, tgid.x, tid);
+}
+
+// The first dispatch of a varlen pass (flash_attention_varlen.h): one threadgroup.
+typedef VarlenSequencesStorage flash_attention_varlen_sequences_threadgroup;
+
+[[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
+kernel void flash_attention_varlen_sequences(
+    device const int *cu_seqlens_q [[buffer(FA_VARLEN_BUFFER_CU_SEQLENS_Q)]],
+    device const int *cu_seqlens_k [[buffer(FA_VARLEN_BUFFER_CU_SEQLENS_K)]],
+    device FlashAttentionParams *table [[buffer(FA_VARLEN_BUFFER_TABLE)]],
+    constant FlashAttentionParams &params [[buffer(FA_VARLEN_BUFFER_PARAMS)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+    threadgroup flash_attention_varlen_sequences_threadgroup tg;
+    varlen_sequences(cu_seqlens_q, cu_seqlens_k, table, params, &tg, tid);
 }
 
 // ---- begin flash_attention_kv_cache.h (spliced by tools/embed_shaders.py) ----
