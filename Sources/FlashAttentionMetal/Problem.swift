@@ -80,6 +80,8 @@ struct Problem {
     let layouts: [BufferRole: TensorLayout]
     /// The split-KV chunking of the forward pass, or nil for the dense forward.
     let split: KeyValueSplit?
+    /// The GPU core count `split` was planned for (`GPUCores.planned`).
+    let gpuCores: UInt32
     /// Window, softcap, mask, ALiBi and sinks.
     let scores: ScoreSpec
 
@@ -190,7 +192,7 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?) {
+                 split: KeyValueSplit?, gpuCores: UInt32) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -205,6 +207,7 @@ struct Problem {
         self.layouts = layouts
         self.scores = scores
         self.split = split
+        self.gpuCores = gpuCores
     }
 
     private init(_ shape: AttentionShape, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
@@ -262,12 +265,24 @@ struct Problem {
         let scores = try ScoreSpec(causal: causal, window: window, softcap: softcap, maskType: maskType,
                                    maskStrides: maskStrides, hasAlibi: hasAlibi, alibiPerBatch: alibiPerBatch,
                                    hasSinks: hasSinks, dims: (b, h, sq, sk))
+        let cores = try GPUCores.planned()
         self.init(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
                   seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
                   causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
                   split: KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk),
-                                       seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket,
-                                       cores: try GPUCores.planned()))
+                                       seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket, cores: cores),
+                  gpuCores: cores)
+    }
+
+    /// The same problem with the split-KV chunking planned for `cores` GPU cores (the backend's
+    /// device: `ExecutionBackend.gpuCores`).
+    func planned(forGPUCores cores: UInt32) -> Problem {
+        Problem(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
+                headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal, softmaxScale: softmaxScale,
+                bucket: bucket, layouts: layouts, scores: scores,
+                split: KeyValueSplit(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ,
+                                     seqlenK: seqlenK, bucket: bucket, cores: cores),
+                gpuCores: cores)
     }
 
     /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their
@@ -288,7 +303,7 @@ struct Problem {
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
                        scores: scores.slice(batch: b, heads: h),
-                       split: split)
+                       split: split, gpuCores: gpuCores)
     }
 
     /// Elements of lse (and of the delta workspace): batch * numHeads * seqlenQ (checked by validation).
