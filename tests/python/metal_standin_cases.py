@@ -149,7 +149,7 @@ def test_plan_follows_the_device_core_count(cpu, monkeypatch):
     (the stand-in's entry, not the other GPU's listed first), and the profile says so; without one
     it plans for the nominal GPU, and FLASH_ATTENTION_GPU_CORES wins over both. Every plan computes
     what the CPU engine computes for the same core count, bit for bit."""
-    q, k, v = _inputs(np.random.default_rng(9), np.float16, 1, 8, 1, 1, 2048, 128)
+    q, k, v = _inputs(np.random.default_rng(9), np.float16, 1, 32, 8, 1, 2048, 128)
 
     def run(context):
         result = context.forward(q, k, v)
