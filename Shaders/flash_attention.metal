@@ -1088,6 +1088,12 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                       DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
                       DKV_BQ % 8 == 0,                                                             \
                   "blocks must split into 8x8 fragments");                                         \
+    static_assert(DP <= (sizeof(T) == 4 ? FA_MAX_HEAD_DIM_F32 : FA_MAX_HEAD_DIM),                  \
+                  "a bucket above the dtype's largest head_dim (flash_attention_params.h)");       \
+    static_assert(FA_ACCUMULATOR_FLOATS(DP, FWD_BQ) <= FA_MAX_ACCUMULATOR_FLOATS &&                \
+                      FA_ACCUMULATOR_FLOATS(DP, DQ_BQ) <= FA_MAX_ACCUMULATOR_FLOATS &&             \
+                      2 * FA_ACCUMULATOR_FLOATS(DP, DKV_BK) <= FA_MAX_ACCUMULATOR_FLOATS,          \
+                  "accumulators per lane above the budget (flash_attention_params.h)");            \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_##SUFFIX##_d##DP(                                          \

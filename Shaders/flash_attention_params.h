@@ -185,8 +185,11 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_DKV_BUFFER_COUNT 14
 #define FA_BACKWARD_DSINKS_BUFFER_COUNT 13
 
-// Largest supported head_dim and head_dim_v; the last bucket of the tables below.
-#define FA_MAX_HEAD_DIM 256
+// Largest supported head_dim and head_dim_v: the last bucket of FA_HEAD_DIM_BUCKETS (float16 and
+// bfloat16). float32's table (FA_HEAD_DIM_BUCKETS_F32) stops at FA_MAX_HEAD_DIM_F32: its tiles at
+// 512 would not fit 32 KiB even at 8 x 8 (see that table), so larger head dims are UNSUPPORTED there.
+#define FA_MAX_HEAD_DIM 576
+#define FA_MAX_HEAD_DIM_F32 256
 
 // Every kernel runs FA_SIMDGROUPS SIMD-groups of 32 threads per threadgroup. A kernel owns a block
 // of rows (query rows for forward and dQ, key rows for dK/dV); each SIMD-group owns 8 of them and
@@ -240,7 +243,11 @@ typedef struct FlashAttentionParams {
 // of a measured f16 matmul ceiling. At head_dim 192 the forward keeps 32 query rows, each
 // SIMD-group the whole head_dim of 8 of them, as MLX does (its tiles fit: (32 + 2 x 16) x 200
 // halves, 25.6 KB); the backward kernels and head_dim 256 split the accumulators over two head_dim
-// slices (16 rows, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. The
+// slices (16 rows, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. At 512
+// (Gemma's global layers) and 576 (DeepSeek's MLA decode with absorbed weights: head_dim 576,
+// head_dim_v 512, which takes the 576 bucket) every kernel owns 8 rows split over 4 head_dim
+// slices, so a lane keeps the accumulators of d256 (512) or 12.5 % more (576; see
+// FA_MAX_ACCUMULATOR_FLOATS), and the backward's two streamed tiles share one buffer. The
 // backward follows metal-flash-attention's three kernels (D pre-pass, dQ over query blocks, dK/dV
 // over key blocks with K, V, dK, dV resident); its tiles are the largest that keep each kernel's
 // threadgroup storage within 32 KiB (static_assert at the instantiation):
@@ -253,7 +260,9 @@ typedef struct FlashAttentionParams {
     X(96, 32, 32, 32, 32, 32, 32)        \
     X(128, 32, 16, 32, 16, 32, 16)       \
     X(192, 32, 16, 16, 16, 16, 16)       \
-    X(256, 16, 16, 16, 8, 16, 8)
+    X(256, 16, 16, 16, 8, 16, 8)         \
+    X(512, 8, 8, 8, 8, 8, 8)             \
+    X(576, 8, 8, 8, 8, 8, 8)
 
 // Occupancy. An Apple7/8 GPU core has about 60 KB of threadgroup memory (metal-benchmarks,
 // philipturner; at most 32 KiB per threadgroup), so a kernel whose threadgroup uses B bytes runs at
@@ -266,6 +275,8 @@ typedef struct FlashAttentionParams {
 //   d128          17424 / 3       26128 / 2      26320 / 2
 //   d192          25616 / 2       29696 / 2      29888 / 2
 //   d256          27392 / 2       27392 / 2      27488 / 2
+//   d512          25984 / 2       28048 / 2      28144 / 2
+//   d576          29056 / 2       31248 / 1      31344 / 1
 //   float
 //   d32           15376 / 3       20496 / 2      20880 / 2
 //   d64           27664 / 2       27664 / 2      27856 / 2
@@ -279,6 +290,24 @@ typedef struct FlashAttentionParams {
 // float32's tiles take twice the bytes: its buckets trade rows for 2 threadgroups per core.
 #define FA_CORE_THREADGROUP_BYTES 61440
 #define FA_FORWARD_MIN_THREADGROUPS_PER_CORE 3
+
+// Registers. A kernel owning ROWS rows keeps, per lane, FA_ACCUMULATOR_FLOATS(DP, ROWS) float32
+// accumulator elements of each output it sums over keys or queries (forward and split: O; dQ: dQ;
+// dK/dV: dK and dV, twice that): a SIMD-group's 8 rows x DP / (32 / ROWS) head_dim columns over
+// its 32 lanes. The budget, checked at the instantiation so that no bucket's accumulators outgrow
+// the registers (no spills by construction): FA_MAX_ACCUMULATOR_FLOATS per lane per kernel.
+//   half, bfloat   forward  dQ  dK/dV        float   forward  dQ  dK/dV
+//   d32                 8    8     16        d32           8   8     16
+//   d64                16   16     32        d64          16  16     32
+//   d96                24   24     48        d96          24  12     24
+//   d128               32   32     64        d128         16  16     32
+//   d192               48   24     48        d192         12  12     24
+//   d256               32   32     64        d256         16  16     32
+//   d512               32   32     64
+//   d576               36   36     72
+// d512 keeps exactly d256's; d576's dK/dV (72) sets the budget.
+#define FA_ACCUMULATOR_FLOATS(DP, ROWS) ((DP) * (ROWS) / FA_THREADS_PER_THREADGROUP)
+#define FA_MAX_ACCUMULATOR_FLOATS 72
 
 // Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
 // (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB

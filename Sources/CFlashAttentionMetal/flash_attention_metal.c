@@ -49,6 +49,16 @@ const char *fa_loaded_image_path(void) {
 static const FlashAttentionBucket two_byte_table[] = {FA_HEAD_DIM_BUCKETS(FA_BUCKET_ROW)};
 static const FlashAttentionBucket float_table[] = {FA_HEAD_DIM_BUCKETS_F32(FA_BUCKET_ROW)};
 #undef FA_BUCKET_ROW
+/* The largest head dims are the tables' last buckets (the kernels assert that none is larger). */
+#define FA_BUCKET_MAX_ROW(dmax, fbq, fbk, dqbq, dqbk, dkvbk, dkvbq) || (dmax) == FA_BUCKET_LIMIT_
+#define FA_BUCKET_LIMIT_ FA_MAX_HEAD_DIM
+_Static_assert(0 FA_HEAD_DIM_BUCKETS(FA_BUCKET_MAX_ROW), "FA_MAX_HEAD_DIM must be a bucket of FA_HEAD_DIM_BUCKETS");
+#undef FA_BUCKET_LIMIT_
+#define FA_BUCKET_LIMIT_ FA_MAX_HEAD_DIM_F32
+_Static_assert(0 FA_HEAD_DIM_BUCKETS_F32(FA_BUCKET_MAX_ROW),
+               "FA_MAX_HEAD_DIM_F32 must be a bucket of FA_HEAD_DIM_BUCKETS_F32");
+#undef FA_BUCKET_LIMIT_
+#undef FA_BUCKET_MAX_ROW
 
 int fa_bucket_for_head_dim(uint32_t dtype, uint32_t head_dim, FlashAttentionBucket *bucket) {
     const FlashAttentionBucket *table;

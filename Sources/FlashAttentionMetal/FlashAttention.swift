@@ -64,8 +64,8 @@ public final class FlashAttention: @unchecked Sendable {
     ///   - options: sliding window, softcap, ALiBi, sinks and `attnMask` (``AttentionOptions``).
     /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for a bad shape, scale, option or buffer length,
     ///   or an output overlapping another buffer of the call;
-    ///   ``FlashAttentionError/unsupported(_:)`` for `headDim` or `headDimV` above 256 (or bfloat16
-    ///   where Metal lacks it), ``FlashAttentionError/executionFailed(_:)`` when the device fails
+    ///   ``FlashAttentionError/unsupported(_:)`` for `headDim` or `headDimV` above 576 (256 in
+    ///   float32) or bfloat16 where Metal lacks it, ``FlashAttentionError/executionFailed(_:)`` when the device fails
     ///   (outputs are then NaN).
     public func forward<Element: AttentionElement>(
         q: UnsafeBufferPointer<Element>, k: UnsafeBufferPointer<Element>, v: UnsafeBufferPointer<Element>,
@@ -252,10 +252,10 @@ extension FlashAttention {
     ///   - lseA, lseB: float32, `rows` elements, the matching `lse`; `rows = lseA.count`.
     ///   - out, lse: the merge, sized like `outA` and `lseA`; must not overlap each other or any
     ///     input (checked: `invalidArgument`).
-    ///   - headDim: `1...256`.
+    ///   - headDim: `1...576` (`1...256` in float32).
     /// - Throws: ``FlashAttentionError/invalidArgument(_:)`` for mismatched counts, `rows` outside
     ///   `1...UInt32.max` or overlapping buffers, ``FlashAttentionError/unsupported(_:)`` for
-    ///   `headDim > 256` (or bfloat16 where Metal lacks it), ``FlashAttentionError/executionFailed(_:)``
+    ///   `headDim > 576` (256 in float32; or bfloat16 where Metal lacks it), ``FlashAttentionError/executionFailed(_:)``
     ///   when the device fails (outputs are then NaN).
     public func mergeAttention<Element: AttentionElement>(
         outA: UnsafeBufferPointer<Element>, lseA: UnsafeBufferPointer<Float>, outB: UnsafeBufferPointer<Element>,

@@ -6,8 +6,8 @@ public enum FlashAttentionError: Error, Equatable, CustomStringConvertible {
     /// A null pointer, a zero or inconsistent dimension, a bad flag or scale, a buffer of the wrong
     /// length (`FA_STATUS_INVALID_ARGUMENT`).
     case invalidArgument(String)
-    /// A valid problem outside what the kernels support, e.g. `headDim` above 256
-    /// (`FA_STATUS_UNSUPPORTED`).
+    /// A valid problem outside what the kernels support, e.g. `headDim` above 576 (256 in
+    /// float32) (`FA_STATUS_UNSUPPORTED`).
     case unsupported(String)
     /// The requested backend does not exist here, e.g. Metal on Linux
     /// (`FA_STATUS_BACKEND_UNAVAILABLE`).

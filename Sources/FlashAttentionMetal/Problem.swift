@@ -7,7 +7,8 @@ import CFlashAttentionMetal
 /// `k`, `dk` are `[batch][numKVHeads][seqlenK][headDim]`; `v`, `dv` are
 /// `[batch][numKVHeads][seqlenK][headDimV]`; `lse` is `[batch][numHeads][seqlenQ]`.
 /// `numHeads` must be a multiple of `numKVHeads` (GQA/MQA: query head `h` reads KV head
-/// `h / (numHeads / numKVHeads)`), and `headDim` and `headDimV` lie in `1...256`.
+/// `h / (numHeads / numKVHeads)`), and `headDim` and `headDimV` lie in `1...576`
+/// (`1...256` in float32).
 public struct AttentionShape: Equatable, Sendable {
     /// Number of independent sequences.
     public var batch: Int
@@ -19,9 +20,9 @@ public struct AttentionShape: Equatable, Sendable {
     public var seqlenQ: Int
     /// Number of keys (and values) per sequence.
     public var seqlenK: Int
-    /// Size of each query and key head vector, `1...256`.
+    /// Size of each query and key head vector, `1...576` (`1...256` in float32).
     public var headDim: Int
-    /// Size of each value (and output) head vector, `1...256`.
+    /// Size of each value (and output) head vector, `1...576` (`1...256` in float32).
     public var headDimV: Int
 
     /// Creates a shape; `numKVHeads` defaults to `numHeads` (plain multi-head attention), `seqlenK`
@@ -238,7 +239,11 @@ struct Problem {
         }
         var bucket = FlashAttentionBucket()
         guard fa_bucket_for_head_dim(dtype.rawValue, UInt32(max(shape.headDim, shape.headDimV)), &bucket) != 0 else {
-            throw FlashAttentionError.internalError("no kernel bucket for head_dim \(shape.headDim)")
+            // Only float32's table stops below fa_max_head_dim() (FA_MAX_HEAD_DIM_F32).
+            throw FlashAttentionError.unsupported(
+                "head_dim (\(shape.headDim)) and head_dim_v (\(shape.headDimV)) with dtype float32 must be at most "
+                    + "\(FA_MAX_HEAD_DIM_F32): float32 tiles of larger heads do not fit 32 KiB of threadgroup "
+                    + "memory; use float16 or bfloat16 (up to fa_max_head_dim(), \(fa_max_head_dim()))")
         }
         guard softmaxScale.isFinite else {
             throw FlashAttentionError.invalidArgument("softmax_scale (\(softmaxScale)) must be finite")

@@ -31,7 +31,7 @@ def test_info_reports_version_backend_device_and_library():
     fields = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in result.stdout.splitlines())
     assert fields["backend"] == "cpu"
     assert fields["library"].endswith(("libFlashAttentionMetal.so", "libFlashAttentionMetal.dylib"))
-    assert fields["max head_dim"] == "256"
+    assert fields["max head_dim"] == "576"
     # One version, the header's FA_VERSION: the package's and the loaded library's agree.
     assert fields["version"] == fam.__version__ and fam.__version__.count(".") == 2
     assert fields["device"]
@@ -250,8 +250,8 @@ def test_the_matplotlib_hint_is_the_documented_wording():
     ("--seqlens", "ten", "must be an integer, got 'ten'"),
     ("--batch", "0", "must be an integer in 1..4294967295"),
     ("--heads", "-1", "must be an integer in 1..4294967295"),
-    ("--head-dim", "0", "must be in 1..256 (the library's largest head_dim), got 0"),
-    ("--head-dim", "-3", "must be in 1..256 (the library's largest head_dim), got -3"),
+    ("--head-dim", "0", "must be in 1..576 (the library's largest head_dim), got 0"),
+    ("--head-dim", "-3", "must be in 1..576 (the library's largest head_dim), got -3"),
     ("--repeats", "0", "must be an integer in 1..4294967295"),
 ])
 def test_bench_rejects_bad_sizes_while_parsing(capsys, option, value, rule):

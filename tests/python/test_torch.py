@@ -278,8 +278,8 @@ def _small():
     (lambda q, k, v: fat.flash_attn_func(q, k, v, alibi_slopes=torch.ones(1, 2).half()), TypeError, "float32"),
     (lambda q, k, v: fat.flash_attn_func(q, k[:, :, :1].repeat(1, 1, 3, 1), v[:, :, :1].repeat(1, 1, 3, 1)),
      ValueError, r"nheads \(5\) must be a multiple of nheads_k \(3\)"),
-    (lambda q, k, v: fat.scaled_dot_product_attention(*(torch.zeros(1, 1, 2, 300, dtype=torch.float16),) * 3),
-     ValueError, "head_dim 300 is outside the supported range 1..256"),
+    (lambda q, k, v: fat.scaled_dot_product_attention(*(torch.zeros(1, 1, 2, 600, dtype=torch.float16),) * 3),
+     ValueError, "head_dim 600 is outside the supported range 1..576"),
 ])
 def test_errors_name_the_argument_and_the_rule(call, error, rule):
     with pytest.raises(error, match=rule):

@@ -136,6 +136,10 @@ struct Mods {
         extra.layout = l;
         return *this;
     }
+    Mods &head_dim_v(int d) {
+        extra.head_dim_v = d;
+        return *this;
+    }
     operator Extra() const { return extra; }
 };
 Mods mods() { return Mods{}; }
@@ -201,7 +205,7 @@ const char *layout_name(Layout layout) {
 std::vector<TestCase> full_grid() {
     std::vector<TestCase> cases;
     // float16: every bucket of FA_HEAD_DIM_BUCKETS, every kind of shape.
-    for (int d : {1, 3, 32, 40, 59, 64, 80, 96, 104, 128, 160, 192, 200, 256}) {
+    for (int d : {1, 3, 32, 40, 59, 64, 80, 96, 104, 128, 160, 192, 200, 256, 300, 512, 576}) {
         cases.push_back(make_case(f16, d, 2, 3, 3, 100, 100, false));
         cases.push_back(make_case(f16, d, 2, 3, 3, 100, 100, true));  // where the seed kernels hung
         cases.push_back(make_case(f16, d, 1, 8, 2, 33, 77, true));    // GQA 8/2, Nq < Nk
@@ -218,7 +222,7 @@ std::vector<TestCase> full_grid() {
     cases.push_back(make_case(f16, 32, 2, 4, 2, 130, 97, true, scaled(2.0f)));
 
     // bfloat16 (the same table as float16): one head_dim per bucket and the edges.
-    for (int d : {1, 40, 64, 96, 128, 160, 200, 256}) {
+    for (int d : {1, 40, 64, 96, 128, 160, 200, 256, 512, 576}) {
         cases.push_back(make_case(bf16, d, 2, 3, 3, 100, 100, true));
         cases.push_back(make_case(bf16, d, 1, 8, 2, 33, 77, true));
         cases.push_back(make_case(bf16, d, 2, 4, 1, 77, 33, true));
@@ -285,6 +289,14 @@ std::vector<TestCase> full_grid() {
     cases.push_back(make_case(f32, 128, 1, 8, 2, 33, 77, true, v(40)));
     cases.push_back(make_case(f32, 256, 2, 4, 1, 77, 33, true, v(192)));
     cases.push_back(make_case(f32, 64, 2, 2, 2, 1, 129, true, v(256, bshd)));  // decode, split-KV
+    // DeepSeek's MLA decode with absorbed weights, 576/512 (the 576 bucket; float16 and bfloat16
+    // only: float32 stops at 256): prefill GQA, decode over one latent KV head (split-KV), bshd.
+    for (DType t : {f16, bf16}) {
+        cases.push_back(make_case(t, 576, 1, 8, 2, 33, 77, true, v(512)));
+        cases.push_back(make_case(t, 576, 2, 16, 1, 1, 300, true, v(512)));  // split-KV
+        cases.push_back(make_case(t, 576, 1, 4, 1, 20, 40, false, v(512, bshd)));
+    }
+    cases.push_back(make_case(bf16, 512, 1, 4, 1, 5, 200, true, v(256)));  // split-KV, d512
 
     // Score modifiers (issue 15) in every dtype.
     for (DType t : {f16, bf16, f32}) {
@@ -352,6 +364,15 @@ std::vector<TestCase> full_grid() {
         cases.push_back(make_case(t, 128, 1, 8, 2, 5, 300, true,
                                   mods().mask(mbool, false, true).sinks().layout(bshd)));
     }
+    // Every modifier at once at head_dim 512 (prefill) and in MLA's 576/512 decode.
+    for (DType t : {f16, bf16}) {
+        cases.push_back(make_case(t, 512, 1, 4, 2, 40, 60, true,
+                                  mods().window(20, -1).softcap(30).mask(madd, true, true)
+                                      .alibi(true).sinks()));
+        cases.push_back(make_case(t, 576, 1, 8, 1, 2, 600, true,
+                                  mods().window(300, -1).mask(mbool, true, false).sinks().layout(bshd)
+                                      .head_dim_v(512)));
+    }
     return cases;
 }
 
@@ -384,6 +405,9 @@ std::vector<TestCase> small_grid() {
         make_case(bf16, 192, 1, 4, 2, 50, 50, true, v(128, bshd)),
         make_case(f32, 192, 1, 8, 2, 3, 100, true, v(128)),
         make_case(f16, 64, 2, 2, 1, 40, 90, false, v(256)),
+        // head_dim 512 (8 rows, 4 head_dim slices, shared backward tiles) and MLA's 576/512 decode
+        make_case(f16, 512, 1, 4, 2, 40, 70, true),
+        make_case(bf16, 576, 1, 8, 1, 1, 100, true, v(512)),
         // score modifiers: windows (rows left empty), softcap, ALiBi, sinks and dsinks, masks,
         // all at once, split-KV with modifiers
         make_case(f16, 64, 2, 4, 1, 77, 33, false, mods().window(5, 3)),

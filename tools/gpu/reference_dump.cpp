@@ -47,6 +47,7 @@ int main(int argc, char **argv) {
         "bf16_d128_b2_h4x1_q77_k33_causal",      "f32_d40_b2_h3x3_q100_k100_causal",
         "f32_d256_b2_h4x1_q77_k33_causal",       "f32_d104_b2_h4x1_q77_k33_causal",       "f16_d192v128_b1_h8x2_q33_k77_causal",
         "bf16_d40v3_b2_h3x3_q100_k100_causal",   "f32_d128v40_b1_h8x2_q33_k77_causal",
+        "bf16_d576v512_b2_h16x1_q1_k300_causal",  // MLA decode, the 576 bucket
         // score modifiers (issue 15)
         "f32_d32_b2_h4x1_q77_k33_full_w5.3",     "f16_d64_b2_h4x4_q65_k90_causal_s0.5_cap5",
         "f16_d64_b2_h8x2_q100_k100_causal_alibi", "f32_d128_b2_h4x1_q50_k120_full_alibib",

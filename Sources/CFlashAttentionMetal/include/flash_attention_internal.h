@@ -33,8 +33,8 @@ static inline uint32_t fa_decode_threadgroup_bytes(uint32_t head_dim_max) {
 static inline uint32_t fa_threads_per_threadgroup(void) { return FA_THREADS_PER_THREADGROUP; }
 
 /* The first bucket of dtype's table (FA_DTYPE_F16/BF16/F32) whose head_dim_max >= head_dim.
- * Returns 0 (and leaves *bucket alone) when head_dim is 0 or above FA_MAX_HEAD_DIM, or dtype is
- * unknown. */
+ * Returns 0 (and leaves *bucket alone) when head_dim is 0 or above the table's last bucket
+ * (FA_MAX_HEAD_DIM; FA_MAX_HEAD_DIM_F32 for float32), or dtype is unknown. */
 FA_INTERNAL int fa_bucket_for_head_dim(uint32_t dtype, uint32_t head_dim, FlashAttentionBucket *bucket);
 
 /* The path of the file this library was loaded from (the shared library, or the app that links it

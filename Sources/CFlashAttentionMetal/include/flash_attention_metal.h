@@ -108,12 +108,12 @@ typedef struct fa_problem {
     uint32_t num_kv_heads;
     uint32_t seqlen_q;
     uint32_t seqlen_k;
-    uint32_t head_dim;      /* of q and k: 1 ... fa_max_head_dim() */
+    uint32_t head_dim;      /* of q and k: 1 ... fa_max_head_dim() (256 in float32) */
     uint32_t causal;        /* 0 or 1 */
     float softmax_scale;    /* finite; the usual value is 1 / sqrt(head_dim) */
     /* Since 0.2.0. */
     uint32_t dtype;         /* fa_dtype; default FA_DTYPE_FLOAT16 */
-    uint32_t head_dim_v;    /* of v, out, dout, dv: 1 ... fa_max_head_dim(); 0 means head_dim */
+    uint32_t head_dim_v;    /* of v, out, dout, dv: 1 ... fa_max_head_dim() (256 in float32); 0 means head_dim */
     fa_strides q;           /* the layouts; all-zero strides mean contiguous */
     fa_strides k;
     fa_strides v;
@@ -139,7 +139,8 @@ typedef struct fa_problem {
 /* The library's version, FA_VERSION of the header it was built with. Static storage. */
 const char *fa_version(void);
 
-/* Largest head_dim and head_dim_v the kernels support. */
+/* Largest head_dim and head_dim_v the kernels support (576) in float16 and bfloat16; float32 stops at
+ * 256 (FA_STATUS_UNSUPPORTED above, naming head_dim and the dtype: its tiles would not fit 32 KiB). */
 uint32_t fa_max_head_dim(void);
 
 /* A short name for a status, e.g. "FA_STATUS_UNSUPPORTED". Static storage. */

@@ -118,8 +118,13 @@ final class CABIValidationTests: XCTestCase {
     func testDTypeAndHeadDimV() {
         expect(modified { $0.dtype = 3 }, FA_STATUS_INVALID_ARGUMENT,
                "dtype (3) must be FA_DTYPE_FLOAT16, FA_DTYPE_BFLOAT16 or FA_DTYPE_FLOAT32")
-        expect(modified { $0.head_dim_v = 257 }, FA_STATUS_UNSUPPORTED,
-               "head_dim_v (257) must be at most fa_max_head_dim() (256)")
+        expect(modified { $0.head_dim_v = 577 }, FA_STATUS_UNSUPPORTED,
+               "head_dim_v (577) must be at most fa_max_head_dim() (576)")
+        // float32's kernels stop at 256 (their tiles would not fit 32 KiB): rejected before dispatch.
+        expect(modified { $0.dtype = FA_DTYPE_FLOAT32.rawValue; $0.head_dim_v = 257 }, FA_STATUS_UNSUPPORTED,
+               "head_dim (8) and head_dim_v (257) with dtype float32 must be at most 256: float32 tiles of larger "
+                   + "heads do not fit 32 KiB of threadgroup memory; use float16 or bfloat16 (up to "
+                   + "fa_max_head_dim(), 576)")
     }
 
     /// Strides: positive, and written tensors never overlap themselves.
@@ -159,11 +164,11 @@ final class CABIValidationTests: XCTestCase {
     }
 
     func testHeadDimAboveTheLimitIsUnsupported() {
-        XCTAssertEqual(fa_max_head_dim(), 256)
-        expect(modified { $0.head_dim = 257 }, FA_STATUS_UNSUPPORTED,
-               "head_dim (257) must be at most fa_max_head_dim() (256)")
+        XCTAssertEqual(fa_max_head_dim(), 576)
+        expect(modified { $0.head_dim = 577 }, FA_STATUS_UNSUPPORTED,
+               "head_dim (577) must be at most fa_max_head_dim() (576)")
         expect(modified { $0.head_dim = UInt32.max }, FA_STATUS_UNSUPPORTED,
-               "head_dim (4294967295) must be at most fa_max_head_dim() (256)")
+               "head_dim (4294967295) must be at most fa_max_head_dim() (576)")
     }
 
     func testCausalFlag() {

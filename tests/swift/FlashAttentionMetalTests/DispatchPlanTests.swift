@@ -13,10 +13,11 @@ final class DispatchPlanTests: XCTestCase {
                              causal: causal, softmaxScale: scale)
     }
 
-    /// Every bucket boundary: head_dim -> the bucket's head_dim_max, and 257 rejected.
+    /// Every bucket boundary: head_dim -> the bucket's head_dim_max, and 577 rejected.
     func testBucketBoundaries() throws {
         let expected: [(Int, UInt32)] = [(1, 32), (32, 32), (33, 64), (64, 64), (65, 96), (96, 96), (97, 128),
-                                         (128, 128), (129, 192), (192, 192), (193, 256), (256, 256)]
+                                         (128, 128), (129, 192), (192, 192), (193, 256), (256, 256), (257, 512),
+                                         (512, 512), (513, 576), (576, 576)]
         for (headDim, bucket) in expected {
             let p = try problem(headDim: headDim)
             XCTAssertEqual(p.bucket.head_dim_max, bucket, "head_dim \(headDim)")
@@ -28,9 +29,9 @@ final class DispatchPlanTests: XCTestCase {
                             "flash_attention_backward_dq_f16_d\(bucket)", "flash_attention_backward_dkv_f16_d\(bucket)"])
             XCTAssertEqual(forward.dispatches[0].params.head_dim, UInt32(headDim))
         }
-        XCTAssertThrowsError(try problem(headDim: 257)) { error in
+        XCTAssertThrowsError(try problem(headDim: 577)) { error in
             XCTAssertEqual(error as? FlashAttentionError,
-                           .unsupported("head_dim (257) must be at most fa_max_head_dim() (256)"))
+                           .unsupported("head_dim (577) must be at most fa_max_head_dim() (576)"))
         }
     }
 
@@ -49,7 +50,7 @@ final class DispatchPlanTests: XCTestCase {
         // (head_dim_max, forward BQ, dQ BQ, dK/dV BK)
         let table: [(UInt32, UInt32, UInt32, UInt32)] = [
             (32, 32, 32, 32), (64, 32, 32, 32), (96, 32, 32, 32), (128, 32, 32, 32), (192, 32, 16, 16),
-            (256, 16, 16, 16),
+            (256, 16, 16, 16), (512, 8, 8, 8), (576, 8, 8, 8),
         ]
         let threads = GridSize(width: 128, height: 1, depth: 1)
         for (dmax, fbq, dqbq, dkvbk) in table {

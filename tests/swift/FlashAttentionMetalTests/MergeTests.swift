@@ -69,9 +69,9 @@ final class MergeTests: XCTestCase {
         XCTAssertEqual(merge(rows: 0, headDim: 16).1, "rows (0) must be at least 1")
         XCTAssertEqual(merge(rows: 1 << 32, headDim: 16).1, "rows (4294967296) must be at most 4294967295")
         XCTAssertEqual(merge(rows: 4, headDim: 0).1, "head_dim (0) must be at least 1")
-        let (status, message) = merge(rows: 4, headDim: 257)
+        let (status, message) = merge(rows: 4, headDim: 577)
         XCTAssertEqual(status, FA_STATUS_UNSUPPORTED)
-        XCTAssertEqual(message, "head_dim (257) must be at most fa_max_head_dim() (256)")
+        XCTAssertEqual(message, "head_dim (577) must be at most fa_max_head_dim() (576)")
         XCTAssertEqual(merge(rows: 4, headDim: 16, outAliases: "out_a").1,
                        "out must not overlap out_a (outputs are written while inputs are read)")
         XCTAssertEqual(merge(rows: 4, headDim: 16, outAliases: "lse_b").1,

@@ -64,10 +64,17 @@ final class SwiftAPITests: XCTestCase {
                            .invalidArgument("num_heads (4) must be a multiple of num_kv_heads (3)"))
         }
         bad = shape
-        bad.headDim = 300
+        bad.headDim = 600
         XCTAssertThrowsError(try attention.forward(q: [Float16](), k: [], v: [], shape: bad)) {
             XCTAssertEqual($0 as? FlashAttentionError,
-                           .unsupported("head_dim (300) must be at most fa_max_head_dim() (256)"))
+                           .unsupported("head_dim (600) must be at most fa_max_head_dim() (576)"))
+        }
+        bad.headDim = 512
+        XCTAssertThrowsError(try attention.forward(q: [Float](), k: [], v: [], shape: bad)) {
+            XCTAssertEqual($0 as? FlashAttentionError,
+                           .unsupported("head_dim (512) and head_dim_v (\(bad.headDimV)) with dtype float32 must be at "
+                                            + "most 256: float32 tiles of larger heads do not fit 32 KiB of threadgroup "
+                                            + "memory; use float16 or bfloat16 (up to fa_max_head_dim(), 576)"))
         }
         bad = shape
         bad.seqlenK = -1
@@ -85,10 +92,10 @@ final class SwiftAPITests: XCTestCase {
     }
 
     func testErrorDescription() {
-        let error = FlashAttentionError.unsupported("head_dim (300) must be at most fa_max_head_dim() (256)")
+        let error = FlashAttentionError.unsupported("head_dim (600) must be at most fa_max_head_dim() (576)")
         XCTAssertEqual(error.description,
-                       "FA_STATUS_UNSUPPORTED: head_dim (300) must be at most fa_max_head_dim() (256)")
-        XCTAssertEqual(error.message, "head_dim (300) must be at most fa_max_head_dim() (256)")
+                       "FA_STATUS_UNSUPPORTED: head_dim (600) must be at most fa_max_head_dim() (576)")
+        XCTAssertEqual(error.message, "head_dim (600) must be at most fa_max_head_dim() (576)")
     }
 
     /// A backend failure reaches the caller with its message, and every output of the failed pass
