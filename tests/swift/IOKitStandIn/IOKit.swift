@@ -87,6 +87,17 @@ private func violation(_ rule: String, _ function: String) -> Never {
     fatalError("IOKit stand-in: \(rule) (IOKitLib.h, \(function))")
 }
 
+/// The entry `object` names; stops the process when it is not one handed out and not released.
+private func liveEntry(_ object: io_registry_entry_t, _ function: String) -> Entry {
+    let registry = Registry.shared
+    registry.lock.lock()
+    defer { registry.lock.unlock() }
+    guard let found = registry.handed[object] else {
+        violation("\(function) on an object that is not a live registry entry", function)
+    }
+    return found
+}
+
 // IOKitLib.h IOServiceMatching: https://docs.rs/objc2-io-kit/latest/objc2_io_kit/fn.IOServiceMatching.html
 public func IOServiceMatching(_ name: UnsafePointer<CChar>!) -> CFMutableDictionary! {
     CFMutableDictionary(className: String(cString: name))
@@ -127,14 +138,7 @@ public func IOIteratorNext(_ iterator: io_iterator_t) -> io_object_t {
 // IOKitLib.h IORegistryEntryGetRegistryEntryID: https://docs.rs/objc2-io-kit/latest/objc2_io_kit/fn.IORegistryEntryGetRegistryEntryID.html
 public func IORegistryEntryGetRegistryEntryID(_ entry: io_registry_entry_t,
                                               _ entryID: UnsafeMutablePointer<UInt64>!) -> kern_return_t {
-    let registry = Registry.shared
-    registry.lock.lock()
-    defer { registry.lock.unlock() }
-    guard let found = registry.handed[entry] else {
-        violation("IORegistryEntryGetRegistryEntryID on an object that is not a live entry",
-                  "IORegistryEntryGetRegistryEntryID")
-    }
-    entryID.pointee = found.registryID
+    entryID.pointee = liveEntry(entry, "IORegistryEntryGetRegistryEntryID").registryID
     return KERN_SUCCESS
 }
 
@@ -143,14 +147,9 @@ public func IORegistryEntryGetRegistryEntryID(_ entry: io_registry_entry_t,
 public func IORegistryEntryCreateCFProperty(_ entry: io_registry_entry_t, _ key: CFString!,
                                             _ allocator: CFAllocator!, _ options: IOOptionBits)
     -> Unmanaged<CFTypeRef>! {
-    let registry = Registry.shared
-    registry.lock.lock()
-    defer { registry.lock.unlock() }
-    guard let found = registry.handed[entry] else {
-        violation("IORegistryEntryCreateCFProperty on an object that is not a live entry",
-                  "IORegistryEntryCreateCFProperty")
+    liveEntry(entry, "IORegistryEntryCreateCFProperty").properties[key.text].map {
+        Unmanaged.passRetained($0 as CFTypeRef)
     }
-    return found.properties[key.text].map { Unmanaged.passRetained($0 as CFTypeRef) }
 }
 
 // IOKitLib.h IOObjectRelease: https://docs.rs/objc2-io-kit/latest/objc2_io_kit/fn.IOObjectRelease.html
