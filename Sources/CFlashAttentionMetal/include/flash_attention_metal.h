@@ -43,6 +43,10 @@
  * this line). "Since" notes below name the version that added a declaration. */
 #define FA_VERSION "0.3.0"
 
+/* Buffers whose device reads fa_dispatch_profile.device_bytes_read counts (outside the cdef
+ * markers: the Python binding reads the struct's literal size). */
+#define FA_PROFILE_COUNTED_BUFFERS 16
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -266,9 +270,6 @@ typedef struct fa_profile {
                                 0.3.0 in what was padding: sizeof(fa_profile) is unchanged. 0
                                 when dispatch_count is 0. */
 } fa_profile;
-
-/* Buffers whose device reads fa_dispatch_profile.device_bytes_read counts. */
-#define FA_PROFILE_COUNTED_BUFFERS 16
 
 /* One dispatched kernel of the last call. Set struct_size to sizeof(fa_dispatch_profile).
  * Counters the backend cannot measure are UINT64_MAX (Metal: both counters) and times it cannot
