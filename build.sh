@@ -182,27 +182,53 @@ check_address_spaces() {
     esac
 }
 
+# The sanitized run (tests/run_sanitized.sh: two sanitizer builds and their XCTest runs) goes in the
+# background beside swift test, the C program, the stand-in build and the parallel pytest run, its
+# output kept in .build/sanitizers/run.log and shown when it ends; pytest's serial tests (timed
+# ones) run after it, alone.
 run_tests() {
     build_library
     setup_venv
     build_mlx_extension
     check_address_spaces
-    say "swift test"
-    swift test
+    local sanitized="" sanitized_log=.build/sanitizers/run.log
     if [[ -f tests/run_sanitized.sh ]]; then
-        say "sanitized run (tests/run_sanitized.sh)"
-        bash tests/run_sanitized.sh
+        say "sanitized run (tests/run_sanitized.sh) in the background, log $sanitized_log"
+        mkdir -p .build/sanitizers
+        # In a session of its own where setsid exists, so that a failing step ends it and its
+        # builds too (the EXIT trap); the trap is dropped once it has been waited for.
+        if command -v setsid >/dev/null 2>&1; then
+            setsid bash tests/run_sanitized.sh > "$sanitized_log" 2>&1 &
+        else
+            bash tests/run_sanitized.sh > "$sanitized_log" 2>&1 &
+        fi
+        sanitized=$!
+        trap 'kill -- "-$sanitized" 2>/dev/null || kill "$sanitized" 2>/dev/null || true' EXIT
     else
         warn "tests/run_sanitized.sh is missing: skipping the sanitized run"
     fi
+    say "swift test"
+    swift test
     run_c_test
     if [[ "$(uname -s)" != Darwin ]]; then
         # The Metal backend compiled against the stand-in Metal module; tests/python/test_metal_standin.py runs it.
         say "the Metal backend on the stand-in Metal module (tests/metal_standin/build.sh)"
         tests/metal_standin/build.sh
     fi
-    say "pytest"
-    .venv/bin/python -m pytest tests/python -q
+    say "pytest on every core (pytest-xdist), but the serial tests"
+    .venv/bin/python -m pytest tests/python -q -n auto --dist loadfile -m "not serial"
+    if [[ -n $sanitized ]]; then
+        local status=0
+        wait "$sanitized" || status=$?
+        trap - EXIT
+        say "sanitized run (tests/run_sanitized.sh), its output:"
+        cat "$sanitized_log"
+        [[ $status == 0 ]] || exit "$status"
+    fi
+    say "pytest: the serial tests, alone"
+    # Only the files that mark tests serial are collected again (paths without spaces).
+    # shellcheck disable=SC2046
+    .venv/bin/python -m pytest -q -m serial $(grep -l 'mark\.serial' tests/python/test_*.py)
     say "all tests passed"
 }
 

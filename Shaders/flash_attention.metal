@@ -57,6 +57,7 @@ using namespace metal;
 #include "flash_attention_fragment.h"
 #include "flash_attention_blocks.h"
 #include "flash_attention_merge.h"
+#include "flash_attention_varlen.h"
 
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
@@ -321,12 +322,13 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 // over the KV head's K and V): loads the tiles (every thread calls it), S = Q K^T over the slice
 // and then over all of head_dim, masks (only when `masked`; the lane's row is query `row`), online
 // softmax update, O += P V (without WITH_V, only m and l: V is neither loaded nor multiplied).
-template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename T, typename Storage>
-inline void forward_tile(thread RowState<ND> &r, Storage tg, thread TileStream<T, BK, DP> &ks,
-                         thread TileStream<T, BK, DP> &vs, device const uchar *mask,
-                         constant FlashAttentionParams &p, uint kv0, bool masked, uint row,
-                         RowModifiers mods, SimdgroupSlice s, FragmentCoord at, uint sgid,
-                         uint tid) {
+template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
+          typename Storage>
+inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thread VS &vs,
+                         device const uchar *mask, constant FlashAttentionParams &p, uint kv0,
+                         bool masked, uint row, RowModifiers mods, SimdgroupSlice s,
+                         FragmentCoord at, uint sgid, uint tid) {
+    typedef typename KS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // K is read only transposed: paired rows where the bucket allows (PairedRows).
@@ -394,9 +396,30 @@ inline void store_partial_lse(device float *partial_lse, ulong index, float m, f
     partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
 }
 
-template <uint DP, uint BQ, uint BK, typename T, typename Storage>
-inline void attention_forward(device const T *q, device const T *k, device const T *v,
-                              device T *out, device float *lse, device const uchar *mask,
+// The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
+// the one for KV caches): tile streams over batch element b's KV head.
+template <typename T>
+struct DeviceKV {
+    device const T *k;
+    device const T *v;
+
+    template <uint ROWS, uint DP>
+    TileStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head, uint first,
+                                 uint tid) const {
+        return tile_stream<T, ROWS, DP>(k + head_offset(p.k, b, kv_head), first, p.seqlen_k, p.k.seq,
+                                        p.head_dim, tid);
+    }
+
+    template <uint ROWS, uint DP>
+    TileStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head, uint first,
+                                   uint tid) const {
+        return tile_stream<T, ROWS, DP>(v + head_offset(p.v, b, kv_head), first, p.seqlen_k, p.v.seq,
+                                        p.head_dim_v, tid);
+    }
+};
+
+template <uint DP, uint BQ, uint BK, typename T, typename KV, typename Storage>
+inline void attention_forward(device const T *q, KV kv, device T *out, device float *lse, device const uchar *mask,
                               device const float *alibi, device const float *sinks,
                               constant FlashAttentionParams &p, Storage tg, uint3 tgid, uint sgid,
                               uint lane) {
@@ -418,10 +441,8 @@ inline void attention_forward(device const T *q, device const T *k, device const
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
     load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
-    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
-    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+    auto ks = kv.template keys<BK, DP>(p, b, kv_head, key_begin, tid);
+    auto vs = kv.template values<BK, DP>(p, b, kv_head, key_begin, tid);
     RowState<ND> r;
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
@@ -434,7 +455,7 @@ inline void attention_forward(device const T *q, device const T *k, device const
         store_row(out + head_offset(p.out, b, h) + ulong(row) * p.out.seq, r.o,
                   l > 0.0f ? 1.0f / l : 0.0f, p.head_dim_v, s, at);
         if (s.col0 == 0 && at.col == 0) {
-            lse[row_index(b, p.num_heads, h, p.seqlen_q, row)] = row_lse(r.m, l);
+            lse[lse_index(p, b, h, row)] = row_lse(r.m, l);
         }
     }
 }
@@ -480,9 +501,8 @@ inline ulong partial_index(constant FlashAttentionParams &p, PackedRows r, uint 
 
 // One chunk of keys for one block of packed rows: threadgroups (row blocks x chunks, KV heads,
 // batch), x = chunk * row_blocks + row block. Writes the chunk's normalised output and lse.
-template <uint DP, uint BQ, uint BK, typename T, typename Storage>
-inline void attention_forward_split(device const T *q, device const T *k, device const T *v,
-                                    device const uchar *mask, device const float *alibi,
+template <uint DP, uint BQ, uint BK, typename T, typename KV, typename Storage>
+inline void attention_forward_split(device const T *q, KV kv, device const uchar *mask, device const float *alibi,
                                     device float *partial_out, device float *partial_lse,
                                     constant FlashAttentionParams &p, Storage tg, uint3 tgid,
                                     uint sgid, uint lane) {
@@ -527,10 +547,8 @@ inline void attention_forward_split(device const T *q, device const T *k, device
         }
         tg->q[r][w / 4][w % 4] = bits;
     }
-    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
-    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+    auto ks = kv.template keys<BK, DP>(p, b, kv_head, key_begin, tid);
+    auto vs = kv.template values<BK, DP>(p, b, kv_head, key_begin, tid);
     // The sink joins once, in the combine.
     RowState<ND> r;
     start_rows(r, false, 0.0f, at);
@@ -642,7 +660,7 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
         }
     }
     if (row < p.seqlen_q) {
-        delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] =
+        delta[lse_index(p, tgid.z, tgid.y, row)] =
             ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
 }
@@ -699,7 +717,7 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
     // The same answer in every thread, so the branch below is uniform over the threadgroup.
     bool needed = false;
     for (uint i = q0; i <= last; ++i) {
-        needed = needed || needs_residual(lse[row_index(b, p.num_heads, h, p.seqlen_q, i)]);
+        needed = needed || needs_residual(lse[lse_index(p, b, h, i)]);
     }
     float value = 0.0f;
     if (needed) {
@@ -723,11 +741,11 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
         }
         const float l = row_sum(r.l);
         if (row < p.seqlen_q) {
-            value = residual_of_row(p, r.m, l, lse[row_index(b, p.num_heads, h, p.seqlen_q, row)]);
+            value = residual_of_row(p, r.m, l, lse[lse_index(p, b, h, row)]);
         }
     }
     if (row < p.seqlen_q && s.col0 == 0 && at.col == 0) {
-        residual[row_index(b, p.num_heads, h, p.seqlen_q, row)] = value;
+        residual[lse_index(p, b, h, row)] = value;
     }
 }
 
@@ -802,7 +820,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
     // Rows past the end have every element hidden: their L and D are not read.
-    const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, row < p.seqlen_q ? row : 0);
+    const ulong at_row = lse_index(p, b, h, row < p.seqlen_q ? row : 0);
     const float row_lse = row < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
     const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
@@ -933,7 +951,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         // The head's slope and mask start; per element only the mask row moves.
         const RowModifiers head_mods = row_modifiers(p, alibi, b, h, 0);
         // The head's rows of lse, residual and delta (one 64-bit multiply per head, not per tile).
-        const ulong head_rows = row_index(b, p.num_heads, h, p.seqlen_q, 0);
+        const ulong head_rows = lse_index(p, b, h, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
             load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
@@ -1039,6 +1057,11 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
         device RESIDUAL float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]]
 
+// A tensor's pointer moved to the first query row (key) of the sequence of struct `p`
+// (flash_attention_varlen.h); unmoved in a dense problem, whose seq_q0 and seq_k0 are 0.
+#define FA_QUERY_ROWS(X) ((X) + ulong(p.seq_q0) * p.X.seq)
+#define FA_KEY_ROWS(X) ((X) + ulong(p.seq_k0) * p.X.seq)
+
 // The kernels of one dtype (element type T, name suffix SUFFIX) that do not depend on the bucket.
 #define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX)                                                         \
     typedef DeltaStorage<T> flash_attention_backward_delta_##SUFFIX##_threadgroup;                 \
@@ -1058,7 +1081,12 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
         threadgroup flash_attention_backward_delta_##SUFFIX##_threadgroup tg;                      \
-        attention_backward_delta(dout, out, delta, params, &tg, tgid, tid);                        \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * FA_DELTA_BLOCK_ROWS, p.seqlen_q)) {          \
+            return;                                                                                \
+        }                                                                                          \
+        attention_backward_delta(FA_QUERY_ROWS(dout), FA_QUERY_ROWS(out), delta + p.seq_q0, p, &tg, \
+                                 sequence_tgid(p, tgid), tid);                                     \
     }
 
 // The kernels of one dtype and head-dim bucket. The threadgroup storage type of kernel K is
@@ -1102,8 +1130,15 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_##SUFFIX##_d##DP##_threadgroup tg;                     \
-        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, mask, alibi, sinks, params, &tg,  \
-                                              tgid, sgid, lane);                                   \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * FWD_BQ, p.seqlen_q)) {                      \
+            return;                                                                                \
+        }                                                                                          \
+        attention_forward<DP, FWD_BQ, FWD_BK>(                                                     \
+            FA_QUERY_ROWS(q), DeviceKV<T>{FA_KEY_ROWS(k), FA_KEY_ROWS(v)}, FA_QUERY_ROWS(out),     \
+            lse + p.seq_q0,                                                                        \
+            mask, sequence_alibi(p, alibi, tgid.z), sinks, p, &tg, sequence_tgid(p, tgid), sgid,   \
+            lane);                                                                                 \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -1115,8 +1150,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
-        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, mask, alibi, partial_out, partial_lse, \
-                                                    params, &tg, tgid, sgid, lane);                \
+        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, \
+                                                    partial_lse, params, &tg, tgid, sgid, lane);   \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -1139,9 +1174,13 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup tg;       \
-        attention_backward_lse_residual<DP, FWD_BQ, FWD_BK>(q, k, lse, mask, alibi, sinks,         \
-                                                            lse_residual, params, &tg, tgid, sgid, \
-                                                            lane);                                 \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * FWD_BQ, p.seqlen_q)) {                      \
+            return;                                                                                \
+        }                                                                                          \
+        attention_backward_lse_residual<DP, FWD_BQ, FWD_BK>(                                       \
+            FA_QUERY_ROWS(q), FA_KEY_ROWS(k), lse + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), \
+            sinks, lse_residual + p.seq_q0, p, &tg, sequence_tgid(p, tgid), sgid, lane);           \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -1152,9 +1191,14 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup tg;                 \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * DQ_BQ, p.seqlen_q)) {                       \
+            return;                                                                                \
+        }                                                                                          \
         attention_backward_dq<DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>(                \
-            dout, q, k, v, lse, delta, lse_residual, mask, alibi, params, dq, &tg, tgid, sgid,     \
-            lane);                                                                                 \
+            FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0, \
+            delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,  \
+            FA_QUERY_ROWS(dq), &tg, sequence_tgid(p, tgid), sgid, lane);                           \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -1166,9 +1210,14 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup tg;                \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * DKV_BK, p.seqlen_k)) {                      \
+            return;                                                                                \
+        }                                                                                          \
         attention_backward_dkv<DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>(          \
-            dout, q, k, v, lse, delta, lse_residual, mask, alibi, params, dk, dv, &tg, tgid, sgid, \
-            lane);                                                                                 \
+            FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0, \
+            delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,  \
+            FA_KEY_ROWS(dk), FA_KEY_ROWS(dv), &tg, sequence_tgid(p, tgid), sgid, lane);            \
     }
 
 // Reads only lse, delta and sinks (float), whatever the dtype of the other tensors.
@@ -1184,9 +1233,25 @@ kernel void flash_attention_backward_dsinks(
     attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, params, &tg, tgid.x, tid);
 }
 
-#define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__)
-#define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__)
-#define FA_DEFINE_F32(...) FA_DEFINE_KERNELS(float, f32, __VA_ARGS__)
+// The first dispatch of a varlen pass (flash_attention_varlen.h): one threadgroup.
+typedef VarlenSequencesStorage flash_attention_varlen_sequences_threadgroup;
+
+[[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
+kernel void flash_attention_varlen_sequences(
+    device const int *cu_seqlens_q [[buffer(FA_VARLEN_BUFFER_CU_SEQLENS_Q)]],
+    device const int *cu_seqlens_k [[buffer(FA_VARLEN_BUFFER_CU_SEQLENS_K)]],
+    device FlashAttentionParams *table [[buffer(FA_VARLEN_BUFFER_TABLE)]],
+    constant FlashAttentionParams &params [[buffer(FA_VARLEN_BUFFER_PARAMS)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+    threadgroup flash_attention_varlen_sequences_threadgroup tg;
+    varlen_sequences(cu_seqlens_q, cu_seqlens_k, table, params, &tg, tid);
+}
+
+#include "flash_attention_kv_cache.h"
+
+#define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(half, f16, __VA_ARGS__)
+#define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(bfloat, bf16, __VA_ARGS__)
+#define FA_DEFINE_F32(...) FA_DEFINE_KERNELS(float, f32, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(float, f32, __VA_ARGS__)
 
 FA_DEFINE_DTYPE_KERNELS(half, f16)
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_F16)

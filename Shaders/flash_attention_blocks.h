@@ -17,6 +17,13 @@ inline ulong row_index(uint b, uint heads, uint head, uint seqlen, uint row) {
     return (ulong(b) * heads + head) * seqlen + row;
 }
 
+// Index of query row `row` of head `head` of batch `b` in lse, delta and the lse residual:
+// [batch][num_heads][seqlen_q], or in a varlen sequence's struct [num_heads][lse_rows] (the caller's
+// pointer then starts at the sequence's first row, b is 0).
+inline ulong lse_index(constant FlashAttentionParams &p, uint b, uint head, uint row) {
+    return row_index(b, p.num_heads, head, p.sequences == 0 ? p.seqlen_q : p.lse_rows, row);
+}
+
 // x clamped to [0, limit].
 inline uint clamp_index(long x, long limit) {
     return uint(x < 0 ? 0 : (x > limit ? limit : x));

@@ -137,6 +137,7 @@ struct PairedRows {
 // STEP * CHUNKS copy nothing. `next` points at the thread's first chunk of the next tile.
 template <typename T, uint ROWS, uint DP>
 struct TileStream {
+    typedef T element;
     // (An enum: MSL wants a static data member in the constant address space, the engine not.)
     enum : uint {
         V = FA_CHUNK_BYTES / sizeof(T),

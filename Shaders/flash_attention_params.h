@@ -80,6 +80,31 @@ typedef struct FlashAttentionParams {
     // and key blocks (dK/dV). A piece of a long pass dispatches a range of blocks, starting here
     // (PlanPieces.swift); 0 (a value-initialised struct's) runs the grid from block 0.
     fa_u32 block_offset;
+    // KV-cache forward only (flash_attention_kv_cache.h; 0 elsewhere). k and v are caches: rows
+    // of batch element b at k + head_offset(p.k, b, head) + t * p.k.seq (contiguous, kv_page_rows
+    // 0) or, paged, block table[b][t / kv_page_rows] (kv_max_blocks entries per row, values
+    // clamped into [0, kv_num_blocks)) with p.k.batch between blocks. kv_bits 4 or 8: k and v
+    // are mx.quantize's packed uint32 words (strides in words) with scales and biases of
+    // kv_group_size elements per entry laid out like the words; 0: the dtype.
+    fa_u32 kv_page_rows;
+    fa_u32 kv_max_blocks;
+    fa_u32 kv_num_blocks;
+    fa_u32 kv_bits;
+    fa_u32 kv_group_size;
+    fa_u32 kv_reserved;  // keeps the struct a multiple of 8 bytes
+    // Variable-length batches (packed sequences, FlashAttention's varlen call; flash_attention_varlen.h).
+    // 0: a dense problem. Otherwise the number of sequences: the host's struct then describes the
+    // packed tensors as one batch entry of seqlen_q = total_q rows and seqlen_k = total_k keys, and
+    // the kernels other than the sequence table's and dsinks read their threadgroup's sequence's own
+    // struct from the table that flash_attention_varlen_sequences wrote (bound at the parameter
+    // index in place of the host's): seqlen_q and seqlen_k that sequence's lengths, seq_q0 and
+    // seq_k0 its first query row and key in the packed tensors.
+    fa_u32 sequences;
+    fa_u32 seq_q0;
+    fa_u32 seq_k0;
+    // Rows per head of lse, delta and the lse residual in a sequence's struct: the packed total_q
+    // (they are [num_heads][total_q]); unused (0) in a dense problem, whose rows per head are seqlen_q.
+    fa_u32 lse_rows;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -139,6 +164,16 @@ typedef struct FlashAttentionParams {
 #define FA_FORWARD_BUFFER_PARTIAL_OUT 9
 #define FA_FORWARD_BUFFER_PARTIAL_LSE 10
 #define FA_FORWARD_SPLIT_BUFFER_COUNT 11
+// KV-cache forward kernels (dense and split, flash_attention_kv_cache.h): the forward's buffers
+// (and the split's partial results), then the block table (int32 [batch][kv_max_blocks]; a
+// placeholder for contiguous caches) and the scales and biases of quantized K and V
+// (placeholders when unquantized).
+#define FA_KV_CACHE_BUFFER_TABLE 11
+#define FA_KV_CACHE_BUFFER_K_SCALES 12
+#define FA_KV_CACHE_BUFFER_K_BIASES 13
+#define FA_KV_CACHE_BUFFER_V_SCALES 14
+#define FA_KV_CACHE_BUFFER_V_BIASES 15
+#define FA_KV_CACHE_BUFFER_COUNT 16
 
 // Buffer indices: flash_attention_merge (fa_merge_attention), out and lse of two parts in, their
 // merge out; rows laid out as forward's out and lse.
@@ -184,6 +219,16 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_DQ_BUFFER_COUNT 13
 #define FA_BACKWARD_DKV_BUFFER_COUNT 14
 #define FA_BACKWARD_DSINKS_BUFFER_COUNT 13
+
+// Buffer indices: flash_attention_varlen_sequences, the first dispatch of a varlen pass. It reads
+// cu_seqlens_q and cu_seqlens_k (int32, sequences + 1 each) and the host's parameters, and writes the
+// sequence table (FlashAttentionParams [sequences + 1]: the host's struct, then one per sequence)
+// that the pass's other kernels bind at their parameter index.
+#define FA_VARLEN_BUFFER_CU_SEQLENS_Q 0
+#define FA_VARLEN_BUFFER_CU_SEQLENS_K 1
+#define FA_VARLEN_BUFFER_TABLE 2
+#define FA_VARLEN_BUFFER_PARAMS 3
+#define FA_VARLEN_BUFFER_COUNT 4
 
 // Largest supported head_dim and head_dim_v: the last bucket of FA_HEAD_DIM_BUCKETS (float16 and
 // bfloat16). float32's table (FA_HEAD_DIM_BUCKETS_F32) stops at FA_MAX_HEAD_DIM_F32: its tiles at

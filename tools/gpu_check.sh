@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
 # Second execution of the kernels of Shaders/ on an NVIDIA GPU (issue 7): builds
 # Shaders/flash_attention.metal as CUDA through tools/gpu/metal_cuda.h, runs the accuracy grid of
-# tools/gpu/harness.cu against the float64 reference, then compute-sanitizer memcheck, racecheck,
-# synccheck and initcheck on the small grid. Prints one summary line per tool and exits non-zero on
+# tools/gpu/harness.cu, which dumps every case's inputs and GPU outputs for tools/gpu/judge.py to
+# judge with the Python package's float64 reference and accuracy rule (python/flash_attention_metal/
+# reference.py and accuracy.py, the rule's one definition), then compute-sanitizer memcheck,
+# racecheck, synccheck and initcheck on the small grid. Prints one summary line per tool and exits non-zero on
 # any mismatch, error, hazard, crash or timeout. Not part of ./build.sh test: CI has no GPU.
 #
-# Before that, the harness's C++ reference is compared with the Python package's, and
-# tools/gpu/matrix_check.cu runs the CPU engine's SIMD-group matrix test kernels
+# Before that, tools/gpu/matrix_check.cu runs the CPU engine's SIMD-group matrix test kernels
 # (tests/kernels/matrix.metal) through metal_cuda.h's warp-shuffle emulation. Two planted faults
 # afterwards show that the checks can fail: the kernels built with every threadgroup_barrier
 # deleted must make racecheck report hazards, and built with exp2 replaced by exp (the kernels'
 # one exp2 call, in exp_of, takes x * log2(e), so exp gives the wrong softmax) must make the
-# accuracy check report mismatches. A detector that misses its fault fails the run too, and so
+# accuracy judgement report mismatches. A detector that misses its fault fails the run too, and so
 # does a planted fault that no longer changes the kernel source.
 #
 # Opt-in, --large: tools/gpu/large_offsets.cu runs forward and the backward's delta, lse residual
 # and dQ dispatches on q, out, dout and dq of more than 2^32 elements (seqlen_q 2^25 + 5, head_dim
-# 128; about 35 GB of device memory) and checks sampled rows, those past element 2^32 included,
-# against the float64 reference. Its planted fault, the kernels built with every ulong replaced by
+# 128; about 35 GB of device memory) and dumps sampled rows, those past element 2^32 included, for
+# judge.py. Its planted fault, the kernels built with every ulong replaced by
 # uint (32-bit offsets), must fail it.
 # --large-only builds and runs just that step (and its planted fault).
 #
@@ -27,7 +28,8 @@
 #   COMPUTE_SANITIZER  compute-sanitizer to use (default: next to nvcc, else on PATH)
 #   FA_GPU_ARCH        -arch value (default: native; e.g. sm_90 to build where no GPU is visible)
 #   FA_GPU_BUILD_DIR   build folder (default: a new temporary folder, kept for its logs)
-# Needs: bash, GNU sed, timeout (coreutils), a C++17 host compiler that nvcc accepts.
+# Needs: bash, GNU sed, timeout (coreutils), a C++17 host compiler that nvcc accepts, python3 with
+# numpy and ml_dtypes (judge.py).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -60,6 +62,8 @@ if [ "$DEFAULT" = 1 ]; then
         || die "compute-sanitizer not found: set COMPUTE_SANITIZER=/path/to/compute-sanitizer"
 fi
 command -v timeout >/dev/null || die "timeout (coreutils) not found"
+python3 -c 'import numpy, ml_dtypes' 2>/dev/null \
+    || die "python3 with numpy and ml_dtypes not found (tools/gpu/judge.py judges the results with them)"
 ARCH=${FA_GPU_ARCH:-native}
 BUILD=${FA_GPU_BUILD_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/fa-gpu-check.XXXXXX")}
 mkdir -p "$BUILD" || die "cannot create $BUILD"
@@ -127,13 +131,11 @@ compile_host() {  # compile_host UNIT: compiles tools/gpu/UNIT into $BUILD/host-
     "$NVCC" "${FLAGS[@]}" -I"$BUILD/src" -c "$GPU_DIR/$1" -o "$object" >"$object.log" 2>&1 \
         || { cat "$object.log" >&2; die "compiling tools/gpu/$1 failed"; }
 }
-for unit in reference.cpp accuracy.cpp; do
-    compile_host "$unit"
-done
 compile_host layout.cpp  # the harness's and large_offsets.cu's
 if [ "$DEFAULT" = 1 ]; then
     compile_host harness.cu
     compile_host cases.cpp
+    compile_host varlen_cases.cu
 fi
 [ "$LARGE" = 1 ] && compile_host large_offsets.cu
 for job in "${build_jobs[@]}"; do
@@ -143,16 +145,16 @@ done
 link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
     local kernels=$1 executable=$2 unit objects=()
     shift 2
-    for unit in "$@" reference accuracy; do
+    for unit in "$@"; do
         objects+=("$BUILD/host-$unit.o")
     done
     "$NVCC" "${FLAGS[@]}" "$kernels" "${objects[@]}" -o "$executable" || die "linking $executable failed"
 }
 if [ "$DEFAULT" = 1 ]; then
-    link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout
+    link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout varlen_cases
     if [ "$MUTANTS" = 1 ]; then
-        link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout
-        link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout
+        link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout varlen_cases
+        link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout varlen_cases
     fi
 fi
 if [ "$LARGE" = 1 ]; then
@@ -165,13 +167,19 @@ echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/b
 failures=0
 summaries=()
 
-# Runs check program $2 (limit 300 s) with its output shown and logged to $3, and records its last
-# line starting with "$1:" as the step's summary (a timeout means a hang, e.g. a barrier not every
-# thread reaches); a non-zero exit status counts as a failure.
+# An empty dump folder $BUILD/dump-$1 (its path printed) for the harness or large_offsets.
+fresh_dump() {
+    rm -rf "$BUILD/dump-$1" && mkdir -p "$BUILD/dump-$1" && echo "$BUILD/dump-$1"
+}
+
+# Runs check program $3 with arguments $4... (limit 300 s) with its output shown and logged to $2,
+# and records its last line starting with "$1:" as the step's summary (a timeout means a hang,
+# e.g. a barrier not every thread reaches); a non-zero exit status counts as a failure.
 run_checked_step() {
-    local name=$1 program=$2 log=$3 status line
+    local name=$1 log=$2 status line
+    shift 2
     SECONDS=0
-    timeout 300 "$program" 2>&1 | tee "$log"
+    timeout 300 "$@" 2>&1 | tee "$log"
     status=${PIPESTATUS[0]}
     line=$(grep -E "^$name:" "$log" | tail -n 1)
     if [ "$status" = 124 ]; then
@@ -184,29 +192,18 @@ run_checked_step() {
 }
 
 if [ "$DEFAULT" = 1 ]; then
-    # The harness's C++ reference and baseline against python/flash_attention_metal's (one rule in
-    # every layer). Needs python3 with numpy and a host C++ compiler; skipped without them.
-    if command -v python3 >/dev/null && python3 -c 'import numpy' 2>/dev/null; then
-        SECONDS=0
-        python3 "$GPU_DIR/check_reference.py" >"$BUILD/reference-check.log" 2>&1
-        status=$?
-        line=$(grep -E '^reference-check:' "$BUILD/reference-check.log" | tail -n 1)
-        [ -n "$line" ] || line="reference-check: no summary (exit status $status; see $BUILD/reference-check.log)"
-        [ "$status" = 0 ] || { failures=$((failures + 1)); cat "$BUILD/reference-check.log"; }
-        summaries+=("$line (${SECONDS}s)")
-    else
-        summaries+=("reference-check: skipped (no python3 with numpy)")
-    fi
-
     # The SIMD-group emulation against the engine's expectations, before the kernels rely on it.
-    run_checked_step cuda-matrix "$BUILD/matrix_check" "$BUILD/matrix.log"
+    run_checked_step cuda-matrix "$BUILD/matrix.log" "$BUILD/matrix_check"
 
-    # Accuracy grid: the harness prints its own summary line "cuda-accuracy: N cases, M mismatches".
-    run_checked_step cuda-accuracy "$BUILD/harness" "$BUILD/accuracy.log"
+    # Accuracy grid: the harness checks determinism and writes outside the views ("cuda-harness: N
+    # cases, M failures") and dumps every case; judge.py applies the accuracy rule ("cuda-accuracy:
+    # N cases, M mismatches").
+    run_checked_step cuda-harness "$BUILD/harness.log" "$BUILD/harness" --dump "$(fresh_dump full)"
+    run_checked_step cuda-accuracy "$BUILD/accuracy.log" python3 "$GPU_DIR/judge.py" "$BUILD/dump-full"
 
     # Runs harness $2 under compute-sanitizer tool $1 (limit $3 seconds, tool options after that),
     # writing $BUILD/$LOG_NAME.log, and sets: SAN_STATUS (exit status, 124 on timeout), SAN_CASES
-    # ("N cases, M mismatches"), SAN_ERRORS (ERROR SUMMARY count), SAN_HAZARDS (racecheck's
+    # ("N cases, M failures" of the harness's own checks), SAN_ERRORS (ERROR SUMMARY count), SAN_HAZARDS (racecheck's
     # "N hazards (E errors, W warnings)").
     sanitize() {
         local tool=$1 harness=$2 limit=$3
@@ -216,7 +213,7 @@ if [ "$DEFAULT" = 1 ]; then
         # shellcheck disable=SC2086  # HARNESS_ARGS is a list of words on purpose
         timeout "$limit" "$COMPUTE_SANITIZER" --tool "$tool" "$@" "$harness" $HARNESS_ARGS >"$log" 2>&1
         SAN_STATUS=$?
-        SAN_CASES=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$log" | tail -n 1)
+        SAN_CASES=$(sed -nE 's/^cuda-harness: ([0-9]+ cases, [0-9]+ failures).*/\1/p' "$log" | tail -n 1)
         SAN_ERRORS=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$log" | tail -n 1)
         # racecheck prints "RACECHECK SUMMARY: D hazards displayed (E errors, W warnings)", where D is
         # capped by the print limit; E + W counts them all.
@@ -231,7 +228,7 @@ if [ "$DEFAULT" = 1 ]; then
     }
 
     # One sanitizer step on the small grid: passes when the harness passes under the tool and the
-    # tool's summaries report nothing.
+    # tool's summaries report nothing (the accuracy of these kernels is judged on the full grid).
     check_tool() {  # check_tool TOOL LIMIT [tool options]
         local tool=$1 limit=$2
         shift 2
@@ -251,7 +248,7 @@ if [ "$DEFAULT" = 1 ]; then
             [ "$SAN_STATUS" = 0 ] || ok=0
             case "$SAN_ERRORS" in "" | 0) ;; *) ok=0 ;; esac
             case "$SAN_HAZARDS" in "" | "0 hazards"*) ;; *) ok=0 ;; esac
-            case "$SAN_CASES" in *", 0 mismatches") ;; *) ok=0 ;; esac
+            case "$SAN_CASES" in *", 0 failures") ;; *) ok=0 ;; esac
         fi
         grep -E '^(FAIL|========= +[A-Z][a-z]+.*(hazard|Invalid|Barrier|Uninitialized|Leaked|error))' \
             "$BUILD/$tool.log" | head -n 20
@@ -274,13 +271,14 @@ if [ "$DEFAULT" = 1 ]; then
             summaries+=("planted race (no barriers): racecheck MISSED it (${SAN_HAZARDS:-no summary}; see $BUILD/mutant-no-barrier.log)")
             failures=$((failures + 1))
         fi
-        # Planted arithmetic fault: exp2 -> exp. The accuracy check must report mismatches.
+        # Planted arithmetic fault: exp2 -> exp. The accuracy judgement must report mismatches.
         SECONDS=0
-        timeout 120 "$BUILD/harness-exp" --small --once >"$BUILD/mutant-exp.log" 2>&1
+        timeout 120 "$BUILD/harness-exp" --small --once --dump "$(fresh_dump exp)" >"$BUILD/mutant-exp.log" 2>&1
+        python3 "$GPU_DIR/judge.py" "$BUILD/dump-exp" >>"$BUILD/mutant-exp.log" 2>&1
         line=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$BUILD/mutant-exp.log")
         # Counts only when the cases ran and the rule, not a CUDA error, rejected them.
         if [[ "$line" =~ ^([1-9][0-9]*)\ cases,\ ([1-9][0-9]*)\ mismatches$ ]] \
-            && ! grep -q 'CUDA error' "$BUILD/mutant-exp.log"; then
+            && grep -q '^cuda-harness: [1-9][0-9]* cases, 0 failures' "$BUILD/mutant-exp.log"; then
             summaries+=("planted fault (exp2 -> exp): accuracy check found $line, as it must (${SECONDS}s)")
         else
             summaries+=("planted fault (exp2 -> exp): accuracy check MISSED it (${line:-no summary}; see $BUILD/mutant-exp.log)")
@@ -297,15 +295,19 @@ fi
 
 # Opt-in: offsets above 2^32 elements, and the planted 32-bit-offset fault that must fail it.
 if [ "$LARGE" = 1 ]; then
-    run_checked_step large-offsets "$BUILD/large_offsets" "$BUILD/large-offsets.log"
+    run_checked_step large-offsets "$BUILD/large-offsets.log" "$BUILD/large_offsets" "$(fresh_dump large)"
+    run_checked_step large-offsets-accuracy "$BUILD/large-offsets-accuracy.log" \
+        python3 "$GPU_DIR/judge.py" --name large-offsets-accuracy "$BUILD/dump-large"
     if [ "$MUTANTS" = 1 ]; then
         SECONDS=0
-        timeout 300 "$BUILD/large_offsets-offset32" >"$BUILD/mutant-offset32.log" 2>&1
-        line=$(sed -nE 's/^large-offsets: ([0-9]+ rows checked, [0-9]+ mismatches).*/\1/p' \
+        timeout 300 "$BUILD/large_offsets-offset32" "$(fresh_dump offset32)" >"$BUILD/mutant-offset32.log" 2>&1
+        python3 "$GPU_DIR/judge.py" --name large-offsets-accuracy "$BUILD/dump-offset32" \
+            >>"$BUILD/mutant-offset32.log" 2>&1
+        line=$(sed -nE 's/^large-offsets-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' \
             "$BUILD/mutant-offset32.log")
-        # Counts only when the rows were checked and the rule, not a CUDA error, rejected them.
-        if [[ "$line" =~ ^[1-9][0-9]*\ rows\ checked,\ [1-9][0-9]*\ mismatches$ ]] \
-            && ! grep -q 'CUDA error' "$BUILD/mutant-offset32.log"; then
+        # Counts only when the rows were dumped and the rule, not a CUDA error, rejected them.
+        if [[ "$line" =~ ^1\ cases,\ 1\ mismatches$ ]] \
+            && grep -q '^large-offsets: [1-9][0-9]* rows dumped, 0 failures' "$BUILD/mutant-offset32.log"; then
             summaries+=("planted fault (32-bit offsets): large-offsets found $line, as it must (${SECONDS}s)")
         else
             summaries+=("planted fault (32-bit offsets): large-offsets MISSED it (${line:-no summary}; see $BUILD/mutant-offset32.log)")

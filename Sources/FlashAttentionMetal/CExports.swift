@@ -25,7 +25,8 @@ func required<P>(_ pointer: P?, _ name: String) throws -> P {
     return pointer
 }
 
-/// Binds attn_mask, alibi_slopes and sinks where the descriptor gives them (validated in `p`).
+/// Binds attn_mask, alibi_slopes, sinks and the cu_seqlens tables where the descriptor gives them
+/// (validated in `p`).
 private func bindOptionalInputs(_ buffers: inout HostBuffers, _ d: fa_problem, _ p: Problem) throws {
     if let mask = d.attn_mask, p.scores.maskType != UInt32(FA_MASK_NONE) {
         buffers.bindInput(.attnMask, mask, for: p)
@@ -35,6 +36,32 @@ private func bindOptionalInputs(_ buffers: inout HostBuffers, _ d: fa_problem, _
     }
     if let sinks = d.sinks {
         buffers.bindInput(.sinks, sinks, for: p)
+    }
+    if p.varlen != nil, let cuQ = d.cu_seqlens_q, let cuK = d.cu_seqlens_k {
+        buffers.bindInput(.cuSeqlensQ, cuQ, for: p)
+        buffers.bindInput(.cuSeqlensK, cuK, for: p)
+    }
+}
+
+/// Binds a KV cache's block table and quantization scales and biases (fa_problem's `kv_*` fields).
+private func bindKVCache(_ buffers: inout HostBuffers, _ d: fa_problem, _ p: Problem) throws {
+    guard let kv = p.kvCache else { return }
+    try kv.checkBlockTable(d.kv_block_table, p)
+    if kv.paged, let table = d.kv_block_table {
+        buffers.bindInput(.blockTable, table, for: p)
+    }
+    if kv.quantized {
+        for (role, pointer) in [(BufferRole.kScales, d.k_scales), (.kBiases, d.k_biases), (.vScales, d.v_scales),
+                                (.vBiases, d.v_biases)] {
+            buffers.bindInput(role, try required(pointer, role.name), for: p)
+        }
+    }
+}
+
+/// Throws `unsupported` for a KV-cache problem in a pass other than the forward.
+func requireNoKVCache(_ p: Problem) throws {
+    guard p.kvCache == nil else {
+        throw FlashAttentionError.unsupported("KV caches (kv_cache_rows != 0) are read by the forward pass only")
     }
 }
 
@@ -124,6 +151,7 @@ public func _exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa
             try buffers.bindOutput(.out, required(out, "out"), for: p)
             try buffers.bindOutput(.lse, required(lse, "lse"), for: p)
             try bindOptionalInputs(&buffers, descriptor, p)
+            try bindKVCache(&buffers, descriptor, p)
             try ctx.run(DispatchPlan.forward(p), buffers: buffers)
             return FA_STATUS_SUCCESS
         } catch {
@@ -145,6 +173,7 @@ public func _exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<f
             let ctx = try context(handle)
             let descriptor = try Problem.descriptor(problem)
             let p = try Problem.validate(descriptor)
+            try requireNoKVCache(p)
             var buffers = HostBuffers()
             try buffers.bindInput(.dout, required(dout, "dout"), for: p)
             try buffers.bindInput(.q, required(q, "q"), for: p)

@@ -110,8 +110,12 @@ final class CPUBackend: ExecutionBackend {
                     contents: buffer.baseAddress.map { $0 + piece.byteOffset(of: binding.role) },
                     length: binding.role.byteCount(for: piece.plan.problem))
             }
-            slots[dispatch.paramsIndex] = msl_engine_buffer(contents: paramBytes.baseAddress,
-                                                            length: paramBytes.count)
+            if let role = dispatch.paramsRole, let table = buffers[role] {
+                slots[dispatch.paramsIndex] = msl_engine_buffer(contents: table.baseAddress, length: table.count)
+            } else {
+                slots[dispatch.paramsIndex] = msl_engine_buffer(contents: paramBytes.baseAddress,
+                                                                length: paramBytes.count)
+            }
             let constants = dispatch.specialization.map {
                 msl_engine_function_constant(index: UInt32($0.index), type: $0.type.engineType.rawValue,
                                              value: $0.value)

@@ -8,8 +8,13 @@ enum BufferRole: Int, CaseIterable {
     /// lse could not hold of rows whose |lse| is huge (backward); `partialOut` and
     /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward).
     /// Optional inputs: `attnMask`, `alibiSlopes`, `sinks` (float32); optional output `dsinks`.
+    /// KV caches (forward): `blockTable` (int32) and a quantized cache's `kScales`, `kBiases`,
+    /// `vScales`, `vBiases` (the dtype), with `k` and `v` then packed uint32 words.
+    /// Variable-length batches: `cuSeqlensQ`, `cuSeqlensK` (int32 inputs, sequences + 1) and the
+    /// workspace `sequenceTable` (FlashAttentionParams, sequences + 1) that the pass's first kernel
+    /// writes and the others bind in place of the parameter struct.
     case q, k, v, out, lse, dout, dq, dk, dv, delta, lseResidual, partialOut, partialLse, attnMask, alibiSlopes, sinks, dsinks,
-         outA, lseA, outB, lseB
+         outA, lseA, outB, lseB, blockTable, kScales, kBiases, vScales, vBiases, cuSeqlensQ, cuSeqlensK, sequenceTable
 
     /// The inputs whose rows the kernels copy into threadgroup tiles (in 16-byte chunks when aligned).
     static let copiedInTiles: [BufferRole] = [.q, .k, .v, .out, .dout]
@@ -24,7 +29,16 @@ enum BufferRole: Int, CaseIterable {
 
     /// Bytes per element for `problem`.
     func elementSize(for problem: Problem) -> Int {
-        guard self == .attnMask else { return isFloat32 ? 4 : problem.dtype.size }
+        // (A `where` clause would bind to the last pattern of a case only.)
+        if self == .blockTable || (self == .k || self == .v) && problem.kvCache?.quantized ?? false {
+            return 4
+        }
+        switch self {
+        case .cuSeqlensQ, .cuSeqlensK: return 4
+        case .sequenceTable: return MemoryLayout<FlashAttentionParams>.stride
+        case .attnMask: break
+        default: return isFloat32 ? 4 : problem.dtype.size
+        }
         switch Int32(problem.scores.maskType) {
         case FA_MASK_BOOL: return 1
         case FA_MASK_ADDITIVE: return problem.dtype.size
@@ -56,6 +70,14 @@ enum BufferRole: Int, CaseIterable {
         case .lseA: return "lse_a"
         case .outB: return "out_b"
         case .lseB: return "lse_b"
+        case .blockTable: return "kv_block_table"
+        case .kScales: return "k_scales"
+        case .kBiases: return "k_biases"
+        case .vScales: return "v_scales"
+        case .vBiases: return "v_biases"
+        case .cuSeqlensQ: return "cu_seqlens_q"
+        case .cuSeqlensK: return "cu_seqlens_k"
+        case .sequenceTable: return "sequence_table"
         }
     }
 
@@ -80,8 +102,15 @@ enum BufferRole: Int, CaseIterable {
         // A running max and the log of a sum per row and chunk.
         case .partialLse: return problem.lseElements * Int(problem.split?.chunks ?? 0) * 2
         case .attnMask: return layout(in: problem)?.extent ?? 0
-        case .alibiSlopes: return Int(problem.numHeads) * (problem.scores.alibiPerBatch ? Int(problem.batch) : 1)
+        case .alibiSlopes:
+            return Int(problem.numHeads) * (problem.scores.alibiPerBatch ? Int(problem.varlen?.sequences ?? problem.batch) : 1)
         case .sinks, .dsinks: return Int(problem.numHeads)
+        case .blockTable:
+            guard let kv = problem.kvCache, kv.paged else { return 0 }
+            return Int(problem.batch) * Int(kv.maxBlocks)
+        case .kScales, .kBiases: return problem.kvCache?.scaleCount(problem.layouts[.k]!, cols: problem.headDim) ?? 0
+        case .vScales, .vBiases: return problem.kvCache?.scaleCount(problem.layouts[.v]!, cols: problem.headDimV) ?? 0
+        case .cuSeqlensQ, .cuSeqlensK, .sequenceTable: return Int(problem.varlen?.sequences ?? 0) + 1
         }
     }
 
@@ -113,6 +142,9 @@ enum BufferRole: Int, CaseIterable {
         // dsinks is written only by the dispatch that runs once over the whole problem.
         case .sinks, .dsinks:
             return kv * g
+        // KV-cache problems are never cut into pieces (PlanPieces), nor are variable-length ones.
+        case .blockTable, .kScales, .kBiases, .vScales, .vBiases, .cuSeqlensQ, .cuSeqlensK, .sequenceTable:
+            return 0
         }
     }
 }
@@ -153,6 +185,9 @@ struct Dispatch {
     /// The values of the function constants the kernel reads, exactly those: its pipeline is built
     /// for them (one per kernel name and specialization).
     var specialization: [SpecializationConstant] = []
+    /// Nil: `params` is bound at `paramsIndex` (as bytes). Otherwise this buffer is, in its place:
+    /// the kernels of a variable-length pass read their sequence's struct from `sequenceTable`.
+    var paramsRole: BufferRole?
 
     /// Number of `[[buffer(i)]]` slots, the parameter struct included.
     var bufferCount: Int { bindings.count + 1 }
@@ -232,28 +267,48 @@ struct DispatchPlan {
                         BufferBinding(index: Int(FA_FORWARD_BUFFER_LSE), role: .lse)]
         bindings += optionalInputs(problem, mask: FA_FORWARD_BUFFER_MASK, alibi: FA_FORWARD_BUFFER_ALIBI,
                                    sinks: FA_FORWARD_BUFFER_SINKS)
-        func dispatch(_ kernel: String, _ grid: GridSize, reads constants: [Int32], blockWork: Int?) -> Dispatch {
-            Dispatch(kernelName: kernel, bindings: bindings, paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
+        // A KV cache: the `_kvcache` kernels, which also bind the block table and the scales and
+        // biases (placeholders where the cache has none; the kernels then read none).
+        let cache = problem.kvCache
+        let kvName = cache == nil ? "" : "kvcache_"
+        let kvBindings = cache.map { kv -> [BufferBinding] in
+            [BufferBinding(index: Int(FA_KV_CACHE_BUFFER_TABLE), role: kv.paged ? .blockTable : .lse),
+             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_K_SCALES), role: kv.quantized ? .kScales : .lse),
+             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_K_BIASES), role: kv.quantized ? .kBiases : .lse),
+             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_V_SCALES), role: kv.quantized ? .vScales : .lse),
+             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_V_BIASES), role: kv.quantized ? .vBiases : .lse)]
+        } ?? []
+        func dispatch(_ kernel: String, _ grid: GridSize, reads constants: [Int32], blockWork: Int?,
+                      cacheBindings: [BufferBinding] = []) -> Dispatch {
+            Dispatch(kernelName: kernel, bindings: bindings + cacheBindings, paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
                      params: problem.params, threadgroupsPerGrid: grid, threadsPerThreadgroup: threadgroupSize,
                      blockWork: blockWork,
                      specialization: SpecializationConstant.values(constants, for: problem.params))
         }
         let scoreWork = problem.scoreWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement)
         guard let split = problem.split else {
-            let dense = dispatch("flash_attention_forward_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
-                                 GridSize(width: blocks(problem.seqlenQ, b.forward_block_q),
-                                          height: problem.numHeads, depth: problem.batch),
-                                 reads: KernelConstants.scoreAndSinks, blockWork: scoreWork)
-            return DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse], workspace: [],
-                                problem: problem)
+            // The dense kernel has no partial results: placeholders keep its indices gapless.
+            let unused = cache == nil ? [] : [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .lse),
+                                              BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .lse)]
+            let dense = dispatch("flash_attention_forward_\(kvName)\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
+                                 GridSize(width: blocks(problem.gridSeqlenQ, b.forward_block_q),
+                                          height: problem.numHeads, depth: problem.gridBatch),
+                                 reads: KernelConstants.scoreAndSinks, blockWork: scoreWork,
+                                 cacheBindings: unused + kvBindings)
+            return withSequenceTable(DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse],
+                                                  workspace: [], problem: problem))
         }
         bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
                      BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
-        let kernel = split.kernel == .decode ? "decode" : "split"
+        // A KV cache is read by the tiled split kernel's `_kvcache` instance (the decode kernel has
+        // no cache source yet): its row blocks are forward_block_q packed rows.
+        let kernel = cache != nil ? "split_kvcache" : split.kernel == .decode ? "decode" : "split"
+        let rowBlocks = cache == nil ? split.rowBlocks
+            : blocks(problem.groupSize * problem.seqlenQ, b.forward_block_q)
         let chunks = dispatch("flash_attention_forward_\(kernel)_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
-                              GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
+                              GridSize(width: split.chunks * rowBlocks, height: problem.numKVHeads,
                                        depth: problem.batch),
-                              reads: KernelConstants.score, blockWork: scoreWork)
+                              reads: KernelConstants.score, blockWork: scoreWork, cacheBindings: kvBindings)
         // At most FA_SPLIT_TILED_MAX_QUERY_ROWS rows per head, each merging its chunks: small.
         let combine = dispatch("flash_attention_forward_combine_\(problem.dtype.kernelSuffix)",
                                GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch),
@@ -286,7 +341,7 @@ struct DispatchPlan {
             Dispatch(kernelName: kernel, bindings: inputs + outputs,
                      paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
                      threadgroupsPerGrid: GridSize(width: blocks(rows, block), height: heads,
-                                                   depth: problem.batch),
+                                                   depth: problem.gridBatch),
                      threadsPerThreadgroup: threadgroupSize,
                      blockWork: blockWork,
                      specialization: SpecializationConstant.values(constants, for: problem.params))
@@ -295,24 +350,25 @@ struct DispatchPlan {
         // dQ recomputes it and forms dO V^T and dS K; dK/dV recompute both scores and add P^T dO
         // and dS^T Q. The delta pass reads each row of dout and out once.
         let delta = dispatch("flash_attention_backward_delta_\(problem.dtype.kernelSuffix)", [],
-                             rows: problem.seqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads,
+                             rows: problem.gridSeqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads,
                              reads: [], blockWork: problem.rowWork(flopsPerElement: 2))
         let residual = dispatch(
             "flash_attention_backward_lse_residual_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)", [],
-            rows: problem.seqlenQ, block: b.forward_block_q, heads: problem.numHeads,
+            rows: problem.gridSeqlenQ, block: b.forward_block_q, heads: problem.numHeads,
             reads: KernelConstants.scoreAndSinks, blockWork: problem.scoreWork(flopsPerScoreElement: 2))
         let dq = dispatch("flash_attention_backward_dq_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
-                          rows: problem.seqlenQ, block: b.dq_block_q, heads: problem.numHeads,
+                          rows: problem.gridSeqlenQ, block: b.dq_block_q, heads: problem.numHeads,
                           reads: KernelConstants.score, blockWork: problem.scoreWork(flopsPerScoreElement: 6))
         let dkv = dispatch("flash_attention_backward_dkv_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                            [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
-                           rows: problem.seqlenK, block: b.dkv_block_k, heads: problem.numKVHeads,
+                           rows: problem.gridSeqlenK, block: b.dkv_block_k, heads: problem.numKVHeads,
                            reads: KernelConstants.score, blockWork: problem.scoreWork(flopsPerScoreElement: 8))
         guard problem.scores.hasSinks else {
-            return DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv], outputs: [.dq, .dk, .dv],
-                                workspace: [.delta, .lseResidual], problem: problem)
+            return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv],
+                                                  outputs: [.dq, .dk, .dv], workspace: [.delta, .lseResidual],
+                                                  problem: problem))
         }
         // dsinks sums over every batch entry: it runs once over the whole problem, after the pieces.
         let dsinks = Dispatch(kernelName: "flash_attention_backward_dsinks",
@@ -320,8 +376,9 @@ struct DispatchPlan {
                               paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
                               threadgroupsPerGrid: GridSize(width: problem.numHeads, height: 1, depth: 1),
                               threadsPerThreadgroup: threadgroupSize, wholeProblem: true)
-        return DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv, dsinks],
-                            outputs: [.dq, .dk, .dv, .dsinks], workspace: [.delta, .lseResidual], problem: problem)
+        return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv, dsinks],
+                                              outputs: [.dq, .dk, .dv, .dsinks], workspace: [.delta, .lseResidual],
+                                              problem: problem))
     }
 
     /// The function constants (`FA_FUNCTION_CONSTANT_*`) each kernel reads through
@@ -373,8 +430,39 @@ struct DispatchPlan {
                             problem: problem)
     }
 
+    /// A variable-length pass (`problem.varlen`): `plan` after `flash_attention_varlen_sequences`
+    /// (one threadgroup) writes the sequence table from cu_seqlens_q and cu_seqlens_k, its
+    /// dispatches over sequences bind that table at their parameter index (dsinks, which sums over
+    /// all rows of the packed problem, keeps the host's struct). Dense plans are returned as they are.
+    private static func withSequenceTable(_ plan: DispatchPlan) -> DispatchPlan {
+        guard plan.problem.varlen != nil else { return plan }
+        let table = Dispatch(kernelName: "flash_attention_varlen_sequences",
+                             bindings: [BufferBinding(index: Int(FA_VARLEN_BUFFER_CU_SEQLENS_Q), role: .cuSeqlensQ),
+                                        BufferBinding(index: Int(FA_VARLEN_BUFFER_CU_SEQLENS_K), role: .cuSeqlensK),
+                                        BufferBinding(index: Int(FA_VARLEN_BUFFER_TABLE), role: .sequenceTable)],
+                             paramsIndex: Int(FA_VARLEN_BUFFER_PARAMS), params: plan.problem.params,
+                             threadgroupsPerGrid: GridSize(width: 1, height: 1, depth: 1),
+                             threadsPerThreadgroup: threadgroupSize)
+        let dispatches = plan.dispatches.map { dispatch -> Dispatch in
+            var d = dispatch
+            d.blockWork = nil
+            if !d.wholeProblem { d.paramsRole = .sequenceTable }
+            return d
+        }
+        return DispatchPlan(pass: plan.pass, dispatches: [table] + dispatches, outputs: plan.outputs,
+                            workspace: plan.workspace + [.sequenceTable], problem: plan.problem)
+    }
+
     /// ceil(length / block), computed without the overflow of `length + block - 1` near 2^32.
     private static func blocks(_ length: UInt32, _ block: UInt32) -> UInt32 {
         length / block + (length % block == 0 ? 0 : 1)
     }
+}
+
+extension Problem {
+    /// The query rows, keys and batch entries the grids cover: the longest sequence's and the
+    /// sequences of a variable-length batch (whose threadgroups past their sequence's end return).
+    var gridSeqlenQ: UInt32 { varlen?.maxSeqlenQ ?? seqlenQ }
+    var gridSeqlenK: UInt32 { varlen?.maxSeqlenK ?? seqlenK }
+    var gridBatch: UInt32 { varlen?.sequences ?? batch }
 }

@@ -92,6 +92,10 @@ final class ExportedPlan {
 }
 
 extension BufferRole {
+    /// The roles an exported plan can bind: all but the variable-length ones (fa_plan_create refuses
+    /// varlen problems).
+    static let withABIRole = allCases.filter { ![.cuSeqlensQ, .cuSeqlensK, .sequenceTable].contains($0) }
+
     /// The role's `fa_buffer_role`.
     var abi: fa_buffer_role {
         switch self {
@@ -116,6 +120,14 @@ extension BufferRole {
         case .lseA: return FA_BUFFER_ROLE_LSE_A
         case .outB: return FA_BUFFER_ROLE_OUT_B
         case .lseB: return FA_BUFFER_ROLE_LSE_B
+        case .blockTable: return FA_BUFFER_ROLE_BLOCK_TABLE
+        case .kScales: return FA_BUFFER_ROLE_K_SCALES
+        case .kBiases: return FA_BUFFER_ROLE_K_BIASES
+        case .vScales: return FA_BUFFER_ROLE_V_SCALES
+        case .vBiases: return FA_BUFFER_ROLE_V_BIASES
+        // fa_plan_create refuses variable-length problems, the only ones that bind these.
+        case .cuSeqlensQ, .cuSeqlensK, .sequenceTable:
+            preconditionFailure("\(name) has no fa_buffer_role (fa_plan_create refuses varlen problems)")
         }
     }
 }

@@ -20,7 +20,7 @@ public final class FlashAttention: @unchecked Sendable {
     /// The library's version, "MAJOR.MINOR.PATCH" (`FA_VERSION` of the C header).
     public static var version: String { FA_VERSION }
 
-    private let context: Context
+    let context: Context
 
     /// Creates the device state: for Metal a device, a command queue and the compiled kernels; for
     /// the CPU the engine.
@@ -75,12 +75,7 @@ public final class FlashAttention: @unchecked Sendable {
         try withAutoreleasePool {
             let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal,
                                          softmaxScale: softmaxScale, options: options)
-            var buffers = HostBuffers()
-            try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
-            try buffers.bindInput(.k, checked(UnsafeRawBufferPointer(k), .k, p), for: p)
-            try buffers.bindInput(.v, checked(UnsafeRawBufferPointer(v), .v, p), for: p)
-            try buffers.bindOutput(.out, checked(UnsafeMutableRawBufferPointer(out), .out, p), for: p)
-            try buffers.bindOutput(.lse, checked(UnsafeMutableRawBufferPointer(lse), .lse, p), for: p)
+            let buffers = try forwardBuffers(q: q, k: k, v: v, out: out, lse: lse, p)
             try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.forward(p), buffers: $0) }
         }
     }
@@ -106,22 +101,8 @@ public final class FlashAttention: @unchecked Sendable {
         try withAutoreleasePool {
             let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal,
                                          softmaxScale: softmaxScale, options: options)
-            var buffers = HostBuffers()
-            try buffers.bindInput(.dout, checked(UnsafeRawBufferPointer(dout), .dout, p), for: p)
-            try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
-            try buffers.bindInput(.k, checked(UnsafeRawBufferPointer(k), .k, p), for: p)
-            try buffers.bindInput(.v, checked(UnsafeRawBufferPointer(v), .v, p), for: p)
-            try buffers.bindInput(.out, checked(UnsafeRawBufferPointer(out), .out, p), for: p)
-            try buffers.bindInput(.lse, checked(UnsafeRawBufferPointer(lse), .lse, p), for: p)
-            try buffers.bindOutput(.dq, checked(UnsafeMutableRawBufferPointer(dq), .dq, p), for: p)
-            try buffers.bindOutput(.dk, checked(UnsafeMutableRawBufferPointer(dk), .dk, p), for: p)
-            try buffers.bindOutput(.dv, checked(UnsafeMutableRawBufferPointer(dv), .dv, p), for: p)
-            if p.scores.hasSinks {
-                guard let dsinks else {
-                    throw FlashAttentionError.invalidArgument("dsinks must be given with sinks")
-                }
-                try buffers.bindOutput(.dsinks, checked(UnsafeMutableRawBufferPointer(dsinks), .dsinks, p), for: p)
-            }
+            let buffers = try backwardBuffers(dout: dout, q: q, k: k, v: v, out: out, lse: lse, dq: dq, dk: dk, dv: dv,
+                                              dsinks: dsinks, p)
             try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.backward(p), buffers: $0) }
         }
     }
@@ -210,7 +191,47 @@ public final class FlashAttention: @unchecked Sendable {
 }
 
 /// Runs `body` with `options`' mask, ALiBi slopes and sinks bound (checked against `problem`).
-private func withOptionalInputs(_ options: AttentionOptions, _ problem: Problem, _ buffers: HostBuffers,
+/// The forward's buffers, each checked against `p`'s length for its role.
+func forwardBuffers<Element>(q: UnsafeBufferPointer<Element>, k: UnsafeBufferPointer<Element>,
+                             v: UnsafeBufferPointer<Element>, out: UnsafeMutableBufferPointer<Element>,
+                             lse: UnsafeMutableBufferPointer<Float>, _ p: Problem) throws -> HostBuffers {
+    var buffers = HostBuffers()
+    try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
+    try buffers.bindInput(.k, checked(UnsafeRawBufferPointer(k), .k, p), for: p)
+    try buffers.bindInput(.v, checked(UnsafeRawBufferPointer(v), .v, p), for: p)
+    try buffers.bindOutput(.out, checked(UnsafeMutableRawBufferPointer(out), .out, p), for: p)
+    try buffers.bindOutput(.lse, checked(UnsafeMutableRawBufferPointer(lse), .lse, p), for: p)
+    return buffers
+}
+
+/// The backward's buffers, each checked against `p`'s length for its role; `dsinks` is required
+/// with sinks.
+func backwardBuffers<Element>(dout: UnsafeBufferPointer<Element>, q: UnsafeBufferPointer<Element>,
+                              k: UnsafeBufferPointer<Element>, v: UnsafeBufferPointer<Element>,
+                              out: UnsafeBufferPointer<Element>, lse: UnsafeBufferPointer<Float>,
+                              dq: UnsafeMutableBufferPointer<Element>, dk: UnsafeMutableBufferPointer<Element>,
+                              dv: UnsafeMutableBufferPointer<Element>, dsinks: UnsafeMutableBufferPointer<Float>?,
+                              _ p: Problem) throws -> HostBuffers {
+    var buffers = HostBuffers()
+    try buffers.bindInput(.dout, checked(UnsafeRawBufferPointer(dout), .dout, p), for: p)
+    try buffers.bindInput(.q, checked(UnsafeRawBufferPointer(q), .q, p), for: p)
+    try buffers.bindInput(.k, checked(UnsafeRawBufferPointer(k), .k, p), for: p)
+    try buffers.bindInput(.v, checked(UnsafeRawBufferPointer(v), .v, p), for: p)
+    try buffers.bindInput(.out, checked(UnsafeRawBufferPointer(out), .out, p), for: p)
+    try buffers.bindInput(.lse, checked(UnsafeRawBufferPointer(lse), .lse, p), for: p)
+    try buffers.bindOutput(.dq, checked(UnsafeMutableRawBufferPointer(dq), .dq, p), for: p)
+    try buffers.bindOutput(.dk, checked(UnsafeMutableRawBufferPointer(dk), .dk, p), for: p)
+    try buffers.bindOutput(.dv, checked(UnsafeMutableRawBufferPointer(dv), .dv, p), for: p)
+    if p.scores.hasSinks {
+        guard let dsinks else {
+            throw FlashAttentionError.invalidArgument("dsinks must be given with sinks")
+        }
+        try buffers.bindOutput(.dsinks, checked(UnsafeMutableRawBufferPointer(dsinks), .dsinks, p), for: p)
+    }
+    return buffers
+}
+
+func withOptionalInputs(_ options: AttentionOptions, _ problem: Problem, _ buffers: HostBuffers,
                                 _ body: (HostBuffers) throws -> Void) throws {
     var buffers = buffers
     func bind<T>(_ array: [T]?, _ role: BufferRole, _ next: () throws -> Void) throws {
@@ -312,7 +333,7 @@ private func expect(_ count: Int, _ role: BufferRole, _ problem: Problem) throws
 }
 
 /// The start of `buffer` after checking that it holds exactly the elements `role` needs.
-private func checked(_ buffer: UnsafeRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
+func checked(_ buffer: UnsafeRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
     -> UnsafeRawPointer {
     try expect(buffer.count / role.elementSize(for: problem), role, problem)
     guard let base = buffer.baseAddress else {
@@ -321,7 +342,7 @@ private func checked(_ buffer: UnsafeRawBufferPointer, _ role: BufferRole, _ pro
     return base
 }
 
-private func checked(_ buffer: UnsafeMutableRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
+func checked(_ buffer: UnsafeMutableRawBufferPointer, _ role: BufferRole, _ problem: Problem) throws
     -> UnsafeMutableRawPointer {
     UnsafeMutableRawPointer(mutating: try checked(UnsafeRawBufferPointer(buffer), role, problem))
 }

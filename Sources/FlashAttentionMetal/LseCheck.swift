@@ -27,7 +27,9 @@ extension HostBuffers {
                     "\(at) is +inf: backward needs the lse that forward returned (finite, or -inf for a row "
                         + "that sees no key)")
             }
-            if let key = visibleKey(b: b, h: h, i: i, of: problem) {
+            // Which keys a row of a variable-length batch sees follows from cu_seqlens, whose values
+            // the host does not read: a -inf there weighs every key 0 (zero gradients, never NaN).
+            if problem.varlen == nil, let key = visibleKey(b: b, h: h, i: i, of: problem) {
                 throw FlashAttentionError.invalidArgument(
                     "\(at) is -inf, but that query row sees \(key): -inf is the lse of a row without visible "
                         + "keys only (pass the lse that forward returned for these inputs)")

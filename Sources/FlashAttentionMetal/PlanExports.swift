@@ -43,10 +43,16 @@ public func _exportPlanCreate(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_
         let out = try required(outPlan, "out_plan")
         out.pointee = nil
         let p = try Problem.validate(problem)
+        // Its hosts bind the plan's buffers by role; the varlen roles are not in fa_plan_buffer_role yet.
+        guard p.varlen == nil else {
+            throw FlashAttentionError.unsupported("cu_seqlens_q (variable-length batches) is not supported by fa_plan_create yet")
+        }
         let plan: DispatchPlan
         switch pass {
         case FA_PASS_FORWARD: plan = DispatchPlan.forward(p)
-        case FA_PASS_BACKWARD: plan = DispatchPlan.backward(p)
+        case FA_PASS_BACKWARD:
+            try requireNoKVCache(p)
+            plan = DispatchPlan.backward(p)
         default:
             throw FlashAttentionError.invalidArgument("pass (\(pass.rawValue)) must be FA_PASS_FORWARD or "
                                                           + "FA_PASS_BACKWARD (FA_PASS_MERGE: fa_plan_create_merge)")
@@ -220,7 +226,7 @@ public func _exportPlanExecute(_ contextHandle: OpaquePointer?, _ planHandle: Op
             }
             let plan = exported.plan
             var buffers = HostBuffers()
-            for role in BufferRole.allCases {
+            for role in BufferRole.withABIRole {
                 let name = "buffers[\(role.abi.rawValue)] (\(role.name))"
                 guard let (_, usage) = exported.buffers.first(where: { $0.role == role }) else {
                     guard pointer(role) == nil else {

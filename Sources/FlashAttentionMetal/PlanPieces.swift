@@ -91,7 +91,9 @@ extension DispatchPlan {
         let unitFlops = flopsPerUnit
         let unitsPerPiece = UInt64(max(1, maxFlops / unitFlops))
         let kvHeads = UInt64(p.numKVHeads)
-        if unitsPerPiece >= UInt64(p.batch) * kvHeads && unitFlops <= maxFlops {
+        // A KV-cache problem is not cut (its k and v are indexed by block, not by batch entry), nor is a
+        // variable-length one (its sequence table describes the whole problem).
+        if p.kvCache != nil || p.varlen != nil || unitsPerPiece >= UInt64(p.batch) * kvHeads && unitFlops <= maxFlops {
             return [PlanPiece(whole: self)]
         }
         var pieces: [PlanPiece] = []

@@ -61,6 +61,14 @@ struct ProblemStrides {
     var q, k, v, out, dout, dq, dk, dv: TensorStrides?
 }
 
+/// The sequences of a variable-length batch (``Problem/varlen``): `sequences` packed along the rows
+/// of a one-entry problem, each covering at most `maxSeqlenQ` query rows and `maxSeqlenK` keys.
+struct VarlenSpec: Equatable {
+    let sequences: UInt32
+    let maxSeqlenQ: UInt32
+    let maxSeqlenK: UInt32
+}
+
 /// A validated attention problem: the one place where shapes, dtype, layouts, flags and the scale
 /// are checked, for the C exports and the Swift API alike. Holding a `Problem` means every rule
 /// below held.
@@ -85,6 +93,11 @@ struct Problem {
     let gpuCores: UInt32
     /// Window, softcap, mask, ALiBi and sinks.
     let scores: ScoreSpec
+    /// The KV cache k and v are read from (forward), or nil for plain tensors.
+    let kvCache: KVCacheSpec?
+    /// Nil for a dense problem. A variable-length batch is a problem of one batch entry whose
+    /// seqlen_q and seqlen_k rows are the packed totals, cut into sequences by the kernels.
+    let varlen: VarlenSpec?
 
     /// The size of a 0.1 `fa_problem`: the fields up to `softmax_scale`.
     private static let firstVersionSize = MemoryLayout<fa_problem>.offset(of: \fa_problem.dtype)!
@@ -112,10 +125,24 @@ struct Problem {
             }
             return TensorStrides(batch: Int(s.batch), head: Int(s.head), seq: Int(s.seq))
         }
-        let layout = ProblemStrides(q: try strides(p.q, "q"), k: try strides(p.k, "k"), v: try strides(p.v, "v"),
-                                    out: try strides(p.out, "out"), dout: try strides(p.dout, "dout"),
-                                    dq: try strides(p.dq, "dq"), dk: try strides(p.dk, "dk"),
-                                    dv: try strides(p.dv, "dv"))
+        let isVarlen = p.cu_seqlens_q != nil || p.cu_seqlens_k != nil
+        let headDimV = Int(p.head_dim_v == 0 ? p.head_dim : p.head_dim_v)
+        // A packed tensor without strides is contiguous (total, heads, dim); its one batch entry's
+        // stride is the whole tensor's span.
+        func strides(_ s: fa_strides, _ name: String, heads: UInt32, rows: UInt32, dim: Int) throws -> TensorStrides? {
+            let given = try strides(s, name)
+            guard isVarlen && given == nil else { return given }
+            return TensorStrides(batch: Int(max(rows, 1)) * Int(heads) * dim, head: dim, seq: Int(heads) * dim)
+        }
+        let (h, hk, d, sq, sk) = (p.num_heads, p.num_kv_heads, Int(p.head_dim), p.seqlen_q, p.seqlen_k)
+        let layout = ProblemStrides(q: try strides(p.q, "q", heads: h, rows: sq, dim: d),
+                                    k: try strides(p.k, "k", heads: hk, rows: sk, dim: d),
+                                    v: try strides(p.v, "v", heads: hk, rows: sk, dim: headDimV),
+                                    out: try strides(p.out, "out", heads: h, rows: sq, dim: headDimV),
+                                    dout: try strides(p.dout, "dout", heads: h, rows: sq, dim: headDimV),
+                                    dq: try strides(p.dq, "dq", heads: h, rows: sq, dim: d),
+                                    dk: try strides(p.dk, "dk", heads: hk, rows: sk, dim: d),
+                                    dv: try strides(p.dv, "dv", heads: hk, rows: sk, dim: headDimV))
         let shape = AttentionShape(batch: Int(p.batch), numHeads: Int(p.num_heads), numKVHeads: Int(p.num_kv_heads),
                                    seqlenQ: Int(p.seqlen_q), seqlenK: Int(p.seqlen_k), headDim: Int(p.head_dim),
                                    headDimV: p.head_dim_v == 0 ? Int(p.head_dim) : Int(p.head_dim_v))
@@ -128,11 +155,18 @@ struct Problem {
         }
         let maskStrides = TensorStrides(batch: Int(p.attn_mask_strides.batch), head: Int(p.attn_mask_strides.head),
                                         seq: Int(p.attn_mask_strides.seq))
+        var varlen: VarlenSpec?
+        if p.cu_seqlens_q != nil || p.cu_seqlens_k != nil {
+            guard p.cu_seqlens_q != nil && p.cu_seqlens_k != nil else {
+                throw FlashAttentionError.invalidArgument("cu_seqlens_q and cu_seqlens_k must be given together")
+            }
+            varlen = VarlenSpec(sequences: p.batch, maxSeqlenQ: p.max_seqlen_q, maxSeqlenK: p.max_seqlen_k)
+        }
         return try Problem(shape, dtype: dtype, causal: p.causal == 1, softmaxScale: p.softmax_scale, strides: layout,
                            window: p.use_window == 1 ? (Int(p.window_left), Int(p.window_right)) : nil,
                            softcap: p.softcap, maskType: p.attn_mask_type, maskStrides: maskStrides,
                            hasAlibi: p.alibi_slopes != nil, alibiPerBatch: p.alibi_per_batch == 1,
-                           hasSinks: p.sinks != nil)
+                           hasSinks: p.sinks != nil, kvCache: try KVCacheSpec.validate(p), varlen: varlen)
     }
 
     /// The caller's descriptor as far as its `struct_size` goes, later fields zero (their defaults).
@@ -157,7 +191,7 @@ struct Problem {
     /// Validates a Swift shape; `softmaxScale` nil means `1 / sqrt(headDim)`.
     static func validate(_ shape: AttentionShape, dtype: AttentionDType = .float16, causal: Bool,
                          softmaxScale: Float?, strides: ProblemStrides = ProblemStrides(),
-                         options: AttentionOptions = AttentionOptions()) throws -> Problem {
+                         options: AttentionOptions = AttentionOptions(), varlen: VarlenSpec? = nil) throws -> Problem {
         let scale = softmaxScale ?? (shape.headDim > 0 ? 1 / Float(shape.headDim).squareRoot() : 1)
         var maskType = UInt32(FA_MASK_NONE)
         var maskStrides = TensorStrides(batch: 0, head: 0, seq: 0)
@@ -172,7 +206,7 @@ struct Problem {
         return try Problem(shape, dtype: dtype, causal: causal, softmaxScale: scale, strides: strides,
                            window: window, softcap: options.softcap, maskType: maskType, maskStrides: maskStrides,
                            hasAlibi: options.alibiSlopes != nil, alibiPerBatch: alibiPerBatch,
-                           hasSinks: options.sinks != nil)
+                           hasSinks: options.sinks != nil, varlen: varlen)
     }
 
     /// Validates the sizes of a merge (`fa_merge_attention_v2`): `rows` rows of `headDim` elements
@@ -193,7 +227,7 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?, gpuCores: UInt32) {
+                 split: KeyValueSplit?, gpuCores: UInt32, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -209,13 +243,26 @@ struct Problem {
         self.scores = scores
         self.split = split
         self.gpuCores = gpuCores
+        self.kvCache = kvCache
+        self.varlen = varlen
     }
 
     private init(_ shape: AttentionShape, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  strides: ProblemStrides, window: (left: Int, right: Int)? = nil, softcap: Float = 0,
                  maskType: UInt32 = UInt32(FA_MASK_NONE),
                  maskStrides: TensorStrides = TensorStrides(batch: 0, head: 0, seq: 0), hasAlibi: Bool = false,
-                 alibiPerBatch: Bool = false, hasSinks: Bool = false) throws {
+                 alibiPerBatch: Bool = false, hasSinks: Bool = false, kvCache: KVCacheSpec? = nil,
+                 varlen: VarlenSpec? = nil) throws {
+        // A variable-length batch: `batch` sequences packed into one entry of the totals' rows.
+        var shape = shape
+        if let varlen {
+            guard kvCache == nil else {
+                throw FlashAttentionError.invalidArgument(
+                    "cu_seqlens_q and cu_seqlens_k (variable-length batches) cannot be combined with a KV cache (kv_cache_rows)")
+            }
+            try Problem.checkVarlen(varlen, shape: shape, maskType: maskType)
+            shape.batch = 1
+        }
         let dims = [("batch", shape.batch), ("num_heads", shape.numHeads), ("num_kv_heads", shape.numKVHeads),
                     ("seqlen_q", shape.seqlenQ), ("seqlen_k", shape.seqlenK), ("head_dim", shape.headDim),
                     ("head_dim_v", shape.headDimV)]
@@ -250,8 +297,12 @@ struct Problem {
         }
         let (b, h, hk, sq, sk) = (shape.batch, shape.numHeads, shape.numKVHeads, shape.seqlenQ, shape.seqlenK)
         let tensors: [(BufferRole, TensorStrides?, (Int, Int, Int, Int))] = [
-            (.q, strides.q, (b, h, sq, shape.headDim)), (.k, strides.k, (b, hk, sk, shape.headDim)),
-            (.v, strides.v, (b, hk, sk, shape.headDimV)), (.out, strides.out, (b, h, sq, shape.headDimV)),
+            (.q, strides.q, (b, h, sq, shape.headDim)),
+            (.k, strides.k, kvCache.map { (Int($0.slots), hk, Int($0.cacheRows), $0.units(UInt32(shape.headDim))) }
+                ?? (b, hk, sk, shape.headDim)),
+            (.v, strides.v, kvCache.map { (Int($0.slots), hk, Int($0.cacheRows), $0.units(UInt32(shape.headDimV))) }
+                ?? (b, hk, sk, shape.headDimV)),
+            (.out, strides.out, (b, h, sq, shape.headDimV)),
             (.dout, strides.dout, (b, h, sq, shape.headDimV)), (.dq, strides.dq, (b, h, sq, shape.headDim)),
             (.dk, strides.dk, (b, hk, sk, shape.headDim)), (.dv, strides.dv, (b, hk, sk, shape.headDimV)),
         ]
@@ -259,12 +310,15 @@ struct Problem {
         for (role, given, tensorDims) in tensors {
             let layout = try TensorLayout(role.name, strides: given, dims: tensorDims,
                                           written: [.out, .dq, .dk, .dv].contains(role))
-            guard !layout.extent.multipliedReportingOverflow(by: dtype.size).overflow else {
+            let size = (role == .k || role == .v) && kvCache?.quantized ?? false ? 4 : dtype.size
+            guard !layout.extent.multipliedReportingOverflow(by: size).overflow else {
                 throw FlashAttentionError.invalidArgument(
                     "\(role.name) (\(layout.extent) elements) has more bytes than fit in a 64-bit size")
             }
             layouts[role] = layout
         }
+        try kvCache?.checkStrides(layouts[.k]!, cols: UInt32(shape.headDim), name: "k")
+        try kvCache?.checkStrides(layouts[.v]!, cols: UInt32(shape.headDimV), name: "v")
         // lse (and the delta workspace) must fit too; `lseElements` is then this product.
         _ = try TensorLayout.checkedCount([b, h, sq], bytesPerElement: 4, of: "lse")
         let scores = try ScoreSpec(causal: causal, window: window, softcap: softcap, maskType: maskType,
@@ -274,9 +328,10 @@ struct Problem {
         self.init(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
                   seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
                   causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
-                  split: KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk),
-                                       seqlenQ: UInt32(sq), seqlenK: UInt32(sk), bucket: bucket, cores: cores),
-                  gpuCores: cores)
+                  split: varlen != nil ? nil : KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h),
+                                                              numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
+                                                              seqlenK: UInt32(sk), bucket: bucket, cores: cores),
+                  gpuCores: cores, kvCache: kvCache, varlen: varlen)
     }
 
     /// The same problem with the split-KV chunking planned for `cores` GPU cores (the backend's
@@ -285,9 +340,27 @@ struct Problem {
         Problem(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
                 headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal, softmaxScale: softmaxScale,
                 bucket: bucket, layouts: layouts, scores: scores,
-                split: KeyValueSplit(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ,
-                                     seqlenK: seqlenK, bucket: bucket, cores: cores),
-                gpuCores: cores)
+                split: varlen != nil ? nil : KeyValueSplit(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads,
+                                                            seqlenQ: seqlenQ, seqlenK: seqlenK, bucket: bucket,
+                                                            cores: cores),
+                gpuCores: cores, kvCache: kvCache, varlen: varlen)
+    }
+
+    /// The rules of a variable-length batch that the host can check (the tables' values live where
+    /// the kernels read them and are clamped there: flash_attention_varlen.h).
+    private static func checkVarlen(_ varlen: VarlenSpec, shape: AttentionShape, maskType: UInt32) throws {
+        guard varlen.sequences >= 1 else {
+            throw FlashAttentionError.invalidArgument("batch (0), the number of sequences, must be at least 1")
+        }
+        for (name, value, total) in [("max_seqlen_q", varlen.maxSeqlenQ, shape.seqlenQ),
+                                     ("max_seqlen_k", varlen.maxSeqlenK, shape.seqlenK)]
+            where value < 1 || Int(value) > total {
+            throw FlashAttentionError.invalidArgument(
+                "\(name) (\(value)) must be at least 1 and at most the total rows (\(total))")
+        }
+        guard maskType == UInt32(FA_MASK_NONE) else {
+            throw FlashAttentionError.invalidArgument("attn_mask must be NULL with cu_seqlens (variable-length batches)")
+        }
     }
 
     /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their
@@ -308,7 +381,7 @@ struct Problem {
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
                        scores: scores.slice(batch: b, heads: h),
-                       split: split, gpuCores: gpuCores)
+                       split: split, gpuCores: gpuCores, kvCache: kvCache, varlen: varlen)
     }
 
     /// Elements of lse (and of the delta workspace): batch * numHeads * seqlenQ (checked by validation).
@@ -323,7 +396,7 @@ struct Problem {
         // Columns a head dim fills in whole 8-column fragments: the products skip fragments only
         // where this falls short of the bucket (the tiles are zero past head_dim in any case).
         func fragmentColumns(_ dim: UInt32) -> UInt32 { (dim + 7) / 8 * 8 }
-        return FlashAttentionParams(
+        var params = FlashAttentionParams(
             q: strides(.q), k: strides(.k), v: strides(.v), out: strides(.out), dout: strides(.dout),
             dq: strides(.dq), dk: strides(.dk), dv: strides(.dv),
             mask: scores.mask?.params ?? FlashAttentionStrides(batch: 0, head: 0, seq: 0),
@@ -336,7 +409,10 @@ struct Problem {
             scalar_copies: layoutsAllowChunks ? 0 : 1,
             partial_columns: fragmentColumns(headDim) == bucket.head_dim_max
                 && fragmentColumns(headDimV) == bucket.head_dim_max ? 0 : 1,
-            block_offset: 0)
+            block_offset: 0, kv_page_rows: 0, kv_max_blocks: 0, kv_num_blocks: 0, kv_bits: 0, kv_group_size: 0,
+            kv_reserved: 0, sequences: varlen?.sequences ?? 0, seq_q0: 0, seq_k0: 0, lse_rows: 0)
+        kvCache?.apply(to: &params)
+        return params
     }
 
     /// Whether the tensors the kernels copy in tiles (`BufferRole.copiedInTiles`) can be copied in
@@ -348,6 +424,8 @@ struct Problem {
         let size = dtype.size, chunk = Int(FA_CHUNK_BYTES)
         guard (Int(headDim) * size) % chunk == 0 && (Int(headDimV) * size) % chunk == 0 else { return false }
         return BufferRole.copiedInTiles.allSatisfy { role in
+            // A quantized cache's words are dequantized element by element, never moved in chunks.
+            if (role == .k || role == .v) && kvCache?.quantized ?? false { return true }
             guard let layout = layouts[role] else { return true }
             return [layout.strides.batch, layout.strides.head, layout.strides.seq].allSatisfy { ($0 * size) % chunk == 0 }
         }
@@ -361,7 +439,8 @@ extension FlashAttentionParams {
     /// starts (on Metal its offset in a buffer whose contents are page-aligned), nil when unbound.
     func checkingAlignment(_ address: (BufferRole) -> UInt?) -> FlashAttentionParams {
         var params = self
-        if BufferRole.copiedInTiles.contains(where: { address($0).map { $0 % UInt(FA_CHUNK_BYTES) != 0 } ?? false }) {
+        let chunked = BufferRole.copiedInTiles.filter { kv_bits == 0 || ($0 != .k && $0 != .v) }
+        if chunked.contains(where: { address($0).map { $0 % UInt(FA_CHUNK_BYTES) != 0 } ?? false }) {
             params.scalar_copies = 1
         }
         return params

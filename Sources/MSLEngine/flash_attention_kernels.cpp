@@ -29,6 +29,16 @@ template <class T>
 using ForwardSplitKernel = void (*)(const T *, const T *, const T *, T *, float *,
                                     const FlashAttentionParams &, FA_OPTIONAL_TYPES, float *,
                                     float *, uint3, uint, uint);
+// The KV-cache forward kernels bind the cache's table, scales and biases after the others.
+#define FA_KV_CACHE_TYPES(T) const int *, const T *, const T *, const T *, const T *
+template <class T>
+using ForwardKvCacheKernel = void (*)(const T *, const T *, const T *, T *, float *,
+                                      const FlashAttentionParams &, FA_OPTIONAL_TYPES,
+                                      FA_KV_CACHE_TYPES(T), uint3, uint, uint);
+template <class T>
+using ForwardSplitKvCacheKernel = void (*)(const T *, const T *, const T *, T *, float *,
+                                           const FlashAttentionParams &, FA_OPTIONAL_TYPES, float *,
+                                           float *, FA_KV_CACHE_TYPES(T), uint3, uint, uint);
 template <class T>
 using ForwardCombineKernel = void (*)(const T *, const T *, const T *, T *, float *,
                                       const FlashAttentionParams &, FA_OPTIONAL_TYPES,
@@ -91,6 +101,25 @@ void run_forward_split(const kernel_args &a, const builtins &t) {
            t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
 }
 
+#define FA_KV_CACHE_INPUTS(T, a)                                                                   \
+    a.buffer<const int>(FA_KV_CACHE_BUFFER_TABLE), a.buffer<const T>(FA_KV_CACHE_BUFFER_K_SCALES), \
+        a.buffer<const T>(FA_KV_CACHE_BUFFER_K_BIASES),                                            \
+        a.buffer<const T>(FA_KV_CACHE_BUFFER_V_SCALES), a.buffer<const T>(FA_KV_CACHE_BUFFER_V_BIASES)
+
+template <class T, ForwardKvCacheKernel<T> Kernel>
+void run_forward_kvcache(const kernel_args &a, const builtins &t) {
+    Kernel(FA_FORWARD_INPUTS(T, a), FA_KV_CACHE_INPUTS(T, a), t.threadgroup_position_in_grid,
+           t.simdgroup_index_in_threadgroup, t.thread_index_in_simdgroup);
+}
+
+template <class T, ForwardSplitKvCacheKernel<T> Kernel>
+void run_forward_split_kvcache(const kernel_args &a, const builtins &t) {
+    Kernel(FA_FORWARD_INPUTS(T, a), a.buffer<float>(FA_FORWARD_BUFFER_PARTIAL_OUT),
+           a.buffer<float>(FA_FORWARD_BUFFER_PARTIAL_LSE), FA_KV_CACHE_INPUTS(T, a),
+           t.threadgroup_position_in_grid, t.simdgroup_index_in_threadgroup,
+           t.thread_index_in_simdgroup);
+}
+
 template <class T, ForwardCombineKernel<T> Kernel>
 void run_forward_combine(const kernel_args &a, const builtins &t) {
     Kernel(FA_FORWARD_INPUTS(T, a), a.buffer<const float>(FA_FORWARD_BUFFER_PARTIAL_OUT),
@@ -147,6 +176,13 @@ void run_backward_dsinks(const kernel_args &a, const builtins &t) {
         t.thread_index_in_threadgroup);
 }
 
+void run_varlen_sequences(const kernel_args &a, const builtins &t) {
+    flash_attention_varlen_sequences(
+        a.buffer<const int>(FA_VARLEN_BUFFER_CU_SEQLENS_Q), a.buffer<const int>(FA_VARLEN_BUFFER_CU_SEQLENS_K),
+        a.buffer<FlashAttentionParams>(FA_VARLEN_BUFFER_TABLE),
+        a.constant_ref<const FlashAttentionParams>(FA_VARLEN_BUFFER_PARAMS), t.thread_index_in_threadgroup);
+}
+
 constexpr const char *kSource = "Shaders/flash_attention.metal";
 
 #define FA_KERNEL_ENTRY(T, NAME, RUN, BUFFERS)                                                     \
@@ -171,6 +207,10 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
                     FA_FORWARD_SPLIT_BUFFER_COUNT)                                                 \
     FA_KERNEL_ENTRY(T, flash_attention_forward_decode_##SUFFIX##_d##DP, run_forward_split,         \
                     FA_FORWARD_SPLIT_BUFFER_COUNT)                                                 \
+    FA_KERNEL_ENTRY(T, flash_attention_forward_kvcache_##SUFFIX##_d##DP, run_forward_kvcache,      \
+                    FA_KV_CACHE_BUFFER_COUNT)                                                      \
+    FA_KERNEL_ENTRY(T, flash_attention_forward_split_kvcache_##SUFFIX##_d##DP,                     \
+                    run_forward_split_kvcache, FA_KV_CACHE_BUFFER_COUNT)                           \
     FA_KERNEL_ENTRY(T, flash_attention_backward_lse_residual_##SUFFIX##_d##DP,                     \
                     run_backward_lse_residual, FA_BACKWARD_LSE_RESIDUAL_BUFFER_COUNT)              \
     FA_KERNEL_ENTRY(T, flash_attention_backward_dq_##SUFFIX##_d##DP, run_backward_dq,              \
@@ -185,6 +225,8 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
 const msl_engine::kernel_entry kTable[] = {
     {"flash_attention_backward_dsinks", run_backward_dsinks, FA_BACKWARD_DSINKS_BUFFER_COUNT,
      sizeof(flash_attention_backward_dsinks_threadgroup), kSource, 0},
+    {"flash_attention_varlen_sequences", run_varlen_sequences, FA_VARLEN_BUFFER_COUNT,
+     sizeof(flash_attention_varlen_sequences_threadgroup), kSource, 0},
     FA_DTYPE_ENTRIES(half, f16) FA_HEAD_DIM_BUCKETS(FA_F16_ENTRIES)
     FA_DTYPE_ENTRIES(bfloat, bf16) FA_HEAD_DIM_BUCKETS(FA_BF16_ENTRIES)
     FA_DTYPE_ENTRIES(float, f32) FA_HEAD_DIM_BUCKETS_F32(FA_F32_ENTRIES)};

@@ -17,11 +17,12 @@ The module functions run on a default Context created on first use; ``$FLASH_ATT
 
 from __future__ import annotations
 
-from . import _default, _header, _validation, accuracy, reference
+from . import _default, _header, _validation, _varlen, accuracy, quantized, reference
 from ._default import BACKEND_ENV, default_backend, default_context
 from ._native import LIBRARY_ENV
 from .context import BACKENDS, Context
 from .errors import FlashAttentionError
+from .kv_cache import empty_cache, flash_attn_with_kvcache
 from .profile import DispatchProfile, Profile
 
 #: FA_VERSION of the C header, the project's one definition of its version (the library's too).
@@ -63,6 +64,30 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_
     return default_context()._forward(q, k, v, checked, layout)[0]
 
 
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                   softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+    """``Context.forward_varlen`` on the default context: attention over sequences packed along the
+    rows (FlashAttention's flash_attn_varlen_func); returns (out (total_q, num_heads, head_dim_v),
+    lse float32 (num_heads, total_q)). Arguments, the cu_seqlens tables included, are checked
+    before the library is loaded."""
+    checked = _varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                   softmax_scale, window_size=window_size, softcap=softcap,
+                                   alibi_slopes=alibi_slopes, sinks=sinks)
+    return _varlen.forward(default_context(), q, k, v, checked)
+
+
+def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                    causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    sinks=None):
+    """``Context.backward_varlen`` on the default context: returns (dq, dk, dv) like q, k, v, and
+    dsinks float32 (num_heads,) after them when sinks are given (arguments checked before the
+    library is loaded, as for ``forward_varlen``)."""
+    checked = _varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                   softmax_scale, window_size=window_size, softcap=softcap,
+                                   alibi_slopes=alibi_slopes, sinks=sinks)
+    return _varlen.backward(default_context(), dout, q, k, v, out, lse, checked)
+
+
 def last_profile():
     """``Context.last_profile`` of the default context: the profile of the calling thread's last
     successful module-level ``forward``/``backward``/``attention``/``merge_attention`` call, or
@@ -90,10 +115,15 @@ __all__ = [
     "accuracy",
     "attention",
     "backward",
+    "backward_varlen",
     "default_backend",
     "default_context",
+    "empty_cache",
+    "flash_attn_with_kvcache",
     "forward",
+    "forward_varlen",
     "last_profile",
     "merge_attention",
+    "quantized",
     "reference",
 ]

@@ -302,16 +302,23 @@ def max_abs_error(ours: np.ndarray, ref: np.ndarray) -> float:
     return float(diff.max()) if np.all(np.isfinite(diff)) else float("inf")
 
 
-def lse_metric(ours: np.ndarray, ref: np.ndarray) -> Metric:
-    """The lse part of the rule: relative error where ref is finite, exact -inf where it is not."""
+def _lse_error(ours: np.ndarray, ref: np.ndarray) -> float:
     ours = np.asarray(ours, dtype=np.float64)
     finite = np.isfinite(ref)
     if not np.array_equal(np.isneginf(ours), ~finite) or not np.all(np.isfinite(ours[finite])):
-        error = float("inf")
-    else:
-        relative = np.abs(ours[finite] - ref[finite]) / np.maximum(1.0, np.abs(ref[finite]))
-        error = float(relative.max()) if relative.size else 0.0
-    return Metric("lse", error, float("nan"), LSE_RELATIVE)
+        return float("inf")
+    relative = np.abs(ours[finite] - ref[finite]) / np.maximum(1.0, np.abs(ref[finite]))
+    return float(relative.max()) if relative.size else 0.0
+
+
+def lse_metric(ours: np.ndarray, ref: np.ndarray, base=None) -> Metric:
+    """The lse part of the rule: relative error where ref is finite, exact -inf where it is not,
+    within LSE_RELATIVE; with a ``base`` lse (inputs the kernels can only hold rounded, see
+    ``evaluate_forward``'s ``exact_kv``), within OUT_FACTOR times the base's relative error if
+    that is larger."""
+    base_error = float("nan") if base is None else _lse_error(base, ref)
+    bound = LSE_RELATIVE if base is None else max(LSE_RELATIVE, OUT_FACTOR * base_error)
+    return Metric("lse", _lse_error(ours, ref), base_error, bound)
 
 
 def _metric(name: str, ours, bases, ref, softcap: float) -> Metric:
@@ -320,7 +327,7 @@ def _metric(name: str, ours, bases, ref, softcap: float) -> Metric:
     return Metric(name, max_abs_error(ours, ref), base_error, bound(name, base_error, ref, softcap))
 
 
-def evaluate_forward(q, k, v, out, lse, *, causal=False, softmax_scale=None, base_out=None,
+def evaluate_forward(q, k, v, out, lse, *, causal=False, softmax_scale=None, base_out=None, exact_kv=None,
                      **options) -> list[Metric]:
     """Judges a forward result (out, lse) for q, k, v of one dtype: metrics for out and lse (out
     alone when ``lse`` is None, for callers that have no lse). ``options``: attn_mask, window_size,
@@ -330,10 +337,21 @@ def evaluate_forward(q, k, v, out, lse, *, causal=False, softmax_scale=None, bas
     computation whose framework counterpart rounds more often: attention over key parts merged with
     ``merge_attention`` carries the float16 rounding of every part's out, and so does
     ``base_merge_attention`` of the parts' ``base_forward``.
+
+    ``exact_kv`` (float64 keys, values) replaces k, v in the reference when k, v are their rounding
+    to q's dtype, as the kernels see a quantized KV cache: dequantized exactly in float64 for the
+    reference, rounded to the dtype for the base (as a dtype implementation reading that cache,
+    e.g. MLX's ``mx.dequantize`` followed by attention, holds it); lse is then judged against the
+    lse of those rounded inputs computed exactly (``lse_metric``'s base), the error the rounding
+    alone makes.
     """
-    ref_out, ref_lse = reference.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
+    ref_k, ref_v = (k, v) if exact_kv is None else exact_kv
+    ref_out, ref_lse = reference.forward(q, ref_k, ref_v, causal=causal, softmax_scale=softmax_scale, **options)
+    base_lse = None
     if base_out is None:
         base_outs = [base_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)[0]]
+        if exact_kv is not None:
+            base_lse = reference.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **options)[1]
         if q.dtype == _F32:
             scale = reference.default_scale(q.shape[3], softmax_scale)
             score_options = {name: value for name, value in options.items() if name != "sinks"}
@@ -342,7 +360,7 @@ def evaluate_forward(q, k, v, out, lse, *, causal=False, softmax_scale=None, bas
     else:
         base_outs = [base_out]
     metrics = [_metric("out", out, base_outs, ref_out, options.get("softcap", 0.0))]
-    return metrics if lse is None else metrics + [lse_metric(lse, ref_lse)]
+    return metrics if lse is None else metrics + [lse_metric(lse, ref_lse, base_lse)]
 
 
 def base_merge_attention(out_a, lse_a, out_b, lse_b):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _interruptible, _layout, _options, _validation
+from . import _interruptible, _layout, _options, _validation, _varlen
 from ._abi import DTYPE_CODES, new_problem
 from ._native import NativeLibrary, native
 from .profile import Profile, last_profile
@@ -255,6 +255,65 @@ class Context:
                    ffi.from_buffer("float[]", lse), *(_pointer(ffi, tensors[name]) for name in ("dq", "dk", "dv")))
         del keep  # the arrays the problem points into lived until here
         return tuple(grads)
+
+    def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                       softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+        """Attention forward over a variable-length batch (FlashAttention's flash_attn_varlen_func):
+        sequences packed along the rows instead of padded.
+
+        Args:
+            q: (total_q, num_heads, head_dim); k: (total_k, num_kv_heads, head_dim); v: (total_k,
+                num_kv_heads, head_dim_v); one dtype of float16, bfloat16, float32. Views whose last
+                axis is contiguous are read in place.
+            cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), starting at 0, non-decreasing, ending at
+                total_q and total_k: sequence b is query rows [cu_seqlens_q[b], cu_seqlens_q[b + 1])
+                over keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]), and attends only within itself. A
+                sequence may be empty (0 rows or 0 keys).
+            max_seqlen_q, max_seqlen_k: ints at least the longest sequence of each table (the grid
+                covers the longest one the table holds).
+            causal, softmax_scale, window_size, softcap, sinks: as for ``forward``, per sequence
+                (causal and the window bottom-right aligned in each sequence); alibi_slopes float32
+                (num_heads,) or (batch, num_heads). No attn_mask.
+
+        Returns:
+            (out, lse): out (total_q, num_heads, head_dim_v) in q's dtype, lse float32 (num_heads,
+            total_q), FlashAttention's layout. Rows of a sequence without keys get out 0 and lse -inf
+            (sinks[h] with sinks). Fresh C-contiguous arrays.
+
+        Raises:
+            TypeError, ValueError: invalid arguments, each naming the argument and the rule (the
+                tables are checked here, in host memory; the library only clamps them).
+            FlashAttentionError: the library reported an error.
+        """
+        checked = _varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                       softmax_scale, window_size=window_size, softcap=softcap,
+                                       alibi_slopes=alibi_slopes, sinks=sinks)
+        return _varlen.forward(self, q, k, v, checked)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                        causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                        sinks=None):
+        """Attention backward over a variable-length batch: the gradients of ``forward_varlen``.
+
+        Args:
+            dout: like out, (total_q, num_heads, head_dim_v) in q's dtype.
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k and the options: as
+                for ``forward_varlen``.
+            out, lse: as ``forward_varlen`` returned them for the same arguments.
+
+        Returns:
+            (dq, dk, dv) shaped like q, k, v in their dtype, and dsinks float32 (num_heads,) after
+            them when sinks are given (summed over all sequences). dk and dv sum over each GQA group;
+            rows of empty sequences get zero gradients. Deterministic (no atomics).
+
+        Raises:
+            TypeError, ValueError: invalid arguments (checked before any native call).
+            FlashAttentionError: the library reported an error.
+        """
+        checked = _varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                       softmax_scale, window_size=window_size, softcap=softcap,
+                                       alibi_slopes=alibi_slopes, sinks=sinks)
+        return _varlen.backward(self, dout, q, k, v, out, lse, checked)
 
     def _call(self, function: str, *arguments) -> None:
         """``lib.<function>(context, *arguments)``, interruptible when made from the main thread

@@ -32,6 +32,8 @@ import math
 
 import numpy as np
 
+from . import quantized
+
 #: The window_size that bounds neither side (FlashAttention's default).
 NO_WINDOW = (-1, -1)
 
@@ -290,3 +292,144 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
         out = (np.where(weight_a[..., None] != 0, weight_a[..., None] * out_a, 0.0)
                + np.where(weight_b[..., None] != 0, weight_b[..., None] * out_b, 0.0))
     return out, lse
+
+
+def _cache_rows(cache, positions, group_size: int, bits) -> np.ndarray:
+    # The rows (n, H_kv, D) of a (slots, rows, H_kv, last) cache at (slot, row) positions, in
+    # float64: dequantized exactly for an mx.quantize triple.
+    slots, rows = positions
+    if bits is None:
+        return np.asarray(cache[slots, rows], dtype=np.float64)
+    packed, scales, biases = (a[slots, rows] for a in cache)
+    return quantized.dequantize(packed, scales, biases, group_size, bits)
+
+
+def kvcache_sequences(k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_batch_idx=None,
+                      group_size: int = 64, bits=None) -> list:
+    """The keys and values each batch element of ``flash_attn_with_kvcache`` attends to, without
+    touching the caches: per batch element b, (keys, values) float64 (1, H_kv, cache_seqlens[b] +
+    N_new, D) and (..., Dv), the cache's first cache_seqlens[b] rows followed by k[b], v[b]
+    (quantized by MLX's rule and dequantized where the cache is quantized, since that is what the
+    cache then holds), dequantized exactly (scale * q + bias in float64).
+
+    Arrays in FlashAttention's order: caches contiguous (B_cache, S, H_kv, D) or, with block_table
+    (B, max_blocks), paged (num_blocks, page_block_size, H_kv, D), row t of sequence b at block
+    block_table[b, t // page_block_size], row t % page_block_size; contiguous sequence b at slot
+    cache_batch_idx[b] (default b). A quantized cache is the triple (packed, scales, biases) of
+    ``quantized.quantize`` with ``bits`` and ``group_size``. k, v (B, N_new, H_kv, D) or None.
+    """
+    batch = len(np.atleast_1d(cache_seqlens)) if np.ndim(cache_seqlens) else (
+        len(block_table) if block_table is not None else len(cache_batch_idx) if cache_batch_idx is not None
+        else (k_cache[0] if bits is not None else k_cache).shape[0])
+    if k is not None:
+        batch = len(k)
+    seqlens = np.broadcast_to(np.asarray(cache_seqlens, dtype=np.int64), (batch,))
+    pages = (k_cache[0] if bits is not None else k_cache).shape[1]
+    sequences = []
+    for b in range(batch):
+        t = np.arange(int(seqlens[b]))
+        if block_table is None:
+            slot = b if cache_batch_idx is None else int(cache_batch_idx[b])
+            positions = (np.full(t.shape, slot), t)
+        else:
+            positions = (np.asarray(block_table)[b, t // pages], t % pages)
+        pair = []
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            rows = _cache_rows(cache, positions, group_size, bits)
+            if new is not None:
+                added = np.asarray(new[b])
+                if bits is not None:
+                    added = quantized.dequantize(*quantized.quantize(added, group_size, bits), group_size, bits)
+                rows = np.concatenate([rows, np.asarray(added, dtype=np.float64)])
+            pair.append(rows.transpose(1, 0, 2)[None])
+        sequences.append(tuple(pair))
+    return sequences
+
+
+def kvcache_forward(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None, block_table=None, cache_batch_idx=None,
+                    group_size: int = 64, bits=None, causal: bool = False, softmax_scale=None, window_size=NO_WINDOW,
+                    softcap: float = 0.0, alibi_slopes=None, sinks=None):
+    """``flash_attn_with_kvcache`` in float64 (``kvcache_sequences``, then ``forward`` per batch
+    element); q (B, Nq, H, D) in FlashAttention's order. Returns (out, lse): float64 (B, H, Nq, Dv)
+    and (B, H, Nq), as ``forward`` (bhsd order)."""
+    q64 = np.asarray(q, dtype=np.float64).transpose(0, 2, 1, 3)
+    sequences = kvcache_sequences(k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+                                  cache_batch_idx=cache_batch_idx, group_size=group_size, bits=bits)
+    outs, lses = [], []
+    for b, (keys, values) in enumerate(sequences):
+        slopes = alibi_slopes if alibi_slopes is None or np.ndim(alibi_slopes) == 1 else np.asarray(alibi_slopes)[b:b + 1]
+        out, lse = forward(q64[b:b + 1], keys, values, causal=causal, softmax_scale=softmax_scale,
+                           window_size=window_size, softcap=softcap, sinks=sinks, alibi_slopes=slopes)
+        outs.append(out)
+        lses.append(lse)
+    return np.concatenate(outs), np.concatenate(lses)
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """(b, query rows slice, key slice) of each sequence of a variable-length batch."""
+    cu_q, cu_k = (np.asarray(c, dtype=np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+    return [(b, slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1])))
+            for b in range(len(cu_q) - 1)]
+
+
+def sequence_view(x, rows: slice) -> np.ndarray:
+    """Rows ``rows`` of a packed (total, heads, dim) tensor as a one-entry (1, heads, len, dim) batch."""
+    return np.swapaxes(np.asarray(x)[rows], 0, 1)[None]
+
+
+def _sequence_alibi(alibi_slopes, b: int):
+    if alibi_slopes is None or np.ndim(alibi_slopes) == 1:
+        return alibi_slopes
+    return np.asarray(alibi_slopes)[b]
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False, softmax_scale=None,
+                   window_size=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+    """``forward`` of a variable-length batch (FlashAttention's varlen semantics), sequence by
+    sequence: q (total_q, H, D), k (total_k, H_kv, D), v (total_k, H_kv, Dv); sequence b is query
+    rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) over keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]),
+    causal and window bottom-right per sequence; alibi_slopes (H,) or (batch, H).
+
+    Returns:
+        (out, lse): float64 (total_q, H, Dv) and (H, total_q); a sequence without keys gives its
+        rows out 0 and lse -inf (sinks[h] with sinks).
+    """
+    scale = default_scale(np.shape(q)[2], softmax_scale)
+    out = np.zeros(np.shape(q)[:2] + np.shape(v)[2:], dtype=np.float64)
+    lse = np.full((np.shape(q)[1], np.shape(q)[0]), -np.inf)
+    for b, rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if rows.stop == rows.start:
+            continue
+        if keys.stop == keys.start:
+            if sinks is not None:
+                lse[:, rows] = np.asarray(sinks, dtype=np.float64)[:, None]
+            continue
+        o, l = forward(sequence_view(q, rows), sequence_view(k, keys), sequence_view(v, keys), causal=causal,
+                       softmax_scale=scale, window_size=window_size, softcap=softcap,
+                       alibi_slopes=_sequence_alibi(alibi_slopes, b), sinks=sinks)
+        out[rows] = np.swapaxes(o[0], 0, 1)
+        lse[:, rows] = l[0]
+    return out, lse
+
+
+def backward_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False, softmax_scale=None,
+                    window_size=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+    """``backward`` of a variable-length batch, sequence by sequence (see ``forward_varlen``):
+    returns float64 (dq, dk, dv) shaped like q, k, v, and dsinks (H,) summed over the sequences
+    after them when sinks are given. Rows of a sequence without keys (or queries) get zero
+    gradients."""
+    scale = default_scale(np.shape(q)[2], softmax_scale)
+    grads = [np.zeros(np.shape(x), dtype=np.float64) for x in (q, k, v)]
+    if sinks is not None:
+        grads.append(np.zeros(np.shape(sinks), dtype=np.float64))
+    for b, rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if rows.stop == rows.start or keys.stop == keys.start:
+            continue
+        result = backward(sequence_view(dout, rows), sequence_view(q, rows), sequence_view(k, keys),
+                          sequence_view(v, keys), causal=causal, softmax_scale=scale, window_size=window_size,
+                          softcap=softcap, alibi_slopes=_sequence_alibi(alibi_slopes, b), sinks=sinks)
+        for grad, part, span in zip(grads, result, (rows, keys, keys)):
+            grad[span] = np.swapaxes(part[0], 0, 1)
+        if sinks is not None:
+            grads[3] += result[3]
+    return tuple(grads)

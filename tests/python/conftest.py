@@ -19,6 +19,26 @@ import flash_attention_metal as fam
 from flash_attention_metal import _default, _native, accuracy
 
 
+# How ./build.sh test runs these tests on every core (pytest-xdist): `-n auto --dist loadfile -m
+# "not serial"`, then `-m serial` alone. Serial: tests that time a child process (Ctrl-C's exit
+# bound) or take fixed resources (the MLX ring backend's port runs). loadfile keeps each module on
+# one worker, so module fixtures that build kernels, run MPI jobs or load models run once. The
+# slowest modules are scheduled first, so that no worker is left with a long module at the end.
+SERIAL_MARKER = "serial"
+SLOW_MODULES_FIRST = ["test_planted_faults.py", "test_metal_standin.py", "test_compare.py",
+                      "test_distributed_smollm2.py", "test_smollm2_model.py", "test_distributed.py",
+                      "test_long_sequences.py"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{SERIAL_MARKER}: run alone, after the parallel run (conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 # Whether a Metal device may exist: on macOS, and in the stand-in build (tests/metal_standin), whose
 # Metal backend runs on the CPU engine.
 METAL_MAY_EXIST = sys.platform == "darwin" or Path(os.environ.get(fam.LIBRARY_ENV, "")).parent.name == "metal-standin"

@@ -20,6 +20,9 @@ import pytest
 
 import flash_attention_metal as fam
 
+# Serial (conftest.py): the exit bound after SIGINT is a time, not to be shared with other tests.
+pytestmark = pytest.mark.serial
+
 LONG_SEQLEN = 32768  # one head, head_dim 64: tens of seconds per call on the CPU engine
 # From SIGINT to the child's exit; the cancelled call stops within a few dozen fiber switches
 # (well under a second), the rest is slack for a loaded machine.

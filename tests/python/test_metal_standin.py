@@ -66,7 +66,12 @@ def test_metal_backend_equals_the_cpu_backend_bit_for_bit():
 
 
 def test_named_subset_on_context_metal():
-    _passed(_pytest(_library(), *METAL_SUBSET, backend="metal", timeout=600))
+    _passed(_pytest(_library(), *METAL_SUBSET, "-m", "not serial", backend="metal", timeout=600))
+
+
+@pytest.mark.serial  # the subset's serial tests (conftest.py: Ctrl-C's exit bound), alone as here
+def test_serial_part_of_the_named_subset_on_context_metal():
+    _passed(_pytest(_library(), *METAL_SUBSET, "-m", "serial", backend="metal"))
 
 
 # A defect planted in a copy of MetalFlashAttention.swift: the original line, the planted one, and

@@ -18,6 +18,9 @@ mx = pytest.importorskip("mlx.core", reason="MLX is not installed (pip install -
 
 from flash_attention_metal import mlx as fam_mlx  # noqa: E402
 
+# Serial (conftest.py): the ring backend listens on runs of ports found free just before.
+pytestmark = pytest.mark.serial
+
 if not fam_mlx.NATIVE:
     pytest.skip(fam_mlx.PATH_NOTE, allow_module_level=True)
 

@@ -21,6 +21,7 @@ sys.path.insert(0, str(EXAMPLES))
 import make_smollm2_fixture  # noqa: E402
 import smollm2_generate  # noqa: E402
 import smollm2_model  # noqa: E402
+from test_varlen_models import pack  # noqa: E402
 
 try:
     MODEL_FILE = smollm2_model.find_model_file()
@@ -83,3 +84,30 @@ def test_generation_with_the_library_matches_the_reference_run(model, committed,
     prompt_tokens = int(str(committed["cases"][0]).split("_len")[1])
     assert answer == model.decode(committed["tokens"][prompt_tokens:prompt_tokens + 16])
     assert answer.startswith("A neural network is")
+
+
+def test_packed_prefill_of_two_prompts_attends_as_each_alone(model, context):
+    # Without the chat template (its system prompt would triple the cost); over 8 tokens each (a
+    # dense call of at most 8 query rows takes the split-KV forward, which sums in another order).
+    prompts = ["Explain what a neural network is in simple terms.", "Write one short sentence about the sea today."]
+    calls = {}
+
+    def attend(layer, q, k, v):
+        out = context.forward(q, k, v, causal=True)[0]
+        calls.setdefault(layer, []).append((q[0], k[0], v[0], out[0]))
+        return out
+
+    for prompt in prompts:
+        ids = model.encode(prompt)
+        assert len(ids) > 8
+        model.forward(ids, model.new_cache(len(ids)), attend)
+    assert len(calls) == model.config.num_layers
+    # Each layer's attention of both prompts in one causal GQA call (9 query heads over 3 KV heads):
+    # the same bits as each prompt's own prefill, so the packed prefill computes the same logits.
+    for layer, pair in calls.items():
+        (q, table), (k, _), (v, _) = (pack([call[i] for call in pair]) for i in range(3))
+        longest = int(np.diff(table).max())
+        out, lse = context.forward_varlen(q, k, v, table, table, longest, longest, causal=True)
+        for b, call in enumerate(pair):
+            np.testing.assert_array_equal(out[table[b]:table[b + 1]], call[3].transpose(1, 0, 2),
+                                          err_msg=f"layer {layer}, prompt {b}")

@@ -97,7 +97,8 @@ def referenced_constants(module: str) -> dict[str, set[str]]:
 
 def planned_constants(ctx) -> dict[str, set[str]]:
     """Per kernel family (a name without dtype and bucket), the constants the plan gives it: read
-    from the profiles of a forward, a backward with every feature, a decode forward and a merge."""
+    from the profiles of a forward, a backward with every feature, a decode forward, a merge and a
+    variable-length forward."""
     rng = np.random.default_rng(5)
     planned = {}
 
@@ -121,6 +122,17 @@ def planned_constants(ctx) -> dict[str, set[str]]:
     record()
     ctx.merge_attention(out, lse, out, lse)
     record()
+    # A variable-length forward: its first dispatch writes the sequence table (no constants).
+    packed = rng.standard_normal((3, 2, 16)).astype(np.float16)
+    table = np.array([0, 1, 3], np.int32)
+    ctx.forward_varlen(packed, packed, packed, table, table, 2, 2)
+    record()
+    # A KV cache (bshd), prefill chunk and decode step: the cache-reading forward kernels.
+    cache = rng.standard_normal((1, 600, 1, 16)).astype(np.float16)
+    for rows in (80, 1):
+        query = rng.standard_normal((1, rows, 2, 16)).astype(np.float16)
+        fam.flash_attn_with_kvcache(query, cache, cache, cache_seqlens=600, context=ctx)
+        record()
     return planned
 
 

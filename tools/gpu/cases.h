@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "reference.h"
+#include "problem.h"
 
 // Where a case's tensors live on the device (layout.h places them; the host tensors of
-// reference.h are always contiguous):
+// problem.h are always contiguous):
 //   bhsd    contiguous (batch, heads, seqlen, head_dim), the library's default;
 //   bshd    FlashAttention's (batch, seqlen, heads, head_dim) for every tensor;
 //   qkv     q, k and v slices of one packed (batch, seqlen, heads + 2 kv_heads, head_dim)

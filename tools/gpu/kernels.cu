@@ -31,6 +31,11 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
 // as blockIdx/threadIdx). The parameter struct travels by value (kernel parameter space,
 // read-only like Metal's constant address space).
 
+// The kernels that run over sequences take `table`, null for a dense problem; for a varlen one the
+// sequence table in device memory (flash_attention_varlen.h), which they read in the place of
+// params (its entry 0 is the host's struct, the others follow it).
+#define FA_CUDA_PARAMS (table != nullptr ? *table : params)
+
 // The kernels of one dtype that do not depend on the bucket.
 #define FA_CUDA_DTYPE_LAUNCHERS(T, SUFFIX)                                                         \
     __global__ void __launch_bounds__(kThreads) fa_cuda_forward_combine_##SUFFIX(                  \
@@ -44,8 +49,8 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_delta_##SUFFIX(                   \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, float *delta, const uchar *mask, const float *alibi,          \
-        const float *sinks, const float *lse_residual) {                                           \
-        flash_attention_backward_delta_##SUFFIX(dout, q, k, v, out, lse, params, delta, mask,     \
+        const float *sinks, const float *lse_residual, FlashAttentionParams *table) {              \
+        flash_attention_backward_delta_##SUFFIX(dout, q, k, v, out, lse, FA_CUDA_PARAMS, delta, mask, \
                                                 alibi, sinks, lse_residual, FA_CUDA_TGID,          \
                                                 threadIdx.x);                                      \
     }
@@ -54,8 +59,8 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
 #define FA_CUDA_LAUNCHERS(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)             \
     __global__ void __launch_bounds__(kThreads) fa_cuda_forward_##SUFFIX##_d##DP(                  \
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
-        const uchar *mask, const float *alibi, const float *sinks) {                               \
-        flash_attention_forward_##SUFFIX##_d##DP(q, k, v, out, lse, params, mask, alibi, sinks,    \
+        const uchar *mask, const float *alibi, const float *sinks, FlashAttentionParams *table) {  \
+        flash_attention_forward_##SUFFIX##_d##DP(q, k, v, out, lse, FA_CUDA_PARAMS, mask, alibi, sinks, \
                                                  FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);        \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_forward_split_##SUFFIX##_d##DP(            \
@@ -77,27 +82,34 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_lse_residual_##SUFFIX##_d##DP(    \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
-        const float *sinks, float *lse_residual) {                                                 \
+        const float *sinks, float *lse_residual, FlashAttentionParams *table) {                    \
         flash_attention_backward_lse_residual_##SUFFIX##_d##DP(                                    \
-            dout, q, k, v, out, lse, params, delta, mask, alibi, sinks, lse_residual,              \
+            dout, q, k, v, out, lse, FA_CUDA_PARAMS, delta, mask, alibi, sinks, lse_residual,      \
             FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);                                             \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dq_##SUFFIX##_d##DP(              \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
-        const float *sinks, const float *lse_residual, T *dq) {                                    \
-        flash_attention_backward_dq_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta, mask, \
+        const float *sinks, const float *lse_residual, T *dq, FlashAttentionParams *table) {       \
+        flash_attention_backward_dq_##SUFFIX##_d##DP(dout, q, k, v, out, lse, FA_CUDA_PARAMS, delta, mask, \
                                                      alibi, sinks, lse_residual, dq, FA_CUDA_TGID, \
                                                      FA_CUDA_SGID, FA_CUDA_LANE);                  \
     }                                                                                              \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dkv_##SUFFIX##_d##DP(             \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
-        const float *sinks, const float *lse_residual, T *dk, T *dv) {                             \
-        flash_attention_backward_dkv_##SUFFIX##_d##DP(dout, q, k, v, out, lse, params, delta,      \
+        const float *sinks, const float *lse_residual, T *dk, T *dv, FlashAttentionParams *table) { \
+        flash_attention_backward_dkv_##SUFFIX##_d##DP(dout, q, k, v, out, lse, FA_CUDA_PARAMS, delta, \
                                                       mask, alibi, sinks, lse_residual, dk, dv,    \
                                                       FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);   \
     }
+
+// The first dispatch of a varlen pass: writes the sequence table from the cu_seqlens tables.
+__global__ void __launch_bounds__(kThreads) fa_cuda_varlen_sequences_kernel(
+    const int *cu_seqlens_q, const int *cu_seqlens_k, FlashAttentionParams *table,
+    FlashAttentionParams params) {
+    flash_attention_varlen_sequences(cu_seqlens_q, cu_seqlens_k, table, params, threadIdx.x);
+}
 
 #define FA_CUDA_LAUNCHERS_F16(...) FA_CUDA_LAUNCHERS(half, f16, __VA_ARGS__)
 #define FA_CUDA_LAUNCHERS_BF16(...) FA_CUDA_LAUNCHERS(bfloat, bf16, __VA_ARGS__)
@@ -121,6 +133,7 @@ __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dsinks_kernel(
 #undef FA_CUDA_LAUNCHERS_F32
 #undef FA_CUDA_LAUNCHERS
 #undef FA_CUDA_DTYPE_LAUNCHERS
+#undef FA_CUDA_PARAMS
 #undef FA_CUDA_TGID
 #undef FA_CUDA_SGID
 #undef FA_CUDA_LANE
@@ -133,20 +146,21 @@ template <typename T>
 struct Bucket {
     unsigned head_dim_max, forward_block_q, forward_block_k, dq_block_q, dkv_block_k;
     void (*forward)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
-                    const uchar *, const float *, const float *);
+                    const uchar *, const float *, const float *, FlashAttentionParams *);
     void (*forward_split)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
                           const uchar *, const float *, const float *, float *, float *);
     void (*forward_decode)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
                            const uchar *, const float *, const float *, float *, float *);
     void (*backward_lse_residual)(const T *, const T *, const T *, const T *, const T *,
                                   const float *, FlashAttentionParams, const float *,
-                                  const uchar *, const float *, const float *, float *);
+                                  const uchar *, const float *, const float *, float *,
+                                  FlashAttentionParams *);
     void (*backward_dq)(const T *, const T *, const T *, const T *, const T *, const float *,
                         FlashAttentionParams, const float *, const uchar *, const float *,
-                        const float *, const float *, T *);
+                        const float *, const float *, T *, FlashAttentionParams *);
     void (*backward_dkv)(const T *, const T *, const T *, const T *, const T *, const float *,
                          FlashAttentionParams, const float *, const uchar *, const float *,
-                         const float *, const float *, T *, T *);
+                         const float *, const float *, T *, T *, FlashAttentionParams *);
 };
 
 // A dtype: its buckets and its bucket-independent kernels.
@@ -159,7 +173,7 @@ struct DtypeKernels {
                             const float *);
     void (*backward_delta)(const T *, const T *, const T *, const T *, const T *, const float *,
                            FlashAttentionParams, float *, const uchar *, const float *,
-                           const float *, const float *);
+                           const float *, const float *, FlashAttentionParams *);
 
     // The first bucket whose head_dim_max >= max(head_dim, head_dim_v); null when none is.
     const Bucket<T> *bucket(const FlashAttentionParams &p) const {
@@ -254,10 +268,20 @@ cudaError_t specialise(const FlashAttentionParams &p) {
 
 // The launches, per dtype. Each picks the dtype's bucket and launches its kernel over the grid of
 // the Metal dispatch plan (x fastest).
+// The grid's x extent over `rows` rows (the longest sequence's with varlen), its z extent.
+unsigned grid_rows(const FlashAttentionParams &p, const FaCudaVarlen *varlen, bool keys) {
+    return varlen == nullptr ? (keys ? p.seqlen_k : p.seqlen_q)
+                             : (keys ? varlen->max_seqlen_k : varlen->max_seqlen_q);
+}
+unsigned grid_batch(const FlashAttentionParams &p) { return p.sequences == 0 ? p.batch : p.sequences; }
+FlashAttentionParams *table_of(const FaCudaVarlen *varlen) {
+    return varlen == nullptr ? nullptr : varlen->table;
+}
+
 template <typename T>
 cudaError_t forward(const DtypeKernels<T> &kernels, const FlashAttentionParams &p, const void *q,
                     const void *k, const void *v, void *out, float *lse,
-                    const FaCudaScoreInputs &x) {
+                    const FaCudaScoreInputs &x, const FaCudaVarlen *varlen = nullptr) {
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
@@ -265,9 +289,9 @@ cudaError_t forward(const DtypeKernels<T> &kernels, const FlashAttentionParams &
     if (const cudaError_t error = specialise(p); error != cudaSuccess) {
         return error;
     }
-    const dim3 grid(ceil_div(p.seqlen_q, b->forward_block_q), p.num_heads, p.batch);
+    const dim3 grid(ceil_div(grid_rows(p, varlen, false), b->forward_block_q), p.num_heads, grid_batch(p));
     b->forward<<<grid, kThreads>>>(typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p,
-                                   mask_of(x), x.alibi, x.sinks);
+                                   mask_of(x), x.alibi, x.sinks, table_of(varlen));
     return cudaGetLastError();
 }
 
@@ -316,17 +340,19 @@ template <typename T>
 cudaError_t backward_delta(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
                            const void *dout, const void *q, const void *k, const void *v,
                            const void *out, const float *lse, float *delta,
-                           const float *lse_residual, const FaCudaScoreInputs &x) {
+                           const float *lse_residual, const FaCudaScoreInputs &x,
+                           const FaCudaVarlen *varlen = nullptr) {
     if (kernels.bucket(p) == nullptr) {
         return cudaErrorInvalidValue;
     }
     if (const cudaError_t error = specialise(p); error != cudaSuccess) {
         return error;
     }
-    const dim3 grid(ceil_div(p.seqlen_q, FA_DELTA_BLOCK_ROWS), p.num_heads, p.batch);
+    const dim3 grid(ceil_div(grid_rows(p, varlen, false), FA_DELTA_BLOCK_ROWS), p.num_heads, grid_batch(p));
     kernels.backward_delta<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k),
                                                typed<T>(v), typed<T>(out), lse, p, delta,
-                                               mask_of(x), x.alibi, x.sinks, lse_residual);
+                                               mask_of(x), x.alibi, x.sinks, lse_residual,
+                                               table_of(varlen));
     return cudaGetLastError();
 }
 
@@ -334,7 +360,8 @@ template <typename T>
 cudaError_t backward_lse_residual(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
                                   const void *dout, const void *q, const void *k, const void *v,
                                   const void *out, const float *lse, const float *delta,
-                                  float *lse_residual, const FaCudaScoreInputs &x) {
+                                  float *lse_residual, const FaCudaScoreInputs &x,
+                                  const FaCudaVarlen *varlen = nullptr) {
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
@@ -343,10 +370,11 @@ cudaError_t backward_lse_residual(const DtypeKernels<T> &kernels, const FlashAtt
         return error;
     }
     // The forward's row blocks: the residual recomputes the forward's m and l tile by tile.
-    const dim3 grid(ceil_div(p.seqlen_q, b->forward_block_q), p.num_heads, p.batch);
+    const dim3 grid(ceil_div(grid_rows(p, varlen, false), b->forward_block_q), p.num_heads, grid_batch(p));
     b->backward_lse_residual<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k),
                                                  typed<T>(v), typed<T>(out), lse, p, delta,
-                                                 mask_of(x), x.alibi, x.sinks, lse_residual);
+                                                 mask_of(x), x.alibi, x.sinks, lse_residual,
+                                                 table_of(varlen));
     return cudaGetLastError();
 }
 
@@ -354,7 +382,8 @@ template <typename T>
 cudaError_t backward_dq(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
                         const void *dout, const void *q, const void *k, const void *v,
                         const void *out, const float *lse, const float *delta,
-                        const float *lse_residual, void *dq, const FaCudaScoreInputs &x) {
+                        const float *lse_residual, void *dq, const FaCudaScoreInputs &x,
+                        const FaCudaVarlen *varlen = nullptr) {
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
@@ -362,10 +391,10 @@ cudaError_t backward_dq(const DtypeKernels<T> &kernels, const FlashAttentionPara
     if (const cudaError_t error = specialise(p); error != cudaSuccess) {
         return error;
     }
-    const dim3 grid(ceil_div(p.seqlen_q, b->dq_block_q), p.num_heads, p.batch);
+    const dim3 grid(ceil_div(grid_rows(p, varlen, false), b->dq_block_q), p.num_heads, grid_batch(p));
     b->backward_dq<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k), typed<T>(v),
                                        typed<T>(out), lse, p, delta, mask_of(x), x.alibi, x.sinks,
-                                       lse_residual, typed<T>(dq));
+                                       lse_residual, typed<T>(dq), table_of(varlen));
     return cudaGetLastError();
 }
 
@@ -374,7 +403,7 @@ cudaError_t backward_dkv(const DtypeKernels<T> &kernels, const FlashAttentionPar
                          const void *dout, const void *q, const void *k, const void *v,
                          const void *out, const float *lse, const float *delta,
                          const float *lse_residual, void *dk, void *dv,
-                         const FaCudaScoreInputs &x) {
+                         const FaCudaScoreInputs &x, const FaCudaVarlen *varlen = nullptr) {
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
@@ -382,10 +411,11 @@ cudaError_t backward_dkv(const DtypeKernels<T> &kernels, const FlashAttentionPar
     if (const cudaError_t error = specialise(p); error != cudaSuccess) {
         return error;
     }
-    const dim3 grid(ceil_div(p.seqlen_k, b->dkv_block_k), p.num_kv_heads, p.batch);
+    const dim3 grid(ceil_div(grid_rows(p, varlen, true), b->dkv_block_k), p.num_kv_heads, grid_batch(p));
     b->backward_dkv<<<grid, kThreads>>>(typed<T>(dout), typed<T>(q), typed<T>(k), typed<T>(v),
                                         typed<T>(out), lse, p, delta, mask_of(x), x.alibi,
-                                        x.sinks, lse_residual, typed<T>(dk), typed<T>(dv));
+                                        x.sinks, lse_residual, typed<T>(dk), typed<T>(dv),
+                                        table_of(varlen));
     return cudaGetLastError();
 }
 
@@ -534,6 +564,62 @@ cudaError_t fa_cuda_backward(const FlashAttentionParams &p, int dtype, const voi
                                      dv, x);
     }
     if (error == cudaSuccess && p.has_sinks != 0) {
+        error = fa_cuda_backward_dsinks(p, lse, delta, lse_residual, x.sinks, dsinks);
+    }
+    return error;
+}
+
+namespace {
+
+// The sequence table of a varlen pass, written on the device from the device tables.
+cudaError_t write_sequence_table(const FlashAttentionParams &p, const FaCudaVarlen &varlen) {
+    if (p.sequences == 0 || varlen.table == nullptr || varlen.cu_seqlens_q == nullptr ||
+        varlen.cu_seqlens_k == nullptr) {
+        return cudaErrorInvalidValue;
+    }
+    fa_cuda_varlen_sequences_kernel<<<1, kThreads>>>(varlen.cu_seqlens_q, varlen.cu_seqlens_k,
+                                                     varlen.table, p);
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t fa_cuda_varlen_forward(const FlashAttentionParams &given, int dtype, const FaCudaVarlen &varlen,
+                                   const void *q, const void *k, const void *v, void *out, float *lse,
+                                   const FaCudaScoreInputs &x) {
+    const FlashAttentionParams p = edge_paths(given, dtype, {q, k, v});
+    cudaError_t error = write_sequence_table(p, varlen);
+    if (error == cudaSuccess) {
+        error = with_dtype(dtype, [&](const auto &kernels) {
+            return forward(kernels, p, q, k, v, out, lse, x, &varlen);
+        });
+    }
+    return error;
+}
+
+cudaError_t fa_cuda_varlen_backward(const FlashAttentionParams &given, int dtype, const FaCudaVarlen &varlen,
+                                    const void *dout, const void *q, const void *k, const void *v,
+                                    const void *out, const float *lse, float *delta, float *lse_residual,
+                                    void *dq, void *dk, void *dv, const FaCudaScoreInputs &x, float *dsinks) {
+    const FlashAttentionParams p = edge_paths(given, dtype, {dout, q, k, v, out});
+    cudaError_t error = write_sequence_table(p, varlen);
+    const auto each = [&](auto launch) {
+        if (error == cudaSuccess) {
+            error = with_dtype(dtype, launch);
+        }
+    };
+    each([&](const auto &kernels) { return backward_delta(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, x, &varlen); });
+    each([&](const auto &kernels) {
+        return backward_lse_residual(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, x, &varlen);
+    });
+    each([&](const auto &kernels) {
+        return backward_dq(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, dq, x, &varlen);
+    });
+    each([&](const auto &kernels) {
+        return backward_dkv(kernels, p, dout, q, k, v, out, lse, delta, lse_residual, dk, dv, x, &varlen);
+    });
+    if (error == cudaSuccess && p.has_sinks != 0) {
+        // dsinks sums over all rows of the packed problem with the host's struct.
         error = fa_cuda_backward_dsinks(p, lse, delta, lse_residual, x.sinks, dsinks);
     }
     return error;

@@ -116,4 +116,28 @@ cudaError_t fa_cuda_backward_dsinks(const FlashAttentionParams &params, const fl
                                     const float *delta, const float *lse_residual,
                                     const float *sinks, float *dsinks);
 
+// Variable-length batches (Shaders/flash_attention_varlen.h): `params` describe the packed problem
+// (batch 1, seqlen_q = total_q, seqlen_k = total_k rows, sequences = the number of sequences; q
+// (total_q, H, D) and the others addressed through their head and seq strides); cu_seqlens_q and
+// cu_seqlens_k int32 device tables (sequences + 1, clamped by the kernels, so a wrong one stays in
+// bounds); table a device workspace of sequences + 1 FlashAttentionParams. Each pass first writes
+// the table, then launches the dense pass's kernels over (blocks of max_seqlen, heads, sequences)
+// reading it; lse, delta, lse_residual are (H, total_q).
+struct FaCudaVarlen {
+    const int *cu_seqlens_q = nullptr;
+    const int *cu_seqlens_k = nullptr;
+    FlashAttentionParams *table = nullptr;
+    unsigned max_seqlen_q = 0;
+    unsigned max_seqlen_k = 0;
+};
+
+cudaError_t fa_cuda_varlen_forward(const FlashAttentionParams &params, int dtype, const FaCudaVarlen &varlen,
+                                   const void *q, const void *k, const void *v, void *out, float *lse,
+                                   const FaCudaScoreInputs &inputs = {});
+cudaError_t fa_cuda_varlen_backward(const FlashAttentionParams &params, int dtype, const FaCudaVarlen &varlen,
+                                    const void *dout, const void *q, const void *k, const void *v,
+                                    const void *out, const float *lse, float *delta, float *lse_residual,
+                                    void *dq, void *dk, void *dv, const FaCudaScoreInputs &inputs = {},
+                                    float *dsinks = nullptr);
+
 #endif

@@ -1,5 +1,5 @@
 // Where the harness puts a case's tensors in device memory (cases.h: Layout), the copies between
-// those buffers and the contiguous host tensors of reference.h, and the kernels' parameters of a
+// those buffers and the contiguous host tensors of problem.h, and the kernels' parameters of a
 // placed case. Plain C++17, no CUDA.
 #ifndef FA_GPU_LAYOUT_H
 #define FA_GPU_LAYOUT_H
@@ -37,7 +37,7 @@ struct DeviceLayout {
 // head_dim: cases.cpp only makes such cases).
 DeviceLayout place(const AttentionShape &shape, Layout layout);
 
-// Writes the contiguous host tensor `values` (the logical order of reference.h) into the bytes of
+// Writes the contiguous host tensor `values` (the logical order of problem.h) into the bytes of
 // its buffer, `image`, in the shape's dtype.
 void scatter(const AttentionShape &shape, const Placement &where, const std::vector<float> &values,
              std::vector<unsigned char> *image);
@@ -61,7 +61,7 @@ MaskPlacement place_mask(const AttentionShape &shape, Layout layout);
 // Bytes of a mask element: 1 (boolean), the dtype's (additive) or 4 (additive float32).
 size_t mask_element_size(const AttentionShape &shape);
 
-// The mask's device image: the host mask (reference.h's order) at its placement, every other byte
+// The mask's device image: the host mask (problem.h's order) at its placement, every other byte
 // 0xff (NaN for an additive mask).
 std::vector<unsigned char> mask_image(const AttentionShape &shape, const MaskPlacement &where,
                                       const std::vector<float> &mask);

@@ -43,10 +43,6 @@
  * this line). "Since" notes below name the version that added a declaration. */
 #define FA_VERSION "0.3.0"
 
-/* Buffers whose device reads fa_dispatch_profile.device_bytes_read counts (outside the cdef
- * markers: the Python binding reads the struct's literal size). */
-#define FA_PROFILE_COUNTED_BUFFERS 16
-
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -138,6 +134,53 @@ typedef struct fa_problem {
     uint32_t alibi_per_batch;       /* 1: alibi_slopes is [batch][num_heads] */
     const float *sinks;             /* NULL, or [num_heads] float32 logits of one virtual key per head */
     float *dsinks;                  /* backward with sinks: [num_heads] float32 output */
+    /* Since 0.4.0 (unreleased): k and v are KV caches (fa_forward only; flash_attn_with_kvcache's). With
+     * kv_cache_rows 0 (the default) k and v are plain tensors. Otherwise batch element b attends
+     * to its first seqlen_k cache rows:
+     *  - contiguous (kv_block_table NULL): k is [batch][num_kv_heads][kv_cache_rows][head_dim]
+     *    by its strides (seqlen_k <= kv_cache_rows);
+     *  - paged: k is [kv_num_blocks][num_kv_heads][kv_cache_rows][head_dim] (kv_cache_rows = the
+     *    page_block_size, any value >= 1; strides.batch between blocks), row t of batch element b
+     *    in block kv_block_table[b * kv_max_blocks + t / kv_cache_rows], row t % kv_cache_rows;
+     *    seqlen_k <= kv_max_blocks * kv_cache_rows; the entries that hold one of the seqlen_k rows
+     *    must lie in [0, kv_num_blocks) (checked in host memory before any kernel runs; the
+     *    kernels clamp every entry, so no table reads or writes out of bounds).
+     * v likewise with head_dim_v. kv_bits 4 or 8: k and v hold mx.quantize's (affine) packed
+     * uint32 words, head_dim * kv_bits / 32 per row, strides counted in words (each a multiple of
+     * the words per row); k_scales, k_biases, v_scales, v_biases hold one element of dtype per
+     * kv_group_size (32, 64 or 128) elements of a row, laid out like the words (a row's
+     * head_dim / kv_group_size entries where its words are); element = scale * q + bias,
+     * dequantized in registers. kv_bits 0: elements of dtype, scales and biases NULL. */
+    uint32_t kv_cache_rows;
+    const int32_t *kv_block_table;  /* NULL (contiguous) or int32 [batch][kv_max_blocks] */
+    uint32_t kv_max_blocks;
+    uint32_t kv_num_blocks;
+    uint32_t kv_bits;               /* 0, 4 or 8 */
+    uint32_t kv_group_size;         /* 32, 64 or 128 when kv_bits != 0 */
+    const void *k_scales;
+    const void *k_biases;
+    const void *v_scales;
+    const void *v_biases;
+    /* Added after 0.3.0: variable-length batches (FlashAttention's flash_attn_varlen_func). Both tables
+     * NULL: a dense problem. Both given: `batch` sequences packed along the rows, seqlen_q = total_q
+     * and seqlen_k = total_k rows in all; q (total_q, num_heads, head_dim), k (total_k,
+     * num_kv_heads, head_dim), v (total_k, num_kv_heads, head_dim_v), out like q with head_dim_v,
+     * lse float32 (num_heads, total_q); their fa_strides give the head and row (seq) strides, the
+     * batch stride is ignored (all-zero strides: contiguous (total, heads, dim)). Sequence b is
+     * query rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]),
+     * each attending only within itself with causal and the window bottom-right aligned per
+     * sequence; alibi_slopes may be [batch][num_heads]; attn_mask must be NULL. A sequence may be
+     * empty: its rows get out 0, lse -inf and zero gradients. The tables are int32 [batch + 1] in
+     * host memory (device memory for the exported plan's hosts), starting at 0, non-decreasing,
+     * ending at the totals; the library does not read their values on the host: the kernels clamp
+     * each value into the tensors, so a wrong table gives wrong numbers and rows left unwritten,
+     * never an access out of bounds (the Python package checks tables before the call). The pass
+     * covers max_seqlen_q query rows (max_seqlen_k keys for dk, dv) per sequence: each must be at
+     * least the longest sequence's length, at least 1 and at most the total. */
+    const int32_t *cu_seqlens_q;
+    const int32_t *cu_seqlens_k;
+    uint32_t max_seqlen_q;
+    uint32_t max_seqlen_k;
 } fa_problem;
 
 /* The library's version, FA_VERSION of the header it was built with. Static storage. */
@@ -271,6 +314,9 @@ typedef struct fa_profile {
                                 when dispatch_count is 0. */
 } fa_profile;
 
+/* Buffers whose device reads fa_dispatch_profile.device_bytes_read counts. */
+enum { FA_PROFILE_COUNTED_BUFFERS = 16 };
+
 /* One dispatched kernel of the last call. Set struct_size to sizeof(fa_dispatch_profile).
  * Counters the backend cannot measure are UINT64_MAX (Metal: both counters) and times it cannot
  * measure are NaN (Metal: per-dispatch seconds; only the call's total is timed). */
@@ -297,7 +343,7 @@ typedef struct fa_dispatch_profile {
      * alone): bytes the dispatch read from the buffer bound at [[buffer(i)]], i <
      * FA_PROFILE_COUNTED_BUFFERS, through the kernels' tile copies and decode slice loads (q, k,
      * v, out, dout). CPU engine; UINT64_MAX on Metal. */
-    uint64_t device_bytes_read[16];  /* FA_PROFILE_COUNTED_BUFFERS */
+    uint64_t device_bytes_read[FA_PROFILE_COUNTED_BUFFERS];
 } fa_dispatch_profile;
 
 /* Fills *profile with the calling thread's last profile on context (see above).
@@ -359,7 +405,12 @@ typedef enum fa_buffer_role {
     FA_BUFFER_ROLE_LSE_A = 18,
     FA_BUFFER_ROLE_OUT_B = 19,
     FA_BUFFER_ROLE_LSE_B = 20,
-    FA_BUFFER_ROLE_COUNT = 21
+    FA_BUFFER_ROLE_BLOCK_TABLE = 21,  /* int32 kv_block_table (fa_problem); the others below: */
+    FA_BUFFER_ROLE_K_SCALES = 22,     /* a quantized KV cache's scales and biases */
+    FA_BUFFER_ROLE_K_BIASES = 23,
+    FA_BUFFER_ROLE_V_SCALES = 24,
+    FA_BUFFER_ROLE_V_BIASES = 25,
+    FA_BUFFER_ROLE_COUNT = 26
 } fa_buffer_role;
 
 /* How a plan uses a buffer. */

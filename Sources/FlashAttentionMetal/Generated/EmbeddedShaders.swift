@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "4fefa770fe06d9be"
+    static let sourceHash = "193ada57436f7e6f"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -144,6 +144,31 @@ typedef struct FlashAttentionParams {
     // and key blocks (dK/dV). A piece of a long pass dispatches a range of blocks, starting here
     // (PlanPieces.swift); 0 (a value-initialised struct's) runs the grid from block 0.
     fa_u32 block_offset;
+    // KV-cache forward only (flash_attention_kv_cache.h; 0 elsewhere). k and v are caches: rows
+    // of batch element b at k + head_offset(p.k, b, head) + t * p.k.seq (contiguous, kv_page_rows
+    // 0) or, paged, block table[b][t / kv_page_rows] (kv_max_blocks entries per row, values
+    // clamped into [0, kv_num_blocks)) with p.k.batch between blocks. kv_bits 4 or 8: k and v
+    // are mx.quantize's packed uint32 words (strides in words) with scales and biases of
+    // kv_group_size elements per entry laid out like the words; 0: the dtype.
+    fa_u32 kv_page_rows;
+    fa_u32 kv_max_blocks;
+    fa_u32 kv_num_blocks;
+    fa_u32 kv_bits;
+    fa_u32 kv_group_size;
+    fa_u32 kv_reserved;  // keeps the struct a multiple of 8 bytes
+    // Variable-length batches (packed sequences, FlashAttention's varlen call; flash_attention_varlen.h).
+    // 0: a dense problem. Otherwise the number of sequences: the host's struct then describes the
+    // packed tensors as one batch entry of seqlen_q = total_q rows and seqlen_k = total_k keys, and
+    // the kernels other than the sequence table's and dsinks read their threadgroup's sequence's own
+    // struct from the table that flash_attention_varlen_sequences wrote (bound at the parameter
+    // index in place of the host's): seqlen_q and seqlen_k that sequence's lengths, seq_q0 and
+    // seq_k0 its first query row and key in the packed tensors.
+    fa_u32 sequences;
+    fa_u32 seq_q0;
+    fa_u32 seq_k0;
+    // Rows per head of lse, delta and the lse residual in a sequence's struct: the packed total_q
+    // (they are [num_heads][total_q]); unused (0) in a dense problem, whose rows per head are seqlen_q.
+    fa_u32 lse_rows;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -203,6 +228,16 @@ typedef struct FlashAttentionParams {
 #define FA_FORWARD_BUFFER_PARTIAL_OUT 9
 #define FA_FORWARD_BUFFER_PARTIAL_LSE 10
 #define FA_FORWARD_SPLIT_BUFFER_COUNT 11
+// KV-cache forward kernels (dense and split, flash_attention_kv_cache.h): the forward's buffers
+// (and the split's partial results), then the block table (int32 [batch][kv_max_blocks]; a
+// placeholder for contiguous caches) and the scales and biases of quantized K and V
+// (placeholders when unquantized).
+#define FA_KV_CACHE_BUFFER_TABLE 11
+#define FA_KV_CACHE_BUFFER_K_SCALES 12
+#define FA_KV_CACHE_BUFFER_K_BIASES 13
+#define FA_KV_CACHE_BUFFER_V_SCALES 14
+#define FA_KV_CACHE_BUFFER_V_BIASES 15
+#define FA_KV_CACHE_BUFFER_COUNT 16
 
 // Buffer indices: flash_attention_merge (fa_merge_attention), out and lse of two parts in, their
 // merge out; rows laid out as forward's out and lse.
@@ -248,6 +283,16 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_DQ_BUFFER_COUNT 13
 #define FA_BACKWARD_DKV_BUFFER_COUNT 14
 #define FA_BACKWARD_DSINKS_BUFFER_COUNT 13
+
+// Buffer indices: flash_attention_varlen_sequences, the first dispatch of a varlen pass. It reads
+// cu_seqlens_q and cu_seqlens_k (int32, sequences + 1 each) and the host's parameters, and writes the
+// sequence table (FlashAttentionParams [sequences + 1]: the host's struct, then one per sequence)
+// that the pass's other kernels bind at their parameter index.
+#define FA_VARLEN_BUFFER_CU_SEQLENS_Q 0
+#define FA_VARLEN_BUFFER_CU_SEQLENS_K 1
+#define FA_VARLEN_BUFFER_TABLE 2
+#define FA_VARLEN_BUFFER_PARAMS 3
+#define FA_VARLEN_BUFFER_COUNT 4
 
 // Largest supported head_dim and head_dim_v: the last bucket of FA_HEAD_DIM_BUCKETS (float16 and
 // bfloat16). float32's table (FA_HEAD_DIM_BUCKETS_F32) stops at FA_MAX_HEAD_DIM_F32: its tiles at
@@ -566,6 +611,7 @@ struct PairedRows {
 // STEP * CHUNKS copy nothing. `next` points at the thread's first chunk of the next tile.
 template <typename T, uint ROWS, uint DP>
 struct TileStream {
+    typedef T element;
     // (An enum: MSL wants a static data member in the constant address space, the engine not.)
     enum : uint {
         V = FA_CHUNK_BYTES / sizeof(T),
@@ -881,6 +927,13 @@ inline ulong row_index(uint b, uint heads, uint head, uint seqlen, uint row) {
     return (ulong(b) * heads + head) * seqlen + row;
 }
 
+// Index of query row `row` of head `head` of batch `b` in lse, delta and the lse residual:
+// [batch][num_heads][seqlen_q], or in a varlen sequence's struct [num_heads][lse_rows] (the caller's
+// pointer then starts at the sequence's first row, b is 0).
+inline ulong lse_index(constant FlashAttentionParams &p, uint b, uint head, uint row) {
+    return row_index(b, p.num_heads, head, p.sequences == 0 ? p.seqlen_q : p.lse_rows, row);
+}
+
 // x clamped to [0, limit].
 inline uint clamp_index(long x, long limit) {
     return uint(x < 0 ? 0 : (x > limit ? limit : x));
@@ -1033,6 +1086,119 @@ inline void attention_merge(device const T *out_a, device const float *lse_a,
         attention_merge<T>(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);               \
     }
 // ---- end flash_attention_merge.h ----
+// ---- begin flash_attention_varlen.h (spliced by tools/embed_shaders.py) ----
+// Variable-length batches (FlashAttention's flash_attn_varlen_func): sequences packed along the
+// rows of q (total_q rows) and of k and v (total_k rows), sequence b being query rows
+// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]); lse, delta
+// and the lse residual are [num_heads][total_q]. Every pass starts with
+// flash_attention_varlen_sequences, which turns the two tables into one FlashAttentionParams per
+// sequence; the other kernels run over (blocks of max_seqlen rows, heads, sequences) and, in their
+// prologue, take their sequence's struct (sequence_params), leave when their block starts past the
+// sequence's end, and move their pointers to the sequence's first row: the kernel bodies then see
+// an ordinary one-entry problem with that sequence's lengths (causal and the window bottom-right
+// per sequence, as FlashAttention).
+//
+// The tables are not trusted: each value is clamped to [0, total] and to at least the values before
+// it, so a wrong table gives disjoint sequences inside the tensors (wrong numbers, rows left
+// unwritten), never an access out of bounds or two threadgroups writing one row.
+
+// Threads of flash_attention_varlen_sequences: one threadgroup, each thread a contiguous range of
+// sequences.
+#define FA_VARLEN_THREADS FA_THREADS_PER_THREADGROUP
+
+// The struct a threadgroup of sequence `b` works with: the host's for a dense problem, else
+// sequence b's entry of the table bound in the host's place (its entry 0 is the host's struct).
+inline constant FlashAttentionParams &sequence_params(constant FlashAttentionParams &params, uint b) {
+    return params.sequences == 0 ? params : (&params)[1 + b];
+}
+
+// Whether a threadgroup whose block starts at row `first` has nothing to do: past the end of its
+// sequence's `rows` (only in a varlen pass, whose grid covers max_seqlen rows).
+inline bool block_past_end(uint first, uint rows) {
+    return first >= rows;
+}
+
+// The threadgroup position the kernel bodies see: batch entry 0 of the packed problem in a varlen
+// pass (the pointers already start at the sequence), the grid's own otherwise.
+inline uint3 sequence_tgid(constant FlashAttentionParams &p, uint3 tgid) {
+    uint3 position = tgid;
+    position.z = p.sequences == 0 ? tgid.z : 0u;
+    return position;
+}
+
+// The ALiBi slopes of the threadgroup's sequence: row b of a [sequences][num_heads] table (the
+// host's alibi_batch_stride), or the shared [num_heads] row.
+inline device const float *sequence_alibi(constant FlashAttentionParams &p, device const float *alibi,
+                                          uint b) {
+    return p.sequences == 0 ? alibi : alibi + ulong(b) * p.alibi_batch_stride;
+}
+
+// cu_seqlens[i] clamped to [0, limit].
+inline uint clamped_boundary(device const int *cu_seqlens, uint i, uint limit) {
+    return clamp_index(long(cu_seqlens[i]), long(limit));
+}
+
+// dst = src word by word: MSL has no implicit copy of a struct between the constant and device
+// address spaces (tools/check_address_spaces.py enforces that), and this follows any new field.
+inline void copy_params(device FlashAttentionParams &dst, constant FlashAttentionParams &src) {
+    static_assert(sizeof(FlashAttentionParams) % 4 == 0, "FlashAttentionParams is whole 32-bit words");
+    device uint *to = reinterpret_cast<device uint *>(&dst);
+    constant uint *from = reinterpret_cast<constant uint *>(&src);
+    for (uint i = 0; i < sizeof(FlashAttentionParams) / 4; ++i) {
+        to[i] = from[i];
+    }
+}
+
+struct VarlenSequencesStorage {
+    uint max_q[FA_VARLEN_THREADS];
+    uint max_k[FA_VARLEN_THREADS];
+};
+
+// Writes the sequence table: entry 0 the host's struct, entry 1 + b sequence b's. Sequence b spans
+// [s_b, s_{b+1}) with s_i = max over j <= i of cu_seqlens[j] clamped to [0, total] (the same for
+// keys): thread t first takes the maximum of its range's boundaries, then starts from the maximum
+// of the ranges before it.
+template <typename Storage>
+inline void varlen_sequences(device const int *cu_q, device const int *cu_k,
+                             device FlashAttentionParams *table, constant FlashAttentionParams &p,
+                             Storage tg, uint tid) {
+    const uint per_thread = (p.sequences + FA_VARLEN_THREADS - 1) / FA_VARLEN_THREADS;
+    const uint first = min(tid * per_thread, p.sequences);
+    const uint end = min(first + per_thread, p.sequences);
+    uint max_q = 0;
+    uint max_k = 0;
+    for (uint b = first; b < end; ++b) {
+        max_q = max(max_q, clamped_boundary(cu_q, b, p.seqlen_q));
+        max_k = max(max_k, clamped_boundary(cu_k, b, p.seqlen_k));
+    }
+    tg->max_q[tid] = max_q;
+    tg->max_k[tid] = max_k;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    uint q0 = 0;
+    uint k0 = 0;
+    for (uint t = 0; t < tid; ++t) {
+        q0 = max(q0, tg->max_q[t]);
+        k0 = max(k0, tg->max_k[t]);
+    }
+    if (tid == 0) {
+        copy_params(table[0], p);
+    }
+    for (uint b = first; b < end; ++b) {
+        q0 = max(q0, clamped_boundary(cu_q, b, p.seqlen_q));
+        k0 = max(k0, clamped_boundary(cu_k, b, p.seqlen_k));
+        const uint q_end = max(q0, clamped_boundary(cu_q, b + 1, p.seqlen_q));
+        const uint k_end = max(k0, clamped_boundary(cu_k, b + 1, p.seqlen_k));
+        device FlashAttentionParams &s = table[1 + b];
+        copy_params(s, p);
+        s.seqlen_q = q_end - q0;
+        s.seqlen_k = k_end - k0;
+        s.kv_chunk_keys = k_end - k0;
+        s.seq_q0 = q0;
+        s.seq_k0 = k0;
+        s.lse_rows = p.seqlen_q;
+    }
+}
+// ---- end flash_attention_varlen.h ----
 
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
@@ -1297,12 +1463,13 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 // over the KV head's K and V): loads the tiles (every thread calls it), S = Q K^T over the slice
 // and then over all of head_dim, masks (only when `masked`; the lane's row is query `row`), online
 // softmax update, O += P V (without WITH_V, only m and l: V is neither loaded nor multiplied).
-template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename T, typename Storage>
-inline void forward_tile(thread RowState<ND> &r, Storage tg, thread TileStream<T, BK, DP> &ks,
-                         thread TileStream<T, BK, DP> &vs, device const uchar *mask,
-                         constant FlashAttentionParams &p, uint kv0, bool masked, uint row,
-                         RowModifiers mods, SimdgroupSlice s, FragmentCoord at, uint sgid,
-                         uint tid) {
+template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
+          typename Storage>
+inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thread VS &vs,
+                         device const uchar *mask, constant FlashAttentionParams &p, uint kv0,
+                         bool masked, uint row, RowModifiers mods, SimdgroupSlice s,
+                         FragmentCoord at, uint sgid, uint tid) {
+    typedef typename KS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // K is read only transposed: paired rows where the bucket allows (PairedRows).
@@ -1370,9 +1537,30 @@ inline void store_partial_lse(device float *partial_lse, ulong index, float m, f
     partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
 }
 
-template <uint DP, uint BQ, uint BK, typename T, typename Storage>
-inline void attention_forward(device const T *q, device const T *k, device const T *v,
-                              device T *out, device float *lse, device const uchar *mask,
+// The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
+// the one for KV caches): tile streams over batch element b's KV head.
+template <typename T>
+struct DeviceKV {
+    device const T *k;
+    device const T *v;
+
+    template <uint ROWS, uint DP>
+    TileStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head, uint first,
+                                 uint tid) const {
+        return tile_stream<T, ROWS, DP>(k + head_offset(p.k, b, kv_head), first, p.seqlen_k, p.k.seq,
+                                        p.head_dim, tid);
+    }
+
+    template <uint ROWS, uint DP>
+    TileStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head, uint first,
+                                   uint tid) const {
+        return tile_stream<T, ROWS, DP>(v + head_offset(p.v, b, kv_head), first, p.seqlen_k, p.v.seq,
+                                        p.head_dim_v, tid);
+    }
+};
+
+template <uint DP, uint BQ, uint BK, typename T, typename KV, typename Storage>
+inline void attention_forward(device const T *q, KV kv, device T *out, device float *lse, device const uchar *mask,
                               device const float *alibi, device const float *sinks,
                               constant FlashAttentionParams &p, Storage tg, uint3 tgid, uint sgid,
                               uint lane) {
@@ -1394,10 +1582,8 @@ inline void attention_forward(device const T *q, device const T *k, device const
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
     load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
-    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
-    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+    auto ks = kv.template keys<BK, DP>(p, b, kv_head, key_begin, tid);
+    auto vs = kv.template values<BK, DP>(p, b, kv_head, key_begin, tid);
     RowState<ND> r;
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
@@ -1410,7 +1596,7 @@ inline void attention_forward(device const T *q, device const T *k, device const
         store_row(out + head_offset(p.out, b, h) + ulong(row) * p.out.seq, r.o,
                   l > 0.0f ? 1.0f / l : 0.0f, p.head_dim_v, s, at);
         if (s.col0 == 0 && at.col == 0) {
-            lse[row_index(b, p.num_heads, h, p.seqlen_q, row)] = row_lse(r.m, l);
+            lse[lse_index(p, b, h, row)] = row_lse(r.m, l);
         }
     }
 }
@@ -1456,9 +1642,8 @@ inline ulong partial_index(constant FlashAttentionParams &p, PackedRows r, uint 
 
 // One chunk of keys for one block of packed rows: threadgroups (row blocks x chunks, KV heads,
 // batch), x = chunk * row_blocks + row block. Writes the chunk's normalised output and lse.
-template <uint DP, uint BQ, uint BK, typename T, typename Storage>
-inline void attention_forward_split(device const T *q, device const T *k, device const T *v,
-                                    device const uchar *mask, device const float *alibi,
+template <uint DP, uint BQ, uint BK, typename T, typename KV, typename Storage>
+inline void attention_forward_split(device const T *q, KV kv, device const uchar *mask, device const float *alibi,
                                     device float *partial_out, device float *partial_lse,
                                     constant FlashAttentionParams &p, Storage tg, uint3 tgid,
                                     uint sgid, uint lane) {
@@ -1503,10 +1688,8 @@ inline void attention_forward_split(device const T *q, device const T *k, device
         }
         tg->q[r][w / 4][w % 4] = bits;
     }
-    TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.k.seq, p.head_dim, tid);
-    TileStream<T, BK, DP> vs = tile_stream<T, BK, DP>(v + head_offset(p.v, b, kv_head), key_begin,
-                                                      p.seqlen_k, p.v.seq, p.head_dim_v, tid);
+    auto ks = kv.template keys<BK, DP>(p, b, kv_head, key_begin, tid);
+    auto vs = kv.template values<BK, DP>(p, b, kv_head, key_begin, tid);
     // The sink joins once, in the combine.
     RowState<ND> r;
     start_rows(r, false, 0.0f, at);
@@ -1940,7 +2123,7 @@ inline void attention_backward_delta(device const T *dout, device const T *out,
         }
     }
     if (row < p.seqlen_q) {
-        delta[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row)] =
+        delta[lse_index(p, tgid.z, tgid.y, row)] =
             ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     }
 }
@@ -1997,7 +2180,7 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
     // The same answer in every thread, so the branch below is uniform over the threadgroup.
     bool needed = false;
     for (uint i = q0; i <= last; ++i) {
-        needed = needed || needs_residual(lse[row_index(b, p.num_heads, h, p.seqlen_q, i)]);
+        needed = needed || needs_residual(lse[lse_index(p, b, h, i)]);
     }
     float value = 0.0f;
     if (needed) {
@@ -2021,11 +2204,11 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
         }
         const float l = row_sum(r.l);
         if (row < p.seqlen_q) {
-            value = residual_of_row(p, r.m, l, lse[row_index(b, p.num_heads, h, p.seqlen_q, row)]);
+            value = residual_of_row(p, r.m, l, lse[lse_index(p, b, h, row)]);
         }
     }
     if (row < p.seqlen_q && s.col0 == 0 && at.col == 0) {
-        residual[row_index(b, p.num_heads, h, p.seqlen_q, row)] = value;
+        residual[lse_index(p, b, h, row)] = value;
     }
 }
 
@@ -2100,7 +2283,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
     // Rows past the end have every element hidden: their L and D are not read.
-    const ulong at_row = row_index(b, p.num_heads, h, p.seqlen_q, row < p.seqlen_q ? row : 0);
+    const ulong at_row = lse_index(p, b, h, row < p.seqlen_q ? row : 0);
     const float row_lse = row < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
     const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
@@ -2231,7 +2414,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         // The head's slope and mask start; per element only the mask row moves.
         const RowModifiers head_mods = row_modifiers(p, alibi, b, h, 0);
         // The head's rows of lse, residual and delta (one 64-bit multiply per head, not per tile).
-        const ulong head_rows = row_index(b, p.num_heads, h, p.seqlen_q, 0);
+        const ulong head_rows = lse_index(p, b, h, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
             threadgroup_barrier(mem_flags::mem_threadgroup);
             load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
@@ -2337,6 +2520,11 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
         device RESIDUAL float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]]
 
+// A tensor's pointer moved to the first query row (key) of the sequence of struct `p`
+// (flash_attention_varlen.h); unmoved in a dense problem, whose seq_q0 and seq_k0 are 0.
+#define FA_QUERY_ROWS(X) ((X) + ulong(p.seq_q0) * p.X.seq)
+#define FA_KEY_ROWS(X) ((X) + ulong(p.seq_k0) * p.X.seq)
+
 // The kernels of one dtype (element type T, name suffix SUFFIX) that do not depend on the bucket.
 #define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX)                                                         \
     typedef DeltaStorage<T> flash_attention_backward_delta_##SUFFIX##_threadgroup;                 \
@@ -2356,7 +2544,12 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
         threadgroup flash_attention_backward_delta_##SUFFIX##_threadgroup tg;                      \
-        attention_backward_delta(dout, out, delta, params, &tg, tgid, tid);                        \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * FA_DELTA_BLOCK_ROWS, p.seqlen_q)) {          \
+            return;                                                                                \
+        }                                                                                          \
+        attention_backward_delta(FA_QUERY_ROWS(dout), FA_QUERY_ROWS(out), delta + p.seq_q0, p, &tg, \
+                                 sequence_tgid(p, tgid), tid);                                     \
     }
 
 // The kernels of one dtype and head-dim bucket. The threadgroup storage type of kernel K is
@@ -2400,8 +2593,15 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_##SUFFIX##_d##DP##_threadgroup tg;                     \
-        attention_forward<DP, FWD_BQ, FWD_BK>(q, k, v, out, lse, mask, alibi, sinks, params, &tg,  \
-                                              tgid, sgid, lane);                                   \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * FWD_BQ, p.seqlen_q)) {                      \
+            return;                                                                                \
+        }                                                                                          \
+        attention_forward<DP, FWD_BQ, FWD_BK>(                                                     \
+            FA_QUERY_ROWS(q), DeviceKV<T>{FA_KEY_ROWS(k), FA_KEY_ROWS(v)}, FA_QUERY_ROWS(out),     \
+            lse + p.seq_q0,                                                                        \
+            mask, sequence_alibi(p, alibi, tgid.z), sinks, p, &tg, sequence_tgid(p, tgid), sgid,   \
+            lane);                                                                                 \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -2413,8 +2613,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
-        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, k, v, mask, alibi, partial_out, partial_lse, \
-                                                    params, &tg, tgid, sgid, lane);                \
+        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, \
+                                                    partial_lse, params, &tg, tgid, sgid, lane);   \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -2437,9 +2637,13 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup tg;       \
-        attention_backward_lse_residual<DP, FWD_BQ, FWD_BK>(q, k, lse, mask, alibi, sinks,         \
-                                                            lse_residual, params, &tg, tgid, sgid, \
-                                                            lane);                                 \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * FWD_BQ, p.seqlen_q)) {                      \
+            return;                                                                                \
+        }                                                                                          \
+        attention_backward_lse_residual<DP, FWD_BQ, FWD_BK>(                                       \
+            FA_QUERY_ROWS(q), FA_KEY_ROWS(k), lse + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), \
+            sinks, lse_residual + p.seq_q0, p, &tg, sequence_tgid(p, tgid), sgid, lane);           \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -2450,9 +2654,14 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup tg;                 \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * DQ_BQ, p.seqlen_q)) {                       \
+            return;                                                                                \
+        }                                                                                          \
         attention_backward_dq<DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>(                \
-            dout, q, k, v, lse, delta, lse_residual, mask, alibi, params, dq, &tg, tgid, sgid,     \
-            lane);                                                                                 \
+            FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0, \
+            delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,  \
+            FA_QUERY_ROWS(dq), &tg, sequence_tgid(p, tgid), sgid, lane);                           \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -2464,9 +2673,14 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup tg;                \
+        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
+        if (block_past_end((tgid.x + p.block_offset) * DKV_BK, p.seqlen_k)) {                      \
+            return;                                                                                \
+        }                                                                                          \
         attention_backward_dkv<DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>(          \
-            dout, q, k, v, lse, delta, lse_residual, mask, alibi, params, dk, dv, &tg, tgid, sgid, \
-            lane);                                                                                 \
+            FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0, \
+            delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,  \
+            FA_KEY_ROWS(dk), FA_KEY_ROWS(dv), &tg, sequence_tgid(p, tgid), sgid, lane);            \
     }
 
 // Reads only lse, delta and sinks (float), whatever the dtype of the other tensors.
@@ -2482,9 +2696,316 @@ kernel void flash_attention_backward_dsinks(
     attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, params, &tg, tgid.x, tid);
 }
 
-#define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__)
-#define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__)
-#define FA_DEFINE_F32(...) FA_DEFINE_KERNELS(float, f32, __VA_ARGS__)
+// The first dispatch of a varlen pass (flash_attention_varlen.h): one threadgroup.
+typedef VarlenSequencesStorage flash_attention_varlen_sequences_threadgroup;
+
+[[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
+kernel void flash_attention_varlen_sequences(
+    device const int *cu_seqlens_q [[buffer(FA_VARLEN_BUFFER_CU_SEQLENS_Q)]],
+    device const int *cu_seqlens_k [[buffer(FA_VARLEN_BUFFER_CU_SEQLENS_K)]],
+    device FlashAttentionParams *table [[buffer(FA_VARLEN_BUFFER_TABLE)]],
+    constant FlashAttentionParams &params [[buffer(FA_VARLEN_BUFFER_PARAMS)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+    threadgroup flash_attention_varlen_sequences_threadgroup tg;
+    varlen_sequences(cu_seqlens_q, cu_seqlens_k, table, params, &tg, tid);
+}
+
+// ---- begin flash_attention_kv_cache.h (spliced by tools/embed_shaders.py) ----
+// K/V read from a KV cache as inference engines keep it (flash_attn_with_kvcache): rows addressed
+// through a block table (paged) or per sequence (contiguous), stored as the dtype or quantized in
+// MLX's affine format (mx.quantize: packed uint32 words of `bits`-bit integers, element j of a row
+// in bits [bits * (j % (32 / bits)), + bits) of word j / (32 / bits); one scale and one bias per
+// group of `group_size` elements, in the dtype; w = scale * q + bias; ml-explore/mlx
+// mlx/ops.cpp, facts only). Values are dequantized in registers as they are loaded: no
+// dequantized copy exists in device memory.
+//
+// The addressing is one small inline function (kv_row) and the loads two (kv_elements, kv_chunk),
+// so any kernel can fetch a key or value row slice: the forward kernels copy 16-byte chunks into
+// their threadgroup tiles (CacheStream below); a decode kernel whose lanes hold N contiguous
+// elements of a row calls kv_elements.
+//
+// Bounds: every block table value is clamped into [0, kv_num_blocks) and every block index into
+// [0, kv_max_blocks), so a wrong table gives wrong numbers but never an access outside the cache
+// (the hosts reject such tables before dispatch; the clamps are for memory safety alone).
+
+// One KV head of one sequence of a cache. Offsets count the units of `data`: T elements, or
+// uint32 words when quantized (bits 4 or 8).
+template <typename T>
+struct KVCacheHead {
+    device const T *data;     // the head's row 0 (contiguous) or block 0's row 0 (paged)
+    device const T *scales;   // quantized: the scales and biases of the same rows, group_size
+    device const T *biases;   //   elements per entry, laid out like data (words -> groups)
+    device const int *table;  // paged: the sequence's row of block_table
+    ulong block_stride;       // paged: units between blocks
+    ulong row_stride;         // units between rows
+    ulong scale_block_stride; // the same for scales and biases
+    ulong scale_row_stride;
+    uint page_rows;           // rows per block; 0: contiguous
+    uint max_blocks;          // entries of the table row
+    uint num_blocks;          // blocks of the cache
+    uint bits;                // 0: unquantized; 4 or 8
+    uint group_size;
+};
+
+// Where row t of the head lies: its offset in data, and in scales/biases (quantized). The only
+// division per row is t / page_rows (paged caches).
+template <typename T>
+inline ulong kv_row(thread const KVCacheHead<T> &c, uint t, thread ulong &scale_row) {
+    if (c.page_rows == 0) {
+        scale_row = ulong(t) * c.scale_row_stride;
+        return ulong(t) * c.row_stride;
+    }
+    const uint block = min(t / c.page_rows, c.max_blocks - 1);
+    FA_DEVICE_READ(c.table + block, 4);
+    const uint page = uint(min(max(c.table[block], 0), int(c.num_blocks) - 1));
+    const uint r = t - (t / c.page_rows) * c.page_rows;
+    scale_row = ulong(page) * c.scale_block_stride + ulong(r) * c.scale_row_stride;
+    return ulong(page) * c.block_stride + ulong(r) * c.row_stride;
+}
+
+// Elements [col, col + N) of row t as float (N <= 8, col a multiple of N: one quantization group),
+// columns at or past `cols` zero.
+template <uint N, typename T>
+inline void kv_elements(thread const KVCacheHead<T> &c, uint t, uint col, uint cols, thread float *x) {
+    ulong scale_row;
+    const ulong row = kv_row(c, t, scale_row);
+    if (c.bits == 0) {
+        FA_UNROLL
+        for (uint e = 0; e < N; ++e) {
+            x[e] = 0.0f;
+            if (col + e < cols) {
+                FA_DEVICE_READ(c.data + row + col + e, sizeof(T));
+                x[e] = float(c.data[row + col + e]);
+            }
+        }
+        return;
+    }
+    // The N elements lie in one group and in at most two words (N * bits <= 64, col a multiple of
+    // N): each word, the scale and the bias are loaded once.
+    device const uint *words = (device const uint *)c.data + row;
+    const uint first_bit = col * c.bits;
+    const uint w0 = first_bit / 32;
+    const bool two = (first_bit % 32) + N * c.bits > 32;
+    const ulong group = scale_row + col / c.group_size;
+    FA_DEVICE_READ(words + w0, two ? 8 : 4);
+    FA_DEVICE_READ(c.scales + group, sizeof(T));
+    FA_DEVICE_READ(c.biases + group, sizeof(T));
+    const uint lo = words[w0];
+    const uint hi = two ? words[w0 + 1] : 0u;
+    const float scale = float(c.scales[group]);
+    const float bias = float(c.biases[group]);
+    const uint mask = (1u << c.bits) - 1u;
+    FA_UNROLL
+    for (uint e = 0; e < N; ++e) {
+        const uint bit = first_bit % 32 + e * c.bits;
+        const uint q = ((bit < 32 ? lo >> bit : hi >> (bit - 32))) & mask;
+        x[e] = col + e < cols ? scale * float(q) + bias : 0.0f;
+    }
+}
+
+// The 16-byte chunk `chunk` of row t in the threadgroup tile format (flash_attention_loader.h):
+// moved as is when unquantized and aligned (`scalar` 0), else built element by element.
+template <typename T>
+inline uint4 kv_chunk(thread const KVCacheHead<T> &c, uint t, uint chunk, uint cols, bool scalar) {
+    constexpr uint V = FA_CHUNK_BYTES / sizeof(T);
+    constexpr uint PER_WORD = TileWords<T>::PER_WORD;
+    if (c.bits == 0 && !scalar) {
+        ulong scale_row;
+        device const T *at = c.data + kv_row(c, t, scale_row) + chunk * V;
+        FA_DEVICE_READ(at, FA_CHUNK_BYTES);
+        return *(device const uint4 *)at;
+    }
+    float x[V];
+    kv_elements<V>(c, t, chunk * V, cols, x);
+    uint4 out = uint4(0);
+    FA_UNROLL
+    for (uint e = 0; e < V; ++e) {
+        out[e / PER_WORD] |= TileWords<T>::bits(T(x[e])) << (16 * (e % PER_WORD));
+    }
+    return out;
+}
+
+// The cache of one KV head of batch element b (K: strides p.k, head_dim; V: p.v, head_dim_v),
+// whose data, scales and biases start at the buffers given.
+template <typename T>
+inline KVCacheHead<T> kv_cache_head(constant FlashAttentionParams &p, device const T *data,
+                                    device const T *scales, device const T *biases,
+                                    device const int *table, constant FlashAttentionStrides &s,
+                                    uint b, uint kv_head, uint cols) {
+    KVCacheHead<T> c;
+    const bool paged = p.kv_page_rows != 0;
+    c.page_rows = p.kv_page_rows;
+    c.max_blocks = max(p.kv_max_blocks, 1u);
+    c.num_blocks = max(p.kv_num_blocks, 1u);
+    c.bits = p.kv_bits;
+    c.group_size = max(p.kv_group_size, 1u);
+    c.table = table + (paged ? ulong(b) * p.kv_max_blocks : 0);
+    c.block_stride = s.batch;
+    c.row_stride = s.seq;
+    // Scales and biases are laid out like the packed words, a group's entry per row's words.
+    const uint words = c.bits == 0 ? 1 : cols * c.bits / 32;
+    const uint groups = c.bits == 0 ? 1 : cols / c.group_size;
+    c.scale_block_stride = s.batch / words * groups;
+    c.scale_row_stride = s.seq / words * groups;
+    const ulong first = paged ? ulong(kv_head) * s.head : head_offset(s, b, kv_head);
+    const ulong scale_first = paged ? ulong(kv_head) * (s.head / words * groups)
+                                    : (ulong(b) * s.batch + ulong(kv_head) * s.head) / words * groups;
+    c.data = c.bits == 0 ? data + first : (device const T *)((device const uint *)data + first);
+    c.scales = scales + scale_first;
+    c.biases = biases + scale_first;
+    return c;
+}
+
+// One thread's part of copying tiles of ROWS rows of a cache head into threadgroup tiles DP
+// columns wide, as TileStream does for a plain tensor (the same (row, chunk) per thread), each row
+// addressed through kv_row.
+template <typename T, uint ROWS, uint DP>
+struct CacheStream {
+    typedef T element;
+    typedef TileStream<T, ROWS, DP> Geometry;  // V, CHUNKS, STEP, PASSES: TileStream's
+    KVCacheHead<T> head;
+    uint seqlen;
+    uint cols;
+    uint row;   // the thread's first row in a tile (ROWS or more: none)
+    uint chunk;
+    bool cols_inside;
+};
+
+template <typename T, uint ROWS, uint DP>
+inline CacheStream<T, ROWS, DP> cache_stream(KVCacheHead<T> head, uint seqlen, uint cols, uint tid) {
+    typedef TileStream<T, ROWS, DP> S;
+    CacheStream<T, ROWS, DP> s;
+    s.head = head;
+    s.seqlen = seqlen;
+    s.cols = cols;
+    s.row = tid < S::STEP * S::CHUNKS ? tid / S::CHUNKS : ROWS;
+    s.chunk = tid % S::CHUNKS;
+    s.cols_inside = s.chunk * S::V < cols;
+    return s;
+}
+
+// The chunk of a paired tile (PairedRows, flash_attention_loader.h) that holds columns
+// [col, col + 4) of rows t and t + 1 (t even): word i is (t, col + i) | (t + 1, col + i) << 16.
+template <typename T, uint ROWS, uint DP>
+inline uint4 kv_pair_chunk(thread const CacheStream<T, ROWS, DP> &s, uint t, uint col) {
+    float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (t < s.seqlen) {
+        kv_elements<4>(s.head, t, col, s.cols, a);
+    }
+    if (t + 1 < s.seqlen) {
+        kv_elements<4>(s.head, t + 1, col, s.cols, b);
+    }
+    uint4 out;
+    FA_UNROLL
+    for (uint i = 0; i < 4; ++i) {
+        out[i] = TileWords<T>::bits(T(a[i])) | (TileWords<T>::bits(T(b[i])) << 16);
+    }
+    return out;
+}
+
+// Copies rows [first, first + ROWS) of the cache head into `tile` (zero past seqlen and cols),
+// row-major or, PAIRED, in the paired layout: the thread's (tile row, chunk) is then a chunk of
+// the pair of rows it holds, built from both rows (no shuffles: rows are fetched one by one).
+template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
+inline void load_tile(Tile tile, thread CacheStream<T, ROWS, DP> &s, uint first,
+                      constant FlashAttentionParams &p, uint tid) {
+    typedef typename CacheStream<T, ROWS, DP>::Geometry S;
+    static_assert(!PAIRED || (PairedRows<T, DP>::ON != 0 && ROWS % 2 == 0),
+                  "paired tiles need whole row pairs of a 2-byte type");
+    FA_UNROLL
+    for (uint k = 0; k < S::PASSES; ++k) {
+        const uint r = s.row + k * S::STEP;
+        if (r < ROWS) {
+            const uint t = first + r;
+            if (PAIRED) {
+                tile[r][s.chunk] = kv_pair_chunk(s, t - r % 2, r % 2 * (DP / 2) + s.chunk * 4);
+            } else {
+                tile[r][s.chunk] = s.cols_inside && t < s.seqlen
+                                       ? kv_chunk(s.head, t, s.chunk, s.cols, p.scalar_copies != 0)
+                                       : uint4(0);
+            }
+        }
+    }
+}
+
+// The K/V source of the forward kernels for a cache: streams over batch element b's KV head.
+template <typename T>
+struct CacheKV {
+    device const T *k;
+    device const T *v;
+    device const int *table;
+    device const T *k_scales;
+    device const T *k_biases;
+    device const T *v_scales;
+    device const T *v_biases;
+
+    template <uint ROWS, uint DP>
+    CacheStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                  uint first, uint tid) const {
+        return cache_stream<T, ROWS, DP>(
+            kv_cache_head(p, k, k_scales, k_biases, table, p.k, b, kv_head, p.head_dim), p.seqlen_k,
+            p.head_dim, tid);
+    }
+
+    template <uint ROWS, uint DP>
+    CacheStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                    uint first, uint tid) const {
+        return cache_stream<T, ROWS, DP>(
+            kv_cache_head(p, v, v_scales, v_biases, table, p.v, b, kv_head, p.head_dim_v),
+            p.seqlen_k, p.head_dim_v, tid);
+    }
+};
+
+// The cache buffers of the KV-cache forward kernels, after the forward's own.
+#define FA_KV_CACHE_KERNEL_BUFFERS(T)                                                              \
+    device const int *kv_table [[buffer(FA_KV_CACHE_BUFFER_TABLE)]],                               \
+        device const T *k_scales [[buffer(FA_KV_CACHE_BUFFER_K_SCALES)]],                          \
+        device const T *k_biases [[buffer(FA_KV_CACHE_BUFFER_K_BIASES)]],                          \
+        device const T *v_scales [[buffer(FA_KV_CACHE_BUFFER_V_SCALES)]],                          \
+        device const T *v_biases [[buffer(FA_KV_CACHE_BUFFER_V_BIASES)]]
+#define FA_KV_CACHE_SOURCE(T) CacheKV<T>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}
+
+// The KV-cache forward kernels of one dtype and bucket: flash_attention_forward_kvcache_* (dense,
+// any seqlen_q) and flash_attention_forward_split_kvcache_* (decode shapes; its chunks are merged
+// by flash_attention_forward_combine_*), the forward kernels with keys and values read through
+// CacheKV.
+#define FA_DEFINE_KV_CACHE_KERNELS(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)    \
+    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
+        flash_attention_forward_kvcache_##SUFFIX##_d##DP##_threadgroup;                            \
+    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
+        flash_attention_forward_split_kvcache_##SUFFIX##_d##DP##_threadgroup;                      \
+                                                                                                   \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
+    kernel void flash_attention_forward_kvcache_##SUFFIX##_d##DP(                                  \
+        FA_FORWARD_KERNEL_BUFFERS(T), FA_KV_CACHE_KERNEL_BUFFERS(T),                               \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_kvcache_##SUFFIX##_d##DP##_threadgroup tg;             \
+        attention_forward<DP, FWD_BQ, FWD_BK>(q, FA_KV_CACHE_SOURCE(T), out, lse, mask, alibi,     \
+                                              sinks, params, &tg, tgid, sgid, lane);               \
+    }                                                                                              \
+                                                                                                   \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
+    kernel void flash_attention_forward_split_kvcache_##SUFFIX##_d##DP(                            \
+        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
+        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
+        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
+        FA_KV_CACHE_KERNEL_BUFFERS(T),                                                             \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_split_kvcache_##SUFFIX##_d##DP##_threadgroup tg;       \
+        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, FA_KV_CACHE_SOURCE(T), mask, alibi,         \
+                                                    partial_out, partial_lse, params, &tg, tgid,   \
+                                                    sgid, lane);                                   \
+    }
+// ---- end flash_attention_kv_cache.h ----
+
+#define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(half, f16, __VA_ARGS__)
+#define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(bfloat, bf16, __VA_ARGS__)
+#define FA_DEFINE_F32(...) FA_DEFINE_KERNELS(float, f32, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(float, f32, __VA_ARGS__)
 
 FA_DEFINE_DTYPE_KERNELS(half, f16)
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_F16)

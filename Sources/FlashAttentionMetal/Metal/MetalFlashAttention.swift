@@ -327,10 +327,17 @@ public final class MetalFlashAttention: @unchecked Sendable {
                 encoder.setBuffer(buffers[binding.role], offset: piece.byteOffset(of: binding.role),
                                   index: binding.index)
             }
+            // The plan's roles, not only this dispatch's: a varlen pass's first dispatch copies its
+            // struct into the sequence table that the kernels reading q, k, v, out, dout use.
+            let bound = piece.plan.boundRoles
             var params = dispatch.params.checkingAlignment { role in
-                dispatch.bindings.contains { $0.role == role } ? UInt(piece.byteOffset(of: role)) : nil
+                bound.contains(role) ? UInt(piece.byteOffset(of: role)) : nil
             }
-            encoder.setBytes(&params, length: MemoryLayout<FlashAttentionParams>.size, index: dispatch.paramsIndex)
+            if let role = dispatch.paramsRole {
+                encoder.setBuffer(buffers[role], offset: 0, index: dispatch.paramsIndex)
+            } else {
+                encoder.setBytes(&params, length: MemoryLayout<FlashAttentionParams>.size, index: dispatch.paramsIndex)
+            }
             encoder.dispatchThreadgroups(metalSize(dispatch.threadgroupsPerGrid),
                                          threadsPerThreadgroup: metalSize(dispatch.threadsPerThreadgroup))
             encoder.endEncoding()

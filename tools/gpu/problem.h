@@ -1,8 +1,8 @@
-// Host-side ground truth for the CUDA check build: the float64 reference and the per-dtype "base"
-// of the accuracy rule (docs: ../../../shared/design.md, "Accuracy rule"; the same math as
-// python/flash_attention_metal/reference.py and accuracy.py). Plain C++17, no CUDA.
-#ifndef FA_GPU_REFERENCE_H
-#define FA_GPU_REFERENCE_H
+// One attention problem of the CUDA check build on the host: its shape, score modifiers and inputs.
+// The harness judges results with python/flash_attention_metal's reference and accuracy rule
+// (tools/gpu/judge.py); this header only describes what it dumps. Plain C++17, no CUDA.
+#ifndef FA_GPU_PROBLEM_H
+#define FA_GPU_PROBLEM_H
 
 #include <cstddef>
 #include <cstdint>
@@ -81,60 +81,11 @@ struct AttentionInputs {
 };
 
 // Index of pair (i, j) of (b, h) in the host mask (size-1 axes broadcast).
-size_t mask_index(const AttentionShape &shape, int b, int h, int i, int j);
-
-// Whether query row i of (b, h) may weigh key j: the window (causal folded in) and the mask.
-bool key_visible(const AttentionShape &shape, const AttentionInputs &in, int b, int h, int i,
-                 int j);
-
-// float64 results: forward (out, lse; lse is -inf on empty rows, sinks[h] with sinks) and the
-// gradients of sum(dout * out) with dk, dv summed over each GQA group (FlashAttention-2,
-// Algorithm 2); with sinks, dsinks (num_heads) = -sum over b, i of sink_terms, the rows' terms
-// exp(sinks[h] - lse) * D with D = rowsum(dout * out) (B, H, Nq). empty: 1 for a row that sees no
-// key (B, H, Nq).
-struct ReferenceResult {
-    std::vector<double> out, lse, dq, dk, dv, dsinks, sink_terms;
-    std::vector<char> empty;
-};
-
-// The baseline, each value already rounded to the dtype (stored as float); lse and, with sinks,
-// sink_terms in float32 (accuracy.py's base_forward and _dsinks_metric).
-struct BaseResult {
-    std::vector<float> out, dq, dk, dv, lse, sink_terms;
-};
-
-// Ground truth: float64 math on the inputs.
-ReferenceResult reference_attention(const AttentionShape &shape, const AttentionInputs &in);
-
-// What a framework computes in the shape's dtype: every matrix product (S, P@V; dP, dS@K, dS^T@Q,
-// P^T@dout) accumulated in float32 and rounded to the dtype, softmax in float32 and P rounded to
-// the dtype, D = rowsum(dout * out) in float32, dS rounded to the dtype; dk, dv rounded per query
-// head, then summed over the GQA group in float32 and rounded once (the backward of repeating KV
-// heads). Softcap, ALiBi and the additive mask in float32 on the rounded scaled S, the sinks in the
-// float32 softmax's denominator, dS through the softcap's 1 - tanh^2 in float32 (accuracy.py). For
-// float32 every rounding is to float32 itself: the plain float32 computation, products summed by
-// fma in index order, the harness's stand-in for NumPy's blocked order (the second of baselines()).
-BaseResult base_attention(const AttentionShape &shape, const AttentionInputs &in);
-
-// accuracy.py's STREAM_WIDTH and LSE_RESIDUAL_MIN: the streamed baseline's key tile, and the |lse|
-// from which its backward corrects P by the float32 lse's residual.
-constexpr int kStreamWidth = 8;
-constexpr float kLseResidualMin = 256.0f;
-
-// The float32 baseline in the kernels' streamed order (accuracy.py's _streamed_forward and
-// _streamed_backward, the same float32 operations in the same order): every reduction (S over
-// head_dim, O over keys, dP over head_dim_v, dQ over keys, dK and dV over the rows of all query
-// heads of a GQA group, head after head) one rounded product at a time in index order; the online
-// softmax's running max, sum (NumPy's pairwise sum of the tile's weights) and rescale of O once per
-// kStreamWidth keys, the sink joining the denominator last; P recomputed from the streamed lse,
-// less its residual where |lse| >= kLseResidualMin; D = rowsum(dout * out) as NumPy sums it. Only
-// meaningful for float32 inputs (nothing is rounded to another dtype).
-BaseResult streamed_base_attention(const AttentionShape &shape, const AttentionInputs &in);
-
-// The baselines the accuracy rule takes, each tensor's base error being the largest of theirs
-// (accuracy.py's _metric): base_attention alone for float16 and bfloat16; for float32 first
-// streamed_base_attention (whose sink_terms dsinks is judged by, as accuracy.py's base_backward),
-// then base_attention.
-std::vector<BaseResult> baselines(const AttentionShape &shape, const AttentionInputs &in);
+inline size_t mask_index(const AttentionShape &s, int b, int h, int i, int j) {
+    const size_t mb = s.options.mask_per_batch ? size_t(b) : 0;
+    const size_t mh = s.options.mask_per_head ? size_t(h) : 0;
+    return ((mb * size_t(s.mask_heads()) + mh) * size_t(s.seqlen_q) + size_t(i)) * size_t(s.seqlen_k) +
+           size_t(j);
+}
 
 #endif
