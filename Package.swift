@@ -24,6 +24,7 @@ let package = Package(
             linkerSettings: [
                 .linkedFramework("Metal", .when(platforms: [.macOS, .iOS])),
                 .linkedFramework("CoreGraphics", .when(platforms: [.macOS])),
+                .linkedFramework("IOKit", .when(platforms: [.macOS])),
             ]
         ),
         // Purpose-written kernels that pin the engine's semantics.

@@ -30,6 +30,10 @@ final class AutoBackend: ExecutionBackend {
         lock.withLock { ([metal?.note ?? ""] + notes).filter { !$0.isEmpty }.joined(separator: "; ") }
     }
 
+    var gpuCores: UInt32? {
+        lock.withLock { metal?.gpuCores }
+    }
+
     func prepare(_ plan: DispatchPlan) throws {
         try runner(for: plan).prepare(plan)
     }

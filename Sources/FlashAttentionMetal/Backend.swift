@@ -90,6 +90,10 @@ protocol ExecutionBackend: AnyObject {
     /// How the backend came to be what it is, for users ("" when there is nothing to say): where
     /// the Metal kernels came from, or why `auto` runs on the CPU engine.
     var note: String { get }
+    /// The device's GPU core count where the backend reads one (Metal: the IORegistry's
+    /// `gpu-core-count`), for the split-KV plan (`GPUCores.planned`); nil for the CPU engine, which
+    /// plans for the nominal GPU.
+    var gpuCores: UInt32? { get }
     /// Checks, before anything is written, that every kernel of `plan` can run here (Metal: the
     /// device is usable and each pipeline builds and fits the device); `execute` checks the same.
     /// Throws `FlashAttentionError`.
@@ -104,5 +108,6 @@ protocol ExecutionBackend: AnyObject {
 
 extension ExecutionBackend {
     var note: String { "" }
+    var gpuCores: UInt32? { nil }
     func prepare(_ plan: DispatchPlan) throws {}
 }

@@ -226,6 +226,7 @@ public func _exportContextLastProfile(_ handle: OpaquePointer?, _ profile: Unsaf
         out.pointee.dispatch_count = UInt32(last?.dispatches.count ?? 0)
         out.pointee.seconds = last?.seconds ?? 0
         out.pointee.command_buffers = UInt32(clamping: last?.commandBuffers ?? 0)
+        out.pointee.gpu_cores = UInt32(clamping: last?.gpuCores ?? 0)
         return FA_STATUS_SUCCESS
     } catch {
         return report(error)

@@ -71,8 +71,10 @@ final class Context {
     /// that of the last success). Every entry point comes through here, so here are the checks
     /// that need the buffers: no output overlaps another bound buffer, and backward's lse is one
     /// that forward can give (`HostBuffers.checkLse`); both throw `invalidArgument` before
-    /// anything is written.
+    /// anything is written. The plan is remade for the backend's GPU core count
+    /// (`GPUCores.planned(device:)`), which the profile reports.
     func run(_ plan: DispatchPlan, buffers: HostBuffers) throws {
+        let plan = plan.planned(forGPUCores: try GPUCores.planned(device: backend.gpuCores))
         try buffers.checkOutputsDisjoint(plan)
         if plan.pass == .backward {
             try buffers.checkLse(of: plan.problem)
@@ -84,7 +86,9 @@ final class Context {
             buffers.poisonOutputs(of: plan)
             throw error
         }
-        ProfileStore.record(profile, for: self)
+        var planned = profile
+        planned.gpuCores = Int(plan.problem.gpuCores)
+        ProfileStore.record(planned, for: self)
     }
 
     /// Cancels the calls in flight (see fa_context_cancel); thread-safe, returns at once.

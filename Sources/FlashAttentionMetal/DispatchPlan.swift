@@ -236,6 +236,12 @@ struct DispatchPlan {
         return roles
     }
 
+    /// This plan made for `cores` GPU cores (itself when it already is): what a backend that knows
+    /// its device's core count runs.
+    func planned(forGPUCores cores: UInt32) -> DispatchPlan {
+        cores == problem.gpuCores ? self : .make(pass, problem.planned(forGPUCores: cores))
+    }
+
     /// The plan of `pass` for `problem`.
     static func make(_ pass: Pass, _ problem: Problem) -> DispatchPlan {
         switch pass {

@@ -76,18 +76,20 @@ struct KeyValueSplit: Equatable {
 }
 
 /// The GPU core count plans are made for: `FLASH_ATTENTION_GPU_CORES` from the environment when set
-/// (read at each validation), else FA_NOMINAL_GPU_CORES, the nominal GPU of the CPU engine (so its
-/// results never depend on the machine). Tests and users set the variable to plan for another GPU;
-/// the split-KV chunking (`KeyValueSplit`) is its only reader.
+/// (read at each validation and each call), else the device's count where the backend reads one
+/// (`ExecutionBackend.gpuCores`: the Metal backend, from the IORegistry), else FA_NOMINAL_GPU_CORES,
+/// the nominal GPU of the CPU engine (so its results never depend on the machine). Tests and users
+/// set the variable to plan for another GPU; the split-KV chunking (`KeyValueSplit`) is its only
+/// reader.
 enum GPUCores {
     static let environmentVariable = "FLASH_ATTENTION_GPU_CORES"
     static let limit: UInt32 = 4096
 
-    /// The override's value, or FA_NOMINAL_GPU_CORES without one.
+    /// The override's value, else `device` (clamped to 1...limit), else FA_NOMINAL_GPU_CORES.
     /// - Throws: `invalidArgument` when the variable is set but not a whole number in 1...4096.
-    static func planned() throws -> UInt32 {
+    static func planned(device: UInt32? = nil) throws -> UInt32 {
         guard let value = getenv(environmentVariable) else {
-            return UInt32(FA_NOMINAL_GPU_CORES)
+            return device.map { min(max($0, 1), limit) } ?? UInt32(FA_NOMINAL_GPU_CORES)
         }
         let text = String(cString: value)
         guard let cores = UInt32(text), (1...limit).contains(cores) else {

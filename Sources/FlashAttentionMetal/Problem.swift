@@ -89,6 +89,8 @@ struct Problem {
     let layouts: [BufferRole: TensorLayout]
     /// The split-KV chunking of the forward pass, or nil for the dense forward.
     let split: KeyValueSplit?
+    /// The GPU core count `split` was planned for (`GPUCores.planned`).
+    let gpuCores: UInt32
     /// Window, softcap, mask, ALiBi and sinks.
     let scores: ScoreSpec
     /// The KV cache k and v are read from (forward), or nil for plain tensors.
@@ -225,7 +227,7 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil) {
+                 split: KeyValueSplit?, gpuCores: UInt32, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -240,6 +242,7 @@ struct Problem {
         self.layouts = layouts
         self.scores = scores
         self.split = split
+        self.gpuCores = gpuCores
         self.kvCache = kvCache
         self.varlen = varlen
     }
@@ -321,14 +324,26 @@ struct Problem {
         let scores = try ScoreSpec(causal: causal, window: window, softcap: softcap, maskType: maskType,
                                    maskStrides: maskStrides, hasAlibi: hasAlibi, alibiPerBatch: alibiPerBatch,
                                    hasSinks: hasSinks, dims: (b, h, sq, sk))
+        let cores = try GPUCores.planned()
         self.init(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
                   seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
                   causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
                   split: varlen != nil ? nil : KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h),
                                                               numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
-                                                              seqlenK: UInt32(sk), bucket: bucket,
-                                                              cores: try GPUCores.planned()),
-                  kvCache: kvCache, varlen: varlen)
+                                                              seqlenK: UInt32(sk), bucket: bucket, cores: cores),
+                  gpuCores: cores, kvCache: kvCache, varlen: varlen)
+    }
+
+    /// The same problem with the split-KV chunking planned for `cores` GPU cores (the backend's
+    /// device: `ExecutionBackend.gpuCores`).
+    func planned(forGPUCores cores: UInt32) -> Problem {
+        Problem(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
+                headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal, softmaxScale: softmaxScale,
+                bucket: bucket, layouts: layouts, scores: scores,
+                split: varlen != nil ? nil : KeyValueSplit(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads,
+                                                            seqlenQ: seqlenQ, seqlenK: seqlenK, bucket: bucket,
+                                                            cores: cores),
+                gpuCores: cores, kvCache: kvCache, varlen: varlen)
     }
 
     /// The rules of a variable-length batch that the host can check (the tables' values live where
@@ -366,7 +381,7 @@ struct Problem {
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
                        scores: scores.slice(batch: b, heads: h),
-                       split: split, kvCache: kvCache, varlen: varlen)
+                       split: split, gpuCores: gpuCores, kvCache: kvCache, varlen: varlen)
     }
 
     /// Elements of lse (and of the delta workspace): batch * numHeads * seqlenQ (checked by validation).

@@ -1,3 +1,5 @@
+import CFlashAttentionMetal
+
 /// What one forward, backward or merge call ran: its kernels in dispatch order and how long they took.
 ///
 /// Read it with ``FlashAttention/lastProfile`` (or `fa_context_last_profile` in C) on the thread
@@ -16,12 +18,18 @@ public struct Profile: Sendable, Equatable {
     /// GPU watchdog (ranges of batch entries, or of KV heads with their query heads, of at most
     /// 2^35 FLOP each); on the CPU engine the same pieces in turn (one, as the CPU has no watchdog).
     public var commandBuffers: Int
+    /// The GPU core count the split-KV chunks were planned for: `FLASH_ATTENTION_GPU_CORES` when
+    /// set, else the device's (Metal: the IORegistry's `gpu-core-count`), else
+    /// FA_NOMINAL_GPU_CORES (the CPU engine; docs/decode.md).
+    public var gpuCores: Int
 
     /// Creates a profile from its parts.
-    public init(seconds: Double, dispatches: [DispatchProfile], commandBuffers: Int = 1) {
+    public init(seconds: Double, dispatches: [DispatchProfile], commandBuffers: Int = 1,
+                gpuCores: Int = Int(FA_NOMINAL_GPU_CORES)) {
         self.seconds = seconds
         self.dispatches = dispatches
         self.commandBuffers = commandBuffers
+        self.gpuCores = gpuCores
     }
 }
 

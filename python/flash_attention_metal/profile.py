@@ -55,11 +55,14 @@ class Profile:
     of its dispatches, summed), ``dispatches``, one ``DispatchProfile`` per kernel of the pass in
     order (for the whole problem, summed over its pieces), and ``command_buffers``, the pieces the
     pass ran in (Metal: one command buffer each, of at most 2**35 FLOP, against the GPU watchdog;
-    CPU engine: 1)."""
+    CPU engine: 1), and ``gpu_cores``, the GPU core count the split-KV chunks were planned for
+    (``FLASH_ATTENTION_GPU_CORES`` when set, else the device's on Metal, else the nominal 10;
+    docs/decode.md)."""
 
     seconds: float
     dispatches: list[DispatchProfile]
     command_buffers: int = 1
+    gpu_cores: int | None = None
 
 
 def last_profile(native, handle) -> Profile | None:
@@ -88,7 +91,7 @@ def last_profile(native, handle) -> Profile | None:
             device_bytes_read=_counters(record.device_bytes_read),
         ))
     return Profile(seconds=float(summary.seconds), dispatches=dispatches,
-                   command_buffers=int(summary.command_buffers))
+                   command_buffers=int(summary.command_buffers), gpu_cores=int(summary.gpu_cores))
 
 
 def _specialization(text: str) -> dict[str, int]:

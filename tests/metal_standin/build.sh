@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the Metal backend against the stand-in Metal module (tests/swift/MetalStandIn) on Linux, where
-# `canImport(Metal)` is otherwise false: build/metal-standin/libFlashAttentionMetal.so, the library
-# with both backends, its Metal one running the kernels on the CPU engine (docs/metal.md).
+# Builds the Metal backend against the stand-in Metal and IOKit modules (tests/swift/MetalStandIn,
+# tests/swift/IOKitStandIn) on Linux, where `canImport(Metal)` is otherwise false:
+# build/metal-standin/libFlashAttentionMetal.so, the library with both backends, its Metal one
+# running the kernels on the CPU engine (docs/metal.md).
 # Sources/FlashAttentionMetal is compiled in Swift 5 mode (the package's) and type-checked in Swift 6
 # mode; the stand-in in Swift 6 mode. Reuses the C and C++ objects of the release build (./build.sh
 # first). The release library is untouched.
@@ -27,18 +28,21 @@ for module in CFlashAttentionMetal MSLEngine; do
 done
 CLANG_MODULES=(-Xcc -D_GNU_SOURCE -Xcc "-fmodule-map-file=$OUT/CFlashAttentionMetal.modulemap"
     -Xcc "-fmodule-map-file=$OUT/MSLEngine.modulemap" -module-cache-path "$OUT/module-cache")
+mapfile -t IOKIT < <(find "$ROOT/tests/swift/IOKitStandIn" -name '*.swift' | sort)
 mapfile -t STANDIN < <(find "$ROOT/tests/swift/MetalStandIn" -name '*.swift' | sort)
 mapfile -t BACKEND < <(find "$SOURCES" -name '*.swift' | sort)
 mapfile -t OBJECTS < <(find "$RELEASE/MSLEngine.build" "$RELEASE/CFlashAttentionMetal.build" -name '*.o' | sort)
 
+swiftc -swift-version 6 -parse-as-library -module-name IOKit -emit-module -emit-module-path "$OUT/IOKit.swiftmodule" \
+    -emit-library -static -o "$OUT/libIOKit.a" "${IOKIT[@]}"
 swiftc -swift-version 6 -parse-as-library -module-name Metal -emit-module -emit-module-path "$OUT/Metal.swiftmodule" \
-    -emit-library -static -o "$OUT/libMetal.a" "${CLANG_MODULES[@]}" "${STANDIN[@]}"
+    -emit-library -static -o "$OUT/libMetal.a" -I "$OUT" "${CLANG_MODULES[@]}" "${STANDIN[@]}"
 [[ ${METAL_STANDIN_SWIFT6:-1} != 1 ]] ||
     swiftc -swift-version 6 -typecheck -module-name FlashAttentionMetal -I "$OUT" "${CLANG_MODULES[@]}" "${BACKEND[@]}"
 swiftc -swift-version 5 -Onone -enable-testing -parse-as-library -module-name FlashAttentionMetal \
     -emit-module -emit-module-path "$OUT/FlashAttentionMetal.swiftmodule" -emit-library \
     -o "$OUT/libFlashAttentionMetal.so" -I "$OUT" "${CLANG_MODULES[@]}" "${BACKEND[@]}" \
-    "$OUT/libMetal.a" "${OBJECTS[@]}" -lstdc++
+    "$OUT/libMetal.a" "$OUT/libIOKit.a" "${OBJECTS[@]}" -lstdc++
 echo "built $OUT/libFlashAttentionMetal.so (Metal backend on the stand-in)"
 [[ ${METAL_STANDIN_SWIFT_TESTS:-1} == 1 ]] || exit 0
 # The Swift tests of the Metal backend, run without SwiftPM (whose discovery is replaced by allTests).

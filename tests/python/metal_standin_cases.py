@@ -141,6 +141,41 @@ def test_bshd_views_and_given_outputs(cpu, metal):
     _same(*results, "bshd views, given outputs")
 
 
+GPU_CORES_ENV = "FLASH_ATTENTION_GPU_CORES"
+# The stand-in IOKit's gpu-core-count of the stand-in device (tests/swift/IOKitStandIn).
+DEVICE_CORES_ENV = "FLASH_ATTENTION_METAL_STANDIN_GPU_CORE_COUNT"
+
+
+def test_plan_follows_the_device_core_count(cpu, monkeypatch):
+    """The Metal backend plans the decode chunks for the core count the IORegistry gives its device
+    (the stand-in's entry, not the other GPU's listed first), and the profile says so; without one
+    it plans for the nominal GPU, and FLASH_ATTENTION_GPU_CORES wins over both. Every plan computes
+    what the CPU engine computes for the same core count, bit for bit."""
+    q, k, v = _inputs(np.random.default_rng(9), np.float16, 1, 32, 8, 1, 2048, 128)
+
+    def run(context):
+        result = context.forward(q, k, v)
+        profile = context.last_profile
+        return result, profile.gpu_cores, profile.dispatches[0].threadgroups
+
+    monkeypatch.delenv(GPU_CORES_ENV, raising=False)
+    monkeypatch.delenv(DEVICE_CORES_ENV, raising=False)
+    nominal = run(fam.Context("metal"))
+    assert nominal[1] == 10
+    assert nominal[2] == run(cpu)[2]
+    monkeypatch.setenv(DEVICE_CORES_ENV, "40")
+    device = fam.Context("metal")  # reads the count once, when made
+    planned = run(device)
+    assert planned[1] == 40 and planned[2][0] > nominal[2][0], (planned[1:], nominal[1:])
+    monkeypatch.setenv(GPU_CORES_ENV, "40")
+    on_cpu = run(cpu)
+    assert on_cpu[1:] == planned[1:]
+    _same(on_cpu[0], planned[0], "decode planned for 40 cores")
+    monkeypatch.setenv(GPU_CORES_ENV, "20")
+    assert run(device)[1] == 20
+    _record(device)
+
+
 def test_varlen_through_the_metal_backend(cpu, metal):
     """A variable-length batch (the sequence table kernel, then every pass's kernels reading their
     parameters from that workspace in place of the bytes): the same bits as the CPU backend."""

@@ -89,11 +89,14 @@ def test_reads_the_cache_once_per_row_block(ctx):
 
 def test_core_count_override_plans_for_another_gpu(ctx, monkeypatch):
     q, k, v, _ = make_inputs(12, 1, 32, 8, 1, 1024, 128)
+    monkeypatch.setenv(CORES, "10")  # a Metal device's own count would apply without it
     out, lse = _decode(ctx, q, k, v)
-    assert ctx.last_profile.dispatches[0].threadgroups == (8, 8, 1)  # nominal 10 cores: 2 x 10 x 3
+    assert ctx.last_profile.dispatches[0].threadgroups == (8, 8, 1)  # 10 cores: 2 x 10 x 3
+    assert ctx.last_profile.gpu_cores == 10
     monkeypatch.setenv(CORES, "40")
     again, again_lse = _decode(ctx, q, k, v)
     assert ctx.last_profile.dispatches[0].threadgroups == (16, 8, 1)  # 16 chunks of 64 keys: the most
+    assert ctx.last_profile.gpu_cores == 40
     assert_within_rule(accuracy.evaluate_forward(q, k, v, again, again_lse), "40 cores")
     monkeypatch.setenv(CORES, "many")
     with pytest.raises(fam.FlashAttentionError, match=CORES):

@@ -307,6 +307,11 @@ typedef struct fa_profile {
                                  batch entries, KV heads or blocks of rows of at most 2^35 FLOP,
                                  against the GPU watchdog); CPU engine, 1. 0 when dispatch_count
                                  is 0. */
+    uint32_t gpu_cores;      /* GPU cores the split-KV chunks were planned for: FLASH_ATTENTION_GPU_CORES
+                                when set, else the device's (Metal: the IORegistry's gpu-core-count),
+                                else FA_NOMINAL_GPU_CORES (CPU engine); docs/decode.md. Added after
+                                0.3.0 in what was padding: sizeof(fa_profile) is unchanged. 0
+                                when dispatch_count is 0. */
 } fa_profile;
 
 /* Buffers whose device reads fa_dispatch_profile.device_bytes_read counts. */

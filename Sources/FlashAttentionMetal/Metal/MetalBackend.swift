@@ -14,6 +14,9 @@ final class MetalBackend: ExecutionBackend {
     let name: StaticString = "metal"
     let deviceName: String
     var note: String { kernels.origin }
+    /// The device's `gpu-core-count` from the IORegistry (`DeviceCores`), read once; nil when
+    /// there is none (the plan then takes FA_NOMINAL_GPU_CORES).
+    let gpuCores: UInt32?
 
     /// Work per command buffer, in FLOP as FlashAttention counts them (`Pass.flopsPerScoreElement`).
     /// macOS stops a command buffer that runs for seconds and may then refuse the process's later
@@ -51,6 +54,11 @@ final class MetalBackend: ExecutionBackend {
         self.queue = queue
         kernels = try MetalFlashAttention(device: device)
         deviceName = device.name
+        #if canImport(IOKit)
+        gpuCores = DeviceCores.read(registryID: device.registryID)
+        #else
+        gpuCores = nil
+        #endif
     }
 
     /// The first device of family Apple7 or later. MTLCreateSystemDefaultDevice() can return nil in

@@ -221,6 +221,25 @@ final class DispatchPlanTests: XCTestCase {
         XCTAssertEqual(try GPUCores.planned(), UInt32(FA_NOMINAL_GPU_CORES))
     }
 
+    /// A backend's device count (Metal: the IORegistry's) replaces the nominal GPU unless the
+    /// variable is set; the plan remade for it is the one a problem validated for that count gives.
+    func testDeviceCoreCount() throws {
+        defer { unsetenv(GPUCores.environmentVariable) }
+        XCTAssertEqual(try GPUCores.planned(device: 38), 38)
+        XCTAssertEqual(try GPUCores.planned(device: 0), 1)
+        XCTAssertEqual(try GPUCores.planned(device: nil), UInt32(FA_NOMINAL_GPU_CORES))
+        let nominal = DispatchPlan.forward(try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 4096))
+        XCTAssertEqual(nominal.problem.gpuCores, UInt32(FA_NOMINAL_GPU_CORES))
+        let remade = nominal.planned(forGPUCores: 40)
+        setenv(GPUCores.environmentVariable, "40", 1)
+        XCTAssertEqual(try GPUCores.planned(device: 38), 40)
+        let validated = DispatchPlan.forward(try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 4096))
+        XCTAssertEqual(remade.problem.split, validated.problem.split)
+        XCTAssertEqual(remade.problem.gpuCores, 40)
+        XCTAssertEqual(remade.dispatches.map(\.threadgroupsPerGrid), validated.dispatches.map(\.threadgroupsPerGrid))
+        XCTAssertNotEqual(remade.problem.split, nominal.problem.split)
+    }
+
     /// Masks, ALiBi and sinks bind their own buffers; sinks add the dsinks dispatch and output;
     /// causal folds into the window as right = 0.
     func testScoreModifiersInThePlan() throws {

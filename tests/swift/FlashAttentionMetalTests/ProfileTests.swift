@@ -168,6 +168,7 @@ final class ProfileTests: XCTestCase {
         XCTAssertEqual(profile.dispatch_count, 0, "no call yet")
         XCTAssertEqual(profile.seconds, 0)
         XCTAssertEqual(profile.command_buffers, 0)
+        XCTAssertEqual(profile.gpu_cores, 0)
 
         var problem = fa_problem()
         problem.struct_size = UInt32(MemoryLayout<fa_problem>.size)
@@ -196,6 +197,7 @@ final class ProfileTests: XCTestCase {
         XCTAssertEqual(Int(profile.dispatch_count), plan.dispatches.count)
         XCTAssertGreaterThan(profile.seconds, 0)
         XCTAssertEqual(profile.command_buffers, 1)
+        XCTAssertEqual(profile.gpu_cores, UInt32(FA_NOMINAL_GPU_CORES), "the CPU engine plans for the nominal GPU")
 
         var record = fa_dispatch_profile()
         record.struct_size = UInt32(MemoryLayout<fa_dispatch_profile>.size)

@@ -3,6 +3,7 @@
 import Glibc
 #endif
 import Foundation
+import IOKit
 import MSLEngine
 
 // https://developer.apple.com/documentation/metal/mtlgpufamily
@@ -45,6 +46,8 @@ public struct MTLSize: Sendable {
 public protocol MTLDevice: AnyObject {
     // https://developer.apple.com/documentation/metal/mtldevice/name
     var name: String { get }
+    // https://developer.apple.com/documentation/metal/mtldevice/registryid
+    var registryID: UInt64 { get }
     // https://developer.apple.com/documentation/metal/mtldevice/maxbufferlength
     var maxBufferLength: Int { get }
     // https://developer.apple.com/documentation/metal/mtldevice/maxthreadgroupmemorylength
@@ -90,6 +93,8 @@ final class StandInDevice: MTLDevice, @unchecked Sendable {
     static let shared = StandInDevice()
 
     let name = "Metal stand-in (CPU engine)"
+    /// The stand-in IOKit's accelerator entry for this device.
+    let registryID = standInAcceleratorRegistryID
     let maxBufferLength = 1 << 34
     let maxThreadgroupMemoryLength = 32 * 1024
 
