@@ -88,7 +88,8 @@ def _options(case: int, rng, batch: int, heads: int, seqlen_q: int, seqlen_k: in
 @pytest.mark.parametrize("dtype,bucket", CASES)
 def test_forward_backward_decode(cpu, metal, dtype, bucket):
     """Forward and backward (GQA, unequal lengths, a score option), then a decode-shaped forward
-    (the decode and combine kernels) and 16 rows over the same cache (the tiled split kernel)."""
+    (the decode and combine kernels), 16 rows over the same cache (the tiled split kernel) and a
+    paged KV cache (the cache-reading kernels)."""
     rng = np.random.default_rng(1000 * bucket + len(dtype))
     head_dim = HEAD_DIMS[bucket]
     q, k, v = _inputs(rng, DTYPES[dtype], 1, 4, 2, 19, 27, head_dim)
@@ -112,6 +113,19 @@ def test_forward_backward_decode(cpu, metal, dtype, bucket):
     _record(metal)
     assert any("split" in d.kernel for d in metal.last_profile.dispatches)
     _same(*speculative, f"16 rows {dtype} d{head_dim}")
+
+    # A paged KV cache, pages shuffled: a prefill chunk (the cache-reading forward) and a decode
+    # step (the cache-reading split kernel).
+    pages = rng.permutation(40).astype(np.int32)[None]
+    k_cache, v_cache = (rng.standard_normal((40, 16, 1, head_dim)).astype(np.float32).astype(DTYPES[dtype])
+                        for _ in range(2))
+    for rows in (80, 1):
+        query = rng.standard_normal((1, rows, 2, head_dim)).astype(np.float32).astype(DTYPES[dtype])
+        cached = [fam.flash_attn_with_kvcache(query, k_cache, v_cache, cache_seqlens=600, block_table=pages,
+                                              return_softmax_lse=True, context=c) for c in (cpu, metal)]
+        _record(metal)
+        assert any("kvcache" in d.kernel for d in metal.last_profile.dispatches)
+        _same(*cached, f"paged cache, {rows} rows, {dtype} d{head_dim}")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
