@@ -6,14 +6,16 @@ import XCTest
 final class KVCacheTests: XCTestCase {
     func testPagedCacheEqualsContiguousForward() throws {
         let attention = try FlashAttention(backend: .cpu)
-        let (heads, kvHeads, seqlenQ, seqlenK, dim, page) = (4, 2, 3, 37, 32, 8)
+        // 65 rows: the dense kernels on both sides (up to 64 rows the plain call may take the
+        // decode kernel, which sums in another order than the cache's split kernel).
+        let (heads, kvHeads, seqlenQ, seqlenK, dim, page) = (4, 2, 65, 77, 32, 8)
         let shape = AttentionShape(batch: 1, numHeads: heads, numKVHeads: kvHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
                                    headDim: dim)
         func values(_ count: Int, _ seed: Int) -> [Float] { (0..<count).map { Float(sin(Double($0 * 7 + seed))) } }
         let q = values(heads * seqlenQ * dim, 1)
         let k = values(kvHeads * seqlenK * dim, 2), v = values(kvHeads * seqlenK * dim, 3)
-        let table: [Int32] = [3, 0, 5, 1, 4]  // 5 blocks of 8 rows hold 37 keys; block 2 is unused
-        var kPaged = [Float](repeating: .nan, count: 6 * kvHeads * page * dim), vPaged = kPaged
+        let table: [Int32] = [3, 0, 5, 1, 4, 10, 7, 9, 6, 8]  // 10 blocks of 8 rows hold 77 keys; block 2 is unused
+        var kPaged = [Float](repeating: .nan, count: 11 * kvHeads * page * dim), vPaged = kPaged
         for h in 0..<kvHeads {
             for t in 0..<seqlenK {
                 let to = ((Int(table[t / page]) * kvHeads + h) * page + t % page) * dim
@@ -31,8 +33,8 @@ final class KVCacheTests: XCTestCase {
                         try table.withUnsafeBufferPointer { t in
                             try out.withUnsafeMutableBufferPointer { o in
                                 try lse.withUnsafeMutableBufferPointer { l in
-                                    let cache = AttentionKVCache(k: kb, v: vb, rows: page, blockTable: t, maxBlocks: 5,
-                                                                 numBlocks: 6)
+                                    let cache = AttentionKVCache(k: kb, v: vb, rows: page, blockTable: t, maxBlocks: 10,
+                                                                 numBlocks: 11)
                                     try attention.forward(q: q, cache: cache, out: o, lse: l, shape: shape, causal: true)
                                 }
                             }
@@ -44,8 +46,8 @@ final class KVCacheTests: XCTestCase {
         try run(table)
         XCTAssertEqual(out, expected.out)
         XCTAssertEqual(lse, expected.lse)
-        XCTAssertThrowsError(try run([3, 0, 6, 1, 4])) { error in
-            XCTAssertTrue("\(error)".contains("kv_block_table[0][2] (6) must lie in [0, kv_num_blocks = 6)"), "\(error)")
+        XCTAssertThrowsError(try run([3, 0, 11, 1, 4, 10, 7, 9, 6, 8])) { error in
+            XCTAssertTrue("\(error)".contains("kv_block_table[0][2] (11) must lie in [0, kv_num_blocks = 11)"), "\(error)")
         }
     }
 }
