@@ -397,22 +397,23 @@ inline void store_partial_lse(device float *partial_lse, ulong index, float m, f
 }
 
 // The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
-// the one for KV caches): tile streams over batch element b's KV head.
+// the one for KV caches): tile streams over batch element b's KV head. (Member functions say
+// `inline`: the CUDA check build makes every `inline` function a __device__ one.)
 template <typename T>
 struct DeviceKV {
     device const T *k;
     device const T *v;
 
     template <uint ROWS, uint DP>
-    TileStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head, uint first,
-                                 uint tid) const {
+    inline TileStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                        uint first, uint tid) const {
         return tile_stream<T, ROWS, DP>(k + head_offset(p.k, b, kv_head), first, p.seqlen_k, p.k.seq,
                                         p.head_dim, tid);
     }
 
     template <uint ROWS, uint DP>
-    TileStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head, uint first,
-                                   uint tid) const {
+    inline TileStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                          uint first, uint tid) const {
         return tile_stream<T, ROWS, DP>(v + head_offset(p.v, b, kv_head), first, p.seqlen_k, p.v.seq,
                                         p.head_dim_v, tid);
     }

@@ -228,16 +228,16 @@ struct CacheKV {
     device const T *v_biases;
 
     template <uint ROWS, uint DP>
-    CacheStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                  uint first, uint tid) const {
+    inline CacheStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                         uint first, uint tid) const {
         return cache_stream<T, ROWS, DP>(
             kv_cache_head(p, k, k_scales, k_biases, table, p.k, b, kv_head, p.head_dim), p.seqlen_k,
             p.head_dim, tid);
     }
 
     template <uint ROWS, uint DP>
-    CacheStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                    uint first, uint tid) const {
+    inline CacheStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                           uint first, uint tid) const {
         return cache_stream<T, ROWS, DP>(
             kv_cache_head(p, v, v_scales, v_biases, table, p.v, b, kv_head, p.head_dim_v),
             p.seqlen_k, p.head_dim_v, tid);

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "193ada57436f7e6f"
+    static let sourceHash = "b499d2ea314d324c"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -1538,22 +1538,23 @@ inline void store_partial_lse(device float *partial_lse, ulong index, float m, f
 }
 
 // The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
-// the one for KV caches): tile streams over batch element b's KV head.
+// the one for KV caches): tile streams over batch element b's KV head. (Member functions say
+// `inline`: the CUDA check build makes every `inline` function a __device__ one.)
 template <typename T>
 struct DeviceKV {
     device const T *k;
     device const T *v;
 
     template <uint ROWS, uint DP>
-    TileStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head, uint first,
-                                 uint tid) const {
+    inline TileStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                        uint first, uint tid) const {
         return tile_stream<T, ROWS, DP>(k + head_offset(p.k, b, kv_head), first, p.seqlen_k, p.k.seq,
                                         p.head_dim, tid);
     }
 
     template <uint ROWS, uint DP>
-    TileStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head, uint first,
-                                   uint tid) const {
+    inline TileStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                          uint first, uint tid) const {
         return tile_stream<T, ROWS, DP>(v + head_offset(p.v, b, kv_head), first, p.seqlen_k, p.v.seq,
                                         p.head_dim_v, tid);
     }
@@ -2941,16 +2942,16 @@ struct CacheKV {
     device const T *v_biases;
 
     template <uint ROWS, uint DP>
-    CacheStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                  uint first, uint tid) const {
+    inline CacheStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                         uint first, uint tid) const {
         return cache_stream<T, ROWS, DP>(
             kv_cache_head(p, k, k_scales, k_biases, table, p.k, b, kv_head, p.head_dim), p.seqlen_k,
             p.head_dim, tid);
     }
 
     template <uint ROWS, uint DP>
-    CacheStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                    uint first, uint tid) const {
+    inline CacheStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                           uint first, uint tid) const {
         return cache_stream<T, ROWS, DP>(
             kv_cache_head(p, v, v_scales, v_biases, table, p.v, b, kv_head, p.head_dim_v),
             p.seqlen_k, p.head_dim_v, tid);
