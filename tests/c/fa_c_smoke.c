@@ -57,11 +57,12 @@ static void fill(uint16_t *x, size_t n, unsigned seed) {
  * `min_dispatches` kernels whose names start with `prefix`, measured by the CPU engine (counters
  * present, barriers executed, times that add up). */
 static void check_profile(fa_context *ctx, uint32_t min_dispatches, const char *prefix) {
-    fa_profile profile = {sizeof(fa_profile), 0, 0.0, 0};
+    fa_profile profile = {sizeof(fa_profile), 0, 0.0, 0, 0};
     check(fa_context_last_profile(ctx, &profile) == FA_STATUS_SUCCESS, fa_last_error_message());
     check(profile.dispatch_count >= min_dispatches, "profile: number of dispatches");
     check(profile.command_buffers == 1, "profile: the CPU engine runs a pass in one piece");
     check(profile.seconds > 0, "profile: seconds > 0");
+    check(profile.gpu_cores >= 1, "profile: the GPU cores the plan was made for");
     double sum = 0;
     uint64_t barriers = 0;
     for (uint32_t i = 0; i < profile.dispatch_count; i++) {
