@@ -7,10 +7,16 @@ import Darwin
 
 /// How the split-KV forward divides the keys of each (batch, KV head) into chunks, or nil for the
 /// dense forward. Two kernels write the chunks' partial results (merged by
-/// `flash_attention_forward_combine`):
+/// `flash_attention_forward_combine`), each threadgroup reading its chunk of K and V once for a
+/// block of packed query rows (the GQA group's, group x seqlen_q per KV head):
 /// - `decode` (`flash_attention_forward_decode_<dtype>_d<DP>`, Shaders/flash_attention_decode.h)
-///   for seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS, whatever the length;
-/// - `tiled` (`flash_attention_forward_split_<dtype>_d<DP>`) for seqlen_q up to
+///   for seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS when the packed rows fit one of its blocks
+///   (`fa_decode_serves`: FA_DECODE_ROWS rows, head_dim_max <= FA_DECODE_MAX_HEAD_DIM), whatever
+///   the length: the cache is read once per call;
+/// - `tiled` (`flash_attention_forward_split_<dtype>_d<DP>`) for the other seqlen_q <=
+///   FA_SPLIT_MAX_QUERY_ROWS (large GQA groups, e.g. 32 query heads over 1 KV head, and head_dim
+///   above 256), whose blocks of forward_block_q packed rows read the cache once per block where
+///   decode blocks would read it once per FA_DECODE_ROWS rows; and up to
 ///   FA_SPLIT_TILED_MAX_QUERY_ROWS (speculative decoding, chunked prefill) when the dense grid
 ///   would give fewer threadgroups than the GPU's cores hold at once.
 ///
@@ -26,7 +32,7 @@ struct KeyValueSplit: Equatable {
     }
 
     let kernel: Kernel
-    /// Chunks per (batch, KV head); at least 1 (decode) or 2 (tiled).
+    /// Chunks per (batch, KV head); at least 1 (seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS) or 2.
     let chunks: UInt32
     /// Keys per chunk, a multiple of FA_SPLIT_MIN_CHUNK_KEYS; the last chunk may be shorter.
     let chunkKeys: UInt32
@@ -36,10 +42,12 @@ struct KeyValueSplit: Equatable {
 
     init?(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
           bucket: FlashAttentionBucket, cores: UInt32) {
+        let decodeShape = seqlenQ <= UInt32(FA_SPLIT_MAX_QUERY_ROWS)
+        let packedRows = UInt64(numHeads / numKVHeads) * UInt64(seqlenQ)
         let kernel: Kernel
         let rowsPerBlock: UInt64
         let resident: UInt64
-        if seqlenQ <= UInt32(FA_SPLIT_MAX_QUERY_ROWS) {
+        if decodeShape && fa_decode_serves(bucket.head_dim_max, packedRows) != 0 {
             kernel = .decode
             rowsPerBlock = UInt64(fa_decode_rows(bucket.head_dim_max))
             resident = UInt64(FA_CORE_THREADGROUP_BYTES) / UInt64(fa_decode_threadgroup_bytes(bucket.head_dim_max))
@@ -48,11 +56,10 @@ struct KeyValueSplit: Equatable {
             rowsPerBlock = UInt64(bucket.forward_block_q)
             resident = UInt64(FA_FORWARD_MIN_THREADGROUPS_PER_CORE)
             let dense = UInt64(batch) * UInt64(numHeads) * ((UInt64(seqlenQ) + rowsPerBlock - 1) / rowsPerBlock)
-            guard dense < UInt64(cores) * resident else { return nil }
+            guard decodeShape || dense < UInt64(cores) * resident else { return nil }
         } else {
             return nil
         }
-        let packedRows = UInt64(numHeads / numKVHeads) * UInt64(seqlenQ)
         let rowBlocks = (packedRows + rowsPerBlock - 1) / rowsPerBlock
         let perChunk = UInt64(batch) * UInt64(numKVHeads) * rowBlocks
         let target = 2 * UInt64(cores) * max(resident, 1)
@@ -64,7 +71,9 @@ struct KeyValueSplit: Equatable {
         // Rounded down: the chunks made are at least the chunks wanted (two waves at least).
         let chunkKeys = max(keys / granule, 1) * granule
         let made = (UInt64(seqlenK) + chunkKeys - 1) / chunkKeys
-        guard kernel == .decode || made >= 2 else { return nil }
+        // Decode shapes stay split even in one chunk: the dense forward would read the cache once
+        // per query head.
+        guard decodeShape || made >= 2 else { return nil }
         self.kernel = kernel
         self.chunks = UInt32(made)
         self.chunkKeys = UInt32(chunkKeys)

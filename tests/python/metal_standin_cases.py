@@ -88,8 +88,8 @@ def _options(case: int, rng, batch: int, heads: int, seqlen_q: int, seqlen_k: in
 @pytest.mark.parametrize("dtype,bucket", CASES)
 def test_forward_backward_decode(cpu, metal, dtype, bucket):
     """Forward and backward (GQA, unequal lengths, a score option), then a decode-shaped forward
-    (the decode and combine kernels), 16 rows over the same cache (the tiled split kernel) and a
-    paged KV cache (the cache-reading kernels)."""
+    (the decode and combine kernels; above head_dim 256 the tiled split kernel), 16 rows over the
+    same cache (the tiled split kernel) and a paged KV cache (the cache-reading kernels)."""
     rng = np.random.default_rng(1000 * bucket + len(dtype))
     head_dim = HEAD_DIMS[bucket]
     q, k, v = _inputs(rng, DTYPES[dtype], 1, 4, 2, 19, 27, head_dim)
@@ -106,7 +106,8 @@ def test_forward_backward_decode(cpu, metal, dtype, bucket):
     q, k, v = _inputs(rng, DTYPES[dtype], 1, 2, 1, 1, 600, head_dim)
     decode = [c.forward(q, k, v) for c in (cpu, metal)]
     _record(metal)
-    assert any("decode" in d.kernel for d in metal.last_profile.dispatches)
+    chunks = "decode" if head_dim <= 256 else "split"
+    assert metal.last_profile.dispatches[0].kernel.startswith(f"flash_attention_forward_{chunks}_")
     _same(*decode, f"decode {dtype} d{head_dim}")
     q = _inputs(rng, DTYPES[dtype], 1, 2, 1, 16, 600, head_dim)[0]
     speculative = [c.forward(q, k, v) for c in (cpu, metal)]
