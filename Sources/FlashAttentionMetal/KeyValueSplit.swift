@@ -86,25 +86,54 @@ struct KeyValueSplit: Equatable {
 
 /// The GPU core count plans are made for: `FLASH_ATTENTION_GPU_CORES` from the environment when set
 /// (read at each validation and each call), else the device's count where the backend reads one
-/// (`ExecutionBackend.gpuCores`: the Metal backend, from the IORegistry), else FA_NOMINAL_GPU_CORES,
-/// the nominal GPU of the CPU engine (so its results never depend on the machine). Tests and users
-/// set the variable to plan for another GPU; the split-KV chunking (`KeyValueSplit`) is its only
-/// reader.
+/// (`ExecutionBackend.gpuCores`: the Metal backend, from the IORegistry; for `fa_plan_create`,
+/// `libraryDevice`), else FA_NOMINAL_GPU_CORES, the nominal GPU of the CPU engine (so its results
+/// never depend on the machine). Tests and users set the variable to plan for another GPU; the
+/// split-KV chunking (`KeyValueSplit`) is its only reader.
 enum GPUCores {
     static let environmentVariable = "FLASH_ATTENTION_GPU_CORES"
     static let limit: UInt32 = 4096
 
-    /// The override's value, else `device` (clamped to 1...limit), else FA_NOMINAL_GPU_CORES.
+    /// Where a planned count comes from (`fa_gpu_cores_source`).
+    enum Source: Equatable {
+        case nominal, device, override
+
+        var abi: fa_gpu_cores_source {
+            switch self {
+            case .nominal: return FA_GPU_CORES_NOMINAL
+            case .device: return FA_GPU_CORES_DEVICE
+            case .override: return FA_GPU_CORES_OVERRIDE
+            }
+        }
+    }
+
+    /// The override's value, else `device` (clamped to 1...limit), else FA_NOMINAL_GPU_CORES; and
+    /// which of the three it is.
     /// - Throws: `invalidArgument` when the variable is set but not a whole number in 1...4096.
-    static func planned(device: UInt32? = nil) throws -> UInt32 {
+    static func plan(device: UInt32?) throws -> (cores: UInt32, source: Source) {
         guard let value = getenv(environmentVariable) else {
-            return device.map { min(max($0, 1), limit) } ?? UInt32(FA_NOMINAL_GPU_CORES)
+            guard let device else { return (UInt32(FA_NOMINAL_GPU_CORES), .nominal) }
+            return (min(max(device, 1), limit), .device)
         }
         let text = String(cString: value)
         guard let cores = UInt32(text), (1...limit).contains(cores) else {
             throw FlashAttentionError.invalidArgument(
                 "\(environmentVariable) (\(text)) must be a whole number of GPU cores from 1 to \(limit)")
         }
-        return cores
+        return (cores, .override)
+    }
+
+    /// `plan(device:)`'s count.
+    static func planned(device: UInt32? = nil) throws -> UInt32 { try plan(device: device).cores }
+
+    /// The core count of the Metal device the library runs on (the one a Metal context takes), read
+    /// once per process; nil off Metal or when the device gives none. What `fa_plan_create` plans
+    /// for: its hosts (PyTorch's MPS and MLX's GPU paths) encode the plan on that device.
+    static var libraryDevice: UInt32? {
+        #if canImport(Metal)
+        return MetalBackend.defaultDeviceCores
+        #else
+        return nil
+        #endif
     }
 }

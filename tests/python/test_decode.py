@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import flash_attention_metal as fam
-from flash_attention_metal import accuracy
+from flash_attention_metal import _abi, _native, accuracy, plan
+from flash_attention_metal._validation import Shape
 
 from conftest import assert_within_rule, make_inputs
 
@@ -95,20 +96,36 @@ def test_reads_the_cache_once_per_call(ctx):
         assert 1.0 <= read / (k.nbytes + v.nbytes) <= 1.1, (kv_heads, read / (k.nbytes + v.nbytes))
 
 
+def _exported_chunks(shape: Shape) -> tuple[int, int, int]:
+    """The chunk dispatch's grid of the exported forward plan (fa_plan_create) of ``shape``."""
+    library = _native.native()
+    problem = _abi.new_problem(library.ffi, library.lib, shape, False, 0.1, "float16", {})
+    return plan.create(problem, "forward").dispatches[0].threadgroups_per_grid
+
+
 def test_core_count_override_plans_for_another_gpu(ctx, monkeypatch):
+    # The context's calls and the exported plan (PyTorch MPS, MLX GPU) plan for the same count.
     q, k, v, _ = make_inputs(12, 1, 32, 8, 1, 1024, 128)
+    shape = Shape(1, 32, 8, 1, 1024, 128)
     monkeypatch.setenv(CORES, "10")  # a Metal device's own count would apply without it
     out, lse = _decode(ctx, q, k, v)
-    assert ctx.last_profile.dispatches[0].threadgroups == (8, 8, 1)  # 10 cores: 2 x 10 x 3
+    assert ctx.last_profile.dispatches[0].threadgroups == (8, 8, 1) == _exported_chunks(shape)  # 2 x 10 x 3
     assert ctx.last_profile.gpu_cores == 10
+    assert ctx.gpu_cores == plan.gpu_cores() == (10, CORES)
     monkeypatch.setenv(CORES, "40")
     again, again_lse = _decode(ctx, q, k, v)
-    assert ctx.last_profile.dispatches[0].threadgroups == (16, 8, 1)  # 16 chunks of 64 keys: the most
+    # 16 chunks of 64 keys: the most
+    assert ctx.last_profile.dispatches[0].threadgroups == (16, 8, 1) == _exported_chunks(shape)
     assert ctx.last_profile.gpu_cores == 40
+    monkeypatch.delenv(CORES)
+    if ctx.backend == "cpu":
+        assert ctx.gpu_cores == (10, "nominal")
     assert_within_rule(accuracy.evaluate_forward(q, k, v, again, again_lse), "40 cores")
     monkeypatch.setenv(CORES, "many")
     with pytest.raises(fam.FlashAttentionError, match=CORES):
         ctx.forward(q, k, v)
+    with pytest.raises(fam.FlashAttentionError, match=CORES):
+        plan.gpu_cores()
 
 
 def test_speculative_rows_take_the_split_kernel_when_cores_would_idle(ctx, monkeypatch):

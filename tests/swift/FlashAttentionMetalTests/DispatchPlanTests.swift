@@ -236,13 +236,16 @@ final class DispatchPlanTests: XCTestCase {
     func testDeviceCoreCount() throws {
         defer { unsetenv(GPUCores.environmentVariable) }
         XCTAssertEqual(try GPUCores.planned(device: 38), 38)
+        XCTAssertEqual(try GPUCores.plan(device: 38).source, .device)
         XCTAssertEqual(try GPUCores.planned(device: 0), 1)
         XCTAssertEqual(try GPUCores.planned(device: nil), UInt32(FA_NOMINAL_GPU_CORES))
+        XCTAssertEqual(try GPUCores.plan(device: nil).source, .nominal)
         let nominal = DispatchPlan.forward(try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 4096))
         XCTAssertEqual(nominal.problem.gpuCores, UInt32(FA_NOMINAL_GPU_CORES))
         let remade = nominal.planned(forGPUCores: 40)
         setenv(GPUCores.environmentVariable, "40", 1)
         XCTAssertEqual(try GPUCores.planned(device: 38), 40)
+        XCTAssertEqual(try GPUCores.plan(device: 38).source, .override)
         let validated = DispatchPlan.forward(try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 4096))
         XCTAssertEqual(remade.problem.split, validated.problem.split)
         XCTAssertEqual(remade.problem.gpuCores, 40)
