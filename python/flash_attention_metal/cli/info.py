@@ -22,8 +22,8 @@ def _cores(cores: int, source: str) -> str:
 def run(args: argparse.Namespace) -> int:
     """Prints the version (and the loaded library's where it differs), backend, device, the backend's note (where the Metal kernels came from, or
     why auto runs on the CPU engine), the GPU cores the decode chunks are planned for (the
-    context's, and the exported plans' of the PyTorch MPS and MLX GPU paths where they differ) and
-    where that count comes from, library and header paths, largest head_dim; returns 0."""
+    context's, then the exported plans' of the PyTorch MPS and MLX GPU paths where they differ) and
+    where each count comes from, library and header paths, largest head_dim; returns 0."""
     loaded = native()
     context = context_for(args.backend)
     library_version = loaded.ffi.string(loaded.lib.fa_version()).decode()
@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
         ("backend", context.backend),
         ("device", context.device),
         ("note", context.note or "-"),
-        ("gpu cores", _cores(*cores)),
-        *([("plan gpu cores", _cores(*exported) + ", for the PyTorch MPS and MLX GPU paths")] if exported != cores else []),
+        ("gpu cores", _cores(*cores) + ("" if exported == cores else
+                                         f"; exported plans (PyTorch MPS, MLX GPU): {_cores(*exported)}")),
         ("library", str(loaded.path)),
         ("header", str(loaded.header_path)),
         ("max head_dim", str(context.max_head_dim)),
