@@ -129,17 +129,19 @@ def test_quantized_caches(ctx, bits, group_size, dtype):
            causal=True)
 
 
-@pytest.mark.parametrize("seqlen_q,kernel", [(1, "decode"), (12, "split")])
-def test_split_decode_paged_quantized_bhsd(ctx, seqlen_q, kernel):
+@pytest.mark.parametrize("seqlen_q,kernel,page", [(1, "decode", 32), (12, "split", 32), (1, "decode", 3),
+                                                  (12, "split", 5)])
+def test_split_decode_paged_quantized_bhsd(ctx, seqlen_q, kernel, page):
     """A short query over a long paged 8-bit cache in mlx-lm's (B, H_kv, S, ...) order: the decode
-    kernel (one row) and the tiled split kernel (12 rows), each in several chunks."""
+    kernel (one row) and the tiled split kernel (12 rows), each in several chunks; pages of 3 and 5
+    rows make a SIMD-group's keys and a paired tile chunk's two rows cross blocks."""
     rng = np.random.default_rng(7)
     batch, heads, kv_heads, head_dim, capacity = 1, 8, 2, 64, 640
     seqlens = np.int32([600])
     qs = _rows(rng, (batch, seqlen_q, heads, head_dim), np.float16)
     caches = [quantized.quantize(_rows(rng, (batch, capacity, kv_heads, head_dim), np.float16), 64, 8)
               for _ in range(2)]
-    (pk, pv), table = _paged(rng, caches, 32)
+    (pk, pv), table = _paged(rng, caches, page)
     bhsd = lambda c: tuple(np.ascontiguousarray(a.transpose(0, 2, 1, 3)) for a in c)  # noqa: E731
     out, lse = fam.flash_attn_with_kvcache(qs.transpose(0, 2, 1, 3), bhsd(pk), bhsd(pv), cache_seqlens=600,
                                            block_table=table, bits=8, causal=True, layout="bhsd",

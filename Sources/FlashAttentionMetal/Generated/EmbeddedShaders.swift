@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "dbab159fb3bc4c55"
+    static let sourceHash = "d48863d70eb9289e"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -2754,6 +2754,7 @@ struct KVCacheHead {
     uint num_blocks;          // blocks of the cache
     uint bits;                // 0: unquantized; 4 or 8
     uint group_size;
+    uint group_shift;         // log2(group_size) (32, 64 or 128)
 };
 
 // Entry `block` of a sequence's block table row (max_blocks entries), both clamped into range
@@ -2764,27 +2765,58 @@ inline uint kv_page(device const int *table, uint max_blocks, uint num_blocks, u
     return uint(min(max(table[block], 0), int(num_blocks) - 1));
 }
 
-// Where row t of the head lies: its offset in data, and in scales/biases (quantized). The only
-// division per row is t / page_rows (paged caches).
+// A row of a cache head and where it lies: block `block` of the table row (paged; 0 contiguous),
+// row r within it, offsets `row` in data and `scale_row` in scales/biases. Moved forward by
+// kv_advance without dividing: the table is read and the offsets multiplied out only when the row
+// enters another block.
+struct KVCursor {
+    uint block;
+    uint r;
+    ulong row;
+    ulong scale_row;
+};
+
+// The offsets of the cursor's (block, r): the table read, clamped (kv_page), and the multiplies.
 template <typename T>
-inline ulong kv_row(thread const KVCacheHead<T> &c, uint t, thread ulong &scale_row) {
-    if (c.page_rows == 0) {
-        scale_row = ulong(t) * c.scale_row_stride;
-        return ulong(t) * c.row_stride;
-    }
-    const uint block = t / c.page_rows;
-    const uint page = kv_page(c.table, c.max_blocks, c.num_blocks, block);
-    const uint r = t - block * c.page_rows;
-    scale_row = ulong(page) * c.scale_block_stride + ulong(r) * c.scale_row_stride;
-    return ulong(page) * c.block_stride + ulong(r) * c.row_stride;
+inline void kv_seek(thread const KVCacheHead<T> &c, thread KVCursor &at) {
+    const uint page = c.page_rows == 0 ? 0 : kv_page(c.table, c.max_blocks, c.num_blocks, at.block);
+    at.row = ulong(page) * c.block_stride + ulong(at.r) * c.row_stride;
+    at.scale_row = ulong(page) * c.scale_block_stride + ulong(at.r) * c.scale_row_stride;
 }
 
-// Elements [col, col + N) of row t as float (N <= 8, col a multiple of N: one quantization group),
-// columns at or past `cols` zero.
+// The cursor at row t of the head: the one division, t / page_rows (paged caches).
+template <typename T>
+inline KVCursor kv_cursor(thread const KVCacheHead<T> &c, uint t) {
+    KVCursor at;
+    at.block = c.page_rows == 0 ? 0 : t / c.page_rows;
+    at.r = t - at.block * c.page_rows;
+    kv_seek(c, at);
+    return at;
+}
+
+// The cursor moved n rows on: within the block by adding n rows' strides; into another block by
+// subtracting page_rows (as often as n spans blocks) and kv_seek.
+template <typename T>
+inline void kv_advance(thread const KVCacheHead<T> &c, thread KVCursor &at, uint n) {
+    at.r += n;
+    if (c.page_rows != 0 && at.r >= c.page_rows) {
+        while (at.r >= c.page_rows) {
+            at.r -= c.page_rows;
+            ++at.block;
+        }
+        kv_seek(c, at);
+        return;
+    }
+    at.row += ulong(n) * c.row_stride;
+    at.scale_row += ulong(n) * c.scale_row_stride;
+}
+
+// Elements [col, col + N) of the row at `at` as float (N <= 8, col a multiple of N: one
+// quantization group), columns at or past `cols` zero.
 template <uint N, typename T>
-inline void kv_elements(thread const KVCacheHead<T> &c, uint t, uint col, uint cols, thread float *x) {
-    ulong scale_row;
-    const ulong row = kv_row(c, t, scale_row);
+inline void kv_elements(thread const KVCacheHead<T> &c, thread const KVCursor &at, uint col, uint cols,
+                        thread float *x) {
+    const ulong row = at.row;
     if (c.bits == 0) {
         FA_UNROLL
         for (uint e = 0; e < N; ++e) {
@@ -2802,7 +2834,7 @@ inline void kv_elements(thread const KVCacheHead<T> &c, uint t, uint col, uint c
     const uint first_bit = col * c.bits;
     const uint w0 = first_bit / 32;
     const bool two = (first_bit % 32) + N * c.bits > 32;
-    const ulong group = scale_row + col / c.group_size;
+    const ulong group = at.scale_row + (col >> c.group_shift);
     FA_DEVICE_READ(words + w0, two ? 8 : 4);
     FA_DEVICE_READ(c.scales + group, sizeof(T));
     FA_DEVICE_READ(c.biases + group, sizeof(T));
@@ -2819,20 +2851,21 @@ inline void kv_elements(thread const KVCacheHead<T> &c, uint t, uint col, uint c
     }
 }
 
-// The 16-byte chunk `chunk` of row t in the threadgroup tile format (flash_attention_loader.h):
-// moved as is when unquantized and aligned (`scalar` 0), else built element by element.
+// The 16-byte chunk `chunk` of the row at `at` in the threadgroup tile format
+// (flash_attention_loader.h): moved as is when unquantized and aligned (`scalar` 0), else built
+// element by element.
 template <typename T>
-inline uint4 kv_chunk(thread const KVCacheHead<T> &c, uint t, uint chunk, uint cols, bool scalar) {
+inline uint4 kv_chunk(thread const KVCacheHead<T> &c, thread const KVCursor &at, uint chunk, uint cols,
+                      bool scalar) {
     constexpr uint V = FA_CHUNK_BYTES / sizeof(T);
     constexpr uint PER_WORD = TileWords<T>::PER_WORD;
     if (c.bits == 0 && !scalar) {
-        ulong scale_row;
-        device const T *at = c.data + kv_row(c, t, scale_row) + chunk * V;
-        FA_DEVICE_READ(at, FA_CHUNK_BYTES);
-        return *(device const uint4 *)at;
+        device const T *from = c.data + at.row + chunk * V;
+        FA_DEVICE_READ(from, FA_CHUNK_BYTES);
+        return *(device const uint4 *)from;
     }
     float x[V];
-    kv_elements<V>(c, t, chunk * V, cols, x);
+    kv_elements<V>(c, at, chunk * V, cols, x);
     uint4 out = uint4(0);
     FA_UNROLL
     for (uint e = 0; e < V; ++e) {
@@ -2855,6 +2888,7 @@ inline KVCacheHead<T> kv_cache_head(constant FlashAttentionParams &p, device con
     c.num_blocks = max(p.kv_num_blocks, 1u);
     c.bits = p.kv_bits;
     c.group_size = max(p.kv_group_size, 1u);
+    c.group_shift = c.group_size >= 128 ? 7 : c.group_size >= 64 ? 6 : 5;
     c.table = table + (paged ? ulong(b) * p.kv_max_blocks : 0);
     c.block_stride = s.batch;
     c.row_stride = s.seq;
@@ -2901,16 +2935,19 @@ inline CacheStream<T, ROWS, DP> cache_stream(KVCacheHead<T> head, uint seqlen, u
 }
 
 // The chunk of a paired tile (PairedRows, flash_attention_loader.h) that holds columns
-// [col, col + 4) of rows t and t + 1 (t even): word i is (t, col + i) | (t + 1, col + i) << 16.
+// [col, col + 4) of rows t and t + 1 (t even, at row t): word i is (t, col + i) | (t + 1, col + i) << 16.
 template <typename T, uint ROWS, uint DP>
-inline uint4 kv_pair_chunk(thread const CacheStream<T, ROWS, DP> &s, uint t, uint col) {
+inline uint4 kv_pair_chunk(thread const CacheStream<T, ROWS, DP> &s, thread const KVCursor &at, uint t,
+                           uint col) {
     float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (t < s.seqlen) {
-        kv_elements<4>(s.head, t, col, s.cols, a);
+        kv_elements<4>(s.head, at, col, s.cols, a);
     }
     if (t + 1 < s.seqlen) {
-        kv_elements<4>(s.head, t + 1, col, s.cols, b);
+        KVCursor second = at;
+        kv_advance(s.head, second, 1);
+        kv_elements<4>(s.head, second, col, s.cols, b);
     }
     uint4 out;
     FA_UNROLL
@@ -2922,24 +2959,34 @@ inline uint4 kv_pair_chunk(thread const CacheStream<T, ROWS, DP> &s, uint t, uin
 
 // Copies rows [first, first + ROWS) of the cache head into `tile` (zero past seqlen and cols),
 // row-major or, PAIRED, in the paired layout: the thread's (tile row, chunk) is then a chunk of
-// the pair of rows it holds, built from both rows (no shuffles: rows are fetched one by one).
+// the pair of rows it holds, built from both rows (no shuffles: rows are fetched one by one). The
+// thread's first row is located once per tile (one division by page_rows), its later rows by
+// kv_advance.
 template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
 inline void load_tile(Tile tile, thread CacheStream<T, ROWS, DP> &s, uint first,
                       constant FlashAttentionParams &p, uint tid) {
     typedef typename CacheStream<T, ROWS, DP>::Geometry S;
-    static_assert(!PAIRED || (PairedRows<T, DP>::ON != 0 && ROWS % 2 == 0),
-                  "paired tiles need whole row pairs of a 2-byte type");
+    static_assert(!PAIRED || (PairedRows<T, DP>::ON != 0 && ROWS % 2 == 0 && S::STEP % 2 == 0),
+                  "paired tiles need whole row pairs of a 2-byte type (and an even STEP: the parity stays)");
+    if (s.row >= ROWS) {
+        return;
+    }
+    // Paired, the thread's rows are the first rows of pairs (r - r % 2).
+    KVCursor at = kv_cursor(s.head, first + s.row - (PAIRED ? s.row % 2 : 0));
     FA_UNROLL
     for (uint k = 0; k < S::PASSES; ++k) {
         const uint r = s.row + k * S::STEP;
         if (r < ROWS) {
             const uint t = first + r;
             if (PAIRED) {
-                tile[r][s.chunk] = kv_pair_chunk(s, t - r % 2, r % 2 * (DP / 2) + s.chunk * 4);
+                tile[r][s.chunk] = kv_pair_chunk(s, at, t - r % 2, r % 2 * (DP / 2) + s.chunk * 4);
             } else {
                 tile[r][s.chunk] = s.cols_inside && t < s.seqlen
-                                       ? kv_chunk(s.head, t, s.chunk, s.cols, p.scalar_copies != 0)
+                                       ? kv_chunk(s.head, at, s.chunk, s.cols, p.scalar_copies != 0)
                                        : uint4(0);
+            }
+            if (k + 1 < S::PASSES) {
+                kv_advance(s.head, at, S::STEP);
             }
         }
     }
