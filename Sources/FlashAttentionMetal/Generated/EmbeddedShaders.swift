@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "d48863d70eb9289e"
+    static let sourceHash = "b026cd2538382559"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -3178,6 +3178,24 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
         device const T *v_biases [[buffer(FA_KV_CACHE_BUFFER_V_BIASES)]]
 #define FA_KV_CACHE_SOURCE(T) CacheKV<T>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}
 
+// A split-KV kernel over a cache, flash_attention_forward_<KIND>_kvcache_<SUFFIX>_d<DP>: FORWARD
+// (attention_forward_split or attention_forward_decode, its template arguments after it) with
+// keys and values read through CacheKV, writing the chunks' partial results.
+#define FA_KV_CACHE_SPLIT_KERNEL(T, KIND, SUFFIX, DP, FORWARD, ...)                                \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
+    kernel void flash_attention_forward_##KIND##_kvcache_##SUFFIX##_d##DP(                         \
+        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
+        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
+        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
+        FA_KV_CACHE_KERNEL_BUFFERS(T),                                                             \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_##KIND##_kvcache_##SUFFIX##_d##DP##_threadgroup tg;    \
+        FORWARD<__VA_ARGS__>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse,      \
+                             params, &tg, tgid, sgid, lane);                                       \
+    }
+
 // The KV-cache forward kernels of one dtype and bucket: flash_attention_forward_kvcache_* (dense,
 // any seqlen_q), flash_attention_forward_split_kvcache_* and flash_attention_forward_decode_kvcache_*
 // (split-KV shapes; their chunks are merged by flash_attention_forward_combine_*), the forward
@@ -3200,34 +3218,8 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
                                               sinks, params, &tg, tgid, sgid, lane);               \
     }                                                                                              \
                                                                                                    \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_split_kvcache_##SUFFIX##_d##DP(                            \
-        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
-        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
-        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
-        FA_KV_CACHE_KERNEL_BUFFERS(T),                                                             \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_split_kvcache_##SUFFIX##_d##DP##_threadgroup tg;       \
-        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, FA_KV_CACHE_SOURCE(T), mask, alibi,         \
-                                                    partial_out, partial_lse, params, &tg, tgid,   \
-                                                    sgid, lane);                                   \
-    }                                                                                              \
-                                                                                                   \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_decode_kvcache_##SUFFIX##_d##DP(                           \
-        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
-        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
-        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
-        FA_KV_CACHE_KERNEL_BUFFERS(T),                                                             \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_decode_kvcache_##SUFFIX##_d##DP##_threadgroup tg;      \
-        attention_forward_decode<DP>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out,           \
-                                     partial_lse, params, &tg, tgid, sgid, lane);                  \
-    }
+    FA_KV_CACHE_SPLIT_KERNEL(T, split, SUFFIX, DP, attention_forward_split, DP, FWD_BQ, FWD_BK)    \
+    FA_KV_CACHE_SPLIT_KERNEL(T, decode, SUFFIX, DP, attention_forward_decode, DP)
 // ---- end flash_attention_kv_cache.h ----
 
 #define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(half, f16, __VA_ARGS__)
