@@ -1169,8 +1169,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup tg;              \
-        attention_forward_decode<DP>(q, k, v, mask, alibi, partial_out, partial_lse, params, &tg,  \
-                                     tgid, sgid, lane);                                            \
+        attention_forward_decode<DP>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse,  \
+                                     params, &tg, tgid, sgid, lane);                               \
     })                                                                                             \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \

@@ -254,7 +254,7 @@ struct DispatchPlan {
     /// Forward. Dense: `flash_attention_forward_<dtype>_d<DP>` over (ceil(seqlen_q / forward_block_q),
     /// num_heads, batch) threadgroups. Split-KV (`problem.split`, short queries over long caches):
     /// `flash_attention_forward_decode_<dtype>_d<DP>` or `flash_attention_forward_split_<dtype>_d<DP>`
-    /// (`KeyValueSplit.kernel`) over
+    /// (`KeyValueSplit.kernel`; `_decode_kvcache_`, `_split_kvcache_` for a KV cache) over
     /// (chunks x row blocks, num_kv_heads, batch) threadgroups writes one partial result per chunk,
     /// then `flash_attention_forward_combine_<dtype>`
     /// over (seqlen_q, num_heads, batch) threadgroups merges them into out and lse.
@@ -300,13 +300,10 @@ struct DispatchPlan {
         }
         bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
                      BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
-        // A KV cache is read by the tiled split kernel's `_kvcache` instance (the decode kernel has
-        // no cache source yet): its row blocks are forward_block_q packed rows.
-        let kernel = cache != nil ? "split_kvcache" : split.kernel == .decode ? "decode" : "split"
-        let rowBlocks = cache == nil ? split.rowBlocks
-            : blocks(problem.groupSize * problem.seqlenQ, b.forward_block_q)
-        let chunks = dispatch("flash_attention_forward_\(kernel)_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
-                              GridSize(width: split.chunks * rowBlocks, height: problem.numKVHeads,
+        // A KV cache is read by the split kernel's `_kvcache` instance.
+        let kernel = split.kernel == .decode ? "decode" : "split"
+        let chunks = dispatch("flash_attention_forward_\(kernel)_\(kvName)\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
+                              GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
                                        depth: problem.batch),
                               reads: KernelConstants.score, blockWork: scoreWork, cacheBindings: kvBindings)
         // At most FA_SPLIT_TILED_MAX_QUERY_ROWS rows per head, each merging its chunks: small.

@@ -48,6 +48,7 @@
 #include "device_array.h"
 #include "dump.h"
 #include "kernels.h"
+#include "kv_cache_cases.h"
 #include "layout.h"
 #include "varlen_cases.h"
 
@@ -546,6 +547,8 @@ int main(int argc, char **argv) {
         }
         // Variable-length batches: each sequence against the dense kernels (varlen_cases.cu).
         failures += run_varlen_cases(options.filter, &run);
+        // KV caches: paged, quantized, a wrong table (kv_cache_cases.cu).
+        failures += run_kv_cache_cases(options.filter, dump, &run);
         std::printf("cuda-harness: %d cases, %d failures\n", run, failures);
     } catch (const CudaFailure &failure) {
         const bool in_grid = run > 0 && size_t(run) <= cases.size();
