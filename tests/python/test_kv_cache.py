@@ -233,8 +233,19 @@ def test_quantize_matches_mlx():
 
 
 def test_empty_cache_is_page_aligned():
-    cache = fam.empty_cache((3, 16, 2, 64), np.float16)
-    assert cache.ctypes.data % fam.kv_cache.PAGE_BYTES == 0 and cache.flags.c_contiguous and cache.shape == (3, 16, 2, 64)
+    page = fam.kv_cache.PAGE_BYTES
+    assert page >= 16384 and page & (page - 1) == 0
+    for shape in [(3, 16, 2, 64), (7, 16, 2, 24)]:
+        cache = fam.empty_cache(shape, np.float16)
+        assert cache.ctypes.data % page == 0 and cache.flags.c_contiguous and cache.shape == shape
+        # The allocation holds every page the cache touches (what the Metal backend wraps).
+        owner = cache
+        while owner.base is not None:
+            owner = owner.base
+        end = cache.ctypes.data + max(-(-cache.nbytes // page), 1) * page
+        assert owner.ctypes.data <= cache.ctypes.data and end <= owner.ctypes.data + owner.nbytes
+    with pytest.raises(ValueError, match="alignment must be a positive power of two"):
+        fam.empty_cache((2, 2), np.float16, alignment=3000)
 
 
 @pytest.mark.parametrize("bits", [None, 4, 8])
