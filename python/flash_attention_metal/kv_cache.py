@@ -82,7 +82,7 @@ def check_unsupported(arguments: dict) -> None:
         if name not in UNSUPPORTED:
             raise TypeError(f"flash_attn_with_kvcache() got an unexpected keyword argument {name!r}")
         default = UNSUPPORTED[name]
-        if value is not default and (default is None or not isinstance(value, (bool, int)) or value != default):
+        if value is not default and (default is None or not isinstance(value, numbers.Integral) or value != default):
             raise NotImplementedError(f"{name} is not implemented by flash_attention_metal's flash_attn_with_kvcache "
                                       f"(apply rotary embeddings and left padding before the call; the library "
                                       f"chooses its own key splits)")
