@@ -227,6 +227,18 @@ struct DispatchPlan {
     /// The problem the plan was made for (buffer sizes follow from it).
     let problem: Problem
 
+    /// The read-write roles: a KV cache's `k` and `v` (and a quantized cache's `kScales`, `kBiases`,
+    /// `vScales`, `vBiases`) in a forward pass. They are the caller's memory, bound in place (never a
+    /// fresh buffer that replaces them): the pass reads them and may write only the rows it appends
+    /// at cache_seqlens. No kernel appends yet: on unified memory the caller writes a step's new rows
+    /// into the cache (the host append of `flash_attn_with_kvcache`, a few rows) before the pass, and
+    /// the GPU reads those very pages, so a backend that must copy a cache in has nothing to copy
+    /// back. They may overlap each other (K and V views of one allocation), nothing else.
+    var caches: [BufferRole] {
+        guard pass == .forward, let kv = problem.kvCache else { return [] }
+        return kv.quantized ? [.k, .v, .kScales, .kBiases, .vScales, .vBiases] : [.k, .v]
+    }
+
     /// Every role some dispatch binds, in order of first binding.
     var boundRoles: [BufferRole] {
         var roles: [BufferRole] = []

@@ -243,7 +243,7 @@ public func _exportPlanExecute(_ contextHandle: OpaquePointer?, _ planHandle: Op
                     }
                     continue
                 }
-                let use = usage == FA_BUFFER_OUTPUT ? "writes" : "reads"
+                let use = usage == FA_BUFFER_OUTPUT ? "writes" : usage == FA_BUFFER_READ_WRITE ? "reads and appends to" : "reads"
                 let memory = try required(pointer(role), "\(name), which the plan \(use),")
                 buffers.bindOutput(role, memory, for: plan.problem)
             }

@@ -17,14 +17,16 @@ from dataclasses import dataclass
 from ._native import NativeLibrary, native
 
 _TYPE_NAMES = {"FA_SPECIALIZATION_BOOL": "bool", "FA_SPECIALIZATION_UINT32": "uint"}
-_USAGE_NAMES = {"FA_BUFFER_INPUT": "input", "FA_BUFFER_OUTPUT": "output", "FA_BUFFER_WORKSPACE": "workspace"}
+_USAGE_NAMES = {"FA_BUFFER_INPUT": "input", "FA_BUFFER_OUTPUT": "output", "FA_BUFFER_WORKSPACE": "workspace",
+                "FA_BUFFER_READ_WRITE": "read_write"}
 _PASS_NAMES = {"forward": "FA_PASS_FORWARD", "backward": "FA_PASS_BACKWARD"}
 
 
 @dataclass(frozen=True)
 class Buffer:
-    """One buffer of a plan: ``role``; ``usage`` "input", "output" or "workspace"; bytes per element;
-    ``byte_count``, the bytes the kernels may touch from its start."""
+    """One buffer of a plan: ``role``; ``usage`` "input", "output", "workspace" or "read_write" (a
+    KV cache, bound in place: see ``FA_BUFFER_READ_WRITE``); bytes per element; ``byte_count``, the
+    bytes the kernels may touch from its start."""
 
     role: str
     usage: str

@@ -342,6 +342,33 @@ def test_page_fault_on_wrapped_inputs_retries_with_copies(cpu, metal, monkeypatc
     assert _status(lambda: metal.forward(q[:, :, 1:], k, v)) == "FA_STATUS_INTERNAL_ERROR"
 
 
+def test_kv_cache_appended_and_read_in_place(cpu, metal):
+    """Caches from empty_cache (page-aligned, 7 x 16 x 2 x 24 float16 = 10.5 KiB, no page multiple:
+    the Metal backend binds them in place) appended to on both backends: the same out, lse and
+    caches, bit for bit; a quantized pair (8 bits) likewise."""
+    rng = np.random.default_rng(11)
+    table = np.int32([[4, 1, 6], [0, 5, 2]])
+    q = rng.standard_normal((2, 3, 4, 24)).astype(np.float16)
+    k, v = (rng.standard_normal((2, 3, 2, 24)).astype(np.float16) for _ in range(2))
+    rows = rng.standard_normal((7, 16, 2, 24)).astype(np.float16)
+    results = []
+    for context in (cpu, metal):
+        caches = [fam.empty_cache(rows.shape, np.float16) for _ in range(2)]
+        for cache in caches:
+            cache[...] = rows
+        out = fam.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=np.int32([5, 20]), block_table=table,
+                                          causal=True, return_softmax_lse=True, context=context)
+        results.append((*out, *caches))
+    _record(metal)
+    _same(*results, "appended in place")
+    q, k, v = (rng.standard_normal((2, 1, h, 64)).astype(np.float16) for h in (4, 2, 2))
+    rows = rng.standard_normal((2, 30, 2, 64)).astype(np.float16)
+    quantized = [[fam.quantized.quantize(rows, 64, 8) for _ in range(2)] for _ in range(2)]
+    outs = [fam.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=20, bits=8, context=context)
+            for context, caches in zip((cpu, metal), quantized)]
+    _same([outs[0], *quantized[0][0]], [outs[1], *quantized[1][0]], "8-bit cache appended")
+
+
 def test_read_only_inputs_are_copied(cpu, metal):
     """Page-aligned memory the process may not write is not wrapped (the stand-in refuses it, as
     Metal may refuse memory it cannot map): the call copies it and gives the CPU backend's result."""

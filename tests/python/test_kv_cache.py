@@ -184,7 +184,7 @@ def test_errors_leave_the_cache_untouched():
         fam.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=1, cache_batch_idx=np.int32([1, 1]))
     with pytest.raises(ValueError, match="same block"):
         fam.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=1, block_table=np.int32([[0], [0]]))
-    with pytest.raises(TypeError, match="block_table must be a numpy int32 array"):
+    with pytest.raises(TypeError, match=r"block_table must have dtype int32 \(native byte order\), got int64"):
         fam.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1, block_table=table.astype(np.int64))
     with pytest.raises(ValueError, match="needs bits"):
         fam.flash_attn_with_kvcache(q, quantized.quantize(k_cache, 64, 8), v_cache, cache_seqlens=1)
@@ -237,8 +237,19 @@ def test_quantize_matches_mlx():
 
 
 def test_empty_cache_is_page_aligned():
-    cache = fam.empty_cache((3, 16, 2, 64), np.float16)
-    assert cache.ctypes.data % fam.kv_cache.PAGE_BYTES == 0 and cache.flags.c_contiguous and cache.shape == (3, 16, 2, 64)
+    page = fam.kv_cache.PAGE_BYTES
+    assert page >= 16384 and page & (page - 1) == 0
+    for shape in [(3, 16, 2, 64), (7, 16, 2, 24)]:
+        cache = fam.empty_cache(shape, np.float16)
+        assert cache.ctypes.data % page == 0 and cache.flags.c_contiguous and cache.shape == shape
+        # The allocation holds every page the cache touches (what the Metal backend wraps).
+        owner = cache
+        while owner.base is not None:
+            owner = owner.base
+        end = cache.ctypes.data + max(-(-cache.nbytes // page), 1) * page
+        assert owner.ctypes.data <= cache.ctypes.data and end <= owner.ctypes.data + owner.nbytes
+    with pytest.raises(ValueError, match="alignment must be a positive power of two"):
+        fam.empty_cache((2, 2), np.float16, alignment=3000)
 
 
 @pytest.mark.parametrize("bits", [None, 4, 8])

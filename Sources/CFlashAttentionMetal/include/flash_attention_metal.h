@@ -150,7 +150,12 @@ typedef struct fa_problem {
      * the words per row); k_scales, k_biases, v_scales, v_biases hold one element of dtype per
      * kv_group_size (32, 64 or 128) elements of a row, laid out like the words (a row's
      * head_dim / kv_group_size entries where its words are); element = scale * q + bias,
-     * dequantized in registers. kv_bits 0: elements of dtype, scales and biases NULL. */
+     * dequantized in registers. kv_bits 0: elements of dtype, scales and biases NULL.
+     * Append a step's new rows into the cache (host memory) before the call. The Metal backend
+     * reads a cache in place when its address is a multiple of the VM page (16 KiB on Apple
+     * silicon) and the page-rounded span lies in one writable mapping, else copies it once per
+     * call: allocate caches page-aligned, e.g. posix_memalign(&p, 16384, bytes rounded up to a
+     * multiple of 16384) or mmap. */
     uint32_t kv_cache_rows;
     const int32_t *kv_block_table;  /* NULL (contiguous) or int32 [batch][kv_max_blocks] */
     uint32_t kv_max_blocks;
@@ -433,8 +438,14 @@ typedef enum fa_buffer_role {
 typedef enum fa_buffer_usage {
     FA_BUFFER_INPUT = 0,    /* read only; the caller provides it */
     FA_BUFFER_OUTPUT = 1,   /* written (and possibly read back) by the kernels; the caller provides it */
-    FA_BUFFER_WORKSPACE = 2 /* allocated by whoever runs the plan, for the duration of the pass; its
-                               contents need no initialisation and are garbage afterwards */
+    FA_BUFFER_WORKSPACE = 2, /* allocated by whoever runs the plan, for the duration of the pass; its
+                                contents need no initialisation and are garbage afterwards */
+    FA_BUFFER_READ_WRITE = 3 /* a KV cache's k, v (and a quantized cache's scales and biases) in a
+                                forward pass: the caller's buffer, bound in place (never a fresh buffer
+                                in its stead); the pass reads it and may write only the rows it appends
+                                at cache_seqlens. No kernel appends yet (callers write new rows before
+                                the pass), so a host that copies one in has nothing to copy back. The
+                                read-write buffers may overlap one another, no other buffer. */
 } fa_buffer_usage;
 
 /* Types of specialisation constants (Metal function constants). */
