@@ -117,12 +117,13 @@ def test_forward_backward_decode(cpu, metal, dtype, bucket):
     assert any("split" in d.kernel for d in metal.last_profile.dispatches)
     _same(*speculative, f"16 rows {dtype} d{head_dim}")
 
-    # A paged KV cache, pages shuffled: a prefill chunk (the cache-reading forward) and a decode
-    # step (the cache-reading split kernel).
+    # A paged KV cache, pages shuffled: a prefill chunk (the cache-reading forward), a speculative
+    # step (the cache-reading tiled split kernel) and a decode step (the cache-reading decode
+    # kernel; above head_dim 256 the tiled one).
     pages = rng.permutation(40).astype(np.int32)[None]
     k_cache, v_cache = (rng.standard_normal((40, 16, 1, head_dim)).astype(np.float32).astype(DTYPES[dtype])
                         for _ in range(2))
-    for rows in (80, 1):
+    for rows in (80, 16, 1):
         query = rng.standard_normal((1, rows, 2, head_dim)).astype(np.float32).astype(DTYPES[dtype])
         cached = [fam.flash_attn_with_kvcache(query, k_cache, v_cache, cache_seqlens=600, block_table=pages,
                                               return_softmax_lse=True, context=c) for c in (cpu, metal)]

@@ -127,9 +127,10 @@ def planned_constants(ctx) -> dict[str, set[str]]:
     table = np.array([0, 1, 3], np.int32)
     ctx.forward_varlen(packed, packed, packed, table, table, 2, 2)
     record()
-    # A KV cache (bshd), prefill chunk and decode step: the cache-reading forward kernels.
+    # A KV cache (bshd), prefill chunk, speculative and decode steps: the cache-reading dense,
+    # tiled split and decode kernels.
     cache = rng.standard_normal((1, 600, 1, 16)).astype(np.float16)
-    for rows in (80, 1):
+    for rows in (80, 16, 1):
         query = rng.standard_normal((1, rows, 2, 16)).astype(np.float16)
         fam.flash_attn_with_kvcache(query, cache, cache, cache_seqlens=600, context=ctx)
         record()
