@@ -329,8 +329,9 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 
 // One K/V tile of the forward pass, keys [kv0, kv0 + BK) (the next tiles of the streams ks and vs
 // over the KV head's K and V): loads the tiles (every thread calls it; V only after S where K and
-// V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when `masked`; the lane's row is query `row`), online
-// softmax update, O += P V (without WITH_V, only m and l: V is neither loaded nor multiplied).
+// V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
+// `masked`; the lane's row is query `row`), online softmax update, O += P V (without WITH_V,
+// only m and l: V is neither loaded nor multiplied).
 template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
           typename Storage>
 inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thread VS &vs,
@@ -354,7 +355,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thre
     product_transposed<T, ND, K_PAIRED>(sc, tg->q, s.row0, tg->k, s, s.active, p, at);
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
     if (SHARED) {
-        // V over K once every SIMD-group has read K; the softmax runs while its loads are in flight.
+        // V over K once every SIMD-group has read K (the softmax sits between copy and barrier).
         threadgroup_barrier(mem_flags::mem_threadgroup);
         load_tile<BK, DP>(v_tile, vs, kv0, p, tid);
     }

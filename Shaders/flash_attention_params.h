@@ -369,6 +369,8 @@ typedef struct FlashAttentionParams {
 // Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
 // (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB
 // (the backward kernels at 256) the two streamed tiles share one buffer (see the storage structs).
+// The 2-byte dtypes' 32-row forward at 256 would need (32 + 16 + 1) x 1056 bytes, 51.7 KB, even
+// with K and V sharing a buffer.
 #define FA_HEAD_DIM_BUCKETS_F32(X)       \
     X(32, 32, 32, 32, 32, 32, 32)        \
     X(64, 32, 32, 32, 16, 32, 16)        \

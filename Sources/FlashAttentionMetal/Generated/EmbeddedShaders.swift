@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "c78f56eead93153d"
+    static let sourceHash = "c71739b446156dff"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -433,6 +433,8 @@ typedef struct FlashAttentionParams {
 // Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
 // (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB
 // (the backward kernels at 256) the two streamed tiles share one buffer (see the storage structs).
+// The 2-byte dtypes' 32-row forward at 256 would need (32 + 16 + 1) x 1056 bytes, 51.7 KB, even
+// with K and V sharing a buffer.
 #define FA_HEAD_DIM_BUCKETS_F32(X)       \
     X(32, 32, 32, 32, 32, 32, 32)        \
     X(64, 32, 32, 32, 16, 32, 16)        \
@@ -1482,8 +1484,9 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 
 // One K/V tile of the forward pass, keys [kv0, kv0 + BK) (the next tiles of the streams ks and vs
 // over the KV head's K and V): loads the tiles (every thread calls it; V only after S where K and
-// V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when `masked`; the lane's row is query `row`), online
-// softmax update, O += P V (without WITH_V, only m and l: V is neither loaded nor multiplied).
+// V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
+// `masked`; the lane's row is query `row`), online softmax update, O += P V (without WITH_V,
+// only m and l: V is neither loaded nor multiplied).
 template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
           typename Storage>
 inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thread VS &vs,
@@ -1507,7 +1510,7 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thre
     product_transposed<T, ND, K_PAIRED>(sc, tg->q, s.row0, tg->k, s, s.active, p, at);
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
     if (SHARED) {
-        // V over K once every SIMD-group has read K; the softmax runs while its loads are in flight.
+        // V over K once every SIMD-group has read K (the softmax sits between copy and barrier).
         threadgroup_barrier(mem_flags::mem_threadgroup);
         load_tile<BK, DP>(v_tile, vs, kv0, p, tid);
     }
