@@ -196,6 +196,9 @@ inline void attention_forward_decode(device const T *q, device const T *k, devic
     constexpr uint R = FA_DECODE_ROWS(DP);
     static_assert(sizeof(DecodeStorage<DP>) == FA_DECODE_THREADGROUP_BYTES(DP),
                   "the host sizes the decode threadgroup by FA_DECODE_THREADGROUP_BYTES");
+    static_assert(DP <= FA_DECODE_MAX_HEAD_DIM, "a decode instance above FA_DECODE_MAX_HEAD_DIM");
+    static_assert(2 * R * L::E <= FA_MAX_ACCUMULATOR_FLOATS,
+                  "q and output floats per lane above the budget (flash_attention_params.h)");
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;

@@ -253,8 +253,8 @@ struct DispatchPlan {
 
     /// Forward. Dense: `flash_attention_forward_<dtype>_d<DP>` over (ceil(seqlen_q / forward_block_q),
     /// num_heads, batch) threadgroups. Split-KV (`problem.split`, short queries over long caches):
-    /// `flash_attention_forward_decode_<dtype>_d<DP>` (seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS) or
-    /// `flash_attention_forward_split_<dtype>_d<DP>` (up to FA_SPLIT_TILED_MAX_QUERY_ROWS) over
+    /// `flash_attention_forward_decode_<dtype>_d<DP>` or `flash_attention_forward_split_<dtype>_d<DP>`
+    /// (`KeyValueSplit.kernel`) over
     /// (chunks x row blocks, num_kv_heads, batch) threadgroups writes one partial result per chunk,
     /// then `flash_attention_forward_combine_<dtype>`
     /// over (seqlen_q, num_heads, batch) threadgroups merges them into out and lse.

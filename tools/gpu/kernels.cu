@@ -71,6 +71,7 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
                                                        sinks, partial_out, partial_lse,            \
                                                        FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);  \
     }                                                                                              \
+    FA_IF_DECODE(DP,                                                                               \
     __global__ void __launch_bounds__(kThreads) fa_cuda_forward_decode_##SUFFIX##_d##DP(           \
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
         const uchar *mask, const float *alibi, const float *sinks, float *partial_out,             \
@@ -78,7 +79,7 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
         flash_attention_forward_decode_##SUFFIX##_d##DP(q, k, v, out, lse, params, mask, alibi,    \
                                                         sinks, partial_out, partial_lse,           \
                                                         FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE); \
-    }                                                                                              \
+    })                                                                                             \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_lse_residual_##SUFFIX##_d##DP(    \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
@@ -149,8 +150,6 @@ struct Bucket {
                     const uchar *, const float *, const float *, FlashAttentionParams *);
     void (*forward_split)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
                           const uchar *, const float *, const float *, float *, float *);
-    void (*forward_decode)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
-                           const uchar *, const float *, const float *, float *, float *);
     void (*backward_lse_residual)(const T *, const T *, const T *, const T *, const T *,
                                   const float *, FlashAttentionParams, const float *,
                                   const uchar *, const float *, const float *, float *,
@@ -161,6 +160,9 @@ struct Bucket {
     void (*backward_dkv)(const T *, const T *, const T *, const T *, const T *, const float *,
                          FlashAttentionParams, const float *, const uchar *, const float *,
                          const float *, const float *, T *, T *, FlashAttentionParams *);
+    // Last, so that buckets without a decode instance (FA_IF_DECODE) leave it null.
+    void (*forward_decode)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
+                           const uchar *, const float *, const float *, float *, float *);
 };
 
 // A dtype: its buckets and its bucket-independent kernels.
@@ -198,10 +200,10 @@ struct DtypeKernels {
               DKV_BK,                                                                              \
               fa_cuda_forward_##SUFFIX##_d##DP,                                                    \
               fa_cuda_forward_split_##SUFFIX##_d##DP,                                              \
-              fa_cuda_forward_decode_##SUFFIX##_d##DP,                                             \
               fa_cuda_backward_lse_residual_##SUFFIX##_d##DP,                                      \
               fa_cuda_backward_dq_##SUFFIX##_d##DP,                                                \
-              fa_cuda_backward_dkv_##SUFFIX##_d##DP},
+              fa_cuda_backward_dkv_##SUFFIX##_d##DP,                                               \
+              FA_IF_DECODE(DP, fa_cuda_forward_decode_##SUFFIX##_d##DP)},
 #define FA_CUDA_BUCKET_F16(...) FA_CUDA_BUCKET(half, f16, __VA_ARGS__)
 #define FA_CUDA_BUCKET_BF16(...) FA_CUDA_BUCKET(bfloat, bf16, __VA_ARGS__)
 #define FA_CUDA_BUCKET_F32(...) FA_CUDA_BUCKET(float, f32, __VA_ARGS__)
@@ -318,9 +320,9 @@ cudaError_t forward_split(const DtypeKernels<T> &kernels, const FlashAttentionPa
     if (const cudaError_t error = specialise(p); error != cudaSuccess) {
         return error;
     }
-    // As the Metal plan: the decode kernel up to FA_SPLIT_MAX_QUERY_ROWS rows, the tiled one above.
-    const bool decode = p.seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS;
+    // As the Metal plan: the decode kernel where it serves the packed rows, the tiled one otherwise.
     const unsigned rows = p.num_heads / p.num_kv_heads * p.seqlen_q;
+    const bool decode = FA_DECODE_SERVES(b->head_dim_max, rows);
     const unsigned row_blocks = ceil_div(rows, decode ? FA_DECODE_ROWS(b->head_dim_max) : b->forward_block_q);
     const dim3 grid(p.kv_chunks * row_blocks, p.num_kv_heads, p.batch);
     (decode ? b->forward_decode : b->forward_split)<<<grid, kThreads>>>(

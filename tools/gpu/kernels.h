@@ -48,9 +48,9 @@ cudaError_t fa_cuda_forward(const FlashAttentionParams &params, int dtype, const
                             const FaCudaScoreInputs &inputs = {});
 
 // Split-KV forward, the Metal plan's two dispatches for short queries:
-// flash_attention_forward_decode_<dtype>_d<DP> (Nq <= FA_SPLIT_MAX_QUERY_ROWS; row blocks of
-// FA_DECODE_ROWS(DP)) or flash_attention_forward_split_<dtype>_d<DP> (more rows; row blocks of
-// FWD_BQ) over (kv_chunks x row blocks, Hkv, B), a row block holding (H / Hkv) x Nq query rows of
+// flash_attention_forward_decode_<dtype>_d<DP> (where FA_DECODE_SERVES the (H / Hkv) x Nq packed
+// rows; row blocks of FA_DECODE_ROWS(DP)) or flash_attention_forward_split_<dtype>_d<DP> (other
+// shapes; row blocks of FWD_BQ) over (kv_chunks x row blocks, Hkv, B), a row block holding (H / Hkv) x Nq query rows of
 // one KV head, writes one normalised partial result per chunk of params.kv_chunk_keys keys into
 // partial_out (B, H, kv_chunks, Nq, head_dim_v) and partial_lse (B, H, kv_chunks, Nq, 2: the
 // chunk's max and log sum), float32 workspaces;

@@ -223,6 +223,22 @@ const char *fa_context_device_name(const fa_context *context);
  * stays valid while the context lives. Null for a null context. */
 const char *fa_context_backend_note(const fa_context *context);
 
+/* Where a GPU core count comes from (fa_gpu_cores). */
+typedef enum fa_gpu_cores_source {
+    FA_GPU_CORES_NOMINAL = 0,  /* FA_NOMINAL_GPU_CORES (10): the CPU engine, or no count from the device */
+    FA_GPU_CORES_DEVICE = 1,   /* the Metal device's (the IORegistry's gpu-core-count) */
+    FA_GPU_CORES_OVERRIDE = 2  /* the FLASH_ATTENTION_GPU_CORES environment variable */
+} fa_gpu_cores_source;
+
+/* The GPU core count the split-KV chunks are planned for now (docs/decode.md) and where it comes
+ * from (an fa_gpu_cores_source), for calls on context, or for fa_plan_create's plans when context
+ * is null (the Metal device the library runs on, as PyTorch's MPS and MLX's GPU paths use them).
+ * FLASH_ATTENTION_GPU_CORES wins when set (it is read again at every call); then the device's count
+ * (Metal); then the nominal GPU. A profile reports the count a call used (fa_profile.gpu_cores).
+ * Errors: INVALID_ARGUMENT (null out_cores or out_source, FLASH_ATTENTION_GPU_CORES not a whole
+ * number from 1 to 4096). */
+fa_status fa_gpu_cores(const fa_context *context, uint32_t *out_cores, uint32_t *out_source);
+
 /* Cancels the calls in flight on context: every fa_forward, fa_backward or merge that started on
  * it before this call stops early (the CPU engine within its current threadgroups, Metal before its
  * next command buffer) and returns FA_STATUS_CANCELLED with its outputs filled with NaN, unless it
@@ -513,6 +529,8 @@ typedef struct fa_plan_specialization {
  * at the range's first block), whose dispatches bind the buffers at the offsets of their range
  * (dispatches of pieces run in order): what the Metal backend does with 2^35 against the GPU
  * watchdog, one command buffer per piece. Pieces compute bit for bit what the whole pass computes.
+ * The split-KV chunks are planned for fa_gpu_cores(NULL, ...): the Metal device the library runs on
+ * (or FLASH_ATTENTION_GPU_CORES, or the nominal GPU).
  * Errors: INVALID_ARGUMENT (null problem or out_plan, an unknown pass, anything fa_forward or
  * fa_backward would refuse), UNSUPPORTED (head_dim), OUT_OF_MEMORY. The parameter bytes take the
  * kernels' 16-byte tile copies when head_dim, head_dim_v and every stride of q, k, v, out and dout

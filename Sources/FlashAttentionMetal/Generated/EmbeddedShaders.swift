@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "c71739b446156dff"
+    static let sourceHash = "2472dfc26d2f4f91"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -54,8 +54,9 @@ enum EmbeddedShaders {
 // rounded to T once.
 //
 // One instance per dtype and head-dim bucket (FA_HEAD_DIM_BUCKETS for half and bfloat,
-// FA_HEAD_DIM_BUCKETS_F32 for float), named <kernel>_<dtype>_d<head_dim_max>. Threadgroup storage
-// is one struct per kernel, named <kernel>_threadgroup.
+// FA_HEAD_DIM_BUCKETS_F32 for float; the decode kernel up to FA_DECODE_MAX_HEAD_DIM), named
+// <kernel>_<dtype>_d<head_dim_max>. Threadgroup storage is one struct per kernel, named
+// <kernel>_threadgroup.
 
 #include <metal_stdlib>
 
@@ -316,9 +317,10 @@ typedef struct FlashAttentionParams {
 // block per head and launches only batch x num_heads threadgroups, each streaming the whole cache
 // alone. The split kernels pack the query rows of a GQA group into blocks per KV head (each K/V
 // element is read once per chunk and row block, not once per query head) and split the keys into
-// chunks: the decode kernel (flash_attention_decode.h) for seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS, the
-// tiled split kernel for seqlen_q <= FA_SPLIT_TILED_MAX_QUERY_ROWS when the dense grid has fewer
-// threadgroups than the GPU holds at once. Chunks of at least FA_SPLIT_MIN_CHUNK_KEYS keys, as many
+// chunks: for seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS the decode kernel (flash_attention_decode.h) where
+// it serves the rows (FA_DECODE_SERVES), else the tiled split kernel; for seqlen_q <=
+// FA_SPLIT_TILED_MAX_QUERY_ROWS the tiled split kernel when the dense grid has fewer threadgroups
+// than the GPU holds at once. Chunks of at least FA_SPLIT_MIN_CHUNK_KEYS keys, as many
 // as give every core two waves of threadgroups (KeyValueSplit.swift; docs/decode.md); the plan is
 // a function of the shape and the planned core count alone, so results are deterministic.
 #define FA_SPLIT_MAX_QUERY_ROWS 8
@@ -327,12 +329,31 @@ typedef struct FlashAttentionParams {
 // The GPU core count plans assume without the FLASH_ATTENTION_GPU_CORES override: 10, the GPU of
 // the base M1-M4 chips (Apple's tech specs), so the CPU engine plans as for that GPU.
 #define FA_NOMINAL_GPU_CORES 10
-// The decode forward (flash_attention_decode.h) serves seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS: each
-// threadgroup takes FA_DECODE_ROWS(DP) packed rows, whose q and output slices every lane keeps in
-// registers (FA_DECODE_ROWS(DP) x DP / 32 floats of each, 32 at most), and stores FA_SIMDGROUPS
-// such states in threadgroup memory once, at the end (FA_DECODE_THREADGROUP_BYTES).
-#define FA_DECODE_ROWS(DP) ((DP) <= 128 ? 8 : (DP) <= 256 ? 4 : 2)
+// The decode forward (flash_attention_decode.h): each threadgroup takes FA_DECODE_ROWS(DP) packed
+// rows, whose q and output slices every lane keeps in registers (FA_DECODE_ROWS(DP) x DP / 32
+// floats of each, 32 at most: both within FA_MAX_ACCUMULATOR_FLOATS, asserted at the kernel), and
+// stores FA_SIMDGROUPS such states in threadgroup memory once, at the end
+// (FA_DECODE_THREADGROUP_BYTES). It serves a split problem whose packed rows per KV head
+// (group x seqlen_q) fit one threadgroup, up to head_dim FA_DECODE_MAX_HEAD_DIM (FA_DECODE_SERVES):
+// more rows would be more row blocks, each reading the whole cache, where the tiled split kernel
+// reads it once per forward_block_q rows (K/V tiles shared by its SIMD-groups); wider rows would
+// outgrow the registers. Buckets above FA_DECODE_MAX_HEAD_DIM have no decode instance.
+#define FA_DECODE_MAX_HEAD_DIM 256
+#define FA_DECODE_ROWS(DP) ((DP) <= 128 ? 8 : 4)
 #define FA_DECODE_THREADGROUP_BYTES(DP) (FA_SIMDGROUPS * FA_DECODE_ROWS(DP) * ((DP) + 2) * 4)
+#define FA_DECODE_SERVES(DP, PACKED_ROWS) ((DP) <= FA_DECODE_MAX_HEAD_DIM && (PACKED_ROWS) <= FA_DECODE_ROWS(DP))
+// FA_IF_DECODE(DP, ...): the arguments where bucket DP has a decode instance (DP <=
+// FA_DECODE_MAX_HEAD_DIM), nothing above. The preprocessor cannot compare, hence a line per bucket;
+// FA_DEFINE_KERNELS static_asserts that each line agrees with FA_DECODE_MAX_HEAD_DIM.
+#define FA_IF_DECODE(DP, ...) FA_IF_DECODE_##DP(__VA_ARGS__)
+#define FA_IF_DECODE_32(...) __VA_ARGS__
+#define FA_IF_DECODE_64(...) __VA_ARGS__
+#define FA_IF_DECODE_96(...) __VA_ARGS__
+#define FA_IF_DECODE_128(...) __VA_ARGS__
+#define FA_IF_DECODE_192(...) __VA_ARGS__
+#define FA_IF_DECODE_256(...) __VA_ARGS__
+#define FA_IF_DECODE_512(...)
+#define FA_IF_DECODE_576(...)
 // Bytes one thread moves per load and store of a tile copy (flash_attention_loader.h); rows whose
 // address, strides or width are not multiples of it take the checked scalar copy (scalar_copies).
 #define FA_CHUNK_BYTES 16
@@ -1944,6 +1965,9 @@ inline void attention_forward_decode(device const T *q, device const T *k, devic
     constexpr uint R = FA_DECODE_ROWS(DP);
     static_assert(sizeof(DecodeStorage<DP>) == FA_DECODE_THREADGROUP_BYTES(DP),
                   "the host sizes the decode threadgroup by FA_DECODE_THREADGROUP_BYTES");
+    static_assert(DP <= FA_DECODE_MAX_HEAD_DIM, "a decode instance above FA_DECODE_MAX_HEAD_DIM");
+    static_assert(2 * R * L::E <= FA_MAX_ACCUMULATOR_FLOATS,
+                  "q and output floats per lane above the budget (flash_attention_params.h)");
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
@@ -2594,7 +2618,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         flash_attention_forward_##SUFFIX##_d##DP##_threadgroup;                                    \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
         flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup;                              \
-    typedef DecodeStorage<DP> flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup;       \
+    FA_IF_DECODE(DP, typedef DecodeStorage<DP>                                                     \
+                         flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup;)           \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK, false>                                           \
         flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup;                      \
     typedef BackwardQueryStorage<T, DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>           \
@@ -2620,6 +2645,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                       FA_ACCUMULATOR_FLOATS(DP, DQ_BQ) <= FA_MAX_ACCUMULATOR_FLOATS &&             \
                       2 * FA_ACCUMULATOR_FLOATS(DP, DKV_BK) <= FA_MAX_ACCUMULATOR_FLOATS,          \
                   "accumulators per lane above the budget (flash_attention_params.h)");            \
+    static_assert((0 FA_IF_DECODE(DP, +1)) == (DP <= FA_DECODE_MAX_HEAD_DIM),                     \
+                  "FA_IF_DECODE_<DP> disagrees with FA_DECODE_MAX_HEAD_DIM");                     \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_##SUFFIX##_d##DP(                                          \
@@ -2652,6 +2679,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                                                     partial_lse, params, &tg, tgid, sgid, lane);   \
     }                                                                                              \
                                                                                                    \
+    FA_IF_DECODE(DP,                                                                               \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_decode_##SUFFIX##_d##DP(                                   \
         FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
@@ -2663,7 +2691,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         threadgroup flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup tg;              \
         attention_forward_decode<DP>(q, k, v, mask, alibi, partial_out, partial_lse, params, &tg,  \
                                      tgid, sgid, lane);                                            \
-    }                                                                                              \
+    })                                                                                             \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_lse_residual_##SUFFIX##_d##DP(                            \

@@ -54,10 +54,22 @@ final class MetalBackend: ExecutionBackend {
         self.queue = queue
         kernels = try MetalFlashAttention(device: device)
         deviceName = device.name
+        gpuCores = MetalBackend.cores(of: device)
+    }
+
+    /// The core count of the device a Metal backend takes (`appleSiliconDevice`: on an Apple-silicon
+    /// Mac its one GPU, which MTLCreateSystemDefaultDevice() returns, "the device instance Metal
+    /// selects as the default", developer.apple.com/documentation/metal/mtlcreatesystemdefaultdevice()),
+    /// read once per process (Swift runs a static's initializer once, lazily, on first use); nil
+    /// without such a device or count (`GPUCores.libraryDevice`).
+    static let defaultDeviceCores: UInt32? = (try? appleSiliconDevice()).flatMap(cores(of:))
+
+    /// `device`'s `gpu-core-count` from the IORegistry (`DeviceCores`); nil without IOKit.
+    private static func cores(of device: MTLDevice) -> UInt32? {
         #if canImport(IOKit)
-        gpuCores = DeviceCores.read(registryID: device.registryID)
+        return DeviceCores.read(registryID: device.registryID)
         #else
-        gpuCores = nil
+        return nil
         #endif
     }
 
