@@ -292,13 +292,22 @@ inline float backward_row_lse(float lse) {
 // ---- forward ---------------------------------------------------------------------------------
 
 // Without WITH_V (the backward's lse residual pass: scores only) the V tile is a placeholder.
-template <typename T, uint DP, uint BQ, uint BK, bool WITH_V = true>
-struct ForwardStorage {
+// SHARED: the K and V tiles share one buffer (where Q, K and V would not fit in 32 KiB: float16
+// and bfloat16 at head_dim 256, 32 query rows), as in MLX's steel attention (its KV_smem): K for
+// S, then V over it for O += P V, two barriers more per tile (forward_tile).
+template <typename T, uint DP, uint BQ, uint BK, bool WITH_V, bool SHARED>
+struct ForwardTiles {
     uint4 q[BQ][FA_ROW_CHUNKS(T, DP)];
     uint4 k[BK][FA_ROW_CHUNKS(T, DP)];
-    uint4 v[WITH_V ? BK : 1][FA_ROW_CHUNKS(T, DP)];
+    uint4 v[WITH_V && !SHARED ? BK : 1][FA_ROW_CHUNKS(T, DP)];
     FA_PARTIALS(s_partial, FA_SLICES(BQ), BK);
 };
+
+// Whether the forward kernels of a bucket share the K/V buffer (ForwardTiles).
+#define FA_FORWARD_SHARED(T, DP, BQ, BK) (sizeof(ForwardTiles<T, DP, BQ, BK, true, false>) > 32768)
+
+template <typename T, uint DP, uint BQ, uint BK, bool WITH_V = true>
+using ForwardStorage = ForwardTiles<T, DP, BQ, BK, WITH_V, FA_FORWARD_SHARED(T, DP, BQ, BK)>;
 
 // The online softmax of one lane's row (Algorithm 1): running max m of the scores, this lane's part
 // of the running sum l of exp(score - m), and the SIMD-group's 8-row block of the
@@ -320,9 +329,10 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 }
 
 // One K/V tile of the forward pass, keys [kv0, kv0 + BK) (the next tiles of the streams ks and vs
-// over the KV head's K and V): loads the tiles (every thread calls it), S = Q K^T over the slice
-// and then over all of head_dim, masks (only when `masked`; the lane's row is query `row`), online
-// softmax update, O += P V (without WITH_V, only m and l: V is neither loaded nor multiplied).
+// over the KV head's K and V): loads the tiles (every thread calls it; V only after S where K and
+// V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
+// `masked`; the lane's row is query `row`), online softmax update, O += P V (without WITH_V,
+// only m and l: V is neither loaded nor multiplied).
 template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
           typename Storage>
 inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thread VS &vs,
@@ -331,11 +341,13 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thre
                          FragmentCoord at, uint sgid, uint tid) {
     typedef typename KS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
+    constexpr bool SHARED = WITH_V && FA_FORWARD_SHARED(T, DP, BQ, BK);
+    auto v_tile = SHARED ? tg->k : tg->v;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // K is read only transposed: paired rows where the bucket allows (PairedRows).
     constexpr uint K_PAIRED = PairedRows<T, DP>::WIDTH;
     load_tile<BK, DP, K_PAIRED != 0>(tg->k, ks, kv0, p, tid);
-    if (WITH_V) {
+    if (WITH_V && !SHARED) {
         load_tile<BK, DP>(tg->v, vs, kv0, p, tid);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -343,6 +355,11 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thre
     Fragments<NK> sc;
     product_transposed<T, ND, K_PAIRED>(sc, tg->q, s.row0, tg->k, s, s.active, p, at);
     sum_over_slices<FA_SLICES(BQ)>(sc, tg->s_partial, sgid, s, at);
+    if (SHARED) {
+        // V over K once every SIMD-group has read K (the softmax sits between copy and barrier).
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        load_tile<BK, DP>(v_tile, vs, kv0, p, tid);
+    }
 
     // Online softmax; P replaces S in place.
     float tile_max = -INFINITY;
@@ -378,8 +395,11 @@ inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thre
     }
     r.m = m_next;
 
+    if (SHARED) {
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
     if (WITH_V) {
-        accumulate_product<T>(r.o, sc, tg->v, s, s.active_v, p, at);
+        accumulate_product<T>(r.o, sc, v_tile, s, s.active_v, p, at);
     }
 }
 

@@ -240,9 +240,9 @@ typedef struct FlashAttentionParams {
 // of rows (query rows for forward and dQ, key rows for dK/dV); each SIMD-group owns 8 of them and
 // a slice of head_dim: with B owned rows, the 4 SIMD-groups form (B / 8) row groups x (32 / B)
 // head_dim slices, so the float32 accumulators of a lane cover 8 x (head_dim_max * B / 32)
-// elements. Blocking the accumulators over head_dim (32 / B = 2 slices at head_dim 192 and 256)
-// keeps them in registers without recomputing S: the slices' partial products Q K^T (and dO V^T)
-// are summed through threadgroup memory.
+// elements. Blocking the accumulators over head_dim (32 / B = 2 slices in the backward kernels at
+// head_dim 192 and 256) keeps them in registers without recomputing S: the slices' partial
+// products Q K^T (and dO V^T) are summed through threadgroup memory.
 #define FA_SIMDGROUPS 4
 #define FA_THREADS_PER_THREADGROUP (FA_SIMDGROUPS * 32)
 // Rows of one threadgroup of the backward_delta kernel (one thread per row).
@@ -305,27 +305,39 @@ typedef struct FlashAttentionParams {
 // <kernel>_<dtype>_d<head_dim_max>, e.g. flash_attention_forward_f16_d64.
 // Why these sizes: the forward follows MLX's steel attention (BQ 32 = 4 SIMD-groups x 8 rows; K/V
 // tiles of 32 keys, 16 from head_dim 128), whose published throughput on M-series GPUs is 87-97 %
-// of a measured f16 matmul ceiling. At head_dim 192 the forward keeps 32 query rows, each
-// SIMD-group the whole head_dim of 8 of them, as MLX does (its tiles fit: (32 + 2 x 16) x 200
-// halves, 25.6 KB); the backward kernels and head_dim 256 split the accumulators over two head_dim
-// slices (16 rows, see above) where MLX keeps 8 x 256 floats per SIMD-group in registers. At 512
+// of a measured f16 matmul ceiling. Up to head_dim 256 the forward keeps 32 query rows, each
+// SIMD-group the whole head_dim of 8 of them (no partial sums), as MLX does: at 192 its tiles fit
+// ((32 + 2 x 16) x 200 halves, 25.6 KB); at 256 K and V share one buffer, as in MLX's
+// steel_attention.h (KV_smem, which K and then V occupy): (32 + 16) x 264 halves and a placeholder
+// V row, 25.9 KB, a lane keeping 64 accumulator floats. Sharing costs two barriers per key tile
+// (4, where the 16 rows over two head_dim slices met 3: 2 for the tiles, 1 for the partial S),
+// two thirds as many per key and query row. metal-flash-attention's alternative, blocking head_dim
+// through threadgroup memory, would take a barrier pair per head_dim block of every product.
+// The backward kernels from 192 split the accumulators over two head_dim slices (16 rows, see
+// above); at 256 their streamed tiles have 16 rows, so that S and dP are two independent 8x8
+// chains per SIMD-group, not one, and their two streamed tiles share one buffer (dQ: V, then K;
+// dK/dV: Q, then dO, then Q again), 2 barriers per tile more for dQ and 4 for dK/dV. At 512
 // (Gemma's global layers) and 576 (DeepSeek's MLA decode with absorbed weights: head_dim 576,
 // head_dim_v 512, which takes the 576 bucket) every kernel owns 8 rows split over 4 head_dim
-// slices, so a lane keeps the accumulators of d256 (512) or 12.5 % more (576; see
+// slices, so a lane keeps the accumulators of d256's backward (512) or 12.5 % more (576; see
 // FA_MAX_ACCUMULATOR_FLOATS), and the backward's two streamed tiles share one buffer. The
 // backward follows metal-flash-attention's three kernels (D pre-pass, dQ over query blocks, dK/dV
 // over key blocks with K, V, dK, dV resident); its tiles are the largest that keep each kernel's
-// threadgroup storage within 32 KiB (static_assert at the instantiation):
-//   forward: (BQ + 2 BK) (DP + 8) halves (+ 4 x 8 x BK floats when split over head_dim)
-//   dQ:      2 (BQ + BK) (DP + 8) halves + 2 x 8 x BK floats per partial set
-//   dK/dV:   2 (BK + BQ) (DP + 8) halves + 3 x BQ floats + 2 x 8 x BQ floats per partial set
+// threadgroup storage within 32 KiB (static_assert at the instantiation), where a kernel's two
+// streamed tiles share one buffer when both do not fit (then a placeholder row replaces one):
+//   forward: (BQ + 2 BK) (DP + 8) halves, shared (BQ + BK + 1) (DP + 8)
+//            (+ 4 x 8 x BK floats when split over head_dim)
+//   dQ:      2 (BQ + BK) (DP + 8) halves, shared (2 BQ + BK + 1) (DP + 8)
+//            (+ 2 x 4 x 8 x BK floats when split)
+//   dK/dV:   2 (BK + BQ) (DP + 8) halves, shared (2 BK + BQ + 1) (DP + 8), + 3 x BQ floats
+//            (+ 2 x 4 x 8 x BQ floats when split)
 #define FA_HEAD_DIM_BUCKETS(X)           \
     X(32, 32, 32, 32, 32, 32, 32)        \
     X(64, 32, 32, 32, 32, 32, 32)        \
     X(96, 32, 32, 32, 32, 32, 32)        \
     X(128, 32, 16, 32, 16, 32, 16)       \
     X(192, 32, 16, 16, 16, 16, 16)       \
-    X(256, 16, 16, 16, 8, 16, 8)         \
+    X(256, 32, 16, 16, 16, 16, 16)       \
     X(512, 8, 8, 8, 8, 8, 8)             \
     X(576, 8, 8, 8, 8, 8, 8)
 
@@ -339,7 +351,7 @@ typedef struct FlashAttentionParams {
 //   d96           19984 / 3       26640 / 2      27024 / 2
 //   d128          17424 / 3       26128 / 2      26320 / 2
 //   d192          25616 / 2       29696 / 2      29888 / 2
-//   d256          27392 / 2       27392 / 2      27488 / 2
+//   d256          25888 / 2       29968 / 2      30160 / 2
 //   d512          25984 / 2       28048 / 2      28144 / 2
 //   d576          29056 / 2       31248 / 1      31344 / 1
 //   float
@@ -367,16 +379,18 @@ typedef struct FlashAttentionParams {
 //   d96                24   24     48        d96          24  12     24
 //   d128               32   32     64        d128         16  16     32
 //   d192               48   24     48        d192         12  12     24
-//   d256               32   32     64        d256         16  16     32
+//   d256               64   32     64        d256         16  16     32
 //   d512               32   32     64
 //   d576               36   36     72
-// d512 keeps exactly d256's; d576's dK/dV (72) sets the budget.
+// d512 keeps exactly d256's backward; d576's dK/dV (72) sets the budget.
 #define FA_ACCUMULATOR_FLOATS(DP, ROWS) ((DP) * (ROWS) / FA_THREADS_PER_THREADGROUP)
 #define FA_MAX_ACCUMULATOR_FLOATS 72
 
 // Head-dim buckets of float32, whose tiles take twice the bytes: the owned rows and tiles shrink
 // (down to 8 x 8 at head_dim 192 and 256, 4 head_dim slices). Where even that exceeds 32 KiB
 // (the backward kernels at 256) the two streamed tiles share one buffer (see the storage structs).
+// The 2-byte dtypes' 32-row forward at 256 would need (32 + 16 + 1) x 1056 bytes, 51.7 KB, even
+// with K and V sharing a buffer.
 #define FA_HEAD_DIM_BUCKETS_F32(X)       \
     X(32, 32, 32, 32, 32, 32, 32)        \
     X(64, 32, 32, 32, 16, 32, 16)        \

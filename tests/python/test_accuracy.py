@@ -28,6 +28,7 @@ GRID = [
     (1, 2, 2, 100, 33, 32, True),
     (1, 4, 2, 33, 100, 128, True),
     (1, 2, 2, 7, 257, 40, False),
+    (1, 2, 1, 70, 75, 256, True),  # 32-row forward blocks at 256 (K and V share one buffer)
 ]
 
 

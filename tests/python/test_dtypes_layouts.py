@@ -53,6 +53,14 @@ def test_mla_head_dim_192_and_head_dim_v_128(ctx, dtype):
     assert out.shape == (1, 40, 4, 128) and dq.shape == dk.shape == (1, 40, 4, 192) and dv.shape == (1, 40, 4, 128)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=_name)
+def test_head_dim_256_with_a_narrower_value(ctx, dtype):
+    # The 256 bucket's shared K/V buffer (forward) and Q/dO and K/V buffers (backward): V's tile
+    # overwrites K's with zeros past head_dim_v; 70 rows take the dense forward's 32-row blocks.
+    q, k, v, dout = make_inputs(256, 1, 2, 1, 70, 75, 256, head_dim_v=200, dtype=dtype, layout="bshd")
+    judge(ctx, q, k, v, dout, dict(causal=True), f"head_dim 256/200 {_name(dtype)}", "bshd")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=_name)
 def test_bshd_equals_bhsd_bit_for_bit(ctx, dtype):
     q, k, v, dout = make_inputs(31, 2, 4, 2, 21, 33, 32, head_dim_v=16, dtype=dtype, layout="bshd")

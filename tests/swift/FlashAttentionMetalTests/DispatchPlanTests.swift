@@ -50,7 +50,7 @@ final class DispatchPlanTests: XCTestCase {
         // (head_dim_max, forward BQ, dQ BQ, dK/dV BK)
         let table: [(UInt32, UInt32, UInt32, UInt32)] = [
             (32, 32, 32, 32), (64, 32, 32, 32), (96, 32, 32, 32), (128, 32, 32, 32), (192, 32, 16, 16),
-            (256, 16, 16, 16), (512, 8, 8, 8), (576, 8, 8, 8),
+            (256, 32, 16, 16), (512, 8, 8, 8), (576, 8, 8, 8),
         ]
         let threads = GridSize(width: 128, height: 1, depth: 1)
         for (dmax, fbq, dqbq, dkvbk) in table {
