@@ -19,11 +19,12 @@ import flash_attention_metal as fam
 from flash_attention_metal import _default, _native, accuracy
 
 
-# How ./build.sh test runs these tests on every core (pytest-xdist): `-n auto --dist loadfile -m
-# "not serial"`, then `-m serial` alone. Serial: tests that time a child process (Ctrl-C's exit
+# How ./build.sh test runs these tests on every core (pytest-xdist): `-n auto --dist loadfile
+# --no-loadscope-reorder -m "not serial"`, then `-m serial` alone. Serial: tests that time a child process (Ctrl-C's exit
 # bound) or take fixed resources (the MLX ring backend's port runs). loadfile keeps each module on
 # one worker, so module fixtures that build kernels, run MPI jobs or load models run once. The
-# slowest modules are scheduled first, so that no worker is left with a long module at the end.
+# slowest modules are scheduled first, so that no worker is left with a long module at the end
+# (--no-loadscope-reorder keeps this order: by default xdist >= 3.5 reorders modules by test count).
 SERIAL_MARKER = "serial"
 SLOW_MODULES_FIRST = ["test_planted_faults.py", "test_metal_standin.py", "test_compare.py",
                       "test_distributed_smollm2.py", "test_smollm2_model.py", "test_distributed.py",
