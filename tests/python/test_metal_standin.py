@@ -103,7 +103,8 @@ def test_a_planted_defect_fails_the_suite(tmp_path, plant):
     assert text.count(original) == 1, f"the line to plant into is gone: {original}"
     encoder.write_text(text.replace(original, planted))
     out = tmp_path / "build"
-    env = dict(os.environ, METAL_STANDIN_OUT=str(out), METAL_STANDIN_SWIFT_TESTS="0", METAL_STANDIN_SWIFT6="0")
+    env = dict(os.environ, METAL_STANDIN_OUT=str(out), METAL_STANDIN_SWIFT_TESTS="0", METAL_STANDIN_SWIFT6="0",
+               METAL_STANDIN_MODULES=str(STANDIN))
     subprocess.run([str(ROOT / "tests" / "metal_standin" / "build.sh"), str(sources)], env=env, check=True,
                    capture_output=True, timeout=600)
     result = _pytest(out / "libFlashAttentionMetal.so", "metal_standin_cases.py", "-x", "-k", "forward_backward")
