@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Runs every XCTest of the package (the engine's and the library's, the attention kernels in
-# float16, bfloat16 and float32) under AddressSanitizer and under UndefinedBehaviorSanitizer, each
-# in its own scratch path (.build/asan, .build/ubsan), and requires zero findings. Then proves both
-# are really watching the kernels: the test that reads past the end of a buffer from an MSL test
-# kernel (tests/kernels/planted_out_of_bounds.metal), skipped unless MSL_ENGINE_PLANTED_OOB=1, must
-# fail with an AddressSanitizer heap-buffer-overflow report, and the one that overflows a signed
-# int (tests/kernels/planted_undefined_behaviour.metal), skipped unless MSL_ENGINE_PLANTED_UB=1,
-# with UndefinedBehaviorSanitizer's signed-integer-overflow report.
+# float16, bfloat16 and float32) in one build under AddressSanitizer and UndefinedBehaviorSanitizer
+# together (scratch path .build/sanitized; clang documents -fsanitize=address,undefined as a
+# supported combination), and requires zero findings. Then proves both are really watching the
+# kernels: the test that reads past the end of a buffer from an MSL test kernel
+# (tests/kernels/planted_out_of_bounds.metal), skipped unless MSL_ENGINE_PLANTED_OOB=1, must fail
+# with an AddressSanitizer heap-buffer-overflow report, and the one that overflows a signed int
+# (tests/kernels/planted_undefined_behaviour.metal), skipped unless MSL_ENGINE_PLANTED_UB=1, with
+# UndefinedBehaviorSanitizer's signed-integer-overflow report.
 #
 # Usage: tests/run_sanitized.sh            (from anywhere; logs go to .build/sanitizers/)
 # Prints one line per step and a summary line; exits non-zero when any step fails.
@@ -63,13 +64,19 @@ detect_leaks=0
 asan_options="detect_leaks=$detect_leaks:halt_on_error=1:detect_stack_use_after_return=1:malloc_context_size=7"
 export LSAN_OPTIONS="suppressions=$lsan_suppressions"
 
-clean_run "AddressSanitizer: swift test" "$logs/asan.log" \
-    env ASAN_OPTIONS="$asan_options" \
-    swift test --sanitize=address --scratch-path "$root/.build/asan"
+# swiftc has no -sanitize=undefined on Linux (and Swift code traps on overflow anyway), so the C
+# and C++ targets (engine, kernels, C ABI) get clang's -fsanitize=undefined and the runtime is
+# linked through the clang linker driver, beside swiftc's -sanitize=address.
+sanitize=(--sanitize=address --scratch-path "$root/.build/sanitized"
+    -Xcc -fsanitize=undefined -Xcxx -fsanitize=undefined
+    -Xcc -fno-sanitize-recover=undefined -Xcxx -fno-sanitize-recover=undefined
+    -Xswiftc -Xclang-linker -Xswiftc -fsanitize=undefined)
+export ASAN_OPTIONS="$asan_options" UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+
+clean_run "ASan and UBSan: swift test" "$logs/sanitized.log" swift test "${sanitize[@]}"
 
 planted_log="$logs/asan-planted.log"
-MSL_ENGINE_PLANTED_OOB=1 ASAN_OPTIONS="$asan_options" \
-    swift test --skip-build --sanitize=address --scratch-path "$root/.build/asan" \
+MSL_ENGINE_PLANTED_OOB=1 swift test --skip-build "${sanitize[@]}" \
     --filter 'MSLEngineTests.EngineTests/testPlantedOutOfBoundsRead' >"$planted_log" 2>&1
 planted_rc=$?
 if [ $planted_rc -ne 0 ] && grep -q "AddressSanitizer" "$planted_log" \
@@ -80,19 +87,8 @@ else
     show_tail "$planted_log"
 fi
 
-# swiftc has no -sanitize=undefined on Linux (and Swift code traps on overflow anyway), so the C
-# and C++ targets (engine, kernels, C ABI) are compiled with clang's -fsanitize=undefined and the
-# runtime is linked through the clang linker driver.
-ubsan_flags=(-Xcc -fsanitize=undefined -Xcxx -fsanitize=undefined
-    -Xcc -fno-sanitize-recover=undefined -Xcxx -fno-sanitize-recover=undefined
-    -Xswiftc -Xclang-linker -Xswiftc -fsanitize=undefined)
-clean_run "UndefinedBehaviorSanitizer: swift test" "$logs/ubsan.log" \
-    env UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
-    swift test "${ubsan_flags[@]}" --scratch-path "$root/.build/ubsan"
-
 planted_log="$logs/ubsan-planted.log"
-MSL_ENGINE_PLANTED_UB=1 UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1" \
-    swift test --skip-build "${ubsan_flags[@]}" --scratch-path "$root/.build/ubsan" \
+MSL_ENGINE_PLANTED_UB=1 swift test --skip-build "${sanitize[@]}" \
     --filter 'MSLEngineTests.EngineTests/testPlantedSignedOverflow' >"$planted_log" 2>&1
 planted_rc=$?
 if [ $planted_rc -ne 0 ] && grep -q "runtime error: signed integer overflow" "$planted_log"; then

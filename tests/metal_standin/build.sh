@@ -9,7 +9,8 @@
 #   tests/metal_standin/build.sh [SOURCES_DIR]   SOURCES_DIR replaces Sources/FlashAttentionMetal
 #                                                (the planted-defect test builds a modified copy)
 # Environment: METAL_STANDIN_OUT (output folder, default build/metal-standin); METAL_STANDIN_SWIFT6=0
-# skips the Swift 6 type-check and METAL_STANDIN_SWIFT_TESTS=0 the Swift tests' executable.
+# skips the Swift 6 type-check and METAL_STANDIN_SWIFT_TESTS=0 the Swift tests' executable;
+# METAL_STANDIN_MODULES (a previous build's output folder) reuses its Metal and IOKit stand-ins.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ROOT=$(pwd)
@@ -33,10 +34,17 @@ mapfile -t STANDIN < <(find "$ROOT/tests/swift/MetalStandIn" -name '*.swift' | s
 mapfile -t BACKEND < <(find "$SOURCES" -name '*.swift' | sort)
 mapfile -t OBJECTS < <(find "$RELEASE/MSLEngine.build" "$RELEASE/CFlashAttentionMetal.build" -name '*.o' | sort)
 
-swiftc -swift-version 6 -parse-as-library -module-name IOKit -emit-module -emit-module-path "$OUT/IOKit.swiftmodule" \
-    -emit-library -static -o "$OUT/libIOKit.a" "${IOKIT[@]}"
-swiftc -swift-version 6 -parse-as-library -module-name Metal -emit-module -emit-module-path "$OUT/Metal.swiftmodule" \
-    -emit-library -static -o "$OUT/libMetal.a" -I "$OUT" "${CLANG_MODULES[@]}" "${STANDIN[@]}"
+if [[ -n ${METAL_STANDIN_MODULES:-} ]]; then
+    # The stand-in modules do not depend on SOURCES_DIR: a previous build's are reused.
+    for file in IOKit.swiftmodule libIOKit.a Metal.swiftmodule libMetal.a; do
+        cp "$METAL_STANDIN_MODULES/$file" "$OUT/$file"
+    done
+else
+    swiftc -swift-version 6 -parse-as-library -module-name IOKit -emit-module -emit-module-path "$OUT/IOKit.swiftmodule" \
+        -emit-library -static -o "$OUT/libIOKit.a" "${IOKIT[@]}"
+    swiftc -swift-version 6 -parse-as-library -module-name Metal -emit-module -emit-module-path "$OUT/Metal.swiftmodule" \
+        -emit-library -static -o "$OUT/libMetal.a" -I "$OUT" "${CLANG_MODULES[@]}" "${STANDIN[@]}"
+fi
 [[ ${METAL_STANDIN_SWIFT6:-1} != 1 ]] ||
     swiftc -swift-version 6 -typecheck -module-name FlashAttentionMetal -I "$OUT" "${CLANG_MODULES[@]}" "${BACKEND[@]}"
 swiftc -swift-version 5 -Onone -enable-testing -parse-as-library -module-name FlashAttentionMetal \

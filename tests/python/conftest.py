@@ -19,11 +19,13 @@ import flash_attention_metal as fam
 from flash_attention_metal import _default, _native, accuracy
 
 
-# How ./build.sh test runs these tests on every core (pytest-xdist): `-n auto --dist loadfile -m
-# "not serial"`, then `-m serial` alone. Serial: tests that time a child process (Ctrl-C's exit
-# bound) or take fixed resources (the MLX ring backend's port runs). loadfile keeps each module on
-# one worker, so module fixtures that build kernels, run MPI jobs or load models run once. The
-# slowest modules are scheduled first, so that no worker is left with a long module at the end.
+# How ./build.sh test runs these tests on every core (pytest-xdist): `-n auto --dist loadfile
+# --no-loadscope-reorder -m "not serial"`, then `-m serial` alone. Serial: tests that time a child
+# process (Ctrl-C's exit bound) or take fixed resources (the MLX ring backend's port runs).
+# loadfile keeps each module on one worker, so module fixtures that build kernels, run MPI jobs or
+# load models run once. The slowest modules are scheduled first, so that no worker is left with a
+# long module at the end (--no-loadscope-reorder keeps this order: by default xdist >= 3.5 reorders
+# modules by test count).
 SERIAL_MARKER = "serial"
 SLOW_MODULES_FIRST = ["test_planted_faults.py", "test_metal_standin.py", "test_compare.py",
                       "test_distributed_smollm2.py", "test_smollm2_model.py", "test_distributed.py",
@@ -213,6 +215,13 @@ def causal_parts(ctx, q, k, v, split: int, causal: bool):
         outs.append(out)
         lses.append(lse)
     return (np.concatenate(outs, axis=2), np.concatenate(lses, axis=2)), part_b
+
+
+def mpi_env() -> dict[str, str]:
+    """The environment of an mpiexec job: one OpenBLAS thread per rank. The ranks, beside the other
+    pytest worker, fill the cores already; each rank's BLAS threads would only contend for them
+    (the SmolLM2 sharded prefill: 128 s of CPU with them, 61 s without, on 2 loaded cores)."""
+    return dict(os.environ, OPENBLAS_NUM_THREADS="1")
 
 
 def mpiexec() -> str:

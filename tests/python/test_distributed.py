@@ -22,7 +22,7 @@ from flash_attention_metal import accuracy, reference  # noqa: E402
 from flash_attention_metal import distributed as dist  # noqa: E402
 from flash_attention_metal.sequence_layout import Chunk, block_calls, segments  # noqa: E402
 
-from conftest import assert_within_rule, make_inputs, mpiexec  # noqa: E402
+from conftest import assert_within_rule, make_inputs, mpi_env, mpiexec  # noqa: E402
 from distributed_worker import CASES, REAL_CASES  # noqa: E402
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
@@ -34,7 +34,7 @@ def _run(ranks: int, directory: Path, *args: str) -> tuple[subprocess.CompletedP
     """The worker under mpiexec -n ``ranks``; its result lines from every rank (rank order)."""
     directory.mkdir(parents=True, exist_ok=True)
     job = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, str(WORKER), str(directory), *args],
-                         capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=WORKER.parent)
+                         capture_output=True, text=True, timeout=JOB_TIMEOUT_S, cwd=WORKER.parent, env=mpi_env())
     paths = sorted(directory.glob("rank*.jsonl"))
     lines = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
     return job, lines
@@ -214,7 +214,7 @@ def test_benchmark_prints_each_step_and_the_work_per_rank():
     job = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "flash_attention_metal.distributed.bench",
                           "--seqlen", "32", "--heads", "2",
                           "--kv-heads", "1", "--head-dim", "16", "--causal", "--repeats", "1", "--backend", "cpu"],
-                         capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+                         capture_output=True, text=True, timeout=JOB_TIMEOUT_S, env=mpi_env())
     assert job.returncode == 0, job.stderr
     assert "rank 0 50.0 %, rank 1 50.0 %" in job.stdout
     forward = job.stdout.split("forward (best of 1)")[1].split("backward")[0]

@@ -24,7 +24,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 import smollm2_model  # noqa: E402
 
-from conftest import mpiexec  # noqa: E402
+from conftest import mpi_env, mpiexec  # noqa: E402
 
 try:
     smollm2_model.find_model_file()
@@ -34,7 +34,8 @@ except FileNotFoundError as error:
 
 def test_prefill_sharded_over_two_ranks_matches_one_process():
     job = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(EXAMPLES / "smollm2_sequence_parallel.py"),
-                          "--new-tokens", "4"], capture_output=True, text=True, timeout=600, cwd=EXAMPLES)
+                          "--new-tokens", "4"], capture_output=True, text=True, timeout=600, cwd=EXAMPLES,
+                         env=mpi_env())
     assert job.returncode == 0, job.stdout + job.stderr
     checks = [line for line in job.stdout.splitlines() if line.endswith((" ok", " FAIL"))]
     assert len(checks) == 3 and all(line.endswith(" ok") for line in checks), job.stdout
