@@ -44,8 +44,9 @@
 // rounded to T once.
 //
 // One instance per dtype and head-dim bucket (FA_HEAD_DIM_BUCKETS for half and bfloat,
-// FA_HEAD_DIM_BUCKETS_F32 for float), named <kernel>_<dtype>_d<head_dim_max>. Threadgroup storage
-// is one struct per kernel, named <kernel>_threadgroup.
+// FA_HEAD_DIM_BUCKETS_F32 for float; the decode kernel up to FA_DECODE_MAX_HEAD_DIM), named
+// <kernel>_<dtype>_d<head_dim_max>. Threadgroup storage is one struct per kernel, named
+// <kernel>_threadgroup.
 
 #include <metal_stdlib>
 
@@ -1100,7 +1101,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         flash_attention_forward_##SUFFIX##_d##DP##_threadgroup;                                    \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
         flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup;                              \
-    typedef DecodeStorage<DP> flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup;       \
+    FA_IF_DECODE(DP, typedef DecodeStorage<DP>                                                     \
+                         flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup;)           \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK, false>                                           \
         flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup;                      \
     typedef BackwardQueryStorage<T, DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>           \
@@ -1126,6 +1128,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                       FA_ACCUMULATOR_FLOATS(DP, DQ_BQ) <= FA_MAX_ACCUMULATOR_FLOATS &&             \
                       2 * FA_ACCUMULATOR_FLOATS(DP, DKV_BK) <= FA_MAX_ACCUMULATOR_FLOATS,          \
                   "accumulators per lane above the budget (flash_attention_params.h)");            \
+    static_assert((0 FA_IF_DECODE(DP, +1)) == (DP <= FA_DECODE_MAX_HEAD_DIM),                     \
+                  "FA_IF_DECODE_<DP> disagrees with FA_DECODE_MAX_HEAD_DIM");                     \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_##SUFFIX##_d##DP(                                          \
@@ -1158,6 +1162,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                                                     partial_lse, params, &tg, tgid, sgid, lane);   \
     }                                                                                              \
                                                                                                    \
+    FA_IF_DECODE(DP,                                                                               \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_decode_##SUFFIX##_d##DP(                                   \
         FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
@@ -1167,9 +1172,9 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint sgid [[simdgroup_index_in_threadgroup]],                                              \
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup tg;              \
-        attention_forward_decode<DP>(q, k, v, mask, alibi, partial_out, partial_lse, params, &tg,  \
-                                     tgid, sgid, lane);                                            \
-    }                                                                                              \
+        attention_forward_decode<DP>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse,  \
+                                     params, &tg, tgid, sgid, lane);                               \
+    })                                                                                             \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_backward_lse_residual_##SUFFIX##_d##DP(                            \

@@ -9,7 +9,7 @@
 //   threadgroup (chunk x row block, KV head, batch), FA_SIMDGROUPS SIMD-groups:
 //     each lane loads its slice of the block's q rows (as float)
 //     for each key j of the chunk that some row sees, SIMD-group j % FA_SIMDGROUPS:
-//       load the lane's K and V slices of key j
+//       load the lane's K and V slices of key j (a KV cache's: paged, dequantized in registers)
 //       per row: s = score(simd_sum(q . k)) (four rows per reduction); online softmax of
 //       (m, l, o) in registers
 //     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
@@ -73,30 +73,6 @@ struct DecodePiece<16> {
     }
 };
 
-// Where the rows of one KV head's K or V lie: row `key` at `head + key * stride`. The only place
-// the decode kernel addresses the cache: a paged or quantized source replaces this struct and its
-// two functions. The key loop moves by whole steps (a 64-bit add), never multiplying per key.
-template <typename T>
-struct CacheRows {
-    device const T *row;  // the current key's row
-    ulong step;           // elements from one of the SIMD-group's keys to its next
-};
-
-// The rows of the matrix at `head` (row 0; rows `stride` elements apart) from key `first` on, in
-// steps of `keys` keys.
-template <typename T>
-inline CacheRows<T> cache_rows(device const T *head, ulong stride, uint first, uint keys) {
-    CacheRows<T> c;
-    c.row = head + ulong(first) * stride;
-    c.step = ulong(keys) * stride;
-    return c;
-}
-
-template <typename T>
-inline void next_row(thread CacheRows<T> &c) {
-    c.row += c.step;
-}
-
 // Loads the lane's slice, columns [col0, col0 + E), of the row at `row` (`cols` wide; zero past
 // cols). The vector path needs what the host's scalar_copies = 0 promises (rows and head_dims on
 // 16-byte boundaries), which also puts each piece wholly inside or outside cols; otherwise every
@@ -145,6 +121,49 @@ inline float slice_element(thread const DecodeSlice<WORDS> &s, uint i) {
     return W::element(s.w[i / W::PER_WORD], i % W::PER_WORD);
 }
 
+// The K/V rows one SIMD-group of the decode kernel walks: keys first, first + FA_SIMDGROUPS, ...
+// A K/V source gives them through decode_rows(kv, p, b, kv_head, first, col0) (plain tensors
+// here; a KV cache's in flash_attention_kv_cache.h): `load` fills the lane's slice of the current
+// key's K and V as float, `next` moves to the SIMD-group's next key. The only place the decode
+// kernel addresses K and V. The key loop moves by whole steps (a 64-bit add), never multiplying
+// per key.
+template <typename T>
+struct DeviceDecodeRows {
+    device const T *k;  // the current key's rows
+    device const T *v;
+    ulong k_step;       // elements from one of the SIMD-group's keys to its next
+    ulong v_step;
+
+    template <uint DP>
+    inline void load(constant FlashAttentionParams &p, uint lane, bool scalar, thread float *kf,
+                     thread float *vf) const {
+        typedef DecodeLane<T, DP> L;
+        const DecodeSlice<L::WORDS> kw = load_slice<T, DP>(k, lane * L::E, p.head_dim, scalar);
+        const DecodeSlice<L::WORDS> vw = load_slice<T, DP>(v, lane * L::E, p.head_dim_v, scalar);
+        FA_UNROLL
+        for (uint e = 0; e < L::E; ++e) {
+            kf[e] = slice_element<T>(kw, e);
+            vf[e] = slice_element<T>(vw, e);
+        }
+    }
+
+    inline void next() {
+        k += k_step;
+        v += v_step;
+    }
+};
+
+template <typename T>
+inline DeviceDecodeRows<T> decode_rows(DeviceKV<T> kv, constant FlashAttentionParams &p, uint b,
+                                       uint kv_head, uint first, uint col0) {
+    DeviceDecodeRows<T> r;
+    r.k = kv.k + head_offset(p.k, b, kv_head) + ulong(first) * p.k.seq;
+    r.v = kv.v + head_offset(p.v, b, kv_head) + ulong(first) * p.v.seq;
+    r.k_step = ulong(FA_SIMDGROUPS) * p.k.seq;
+    r.v_step = ulong(FA_SIMDGROUPS) * p.v.seq;
+    return r;
+}
+
 // Sums each of the R values over the SIMD-group, four rows per reduction (R is 2, 4 or 8).
 template <uint R>
 inline void simd_sum_rows(thread float *x) {
@@ -186,16 +205,18 @@ struct DecodeStorage {
 // One chunk of keys for one block of FA_DECODE_ROWS(DP) packed rows: threadgroups (row blocks x
 // chunks, KV heads, batch), x = chunk * row_blocks + row block, as the split-KV forward. Writes the
 // chunk's normalised output and lse of each row (partial_index).
-template <uint DP, typename T, typename Storage>
-inline void attention_forward_decode(device const T *q, device const T *k, device const T *v,
-                                     device const uchar *mask, device const float *alibi,
-                                     device float *partial_out, device float *partial_lse,
-                                     constant FlashAttentionParams &p, Storage tg, uint3 tgid,
-                                     uint sgid, uint lane) {
+template <uint DP, typename T, typename KV, typename Storage>
+inline void attention_forward_decode(device const T *q, KV kv, device const uchar *mask,
+                                     device const float *alibi, device float *partial_out,
+                                     device float *partial_lse, constant FlashAttentionParams &p,
+                                     Storage tg, uint3 tgid, uint sgid, uint lane) {
     typedef DecodeLane<T, DP> L;
     constexpr uint R = FA_DECODE_ROWS(DP);
     static_assert(sizeof(DecodeStorage<DP>) == FA_DECODE_THREADGROUP_BYTES(DP),
                   "the host sizes the decode threadgroup by FA_DECODE_THREADGROUP_BYTES");
+    static_assert(DP <= FA_DECODE_MAX_HEAD_DIM, "a decode instance above FA_DECODE_MAX_HEAD_DIM");
+    static_assert(2 * R * L::E <= FA_MAX_ACCUMULATOR_FLOATS,
+                  "q and output floats per lane above the budget (flash_attention_params.h)");
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
@@ -235,22 +256,12 @@ inline void attention_forward_decode(device const T *q, device const T *k, devic
     const uint chunk_begin = chunk * p.kv_chunk_keys;
     const uint key_begin = max(chunk_begin, key_range(p, rows.i_min).first);
     const uint key_end = min(chunk_begin + p.kv_chunk_keys, key_range(p, rows.i_max).end);
-    CacheRows<T> ks = cache_rows(k + head_offset(p.k, b, kv_head), p.k.seq, key_begin + sgid,
-                                 FA_SIMDGROUPS);
-    CacheRows<T> vs = cache_rows(v + head_offset(p.v, b, kv_head), p.v.seq, key_begin + sgid,
-                                 FA_SIMDGROUPS);
+    auto kvr = decode_rows(kv, p, b, kv_head, key_begin + sgid, col0);
     for (uint j = key_begin + sgid; j < key_end; j += FA_SIMDGROUPS) {
-        const DecodeSlice<L::WORDS> kw = load_slice<T, DP>(ks.row, col0, p.head_dim, scalar);
-        const DecodeSlice<L::WORDS> vw = load_slice<T, DP>(vs.row, col0, p.head_dim_v, scalar);
-        next_row(ks);
-        next_row(vs);
         float kf[L::E];
         float vf[L::E];
-        FA_UNROLL
-        for (uint e = 0; e < L::E; ++e) {
-            kf[e] = slice_element<T>(kw, e);
-            vf[e] = slice_element<T>(vw, e);
-        }
+        kvr.template load<DP>(p, lane, scalar, kf, vf);
+        kvr.next();
         float dot[R];
         FA_UNROLL
         for (uint r = 0; r < R; ++r) {

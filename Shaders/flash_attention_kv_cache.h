@@ -6,10 +6,10 @@
 // mlx/ops.cpp, facts only). Values are dequantized in registers as they are loaded: no
 // dequantized copy exists in device memory.
 //
-// The addressing is one small inline function (kv_row) and the loads two (kv_elements, kv_chunk),
-// so any kernel can fetch a key or value row slice: the forward kernels copy 16-byte chunks into
-// their threadgroup tiles (CacheStream below); a decode kernel whose lanes hold N contiguous
-// elements of a row calls kv_elements.
+// The addressing is small inline functions (kv_page, kv_row) and the loads
+// kv_elements and kv_chunk, with which the forward kernels copy 16-byte chunks into their
+// threadgroup tiles (CacheStream below); the decode kernel's lanes load their slices of a row
+// straight into registers (CacheDecodeRows, kv_dequantize).
 //
 // Bounds: every block table value is clamped into [0, kv_num_blocks) and every block index into
 // [0, kv_max_blocks), so a wrong table gives wrong numbers but never an access outside the cache
@@ -32,30 +32,69 @@ struct KVCacheHead {
     uint num_blocks;          // blocks of the cache
     uint bits;                // 0: unquantized; 4 or 8
     uint group_size;
+    uint group_shift;         // log2(group_size) (32, 64 or 128)
 };
 
-// Where row t of the head lies: its offset in data, and in scales/biases (quantized). The only
-// division per row is t / page_rows (paged caches).
-template <typename T>
-inline ulong kv_row(thread const KVCacheHead<T> &c, uint t, thread ulong &scale_row) {
-    if (c.page_rows == 0) {
-        scale_row = ulong(t) * c.scale_row_stride;
-        return ulong(t) * c.row_stride;
-    }
-    const uint block = min(t / c.page_rows, c.max_blocks - 1);
-    FA_DEVICE_READ(c.table + block, 4);
-    const uint page = uint(min(max(c.table[block], 0), int(c.num_blocks) - 1));
-    const uint r = t - (t / c.page_rows) * c.page_rows;
-    scale_row = ulong(page) * c.scale_block_stride + ulong(r) * c.scale_row_stride;
-    return ulong(page) * c.block_stride + ulong(r) * c.row_stride;
+// Entry `block` of a sequence's block table row (max_blocks entries), both clamped into range
+// (num_blocks blocks in the cache).
+inline uint kv_page(device const int *table, uint max_blocks, uint num_blocks, uint block) {
+    block = min(block, max_blocks - 1);
+    FA_DEVICE_READ(table + block, 4);
+    return uint(min(max(table[block], 0), int(num_blocks) - 1));
 }
 
-// Elements [col, col + N) of row t as float (N <= 8, col a multiple of N: one quantization group),
-// columns at or past `cols` zero.
-template <uint N, typename T>
-inline void kv_elements(thread const KVCacheHead<T> &c, uint t, uint col, uint cols, thread float *x) {
+// A row of a cache head and where it lies: block `block` of the table row (paged; 0 contiguous),
+// row r within it, offsets `row` in data and `scale_row` in scales/biases. Moved forward by
+// kv_advance without dividing: the table is read and the offsets multiplied out only when the row
+// enters another block.
+struct KVCursor {
+    uint block;
+    uint r;
+    ulong row;
     ulong scale_row;
-    const ulong row = kv_row(c, t, scale_row);
+};
+
+// The offsets of the cursor's (block, r): the table read, clamped (kv_page), and the multiplies.
+template <typename T>
+inline void kv_seek(thread const KVCacheHead<T> &c, thread KVCursor &at) {
+    const uint page = c.page_rows == 0 ? 0 : kv_page(c.table, c.max_blocks, c.num_blocks, at.block);
+    at.row = ulong(page) * c.block_stride + ulong(at.r) * c.row_stride;
+    at.scale_row = ulong(page) * c.scale_block_stride + ulong(at.r) * c.scale_row_stride;
+}
+
+// The cursor at row t of the head: the one division, t / page_rows (paged caches).
+template <typename T>
+inline KVCursor kv_cursor(thread const KVCacheHead<T> &c, uint t) {
+    KVCursor at;
+    at.block = c.page_rows == 0 ? 0 : t / c.page_rows;
+    at.r = t - at.block * c.page_rows;
+    kv_seek(c, at);
+    return at;
+}
+
+// The cursor moved n rows on: within the block by adding n rows' strides; into another block by
+// subtracting page_rows (as often as n spans blocks) and kv_seek.
+template <typename T>
+inline void kv_advance(thread const KVCacheHead<T> &c, thread KVCursor &at, uint n) {
+    at.r += n;
+    if (c.page_rows != 0 && at.r >= c.page_rows) {
+        while (at.r >= c.page_rows) {
+            at.r -= c.page_rows;
+            ++at.block;
+        }
+        kv_seek(c, at);
+        return;
+    }
+    at.row += ulong(n) * c.row_stride;
+    at.scale_row += ulong(n) * c.scale_row_stride;
+}
+
+// Elements [col, col + N) of the row at `at` as float (N <= 8, col a multiple of N: one
+// quantization group), columns at or past `cols` zero.
+template <uint N, typename T>
+inline void kv_elements(thread const KVCacheHead<T> &c, thread const KVCursor &at, uint col, uint cols,
+                        thread float *x) {
+    const ulong row = at.row;
     if (c.bits == 0) {
         FA_UNROLL
         for (uint e = 0; e < N; ++e) {
@@ -73,7 +112,7 @@ inline void kv_elements(thread const KVCacheHead<T> &c, uint t, uint col, uint c
     const uint first_bit = col * c.bits;
     const uint w0 = first_bit / 32;
     const bool two = (first_bit % 32) + N * c.bits > 32;
-    const ulong group = scale_row + col / c.group_size;
+    const ulong group = at.scale_row + (col >> c.group_shift);
     FA_DEVICE_READ(words + w0, two ? 8 : 4);
     FA_DEVICE_READ(c.scales + group, sizeof(T));
     FA_DEVICE_READ(c.biases + group, sizeof(T));
@@ -90,20 +129,21 @@ inline void kv_elements(thread const KVCacheHead<T> &c, uint t, uint col, uint c
     }
 }
 
-// The 16-byte chunk `chunk` of row t in the threadgroup tile format (flash_attention_loader.h):
-// moved as is when unquantized and aligned (`scalar` 0), else built element by element.
+// The 16-byte chunk `chunk` of the row at `at` in the threadgroup tile format
+// (flash_attention_loader.h): moved as is when unquantized and aligned (`scalar` 0), else built
+// element by element.
 template <typename T>
-inline uint4 kv_chunk(thread const KVCacheHead<T> &c, uint t, uint chunk, uint cols, bool scalar) {
+inline uint4 kv_chunk(thread const KVCacheHead<T> &c, thread const KVCursor &at, uint chunk, uint cols,
+                      bool scalar) {
     constexpr uint V = FA_CHUNK_BYTES / sizeof(T);
     constexpr uint PER_WORD = TileWords<T>::PER_WORD;
     if (c.bits == 0 && !scalar) {
-        ulong scale_row;
-        device const T *at = c.data + kv_row(c, t, scale_row) + chunk * V;
-        FA_DEVICE_READ(at, FA_CHUNK_BYTES);
-        return *(device const uint4 *)at;
+        device const T *from = c.data + at.row + chunk * V;
+        FA_DEVICE_READ(from, FA_CHUNK_BYTES);
+        return *(device const uint4 *)from;
     }
     float x[V];
-    kv_elements<V>(c, t, chunk * V, cols, x);
+    kv_elements<V>(c, at, chunk * V, cols, x);
     uint4 out = uint4(0);
     FA_UNROLL
     for (uint e = 0; e < V; ++e) {
@@ -126,6 +166,7 @@ inline KVCacheHead<T> kv_cache_head(constant FlashAttentionParams &p, device con
     c.num_blocks = max(p.kv_num_blocks, 1u);
     c.bits = p.kv_bits;
     c.group_size = max(p.kv_group_size, 1u);
+    c.group_shift = c.group_size >= 128 ? 7 : c.group_size >= 64 ? 6 : 5;
     c.table = table + (paged ? ulong(b) * p.kv_max_blocks : 0);
     c.block_stride = s.batch;
     c.row_stride = s.seq;
@@ -172,16 +213,19 @@ inline CacheStream<T, ROWS, DP> cache_stream(KVCacheHead<T> head, uint seqlen, u
 }
 
 // The chunk of a paired tile (PairedRows, flash_attention_loader.h) that holds columns
-// [col, col + 4) of rows t and t + 1 (t even): word i is (t, col + i) | (t + 1, col + i) << 16.
+// [col, col + 4) of rows t and t + 1 (t even, at row t): word i is (t, col + i) | (t + 1, col + i) << 16.
 template <typename T, uint ROWS, uint DP>
-inline uint4 kv_pair_chunk(thread const CacheStream<T, ROWS, DP> &s, uint t, uint col) {
+inline uint4 kv_pair_chunk(thread const CacheStream<T, ROWS, DP> &s, thread const KVCursor &at, uint t,
+                           uint col) {
     float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     float b[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     if (t < s.seqlen) {
-        kv_elements<4>(s.head, t, col, s.cols, a);
+        kv_elements<4>(s.head, at, col, s.cols, a);
     }
     if (t + 1 < s.seqlen) {
-        kv_elements<4>(s.head, t + 1, col, s.cols, b);
+        KVCursor second = at;
+        kv_advance(s.head, second, 1);
+        kv_elements<4>(s.head, second, col, s.cols, b);
     }
     uint4 out;
     FA_UNROLL
@@ -193,28 +237,170 @@ inline uint4 kv_pair_chunk(thread const CacheStream<T, ROWS, DP> &s, uint t, uin
 
 // Copies rows [first, first + ROWS) of the cache head into `tile` (zero past seqlen and cols),
 // row-major or, PAIRED, in the paired layout: the thread's (tile row, chunk) is then a chunk of
-// the pair of rows it holds, built from both rows (no shuffles: rows are fetched one by one).
+// the pair of rows it holds, built from both rows (no shuffles: rows are fetched one by one). The
+// thread's first row is located once per tile (one division by page_rows), its later rows by
+// kv_advance.
 template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
 inline void load_tile(Tile tile, thread CacheStream<T, ROWS, DP> &s, uint first,
                       constant FlashAttentionParams &p, uint tid) {
     typedef typename CacheStream<T, ROWS, DP>::Geometry S;
-    static_assert(!PAIRED || (PairedRows<T, DP>::ON != 0 && ROWS % 2 == 0),
-                  "paired tiles need whole row pairs of a 2-byte type");
+    static_assert(!PAIRED || (PairedRows<T, DP>::ON != 0 && ROWS % 2 == 0 && S::STEP % 2 == 0),
+                  "paired tiles need whole row pairs of a 2-byte type (and an even STEP: the parity stays)");
+    if (s.row >= ROWS) {
+        return;
+    }
+    // Paired, the thread's rows are the first rows of pairs (r - r % 2).
+    KVCursor at = kv_cursor(s.head, first + s.row - (PAIRED ? s.row % 2 : 0));
     FA_UNROLL
     for (uint k = 0; k < S::PASSES; ++k) {
         const uint r = s.row + k * S::STEP;
         if (r < ROWS) {
             const uint t = first + r;
             if (PAIRED) {
-                tile[r][s.chunk] = kv_pair_chunk(s, t - r % 2, r % 2 * (DP / 2) + s.chunk * 4);
+                tile[r][s.chunk] = kv_pair_chunk(s, at, t - r % 2, r % 2 * (DP / 2) + s.chunk * 4);
             } else {
                 tile[r][s.chunk] = s.cols_inside && t < s.seqlen
-                                       ? kv_chunk(s.head, t, s.chunk, s.cols, p.scalar_copies != 0)
+                                       ? kv_chunk(s.head, at, s.chunk, s.cols, p.scalar_copies != 0)
                                        : uint4(0);
+            }
+            if (k + 1 < S::PASSES) {
+                kv_advance(s.head, at, S::STEP);
             }
         }
     }
 }
+
+// The E * BITS bits of elements [col, col + E) of a packed row (col a multiple of E) as float,
+// w = scale * q + bias: loaded once, in one load of 1, 2 or 4 bytes or in whole words (rows are
+// only word-aligned), and unpacked in registers. At E = 1 and 4 bits two lanes share a byte:
+// each loads it and takes its half.
+template <uint E, uint BITS>
+inline void kv_dequantize(device const uint *words, uint col, float scale, float bias, thread float *x) {
+    constexpr uint TOTAL = E * BITS;
+    constexpr uint WORDS = (TOTAL + 31) / 32;
+    uint w[WORDS];
+    if (TOTAL >= 32) {
+        FA_DEVICE_READ(words + col * BITS / 32, TOTAL / 8);
+        FA_UNROLL
+        for (uint i = 0; i < WORDS; ++i) {
+            w[i] = words[col * BITS / 32 + i];
+        }
+    } else if (TOTAL == 16) {
+        device const ushort *halves = (device const ushort *)words + col * BITS / 16;
+        FA_DEVICE_READ(halves, 2);
+        w[0] = halves[0];
+    } else {
+        device const uchar *bytes = (device const uchar *)words + col * BITS / 8;
+        FA_DEVICE_READ(bytes, 1);
+        w[0] = uint(bytes[0]) >> (col * BITS % 8);
+    }
+    FA_UNROLL
+    for (uint e = 0; e < E; ++e) {
+        const uint q = (w[e * BITS / 32] >> (e * BITS % 32)) & ((1u << BITS) - 1u);
+        x[e] = scale * float(q) + bias;
+    }
+}
+
+// The decode kernel's rows of a cache (DeviceDecodeRows in flash_attention_decode.h has the
+// contract): the SIMD-group's keys first, first + FA_SIMDGROUPS, ... The key's block is found once
+// for K and V and the table read only when a key enters another block: the row within the block
+// advances by FA_SIMDGROUPS and wraps by subtraction, so the key loop divides nothing. A quantized
+// row's scales and biases are loaded once per (row, group), by lane g for group g, and handed to
+// the lanes of the group by one shuffle.
+template <typename T>
+struct CacheDecodeRows {
+    KVCacheHead<T> k;
+    KVCacheHead<T> v;
+    uint block;  // paged: the key's entry of the table row; contiguous: 0
+    uint r;      // the key's row within that block (contiguous: the key)
+    ulong k_row; // the key's kv_row in k and v, and of its scales and biases
+    ulong v_row;
+    ulong k_scale_row;
+    ulong v_scale_row;
+    uint k_groups;      // quantized: groups of a K row and of a V row
+    uint v_groups;
+    ushort group_lane;  // the lane that loads the scale and bias of this lane's group
+
+    // The rows of (block, r): a table read and the multiplies, once per block.
+    inline void locate() {
+        const uint page = k.page_rows == 0 ? 0 : kv_page(k.table, k.max_blocks, k.num_blocks, block);
+        k_row = ulong(page) * k.block_stride + ulong(r) * k.row_stride;
+        v_row = ulong(page) * v.block_stride + ulong(r) * v.row_stride;
+        k_scale_row = ulong(page) * k.scale_block_stride + ulong(r) * k.scale_row_stride;
+        v_scale_row = ulong(page) * v.scale_block_stride + ulong(r) * v.scale_row_stride;
+    }
+
+    template <uint DP>
+    inline void load(constant FlashAttentionParams &p, uint lane, bool scalar, thread float *kf,
+                     thread float *vf) const {
+        typedef DecodeLane<T, DP> L;
+        const uint col0 = lane * L::E;
+        if (k.bits == 0) {
+            const DecodeSlice<L::WORDS> kw = load_slice<T, DP>(k.data + k_row, col0, p.head_dim, scalar);
+            const DecodeSlice<L::WORDS> vw = load_slice<T, DP>(v.data + v_row, col0, p.head_dim_v, scalar);
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                kf[e] = slice_element<T>(kw, e);
+                vf[e] = slice_element<T>(vw, e);
+            }
+            return;
+        }
+        float4 sb = float4(0.0f);  // (K scale, K bias, V scale, V bias) of group `lane`
+        if (lane < k_groups) {
+            FA_DEVICE_READ(k.scales + k_scale_row + lane, sizeof(T));
+            FA_DEVICE_READ(k.biases + k_scale_row + lane, sizeof(T));
+            sb.x = float(k.scales[k_scale_row + lane]);
+            sb.y = float(k.biases[k_scale_row + lane]);
+        }
+        if (lane < v_groups) {
+            FA_DEVICE_READ(v.scales + v_scale_row + lane, sizeof(T));
+            FA_DEVICE_READ(v.biases + v_scale_row + lane, sizeof(T));
+            sb.z = float(v.scales[v_scale_row + lane]);
+            sb.w = float(v.biases[v_scale_row + lane]);
+        }
+        sb = simd_shuffle(sb, group_lane);
+        FA_UNROLL
+        for (uint e = 0; e < L::E; ++e) {
+            kf[e] = 0.0f;
+            vf[e] = 0.0f;
+        }
+        // A slice lies wholly inside or outside head_dim (E and the group size are powers of
+        // two, E <= 32 <= group size, head_dim a multiple of the group size).
+        device const uint *kw = (device const uint *)k.data + k_row;
+        device const uint *vw = (device const uint *)v.data + v_row;
+        if (k.bits == 8) {
+            if (col0 < p.head_dim) {
+                kv_dequantize<L::E, 8>(kw, col0, sb.x, sb.y, kf);
+            }
+            if (col0 < p.head_dim_v) {
+                kv_dequantize<L::E, 8>(vw, col0, sb.z, sb.w, vf);
+            }
+        } else {
+            if (col0 < p.head_dim) {
+                kv_dequantize<L::E, 4>(kw, col0, sb.x, sb.y, kf);
+            }
+            if (col0 < p.head_dim_v) {
+                kv_dequantize<L::E, 4>(vw, col0, sb.z, sb.w, vf);
+            }
+        }
+    }
+
+    inline void next() {
+        r += FA_SIMDGROUPS;
+        if (k.page_rows != 0 && r >= k.page_rows) {
+            while (r >= k.page_rows) {
+                r -= k.page_rows;
+                ++block;
+            }
+            locate();
+            return;
+        }
+        k_row += ulong(FA_SIMDGROUPS) * k.row_stride;
+        v_row += ulong(FA_SIMDGROUPS) * v.row_stride;
+        k_scale_row += ulong(FA_SIMDGROUPS) * k.scale_row_stride;
+        v_scale_row += ulong(FA_SIMDGROUPS) * v.scale_row_stride;
+    }
+};
 
 // The K/V source of the forward kernels for a cache: streams over batch element b's KV head.
 template <typename T>
@@ -244,6 +430,23 @@ struct CacheKV {
     }
 };
 
+// The decode kernel's rows of batch element b's KV head from key `first`, for the lane whose
+// slice starts at column col0.
+template <typename T>
+inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionParams &p, uint b,
+                                      uint kv_head, uint first, uint col0) {
+    CacheDecodeRows<T> r;
+    r.k = kv_cache_head(p, kv.k, kv.k_scales, kv.k_biases, kv.table, p.k, b, kv_head, p.head_dim);
+    r.v = kv_cache_head(p, kv.v, kv.v_scales, kv.v_biases, kv.table, p.v, b, kv_head, p.head_dim_v);
+    r.block = r.k.page_rows == 0 ? 0 : first / r.k.page_rows;
+    r.r = first - r.block * r.k.page_rows;
+    r.k_groups = p.head_dim / r.k.group_size;
+    r.v_groups = p.head_dim_v / r.v.group_size;
+    r.group_lane = ushort(col0 / r.k.group_size);
+    r.locate();
+    return r;
+}
+
 // The cache buffers of the KV-cache forward kernels, after the forward's own.
 #define FA_KV_CACHE_KERNEL_BUFFERS(T)                                                              \
     device const int *kv_table [[buffer(FA_KV_CACHE_BUFFER_TABLE)]],                               \
@@ -253,15 +456,35 @@ struct CacheKV {
         device const T *v_biases [[buffer(FA_KV_CACHE_BUFFER_V_BIASES)]]
 #define FA_KV_CACHE_SOURCE(T) CacheKV<T>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}
 
+// A split-KV kernel over a cache, flash_attention_forward_<KIND>_kvcache_<SUFFIX>_d<DP>: FORWARD
+// (attention_forward_split or attention_forward_decode, its template arguments after it) with
+// keys and values read through CacheKV, writing the chunks' partial results.
+#define FA_KV_CACHE_SPLIT_KERNEL(T, KIND, SUFFIX, DP, FORWARD, ...)                                \
+    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
+    kernel void flash_attention_forward_##KIND##_kvcache_##SUFFIX##_d##DP(                         \
+        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
+        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
+        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
+        FA_KV_CACHE_KERNEL_BUFFERS(T),                                                             \
+        uint3 tgid [[threadgroup_position_in_grid]],                                               \
+        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
+        uint lane [[thread_index_in_simdgroup]]) {                                                 \
+        threadgroup flash_attention_forward_##KIND##_kvcache_##SUFFIX##_d##DP##_threadgroup tg;    \
+        FORWARD<__VA_ARGS__>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse,      \
+                             params, &tg, tgid, sgid, lane);                                       \
+    }
+
 // The KV-cache forward kernels of one dtype and bucket: flash_attention_forward_kvcache_* (dense,
-// any seqlen_q) and flash_attention_forward_split_kvcache_* (decode shapes; its chunks are merged
-// by flash_attention_forward_combine_*), the forward kernels with keys and values read through
-// CacheKV.
+// any seqlen_q), flash_attention_forward_split_kvcache_* and flash_attention_forward_decode_kvcache_*
+// (split-KV shapes; their chunks are merged by flash_attention_forward_combine_*), the forward
+// kernels with keys and values read through CacheKV.
 #define FA_DEFINE_KV_CACHE_KERNELS(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)    \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
         flash_attention_forward_kvcache_##SUFFIX##_d##DP##_threadgroup;                            \
     typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
         flash_attention_forward_split_kvcache_##SUFFIX##_d##DP##_threadgroup;                      \
+    FA_IF_DECODE(DP, typedef DecodeStorage<DP>                                                     \
+                     flash_attention_forward_decode_kvcache_##SUFFIX##_d##DP##_threadgroup;)       \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
     kernel void flash_attention_forward_kvcache_##SUFFIX##_d##DP(                                  \
@@ -274,17 +497,5 @@ struct CacheKV {
                                               sinks, params, &tg, tgid, sgid, lane);               \
     }                                                                                              \
                                                                                                    \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_split_kvcache_##SUFFIX##_d##DP(                            \
-        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
-        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
-        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
-        FA_KV_CACHE_KERNEL_BUFFERS(T),                                                             \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_split_kvcache_##SUFFIX##_d##DP##_threadgroup tg;       \
-        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, FA_KV_CACHE_SOURCE(T), mask, alibi,         \
-                                                    partial_out, partial_lse, params, &tg, tgid,   \
-                                                    sgid, lane);                                   \
-    }
+    FA_KV_CACHE_SPLIT_KERNEL(T, split, SUFFIX, DP, attention_forward_split, DP, FWD_BQ, FWD_BK)    \
+    FA_IF_DECODE(DP, FA_KV_CACHE_SPLIT_KERNEL(T, decode, SUFFIX, DP, attention_forward_decode, DP))

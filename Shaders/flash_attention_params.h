@@ -252,9 +252,10 @@ typedef struct FlashAttentionParams {
 // block per head and launches only batch x num_heads threadgroups, each streaming the whole cache
 // alone. The split kernels pack the query rows of a GQA group into blocks per KV head (each K/V
 // element is read once per chunk and row block, not once per query head) and split the keys into
-// chunks: the decode kernel (flash_attention_decode.h) for seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS, the
-// tiled split kernel for seqlen_q <= FA_SPLIT_TILED_MAX_QUERY_ROWS when the dense grid has fewer
-// threadgroups than the GPU holds at once. Chunks of at least FA_SPLIT_MIN_CHUNK_KEYS keys, as many
+// chunks: for seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS the decode kernel (flash_attention_decode.h) where
+// it serves the rows (FA_DECODE_SERVES), else the tiled split kernel; for seqlen_q <=
+// FA_SPLIT_TILED_MAX_QUERY_ROWS the tiled split kernel when the dense grid has fewer threadgroups
+// than the GPU holds at once. Chunks of at least FA_SPLIT_MIN_CHUNK_KEYS keys, as many
 // as give every core two waves of threadgroups (KeyValueSplit.swift; docs/decode.md); the plan is
 // a function of the shape and the planned core count alone, so results are deterministic.
 #define FA_SPLIT_MAX_QUERY_ROWS 8
@@ -263,12 +264,31 @@ typedef struct FlashAttentionParams {
 // The GPU core count plans assume without the FLASH_ATTENTION_GPU_CORES override: 10, the GPU of
 // the base M1-M4 chips (Apple's tech specs), so the CPU engine plans as for that GPU.
 #define FA_NOMINAL_GPU_CORES 10
-// The decode forward (flash_attention_decode.h) serves seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS: each
-// threadgroup takes FA_DECODE_ROWS(DP) packed rows, whose q and output slices every lane keeps in
-// registers (FA_DECODE_ROWS(DP) x DP / 32 floats of each, 32 at most), and stores FA_SIMDGROUPS
-// such states in threadgroup memory once, at the end (FA_DECODE_THREADGROUP_BYTES).
-#define FA_DECODE_ROWS(DP) ((DP) <= 128 ? 8 : (DP) <= 256 ? 4 : 2)
+// The decode forward (flash_attention_decode.h): each threadgroup takes FA_DECODE_ROWS(DP) packed
+// rows, whose q and output slices every lane keeps in registers (FA_DECODE_ROWS(DP) x DP / 32
+// floats of each, 32 at most: both within FA_MAX_ACCUMULATOR_FLOATS, asserted at the kernel), and
+// stores FA_SIMDGROUPS such states in threadgroup memory once, at the end
+// (FA_DECODE_THREADGROUP_BYTES). It serves a split problem whose packed rows per KV head
+// (group x seqlen_q) fit one threadgroup, up to head_dim FA_DECODE_MAX_HEAD_DIM (FA_DECODE_SERVES):
+// more rows would be more row blocks, each reading the whole cache, where the tiled split kernel
+// reads it once per forward_block_q rows (K/V tiles shared by its SIMD-groups); wider rows would
+// outgrow the registers. Buckets above FA_DECODE_MAX_HEAD_DIM have no decode instance.
+#define FA_DECODE_MAX_HEAD_DIM 256
+#define FA_DECODE_ROWS(DP) ((DP) <= 128 ? 8 : 4)
 #define FA_DECODE_THREADGROUP_BYTES(DP) (FA_SIMDGROUPS * FA_DECODE_ROWS(DP) * ((DP) + 2) * 4)
+#define FA_DECODE_SERVES(DP, PACKED_ROWS) ((DP) <= FA_DECODE_MAX_HEAD_DIM && (PACKED_ROWS) <= FA_DECODE_ROWS(DP))
+// FA_IF_DECODE(DP, ...): the arguments where bucket DP has a decode instance (DP <=
+// FA_DECODE_MAX_HEAD_DIM), nothing above. The preprocessor cannot compare, hence a line per bucket;
+// FA_DEFINE_KERNELS static_asserts that each line agrees with FA_DECODE_MAX_HEAD_DIM.
+#define FA_IF_DECODE(DP, ...) FA_IF_DECODE_##DP(__VA_ARGS__)
+#define FA_IF_DECODE_32(...) __VA_ARGS__
+#define FA_IF_DECODE_64(...) __VA_ARGS__
+#define FA_IF_DECODE_96(...) __VA_ARGS__
+#define FA_IF_DECODE_128(...) __VA_ARGS__
+#define FA_IF_DECODE_192(...) __VA_ARGS__
+#define FA_IF_DECODE_256(...) __VA_ARGS__
+#define FA_IF_DECODE_512(...)
+#define FA_IF_DECODE_576(...)
 // Bytes one thread moves per load and store of a tile copy (flash_attention_loader.h); rows whose
 // address, strides or width are not multiples of it take the checked scalar copy (scalar_copies).
 #define FA_CHUNK_BYTES 16

@@ -136,6 +136,7 @@ if [ "$DEFAULT" = 1 ]; then
     compile_host harness.cu
     compile_host cases.cpp
     compile_host varlen_cases.cu
+    compile_host kv_cache_cases.cu
 fi
 [ "$LARGE" = 1 ] && compile_host large_offsets.cu
 for job in "${build_jobs[@]}"; do
@@ -151,10 +152,10 @@ link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
     "$NVCC" "${FLAGS[@]}" "$kernels" "${objects[@]}" -o "$executable" || die "linking $executable failed"
 }
 if [ "$DEFAULT" = 1 ]; then
-    link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout varlen_cases
+    link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout varlen_cases kv_cache_cases
     if [ "$MUTANTS" = 1 ]; then
-        link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout varlen_cases
-        link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout varlen_cases
+        link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout varlen_cases kv_cache_cases
+        link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout varlen_cases kv_cache_cases
     fi
 fi
 if [ "$LARGE" = 1 ]; then

@@ -22,18 +22,22 @@ struct HostBuffers {
         self[role] = UnsafeMutableRawBufferPointer(start: pointer, count: role.byteCount(for: problem))
     }
 
-    /// Throws `invalidArgument` when an output of `plan` shares memory with another bound buffer:
-    /// a kernel that reads an element after another thread wrote it would give a result that
-    /// depends on scheduling.
+    /// Throws `invalidArgument` when an output or a cache (read-write role) of `plan` shares memory
+    /// with another bound buffer: a kernel that reads an element after another thread wrote it
+    /// would give a result that depends on scheduling. The caches are exempt among themselves: the
+    /// pass writes only rows it appends, which the checks of the append keep apart, so K and V may
+    /// be views of one allocation (vLLM's (blocks, 2, ...) cache).
     func checkOutputsDisjoint(_ plan: DispatchPlan) throws {
         let bound = BufferRole.allCases.compactMap { role in self[role].map { (role, $0) } }
-        for output in plan.outputs {
-            guard let written = self[output], let start = written.baseAddress, written.count > 0 else { continue }
-            for (role, other) in bound where role != output {
+        let caches = plan.caches
+        for written in plan.outputs + caches {
+            guard let span = self[written], let start = span.baseAddress, span.count > 0 else { continue }
+            for (role, other) in bound where role != written && !(caches.contains(written) && caches.contains(role)) {
                 guard let otherStart = other.baseAddress, other.count > 0 else { continue }
-                if start < otherStart + other.count && otherStart < start + written.count {
-                    throw FlashAttentionError.invalidArgument(
-                        "\(output.name) must not overlap \(role.name) (outputs are written while inputs are read)")
+                if start < otherStart + other.count && otherStart < start + span.count {
+                    let what = caches.contains(written) ? "(a KV cache, read and written in place)"
+                        : "(outputs are written while inputs are read)"
+                    throw FlashAttentionError.invalidArgument("\(written.name) must not overlap \(role.name) \(what)")
                 }
             }
         }

@@ -122,6 +122,23 @@ public func _exportContextBackendNote(_ handle: OpaquePointer?) -> UnsafePointer
     return ctx.cString(ctx.backend.note)
 }
 
+/// fa_gpu_cores: see flash_attention_metal.h.
+@_cdecl("fa_gpu_cores")
+public func _exportGPUCores(_ handle: OpaquePointer?, _ outCores: UnsafeMutablePointer<UInt32>?,
+                            _ outSource: UnsafeMutablePointer<UInt32>?) -> fa_status {
+    do {
+        let cores = try required(outCores, "out_cores")
+        let source = try required(outSource, "out_source")
+        let device = try handle.map { try context($0).backend.gpuCores } ?? GPUCores.libraryDevice
+        let planned = try GPUCores.plan(device: device)
+        cores.pointee = planned.cores
+        source.pointee = planned.source.abi.rawValue
+        return FA_STATUS_SUCCESS
+    } catch {
+        return report(error)
+    }
+}
+
 /// fa_context_cancel: see flash_attention_metal.h. No autorelease pool: it touches no Objective-C
 /// object, only the context's atomic epoch.
 @_cdecl("fa_context_cancel")

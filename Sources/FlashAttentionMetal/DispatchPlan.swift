@@ -227,6 +227,18 @@ struct DispatchPlan {
     /// The problem the plan was made for (buffer sizes follow from it).
     let problem: Problem
 
+    /// The read-write roles: a KV cache's `k` and `v` (and a quantized cache's `kScales`, `kBiases`,
+    /// `vScales`, `vBiases`) in a forward pass. They are the caller's memory, bound in place (never a
+    /// fresh buffer that replaces them): the pass reads them and may write only the rows it appends
+    /// at cache_seqlens. No kernel appends yet: on unified memory the caller writes a step's new rows
+    /// into the cache (the host append of `flash_attn_with_kvcache`, a few rows) before the pass, and
+    /// the GPU reads those very pages, so a backend that must copy a cache in has nothing to copy
+    /// back. They may overlap each other (K and V views of one allocation), nothing else.
+    var caches: [BufferRole] {
+        guard pass == .forward, let kv = problem.kvCache else { return [] }
+        return kv.quantized ? [.k, .v, .kScales, .kBiases, .vScales, .vBiases] : [.k, .v]
+    }
+
     /// Every role some dispatch binds, in order of first binding.
     var boundRoles: [BufferRole] {
         var roles: [BufferRole] = []
@@ -253,8 +265,8 @@ struct DispatchPlan {
 
     /// Forward. Dense: `flash_attention_forward_<dtype>_d<DP>` over (ceil(seqlen_q / forward_block_q),
     /// num_heads, batch) threadgroups. Split-KV (`problem.split`, short queries over long caches):
-    /// `flash_attention_forward_decode_<dtype>_d<DP>` (seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS) or
-    /// `flash_attention_forward_split_<dtype>_d<DP>` (up to FA_SPLIT_TILED_MAX_QUERY_ROWS) over
+    /// `flash_attention_forward_decode_<dtype>_d<DP>` or `flash_attention_forward_split_<dtype>_d<DP>`
+    /// (`KeyValueSplit.kernel`; `_decode_kvcache_`, `_split_kvcache_` for a KV cache) over
     /// (chunks x row blocks, num_kv_heads, batch) threadgroups writes one partial result per chunk,
     /// then `flash_attention_forward_combine_<dtype>`
     /// over (seqlen_q, num_heads, batch) threadgroups merges them into out and lse.
@@ -300,13 +312,10 @@ struct DispatchPlan {
         }
         bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
                      BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
-        // A KV cache is read by the tiled split kernel's `_kvcache` instance (the decode kernel has
-        // no cache source yet): its row blocks are forward_block_q packed rows.
-        let kernel = cache != nil ? "split_kvcache" : split.kernel == .decode ? "decode" : "split"
-        let rowBlocks = cache == nil ? split.rowBlocks
-            : blocks(problem.groupSize * problem.seqlenQ, b.forward_block_q)
-        let chunks = dispatch("flash_attention_forward_\(kernel)_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
-                              GridSize(width: split.chunks * rowBlocks, height: problem.numKVHeads,
+        // A KV cache is read by the split kernel's `_kvcache` instance.
+        let kernel = split.kernel == .decode ? "decode" : "split"
+        let chunks = dispatch("flash_attention_forward_\(kernel)_\(kvName)\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
+                              GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
                                        depth: problem.batch),
                               reads: KernelConstants.score, blockWork: scoreWork, cacheBindings: kvBindings)
         // At most FA_SPLIT_TILED_MAX_QUERY_ROWS rows per head, each merging its chunks: small.

@@ -44,7 +44,8 @@ final class ExportedPlan {
         pieceCount = pieces.count
         buffers = plan.boundRoles.map { role in
             let usage = plan.workspace.contains(role) ? FA_BUFFER_WORKSPACE
-                : plan.outputs.contains(role) ? FA_BUFFER_OUTPUT : FA_BUFFER_INPUT
+                : plan.outputs.contains(role) ? FA_BUFFER_OUTPUT
+                : plan.caches.contains(role) ? FA_BUFFER_READ_WRITE : FA_BUFFER_INPUT
             return (role, usage)
         }
         var made: [Record] = []

@@ -1,3 +1,8 @@
+#if canImport(Glibc)
+import Glibc
+#elseif canImport(Darwin)
+import Darwin
+#endif
 import CFlashAttentionMetal
 
 /// The KV cache a forward problem reads `k` and `v` from (fa_problem's `kv_*` fields, documented
@@ -125,6 +130,7 @@ struct KVCacheSpec {
 /// `vBiases` (one element of the dtype per `groupSize` elements of a row, laid out like the words).
 /// The fields mirror fa_problem's `kv_*` fields (flash_attention_metal.h has the full rules). Each
 /// buffer must hold at least the bytes the layout spans; the memory must stay valid for the call.
+/// Allocate caches with ``allocate(byteCount:)`` so that the Metal backend reads them in place.
 public struct AttentionKVCache {
     public var k: UnsafeRawBufferPointer
     public var v: UnsafeRawBufferPointer
@@ -158,6 +164,24 @@ public struct AttentionKVCache {
         self.kBiases = kBiases
         self.vScales = vScales
         self.vBiases = vBiases
+    }
+}
+
+extension AttentionKVCache {
+    /// The granule of memory that the Metal backend reads in place: the VM page, 16 KiB on Apple
+    /// silicon (at least that everywhere, a multiple of any smaller page).
+    public static let pageBytes = max(Int(sysconf(Int32(_SC_PAGESIZE))), 1 << 14)
+
+    /// Uninitialised memory for one cache tensor of `byteCount` bytes (`k`, `v`, or a quantized
+    /// cache's words, scales or biases) that starts on a page and spans whole pages (at least one):
+    /// memory the Metal backend wraps in place rather than copying it on every call, since
+    /// makeBuffer(bytesNoCopy:length:options:deallocator:) takes a page-aligned pointer and length.
+    /// Append new rows into it directly: on unified memory the GPU reads the very same pages.
+    /// Free it with `deallocate()`.
+    public static func allocate(byteCount: Int) -> UnsafeMutableRawBufferPointer {
+        let length = max(1, (max(byteCount, 0) + pageBytes - 1) / pageBytes) * pageBytes
+        return UnsafeMutableRawBufferPointer(
+            start: UnsafeMutableRawPointer.allocate(byteCount: length, alignment: pageBytes), count: length)
     }
 }
 

@@ -57,7 +57,9 @@ public func _exportPlanCreate(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_
             throw FlashAttentionError.invalidArgument("pass (\(pass.rawValue)) must be FA_PASS_FORWARD or "
                                                           + "FA_PASS_BACKWARD (FA_PASS_MERGE: fa_plan_create_merge)")
         }
-        publish(try ExportedPlan(plan, maxFlopsPerPiece: maxFlopsPerPiece), out)
+        // For the GPU its hosts encode it on, as a Metal context plans (fa_gpu_cores with no context).
+        let cores = try GPUCores.planned(device: GPUCores.libraryDevice)
+        publish(try ExportedPlan(plan.planned(forGPUCores: cores), maxFlopsPerPiece: maxFlopsPerPiece), out)
         return FA_STATUS_SUCCESS
     } catch {
         return report(error)
@@ -241,7 +243,7 @@ public func _exportPlanExecute(_ contextHandle: OpaquePointer?, _ planHandle: Op
                     }
                     continue
                 }
-                let use = usage == FA_BUFFER_OUTPUT ? "writes" : "reads"
+                let use = usage == FA_BUFFER_OUTPUT ? "writes" : usage == FA_BUFFER_READ_WRITE ? "reads and appends to" : "reads"
                 let memory = try required(pointer(role), "\(name), which the plan \(use),")
                 buffers.bindOutput(role, memory, for: plan.problem)
             }

@@ -205,12 +205,14 @@ constexpr const char *kSource = "Shaders/flash_attention.metal";
                     FA_FORWARD_BUFFER_COUNT)                                                       \
     FA_KERNEL_ENTRY(T, flash_attention_forward_split_##SUFFIX##_d##DP, run_forward_split,          \
                     FA_FORWARD_SPLIT_BUFFER_COUNT)                                                 \
-    FA_KERNEL_ENTRY(T, flash_attention_forward_decode_##SUFFIX##_d##DP, run_forward_split,         \
-                    FA_FORWARD_SPLIT_BUFFER_COUNT)                                                 \
+    FA_IF_DECODE(DP, FA_KERNEL_ENTRY(T, flash_attention_forward_decode_##SUFFIX##_d##DP,           \
+                                     run_forward_split, FA_FORWARD_SPLIT_BUFFER_COUNT))            \
     FA_KERNEL_ENTRY(T, flash_attention_forward_kvcache_##SUFFIX##_d##DP, run_forward_kvcache,      \
                     FA_KV_CACHE_BUFFER_COUNT)                                                      \
     FA_KERNEL_ENTRY(T, flash_attention_forward_split_kvcache_##SUFFIX##_d##DP,                     \
                     run_forward_split_kvcache, FA_KV_CACHE_BUFFER_COUNT)                           \
+    FA_IF_DECODE(DP, FA_KERNEL_ENTRY(T, flash_attention_forward_decode_kvcache_##SUFFIX##_d##DP,   \
+                                     run_forward_split_kvcache, FA_KV_CACHE_BUFFER_COUNT))         \
     FA_KERNEL_ENTRY(T, flash_attention_backward_lse_residual_##SUFFIX##_d##DP,                     \
                     run_backward_lse_residual, FA_BACKWARD_LSE_RESIDUAL_BUFFER_COUNT)              \
     FA_KERNEL_ENTRY(T, flash_attention_backward_dq_##SUFFIX##_d##DP, run_backward_dq,              \

@@ -105,6 +105,21 @@ def check_array(name: str, array, dtypes=DTYPES, ndim: int | None = 4) -> None:
         raise ValueError(f"{name} has a dimension above 2**32 - 1 (shape {array.shape})")
 
 
+_INT32 = np.dtype(np.int32)
+
+
+def check_int32_array(name: str, value) -> np.ndarray:
+    """``value`` itself when it is a NumPy array (not a masked one) of native-order int32, the
+    dtype of the tables the kernels read (cu_seqlens, block tables, cache lengths); else TypeError
+    naming ``name``."""
+    if not isinstance(value, np.ndarray) or isinstance(value, np.ma.MaskedArray):
+        raise TypeError(f"{name} must be a numpy.ndarray of int32, got {type(value).__name__}")
+    if value.dtype != _INT32:
+        raise TypeError(f"{name} must have dtype int32 (native byte order), got {value.dtype.name} "
+                        f"({value.dtype.str!r}); convert it explicitly, e.g. {name}.astype(numpy.int32)")
+    return value
+
+
 def check_causal(causal) -> bool:
     """``causal`` must be a bool (Python or NumPy); returns it as a Python bool."""
     if not isinstance(causal, (bool, np.bool_)):

@@ -23,12 +23,11 @@ from ._validation import (
     check_array,
     check_causal,
     check_head_dim,
+    check_int32_array,
     check_same_dtype,
     check_score_options,
     resolve_softmax_scale,
 )
-
-_INT32 = np.dtype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -57,11 +56,7 @@ def check_packed(name: str, array, dtypes=DTYPES) -> None:
 def check_cu_seqlens(name: str, table, total: int, total_name: str) -> np.ndarray:
     """cu_seqlens: int32 of shape (batch + 1,), batch >= 1, starting at 0, non-decreasing, ending at
     ``total``; returns it C-contiguous."""
-    if not isinstance(table, np.ndarray) or isinstance(table, np.ma.MaskedArray):
-        raise TypeError(f"{name} must be a numpy.ndarray of int32, got {type(table).__name__}")
-    if table.dtype != _INT32:
-        raise TypeError(f"{name} must have dtype int32 (native byte order), got {table.dtype.name} "
-                        f"({table.dtype.str!r}); convert it explicitly, e.g. {name}.astype(numpy.int32)")
+    check_int32_array(name, table)
     if table.ndim != 1 or table.shape[0] < 2:
         raise ValueError(f"{name} must have shape (batch + 1,) with batch >= 1, got shape {table.shape}")
     if table[0] != 0:

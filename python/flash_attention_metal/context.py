@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _interruptible, _layout, _options, _validation, _varlen
+from . import _interruptible, _layout, _options, _validation, _varlen, plan
 from ._abi import DTYPE_CODES, new_problem
 from ._native import NativeLibrary, native
 from .profile import Profile, last_profile
@@ -93,6 +93,13 @@ class Context:
 
     def __repr__(self) -> str:
         return f"Context(backend={self.backend!r}, device={self.device!r})"
+
+    @property
+    def gpu_cores(self) -> tuple[int, str]:
+        """The GPU core count this context's calls plan their split-KV chunks for, and where it
+        comes from: "FLASH_ATTENTION_GPU_CORES", "device" (Metal) or "nominal" (``plan.gpu_cores``;
+        docs/decode.md). Raises FlashAttentionError for a bad FLASH_ATTENTION_GPU_CORES."""
+        return plan.gpu_cores(self._handle, self._native)
 
     @property
     def max_head_dim(self) -> int:

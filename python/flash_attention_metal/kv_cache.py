@@ -23,6 +23,7 @@ ValueError naming the argument, the element and the rule.
 
 from __future__ import annotations
 
+import mmap
 import numbers
 from dataclasses import dataclass
 
@@ -33,21 +34,26 @@ from . import _default, _layout, _options, _validation, quantized
 #: FlashAttention arguments this library does not implement: NotImplementedError names them.
 UNSUPPORTED = {"rotary_cos": None, "rotary_sin": None, "rotary_interleaved": True, "cache_leftpad": None,
                "num_splits": 0}
-#: Alignment of ``empty_cache``'s arrays: the page size of Apple-silicon macOS, which
-#: MTLDevice.makeBuffer(bytesNoCopy:) requires of a buffer's address and length.
-PAGE_BYTES = 16384
+#: Alignment of ``empty_cache``'s arrays: the VM page, 16 KiB on Apple silicon (vm_page_size; at
+#: least that everywhere), which MTLDevice.makeBuffer(bytesNoCopy:length:options:deallocator:)
+#: requires of a buffer's address and length (``AttentionKVCache.pageBytes`` in Swift).
+PAGE_BYTES = max(16384, mmap.PAGESIZE)
 
 
 def empty_cache(shape, dtype, alignment: int = PAGE_BYTES) -> np.ndarray:
     """An uninitialised C-contiguous array of ``shape`` and ``dtype`` whose data starts at a
-    multiple of ``alignment`` bytes and whose allocation spans whole multiples of it: a cache that
-    the Metal backend can wrap in place rather than copy (Apple: makeBuffer(bytesNoCopy:length:)
-    needs a page-aligned address and length). Use it for k_cache and v_cache (and the three arrays
-    of a quantized cache) that live across many calls."""
+    multiple of ``alignment`` bytes (a power of two) and whose allocation spans whole multiples of
+    it past that start: a cache that the Metal backend wraps in place rather than copying it on
+    every call (Apple: makeBuffer(bytesNoCopy:length:) needs a page-aligned address and length; the
+    backend rounds a cache's length up to the page, which this allocation holds). Use it for
+    k_cache and v_cache (and the three arrays of a quantized cache) that live across many calls.
+
+    Raises ValueError when ``alignment`` is not a positive power of two."""
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a positive power of two, got {alignment!r}")
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
-    nbytes = max(count * dtype.itemsize, 1)
-    padded = -(-nbytes // alignment) * alignment
+    padded = max(-(-(count * dtype.itemsize) // alignment), 1) * alignment
     raw = np.empty(padded + alignment, dtype=np.uint8)
     start = -raw.ctypes.data % alignment
     return raw[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
@@ -67,6 +73,19 @@ class Cache:
     @property
     def quantized(self) -> bool:
         return self.bits is not None
+
+
+def check_unsupported(arguments: dict) -> None:
+    """TypeError for a name that is no argument of FlashAttention's ``flash_attn_with_kvcache``;
+    NotImplementedError naming one of ``UNSUPPORTED`` given a value other than its default."""
+    for name, value in arguments.items():
+        if name not in UNSUPPORTED:
+            raise TypeError(f"flash_attn_with_kvcache() got an unexpected keyword argument {name!r}")
+        default = UNSUPPORTED[name]
+        if value is not default and (default is None or not isinstance(value, numbers.Integral) or value != default):
+            raise NotImplementedError(f"{name} is not implemented by flash_attention_metal's flash_attn_with_kvcache "
+                                      f"(apply rotary embeddings and left padding before the call; the library "
+                                      f"chooses its own key splits)")
 
 
 def _check_cache(name: str, cache, q: np.ndarray, layout: str, bits, group_size) -> Cache:
@@ -99,8 +118,7 @@ def _check_cache(name: str, cache, q: np.ndarray, layout: str, bits, group_size)
 
 
 def _check_int32(name: str, value, shape) -> np.ndarray:
-    if not isinstance(value, np.ndarray) or value.dtype != np.int32:
-        raise TypeError(f"{name} must be a numpy int32 array, got {getattr(value, 'dtype', type(value).__name__)}")
+    _validation.check_int32_array(name, value)
     if value.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {value.shape}")
     return value
@@ -338,14 +356,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         TypeError, ValueError: invalid arguments, before anything is written.
         NotImplementedError: an unsupported FlashAttention argument.
     """
-    for name, value in unsupported.items():
-        if name not in UNSUPPORTED:
-            raise TypeError(f"flash_attn_with_kvcache() got an unexpected keyword argument {name!r}")
-        default = UNSUPPORTED[name]
-        if value is not default and (default is None or isinstance(value, np.ndarray) or value != default):
-            raise NotImplementedError(f"{name} is not implemented by flash_attention_metal's flash_attn_with_kvcache "
-                                      f"(apply rotary embeddings and left padding before the call; the library "
-                                      f"chooses its own key splits)")
+    check_unsupported(unsupported)
     problem = check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, layout, bits, group_size)
     qb = _validation.to_bhsd(q, layout)
     batch, num_heads, seqlen_q, _ = qb.shape

@@ -17,14 +17,16 @@ from dataclasses import dataclass
 from ._native import NativeLibrary, native
 
 _TYPE_NAMES = {"FA_SPECIALIZATION_BOOL": "bool", "FA_SPECIALIZATION_UINT32": "uint"}
-_USAGE_NAMES = {"FA_BUFFER_INPUT": "input", "FA_BUFFER_OUTPUT": "output", "FA_BUFFER_WORKSPACE": "workspace"}
+_USAGE_NAMES = {"FA_BUFFER_INPUT": "input", "FA_BUFFER_OUTPUT": "output", "FA_BUFFER_WORKSPACE": "workspace",
+                "FA_BUFFER_READ_WRITE": "read_write"}
 _PASS_NAMES = {"forward": "FA_PASS_FORWARD", "backward": "FA_PASS_BACKWARD"}
 
 
 @dataclass(frozen=True)
 class Buffer:
-    """One buffer of a plan: ``role``; ``usage`` "input", "output" or "workspace"; bytes per element;
-    ``byte_count``, the bytes the kernels may touch from its start."""
+    """One buffer of a plan: ``role``; ``usage`` "input", "output", "workspace" or "read_write" (a
+    KV cache, bound in place: see ``FA_BUFFER_READ_WRITE``); bytes per element; ``byte_count``, the
+    bytes the kernels may touch from its start."""
 
     role: str
     usage: str
@@ -166,6 +168,27 @@ def create(problem, pass_name: str, max_flops_per_piece: int = 0, library: Nativ
         lib.fa_plan_destroy(holder[0])
 
 
+GPU_CORES_SOURCES = {"FA_GPU_CORES_NOMINAL": "nominal", "FA_GPU_CORES_DEVICE": "device",
+                     "FA_GPU_CORES_OVERRIDE": "FLASH_ATTENTION_GPU_CORES"}
+
+
+def gpu_cores(context_handle=None, library: NativeLibrary | None = None) -> tuple[int, str]:
+    """The GPU core count the split-KV chunks are planned for now (fa_gpu_cores): for calls on the
+    ``fa_context *`` ``context_handle``, or for ``create``'s plans when it is None (the Metal device
+    the library runs on); and where it comes from: "FLASH_ATTENTION_GPU_CORES" (the environment
+    variable), "device" (the Metal device's count) or "nominal" (the CPU engine's nominal GPU).
+
+    Raises FlashAttentionError when FLASH_ATTENTION_GPU_CORES is set to anything but a whole number
+    from 1 to 4096."""
+    library = library or native()
+    ffi, lib = library.ffi, library.lib
+    cores, source = ffi.new("uint32_t *"), ffi.new("uint32_t *")
+    handle = ffi.NULL if context_handle is None else context_handle
+    library.raise_for_status(lib.fa_gpu_cores(handle, cores, source))
+    names = {int(getattr(lib, name)): text for name, text in GPU_CORES_SOURCES.items()}
+    return int(cores[0]), names[int(source[0])]
+
+
 def kernel_source(library: NativeLibrary | None = None) -> str:
     """The self-contained MSL source of every kernel a plan names (fa_plan_kernel_source)."""
     library = library or native()
@@ -185,5 +208,5 @@ def metallib_path(library: NativeLibrary | None = None) -> str | None:
     return None if path == library.ffi.NULL else library.ffi.string(path).decode()
 
 
-__all__ = ["Binding", "Buffer", "Dispatch", "Plan", "Specialization", "create",
+__all__ = ["Binding", "Buffer", "Dispatch", "Plan", "Specialization", "create", "gpu_cores",
            "kernel_source", "metallib_path", "read", "specialized_source"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -88,8 +90,8 @@ def _options(case: int, rng, batch: int, heads: int, seqlen_q: int, seqlen_k: in
 @pytest.mark.parametrize("dtype,bucket", CASES)
 def test_forward_backward_decode(cpu, metal, dtype, bucket):
     """Forward and backward (GQA, unequal lengths, a score option), then a decode-shaped forward
-    (the decode and combine kernels), 16 rows over the same cache (the tiled split kernel) and a
-    paged KV cache (the cache-reading kernels)."""
+    (the decode and combine kernels; above head_dim 256 the tiled split kernel), 16 rows over the
+    same cache (the tiled split kernel) and a paged KV cache (the cache-reading kernels)."""
     rng = np.random.default_rng(1000 * bucket + len(dtype))
     head_dim = HEAD_DIMS[bucket]
     q, k, v = _inputs(rng, DTYPES[dtype], 1, 4, 2, 19, 27, head_dim)
@@ -106,7 +108,8 @@ def test_forward_backward_decode(cpu, metal, dtype, bucket):
     q, k, v = _inputs(rng, DTYPES[dtype], 1, 2, 1, 1, 600, head_dim)
     decode = [c.forward(q, k, v) for c in (cpu, metal)]
     _record(metal)
-    assert any("decode" in d.kernel for d in metal.last_profile.dispatches)
+    chunks = "decode" if head_dim <= 256 else "split"
+    assert metal.last_profile.dispatches[0].kernel.startswith(f"flash_attention_forward_{chunks}_")
     _same(*decode, f"decode {dtype} d{head_dim}")
     q = _inputs(rng, DTYPES[dtype], 1, 2, 1, 16, 600, head_dim)[0]
     speculative = [c.forward(q, k, v) for c in (cpu, metal)]
@@ -188,6 +191,33 @@ def test_plan_follows_the_device_core_count(cpu, monkeypatch):
     monkeypatch.setenv(GPU_CORES_ENV, "20")
     assert run(device)[1] == 20
     _record(device)
+
+
+# Run in a fresh process: the library reads the device's count for exported plans once per process.
+EXPORTED_PLAN = """
+from flash_attention_metal import _abi, _native, plan
+from flash_attention_metal._validation import Shape
+library = _native.native()
+problem = _abi.new_problem(library.ffi, library.lib, Shape(1, 32, 8, 1, 2048, 128), False, 0.1, "float16", {})
+print(*plan.gpu_cores(), *plan.create(problem, "forward").dispatches[0].threadgroups_per_grid)
+"""
+
+
+def test_exported_plan_follows_the_device_core_count(cpu, monkeypatch):
+    """fa_plan_create (the PyTorch MPS and MLX GPU paths encode its plan on the library's Metal
+    device) plans for that device's core count, as a Metal context does, and says so in
+    fa_gpu_cores(NULL): the CPU engine's plan for the same count."""
+    monkeypatch.delenv(GPU_CORES_ENV, raising=False)
+    env = dict(os.environ, **{DEVICE_CORES_ENV: "40"})
+    result = subprocess.run([sys.executable, "-c", EXPORTED_PLAN], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cores, source, *grid = result.stdout.split()
+    q, k, v = _inputs(np.random.default_rng(10), np.float16, 1, 32, 8, 1, 2048, 128)
+    monkeypatch.setenv(GPU_CORES_ENV, "40")
+    cpu.forward(q, k, v)
+    assert (int(cores), source) == (40, "device")
+    assert tuple(map(int, grid)) == cpu.last_profile.dispatches[0].threadgroups
 
 
 def test_varlen_through_the_metal_backend(cpu, metal):
@@ -310,6 +340,33 @@ def test_page_fault_on_wrapped_inputs_retries_with_copies(cpu, metal, monkeypatc
     assert _status(lambda: metal.forward(*aligned)) == "FA_STATUS_INTERNAL_ERROR"
     monkeypatch.setenv(FAULT_ENV, "commit:pageFault:all")
     assert _status(lambda: metal.forward(q[:, :, 1:], k, v)) == "FA_STATUS_INTERNAL_ERROR"
+
+
+def test_kv_cache_appended_and_read_in_place(cpu, metal):
+    """Caches from empty_cache (page-aligned, 7 x 16 x 2 x 24 float16 = 10.5 KiB, no page multiple:
+    the Metal backend binds them in place) appended to on both backends: the same out, lse and
+    caches, bit for bit; a quantized pair (8 bits) likewise."""
+    rng = np.random.default_rng(11)
+    table = np.int32([[4, 1, 6], [0, 5, 2]])
+    q = rng.standard_normal((2, 3, 4, 24)).astype(np.float16)
+    k, v = (rng.standard_normal((2, 3, 2, 24)).astype(np.float16) for _ in range(2))
+    rows = rng.standard_normal((7, 16, 2, 24)).astype(np.float16)
+    results = []
+    for context in (cpu, metal):
+        caches = [fam.empty_cache(rows.shape, np.float16) for _ in range(2)]
+        for cache in caches:
+            cache[...] = rows
+        out = fam.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=np.int32([5, 20]), block_table=table,
+                                          causal=True, return_softmax_lse=True, context=context)
+        results.append((*out, *caches))
+    _record(metal)
+    _same(*results, "appended in place")
+    q, k, v = (rng.standard_normal((2, 1, h, 64)).astype(np.float16) for h in (4, 2, 2))
+    rows = rng.standard_normal((2, 30, 2, 64)).astype(np.float16)
+    quantized = [[fam.quantized.quantize(rows, 64, 8) for _ in range(2)] for _ in range(2)]
+    outs = [fam.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=20, bits=8, context=context)
+            for context, caches in zip((cpu, metal), quantized)]
+    _same([outs[0], *quantized[0][0]], [outs[1], *quantized[1][0]], "8-bit cache appended")
 
 
 def test_read_only_inputs_are_copied(cpu, metal):

@@ -36,6 +36,10 @@ def test_info_reports_version_backend_device_and_library():
     assert fields["version"] == fam.__version__ and fam.__version__.count(".") == 2
     assert fields["device"]
     assert fields["note"] == "-"
+    # The CPU engine plans the decode chunks for the nominal GPU (exported plans, on a Mac, for its
+    # GPU: then a "plan gpu cores" row says so).
+    if "FLASH_ATTENTION_GPU_CORES" not in os.environ:
+        assert fields["gpu cores"].startswith("10 (the nominal GPU")
 
 
 def test_info_says_why_auto_runs_on_the_cpu():

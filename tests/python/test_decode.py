@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import flash_attention_metal as fam
-from flash_attention_metal import accuracy
+from flash_attention_metal import _abi, _native, accuracy, plan
+from flash_attention_metal._validation import Shape
 
 from conftest import assert_within_rule, make_inputs
 
@@ -57,8 +58,10 @@ def test_every_option_and_dtype(ctx, name, dtype):
 
 @pytest.mark.parametrize("head_dim", [8, 80, 160, 256])
 def test_every_bucket_and_width(ctx, head_dim):
-    # Widths inside the buckets 32, 96, 192 and 256 (lanes past head_dim load nothing).
-    q, k, v, _ = make_inputs(head_dim, 1, 6, 2, 8, 300, head_dim, dtype=np.float32)
+    # Widths inside the buckets 32, 96, 192 and 256 (lanes past head_dim load nothing); GQA 2 with
+    # as many rows as one decode block holds (8 up to head_dim 128, 4 above).
+    rows = 4 if head_dim <= 128 else 2
+    q, k, v, _ = make_inputs(head_dim, 1, 4, 2, rows, 300, head_dim, dtype=np.float32)
     out, lse = _decode(ctx, q, k, v, causal=True)
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True), f"d{head_dim}")
 
@@ -75,32 +78,54 @@ def test_strided_and_unaligned_caches(ctx):
     assert_within_rule(accuracy.evaluate_forward(q[..., 1:65], k, v, out, lse), "unaligned")
 
 
-def test_reads_the_cache_once_per_row_block(ctx):
-    # B=1, H=32, head_dim 128, 1024 keys: with 8 KV heads a GQA group's 4 rows fill one block and
-    # K and V are read exactly once; with 1 KV head, 32 rows make 4 blocks that each read them.
-    for kv_heads, ratio in [(8, 1.0), (1, 4.0)]:
-        q, k, v, _ = make_inputs(11, 1, 32, kv_heads, 1, 1024, 128)
-        _decode(ctx, q, k, v)
-        read = ctx.last_profile.dispatches[0].device_bytes_read
-        if read is None:
-            pytest.skip("the backend counts no device reads (Metal)")
-        assert (read[FORWARD_K] + read[FORWARD_V]) / (k.nbytes + v.nbytes) == ratio
+def test_reads_the_cache_once_per_call(ctx):
+    # B=1, H=32, head_dim 128, 256 keys: with 8 KV heads a GQA group's 4 rows fill one decode block;
+    # with 1 KV head the 32 rows (4 decode blocks, each reading the cache) take the tiled split
+    # kernel, whose one block of 32 rows reads K and V once. Deterministic: a rerun is bit-identical.
+    for kv_heads, kernel in [(8, "decode"), (1, "split")]:
+        q, k, v, _ = make_inputs(11, 1, 32, kv_heads, 1, 256, 128)
+        out, lse = ctx.forward(q, k, v)
+        chunks = ctx.last_profile.dispatches[0]
+        assert chunks.kernel == f"flash_attention_forward_{kernel}_f16_d128", chunks.kernel
+        assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse), f"{kv_heads} KV heads")
+        again = ctx.forward(q, k, v)
+        assert np.array_equal(out, again[0]) and np.array_equal(lse, again[1])
+        if chunks.device_bytes_read is None:
+            continue  # the backend counts no device reads (Metal)
+        read = chunks.device_bytes_read[FORWARD_K] + chunks.device_bytes_read[FORWARD_V]
+        assert 1.0 <= read / (k.nbytes + v.nbytes) <= 1.1, (kv_heads, read / (k.nbytes + v.nbytes))
+
+
+def _exported_chunks(shape: Shape) -> tuple[int, int, int]:
+    """The chunk dispatch's grid of the exported forward plan (fa_plan_create) of ``shape``."""
+    library = _native.native()
+    problem = _abi.new_problem(library.ffi, library.lib, shape, False, 0.1, "float16", {})
+    return plan.create(problem, "forward").dispatches[0].threadgroups_per_grid
 
 
 def test_core_count_override_plans_for_another_gpu(ctx, monkeypatch):
+    # The context's calls and the exported plan (PyTorch MPS, MLX GPU) plan for the same count.
     q, k, v, _ = make_inputs(12, 1, 32, 8, 1, 1024, 128)
+    shape = Shape(1, 32, 8, 1, 1024, 128)
     monkeypatch.setenv(CORES, "10")  # a Metal device's own count would apply without it
     out, lse = _decode(ctx, q, k, v)
-    assert ctx.last_profile.dispatches[0].threadgroups == (8, 8, 1)  # 10 cores: 2 x 10 x 3
+    assert ctx.last_profile.dispatches[0].threadgroups == (8, 8, 1) == _exported_chunks(shape)  # 2 x 10 x 3
     assert ctx.last_profile.gpu_cores == 10
+    assert ctx.gpu_cores == plan.gpu_cores() == (10, CORES)
     monkeypatch.setenv(CORES, "40")
     again, again_lse = _decode(ctx, q, k, v)
-    assert ctx.last_profile.dispatches[0].threadgroups == (16, 8, 1)  # 16 chunks of 64 keys: the most
+    # 16 chunks of 64 keys: the most
+    assert ctx.last_profile.dispatches[0].threadgroups == (16, 8, 1) == _exported_chunks(shape)
     assert ctx.last_profile.gpu_cores == 40
+    monkeypatch.delenv(CORES)
+    if ctx.backend == "cpu":
+        assert ctx.gpu_cores == (10, "nominal")
     assert_within_rule(accuracy.evaluate_forward(q, k, v, again, again_lse), "40 cores")
     monkeypatch.setenv(CORES, "many")
     with pytest.raises(fam.FlashAttentionError, match=CORES):
         ctx.forward(q, k, v)
+    with pytest.raises(fam.FlashAttentionError, match=CORES):
+        plan.gpu_cores()
 
 
 def test_speculative_rows_take_the_split_kernel_when_cores_would_idle(ctx, monkeypatch):

@@ -123,3 +123,31 @@ def test_a_nonzero_gradient_in_an_empty_row_fails(tmp_path, case):
     result = _judge(tmp_path)
     assert result.returncode == 1, result.stdout
     assert "empty" in result.stdout and "(FAIL)" in result.stdout.split("empty", 1)[1], result.stdout
+
+
+def test_quantized_cache_judged_against_exact_rows(tmp_path):
+    """A KV-cache case of tools/gpu/kv_cache_cases.cu: a 4-bit cache's rows come as float64
+    (NAME.k_exact, NAME.v_exact) and the judge attends to them; the CPU engine's decode result
+    passes, and fails when the dump's exact rows are not the cache's (keys and values swapped)."""
+    from flash_attention_metal import quantized
+    rng = np.random.default_rng(4)
+    batch, heads, kv_heads, keys, dim = 1, 4, 2, 70, 64
+    q = rng.standard_normal((batch, 1, heads, dim)).astype(np.float16)
+    caches = [quantized.quantize(rng.standard_normal((batch, keys, kv_heads, dim)).astype(np.float16), 32, 4)
+              for _ in range(2)]
+    out, lse = fam.flash_attn_with_kvcache(q, *caches, cache_seqlens=keys, bits=4, group_size=32, causal=True,
+                                           return_softmax_lse=True, context=fam.Context("cpu"))
+    (k, v), = reference.kvcache_sequences(*caches, np.int32([keys]), bits=4, group_size=32)
+    for name, exact in (("kvcache_q4_decode", {"k": k, "v": v}), ("kvcache_q4_decode_swapped", {"k": v, "v": k})):
+        for tensor, values in exact.items():
+            np.ascontiguousarray(values, dtype=np.float64).tofile(tmp_path / f"{name}.{tensor}_exact")
+        for tensor, values in [("q", q.transpose(0, 2, 1, 3)), ("dout", np.zeros((batch, heads, 1, dim))),
+                               ("out", out.transpose(0, 2, 1, 3)), ("lse", lse)]:
+            np.asarray(values, dtype=np.float32).tofile(tmp_path / f"{name}.{tensor}")
+        fields = [name, "f16", batch, heads, kv_heads, 1, keys, dim, dim, 1, f"{np.float32(1 / np.sqrt(dim)):.9g}",
+                  -1, -1, 0, 0, 0, 0, 0, 0, 0, "out,lse"]
+        with open(tmp_path / "cases.txt", "a") as listing:
+            listing.write(" ".join(map(str, fields)) + "\n")
+    result = _judge(tmp_path)
+    assert "cuda-accuracy: 2 cases, 1 mismatches" in result.stdout, result.stdout + result.stderr
+    assert "ok   kvcache_q4_decode " in result.stdout and "FAIL kvcache_q4_decode_swapped" in result.stdout

@@ -25,10 +25,10 @@ def _kernels(ctx) -> list[str]:
     return [d.kernel for d in ctx.last_profile.dispatches]
 
 
-def _split_kernels(suffix: str, bucket: int) -> set[str]:
-    """The kernels that may write a decode call's chunks: the tiled split kernel, or the decode
-    kernel (issue 23) where the library has it."""
-    return {f"flash_attention_forward_{name}_{suffix}_d{bucket}" for name in ("split", "decode")}
+def _split_kernel(suffix: str, bucket: int) -> str:
+    """The kernel that writes a decode call's chunks above head_dim 256: the tiled split kernel
+    (the decode kernel has no instance there, FA_DECODE_MAX_HEAD_DIM)."""
+    return f"flash_attention_forward_split_{suffix}_d{bucket}"
 
 
 # (label, dtype, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v, options, layout)
@@ -76,7 +76,7 @@ def test_mla_decode_takes_the_split_path_of_the_576_bucket(ctx, dtype):
     out, lse = ctx.forward(q, k, v, causal=True)
     suffix = "f16" if dtype == "float16" else "bf16"
     chunks, combine = _kernels(ctx)
-    assert chunks in _split_kernels(suffix, 576) and combine == f"flash_attention_forward_combine_{suffix}"
+    assert chunks == _split_kernel(suffix, 576) and combine == f"flash_attention_forward_combine_{suffix}"
     assert out.shape == (2, 8, 1, 512)
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True), f"mla decode {dtype}")
 
@@ -109,7 +109,7 @@ def test_exported_plan_names_the_new_buckets():
         return [d.kernel_name for d in plan.create(problem, pass_name).dispatches]
 
     chunks, combine = kernels(Shape(1, 8, 1, 1, 4096, 576, 512), "forward")
-    assert chunks in _split_kernels("bf16", 576) and combine == "flash_attention_forward_combine_bf16"
+    assert chunks == _split_kernel("bf16", 576) and combine == "flash_attention_forward_combine_bf16"
     assert kernels(Shape(1, 8, 2, 100, 100, 512), "forward") == ["flash_attention_forward_bf16_d512"]
     assert kernels(Shape(1, 8, 2, 100, 100, 512), "backward") == [
         "flash_attention_backward_delta_bf16", "flash_attention_backward_lse_residual_bf16_d512",

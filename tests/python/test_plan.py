@@ -77,6 +77,17 @@ def test_plan_invariants(name):
                                                             "flash_attention_forward_combine_f16"]
 
 
+def test_kv_cache_buffers_are_read_write():
+    # A paged cache (presence of the table only: fa_plan_create never reads it): k and v are bound
+    # in place, read and written (appends), never outputs or inputs.
+    p = _problem(Shape(1, 4, 2, 3, 40, 64))
+    p.kv_cache_rows, p.kv_max_blocks, p.kv_num_blocks = 16, 3, 3
+    p.kv_block_table = _native.native().ffi.cast("const int32_t *", 4)
+    usage = {b.role: b.usage for b in plan.create(p, "forward").buffers}
+    assert usage["k"] == usage["v"] == "read_write" and usage["q"] == "input" and usage["block_table"] == "input"
+    assert usage["out"] == usage["lse"] == "output"
+
+
 def test_pieces():
     # One unit (batch entry, KV head with its 2 query heads): 10 FLOP x 2 x 37 x 29 x 64 (bucket).
     made = plan.create(_problem(Shape(2, 6, 3, 37, 29, 40)), "backward", max_flops_per_piece=10 * 2 * 37 * 29 * 64)

@@ -15,7 +15,7 @@ from conftest import assert_within_rule, make_inputs
 
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, causal): one query (every key visible) and
 # a staircase of up to 8, GQA, MQA and MHA, every head-dim bucket, GQA groups of 16 x 8 rows that
-# need several packed row blocks, seqlen_k not a multiple of the chunk.
+# need several packed row blocks (the tiled split kernel), seqlen_k not a multiple of the chunk.
 DECODE = [
     (1, 4, 1, 1, 600, 64, False),
     (1, 4, 2, 8, 1000, 128, True),
@@ -28,12 +28,21 @@ DECODE = [
 ]
 
 
+def _chunk_kernel(q, k) -> str:
+    """The kernel that writes the chunks (KeyValueSplit.swift): decode where one of its blocks holds
+    a KV head's packed rows, heads / kv_heads x seqlen_q (8 up to head_dim 128, 4 up to 256), else
+    the tiled split kernel."""
+    _, heads, seqlen_q, head_dim = q.shape
+    block = 8 if head_dim <= 128 else 4 if head_dim <= 256 else 0
+    return "decode" if heads // k.shape[1] * seqlen_q <= block else "split"
+
+
 def _split_forward(ctx, q, k, v, **options):
-    """ctx.forward, asserting from its profile that the split-KV path ran: the split kernel over
-    key chunks, then their combine, and no dense forward."""
+    """ctx.forward, asserting from its profile that the split-KV path ran: the decode or tiled split
+    kernel over key chunks, then their combine, and no dense forward."""
     out, lse = ctx.forward(q, k, v, **options)
     kernels = [dispatch.kernel for dispatch in ctx.last_profile.dispatches]
-    split = "decode" if q.shape[2] <= 8 else "split"
+    split = _chunk_kernel(q, k)
     assert kernels and kernels[0].startswith(f"flash_attention_forward_{split}_"), kernels
     assert any(name.startswith("flash_attention_forward_combine_") for name in kernels), kernels
     assert not any(re.fullmatch(r"flash_attention_forward_(f16|bf16|f32)_d\d+", name) for name in kernels), kernels

@@ -62,13 +62,21 @@ public:
         return ok;
     }
 
+    // A float64 file NAME.k_exact or NAME.v_exact: a quantized KV cache's keys or values in
+    // problem.h's order, dequantized exactly (judge.py then judges against them and rounds them to
+    // the dtype for k and v, which the case does not write).
+    bool exact(const std::string &file_name, const std::vector<double> &values) const {
+        return !enabled() || raw(file_name, values);
+    }
+
 private:
-    bool raw(const std::string &file_name, const std::vector<float> &values) const {
+    template <typename E>
+    bool raw(const std::string &file_name, const std::vector<E> &values) const {
         FILE *file = std::fopen((folder_ + "/" + file_name).c_str(), "wb");
         if (file == nullptr) {
             return false;
         }
-        const bool ok = std::fwrite(values.data(), sizeof(float), values.size(), file) == values.size();
+        const bool ok = std::fwrite(values.data(), sizeof(E), values.size(), file) == values.size();
         return std::fclose(file) == 0 && ok;
     }
 

@@ -12,7 +12,7 @@
 //                 R = (max - lse) + log(sum), what lse lost;
 //   dQ, dK/dV     with P = exp((S - lse) - R);
 // and for short queries (at most FA_SPLIT_TILED_MAX_QUERY_ROWS rows) the split-KV forward as well
-// (the decode kernel up to FA_SPLIT_MAX_QUERY_ROWS rows).
+// (the decode kernel where FA_DECODE_SERVES the packed rows, the tiled one otherwise).
 // Cases with score modifiers (issue 15: sliding window, softcap, ALiBi, sinks, boolean or additive
 // attn_mask, broadcast or full) pass them through params and the optional input buffers (absent
 // ones are null); with sinks the backward's dsinks dispatch runs too (last, with the same P).
@@ -48,6 +48,7 @@
 #include "device_array.h"
 #include "dump.h"
 #include "kernels.h"
+#include "kv_cache_cases.h"
 #include "layout.h"
 #include "varlen_cases.h"
 
@@ -91,8 +92,8 @@ int fa_dtype(DType dtype) {
 constexpr unsigned kSplitChunks = 3;
 
 // The parameters of the split-KV forward when the Metal plan could take it for this shape (at
-// most FA_SPLIT_TILED_MAX_QUERY_ROWS query rows: the decode kernel up to FA_SPLIT_MAX_QUERY_ROWS,
-// the tiled one above) and the keys make at least two chunks; false otherwise.
+// most FA_SPLIT_TILED_MAX_QUERY_ROWS query rows: the decode kernel where FA_DECODE_SERVES the
+// packed rows, the tiled one otherwise) and the keys make at least two chunks; false otherwise.
 bool split_params(const FlashAttentionParams &dense, int dtype, FlashAttentionParams *split) {
     *split = dense;
     return dense.seqlen_q <= FA_SPLIT_TILED_MAX_QUERY_ROWS &&
@@ -546,6 +547,8 @@ int main(int argc, char **argv) {
         }
         // Variable-length batches: each sequence against the dense kernels (varlen_cases.cu).
         failures += run_varlen_cases(options.filter, &run);
+        // KV caches: paged, quantized, a wrong table (kv_cache_cases.cu).
+        failures += run_kv_cache_cases(options.filter, dump, &run);
         std::printf("cuda-harness: %d cases, %d failures\n", run, failures);
     } catch (const CudaFailure &failure) {
         const bool in_grid = run > 0 && size_t(run) <= cases.size();

@@ -4,7 +4,8 @@ rule (python/flash_attention_metal/reference.py and accuracy.py, the one definit
 Reads a dump folder that tools/gpu/harness.cu (--dump) or large_offsets.cu wrote (its layout:
 tools/gpu/dump.h) and judges each case: out and lse with ``accuracy.evaluate_forward``; dq, dk,
 dv (and dsinks with sinks) with ``accuracy.evaluate_backward`` (only the gradients the case
-dumped: large_offsets runs no dK/dV); the split-KV forward's out and lse, when dumped, with
+dumped: large_offsets runs no dK/dV); a quantized KV cache's out and lse against its float64
+dequantized keys and values (NAME.k_exact, NAME.v_exact: ``evaluate_forward``'s ``exact_kv``); the split-KV forward's out and lse, when dumped, with
 ``evaluate_forward`` again; and rows that see no key must hold out 0, dq 0 and lse -inf (sinks[h]
 with sinks) exactly.
 
@@ -80,7 +81,13 @@ def judge_case(folder: pathlib.Path, line: str) -> tuple[str, bool, str, list]:
         # float32 values of the dtype (outputs too): casting them to the dtype is exact.
         return np.fromfile(folder / f"{name}.{tensor}", dtype=np.float32).reshape(shapes[tensor])
 
-    q, k, v, dout = (load(t).astype(dtype) for t in ("q", "k", "v", "dout"))
+    # A quantized KV cache's keys and values come dequantized exactly in float64 (k_exact, v_exact):
+    # the reference attends to those, the kernels' inputs are their rounding to the dtype.
+    exact = [folder / f"{name}.{t}_exact" for t in ("k", "v")]
+    exact_kv = (tuple(np.fromfile(f, dtype=np.float64).reshape(shapes[t]) for f, t in zip(exact, "kv"))
+                if all(f.exists() for f in exact) else None)
+    q, dout = (load(t).astype(dtype) for t in ("q", "dout"))
+    k, v = (load(t).astype(dtype) for t in ("k", "v")) if exact_kv is None else (x.astype(dtype) for x in exact_kv)
     ours = {t: load(t) if t in ("lse", "split_lse", "dsinks") else load(t).astype(dtype) for t in outputs}
     options = {"causal": bool(causal), "softmax_scale": scale}
     if left >= 0 or right >= 0:
@@ -97,7 +104,7 @@ def judge_case(folder: pathlib.Path, line: str) -> tuple[str, bool, str, list]:
     if sinks:
         options["sinks"] = load("sinks")
 
-    metrics = accuracy.evaluate_forward(q, k, v, ours["out"], ours["lse"], **options)
+    metrics = accuracy.evaluate_forward(q, k, v, ours["out"], ours["lse"], exact_kv=exact_kv, **options)
     gradients = [t for t in ("dq", "dk", "dv") if t in ours]
     if gradients:
         # A gradient not dumped (large_offsets has no dK/dV) is judged as zeros and left out.

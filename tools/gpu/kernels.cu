@@ -10,6 +10,7 @@
 #include "kernels.h"
 
 #include <initializer_list>
+#include <type_traits>
 
 namespace {
 
@@ -71,6 +72,7 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
                                                        sinks, partial_out, partial_lse,            \
                                                        FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);  \
     }                                                                                              \
+    FA_IF_DECODE(DP,                                                                               \
     __global__ void __launch_bounds__(kThreads) fa_cuda_forward_decode_##SUFFIX##_d##DP(           \
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
         const uchar *mask, const float *alibi, const float *sinks, float *partial_out,             \
@@ -78,7 +80,7 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
         flash_attention_forward_decode_##SUFFIX##_d##DP(q, k, v, out, lse, params, mask, alibi,    \
                                                         sinks, partial_out, partial_lse,           \
                                                         FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE); \
-    }                                                                                              \
+    })                                                                                             \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_lse_residual_##SUFFIX##_d##DP(    \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
         FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
@@ -104,6 +106,26 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
                                                       FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);   \
     }
 
+// The KV-cache kernels of one dtype and bucket (Shaders/flash_attention_kv_cache.h), one signature
+// for the three (the dense kernel has no partial results: it ignores them).
+#define FA_CUDA_KV_CACHE_LAUNCHER(T, NAME, ...)                                                    \
+    __global__ void __launch_bounds__(kThreads) fa_cuda_##NAME(                                    \
+        const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
+        const uchar *mask, const float *alibi, const float *sinks, float *partial_out,             \
+        float *partial_lse, FaCudaKVCache c) {                                                     \
+        flash_attention_##NAME(q, k, v, out, lse, params, mask, alibi, sinks, __VA_ARGS__          \
+                               c.block_table, static_cast<const T *>(c.k_scales),                  \
+                               static_cast<const T *>(c.k_biases),                                 \
+                               static_cast<const T *>(c.v_scales),                                 \
+                               static_cast<const T *>(c.v_biases), FA_CUDA_TGID, FA_CUDA_SGID,     \
+                               FA_CUDA_LANE);                                                      \
+    }
+#define FA_CUDA_KV_CACHE_LAUNCHERS(T, SUFFIX, DP, ...)                                             \
+    FA_CUDA_KV_CACHE_LAUNCHER(T, forward_kvcache_##SUFFIX##_d##DP, )                               \
+    FA_CUDA_KV_CACHE_LAUNCHER(T, forward_split_kvcache_##SUFFIX##_d##DP, partial_out, partial_lse,) \
+    FA_IF_DECODE(DP, FA_CUDA_KV_CACHE_LAUNCHER(T, forward_decode_kvcache_##SUFFIX##_d##DP,         \
+                                               partial_out, partial_lse,))
+
 // The first dispatch of a varlen pass: writes the sequence table from the cu_seqlens tables.
 __global__ void __launch_bounds__(kThreads) fa_cuda_varlen_sequences_kernel(
     const int *cu_seqlens_q, const int *cu_seqlens_k, FlashAttentionParams *table,
@@ -111,9 +133,12 @@ __global__ void __launch_bounds__(kThreads) fa_cuda_varlen_sequences_kernel(
     flash_attention_varlen_sequences(cu_seqlens_q, cu_seqlens_k, table, params, threadIdx.x);
 }
 
-#define FA_CUDA_LAUNCHERS_F16(...) FA_CUDA_LAUNCHERS(half, f16, __VA_ARGS__)
-#define FA_CUDA_LAUNCHERS_BF16(...) FA_CUDA_LAUNCHERS(bfloat, bf16, __VA_ARGS__)
-#define FA_CUDA_LAUNCHERS_F32(...) FA_CUDA_LAUNCHERS(float, f32, __VA_ARGS__)
+#define FA_CUDA_LAUNCHERS_F16(...)                                                                 \
+    FA_CUDA_LAUNCHERS(half, f16, __VA_ARGS__) FA_CUDA_KV_CACHE_LAUNCHERS(half, f16, __VA_ARGS__)
+#define FA_CUDA_LAUNCHERS_BF16(...)                                                                \
+    FA_CUDA_LAUNCHERS(bfloat, bf16, __VA_ARGS__) FA_CUDA_KV_CACHE_LAUNCHERS(bfloat, bf16, __VA_ARGS__)
+#define FA_CUDA_LAUNCHERS_F32(...)                                                                 \
+    FA_CUDA_LAUNCHERS(float, f32, __VA_ARGS__) FA_CUDA_KV_CACHE_LAUNCHERS(float, f32, __VA_ARGS__)
 FA_CUDA_DTYPE_LAUNCHERS(half, f16)
 FA_HEAD_DIM_BUCKETS(FA_CUDA_LAUNCHERS_F16)
 FA_CUDA_DTYPE_LAUNCHERS(bfloat, bf16)
@@ -132,6 +157,8 @@ __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dsinks_kernel(
 #undef FA_CUDA_LAUNCHERS_BF16
 #undef FA_CUDA_LAUNCHERS_F32
 #undef FA_CUDA_LAUNCHERS
+#undef FA_CUDA_KV_CACHE_LAUNCHERS
+#undef FA_CUDA_KV_CACHE_LAUNCHER
 #undef FA_CUDA_DTYPE_LAUNCHERS
 #undef FA_CUDA_PARAMS
 #undef FA_CUDA_TGID
@@ -144,13 +171,12 @@ namespace {
 // the X-macro, never written down twice) and that bucket's launchers.
 template <typename T>
 struct Bucket {
+    typedef T Element;
     unsigned head_dim_max, forward_block_q, forward_block_k, dq_block_q, dkv_block_k;
     void (*forward)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
                     const uchar *, const float *, const float *, FlashAttentionParams *);
     void (*forward_split)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
                           const uchar *, const float *, const float *, float *, float *);
-    void (*forward_decode)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
-                           const uchar *, const float *, const float *, float *, float *);
     void (*backward_lse_residual)(const T *, const T *, const T *, const T *, const T *,
                                   const float *, FlashAttentionParams, const float *,
                                   const uchar *, const float *, const float *, float *,
@@ -161,6 +187,15 @@ struct Bucket {
     void (*backward_dkv)(const T *, const T *, const T *, const T *, const T *, const float *,
                          FlashAttentionParams, const float *, const uchar *, const float *,
                          const float *, const float *, T *, T *, FlashAttentionParams *);
+    // The KV-cache instances: dense, tiled split.
+    typedef void (*KVCacheKernel)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
+                                  const uchar *, const float *, const float *, float *, float *,
+                                  FaCudaKVCache);
+    KVCacheKernel forward_kvcache, forward_split_kvcache;
+    // Last, so that buckets without decode instances (FA_IF_DECODE) leave them null.
+    void (*forward_decode)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
+                           const uchar *, const float *, const float *, float *, float *);
+    KVCacheKernel forward_decode_kvcache;
 };
 
 // A dtype: its buckets and its bucket-independent kernels.
@@ -198,10 +233,13 @@ struct DtypeKernels {
               DKV_BK,                                                                              \
               fa_cuda_forward_##SUFFIX##_d##DP,                                                    \
               fa_cuda_forward_split_##SUFFIX##_d##DP,                                              \
-              fa_cuda_forward_decode_##SUFFIX##_d##DP,                                             \
               fa_cuda_backward_lse_residual_##SUFFIX##_d##DP,                                      \
               fa_cuda_backward_dq_##SUFFIX##_d##DP,                                                \
-              fa_cuda_backward_dkv_##SUFFIX##_d##DP},
+              fa_cuda_backward_dkv_##SUFFIX##_d##DP,                                               \
+              fa_cuda_forward_kvcache_##SUFFIX##_d##DP,                                            \
+              fa_cuda_forward_split_kvcache_##SUFFIX##_d##DP,                                      \
+              FA_IF_DECODE(DP, fa_cuda_forward_decode_##SUFFIX##_d##DP,                            \
+                           fa_cuda_forward_decode_kvcache_##SUFFIX##_d##DP)},
 #define FA_CUDA_BUCKET_F16(...) FA_CUDA_BUCKET(half, f16, __VA_ARGS__)
 #define FA_CUDA_BUCKET_BF16(...) FA_CUDA_BUCKET(bfloat, bf16, __VA_ARGS__)
 #define FA_CUDA_BUCKET_F32(...) FA_CUDA_BUCKET(float, f32, __VA_ARGS__)
@@ -307,10 +345,13 @@ cudaError_t split_keys(const DtypeKernels<T> &kernels, FlashAttentionParams *p, 
     return cudaSuccess;
 }
 
-template <typename T>
+// The split-KV forward's two dispatches: `chunks(bucket, decode, grid)` launches the chunks'
+// kernel (plain or KV-cache instance), then the combine.
+template <typename T, typename Chunks>
 cudaError_t forward_split(const DtypeKernels<T> &kernels, const FlashAttentionParams &p,
                           const void *q, const void *k, const void *v, void *out, float *lse,
-                          float *partial_out, float *partial_lse, const FaCudaScoreInputs &x) {
+                          float *partial_out, float *partial_lse, const FaCudaScoreInputs &x,
+                          Chunks chunks) {
     const Bucket<T> *b = kernels.bucket(p);
     if (b == nullptr) {
         return cudaErrorInvalidValue;
@@ -318,14 +359,11 @@ cudaError_t forward_split(const DtypeKernels<T> &kernels, const FlashAttentionPa
     if (const cudaError_t error = specialise(p); error != cudaSuccess) {
         return error;
     }
-    // As the Metal plan: the decode kernel up to FA_SPLIT_MAX_QUERY_ROWS rows, the tiled one above.
-    const bool decode = p.seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS;
+    // As the Metal plan: the decode kernel where it serves the packed rows, the tiled one otherwise.
     const unsigned rows = p.num_heads / p.num_kv_heads * p.seqlen_q;
+    const bool decode = FA_DECODE_SERVES(b->head_dim_max, rows);
     const unsigned row_blocks = ceil_div(rows, decode ? FA_DECODE_ROWS(b->head_dim_max) : b->forward_block_q);
-    const dim3 grid(p.kv_chunks * row_blocks, p.num_kv_heads, p.batch);
-    (decode ? b->forward_decode : b->forward_split)<<<grid, kThreads>>>(
-        typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p, mask_of(x), x.alibi, x.sinks,
-        partial_out, partial_lse);
+    chunks(b, decode, dim3(p.kv_chunks * row_blocks, p.num_kv_heads, p.batch));
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) {
         return error;
@@ -483,7 +521,41 @@ cudaError_t fa_cuda_forward_split(const FlashAttentionParams &given, int dtype, 
                                   const FaCudaScoreInputs &x) {
     const FlashAttentionParams p = edge_paths(given, dtype, {q, k, v});
     return with_dtype(dtype, [&](const auto &kernels) {
-        return forward_split(kernels, p, q, k, v, out, lse, partial_out, partial_lse, x);
+        using T = typename std::remove_pointer<decltype(kernels.buckets)>::type::Element;
+        return forward_split(kernels, p, q, k, v, out, lse, partial_out, partial_lse, x,
+                             [&](const Bucket<T> *b, bool decode, dim3 grid) {
+                                 (decode ? b->forward_decode : b->forward_split)<<<grid, kThreads>>>(
+                                     typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p,
+                                     mask_of(x), x.alibi, x.sinks, partial_out, partial_lse);
+                             });
+    });
+}
+
+cudaError_t fa_cuda_kvcache_forward(const FlashAttentionParams &given, int dtype, const FaCudaKVCache &cache,
+                                    const void *q, const void *k, const void *v, void *out, float *lse,
+                                    float *partial_out, float *partial_lse, const FaCudaScoreInputs &x) {
+    const FlashAttentionParams p = edge_paths(given, dtype, {q, k, v});
+    return with_dtype(dtype, [&](const auto &kernels) {
+        using T = typename std::remove_pointer<decltype(kernels.buckets)>::type::Element;
+        const auto launch = [&](typename Bucket<T>::KVCacheKernel kernel, dim3 grid) {
+            kernel<<<grid, kThreads>>>(typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p,
+                                       mask_of(x), x.alibi, x.sinks, partial_out, partial_lse, cache);
+        };
+        if (partial_out == nullptr) {
+            const Bucket<T> *b = kernels.bucket(p);
+            if (b == nullptr) {
+                return cudaErrorInvalidValue;
+            }
+            if (const cudaError_t error = specialise(p); error != cudaSuccess) {
+                return error;
+            }
+            launch(b->forward_kvcache, dim3(ceil_div(p.seqlen_q, b->forward_block_q), p.num_heads, p.batch));
+            return cudaGetLastError();
+        }
+        return forward_split(kernels, p, q, k, v, out, lse, partial_out, partial_lse, x,
+                             [&](const Bucket<T> *b, bool decode, dim3 grid) {
+                                 launch(decode ? b->forward_decode_kvcache : b->forward_split_kvcache, grid);
+                             });
     });
 }
 

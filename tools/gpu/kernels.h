@@ -48,9 +48,9 @@ cudaError_t fa_cuda_forward(const FlashAttentionParams &params, int dtype, const
                             const FaCudaScoreInputs &inputs = {});
 
 // Split-KV forward, the Metal plan's two dispatches for short queries:
-// flash_attention_forward_decode_<dtype>_d<DP> (Nq <= FA_SPLIT_MAX_QUERY_ROWS; row blocks of
-// FA_DECODE_ROWS(DP)) or flash_attention_forward_split_<dtype>_d<DP> (more rows; row blocks of
-// FWD_BQ) over (kv_chunks x row blocks, Hkv, B), a row block holding (H / Hkv) x Nq query rows of
+// flash_attention_forward_decode_<dtype>_d<DP> (where FA_DECODE_SERVES the (H / Hkv) x Nq packed
+// rows; row blocks of FA_DECODE_ROWS(DP)) or flash_attention_forward_split_<dtype>_d<DP> (other
+// shapes; row blocks of FWD_BQ) over (kv_chunks x row blocks, Hkv, B), a row block holding (H / Hkv) x Nq query rows of
 // one KV head, writes one normalised partial result per chunk of params.kv_chunk_keys keys into
 // partial_out (B, H, kv_chunks, Nq, head_dim_v) and partial_lse (B, H, kv_chunks, Nq, 2: the
 // chunk's max and log sum), float32 workspaces;
@@ -139,5 +139,30 @@ cudaError_t fa_cuda_varlen_backward(const FlashAttentionParams &params, int dtyp
                                     const void *out, const float *lse, float *delta, float *lse_residual,
                                     void *dq, void *dk, void *dv, const FaCudaScoreInputs &inputs = {},
                                     float *dsinks = nullptr);
+
+// KV caches (Shaders/flash_attention_kv_cache.h, issue 24): k and v are a cache (device pointers)
+// laid out as params' kv_* fields and k/v strides say: contiguous per sequence (kv_page_rows 0;
+// k (B, Hkv, rows, head_dim) through the strides) or paged (kv_page_rows rows per block; block n
+// at n * k.batch; block_table (B, kv_max_blocks) int32 of block numbers in [0, kv_num_blocks)),
+// elements of the dtype (kv_bits 0) or mx.quantize's packed uint32 words (kv_bits 4 or 8, strides
+// in words) with scales and biases (the dtype, one per kv_group_size elements, laid out like the
+// words). The kernels clamp table values and block indices: a wrong table or seqlen_k past the
+// table reads wrong rows but never outside the cache.
+struct FaCudaKVCache {
+    const int *block_table = nullptr;
+    const void *k_scales = nullptr;
+    const void *k_biases = nullptr;
+    const void *v_scales = nullptr;
+    const void *v_biases = nullptr;
+};
+
+// The KV-cache forward: with partial_out null, flash_attention_forward_kvcache_<dtype>_d<DP> over
+// the dense forward's grid; else the split-KV forward of fa_cuda_forward_split with the
+// `_decode_kvcache_` (Nq <= FA_SPLIT_MAX_QUERY_ROWS) or `_split_kvcache_` instance, then the
+// combine (params.kv_chunks and kv_chunk_keys from fa_cuda_split_keys).
+cudaError_t fa_cuda_kvcache_forward(const FlashAttentionParams &params, int dtype, const FaCudaKVCache &cache,
+                                    const void *q, const void *k, const void *v, void *out, float *lse,
+                                    float *partial_out, float *partial_lse,
+                                    const FaCudaScoreInputs &inputs = {});
 
 #endif

@@ -23,8 +23,12 @@ typedef struct FlashAttentionBucket {
     uint32_t dkv_block_q;      /* query rows per Q/dO tile */
 } FlashAttentionBucket;
 
-/* Packed query rows per decode threadgroup, and its threadgroup bytes, for a bucket's head_dim_max. */
+/* Packed query rows per decode threadgroup, and its threadgroup bytes, for a bucket's head_dim_max;
+ * whether the decode kernel serves packed_rows rows per KV head (group x seqlen_q) of that bucket. */
 static inline uint32_t fa_decode_rows(uint32_t head_dim_max) { return FA_DECODE_ROWS(head_dim_max); }
+static inline int fa_decode_serves(uint32_t head_dim_max, uint64_t packed_rows) {
+    return FA_DECODE_SERVES(head_dim_max, packed_rows);
+}
 static inline uint32_t fa_decode_threadgroup_bytes(uint32_t head_dim_max) {
     return FA_DECODE_THREADGROUP_BYTES(head_dim_max);
 }

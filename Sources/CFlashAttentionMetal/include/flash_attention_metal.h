@@ -150,7 +150,12 @@ typedef struct fa_problem {
      * the words per row); k_scales, k_biases, v_scales, v_biases hold one element of dtype per
      * kv_group_size (32, 64 or 128) elements of a row, laid out like the words (a row's
      * head_dim / kv_group_size entries where its words are); element = scale * q + bias,
-     * dequantized in registers. kv_bits 0: elements of dtype, scales and biases NULL. */
+     * dequantized in registers. kv_bits 0: elements of dtype, scales and biases NULL.
+     * Append a step's new rows into the cache (host memory) before the call. The Metal backend
+     * reads a cache in place when its address is a multiple of the VM page (16 KiB on Apple
+     * silicon) and the page-rounded span lies in one writable mapping, else copies it once per
+     * call: allocate caches page-aligned, e.g. posix_memalign(&p, 16384, bytes rounded up to a
+     * multiple of 16384) or mmap. */
     uint32_t kv_cache_rows;
     const int32_t *kv_block_table;  /* NULL (contiguous) or int32 [batch][kv_max_blocks] */
     uint32_t kv_max_blocks;
@@ -222,6 +227,22 @@ const char *fa_context_device_name(const fa_context *context);
  * built, the device was lost). Can change after a call of an FA_BACKEND_AUTO context; each text
  * stays valid while the context lives. Null for a null context. */
 const char *fa_context_backend_note(const fa_context *context);
+
+/* Where a GPU core count comes from (fa_gpu_cores). */
+typedef enum fa_gpu_cores_source {
+    FA_GPU_CORES_NOMINAL = 0,  /* FA_NOMINAL_GPU_CORES (10): the CPU engine, or no count from the device */
+    FA_GPU_CORES_DEVICE = 1,   /* the Metal device's (the IORegistry's gpu-core-count) */
+    FA_GPU_CORES_OVERRIDE = 2  /* the FLASH_ATTENTION_GPU_CORES environment variable */
+} fa_gpu_cores_source;
+
+/* The GPU core count the split-KV chunks are planned for now (docs/decode.md) and where it comes
+ * from (an fa_gpu_cores_source), for calls on context, or for fa_plan_create's plans when context
+ * is null (the Metal device the library runs on, as PyTorch's MPS and MLX's GPU paths use them).
+ * FLASH_ATTENTION_GPU_CORES wins when set (it is read again at every call); then the device's count
+ * (Metal); then the nominal GPU. A profile reports the count a call used (fa_profile.gpu_cores).
+ * Errors: INVALID_ARGUMENT (null out_cores or out_source, FLASH_ATTENTION_GPU_CORES not a whole
+ * number from 1 to 4096). */
+fa_status fa_gpu_cores(const fa_context *context, uint32_t *out_cores, uint32_t *out_source);
 
 /* Cancels the calls in flight on context: every fa_forward, fa_backward or merge that started on
  * it before this call stops early (the CPU engine within its current threadgroups, Metal before its
@@ -417,8 +438,14 @@ typedef enum fa_buffer_role {
 typedef enum fa_buffer_usage {
     FA_BUFFER_INPUT = 0,    /* read only; the caller provides it */
     FA_BUFFER_OUTPUT = 1,   /* written (and possibly read back) by the kernels; the caller provides it */
-    FA_BUFFER_WORKSPACE = 2 /* allocated by whoever runs the plan, for the duration of the pass; its
-                               contents need no initialisation and are garbage afterwards */
+    FA_BUFFER_WORKSPACE = 2, /* allocated by whoever runs the plan, for the duration of the pass; its
+                                contents need no initialisation and are garbage afterwards */
+    FA_BUFFER_READ_WRITE = 3 /* a KV cache's k, v (and a quantized cache's scales and biases) in a
+                                forward pass: the caller's buffer, bound in place (never a fresh buffer
+                                in its stead); the pass reads it and may write only the rows it appends
+                                at cache_seqlens. No kernel appends yet (callers write new rows before
+                                the pass), so a host that copies one in has nothing to copy back. The
+                                read-write buffers may overlap one another, no other buffer. */
 } fa_buffer_usage;
 
 /* Types of specialisation constants (Metal function constants). */
@@ -513,6 +540,8 @@ typedef struct fa_plan_specialization {
  * at the range's first block), whose dispatches bind the buffers at the offsets of their range
  * (dispatches of pieces run in order): what the Metal backend does with 2^35 against the GPU
  * watchdog, one command buffer per piece. Pieces compute bit for bit what the whole pass computes.
+ * The split-KV chunks are planned for fa_gpu_cores(NULL, ...): the Metal device the library runs on
+ * (or FLASH_ATTENTION_GPU_CORES, or the nominal GPU).
  * Errors: INVALID_ARGUMENT (null problem or out_plan, an unknown pass, anything fa_forward or
  * fa_backward would refuse), UNSUPPORTED (head_dim), OUT_OF_MEMORY. The parameter bytes take the
  * kernels' 16-byte tile copies when head_dim, head_dim_v and every stride of q, k, v, out and dout

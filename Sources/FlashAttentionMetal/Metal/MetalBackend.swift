@@ -34,9 +34,8 @@ final class MetalBackend: ExecutionBackend {
     let flopsPerCommandBuffer: Int
     private let kernels: MetalFlashAttention
     private let queue: MTLCommandQueue
-    /// The alignment of memory wrapped without a copy: the VM page (16 KiB on Apple silicon; a
-    /// multiple of it is a multiple of any smaller page). Int32 on Darwin, an Int on Glibc.
-    private let pageSize = max(Int(sysconf(Int32(_SC_PAGESIZE))), 1 << 14)
+    /// The alignment of memory wrapped without a copy: the VM page (16 KiB on Apple silicon).
+    private let pageSize = AttentionKVCache.pageBytes
     private let lock = Lock()
     /// Set when the GPU is lost to this process (access revoked, device removed, not permitted):
     /// every later call fails with it as `backendUnavailable`.
@@ -54,10 +53,22 @@ final class MetalBackend: ExecutionBackend {
         self.queue = queue
         kernels = try MetalFlashAttention(device: device)
         deviceName = device.name
+        gpuCores = MetalBackend.cores(of: device)
+    }
+
+    /// The core count of the device a Metal backend takes (`appleSiliconDevice`: on an Apple-silicon
+    /// Mac its one GPU, which MTLCreateSystemDefaultDevice() returns, "the device instance Metal
+    /// selects as the default", developer.apple.com/documentation/metal/mtlcreatesystemdefaultdevice()),
+    /// read once per process (Swift runs a static's initializer once, lazily, on first use); nil
+    /// without such a device or count (`GPUCores.libraryDevice`).
+    static let defaultDeviceCores: UInt32? = (try? appleSiliconDevice()).flatMap(cores(of:))
+
+    /// `device`'s `gpu-core-count` from the IORegistry (`DeviceCores`); nil without IOKit.
+    private static func cores(of device: MTLDevice) -> UInt32? {
         #if canImport(IOKit)
-        gpuCores = DeviceCores.read(registryID: device.registryID)
+        return DeviceCores.read(registryID: device.registryID)
         #else
-        gpuCores = nil
+        return nil
         #endif
     }
 
@@ -131,21 +142,27 @@ final class MetalBackend: ExecutionBackend {
     }
 
     /// MTLBuffers for every role the plan binds. The workspace in GPU-only memory for the whole
-    /// problem (each piece binds its part, as of the caller's buffers). Inputs without a copy
-    /// (unless `copyInputs`) when pointer and length are page multiples, which
-    /// MTLDevice.makeBuffer(bytesNoCopy:length:options:deallocator:) requires, and the range is one
-    /// writable VM region (`isOneWritableRegion`); else copied (makeBuffer(bytes:length:options:)).
+    /// problem (each piece binds its part, as of the caller's buffers). Inputs and caches (the
+    /// plan's read-write roles) without a copy (unless `copyInputs`) when the pointer is a page
+    /// multiple and the length one too ("a page-aligned pointer", "a length ... that results in a
+    /// page-aligned region": https://developer.apple.com/documentation/metal/mtldevice/makebuffer(bytesnocopy:length:options:deallocator:)),
+    /// and the range is one writable VM region (`isOneWritableRegion`); else copied
+    /// (makeBuffer(bytes:length:options:)). A cache's length is rounded up to whole pages: its last
+    /// page is mapped, the kernels never touch the bytes past it, and `flash_attn_with_kvcache`'s
+    /// `empty_cache` allocates whole pages, so such a cache is always read in place. A copied cache
+    /// comes back to nothing: the kernels do not append (DispatchPlan.caches).
     /// `wrappedInputs` says whether any input was wrapped without a copy. Outputs always in Metal's
     /// own memory (makeBuffer(length:options:), which zero-fills them), copied back only after
     /// every command buffer succeeded and only where the output's layout addresses elements
     /// (HostBuffers.copyOutput): the GPU never writes the caller's memory, even when a call times
     /// out and returns while the GPU still runs, and the gaps of a strided output stay the caller's.
-    private func wrap(_ buffers: HostBuffers, for plan: DispatchPlan, copyInputs: Bool) throws
+    func wrap(_ buffers: HostBuffers, for plan: DispatchPlan, copyInputs: Bool) throws
         -> (metal: [BufferRole: MTLBuffer], copyBack: [(role: BufferRole, buffer: MTLBuffer)], wrappedInputs: Bool) {
         let device = kernels.device
         var metal = try kernels.makeWorkspace(for: plan)
         var copyBack: [(role: BufferRole, buffer: MTLBuffer)] = []
         var wrappedInputs = false
+        let caches = plan.caches
         for role in plan.boundRoles where !plan.workspace.contains(role) {
             guard let host = buffers[role], let base = host.baseAddress else {
                 throw FlashAttentionError.internalError("no host buffer for \(role.name)")
@@ -162,9 +179,10 @@ final class MetalBackend: ExecutionBackend {
                 buffer = device.makeBuffer(length: host.count, options: shared)
                 if let buffer { copyBack.append((role, buffer)) }
             } else {
-                if !copyInputs && Int(bitPattern: base) % pageSize == 0 && host.count % pageSize == 0
-                    && MetalBackend.isOneWritableRegion(base, host.count) {
-                    buffer = device.makeBuffer(bytesNoCopy: base, length: host.count, options: shared, deallocator: nil)
+                let length = caches.contains(role) ? (host.count + pageSize - 1) / pageSize * pageSize : host.count
+                if !copyInputs && Int(bitPattern: base) % pageSize == 0 && length % pageSize == 0
+                    && length <= device.maxBufferLength && MetalBackend.isOneWritableRegion(base, length) {
+                    buffer = device.makeBuffer(bytesNoCopy: base, length: length, options: shared, deallocator: nil)
                     wrappedInputs = wrappedInputs || buffer != nil
                 }
                 if buffer == nil {

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import argparse
 
+from .. import plan
 from .._native import native
 from ._context import context_for
+
+_CORES_SOURCES = {
+    "FLASH_ATTENTION_GPU_CORES": "from FLASH_ATTENTION_GPU_CORES",
+    "device": "the Metal device's gpu-core-count",
+    "nominal": "the nominal GPU; set FLASH_ATTENTION_GPU_CORES to plan for another",
+}
+
+
+def _cores(cores: int, source: str) -> str:
+    return f"{cores} ({_CORES_SOURCES[source]})"
 
 
 def run(args: argparse.Namespace) -> int:
     """Prints the version (and the loaded library's where it differs), backend, device, the backend's note (where the Metal kernels came from, or
-    why auto runs on the CPU engine), library and header paths, largest head_dim; returns 0."""
+    why auto runs on the CPU engine), the GPU cores the decode chunks are planned for (the
+    context's, then the exported plans' of the PyTorch MPS and MLX GPU paths where they differ) and
+    where each count comes from, library and header paths, largest head_dim; returns 0."""
     loaded = native()
     context = context_for(args.backend)
     library_version = loaded.ffi.string(loaded.lib.fa_version()).decode()
@@ -19,11 +32,14 @@ def run(args: argparse.Namespace) -> int:
     version = __version__
     if library_version != __version__:
         version += f" (the loaded library is {library_version}: rebuild it with ./build.sh)"
+    cores, exported = context.gpu_cores, plan.gpu_cores()
     rows = [
         ("version", version),
         ("backend", context.backend),
         ("device", context.device),
         ("note", context.note or "-"),
+        ("gpu cores", _cores(*cores) + ("" if exported == cores else
+                                         f"; exported plans (PyTorch MPS, MLX GPU): {_cores(*exported)}")),
         ("library", str(loaded.path)),
         ("header", str(loaded.header_path)),
         ("max head_dim", str(context.max_head_dim)),

@@ -8,7 +8,8 @@ The work is done by two custom operators, ``torch.ops.flash_attention_metal.forw
 ``torch.compile(fullgraph=True)`` traces through them and ``torch.library.opcheck`` passes.
 ``flash_attention_metal.torch.transformers`` registers the attention with Hugging Face transformers.
 ``flash_attn_varlen_func`` (CPU tensors) runs on ``varlen_forward`` and ``varlen_backward``;
-``flash_attn_with_kvcache`` will join once the library has KV caches. See docs/pytorch.md.
+``flash_attn_with_kvcache`` (CPU tensors, forward only, appending to the caches in place) on
+``kvcache_forward``. See docs/pytorch.md.
 """
 
 try:
@@ -20,6 +21,7 @@ except ImportError as error:  # the message names the extra that installs PyTorc
     ) from error
 
 from ._interface import flash_attn_func, scaled_dot_product_attention
+from ._kv_cache import flash_attn_with_kvcache
 from ._varlen import flash_attn_varlen_func
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention"]

@@ -73,9 +73,10 @@ def _compile(dispatch: _plan.Dispatch):
 
 def _plan_for(p, pass_name: str) -> _plan.Plan:
     """The plan of ``pass_name`` for fa_problem ``p``, cached by the problem's bytes (its pointer
-    fields hold only presence markers, so equal problems have equal bytes)."""
+    fields hold only presence markers, so equal problems have equal bytes) and the GPU core count
+    its chunks are planned for (FLASH_ATTENTION_GPU_CORES may change between calls)."""
     library = native()
-    key = (pass_name, MAX_FLOPS_PER_PIECE, library.ffi.buffer(p)[:])
+    key = (pass_name, MAX_FLOPS_PER_PIECE, os.environ.get("FLASH_ATTENTION_GPU_CORES"), library.ffi.buffer(p)[:])
     with _lock:
         if key in _plans:
             _plans.move_to_end(key)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ml_dtypes
+import numpy as np
 import torch
 
 from .._abi import new_problem, set_score_fields
@@ -24,6 +26,22 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def dtype_name(dtype: torch.dtype) -> str:
     """``"float16"`` for torch.float16, and so on."""
     return str(dtype).rpartition(".")[2]
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of CPU tensor ``t`` (same memory, so writes reach the tensor); bfloat16 as
+    ml_dtypes.bfloat16 through its bits."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def from_numpy(a: np.ndarray) -> torch.Tensor:
+    """A tensor on NumPy array ``a``'s memory (the inverse of ``as_numpy``)."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 def shape_of(q, k, v) -> Shape:

@@ -10,28 +10,15 @@ This module has no ``from __future__ import annotations``: custom_op reads the a
 
 from typing import Optional
 
-import ml_dtypes
-import numpy as np
 import torch
 from torch import Tensor
 
 from .. import _validation, _varlen
 from . import _host
+from ._tensors import as_numpy as _numpy
+from ._tensors import from_numpy as _tensor
 
 _NAMESPACE = "flash_attention_metal"
-
-
-def _numpy(t: Tensor) -> np.ndarray:
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def _tensor(a: np.ndarray) -> Tensor:
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
 
 
 def _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, softmax_scale, causal,

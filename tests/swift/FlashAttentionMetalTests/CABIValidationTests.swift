@@ -241,6 +241,24 @@ final class CABIValidationTests: XCTestCase {
         fa_context_destroy(nil)
     }
 
+    /// fa_gpu_cores: the CPU context and (off Metal) exported plans plan for the nominal GPU unless
+    /// FLASH_ATTENTION_GPU_CORES says otherwise; null outputs are refused by name.
+    func testGPUCores() {
+        defer { unsetenv(GPUCores.environmentVariable) }
+        unsetenv(GPUCores.environmentVariable)
+        var cores: UInt32 = 0
+        var source: UInt32 = 9
+        XCTAssertEqual(fa_gpu_cores(context, &cores, &source), FA_STATUS_SUCCESS)
+        XCTAssertEqual([cores, source], [UInt32(FA_NOMINAL_GPU_CORES), FA_GPU_CORES_NOMINAL.rawValue])
+        setenv(GPUCores.environmentVariable, "24", 1)
+        XCTAssertEqual(fa_gpu_cores(nil, &cores, &source), FA_STATUS_SUCCESS)
+        XCTAssertEqual([cores, source], [24, FA_GPU_CORES_OVERRIDE.rawValue])
+        XCTAssertEqual(fa_gpu_cores(context, nil, &source), FA_STATUS_INVALID_ARGUMENT)
+        XCTAssertEqual(String(cString: fa_last_error_message()), "out_cores must not be null")
+        XCTAssertEqual(fa_gpu_cores(context, &cores, nil), FA_STATUS_INVALID_ARGUMENT)
+        XCTAssertEqual(String(cString: fa_last_error_message()), "out_source must not be null")
+    }
+
     /// Messages are per thread: a failure on another thread leaves this thread's message alone.
     func testLastErrorIsPerThread() {
         expect(modified { $0.causal = 2 }, FA_STATUS_INVALID_ARGUMENT, "causal (2) must be 0 or 1")

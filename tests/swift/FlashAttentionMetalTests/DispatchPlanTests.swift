@@ -169,7 +169,8 @@ final class DispatchPlanTests: XCTestCase {
     }
 
     /// The chunk rule at other core counts (docs/decode.md's table): two waves of 3 threadgroups per
-    /// core where chunks of at least 64 keys allow it, the shape's maximum otherwise.
+    /// core where chunks of at least 64 keys allow it, the shape's maximum otherwise. With 1 KV
+    /// head the 32 packed rows take the tiled split kernel (one block of forward_block_q 32 rows).
     func testChunksFollowTheCoreCount() throws {
         var bucket = FlashAttentionBucket()
         XCTAssertEqual(fa_bucket_for_head_dim(UInt32(FA_DTYPE_F16), 128, &bucket), 1)
@@ -177,11 +178,12 @@ final class DispatchPlanTests: XCTestCase {
             KeyValueSplit(batch: 1, numHeads: 32, numKVHeads: kvHeads, seqlenQ: seqlenQ, seqlenK: keys,
                           bucket: bucket, cores: cores)
         }
-        for (kvHeads, keys, cores, chunks, threadgroups) in [(8, 32768, 40, 31, 248), (1, 32768, 40, 64, 256),
+        for (kvHeads, keys, cores, chunks, threadgroups) in [(8, 32768, 40, 31, 248), (1, 32768, 40, 256, 256),
                                                               (8, 1024, 40, 16, 128), (8, 131072, 80, 61, 488),
-                                                              (1, 1024, 10, 16, 64)] as [(UInt32, UInt32, UInt32, UInt32, UInt64)] {
+                                                              (1, 1024, 10, 16, 16), (1, 131072, 10, 61, 61)]
+            as [(UInt32, UInt32, UInt32, UInt32, UInt64)] {
             let s = try XCTUnwrap(split(kvHeads, keys, cores))
-            XCTAssertEqual(s.kernel, .decode)
+            XCTAssertEqual(s.kernel, kvHeads == 1 ? .tiled : .decode)
             XCTAssertEqual([UInt64(s.chunks), s.threadgroups * UInt64(kvHeads)], [UInt64(chunks), threadgroups],
                            "KV heads \(kvHeads), \(keys) keys, \(cores) cores")
             XCTAssertGreaterThanOrEqual(s.chunkKeys, UInt32(FA_SPLIT_MIN_CHUNK_KEYS))
@@ -192,19 +194,27 @@ final class DispatchPlanTests: XCTestCase {
         XCTAssertNil(split(8, 32768, 40, seqlenQ: 65))
     }
 
-    /// The split-KV thresholds: the decode kernel for at most FA_SPLIT_MAX_QUERY_ROWS rows at any
-    /// length; the tiled kernel needs two chunks (multiples of FA_SPLIT_MIN_CHUNK_KEYS keys, the
-    /// last one shorter).
+    /// The split-KV thresholds: the decode kernel at any length where its block holds the packed
+    /// rows of a KV head (group x seqlen_q: 8 up to head_dim 128, 4 up to 256, none above), else the
+    /// tiled kernel, which reads the cache once per forward_block_q rows (even in one chunk, where
+    /// the dense forward would read it once per query head); from 9 rows the tiled kernel needs two
+    /// chunks (multiples of FA_SPLIT_MIN_CHUNK_KEYS keys, the last one shorter).
     func testSplitKVThresholds() throws {
-        XCTAssertEqual(try problem(seqlenQ: 8, seqlenK: 512).split?.kernel, .decode)
+        XCTAssertEqual(try problem(seqlenQ: 4, seqlenK: 512).split?.kernel, .decode)
+        XCTAssertEqual(try problem(seqlenQ: 5, seqlenK: 512).split?.kernel, .tiled)
         XCTAssertEqual(try problem(seqlenQ: 1, seqlenK: 7).split?.chunks, 1)
+        XCTAssertEqual(try problem(seqlenQ: 8, seqlenK: 7).split.map { [$0.chunks, $0.rowBlocks] }, [1, 1])
+        XCTAssertEqual(try problem(seqlenQ: 2, seqlenK: 512, headDim: 256).split?.kernel, .decode)
+        XCTAssertEqual(try problem(seqlenQ: 3, seqlenK: 512, headDim: 256).split?.kernel, .tiled)
+        XCTAssertEqual(try problem(kvHeads: 6, seqlenQ: 1, seqlenK: 512, headDim: 512).split?.kernel, .tiled)
         XCTAssertNil(try problem(seqlenQ: 65, seqlenK: 100_000).split)
         XCTAssertNil(try problem(seqlenQ: 9, seqlenK: 63).split)
         XCTAssertEqual(try problem(seqlenQ: 9, seqlenK: 128).split?.kernel, .tiled)
         // Rows of a GQA group beyond one block: 16 heads per KV head x 8 rows = 128 packed rows.
         let packed = try XCTUnwrap(try problem(batch: 1, heads: 16, kvHeads: 1, seqlenQ: 8, seqlenK: 4096,
                                                headDim: 64).split)
-        XCTAssertEqual(packed.rowBlocks, 16)
+        XCTAssertEqual([packed.rowBlocks], [4])
+        XCTAssertEqual(packed.kernel, .tiled)
         XCTAssertEqual(try problem(seqlenQ: 100, seqlenK: 33).params.kv_chunks, 1)
     }
 
@@ -226,13 +236,16 @@ final class DispatchPlanTests: XCTestCase {
     func testDeviceCoreCount() throws {
         defer { unsetenv(GPUCores.environmentVariable) }
         XCTAssertEqual(try GPUCores.planned(device: 38), 38)
+        XCTAssertEqual(try GPUCores.plan(device: 38).source, .device)
         XCTAssertEqual(try GPUCores.planned(device: 0), 1)
         XCTAssertEqual(try GPUCores.planned(device: nil), UInt32(FA_NOMINAL_GPU_CORES))
+        XCTAssertEqual(try GPUCores.plan(device: nil).source, .nominal)
         let nominal = DispatchPlan.forward(try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 4096))
         XCTAssertEqual(nominal.problem.gpuCores, UInt32(FA_NOMINAL_GPU_CORES))
         let remade = nominal.planned(forGPUCores: 40)
         setenv(GPUCores.environmentVariable, "40", 1)
         XCTAssertEqual(try GPUCores.planned(device: 38), 40)
+        XCTAssertEqual(try GPUCores.plan(device: 38).source, .override)
         let validated = DispatchPlan.forward(try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 4096))
         XCTAssertEqual(remade.problem.split, validated.problem.split)
         XCTAssertEqual(remade.problem.gpuCores, 40)

@@ -117,7 +117,8 @@ final class ExportedPlanTests: XCTestCase {
         XCTAssertEqual(list.map(\.role), expected.boundRoles.map { $0.abi.rawValue }, file: file, line: line)
         for (buffer, role) in zip(list, expected.boundRoles) {
             let usage = expected.workspace.contains(role) ? FA_BUFFER_WORKSPACE
-                : expected.outputs.contains(role) ? FA_BUFFER_OUTPUT : FA_BUFFER_INPUT
+                : expected.outputs.contains(role) ? FA_BUFFER_OUTPUT
+                : expected.caches.contains(role) ? FA_BUFFER_READ_WRITE : FA_BUFFER_INPUT
             XCTAssertEqual(buffer.usage, usage.rawValue, "\(role)", file: file, line: line)
             XCTAssertEqual(buffer.byte_count, UInt64(role.byteCount(for: expected.problem)), file: file, line: line)
             XCTAssertEqual(buffer.element_size, UInt32(role.elementSize(for: expected.problem)), file: file, line: line)

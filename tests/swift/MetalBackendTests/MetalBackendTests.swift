@@ -1,6 +1,7 @@
 // The Metal backend on the stand-in Metal module (tests/metal_standin/build.sh compiles and runs
 // this file; it needs `canImport(Metal)`): the host path in many command buffers and the app path
 // (MetalFlashAttention encoding into the caller's command buffer), each bit for bit the CPU backend's.
+import CFlashAttentionMetal
 import Metal
 import XCTest
 
@@ -12,6 +13,7 @@ final class MetalBackendTests: XCTestCase {
         ("testCommandBufferPiecesEqualTheCPUBackend", testCommandBufferPiecesEqualTheCPUBackend),
         ("testEncodeForwardEqualsTheCPUBackend", testEncodeForwardEqualsTheCPUBackend),
         ("testBlockPiecesEqualTheCPUBackend", testBlockPiecesEqualTheCPUBackend),
+        ("testKVCacheIsBoundInPlace", testKVCacheIsBoundInPlace),
     ]
 
     private let shape = AttentionShape(batch: 2, numHeads: 4, numKVHeads: 2, seqlenQ: 19, seqlenK: 23, headDim: 24)
@@ -143,6 +145,52 @@ final class MetalBackendTests: XCTestCase {
                                                        lse: lse, shape: shape)) {
             XCTAssertEqual($0 as? FlashAttentionError,
                            .invalidArgument("out shares memory with q: an output may not alias another output or an input"))
+        }
+    }
+
+    /// A KV cache (a read-write role) on page-aligned memory is bound in place even though its
+    /// bytes (12 KiB) are not a page multiple: its MTLBuffer is the caller's memory, rounded up to
+    /// the page, and nothing is copied back to it; q, not page-aligned, is copied. One page off,
+    /// or with copies forced (the page-fault retry), the cache is copied in once.
+    func testKVCacheIsBoundInPlace() throws {
+        var d = fa_problem()
+        d.struct_size = UInt32(MemoryLayout<fa_problem>.size)
+        (d.batch, d.num_heads, d.num_kv_heads, d.seqlen_q, d.seqlen_k, d.head_dim) = (1, 4, 2, 3, 40, 64)
+        (d.kv_cache_rows, d.kv_max_blocks, d.kv_num_blocks) = (16, 3, 3)
+        d.kv_block_table = UnsafePointer(bitPattern: 4)
+        let p = try Problem.validate(d)
+        let plan = DispatchPlan.forward(p)
+        let page = AttentionKVCache.pageBytes
+        XCTAssertNotEqual(BufferRole.k.byteCount(for: p) % page, 0)
+        let memory = AttentionKVCache.allocate(byteCount: 8 * page)
+        defer { memory.deallocate() }
+        memory.initializeMemory(as: UInt8.self, repeating: 0)
+        let base = memory.baseAddress!
+        func wrapped(cacheAt offset: Int, copyInputs: Bool = false) throws
+            -> (metal: [BufferRole: MTLBuffer], copyBack: [(role: BufferRole, buffer: MTLBuffer)], wrappedInputs: Bool) {
+            var b = HostBuffers()
+            b.bindInput(.k, base + offset, for: p)
+            b.bindInput(.v, base + offset + 2 * page, for: p)
+            b.bindInput(.q, base + 6 * page + 16, for: p)
+            b.bindInput(.blockTable, base + 7 * page, for: p)
+            b.bindOutput(.out, base + 5 * page, for: p)
+            b.bindOutput(.lse, base + 7 * page + 64, for: p)
+            return try MetalBackend().wrap(b, for: plan, copyInputs: copyInputs)
+        }
+        let inPlace = try wrapped(cacheAt: 0)
+        for (role, offset) in [(BufferRole.k, 0), (.v, 2 * page)] {
+            let buffer = try XCTUnwrap(inPlace.metal[role])
+            XCTAssertEqual(buffer.contents(), base + offset, "\(role) bound in place")
+            XCTAssertEqual(buffer.length, page)
+        }
+        XCTAssertNotEqual(inPlace.metal[.q]?.contents(), base + 6 * page + 16)
+        XCTAssertEqual(inPlace.copyBack.map(\.role), [.out, .lse])
+        XCTAssertTrue(inPlace.wrappedInputs)
+        for copied in [try wrapped(cacheAt: 64), try wrapped(cacheAt: 0, copyInputs: true)] {
+            XCTAssertNotEqual(copied.metal[.k]?.contents(), base + 64)
+            XCTAssertNotEqual(copied.metal[.k]?.contents(), base)
+            XCTAssertEqual(copied.metal[.k]?.length, BufferRole.k.byteCount(for: p))
+            XCTAssertEqual(copied.copyBack.map(\.role), [.out, .lse])
         }
     }
 }

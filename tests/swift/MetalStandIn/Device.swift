@@ -211,10 +211,14 @@ final class StandInBuffer: MTLBuffer, @unchecked Sendable {
 }
 
 /// Whether a range of addresses lies in mappings that are readable and writable, end to end
-/// (/proc/self/maps): what wrapping caller memory without a copy assumes.
+/// (/proc/self/maps): what wrapping caller memory without a copy assumes. The file is read to its
+/// end (String(contentsOfFile:) stops after its first 4 KiB on Linux, since /proc reports size 0,
+/// and would miss the high mappings of large allocations).
 enum WritableMappings {
     static func cover(_ pointer: UnsafeRawPointer, _ length: Int) -> Bool {
-        guard let maps = try? String(contentsOfFile: "/proc/self/maps", encoding: .utf8) else { return true }
+        guard let file = FileHandle(forReadingAtPath: "/proc/self/maps") else { return true }
+        defer { file.closeFile() }
+        let maps = String(decoding: file.readDataToEndOfFile(), as: UTF8.self)
         var next = UInt(bitPattern: pointer)
         let end = next + UInt(length)
         for line in maps.split(separator: "\n") {
