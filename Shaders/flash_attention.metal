@@ -106,18 +106,20 @@ inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgi
 // 8-column fragments (of ND), all of them unless CHECKED. B_PAIRED: tile `b` is in the paired
 // layout of that width (PairedRows), 0 row-major.
 template <typename T, uint ND, bool CHECKED, uint B_PAIRED, uint N, typename TileA, typename TileB>
-inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
-                                    uint col0, uint active, FragmentCoord at) {
+FA_ALWAYS_INLINE void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0,
+                                              TileB b, uint col0, uint active, FragmentCoord at) {
     static_assert(B_PAIRED == 0 || ND * 8 == B_PAIRED, "a paired tile is read in one slice");
+    // Half tiles give half operands (TileFragment, flash_attention_fragment.h).
+    typedef simdgroup_matrix<typename TileFragment<T>::type, 8, 8> Operand;
     clear(x);
     FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
         if (!CHECKED || d < active) {
-            simdgroup_float8x8 af;
+            Operand af;
             load_fragment<T>(af, a, a_row0, col0 / 8 + d, at);
             FA_UNROLL
             for (uint j = 0; j < N; ++j) {
-                simdgroup_float8x8 bt;
+                Operand bt;
                 if (B_PAIRED != 0) {
                     // One slice (asserted): column fragment d, a constant once unrolled.
                     load_fragment_paired<T, B_PAIRED>(bt, b, j * 8, d, at);
@@ -133,9 +135,9 @@ inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0
 // S = Q K^T, dP = dO V^T and their transposes (see product_transposed_over); x = 0 for a SIMD-group
 // that is not live.
 template <typename T, uint ND, uint B_PAIRED = 0, uint N, typename TileA, typename TileB>
-inline void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
-                               SimdgroupSlice s, uint active, constant FlashAttentionParams &p,
-                               FragmentCoord at) {
+FA_ALWAYS_INLINE void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
+                                         SimdgroupSlice s, uint active,
+                                         constant FlashAttentionParams &p, FragmentCoord at) {
     if (p.partial_columns != 0) {
         product_transposed_over<T, ND, true, B_PAIRED>(x, a, a_row0, b, s.col0, active, at);
     } else if (s.live) {
@@ -148,8 +150,8 @@ inline void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, Til
 // acc += P B over the slice's first `active` fragments (of ND; all of them unless CHECKED): P an
 // 8 x 8N block, B the rows [0, 8N) of tile `b`.
 template <typename T, bool CHECKED, uint ND, uint N, typename TileB>
-inline void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<N> &p, TileB b,
-                                    uint col0, uint active, FragmentCoord at) {
+FA_ALWAYS_INLINE void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<N> &p,
+                                              TileB b, uint col0, uint active, FragmentCoord at) {
     FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
         if (!CHECKED || d < active) {
@@ -166,9 +168,9 @@ inline void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<
 // O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q (see accumulate_product_over); nothing for a
 // SIMD-group that is not live.
 template <typename T, uint ND, uint N, typename TileB>
-inline void accumulate_product(thread Fragments<ND> &acc, thread Fragments<N> &x, TileB b,
-                               SimdgroupSlice s, uint active, constant FlashAttentionParams &p,
-                               FragmentCoord at) {
+FA_ALWAYS_INLINE void accumulate_product(thread Fragments<ND> &acc, thread Fragments<N> &x,
+                                         TileB b, SimdgroupSlice s, uint active,
+                                         constant FlashAttentionParams &p, FragmentCoord at) {
     if (p.partial_columns != 0) {
         accumulate_product_over<T, true>(acc, x, b, s.col0, active, at);
     } else if (s.live) {
@@ -249,8 +251,8 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
     if (checked && !(key >= m.keys.first && key < m.keys.end)) {
         return -INFINITY;
     }
-    const ulong at = m.mask_row + key;
-    if (mask_type_of(p) == FA_MASK_BOOL && mask[at] == 0) {
+    // (The mask's index is formed inside each mask branch: none of it on the path without a mask.)
+    if (mask_type_of(p) == FA_MASK_BOOL && mask[m.mask_row + key] == 0) {
         return -INFINITY;
     }
     float x = raw * p.softmax_scale;
@@ -262,9 +264,9 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
         x -= m.slope * abs(float(long(row) + long(p.seqlen_k) - long(p.seqlen_q) - long(key)));
     }
     if (mask_type_of(p) == FA_MASK_ADDITIVE) {
-        x += float(((device const T *)mask)[at]);
+        x += float(((device const T *)mask)[m.mask_row + key]);
     } else if (mask_type_of(p) == FA_MASK_ADDITIVE_F32) {
-        x += ((device const float *)mask)[at];
+        x += ((device const float *)mask)[m.mask_row + key];
     }
     return x;
 }
@@ -335,10 +337,11 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 // only m and l: V is neither loaded nor multiplied).
 template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
           typename Storage>
-inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thread VS &vs,
-                         device const uchar *mask, constant FlashAttentionParams &p, uint kv0,
-                         bool masked, uint row, RowModifiers mods, SimdgroupSlice s,
-                         FragmentCoord at, uint sgid, uint tid) {
+FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks,
+                                   thread VS &vs, device const uchar *mask,
+                                   constant FlashAttentionParams &p, uint kv0, bool masked,
+                                   uint row, RowModifiers mods, SimdgroupSlice s, FragmentCoord at,
+                                   uint sgid, uint tid) {
     typedef typename KS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
     constexpr bool SHARED = WITH_V && FA_FORWARD_SHARED(T, DP, BQ, BK);

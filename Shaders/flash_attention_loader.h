@@ -20,6 +20,14 @@
 #define FA_UNROLL _Pragma("clang loop unroll(full)")
 #endif
 
+// Inlines a function into its caller whatever its size: the per-tile steps of the key loops
+// (forward_tile, the products), so that what does not change from tile to tile (a lane's fragment
+// addresses) is computed once, before the loop. MLX's steel attention marks its functions so
+// (METAL_FUNC, which Apple's <metal_stdlib> defines as an always-inline function).
+#ifndef FA_ALWAYS_INLINE
+#define FA_ALWAYS_INLINE inline __attribute__((__always_inline__))
+#endif
+
 // Counts a device load of BYTES bytes at ADDRESS where the host counts them per buffer (the CPU
 // engine's profile: MSL_COUNT_DEVICE_READ); nothing elsewhere. The tile copies and the decode
 // kernel's slice loads call it, so q, k, v, out and dout reads are counted.

@@ -11,7 +11,14 @@ function of its own and exempt):
     are computed once per kernel in `tile_stream`; a tile moves its pointer by additions),
   - every device load 16 bytes wide and at least one such load (the copies move whole chunks),
 and of the products and the forward's per-tile step (`product_transposed_over`,
-`accumulate_product_over`, `forward_tile`): no 64-bit multiply and no integer division.
+`accumulate_product_over`, `forward_tile`): no 64-bit multiply and no integer division. And of the
+fragment path (issue 21, item 7):
+  - the per-tile steps (`forward_tile` and the products) are inlined into the key loops: no function
+    of theirs is left in the module (FA_ALWAYS_INLINE), so what does not change from tile to tile
+    is computed before the loop,
+  - the products of two tiles (`product_transposed_over` and all that is inlined into it) widen no
+    half element to float (half tiles give half operands, TileFragment), and the module has a
+    multiply-accumulate of half operands into float.
 
 Structure, not exact counts: any clang from 14 on gives the same verdict. Exit status: 0 the
 structure holds, 1 it does not (each finding printed), 2 no usable clang.
@@ -35,9 +42,16 @@ COPY = "copy_tile"
 COPIES = (COPY, "copy_paired")
 SCALAR_PATH = "load_rows"
 PER_TILE = ("product_transposed_over", "accumulate_product_over", "forward_tile")
+INLINED = ("forward_tile", "product_transposed", "product_transposed_over", "accumulate_product",
+           "accumulate_product_over")
+TILE_PRODUCT = "product_transposed_over"
 
 METADATA = re.compile(r"^!(\d+) = (?:distinct )?!(\w+)\((.*)\)$")
 SCOPE = re.compile(r"\bscope: !(\d+)")
+INLINED_AT = re.compile(r"\binlinedAt: !(\d+)")
+DEFINE = re.compile(r'^define [^@]*@"?([^"(]+)')
+HALF_WIDENING = re.compile(r"=\s*fpext (?:half|<\d+ x half>) ")
+HALF_INTO_FLOAT = re.compile(r"call [^@]*@\S*simdgroup_multiply_accumulateIfDhDhf")
 NAME = re.compile(r'\bname: "([^"]*)"')
 DEBUG = re.compile(r", !dbg !(\d+)")
 MUL64 = re.compile(r"=\s*mul(?: nuw| nsw)* i64 ")
@@ -73,6 +87,32 @@ def source_functions(ir: str) -> dict[str, str]:
             if what == "DILocation" and node in scope_of}
 
 
+def inlined_through(ir: str) -> dict[str, set[str]]:
+    """For every DILocation id, the source functions its code lies in: its innermost function and
+    those its inlinedAt chain passes through."""
+    where = source_functions(ir)
+    inlined_at = {}
+    for line in ir.splitlines():
+        match = METADATA.match(line)
+        if match and match.group(2) == "DILocation":
+            at = INLINED_AT.search(match.group(3))
+            if at:
+                inlined_at[match.group(1)] = at.group(1)
+    chains = {}
+    for start in where:
+        names, node, seen = set(), start, 0
+        while node is not None and seen < 1000:
+            names.add(where.get(node, "?"))
+            node, seen = inlined_at.get(node), seen + 1
+        chains[start] = names
+    return chains
+
+
+def mangled(name: str) -> str:
+    """The start of the Itanium-mangled name of the free function template `name`."""
+    return f"_Z{len(name)}{name}I"
+
+
 def findings(ir: str) -> list[str]:
     """What the IR breaks of the rules in the module docstring (empty: it keeps them)."""
     where = source_functions(ir)
@@ -100,6 +140,35 @@ def findings(ir: str) -> list[str]:
                 problems.append(f"{function}: an integer division: {line.strip()}")
     if counts["wide"] == 0:
         problems.append(f"{COPY}: no 16-byte device load (is the tile copy still in {COPY}?)")
+    return problems + fragment_findings(ir)
+
+
+def fragment_findings(ir: str) -> list[str]:
+    """What the IR breaks of the fragment path's rules (module docstring)."""
+    chains = inlined_through(ir)
+    # Each rule's first example and how often it is broken (instances repeat one template).
+    first: dict[str, str] = {}
+    count = collections.Counter()
+    mixed = 0
+    for line in ir.splitlines():
+        define = DEFINE.match(line)
+        if define:
+            for name in INLINED:
+                if define.group(1).startswith(mangled(name)):
+                    rule = f"{name}: not inlined into its caller"
+                    first.setdefault(rule, define.group(1))
+                    count[rule] += 1
+            continue
+        if HALF_INTO_FLOAT.search(line):
+            mixed += 1
+        debug = DEBUG.search(line)
+        if debug and HALF_WIDENING.search(line) and TILE_PRODUCT in chains.get(debug.group(1), ()):
+            rule = f"{TILE_PRODUCT}: a half element widened to float"
+            first.setdefault(rule, line.strip())
+            count[rule] += 1
+    problems = [f"{rule} ({count[rule]} times; first: {example})" for rule, example in first.items()]
+    if mixed == 0:
+        problems.append(f"{TILE_PRODUCT}: no multiply-accumulate of half operands into float")
     return problems
 
 
@@ -134,7 +203,8 @@ def main() -> int:
         print(f"check_tile_copies: {problem}", file=sys.stderr)
     if not problems:
         print(f"check_tile_copies: {args.source.name}: tile copies move 16-byte chunks without 64-bit "
-              "multiplies or divisions; products and forward tiles have none either")
+              "multiplies or divisions; products and forward tiles have none either; the per-tile "
+              "steps are inlined and the products of two half tiles widen no element")
     return 1 if problems else 0
 
 

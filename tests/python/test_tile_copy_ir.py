@@ -1,6 +1,7 @@
 """tools/check_tile_copies.py: the kernels' tile copies move 16-byte chunks with no 64-bit multiply
-or division (issue 21, item 1), read in clang's LLVM IR; and copies of the kernels with a planted
-per-element multiply or a narrow load fail it."""
+or division (issue 21, item 1), the per-tile steps are inlined and the products of two half tiles
+widen no element (item 7), read in clang's LLVM IR; and copies of the kernels with a planted
+per-element multiply, a narrow load, float operands or an out-of-line tile step fail it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHECK = ROOT / "tools" / "check_tile_copies.py"
 LOADER = "flash_attention_loader.h"
+KERNELS = "flash_attention.metal"
 
 # (text of the interior copy in the loader, its planted replacement, the finding it must cause)
 FAULTS = [
@@ -24,6 +26,26 @@ FAULTS = [
      "                tile[s.row + k * S::STEP][s.chunk] = uint4(*(device const uint *)from);\n",
      "copy_tile: a device load narrower than 16 bytes"),
 ]
+
+
+# (text in the kernels, its planted replacement, the finding it must cause): float operands for the
+# products of two half tiles, and a per-tile step kept out of line.
+KERNEL_FAULTS = [
+    ("    typedef simdgroup_matrix<typename TileFragment<T>::type, 8, 8> Operand;\n",
+     "    typedef simdgroup_float8x8 Operand;\n",
+     "product_transposed_over: a half element widened to float"),
+    ("FA_ALWAYS_INLINE void forward_tile(",
+     "inline __attribute__((noinline)) void forward_tile(",
+     "forward_tile: not inlined into its caller"),
+]
+
+
+def plant(path: pathlib.Path, faults) -> None:
+    text = path.read_text(encoding="utf-8")
+    for original, planted, _ in faults:
+        assert text.count(original) == 1, f"{path.name} no longer holds {original.strip()!r}: update the faults"
+        text = text.replace(original, planted)
+    path.write_text(text, encoding="utf-8")
 
 
 def run_check(source: pathlib.Path) -> subprocess.CompletedProcess:
@@ -43,13 +65,9 @@ def test_kernels_copy_tiles_in_chunks():
 def test_planted_faults_are_found(tmp_path):
     shaders = tmp_path / "Shaders"
     shutil.copytree(ROOT / "Shaders", shaders)
-    loader = shaders / LOADER
-    text = loader.read_text(encoding="utf-8")
-    for original, planted, _ in FAULTS:
-        assert text.count(original) == 1, f"the loader no longer holds {original.strip()!r}: update FAULTS"
-        text = text.replace(original, planted)
-    loader.write_text(text, encoding="utf-8")
-    result = run_check(shaders / "flash_attention.metal")
+    plant(shaders / LOADER, FAULTS)
+    plant(shaders / KERNELS, KERNEL_FAULTS)
+    result = run_check(shaders / KERNELS)
     assert result.returncode == 1, result.stdout + result.stderr
-    for _, _, finding in FAULTS:
+    for _, _, finding in FAULTS + KERNEL_FAULTS:
         assert finding in result.stderr

@@ -422,6 +422,9 @@ __device__ __forceinline__ To as_type(const From &from) {
 // measure here: this build checks correctness, not speed, and forcing every such loop open made
 // compiling the kernels several times slower on the H200 (docs/verification.md, issue 21).
 #define FA_UNROLL
+// Likewise the forced inlining of the kernels' per-tile steps (FA_ALWAYS_INLINE) is left to nvcc,
+// which inlines __device__ functions by its own measure.
+#define FA_ALWAYS_INLINE inline
 
 #define MSL_FUNCTION_CONSTANT(INDEX, TYPE, NAME) \
     static __device__ const metal::function_constant<TYPE, INDEX> NAME{};

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "2a2536456405a35a"
+    static let sourceHash = "31a32fb010187d2e"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -529,6 +529,14 @@ inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? t
 #define FA_UNROLL _Pragma("clang loop unroll(full)")
 #endif
 
+// Inlines a function into its caller whatever its size: the per-tile steps of the key loops
+// (forward_tile, the products), so that what does not change from tile to tile (a lane's fragment
+// addresses) is computed once, before the loop. MLX's steel attention marks its functions so
+// (METAL_FUNC, which Apple's <metal_stdlib> defines as an always-inline function).
+#ifndef FA_ALWAYS_INLINE
+#define FA_ALWAYS_INLINE inline __attribute__((__always_inline__))
+#endif
+
 // Counts a device load of BYTES bytes at ADDRESS where the host counts them per buffer (the CPU
 // engine's profile: MSL_COUNT_DEVICE_READ); nothing elsewhere. The tile copies and the decode
 // kernel's slice loads call it, so q, k, v, out and dout reads are counted.
@@ -821,10 +829,24 @@ inline void reload_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s, uint
 // use for them, loads from threadgroup tiles (flash_attention_loader.h), and reductions over a
 // fragment row. Every loop over fragments has a constant trip count and is fully unrolled.
 //
-// Every fragment holds float32 (MLX's steel attention does the same: half elements are converted
-// as they are read from threadgroup memory), so each simdgroup_multiply_accumulate has one element
-// type and accumulates in float32. A lane reads and writes its own two elements through
-// thread_elements(): element loads are per lane, never collective, and need no alignment.
+// Accumulators and the products' register operands (P, dS) hold float32. The operands read from
+// two tiles (Q K^T, dO V^T and their transposes: product_transposed in flash_attention.metal) are
+// fragments of TileFragment<T>: half for half tiles, so a lane's pair is one 32-bit word moved as
+// it is, with no conversion, and the multiply-accumulate reads half operands into a float32
+// accumulator; float for bfloat and float tiles (bfloat elements are converted as they are read).
+// A product of two halves is exact in float32, so half operands give the very sums of float ones.
+// The products of a float32 register operand and a tile (P V, dS K, P^T dO, dS^T Q) read the tile
+// as float fragments: one element type on each side of every multiply that is not half x half.
+// A lane reads and writes its own two elements through thread_elements(): element loads are per
+// lane, never collective, and need no alignment.
+//
+// Half operands with a float accumulator in one simdgroup_multiply_accumulate compile with Apple's
+// compiler and run on Apple7+ GPUs: llama.cpp's flash_attn_ext kernel multiplies simdgroup_half8x8
+// Q and K fragments into a simdgroup_float8x8 (ggml-org/llama.cpp ggml/src/ggml-metal/
+// ggml-metal.metal, FA_TYPES), and Dawn exposes this f16-input/f32-result configuration on Metal,
+// tested for float32 accumulator precision on Apple M1 (dawn.googlesource.com commit ee1f8a3).
+// The CPU engine and the CUDA check build convert every operand to float32 exactly and accumulate
+// in float32 whatever the operand types (msl_simdgroup_matrix.h, tools/gpu/metal_cuda.h).
 //
 // Lane mapping (design.md; MLX steel mma.h, metal-flash-attention): with q = lane / 4, a lane holds
 // (row, col) and (row, col + 1) where row = (q & 4) + (lane / 2) % 4 and col = (q & 2) * 2 +
@@ -859,46 +881,75 @@ inline void clear(thread Fragments<N> &x) {
     }
 }
 
-// f = tile[row0, row0 + 8) x [8 fcol, 8 fcol + 8), as float: the lane's pair is one 32-bit word of
-// a tile of 2-byte T, read as one load. `Tile` is a threadgroup tile of elements of type T
-// (flash_attention_loader.h; a template parameter: see metal_stdlib of the CPU engine for why).
-// The column comes as a fragment index so that the lane's chunk and word are the fragment's chunk
-// plus lane-only terms (no division per fragment).
-template <typename T, typename Tile>
-inline void load_fragment(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint fcol,
+// The element type of the fragments read from two tiles of T (see the top of this file).
+template <typename T>
+struct TileFragment {
+    typedef float type;
+};
+
+template <>
+struct TileFragment<half> {
+    typedef half type;
+};
+
+// Sets the lane's pair of f from one 32-bit word of a tile of 2-byte T: a half fragment takes the
+// word's bits as they are (through a reference to thread_elements(), as MLX's steel mma.h assigns
+// a pair), a float fragment the two elements converted.
+template <typename T>
+inline void set_pair(thread simdgroup_half8x8 &f, uint word) {
+    reinterpret_cast<thread half2 &>(f.thread_elements()) = as_type<half2>(word);
+}
+
+template <typename T>
+inline void set_pair(thread simdgroup_float8x8 &f, uint word) {
+    // Built in a register first, so that the two conversions can become one of a vector.
+    float2 pair;
+    pair[0] = TileWords<T>::element(word, 0);
+    pair[1] = TileWords<T>::element(word, 1);
+    reinterpret_cast<thread float2 &>(f.thread_elements()) = pair;
+}
+
+// f = tile[row0, row0 + 8) x [8 fcol, 8 fcol + 8), with elements of type U (float, or half for a
+// half tile): the lane's pair is one 32-bit word of a tile of 2-byte T, read as one load. `Tile`
+// is a threadgroup tile of elements of type T (flash_attention_loader.h; a template parameter: see
+// metal_stdlib of the CPU engine for why). The column comes as a fragment index so that the lane's
+// chunk and word are the fragment's chunk plus lane-only terms (no division per fragment).
+template <typename T, typename U, typename Tile>
+inline void load_fragment(thread simdgroup_matrix<U, 8, 8> &f, Tile tile, uint row0, uint fcol,
                           FragmentCoord at) {
     typedef TileWords<T> W;
     const uint row = row0 + at.row;
     const uint chunk = fcol * (8 / W::PER_CHUNK) + at.col / W::PER_CHUNK;
     const uint w = (at.col % W::PER_CHUNK) / W::PER_WORD;
     const uint lo = tile[row][chunk][w];
-    f.thread_elements()[0] = W::element(lo, 0);
-    f.thread_elements()[1] =
-        W::PER_WORD == 2 ? W::element(lo, 1) : W::element(tile[row][chunk][w + 1], 0);
+    if (W::PER_WORD == 2) {
+        set_pair<T>(f, lo);
+    } else {
+        f.thread_elements()[0] = U(W::element(lo, 0));
+        f.thread_elements()[1] = U(W::element(tile[row][chunk][w + 1], 0));
+    }
 }
 
-// f = the transpose of tile[row0, row0 + 8) x [col0, col0 + 8), as float.
-template <typename T, typename Tile>
-inline void load_fragment_transposed(thread simdgroup_float8x8 &f, Tile tile, uint row0,
+// f = the transpose of tile[row0, row0 + 8) x [col0, col0 + 8), elements of type U as in
+// load_fragment (a half element converted to float and back is the same half).
+template <typename T, typename U, typename Tile>
+inline void load_fragment_transposed(thread simdgroup_matrix<U, 8, 8> &f, Tile tile, uint row0,
                                      uint col0, FragmentCoord at) {
-    f.thread_elements()[0] = tile_element<T>(tile, row0 + at.col, col0 + at.row);
-    f.thread_elements()[1] = tile_element<T>(tile, row0 + at.col + 1, col0 + at.row);
+    f.thread_elements()[0] = U(tile_element<T>(tile, row0 + at.col, col0 + at.row));
+    f.thread_elements()[1] = U(tile_element<T>(tile, row0 + at.col + 1, col0 + at.row));
 }
 
 // f = the transpose of rows [row0, row0 + 8) x columns [8 fcol, 8 fcol + 8) of a DP-wide tile of
 // 2-byte T in the paired layout (PairedRows, flash_attention_loader.h): the lane's pair, (row0 +
 // at.col, c) and the row after, is one 32-bit word.
-template <typename T, uint DP, typename Tile>
-inline void load_fragment_paired(thread simdgroup_float8x8 &f, Tile tile, uint row0, uint fcol,
-                                 FragmentCoord at) {
-    typedef TileWords<T> W;
+template <typename T, uint DP, typename U, typename Tile>
+inline void load_fragment_paired(thread simdgroup_matrix<U, 8, 8> &f, Tile tile, uint row0,
+                                 uint fcol, FragmentCoord at) {
     // Fragments of columns per tile row (a guard for the row-major instances, which never call).
     constexpr uint HALF = DP >= 16 ? DP / 16 : 1;
     const uint row = row0 + at.col + fcol / HALF;
     const uint chunk = fcol % HALF * 2 + at.row / 4;
-    const uint pair = tile[row][chunk][at.row % 4];
-    f.thread_elements()[0] = W::element(pair, 0);
-    f.thread_elements()[1] = W::element(pair, 1);
+    set_pair<T>(f, tile[row][chunk][at.row % 4]);
 }
 
 // The maximum and the sum of x over the four lanes that hold one fragment row.
@@ -1281,18 +1332,20 @@ inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgi
 // 8-column fragments (of ND), all of them unless CHECKED. B_PAIRED: tile `b` is in the paired
 // layout of that width (PairedRows), 0 row-major.
 template <typename T, uint ND, bool CHECKED, uint B_PAIRED, uint N, typename TileA, typename TileB>
-inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
-                                    uint col0, uint active, FragmentCoord at) {
+FA_ALWAYS_INLINE void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0,
+                                              TileB b, uint col0, uint active, FragmentCoord at) {
     static_assert(B_PAIRED == 0 || ND * 8 == B_PAIRED, "a paired tile is read in one slice");
+    // Half tiles give half operands (TileFragment, flash_attention_fragment.h).
+    typedef simdgroup_matrix<typename TileFragment<T>::type, 8, 8> Operand;
     clear(x);
     FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
         if (!CHECKED || d < active) {
-            simdgroup_float8x8 af;
+            Operand af;
             load_fragment<T>(af, a, a_row0, col0 / 8 + d, at);
             FA_UNROLL
             for (uint j = 0; j < N; ++j) {
-                simdgroup_float8x8 bt;
+                Operand bt;
                 if (B_PAIRED != 0) {
                     // One slice (asserted): column fragment d, a constant once unrolled.
                     load_fragment_paired<T, B_PAIRED>(bt, b, j * 8, d, at);
@@ -1308,9 +1361,9 @@ inline void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0
 // S = Q K^T, dP = dO V^T and their transposes (see product_transposed_over); x = 0 for a SIMD-group
 // that is not live.
 template <typename T, uint ND, uint B_PAIRED = 0, uint N, typename TileA, typename TileB>
-inline void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
-                               SimdgroupSlice s, uint active, constant FlashAttentionParams &p,
-                               FragmentCoord at) {
+FA_ALWAYS_INLINE void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, TileB b,
+                                         SimdgroupSlice s, uint active,
+                                         constant FlashAttentionParams &p, FragmentCoord at) {
     if (p.partial_columns != 0) {
         product_transposed_over<T, ND, true, B_PAIRED>(x, a, a_row0, b, s.col0, active, at);
     } else if (s.live) {
@@ -1323,8 +1376,8 @@ inline void product_transposed(thread Fragments<N> &x, TileA a, uint a_row0, Til
 // acc += P B over the slice's first `active` fragments (of ND; all of them unless CHECKED): P an
 // 8 x 8N block, B the rows [0, 8N) of tile `b`.
 template <typename T, bool CHECKED, uint ND, uint N, typename TileB>
-inline void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<N> &p, TileB b,
-                                    uint col0, uint active, FragmentCoord at) {
+FA_ALWAYS_INLINE void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<N> &p,
+                                              TileB b, uint col0, uint active, FragmentCoord at) {
     FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
         if (!CHECKED || d < active) {
@@ -1341,9 +1394,9 @@ inline void accumulate_product_over(thread Fragments<ND> &acc, thread Fragments<
 // O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q (see accumulate_product_over); nothing for a
 // SIMD-group that is not live.
 template <typename T, uint ND, uint N, typename TileB>
-inline void accumulate_product(thread Fragments<ND> &acc, thread Fragments<N> &x, TileB b,
-                               SimdgroupSlice s, uint active, constant FlashAttentionParams &p,
-                               FragmentCoord at) {
+FA_ALWAYS_INLINE void accumulate_product(thread Fragments<ND> &acc, thread Fragments<N> &x,
+                                         TileB b, SimdgroupSlice s, uint active,
+                                         constant FlashAttentionParams &p, FragmentCoord at) {
     if (p.partial_columns != 0) {
         accumulate_product_over<T, true>(acc, x, b, s.col0, active, at);
     } else if (s.live) {
@@ -1424,8 +1477,8 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
     if (checked && !(key >= m.keys.first && key < m.keys.end)) {
         return -INFINITY;
     }
-    const ulong at = m.mask_row + key;
-    if (mask_type_of(p) == FA_MASK_BOOL && mask[at] == 0) {
+    // (The mask's index is formed inside each mask branch: none of it on the path without a mask.)
+    if (mask_type_of(p) == FA_MASK_BOOL && mask[m.mask_row + key] == 0) {
         return -INFINITY;
     }
     float x = raw * p.softmax_scale;
@@ -1437,9 +1490,9 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
         x -= m.slope * abs(float(long(row) + long(p.seqlen_k) - long(p.seqlen_q) - long(key)));
     }
     if (mask_type_of(p) == FA_MASK_ADDITIVE) {
-        x += float(((device const T *)mask)[at]);
+        x += float(((device const T *)mask)[m.mask_row + key]);
     } else if (mask_type_of(p) == FA_MASK_ADDITIVE_F32) {
-        x += ((device const float *)mask)[at];
+        x += ((device const float *)mask)[m.mask_row + key];
     }
     return x;
 }
@@ -1510,10 +1563,11 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 // only m and l: V is neither loaded nor multiplied).
 template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
           typename Storage>
-inline void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks, thread VS &vs,
-                         device const uchar *mask, constant FlashAttentionParams &p, uint kv0,
-                         bool masked, uint row, RowModifiers mods, SimdgroupSlice s,
-                         FragmentCoord at, uint sgid, uint tid) {
+FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks,
+                                   thread VS &vs, device const uchar *mask,
+                                   constant FlashAttentionParams &p, uint kv0, bool masked,
+                                   uint row, RowModifiers mods, SimdgroupSlice s, FragmentCoord at,
+                                   uint sgid, uint tid) {
     typedef typename KS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
     constexpr bool SHARED = WITH_V && FA_FORWARD_SHARED(T, DP, BQ, BK);
