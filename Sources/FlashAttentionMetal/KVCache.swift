@@ -172,16 +172,30 @@ extension AttentionKVCache {
     /// silicon (at least that everywhere, a multiple of any smaller page).
     public static let pageBytes = max(Int(sysconf(Int32(_SC_PAGESIZE))), 1 << 14)
 
-    /// Uninitialised memory for one cache tensor of `byteCount` bytes (`k`, `v`, or a quantized
-    /// cache's words, scales or biases) that starts on a page and spans whole pages (at least one):
-    /// memory the Metal backend wraps in place rather than copying it on every call, since
-    /// makeBuffer(bytesNoCopy:length:options:deallocator:) takes a page-aligned pointer and length.
-    /// Append new rows into it directly: on unified memory the GPU reads the very same pages.
-    /// Free it with `deallocate()`.
-    public static func allocate(byteCount: Int) -> UnsafeMutableRawBufferPointer {
+    /// Zero-filled memory for one cache tensor of `byteCount` bytes (`k`, `v`, or a quantized
+    /// cache's words, scales or biases) in an anonymous mapping that starts on a page and spans
+    /// whole pages (at least one): memory the Metal backend wraps in place rather than copying it
+    /// on every call, since makeBuffer(bytesNoCopy:length:options:deallocator:) takes a
+    /// page-aligned pointer and length, in memory from mmap or vm_allocate, not malloc (Apple's
+    /// newBufferWithBytesNoCopy documentation). Append new rows into it directly: on unified memory
+    /// the GPU reads the very same pages. Free it with ``deallocate(_:)``.
+    /// - Throws: `outOfMemory` when the system gives no mapping of that size.
+    public static func allocate(byteCount: Int) throws -> UnsafeMutableRawBufferPointer {
         let length = max(1, (max(byteCount, 0) + pageBytes - 1) / pageBytes) * pageBytes
-        return UnsafeMutableRawBufferPointer(
-            start: UnsafeMutableRawPointer.allocate(byteCount: length, alignment: pageBytes), count: length)
+        // One page more than needed, trimmed to a pageBytes multiple where the VM page is smaller.
+        guard let mapped = mmap(nil, length + pageBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANON, -1, 0),
+              mapped != UnsafeMutableRawPointer(bitPattern: -1) else {
+            throw FlashAttentionError.outOfMemory("mmap of \(length + pageBytes) bytes for a KV cache failed")
+        }
+        let head = (pageBytes - Int(bitPattern: mapped) % pageBytes) % pageBytes
+        if head > 0 { munmap(mapped, head) }
+        munmap(mapped + head + length, pageBytes - head)
+        return UnsafeMutableRawBufferPointer(start: mapped + head, count: length)
+    }
+
+    /// Frees memory from ``allocate(byteCount:)``.
+    public static func deallocate(_ memory: UnsafeMutableRawBufferPointer) {
+        if let base = memory.baseAddress { munmap(base, memory.count) }
     }
 }
 

@@ -41,12 +41,14 @@ PAGE_BYTES = max(16384, mmap.PAGESIZE)
 
 
 def empty_cache(shape, dtype, alignment: int = PAGE_BYTES) -> np.ndarray:
-    """An uninitialised C-contiguous array of ``shape`` and ``dtype`` whose data starts at a
-    multiple of ``alignment`` bytes (a power of two) and whose allocation spans whole multiples of
-    it past that start: a cache that the Metal backend wraps in place rather than copying it on
-    every call (Apple: makeBuffer(bytesNoCopy:length:) needs a page-aligned address and length; the
-    backend rounds a cache's length up to the page, which this allocation holds). Use it for
-    k_cache and v_cache (and the three arrays of a quantized cache) that live across many calls.
+    """A zero-filled C-contiguous array of ``shape`` and ``dtype`` in an anonymous memory mapping,
+    whose data starts at a multiple of ``alignment`` bytes (a power of two) and whose mapping spans
+    whole multiples of it past that start: a cache that the Metal backend wraps in place rather
+    than copying it on every call (Apple: makeBuffer(bytesNoCopy:length:) needs a page-aligned
+    address and length, in memory from mmap or vm_allocate, not malloc; the backend rounds a
+    cache's length up to the page, which this mapping holds). Use it for k_cache and v_cache (and
+    the three arrays of a quantized cache) that live across many calls; the mapping is freed with
+    the last array that views it.
 
     Raises ValueError when ``alignment`` is not a positive power of two."""
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -54,7 +56,7 @@ def empty_cache(shape, dtype, alignment: int = PAGE_BYTES) -> np.ndarray:
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
     padded = max(-(-(count * dtype.itemsize) // alignment), 1) * alignment
-    raw = np.empty(padded + alignment, dtype=np.uint8)
+    raw = np.frombuffer(mmap.mmap(-1, padded + alignment), dtype=np.uint8)
     start = -raw.ctypes.data % alignment
     return raw[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
 

@@ -5,6 +5,7 @@ rule against MLX where it is installed."""
 
 from __future__ import annotations
 
+import mmap
 import re
 
 import ml_dtypes
@@ -242,10 +243,12 @@ def test_empty_cache_is_page_aligned():
     for shape in [(3, 16, 2, 64), (7, 16, 2, 24)]:
         cache = fam.empty_cache(shape, np.float16)
         assert cache.ctypes.data % page == 0 and cache.flags.c_contiguous and cache.shape == shape
-        # The allocation holds every page the cache touches (what the Metal backend wraps).
+        # The allocation holds every page the cache touches (what the Metal backend wraps), and
+        # is an anonymous mapping, not malloc'd memory (which Apple's bytesNoCopy disallows).
         owner = cache
-        while owner.base is not None:
+        while isinstance(owner.base, np.ndarray):
             owner = owner.base
+        assert isinstance(owner.base, mmap.mmap) and not cache.any()
         end = cache.ctypes.data + max(-(-cache.nbytes // page), 1) * page
         assert owner.ctypes.data <= cache.ctypes.data and end <= owner.ctypes.data + owner.nbytes
     with pytest.raises(ValueError, match="alignment must be a positive power of two"):

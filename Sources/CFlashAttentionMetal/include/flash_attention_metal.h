@@ -154,8 +154,8 @@ typedef struct fa_problem {
      * Append a step's new rows into the cache (host memory) before the call. The Metal backend
      * reads a cache in place when its address is a multiple of the VM page (16 KiB on Apple
      * silicon) and the page-rounded span lies in one writable mapping, else copies it once per
-     * call: allocate caches page-aligned, e.g. posix_memalign(&p, 16384, bytes rounded up to a
-     * multiple of 16384) or mmap. */
+     * call: allocate caches with mmap (MAP_ANON) or vm_allocate, bytes rounded up to a multiple
+     * of 16384 (Apple's newBufferWithBytesNoCopy disallows malloc'd memory). */
     uint32_t kv_cache_rows;
     const int32_t *kv_block_table;  /* NULL (contiguous) or int32 [batch][kv_max_blocks] */
     uint32_t kv_max_blocks;

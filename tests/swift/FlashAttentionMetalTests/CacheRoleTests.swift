@@ -55,8 +55,8 @@ final class CacheRoleTests: XCTestCase {
     func testOverlapCheckExemptsACacheFromItselfOnly() throws {
         let p = try CacheRoleTests.cacheProblem()
         let plan = DispatchPlan.forward(p)
-        let memory = AttentionKVCache.allocate(byteCount: 1 << 17)
-        defer { memory.deallocate() }
+        let memory = try AttentionKVCache.allocate(byteCount: 1 << 17)
+        defer { AttentionKVCache.deallocate(memory) }
         let base = memory.baseAddress!
         let kBytes = BufferRole.k.byteCount(for: p)
         func buffers(k: Int, v: Int, q: Int, out: Int) -> HostBuffers {
@@ -84,13 +84,15 @@ final class CacheRoleTests: XCTestCase {
                 "out must not overlap v (outputs are written while inputs are read)")
     }
 
-    func testAllocateGivesWholePages() {
+    func testAllocateGivesWholePages() throws {
         for count in [0, 1, AttentionKVCache.pageBytes, AttentionKVCache.pageBytes + 1] {
-            let memory = AttentionKVCache.allocate(byteCount: count)
-            defer { memory.deallocate() }
+            let memory = try AttentionKVCache.allocate(byteCount: count)
+            defer { AttentionKVCache.deallocate(memory) }
             XCTAssertEqual(Int(bitPattern: memory.baseAddress) % AttentionKVCache.pageBytes, 0)
             XCTAssertEqual(memory.count % AttentionKVCache.pageBytes, 0)
             XCTAssertGreaterThanOrEqual(memory.count, max(count, 1))
+            XCTAssertTrue(memory.allSatisfy { $0 == 0 }, "an anonymous mapping is zero-filled")
+            memory.storeBytes(of: 7, toByteOffset: memory.count - 1, as: UInt8.self)
         }
         XCTAssertGreaterThanOrEqual(AttentionKVCache.pageBytes, 1 << 14)
     }

@@ -162,8 +162,8 @@ final class MetalBackendTests: XCTestCase {
         let plan = DispatchPlan.forward(p)
         let page = AttentionKVCache.pageBytes
         XCTAssertNotEqual(BufferRole.k.byteCount(for: p) % page, 0)
-        let memory = AttentionKVCache.allocate(byteCount: 8 * page)
-        defer { memory.deallocate() }
+        let memory = try AttentionKVCache.allocate(byteCount: 8 * page)
+        defer { AttentionKVCache.deallocate(memory) }
         memory.initializeMemory(as: UInt8.self, repeating: 0)
         let base = memory.baseAddress!
         func wrapped(cacheAt offset: Int, copyInputs: Bool = false) throws
