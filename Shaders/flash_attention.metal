@@ -223,9 +223,11 @@ inline float exp_of(float x) {
 
 // ---- scores ----------------------------------------------------------------------------------
 
-// What shapes one lane's scores besides q . k: the ALiBi slope of its row's head, where its row of
-// attn_mask starts (flash_attention_params.h: FA_MASK_*) and the keys its row sees.
+// What shapes one lane's scores besides q . k: softmax_scale (read once, not per score), the ALiBi
+// slope of its row's head, where its row of attn_mask starts (flash_attention_params.h: FA_MASK_*)
+// and the keys its row sees.
 struct RowModifiers {
+    float scale;
     float slope;
     ulong mask_row;
     KeyRange keys;  // the keys the row sees through the window (visible_keys)
@@ -234,28 +236,52 @@ struct RowModifiers {
 inline RowModifiers row_modifiers(constant FlashAttentionParams &p, device const float *alibi,
                                   uint b, uint h, uint row) {
     RowModifiers m;
+    m.scale = p.softmax_scale;
     m.slope = alibi_on(p) ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
     m.mask_row = head_offset(p.mask, b, h) + ulong(row) * p.mask.seq;
     m.keys = visible_keys(p, row);
     return m;
 }
 
+// Whether `key` is one of `keys` (a row's window, visible_keys).
+inline bool in_window(KeyRange keys, uint key) {
+    return key >= keys.first && key < keys.end;
+}
+
+// The window test of a lane's keys key0 + c of one tile, c = 8j + e (a constant once unrolled): one
+// add and one unsigned compare per key, (key0 - first) + c < end - first, the same answer as
+// in_window; every key passes in a tile that needs no element mask (`checked` false).
+struct TileWindow {
+    uint base;
+    uint width;
+
+    inline bool visible(uint c) const { return base + c < width; }
+};
+
+inline TileWindow tile_window(KeyRange keys, uint key0, bool checked) {
+    TileWindow w;
+    w.base = checked ? key0 - keys.first : 0u;
+    w.width = !checked ? 0xffffffffu : (keys.end > keys.first ? keys.end - keys.first : 0u);
+    return w;
+}
+
 // The score of (row, key) from its raw product q . k: softcap(softmax_scale * raw),
 // minus slope * |row + seqlen_k - seqlen_q - key|, plus the additive mask; -inf where the pair is
-// hidden (outside the window when `checked`, which every tile that needs element masks sets, or by
-// a boolean mask). *t receives tanh(softmax_scale * raw / softcap) for the softcap backward.
+// hidden (not `visible` through the window, as the caller tests on every tile that needs element
+// masks, or by a boolean mask). *t receives tanh(softmax_scale * raw / softcap) for the softcap
+// backward.
 template <typename T>
 inline float score(constant FlashAttentionParams &p, device const uchar *mask, float raw,
-                    uint row, uint key, RowModifiers m, bool checked, thread float &t) {
+                    uint row, uint key, RowModifiers m, bool visible, thread float &t) {
     t = 0.0f;
-    if (checked && !(key >= m.keys.first && key < m.keys.end)) {
+    if (!visible) {
         return -INFINITY;
     }
     // (The mask's index is formed inside each mask branch: none of it on the path without a mask.)
     if (mask_type_of(p) == FA_MASK_BOOL && mask[m.mask_row + key] == 0) {
         return -INFINITY;
     }
-    float x = raw * p.softmax_scale;
+    float x = raw * m.scale;
     if (softcap_on(p)) {
         t = tanh(x / p.softcap);
         x = p.softcap * t;
@@ -365,6 +391,7 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     }
 
     // Online softmax; P replaces S in place.
+    const TileWindow window = tile_window(mods.keys, kv0 + at.col, masked);
     float tile_max = -INFINITY;
     FA_UNROLL
     for (uint j = 0; j < NK; ++j) {
@@ -372,7 +399,7 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
         for (uint e = 0; e < 2; ++e) {
             float t;
             const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
-                                      kv0 + j * 8 + at.col + e, mods, masked, t);
+                                      kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
             sc.f[j].thread_elements()[e] = x;
             tile_max = max(tile_max, x);
         }
@@ -470,8 +497,9 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     auto vs = kv.template values<BK, DP>(p, b, kv_head, key_begin, tid);
     RowState<ND> r;
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
+    const KeyRange unmasked = unmasked_keys(p, q0, BQ);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, !tile_unmasked(p, q0, BQ, kv0, BK),
+        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, !tile_unmasked(unmasked, kv0, BK),
                                  row, mods, s, at, sgid, tid);
     }
 
@@ -577,9 +605,9 @@ inline void attention_forward_split(device const T *q, KV kv, device const uchar
     // The sink joins once, in the combine.
     RowState<ND> r;
     start_rows(r, false, 0.0f, at);
+    const KeyRange unmasked = unmasked_keys(p, rows.i_min, rows.i_max - rows.i_min + 1);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        const bool masked = !rows.full || !tile_unmasked(p, rows.i_min, rows.i_max - rows.i_min + 1,
-                                                         kv0, BK);
+        const bool masked = !rows.full || !tile_unmasked(unmasked, kv0, BK);
         forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, masked, row, mods, s, at, sgid, tid);
     }
 
@@ -758,10 +786,11 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
                                                           p.head_dim, tid);
         RowState<ND> r;
         start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
+        const KeyRange unmasked = unmasked_keys(p, q0, BQ);
         for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
             // (ks stands in for the V stream, which is not read.)
             forward_tile<DP, BQ, BK, ND, false>(r, tg, ks, ks, mask, p, kv0,
-                                                !tile_unmasked(p, q0, BQ, kv0, BK), row, mods, s,
+                                                !tile_unmasked(unmasked, kv0, BK), row, mods, s,
                                                 at, sgid, tid);
         }
         const float l = row_sum(r.l);
@@ -863,6 +892,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 
     Fragments<ND> dq_acc;
     clear(dq_acc);
+    const KeyRange unmasked = unmasked_keys(p, q0, BQ);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
         // V is read only transposed: paired rows where the bucket allows (PairedRows).
@@ -889,14 +919,15 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
         // dS = P (dP - D) (through the softcap), in place of S.
-        const bool masked = !tile_unmasked(p, q0, BQ, kv0, BK);
+        const TileWindow window =
+            tile_window(mods.keys, kv0 + at.col, !tile_unmasked(unmasked, kv0, BK));
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
             FA_UNROLL
             for (uint e = 0; e < 2; ++e) {
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
-                                          kv0 + j * 8 + at.col + e, mods, masked, t);
+                                          kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
                 const float pe = probability(x, row_lse, row_residual);
                 sc.f[j].thread_elements()[e] =
                     through_softcap(p, pe * (dp.f[j].thread_elements()[e] - row_delta), t);
@@ -1019,7 +1050,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                     mods.keys = visible_keys(p, q0 + i);
                     float t;
                     const float x = score<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
-                                              mods, masked, t);
+                                              mods, !masked || in_window(mods.keys, key), t);
                     const float pe = probability(x, tg->lse[i], tg->residual[i]);
                     st.f[j].thread_elements()[e] = pe;
                     dpt.f[j].thread_elements()[e] =

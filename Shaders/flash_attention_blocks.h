@@ -70,14 +70,29 @@ inline KeyRange visible_keys(constant FlashAttentionParams &p, uint row) {
 // Whether every pair of rows [row0, row0 + rows) x keys [key0, key0 + keys) exists, lies in the
 // window and is not subject to a boolean mask: then the tile needs no element mask. The same for
 // every thread of a threadgroup.
+// unmasked_keys gives, once per row block, the keys [first, end) whose tiles need none; a tile then
+// needs none when it lies inside them (tile_unmasked).
+inline KeyRange unmasked_keys(constant FlashAttentionParams &p, uint row0, uint rows) {
+    KeyRange r;
+    r.first = 0;
+    r.end = 0;
+    if (mask_type_of(p) == FA_MASK_BOOL || ulong(row0) + rows > p.seqlen_q) {
+        return r;
+    }
+    // The first row has the smallest key range end, the last row the largest range start (both
+    // clamped to seqlen_k).
+    r.first = key_range(p, row0 + rows - 1).first;
+    r.end = key_range(p, row0).end;
+    return r;
+}
+
+inline bool tile_unmasked(KeyRange unmasked, uint key0, uint keys) {
+    return key0 >= unmasked.first && key0 + keys <= unmasked.end;
+}
+
 inline bool tile_unmasked(constant FlashAttentionParams &p, uint row0, uint rows, uint key0,
                           uint keys) {
-    if (mask_type_of(p) == FA_MASK_BOOL || ulong(row0) + rows > p.seqlen_q ||
-        ulong(key0) + keys > p.seqlen_k) {
-        return false;
-    }
-    // The first row has the smallest key range end, the last row the largest range start.
-    return key0 >= key_range(p, row0 + rows - 1).first && key0 + keys <= key_range(p, row0).end;
+    return tile_unmasked(unmasked_keys(p, row0, rows), key0, keys);
 }
 
 // Fragments of 8 columns of a head_dim slice [col0, col0 + 8 * n) that hold columns below

@@ -276,7 +276,7 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
         for (uint r = 0; r < R; ++r) {
             if (r < live) {  // the same for the whole SIMD-group
                 float t;
-                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], true, t);
+                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], in_window(mods[r].keys, j), t);
                 const float m_next = max(m[r], s);
                 // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0.
                 const float m_base = m_next == -INFINITY ? 0.0f : m_next;

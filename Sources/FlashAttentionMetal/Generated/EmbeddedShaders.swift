@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "31a32fb010187d2e"
+    static let sourceHash = "6757dfbd39c25ff0"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -1066,14 +1066,29 @@ inline KeyRange visible_keys(constant FlashAttentionParams &p, uint row) {
 // Whether every pair of rows [row0, row0 + rows) x keys [key0, key0 + keys) exists, lies in the
 // window and is not subject to a boolean mask: then the tile needs no element mask. The same for
 // every thread of a threadgroup.
+// unmasked_keys gives, once per row block, the keys [first, end) whose tiles need none; a tile then
+// needs none when it lies inside them (tile_unmasked).
+inline KeyRange unmasked_keys(constant FlashAttentionParams &p, uint row0, uint rows) {
+    KeyRange r;
+    r.first = 0;
+    r.end = 0;
+    if (mask_type_of(p) == FA_MASK_BOOL || ulong(row0) + rows > p.seqlen_q) {
+        return r;
+    }
+    // The first row has the smallest key range end, the last row the largest range start (both
+    // clamped to seqlen_k).
+    r.first = key_range(p, row0 + rows - 1).first;
+    r.end = key_range(p, row0).end;
+    return r;
+}
+
+inline bool tile_unmasked(KeyRange unmasked, uint key0, uint keys) {
+    return key0 >= unmasked.first && key0 + keys <= unmasked.end;
+}
+
 inline bool tile_unmasked(constant FlashAttentionParams &p, uint row0, uint rows, uint key0,
                           uint keys) {
-    if (mask_type_of(p) == FA_MASK_BOOL || ulong(row0) + rows > p.seqlen_q ||
-        ulong(key0) + keys > p.seqlen_k) {
-        return false;
-    }
-    // The first row has the smallest key range end, the last row the largest range start.
-    return key0 >= key_range(p, row0 + rows - 1).first && key0 + keys <= key_range(p, row0).end;
+    return tile_unmasked(unmasked_keys(p, row0, rows), key0, keys);
 }
 
 // Fragments of 8 columns of a head_dim slice [col0, col0 + 8 * n) that hold columns below
@@ -1449,9 +1464,11 @@ inline float exp_of(float x) {
 
 // ---- scores ----------------------------------------------------------------------------------
 
-// What shapes one lane's scores besides q . k: the ALiBi slope of its row's head, where its row of
-// attn_mask starts (flash_attention_params.h: FA_MASK_*) and the keys its row sees.
+// What shapes one lane's scores besides q . k: softmax_scale (read once, not per score), the ALiBi
+// slope of its row's head, where its row of attn_mask starts (flash_attention_params.h: FA_MASK_*)
+// and the keys its row sees.
 struct RowModifiers {
+    float scale;
     float slope;
     ulong mask_row;
     KeyRange keys;  // the keys the row sees through the window (visible_keys)
@@ -1460,28 +1477,52 @@ struct RowModifiers {
 inline RowModifiers row_modifiers(constant FlashAttentionParams &p, device const float *alibi,
                                   uint b, uint h, uint row) {
     RowModifiers m;
+    m.scale = p.softmax_scale;
     m.slope = alibi_on(p) ? alibi[ulong(b) * p.alibi_batch_stride + h] : 0.0f;
     m.mask_row = head_offset(p.mask, b, h) + ulong(row) * p.mask.seq;
     m.keys = visible_keys(p, row);
     return m;
 }
 
+// Whether `key` is one of `keys` (a row's window, visible_keys).
+inline bool in_window(KeyRange keys, uint key) {
+    return key >= keys.first && key < keys.end;
+}
+
+// The window test of a lane's keys key0 + c of one tile, c = 8j + e (a constant once unrolled): one
+// add and one unsigned compare per key, (key0 - first) + c < end - first, the same answer as
+// in_window; every key passes in a tile that needs no element mask (`checked` false).
+struct TileWindow {
+    uint base;
+    uint width;
+
+    inline bool visible(uint c) const { return base + c < width; }
+};
+
+inline TileWindow tile_window(KeyRange keys, uint key0, bool checked) {
+    TileWindow w;
+    w.base = checked ? key0 - keys.first : 0u;
+    w.width = !checked ? 0xffffffffu : (keys.end > keys.first ? keys.end - keys.first : 0u);
+    return w;
+}
+
 // The score of (row, key) from its raw product q . k: softcap(softmax_scale * raw),
 // minus slope * |row + seqlen_k - seqlen_q - key|, plus the additive mask; -inf where the pair is
-// hidden (outside the window when `checked`, which every tile that needs element masks sets, or by
-// a boolean mask). *t receives tanh(softmax_scale * raw / softcap) for the softcap backward.
+// hidden (not `visible` through the window, as the caller tests on every tile that needs element
+// masks, or by a boolean mask). *t receives tanh(softmax_scale * raw / softcap) for the softcap
+// backward.
 template <typename T>
 inline float score(constant FlashAttentionParams &p, device const uchar *mask, float raw,
-                    uint row, uint key, RowModifiers m, bool checked, thread float &t) {
+                    uint row, uint key, RowModifiers m, bool visible, thread float &t) {
     t = 0.0f;
-    if (checked && !(key >= m.keys.first && key < m.keys.end)) {
+    if (!visible) {
         return -INFINITY;
     }
     // (The mask's index is formed inside each mask branch: none of it on the path without a mask.)
     if (mask_type_of(p) == FA_MASK_BOOL && mask[m.mask_row + key] == 0) {
         return -INFINITY;
     }
-    float x = raw * p.softmax_scale;
+    float x = raw * m.scale;
     if (softcap_on(p)) {
         t = tanh(x / p.softcap);
         x = p.softcap * t;
@@ -1591,6 +1632,7 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     }
 
     // Online softmax; P replaces S in place.
+    const TileWindow window = tile_window(mods.keys, kv0 + at.col, masked);
     float tile_max = -INFINITY;
     FA_UNROLL
     for (uint j = 0; j < NK; ++j) {
@@ -1598,7 +1640,7 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
         for (uint e = 0; e < 2; ++e) {
             float t;
             const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
-                                      kv0 + j * 8 + at.col + e, mods, masked, t);
+                                      kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
             sc.f[j].thread_elements()[e] = x;
             tile_max = max(tile_max, x);
         }
@@ -1696,8 +1738,9 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     auto vs = kv.template values<BK, DP>(p, b, kv_head, key_begin, tid);
     RowState<ND> r;
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
+    const KeyRange unmasked = unmasked_keys(p, q0, BQ);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, !tile_unmasked(p, q0, BQ, kv0, BK),
+        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, !tile_unmasked(unmasked, kv0, BK),
                                  row, mods, s, at, sgid, tid);
     }
 
@@ -1803,9 +1846,9 @@ inline void attention_forward_split(device const T *q, KV kv, device const uchar
     // The sink joins once, in the combine.
     RowState<ND> r;
     start_rows(r, false, 0.0f, at);
+    const KeyRange unmasked = unmasked_keys(p, rows.i_min, rows.i_max - rows.i_min + 1);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        const bool masked = !rows.full || !tile_unmasked(p, rows.i_min, rows.i_max - rows.i_min + 1,
-                                                         kv0, BK);
+        const bool masked = !rows.full || !tile_unmasked(unmasked, kv0, BK);
         forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, masked, row, mods, s, at, sgid, tid);
     }
 
@@ -2099,7 +2142,7 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
         for (uint r = 0; r < R; ++r) {
             if (r < live) {  // the same for the whole SIMD-group
                 float t;
-                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], true, t);
+                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], in_window(mods[r].keys, j), t);
                 const float m_next = max(m[r], s);
                 // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0.
                 const float m_base = m_next == -INFINITY ? 0.0f : m_next;
@@ -2317,10 +2360,11 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
                                                           p.head_dim, tid);
         RowState<ND> r;
         start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
+        const KeyRange unmasked = unmasked_keys(p, q0, BQ);
         for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
             // (ks stands in for the V stream, which is not read.)
             forward_tile<DP, BQ, BK, ND, false>(r, tg, ks, ks, mask, p, kv0,
-                                                !tile_unmasked(p, q0, BQ, kv0, BK), row, mods, s,
+                                                !tile_unmasked(unmasked, kv0, BK), row, mods, s,
                                                 at, sgid, tid);
         }
         const float l = row_sum(r.l);
@@ -2422,6 +2466,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
 
     Fragments<ND> dq_acc;
     clear(dq_acc);
+    const KeyRange unmasked = unmasked_keys(p, q0, BQ);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
         // V is read only transposed: paired rows where the bucket allows (PairedRows).
@@ -2448,14 +2493,15 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
         // dS = P (dP - D) (through the softcap), in place of S.
-        const bool masked = !tile_unmasked(p, q0, BQ, kv0, BK);
+        const TileWindow window =
+            tile_window(mods.keys, kv0 + at.col, !tile_unmasked(unmasked, kv0, BK));
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
             FA_UNROLL
             for (uint e = 0; e < 2; ++e) {
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
-                                          kv0 + j * 8 + at.col + e, mods, masked, t);
+                                          kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
                 const float pe = probability(x, row_lse, row_residual);
                 sc.f[j].thread_elements()[e] =
                     through_softcap(p, pe * (dp.f[j].thread_elements()[e] - row_delta), t);
@@ -2578,7 +2624,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                     mods.keys = visible_keys(p, q0 + i);
                     float t;
                     const float x = score<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
-                                              mods, masked, t);
+                                              mods, !masked || in_window(mods.keys, key), t);
                     const float pe = probability(x, tg->lse[i], tg->residual[i]);
                     st.f[j].thread_elements()[e] = pe;
                     dpt.f[j].thread_elements()[e] =
