@@ -248,7 +248,7 @@ def test_empty_cache_is_page_aligned():
         owner = cache
         while isinstance(owner.base, np.ndarray):
             owner = owner.base
-        assert isinstance(owner.base, mmap.mmap) and not cache.any()
+        assert isinstance(memoryview(owner.base).obj, mmap.mmap) and not cache.any()
         end = cache.ctypes.data + max(-(-cache.nbytes // page), 1) * page
         assert owner.ctypes.data <= cache.ctypes.data and end <= owner.ctypes.data + owner.nbytes
     with pytest.raises(ValueError, match="alignment must be a positive power of two"):
