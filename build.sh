@@ -203,7 +203,8 @@ run_tests() {
             bash tests/run_sanitized.sh > "$sanitized_log" 2>&1 &
         fi
         sanitized=$!
-        trap 'kill -- "-$sanitized" 2>/dev/null || kill "$sanitized" 2>/dev/null || true' EXIT
+        # The PID baked in now: the local is out of scope when the trap runs at exit.
+        trap "kill -- -$sanitized 2>/dev/null || kill $sanitized 2>/dev/null || true" EXIT
     else
         warn "tests/run_sanitized.sh is missing: skipping the sanitized run"
     fi
