@@ -18,8 +18,9 @@ fixed (``FixedCacheKV``: bits and paging as constants, so the loop holds only th
     8-bit, 4-bit         MLX's affine format, group_size 64, contiguous
 
 Bytes per key: K and V rows (head_dim elements of 2 bytes, or bits / 8 bytes plus a 2-byte scale
-and bias per group of 64). Keys per iteration: the keys one iteration of the loop consumes
-(``FA_DECODE_KEYS`` when the header defines it, else 1).
+and bias per group of 64). Keys per iteration: the keys one iteration of the loop consumes,
+``FA_DECODE_KEYS(ROWS, E)`` of the instance that serves g rows (1, 2, 4 or FA_DECODE_ROWS) when
+the header defines it, else 1.
 
     python benchmarks/decode_cost.py                     # head_dim 64, 128, 256; g 1 2 3 4 8
     python benchmarks/decode_cost.py --head-dims 128 --live 1 8 --json out.json
@@ -58,8 +59,8 @@ struct FixedCacheKV {
 
 template <typename T, uint BITS, bool PAGED>
 inline CacheDecodeRows<T> decode_rows(FixedCacheKV<T, BITS, PAGED> f, constant FlashAttentionParams &p,
-                                      uint b, uint kv_head, uint first, uint col0) {
-    CacheDecodeRows<T> r = decode_rows(f.kv, p, b, kv_head, first, col0);
+                                      uint b, uint kv_head, uint first, uint col0, uint step) {
+    CacheDecodeRows<T> r = decode_rows(f.kv, p, b, kv_head, first, col0, step);
     r.k.bits = BITS;
     r.v.bits = BITS;
     r.k.page_rows = PAGED ? max(p.kv_page_rows, 1u) : 0u;
@@ -113,13 +114,24 @@ def decode_rows_limit(dp: int) -> int:
     return int(rule.group(2)) if dp <= int(rule.group(1)) else int(rule.group(3))
 
 
-def build_source(work: pathlib.Path, live: int, head_dims: list[int]) -> tuple[pathlib.Path, int]:
-    """Writes the measurement source for `live` rows into `work`; returns it and keys per iteration."""
+def keys_per_iteration(dp: int, live: int) -> int:
+    """FA_DECODE_KEYS(ROWS, E) of the instance serving `live` rows (half: E elements per lane)."""
+    params = (SHADERS / "flash_attention_params.h").read_text()
+    rule = re.search(r"#define FA_DECODE_KEYS\(ROWS, E\) \(\(ROWS\) \* \(E\) >= (\d+) \? (\d+) : (\d+)\)", params)
+    if not rule:
+        return 1
+    rows = next(r for r in (1, 2, 4, decode_rows_limit(dp)) if live <= r)
+    span = (dp + 31) // 32
+    e = max(2, 1 << (span - 1).bit_length())
+    return int(rule.group(2)) if rows * e >= int(rule.group(1)) else int(rule.group(3))
+
+
+def build_source(work: pathlib.Path, live: int, head_dims: list[int]) -> pathlib.Path:
+    """Writes the measurement source for `live` rows into `work`."""
     decode = (SHADERS / "flash_attention_decode.h").read_text()
     fixed, n = re.subn(r"const uint live = [^;]*;", f"const uint live = {live};", decode)
     if n != 1:
         sys.exit(f"decode_cost: expected one `const uint live = ...;` in flash_attention_decode.h, found {n}")
-    keys = re.search(r"#define FA_DECODE_KEYS (\d+)", decode + (SHADERS / "flash_attention_params.h").read_text())
     (work / "flash_attention_decode.h").write_text(fixed)
     metal = (SHADERS / "flash_attention.metal").read_text()
     cut = metal.index("#define FA_DEFINE_F16")
@@ -128,7 +140,7 @@ def build_source(work: pathlib.Path, live: int, head_dims: list[int]) -> tuple[p
     # Every function inlined, as Apple's compiler does, so a fixed layout folds inside the loads too.
     inline = "#pragma clang attribute push (__attribute__((always_inline)), apply_to = function)\n"
     path.write_text(PRELUDE + inline + metal[:cut] + FIXED_CACHE + "#pragma clang attribute pop\n" + kernels)
-    return path, int(keys.group(1)) if keys else 1
+    return path
 
 
 def main() -> int:
@@ -152,7 +164,7 @@ def main() -> int:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             work = pathlib.Path(tmp)
-            source, keys = build_source(work, live, dims)
+            source = build_source(work, live, dims)
             compile_args = types.SimpleNamespace(
                 source=str(source), stdlib=str(ROOT / "tools" / "clcpp"), include=[str(SHADERS)], define=[],
                 clang=None, no_debug_lines=False)
@@ -164,6 +176,7 @@ def main() -> int:
                 region = loop["body"] - an.feature_blocks(fn)[0]
                 weights, _ = an.weights(fn, region, loop["header"])
                 counts = issue_cost.region_counts(an, fn, region, weights, True)
+                keys = keys_per_iteration(dp, live)
                 per_key = issue_cost.cycles(counts) / keys
                 rate = SCHEDULERS * bytes_per_key(kind, dp) / per_key
                 share = min(1.0, rate / DRAM_BYTES_PER_CYCLE)
