@@ -6,18 +6,21 @@
 // threadgroup serves the packed rows of a whole GQA group (as the split-KV forward packs them:
 // index g * seqlen_q + i), so each K/V element is read once per chunk of keys and block of rows.
 //
-//   threadgroup (chunk x row block, KV head, batch), FA_SIMDGROUPS SIMD-groups:
-//     each lane loads its slice of the block's q rows (as float)
-//     for each key j of the chunk that some row sees, SIMD-group j % FA_SIMDGROUPS:
-//       load the lane's K and V slices of key j (a KV cache's: paged, dequantized in registers)
-//       per row: s = score(simd_sum(q . k)) (four rows per reduction); online softmax of
-//       (m, l, o) in registers
+//   threadgroup (chunk x row block, KV head, batch), FA_SIMDGROUPS SIMD-groups; the block's live
+//   rows take the instance of RI = 1, 2, 4 or FA_DECODE_ROWS(DP) rows that holds them:
+//     each lane loads its slice of the RI q rows (as float)
+//     per iteration, SIMD-group s takes N = FA_DECODE_KEYS(RI, E) keys (slot n: s + 4n + 4N i):
+//       load the lane's K and V slices of the N keys (a KV cache's: paged, dequantized in registers)
+//       N x RI partial dot products, reduce-scattered over the lanes (reduce_scatter): each lane
+//       ends with one (key, row) product, scores it and runs that row's online softmax over the N
+//       keys (m, l in the lanes that hold the row); every lane rescales its output slices once and
+//       adds each key's V slice with the weight broadcast from the lane that holds it
 //     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
 //     SIMD-group order; the chunk's normalised output and lse go to partial_out / partial_lse,
 //     which forward_combine (flash_attention.metal) merges over the chunks with the sink.
 //
-// Sums run in a fixed order (lanes by simd_sum, keys in order per SIMD-group, SIMD-groups 0..3,
-// chunks 0..n): results are bit-identical from run to run.
+// Sums run in a fixed order (lanes by a fixed exchange pattern, keys in order per slot, slots in
+// order, SIMD-groups 0..3, chunks 0..n): results are bit-identical from run to run.
 
 // How one lane holds a row of a bucket DP wide: E elements of T, the smallest power of two that
 // covers DP / 32 and fills at least one 32-bit word; LANES lanes hold columns (the others hold

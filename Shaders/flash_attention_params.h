@@ -264,8 +264,8 @@ typedef struct FlashAttentionParams {
 // The GPU core count plans assume without the FLASH_ATTENTION_GPU_CORES override: 10, the GPU of
 // the base M1-M4 chips (Apple's tech specs), so the CPU engine plans as for that GPU.
 #define FA_NOMINAL_GPU_CORES 10
-// The decode forward (flash_attention_decode.h): each threadgroup takes FA_DECODE_ROWS(DP) packed
-// rows, whose q and output slices every lane keeps in registers (FA_DECODE_ROWS(DP) x DP / 32
+// The decode forward (flash_attention_decode.h): each threadgroup takes up to FA_DECODE_ROWS(DP)
+// packed rows, whose q and output slices every lane keeps in registers (FA_DECODE_ROWS(DP) x DP / 32
 // floats of each, 32 at most: both within FA_MAX_ACCUMULATOR_FLOATS, asserted at the kernel), and
 // stores FA_SIMDGROUPS such states in threadgroup memory once, at the end
 // (FA_DECODE_THREADGROUP_BYTES). It serves a split problem whose packed rows per KV head
