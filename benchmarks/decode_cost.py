@@ -32,6 +32,7 @@ import argparse
 import json
 import pathlib
 import re
+import shutil
 import sys
 import tempfile
 import types
@@ -43,6 +44,7 @@ SCHEDULERS = 4
 GROUP_SIZE = 64
 
 PRELUDE = """#include <metal_stdlib>
+using namespace metal;
 #define FA_FUNCTION_CONSTANTS_PREDEFINED 1
 constant uint fa_mask_type = 0;
 constant bool fa_has_softcap = false;
@@ -87,10 +89,19 @@ def kernel_source(kind: str, dp: int) -> str:
     return f"""
 [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
 kernel void {kernel_name(kind, dp)}(
-    FA_FORWARD_KERNEL_BUFFERS(half),
+    device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],
+    device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],
+    device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],
+    constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
+    device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
+    device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
     device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],
     device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],
-    FA_KV_CACHE_KERNEL_BUFFERS(half),
+    device const int *kv_table [[buffer(FA_KV_CACHE_BUFFER_TABLE)]],
+    device const half *k_scales [[buffer(FA_KV_CACHE_BUFFER_K_SCALES)]],
+    device const half *k_biases [[buffer(FA_KV_CACHE_BUFFER_K_BIASES)]],
+    device const half *v_scales [[buffer(FA_KV_CACHE_BUFFER_V_SCALES)]],
+    device const half *v_biases [[buffer(FA_KV_CACHE_BUFFER_V_BIASES)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint sgid [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {{
@@ -127,19 +138,21 @@ def keys_per_iteration(dp: int, live: int) -> int:
 
 
 def build_source(work: pathlib.Path, live: int, head_dims: list[int]) -> pathlib.Path:
-    """Writes the measurement source for `live` rows into `work`."""
-    decode = (SHADERS / "flash_attention_decode.h").read_text()
+    """Writes the measurement source for `live` rows into `work` (with a copy of Shaders/ whose
+    decode header has the live rows fixed)."""
+    shaders = work / "Shaders"
+    shutil.copytree(SHADERS, shaders)
+    decode = (shaders / "flash_attention_decode.h").read_text()
     fixed, n = re.subn(r"const uint live = [^;]*;", f"const uint live = {live};", decode)
     if n != 1:
         sys.exit(f"decode_cost: expected one `const uint live = ...;` in flash_attention_decode.h, found {n}")
-    (work / "flash_attention_decode.h").write_text(fixed)
-    metal = (SHADERS / "flash_attention.metal").read_text()
-    cut = metal.index("#define FA_DEFINE_F16")
+    (shaders / "flash_attention_decode.h").write_text(fixed)
     kernels = "".join(kernel_source(kind, dp) for dp in head_dims for kind in KINDS)
-    path = work / "flash_attention.metal"
+    path = shaders / "decode_cost.metal"
     # Every function inlined, as Apple's compiler does, so a fixed layout folds inside the loads too.
     inline = "#pragma clang attribute push (__attribute__((always_inline)), apply_to = function)\n"
-    path.write_text(PRELUDE + inline + metal[:cut] + FIXED_CACHE + "#pragma clang attribute pop\n" + kernels)
+    path.write_text(PRELUDE + inline + '#include "flash_attention_kernels.h"\n' + FIXED_CACHE +
+                    "#pragma clang attribute pop\n" + kernels)
     return path
 
 
@@ -166,7 +179,7 @@ def main() -> int:
             work = pathlib.Path(tmp)
             source = build_source(work, live, dims)
             compile_args = types.SimpleNamespace(
-                source=str(source), stdlib=str(ROOT / "tools" / "clcpp"), include=[str(SHADERS)], define=[],
+                source=str(source), stdlib=str(ROOT / "tools" / "clcpp"), include=[], define=[],
                 clang=None, no_debug_lines=False)
             an = ir_mix.Analyzer(ir_mix.compile_ir(compile_args))
         for dp in dims:
