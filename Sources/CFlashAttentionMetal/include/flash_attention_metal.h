@@ -363,7 +363,8 @@ typedef struct fa_dispatch_profile {
     /* Added after 0.3.0 (a struct_size up to the end of specialization is still accepted, this left
      * alone): bytes the dispatch read from the buffer bound at [[buffer(i)]], i <
      * FA_PROFILE_COUNTED_BUFFERS, through the kernels' tile copies and decode slice loads (q, k,
-     * v, out, dout). CPU engine; UINT64_MAX on Metal. */
+     * v, out, dout). CPU engine with FLASH_ATTENTION_COUNT_DEVICE_READS=1 in the environment at
+     * the call (counting slows the engine); UINT64_MAX otherwise and on Metal. */
     uint64_t device_bytes_read[FA_PROFILE_COUNTED_BUFFERS];
 } fa_dispatch_profile;
 
