@@ -154,11 +154,15 @@ def _instructions(path: str) -> int:
 
 
 def _count_instructions(build, workload: str, workers: int) -> int:
+    name, library, python = build
     with tempfile.TemporaryDirectory() as scratch:
+        # Valgrind 3.19 gives up on the DWARF 5 of a Swift-built library: count a stripped copy.
+        stripped = f"{scratch}/{Path(library).name}"
+        subprocess.run(["strip", "--strip-debug", "-o", stripped, library], check=True)
         counts = []
         for calls in (1, 2):
             out = f"{scratch}/callgrind.{calls}"
-            _run_child(build, None, [workload], calls, 0, workers, out)
+            _run_child((name, stripped, python), None, [workload], calls, 0, workers, out)
             counts.append(_instructions(out))
     return counts[1] - counts[0]
 

@@ -1,11 +1,14 @@
 // The threadgroup scheduler (see msl_threadgroup.hpp) and the runtime entry points that
 // <metal_stdlib> calls from kernel code (msl_runtime.hpp).
 //
-// Scheduling: runnable threads run in index order until they block (barrier or SIMD collective)
+// Scheduling: runnable threads run in queue order until they block (barrier or SIMD collective)
 // or return. A blocking or returning lane does the bookkeeping itself and switches straight to
 // the next runnable lane (one switch, no round trip through the scheduler, whose context is
 // entered only to start and when nothing can run); the last lane to reach a collective runs it
-// for its SIMD-group. A barrier releases when all threads of the threadgroup wait at the same call site;
+// for its SIMD-group. The queue starts in thread index order; a barrier's release appends every
+// thread in index order; a completed collective puts its SIMD-group's lanes first, in lane order,
+// so one SIMD-group runs from collective to collective while its lanes' stacks are in cache (MSL
+// orders nothing between SIMD-groups short of a barrier). A barrier releases when all threads of the threadgroup wait at the same call site;
 // a collective completes when all active lanes of the SIMD-group wait at the same call site.
 // Every divergence the MSL rules forbid is reported as soon as it is certain: a thread reaching a
 // barrier at another site than the threads already waiting, a thread returning while others wait
@@ -33,12 +36,11 @@ struct lane {
     uint32_t group = 0;
     uint32_t lane_id = 0;
     threadgroup_runner *runner = nullptr;
-    // Where the lane waits, and its part of the collective.
+    // Where the lane waits (its part of a collective goes straight into its SIMD-group's slots).
     const char *operation = nullptr;
     const char *file = nullptr;
     unsigned line = 0;
     simd_combine_fn combine = nullptr;
-    simd_slot slot{};
 };
 
 } // namespace msl_engine
@@ -111,7 +113,7 @@ void threadgroup_runner::lane_main(void *arg) {
     fiber_exit(l->context, next != nullptr ? next->context : runner->scheduler_);
 }
 
-lane *threadgroup_runner::next_ready() {
+__attribute__((always_inline)) inline lane *threadgroup_runner::next_ready() {
     if (status_ != MSL_ENGINE_SUCCESS || ready_count_ == 0) return nullptr;
     if (cancellation_ != nullptr && --until_poll_ == 0) {
         until_poll_ = kCancelPollSwitches;
@@ -128,7 +130,7 @@ lane *threadgroup_runner::next_ready() {
     return next;
 }
 
-void threadgroup_runner::switch_from(lane &l) {
+__attribute__((always_inline)) inline void threadgroup_runner::switch_from(lane &l) {
     lane *next = next_ready();
     if (next == &l) return; // it completed a collective and runs on
     current_lane = next;
@@ -142,12 +144,13 @@ void threadgroup_runner::switch_from(lane &l) {
     // Resumed by another lane or the scheduler, which set current_lane to this lane.
 }
 
-void threadgroup_runner::suspend(lane &l) {
-    if (l.state == lane_state::at_simd) {
-        on_simd(l);
-    } else {
-        on_barrier(l);
-    }
+void threadgroup_runner::suspend_at_barrier(lane &l) {
+    on_barrier(l);
+    switch_from(l);
+}
+
+void threadgroup_runner::suspend_at_collective(lane &l, const void *in, void *out, uint32_t arg) {
+    on_simd(l, in, out, arg);
     switch_from(l);
 }
 
@@ -347,7 +350,8 @@ void threadgroup_runner::on_barrier(lane &l) {
     }
 }
 
-void threadgroup_runner::on_simd(lane &l) {
+__attribute__((always_inline)) inline void threadgroup_runner::on_simd(lane &l, const void *in, void *out,
+                                                                     uint32_t arg) {
     simd_group &g = groups_[l.group];
     if (g.arrived == 0) {
         g.operation = l.operation;
@@ -357,18 +361,27 @@ void threadgroup_runner::on_simd(lane &l) {
         g.counted = l.operation == runtime::matrix_multiply_accumulate_operation ||
                     strcmp(l.operation, runtime::matrix_multiply_accumulate_operation) == 0;
     } else if (g.combine != l.combine || !same_site(g.file, g.line, l.file, l.line)) {
-        fail(MSL_ENGINE_SIMDGROUP_DIVERGENCE,
-             format("SIMD-group %u: lanes %s wait at %s at %s, but lane %u calls %s; every active "
-                    "lane must reach the same SIMD-group function",
-                    l.group,
-                    index_ranges(32, [&](uint32_t i) { return ((g.arrived >> i) & 1u) != 0; }).c_str(),
-                    g.operation, source_location(g.file, g.line).c_str(), l.lane_id,
-                    describe_wait(l).c_str()));
+        simd_mismatch(l, g);
         return;
     }
-    g.slots[l.lane_id] = l.slot;
+    // Field by field: a copy of a whole slot would read its padding, which no store wrote, and
+    // stall the load on the fields just stored.
+    simd_slot &slot = g.slots[l.lane_id];
+    slot.in = in;
+    slot.out = out;
+    slot.arg = arg;
     g.arrived |= 1u << l.lane_id;
     if (g.arrived == g.active) complete(g);
+}
+
+void threadgroup_runner::simd_mismatch(const lane &l, const simd_group &g) {
+    fail(MSL_ENGINE_SIMDGROUP_DIVERGENCE,
+         format("SIMD-group %u: lanes %s wait at %s at %s, but lane %u calls %s; every active "
+                "lane must reach the same SIMD-group function",
+                l.group,
+                index_ranges(32, [&](uint32_t i) { return ((g.arrived >> i) & 1u) != 0; }).c_str(),
+                g.operation, source_location(g.file, g.line).c_str(), l.lane_id,
+                describe_wait(l).c_str()));
 }
 
 void threadgroup_runner::complete(simd_group &g) {
@@ -383,8 +396,14 @@ void threadgroup_runner::complete(simd_group &g) {
     if (g.counted) ++matrix_multiplies_;
     const uint32_t arrived = g.arrived;
     g.arrived = 0;
-    for (uint32_t i = 0; i < 32; ++i) {
-        if ((arrived >> i) & 1u) make_ready(g.first_thread + i);
+    // First in the queue, lowest lane first.
+    for (uint32_t i = 32; i-- > 0;) {
+        if ((arrived >> i) & 1u) {
+            lanes_[g.first_thread + i].state = lane_state::ready;
+            ready_head_ = (ready_head_ - 1) & ready_mask_;
+            ready_[ready_head_] = g.first_thread + i;
+            ++ready_count_;
+        }
     }
 }
 
@@ -434,7 +453,7 @@ void threadgroup_barrier(const char *file, unsigned line) {
     l->operation = "threadgroup_barrier";
     l->file = file;
     l->line = line;
-    l->runner->suspend(*l);
+    l->runner->suspend_at_barrier(*l);
 }
 
 void simd_collective(const char *operation, simd_combine_fn combine, const void *in, void *out,
@@ -452,8 +471,7 @@ void simd_collective(const char *operation, simd_combine_fn combine, const void 
     l->file = file;
     l->line = line;
     l->combine = combine;
-    l->slot = simd_slot{in, out, arg};
-    l->runner->suspend(*l);
+    l->runner->suspend_at_collective(*l, in, out, arg);
 }
 
 void device_read(const void *address, size_t bytes) {

@@ -69,10 +69,12 @@ class __attribute__((visibility("hidden"))) threadgroup_runner {
     /// Counts a read of `bytes` at `address` against the running threadgroup's buffer holding it.
     void count_read(const void *address, size_t bytes);
 
-    /// Called by lane `l` (running) once it has recorded where it waits (state at_barrier or
-    /// at_simd): does the bookkeeping and continues the next runnable lane directly, or the
-    /// scheduler when none can run; returns when `l` is resumed.
-    void suspend(lane &l);
+    /// Called by lane `l` (running) once it has recorded where it waits (state at_barrier, or
+    /// at_simd with its part of the collective: input, output, argument): does the bookkeeping and continues the
+    /// next runnable lane directly, or the scheduler when none can run; returns when `l` is
+    /// resumed (the collective done).
+    void suspend_at_barrier(lane &l);
+    void suspend_at_collective(lane &l, const void *in, void *out, uint32_t arg);
 
   private:
     struct simd_group {
@@ -96,7 +98,8 @@ class __attribute__((visibility("hidden"))) threadgroup_runner {
     void switch_from(lane &l);
     void on_return(lane &l);
     void on_barrier(lane &l);
-    void on_simd(lane &l);
+    void on_simd(lane &l, const void *in, void *out, uint32_t arg);
+    [[gnu::cold, gnu::noinline]] void simd_mismatch(const lane &l, const simd_group &g);
     void complete(simd_group &g);
     void diagnose_stall();
     void fail(msl_engine_status status, const std::string &what);
