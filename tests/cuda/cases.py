@@ -15,7 +15,7 @@ SPLIT_CORES cores where that plan differs (split-KV, or more chunks), into outpu
 the library's.
 
 ``write`` draws the inputs (N(0, 1) rounded to the dtype, seeded by the case name; masks, ALiBi
-slopes and sinks as cases.h describes), writes for each case FOLDER/NAME.case (the binary below)
+slopes and sinks as cases.h describes; cases.cpp's generator, so the same values as the harness's), writes for each case FOLDER/NAME.case (the binary below)
 and the judge's files (dump.h's format: NAME.q, .k, .v, .dout, .mask, .alibi, .sinks as float32
 in logical order, and the case's cases.txt line in NAME.line).
 
@@ -266,38 +266,67 @@ def _fnv1a(text: str) -> int:
     return value
 
 
+class SplitMix64:
+    """cases.cpp's generator (splitmix64, uniform on (0, 1), Box-Muller normals), drawn in bulk:
+    the harness's inputs, bit for bit, so that the two checks judge the same values."""
+
+    GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+    def __init__(self, seed: int):
+        self.seed = np.uint64(seed)
+        self.drawn = 0
+
+    def uniform(self, count: int) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            z = self.seed + np.arange(self.drawn + 1, self.drawn + 1 + count, dtype=np.uint64) * self.GOLDEN
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            z ^= z >> np.uint64(31)
+        self.drawn += count
+        return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+
+    def normal(self, count: int, dtype) -> np.ndarray:
+        """`count` standard normals rounded to float32 then to `dtype`, as float32."""
+        pairs = (count + 1) // 2
+        u = self.uniform(2 * pairs)
+        radius, angle = np.sqrt(-2.0 * np.log(u[0::2])), 6.283185307179586 * u[1::2]
+        values = np.empty(2 * pairs)
+        values[0::2], values[1::2] = radius * np.cos(angle), radius * np.sin(angle)
+        return values[:count].astype(np.float32).astype(dtype).astype(np.float32)
+
+
 def inputs(c: grid.Case) -> dict[str, np.ndarray]:
-    """The case's inputs as float32 in logical order (cases.h's rules), seeded by its name."""
-    rng = np.random.default_rng(_fnv1a(c.name))
+    """The case's inputs as float32 in logical order: cases.cpp's random_inputs (cases.h's rules),
+    seeded by the case's name."""
+    rng = SplitMix64(_fnv1a(c.name))
     dtype = _numpy_dtype(c.dtype)
-
-    def normal(shape, rounded=dtype):
-        return rng.standard_normal(shape, dtype=np.float32).astype(rounded).astype(np.float32)
-
     b, h, kv, sq, sk = c.batch, c.num_heads, c.num_kv_heads, c.seqlen_q, c.seqlen_k
-    x = {"q": normal((b, h, sq, c.head_dim)), "k": normal((b, kv, sk, c.head_dim)),
-         "v": normal((b, kv, sk, c.head_dim_v)), "dout": normal((b, h, sq, c.head_dim_v))}
+    x = {}
+    for name, shape in (("q", (b, h, sq, c.head_dim)), ("k", (b, kv, sk, c.head_dim)),
+                        ("v", (b, kv, sk, c.head_dim_v)), ("dout", (b, h, sq, c.head_dim_v))):
+        x[name] = rng.normal(math.prod(shape), dtype).reshape(shape)
     o = c.options
     if o.mask != "none":
         mb, mh = (b if o.mask_per_batch else 1), (h if o.mask_per_head else 1)
-        mask = normal((mb, mh, sq, sk), dtype if o.mask == "additive" else np.float32)
-        draw = rng.random((mb, mh, sq, sk))
-        if o.mask == "boolean":
-            mask = (draw < 0.75).astype(np.float32)
-        else:
-            mask[draw < 0.2] = c.mask_hide
+        shape = (mb, mh, sq, sk)
+        mask = rng.normal(math.prod(shape), dtype if o.mask == "additive" else np.float32).reshape(shape)
+        draw = rng.uniform(math.prod(shape)).reshape(shape)
+        empty = np.full((mb, mh, sq, 1), False)
         if sq >= 4:
             for i in range(mb):
                 for j in range(mh):
-                    mask[i, j, (1 + i + 2 * j) % sq] = 0.0 if o.mask == "boolean" else c.mask_hide
+                    empty[i, j, (1 + i + 2 * j) % sq] = True
+        if o.mask == "boolean":
+            mask = (~empty & (draw < 0.75)).astype(np.float32)
+        else:
+            mask = np.where(empty | (draw < 0.2), np.float32(c.mask_hide), mask)
         x["mask"] = mask
     if o.alibi:
-        batches = b if o.alibi_per_batch else 1
         slopes = [[2.0 ** (-8.0 * (head + 1) / h) * (1.0 + 0.25 * batch) for head in range(h)]
-                  for batch in range(batches)]
+                  for batch in range(b if o.alibi_per_batch else 1)]
         x["alibi"] = np.array(slopes if o.alibi_per_batch else slopes[0], np.float32)
     if o.sinks:
-        x["sinks"] = rng.standard_normal(h, dtype=np.float32) + np.float32(1)
+        x["sinks"] = rng.normal(h, np.float32) + np.float32(1)
     return x
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from flash_attention_metal import plan
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "tests" / "cuda"))
 _spec = importlib.util.spec_from_file_location("cuda_cases", ROOT / "tests" / "cuda" / "cases.py")
 cases = importlib.util.module_from_spec(_spec)
