@@ -76,7 +76,7 @@ public final class FlashAttention: @unchecked Sendable {
             let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal,
                                          softmaxScale: softmaxScale, options: options)
             let buffers = try forwardBuffers(q: q, k: k, v: v, out: out, lse: lse, p)
-            try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.forward(p), buffers: $0) }
+            try withOptionalInputs(options, p, buffers) { try context.run(.forward, p, buffers: $0) }
         }
     }
 
@@ -103,7 +103,7 @@ public final class FlashAttention: @unchecked Sendable {
                                          softmaxScale: softmaxScale, options: options)
             let buffers = try backwardBuffers(dout: dout, q: q, k: k, v: v, out: out, lse: lse, dq: dq, dk: dk, dv: dv,
                                               dsinks: dsinks, p)
-            try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.backward(p), buffers: $0) }
+            try withOptionalInputs(options, p, buffers) { try context.run(.backward, p, buffers: $0) }
         }
     }
 
@@ -292,7 +292,7 @@ extension FlashAttention {
             try buffers.bindInput(.lseB, checked(UnsafeRawBufferPointer(lseB), .lseB, p), for: p)
             try buffers.bindOutput(.out, checked(UnsafeMutableRawBufferPointer(out), .out, p), for: p)
             try buffers.bindOutput(.lse, checked(UnsafeMutableRawBufferPointer(lse), .lse, p), for: p)
-            try context.run(DispatchPlan.merge(p), buffers: buffers)
+            try context.run(.merge, p, buffers: buffers)
         }
     }
 

@@ -87,10 +87,11 @@ struct Problem {
     let bucket: FlashAttentionBucket
     /// Layouts of the eight tensors (their extents fit in `Int` bytes).
     let layouts: [BufferRole: TensorLayout]
-    /// The split-KV chunking of the forward pass, or nil for the dense forward.
+    /// The split-KV chunking of the forward pass, or nil for the dense forward; decided by the
+    /// planner (`DispatchPlan.make`), never by validation.
     let split: KeyValueSplit?
-    /// The GPU core count `split` was planned for (`GPUCores.planned`).
-    let gpuCores: UInt32
+    /// The GPU core count `split` was planned for; nil in a problem the planner has not planned.
+    let gpuCores: UInt32?
     /// Window, softcap, mask, ALiBi and sinks.
     let scores: ScoreSpec
     /// The KV cache k and v are read from (forward), or nil for plain tensors.
@@ -227,7 +228,7 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?, gpuCores: UInt32, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil) {
+                 split: KeyValueSplit?, gpuCores: UInt32?, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -324,18 +325,14 @@ struct Problem {
         let scores = try ScoreSpec(causal: causal, window: window, softcap: softcap, maskType: maskType,
                                    maskStrides: maskStrides, hasAlibi: hasAlibi, alibiPerBatch: alibiPerBatch,
                                    hasSinks: hasSinks, dims: (b, h, sq, sk))
-        let cores = try GPUCores.planned()
         self.init(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
                   seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
                   causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
-                  split: varlen != nil ? nil : KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h),
-                                                              numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
-                                                              seqlenK: UInt32(sk), bucket: bucket, cores: cores),
-                  gpuCores: cores, kvCache: kvCache, varlen: varlen)
+                  split: nil, gpuCores: nil, kvCache: kvCache, varlen: varlen)
     }
 
-    /// The same problem with the split-KV chunking planned for `cores` GPU cores (the backend's
-    /// device: `ExecutionBackend.gpuCores`).
+    /// The same problem with the split-KV chunking planned for `cores` GPU cores: the planner's
+    /// decision (`DispatchPlan.make`), made once per call.
     func planned(forGPUCores cores: UInt32) -> Problem {
         Problem(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
                 headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal, softmaxScale: softmaxScale,

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "55d256979de370cd"
+    static let sourceHash = "33ed8d5601339c93"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: the kernel instances. The kernels are listed in
@@ -737,7 +737,7 @@ typedef struct FlashAttentionParams {
 // ggml-metal.metal, FA_TYPES), and Dawn exposes this f16-input/f32-result configuration on Metal,
 // tested for float32 accumulator precision on Apple M1 (dawn.googlesource.com commit ee1f8a3).
 // The CPU engine and the CUDA check build convert every operand to float32 exactly and accumulate
-// in float32 whatever the operand types (msl_simdgroup_matrix.h, tools/gpu/metal_cuda.h).
+// in float32 whatever the operand types (msl_simdgroup_matrix.h, tests/cuda/metal_cuda.h).
 //
 // Lane mapping (design.md; MLX steel mma.h, metal-flash-attention): with q = lane / 4, a lane holds
 // (row, col) and (row, col + 1) where row = (q & 4) + (lane / 2) % 4 and col = (q & 2) * 2 +
@@ -3405,7 +3405,7 @@ inline uint clamped_boundary(device const int *cu_seqlens, uint i, uint limit) {
 }
 
 // dst = src word by word: MSL has no implicit copy of a struct between the constant and device
-// address spaces (tools/check_address_spaces.py enforces that), and this follows any new field.
+// address spaces (tests/static/check_address_spaces.py enforces that), and this follows any new field.
 inline void copy_params(device FlashAttentionParams &dst, constant FlashAttentionParams &src) {
     static_assert(sizeof(FlashAttentionParams) % 4 == 0, "FlashAttentionParams is whole 32-bit words");
     device uint *to = reinterpret_cast<device uint *>(&dst);
