@@ -289,10 +289,13 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
     if (alibi_on(p)) {
         x -= m.slope * abs(float(long(row) + long(p.seqlen_k) - long(p.seqlen_q) - long(key)));
     }
+    // An additive -inf hides its key even where the score is NaN or +inf (NaN q, overflow).
     if (mask_type_of(p) == FA_MASK_ADDITIVE) {
-        x += float(((device const T *)mask)[m.mask_row + key]);
+        const float a = float(((device const T *)mask)[m.mask_row + key]);
+        x = a == -INFINITY ? a : x + a;
     } else if (mask_type_of(p) == FA_MASK_ADDITIVE_F32) {
-        x += ((device const float *)mask)[m.mask_row + key];
+        const float a = ((device const float *)mask)[m.mask_row + key];
+        x = a == -INFINITY ? a : x + a;
     }
     return x;
 }
@@ -309,12 +312,12 @@ inline float probability(float score, float lse, float residual) {
     return score == -INFINITY ? 0.0f : exp_of((score - lse) - residual);
 }
 
-// The lse a backward row works with: as given where finite; +inf for -inf, +inf and NaN, so that
-// every P and the sink's weight of that row are exp(-inf) = 0 and its gradient is zero, never NaN
-// or inf. The forward gives -inf only to rows without visible keys (all P 0 already); the host
-// rejects the others where it can read lse (LseCheck.swift), this covers lse in GPU memory.
+// The lse a backward row works with: +inf for -inf, so that every P and the sink's weight of that
+// row are exp(-inf) = 0 and its gradient is zero (the forward gives -inf only to rows without
+// visible keys); any other value as given: a NaN or +inf lse (a row with a NaN or +inf score, whose
+// out is NaN) makes that row's gradients NaN, as PyTorch's and MLX's (no lse is refused).
 inline float backward_row_lse(float lse) {
-    return isfinite(lse) ? lse : INFINITY;
+    return lse == -INFINITY ? INFINITY : lse;
 }
 
 // ---- forward ---------------------------------------------------------------------------------
@@ -405,8 +408,9 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
         }
     }
     const float m_next = max(r.m, row_max(tile_max));
-    // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0, not NaN.
-    const float m_base = m_next == -INFINITY ? 0.0f : m_next;
+    // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0, not NaN (and a
+    // +inf score makes l +inf, not NaN: softmax_shift).
+    const float m_base = softmax_shift(m_next);
     const float correction = exp_of(r.m - m_base);
     r.l *= correction;
     FA_UNROLL
@@ -433,18 +437,20 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     }
 }
 
-// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
+// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key; NaN
+// where l is, from a NaN score, even while m is still -inf; +inf after a +inf score).
 inline float row_lse(float m, float l) {
-    return l > 0.0f ? m + log(l) : -INFINITY;
+    return l == 0.0f ? -INFINITY : m + log(l);
 }
 
 // A split-KV chunk's softmax state at entry `index` of partial_lse: its running max m and log l,
 // apart (entries 2 index and 2 index + 1), so that a chunk's share survives where |m| is too large
 // for float32 to add log l (rows masked with the float32 minimum); (-inf, 0) for a chunk without
-// keys.
+// keys; (NaN, NaN) for a chunk that saw a NaN score (l NaN, m possibly still -inf), so that the
+// combine cannot take it for an empty one.
 inline void store_partial_lse(device float *partial_lse, ulong index, float m, float l) {
-    partial_lse[2 * index] = l > 0.0f ? m : -INFINITY;
-    partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
+    partial_lse[2 * index] = l == 0.0f ? -INFINITY : (isnan(l) ? l : m);
+    partial_lse[2 * index + 1] = l == 0.0f ? 0.0f : log(l);
 }
 
 // The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
@@ -629,8 +635,8 @@ inline void attention_forward_split(device const T *q, KV kv, device const uchar
 // lse = max + log(sum_c w_c), chunks in order; a sink adds its weight to the denominator only. A
 // chunk with lse -inf weighs 0 (its partial output is not used); a row without any key (and no
 // sink) gets out 0, lse -inf.
-// The weight of the chunk at entry `index` of partial_lse relative to the largest chunk max `top`:
-// l exp(m - top), exactly 0 for a chunk without keys.
+// The weight of the chunk at entry `index` of partial_lse relative to the shift `top`
+// (softmax_shift of the largest chunk max): l exp(m - top), exactly 0 for a chunk without keys.
 inline float chunk_weight(device const float *partial_lse, ulong index, float top) {
     const float m = partial_lse[2 * index];
     return m == -INFINITY ? 0.0f : exp((m - top) + partial_lse[2 * index + 1]);
@@ -647,6 +653,7 @@ inline void attention_forward_combine(device const float *partial_out,
     for (uint c = 0; c < p.kv_chunks; ++c) {
         top = max(top, partial_lse[2 * (first + ulong(c) * p.seqlen_q)]);
     }
+    top = softmax_shift(top);
     float total = merge_weight(sink, top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
         total += chunk_weight(partial_lse, first + ulong(c) * p.seqlen_q, top);
