@@ -314,10 +314,11 @@ inline float probability(float score, float lse, float residual) {
 
 // The lse a backward row works with: +inf for -inf, so that every P and the sink's weight of that
 // row are exp(-inf) = 0 and its gradient is zero (the forward gives -inf only to rows without
-// visible keys); any other value as given: a NaN or +inf lse (a row with a NaN or +inf score, whose
-// out is NaN) makes that row's gradients NaN, as PyTorch's and MLX's (no lse is refused).
+// visible keys); NaN for NaN and +inf (a row with a NaN or +inf score), so that every gradient the
+// row touches is NaN, as PyTorch's and MLX's, whatever out holds (no lse is refused); finite values
+// as given.
 inline float backward_row_lse(float lse) {
-    return lse == -INFINITY ? INFINITY : lse;
+    return isinf(lse) ? (lse < 0.0f ? INFINITY : NAN) : lse;
 }
 
 // ---- forward ---------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "00257178b5365e42"
+    static let sourceHash = "6fa3728fcaec40c1"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -1565,10 +1565,11 @@ inline float probability(float score, float lse, float residual) {
 
 // The lse a backward row works with: +inf for -inf, so that every P and the sink's weight of that
 // row are exp(-inf) = 0 and its gradient is zero (the forward gives -inf only to rows without
-// visible keys); any other value as given: a NaN or +inf lse (a row with a NaN or +inf score, whose
-// out is NaN) makes that row's gradients NaN, as PyTorch's and MLX's (no lse is refused).
+// visible keys); NaN for NaN and +inf (a row with a NaN or +inf score), so that every gradient the
+// row touches is NaN, as PyTorch's and MLX's, whatever out holds (no lse is refused); finite values
+// as given.
 inline float backward_row_lse(float lse) {
-    return lse == -INFINITY ? INFINITY : lse;
+    return isinf(lse) ? (lse < 0.0f ? INFINITY : NAN) : lse;
 }
 
 // ---- forward ---------------------------------------------------------------------------------
