@@ -412,7 +412,10 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0, not NaN (and a
     // +inf score makes l +inf, not NaN: softmax_shift).
     const float m_base = softmax_shift(m_next);
-    const float correction = exp_of(r.m - m_base);
+    // After a +inf score the shift is 0, not the max, so exp(r.m - 0) could overflow and a lane
+    // whose part of l is 0 would turn NaN (0 * inf): a finite past is dropped (weight 0 beside
+    // +inf) and a +inf past kept as it is. Finite m_next: exp(r.m - m_next) as before.
+    const float correction = m_next == INFINITY ? float(r.m == INFINITY) : exp_of(r.m - m_base);
     r.l *= correction;
     FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
