@@ -170,7 +170,8 @@ struct Problem {
     }
 
     /// The caller's descriptor as far as its `struct_size` goes, later fields zero (their defaults).
-    /// - Throws: `invalidArgument` for a null pointer or a `struct_size` below the 0.1 struct.
+    /// - Throws: `invalidArgument` for a null pointer, a `struct_size` below the 0.1 struct, or one
+    ///   above this library's `fa_problem` with a non-zero byte past it.
     static func descriptor(_ pointer: UnsafePointer<fa_problem>?) throws -> fa_problem {
         guard let pointer else {
             throw FlashAttentionError.invalidArgument("problem must not be null")
@@ -179,6 +180,18 @@ struct Problem {
         guard declaredSize >= firstVersionSize else {
             throw FlashAttentionError.invalidArgument(
                 "problem->struct_size (\(declaredSize)) must be at least \(firstVersionSize) (the 0.1 fa_problem)")
+        }
+        // A newer caller's struct: its fields past ours must be zero (their defaults), as the
+        // extensible structs of Linux's copy_struct_from_user; a set field we do not know is refused.
+        let known = MemoryLayout<fa_problem>.size
+        if declaredSize > known {
+            let tail = UnsafeRawBufferPointer(start: UnsafeRawPointer(pointer) + known, count: declaredSize - known)
+            if let offset = tail.firstIndex(where: { $0 != 0 }) {
+                throw FlashAttentionError.invalidArgument(
+                    "problem->struct_size (\(declaredSize)) is above sizeof(fa_problem) (\(known)) of this library, "
+                        + "and byte \(known + offset) is not zero: a field of a newer fa_problem that this library "
+                        + "does not know is set")
+            }
         }
         var p = fa_problem()
         withUnsafeMutableBytes(of: &p) { bytes in
