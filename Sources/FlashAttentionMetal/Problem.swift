@@ -132,7 +132,14 @@ struct Problem {
         func strides(_ s: fa_strides, _ name: String, heads: UInt32, rows: UInt32, dim: Int) throws -> TensorStrides? {
             let given = try strides(s, name)
             guard isVarlen && given == nil else { return given }
-            return TensorStrides(batch: Int(max(rows, 1)) * Int(heads) * dim, head: dim, seq: Int(heads) * dim)
+            // Checked: the dimensions are not validated yet (found by CABIFuzzTests).
+            let seq = Int(heads).multipliedReportingOverflow(by: dim)
+            let batch = Int(max(rows, 1)).multipliedReportingOverflow(by: seq.partialValue)
+            guard !seq.overflow, !batch.overflow else {
+                throw FlashAttentionError.invalidArgument(
+                    "\(name): \(rows) rows x \(heads) heads x \(dim) elements overflow 64-bit element offsets")
+            }
+            return TensorStrides(batch: batch.partialValue, head: dim, seq: seq.partialValue)
         }
         let (h, hk, d, sq, sk) = (p.num_heads, p.num_kv_heads, Int(p.head_dim), p.seqlen_q, p.seqlen_k)
         let layout = ProblemStrides(q: try strides(p.q, "q", heads: h, rows: sq, dim: d),
