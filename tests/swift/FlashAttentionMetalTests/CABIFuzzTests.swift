@@ -41,7 +41,7 @@ private struct Random {
         }
     }
     mutating func float() -> Float {
-        let specials: [Float] = [.nan, .infinity, -.infinity, 0, -0.0, .greatestFiniteMagnitude, 1e-40, -1]
+        let specials: [Float] = [.nan, .infinity, -.infinity, 0, -0.0, .greatestFiniteMagnitude, .leastNonzeroMagnitude, -1]
         return chance(25) ? specials[Int(below(UInt64(specials.count)))] : Float(Int(below(2000)) - 1000) / 100
     }
     mutating func int32() -> Int32 {
