@@ -282,3 +282,17 @@ def test_forward_matches_pytorch_and_mlx(ctx, path, place, value):
         assert_matches(out[:, :, seen], theirs[:, :, seen], label, tol=1e-4)
         both = np.isfinite(out[:, :, ~seen]) & np.isfinite(theirs[:, :, ~seen])
         np.testing.assert_allclose(out[:, :, ~seen][both], theirs[:, :, ~seen][both], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[p[0] for p in PATHS])
+def test_a_row_whose_scores_all_overflow_to_minus_inf_sees_no_key(ctx, path):
+    # -inf from an overflow means "not visible", as from a mask: out 0, lse -inf, zero gradients.
+    _, heads, kv_heads, seqlen_q, _ = path
+    q = np.ones((1, heads, seqlen_q, D), dtype=F32)
+    k = np.full((1, kv_heads, SEQLEN_K, D), -1e4, dtype=F32)
+    v = np.random.default_rng(0).standard_normal(k.shape).astype(F32)
+    out, lse = _run(ctx, path, q, k, v, softmax_scale=1.1e34)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+    if path[0] == "dense":
+        grads = ctx.backward(np.ones_like(out), q, k, v, out, lse, softmax_scale=1.1e34)
+        assert all(np.all(g == 0) for g in grads)
