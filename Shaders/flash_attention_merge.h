@@ -13,6 +13,10 @@
 // so no NaN arises from empty parts. Non-finite inputs (docs/semantics.md, "Non-finite values"):
 // a NaN lse makes out and lse NaN; a +inf lse (a row with a +inf score) makes lse +inf and out
 // NaN (softmax_shift).
+#ifndef FLASH_ATTENTION_MERGE_H
+#define FLASH_ATTENTION_MERGE_H
+
+#include "flash_attention_blocks.h"
 
 // The shift subtracted from lse values or scores before exp: the largest one m, or 0 where m is
 // infinite: -inf (nothing seen yet) keeps every exp at 0, and +inf gives the +inf part the weight
@@ -81,17 +85,4 @@ inline void attention_merge(device const T *out_a, device const float *lse_a,
     }
 }
 
-// The merge kernel of element type T, named flash_attention_merge_<SUFFIX> (f16, bf16, f32).
-#define FA_DEFINE_MERGE_KERNEL(T, SUFFIX)                                                          \
-    kernel void flash_attention_merge_##SUFFIX(                                                    \
-        device const T *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],                                   \
-        device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],                               \
-        device const T *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],                                   \
-        device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],                               \
-        device T *out [[buffer(FA_MERGE_BUFFER_OUT)]],                                             \
-        device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],                                         \
-        constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],                  \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_merge<T>(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);               \
-    }
+#endif
