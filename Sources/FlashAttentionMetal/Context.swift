@@ -75,15 +75,13 @@ final class Context {
 
     /// Runs `plan` as it was made and keeps its profile as the calling thread's last one on this
     /// context; on failure (cancellation included) poisons its outputs and rethrows (the last
-    /// profile stays that of the last success). Every entry point comes through here, so here are
-    /// the checks that need the buffers: no output overlaps another bound buffer, and backward's
-    /// lse is one that forward can give (`HostBuffers.checkLse`); both throw `invalidArgument`
-    /// before anything is written. The profile reports the core count the plan was made for.
+    /// profile stays that of the last success). Every entry point comes through here, so here is
+    /// the check that needs the buffers: no output overlaps another bound buffer (`invalidArgument`
+    /// before anything is written). Backward's lse values are not checked: every lse forward
+    /// returns is valid (docs/semantics.md, "Non-finite values"). The profile reports the core
+    /// count the plan was made for.
     func run(_ plan: DispatchPlan, buffers: HostBuffers) throws {
         try buffers.checkOutputsDisjoint(plan)
-        if plan.pass == .backward {
-            try buffers.checkLse(of: plan.problem)
-        }
         let profile: Profile
         do {
             profile = try backend.execute(plan, buffers: buffers, cancellation: cancellation.token())

@@ -133,7 +133,14 @@ struct Problem {
         func strides(_ s: fa_strides, _ name: String, heads: UInt32, rows: UInt32, dim: Int) throws -> TensorStrides? {
             let given = try strides(s, name)
             guard isVarlen && given == nil else { return given }
-            return TensorStrides(batch: Int(max(rows, 1)) * Int(heads) * dim, head: dim, seq: Int(heads) * dim)
+            // Checked: the dimensions are not validated yet (found by CABIFuzzTests).
+            let seq = Int(heads).multipliedReportingOverflow(by: dim)
+            let batch = Int(max(rows, 1)).multipliedReportingOverflow(by: seq.partialValue)
+            guard !seq.overflow, !batch.overflow else {
+                throw FlashAttentionError.invalidArgument(
+                    "\(name): \(rows) rows x \(heads) heads x \(dim) elements overflow 64-bit element offsets")
+            }
+            return TensorStrides(batch: batch.partialValue, head: dim, seq: seq.partialValue)
         }
         let (h, hk, d, sq, sk) = (p.num_heads, p.num_kv_heads, Int(p.head_dim), p.seqlen_q, p.seqlen_k)
         let layout = ProblemStrides(q: try strides(p.q, "q", heads: h, rows: sq, dim: d),
@@ -171,7 +178,8 @@ struct Problem {
     }
 
     /// The caller's descriptor as far as its `struct_size` goes, later fields zero (their defaults).
-    /// - Throws: `invalidArgument` for a null pointer or a `struct_size` below the 0.1 struct.
+    /// - Throws: `invalidArgument` for a null pointer, a `struct_size` below the 0.1 struct, or one
+    ///   above this library's `fa_problem` with a non-zero byte past it.
     static func descriptor(_ pointer: UnsafePointer<fa_problem>?) throws -> fa_problem {
         guard let pointer else {
             throw FlashAttentionError.invalidArgument("problem must not be null")
@@ -180,6 +188,18 @@ struct Problem {
         guard declaredSize >= firstVersionSize else {
             throw FlashAttentionError.invalidArgument(
                 "problem->struct_size (\(declaredSize)) must be at least \(firstVersionSize) (the 0.1 fa_problem)")
+        }
+        // A newer caller's struct: its fields past ours must be zero (their defaults), as the
+        // extensible structs of Linux's copy_struct_from_user; a set field we do not know is refused.
+        let known = MemoryLayout<fa_problem>.size
+        if declaredSize > known {
+            let tail = UnsafeRawBufferPointer(start: UnsafeRawPointer(pointer) + known, count: declaredSize - known)
+            if let offset = tail.firstIndex(where: { $0 != 0 }) {
+                throw FlashAttentionError.invalidArgument(
+                    "problem->struct_size (\(declaredSize)) is above sizeof(fa_problem) (\(known)) of this library, "
+                        + "and byte \(known + offset) is not zero: a field of a newer fa_problem that this library "
+                        + "does not know is set")
+            }
         }
         var p = fa_problem()
         withUnsafeMutableBytes(of: &p) { bytes in

@@ -193,8 +193,8 @@ public final class MetalFlashAttention: @unchecked Sendable {
 
     /// Encodes the backward pass: `dq`, `dk`, `dv` from `dout` and the `q`, `k`, `v`, `out`, `lse`
     /// of the forward pass. `dk` and `dv` sum over the query heads that share a KV head. `lse` is
-    /// not read on the host here (the GPU may write it earlier in the same command buffer): a row
-    /// whose lse is not finite gets a zero gradient from the kernels, never NaN.
+    /// not read on the host (no path checks its values): a row whose lse is -inf gets zero
+    /// gradients, one whose lse is NaN or +inf NaN gradients.
     /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:dtype:causal:softmaxScale:)``.
     public func encodeBackward(into commandBuffer: MTLCommandBuffer, dout: MTLBuffer, q: MTLBuffer, k: MTLBuffer,
                                v: MTLBuffer, out: MTLBuffer, lse: MTLBuffer, dq: MTLBuffer, dk: MTLBuffer,
