@@ -66,3 +66,9 @@ def dropout_keep(p: float, seed: int, offset: int, batch: int, num_heads: int, s
     words = dropout_words(seed, offset, stream[:, :, None, None], np.arange(seqlen_q)[None, None, :, None],
                           np.arange(seqlen_k)[None, None, None, :])
     return words >= np.uint32(dropout_threshold(p))
+
+
+def dropout_multiplier(p: float, keep) -> np.ndarray:
+    """The reference's dropout mask (``reference.forward``'s ``dropout_mask``): float64, 0 where
+    ``keep`` is False and 1 / (1 - p) where it is True (p rounded to float32, as the ABI carries it)."""
+    return np.where(keep, 1.0 / (1.0 - float(np.float32(p))), 0.0)
