@@ -53,6 +53,7 @@
 using namespace metal;
 
 #include "flash_attention_params.h"
+#include "flash_attention_philox.h"
 #include "flash_attention_features.h"
 #include "flash_attention_loader.h"
 #include "flash_attention_fragment.h"
@@ -360,14 +361,17 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 // over the KV head's K and V): loads the tiles (every thread calls it; V only after S where K and
 // V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
 // `masked`; the lane's row is query `row`), online softmax update, O += P V (without WITH_V,
-// only m and l: V is neither loaded nor multiplied).
-template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
-          typename Storage>
+// only m and l: V is neither loaded nor multiplied). DROPOUT: the kernel reads the dropout
+// function constant (the dense forward; the split kernels never get a call with dropout) and, when
+// it is on, P enters O += P V dropped (its row sum l stays undropped: lse is of the scores), the
+// row's mask drawn from Philox stream `stream` (flash_attention_philox.h).
+template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, bool DROPOUT = false,
+          typename KS, typename VS, typename Storage>
 FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks,
                                    thread VS &vs, device const uchar *mask,
                                    constant FlashAttentionParams &p, uint kv0, bool masked,
                                    uint row, RowModifiers mods, SimdgroupSlice s, FragmentCoord at,
-                                   uint sgid, uint tid) {
+                                   uint sgid, uint tid, uint stream = 0) {
     typedef typename KS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
     constexpr bool SHARED = WITH_V && FA_FORWARD_SHARED(T, DP, BQ, BK);
@@ -424,6 +428,15 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
         }
     }
     r.m = m_next;
+    if (WITH_V && DROPOUT && dropout_on(p)) {
+        FA_UNROLL
+        for (uint j = 0; j < NK; ++j) {
+            FA_UNROLL
+            for (uint e = 0; e < 2; ++e) {
+                sc.f[j].thread_elements()[e] *= dropout_factor(p, stream, row, kv0 + j * 8 + at.col + e);
+            }
+        }
+    }
 
     if (SHARED) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -489,6 +502,7 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     const uint key_begin = key_range(p, q0).first;
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
+    const uint stream = dropout_stream(p, b, h);
 
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
@@ -499,8 +513,9 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     const KeyRange unmasked = unmasked_keys(p, q0, BQ);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, !tile_unmasked(unmasked, kv0, BK),
-                                 row, mods, s, at, sgid, tid);
+        forward_tile<DP, BQ, BK, ND, true, true>(r, tg, ks, vs, mask, p, kv0,
+                                                 !tile_unmasked(unmasked, kv0, BK), row, mods, s,
+                                                 at, sgid, tid, stream);
     }
 
     const float l = row_sum(r.l);
@@ -878,6 +893,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const float row_lse = row < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
     const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
+    const uint stream = dropout_stream(p, b, h);
 
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
@@ -918,7 +934,9 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
-        // dS = P (dP - D) (through the softcap), in place of S.
+        // dS = P (dP - D) (through the softcap), in place of S. With dropout, dP is with respect
+        // to the dropped P (dO V^T) times the mask's factor (D = rowsum(dO O) already is the
+        // dropped out's).
         const TileWindow window =
             tile_window(mods.keys, kv0 + at.col, !tile_unmasked(unmasked, kv0, BK));
         FA_UNROLL
@@ -929,8 +947,11 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
                                           kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
                 const float pe = probability(x, row_lse, row_residual);
-                sc.f[j].thread_elements()[e] =
-                    through_softcap(p, pe * (dp.f[j].thread_elements()[e] - row_delta), t);
+                float dpe = dp.f[j].thread_elements()[e];
+                if (dropout_on(p)) {
+                    dpe *= dropout_factor(p, stream, row, kv0 + j * 8 + at.col + e);
+                }
+                sc.f[j].thread_elements()[e] = through_softcap(p, pe * (dpe - row_delta), t);
             }
         }
 
@@ -1006,6 +1027,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         seek(ds, dout + head_offset(p.dout, b, h), rows.first);
         // The head's slope and mask start; per element only the mask row moves.
         const RowModifiers head_mods = row_modifiers(p, alibi, b, h, 0);
+        const uint stream = dropout_stream(p, b, h);
         // The head's rows of lse, residual and delta (one 64-bit multiply per head, not per tile).
         const ulong head_rows = lse_index(p, b, h, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
@@ -1038,7 +1060,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
             sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
 
-            // P^T in place of S^T, dS^T (through the softcap) in place of dP^T.
+            // P^T in place of S^T, dS^T (through the softcap) in place of dP^T; with dropout the
+            // dropped P^T for dV and dP^T times the mask's factor (as in dQ).
             const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
             FA_UNROLL
             for (uint j = 0; j < NQ; ++j) {
@@ -1052,9 +1075,10 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                     const float x = score<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
                                               mods, !masked || in_window(mods.keys, key), t);
                     const float pe = probability(x, tg->lse[i], tg->residual[i]);
-                    st.f[j].thread_elements()[e] = pe;
+                    const float kept = dropout_on(p) ? dropout_factor(p, stream, q0 + i, key) : 1.0f;
+                    st.f[j].thread_elements()[e] = pe * kept;
                     dpt.f[j].thread_elements()[e] =
-                        through_softcap(p, pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]), t);
+                        through_softcap(p, pe * (dpt.f[j].thread_elements()[e] * kept - tg->delta[i]), t);
                 }
             }
 

@@ -1,5 +1,5 @@
 // The score features of a call (flash_attention_params.h, FA_FUNCTION_CONSTANTS: mask type,
-// softcap, ALiBi, sinks), read by the kernels only through these four functions. They are function
+// softcap, ALiBi, sinks, dropout), read by the kernels only through the functions below. They are function
 // constants, fixed when a kernel's pipeline is built, so every test of them folds away and a kernel
 // compiled for "no features" has none of their code. The parameter struct still carries the
 // feature's data (softcap's value, the mask strides); `p` stays in the signatures for that reason
@@ -36,3 +36,17 @@ inline bool softcap_on(constant FlashAttentionParams &p) { return fa_has_softcap
 inline bool alibi_on(constant FlashAttentionParams &p) { return fa_has_alibi ? true : false; }
 
 inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? true : false; }
+
+inline bool dropout_on(constant FlashAttentionParams &p) { return fa_has_dropout ? true : false; }
+
+// The Philox stream of (batch entry b, query head h) as the kernel sees them (FlashAttentionParams).
+inline uint dropout_stream(constant FlashAttentionParams &p, uint b, uint h) {
+    return p.dropout_stream0 + b * p.dropout_heads + h;
+}
+
+// What P at (row, key) of `stream` is multiplied by: 0 where dropped, dropout_scale where kept
+// (flash_attention_philox.h).
+inline float dropout_factor(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
+    const FaPhiloxBlock w = fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4);
+    return fa_philox_word(w, key % 4) >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+}
