@@ -58,6 +58,7 @@ def test_c_header_matches_the_numpy_twin(tmp_path):
         ' printf("%u %u %u %u\\n", o.x0, o.x1, o.x2, o.x3);}'
         for counter, key, _ in KAT)
     source.write_text(f"""#include <stdio.h>
+#include "flash_attention_params.h"
 #include "flash_attention_philox.h"
 int main(void) {{
 {kat_lines}
