@@ -22,7 +22,7 @@ from flash_attention_metal import accuracy, dropout, philox, reference
 
 from conftest import assert_within_rule, make_inputs
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # Random123 (D. E. Shaw Research), tests/kat_vectors, the "philox4x32 10" lines: counter (4 words),
 # key (2 words), expected output (4 words).
