@@ -431,10 +431,9 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     if (WITH_V && DROPOUT && dropout_on(p)) {
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
-            FA_UNROLL
-            for (uint e = 0; e < 2; ++e) {
-                sc.f[j].thread_elements()[e] *= dropout_factor(p, stream, row, kv0 + j * 8 + at.col + e);
-            }
+            const float2 keep = dropout_factors(p, stream, row, kv0 + j * 8 + at.col);
+            sc.f[j].thread_elements()[0] *= keep.x;
+            sc.f[j].thread_elements()[1] *= keep.y;
         }
     }
 
@@ -941,16 +940,15 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
             tile_window(mods.keys, kv0 + at.col, !tile_unmasked(unmasked, kv0, BK));
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
+            const float2 keep = dropout_on(p) ? dropout_factors(p, stream, row, kv0 + j * 8 + at.col)
+                                              : float2(1.0f);
             FA_UNROLL
             for (uint e = 0; e < 2; ++e) {
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
                                           kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
                 const float pe = probability(x, row_lse, row_residual);
-                float dpe = dp.f[j].thread_elements()[e];
-                if (dropout_on(p)) {
-                    dpe *= dropout_factor(p, stream, row, kv0 + j * 8 + at.col + e);
-                }
+                const float dpe = dp.f[j].thread_elements()[e] * (e == 0 ? keep.x : keep.y);
                 sc.f[j].thread_elements()[e] = through_softcap(p, pe * (dpe - row_delta), t);
             }
         }

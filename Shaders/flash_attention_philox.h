@@ -48,8 +48,8 @@ inline fa_u32 fa_philox_mulhi(fa_u32 a, fa_u32 b) {
 
 // Philox-4x32-10 of `counter` under key (k0, k1): ten rounds, the key bumped between rounds.
 inline FaPhiloxBlock fa_philox4x32_10(FaPhiloxBlock c, fa_u32 k0, fa_u32 k1) {
-    for (int round = 0; round < FA_PHILOX_ROUNDS; ++round) {
-        if (round > 0) {
+    for (int r = 0; r < FA_PHILOX_ROUNDS; ++r) {
+        if (r > 0) {
             k0 += FA_PHILOX_W0;
             k1 += FA_PHILOX_W1;
         }

@@ -356,10 +356,11 @@ class Context:
         self._native.raise_for_status(self._native.lib.fa_context_cancel(self._handle))
 
     def attention(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
-                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
         """``forward`` without lse: returns out, in q's dtype and layout."""
         return self.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, attn_mask=attn_mask,
-                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)[0]
+                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                            dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset)[0]
 
     def merge_attention(self, out_a, lse_a, out_b, lse_b):
         """Merges two attention results over disjoint key sets of the same queries into the result

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "93cd9f0a5b6c7a34"
+    static let sourceHash = "30de335df4a4d9c7"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -534,8 +534,8 @@ inline fa_u32 fa_philox_mulhi(fa_u32 a, fa_u32 b) {
 
 // Philox-4x32-10 of `counter` under key (k0, k1): ten rounds, the key bumped between rounds.
 inline FaPhiloxBlock fa_philox4x32_10(FaPhiloxBlock c, fa_u32 k0, fa_u32 k1) {
-    for (int round = 0; round < FA_PHILOX_ROUNDS; ++round) {
-        if (round > 0) {
+    for (int r = 0; r < FA_PHILOX_ROUNDS; ++r) {
+        if (r > 0) {
             k0 += FA_PHILOX_W0;
             k1 += FA_PHILOX_W1;
         }
@@ -625,6 +625,18 @@ inline uint dropout_stream(constant FlashAttentionParams &p, uint b, uint h) {
 inline float dropout_factor(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
     const FaPhiloxBlock w = fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4);
     return fa_philox_word(w, key % 4) >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+}
+
+// The factors of keys `key` and `key + 1` of one row (a lane's two elements of an 8x8 fragment):
+// one Philox call where both keys lie in one group of four (key % 4 != 3, so always for an even
+// key), a second one otherwise.
+inline float2 dropout_factors(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
+    const FaPhiloxBlock w = fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4);
+    const uint e = key % 4;
+    const uint next = e == 3 ? fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4 + 1).x0
+                             : fa_philox_word(w, e + 1);
+    return float2(fa_philox_word(w, e) >= p.dropout_threshold ? p.dropout_scale : 0.0f,
+                  next >= p.dropout_threshold ? p.dropout_scale : 0.0f);
 }
 // ---- end flash_attention_features.h ----
 // ---- begin flash_attention_loader.h (spliced by tools/embed_shaders.py) ----
@@ -1793,10 +1805,9 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     if (WITH_V && DROPOUT && dropout_on(p)) {
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
-            FA_UNROLL
-            for (uint e = 0; e < 2; ++e) {
-                sc.f[j].thread_elements()[e] *= dropout_factor(p, stream, row, kv0 + j * 8 + at.col + e);
-            }
+            const float2 keep = dropout_factors(p, stream, row, kv0 + j * 8 + at.col);
+            sc.f[j].thread_elements()[0] *= keep.x;
+            sc.f[j].thread_elements()[1] *= keep.y;
         }
     }
 
@@ -2636,16 +2647,15 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
             tile_window(mods.keys, kv0 + at.col, !tile_unmasked(unmasked, kv0, BK));
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
+            const float2 keep = dropout_on(p) ? dropout_factors(p, stream, row, kv0 + j * 8 + at.col)
+                                              : float2(1.0f);
             FA_UNROLL
             for (uint e = 0; e < 2; ++e) {
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
                                           kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
                 const float pe = probability(x, row_lse, row_residual);
-                float dpe = dp.f[j].thread_elements()[e];
-                if (dropout_on(p)) {
-                    dpe *= dropout_factor(p, stream, row, kv0 + j * 8 + at.col + e);
-                }
+                const float dpe = dp.f[j].thread_elements()[e] * (e == 0 ? keep.x : keep.y);
                 sc.f[j].thread_elements()[e] = through_softcap(p, pe * (dpe - row_delta), t);
             }
         }

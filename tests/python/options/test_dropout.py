@@ -108,7 +108,7 @@ def test_keep_rate_within_binomial_bounds(p):
 
 
 def _one_hot_forward(ctx, p, seed, offset, *, batch=2, heads=3, seqlen_q=40, seqlen_k=24, head_dim_v=None,
-                     dtype=np.float32, causal=False):
+                     dtype=np.float32, causal=False, window_size=(-1, -1)):
     """The kernels' keep bits of a forward: q = 0 (uniform P over the visible keys) and v the
     identity over keys (head_dim_v >= seqlen_k, zero columns after), so out[i, j] = P_ij Z_ij."""
     head_dim_v = seqlen_k if head_dim_v is None else head_dim_v
@@ -116,7 +116,8 @@ def _one_hot_forward(ctx, p, seed, offset, *, batch=2, heads=3, seqlen_q=40, seq
     k = np.zeros((batch, heads, seqlen_k, 16), dtype=dtype)
     v = np.zeros((batch, heads, seqlen_k, head_dim_v), dtype=dtype)
     v[:, :, np.arange(seqlen_k), np.arange(seqlen_k)] = 1
-    out, _ = ctx.forward(q, k, v, causal=causal, dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+    out, _ = ctx.forward(q, k, v, causal=causal, window_size=window_size, dropout_p=p, dropout_seed=seed,
+                         dropout_offset=offset)
     return out[..., :seqlen_k].astype(np.float64) != 0
 
 
@@ -138,6 +139,9 @@ def test_forward_mask_bits_independent_of_row_blocks_and_causal_tiles(ctx):
     causal = _one_hot_forward(ctx, 0.5, 7, 0, seqlen_q=24, causal=True)
     visible = reference.visible_keys(24, 24, True)
     assert np.array_equal(causal, full[:, :, :24] & visible)
+    # A window whose tiles start at odd keys (a lane's key pair then straddles two Philox calls).
+    windowed = _one_hot_forward(ctx, 0.5, 7, 0, seqlen_q=40, window_size=(13, 2))
+    assert np.array_equal(windowed, full & reference.visible_keys(40, 24, False, (13, 2)))
 
 
 def test_backward_mask_bits_equal_the_twin(ctx):
@@ -173,7 +177,7 @@ def test_deterministic_and_seed_dependent(ctx):
 CASES = [
     # (dtype, batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, options)
     (np.float16, 2, 4, 2, 37, 53, 64, dict(causal=True)),
-    (np.float32, 1, 2, 2, 20, 70, 96, dict(window_size=(16, 3))),
+    (np.float32, 1, 2, 2, 20, 70, 96, dict(window_size=(15, 3))),  # tiles from key 35 (odd)
     ("bfloat16", 1, 2, 1, 45, 45, 128, dict(softcap=30.0)),
 ]
 
