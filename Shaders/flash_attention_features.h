@@ -13,6 +13,11 @@
 // - The CPU engine, the CUDA check build and the address-space check declare a constant through
 //   their <metal_stdlib>'s MSL_FUNCTION_CONSTANT(index, type, name): a per-dispatch value that is
 //   an error to read when the dispatch did not set it (the clang check: an external constant).
+#ifndef FLASH_ATTENTION_FEATURES_H
+#define FLASH_ATTENTION_FEATURES_H
+
+#include "flash_attention_params.h"
+#include "flash_attention_philox.h"
 
 #if defined(FA_FUNCTION_CONSTANTS_PREDEFINED)
 #elif defined(MSL_FUNCTION_CONSTANT)
@@ -62,3 +67,5 @@ inline float2 dropout_factors(constant FlashAttentionParams &p, uint stream, uin
     return float2(fa_philox_word(w, e) >= p.dropout_threshold ? p.dropout_scale : 0.0f,
                   next >= p.dropout_threshold ? p.dropout_scale : 0.0f);
 }
+
+#endif

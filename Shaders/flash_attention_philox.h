@@ -5,10 +5,9 @@
 // bucket or backend, with the same bits, and the backward regenerates the forward's mask instead
 // of storing it. Known answers: Random123's tests/kat_vectors (tests/python/test_dropout.py).
 //
-// Plain C/C++ over the fixed-width types of flash_attention_params.h (include that first; headers
-// include no other header, as tools/embed_shaders.py splices the .metal file's includes only):
-// included by the kernels (Metal, the CPU engine, the CUDA check build) and usable from C. The
-// bit-exact Python twin is python/flash_attention_metal/philox.py.
+// Plain C/C++ over the fixed-width types of flash_attention_params.h: included by the kernels
+// (Metal, the CPU engine, the CUDA check build) and usable from C. The bit-exact Python twin is
+// python/flash_attention_metal/philox.py.
 //
 // The mask of element (batch b, query head h, query row i, key j) of a call with seed and offset
 // (both 64-bit; varlen: b the sequence, i and j counted from the sequence's first row and key):
@@ -22,6 +21,8 @@
 // indices. Kept probabilities are multiplied by dropout_scale = 1 / (1 - p) (float32).
 #ifndef FLASH_ATTENTION_PHILOX_H
 #define FLASH_ATTENTION_PHILOX_H
+
+#include "flash_attention_params.h"
 
 #define FA_PHILOX_M0 0xD2511F53u
 #define FA_PHILOX_M1 0xCD9E8D57u
