@@ -290,7 +290,8 @@ class ScoreOptions:
     as a 4-D view indexed (batch, num_heads, seqlen_q, seqlen_k) whose axes are each 1 or the
     problem's size (an axis NumPy broadcast with stride 0 cut to one slice: never expanded);
     alibi_slopes: C-contiguous float32 (num_heads,) or (batch, num_heads), or None; sinks:
-    C-contiguous float32 (num_heads,), or None.
+    C-contiguous float32 (num_heads,), or None; dropout: (dropout_p, dropout_seed, dropout_offset)
+    with dropout_p > 0, or None.
     """
 
     window: tuple[int, int] | None = None
@@ -298,6 +299,30 @@ class ScoreOptions:
     attn_mask: np.ndarray | None = None
     alibi_slopes: np.ndarray | None = None
     sinks: np.ndarray | None = None
+    dropout: tuple[float, int, int] | None = None
+
+
+def check_dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int, int] | None:
+    """dropout_p must be a real number in [0, 1); with dropout_p > 0, dropout_seed an int in
+    [0, 2**64) and dropout_offset one in [0, 2**64). Returns (dropout_p, dropout_seed,
+    dropout_offset), or None for dropout_p 0 (the seed is then not needed)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be at least 0 and below 1, got {dropout_p}")
+    for name, value in (("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset)):
+        if value is None and name == "dropout_seed":
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not 0 <= int(value) < 2**64:
+            raise ValueError(f"{name} must be in [0, 2**64), got {value}")
+    if float(dropout_p) == 0.0:
+        return None
+    if dropout_seed is None:
+        raise ValueError(f"dropout_seed must be given with dropout_p > 0 (got dropout_p={dropout_p}): the backward "
+                         "regenerates the forward's mask from it")
+    return float(dropout_p), int(dropout_seed), int(dropout_offset)
 
 
 def check_window_size(window_size) -> tuple[int, int] | None:
@@ -399,7 +424,8 @@ def check_attn_mask(attn_mask, shape: Shape, dtype) -> np.ndarray:
 
 
 def check_score_options(shape: Shape, dtype, *, attn_mask=None, window_size=NO_WINDOW, softcap=0.0,
-                        alibi_slopes=None, sinks=None) -> ScoreOptions:
+                        alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None,
+                        dropout_offset=0) -> ScoreOptions:
     """Every check of the score options of a call whose q has ``dtype``."""
     heads = {"(num_heads,)": (shape.num_heads,)}
     return ScoreOptions(
@@ -409,4 +435,5 @@ def check_score_options(shape: Shape, dtype, *, attn_mask=None, window_size=NO_W
         alibi_slopes=None if alibi_slopes is None else check_float32_vector(
             "alibi_slopes", alibi_slopes, {**heads, "(batch, num_heads)": (shape.batch, shape.num_heads)}),
         sinks=None if sinks is None else check_float32_vector("sinks", sinks, heads),
+        dropout=check_dropout(dropout_p, dropout_seed, dropout_offset),
     )

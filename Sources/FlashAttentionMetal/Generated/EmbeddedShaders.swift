@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "2bb8cac396ad740b"
+    static let sourceHash = "b9fe75f600c090d9"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: the kernel instances. The kernels are listed in
@@ -133,6 +133,10 @@ typedef struct FlashAttentionParams {
     FlashAttentionStrides dv;
     FlashAttentionStrides mask;  // attn_mask's (batch, head, query row) strides; 0 broadcasts
     fa_u64 alibi_batch_stride;   // alibi_slopes: 0 for (num_heads,), num_heads for (batch, num_heads)
+    // Dropout on P (flash_attention_philox.h: the mask of every element from these): the Philox key
+    // and the counter's base. Read only where dropout_threshold is not 0.
+    fa_u64 dropout_seed;
+    fa_u64 dropout_offset;
     fa_u32 batch;
     fa_u32 num_heads;
     fa_u32 num_kv_heads;
@@ -192,6 +196,17 @@ typedef struct FlashAttentionParams {
     // Rows per head of lse, delta and the lse residual in a sequence's struct: the packed total_q
     // (they are [num_heads][total_q]); unused (0) in a dense problem, whose rows per head are seqlen_q.
     fa_u32 lse_rows;
+    // Dropout (FlashAttention's: on P after the softmax, lse of the undropped scores): an element
+    // is dropped iff its Philox word is below dropout_threshold (0: no dropout, and the kernels
+    // compiled without it: FA_FUNCTION_CONSTANT_DROPOUT); kept ones are multiplied by
+    // dropout_scale = 1 / (1 - dropout_p). The stream of the counter of (batch entry b, query head
+    // h) as the kernel sees them is dropout_stream0 + b * dropout_heads + h: the call's
+    // b' * num_heads + h' for the whole problem's indices (a piece of a split plan starts at
+    // stream0 = its first batch entry and head; a varlen sequence's struct at its index b').
+    fa_u32 dropout_threshold;
+    float dropout_scale;
+    fa_u32 dropout_stream0;
+    fa_u32 dropout_heads;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -220,12 +235,14 @@ typedef struct FlashAttentionParams {
 #define FA_FUNCTION_CONSTANT_SOFTCAP 1
 #define FA_FUNCTION_CONSTANT_ALIBI 2
 #define FA_FUNCTION_CONSTANT_SINKS 3
-#define FA_FUNCTION_CONSTANT_COUNT 4
+#define FA_FUNCTION_CONSTANT_DROPOUT 4
+#define FA_FUNCTION_CONSTANT_COUNT 5
 #define FA_FUNCTION_CONSTANTS(X)                                                                   \
     X(FA_FUNCTION_CONSTANT_MASK_TYPE, uint, fa_mask_type, (p).mask_type)                           \
     X(FA_FUNCTION_CONSTANT_SOFTCAP, bool, fa_has_softcap, (p).softcap > 0.0f)                      \
     X(FA_FUNCTION_CONSTANT_ALIBI, bool, fa_has_alibi, (p).has_alibi != 0)                          \
-    X(FA_FUNCTION_CONSTANT_SINKS, bool, fa_has_sinks, (p).has_sinks != 0)
+    X(FA_FUNCTION_CONSTANT_SINKS, bool, fa_has_sinks, (p).has_sinks != 0)                          \
+    X(FA_FUNCTION_CONSTANT_DROPOUT, bool, fa_has_dropout, (p).dropout_threshold != 0)
 // How C and Swift name the two MSL types a constant can have.
 #define FA_FUNCTION_CONSTANT_TYPE_bool 0
 #define FA_FUNCTION_CONSTANT_TYPE_uint 1
@@ -510,13 +527,13 @@ typedef struct FlashAttentionParams {
 // - BUILTINS: its MSL built-in arguments after the buffers, BUILTINS(A) calling A(TYPE, NAME,
 //   ATTRIBUTE) per argument.
 #define FA_KERNELS(X, ...)                                                                                       \
-    X(forward, bucket, FA_FORWARD_BUFFERS, FA_READS_SCORE_AND_SINKS, forward_storage,                            \
+    X(forward, bucket, FA_FORWARD_BUFFERS, FA_READS_FORWARD, forward_storage,                                    \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
     X(forward_split, bucket, FA_FORWARD_SPLIT_BUFFERS, FA_READS_SCORE, forward_storage, FA_BUILTINS_SIMDGROUP,   \
       __VA_ARGS__)                                                                                               \
     X(forward_decode, decode_bucket, FA_FORWARD_SPLIT_BUFFERS, FA_READS_SCORE, decode_storage,                   \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
-    X(forward_kvcache, bucket, FA_KV_CACHE_BUFFERS, FA_READS_SCORE_AND_SINKS, forward_storage,                   \
+    X(forward_kvcache, bucket, FA_KV_CACHE_BUFFERS, FA_READS_FORWARD, forward_storage,                           \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
     X(forward_split_kvcache, bucket, FA_KV_CACHE_SPLIT_BUFFERS, FA_READS_SCORE, forward_storage,                 \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
@@ -527,9 +544,9 @@ typedef struct FlashAttentionParams {
       __VA_ARGS__)                                                                                               \
     X(backward_lse_residual, bucket, FA_BACKWARD_LSE_RESIDUAL_BUFFERS, FA_READS_SCORE_AND_SINKS,                 \
       lse_residual_storage, FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                  \
-    X(backward_dq, bucket, FA_BACKWARD_DQ_BUFFERS, FA_READS_SCORE, dq_storage, FA_BUILTINS_SIMDGROUP,            \
+    X(backward_dq, bucket, FA_BACKWARD_DQ_BUFFERS, FA_READS_GRADIENTS, dq_storage, FA_BUILTINS_SIMDGROUP,        \
       __VA_ARGS__)                                                                                               \
-    X(backward_dkv, bucket, FA_BACKWARD_DKV_BUFFERS, FA_READS_SCORE, dkv_storage, FA_BUILTINS_SIMDGROUP,         \
+    X(backward_dkv, bucket, FA_BACKWARD_DKV_BUFFERS, FA_READS_GRADIENTS, dkv_storage, FA_BUILTINS_SIMDGROUP,     \
       __VA_ARGS__)                                                                                               \
     X(backward_dsinks, once, FA_BACKWARD_DSINKS_BUFFERS, FA_READS_NONE, DsinksStorage, FA_BUILTINS_THREAD,       \
       __VA_ARGS__)                                                                                               \
@@ -621,11 +638,15 @@ typedef struct FlashAttentionParams {
 
 // The score features in every kernel that computes scores; the sinks where a kernel starts or ends
 // a row's softmax (the dense forward and the lse residual start it at the sink; the split forward
-// leaves it to its combine).
+// leaves it to its combine); dropout where P meets V or dP (the dense forward, dQ, dK/dV: a problem
+// with dropout is never split).
 #define FA_READS_SCORE(C)                                                                          \
     C(FA_FUNCTION_CONSTANT_MASK_TYPE) C(FA_FUNCTION_CONSTANT_SOFTCAP) C(FA_FUNCTION_CONSTANT_ALIBI)
 #define FA_READS_SINKS(C) C(FA_FUNCTION_CONSTANT_SINKS)
 #define FA_READS_SCORE_AND_SINKS(C) FA_READS_SCORE(C) FA_READS_SINKS(C)
+#define FA_READS_DROPOUT(C) C(FA_FUNCTION_CONSTANT_DROPOUT)
+#define FA_READS_FORWARD(C) FA_READS_SCORE_AND_SINKS(C) FA_READS_DROPOUT(C)
+#define FA_READS_GRADIENTS(C) FA_READS_SCORE(C) FA_READS_DROPOUT(C)
 #define FA_READS_NONE(C)
 
 // ---- built-ins ---------------------------------------------------------------------------------
@@ -1225,7 +1246,7 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
 
 // ---- begin flash_attention_features.h (spliced by tools/embed_shaders.py) ----
 // The score features of a call (flash_attention_params.h, FA_FUNCTION_CONSTANTS: mask type,
-// softcap, ALiBi, sinks), read by the kernels only through these four functions. They are function
+// softcap, ALiBi, sinks, dropout), read by the kernels only through the functions below. They are function
 // constants, fixed when a kernel's pipeline is built, so every test of them folds away and a kernel
 // compiled for "no features" has none of their code. The parameter struct still carries the
 // feature's data (softcap's value, the mask strides); `p` stays in the signatures for that reason
@@ -1242,6 +1263,96 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
 #ifndef FLASH_ATTENTION_FEATURES_H
 #define FLASH_ATTENTION_FEATURES_H
 
+// ---- begin flash_attention_philox.h (spliced by tools/embed_shaders.py) ----
+// Attention dropout's random bits: Philox-4x32-10 (Salmon, Moraes, Dror and Shaw, "Parallel Random
+// Numbers: As Easy as 1, 2, 3", SC 2011; the Random123 library's constants and round function), a
+// counter-based generator: its output is a pure function of a 128-bit counter and a 64-bit key, so
+// every element of the dropout mask is computed where it is used, by any kernel, tiling, head-dim
+// bucket or backend, with the same bits, and the backward regenerates the forward's mask instead
+// of storing it. Known answers: Random123's tests/kat_vectors (tests/python/test_dropout.py).
+//
+// Plain C/C++ over the fixed-width types of flash_attention_params.h: included by the kernels
+// (Metal, the CPU engine, the CUDA check build) and usable from C. The bit-exact Python twin is
+// python/flash_attention_metal/philox.py.
+//
+// The mask of element (batch b, query head h, query row i, key j) of a call with seed and offset
+// (both 64-bit; varlen: b the sequence, i and j counted from the sequence's first row and key):
+//   key     = (seed mod 2^32, seed >> 32)
+//   counter = (c0, c1, c2, c3) with c0 + 2^32 c1 = (offset + j / 4) mod 2^64, c2 = i,
+//             c3 = (b * num_heads + h) mod 2^32
+//   u       = word j mod 4 of Philox-4x32-10(counter, key)
+//   kept    = u >= dropout_threshold, = min(round(p 2^32), 2^32 - 1) of the float32 dropout_p p
+//             (rounded in float64), so P(dropped) = dropout_threshold / 2^32
+// so one Philox call gives four neighbouring keys of a row, and a row's mask depends only on these
+// indices. Kept probabilities are multiplied by dropout_scale = 1 / (1 - p) (float32).
+#ifndef FLASH_ATTENTION_PHILOX_H
+#define FLASH_ATTENTION_PHILOX_H
+
+
+#define FA_PHILOX_M0 0xD2511F53u
+#define FA_PHILOX_M1 0xCD9E8D57u
+#define FA_PHILOX_W0 0x9E3779B9u  // the key schedule's increments (golden ratio, sqrt(3) - 1)
+#define FA_PHILOX_W1 0xBB67AE85u
+#define FA_PHILOX_ROUNDS 10
+
+// Four 32-bit words: a counter or an output block.
+typedef struct FaPhiloxBlock {
+    fa_u32 x0;
+    fa_u32 x1;
+    fa_u32 x2;
+    fa_u32 x3;
+} FaPhiloxBlock;
+
+// The high 32 bits of the 64-bit product a * b (MSL has it as one instruction).
+inline fa_u32 fa_philox_mulhi(fa_u32 a, fa_u32 b) {
+#if defined(__METAL_VERSION__)
+    return mulhi(a, b);
+#else
+    return (fa_u32)(((fa_u64)a * (fa_u64)b) >> 32);
+#endif
+}
+
+// Philox-4x32-10 of `counter` under key (k0, k1): ten rounds, the key bumped between rounds.
+inline FaPhiloxBlock fa_philox4x32_10(FaPhiloxBlock c, fa_u32 k0, fa_u32 k1) {
+    for (int r = 0; r < FA_PHILOX_ROUNDS; ++r) {
+        if (r > 0) {
+            k0 += FA_PHILOX_W0;
+            k1 += FA_PHILOX_W1;
+        }
+        const fa_u32 hi0 = fa_philox_mulhi(FA_PHILOX_M0, c.x0);
+        const fa_u32 lo0 = FA_PHILOX_M0 * c.x0;
+        const fa_u32 hi1 = fa_philox_mulhi(FA_PHILOX_M1, c.x2);
+        const fa_u32 lo1 = FA_PHILOX_M1 * c.x2;
+        FaPhiloxBlock next;
+        next.x0 = hi1 ^ c.x1 ^ k0;
+        next.x1 = lo1;
+        next.x2 = hi0 ^ c.x3 ^ k1;
+        next.x3 = lo0;
+        c = next;
+    }
+    return c;
+}
+
+// The dropout words of keys [4 g, 4 g + 4) of row `row` of (batch, head) `stream` (b * num_heads
+// + h), the mapping above.
+inline FaPhiloxBlock fa_dropout_words(fa_u64 seed, fa_u64 offset, fa_u32 stream, fa_u32 row,
+                                      fa_u32 g) {
+    const fa_u64 position = offset + (fa_u64)g;
+    FaPhiloxBlock counter;
+    counter.x0 = (fa_u32)position;
+    counter.x1 = (fa_u32)(position >> 32);
+    counter.x2 = row;
+    counter.x3 = stream;
+    return fa_philox4x32_10(counter, (fa_u32)seed, (fa_u32)(seed >> 32));
+}
+
+// Word e (0 ... 3) of a block.
+inline fa_u32 fa_philox_word(FaPhiloxBlock w, fa_u32 e) {
+    return e == 0 ? w.x0 : e == 1 ? w.x1 : e == 2 ? w.x2 : w.x3;
+}
+
+#endif
+// ---- end flash_attention_philox.h ----
 
 #if defined(FA_FUNCTION_CONSTANTS_PREDEFINED)
 #elif defined(MSL_FUNCTION_CONSTANT)
@@ -1265,6 +1376,32 @@ inline bool softcap_on(constant FlashAttentionParams &p) { return fa_has_softcap
 inline bool alibi_on(constant FlashAttentionParams &p) { return fa_has_alibi ? true : false; }
 
 inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? true : false; }
+
+inline bool dropout_on(constant FlashAttentionParams &p) { return fa_has_dropout ? true : false; }
+
+// The Philox stream of (batch entry b, query head h) as the kernel sees them (FlashAttentionParams).
+inline uint dropout_stream(constant FlashAttentionParams &p, uint b, uint h) {
+    return p.dropout_stream0 + b * p.dropout_heads + h;
+}
+
+// What P at (row, key) of `stream` is multiplied by: 0 where dropped, dropout_scale where kept
+// (flash_attention_philox.h).
+inline float dropout_factor(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
+    const FaPhiloxBlock w = fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4);
+    return fa_philox_word(w, key % 4) >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+}
+
+// The factors of keys `key` and `key + 1` of one row (a lane's two elements of an 8x8 fragment):
+// one Philox call where both keys lie in one group of four (key % 4 != 3, so always for an even
+// key), a second one otherwise.
+inline float2 dropout_factors(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
+    const FaPhiloxBlock w = fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4);
+    const uint e = key % 4;
+    const uint next = e == 3 ? fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4 + 1).x0
+                             : fa_philox_word(w, e + 1);
+    return float2(fa_philox_word(w, e) >= p.dropout_threshold ? p.dropout_scale : 0.0f,
+                  next >= p.dropout_threshold ? p.dropout_scale : 0.0f);
+}
 
 #endif
 // ---- end flash_attention_features.h ----
@@ -1773,14 +1910,17 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 // over the KV head's K and V): loads the tiles (every thread calls it; V only after S where K and
 // V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
 // `masked`; the lane's row is query `row`), online softmax update, O += P V (without WITH_V,
-// only m and l: V is neither loaded nor multiplied).
-template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
-          typename Storage>
+// only m and l: V is neither loaded nor multiplied). DROPOUT: the kernel reads the dropout
+// function constant (the dense forward; the split kernels never get a call with dropout) and, when
+// it is on, P enters O += P V dropped (its row sum l stays undropped: lse is of the scores), the
+// row's mask drawn from Philox stream `stream` (flash_attention_philox.h).
+template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, bool DROPOUT = false,
+          typename KS, typename VS, typename Storage>
 FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks,
                                    thread VS &vs, device const uchar *mask,
                                    constant FlashAttentionParams &p, uint kv0, bool masked,
                                    uint row, RowModifiers mods, SimdgroupSlice s, FragmentCoord at,
-                                   uint sgid, uint tid) {
+                                   uint sgid, uint tid, uint stream = 0) {
     typedef typename KS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
     constexpr bool SHARED = WITH_V && FA_FORWARD_SHARED(T, DP, BQ, BK);
@@ -1840,6 +1980,14 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
         }
     }
     r.m = m_next;
+    if (WITH_V && DROPOUT && dropout_on(p)) {
+        FA_UNROLL
+        for (uint j = 0; j < NK; ++j) {
+            const float2 keep = dropout_factors(p, stream, row, kv0 + j * 8 + at.col);
+            sc.f[j].thread_elements()[0] *= keep.x;
+            sc.f[j].thread_elements()[1] *= keep.y;
+        }
+    }
 
     if (SHARED) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -1907,6 +2055,7 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     const uint key_begin = key_range(p, q0).first;
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
+    const uint stream = dropout_stream(p, b, h);
 
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
@@ -1917,8 +2066,9 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     const KeyRange unmasked = unmasked_keys(p, q0, BQ);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, !tile_unmasked(unmasked, kv0, BK),
-                                 row, mods, s, at, sgid, tid);
+        forward_tile<DP, BQ, BK, ND, true, true>(r, tg, ks, vs, mask, p, kv0,
+                                                 !tile_unmasked(unmasked, kv0, BK), row, mods, s,
+                                                 at, sgid, tid, stream);
     }
 
     const float l = row_sum(r.l);
@@ -2299,6 +2449,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const float row_lse = row < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
     const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
+    const uint stream = dropout_stream(p, b, h);
 
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
@@ -2339,19 +2490,23 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
-        // dS = P (dP - D) (through the softcap), in place of S.
+        // dS = P (dP - D) (through the softcap), in place of S. With dropout, dP is with respect
+        // to the dropped P (dO V^T) times the mask's factor (D = rowsum(dO O) already is the
+        // dropped out's).
         const TileWindow window =
             tile_window(mods.keys, kv0 + at.col, !tile_unmasked(unmasked, kv0, BK));
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
+            const float2 keep = dropout_on(p) ? dropout_factors(p, stream, row, kv0 + j * 8 + at.col)
+                                              : float2(1.0f);
             FA_UNROLL
             for (uint e = 0; e < 2; ++e) {
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
                                           kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
                 const float pe = probability(x, row_lse, row_residual);
-                sc.f[j].thread_elements()[e] =
-                    through_softcap(p, pe * (dp.f[j].thread_elements()[e] - row_delta), t);
+                const float dpe = dp.f[j].thread_elements()[e] * (e == 0 ? keep.x : keep.y);
+                sc.f[j].thread_elements()[e] = through_softcap(p, pe * (dpe - row_delta), t);
             }
         }
 
@@ -2427,6 +2582,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         seek(ds, dout + head_offset(p.dout, b, h), rows.first);
         // The head's slope and mask start; per element only the mask row moves.
         const RowModifiers head_mods = row_modifiers(p, alibi, b, h, 0);
+        const uint stream = dropout_stream(p, b, h);
         // The head's rows of lse, residual and delta (one 64-bit multiply per head, not per tile).
         const ulong head_rows = lse_index(p, b, h, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
@@ -2459,7 +2615,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
             sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
 
-            // P^T in place of S^T, dS^T (through the softcap) in place of dP^T.
+            // P^T in place of S^T, dS^T (through the softcap) in place of dP^T; with dropout the
+            // dropped P^T for dV and dP^T times the mask's factor (as in dQ).
             const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
             FA_UNROLL
             for (uint j = 0; j < NQ; ++j) {
@@ -2473,9 +2630,10 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                     const float x = score<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
                                               mods, !masked || in_window(mods.keys, key), t);
                     const float pe = probability(x, tg->lse[i], tg->residual[i]);
-                    st.f[j].thread_elements()[e] = pe;
+                    const float kept = dropout_on(p) ? dropout_factor(p, stream, q0 + i, key) : 1.0f;
+                    st.f[j].thread_elements()[e] = pe * kept;
                     dpt.f[j].thread_elements()[e] =
-                        through_softcap(p, pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]), t);
+                        through_softcap(p, pe * (dpt.f[j].thread_elements()[e] * kept - tg->delta[i]), t);
                 }
             }
 
@@ -3484,6 +3642,7 @@ inline void varlen_sequences(device const int *cu_q, device const int *cu_k,
         s.seq_q0 = q0;
         s.seq_k0 = k0;
         s.lse_rows = p.seqlen_q;
+        s.dropout_stream0 = p.dropout_stream0 + b * p.dropout_heads;
     }
 }
 
