@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "6e9434339feab541"
+    static let sourceHash = "f46ec012e88a9264"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: the kernel instances. The kernels are listed in
@@ -1404,8 +1404,11 @@ inline float2 dropout_factors(constant FlashAttentionParams &p, uint stream, uin
     const uint e = key % 4;
     const uint next = e == 3 ? fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4 + 1).x0
                              : fa_philox_word(w, e + 1);
-    return float2(fa_philox_word(w, e) >= p.dropout_threshold ? p.dropout_scale : 0.0f,
-                  next >= p.dropout_threshold ? p.dropout_scale : 0.0f);
+    // Component by component: tools/clcpp's float2 (an ext_vector_type) has no two-argument constructor.
+    float2 f;
+    f.x = fa_philox_word(w, e) >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+    f.y = next >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+    return f;
 }
 
 #endif
