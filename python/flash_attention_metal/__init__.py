@@ -21,7 +21,7 @@ from . import _default, _header, _validation, _varlen, accuracy, quantized, refe
 from ._default import BACKEND_ENV, default_backend, default_context
 from ._native import LIBRARY_ENV
 from .context import BACKENDS, Context
-from .errors import FlashAttentionError
+from .errors import CapacityError, FlashAttentionError
 from .kv_cache import empty_cache, flash_attn_with_kvcache
 from .profile import DispatchProfile, Profile
 
@@ -107,6 +107,7 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "CapacityError",
     "LIBRARY_ENV",
     "Context",
     "DispatchProfile",

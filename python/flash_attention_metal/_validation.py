@@ -303,12 +303,17 @@ class ScoreOptions:
 
 
 def check_window_size(window_size) -> tuple[int, int] | None:
-    """window_size must be a (left, right) tuple or list of ints, each -1 (unbounded) or
+    """window_size must be a (left, right) tuple or list of ints, or a 1-D array or tensor of two
+    integers (FlashAttention's tests pass ``torch.randint(0, n, (2,))``), each -1 (unbounded) or
     0 ... 2**31 - 1; returns it as Python ints, or None for (-1, -1)."""
     def rule() -> str:
         return (f"window_size must be a (left, right) pair, each -1 (unbounded) or a number of keys from 0 to "
                 f"{_INT32_MAX}, got {_short_repr(window_size)}")
 
+    if getattr(window_size, "ndim", None) == 1 and hasattr(window_size, "tolist"):
+        # A NumPy array, torch tensor or MLX array: its elements as Python numbers (integer
+        # dtypes give ints; a float or bool dtype fails the element check below).
+        window_size = window_size.tolist()
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(rule())
     for side in window_size:
