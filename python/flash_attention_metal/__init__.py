@@ -17,7 +17,7 @@ The module functions run on a default Context created on first use; ``$FLASH_ATT
 
 from __future__ import annotations
 
-from . import _default, _header, _validation, _varlen, accuracy, quantized, reference
+from . import _default, _header, _paged_varlen, _validation, _varlen, accuracy, quantized, reference
 from ._default import BACKEND_ENV, default_backend, default_context
 from ._native import LIBRARY_ENV
 from .context import BACKENDS, Context
@@ -65,11 +65,17 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                   softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+                   softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                   block_table=None):
     """``Context.forward_varlen`` on the default context: attention over sequences packed along the
-    rows (FlashAttention's flash_attn_varlen_func); returns (out (total_q, num_heads, head_dim_v),
-    lse float32 (num_heads, total_q)). Arguments, the cu_seqlens tables included, are checked
-    before the library is loaded."""
+    rows (FlashAttention's flash_attn_varlen_func), with k and v paged caches when a block_table is
+    given; returns (out (total_q, num_heads, head_dim_v), lse float32 (num_heads, total_q)).
+    Arguments, the cu_seqlens tables included, are checked before the library is loaded."""
+    if block_table is not None:
+        return _paged_varlen.forward(default_context(), q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, block_table, causal=causal, softmax_scale=softmax_scale,
+                                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                     sinks=sinks)
     checked = _varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                    softmax_scale, window_size=window_size, softcap=softcap,
                                    alibi_slopes=alibi_slopes, sinks=sinks)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import _validation, _varlen
-from . import _host
+from . import _host, _paged_varlen
 from ._tensors import as_numpy as _numpy
 from ._tensors import from_numpy as _tensor
 
@@ -86,7 +86,7 @@ varlen_forward.register_autograd(_forward_backward, setup_context=_setup_context
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=True, return_attn_probs=False):
+                           deterministic=True, return_attn_probs=False, block_table=None):
     """FlashAttention's ``flash_attn_varlen_func``: exact attention over sequences packed along the
     rows, with a fused backward; CPU tensors.
 
@@ -101,9 +101,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         alibi_slopes: float32 (nheads,) or (batch_size, nheads); no gradient.
         deterministic: accepted either way (the backward is always deterministic).
         return_attn_probs: must be False.
+        block_table: None, or int32 (batch_size, max_blocks): k and v are then paged caches
+            (num_blocks, page_block_size, nheads_k, headdim[_v]) and sequence b's keys the first
+            cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows through block_table[b] (vLLM's layout).
+            Forward only, as in FlashAttention: NotImplementedError when q, k or v requires grad
+            (under grad mode).
 
     Returns:
-        out (total_q, nheads, headdim_v) in q's dtype, differentiable with respect to q, k, v.
+        out (total_q, nheads, headdim_v) in q's dtype, differentiable with respect to q, k, v
+        (without block_table).
 
     Raises:
         TypeError, ValueError: invalid arguments, named. NotImplementedError: dropout_p != 0,
@@ -121,7 +127,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if q.ndim != 3:
         raise ValueError(f"q must be 3-D (total_q, nheads, headdim), got shape {tuple(q.shape)}")
     scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[2])
-    left, right = window_size
+    left, right = _validation.check_window_size(window_size) or (-1, -1)
+    if block_table is not None:
+        return _paged_varlen.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                     alibi_slopes, scale, causal, (left, right), softcap)
     out, _ = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, scale,
-                            bool(causal), int(left), int(right), float(softcap))
+                            bool(causal), left, right, float(softcap))
     return out
