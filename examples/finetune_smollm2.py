@@ -266,6 +266,8 @@ def main(argv=None) -> int:
                         help="measure the peak memory of one step at these sequence lengths instead of training")
     parser.add_argument("--table", type=Path, help="with --memory: write the Markdown table here")
     parser.add_argument("--plot", type=Path, help="with --memory: write the PNG plot here")
+    parser.add_argument("--rows", type=Path, help="with --memory: keep the measurements in this JSON file, "
+                        "merged with those of other sequence lengths it holds (table and plot show them all)")
     parser.add_argument("--memory-child", nargs=2, metavar=("RUN", "SEQ_LEN"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child:
@@ -273,6 +275,11 @@ def main(argv=None) -> int:
         return 0
     if args.memory:
         rows = measure_memory(args.memory)
+        if args.rows:
+            kept = json.loads(args.rows.read_text()) if args.rows.is_file() else []
+            rows = sorted([r for r in kept if r["seq_len"] not in args.memory] + rows,
+                          key=lambda r: (r["seq_len"], r["run"]))
+            args.rows.write_text(json.dumps(rows, indent=1) + "\n")
         table = memory_table(rows)
         print(table)
         if args.table:
