@@ -1,13 +1,10 @@
-"""examples/finetune_smollm2.py on a tiny Llama configuration (2 layers, 4 query and 2 KV heads of
-head_dim 16): three AdamW steps through transformers with the library's attention and with
+"""flash_attention_metal.models.smollm2_finetune (examples/finetune_smollm2.py) on a tiny Llama
+configuration (2 layers, 4 query and 2 KV heads of head_dim 16): three AdamW steps through transformers with the library's attention and with
 PyTorch's math SDPA, from the same weights on the same batches, meet the example's criterion
 (per-step losses within 1e-2 relative, the final loss within 2 %), and the weights moved. Needs
 transformers; a few seconds."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("tqdm")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import finetune_smollm2 as finetune  # noqa: E402
+from flash_attention_metal.models import smollm2_finetune as finetune  # noqa: E402
 
 
 def test_losses_agree_with_the_math_backend():
