@@ -14,10 +14,14 @@
 //       (m, l, o) in registers
 //     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
 //     SIMD-group order; the chunk's normalised output and lse go to partial_out / partial_lse,
-//     which forward_combine (flash_attention.metal) merges over the chunks with the sink.
+//     which forward_combine (flash_attention_forward.h) merges over the chunks with the sink.
 //
 // Sums run in a fixed order (lanes by simd_sum, keys in order per SIMD-group, SIMD-groups 0..3,
 // chunks 0..n): results are bit-identical from run to run.
+#ifndef FLASH_ATTENTION_DECODE_H
+#define FLASH_ATTENTION_DECODE_H
+
+#include "flash_attention_forward.h"
 
 // How one lane holds a row of a bucket DP wide: E elements of T, the smallest power of two that
 // covers DP / 32 and fills at least one 32-bit word; LANES lanes hold columns (the others hold
@@ -330,3 +334,5 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
         }
     }
 }
+
+#endif

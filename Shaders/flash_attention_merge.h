@@ -11,6 +11,10 @@
 // A part that saw no key (lse_i = -inf) has weight 0 and its out_i is never read; a row whose
 // parts are all empty gets out = 0 and lse = -inf. -inf is compared, never subtracted from -inf,
 // so no NaN arises from empty parts, while a NaN lse still propagates to out and lse.
+#ifndef FLASH_ATTENTION_MERGE_H
+#define FLASH_ATTENTION_MERGE_H
+
+#include "flash_attention_blocks.h"
 
 // The weight of a part relative to the largest lse m of the parts being merged: exp(lse - m), and
 // exactly 0 for an empty part (lse = -inf), whatever m is.
@@ -71,17 +75,4 @@ inline void attention_merge(device const T *out_a, device const float *lse_a,
     }
 }
 
-// The merge kernel of element type T, named flash_attention_merge_<SUFFIX> (f16, bf16, f32).
-#define FA_DEFINE_MERGE_KERNEL(T, SUFFIX)                                                          \
-    kernel void flash_attention_merge_##SUFFIX(                                                    \
-        device const T *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],                                   \
-        device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],                               \
-        device const T *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],                                   \
-        device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],                               \
-        device T *out [[buffer(FA_MERGE_BUFFER_OUT)]],                                             \
-        device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],                                         \
-        constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],                  \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_merge<T>(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);               \
-    }
+#endif

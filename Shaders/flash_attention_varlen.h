@@ -12,6 +12,10 @@
 // The tables are not trusted: each value is clamped to [0, total] and to at least the values before
 // it, so a wrong table gives disjoint sequences inside the tensors (wrong numbers, rows left
 // unwritten), never an access out of bounds or two threadgroups writing one row.
+#ifndef FLASH_ATTENTION_VARLEN_H
+#define FLASH_ATTENTION_VARLEN_H
+
+#include "flash_attention_blocks.h"
 
 // Threads of flash_attention_varlen_sequences: one threadgroup, each thread a contiguous range of
 // sequences.
@@ -109,3 +113,5 @@ inline void varlen_sequences(device const int *cu_q, device const int *cu_k,
         s.lse_rows = p.seqlen_q;
     }
 }
+
+#endif

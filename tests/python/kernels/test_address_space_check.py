@@ -78,9 +78,9 @@ def test_planted_error_in_the_attention_kernels_fails(tmp_path):
     reference parameter made device) fails the check, naming the address spaces."""
     shaders = tmp_path / "Shaders"
     shutil.copytree(ROOT / "Shaders", shaders)
-    source = shaders / "flash_attention.metal"
-    source.write_text(plant(source.read_text()))
-    result = run_check(source)
+    header = shaders / "flash_attention_products.h"
+    header.write_text(plant(header.read_text()))
+    result = run_check(shaders / "flash_attention.metal")
     assert result.returncode == 1, result.stdout
     assert "address space" in result.stderr, result.stderr
 
