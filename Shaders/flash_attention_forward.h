@@ -96,8 +96,11 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     }
     const float m_next = max(r.m, row_max(tile_max));
     // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0, not NaN.
-    const float m_base = m_next == -INFINITY ? 0.0f : m_next;
-    const float correction = exp_of(r.m - m_base);
+    const float m_base = softmax_shift(m_next);
+    // After a +inf score the shift is 0, not the max, so exp(r.m - 0) could overflow and a lane
+    // whose part of l is 0 would turn NaN (0 * inf): a finite past is dropped (weight 0 beside
+    // +inf) and a +inf past kept as it is. Finite m_next: exp(r.m - m_next) as before.
+    const float correction = m_next == INFINITY ? float(r.m == INFINITY) : exp_of(r.m - m_base);
     r.l *= correction;
     FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
@@ -123,18 +126,20 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     }
 }
 
-// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
+// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key; NaN
+// where l is, from a NaN score, even while m is still -inf; +inf after a +inf score).
 inline float row_lse(float m, float l) {
-    return l > 0.0f ? m + log(l) : -INFINITY;
+    return l == 0.0f ? -INFINITY : m + log(l);
 }
 
 // A split-KV chunk's softmax state at entry `index` of partial_lse: its running max m and log l,
 // apart (entries 2 index and 2 index + 1), so that a chunk's share survives where |m| is too large
 // for float32 to add log l (rows masked with the float32 minimum); (-inf, 0) for a chunk without
-// keys.
+// keys; (NaN, NaN) for a chunk that saw a NaN score (l NaN, m possibly still -inf), so that the
+// combine cannot take it for an empty one.
 inline void store_partial_lse(device float *partial_lse, ulong index, float m, float l) {
-    partial_lse[2 * index] = l > 0.0f ? m : -INFINITY;
-    partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
+    partial_lse[2 * index] = l == 0.0f ? -INFINITY : (isnan(l) ? l : m);
+    partial_lse[2 * index + 1] = l == 0.0f ? 0.0f : log(l);
 }
 
 // The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
@@ -318,8 +323,8 @@ inline void attention_forward_split(device const T *q, KV kv, device const uchar
 // lse = max + log(sum_c w_c), chunks in order; a sink adds its weight to the denominator only. A
 // chunk with lse -inf weighs 0 (its partial output is not used); a row without any key (and no
 // sink) gets out 0, lse -inf.
-// The weight of the chunk at entry `index` of partial_lse relative to the largest chunk max `top`:
-// l exp(m - top), exactly 0 for a chunk without keys.
+// The weight of the chunk at entry `index` of partial_lse relative to the shift `top`
+// (softmax_shift of the largest chunk max): l exp(m - top), exactly 0 for a chunk without keys.
 inline float chunk_weight(device const float *partial_lse, ulong index, float top) {
     const float m = partial_lse[2 * index];
     return m == -INFINITY ? 0.0f : exp((m - top) + partial_lse[2 * index + 1]);
@@ -336,6 +341,7 @@ inline void attention_forward_combine(device const float *partial_out,
     for (uint c = 0; c < p.kv_chunks; ++c) {
         top = max(top, partial_lse[2 * (first + ulong(c) * p.seqlen_q)]);
     }
+    top = softmax_shift(top);
     float total = merge_weight(sink, top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
         total += chunk_weight(partial_lse, first + ulong(c) * p.seqlen_q, top);

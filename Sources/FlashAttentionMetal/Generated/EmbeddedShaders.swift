@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "55d256979de370cd"
+    static let sourceHash = "2bb8cac396ad740b"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: the kernel instances. The kernels are listed in
@@ -737,7 +737,7 @@ typedef struct FlashAttentionParams {
 // ggml-metal.metal, FA_TYPES), and Dawn exposes this f16-input/f32-result configuration on Metal,
 // tested for float32 accumulator precision on Apple M1 (dawn.googlesource.com commit ee1f8a3).
 // The CPU engine and the CUDA check build convert every operand to float32 exactly and accumulate
-// in float32 whatever the operand types (msl_simdgroup_matrix.h, tools/gpu/metal_cuda.h).
+// in float32 whatever the operand types (msl_simdgroup_matrix.h, tests/cuda/metal_cuda.h).
 //
 // Lane mapping (design.md; MLX steel mma.h, metal-flash-attention): with q = lane / 4, a lane holds
 // (row, col) and (row, col + 1) where row = (q & 4) + (lane / 2) % 4 and col = (q & 2) * 2 +
@@ -1606,10 +1606,13 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
     if (alibi_on(p)) {
         x -= m.slope * abs(float(long(row) + long(p.seqlen_k) - long(p.seqlen_q) - long(key)));
     }
+    // An additive -inf hides its key even where the score is NaN or +inf (NaN q, overflow).
     if (mask_type_of(p) == FA_MASK_ADDITIVE) {
-        x += float(((device const T *)mask)[m.mask_row + key]);
+        const float a = float(((device const T *)mask)[m.mask_row + key]);
+        x = a == -INFINITY ? a : x + a;
     } else if (mask_type_of(p) == FA_MASK_ADDITIVE_F32) {
-        x += ((device const float *)mask)[m.mask_row + key];
+        const float a = ((device const float *)mask)[m.mask_row + key];
+        x = a == -INFINITY ? a : x + a;
     }
     return x;
 }
@@ -1626,12 +1629,13 @@ inline float probability(float score, float lse, float residual) {
     return score == -INFINITY ? 0.0f : exp_of((score - lse) - residual);
 }
 
-// The lse a backward row works with: as given where finite; +inf for -inf, +inf and NaN, so that
-// every P and the sink's weight of that row are exp(-inf) = 0 and its gradient is zero, never NaN
-// or inf. The forward gives -inf only to rows without visible keys (all P 0 already); the host
-// rejects the others where it can read lse (LseCheck.swift), this covers lse in GPU memory.
+// The lse a backward row works with: +inf for -inf, so that every P and the sink's weight of that
+// row are exp(-inf) = 0 and its gradient is zero (the forward gives -inf only to rows without
+// visible keys); NaN for NaN and +inf (a row with a NaN or +inf score), so that every gradient the
+// row touches is NaN, as PyTorch's and MLX's, whatever out holds (no lse is refused); finite values
+// as given.
 inline float backward_row_lse(float lse) {
-    return isfinite(lse) ? lse : INFINITY;
+    return isinf(lse) ? (lse < 0.0f ? INFINITY : NAN) : lse;
 }
 
 #endif
@@ -1649,19 +1653,29 @@ inline float backward_row_lse(float lse) {
 //   out = sum_i w_i out_i / sum_i w_i.
 // A part that saw no key (lse_i = -inf) has weight 0 and its out_i is never read; a row whose
 // parts are all empty gets out = 0 and lse = -inf. -inf is compared, never subtracted from -inf,
-// so no NaN arises from empty parts, while a NaN lse still propagates to out and lse.
+// so no NaN arises from empty parts. Non-finite inputs (docs/semantics.md, "Non-finite values"):
+// a NaN lse makes out and lse NaN; a +inf lse (a row with a +inf score) makes lse +inf and out
+// NaN (softmax_shift).
 #ifndef FLASH_ATTENTION_MERGE_H
 #define FLASH_ATTENTION_MERGE_H
 
 
-// The weight of a part relative to the largest lse m of the parts being merged: exp(lse - m), and
-// exactly 0 for an empty part (lse = -inf), whatever m is.
+// The shift subtracted from lse values or scores before exp: the largest one m, or 0 where m is
+// infinite: -inf (nothing seen yet) keeps every exp at 0, and +inf gives the +inf part the weight
+// exp(+inf) = +inf, so that the sum and lse are +inf and out is inf * 0 = NaN, where
+// exp(inf - inf) would make the lse NaN. Finite m is returned unchanged.
+inline float softmax_shift(float m) {
+    return isinf(m) ? 0.0f : m;
+}
+
+// The weight of a part relative to the shift m (softmax_shift of the largest lse of the parts
+// being merged): exp(lse - m), and exactly 0 for an empty part (lse = -inf), whatever m is.
 inline float merge_weight(float part_lse, float max_lse) {
     return part_lse == -INFINITY ? 0.0f : exp(part_lse - max_lse);
 }
 
-// The merged lse from the largest part lse and the sum of the weights: m + log(sum), or -inf when
-// every part is empty (sum 0).
+// The merged lse from the shift m and the sum of the weights: m + log(sum), or -inf when every
+// part is empty (sum 0); NaN or +inf where the sum is.
 inline float merged_lse(float max_lse, float weight_sum) {
     return weight_sum == 0.0f ? -INFINITY : max_lse + log(weight_sum);
 }
@@ -1697,7 +1711,7 @@ inline void attention_merge(device const T *out_a, device const float *lse_a,
     const ulong r = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row);
     const float la = lse_a[r];
     const float lb = lse_b[r];
-    const float m = max(la, lb);
+    const float m = softmax_shift(max(la, lb));
     const float wa = merge_weight(la, m);
     const float wb = merge_weight(lb, m);
     const float sum = wa + wb;
@@ -1805,8 +1819,11 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     }
     const float m_next = max(r.m, row_max(tile_max));
     // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0, not NaN.
-    const float m_base = m_next == -INFINITY ? 0.0f : m_next;
-    const float correction = exp_of(r.m - m_base);
+    const float m_base = softmax_shift(m_next);
+    // After a +inf score the shift is 0, not the max, so exp(r.m - 0) could overflow and a lane
+    // whose part of l is 0 would turn NaN (0 * inf): a finite past is dropped (weight 0 beside
+    // +inf) and a +inf past kept as it is. Finite m_next: exp(r.m - m_next) as before.
+    const float correction = m_next == INFINITY ? float(r.m == INFINITY) : exp_of(r.m - m_base);
     r.l *= correction;
     FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
@@ -1832,18 +1849,20 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     }
 }
 
-// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
+// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key; NaN
+// where l is, from a NaN score, even while m is still -inf; +inf after a +inf score).
 inline float row_lse(float m, float l) {
-    return l > 0.0f ? m + log(l) : -INFINITY;
+    return l == 0.0f ? -INFINITY : m + log(l);
 }
 
 // A split-KV chunk's softmax state at entry `index` of partial_lse: its running max m and log l,
 // apart (entries 2 index and 2 index + 1), so that a chunk's share survives where |m| is too large
 // for float32 to add log l (rows masked with the float32 minimum); (-inf, 0) for a chunk without
-// keys.
+// keys; (NaN, NaN) for a chunk that saw a NaN score (l NaN, m possibly still -inf), so that the
+// combine cannot take it for an empty one.
 inline void store_partial_lse(device float *partial_lse, ulong index, float m, float l) {
-    partial_lse[2 * index] = l > 0.0f ? m : -INFINITY;
-    partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
+    partial_lse[2 * index] = l == 0.0f ? -INFINITY : (isnan(l) ? l : m);
+    partial_lse[2 * index + 1] = l == 0.0f ? 0.0f : log(l);
 }
 
 // The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
@@ -2027,8 +2046,8 @@ inline void attention_forward_split(device const T *q, KV kv, device const uchar
 // lse = max + log(sum_c w_c), chunks in order; a sink adds its weight to the denominator only. A
 // chunk with lse -inf weighs 0 (its partial output is not used); a row without any key (and no
 // sink) gets out 0, lse -inf.
-// The weight of the chunk at entry `index` of partial_lse relative to the largest chunk max `top`:
-// l exp(m - top), exactly 0 for a chunk without keys.
+// The weight of the chunk at entry `index` of partial_lse relative to the shift `top`
+// (softmax_shift of the largest chunk max): l exp(m - top), exactly 0 for a chunk without keys.
 inline float chunk_weight(device const float *partial_lse, ulong index, float top) {
     const float m = partial_lse[2 * index];
     return m == -INFINITY ? 0.0f : exp((m - top) + partial_lse[2 * index + 1]);
@@ -2045,6 +2064,7 @@ inline void attention_forward_combine(device const float *partial_out,
     for (uint c = 0; c < p.kv_chunks; ++c) {
         top = max(top, partial_lse[2 * (first + ulong(c) * p.seqlen_q)]);
     }
+    top = softmax_shift(top);
     float total = merge_weight(sink, top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
         total += chunk_weight(partial_lse, first + ulong(c) * p.seqlen_q, top);
@@ -2766,8 +2786,9 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
                 float t;
                 const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], in_window(mods[r].keys, j), t);
                 const float m_next = max(m[r], s);
-                // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0.
-                const float m_base = m_next == -INFINITY ? 0.0f : m_next;
+                // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0
+                // (softmax_shift: +inf gives l +inf, not NaN).
+                const float m_base = softmax_shift(m_next);
                 const float correction = exp_of(m[r] - m_base);
                 const float pe = exp_of(s - m_base);
                 l[r] = fma(l[r], correction, pe);
@@ -2802,7 +2823,7 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
             for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
                 top = max(top, tg->m[g][r]);
             }
-            const float base = top == -INFINITY ? 0.0f : top;
+            const float base = softmax_shift(top);
             float total = 0.0f;
             float acc = 0.0f;
             for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
@@ -2811,7 +2832,8 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
                 acc = fma(tg->o[g][r][d], w, acc);
             }
             const ulong index = partial_index(p, rows, b, kv_head, rows.first + r, chunk);
-            partial_out[index * p.head_dim_v + d] = total > 0.0f ? acc / total : 0.0f;
+            // (total NaN, from a NaN score, must reach partial_out: never taken for an empty row.)
+            partial_out[index * p.head_dim_v + d] = total == 0.0f ? 0.0f : acc / total;
             if (d == 0) {
                 store_partial_lse(partial_lse, index, top, total);
             }
@@ -3405,7 +3427,7 @@ inline uint clamped_boundary(device const int *cu_seqlens, uint i, uint limit) {
 }
 
 // dst = src word by word: MSL has no implicit copy of a struct between the constant and device
-// address spaces (tools/check_address_spaces.py enforces that), and this follows any new field.
+// address spaces (tests/static/check_address_spaces.py enforces that), and this follows any new field.
 inline void copy_params(device FlashAttentionParams &dst, constant FlashAttentionParams &src) {
     static_assert(sizeof(FlashAttentionParams) % 4 == 0, "FlashAttentionParams is whole 32-bit words");
     device uint *to = reinterpret_cast<device uint *>(&dst);

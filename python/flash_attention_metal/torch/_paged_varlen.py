@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .. import _paged_varlen
 from . import _host
-from ._tensors import as_numpy, from_numpy
+from ._tensors import as_numpy, check_index, from_numpy
 
 _NAMESPACE = "flash_attention_metal"
 
@@ -50,6 +50,8 @@ def forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if block_table.device.type != "cpu":
         raise NotImplementedError(f"block_table is on {block_table.device}: flash_attn_varlen_func runs on CPU "
                                   "tensors only")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("block_table", block_table)):
+        check_index(name, t)
     out, _ = paged_varlen_forward(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                   int(max_seqlen_k), block_table, alibi_slopes, scale, bool(causal), window[0],
                                   window[1], float(softcap))
