@@ -281,8 +281,8 @@ typedef struct FlashAttentionParams {
 // The GPU core count plans assume without the FLASH_ATTENTION_GPU_CORES override: 10, the GPU of
 // the base M1-M4 chips (Apple's tech specs), so the CPU engine plans as for that GPU.
 #define FA_NOMINAL_GPU_CORES 10
-// The decode forward (flash_attention_decode.h): each threadgroup takes FA_DECODE_ROWS(DP) packed
-// rows, whose q and output slices every lane keeps in registers (FA_DECODE_ROWS(DP) x DP / 32
+// The decode forward (flash_attention_decode.h): each threadgroup takes up to FA_DECODE_ROWS(DP)
+// packed rows, whose q and output slices every lane keeps in registers (FA_DECODE_ROWS(DP) x DP / 32
 // floats of each, 32 at most: both within FA_MAX_ACCUMULATOR_FLOATS, asserted at the kernel), and
 // stores FA_SIMDGROUPS such states in threadgroup memory once, at the end
 // (FA_DECODE_THREADGROUP_BYTES). It serves a split problem whose packed rows per KV head
@@ -290,8 +290,13 @@ typedef struct FlashAttentionParams {
 // more rows would be more row blocks, each reading the whole cache, where the tiled split kernel
 // reads it once per forward_block_q rows (K/V tiles shared by its SIMD-groups); wider rows would
 // outgrow the registers. Buckets above FA_DECODE_MAX_HEAD_DIM have no decode instance.
+// The block's rows take the smallest instance of 1, 2, 4 or FA_DECODE_ROWS(DP) rows that holds its
+// live rows, whose key loop takes FA_DECODE_KEYS(ROWS, E) keys per iteration and SIMD-group (E:
+// elements of a row per lane): their loads in flight at once, one rescale of the outputs per
+// iteration; 4, or 2 where ROWS x E reaches 32 (the K/V slices would outgrow the registers).
 #define FA_DECODE_MAX_HEAD_DIM 256
 #define FA_DECODE_ROWS(DP) ((DP) <= 128 ? 8 : 4)
+#define FA_DECODE_KEYS(ROWS, E) ((ROWS) * (E) >= 32 ? 2 : 4)
 #define FA_DECODE_THREADGROUP_BYTES(DP) (FA_SIMDGROUPS * FA_DECODE_ROWS(DP) * ((DP) + 2) * 4)
 #define FA_DECODE_SERVES(DP, PACKED_ROWS) ((DP) <= FA_DECODE_MAX_HEAD_DIM && (PACKED_ROWS) <= FA_DECODE_ROWS(DP))
 // FA_IF_DECODE(DP, ...): the arguments where bucket DP has a decode instance (DP <=
