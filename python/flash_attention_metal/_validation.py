@@ -326,14 +326,17 @@ def check_dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int, 
 
 
 def check_window_size(window_size) -> tuple[int, int] | None:
-    """window_size must be a (left, right) tuple, list or 1-d integer NumPy array of ints, each -1
-    (unbounded) or 0 ... 2**31 - 1; returns it as Python ints, or None for (-1, -1)."""
+    """window_size must be a (left, right) tuple or list of ints, or a 1-D array or tensor of two
+    integers (FlashAttention's tests pass ``torch.randint(0, n, (2,))``), each -1 (unbounded) or
+    0 ... 2**31 - 1; returns it as Python ints, or None for (-1, -1)."""
     def rule() -> str:
         return (f"window_size must be a (left, right) pair, each -1 (unbounded) or a number of keys from 0 to "
                 f"{_INT32_MAX}, got {_short_repr(window_size)}")
 
-    if isinstance(window_size, np.ndarray) and window_size.ndim == 1 and window_size.dtype.kind in "iu":
-        window_size = window_size.tolist()  # np.array([3, 0]): a pair of Python ints
+    if getattr(window_size, "ndim", None) == 1 and hasattr(window_size, "tolist"):
+        # A NumPy array, torch tensor or MLX array: its elements as Python numbers (integer
+        # dtypes give ints; a float or bool dtype fails the element check below).
+        window_size = window_size.tolist()
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(rule())
     for side in window_size:

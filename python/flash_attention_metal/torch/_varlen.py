@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .. import _validation, _varlen
-from . import _host
+from . import _host, _paged_varlen
 from ._interface import _check_dropout, draw_dropout
 from ._tensors import as_numpy as _numpy
 from ._tensors import check_index
@@ -93,7 +93,7 @@ varlen_forward.register_autograd(_forward_backward, setup_context=_setup_context
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=True, return_attn_probs=False):
+                           deterministic=True, return_attn_probs=False, block_table=None):
     """FlashAttention's ``flash_attn_varlen_func``: exact attention over sequences packed along the
     rows, with a fused backward; CPU tensors.
 
@@ -113,11 +113,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return_attn_probs: False returns out; True (out, softmax_lse, S_dmask) with softmax_lse
             float32 (nheads, total_q) (FlashAttention's varlen layout) and S_dmask FlashAttention's
             empty placeholder at dropout_p 0; at dropout_p > 0 S_dmask is refused
-            (NotImplementedError): use flash_attn_func's.
+            (NotImplementedError): use flash_attn_func's. Not with block_table.
+        block_table: None, or int32 (batch_size, max_blocks): k and v are then paged caches
+            (num_blocks, page_block_size, nheads_k, headdim[_v]) and sequence b's keys the first
+            cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows through block_table[b] (vLLM's layout).
+            Forward only, as in FlashAttention: NotImplementedError when q, k or v requires grad
+            (under grad mode), with dropout_p > 0 or with return_attn_probs.
 
     Returns:
-        out (total_q, nheads, headdim_v) in q's dtype, differentiable with respect to q, k, v; with
-        return_attn_probs the tuple above.
+        out (total_q, nheads, headdim_v) in q's dtype, differentiable with respect to q, k, v
+        (without block_table); with return_attn_probs the tuple above.
 
     Raises:
         TypeError, ValueError: invalid arguments, named. NotImplementedError: return_attn_probs
@@ -137,7 +142,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if q.ndim != 3:
         raise ValueError(f"q must be 3-D (total_q, nheads, headdim), got shape {tuple(q.shape)}")
     scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[2])
-    left, right = window_size
+    left, right = _validation.check_window_size(window_size) or (-1, -1)
+    if block_table is not None:
+        if dropout_p > 0 or return_attn_probs:
+            raise NotImplementedError("flash_attn_varlen_func with block_table runs without dropout_p and "
+                                      "return_attn_probs (paged K/V is forward-only inference): pass dropout_p=0.0 "
+                                      "and return_attn_probs=False")
+        return _paged_varlen.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+                                     alibi_slopes, scale, causal, (left, right), softcap)
     out, lse = varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, scale,
-                              bool(causal), int(left), int(right), float(softcap), *draw_dropout(dropout_p, q.device))
+                              bool(causal), left, right, float(softcap), *draw_dropout(dropout_p, q.device))
     return (out, lse, q.new_empty((0,))) if return_attn_probs else out

@@ -211,10 +211,18 @@ def test_errors_leave_the_cache_untouched():
     with pytest.raises(ValueError, match="needs bits"):
         fam.flash_attn_with_kvcache(q, quantized.quantize(k_cache, 64, 8), v_cache, cache_seqlens=1)
     assert np.array_equal(k_cache, before)
-    for name, value in [("rotary_cos", k_cache), ("rotary_sin", k_cache), ("rotary_interleaved", False),
-                        ("cache_leftpad", np.int32([0, 0])), ("num_splits", 2)]:
-        with pytest.raises(NotImplementedError, match=name):
-            fam.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1, **{name: value})
+    with pytest.raises(fam.CapacityError, match=r"cache_seqlens\[1\] = 32: .*block_table") as caught:
+        fam.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.int32([3, 32]),
+                                    block_table=np.int32([[0, 1], [2, 3]]))
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, RuntimeError)
+    with pytest.raises(ValueError, match=r"cache_leftpad\[1\] = 2: must lie in \[0, cache_seqlens\]"):
+        fam.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=1, cache_leftpad=np.int32([0, 2]))
+    with pytest.raises(ValueError, match="need k and v"):
+        fam.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1, rotary_cos=k_cache[0, :, 0],
+                                    rotary_sin=k_cache[0, :, 0])
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        fam.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1, rotary=None)
+    assert np.array_equal(k_cache, before)
 
 
 def test_c_abi_rejects_a_wrong_table(ctx):
