@@ -1,4 +1,4 @@
-"""tools/check_address_spaces.py: the kernels compile with MSL's address spaces enforced (clang, C++
+"""tests/static/check_address_spaces.py: the kernels compile with MSL's address spaces enforced (clang, C++
 for OpenCL 2021), and a planted address-space error, which the CPU engine cannot see, fails it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-CHECK = ROOT / "tools" / "check_address_spaces.py"
+CHECK = ROOT / "tests" / "static" / "check_address_spaces.py"
 
 # A function parameter `thread T *name` or `thread T &name`.
 THREAD_PARAMETER = re.compile(r"[(,]\s*(thread)\s+(?:const\s+)?[\w:<>]+(?:\s+const)?\s*[*&]\s*\w+\s*[,)]")

@@ -3,7 +3,7 @@ docs/specialisation.md): every kernel references exactly the constants the plan 
 dispatches (Metal refuses a pipeline whose kernel references one without a value, whether or not it
 runs that code); the source accepts the prelude that hosts without function constants put before it
 (PyTorch's compile_shader); and a kernel compiled with a feature off holds none of its code.
-Checked in clang's LLVM IR of the C++ for OpenCL compile of tools/check_address_spaces.py."""
+Checked in clang's LLVM IR of the C++ for OpenCL compile of tests/static/check_address_spaces.py."""
 
 from __future__ import annotations
 
@@ -22,14 +22,15 @@ import flash_attention_metal as fam
 from conftest import make_inputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-CHECK = ROOT / "tools" / "check_address_spaces.py"
+CHECK = ROOT / "tests" / "static" / "check_address_spaces.py"
 
 _spec = importlib.util.spec_from_file_location("check_address_spaces", CHECK)
 check_address_spaces = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_address_spaces)
 
 
-def prelude(mask_type: int = 0, softcap: bool = False, alibi: bool = False, sinks: bool = False) -> str:
+def prelude(mask_type: int = 0, softcap: bool = False, alibi: bool = False, sinks: bool = False,
+            dropout: bool = False) -> str:
     """The text functionConstantPrelude (Specialization.swift) writes; SpecializationTests pins it."""
     def flag(on: bool) -> str:
         return "true" if on else "false"
@@ -37,7 +38,8 @@ def prelude(mask_type: int = 0, softcap: bool = False, alibi: bool = False, sink
             f"constant uint fa_mask_type = {mask_type};\n"
             f"constant bool fa_has_softcap = {flag(softcap)};\n"
             f"constant bool fa_has_alibi = {flag(alibi)};\n"
-            f"constant bool fa_has_sinks = {flag(sinks)};\n")
+            f"constant bool fa_has_sinks = {flag(sinks)};\n"
+            f"constant bool fa_has_dropout = {flag(dropout)};\n")
 
 
 def specialised_source(tmp_path: pathlib.Path, text: str) -> pathlib.Path:
@@ -71,7 +73,7 @@ def optimised_ir(clang: str, source: pathlib.Path) -> str:
 
 
 FUNCTION = re.compile(r"^define [^@]*@\"?([\w.$]+)\"?\(.*?^}", re.MULTILINE | re.DOTALL)
-CONSTANT = re.compile(r"@(fa_mask_type|fa_has_softcap|fa_has_alibi|fa_has_sinks)\b")
+CONSTANT = re.compile(r"@(fa_mask_type|fa_has_softcap|fa_has_alibi|fa_has_sinks|fa_has_dropout)\b")
 CALL = re.compile(r"\bcall [^@\n]*@\"?([\w.$]+)\"?\(")
 SUFFIX = re.compile(r"_(f16|bf16|f32)(_d\d+)?$")
 

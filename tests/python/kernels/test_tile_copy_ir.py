@@ -1,4 +1,4 @@
-"""tools/check_tile_copies.py: the kernels' tile copies move 16-byte chunks with no 64-bit multiply
+"""tests/static/check_tile_copies.py: the kernels' tile copies move 16-byte chunks with no 64-bit multiply
 or division (issue 21, item 1), the per-tile steps are inlined and the products of two half tiles
 widen no element (item 7), read in clang's LLVM IR; and copies of the kernels with a planted
 per-element multiply, a narrow load, float operands or an out-of-line tile step fail it."""
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-CHECK = ROOT / "tools" / "check_tile_copies.py"
+CHECK = ROOT / "tests" / "static" / "check_tile_copies.py"
 LOADER = "flash_attention_loader.h"
 KERNELS = "flash_attention.metal"
 

@@ -8,7 +8,7 @@ emits LLVM IR for the SPIR target, which instantiates every template a kernel us
 requires one emitted kernel for every kernel the preprocessed source defines. Warnings are errors,
 as for `xcrun metal -Werror` in build.sh.
 
-Usage: tools/check_address_spaces.py [--clang PATH] [FILE.metal ...]   (default: Shaders/*.metal)
+Usage: tests/static/check_address_spaces.py [--clang PATH] [FILE.metal ...]   (default: Shaders/*.metal)
 Exit status: 0 all compiled, 1 a compile error or a kernel not emitted, 2 no usable clang.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADER_DIR = ROOT / "tools" / "clcpp"
 PARAMS = ROOT / "Shaders" / "flash_attention_params.h"
 KERNEL_DEFINITION = re.compile(r"\b(?:__)?kernel\s+void\s+(\w+)\s*\(")
