@@ -17,7 +17,7 @@ ROOT=$(pwd)
 SOURCES=${1:-$ROOT/Sources/FlashAttentionMetal}
 OUT=${METAL_STANDIN_OUT:-$ROOT/build/metal-standin}
 RELEASE=$ROOT/.build/release
-for object in "$RELEASE/MSLEngine.build/flash_attention_kernels.cpp.o" \
+for object in "$RELEASE/MSLEngine.build/flash_attention_kernels_f16.cpp.o" \
     "$RELEASE/CFlashAttentionMetal.build/flash_attention_metal.c.o"; do
     [[ -f $object ]] || { echo "metal_standin/build.sh: $object is missing: run ./build.sh first" >&2; exit 1; }
 done

@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "55d256979de370cd"
+    static let sourceHash = "c96852c24f30e9c3"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: the kernel instances. The kernels are listed in
@@ -140,8 +140,7 @@ typedef struct FlashAttentionParams {
     fa_u32 seqlen_k;
     fa_u32 head_dim;      // of q and k (and dq, dk)
     fa_u32 head_dim_v;    // of v, out, dout and dv
-    fa_u32 causal;        // 0 or 1 (the host folds it into window_right = 0 as well)
-    // Sliding window, bottom-right aligned: query i sees key j iff
+    // Sliding window, bottom-right aligned (causal is window_right 0): query i sees key j iff
     // i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right;
     // -1 leaves that side unbounded.
     fa_i32 window_left;
@@ -178,7 +177,6 @@ typedef struct FlashAttentionParams {
     fa_u32 kv_num_blocks;
     fa_u32 kv_bits;
     fa_u32 kv_group_size;
-    fa_u32 kv_reserved;  // keeps the struct a multiple of 8 bytes
     // Variable-length batches (packed sequences, FlashAttention's varlen call; flash_attention_varlen.h).
     // 0: a dense problem. Otherwise the number of sequences: the host's struct then describes the
     // packed tensors as one batch entry of seqlen_q = total_q rows and seqlen_k = total_k keys, and
@@ -3659,13 +3657,13 @@ inline void kernel_merge(FA_PARAMETERS(FA_MERGE_BUFFERS, T), uint3 tgid, uint ti
 #define FA_DEFINE_BUCKET_KERNELS(T, SUFFIX, DP) FA_KERNELS(FA_AT_BUCKET, FA_DEFINE_KERNEL, T, SUFFIX, DP)
 #define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX) FA_KERNELS(FA_AT_DTYPE, FA_DEFINE_KERNEL, T, SUFFIX, 0)
 #define FA_DEFINE_ONCE_KERNELS() FA_KERNELS(FA_AT_ONCE, FA_DEFINE_KERNEL, uchar, , 0)
-
-#endif
-// ---- end flash_attention_kernels.h ----
-
+// The bucket kernels of each dtype, for its table: FA_HEAD_DIM_BUCKETS(FA_DEFINE_F16).
 #define FA_DEFINE_F16(DP, ...) FA_DEFINE_BUCKET_KERNELS(half, f16, DP)
 #define FA_DEFINE_BF16(DP, ...) FA_DEFINE_BUCKET_KERNELS(bfloat, bf16, DP)
 #define FA_DEFINE_F32(DP, ...) FA_DEFINE_BUCKET_KERNELS(float, f32, DP)
+
+#endif
+// ---- end flash_attention_kernels.h ----
 
 FA_DEFINE_ONCE_KERNELS()
 FA_DEFINE_DTYPE_KERNELS(half, f16)
