@@ -8,6 +8,10 @@
 #   ./build.sh test    build, then every test: the address-space check of the kernels, swift test,
 #                      the sanitized run, the C program, on Linux the Metal backend's build against
 #                      the stand-in Metal module, pytest (with the workflow linters)
+#   ./build.sh test --quick
+#                      build, then the quick tier: the C programs and the pytest tests marked quick
+#                      (tests/python/conftest.py), about one per feature; no swift test, sanitizers,
+#                      stand-in or planted-fault builds (docs/testing.md)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 ROOT=$(pwd)
@@ -163,14 +167,14 @@ run_c_test() {
 # 2021). Swift toolchains and Xcode ship a clang that can; where none can, install one with apt-get
 # when that is possible, else skip loudly.
 check_address_spaces() {
-    say "address-space check of Shaders/*.metal (tools/check_address_spaces.py)"
+    say "address-space check of Shaders/*.metal (tests/static/check_address_spaces.py)"
     local status=0
-    python3 tools/check_address_spaces.py || status=$?
+    python3 tests/static/check_address_spaces.py || status=$?
     if [[ $status == 2 ]] && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
         say "installing clang with apt-get for the address-space check"
         if apt-get install -y -qq clang >/dev/null; then
             status=0
-            python3 tools/check_address_spaces.py || status=$?
+            python3 tests/static/check_address_spaces.py || status=$?
         fi
     fi
     case $status in
@@ -210,7 +214,7 @@ run_tests() {
     swift test
     run_c_test
     if [[ "$(uname -s)" != Darwin ]]; then
-        # The Metal backend compiled against the stand-in Metal module; tests/python/test_metal_standin.py runs it.
+        # The Metal backend compiled against the stand-in Metal module; tests/python/kernels/test_metal_standin.py runs it.
         say "the Metal backend on the stand-in Metal module (tests/metal_standin/build.sh)"
         tests/metal_standin/build.sh
     fi
@@ -230,8 +234,19 @@ run_tests() {
     say "pytest: the serial tests, alone"
     # Only the files that mark tests serial are collected again (paths without spaces).
     # shellcheck disable=SC2046
-    .venv/bin/python -m pytest -q -m serial $(grep -l 'mark\.serial' tests/python/test_*.py)
+    .venv/bin/python -m pytest -q -m serial $(grep -rl --include='test_*.py' 'mark\.serial' tests/python)
     say "all tests passed"
+}
+
+# The quick tier: what a kernel or API change most often breaks, for the inner loop.
+run_quick_tests() {
+    build_library
+    setup_venv
+    build_mlx_extension
+    run_c_test
+    say "pytest: the quick tier (-m quick) on every core"
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest tests/python -q -n auto -m quick
+    say "quick tests passed (./build.sh test runs everything)"
 }
 
 case "${1:-build}" in
@@ -247,10 +262,16 @@ case "${1:-build}" in
         say "SmolLM2-135M-Instruct answering a chat prompt, every attention call through the library"
         .venv/bin/python examples/smollm2_generate.py
         ;;
-    test) run_tests ;;
-    -h | --help | help) sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' ;;
+    test)
+        case "${2:-}" in
+            "") run_tests ;;
+            --quick) run_quick_tests ;;
+            *) echo "build.sh: unknown option '$2' (use: ./build.sh test [--quick])" >&2; exit 2 ;;
+        esac
+        ;;
+    -h | --help | help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' ;;
     *)
-        echo "build.sh: unknown command '$1' (use: ./build.sh [build|run|test])" >&2
+        echo "build.sh: unknown command '$1' (use: ./build.sh [build|run|test [--quick]])" >&2
         exit 2
         ;;
 esac

@@ -50,14 +50,17 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 // over the KV head's K and V): loads the tiles (every thread calls it; V only after S where K and
 // V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
 // `masked`; the lane's row is query `row`), online softmax update, O += P V (without WITH_V,
-// only m and l: V is neither loaded nor multiplied).
-template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
-          typename Storage>
+// only m and l: V is neither loaded nor multiplied). DROPOUT: the kernel reads the dropout
+// function constant (the dense forward; the split kernels never get a call with dropout) and, when
+// it is on, P enters O += P V dropped (its row sum l stays undropped: lse is of the scores), the
+// row's mask drawn from Philox stream `stream` (flash_attention_philox.h).
+template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, bool DROPOUT = false,
+          typename KS, typename VS, typename Storage>
 FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks,
                                    thread VS &vs, device const uchar *mask,
                                    constant FlashAttentionParams &p, uint kv0, bool masked,
                                    uint row, RowModifiers mods, SimdgroupSlice s, FragmentCoord at,
-                                   uint sgid, uint tid) {
+                                   uint sgid, uint tid, uint stream = 0) {
     typedef typename KS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
     constexpr bool SHARED = WITH_V && FA_FORWARD_SHARED(T, DP, BQ, BK);
@@ -96,8 +99,11 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     }
     const float m_next = max(r.m, row_max(tile_max));
     // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0, not NaN.
-    const float m_base = m_next == -INFINITY ? 0.0f : m_next;
-    const float correction = exp_of(r.m - m_base);
+    const float m_base = softmax_shift(m_next);
+    // After a +inf score the shift is 0, not the max, so exp(r.m - 0) could overflow and a lane
+    // whose part of l is 0 would turn NaN (0 * inf): a finite past is dropped (weight 0 beside
+    // +inf) and a +inf past kept as it is. Finite m_next: exp(r.m - m_next) as before.
+    const float correction = m_next == INFINITY ? float(r.m == INFINITY) : exp_of(r.m - m_base);
     r.l *= correction;
     FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
@@ -114,6 +120,14 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
         }
     }
     r.m = m_next;
+    if (WITH_V && DROPOUT && dropout_on(p)) {
+        FA_UNROLL
+        for (uint j = 0; j < NK; ++j) {
+            const float2 keep = dropout_factors(p, stream, row, kv0 + j * 8 + at.col);
+            sc.f[j].thread_elements()[0] *= keep.x;
+            sc.f[j].thread_elements()[1] *= keep.y;
+        }
+    }
 
     if (SHARED) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -123,18 +137,20 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     }
 }
 
-// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
+// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key; NaN
+// where l is, from a NaN score, even while m is still -inf; +inf after a +inf score).
 inline float row_lse(float m, float l) {
-    return l > 0.0f ? m + log(l) : -INFINITY;
+    return l == 0.0f ? -INFINITY : m + log(l);
 }
 
 // A split-KV chunk's softmax state at entry `index` of partial_lse: its running max m and log l,
 // apart (entries 2 index and 2 index + 1), so that a chunk's share survives where |m| is too large
 // for float32 to add log l (rows masked with the float32 minimum); (-inf, 0) for a chunk without
-// keys.
+// keys; (NaN, NaN) for a chunk that saw a NaN score (l NaN, m possibly still -inf), so that the
+// combine cannot take it for an empty one.
 inline void store_partial_lse(device float *partial_lse, ulong index, float m, float l) {
-    partial_lse[2 * index] = l > 0.0f ? m : -INFINITY;
-    partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
+    partial_lse[2 * index] = l == 0.0f ? -INFINITY : (isnan(l) ? l : m);
+    partial_lse[2 * index + 1] = l == 0.0f ? 0.0f : log(l);
 }
 
 // The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
@@ -179,6 +195,7 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     const uint key_begin = key_range(p, q0).first;
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
+    const uint stream = dropout_stream(p, b, h);
 
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
@@ -189,8 +206,9 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     const KeyRange unmasked = unmasked_keys(p, q0, BQ);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, !tile_unmasked(unmasked, kv0, BK),
-                                 row, mods, s, at, sgid, tid);
+        forward_tile<DP, BQ, BK, ND, true, true>(r, tg, ks, vs, mask, p, kv0,
+                                                 !tile_unmasked(unmasked, kv0, BK), row, mods, s,
+                                                 at, sgid, tid, stream);
     }
 
     const float l = row_sum(r.l);
@@ -318,8 +336,8 @@ inline void attention_forward_split(device const T *q, KV kv, device const uchar
 // lse = max + log(sum_c w_c), chunks in order; a sink adds its weight to the denominator only. A
 // chunk with lse -inf weighs 0 (its partial output is not used); a row without any key (and no
 // sink) gets out 0, lse -inf.
-// The weight of the chunk at entry `index` of partial_lse relative to the largest chunk max `top`:
-// l exp(m - top), exactly 0 for a chunk without keys.
+// The weight of the chunk at entry `index` of partial_lse relative to the shift `top`
+// (softmax_shift of the largest chunk max): l exp(m - top), exactly 0 for a chunk without keys.
 inline float chunk_weight(device const float *partial_lse, ulong index, float top) {
     const float m = partial_lse[2 * index];
     return m == -INFINITY ? 0.0f : exp((m - top) + partial_lse[2 * index + 1]);
@@ -336,6 +354,7 @@ inline void attention_forward_combine(device const float *partial_out,
     for (uint c = 0; c < p.kv_chunks; ++c) {
         top = max(top, partial_lse[2 * (first + ulong(c) * p.seqlen_q)]);
     }
+    top = softmax_shift(top);
     float total = merge_weight(sink, top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
         total += chunk_weight(partial_lse, first + ulong(c) * p.seqlen_q, top);

@@ -19,7 +19,7 @@
 // ggml-metal.metal, FA_TYPES), and Dawn exposes this f16-input/f32-result configuration on Metal,
 // tested for float32 accumulator precision on Apple M1 (dawn.googlesource.com commit ee1f8a3).
 // The CPU engine and the CUDA check build convert every operand to float32 exactly and accumulate
-// in float32 whatever the operand types (msl_simdgroup_matrix.h, tools/gpu/metal_cuda.h).
+// in float32 whatever the operand types (msl_simdgroup_matrix.h, tests/cuda/metal_cuda.h).
 //
 // Lane mapping (design.md; MLX steel mma.h, metal-flash-attention): with q = lane / 4, a lane holds
 // (row, col) and (row, col + 1) where row = (q & 4) + (lane / 2) % 4 and col = (q & 2) * 2 +

@@ -88,10 +88,13 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
     if (alibi_on(p)) {
         x -= m.slope * abs(float(long(row) + long(p.seqlen_k) - long(p.seqlen_q) - long(key)));
     }
+    // An additive -inf hides its key even where the score is NaN or +inf (NaN q, overflow).
     if (mask_type_of(p) == FA_MASK_ADDITIVE) {
-        x += float(((device const T *)mask)[m.mask_row + key]);
+        const float a = float(((device const T *)mask)[m.mask_row + key]);
+        x = a == -INFINITY ? a : x + a;
     } else if (mask_type_of(p) == FA_MASK_ADDITIVE_F32) {
-        x += ((device const float *)mask)[m.mask_row + key];
+        const float a = ((device const float *)mask)[m.mask_row + key];
+        x = a == -INFINITY ? a : x + a;
     }
     return x;
 }
@@ -108,12 +111,13 @@ inline float probability(float score, float lse, float residual) {
     return score == -INFINITY ? 0.0f : exp_of((score - lse) - residual);
 }
 
-// The lse a backward row works with: as given where finite; +inf for -inf, +inf and NaN, so that
-// every P and the sink's weight of that row are exp(-inf) = 0 and its gradient is zero, never NaN
-// or inf. The forward gives -inf only to rows without visible keys (all P 0 already); the host
-// rejects the others where it can read lse (LseCheck.swift), this covers lse in GPU memory.
+// The lse a backward row works with: +inf for -inf, so that every P and the sink's weight of that
+// row are exp(-inf) = 0 and its gradient is zero (the forward gives -inf only to rows without
+// visible keys); NaN for NaN and +inf (a row with a NaN or +inf score), so that every gradient the
+// row touches is NaN, as PyTorch's and MLX's, whatever out holds (no lse is refused); finite values
+// as given.
 inline float backward_row_lse(float lse) {
-    return isfinite(lse) ? lse : INFINITY;
+    return isinf(lse) ? (lse < 0.0f ? INFINITY : NAN) : lse;
 }
 
 #endif

@@ -54,7 +54,7 @@ inline uint clamped_boundary(device const int *cu_seqlens, uint i, uint limit) {
 }
 
 // dst = src word by word: MSL has no implicit copy of a struct between the constant and device
-// address spaces (tools/check_address_spaces.py enforces that), and this follows any new field.
+// address spaces (tests/static/check_address_spaces.py enforces that), and this follows any new field.
 inline void copy_params(device FlashAttentionParams &dst, constant FlashAttentionParams &src) {
     static_assert(sizeof(FlashAttentionParams) % 4 == 0, "FlashAttentionParams is whole 32-bit words");
     device uint *to = reinterpret_cast<device uint *>(&dst);
@@ -111,6 +111,7 @@ inline void varlen_sequences(device const int *cu_q, device const int *cu_k,
         s.seq_q0 = q0;
         s.seq_k0 = k0;
         s.lse_rows = p.seqlen_q;
+        s.dropout_stream0 = p.dropout_stream0 + b * p.dropout_heads;
     }
 }
 

@@ -131,11 +131,14 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
-    """The scale to use: 1/sqrt(head_dim) for None, else a real number (not a bool) that is finite
+    """The scale to use: 1/sqrt(head_dim) for None, else a real number (not a bool; a 0-d NumPy
+    array of one is taken as its value) that is finite
     and representable as a float32 (the ABI's type). Errors call the value ``name`` (MLX's
     signature calls it ``scale``)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, np.ndarray) and softmax_scale.ndim == 0 and softmax_scale.dtype.kind in "iuf":
+        softmax_scale = softmax_scale.item()  # np.array(0.1), as NumPy users pass a scalar
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"{name} must be a real number or None, got {type(softmax_scale).__name__}")
     try:
@@ -239,18 +242,13 @@ def check_like_q(name: str, array, q: np.ndarray, head_dim_v: int) -> None:
 
 
 def check_lse(lse, shape: Shape) -> None:
-    """Checks lse: float32 of shape (batch, num_heads, seqlen_q), as forward returned it: no NaN
-    or +inf (-inf, forward's lse of a row without visible keys, is checked against the masks by
-    the library, which reads the masks anyway)."""
+    """Checks lse: float32 of shape (batch, num_heads, seqlen_q), as forward returned it. Its
+    values are not checked: NaN or +inf (a row with a NaN or +inf score) give that row NaN
+    gradients, -inf (a row without visible keys) zero gradients."""
     check_array("lse", lse, dtypes=(np.dtype(np.float32),), ndim=3)
     expected = (shape.batch, shape.num_heads, shape.seqlen_q)
     if lse.shape != expected:
         raise ValueError(f"lse shape {lse.shape} must be (batch, num_heads, seqlen_q) = {expected}")
-    # max is NaN where any element is, +inf where one is; it allocates nothing of lse's size.
-    if not lse.max() < np.inf:
-        b, h, i = (int(x) for x in np.argwhere(np.isnan(lse) | np.isposinf(lse))[0])
-        raise ValueError(f"lse[{b}, {h}, {i}] is {lse[b, h, i]}: backward needs the lse that forward returned "
-                         f"(finite, or -inf for a row that sees no key)")
 
 
 def check_merge(out_a, lse_a, out_b, lse_b) -> tuple[int, int]:
@@ -292,7 +290,8 @@ class ScoreOptions:
     as a 4-D view indexed (batch, num_heads, seqlen_q, seqlen_k) whose axes are each 1 or the
     problem's size (an axis NumPy broadcast with stride 0 cut to one slice: never expanded);
     alibi_slopes: C-contiguous float32 (num_heads,) or (batch, num_heads), or None; sinks:
-    C-contiguous float32 (num_heads,), or None.
+    C-contiguous float32 (num_heads,), or None; dropout: (dropout_p, dropout_seed, dropout_offset)
+    with dropout_p > 0, or None.
     """
 
     window: tuple[int, int] | None = None
@@ -300,15 +299,44 @@ class ScoreOptions:
     attn_mask: np.ndarray | None = None
     alibi_slopes: np.ndarray | None = None
     sinks: np.ndarray | None = None
+    dropout: tuple[float, int, int] | None = None
+
+
+def check_dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int, int] | None:
+    """dropout_p must be a real number in [0, 1); with dropout_p > 0, dropout_seed an int in
+    [0, 2**64) and dropout_offset one in [0, 2**64). Returns (dropout_p, dropout_seed,
+    dropout_offset), or None for dropout_p 0 (the seed is then not needed)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be at least 0 and below 1, got {dropout_p}")
+    for name, value in (("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset)):
+        if value is None and name == "dropout_seed":
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not 0 <= int(value) < 2**64:
+            raise ValueError(f"{name} must be in [0, 2**64), got {value}")
+    if float(dropout_p) == 0.0:
+        return None
+    if dropout_seed is None:
+        raise ValueError(f"dropout_seed must be given with dropout_p > 0 (got dropout_p={dropout_p}): the backward "
+                         "regenerates the forward's mask from it")
+    return float(dropout_p), int(dropout_seed), int(dropout_offset)
 
 
 def check_window_size(window_size) -> tuple[int, int] | None:
-    """window_size must be a (left, right) tuple or list of ints, each -1 (unbounded) or
+    """window_size must be a (left, right) tuple or list of ints, or a 1-D array or tensor of two
+    integers (FlashAttention's tests pass ``torch.randint(0, n, (2,))``), each -1 (unbounded) or
     0 ... 2**31 - 1; returns it as Python ints, or None for (-1, -1)."""
     def rule() -> str:
         return (f"window_size must be a (left, right) pair, each -1 (unbounded) or a number of keys from 0 to "
                 f"{_INT32_MAX}, got {_short_repr(window_size)}")
 
+    if getattr(window_size, "ndim", None) == 1 and hasattr(window_size, "tolist"):
+        # A NumPy array, torch tensor or MLX array: its elements as Python numbers (integer
+        # dtypes give ints; a float or bool dtype fails the element check below).
+        window_size = window_size.tolist()
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(rule())
     for side in window_size:
@@ -399,7 +427,8 @@ def check_attn_mask(attn_mask, shape: Shape, dtype) -> np.ndarray:
 
 
 def check_score_options(shape: Shape, dtype, *, attn_mask=None, window_size=NO_WINDOW, softcap=0.0,
-                        alibi_slopes=None, sinks=None) -> ScoreOptions:
+                        alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None,
+                        dropout_offset=0) -> ScoreOptions:
     """Every check of the score options of a call whose q has ``dtype``."""
     heads = {"(num_heads,)": (shape.num_heads,)}
     return ScoreOptions(
@@ -409,4 +438,5 @@ def check_score_options(shape: Shape, dtype, *, attn_mask=None, window_size=NO_W
         alibi_slopes=None if alibi_slopes is None else check_float32_vector(
             "alibi_slopes", alibi_slopes, {**heads, "(batch, num_heads)": (shape.batch, shape.num_heads)}),
         sinks=None if sinks is None else check_float32_vector("sinks", sinks, heads),
+        dropout=check_dropout(dropout_p, dropout_seed, dropout_offset),
     )

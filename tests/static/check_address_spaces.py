@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""A second compiler for the kernels, one that enforces MSL's address spaces.
+
+Compiles each .metal file unmodified with clang as C++ for OpenCL 2021 (-x clcpp
+-cl-std=clc++2021), with tools/clcpp/metal_stdlib mapping device, threadgroup, constant and thread
+to __global, __local, __constant and __private and declaring the rest of MSL the kernels use. clang
+emits LLVM IR for the SPIR target, which instantiates every template a kernel uses; the check then
+requires one emitted kernel for every kernel the preprocessed source defines. Warnings are errors,
+as for `xcrun metal -Werror` in build.sh.
+
+Usage: tests/static/check_address_spaces.py [--clang PATH] [FILE.metal ...]   (default: Shaders/*.metal)
+Exit status: 0 all compiled, 1 a compile error or a kernel not emitted, 2 no usable clang.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HEADER_DIR = ROOT / "tools" / "clcpp"
+PARAMS = ROOT / "Shaders" / "flash_attention_params.h"
+KERNEL_DEFINITION = re.compile(r"\b(?:__)?kernel\s+void\s+(\w+)\s*\(")
+EMITTED_KERNEL = re.compile(r"^define\b[^@]*\bspir_kernel\b[^@]*@\"?([\w.$]+)\"?\(", re.MULTILINE)
+
+
+def msl_version() -> str:
+    """__METAL_VERSION__ of the newest language version the kernels use (FA_MSL_VERSION_MAJOR and
+    FA_MSL_BFLOAT_VERSION_MINOR, e.g. 310), so that the bfloat16 instances are checked too."""
+    text = PARAMS.read_text(encoding="utf-8")
+    major = re.search(r"#define\s+FA_MSL_VERSION_MAJOR\s+(\d+)", text)
+    minor = re.search(r"#define\s+FA_MSL_BFLOAT_VERSION_MINOR\s+(\d+)", text)
+    if not major or not minor:
+        sys.exit(f"check_address_spaces: FA_MSL_VERSION_MAJOR/FA_MSL_BFLOAT_VERSION_MINOR not found in {PARAMS}")
+    return f"{major.group(1)}{minor.group(1)}0"
+
+
+def find_clang(explicit: str | None) -> str | None:
+    """--clang, $CLANG, clang on PATH, or the clang next to swift (Swift toolchains ship one)."""
+    for candidate in (explicit, os.environ.get("CLANG"), shutil.which("clang")):
+        if candidate:
+            return candidate
+    swift = shutil.which("swift")
+    if swift:
+        beside = pathlib.Path(swift).resolve().parent / "clang"
+        if beside.is_file():
+            return str(beside)
+    return None
+
+
+def clang_command(clang: str, source: pathlib.Path, *extra: str) -> list[str]:
+    return [
+        clang, "-x", "clcpp", "-cl-std=clc++2021", "-target", "spir64",
+        # Only our <metal_stdlib>: neither OpenCL's default header nor the host's headers.
+        "-cl-no-stdinc", "-nostdinc", "-I", str(HEADER_DIR), "-I", str(source.parent),
+        f"-D__METAL_VERSION__={msl_version()}", "-D__HAVE_BFLOAT__", "-Werror", *extra, str(source),
+    ]
+
+
+def usable(clang: str) -> str | None:
+    """None when clang compiles C++ for OpenCL 2021 to SPIR IR, else why not."""
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = pathlib.Path(tmp) / "probe.metal"
+        probe.write_text("kernel void probe(__global float *x) { x[0] = 1.0f; }\n", encoding="utf-8")
+        try:
+            run = subprocess.run(clang_command(clang, probe, "-S", "-emit-llvm", "-o", os.devnull),
+                                 capture_output=True, text=True)
+        except OSError as error:
+            return str(error)
+        return None if run.returncode == 0 else (run.stderr.strip() or f"exit status {run.returncode}")
+
+
+def check(clang: str, source: pathlib.Path) -> bool:
+    """Compiles one file; prints what it found; True when every defined kernel was emitted."""
+    preprocessed = subprocess.run(clang_command(clang, source, "-E", "-P"), capture_output=True, text=True)
+    if preprocessed.returncode != 0:
+        sys.stderr.write(preprocessed.stderr)
+        print(f"check_address_spaces: {source}: the preprocessor failed", file=sys.stderr)
+        return False
+    defined = set(KERNEL_DEFINITION.findall(preprocessed.stdout))
+    compiled = subprocess.run(clang_command(clang, source, "-S", "-emit-llvm", "-o", "-"),
+                              capture_output=True, text=True)
+    if compiled.returncode != 0:
+        sys.stderr.write(compiled.stderr)
+        print(f"check_address_spaces: {source}: does not compile as C++ for OpenCL 2021 (address spaces "
+              "enforced); see the errors above", file=sys.stderr)
+        return False
+    emitted = set(EMITTED_KERNEL.findall(compiled.stdout))
+    missing = sorted(defined - emitted)
+    if not defined or missing:
+        print(f"check_address_spaces: {source}: kernels defined but not emitted: {missing or 'none defined'}",
+              file=sys.stderr)
+        return False
+    print(f"check_address_spaces: {source.name}: {len(emitted)} kernels compiled with MSL address spaces enforced")
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clang", help="the clang to use (default: $CLANG, clang on PATH, or next to swift)")
+    parser.add_argument("sources", nargs="*", type=pathlib.Path)
+    args = parser.parse_args()
+    sources = args.sources or sorted((ROOT / "Shaders").glob("*.metal"))
+    clang = find_clang(args.clang)
+    if clang is None:
+        print("check_address_spaces: no clang found (install clang 14 or later, or set CLANG)", file=sys.stderr)
+        return 2
+    reason = usable(clang)
+    if reason is not None:
+        print(f"check_address_spaces: {clang} cannot compile C++ for OpenCL 2021 to SPIR (clang 14 or later "
+              f"is needed): {reason}", file=sys.stderr)
+        return 2
+    results = [check(clang, source) for source in sources]
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
