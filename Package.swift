@@ -17,6 +17,11 @@ let package = Package(
             path: "Sources/MSLEngine",
             cxxSettings: [.headerSearchPath("msl"), .headerSearchPath("engine")]
         ),
+        // Embeds Shaders/ into the library at build time (EmbeddedShaders.swift, generated, never
+        // committed): the Metal backend compiles that source, and names its .metallib by its hash.
+        .executableTarget(name: "EmbedShaders", path: "Sources/EmbedShaders"),
+        .plugin(name: "EmbedShadersPlugin", capability: .buildTool(), dependencies: ["EmbedShaders"],
+                path: "Plugins/EmbedShadersPlugin"),
         .target(
             name: "FlashAttentionMetal",
             dependencies: ["CFlashAttentionMetal", "MSLEngine"],
@@ -25,7 +30,8 @@ let package = Package(
                 .linkedFramework("Metal", .when(platforms: [.macOS, .iOS])),
                 .linkedFramework("CoreGraphics", .when(platforms: [.macOS])),
                 .linkedFramework("IOKit", .when(platforms: [.macOS])),
-            ]
+            ],
+            plugins: ["EmbedShadersPlugin"]
         ),
         // Purpose-written kernels that pin the engine's semantics.
         .target(

@@ -76,7 +76,8 @@ build_metallib() {
         return 0
     fi
     local name
-    name="flash_attention-$(python3 tools/embed_shaders.py --hash).metallib"
+    # The hash of the source the library embeds (EmbedShaders, built with the library).
+    name="flash_attention-$(.build/release/EmbedShaders --hash Shaders).metallib"
     say "compiling Shaders/flash_attention.metal to $out/$name ($math)"
     rm -f "$out"/flash_attention-*.metallib
     # shellcheck disable=SC2086
@@ -88,10 +89,7 @@ build_metallib() {
 
 build_library() {
     need swift "install Swift 5.9 or later (https://www.swift.org/install)"
-    need python3 "install Python 3.10 or later (used to embed the shader source)"
-    say "embedding Shaders/ into Sources/FlashAttentionMetal/Generated/EmbeddedShaders.swift"
-    python3 tools/embed_shaders.py
-    say "building the release library"
+    say "building the release library (its plugin embeds Shaders/)"
     swift build -c release --product FlashAttentionMetal
     if [[ "$(uname -s)" == Darwin ]]; then build_metallib; fi
     link_into_python_package

@@ -8,10 +8,6 @@ using namespace metal;
 
 #include "flash_attention_kernels.h"
 
-#define FA_DEFINE_F16(DP, ...) FA_DEFINE_BUCKET_KERNELS(half, f16, DP)
-#define FA_DEFINE_BF16(DP, ...) FA_DEFINE_BUCKET_KERNELS(bfloat, bf16, DP)
-#define FA_DEFINE_F32(DP, ...) FA_DEFINE_BUCKET_KERNELS(float, f32, DP)
-
 FA_DEFINE_ONCE_KERNELS()
 FA_DEFINE_DTYPE_KERNELS(half, f16)
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_F16)

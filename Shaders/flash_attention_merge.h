@@ -1,7 +1,6 @@
 // Merging attention results over disjoint key sets: the log-sum-exp combine behind split-KV
-// decoding, ring attention and fa_merge_attention. Included by flash_attention.metal after
-// <metal_stdlib>, flash_attention_params.h and `using namespace metal` (it includes nothing
-// itself, so that tools/embed_shaders.py can splice it).
+// decoding, ring attention and fa_merge_attention. Included after <metal_stdlib> and
+// `using namespace metal` (flash_attention.metal).
 //
 // Math (FlashAttention-2, Dao 2023, the rescaling of its online softmax; Flash-Decoding): a part
 // computed over key set K_i has out_i = sum_{j in K_i} exp(s_j - lse_i) v_j and

@@ -57,8 +57,7 @@ typedef struct FlashAttentionParams {
     fa_u32 seqlen_k;
     fa_u32 head_dim;      // of q and k (and dq, dk)
     fa_u32 head_dim_v;    // of v, out, dout and dv
-    fa_u32 causal;        // 0 or 1 (the host folds it into window_right = 0 as well)
-    // Sliding window, bottom-right aligned: query i sees key j iff
+    // Sliding window, bottom-right aligned (causal is window_right 0): query i sees key j iff
     // i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right;
     // -1 leaves that side unbounded.
     fa_i32 window_left;
@@ -95,7 +94,6 @@ typedef struct FlashAttentionParams {
     fa_u32 kv_num_blocks;
     fa_u32 kv_bits;
     fa_u32 kv_group_size;
-    fa_u32 kv_reserved;  // keeps the struct a multiple of 8 bytes
     // Variable-length batches (packed sequences, FlashAttention's varlen call; flash_attention_varlen.h).
     // 0: a dense problem. Otherwise the number of sequences: the host's struct then describes the
     // packed tensors as one batch entry of seqlen_q = total_q rows and seqlen_k = total_k keys, and

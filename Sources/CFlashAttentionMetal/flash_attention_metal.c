@@ -112,6 +112,32 @@ uint32_t fa_function_constant_value(uint32_t index, const FlashAttentionParams *
     return 0;
 }
 
+/* The catalogue's buffer lists, one array per kernel (T, the element type, does not matter here). */
+#define FA_ACCESS_WRITES_read 0
+#define FA_ACCESS_WRITES_write 1
+#define FA_SPACE_CONSTANT_device_memory 0
+#define FA_SPACE_CONSTANT_constant_memory 1
+#define FA_KERNEL_BUFFER(INDEX, NAME, TYPE, ACCESS, SPACE) \
+    {INDEX, #NAME, FA_ACCESS_WRITES_##ACCESS, FA_SPACE_CONSTANT_##SPACE},
+#define FA_KERNEL_BUFFERS(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, ...) \
+    static const FlashAttentionKernelBuffer KERNEL##_buffers[] = {BUFFERS(FA_KERNEL_BUFFER, T)};
+FA_KERNELS(FA_KERNEL_BUFFERS)
+#undef FA_KERNEL_BUFFERS
+#undef FA_KERNEL_BUFFER
+#define FA_CONSTANT_BIT(INDEX) | (1u << (INDEX))
+#define FA_KERNEL_ROW(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, ...) \
+    [FA_KERNEL_##KERNEL] = {#KERNEL, FA_KERNEL_INSTANCES_##INSTANCES, KERNEL##_buffers, \
+                            sizeof KERNEL##_buffers / sizeof KERNEL##_buffers[0], 0u READS(FA_CONSTANT_BIT)},
+static const FlashAttentionKernel kernels[] = {FA_KERNELS(FA_KERNEL_ROW)};
+#undef FA_KERNEL_ROW
+#undef FA_CONSTANT_BIT
+
+int fa_kernel(uint32_t index, FlashAttentionKernel *kernel) {
+    if (index >= FA_KERNEL_COUNT) return 0;
+    *kernel = kernels[index];
+    return 1;
+}
+
 _Static_assert(FA_DTYPE_FLOAT16 == FA_DTYPE_F16 && FA_DTYPE_BFLOAT16 == FA_DTYPE_BF16 &&
                    FA_DTYPE_FLOAT32 == FA_DTYPE_F32,
                "fa_dtype and the kernels' dtype numbers must agree");

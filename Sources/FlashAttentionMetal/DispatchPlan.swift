@@ -277,56 +277,29 @@ struct DispatchPlan {
     /// over (seqlen_q, num_heads, batch) threadgroups merges them into out and lse.
     private static func forward(planned problem: Problem) -> DispatchPlan {
         let b = problem.bucket
-        var bindings = [BufferBinding(index: Int(FA_FORWARD_BUFFER_Q), role: .q),
-                        BufferBinding(index: Int(FA_FORWARD_BUFFER_K), role: .k),
-                        BufferBinding(index: Int(FA_FORWARD_BUFFER_V), role: .v),
-                        BufferBinding(index: Int(FA_FORWARD_BUFFER_OUT), role: .out),
-                        BufferBinding(index: Int(FA_FORWARD_BUFFER_LSE), role: .lse)]
-        bindings += optionalInputs(problem, mask: FA_FORWARD_BUFFER_MASK, alibi: FA_FORWARD_BUFFER_ALIBI,
-                                   sinks: FA_FORWARD_BUFFER_SINKS)
         // A KV cache: the `_kvcache` kernels, which also bind the block table and the scales and
         // biases (placeholders where the cache has none; the kernels then read none).
-        let cache = problem.kvCache
-        let kvName = cache == nil ? "" : "kvcache_"
-        let kvBindings = cache.map { kv -> [BufferBinding] in
-            [BufferBinding(index: Int(FA_KV_CACHE_BUFFER_TABLE), role: kv.paged ? .blockTable : .lse),
-             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_K_SCALES), role: kv.quantized ? .kScales : .lse),
-             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_K_BIASES), role: kv.quantized ? .kBiases : .lse),
-             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_V_SCALES), role: kv.quantized ? .vScales : .lse),
-             BufferBinding(index: Int(FA_KV_CACHE_BUFFER_V_BIASES), role: kv.quantized ? .vBiases : .lse)]
-        } ?? []
-        func dispatch(_ kernel: String, _ grid: GridSize, reads constants: [Int32], blockWork: Int?,
-                      cacheBindings: [BufferBinding] = []) -> Dispatch {
-            Dispatch(kernelName: kernel, bindings: bindings + cacheBindings, paramsIndex: Int(FA_FORWARD_BUFFER_PARAMS),
-                     params: problem.params, threadgroupsPerGrid: grid, threadsPerThreadgroup: threadgroupSize,
-                     blockWork: blockWork,
-                     specialization: SpecializationConstant.values(constants, for: problem.params))
-        }
+        let cache = problem.kvCache != nil
         let scoreWork = problem.scoreWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement)
         guard let split = problem.split else {
-            // The dense kernel has no partial results: placeholders keep its indices gapless.
-            let unused = cache == nil ? [] : [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .lse),
-                                              BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .lse)]
-            let dense = dispatch("flash_attention_forward_\(kvName)\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
+            let dense = dispatch(cache ? FA_KERNEL_forward_kvcache : FA_KERNEL_forward, problem,
                                  GridSize(width: blocks(problem.gridSeqlenQ, b.forward_block_q),
                                           height: problem.numHeads, depth: problem.gridBatch),
-                                 reads: KernelConstants.scoreSinksAndDropout, blockWork: scoreWork,
-                                 cacheBindings: unused + kvBindings)
+                                 blockWork: scoreWork)
             return withSequenceTable(DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse],
                                                   workspace: [], problem: problem))
         }
-        bindings += [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .partialOut),
-                     BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .partialLse)]
-        // A KV cache is read by the split kernel's `_kvcache` instance.
-        let kernel = split.kernel == .decode ? "decode" : "split"
-        let chunks = dispatch("flash_attention_forward_\(kernel)_\(kvName)\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
+        let kernel = split.kernel == .decode
+            ? (cache ? FA_KERNEL_forward_decode_kvcache : FA_KERNEL_forward_decode)
+            : (cache ? FA_KERNEL_forward_split_kvcache : FA_KERNEL_forward_split)
+        let chunks = dispatch(kernel, problem,
                               GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
                                        depth: problem.batch),
-                              reads: KernelConstants.score, blockWork: scoreWork, cacheBindings: kvBindings)
+                              blockWork: scoreWork)
         // At most FA_SPLIT_TILED_MAX_QUERY_ROWS rows per head, each merging its chunks: small.
-        let combine = dispatch("flash_attention_forward_combine_\(problem.dtype.kernelSuffix)",
+        let combine = dispatch(FA_KERNEL_forward_combine, problem,
                                GridSize(width: problem.seqlenQ, height: problem.numHeads, depth: problem.batch),
-                               reads: KernelConstants.sinks, blockWork: nil)
+                               blockWork: nil)
         return DispatchPlan(pass: .forward, dispatches: [chunks, combine], outputs: [.out, .lse],
                             workspace: [.partialOut, .partialLse], problem: problem)
     }
@@ -340,83 +313,44 @@ struct DispatchPlan {
     /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`.
     private static func backward(planned problem: Problem) -> DispatchPlan {
         let b = problem.bucket
-        let inputs = [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DOUT), role: .dout),
-                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_Q), role: .q),
-                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_K), role: .k),
-                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_V), role: .v),
-                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_OUT), role: .out),
-                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE), role: .lse),
-                      BufferBinding(index: Int(FA_BACKWARD_BUFFER_DELTA), role: .delta)]
-            + optionalInputs(problem, mask: FA_BACKWARD_BUFFER_MASK, alibi: FA_BACKWARD_BUFFER_ALIBI,
-                             sinks: FA_BACKWARD_BUFFER_SINKS)
-            + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE_RESIDUAL), role: .lseResidual)]
-        func dispatch(_ kernel: String, _ outputs: [BufferBinding], rows: UInt32, block: UInt32,
-                      heads: UInt32, reads constants: [Int32], blockWork: Int) -> Dispatch {
-            Dispatch(kernelName: kernel, bindings: inputs + outputs,
-                     paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
-                     threadgroupsPerGrid: GridSize(width: blocks(rows, block), height: heads,
-                                                   depth: problem.gridBatch),
-                     threadsPerThreadgroup: threadgroupSize,
-                     blockWork: blockWork,
-                     specialization: SpecializationConstant.values(constants, for: problem.params))
+        func dispatch(_ kernel: Int, rows: UInt32, block: UInt32, heads: UInt32, blockWork: Int) -> Dispatch {
+            DispatchPlan.dispatch(kernel, problem, GridSize(width: blocks(rows, block), height: heads,
+                                                            depth: problem.gridBatch),
+                                  blockWork: blockWork)
         }
         // Matrix products per (query row, key, head_dim element): the residual recomputes Q K^T;
         // dQ recomputes it and forms dO V^T and dS K; dK/dV recompute both scores and add P^T dO
         // and dS^T Q. The delta pass reads each row of dout and out once.
-        let delta = dispatch("flash_attention_backward_delta_\(problem.dtype.kernelSuffix)", [],
-                             rows: problem.gridSeqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads,
-                             reads: [], blockWork: problem.rowWork(flopsPerElement: 2))
-        let residual = dispatch(
-            "flash_attention_backward_lse_residual_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)", [],
-            rows: problem.gridSeqlenQ, block: b.forward_block_q, heads: problem.numHeads,
-            reads: KernelConstants.scoreAndSinks, blockWork: problem.scoreWork(flopsPerScoreElement: 2))
-        let dq = dispatch("flash_attention_backward_dq_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
-                          [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
-                          rows: problem.gridSeqlenQ, block: b.dq_block_q, heads: problem.numHeads,
-                          reads: KernelConstants.scoreAndDropout, blockWork: problem.scoreWork(flopsPerScoreElement: 6))
-        let dkv = dispatch("flash_attention_backward_dkv_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
-                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
-                            BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
-                           rows: problem.gridSeqlenK, block: b.dkv_block_k, heads: problem.numKVHeads,
-                           reads: KernelConstants.scoreAndDropout, blockWork: problem.scoreWork(flopsPerScoreElement: 8))
+        let delta = dispatch(FA_KERNEL_backward_delta, rows: problem.gridSeqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS),
+                             heads: problem.numHeads, blockWork: problem.rowWork(flopsPerElement: 2))
+        let residual = dispatch(FA_KERNEL_backward_lse_residual, rows: problem.gridSeqlenQ, block: b.forward_block_q,
+                                heads: problem.numHeads, blockWork: problem.scoreWork(flopsPerScoreElement: 2))
+        let dq = dispatch(FA_KERNEL_backward_dq, rows: problem.gridSeqlenQ, block: b.dq_block_q,
+                          heads: problem.numHeads, blockWork: problem.scoreWork(flopsPerScoreElement: 6))
+        let dkv = dispatch(FA_KERNEL_backward_dkv, rows: problem.gridSeqlenK, block: b.dkv_block_k,
+                           heads: problem.numKVHeads, blockWork: problem.scoreWork(flopsPerScoreElement: 8))
         guard problem.scores.hasSinks else {
             return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv],
                                                   outputs: [.dq, .dk, .dv], workspace: [.delta, .lseResidual],
                                                   problem: problem))
         }
         // dsinks sums over every batch entry: it runs once over the whole problem, after the pieces.
-        let dsinks = Dispatch(kernelName: "flash_attention_backward_dsinks",
-                              bindings: inputs + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DSINKS), role: .dsinks)],
-                              paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
-                              threadgroupsPerGrid: GridSize(width: problem.numHeads, height: 1, depth: 1),
-                              threadsPerThreadgroup: threadgroupSize, wholeProblem: true)
+        var dsinks = DispatchPlan.dispatch(FA_KERNEL_backward_dsinks, problem,
+                                           GridSize(width: problem.numHeads, height: 1, depth: 1), blockWork: nil)
+        dsinks.wholeProblem = true
         return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv, dsinks],
                                               outputs: [.dq, .dk, .dv, .dsinks], workspace: [.delta, .lseResidual],
                                               problem: problem))
     }
 
-    /// The function constants (`FA_FUNCTION_CONSTANT_*`) each kernel reads through
-    /// flash_attention_features.h: the score features in every kernel that computes scores, the
-    /// sinks where a kernel starts or ends a row's softmax (the dense forward and the lse residual
-    /// start it at the sink; the split forward leaves it to its combine), dropout where P meets V or
-    /// dP (the dense forward, dQ, dK/dV; a problem with dropout is never split). The delta, dsinks
-    /// and merge kernels read none.
-    private enum KernelConstants {
-        static let score = [FA_FUNCTION_CONSTANT_MASK_TYPE, FA_FUNCTION_CONSTANT_SOFTCAP, FA_FUNCTION_CONSTANT_ALIBI]
-        static let sinks = [FA_FUNCTION_CONSTANT_SINKS]
-        static let scoreAndSinks = score + sinks
-        static let scoreSinksAndDropout = scoreAndSinks + [FA_FUNCTION_CONSTANT_DROPOUT]
-        static let scoreAndDropout = score + [FA_FUNCTION_CONSTANT_DROPOUT]
-    }
-
-    /// attn_mask, alibi_slopes and sinks at their indices; an absent one is bound to `lse` as a
-    /// placeholder that the kernels never read (their params say it is absent).
-    private static func optionalInputs(_ problem: Problem, mask: Int32, alibi: Int32, sinks: Int32)
-        -> [BufferBinding] {
-        let s = problem.scores
-        return [BufferBinding(index: Int(mask), role: s.maskType == UInt32(FA_MASK_NONE) ? .lse : .attnMask),
-                BufferBinding(index: Int(alibi), role: s.hasAlibi ? .alibiSlopes : .lse),
-                BufferBinding(index: Int(sinks), role: s.hasSinks ? .sinks : .lse)]
+    /// A dispatch of catalogue kernel `kernel` (`FA_KERNEL_*`) for `problem`: the instance of its
+    /// dtype and bucket, its buffers bound by role, the function constants it reads.
+    private static func dispatch(_ kernel: Int, _ problem: Problem, _ grid: GridSize, blockWork: Int?) -> Dispatch {
+        let k = CatalogueKernel.kernel(kernel)
+        return Dispatch(kernelName: k.instanceName(for: problem), bindings: k.bindings(for: problem),
+                        paramsIndex: k.paramsIndex, params: problem.params, threadgroupsPerGrid: grid,
+                        threadsPerThreadgroup: threadgroupSize, blockWork: blockWork,
+                        specialization: SpecializationConstant.values(k.constants, for: problem.params))
     }
 
     /// Threads per threadgroup of every kernel.
@@ -430,19 +364,10 @@ struct DispatchPlan {
     private static func merge(planned problem: Problem) -> DispatchPlan {
         let rows = UInt32(FA_MERGE_ROWS_PER_THREADGROUP)
         assert(rows * UInt32(FA_MERGE_THREADS_PER_ROW) == threadgroupSize.width)
-        let dispatch = Dispatch(
-            kernelName: "flash_attention_merge_\(problem.dtype.kernelSuffix)",
-            bindings: [BufferBinding(index: Int(FA_MERGE_BUFFER_OUT_A), role: .outA),
-                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE_A), role: .lseA),
-                       BufferBinding(index: Int(FA_MERGE_BUFFER_OUT_B), role: .outB),
-                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE_B), role: .lseB),
-                       BufferBinding(index: Int(FA_MERGE_BUFFER_OUT), role: .out),
-                       BufferBinding(index: Int(FA_MERGE_BUFFER_LSE), role: .lse)],
-            paramsIndex: Int(FA_MERGE_BUFFER_PARAMS),
-            params: problem.params,
-            threadgroupsPerGrid: GridSize(width: blocks(problem.seqlenQ, rows), height: problem.numHeads,
-                                          depth: problem.batch),
-            threadsPerThreadgroup: threadgroupSize)
+        let dispatch = self.dispatch(FA_KERNEL_merge, problem,
+                                     GridSize(width: blocks(problem.seqlenQ, rows), height: problem.numHeads,
+                                              depth: problem.batch),
+                                     blockWork: nil)
         return DispatchPlan(pass: .merge, dispatches: [dispatch], outputs: [.out, .lse], workspace: [],
                             problem: problem)
     }
@@ -453,13 +378,8 @@ struct DispatchPlan {
     /// all rows of the packed problem, keeps the host's struct). Dense plans are returned as they are.
     private static func withSequenceTable(_ plan: DispatchPlan) -> DispatchPlan {
         guard plan.problem.varlen != nil else { return plan }
-        let table = Dispatch(kernelName: "flash_attention_varlen_sequences",
-                             bindings: [BufferBinding(index: Int(FA_VARLEN_BUFFER_CU_SEQLENS_Q), role: .cuSeqlensQ),
-                                        BufferBinding(index: Int(FA_VARLEN_BUFFER_CU_SEQLENS_K), role: .cuSeqlensK),
-                                        BufferBinding(index: Int(FA_VARLEN_BUFFER_TABLE), role: .sequenceTable)],
-                             paramsIndex: Int(FA_VARLEN_BUFFER_PARAMS), params: plan.problem.params,
-                             threadgroupsPerGrid: GridSize(width: 1, height: 1, depth: 1),
-                             threadsPerThreadgroup: threadgroupSize)
+        let table = dispatch(FA_KERNEL_varlen_sequences, plan.problem, GridSize(width: 1, height: 1, depth: 1),
+                             blockWork: nil)
         let dispatches = plan.dispatches.map { dispatch -> Dispatch in
             var d = dispatch
             d.blockWork = nil

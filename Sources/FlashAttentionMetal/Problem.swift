@@ -431,7 +431,7 @@ struct Problem {
             mask: scores.mask?.params ?? FlashAttentionStrides(batch: 0, head: 0, seq: 0),
             alibi_batch_stride: scores.alibiPerBatch ? UInt64(numHeads) : 0, dropout_seed: 0, dropout_offset: 0,
             batch: batch, num_heads: numHeads, num_kv_heads: numKVHeads, seqlen_q: seqlenQ, seqlen_k: seqlenK,
-            head_dim: headDim, head_dim_v: headDimV, causal: causal ? 1 : 0, window_left: scores.windowLeft,
+            head_dim: headDim, head_dim_v: headDimV, window_left: scores.windowLeft,
             window_right: scores.windowRight, softmax_scale: softmaxScale, softcap: scores.softcap,
             mask_type: scores.maskType, has_alibi: scores.hasAlibi ? 1 : 0, has_sinks: scores.hasSinks ? 1 : 0,
             kv_chunks: split?.chunks ?? 1, kv_chunk_keys: split?.chunkKeys ?? seqlenK,
@@ -439,7 +439,7 @@ struct Problem {
             partial_columns: fragmentColumns(headDim) == bucket.head_dim_max
                 && fragmentColumns(headDimV) == bucket.head_dim_max ? 0 : 1,
             block_offset: 0, kv_page_rows: 0, kv_max_blocks: 0, kv_num_blocks: 0, kv_bits: 0, kv_group_size: 0,
-            kv_reserved: 0, sequences: varlen?.sequences ?? 0, seq_q0: 0, seq_k0: 0, lse_rows: 0,
+            sequences: varlen?.sequences ?? 0, seq_q0: 0, seq_k0: 0, lse_rows: 0,
             dropout_threshold: 0, dropout_scale: 1, dropout_stream0: 0, dropout_heads: 0)
         kvCache?.apply(to: &params)
         dropout?.apply(to: &params)

@@ -1,77 +1,34 @@
-// Entries that let the engine run the kernels of Shaders/flash_attention.metal, compiled here from
-// the unmodified source: one per instance of the kernel catalogue (flash_attention_catalogue.h),
-// binding the kernel's [[buffer(i)]] arguments and built-ins.
-#include "msl_kernel_registry.hpp"
+// The kernels with one instance for the CPU engine, and the table of every instance
+// (flash_attention_kernels.hpp).
+#include "flash_attention_kernels.hpp"
 
-#include <initializer_list>
+#include <vector>
 
-// On x86-64 the kernels are compiled for AVX2/F16C/FMA: without F16C every half<->float
-// conversion is a library call and the engine runs about ten times slower. The table is empty on a
-// CPU without those features, so the CPU backend reports that instead of faulting.
-#if defined(__x86_64__)
-#pragma clang attribute push(__attribute__((target("avx2,f16c,fma"))), apply_to = function)
-#endif
-#include "../../Shaders/flash_attention.metal"
-#if defined(__x86_64__)
-#pragma clang attribute pop
-#endif
+FA_ENGINE_TARGET_BEGIN
+FA_DEFINE_ONCE_KERNELS()
+FA_ENGINE_TARGET_END
 
-namespace {
-
-using msl_engine::builtins;
-using msl_engine::kernel_args;
-
-constexpr const char *kSource = "Shaders/flash_attention.metal";
-
-// A kernel's buffer count: its largest [[buffer(i)]] index + 1.
-constexpr uint32_t buffer_count(std::initializer_list<uint32_t> ends) {
-    uint32_t count = 0;
-    for (uint32_t end : ends) {
-        count = end > count ? end : count;
-    }
-    return count;
-}
-
-// One catalogue kernel's arguments from the dispatch's buffers and built-ins.
-#define FA_ENGINE_BUFFER(INDEX, NAME, TYPE, ACCESS, SPACE) , FA_ENGINE_BUFFER_##SPACE(INDEX, TYPE, ACCESS)
-#define FA_ENGINE_BUFFER_device_memory(INDEX, TYPE, ACCESS) a.buffer<FA_ACCESS_##ACCESS TYPE>(INDEX)
-#define FA_ENGINE_BUFFER_constant_memory(INDEX, TYPE, ACCESS) a.constant_ref<const TYPE>(INDEX)
-#define FA_ENGINE_BUILTIN(TYPE, NAME, ATTRIBUTE) , t.ATTRIBUTE
-#define FA_ENGINE_BUFFER_END(INDEX, NAME, TYPE, ACCESS, SPACE) , (INDEX) + 1u
-
-// The table entry of one instance (flash_attention_catalogue.h): its name, a trampoline that binds
-// the kernel's [[buffer(i)]] arguments and built-ins, its buffer count and threadgroup bytes.
-#define FA_ENGINE_ENTRY(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP)       \
-    {FA_STRING(FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP)),                                     \
-     [](const kernel_args &a, const builtins &t) {                                                 \
-         FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP)(                                            \
-             FA_TAIL(0 BUFFERS(FA_ENGINE_BUFFER, T) BUILTINS(FA_ENGINE_BUILTIN)));                 \
-     },                                                                                            \
-     buffer_count({0u BUFFERS(FA_ENGINE_BUFFER_END, T)}),                                          \
-     0 FA_IF_STORAGE(STORAGE, +sizeof(FA_CAT(FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP), _threadgroup))), \
-     kSource, 0},
-
-#define FA_F16_ENTRIES(DP, ...) FA_KERNELS(FA_AT_BUCKET, FA_ENGINE_ENTRY, half, f16, DP)
-#define FA_BF16_ENTRIES(DP, ...) FA_KERNELS(FA_AT_BUCKET, FA_ENGINE_ENTRY, bfloat, bf16, DP)
-#define FA_F32_ENTRIES(DP, ...) FA_KERNELS(FA_AT_BUCKET, FA_ENGINE_ENTRY, float, f32, DP)
-#define FA_DTYPE_ENTRIES(T, SUFFIX) FA_KERNELS(FA_AT_DTYPE, FA_ENGINE_ENTRY, T, SUFFIX, 0)
-
-const msl_engine::kernel_entry kTable[] = {
-    FA_KERNELS(FA_AT_ONCE, FA_ENGINE_ENTRY, uchar, , 0)
-    FA_DTYPE_ENTRIES(half, f16) FA_HEAD_DIM_BUCKETS(FA_F16_ENTRIES)
-    FA_DTYPE_ENTRIES(bfloat, bf16) FA_HEAD_DIM_BUCKETS(FA_BF16_ENTRIES)
-    FA_DTYPE_ENTRIES(float, f32) FA_HEAD_DIM_BUCKETS_F32(FA_F32_ENTRIES)};
-
-} // namespace
+FA_ENGINE_TABLE(once, FA_KERNELS(FA_AT_ONCE, FA_ENGINE_ENTRY, uchar, , 0))
 
 const msl_engine::kernel_entry *msl_engine::flash_attention_kernel_table(size_t *count) {
 #if defined(__x86_64__)
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
           __builtin_cpu_supports("fma"))) {
         *count = 0;
-        return kTable;
+        return nullptr;
     }
 #endif
-    *count = sizeof kTable / sizeof kTable[0];
-    return kTable;
+    // Leaked on purpose, like the registry's tables: lookups may happen during process exit.
+    static const std::vector<kernel_entry> *all = [] {
+        auto *entries = new std::vector<kernel_entry>();
+        for (auto part : {flash_attention_kernels_once, flash_attention_kernels_f16, flash_attention_kernels_bf16,
+                          flash_attention_kernels_f32}) {
+            size_t n = 0;
+            const kernel_entry *first = part(&n);
+            entries->insert(entries->end(), first, first + n);
+        }
+        return entries;
+    }();
+    *count = all->size();
+    return all->data();
 }

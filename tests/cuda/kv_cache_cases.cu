@@ -173,7 +173,6 @@ FlashAttentionParams problem(const KVCacheCase &c, const Geometry &g, int rows) 
     p.seqlen_q = rows;
     p.seqlen_k = c.wrong ? g.max_blocks * g.rows + 37 : c.seqlen_k;
     p.head_dim = p.head_dim_v = c.head_dim;
-    p.causal = 1;
     p.window_left = -1;
     p.window_right = 0;
     p.softmax_scale = 1.0f / std::sqrt(float(c.head_dim));

@@ -210,7 +210,6 @@ FlashAttentionParams params_of(const AttentionShape &s, const DeviceLayout &layo
     p.seqlen_k = fa_u32(s.seqlen_k);
     p.head_dim = fa_u32(s.head_dim);
     p.head_dim_v = fa_u32(s.head_dim_v);
-    p.causal = s.causal ? 1u : 0u;
     p.softmax_scale = s.softmax_scale;
     const ScoreOptions &o = s.options;
     p.window_left = o.window_left;

@@ -82,7 +82,6 @@ FlashAttentionParams problem(const VarlenCase &c, unsigned rows_q, unsigned rows
     p.seqlen_k = rows_k;
     p.head_dim = c.head_dim;
     p.head_dim_v = c.head_dim_v;
-    p.causal = c.causal ? 1 : 0;
     p.window_left = c.window_left;
     p.window_right = c.causal ? 0 : c.window_right;
     p.softmax_scale = 1.0f / std::sqrt(float(c.head_dim));

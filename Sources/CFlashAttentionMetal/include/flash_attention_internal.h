@@ -3,7 +3,7 @@
 #ifndef FLASH_ATTENTION_INTERNAL_H
 #define FLASH_ATTENTION_INTERNAL_H
 
-#include "../../../Shaders/flash_attention_params.h"
+#include "../../../Shaders/flash_attention_catalogue.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -59,6 +59,42 @@ FA_INTERNAL int fa_function_constant(uint32_t index, FlashAttentionFunctionConst
 /* The value of the function constant at index for a call with *params (FA_FUNCTION_CONSTANTS'
  * VALUE; a bool's is 0 or 1); 0 for an index without a constant. */
 FA_INTERNAL uint32_t fa_function_constant_value(uint32_t index, const FlashAttentionParams *params);
+
+/* The kernel catalogue (FA_KERNELS, flash_attention_catalogue.h) for the dispatch plan: one row per
+ * kernel, FA_KERNEL_<name> its index. */
+#define FA_KERNEL_ID(KERNEL, ...) FA_KERNEL_##KERNEL,
+enum { FA_KERNELS(FA_KERNEL_ID) FA_KERNEL_COUNT };
+#undef FA_KERNEL_ID
+
+/* How a kernel is instantiated: FA_KERNEL_INSTANCES_BUCKET, flash_attention_<name>_<dtype>_d<head_dim_max>
+ * per bucket (DECODE_BUCKET: the buckets up to FA_DECODE_MAX_HEAD_DIM); DTYPE,
+ * flash_attention_<name>_<dtype>; ONCE, flash_attention_<name>. */
+enum {
+    FA_KERNEL_INSTANCES_bucket,
+    FA_KERNEL_INSTANCES_decode_bucket,
+    FA_KERNEL_INSTANCES_dtype,
+    FA_KERNEL_INSTANCES_once
+};
+
+/* One buffer a kernel binds. */
+typedef struct FlashAttentionKernelBuffer {
+    uint32_t index;    /* [[buffer(index)]] */
+    const char *name;  /* as the kernels spell it: "q", "lse", "mask", "kv_table", "params", ... */
+    uint32_t writes;   /* 1: the kernel writes it */
+    uint32_t constant; /* 1: the constant address space (the parameter struct) */
+} FlashAttentionKernelBuffer;
+
+/* One kernel of the catalogue. */
+typedef struct FlashAttentionKernel {
+    const char *name;                          /* e.g. "forward_split" */
+    uint32_t instances;                        /* FA_KERNEL_INSTANCES_* */
+    const FlashAttentionKernelBuffer *buffers; /* in [[buffer(i)]] order */
+    uint32_t buffer_count;                     /* entries of buffers */
+    uint32_t constants;                        /* bit i: reads function constant i (FA_FUNCTION_CONSTANTS) */
+} FlashAttentionKernel;
+
+/* Fills *kernel with catalogue row `index` (FA_KERNEL_*) and returns 1; 0 past the last row. */
+FA_INTERNAL int fa_kernel(uint32_t index, FlashAttentionKernel *kernel);
 
 /* Sets this thread's fa_last_error_message(); null clears it. Copies the text. */
 FA_INTERNAL void fa_set_last_error(const char *message);

@@ -84,7 +84,8 @@ final class DispatchPlanTests: XCTestCase {
         XCTAssertEqual(plan.workspace, [])
         let params = d.params
         XCTAssertEqual([params.batch, params.num_heads, params.num_kv_heads, params.seqlen_q, params.seqlen_k,
-                        params.head_dim, params.causal], [2, 6, 3, 100, 33, 64, 1])
+                        params.head_dim], [2, 6, 3, 100, 33, 64])
+        XCTAssertEqual(params.window_right, 0, "causal is window_right 0")
         XCTAssertEqual(params.softmax_scale, 0.25)
     }
 
@@ -116,7 +117,7 @@ final class DispatchPlanTests: XCTestCase {
                        GridSize(width: (p.seqlenQ + p.bucket.forward_block_q - 1) / p.bucket.forward_block_q,
                                 height: p.numHeads, depth: p.batch))
         for d in plan.dispatches {
-            XCTAssertEqual(d.params.causal, 0)
+            XCTAssertEqual(d.params.window_right, -1)
             XCTAssertEqual(d.params.softmax_scale, 1 / Float(64).squareRoot())
         }
     }

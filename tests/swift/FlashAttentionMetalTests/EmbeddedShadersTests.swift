@@ -8,11 +8,11 @@ final class EmbeddedShadersTests: XCTestCase {
     private let root = URL(fileURLWithPath: #filePath).deletingLastPathComponent().deletingLastPathComponent()
         .deletingLastPathComponent().deletingLastPathComponent()
 
-    /// The checked-in Generated/EmbeddedShaders.swift holds exactly Shaders/flash_attention.metal with
-    /// each quoted #include replaced by the header's text, the headers' own includes expanded where
-    /// they stand, each header once, as tools/embed_shaders.py writes it. (Done in Swift rather than
-    /// by running the script: a child process would need Foundation.Process, whose own allocations
-    /// the sanitized run would report.)
+    /// The embedded source (EmbeddedShaders.swift, generated at build time by the EmbedShaders tool)
+    /// holds exactly Shaders/flash_attention.metal with each quoted #include replaced by the header's
+    /// text, the headers' own includes expanded where they stand, each header once. (Compared here
+    /// rather than by running the tool: a child process would need Foundation.Process, whose own
+    /// allocations the sanitized run would report.)
     func testEmbeddedSourceIsUpToDate() throws {
         let shaders = root.appendingPathComponent("Shaders")
         var lines: [String] = []
@@ -25,7 +25,7 @@ final class EmbeddedShadersTests: XCTestCase {
                     continue
                 }
                 guard spliced.insert(header).inserted else { continue }
-                lines.append("// ---- begin \(header) (spliced by tools/embed_shaders.py) ----")
+                lines.append("// ---- begin \(header) (spliced by EmbedShaders) ----")
                 try splice(header)
                 lines.append("// ---- end \(header) ----")
             }
@@ -34,7 +34,7 @@ final class EmbeddedShadersTests: XCTestCase {
         // A multi-line string literal ends before the newline that precedes its closing delimiter.
         let expected = lines.joined(separator: "\n")
         XCTAssertTrue(EmbeddedShaders.source == expected,
-                      "Sources/FlashAttentionMetal/Generated/EmbeddedShaders.swift is stale: run tools/embed_shaders.py")
+                      "the embedded source differs from Shaders/: the EmbedShaders plugin did not rerun")
     }
 
     /// The file name of a `#include "name"` line, else nil.
