@@ -152,6 +152,9 @@ void run_tensor_divergent_descriptor(const kernel_args &a, const builtins &t) {
 void run_tensor_capacity_overrun(const kernel_args &a, const builtins &) {
     tensor_capacity_overrun(a.buffer<float>(0));
 }
+void run_tensor_run_on_tensors(const kernel_args &a, const builtins &) {
+    tensor_run_on_tensors(a.buffer<const half>(0), a.buffer<const half>(1), a.buffer<float>(2));
+}
 
 // LINE is where the kernel is defined; EngineTests checks every one against the .metal source.
 #define TEST_KERNEL(NAME, BUFFERS, THREADGROUP_BYTES, FILE, LINE)                                  \
@@ -196,6 +199,7 @@ const msl_engine::kernel_entry kTestKernels[] = {
     TEST_KERNEL(tensor_missing_lane, 2, 0, "tensor_ops.metal", 121),
     TEST_KERNEL(tensor_divergent_descriptor, 1, 0, "tensor_ops.metal", 136),
     TEST_KERNEL(tensor_capacity_overrun, 1, 0, "tensor_ops.metal", 154),
+    TEST_KERNEL(tensor_run_on_tensors, 3, 0, "tensor_ops.metal", 166),
 };
 
 } // namespace

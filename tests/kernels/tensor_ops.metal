@@ -160,3 +160,16 @@ kernel void tensor_capacity_overrun(device float *d [[buffer(0)]]) {
     dest[dest.get_capacity()] = 1.0f; // SITE: tensor-capacity
     dest.store(tensor<device float, extents2, tensor_inline>(d, extents2(32, 16)));
 }
+
+// The half product of tensor_matmul_half with tensor operands passed to run directly (b not
+// transposed: 16x32) and a tensor destination.
+kernel void tensor_run_on_tensors(device const half *a [[buffer(0)]],
+                                  device const half *b [[buffer(1)]],
+                                  device float *d [[buffer(2)]]) {
+    constexpr auto desc = descriptor(16, 32, 16, false, false, true,
+                                     descriptor::mode::multiply_accumulate);
+    mpp::tensor_ops::matmul2d<desc, execution_simdgroup> op;
+    auto out = tensor<device float, extents2, tensor_inline>(d, extents2(32, 16));
+    op.run(tensor<device const half, extents2, tensor_inline>(a, extents2(16, 16)),
+           tensor<device const half, extents2, tensor_inline>(b, extents2(32, 16)), out);
+}

@@ -7,8 +7,8 @@
 //   get_right_input_cooperative_tensor<L, R, D>(), get_destination_cooperative_tensor<LT, RT, D>();
 //   cooperative tensors with operator[], get_capacity(), is_valid_element(i),
 //   get_multidimensional_index(i), load(tensor), store(tensor); a minimal metal::tensor view
-//   (pointer, dextents<int, 2>, strides, slice). execution_simdgroups<N>, tensor operands to run,
-//   reductions and iterators are not emulated yet (docs/tensor-ops.md).
+//   (pointer, dextents<int, 2>, strides, slice); run() also takes tensors as operands.
+//   execution_simdgroups<N>, reductions and iterators are not emulated yet (docs/tensor-ops.md).
 //
 // Rules the emulation enforces (issue 37; docs/tensor-ops.md):
 // - Scope: run() is a rendezvous of all 32 lanes of the SIMD-group at one call site with one
@@ -315,6 +315,35 @@ bool run(const msl_engine::simd_slot *s, uint32_t mask, msl_engine::simd_fault *
     return true;
 }
 
+template <class T> struct remove_cvref { using type = T; };
+template <class T> struct remove_cvref<const T> { using type = T; };
+template <class T> struct remove_cvref<T &> { using type = typename remove_cvref<T>::type; };
+template <class T> struct remove_cvref<T &&> { using type = typename remove_cvref<T>::type; };
+template <class T> using remove_cvref_t = typename remove_cvref<T>::type;
+
+/// A cooperative-tensor operand as it is; a tensor operand loaded into one of its element type.
+template <uint32_t Rows, uint32_t Cols, bool Transposed, class T>
+T &as_cooperative(T &t) { return t; }
+template <uint32_t Rows, uint32_t Cols, bool Transposed, class U, class E, class K>
+cooperative_tensor<typename remove_cvref<U>::type, Rows, Cols, Transposed>
+as_cooperative(const metal::tensor<U, E, K> &t) {
+    cooperative_tensor<typename remove_cvref<U>::type, Rows, Cols, Transposed> c;
+    c.load(t);
+    return c;
+}
+template <uint32_t Rows, uint32_t Cols, bool Transposed, class U, class E, class K>
+cooperative_tensor<typename remove_cvref<U>::type, Rows, Cols, Transposed>
+as_cooperative(metal::tensor<U, E, K> &t) {
+    return as_cooperative<Rows, Cols, Transposed>(static_cast<const metal::tensor<U, E, K> &>(t));
+}
+
+/// Writes a tensor destination back after run (a cooperative destination is updated in place).
+template <class C, class T> void store_back(const C &, T &) {}
+template <class C, class U, class E, class K>
+void store_back(const C &c, metal::tensor<U, E, K> &t) { c.store(t); }
+template <class C, class U, class E, class K>
+void store_back(const C &c, const metal::tensor<U, E, K> &t) { c.store(t); }
+
 } // namespace tensor_ops_detail
 
 /// A 2-D matrix multiplication executed cooperatively by `Scope` (execution_simdgroup).
@@ -338,14 +367,24 @@ template <unsigned long long Code, class Scope> struct matmul2d {
     }
 
     /// destination = left * right (+ destination under multiply_accumulate), over all 32 lanes
-    /// of the SIMD-group (rules in the file comment).
+    /// of the SIMD-group (rules in the file comment). Each operand is a cooperative tensor of
+    /// this operation or a tensor (loaded, and for the destination stored back, with the
+    /// bounds rules).
     template <class L, class R, class D>
     void run(const L &left, const R &right, D &destination, unsigned line = __builtin_LINE(),
              const char *file = __builtin_FILE()) const {
-        tensor_ops_detail::run_operands<L, R, D> ops{&left, &right, &destination};
+        using namespace tensor_ops_detail;
+        const auto &l = as_cooperative<uint32_t(Desc.m), uint32_t(Desc.k), Desc.transpose_left>(left);
+        const auto &r = as_cooperative<uint32_t(Desc.k), uint32_t(Desc.n), Desc.transpose_right>(right);
+        auto &&d = as_cooperative<uint32_t(Desc.m), uint32_t(Desc.n), false>(destination);
+        using LT = remove_cvref_t<decltype(l)>;
+        using RT = remove_cvref_t<decltype(r)>;
+        using DT = remove_cvref_t<decltype(d)>;
+        run_operands<LT, RT, DT> ops{&l, &r, &d};
         msl_engine::runtime::simd_collective("mpp::tensor_ops::matmul2d::run",
-                                             tensor_ops_detail::run<Code, L, R, D>, &ops, nullptr,
-                                             0, file, line);
+                                             tensor_ops_detail::run<Code, LT, RT, DT>, &ops,
+                                             nullptr, 0, file, line);
+        store_back(d, destination);
     }
 };
 

@@ -116,6 +116,17 @@ final class TensorOpsTests: XCTestCase {
         XCTAssertGreaterThan(wrong, 256, "the permuted layout must expose the assumption")
     }
 
+    /// run() with tensor operands and a tensor destination (multiply_accumulate from its
+    /// contents, -1 everywhere): the same fused order.
+    func testRunOnTensorOperands() {
+        let (ba, bb) = (HostBuffer(Self.halfA), HostBuffer(Self.halfB))
+        let d = HostBuffer<Float>(count: 512, zero: -1)
+        let r = dispatch("tensor_run_on_tensors", [ba.binding, bb.binding, d.binding], threads: (32, 1, 1))
+        XCTAssertEqual(r.status, MSL_ENGINE_SUCCESS, r.message)
+        let c = [Float](repeating: -1, count: 512)
+        XCTAssertEqual(d.values, Self.ordered(Self.halfA.map(Float.init), Self.halfB.map(Float.init), c, k: 16, n: 32))
+    }
+
     /// Loads past a tensor's extents read 0; stores outside the extents are dropped.
     func testLoadsPastExtentsReadZeroAndStoresClip() {
         let (ba, bb) = (HostBuffer(Self.halfA), HostBuffer(Self.halfB))
