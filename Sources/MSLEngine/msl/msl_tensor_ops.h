@@ -352,6 +352,9 @@ template <unsigned long long Code, class Scope> struct matmul2d {
     static_assert(__is_same(Scope, metal::execution_simdgroup),
                   "the CPU engine emulates matmul2d for execution_simdgroup only");
     static_assert(Desc.m > 0 && Desc.n > 0 && Desc.k > 0, "matmul2d extents must be positive");
+    // run's combine holds the three operands densely on a lane's fiber stack (256 KiB).
+    static_assert(Desc.m * Desc.k + Desc.k * Desc.n + Desc.m * Desc.n <= 16384,
+                  "the CPU engine's matmul2d holds at most 64 KiB of operands");
 
     /// The left operand (m x k) as a cooperative tensor of element type L.
     template <class L, class R, class D> auto get_left_input_cooperative_tensor() const {
