@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "6e9434339feab541"
+    static let sourceHash = "0c04de519bfbe44a"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: the kernel instances. The kernels are listed in
@@ -1396,16 +1396,31 @@ inline float dropout_factor(constant FlashAttentionParams &p, uint stream, uint 
     return fa_philox_word(w, key % 4) >= p.dropout_threshold ? p.dropout_scale : 0.0f;
 }
 
-// The factors of keys `key` and `key + 1` of one row (a lane's two elements of an 8x8 fragment):
-// one Philox call where both keys lie in one group of four (key % 4 != 3, so always for an even
+// The factors of keys `key` and `key + 1` of one row (a lane's two elements of an 8x8 fragment).
+struct DropoutFactors {
+    float first;
+    float second;
+};
+
+// One Philox call where both keys lie in one group of four (key % 4 != 3, so always for an even
 // key), a second one otherwise.
-inline float2 dropout_factors(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
+inline DropoutFactors dropout_factors(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
     const FaPhiloxBlock w = fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4);
     const uint e = key % 4;
     const uint next = e == 3 ? fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4 + 1).x0
                              : fa_philox_word(w, e + 1);
-    return float2(fa_philox_word(w, e) >= p.dropout_threshold ? p.dropout_scale : 0.0f,
-                  next >= p.dropout_threshold ? p.dropout_scale : 0.0f);
+    DropoutFactors f;
+    f.first = fa_philox_word(w, e) >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+    f.second = next >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+    return f;
+}
+
+// Both factors 1: what the gradient kernels multiply by without dropout (folds away).
+inline DropoutFactors no_dropout() {
+    DropoutFactors f;
+    f.first = 1.0f;
+    f.second = 1.0f;
+    return f;
 }
 
 #endif
@@ -1988,9 +2003,9 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     if (WITH_V && DROPOUT && dropout_on(p)) {
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
-            const float2 keep = dropout_factors(p, stream, row, kv0 + j * 8 + at.col);
-            sc.f[j].thread_elements()[0] *= keep.x;
-            sc.f[j].thread_elements()[1] *= keep.y;
+            const DropoutFactors keep = dropout_factors(p, stream, row, kv0 + j * 8 + at.col);
+            sc.f[j].thread_elements()[0] *= keep.first;
+            sc.f[j].thread_elements()[1] *= keep.second;
         }
     }
 
@@ -2502,15 +2517,15 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
             tile_window(mods.keys, kv0 + at.col, !tile_unmasked(unmasked, kv0, BK));
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
-            const float2 keep = dropout_on(p) ? dropout_factors(p, stream, row, kv0 + j * 8 + at.col)
-                                              : float2(1.0f);
+            const DropoutFactors keep = dropout_on(p) ? dropout_factors(p, stream, row, kv0 + j * 8 + at.col)
+                                                      : no_dropout();
             FA_UNROLL
             for (uint e = 0; e < 2; ++e) {
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
                                           kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
                 const float pe = probability(x, row_lse, row_residual);
-                const float dpe = dp.f[j].thread_elements()[e] * (e == 0 ? keep.x : keep.y);
+                const float dpe = dp.f[j].thread_elements()[e] * (e == 0 ? keep.first : keep.second);
                 sc.f[j].thread_elements()[e] = through_softcap(p, pe * (dpe - row_delta), t);
             }
         }
