@@ -76,8 +76,11 @@ build_metallib() {
         return 0
     fi
     local name
-    # The hash of the source the library embeds (EmbedShaders, built with the library).
-    name="flash_attention-$(.build/release/EmbedShaders --hash Shaders).metallib"
+    # The hash of the source the library embeds (EmbeddedShaders.swift, which the package's
+    # EmbedShadersPlugin wrote into SwiftPM's plugin outputs during the build).
+    local generated
+    generated=$(find .build/plugins/outputs -path '*/FlashAttentionMetal/*' -name EmbeddedShaders.swift | head -n 1)
+    name="flash_attention-$(sed -nE 's/^ *static let sourceHash = "([0-9a-f]+)"$/\1/p' "$generated").metallib"
     say "compiling Shaders/flash_attention.metal to $out/$name ($math)"
     rm -f "$out"/flash_attention-*.metallib
     # shellcheck disable=SC2086

@@ -18,7 +18,7 @@ SOURCES=${1:-$ROOT/Sources/FlashAttentionMetal}
 OUT=${METAL_STANDIN_OUT:-$ROOT/build/metal-standin}
 RELEASE=$ROOT/.build/release
 for object in "$RELEASE/MSLEngine.build/flash_attention_kernels_f16.cpp.o" \
-    "$RELEASE/CFlashAttentionMetal.build/flash_attention_metal.c.o" "$RELEASE/EmbedShaders"; do
+    "$RELEASE/CFlashAttentionMetal.build/flash_attention_metal.c.o"; do
     [[ -f $object ]] || { echo "metal_standin/build.sh: $object is missing: run ./build.sh first" >&2; exit 1; }
 done
 mkdir -p "$OUT"
@@ -32,9 +32,10 @@ CLANG_MODULES=(-Xcc -D_GNU_SOURCE -Xcc "-fmodule-map-file=$OUT/CFlashAttentionMe
 mapfile -t IOKIT < <(find "$ROOT/tests/swift/IOKitStandIn" -name '*.swift' | sort)
 mapfile -t STANDIN < <(find "$ROOT/tests/swift/MetalStandIn" -name '*.swift' | sort)
 mapfile -t BACKEND < <(find "$SOURCES" -name '*.swift' | sort)
-# The embedded kernel source, which SwiftPM's plugin generates for the package build.
-"$RELEASE/EmbedShaders" "$ROOT/Shaders" "$OUT/EmbeddedShaders.swift"
-BACKEND+=("$OUT/EmbeddedShaders.swift")
+# The embedded kernel source, which the package's EmbedShadersPlugin generated for the release build.
+GENERATED=$(find "$ROOT/.build/plugins/outputs" -path '*/FlashAttentionMetal/*' -name EmbeddedShaders.swift | head -n 1)
+[[ -n $GENERATED ]] || { echo "metal_standin/build.sh: no generated EmbeddedShaders.swift: run ./build.sh first" >&2; exit 1; }
+BACKEND+=("$GENERATED")
 mapfile -t OBJECTS < <(find "$RELEASE/MSLEngine.build" "$RELEASE/CFlashAttentionMetal.build" -name '*.o' | sort)
 
 if [[ -n ${METAL_STANDIN_MODULES:-} ]]; then
