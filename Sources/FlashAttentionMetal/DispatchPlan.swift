@@ -142,7 +142,8 @@ enum BufferRole: Int, CaseIterable {
         // dsinks is written only by the dispatch that runs once over the whole problem.
         case .sinks, .dsinks:
             return kv * g
-        // KV-cache problems are never cut into pieces (PlanPieces), nor are variable-length ones.
+        // KV-cache and variable-length problems are cut into block ranges of the whole problem only
+        // (PlanPieces), so their pieces bind every buffer from its start.
         case .blockTable, .kScales, .kBiases, .vScales, .vBiases, .cuSeqlensQ, .cuSeqlensK, .sequenceTable:
             return 0
         }
@@ -299,13 +300,15 @@ struct DispatchPlan {
         }
         let scoreWork = problem.scoreWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement)
         guard let split = problem.split else {
+            let rowBlocks = blocks(problem.gridSeqlenQ, b.forward_block_q)
             // The dense kernel has no partial results: placeholders keep its indices gapless.
             let unused = cache == nil ? [] : [BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_OUT), role: .lse),
                                               BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .lse)]
             let dense = dispatch("flash_attention_forward_\(kvName)\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
-                                 GridSize(width: blocks(problem.gridSeqlenQ, b.forward_block_q),
-                                          height: problem.numHeads, depth: problem.gridBatch),
-                                 reads: KernelConstants.scoreAndSinks, blockWork: scoreWork,
+                                 GridSize(width: rowBlocks, height: problem.numHeads, depth: problem.gridBatch),
+                                 reads: KernelConstants.scoreAndSinks,
+                                 blockWork: problem.gridWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement,
+                                                             blocks: rowBlocks, rows: b.forward_block_q),
                                  cacheBindings: unused + kvBindings)
             return withSequenceTable(DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse],
                                                   workspace: [], problem: problem))
@@ -345,35 +348,40 @@ struct DispatchPlan {
             + optionalInputs(problem, mask: FA_BACKWARD_BUFFER_MASK, alibi: FA_BACKWARD_BUFFER_ALIBI,
                              sinks: FA_BACKWARD_BUFFER_SINKS)
             + [BufferBinding(index: Int(FA_BACKWARD_BUFFER_LSE_RESIDUAL), role: .lseResidual)]
+        // `flops` per score element over blocks of `block` query rows, or of keys (`alongKeys`); nil:
+        // `rowWork` per element of out (the delta pass), which a variable-length pass runs whole.
         func dispatch(_ kernel: String, _ outputs: [BufferBinding], rows: UInt32, block: UInt32,
-                      heads: UInt32, reads constants: [Int32], blockWork: Int) -> Dispatch {
-            Dispatch(kernelName: kernel, bindings: inputs + outputs,
-                     paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
-                     threadgroupsPerGrid: GridSize(width: blocks(rows, block), height: heads,
-                                                   depth: problem.gridBatch),
-                     threadsPerThreadgroup: threadgroupSize,
-                     blockWork: blockWork,
-                     specialization: SpecializationConstant.values(constants, for: problem.params))
+                      heads: UInt32, reads constants: [Int32], flops: Int?, alongKeys: Bool = false,
+                      rowWork: Int = 0) -> Dispatch {
+            let width = blocks(rows, block)
+            let work = flops.map { problem.gridWork(flopsPerScoreElement: $0, blocks: width, rows: block,
+                                                    alongKeys: alongKeys) }
+            return Dispatch(kernelName: kernel, bindings: inputs + outputs,
+                            paramsIndex: Int(FA_BACKWARD_BUFFER_PARAMS), params: problem.params,
+                            threadgroupsPerGrid: GridSize(width: width, height: heads, depth: problem.gridBatch),
+                            threadsPerThreadgroup: threadgroupSize,
+                            blockWork: work ?? (problem.varlen == nil ? rowWork : nil),
+                            specialization: SpecializationConstant.values(constants, for: problem.params))
         }
         // Matrix products per (query row, key, head_dim element): the residual recomputes Q K^T;
         // dQ recomputes it and forms dO V^T and dS K; dK/dV recompute both scores and add P^T dO
         // and dS^T Q. The delta pass reads each row of dout and out once.
         let delta = dispatch("flash_attention_backward_delta_\(problem.dtype.kernelSuffix)", [],
                              rows: problem.gridSeqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS), heads: problem.numHeads,
-                             reads: [], blockWork: problem.rowWork(flopsPerElement: 2))
+                             reads: [], flops: nil, rowWork: problem.rowWork(flopsPerElement: 2))
         let residual = dispatch(
             "flash_attention_backward_lse_residual_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)", [],
             rows: problem.gridSeqlenQ, block: b.forward_block_q, heads: problem.numHeads,
-            reads: KernelConstants.scoreAndSinks, blockWork: problem.scoreWork(flopsPerScoreElement: 2))
+            reads: KernelConstants.scoreAndSinks, flops: 2)
         let dq = dispatch("flash_attention_backward_dq_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
                           rows: problem.gridSeqlenQ, block: b.dq_block_q, heads: problem.numHeads,
-                          reads: KernelConstants.score, blockWork: problem.scoreWork(flopsPerScoreElement: 6))
+                          reads: KernelConstants.score, flops: 6)
         let dkv = dispatch("flash_attention_backward_dkv_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                            [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
                            rows: problem.gridSeqlenK, block: b.dkv_block_k, heads: problem.numKVHeads,
-                           reads: KernelConstants.score, blockWork: problem.scoreWork(flopsPerScoreElement: 8))
+                           reads: KernelConstants.score, flops: 8, alongKeys: true)
         guard problem.scores.hasSinks else {
             return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv],
                                                   outputs: [.dq, .dk, .dv], workspace: [.delta, .lseResidual],
@@ -439,13 +447,16 @@ struct DispatchPlan {
                             problem: problem)
     }
 
+    /// The kernel that writes a variable-length pass's sequence table.
+    static let sequencesKernel = "flash_attention_varlen_sequences"
+
     /// A variable-length pass (`problem.varlen`): `plan` after `flash_attention_varlen_sequences`
     /// (one threadgroup) writes the sequence table from cu_seqlens_q and cu_seqlens_k, its
     /// dispatches over sequences bind that table at their parameter index (dsinks, which sums over
     /// all rows of the packed problem, keeps the host's struct). Dense plans are returned as they are.
     private static func withSequenceTable(_ plan: DispatchPlan) -> DispatchPlan {
         guard plan.problem.varlen != nil else { return plan }
-        let table = Dispatch(kernelName: "flash_attention_varlen_sequences",
+        let table = Dispatch(kernelName: sequencesKernel,
                              bindings: [BufferBinding(index: Int(FA_VARLEN_BUFFER_CU_SEQLENS_Q), role: .cuSeqlensQ),
                                         BufferBinding(index: Int(FA_VARLEN_BUFFER_CU_SEQLENS_K), role: .cuSeqlensK),
                                         BufferBinding(index: Int(FA_VARLEN_BUFFER_TABLE), role: .sequenceTable)],
@@ -454,7 +465,6 @@ struct DispatchPlan {
                              threadsPerThreadgroup: threadgroupSize)
         let dispatches = plan.dispatches.map { dispatch -> Dispatch in
             var d = dispatch
-            d.blockWork = nil
             if !d.wholeProblem { d.paramsRole = .sequenceTable }
             return d
         }

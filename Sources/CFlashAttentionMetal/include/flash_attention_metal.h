@@ -537,7 +537,8 @@ typedef struct fa_plan_specialization {
  * pass is cut into pieces of at most that many floating-point operations (ranges of batch entries or
  * of KV heads with their query heads; when one batch entry and KV head alone is larger, one dispatch
  * of it over a range of its query or key blocks, at least one block, the parameter bytes' block_offset
- * at the range's first block), whose dispatches bind the buffers at the offsets of their range
+ * at the range's first block; a KV-cache problem only in such block ranges of the whole problem),
+ * whose dispatches bind the buffers at the offsets of their range
  * (dispatches of pieces run in order): what the Metal backend does with 2^35 against the GPU
  * watchdog, one command buffer per piece. Pieces compute bit for bit what the whole pass computes.
  * The split-KV chunks are planned for fa_gpu_cores(NULL, ...): the Metal device the library runs on
