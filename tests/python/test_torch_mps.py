@@ -68,6 +68,20 @@ class StandInCompiler:
         self.max_threads = max_threads_per_threadgroup
         self.sources = []
         self.dispatches = []
+        # len(dispatches) at each commit: torch.mps.Event().record() through the stand-in events.
+        self.commits = []
+        self._events = 0
+
+    def acquire_event(self, enable_timing: bool) -> int:
+        """torch._C._mps_acquireEvent: an event id above 0."""
+        assert enable_timing is False
+        self._events += 1
+        return self._events
+
+    def record_event(self, event_id: int) -> None:
+        """torch._C._mps_recordEvent, which commits the MPS stream's command buffer (MPSEvent.mm)."""
+        assert 0 < event_id <= self._events
+        self.commits.append(len(self.dispatches))
 
     def __call__(self, source: str):
         self.sources.append(source)
@@ -210,6 +224,9 @@ class StandInKernel:
 def compiler(monkeypatch):
     stand_in = StandInCompiler()
     monkeypatch.setattr(torch._C, "_mps_compileShader", stand_in, raising=False)
+    monkeypatch.setattr(torch._C, "_mps_acquireEvent", stand_in.acquire_event, raising=False)
+    monkeypatch.setattr(torch._C, "_mps_recordEvent", stand_in.record_event, raising=False)
+    monkeypatch.setattr(torch._C, "_mps_releaseEvent", lambda _event_id: None, raising=False)
     monkeypatch.setattr(_mps, "_libraries", {})
     monkeypatch.setattr(_mps, "_plans", type(_mps._plans)())
     return stand_in
@@ -275,15 +292,28 @@ def test_translation_gives_the_cpu_paths_bits(compiler, monkeypatch, case):
 
 def test_pieces_bind_at_offsets(compiler, monkeypatch):
     """A plan cut into pieces: each piece's dispatches bind the buffers at the piece's offsets
-    (views of the tensors further into their storage) and still give the whole plan's bits."""
+    (views of the tensors further into their storage), still give the whole plan's bits, and each
+    piece ends its command buffer (an event recorded after it, none after the pass's last piece:
+    PyTorch commits that one when it decides)."""
     sizes, options = CASES["float16, causal GQA"]
     expected = _run(_mps, sizes, options)
     whole = len(compiler.dispatches)
+    assert compiler.commits == [], "the default budget holds these passes in one piece each"
     monkeypatch.setattr(_mps, "MAX_FLOPS_PER_PIECE", 1)
     got = _run(_mps, sizes, options)
     assert len(compiler.dispatches) - whole > 2 * whole  # 4 pieces (2 batch entries x 2 KV heads) per pass
     for mine, theirs in zip(got, expected):
         assert torch.equal(mine, theirs)
+    plans = [made for (pass_name, budget, *_), made in _mps._plans.items() if budget == 1]
+    assert [made.pass_name for made in plans] == ["forward", "backward"]
+    boundaries, start = [], whole
+    for made in plans:
+        pieces = [d.piece for d in made.dispatches]
+        boundaries += [start + n for n in range(1, len(pieces)) if pieces[n] != pieces[n - 1]]
+        start += len(pieces)
+    assert len(boundaries) == sum(made.piece_count - 1 for made in plans) > 0
+    assert compiler.commits == boundaries
+
 
 
 def test_a_pipeline_with_fewer_threads_is_refused(compiler):
