@@ -107,8 +107,10 @@ std::vector<uint8_t> aligned_params(const fa_plan* plan, uint32_t index, const f
 }
 
 // Encodes every dispatch of the plan of `problem` for `pass`: roles bound to `roles`' arrays (at
-// their offsets), workspaces allocated as MLX temporaries, parameters by set_bytes.
+// their offsets), workspaces allocated as MLX temporaries, parameters by set_bytes. A pass longer
+// than one command buffer may be is refused (long_pass_refusal): the plan is one piece.
 void encode(const mx::Stream& stream, const fa_problem& problem, fa_pass pass, Roles roles) {
+    if (auto why = long_pass_refusal(problem, pass); !why.empty()) throw std::runtime_error(why);
     fa_plan* raw = nullptr;
     check_plan(fa_plan_create(&problem, pass, 0, &raw), "fa_plan_create");
     std::unique_ptr<fa_plan, PlanDeleter> plan(raw);
