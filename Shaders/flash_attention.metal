@@ -1085,14 +1085,17 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 #define FA_DQ_SHARED(T, DP, BQ, BK) (sizeof(BackwardQueryStorage<T, DP, BQ, BK, false>) > 32768)
 #define FA_DKV_SHARED(T, DP, BK, BQ) (sizeof(BackwardKeyValueStorage<T, DP, BK, BQ, false>) > 32768)
 
-// The buffers every forward kernel binds, in [[buffer(i)]] order up to sinks.
+// The buffers every forward kernel binds, in [[buffer(i)]] order up to sinks. `params` points at
+// the host's parameter struct, or in a varlen pass at the sequence table that starts with it
+// (sequence_params): a pointer, so that reading past the first struct is indexing an array whose
+// length the compiler does not assume.
 #define FA_FORWARD_KERNEL_BUFFERS(T)                                                               \
     device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                             \
         device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
         device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
         device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
-        constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        constant FlashAttentionParams *params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
         device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
         device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
         device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]]
@@ -1106,7 +1109,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
         device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
-        constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
+        constant FlashAttentionParams *params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device DELTA float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
         device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
         device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
@@ -1128,7 +1131,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                 \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_forward_combine(partial_out, partial_lse, sinks, out, lse, params, tgid, tid);   \
+        attention_forward_combine(partial_out, partial_lse, sinks, out, lse, *params, tgid, tid);  \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -1210,7 +1213,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
         attention_forward_split<DP, FWD_BQ, FWD_BK>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, \
-                                                    partial_lse, params, &tg, tgid, sgid, lane);   \
+                                                    partial_lse, *params, &tg, tgid, sgid, lane);  \
     }                                                                                              \
                                                                                                    \
     FA_IF_DECODE(DP,                                                                               \
@@ -1224,7 +1227,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup tg;              \
         attention_forward_decode<DP>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse,  \
-                                     params, &tg, tgid, sgid, lane);                               \
+                                     *params, &tg, tgid, sgid, lane);                              \
     })                                                                                             \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -1290,7 +1293,7 @@ kernel void flash_attention_backward_dsinks(
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
     threadgroup flash_attention_backward_dsinks_threadgroup tg;
-    attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, params, &tg, tgid.x, tid);
+    attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, *params, &tg, tgid.x, tid);
 }
 
 // The first dispatch of a varlen pass (flash_attention_varlen.h): one threadgroup.

@@ -471,7 +471,7 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_##KIND##_kvcache_##SUFFIX##_d##DP##_threadgroup tg;    \
         FORWARD<__VA_ARGS__>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse,      \
-                             params, &tg, tgid, sgid, lane);                                       \
+                             *params, &tg, tgid, sgid, lane);                                      \
     }
 
 // The KV-cache forward kernels of one dtype and bucket: flash_attention_forward_kvcache_* (dense,
@@ -494,7 +494,7 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_kvcache_##SUFFIX##_d##DP##_threadgroup tg;             \
         attention_forward<DP, FWD_BQ, FWD_BK>(q, FA_KV_CACHE_SOURCE(T), out, lse, mask, alibi,     \
-                                              sinks, params, &tg, tgid, sgid, lane);               \
+                                              sinks, *params, &tg, tgid, sgid, lane);              \
     }                                                                                              \
                                                                                                    \
     FA_KV_CACHE_SPLIT_KERNEL(T, split, SUFFIX, DP, attention_forward_split, DP, FWD_BQ, FWD_BK)    \

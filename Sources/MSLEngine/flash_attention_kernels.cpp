@@ -24,41 +24,41 @@ using msl_engine::kernel_args;
 #define FA_BACKWARD_OPTIONAL_TYPES FA_OPTIONAL_TYPES, const float *
 template <class T>
 using ForwardKernel = void (*)(const T *, const T *, const T *, T *, float *,
-                               const FlashAttentionParams &, FA_OPTIONAL_TYPES, uint3, uint, uint);
+                               const FlashAttentionParams *, FA_OPTIONAL_TYPES, uint3, uint, uint);
 template <class T>
 using ForwardSplitKernel = void (*)(const T *, const T *, const T *, T *, float *,
-                                    const FlashAttentionParams &, FA_OPTIONAL_TYPES, float *,
+                                    const FlashAttentionParams *, FA_OPTIONAL_TYPES, float *,
                                     float *, uint3, uint, uint);
 // The KV-cache forward kernels bind the cache's table, scales and biases after the others.
 #define FA_KV_CACHE_TYPES(T) const int *, const T *, const T *, const T *, const T *
 template <class T>
 using ForwardKvCacheKernel = void (*)(const T *, const T *, const T *, T *, float *,
-                                      const FlashAttentionParams &, FA_OPTIONAL_TYPES,
+                                      const FlashAttentionParams *, FA_OPTIONAL_TYPES,
                                       FA_KV_CACHE_TYPES(T), uint3, uint, uint);
 template <class T>
 using ForwardSplitKvCacheKernel = void (*)(const T *, const T *, const T *, T *, float *,
-                                           const FlashAttentionParams &, FA_OPTIONAL_TYPES, float *,
+                                           const FlashAttentionParams *, FA_OPTIONAL_TYPES, float *,
                                            float *, FA_KV_CACHE_TYPES(T), uint3, uint, uint);
 template <class T>
 using ForwardCombineKernel = void (*)(const T *, const T *, const T *, T *, float *,
-                                      const FlashAttentionParams &, FA_OPTIONAL_TYPES,
+                                      const FlashAttentionParams *, FA_OPTIONAL_TYPES,
                                       const float *, const float *, uint3, uint);
 template <class T>
 using BackwardDeltaKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
-                                     const float *, const FlashAttentionParams &, float *,
+                                     const float *, const FlashAttentionParams *, float *,
                                      FA_BACKWARD_OPTIONAL_TYPES, uint3, uint);
 template <class T>
 using BackwardLseResidualKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
-                                           const float *, const FlashAttentionParams &,
+                                           const float *, const FlashAttentionParams *,
                                            const float *, FA_OPTIONAL_TYPES, float *, uint3, uint,
                                            uint);
 template <class T>
 using BackwardDqKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
-                                  const float *, const FlashAttentionParams &, const float *,
+                                  const float *, const FlashAttentionParams *, const float *,
                                   FA_BACKWARD_OPTIONAL_TYPES, T *, uint3, uint, uint);
 template <class T>
 using BackwardDkvKernel = void (*)(const T *, const T *, const T *, const T *, const T *,
-                                   const float *, const FlashAttentionParams &, const float *,
+                                   const float *, const FlashAttentionParams *, const float *,
                                    FA_BACKWARD_OPTIONAL_TYPES, T *, T *, uint3, uint, uint);
 template <typename T>
 using MergeKernel = void (*)(const T *, const float *, const T *, const float *, T *, float *,
@@ -69,7 +69,7 @@ using MergeKernel = void (*)(const T *, const float *, const T *, const float *,
     a.buffer<const T>(FA_FORWARD_BUFFER_Q), a.buffer<const T>(FA_FORWARD_BUFFER_K),                \
         a.buffer<const T>(FA_FORWARD_BUFFER_V), a.buffer<T>(FA_FORWARD_BUFFER_OUT),                \
         a.buffer<float>(FA_FORWARD_BUFFER_LSE),                                                    \
-        a.constant_ref<const FlashAttentionParams>(FA_FORWARD_BUFFER_PARAMS),                      \
+        a.buffer<const FlashAttentionParams>(FA_FORWARD_BUFFER_PARAMS),                            \
         a.buffer<const uchar>(FA_FORWARD_BUFFER_MASK), a.buffer<const float>(FA_FORWARD_BUFFER_ALIBI), \
         a.buffer<const float>(FA_FORWARD_BUFFER_SINKS)
 
@@ -86,7 +86,7 @@ using MergeKernel = void (*)(const T *, const float *, const T *, const float *,
     a.buffer<const T>(FA_BACKWARD_BUFFER_DOUT), a.buffer<const T>(FA_BACKWARD_BUFFER_Q),           \
         a.buffer<const T>(FA_BACKWARD_BUFFER_K), a.buffer<const T>(FA_BACKWARD_BUFFER_V),          \
         a.buffer<const T>(FA_BACKWARD_BUFFER_OUT), a.buffer<const float>(FA_BACKWARD_BUFFER_LSE),  \
-        a.constant_ref<const FlashAttentionParams>(FA_BACKWARD_BUFFER_PARAMS)
+        a.buffer<const FlashAttentionParams>(FA_BACKWARD_BUFFER_PARAMS)
 
 template <class T, ForwardKernel<T> Kernel>
 void run_forward(const kernel_args &a, const builtins &t) {
@@ -170,7 +170,7 @@ void run_backward_dsinks(const kernel_args &a, const builtins &t) {
         a.buffer<const uchar>(FA_BACKWARD_BUFFER_DOUT), a.buffer<const uchar>(FA_BACKWARD_BUFFER_Q),
         a.buffer<const uchar>(FA_BACKWARD_BUFFER_K), a.buffer<const uchar>(FA_BACKWARD_BUFFER_V),
         a.buffer<const uchar>(FA_BACKWARD_BUFFER_OUT), a.buffer<const float>(FA_BACKWARD_BUFFER_LSE),
-        a.constant_ref<const FlashAttentionParams>(FA_BACKWARD_BUFFER_PARAMS),
+        a.buffer<const FlashAttentionParams>(FA_BACKWARD_BUFFER_PARAMS),
         a.buffer<const float>(FA_BACKWARD_BUFFER_DELTA), FA_BACKWARD_READS(a),
         a.buffer<float>(FA_BACKWARD_BUFFER_DSINKS), t.threadgroup_position_in_grid,
         t.thread_index_in_threadgroup);

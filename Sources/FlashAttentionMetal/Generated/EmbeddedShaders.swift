@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "6757dfbd39c25ff0"
+    static let sourceHash = "0bda5a577fef6272"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
@@ -82,7 +82,8 @@ typedef uint64_t fa_u64;
 
 // The Metal Shading Language version the kernels are compiled as, everywhere: the run-time
 // compile (MTLCompileOptions.languageVersion), build.sh's `xcrun metal -std=metal3.0` and the
-// address-space check (__METAL_VERSION__ 300). MSL 3.0 is macOS 13 / iOS 16, the package's
+// address-space check (__METAL_VERSION__ 300 to 410: PyTorch and MLX compile at their SDK's newest
+// version, so the kernels must compile at each). MSL 3.0 is macOS 13 / iOS 16, the package's
 // platforms; simdgroup_matrix needs 2.3. The bfloat16 kernels need MSL 3.1 (macOS 14 / iOS 17,
 // where the compiler defines __HAVE_BFLOAT__): the run-time compile asks for it where the OS has
 // it, and the bfloat16 instances exist only then.
@@ -1209,8 +1210,10 @@ inline void attention_merge(device const T *out_a, device const float *lse_a,
 
 // The struct a threadgroup of sequence `b` works with: the host's for a dense problem, else
 // sequence b's entry of the table bound in the host's place (its entry 0 is the host's struct).
-inline constant FlashAttentionParams &sequence_params(constant FlashAttentionParams &params, uint b) {
-    return params.sequences == 0 ? params : (&params)[1 + b];
+// `params` is the kernel's buffer argument, a pointer to an array of unknown length (never a
+// reference to one struct read past its end, which Metal may preload as just that struct).
+inline constant FlashAttentionParams &sequence_params(constant FlashAttentionParams *params, uint b) {
+    return params[0].sequences == 0 ? params[0] : params[1 + b];
 }
 
 // Whether a threadgroup whose block starts at row `first` has nothing to do: past the end of its
@@ -2659,14 +2662,17 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 #define FA_DQ_SHARED(T, DP, BQ, BK) (sizeof(BackwardQueryStorage<T, DP, BQ, BK, false>) > 32768)
 #define FA_DKV_SHARED(T, DP, BK, BQ) (sizeof(BackwardKeyValueStorage<T, DP, BK, BQ, false>) > 32768)
 
-// The buffers every forward kernel binds, in [[buffer(i)]] order up to sinks.
+// The buffers every forward kernel binds, in [[buffer(i)]] order up to sinks. `params` points at
+// the host's parameter struct, or in a varlen pass at the sequence table that starts with it
+// (sequence_params): a pointer, so that reading past the first struct is indexing an array whose
+// length the compiler does not assume.
 #define FA_FORWARD_KERNEL_BUFFERS(T)                                                               \
     device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                             \
         device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
         device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
         device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
         device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
-        constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
+        constant FlashAttentionParams *params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
         device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
         device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
         device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]]
@@ -2680,7 +2686,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
         device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
         device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
-        constant FlashAttentionParams &params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
+        constant FlashAttentionParams *params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
         device DELTA float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
         device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
         device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
@@ -2702,7 +2708,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                 \
         uint3 tgid [[threadgroup_position_in_grid]],                                               \
         uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_forward_combine(partial_out, partial_lse, sinks, out, lse, params, tgid, tid);   \
+        attention_forward_combine(partial_out, partial_lse, sinks, out, lse, *params, tgid, tid);  \
     }                                                                                              \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -2784,7 +2790,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
         attention_forward_split<DP, FWD_BQ, FWD_BK>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, \
-                                                    partial_lse, params, &tg, tgid, sgid, lane);   \
+                                                    partial_lse, *params, &tg, tgid, sgid, lane);  \
     }                                                                                              \
                                                                                                    \
     FA_IF_DECODE(DP,                                                                               \
@@ -2798,7 +2804,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup tg;              \
         attention_forward_decode<DP>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse,  \
-                                     params, &tg, tgid, sgid, lane);                               \
+                                     *params, &tg, tgid, sgid, lane);                              \
     })                                                                                             \
                                                                                                    \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
@@ -2864,7 +2870,7 @@ kernel void flash_attention_backward_dsinks(
     uint3 tgid [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
     threadgroup flash_attention_backward_dsinks_threadgroup tg;
-    attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, params, &tg, tgid.x, tid);
+    attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, *params, &tg, tgid.x, tid);
 }
 
 // The first dispatch of a varlen pass (flash_attention_varlen.h): one threadgroup.
@@ -3355,7 +3361,7 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_##KIND##_kvcache_##SUFFIX##_d##DP##_threadgroup tg;    \
         FORWARD<__VA_ARGS__>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse,      \
-                             params, &tg, tgid, sgid, lane);                                       \
+                             *params, &tg, tgid, sgid, lane);                                      \
     }
 
 // The KV-cache forward kernels of one dtype and bucket: flash_attention_forward_kvcache_* (dense,
@@ -3378,7 +3384,7 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
         uint lane [[thread_index_in_simdgroup]]) {                                                 \
         threadgroup flash_attention_forward_kvcache_##SUFFIX##_d##DP##_threadgroup tg;             \
         attention_forward<DP, FWD_BQ, FWD_BK>(q, FA_KV_CACHE_SOURCE(T), out, lse, mask, alibi,     \
-                                              sinks, params, &tg, tgid, sgid, lane);               \
+                                              sinks, *params, &tg, tgid, sgid, lane);              \
     }                                                                                              \
                                                                                                    \
     FA_KV_CACHE_SPLIT_KERNEL(T, split, SUFFIX, DP, attention_forward_split, DP, FWD_BQ, FWD_BK)    \
