@@ -4,7 +4,10 @@
 // Math: FlashAttention-2 (Dao, 2023). Operands: Q, K, V, O (out), L (lse), dO (dout), D (delta),
 // S = Q K^T, P = softmax(S), dP = dO V^T, dS = P (dP - D). Every exponential of a score is exp2
 // of a difference x - m (<= 0) times log2(e) (exp_of): the hardware's exp2, while scores, maxima
-// and lse stay in natural units (the merges of lse values and dsinks use exp).
+// and lse stay in natural units (the merges of lse values and dsinks use exp). Every float math
+// function is called as precise:: explicitly: a host's compile options choose fast or precise
+// for the unqualified ones (MTLCompileOptions.mathFloatingPointFunctions, fast by default from
+// macOS 15; MLX sets only mathMode), and every front end must give the same bits.
 //
 //   forward (Algorithm 1), one threadgroup per BQ query rows:
 //     load Q block; m = -inf, l = 0, O = 0
@@ -218,7 +221,7 @@ inline void store_row(device T *dst, thread Fragments<N> &x, float scale, uint c
 // see), and a finite score beyond FLT_MAX / log2(e) (Hugging Face's float32-minimum masks) would
 // overflow in base 2.
 inline float exp_of(float x) {
-    return exp2(fma(x, FA_LOG2E_HI, x * FA_LOG2E_LO));
+    return precise::exp2(fma(x, FA_LOG2E_HI, x * FA_LOG2E_LO));
 }
 
 // ---- scores ----------------------------------------------------------------------------------
@@ -283,7 +286,7 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
     }
     float x = raw * m.scale;
     if (softcap_on(p)) {
-        t = tanh(x / p.softcap);
+        t = precise::tanh(x / p.softcap);
         x = p.softcap * t;
     }
     if (alibi_on(p)) {
@@ -435,7 +438,7 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
 
 // The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
 inline float row_lse(float m, float l) {
-    return l > 0.0f ? m + log(l) : -INFINITY;
+    return l > 0.0f ? m + precise::log(l) : -INFINITY;
 }
 
 // A split-KV chunk's softmax state at entry `index` of partial_lse: its running max m and log l,
@@ -444,7 +447,7 @@ inline float row_lse(float m, float l) {
 // keys.
 inline void store_partial_lse(device float *partial_lse, ulong index, float m, float l) {
     partial_lse[2 * index] = l > 0.0f ? m : -INFINITY;
-    partial_lse[2 * index + 1] = l > 0.0f ? log(l) : 0.0f;
+    partial_lse[2 * index + 1] = l > 0.0f ? precise::log(l) : 0.0f;
 }
 
 // The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
@@ -633,7 +636,7 @@ inline void attention_forward_split(device const T *q, KV kv, device const uchar
 // l exp(m - top), exactly 0 for a chunk without keys.
 inline float chunk_weight(device const float *partial_lse, ulong index, float top) {
     const float m = partial_lse[2 * index];
-    return m == -INFINITY ? 0.0f : exp((m - top) + partial_lse[2 * index + 1]);
+    return m == -INFINITY ? 0.0f : precise::exp((m - top) + partial_lse[2 * index + 1]);
 }
 
 template <typename T>
@@ -744,7 +747,7 @@ inline float residual_of_row(constant FlashAttentionParams &p, float m, float l,
     if (!needs_residual(lse) || !(l > 0.0f) || !(abs(row_lse(m, l) - lse) <= slack)) {
         return 0.0f;
     }
-    return (m - lse) + log(l);
+    return (m - lse) + precise::log(l);
 }
 
 // One threadgroup per BQ query rows, as the forward. A block none of whose rows needs a residual
@@ -822,7 +825,7 @@ inline void attention_backward_dsinks(device const float *lse, device const floa
     float acc = 0.0f;
     for (ulong r = tid; r < rows; r += FA_THREADS_PER_THREADGROUP) {
         const ulong at = row_index(uint(r / p.seqlen_q), p.num_heads, h, p.seqlen_q, uint(r % p.seqlen_q));
-        acc = fma(exp((sinks[h] - backward_row_lse(lse[at])) - residual[at]), delta[at], acc);
+        acc = fma(precise::exp((sinks[h] - backward_row_lse(lse[at])) - residual[at]), delta[at], acc);
     }
     tg->partial[tid] = acc;
     for (uint width = FA_THREADS_PER_THREADGROUP / 2; width > 0; width /= 2) {

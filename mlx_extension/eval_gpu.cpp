@@ -49,8 +49,11 @@ void check_plan(fa_status status, const char* call) {
 }
 
 // The pipeline of one dispatch: kernel_name specialised with its function constants, compiled
-// once per process from fa_plan_kernel_source() (MLX's default CompileOptions: safe math, which the
-// kernels need for their infinities) and cached by MLX under a name that includes the constants.
+// once per process from fa_plan_kernel_source() and cached by MLX under a name that includes the
+// constants. MLX's compile sets only mathMode (safe, which the kernels need for their infinities);
+// from macOS 15 the float32 math functions then default to the fast ones
+// (MTLCompileOptions.mathFloatingPointFunctions), so the kernels call every one as precise::
+// explicitly and give the Swift host's and PyTorch's bits.
 MTL::ComputePipelineState* pipeline(mx::metal::Device& device, const fa_plan* plan, uint32_t index,
                                     const fa_plan_dispatch& dispatch) {
     auto* library = device.get_library("flash_attention_metal", [] { return std::string(fa_plan_kernel_source()); });
