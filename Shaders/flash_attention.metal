@@ -1319,20 +1319,35 @@ kernel void flash_attention_varlen_sequences(
 #define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(bfloat, bf16, __VA_ARGS__)
 #define FA_DEFINE_F32(...) FA_DEFINE_KERNELS(float, f32, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(float, f32, __VA_ARGS__)
 
+// The dtypes this compile instantiates (FA_DTYPE_MASK_* of flash_attention_params.h), every one
+// unless a prelude defines FA_DTYPES: a host whose compile of the whole source fails compiles each
+// dtype alone, so that a compiler failure loses only that dtype's kernels.
+#ifndef FA_DTYPES
+#define FA_DTYPES (FA_DTYPE_MASK_F16 | FA_DTYPE_MASK_F32 | FA_DTYPE_MASK_BF16)
+#endif
+
+#if FA_DTYPES & FA_DTYPE_MASK_F16
 FA_DEFINE_DTYPE_KERNELS(half, f16)
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_F16)
+#endif
+#if FA_DTYPES & FA_DTYPE_MASK_F32
 FA_DEFINE_DTYPE_KERNELS(float, f32)
 FA_HEAD_DIM_BUCKETS_F32(FA_DEFINE_F32)
+#endif
 // bfloat needs MSL 3.1 (macOS 14, iOS 17); older compilers get the other dtypes.
-#if !defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)
+#if (!defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)) && (FA_DTYPES & FA_DTYPE_MASK_BF16)
 FA_DEFINE_DTYPE_KERNELS(bfloat, bf16)
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_BF16)
 #endif
 
 // fa_merge_attention(_v2): two results over disjoint key sets -> the result over their union
 // (flash_attention_merge.h), one kernel per dtype.
+#if FA_DTYPES & FA_DTYPE_MASK_F16
 FA_DEFINE_MERGE_KERNEL(half, f16)
+#endif
+#if FA_DTYPES & FA_DTYPE_MASK_F32
 FA_DEFINE_MERGE_KERNEL(float, f32)
-#if !defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)
+#endif
+#if (!defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)) && (FA_DTYPES & FA_DTYPE_MASK_BF16)
 FA_DEFINE_MERGE_KERNEL(bfloat, bf16)
 #endif

@@ -26,6 +26,12 @@ typedef uint64_t fa_u64;
 #define FA_MSL_VERSION_MINOR 0
 #define FA_MSL_BFLOAT_VERSION_MINOR 1
 
+// One bit per dtype, for FA_DTYPES (flash_attention.metal): the dtypes whose kernels a compile
+// defines.
+#define FA_DTYPE_MASK_F16 1
+#define FA_DTYPE_MASK_F32 2
+#define FA_DTYPE_MASK_BF16 4
+
 // Where a [batch][heads][seqlen][head_dim] tensor's rows are: element (b, h, i, d) is at
 // b * batch + h * head + i * seq + d (in elements; the last axis is contiguous).
 typedef struct FlashAttentionStrides {
