@@ -48,15 +48,30 @@ void check_plan(fa_status status, const char* call) {
     }
 }
 
-// The pipeline of one dispatch: kernel_name specialised with its function constants, compiled
-// once per process from fa_plan_kernel_source() and cached by MLX under a name that includes the
-// constants. MLX's compile sets only mathMode (safe, which the kernels need for their infinities);
+// The kernels' library, made once per process: build.sh's .metallib for this OS
+// (fa_plan_metallib_path(), MLX's get_library(name, path), which throws when Metal refuses the
+// file), else fa_plan_kernel_source() compiled by MLX (get_library(name, builder)); both cached by
+// MLX under one name.
+MTL::Library* kernels(mx::metal::Device& device) {
+    static const char* const kName = "flash_attention_metal";
+    if (const char* path = fa_plan_metallib_path()) {
+        try {
+            return device.get_library(kName, std::string(path));
+        } catch (const std::exception&) {
+            // Refused (built for a newer macOS than this one): the source below.
+        }
+    }
+    return device.get_library(kName, [] { return std::string(fa_plan_kernel_source()); });
+}
+
+// The pipeline of one dispatch: kernel_name specialised with its function constants, built once
+// per process from kernels() and cached by MLX under a name that includes the constants. MLX's compile sets only mathMode (safe, which the kernels need for their infinities);
 // from macOS 15 the float32 math functions then default to the fast ones
 // (MTLCompileOptions.mathFloatingPointFunctions), so the kernels call every one as precise::
 // explicitly and give the Swift host's and PyTorch's bits.
 MTL::ComputePipelineState* pipeline(mx::metal::Device& device, const fa_plan* plan, uint32_t index,
                                     const fa_plan_dispatch& dispatch) {
-    auto* library = device.get_library("flash_attention_metal", [] { return std::string(fa_plan_kernel_source()); });
+    auto* library = kernels(device);
     // The values must outlive get_kernel, which reads them through the pointers.
     std::vector<uint32_t> values(dispatch.specialization_count);
     std::unique_ptr<bool[]> bools(new bool[dispatch.specialization_count]);

@@ -401,3 +401,32 @@ def test_a_view_off_a_16_byte_boundary_gives_the_cpu_paths_bits(compiler):
     got = _mps.forward(q, k, v, None, None, *settings)
     for mine, theirs in zip(got, expected):
         assert torch.equal(mine, theirs)
+
+
+def test_features_off_is_loaded_precompiled(compiler, monkeypatch, tmp_path):
+    """With build.sh's features-off .metallib and torch.mps.load_metallib, a pass without features
+    compiles nothing (one load per process), and a pass with features compiles only its own
+    prelude; the results are the source path's bits. Compiles per process for the two passes
+    (forward + backward) of each case: 1 from source without the .metallib, 0 with it for the
+    featureless case; 1 for the case with a mask, ALiBi, a window and softcap either way."""
+    metallib = tmp_path / "flash_attention-0-features-off.metallib"
+    metallib.write_bytes(b"stand-in")
+    loads = []
+
+    def load(path):
+        loads.append(path)
+        return StandInLibrary(compiler, plan.features_off_prelude() + plan.kernel_source())
+
+    plain, featured = CASES["float16, causal GQA"], CASES["bfloat16, mask, ALiBi, window, softcap, bshd"]
+    expected = [_run(_mps, *plain), _run(_mps, *featured)]
+    assert len(compiler.sources) == 2 and compiler.sources[0].startswith(plan.features_off_prelude())
+    monkeypatch.setattr(_mps, "_libraries", {})
+    monkeypatch.setattr(plan, "features_off_metallib_path", lambda library=None: str(metallib))
+    monkeypatch.setattr(torch._C, "_mps_loadMetallibFromPath", load, raising=False)
+    compiled = len(compiler.sources)
+    got = [_run(_mps, *plain), _run(_mps, *plain)]
+    assert loads == [str(metallib)] and len(compiler.sources) == compiled
+    got.append(_run(_mps, *featured))
+    assert len(compiler.sources) == compiled + 1 and not compiler.sources[-1].startswith(plan.features_off_prelude())
+    for mine, theirs in zip(got[0] + got[1] + got[2], expected[0] + expected[0] + expected[1]):
+        assert torch.equal(mine, theirs)

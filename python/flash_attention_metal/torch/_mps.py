@@ -59,12 +59,18 @@ _plans: OrderedDict = OrderedDict()
 
 
 def _compile(dispatch: _plan.Dispatch):
-    """The compiled library of the dispatch's specialisation, compiled on first use (once per
-    process and prelude)."""
+    """The compiled library of the dispatch's specialisation, made on first use (once per process
+    and prelude): every feature off is loaded precompiled where build.sh built it and this
+    PyTorch has ``torch.mps.load_metallib``; the others are compiled from source."""
     key = dispatch.constants_prelude
     with _lock:
         if key in _libraries:
             return _libraries[key]
+    precompiled = _plan.features_off_metallib_path() if hasattr(torch.mps, "load_metallib") else None
+    if precompiled is not None and key == _plan.features_off_prelude():
+        library = torch.mps.load_metallib(precompiled)
+        with _lock:
+            return _libraries.setdefault(key, library)
     fast_math = os.environ.get("PYTORCH_MPS_FAST_MATH")
     if fast_math is not None and fast_math != "0":
         raise RuntimeError(
