@@ -2,12 +2,17 @@
 # Builds and tests libFlashAttentionMetal. Safe to re-run.
 #   ./build.sh         the release library (.build/release/libFlashAttentionMetal.so|.dylib) and, when
 #                      .venv has MLX, the MLX extension (python/flash_attention_metal/_mlx_ext);
-#                      on macOS also .build/release/flash_attention-<hash>.metallib when `xcrun metal` works
+#                      on macOS also .build/release/flash_attention-<hash>-msl<version>.metallib (and the
+#                      features-off one for PyTorch) when `xcrun metal` works
 #   ./build.sh run     set-up (.venv with the Python package), build, then the main job:
 #                      python -m flash_attention_metal check, then examples/smollm2_generate.py
 #   ./build.sh test    build, then every test: the address-space check of the kernels, swift test,
 #                      the sanitized run, the C program, on Linux the Metal backend's build against
 #                      the stand-in Metal module, pytest (with the workflow linters)
+#   ./build.sh test --quick
+#                      build, then the quick tier: the C programs and the pytest tests marked quick
+#                      (tests/python/conftest.py), about one per feature; no swift test, sanitizers,
+#                      stand-in or planted-fault builds (docs/testing.md)
 #   ./build.sh wheel   build, then `pip wheel ./python` (reusing that build) into build/wheel, installed
 #                      into a fresh venv (build/wheel-venv) that imports it and runs one attention call,
 #                      on Linux with the Swift toolchain's runtime hidden from the loader
@@ -236,7 +241,7 @@ run_tests() {
     swift test
     run_c_test
     if [[ "$(uname -s)" != Darwin ]]; then
-        # The Metal backend compiled against the stand-in Metal module; tests/python/test_metal_standin.py runs it.
+        # The Metal backend compiled against the stand-in Metal module; tests/python/kernels/test_metal_standin.py runs it.
         say "the Metal backend on the stand-in Metal module (tests/metal_standin/build.sh)"
         tests/metal_standin/build.sh
     fi
@@ -256,8 +261,19 @@ run_tests() {
     say "pytest: the serial tests, alone"
     # Only the files that mark tests serial are collected again (paths without spaces).
     # shellcheck disable=SC2046
-    .venv/bin/python -m pytest -q -m serial $(grep -l 'mark\.serial' tests/python/test_*.py)
+    .venv/bin/python -m pytest -q -m serial $(grep -rl --include='test_*.py' 'mark\.serial' tests/python)
     say "all tests passed"
+}
+
+# The quick tier: what a kernel or API change most often breaks, for the inner loop.
+run_quick_tests() {
+    build_library
+    setup_venv
+    build_mlx_extension
+    run_c_test
+    say "pytest: the quick tier (-m quick) on every core"
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest tests/python -q -n auto -m quick
+    say "quick tests passed (./build.sh test runs everything)"
 }
 
 # The wheel as a user gets it: `pip wheel ./python` with the library just built
@@ -311,15 +327,21 @@ case "${1:-build}" in
         say "SmolLM2-135M-Instruct answering a chat prompt, every attention call through the library"
         .venv/bin/python examples/smollm2_generate.py
         ;;
-    test) run_tests ;;
+    test)
+        case "${2:-}" in
+            "") run_tests ;;
+            --quick) run_quick_tests ;;
+            *) echo "build.sh: unknown option '$2' (use: ./build.sh test [--quick])" >&2; exit 2 ;;
+        esac
+        ;;
     wheel)
         setup_venv
         build_library
         check_wheel
         ;;
-    -h | --help | help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' ;;
+    -h | --help | help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' ;;
     *)
-        echo "build.sh: unknown command '$1' (use: ./build.sh [build|run|test|wheel])" >&2
+        echo "build.sh: unknown command '$1' (use: ./build.sh [build|run|test [--quick]|wheel])" >&2
         exit 2
         ;;
 esac

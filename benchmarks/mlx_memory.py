@@ -1,7 +1,7 @@
 """Peak memory of one MLX training step: flash_attention_metal's fused backward against MLX's own
 attention, whose gradient is unfused (it keeps the seqlen x seqlen scores of every head).
 
-The model is the tiny transformer of examples/mlx_train_tiny.py (2 layers, 4 query heads, 2 KV
+The model is the tiny transformer of examples/mlx_train_tiny.py (flash_attention_metal.models.tiny_mlx) (2 layers, 4 query heads, 2 KV
 heads, head_dim 16, causal; attention in float16, the rest float32), batch 1; one step is
 ``nn.value_and_grad`` plus an Adam update, evaluated. Each (attention, seqlen) runs in a fresh
 process that first makes one warm-up step at seqlen 64 (library, kernels, optimizer state), then
@@ -44,11 +44,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from flash_attention_metal.cli._peak_memory import measured_step, method
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 _MIB = 1 << 20
 IMPLEMENTATIONS = ("mlx", "library", "floor")
@@ -59,7 +56,7 @@ def child(implementation: str, seqlen: int, compiled: bool = False) -> dict:
     import mlx.core as mx
     import mlx.optimizers as optim
 
-    import mlx_train_tiny as tiny
+    from flash_attention_metal.models import tiny_mlx as tiny
 
     if implementation == "library":
         from flash_attention_metal.mlx import scaled_dot_product_attention as attention

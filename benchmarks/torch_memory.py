@@ -3,7 +3,7 @@ PyTorch's math backward, ``sdpa_kernel(SDPBackend.MATH)``, which is what PyTorch
 ``scaled_dot_product_attention`` on MPS (it keeps the seqlen x seqlen attention weights of every
 head for the backward), side by side in one run on the CPU.
 
-The model is the tiny transformer of examples/torch_train_tiny.py (2 layers, 4 query heads, 2 KV
+The model is the tiny transformer of examples/torch_train_tiny.py (flash_attention_metal.models.tiny_torch) (2 layers, 4 query heads, 2 KV
 heads, head_dim 16, causal, float32), batch 1; one step is the next-token loss, its backward and an
 AdamW update. Each (attention, seqlen) runs in a fresh process that first makes one warm-up step at
 seqlen 64 (the library, PyTorch's kernels, the optimizer state), then measures the peak RSS growth
@@ -32,11 +32,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from flash_attention_metal.cli._peak_memory import measured_step, method
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 _MIB = 1 << 20
 ROWS = (("math", "PyTorch math backward (SDPBackend.MATH, as on MPS)"),
@@ -53,7 +51,7 @@ def child(implementation: str, seqlen: int) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import torch_train_tiny as tiny
+    from flash_attention_metal.models import tiny_torch as tiny
 
     backend = contextlib.nullcontext
     if implementation == "library":

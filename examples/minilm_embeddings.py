@@ -1,6 +1,6 @@
 """Sentence embeddings of all-MiniLM-L6-v2 with flash_attention_metal doing every attention step.
 
-For each sample text the NumPy float32 encoder of ``minilm_model`` runs twice: once with the
+For each sample text the NumPy float32 encoder of ``flash_attention_metal.models.minilm`` runs twice: once with the
 library's attention (q, k, v rounded to float16, shape (1, 12, tokens, 32), the library's float16
 output used as the layer's attention output) and once with the float64 reference attention on the
 same float16-rounded inputs. The two 384-dimensional embeddings are compared by cosine similarity.
@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from minilm_model import MiniLM
-from minilm_texts import SAMPLE_TEXTS
+from flash_attention_metal.models.minilm import MiniLM
+from flash_attention_metal.models.minilm_texts import SAMPLE_TEXTS
 
 
 def library_attention(context, timings: list, ratios: list):

@@ -1,11 +1,11 @@
 """SmolLM2-135M-Instruct answering a chat prompt, with flash_attention_metal computing every
 attention call.
 
-The NumPy model of ``smollm2_model`` (float32 weights dequantized from the Q4_1 GGUF, float16 KV
+The NumPy model of ``flash_attention_metal.models.smollm2`` (float32 weights dequantized from the Q4_1 GGUF, float16 KV
 cache) greedy-decodes an answer twice: once with the library's attention (prefill: causal GQA over
 the prompt, 9 query heads on 3 KV heads; then one call per layer and token with seqlen_q = 1 over
 the cache) and once with the float64 reference attention on the same float16 inputs. The default
-prompt is a document and a question (``smollm2_texts``): 590 tokens, so that every decode call
+prompt is a document and a question (``flash_attention_metal.models.smollm2_texts``): 590 tokens, so that every decode call
 attends over more than 512 keys and takes the library's split-KV path. It checks that the first
 --check-tokens generated tokens are identical and that every library attention call is within the
 project's accuracy rule (flash_attention_metal.accuracy, judged after the run so the timing is the
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from smollm2_texts import PROMPT as DEFAULT_PROMPT
+from flash_attention_metal.models.smollm2_texts import PROMPT as DEFAULT_PROMPT
 
 
 @dataclass
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
 
     try:
         import flash_attention_metal as fa
-        from smollm2_model import SmolLM2
+        from flash_attention_metal.models.smollm2 import SmolLM2
 
         context = fa.Context(args.backend) if args.backend else fa.default_context()
         start = time.perf_counter()

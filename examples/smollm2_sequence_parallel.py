@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct's prefill with its attention sharded over MPI ranks (ring attention), checked
 against one process.
 
-Every rank runs the NumPy model of ``smollm2_model`` on the whole prompt (about 256 tokens); each
+Every rank runs the NumPy model of ``flash_attention_metal.models.smollm2`` on the whole prompt (about 256 tokens); each
 layer's causal GQA attention over the prompt is sharded over the ranks with
 ``flash_attention_metal.distributed`` (zigzag layout, K/V shards travelling around the ring) and
 gathered back, so each rank computes only its share of every attention. The greedy continuation
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
 
     import flash_attention_metal as fa
     from flash_attention_metal import accuracy
-    from smollm2_model import SmolLM2
+    from flash_attention_metal.models.smollm2 import SmolLM2
 
     context = fa.Context(args.backend) if args.backend else fa.default_context()
     model = SmolLM2.load(args.model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,18 +33,70 @@ SLOW_MODULES_FIRST = ["test_planted_faults.py", "test_metal_standin.py", "test_c
                       "test_long_sequences.py"]
 
 
+# The quick tier (`./build.sh test --quick`, docs/testing.md): the tests that a kernel or API change
+# most often breaks, about one per feature and front end, for the inner loop; `./build.sh test` runs
+# everything. Each entry is a test's file under tests/python and its name, every parametrization.
+QUICK_MARKER = "quick"
+QUICK_TESTS = {
+    "core/test_accuracy.py": ["test_explicit_softmax_scale", "test_rows_without_keys_give_zero_out_minus_inf_lse_and_zero_grads",
+                              "test_decode_causal_equals_non_causal"],
+    "core/test_decode.py": ["test_strided_and_unaligned_caches"],
+    "core/test_split_kv.py": ["test_decode_within_rule_and_deterministic"],
+    "core/test_merge.py": ["test_merge_of_parts_is_attention_over_all_keys", "test_shapes_are_checked"],
+    "core/test_semantics.py": ["test_gqa_dk_dv_sum_over_the_group", "test_every_head_dim_bucket"],
+    "core/test_dtypes_layouts.py": ["test_bshd_equals_bhsd_bit_for_bit", "test_packed_qkv_slices_are_read_in_place"],
+    "core/test_backward_lse.py": ["test_the_mask_decides"],
+    "core/test_validation.py": ["test_qkv_must_be_float16_bfloat16_or_float32", "test_heads_must_be_divisible_by_kv_heads",
+                                "test_given_outputs_must_not_overlap_inputs"],
+    "core/test_errors.py": ["test_library_rejects_head_dim_beyond_the_kernels"],
+    "core/test_given_outputs.py": ["test_given_outputs_are_written_in_place_and_equal_fresh_ones"],
+    "options/test_score_options.py": ["test_identities_between_options", "test_decode_shapes_within_the_rule"],
+    "varlen/test_varlen.py": ["test_each_sequence_meets_the_rule_and_equals_the_dense_call",
+                              "test_wrong_tables_through_the_abi_stay_in_bounds"],
+    "kv_cache/test_kv_cache.py": ["test_split_decode_paged_quantized_bhsd", "test_errors_leave_the_cache_untouched",
+                                  "test_kernels_clamp_a_wrong_table"],
+    "torch_api/test_torch.py": ["test_flash_attn_func_against_the_reference", "test_errors_name_the_argument_and_the_rule"],
+    "torch_api/test_torch_kv_cache.py": ["test_refusals_leave_the_cache_untouched"],
+    "torch_api/test_torch_varlen.py": ["test_refusals"],
+    "mlx_api/test_mlx.py": ["test_grad_and_value_and_grad_equal_vjp", "test_shape_errors_name_the_argument"],
+    "mlx_api/test_mlx_native.py": ["test_what_is_not_supported_raises_naming_it"],
+    "models/test_fixture.py": ["test_forward_meets_the_accuracy_rule"],
+    "models/test_fixture_smollm2.py": ["test_forward_meets_the_accuracy_rule"],
+    "kernels/test_plan.py": ["test_plan_invariants", "test_errors"],
+    "repo/test_import_graph.py": ["test_the_import_graph_has_no_cycle"],
+}
+_HERE = Path(__file__).resolve().parent
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{SERIAL_MARKER}: run alone, after the parallel run (conftest.py)")
+    config.addinivalue_line("markers", f"{QUICK_MARKER}: the quick tier, ./build.sh test --quick (conftest.py)")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOW_MODULES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    for item in items:
+        names = QUICK_TESTS.get(item.path.resolve().relative_to(_HERE).as_posix(), ())
+        if getattr(item, "originalname", item.name) in names:
+            item.add_marker(QUICK_MARKER)
+
 
 
 # Whether a Metal device may exist: on macOS, and in the stand-in build (tests/metal_standin), whose
 # Metal backend runs on the CPU engine.
 METAL_MAY_EXIST = sys.platform == "darwin" or Path(os.environ.get(fam.LIBRARY_ENV, "")).parent.name == "metal-standin"
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO_ROOT / "examples"
+
+
+def run_example(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs ``examples/<script>`` with this Python from the examples folder, as a user would;
+    returns the finished process (text output captured)."""
+    return subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=EXAMPLES)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ struct table {
 
 std::mutex registry_mutex;
 
-// Test hook (tests/python/test_planted_faults.py, docs/testing.md): the environment variable
+// Test hook (tests/python/kernels/test_planted_faults.py, docs/testing.md): the environment variable
 // MSL_ENGINE_KERNELS_OVERRIDE names a shared object built from an edited copy of the kernels that
 // exports `const kernel_entry *msl_engine_kernels_override(size_t *count)`; its table replaces the
 // built-in one for the whole process. One that cannot be loaded leaves no attention kernel at all,

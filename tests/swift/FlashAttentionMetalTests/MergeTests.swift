@@ -5,7 +5,7 @@ import XCTest
 
 /// fa_merge_attention and FlashAttention.mergeAttention: the plan, validation through the C ABI and
 /// the Swift API, and the merge math on the CPU engine (the accuracy tests over real attention are
-/// in tests/python/test_merge.py).
+/// in tests/python/core/test_merge.py).
 final class MergeTests: XCTestCase {
     func testPlan() throws {
         let p = try Problem.merge(rows: 9, headDim: 40)

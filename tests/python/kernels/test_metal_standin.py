@@ -1,0 +1,112 @@
+"""The Metal backend executed on Linux: the stand-in build (tests/metal_standin/build.sh, which
+./build.sh test runs first) compiles Sources/FlashAttentionMetal with `canImport(Metal)` true
+against a stand-in Metal module that runs the kernels on the CPU engine (docs/metal.md).
+
+Here, in child processes on that build: the Swift tests of the Metal backend; the bit-for-bit
+comparison with the CPU backend that reaches every kernel and the error paths
+(metal_standin_cases.py); a named subset of tests/python's tests on ``Context("metal")``; and
+copies of the backend with a planted defect, which must make the comparison fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import flash_attention_metal as fam
+
+ROOT = Path(__file__).resolve().parents[3]
+STANDIN = ROOT / "build" / "metal-standin"
+LIBRARY = STANDIN / "libFlashAttentionMetal.so"
+# The tests that run again on Context("metal") through the stand-in: every dtype, layout, head_dim
+# bucket, score option, split-KV decode, merges, backward's lse handling, given outputs, errors,
+# profiles, specialisation, cancellation and threads (207 tests, 70 s on 2 cores). The rest
+# of tests/python tests the Python layer, the reference, the CLI or the models, which no backend
+# changes.
+METAL_SUBSET = [
+    "core/test_dtypes_layouts.py", "options/test_score_options.py", "core/test_split_kv.py", "core/test_merge.py",
+    "core/test_backward_lse.py", "core/test_given_outputs.py", "core/test_errors.py", "core/test_profile.py",
+    "core/test_semantics.py", "kernels/test_specialisation.py", "core/test_layout.py", "core/test_cancellation.py",
+    "core/test_threads.py",
+]
+# Tests of the subset that never call a backend (they compile the kernel source with clang, about
+# 25 s of CPU): the parallel run has run them already.
+BACKEND_FREE = [
+    "kernels/test_specialisation.py::test_every_kernel_compiles_after_the_prelude",
+    "kernels/test_specialisation.py::test_a_feature_compiled_off_leaves_no_code",
+]
+
+pytestmark = pytest.mark.skipif(sys.platform == "darwin", reason="macOS has the real Metal module")
+
+
+def _library() -> Path:
+    if not LIBRARY.exists():
+        pytest.fail(f"{LIBRARY} is missing: run tests/metal_standin/build.sh (./build.sh test does)")
+    return LIBRARY
+
+
+def _pytest(library: Path, *args: str, backend: str = "auto", timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **{fam.LIBRARY_ENV: str(library), fam.BACKEND_ENV: backend})
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--capture=sys", *args],
+                          cwd=ROOT / "tests" / "python", env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _passed(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+
+
+def test_swift_tests_of_the_metal_backend():
+    _library()
+    result = subprocess.run([str(STANDIN / "metal-backend-tests")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    assert "with 0 failures" in result.stdout + result.stderr
+
+
+def test_metal_backend_equals_the_cpu_backend_bit_for_bit():
+    _passed(_pytest(_library(), "kernels/metal_standin_cases.py"))
+
+
+def test_named_subset_on_context_metal():
+    deselect = [option for test in BACKEND_FREE for option in ("--deselect", test)]
+    _passed(_pytest(_library(), *METAL_SUBSET, *deselect, "-m", "not serial", backend="metal", timeout=600))
+
+
+@pytest.mark.serial  # the subset's serial tests (conftest.py: Ctrl-C's exit bound), alone as here
+def test_serial_part_of_the_named_subset_on_context_metal():
+    _passed(_pytest(_library(), *METAL_SUBSET, "-m", "serial", backend="metal"))
+
+
+# A defect planted in a copy of MetalFlashAttention.swift: the original line, the planted one, and
+# what the failure must say.
+PLANTS = {
+    # k and v swapped (buffers 1 and 2): same sizes, so only the results show it.
+    "wrong buffer index": ("index: binding.index)", "index: [1: 2, 2: 1][binding.index] ?? binding.index)",
+                           "differs between the CPU and Metal"),
+    "misaligned offset": ("offset: piece.byteOffset(of: binding.role),", "offset: piece.byteOffset(of: binding.role) + 1,",
+                          "is not aligned"),
+}
+
+
+@pytest.mark.parametrize("plant", list(PLANTS))
+def test_a_planted_defect_fails_the_suite(tmp_path, plant):
+    _library()
+    original, planted, symptom = PLANTS[plant]
+    sources = tmp_path / "FlashAttentionMetal"
+    shutil.copytree(ROOT / "Sources" / "FlashAttentionMetal", sources)
+    encoder = sources / "Metal" / "MetalFlashAttention.swift"
+    text = encoder.read_text()
+    assert text.count(original) == 1, f"the line to plant into is gone: {original}"
+    encoder.write_text(text.replace(original, planted))
+    out = tmp_path / "build"
+    env = dict(os.environ, METAL_STANDIN_OUT=str(out), METAL_STANDIN_SWIFT_TESTS="0", METAL_STANDIN_SWIFT6="0",
+               METAL_STANDIN_MODULES=str(STANDIN))
+    subprocess.run([str(ROOT / "tests" / "metal_standin" / "build.sh"), str(sources)], env=env, check=True,
+                   capture_output=True, timeout=600)
+    result = _pytest(out / "libFlashAttentionMetal.so", "kernels/metal_standin_cases.py", "-x", "-k", "forward_backward")
+    assert result.returncode != 0
+    assert symptom in result.stdout + result.stderr, (result.stdout + result.stderr)[-4000:]
