@@ -91,7 +91,9 @@ build_metallib() {
             "$out/flash_attention-$hash-msl$version.metallib"
     done
     python=${PYTHON:-.venv/bin/python}
-    if [[ -x $python ]] && PYTHONPATH=python "$python" -c "from flash_attention_metal import plan; import sys; \
+    if [[ ! -f $out/flash_attention-$hash-msl3.1.metallib ]]; then
+        say "note: no MSL 3.1 .metallib: no features-off .metallib for PyTorch either"
+    elif [[ -x $python ]] && PYTHONPATH=python "$python" -c "from flash_attention_metal import plan; import sys; \
 sys.stdout.write(plan.features_off_prelude() + plan.kernel_source())" > "$probe/features_off.metal" 2> "$probe/log"; then
         compile_metallib 3.1 14.0 "$math" "$probe/features_off.metal" "$out/flash_attention-$hash-features-off.metallib"
     else
@@ -283,7 +285,9 @@ run_quick_tests() {
 # must serve; without them the call runs with the toolchain visible, and says so.
 check_wheel() {
     local out=build/wheel venv=build/wheel-venv wheel runtime="" smoke
-    rm -rf "$out" "$venv"
+    # python/build is setuptools' in-tree build folder: a file left there from an earlier build
+    # (a module since moved) would go into the wheel.
+    rm -rf "$out" "$venv" python/build
     say "pip wheel ./python into $out (the library of this build)"
     FLASH_ATTENTION_METAL_PREBUILT=$(library_path) .venv/bin/python -m pip wheel --quiet --no-deps \
         --no-build-isolation -w "$out" ./python

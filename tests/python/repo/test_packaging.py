@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -76,6 +77,8 @@ def test_the_wheel_carries_the_library_the_header_and_the_swift_runtime(tmp_path
     from flash_attention_metal import _native
 
     library = _native.native().path
+    # setuptools' in-tree build folder: what an earlier build left there would go into the wheel.
+    shutil.rmtree(_PACKAGE_DIR.parent / "build", ignore_errors=True)
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
                              str(tmp_path), str(_PACKAGE_DIR.parent)],
                             env=dict(os.environ, FLASH_ATTENTION_METAL_PREBUILT=str(library)),
