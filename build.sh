@@ -196,14 +196,14 @@ run_c_test() {
 # 2021). Swift toolchains and Xcode ship a clang that can; where none can, install one with apt-get
 # when that is possible, else skip loudly.
 check_address_spaces() {
-    say "address-space check of Shaders/*.metal (tools/check_address_spaces.py)"
+    say "address-space check of Shaders/*.metal (tests/static/check_address_spaces.py)"
     local status=0
-    python3 tools/check_address_spaces.py || status=$?
+    python3 tests/static/check_address_spaces.py || status=$?
     if [[ $status == 2 ]] && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
         say "installing clang with apt-get for the address-space check"
         if apt-get install -y -qq clang >/dev/null; then
             status=0
-            python3 tools/check_address_spaces.py || status=$?
+            python3 tests/static/check_address_spaces.py || status=$?
         fi
     fi
     case $status in

@@ -5,6 +5,10 @@
 // query i sees key j iff j < seqlen_k and i + shift - window_left <= j <= i + shift + window_right
 // with shift = seqlen_k - seqlen_q (a side at -1 is unbounded; causal is window_right = 0), and a
 // boolean attn_mask, where given, allows it.
+#ifndef FLASH_ATTENTION_BLOCKS_H
+#define FLASH_ATTENTION_BLOCKS_H
+
+#include "flash_attention_features.h"
 
 // Element offset of row 0 of head `head` of batch `b` in a tensor laid out by `s` (64-bit:
 // tensors may span more than 2^32 elements).
@@ -101,3 +105,5 @@ inline uint active_fragments(uint head_dim, uint col0, uint n) {
     const uint padded = (head_dim + 7) / 8 * 8;
     return padded <= col0 ? 0u : min(n, (padded - col0) / 8);
 }
+
+#endif

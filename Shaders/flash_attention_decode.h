@@ -14,10 +14,14 @@
 //       (m, l, o) in registers
 //     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
 //     SIMD-group order; the chunk's normalised output and lse go to partial_out / partial_lse,
-//     which forward_combine (flash_attention.metal) merges over the chunks with the sink.
+//     which forward_combine (flash_attention_forward.h) merges over the chunks with the sink.
 //
 // Sums run in a fixed order (lanes by simd_sum, keys in order per SIMD-group, SIMD-groups 0..3,
 // chunks 0..n): results are bit-identical from run to run.
+#ifndef FLASH_ATTENTION_DECODE_H
+#define FLASH_ATTENTION_DECODE_H
+
+#include "flash_attention_forward.h"
 
 // How one lane holds a row of a bucket DP wide: E elements of T, the smallest power of two that
 // covers DP / 32 and fills at least one 32-bit word; LANES lanes hold columns (the others hold
@@ -278,8 +282,9 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
                 float t;
                 const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], in_window(mods[r].keys, j), t);
                 const float m_next = max(m[r], s);
-                // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0.
-                const float m_base = m_next == -INFINITY ? 0.0f : m_next;
+                // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0
+                // (softmax_shift: +inf gives l +inf, not NaN).
+                const float m_base = softmax_shift(m_next);
                 const float correction = exp_of(m[r] - m_base);
                 const float pe = exp_of(s - m_base);
                 l[r] = fma(l[r], correction, pe);
@@ -314,7 +319,7 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
             for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
                 top = max(top, tg->m[g][r]);
             }
-            const float base = top == -INFINITY ? 0.0f : top;
+            const float base = softmax_shift(top);
             float total = 0.0f;
             float acc = 0.0f;
             for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
@@ -323,10 +328,13 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
                 acc = fma(tg->o[g][r][d], w, acc);
             }
             const ulong index = partial_index(p, rows, b, kv_head, rows.first + r, chunk);
-            partial_out[index * p.head_dim_v + d] = total > 0.0f ? acc / total : 0.0f;
+            // (total NaN, from a NaN score, must reach partial_out: never taken for an empty row.)
+            partial_out[index * p.head_dim_v + d] = total == 0.0f ? 0.0f : acc / total;
             if (d == 0) {
                 store_partial_lse(partial_lse, index, top, total);
             }
         }
     }
 }
+
+#endif

@@ -13,6 +13,10 @@
 // - The CPU engine, the CUDA check build and the address-space check declare a constant through
 //   their <metal_stdlib>'s MSL_FUNCTION_CONSTANT(index, type, name): a per-dispatch value that is
 //   an error to read when the dispatch did not set it (the clang check: an external constant).
+#ifndef FLASH_ATTENTION_FEATURES_H
+#define FLASH_ATTENTION_FEATURES_H
+
+#include "flash_attention_params.h"
 
 #if defined(FA_FUNCTION_CONSTANTS_PREDEFINED)
 #elif defined(MSL_FUNCTION_CONSTANT)
@@ -36,3 +40,5 @@ inline bool softcap_on(constant FlashAttentionParams &p) { return fa_has_softcap
 inline bool alibi_on(constant FlashAttentionParams &p) { return fa_has_alibi ? true : false; }
 
 inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? true : false; }
+
+#endif

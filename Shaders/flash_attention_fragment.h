@@ -3,7 +3,7 @@
 // fragment row. Every loop over fragments has a constant trip count and is fully unrolled.
 //
 // Accumulators and the products' register operands (P, dS) hold float32. The operands read from
-// two tiles (Q K^T, dO V^T and their transposes: product_transposed in flash_attention.metal) are
+// two tiles (Q K^T, dO V^T and their transposes: product_transposed in flash_attention_products.h) are
 // fragments of TileFragment<T>: half for half tiles, so a lane's pair is one 32-bit word moved as
 // it is, with no conversion, and the multiply-accumulate reads half operands into a float32
 // accumulator; float for bfloat and float tiles (bfloat elements are converted as they are read).
@@ -19,11 +19,15 @@
 // ggml-metal.metal, FA_TYPES), and Dawn exposes this f16-input/f32-result configuration on Metal,
 // tested for float32 accumulator precision on Apple M1 (dawn.googlesource.com commit ee1f8a3).
 // The CPU engine and the CUDA check build convert every operand to float32 exactly and accumulate
-// in float32 whatever the operand types (msl_simdgroup_matrix.h, tools/gpu/metal_cuda.h).
+// in float32 whatever the operand types (msl_simdgroup_matrix.h, tests/cuda/metal_cuda.h).
 //
 // Lane mapping (design.md; MLX steel mma.h, metal-flash-attention): with q = lane / 4, a lane holds
 // (row, col) and (row, col + 1) where row = (q & 4) + (lane / 2) % 4 and col = (q & 2) * 2 +
 // (lane % 2) * 2. The four lanes of a row are l, l ^ 1, l ^ 8 and l ^ 9.
+#ifndef FLASH_ATTENTION_FRAGMENT_H
+#define FLASH_ATTENTION_FRAGMENT_H
+
+#include "flash_attention_loader.h"
 
 // Where a lane's two elements of every 8x8 fragment lie: (row, col) and (row, col + 1).
 struct FragmentCoord {
@@ -165,3 +169,5 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
         }
     }
 }
+
+#endif

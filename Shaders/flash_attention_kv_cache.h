@@ -14,6 +14,10 @@
 // Bounds: every block table value is clamped into [0, kv_num_blocks) and every block index into
 // [0, kv_max_blocks), so a wrong table gives wrong numbers but never an access outside the cache
 // (the hosts reject such tables before dispatch; the clamps are for memory safety alone).
+#ifndef FLASH_ATTENTION_KV_CACHE_H
+#define FLASH_ATTENTION_KV_CACHE_H
+
+#include "flash_attention_decode.h"
 
 // One KV head of one sequence of a cache. Offsets count the units of `data`: T elements, or
 // uint32 words when quantized (bits 4 or 8).
@@ -447,55 +451,7 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
     return r;
 }
 
-// The cache buffers of the KV-cache forward kernels, after the forward's own.
-#define FA_KV_CACHE_KERNEL_BUFFERS(T)                                                              \
-    device const int *kv_table [[buffer(FA_KV_CACHE_BUFFER_TABLE)]],                               \
-        device const T *k_scales [[buffer(FA_KV_CACHE_BUFFER_K_SCALES)]],                          \
-        device const T *k_biases [[buffer(FA_KV_CACHE_BUFFER_K_BIASES)]],                          \
-        device const T *v_scales [[buffer(FA_KV_CACHE_BUFFER_V_SCALES)]],                          \
-        device const T *v_biases [[buffer(FA_KV_CACHE_BUFFER_V_BIASES)]]
+// The cache of the KV-cache forward kernels (flash_attention_kernels.h), from their buffers.
 #define FA_KV_CACHE_SOURCE(T) CacheKV<T>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}
 
-// A split-KV kernel over a cache, flash_attention_forward_<KIND>_kvcache_<SUFFIX>_d<DP>: FORWARD
-// (attention_forward_split or attention_forward_decode, its template arguments after it) with
-// keys and values read through CacheKV, writing the chunks' partial results.
-#define FA_KV_CACHE_SPLIT_KERNEL(T, KIND, SUFFIX, DP, FORWARD, ...)                                \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_##KIND##_kvcache_##SUFFIX##_d##DP(                         \
-        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
-        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
-        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
-        FA_KV_CACHE_KERNEL_BUFFERS(T),                                                             \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_##KIND##_kvcache_##SUFFIX##_d##DP##_threadgroup tg;    \
-        FORWARD<__VA_ARGS__>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse,      \
-                             *params, &tg, tgid, sgid, lane);                                      \
-    }
-
-// The KV-cache forward kernels of one dtype and bucket: flash_attention_forward_kvcache_* (dense,
-// any seqlen_q), flash_attention_forward_split_kvcache_* and flash_attention_forward_decode_kvcache_*
-// (split-KV shapes; their chunks are merged by flash_attention_forward_combine_*), the forward
-// kernels with keys and values read through CacheKV.
-#define FA_DEFINE_KV_CACHE_KERNELS(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)    \
-    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
-        flash_attention_forward_kvcache_##SUFFIX##_d##DP##_threadgroup;                            \
-    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
-        flash_attention_forward_split_kvcache_##SUFFIX##_d##DP##_threadgroup;                      \
-    FA_IF_DECODE(DP, typedef DecodeStorage<DP>                                                     \
-                     flash_attention_forward_decode_kvcache_##SUFFIX##_d##DP##_threadgroup;)       \
-                                                                                                   \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_kvcache_##SUFFIX##_d##DP(                                  \
-        FA_FORWARD_KERNEL_BUFFERS(T), FA_KV_CACHE_KERNEL_BUFFERS(T),                               \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_kvcache_##SUFFIX##_d##DP##_threadgroup tg;             \
-        attention_forward<DP, FWD_BQ, FWD_BK>(q, FA_KV_CACHE_SOURCE(T), out, lse, mask, alibi,     \
-                                              sinks, *params, &tg, tgid, sgid, lane);              \
-    }                                                                                              \
-                                                                                                   \
-    FA_KV_CACHE_SPLIT_KERNEL(T, split, SUFFIX, DP, attention_forward_split, DP, FWD_BQ, FWD_BK)    \
-    FA_IF_DECODE(DP, FA_KV_CACHE_SPLIT_KERNEL(T, decode, SUFFIX, DP, attention_forward_decode, DP))
+#endif

@@ -12,6 +12,10 @@
 // FlashAttentionParams.scalar_copies when a tensor's address, a stride or a head_dim is not a
 // multiple of 16 bytes (an in-place view such as x[..., 1:65]), and every copy of that call takes
 // the checked scalar path (load_rows) instead, chosen per call, never per element.
+#ifndef FLASH_ATTENTION_LOADER_H
+#define FLASH_ATTENTION_LOADER_H
+
+#include "flash_attention_params.h"
 
 // Fully unrolls the loop that follows (a constant trip count): the fragments of a simdgroup_matrix
 // array stay in registers, as in MLX's steel attention (STEEL_PRAGMA_UNROLL). The CUDA check build
@@ -314,3 +318,5 @@ inline void reload_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s, uint
                         constant FlashAttentionParams &p, uint tid) {
     copy_tile<ROWS, DP, false>(tile, s, s.next - s.tile_step, first, p, tid);
 }
+
+#endif

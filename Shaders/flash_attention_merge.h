@@ -10,16 +10,30 @@
 //   out = sum_i w_i out_i / sum_i w_i.
 // A part that saw no key (lse_i = -inf) has weight 0 and its out_i is never read; a row whose
 // parts are all empty gets out = 0 and lse = -inf. -inf is compared, never subtracted from -inf,
-// so no NaN arises from empty parts, while a NaN lse still propagates to out and lse.
+// so no NaN arises from empty parts. Non-finite inputs (docs/semantics.md, "Non-finite values"):
+// a NaN lse makes out and lse NaN; a +inf lse (a row with a +inf score) makes lse +inf and out
+// NaN (softmax_shift).
+#ifndef FLASH_ATTENTION_MERGE_H
+#define FLASH_ATTENTION_MERGE_H
 
-// The weight of a part relative to the largest lse m of the parts being merged: exp(lse - m), and
-// exactly 0 for an empty part (lse = -inf), whatever m is.
+#include "flash_attention_blocks.h"
+
+// The shift subtracted from lse values or scores before exp: the largest one m, or 0 where m is
+// infinite: -inf (nothing seen yet) keeps every exp at 0, and +inf gives the +inf part the weight
+// exp(+inf) = +inf, so that the sum and lse are +inf and out is inf * 0 = NaN, where
+// exp(inf - inf) would make the lse NaN. Finite m is returned unchanged.
+inline float softmax_shift(float m) {
+    return isinf(m) ? 0.0f : m;
+}
+
+// The weight of a part relative to the shift m (softmax_shift of the largest lse of the parts
+// being merged): exp(lse - m), and exactly 0 for an empty part (lse = -inf), whatever m is.
 inline float merge_weight(float part_lse, float max_lse) {
     return part_lse == -INFINITY ? 0.0f : precise::exp(part_lse - max_lse);
 }
 
-// The merged lse from the largest part lse and the sum of the weights: m + log(sum), or -inf when
-// every part is empty (sum 0).
+// The merged lse from the shift m and the sum of the weights: m + log(sum), or -inf when every
+// part is empty (sum 0); NaN or +inf where the sum is.
 inline float merged_lse(float max_lse, float weight_sum) {
     return weight_sum == 0.0f ? -INFINITY : max_lse + precise::log(weight_sum);
 }
@@ -55,7 +69,7 @@ inline void attention_merge(device const T *out_a, device const float *lse_a,
     const ulong r = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row);
     const float la = lse_a[r];
     const float lb = lse_b[r];
-    const float m = max(la, lb);
+    const float m = softmax_shift(max(la, lb));
     const float wa = merge_weight(la, m);
     const float wb = merge_weight(lb, m);
     const float sum = wa + wb;
@@ -71,17 +85,4 @@ inline void attention_merge(device const T *out_a, device const float *lse_a,
     }
 }
 
-// The merge kernel of element type T, named flash_attention_merge_<SUFFIX> (f16, bf16, f32).
-#define FA_DEFINE_MERGE_KERNEL(T, SUFFIX)                                                          \
-    kernel void flash_attention_merge_##SUFFIX(                                                    \
-        device const T *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],                                   \
-        device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],                               \
-        device const T *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],                                   \
-        device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],                               \
-        device T *out [[buffer(FA_MERGE_BUFFER_OUT)]],                                             \
-        device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],                                         \
-        constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],                  \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_merge<T>(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);               \
-    }
+#endif

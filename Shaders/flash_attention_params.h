@@ -286,7 +286,7 @@ typedef struct FlashAttentionParams {
 #define FA_DECODE_SERVES(DP, PACKED_ROWS) ((DP) <= FA_DECODE_MAX_HEAD_DIM && (PACKED_ROWS) <= FA_DECODE_ROWS(DP))
 // FA_IF_DECODE(DP, ...): the arguments where bucket DP has a decode instance (DP <=
 // FA_DECODE_MAX_HEAD_DIM), nothing above. The preprocessor cannot compare, hence a line per bucket;
-// FA_DEFINE_KERNELS static_asserts that each line agrees with FA_DECODE_MAX_HEAD_DIM.
+// KernelTraits (flash_attention_traits.h) static_asserts that each line agrees with FA_DECODE_MAX_HEAD_DIM.
 #define FA_IF_DECODE(DP, ...) FA_IF_DECODE_##DP(__VA_ARGS__)
 #define FA_IF_DECODE_32(...) __VA_ARGS__
 #define FA_IF_DECODE_64(...) __VA_ARGS__
@@ -330,7 +330,7 @@ typedef struct FlashAttentionParams {
 // FA_MAX_ACCUMULATOR_FLOATS), and the backward's two streamed tiles share one buffer. The
 // backward follows metal-flash-attention's three kernels (D pre-pass, dQ over query blocks, dK/dV
 // over key blocks with K, V, dK, dV resident); its tiles are the largest that keep each kernel's
-// threadgroup storage within 32 KiB (static_assert at the instantiation), where a kernel's two
+// threadgroup storage within 32 KiB (static_assert in KernelTraits, flash_attention_traits.h), where a kernel's two
 // streamed tiles share one buffer when both do not fit (then a placeholder row replaces one):
 //   forward: (BQ + 2 BK) (DP + 8) halves, shared (BQ + BK + 1) (DP + 8)
 //            (+ 4 x 8 x BK floats when split over head_dim)
@@ -369,7 +369,7 @@ typedef struct FlashAttentionParams {
 //   d192          20224 / 3       27648 / 2      27744 / 2
 //   d256          26368 / 2       28448 / 2      28544 / 2
 //   backward_delta: 20480 / 3 (half, bfloat), 24576 / 2 (float); the other kernels use less.
-// The target, checked at the instantiation: at least FA_FORWARD_MIN_THREADGROUPS_PER_CORE forward
+// The target, checked by KernelTraits: at least FA_FORWARD_MIN_THREADGROUPS_PER_CORE forward
 // threadgroups per core for half and bfloat up to head_dim 128 (MLX's steel attention fits 4).
 // float32's tiles take twice the bytes: its buckets trade rows for 2 threadgroups per core.
 #define FA_CORE_THREADGROUP_BYTES 61440
@@ -378,7 +378,7 @@ typedef struct FlashAttentionParams {
 // Registers. A kernel owning ROWS rows keeps, per lane, FA_ACCUMULATOR_FLOATS(DP, ROWS) float32
 // accumulator elements of each output it sums over keys or queries (forward and split: O; dQ: dQ;
 // dK/dV: dK and dV, twice that): a SIMD-group's 8 rows x DP / (32 / ROWS) head_dim columns over
-// its 32 lanes. The budget, checked at the instantiation so that no bucket's accumulators outgrow
+// its 32 lanes. The budget, checked by KernelTraits so that no bucket's accumulators outgrow
 // the registers (no spills by construction): FA_MAX_ACCUMULATOR_FLOATS per lane per kernel.
 //   half, bfloat   forward  dQ  dK/dV        float   forward  dQ  dK/dV
 //   d32                 8    8     16        d32           8   8     16

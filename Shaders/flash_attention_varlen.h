@@ -12,6 +12,10 @@
 // The tables are not trusted: each value is clamped to [0, total] and to at least the values before
 // it, so a wrong table gives disjoint sequences inside the tensors (wrong numbers, rows left
 // unwritten), never an access out of bounds or two threadgroups writing one row.
+#ifndef FLASH_ATTENTION_VARLEN_H
+#define FLASH_ATTENTION_VARLEN_H
+
+#include "flash_attention_blocks.h"
 
 // Threads of flash_attention_varlen_sequences: one threadgroup, each thread a contiguous range of
 // sequences.
@@ -52,7 +56,7 @@ inline uint clamped_boundary(device const int *cu_seqlens, uint i, uint limit) {
 }
 
 // dst = src word by word: MSL has no implicit copy of a struct between the constant and device
-// address spaces (tools/check_address_spaces.py enforces that), and this follows any new field.
+// address spaces (tests/static/check_address_spaces.py enforces that), and this follows any new field.
 inline void copy_params(device FlashAttentionParams &dst, constant FlashAttentionParams &src) {
     static_assert(sizeof(FlashAttentionParams) % 4 == 0, "FlashAttentionParams is whole 32-bit words");
     device uint *to = reinterpret_cast<device uint *>(&dst);
@@ -111,3 +115,5 @@ inline void varlen_sequences(device const int *cu_q, device const int *cu_k,
         s.lse_rows = p.seqlen_q;
     }
 }
+
+#endif

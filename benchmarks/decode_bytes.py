@@ -4,8 +4,8 @@
 One forward call per (KV heads, keys, cores) on the CPU engine, planned for that many GPU cores
 through ``FLASH_ATTENTION_GPU_CORES``: B=1, H=32 query heads, seqlen_q 1, head_dim 128, float16,
 zero inputs (the counts do not depend on the values). The engine counts the bytes every dispatch
-reads from each buffer (``device_bytes_read``, indexed by ``[[buffer(i)]]``: k is 1 and v is 2);
-the ratio is what the chunk dispatch read of k and v over their size, 1.00 when every key and
+reads from each buffer (``device_bytes_read``, indexed by ``[[buffer(i)]]``: k is 1 and v is 2;
+counted because this script sets ``FLASH_ATTENTION_COUNT_DEVICE_READS=1``); the ratio is what the chunk dispatch read of k and v over their size, 1.00 when every key and
 value is read once per call. Threadgroups per core: the chunk dispatch's threadgroups over the
 cores. Each call runs the kernels on the host, so the longest caches take minutes:
 
@@ -29,6 +29,7 @@ HEADS, HEAD_DIM = 32, 128
 def measure(context: fam.Context, kv_heads: int, keys: int, cores: int) -> tuple[str, float, int]:
     """The chunk kernel, K/V bytes read / cache bytes, and the chunk dispatch's threadgroups."""
     os.environ["FLASH_ATTENTION_GPU_CORES"] = str(cores)
+    os.environ["FLASH_ATTENTION_COUNT_DEVICE_READS"] = "1"
     q = np.zeros((1, HEADS, 1, HEAD_DIM), np.float16)
     k = np.zeros((1, kv_heads, keys, HEAD_DIM), np.float16)
     context.forward(q, k, k)

@@ -2,6 +2,8 @@
 // through the library's C ABI on its CPU engine. See primitives.h.
 #include "primitives.h"
 
+#include <cmath>
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 #include <typeinfo>
@@ -48,6 +50,26 @@ void check_status(fa_status status, const char* call) {
 }
 
 void allocate(mx::array& a) { a.set_data(mx::allocator::malloc(a.nbytes())); }
+
+// What the NumPy and PyTorch front ends refuse by name, checked where the host reads the data (the
+// CPU stream, in the task, once the inputs are computed; on a GPU stream they are not scanned):
+// an additive mask holding NaN or +inf (its rows would be NaN), sinks that are not finite. The
+// mask is scanned over its stored elements (its broadcast axes are not expanded).
+void check_values(const float* mask, size_t mask_count, const float* sinks, size_t heads) {
+    for (size_t i = 0; i < mask_count; ++i) {
+        if (std::isnan(mask[i]) || mask[i] == INFINITY) {
+            throw std::invalid_argument("mask holds " + std::string(std::isnan(mask[i]) ? "NaN" : "+inf") +
+                                        " (stored element " + std::to_string(i) + "): an additive mask must not hold "
+                                        "NaN or +inf (its rows would be NaN); use -inf to hide a key");
+        }
+    }
+    for (size_t h = 0; sinks != nullptr && h < heads; ++h) {
+        if (!std::isfinite(sinks[h])) {
+            throw std::invalid_argument("sinks[" + std::to_string(h) + "] is " + std::to_string(sinks[h]) +
+                                        ": sinks must be finite");
+        }
+    }
+}
 
 // vmap: moves the mapped axis to the front (broadcasting unmapped inputs to `size` there) and
 // merges it into the batch axis, so the node runs on batch size*B. batch >= 0 also broadcasts the
@@ -251,8 +273,12 @@ void Forward::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::arr
     for (const auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
     encoder.set_output_array(lse);
+    const bool additive = options_.mask_type == FA_ATTN_MASK_ADDITIVE_FLOAT32;
+    const size_t mask_count = additive ? mask->data_size() : 0;
+    const size_t heads = options_.has_sinks ? size_t(inputs[0].shape(1)) : 0;
     encoder.dispatch([problem, q = inputs[0].data<void>(), k = inputs[1].data<void>(), v = inputs[2].data<void>(),
-                      o = out.data<void>(), l = lse.data<float>()]() {
+                      o = out.data<void>(), l = lse.data<float>(), mask_count, heads]() {
+        check_values(static_cast<const float*>(problem.attn_mask), mask_count, problem.sinks, heads);
         check_status(fa_forward(cpu_context(), &problem, q, k, v, o, l), "fa_forward");
     });
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes Sources/FlashAttentionMetal/Generated/EmbeddedShaders.swift: the MSL source of
-Shaders/flash_attention.metal with Shaders/flash_attention_params.h spliced in place of its
-#include, because MTLDevice.makeLibrary(source:options:) has no include path.
+Shaders/flash_attention.metal with the Shaders/ headers it includes (and they include) spliced in
+place of their #include lines, because MTLDevice.makeLibrary(source:options:) has no include path.
 
 The file also holds a hash of that source, which names the precompiled library build.sh makes on a
 Mac (flash_attention-<hash>.metallib): the library loads only a .metallib built from the source it
@@ -23,19 +23,30 @@ INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"\s*$')
 
 
 def spliced_source() -> str:
-    """The .metal source with every quoted #include of a file in Shaders/ replaced by its text."""
-    lines = []
-    for line in METAL.read_text(encoding="utf-8").splitlines():
-        match = INCLUDE.match(line)
-        if match:
-            header = METAL.parent / match.group(1)
+    """The .metal source with every quoted #include of a file in Shaders/ replaced by its text, the
+    included files' own includes expanded the same way where they stand, each file once (every
+    header has an include guard, so a second #include of it adds nothing)."""
+    lines: list[str] = []
+    done: set[str] = set()
+
+    def splice(path: pathlib.Path) -> None:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            match = INCLUDE.match(line)
+            if not match:
+                lines.append(line)
+                continue
+            name = match.group(1)
+            header = METAL.parent / name
             if not header.is_file():
-                sys.exit(f"embed_shaders: {METAL.name} includes {match.group(1)}, not found in {METAL.parent}")
-            lines.append(f"// ---- begin {match.group(1)} (spliced by tools/embed_shaders.py) ----")
-            lines.extend(header.read_text(encoding="utf-8").splitlines())
-            lines.append(f"// ---- end {match.group(1)} ----")
-        else:
-            lines.append(line)
+                sys.exit(f"embed_shaders: {path.name} includes {name}, not found in {METAL.parent}")
+            if name in done:
+                continue
+            done.add(name)
+            lines.append(f"// ---- begin {name} (spliced by tools/embed_shaders.py) ----")
+            splice(header)
+            lines.append(f"// ---- end {name} ----")
+
+    splice(METAL)
     return "\n".join(lines) + "\n"
 
 

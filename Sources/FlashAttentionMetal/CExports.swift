@@ -169,7 +169,7 @@ public func _exportForward(_ handle: OpaquePointer?, _ problem: UnsafePointer<fa
             try buffers.bindOutput(.lse, required(lse, "lse"), for: p)
             try bindOptionalInputs(&buffers, descriptor, p)
             try bindKVCache(&buffers, descriptor, p)
-            try ctx.run(DispatchPlan.forward(p), buffers: buffers)
+            try ctx.run(.forward, p, buffers: buffers)
             return FA_STATUS_SUCCESS
         } catch {
             return report(error)
@@ -205,7 +205,7 @@ public func _exportBackward(_ handle: OpaquePointer?, _ problem: UnsafePointer<f
             if p.scores.hasSinks {
                 buffers.bindOutput(.dsinks, try required(descriptor.dsinks, "dsinks (sinks are given)"), for: p)
             }
-            try ctx.run(DispatchPlan.backward(p), buffers: buffers)
+            try ctx.run(.backward, p, buffers: buffers)
             return FA_STATUS_SUCCESS
         } catch {
             return report(error)
@@ -326,7 +326,7 @@ public func _exportMergeAttentionV2(_ handle: OpaquePointer?, _ rows: UInt64, _ 
             try buffers.bindInput(.lseB, required(lseB, "lse_b"), for: p)
             try buffers.bindOutput(.out, required(out, "out"), for: p)
             try buffers.bindOutput(.lse, required(lse, "lse"), for: p)
-            try ctx.run(DispatchPlan.merge(p), buffers: buffers)
+            try ctx.run(.merge, p, buffers: buffers)
             return FA_STATUS_SUCCESS
         } catch {
             return report(error)

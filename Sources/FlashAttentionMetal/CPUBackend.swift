@@ -37,7 +37,14 @@ final class CPUBackend: ExecutionBackend {
         deviceName = "CPU engine (MSL on \(msl_engine_worker_count()) worker threads)"
     }
 
+    /// Set to 1 in the environment, the profile counts the bytes each dispatch reads from every
+    /// buffer (`DispatchProfile.deviceBytesRead`); otherwise those counts are nil and the engine
+    /// skips the counting, which costs it time on every tile copy. Read at each call.
+    static let countDeviceReadsVariable = "FLASH_ATTENTION_COUNT_DEVICE_READS"
+
     func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
+        let countReads = getenv(Self.countDeviceReadsVariable).map { String(cString: $0) == "1" } ?? false
+        msl_engine_count_device_reads(countReads ? 1 : 0)
         var buffers = buffers
         var workspace: [UnsafeMutableRawPointer] = []
         defer { workspace.forEach { free($0) } }
@@ -52,7 +59,7 @@ final class CPUBackend: ExecutionBackend {
         }
         // The pieces run the plan's dispatches on slices; each dispatch's record sums its pieces.
         let pieces = plan.pieces(maxFlops: flopsPerPiece)
-        var profile = Profile(seconds: 0, dispatches: plan.dispatches.map(Self.emptyRecord),
+        var profile = Profile(seconds: 0, dispatches: plan.dispatches.map { Self.emptyRecord($0, countReads: countReads) },
                               commandBuffers: pieces.count)
         for piece in pieces {
             for dispatch in piece.plan.dispatches {
@@ -82,13 +89,14 @@ final class CPUBackend: ExecutionBackend {
         return profile
     }
 
-    /// The record of `dispatch` before it runs: its threadgroup storage, zero counts and time.
-    private static func emptyRecord(_ dispatch: Dispatch) -> DispatchProfile {
+    /// The record of `dispatch` before it runs: its threadgroup storage, zero counts and time
+    /// (no byte counts when they are not counted).
+    private static func emptyRecord(_ dispatch: Dispatch, countReads: Bool) -> DispatchProfile {
         var info = msl_engine_kernel_info()
         let memory = msl_engine_describe_kernel(dispatch.kernelName, &info) != 0 ? info.threadgroup_memory_length : 0
         return DispatchProfile(dispatch, threadgroupMemoryLength: memory, simdgroupMultiplyAccumulates: 0,
                                threadgroupBarriers: 0,
-                               deviceBytesRead: [UInt64](repeating: 0, count: Int(MSL_ENGINE_COUNTED_BUFFERS)),
+                               deviceBytesRead: countReads ? [UInt64](repeating: 0, count: Int(MSL_ENGINE_COUNTED_BUFFERS)) : nil,
                                functionConstantsRead: [], seconds: 0)
     }
 

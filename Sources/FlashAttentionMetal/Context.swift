@@ -66,19 +66,22 @@ final class Context {
         #endif
     }
 
-    /// Runs `plan` and keeps its profile as the calling thread's last one on this context; on
-    /// failure (cancellation included) poisons its outputs and rethrows (the last profile stays
-    /// that of the last success). Every entry point comes through here, so here are the checks
-    /// that need the buffers: no output overlaps another bound buffer, and backward's lse is one
-    /// that forward can give (`HostBuffers.checkLse`); both throw `invalidArgument` before
-    /// anything is written. The plan is remade for the backend's GPU core count
-    /// (`GPUCores.planned(device:)`), which the profile reports.
+    /// Plans `pass` for `problem` on the backend's GPU core count (`DispatchPlan.make`, once) and
+    /// runs that plan (`run(_:buffers:)`).
+    /// - Throws: `invalidArgument` for a bad FLASH_ATTENTION_GPU_CORES, and as `run(_:buffers:)`.
+    func run(_ pass: Pass, _ problem: Problem, buffers: HostBuffers) throws {
+        try run(DispatchPlan.make(pass, problem, device: backend.gpuCores), buffers: buffers)
+    }
+
+    /// Runs `plan` as it was made and keeps its profile as the calling thread's last one on this
+    /// context; on failure (cancellation included) poisons its outputs and rethrows (the last
+    /// profile stays that of the last success). Every entry point comes through here, so here is
+    /// the check that needs the buffers: no output overlaps another bound buffer (`invalidArgument`
+    /// before anything is written). Backward's lse values are not checked: every lse forward
+    /// returns is valid (docs/semantics.md, "Non-finite values"). The profile reports the core
+    /// count the plan was made for.
     func run(_ plan: DispatchPlan, buffers: HostBuffers) throws {
-        let plan = plan.planned(forGPUCores: try GPUCores.planned(device: backend.gpuCores))
         try buffers.checkOutputsDisjoint(plan)
-        if plan.pass == .backward {
-            try buffers.checkLse(of: plan.problem)
-        }
         let profile: Profile
         do {
             profile = try backend.execute(plan, buffers: buffers, cancellation: cancellation.token())
@@ -87,7 +90,7 @@ final class Context {
             throw error
         }
         var planned = profile
-        planned.gpuCores = Int(plan.problem.gpuCores)
+        planned.gpuCores = Int(plan.problem.gpuCores ?? UInt32(FA_NOMINAL_GPU_CORES))
         ProfileStore.record(planned, for: self)
     }
 

@@ -217,7 +217,7 @@ enum Pass {
 /// element and the result is deterministic without atomics). Every kernel runs
 /// `fa_threads_per_threadgroup()` threads per threadgroup.
 struct DispatchPlan {
-    /// The pass; `make(pass, problem)` rebuilds the plan for a slice of the problem.
+    /// The pass; `make(pass, planned:)` rebuilds the plan for a slice of the problem.
     let pass: Pass
     let dispatches: [Dispatch]
     /// The roles the pass writes for the caller; every other bound role is read only.
@@ -249,18 +249,23 @@ struct DispatchPlan {
         return roles
     }
 
-    /// This plan made for `cores` GPU cores (itself when it already is): what a backend that knows
-    /// its device's core count runs.
-    func planned(forGPUCores cores: UInt32) -> DispatchPlan {
-        cores == problem.gpuCores ? self : .make(pass, problem.planned(forGPUCores: cores))
+    /// The planner: the plan of `pass` for a validated `problem` on a GPU of `device` cores (the
+    /// backend's `ExecutionBackend.gpuCores`; nil: the CPU engine's nominal GPU), made once per
+    /// call. Here and only here the split-KV chunking is decided, for `GPUCores.planned(device:)`
+    /// (FLASH_ATTENTION_GPU_CORES wins over the device).
+    /// - Throws: `invalidArgument` when FLASH_ATTENTION_GPU_CORES is set to a bad value.
+    static func make(_ pass: Pass, _ problem: Problem, device: UInt32?) throws -> DispatchPlan {
+        make(pass, planned: problem.planned(forGPUCores: try GPUCores.planned(device: device)))
     }
 
-    /// The plan of `pass` for `problem`.
-    static func make(_ pass: Pass, _ problem: Problem) -> DispatchPlan {
+    /// The plan of `pass` for a problem the planner has planned (a piece of a split plan: a slice
+    /// that keeps the whole plan's chunking).
+    static func make(_ pass: Pass, planned problem: Problem) -> DispatchPlan {
+        precondition(problem.gpuCores != nil, "a plan needs a problem the planner has planned")
         switch pass {
-        case .forward: return forward(problem)
-        case .backward: return backward(problem)
-        case .merge: return merge(problem)
+        case .forward: return forward(planned: problem)
+        case .backward: return backward(planned: problem)
+        case .merge: return merge(planned: problem)
         }
     }
 
@@ -271,7 +276,7 @@ struct DispatchPlan {
     /// (chunks x row blocks, num_kv_heads, batch) threadgroups writes one partial result per chunk,
     /// then `flash_attention_forward_combine_<dtype>`
     /// over (seqlen_q, num_heads, batch) threadgroups merges them into out and lse.
-    static func forward(_ problem: Problem) -> DispatchPlan {
+    private static func forward(planned problem: Problem) -> DispatchPlan {
         let b = problem.bucket
         var bindings = [BufferBinding(index: Int(FA_FORWARD_BUFFER_Q), role: .q),
                         BufferBinding(index: Int(FA_FORWARD_BUFFER_K), role: .k),
@@ -336,7 +341,7 @@ struct DispatchPlan {
     /// a row whose |lse| is huge); `flash_attention_backward_dq_<dtype>_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
     /// threadgroups writes `dq`; `flash_attention_backward_dkv_<dtype>_d<DP>` over
     /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`.
-    static func backward(_ problem: Problem) -> DispatchPlan {
+    private static func backward(planned problem: Problem) -> DispatchPlan {
         let b = problem.bucket
         let inputs = [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DOUT), role: .dout),
                       BufferBinding(index: Int(FA_BACKWARD_BUFFER_Q), role: .q),
@@ -427,7 +432,7 @@ struct DispatchPlan {
     /// Merge (`fa_merge_attention_v2`): `flash_attention_merge_<dtype>` over (ceil(seqlen_q /
     /// FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch) threadgroups, FA_MERGE_THREADS_PER_ROW
     /// threads per row; `problem` gives the row layout (``Problem/merge(rows:headDim:)``).
-    static func merge(_ problem: Problem) -> DispatchPlan {
+    private static func merge(planned problem: Problem) -> DispatchPlan {
         let rows = UInt32(FA_MERGE_ROWS_PER_THREADGROUP)
         assert(rows * UInt32(FA_MERGE_THREADS_PER_ROW) == threadgroupSize.width)
         let dispatch = Dispatch(

@@ -12,8 +12,9 @@ import CFlashAttentionMetal
 ///
 /// Buffers: no output may share memory with another output or an input of the same call (byte
 /// ranges from each buffer's first to its last element; checked, `invalidArgument`, nothing
-/// written). Backward's `lse` must be the one forward returned: NaN and `+inf` are rejected, and
-/// `-inf` is accepted only for a row that sees no key (checked on the buffer before any kernel runs).
+/// written). Backward takes the `lse` forward returned, whatever its values: a NaN or `+inf` lse (a
+/// row with a NaN or `+inf` score) gives that row NaN gradients, `-inf` (a row without visible keys)
+/// zero gradients; lse values are not checked (docs/semantics.md, "Non-finite values").
 ///
 /// One instance may be used from several threads at once.
 public final class FlashAttention: @unchecked Sendable {
@@ -81,7 +82,7 @@ public final class FlashAttention: @unchecked Sendable {
             let p = try Problem.validate(shape, dtype: Element.attentionDType, causal: causal,
                                          softmaxScale: softmaxScale, options: options)
             let buffers = try forwardBuffers(q: q, k: k, v: v, out: out, lse: lse, p)
-            try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.forward(p), buffers: $0) }
+            try withOptionalInputs(options, p, buffers) { try context.run(.forward, p, buffers: $0) }
         }
     }
 
@@ -90,11 +91,10 @@ public final class FlashAttention: @unchecked Sendable {
     /// heads that share a KV head. With `options.sinks`, `dsinks` (`numHeads` floats) receives the
     /// sinks' gradient. Math: FlashAttention-2 (Dao 2023), Algorithm 2; rows with |lse| >= 256 get
     /// their softmax normaliser recomputed (`fa_backward` in the C header says when).
-    /// `lse` must be the forward's: a NaN or `+inf` element, or `-inf` on a row that sees a key
-    /// (a key its causal mask, window and `attnMask` leave visible, or a sink whose logit is not
-    /// `-inf`), is an `invalidArgument` naming the element, e.g. `lse[0][3][17]`.
+    /// `lse` is the forward's, any values: NaN or `+inf` make that row's gradients NaN, `-inf`
+    /// zero.
     /// - Throws: as ``forward(q:k:v:out:lse:shape:causal:softmaxScale:options:)``; `invalidArgument`
-    ///   when sinks are given without `dsinks`, or for an lse forward cannot give.
+    ///   when sinks are given without `dsinks`.
     public func backward<Element: AttentionElement>(
         dout: UnsafeBufferPointer<Element>, q: UnsafeBufferPointer<Element>, k: UnsafeBufferPointer<Element>,
         v: UnsafeBufferPointer<Element>, out: UnsafeBufferPointer<Element>, lse: UnsafeBufferPointer<Float>,
@@ -108,7 +108,7 @@ public final class FlashAttention: @unchecked Sendable {
                                          softmaxScale: softmaxScale, options: options)
             let buffers = try backwardBuffers(dout: dout, q: q, k: k, v: v, out: out, lse: lse, dq: dq, dk: dk, dv: dv,
                                               dsinks: dsinks, p)
-            try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.backward(p), buffers: $0) }
+            try withOptionalInputs(options, p, buffers) { try context.run(.backward, p, buffers: $0) }
         }
     }
 
@@ -297,7 +297,7 @@ extension FlashAttention {
             try buffers.bindInput(.lseB, checked(UnsafeRawBufferPointer(lseB), .lseB, p), for: p)
             try buffers.bindOutput(.out, checked(UnsafeMutableRawBufferPointer(out), .out, p), for: p)
             try buffers.bindOutput(.lse, checked(UnsafeMutableRawBufferPointer(lse), .lse, p), for: p)
-            try context.run(DispatchPlan.merge(p), buffers: buffers)
+            try context.run(.merge, p, buffers: buffers)
         }
     }
 

@@ -270,7 +270,7 @@ extension FlashAttention {
                 }
                 buffers.bindOutput(role, base, for: p)
             }
-            try context.run(DispatchPlan.forward(p), buffers: buffers)
+            try context.run(.forward, p, buffers: buffers)
         }
     }
 }

@@ -85,7 +85,7 @@ struct KeyValueSplit: Equatable {
 }
 
 /// The GPU core count plans are made for: `FLASH_ATTENTION_GPU_CORES` from the environment when set
-/// (read at each validation and each call), else the device's count where the backend reads one
+/// (read each time the planner makes a plan: `DispatchPlan.make`), else the device's count where the backend reads one
 /// (`ExecutionBackend.gpuCores`: the Metal backend, from the IORegistry; for `fa_plan_create`,
 /// `libraryDevice`), else FA_NOMINAL_GPU_CORES, the nominal GPU of the CPU engine (so its results
 /// never depend on the machine). Tests and users set the variable to plan for another GPU; the

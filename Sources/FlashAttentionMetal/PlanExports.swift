@@ -47,19 +47,19 @@ public func _exportPlanCreate(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_
         guard p.varlen == nil else {
             throw FlashAttentionError.unsupported("cu_seqlens_q (variable-length batches) is not supported by fa_plan_create yet")
         }
-        let plan: DispatchPlan
+        let kind: Pass
         switch pass {
-        case FA_PASS_FORWARD: plan = DispatchPlan.forward(p)
+        case FA_PASS_FORWARD: kind = .forward
         case FA_PASS_BACKWARD:
             try requireNoKVCache(p)
-            plan = DispatchPlan.backward(p)
+            kind = .backward
         default:
             throw FlashAttentionError.invalidArgument("pass (\(pass.rawValue)) must be FA_PASS_FORWARD or "
                                                           + "FA_PASS_BACKWARD (FA_PASS_MERGE: fa_plan_create_merge)")
         }
         // For the GPU its hosts encode it on, as a Metal context plans (fa_gpu_cores with no context).
-        let cores = try GPUCores.planned(device: GPUCores.libraryDevice)
-        publish(try ExportedPlan(plan.planned(forGPUCores: cores), maxFlopsPerPiece: maxFlopsPerPiece), out)
+        let plan = try DispatchPlan.make(kind, p, device: GPUCores.libraryDevice)
+        publish(try ExportedPlan(plan, maxFlopsPerPiece: maxFlopsPerPiece), out)
         return FA_STATUS_SUCCESS
     } catch {
         return report(error)
@@ -73,7 +73,8 @@ public func _exportPlanCreateMerge(_ rows: UInt64, _ headDim: UInt32,
     do {
         let out = try required(outPlan, "out_plan")
         out.pointee = nil
-        let plan = DispatchPlan.merge(try Problem.merge(rows: rows, headDim: Int(headDim)))
+        let plan = try DispatchPlan.make(.merge, try Problem.merge(rows: rows, headDim: Int(headDim)),
+                                         device: GPUCores.libraryDevice)
         publish(try ExportedPlan(plan, maxFlopsPerPiece: 0), out)
         return FA_STATUS_SUCCESS
     } catch {

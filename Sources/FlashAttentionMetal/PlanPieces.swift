@@ -111,7 +111,7 @@ extension DispatchPlan {
         }
         var pieces: [PlanPiece] = []
         func add(batches: Range<UInt32>, kvHeads: Range<UInt32>) {
-            let sliced = DispatchPlan.make(pass, p.slice(batches: batches, kvHeads: kvHeads)).keeping { !$0.wholeProblem }
+            let sliced = DispatchPlan.make(pass, planned: p.slice(batches: batches, kvHeads: kvHeads)).keeping { !$0.wholeProblem }
             guard unitFlops > maxFlops else {
                 pieces.append(PlanPiece(plan: sliced, firstBatch: batches.lowerBound, firstKVHead: kvHeads.lowerBound,
                                         full: p, flops: sliced.flops))

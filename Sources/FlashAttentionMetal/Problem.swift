@@ -87,10 +87,11 @@ struct Problem {
     let bucket: FlashAttentionBucket
     /// Layouts of the eight tensors (their extents fit in `Int` bytes).
     let layouts: [BufferRole: TensorLayout]
-    /// The split-KV chunking of the forward pass, or nil for the dense forward.
+    /// The split-KV chunking of the forward pass, or nil for the dense forward; decided by the
+    /// planner (`DispatchPlan.make`), never by validation.
     let split: KeyValueSplit?
-    /// The GPU core count `split` was planned for (`GPUCores.planned`).
-    let gpuCores: UInt32
+    /// The GPU core count `split` was planned for; nil in a problem the planner has not planned.
+    let gpuCores: UInt32?
     /// Window, softcap, mask, ALiBi and sinks.
     let scores: ScoreSpec
     /// The KV cache k and v are read from (forward), or nil for plain tensors.
@@ -132,7 +133,14 @@ struct Problem {
         func strides(_ s: fa_strides, _ name: String, heads: UInt32, rows: UInt32, dim: Int) throws -> TensorStrides? {
             let given = try strides(s, name)
             guard isVarlen && given == nil else { return given }
-            return TensorStrides(batch: Int(max(rows, 1)) * Int(heads) * dim, head: dim, seq: Int(heads) * dim)
+            // Checked: the dimensions are not validated yet (found by CABIFuzzTests).
+            let seq = Int(heads).multipliedReportingOverflow(by: dim)
+            let batch = Int(max(rows, 1)).multipliedReportingOverflow(by: seq.partialValue)
+            guard !seq.overflow, !batch.overflow else {
+                throw FlashAttentionError.invalidArgument(
+                    "\(name): \(rows) rows x \(heads) heads x \(dim) elements overflow 64-bit element offsets")
+            }
+            return TensorStrides(batch: batch.partialValue, head: dim, seq: seq.partialValue)
         }
         let (h, hk, d, sq, sk) = (p.num_heads, p.num_kv_heads, Int(p.head_dim), p.seqlen_q, p.seqlen_k)
         let layout = ProblemStrides(q: try strides(p.q, "q", heads: h, rows: sq, dim: d),
@@ -170,7 +178,8 @@ struct Problem {
     }
 
     /// The caller's descriptor as far as its `struct_size` goes, later fields zero (their defaults).
-    /// - Throws: `invalidArgument` for a null pointer or a `struct_size` below the 0.1 struct.
+    /// - Throws: `invalidArgument` for a null pointer, a `struct_size` below the 0.1 struct, or one
+    ///   above this library's `fa_problem` with a non-zero byte past it.
     static func descriptor(_ pointer: UnsafePointer<fa_problem>?) throws -> fa_problem {
         guard let pointer else {
             throw FlashAttentionError.invalidArgument("problem must not be null")
@@ -179,6 +188,18 @@ struct Problem {
         guard declaredSize >= firstVersionSize else {
             throw FlashAttentionError.invalidArgument(
                 "problem->struct_size (\(declaredSize)) must be at least \(firstVersionSize) (the 0.1 fa_problem)")
+        }
+        // A newer caller's struct: its fields past ours must be zero (their defaults), as the
+        // extensible structs of Linux's copy_struct_from_user; a set field we do not know is refused.
+        let known = MemoryLayout<fa_problem>.size
+        if declaredSize > known {
+            let tail = UnsafeRawBufferPointer(start: UnsafeRawPointer(pointer) + known, count: declaredSize - known)
+            if let offset = tail.firstIndex(where: { $0 != 0 }) {
+                throw FlashAttentionError.invalidArgument(
+                    "problem->struct_size (\(declaredSize)) is above sizeof(fa_problem) (\(known)) of this library, "
+                        + "and byte \(known + offset) is not zero: a field of a newer fa_problem that this library "
+                        + "does not know is set")
+            }
         }
         var p = fa_problem()
         withUnsafeMutableBytes(of: &p) { bytes in
@@ -227,7 +248,7 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?, gpuCores: UInt32, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil) {
+                 split: KeyValueSplit?, gpuCores: UInt32?, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -324,18 +345,14 @@ struct Problem {
         let scores = try ScoreSpec(causal: causal, window: window, softcap: softcap, maskType: maskType,
                                    maskStrides: maskStrides, hasAlibi: hasAlibi, alibiPerBatch: alibiPerBatch,
                                    hasSinks: hasSinks, dims: (b, h, sq, sk))
-        let cores = try GPUCores.planned()
         self.init(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
                   seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
                   causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
-                  split: varlen != nil ? nil : KeyValueSplit(batch: UInt32(b), numHeads: UInt32(h),
-                                                              numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
-                                                              seqlenK: UInt32(sk), bucket: bucket, cores: cores),
-                  gpuCores: cores, kvCache: kvCache, varlen: varlen)
+                  split: nil, gpuCores: nil, kvCache: kvCache, varlen: varlen)
     }
 
-    /// The same problem with the split-KV chunking planned for `cores` GPU cores (the backend's
-    /// device: `ExecutionBackend.gpuCores`).
+    /// The same problem with the split-KV chunking planned for `cores` GPU cores: the planner's
+    /// decision (`DispatchPlan.make`), made once per call.
     func planned(forGPUCores cores: UInt32) -> Problem {
         Problem(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
                 headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal, softmaxScale: softmaxScale,

@@ -67,7 +67,8 @@ public struct DispatchProfile: Sendable, Equatable {
     /// Bytes the dispatch read from each bound buffer, indexed by its `[[buffer(i)]]` index (the
     /// first FA_PROFILE_COUNTED_BUFFERS): the loads of the kernels' tile copies and decode slice
     /// loads (q, k, v, out, dout; not the masks, ALiBi slopes, sinks, lse or workspaces). CPU
-    /// engine only; nil on Metal.
+    /// engine with `FLASH_ATTENTION_COUNT_DEVICE_READS=1` in the environment at the call only
+    /// (the counting slows the engine); nil otherwise and on Metal.
     public var deviceBytesRead: [UInt64]?
     /// The function constants the kernel was specialised with (its pipeline's on Metal): the
     /// features it was compiled for (``SpecializationConstant``).

@@ -70,7 +70,7 @@ extension FlashAttention {
                                       softmaxScale, options)
             let buffers = try forwardBuffers(q: q, k: k, v: v, out: out, lse: lse, p)
             try withTables(batch, p, buffers) { buffers in
-                try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.forward(p), buffers: $0) }
+                try withOptionalInputs(options, p, buffers) { try context.run(.forward, p, buffers: $0) }
             }
         }
     }
@@ -95,7 +95,7 @@ extension FlashAttention {
             let buffers = try backwardBuffers(dout: dout, q: q, k: k, v: v, out: out, lse: lse, dq: dq, dk: dk, dv: dv,
                                               dsinks: dsinks, p)
             try withTables(batch, p, buffers) { buffers in
-                try withOptionalInputs(options, p, buffers) { try context.run(DispatchPlan.backward(p), buffers: $0) }
+                try withOptionalInputs(options, p, buffers) { try context.run(.backward, p, buffers: $0) }
             }
         }
     }

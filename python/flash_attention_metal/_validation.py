@@ -131,11 +131,14 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def resolve_softmax_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
-    """The scale to use: 1/sqrt(head_dim) for None, else a real number (not a bool) that is finite
+    """The scale to use: 1/sqrt(head_dim) for None, else a real number (not a bool; a 0-d NumPy
+    array of one is taken as its value) that is finite
     and representable as a float32 (the ABI's type). Errors call the value ``name`` (MLX's
     signature calls it ``scale``)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, np.ndarray) and softmax_scale.ndim == 0 and softmax_scale.dtype.kind in "iuf":
+        softmax_scale = softmax_scale.item()  # np.array(0.1), as NumPy users pass a scalar
     if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
         raise TypeError(f"{name} must be a real number or None, got {type(softmax_scale).__name__}")
     try:
@@ -239,18 +242,13 @@ def check_like_q(name: str, array, q: np.ndarray, head_dim_v: int) -> None:
 
 
 def check_lse(lse, shape: Shape) -> None:
-    """Checks lse: float32 of shape (batch, num_heads, seqlen_q), as forward returned it: no NaN
-    or +inf (-inf, forward's lse of a row without visible keys, is checked against the masks by
-    the library, which reads the masks anyway)."""
+    """Checks lse: float32 of shape (batch, num_heads, seqlen_q), as forward returned it. Its
+    values are not checked: NaN or +inf (a row with a NaN or +inf score) give that row NaN
+    gradients, -inf (a row without visible keys) zero gradients."""
     check_array("lse", lse, dtypes=(np.dtype(np.float32),), ndim=3)
     expected = (shape.batch, shape.num_heads, shape.seqlen_q)
     if lse.shape != expected:
         raise ValueError(f"lse shape {lse.shape} must be (batch, num_heads, seqlen_q) = {expected}")
-    # max is NaN where any element is, +inf where one is; it allocates nothing of lse's size.
-    if not lse.max() < np.inf:
-        b, h, i = (int(x) for x in np.argwhere(np.isnan(lse) | np.isposinf(lse))[0])
-        raise ValueError(f"lse[{b}, {h}, {i}] is {lse[b, h, i]}: backward needs the lse that forward returned "
-                         f"(finite, or -inf for a row that sees no key)")
 
 
 def check_merge(out_a, lse_a, out_b, lse_b) -> tuple[int, int]:
@@ -303,12 +301,14 @@ class ScoreOptions:
 
 
 def check_window_size(window_size) -> tuple[int, int] | None:
-    """window_size must be a (left, right) tuple or list of ints, each -1 (unbounded) or
-    0 ... 2**31 - 1; returns it as Python ints, or None for (-1, -1)."""
+    """window_size must be a (left, right) tuple, list or 1-d integer NumPy array of ints, each -1
+    (unbounded) or 0 ... 2**31 - 1; returns it as Python ints, or None for (-1, -1)."""
     def rule() -> str:
         return (f"window_size must be a (left, right) pair, each -1 (unbounded) or a number of keys from 0 to "
                 f"{_INT32_MAX}, got {_short_repr(window_size)}")
 
+    if isinstance(window_size, np.ndarray) and window_size.ndim == 1 and window_size.dtype.kind in "iu":
+        window_size = window_size.tolist()  # np.array([3, 0]): a pair of Python ints
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(rule())
     for side in window_size:

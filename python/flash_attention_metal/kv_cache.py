@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _default, _layout, _options, _validation, quantized
+from . import _default, _layout, _options, _validation, plan, quantized
 
 #: FlashAttention arguments this library does not implement: NotImplementedError names them.
 UNSUPPORTED = {"rotary_cos": None, "rotary_sin": None, "rotary_interleaved": True, "cache_leftpad": None,
@@ -187,6 +187,11 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx
             for array in cache.arrays:
                 if not array.flags.writeable:
                     raise ValueError(f"{cache.name} is read-only, but k and v are appended to it in place")
+                # The dense API's overlap rule: the append writes the cache while q, k, v are read.
+                for name, given in (("q", q), ("k", k), ("v", v)):
+                    if np.may_share_memory(given, array):
+                        raise ValueError(f"{cache.name} must not overlap {name} (k and v are appended to it while "
+                                         f"{name} is read)")
 
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
@@ -274,9 +279,12 @@ def _cache_tensor(cache: Cache) -> list:
     return forms
 
 
-def _run(context, problem: Problem, qb, out, lse, batches, causal, scale, options) -> None:
+def _prepare(context, problem: Problem, qb, out, lse, batches, causal, scale, options):
     # One fa_forward over the batch elements `batches` (all of one seqlen_k): the caches are read
-    # in place through the ABI's kv_* fields, contiguous or through a block table.
+    # in place through the ABI's kv_* fields, contiguous or through a block table. The library
+    # validates the call now (fa_plan_create: every rule it would refuse the call by, e.g. a
+    # head_dim the dtype's kernels lack), so that nothing is appended to a cache for a call that
+    # then fails; returns the call, to make after the append. q is copied here, before the append.
     native = context._native
     ffi, lib = native.ffi, native.lib
     n = len(batches)
@@ -313,11 +321,17 @@ def _run(context, problem: Problem, qb, out, lse, batches, causal, scale, option
                            ("v_biases", v_forms[2])):
             setattr(c_problem, name, ffi.cast("const void *", form[0]))
     keep = _options.set_problem_fields(c_problem, options, seqlen_k, ffi, lib)
-    context._call("fa_forward", c_problem, *(ffi.cast("void *", tensors[name].address) for name in ("q", "k", "v", "out")),
-                  ffi.from_buffer("float[]", lse_part, require_writable=True))
-    del keep, table
-    out[batches] = out_part
-    lse[batches] = lse_part
+    plan.create(c_problem, "forward", library=native)
+
+    def call() -> None:
+        context._call("fa_forward", c_problem,
+                      *(ffi.cast("void *", tensors[name].address) for name in ("q", "k", "v", "out")),
+                      ffi.from_buffer("float[]", lse_part, require_writable=True))
+        out[batches] = out_part
+        lse[batches] = lse_part
+
+    call.keep = (keep, table, q_part)  # what c_problem points into lives as long as the call
+    return call
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
@@ -368,19 +382,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     _validation.resolve_softmax_scale(softmax_scale, qb.shape[3])
     _validation.check_score_options(_validation.Shape(batch, num_heads, num_heads, seqlen_q, 1, qb.shape[3]),
                                     q.dtype, alibi_slopes=alibi_slopes, **options)
-    if k is not None:
-        append(problem, k, v, layout)
     context = context if context is not None else _default.default_context()
     scale = _validation.resolve_softmax_scale(softmax_scale, qb.shape[3])
     out = np.empty(qb.shape[:3] + (problem.v_cache.head_dim,), dtype=q.dtype)
     lse = np.empty((batch, num_heads, seqlen_q), dtype=np.float32)
-    # One call per distinct seqlen_k (the kernels take one key count per call).
+    # One call per distinct seqlen_k (the kernels take one key count per call), each validated by
+    # the library before the append writes the caches.
+    calls = []
     for seqlen_k in np.unique(problem.seqlens_k):
         batches = np.flatnonzero(problem.seqlens_k == seqlen_k)
         slopes = None if alibi_slopes is None or alibi_slopes.ndim == 1 else alibi_slopes[batches]
         shape = _validation.Shape(len(batches), num_heads, num_heads, seqlen_q, int(seqlen_k), qb.shape[3])
         checked = _validation.check_score_options(shape, q.dtype, alibi_slopes=alibi_slopes if slopes is None
                                                   else slopes, **options)
-        _run(context, problem, qb, out, lse, batches, causal, scale, checked)
+        calls.append(_prepare(context, problem, qb, out, lse, batches, causal, scale, checked))
+    if k is not None:
+        append(problem, k, v, layout)
+    for call in calls:
+        call()
     out = out if layout == "bhsd" else np.ascontiguousarray(out.transpose(0, 2, 1, 3))
     return (out, lse) if return_softmax_lse else out

@@ -23,7 +23,10 @@ seqlen_k, head_dim), v (B, num_kv_heads, seqlen_k, head_dim_v); GQA/MQA from the
 v not repeated); ``mask="causal"`` aligned bottom-right (the last query sees the last key); the
 softmax in float32; float16, bfloat16 and float32. One difference: a query row that sees no key
 (``mask="causal"`` with seqlen_q > seqlen_k, or a boolean mask row of False) gets 0 here and a zero
-gradient (FlashAttention's convention), while MLX returns the mean of v (or NaN) for it.
+gradient (FlashAttention's convention), while MLX returns the mean of v (or NaN) for it. The other
+deliberate differences are in one table in docs/integrations.md; among them, Ctrl-C during an
+``mx.eval`` of a native-path node is honoured only when the evaluation returns (pass ``context=``
+for calls that Ctrl-C cancels at once).
 
 Copies: the fallback copies no row-contiguous input (``_mlx_arrays``); the native path makes
 inputs row-contiguous in the graph (MLX's ``contiguous``: free when they already are) and reads a
@@ -90,7 +93,9 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force
             float32; scale missing or not a real number; mask neither None, a str nor an mx.array,
             or an array mask or sinks of another dtype.
         ValueError: shapes (named by argument, from the library's checks), head_dim or head_dim_v
-            above the library's maximum, a non-finite scale, a mask string other than "causal"; on
+            above the library's maximum, a non-finite scale, a mask string other than "causal",
+            sinks whose dtype would promote q's (MLX's rule); on the CPU stream, when evaluated, an
+            additive mask holding NaN or +inf and sinks that are not finite; on
             the native path also a gradient asked of the mask, mx.jvp, second derivatives, mx.vmap
             over the sinks.
         NotImplementedError: on the fallback: an array mask, sinks, mx.compile/mx.vmap, mx.jvp,
@@ -106,6 +111,14 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force
     if sinks is not None:
         if not isinstance(sinks, mx.array) or not mx.issubdtype(sinks.dtype, mx.floating):
             raise TypeError(f"sinks must be None or a floating mx.array (num_heads,), got {_describe(sinks)}")
+        # MLX's rule: the sinks' type must promote to the output's (float32 sinks with float16 q
+        # would make a float32 result), a ValueError as mx.fast's.
+        if sinks.dtype != q.dtype and q.dtype != mx.float32:
+            raise ValueError(f"sinks of dtype {sinks.dtype} would promote the {q.dtype} call (MLX's rule: the "
+                             f"type of sinks must promote to the output type); pass sinks.astype({q.dtype})")
+    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+        # Nothing to compute: MLX's own result (an empty array, or zeros without keys).
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
     if context is None and NATIVE:
         return _mlx_ext.attention(q, k, v, scale, causal, array_mask, sinks, stream=stream)
     if array_mask is not None:

@@ -32,7 +32,8 @@ class DispatchProfile:
         seconds: wall time of this dispatch on the CPU engine; None on Metal.
         device_bytes_read: bytes read from each bound buffer, indexed by its ``[[buffer(i)]]``
             index (16 slots), by the kernels' tile copies and decode slice loads (q, k, v, out,
-            dout); None on Metal. For the forward kernels k is slot 1 and v slot 2.
+            dout), counted by the CPU engine when ``FLASH_ATTENTION_COUNT_DEVICE_READS=1`` is in
+            the environment at the call; None otherwise and on Metal. For the forward kernels k is slot 1 and v slot 2.
         specialization: the function constants the kernel was compiled with, name to value (a
             bool as 0 or 1), e.g. ``{"fa_mask_type": 0, "fa_has_softcap": 1}``; empty for a kernel
             without (docs/specialisation.md).

@@ -108,8 +108,11 @@ def masked_matmul(a: np.ndarray, mask: np.ndarray, b: np.ndarray) -> np.ndarray:
     mask broadcastable to a, and b (..., K, N).
 
     A plain ``a @ b`` with a zeroed at masked entries would still turn a NaN or infinity of b at a
-    masked k into NaN (0 * inf); the library never reads masked keys, so neither may the reference.
-    Rows that meet a non-finite b at an unmasked k are recomputed over their unmasked k alone.
+    masked k into NaN (0 * inf). The reference keeps to the math (a masked k weighs exactly 0, so
+    its b is not read): rows that meet a non-finite b at an unmasked k are recomputed over their
+    unmasked k alone. The library may read a masked key's value where the key shares a tile or chunk
+    with keys the row sees, and 0 * NaN then reaches that row (docs/semantics.md, "Non-finite
+    values"); tests compare such rows only where both are finite.
     """
     a = np.where(mask, a, 0.0)
     finite = np.isfinite(b)
@@ -150,25 +153,26 @@ def softmax(scores, keys, sinks=None):
     """Probabilities P (B, H, Nq, Nk) and lse (B, H, Nq) in the dtype of ``scores``, with each
     head's sink (a logit of no value) in the denominator.
 
-    Whether a row sees any key comes from ``keys`` alone: such rows get P 0 and lse -inf (the sink's
-    logit with a sink), while a NaN or infinity in the inputs of a row that does see keys
-    propagates (P and lse NaN) instead of being mistaken for an empty row.
+    Non-finite scores (docs/semantics.md, "Non-finite values"): -inf (hidden keys, whose scores
+    ``modify_scores`` sets to -inf, or an overflow) weighs 0, and a row whose scores and sink are
+    all -inf gets P 0 and lse -inf, whatever its inputs hold; a NaN score makes its row's P and lse
+    NaN; a +inf score makes lse +inf and P NaN at that key (0 elsewhere), so out is NaN.
     """
     dtype = scores.dtype.type
-    has_keys = np.broadcast_to(keys, scores.shape).any(axis=-1, keepdims=True)
     sink = None if sinks is None else np.asarray(sinks).astype(dtype)[None, :, None, None]
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        row_max = np.where(has_keys, scores.max(axis=-1, keepdims=True), dtype(-np.inf))
+        row_max = scores.max(axis=-1, keepdims=True)
         if sink is not None:
             row_max = np.maximum(row_max, sink)
-        shift = np.where(np.isneginf(row_max), dtype(0), row_max)
+        # 0 for an infinite max: -inf keeps every weight 0, +inf makes the total +inf (lse +inf).
+        shift = np.where(np.isinf(row_max), dtype(0), row_max)
         weights = np.exp(scores - shift)
         total = weights.sum(axis=-1, keepdims=True)
         if sink is not None:
             total = total + np.exp(sink - shift)
-        nonempty = has_keys if sink is None else np.ones_like(has_keys)
-        total = np.where(nonempty, total, dtype(1))
-        lse = np.where(nonempty, shift + np.log(total), dtype(-np.inf))
+        empty = total == 0
+        total = np.where(empty, dtype(1), total)
+        lse = np.where(empty, dtype(-np.inf), shift + np.log(total))
         return weights / total, lse[..., 0]
 
 
@@ -191,7 +195,8 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale=None, attn_mask=None
     Returns:
         (out, lse): float64 (B, H, Nq, Dv) and (B, H, Nq); lse is the natural log of the softmax
         denominator (sinks included); rows left without keys get out 0 and lse -inf (sinks[h] with
-        sinks); NaN or infinite inputs seen by a row make its out and lse NaN.
+        sinks); a NaN score makes its row's out and lse NaN, a +inf score out NaN and lse +inf
+        (``softmax``).
     """
     _check_shapes(q, k, v)
     scale = default_scale(q.shape[3], softmax_scale)
@@ -218,7 +223,7 @@ def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None, attn_ma
     Returns:
         (dq, dk, dv), float64, shaped like q, k, v, and dsinks (H,) after them when sinks are given;
         dk and dv sum over each GQA group; rows the mask leaves without keys contribute zero (even
-        when the inputs hold NaN); NaN or infinite inputs seen by a row propagate as NaN.
+        when the inputs hold NaN); NaN or +inf scores of a row make its gradients NaN.
     """
     return _backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, attn_mask=attn_mask,
                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)[0]
@@ -280,7 +285,7 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
         (out, lse): float64; per row lse = log(exp(lse_a) + exp(lse_b)) and
         out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b. A part with lse -inf contributes
         nothing (its out is not read, even if NaN); rows with both -inf get out 0 and lse -inf; a
-        NaN lse propagates.
+        NaN lse makes out and lse NaN, a +inf lse out NaN and lse +inf.
     """
     lse_a, lse_b = np.asarray(lse_a, dtype=np.float64), np.asarray(lse_b, dtype=np.float64)
     out_a, out_b = np.asarray(out_a, dtype=np.float64), np.asarray(out_b, dtype=np.float64)

@@ -27,3 +27,14 @@ kernel void counted_matrix_work(device float *out [[buffer(0)]],
     const uint linear_group = (group.z * groups.y + group.y) * groups.x + group.x;
     out[linear_group * n + tid] = product.thread_elements()[0] + product.thread_elements()[1];
 }
+
+// out[tid] = in[tid], each thread's read of 4 bytes of `in` counted through MSL_COUNT_DEVICE_READ
+// (the hook the attention kernels' loaders call): 4 bytes per thread of buffer 0 when the
+// dispatch counts device reads, none otherwise.
+kernel void counted_reads(device const float *in [[buffer(0)]], device float *out [[buffer(1)]],
+                          uint tid [[thread_position_in_grid]]) {
+#if defined(MSL_COUNT_DEVICE_READ)
+    MSL_COUNT_DEVICE_READ(in + tid, sizeof(float));
+#endif
+    out[tid] = in[tid];
+}

@@ -45,6 +45,9 @@ void run_counted_matrix_work(const kernel_args &a, const builtins &t) {
                         t.thread_index_in_threadgroup, t.threadgroup_position_in_grid,
                         t.threadgroups_per_grid, t.threads_per_threadgroup);
 }
+void run_counted_reads(const kernel_args &a, const builtins &t) {
+    counted_reads(a.buffer<const float>(0), a.buffer<float>(1), t.thread_position_in_grid.x);
+}
 void run_simd_functions(const kernel_args &a, const builtins &t) {
     simd_functions(a.buffer<uint>(0), t.thread_index_in_threadgroup, t.thread_index_in_simdgroup,
                    t.threads_per_simdgroup);
@@ -135,6 +138,7 @@ const msl_engine::kernel_entry kTestKernels[] = {
     TEST_KERNEL(divergent_loop_barrier, 2, 0, "barrier.metal", 66),
     TEST_KERNEL(barrier_storm, 2, 0, "barrier.metal", 83),
     TEST_KERNEL(counted_matrix_work, 2, 0, "counters.metal", 11),
+    TEST_KERNEL(counted_reads, 2, 0, "counters.metal", 34),
     TEST_KERNEL(simd_functions, 1, 0, "simd.metal", 8),
     TEST_KERNEL(simd_partial, 1, 0, "simd.metal", 32),
     TEST_KERNEL(simd_partial_shuffle_down, 1, 0, "simd.metal", 49),

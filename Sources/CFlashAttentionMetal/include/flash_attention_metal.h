@@ -100,7 +100,9 @@ typedef enum fa_attn_mask_type {
 
 /* One attention problem. Set struct_size to sizeof(fa_problem) so the ABI can grow: a caller
  * whose struct_size ends before a field gets that field's default (0.1 callers: float16,
- * head_dim_v = head_dim, contiguous tensors). */
+ * head_dim_v = head_dim, contiguous tensors). A struct_size above this library's sizeof(fa_problem)
+ * (a newer header's) is accepted when every byte past it is zero, and is INVALID_ARGUMENT naming
+ * the first non-zero byte otherwise (a field this library does not know is set). */
 typedef struct fa_problem {
     uint32_t struct_size;
     uint32_t batch;
@@ -269,12 +271,9 @@ fa_status fa_forward(fa_context *context, const fa_problem *problem,
  * chunks in another order). Any other lse, such as the lse of a longer row in blockwise or ring
  * attention over key blocks, is used as given, except where it rounds to the block's own value
  * (e.g. -FLT_MAX over every block): then the block's own normaliser is used.
- * lse must be what fa_forward returned: a NaN or +inf element, or -inf on a row that sees a key
- * (one that its causal mask, window and attn_mask leave visible, or a sink whose logit is not
- * -inf), is INVALID_ARGUMENT naming the element, e.g. "lse[0][3][17] is -inf, but that query row
- * sees key 0 ...". The library reads lse (and, for -inf rows, their attn_mask row) before any
- * kernel runs; the kernels also give a row whose lse is not finite a zero gradient, so no NaN or
- * inf reaches dq, dk, dv or dsinks from lse.
+ * lse is what fa_forward returned; its values are not checked (as FlashAttention and PyTorch): a
+ * row whose lse is -inf (no visible key) gets zero gradients, one whose lse is NaN or +inf (a NaN
+ * or +inf score; its out is NaN) NaN gradients for every key it sees (docs/semantics.md).
  * Errors: INVALID_ARGUMENT, UNSUPPORTED, EXECUTION_FAILED, CANCELLED. */
 fa_status fa_backward(fa_context *context, const fa_problem *problem,
                       const void *dout, const void *q, const void *k, const void *v,
@@ -288,7 +287,8 @@ fa_status fa_backward(fa_context *context, const fa_problem *problem,
  *   out = (w_a out_a + w_b out_b) / (w_a + w_b),   lse = m + log(w_a + w_b),
  * computed in float32 and rounded once to dtype. A part with lse = -inf (it saw no key)
  * contributes nothing and its out is not used (it may hold anything, NaN included); a row that is
- * empty in both parts gets out = 0 and lse = -inf; no NaN comes from -inf. A NaN lse propagates.
+ * empty in both parts gets out = 0 and lse = -inf; no NaN comes from -inf. A NaN lse makes the
+ * row's out and lse NaN; a +inf lse its out NaN and its lse +inf.
  * Layout: out_a, out_b, out [rows][head_dim] elements of dtype (an fa_dtype: float16, bfloat16 or
  * float32); lse_a, lse_b, lse float32 [rows]. The out and lse of fa_forward are such arrays with
  * rows = batch * num_heads * seqlen_q, so merging fa_forward over keys k[:, :, :s] with fa_forward
@@ -363,7 +363,8 @@ typedef struct fa_dispatch_profile {
     /* Added after 0.3.0 (a struct_size up to the end of specialization is still accepted, this left
      * alone): bytes the dispatch read from the buffer bound at [[buffer(i)]], i <
      * FA_PROFILE_COUNTED_BUFFERS, through the kernels' tile copies and decode slice loads (q, k,
-     * v, out, dout). CPU engine; UINT64_MAX on Metal. */
+     * v, out, dout). CPU engine with FLASH_ATTENTION_COUNT_DEVICE_READS=1 in the environment at
+     * the call (counting slows the engine); UINT64_MAX otherwise and on Metal. */
     uint64_t device_bytes_read[FA_PROFILE_COUNTED_BUFFERS];
 } fa_dispatch_profile;
 

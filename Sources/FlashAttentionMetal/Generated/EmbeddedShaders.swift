@@ -5,9 +5,18 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "cad51fd9a975da41"
+    static let sourceHash = "514183d81dfd847e"
 
     static let source: String = #"""
+// FlashAttention for Apple GPUs: the kernel instances. The kernels are listed in
+// flash_attention_catalogue.h, their bodies are in the headers flash_attention_kernels.h includes;
+// this file names the dtypes and head-dim buckets they are instantiated for.
+
+#include <metal_stdlib>
+
+using namespace metal;
+
+// ---- begin flash_attention_kernels.h (spliced by tools/embed_shaders.py) ----
 // FlashAttention for Apple GPUs: forward (out and the log-sum-exp) and backward (D pre-pass, lse
 // residual, dQ, dK/dV), on simdgroup_matrix tiles.
 //
@@ -56,14 +65,27 @@ enum EmbeddedShaders {
 // the tensors: half, bfloat or float; every product accumulates in float32 and every output is
 // rounded to T once.
 //
-// One instance per dtype and head-dim bucket (FA_HEAD_DIM_BUCKETS for half and bfloat,
-// FA_HEAD_DIM_BUCKETS_F32 for float; the decode kernel up to FA_DECODE_MAX_HEAD_DIM), named
-// <kernel>_<dtype>_d<head_dim_max>. Threadgroup storage is one struct per kernel, named
-// <kernel>_threadgroup.
+//
+// The kernels are listed once, in flash_attention_catalogue.h; this header defines each one's body
+// (kernel_<name>, calling the algorithms of the family headers) and the macros that define the
+// entry points, which flash_attention.metal instantiates per dtype and head-dim bucket
+// (FA_HEAD_DIM_BUCKETS for half and bfloat, FA_HEAD_DIM_BUCKETS_F32 for float; the decode kernels
+// up to FA_DECODE_MAX_HEAD_DIM), named <kernel>_<dtype>_d<head_dim_max>. Threadgroup storage is
+// one type per kernel, named <kernel>_threadgroup. Include after <metal_stdlib> and
+// `using namespace metal;`.
 
-#include <metal_stdlib>
+#ifndef FLASH_ATTENTION_KERNELS_H
+#define FLASH_ATTENTION_KERNELS_H
 
-using namespace metal;
+// ---- begin flash_attention_catalogue.h (spliced by tools/embed_shaders.py) ----
+// The kernel catalogue: every kernel of the library, what it binds and what it reads. The one list
+// that the Metal entry points (flash_attention_kernels.h, instantiated by flash_attention.metal),
+// the CPU engine's table (Sources/MSLEngine), the CUDA check build's kernels and the Swift dispatch
+// plan's kernel table (Sources/CFlashAttentionMetal) expand. Plain preprocessor text, so that C
+// includes it too. Adding a kernel is one FA_KERNELS entry (and its buffer list where no existing
+// one fits) plus its body: docs/contributing.md, "Adding a kernel".
+#ifndef FLASH_ATTENTION_CATALOGUE_H
+#define FLASH_ATTENTION_CATALOGUE_H
 
 // ---- begin flash_attention_params.h (spliced by tools/embed_shaders.py) ----
 // The one definition of what the host passes to the FlashAttention kernels: the parameter struct,
@@ -354,7 +376,7 @@ typedef struct FlashAttentionParams {
 #define FA_DECODE_SERVES(DP, PACKED_ROWS) ((DP) <= FA_DECODE_MAX_HEAD_DIM && (PACKED_ROWS) <= FA_DECODE_ROWS(DP))
 // FA_IF_DECODE(DP, ...): the arguments where bucket DP has a decode instance (DP <=
 // FA_DECODE_MAX_HEAD_DIM), nothing above. The preprocessor cannot compare, hence a line per bucket;
-// FA_DEFINE_KERNELS static_asserts that each line agrees with FA_DECODE_MAX_HEAD_DIM.
+// KernelTraits (flash_attention_traits.h) static_asserts that each line agrees with FA_DECODE_MAX_HEAD_DIM.
 #define FA_IF_DECODE(DP, ...) FA_IF_DECODE_##DP(__VA_ARGS__)
 #define FA_IF_DECODE_32(...) __VA_ARGS__
 #define FA_IF_DECODE_64(...) __VA_ARGS__
@@ -398,7 +420,7 @@ typedef struct FlashAttentionParams {
 // FA_MAX_ACCUMULATOR_FLOATS), and the backward's two streamed tiles share one buffer. The
 // backward follows metal-flash-attention's three kernels (D pre-pass, dQ over query blocks, dK/dV
 // over key blocks with K, V, dK, dV resident); its tiles are the largest that keep each kernel's
-// threadgroup storage within 32 KiB (static_assert at the instantiation), where a kernel's two
+// threadgroup storage within 32 KiB (static_assert in KernelTraits, flash_attention_traits.h), where a kernel's two
 // streamed tiles share one buffer when both do not fit (then a placeholder row replaces one):
 //   forward: (BQ + 2 BK) (DP + 8) halves, shared (BQ + BK + 1) (DP + 8)
 //            (+ 4 x 8 x BK floats when split over head_dim)
@@ -437,7 +459,7 @@ typedef struct FlashAttentionParams {
 //   d192          20224 / 3       27648 / 2      27744 / 2
 //   d256          26368 / 2       28448 / 2      28544 / 2
 //   backward_delta: 20480 / 3 (half, bfloat), 24576 / 2 (float); the other kernels use less.
-// The target, checked at the instantiation: at least FA_FORWARD_MIN_THREADGROUPS_PER_CORE forward
+// The target, checked by KernelTraits: at least FA_FORWARD_MIN_THREADGROUPS_PER_CORE forward
 // threadgroups per core for half and bfloat up to head_dim 128 (MLX's steel attention fits 4).
 // float32's tiles take twice the bytes: its buckets trade rows for 2 threadgroups per core.
 #define FA_CORE_THREADGROUP_BYTES 61440
@@ -446,7 +468,7 @@ typedef struct FlashAttentionParams {
 // Registers. A kernel owning ROWS rows keeps, per lane, FA_ACCUMULATOR_FLOATS(DP, ROWS) float32
 // accumulator elements of each output it sums over keys or queries (forward and split: O; dQ: dQ;
 // dK/dV: dK and dV, twice that): a SIMD-group's 8 rows x DP / (32 / ROWS) head_dim columns over
-// its 32 lanes. The budget, checked at the instantiation so that no bucket's accumulators outgrow
+// its 32 lanes. The budget, checked by KernelTraits so that no bucket's accumulators outgrow
 // the registers (no spills by construction): FA_MAX_ACCUMULATOR_FLOATS per lane per kernel.
 //   half, bfloat   forward  dQ  dK/dV        float   forward  dQ  dK/dV
 //   d32                 8    8     16        d32           8   8     16
@@ -476,46 +498,265 @@ typedef struct FlashAttentionParams {
 
 #endif
 // ---- end flash_attention_params.h ----
-// ---- begin flash_attention_features.h (spliced by tools/embed_shaders.py) ----
-// The score features of a call (flash_attention_params.h, FA_FUNCTION_CONSTANTS: mask type,
-// softcap, ALiBi, sinks), read by the kernels only through these four functions. They are function
-// constants, fixed when a kernel's pipeline is built, so every test of them folds away and a kernel
-// compiled for "no features" has none of their code. The parameter struct still carries the
-// feature's data (softcap's value, the mask strides); `p` stays in the signatures for that reason
-// and so that call sites read the same whichever way a host supplies the constants:
-// - Metal: `constant T name [[function_constant(index)]]`, each without a default, so a pipeline
-//   whose kernel reads one that MTLFunctionConstantValues did not set fails to build (a constant
-//   is optional only where is_function_constant_defined() tests it; none is).
-// - Hosts that cannot set function constants (PyTorch's compile_shader) define
-//   FA_FUNCTION_CONSTANTS_PREDEFINED and every constant as `constant T name = value;` before
-//   this source (the library writes that prelude: functionConstantPrelude in Specialization.swift).
-// - The CPU engine, the CUDA check build and the address-space check declare a constant through
-//   their <metal_stdlib>'s MSL_FUNCTION_CONSTANT(index, type, name): a per-dispatch value that is
-//   an error to read when the dispatch did not set it (the clang check: an external constant).
 
-#if defined(FA_FUNCTION_CONSTANTS_PREDEFINED)
-#elif defined(MSL_FUNCTION_CONSTANT)
-#define FA_DECLARE_FUNCTION_CONSTANT(INDEX, TYPE, NAME, VALUE) MSL_FUNCTION_CONSTANT(INDEX, TYPE, NAME)
-FA_FUNCTION_CONSTANTS(FA_DECLARE_FUNCTION_CONSTANT)
-#undef FA_DECLARE_FUNCTION_CONSTANT
-#else
-#define FA_DECLARE_FUNCTION_CONSTANT(INDEX, TYPE, NAME, VALUE) \
-    constant TYPE NAME [[function_constant(INDEX)]];
-FA_FUNCTION_CONSTANTS(FA_DECLARE_FUNCTION_CONSTANT)
-#undef FA_DECLARE_FUNCTION_CONSTANT
+// FA_KERNELS(X, ...) calls X(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, ...) once per
+// kernel, passing its own trailing arguments on:
+// - KERNEL: the name after flash_attention_; its template body is kernel_<KERNEL>
+//   (flash_attention_kernels.h).
+// - INSTANCES: `bucket`, one instance per dtype and head-dim bucket, named
+//   flash_attention_<KERNEL>_<dtype>_d<head_dim_max>; `decode_bucket`, the same for the buckets
+//   up to FA_DECODE_MAX_HEAD_DIM (FA_IF_DECODE); `dtype`, one per dtype,
+//   flash_attention_<KERNEL>_<dtype>; `once`, one, flash_attention_<KERNEL>.
+// - BUFFERS: a buffer list, BUFFERS(B, T) calling B(INDEX, NAME, TYPE, ACCESS, SPACE) per buffer in
+//   [[buffer(INDEX)]] order: TYPE the element type (T, the instance's dtype, or float, uchar, int,
+//   FlashAttentionParams), ACCESS `read` or `write`, SPACE `device_memory` (a pointer),
+//   `constant_memory` (a reference; hosts without a constant address space may bind it as a device
+//   pointer) or `constant_array` (a pointer to an array of unknown length in the constant address
+//   space: the forward's and backward's parameters, one struct or a varlen pass's sequence table,
+//   which sequence_params indexes). An index past the last listed one is never bound; a gap (the dense KV-cache kernel's
+//   9 and 10) is a slot the kernel does not read.
+// - READS: the function constants the kernel reads (FA_FUNCTION_CONSTANTS), READS(C) calling
+//   C(INDEX) per constant: its pipeline is specialised for exactly those.
+// - STORAGE: its threadgroup storage, `none` or, by INSTANCES: the member of
+//   KernelTraits<T, DP> (bucket kinds), a template of the dtype (dtype), a type (once).
+// - BUILTINS: its MSL built-in arguments after the buffers, BUILTINS(A) calling A(TYPE, NAME,
+//   ATTRIBUTE) per argument.
+#define FA_KERNELS(X, ...)                                                                                       \
+    X(forward, bucket, FA_FORWARD_BUFFERS, FA_READS_SCORE_AND_SINKS, forward_storage,                            \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
+    X(forward_split, bucket, FA_FORWARD_SPLIT_BUFFERS, FA_READS_SCORE, forward_storage, FA_BUILTINS_SIMDGROUP,   \
+      __VA_ARGS__)                                                                                               \
+    X(forward_decode, decode_bucket, FA_FORWARD_SPLIT_BUFFERS, FA_READS_SCORE, decode_storage,                   \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
+    X(forward_kvcache, bucket, FA_KV_CACHE_BUFFERS, FA_READS_SCORE_AND_SINKS, forward_storage,                   \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
+    X(forward_split_kvcache, bucket, FA_KV_CACHE_SPLIT_BUFFERS, FA_READS_SCORE, forward_storage,                 \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
+    X(forward_decode_kvcache, decode_bucket, FA_KV_CACHE_SPLIT_BUFFERS, FA_READS_SCORE, decode_storage,          \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
+    X(forward_combine, dtype, FA_FORWARD_COMBINE_BUFFERS, FA_READS_SINKS, none, FA_BUILTINS_THREAD, __VA_ARGS__) \
+    X(backward_delta, dtype, FA_BACKWARD_DELTA_BUFFERS, FA_READS_NONE, DeltaStorage, FA_BUILTINS_THREAD,         \
+      __VA_ARGS__)                                                                                               \
+    X(backward_lse_residual, bucket, FA_BACKWARD_LSE_RESIDUAL_BUFFERS, FA_READS_SCORE_AND_SINKS,                 \
+      lse_residual_storage, FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                  \
+    X(backward_dq, bucket, FA_BACKWARD_DQ_BUFFERS, FA_READS_SCORE, dq_storage, FA_BUILTINS_SIMDGROUP,            \
+      __VA_ARGS__)                                                                                               \
+    X(backward_dkv, bucket, FA_BACKWARD_DKV_BUFFERS, FA_READS_SCORE, dkv_storage, FA_BUILTINS_SIMDGROUP,         \
+      __VA_ARGS__)                                                                                               \
+    X(backward_dsinks, once, FA_BACKWARD_DSINKS_BUFFERS, FA_READS_NONE, DsinksStorage, FA_BUILTINS_THREAD,       \
+      __VA_ARGS__)                                                                                               \
+    X(varlen_sequences, once, FA_VARLEN_BUFFERS, FA_READS_NONE, VarlenSequencesStorage,                          \
+      FA_BUILTINS_THREAD_INDEX, __VA_ARGS__)                                                                     \
+    X(merge, dtype, FA_MERGE_BUFFERS, FA_READS_NONE, none, FA_BUILTINS_THREAD, __VA_ARGS__)
+
+// ---- buffer lists ----------------------------------------------------------------------------
+
+// Forward: q, k, v in; out, lse out; the optional inputs (bound to a placeholder when absent).
+#define FA_FORWARD_BUFFERS(B, T)                                                                   \
+    B(FA_FORWARD_BUFFER_Q, q, T, read, device_memory)                                              \
+    B(FA_FORWARD_BUFFER_K, k, T, read, device_memory)                                              \
+    B(FA_FORWARD_BUFFER_V, v, T, read, device_memory)                                              \
+    B(FA_FORWARD_BUFFER_OUT, out, T, write, device_memory)                                         \
+    B(FA_FORWARD_BUFFER_LSE, lse, float, write, device_memory)                                     \
+    B(FA_FORWARD_BUFFER_PARAMS, params, FlashAttentionParams, read, constant_array)                \
+    B(FA_FORWARD_BUFFER_MASK, mask, uchar, read, device_memory)                                    \
+    B(FA_FORWARD_BUFFER_ALIBI, alibi, float, read, device_memory)                                  \
+    B(FA_FORWARD_BUFFER_SINKS, sinks, float, read, device_memory)
+// The split-KV forward's chunks: the forward's buffers and the partial results they write.
+#define FA_FORWARD_SPLIT_BUFFERS(B, T)                                                             \
+    FA_FORWARD_BUFFERS(B, T)                                                                       \
+    B(FA_FORWARD_BUFFER_PARTIAL_OUT, partial_out, float, write, device_memory)                     \
+    B(FA_FORWARD_BUFFER_PARTIAL_LSE, partial_lse, float, write, device_memory)
+// The split-KV combine: reads the partial results.
+#define FA_FORWARD_COMBINE_BUFFERS(B, T)                                                           \
+    FA_FORWARD_BUFFERS(B, T)                                                                       \
+    B(FA_FORWARD_BUFFER_PARTIAL_OUT, partial_out, float, read, device_memory)                      \
+    B(FA_FORWARD_BUFFER_PARTIAL_LSE, partial_lse, float, read, device_memory)
+// A KV cache's block table, scales and biases, after the forward's (and the split's) buffers.
+#define FA_KV_CACHE_TABLE_BUFFERS(B, T)                                                            \
+    B(FA_KV_CACHE_BUFFER_TABLE, kv_table, int, read, device_memory)                                \
+    B(FA_KV_CACHE_BUFFER_K_SCALES, k_scales, T, read, device_memory)                               \
+    B(FA_KV_CACHE_BUFFER_K_BIASES, k_biases, T, read, device_memory)                               \
+    B(FA_KV_CACHE_BUFFER_V_SCALES, v_scales, T, read, device_memory)                               \
+    B(FA_KV_CACHE_BUFFER_V_BIASES, v_biases, T, read, device_memory)
+#define FA_KV_CACHE_BUFFERS(B, T) FA_FORWARD_BUFFERS(B, T) FA_KV_CACHE_TABLE_BUFFERS(B, T)
+#define FA_KV_CACHE_SPLIT_BUFFERS(B, T) FA_FORWARD_SPLIT_BUFFERS(B, T) FA_KV_CACHE_TABLE_BUFFERS(B, T)
+
+// Backward: the inputs every backward kernel binds, delta and the lse residual written by the
+// kernel that computes them (DELTA, RESIDUAL: `read` or `write`).
+#define FA_BACKWARD_BUFFERS(B, T, DELTA, RESIDUAL)                                                 \
+    B(FA_BACKWARD_BUFFER_DOUT, dout, T, read, device_memory)                                       \
+    B(FA_BACKWARD_BUFFER_Q, q, T, read, device_memory)                                             \
+    B(FA_BACKWARD_BUFFER_K, k, T, read, device_memory)                                             \
+    B(FA_BACKWARD_BUFFER_V, v, T, read, device_memory)                                             \
+    B(FA_BACKWARD_BUFFER_OUT, out, T, read, device_memory)                                         \
+    B(FA_BACKWARD_BUFFER_LSE, lse, float, read, device_memory)                                     \
+    B(FA_BACKWARD_BUFFER_PARAMS, params, FlashAttentionParams, read, constant_array)               \
+    B(FA_BACKWARD_BUFFER_DELTA, delta, float, DELTA, device_memory)                                \
+    B(FA_BACKWARD_BUFFER_MASK, mask, uchar, read, device_memory)                                   \
+    B(FA_BACKWARD_BUFFER_ALIBI, alibi, float, read, device_memory)                                 \
+    B(FA_BACKWARD_BUFFER_SINKS, sinks, float, read, device_memory)                                 \
+    B(FA_BACKWARD_BUFFER_LSE_RESIDUAL, lse_residual, float, RESIDUAL, device_memory)
+#define FA_BACKWARD_DELTA_BUFFERS(B, T) FA_BACKWARD_BUFFERS(B, T, write, read)
+#define FA_BACKWARD_LSE_RESIDUAL_BUFFERS(B, T) FA_BACKWARD_BUFFERS(B, T, read, write)
+#define FA_BACKWARD_DQ_BUFFERS(B, T)                                                               \
+    FA_BACKWARD_BUFFERS(B, T, read, read)                                                          \
+    B(FA_BACKWARD_BUFFER_DQ, dq, T, write, device_memory)
+#define FA_BACKWARD_DKV_BUFFERS(B, T)                                                              \
+    FA_BACKWARD_BUFFERS(B, T, read, read)                                                          \
+    B(FA_BACKWARD_BUFFER_DK, dk, T, write, device_memory)                                          \
+    B(FA_BACKWARD_BUFFER_DV, dv, T, write, device_memory)
+// dsinks reads only lse, delta, sinks and the lse residual (float), whatever the dtype: its one
+// instance takes uchar for T.
+#define FA_BACKWARD_DSINKS_BUFFERS(B, T)                                                           \
+    FA_BACKWARD_BUFFERS(B, T, read, read)                                                          \
+    B(FA_BACKWARD_BUFFER_DSINKS, dsinks, float, write, device_memory)
+
+// fa_merge_attention: two parts' out and lse in, their merge out.
+#define FA_MERGE_BUFFERS(B, T)                                                                     \
+    B(FA_MERGE_BUFFER_OUT_A, out_a, T, read, device_memory)                                        \
+    B(FA_MERGE_BUFFER_LSE_A, lse_a, float, read, device_memory)                                    \
+    B(FA_MERGE_BUFFER_OUT_B, out_b, T, read, device_memory)                                        \
+    B(FA_MERGE_BUFFER_LSE_B, lse_b, float, read, device_memory)                                    \
+    B(FA_MERGE_BUFFER_OUT, out, T, write, device_memory)                                           \
+    B(FA_MERGE_BUFFER_LSE, lse, float, write, device_memory)                                       \
+    B(FA_MERGE_BUFFER_PARAMS, params, FlashAttentionParams, read, constant_memory)
+
+// The first dispatch of a varlen pass: cu_seqlens in, the sequence table out.
+#define FA_VARLEN_BUFFERS(B, T)                                                                    \
+    B(FA_VARLEN_BUFFER_CU_SEQLENS_Q, cu_seqlens_q, int, read, device_memory)                       \
+    B(FA_VARLEN_BUFFER_CU_SEQLENS_K, cu_seqlens_k, int, read, device_memory)                       \
+    B(FA_VARLEN_BUFFER_TABLE, table, FlashAttentionParams, write, device_memory)                   \
+    B(FA_VARLEN_BUFFER_PARAMS, params, FlashAttentionParams, read, constant_memory)
+
+// ---- function constants read ------------------------------------------------------------------
+
+// The score features in every kernel that computes scores; the sinks where a kernel starts or ends
+// a row's softmax (the dense forward and the lse residual start it at the sink; the split forward
+// leaves it to its combine).
+#define FA_READS_SCORE(C)                                                                          \
+    C(FA_FUNCTION_CONSTANT_MASK_TYPE) C(FA_FUNCTION_CONSTANT_SOFTCAP) C(FA_FUNCTION_CONSTANT_ALIBI)
+#define FA_READS_SINKS(C) C(FA_FUNCTION_CONSTANT_SINKS)
+#define FA_READS_SCORE_AND_SINKS(C) FA_READS_SCORE(C) FA_READS_SINKS(C)
+#define FA_READS_NONE(C)
+
+// ---- built-ins ---------------------------------------------------------------------------------
+
+#define FA_BUILTINS_SIMDGROUP(A)                                                                   \
+    A(uint3, tgid, threadgroup_position_in_grid)                                                   \
+    A(uint, sgid, simdgroup_index_in_threadgroup)                                                  \
+    A(uint, lane, thread_index_in_simdgroup)
+#define FA_BUILTINS_THREAD(A)                                                                      \
+    A(uint3, tgid, threadgroup_position_in_grid)                                                   \
+    A(uint, tid, thread_index_in_threadgroup)
+#define FA_BUILTINS_THREAD_INDEX(A) A(uint, tid, thread_index_in_threadgroup)
+
+// ---- expanding the catalogue -------------------------------------------------------------------
+// Helpers every consumer shares. FA_KERNELS(FA_AT_BUCKET, F, T, SUFFIX, DP) calls
+// F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP) for the kernels that have
+// an instance in bucket DP of dtype T (name suffix SUFFIX); FA_AT_DTYPE (DP 0) those that have one
+// per dtype; FA_AT_ONCE (T uchar, SUFFIX and DP unused) the others.
+#define FA_AT_BUCKET(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, F, T, SUFFIX, DP)       \
+    FA_AT_BUCKET_##INSTANCES(DP, F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP))
+#define FA_AT_BUCKET_bucket(DP, ...) __VA_ARGS__
+#define FA_AT_BUCKET_decode_bucket(DP, ...) FA_IF_DECODE(DP, __VA_ARGS__)
+#define FA_AT_BUCKET_dtype(DP, ...)
+#define FA_AT_BUCKET_once(DP, ...)
+#define FA_AT_DTYPE(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, F, T, SUFFIX, DP)        \
+    FA_AT_DTYPE_##INSTANCES(F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP))
+#define FA_AT_DTYPE_bucket(...)
+#define FA_AT_DTYPE_decode_bucket(...)
+#define FA_AT_DTYPE_dtype(...) __VA_ARGS__
+#define FA_AT_DTYPE_once(...)
+#define FA_AT_ONCE(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, F, T, SUFFIX, DP)         \
+    FA_AT_ONCE_##INSTANCES(F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP))
+#define FA_AT_ONCE_bucket(...)
+#define FA_AT_ONCE_decode_bucket(...)
+#define FA_AT_ONCE_dtype(...)
+#define FA_AT_ONCE_once(...) __VA_ARGS__
+
+// The instance's name, e.g. flash_attention_forward_f16_d64.
+#define FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP) FA_KERNEL_NAME_##INSTANCES(KERNEL, SUFFIX, DP)
+#define FA_KERNEL_NAME_bucket(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX##_d##DP
+#define FA_KERNEL_NAME_decode_bucket(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX##_d##DP
+#define FA_KERNEL_NAME_dtype(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX
+#define FA_KERNEL_NAME_once(KERNEL, SUFFIX, DP) flash_attention_##KERNEL
+
+// FA_IF_STORAGE(STORAGE, ...): the arguments unless STORAGE is `none`.
+#define FA_IF_STORAGE(STORAGE, ...) FA_CAT(FA_IF_STORAGE_, FA_IS_NONE(STORAGE))(__VA_ARGS__)
+#define FA_IF_STORAGE_0(...) __VA_ARGS__
+#define FA_IF_STORAGE_1(...)
+#define FA_IS_NONE(STORAGE) FA_SECOND(FA_NONE_PROBE_##STORAGE, 0, ~)
+#define FA_NONE_PROBE_none ~, 1
+#define FA_SECOND(...) FA_SECOND_(__VA_ARGS__)
+#define FA_SECOND_(A, B, ...) B
+
+// A list of `, item` expansions without its first comma: FA_TAIL(0 LIST).
+#define FA_TAIL(...) FA_TAIL_(__VA_ARGS__)
+#define FA_TAIL_(FIRST, ...) __VA_ARGS__
+#define FA_CAT(A, B) FA_CAT_(A, B)
+#define FA_CAT_(A, B) A##B
+#define FA_STRING(X) FA_STRING_(X)
+#define FA_STRING_(X) #X
+
 #endif
+// ---- end flash_attention_catalogue.h ----
+// ---- begin flash_attention_traits.h (spliced by tools/embed_shaders.py) ----
+// The tile decisions of one head-dim bucket, in one type: KernelTraits<T, DP>, the rows each kernel
+// owns and the rows of the tiles it streams (FA_HEAD_DIM_BUCKETS, FA_HEAD_DIM_BUCKETS_F32 in
+// flash_attention_params.h), whether its streamed tiles share one buffer, its threadgroup storage
+// (the catalogue's STORAGE of the bucket kernels), and the checks on storage, occupancy and
+// registers that every bucket must pass.
+#ifndef FLASH_ATTENTION_TRAITS_H
+#define FLASH_ATTENTION_TRAITS_H
 
-inline uint mask_type_of(constant FlashAttentionParams &p) { return fa_mask_type; }
+// ---- begin flash_attention_backward.h (spliced by tools/embed_shaders.py) ----
+// The backward kernels' bodies: the delta pre-pass, the lse residual, dsinks, dQ and dK/dV.
+#ifndef FLASH_ATTENTION_BACKWARD_H
+#define FLASH_ATTENTION_BACKWARD_H
 
-// `b ? true : false`, not `b`: clang (21) emits the value of a program-scope `constant bool` with an
-// initializer (the PREDEFINED prelude) as a load that LLVM does not fold, and the dead feature code
-// would stay; a condition it folds itself.
-inline bool softcap_on(constant FlashAttentionParams &p) { return fa_has_softcap ? true : false; }
+// ---- begin flash_attention_forward.h (spliced by tools/embed_shaders.py) ----
+// The forward kernels' bodies: the dense forward (Algorithm 1), the tiled split-KV forward and the
+// combine of its chunks (flash_attention_decode.h has the decode forward).
+#ifndef FLASH_ATTENTION_FORWARD_H
+#define FLASH_ATTENTION_FORWARD_H
 
-inline bool alibi_on(constant FlashAttentionParams &p) { return fa_has_alibi ? true : false; }
+// ---- begin flash_attention_products.h (spliced by tools/embed_shaders.py) ----
+// The matrix products of the tiled kernels: which rows and head_dim slice a SIMD-group owns, the
+// products over that slice, the sums of the slices' partial products and the stores of a row.
+#ifndef FLASH_ATTENTION_PRODUCTS_H
+#define FLASH_ATTENTION_PRODUCTS_H
 
-inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? true : false; }
-// ---- end flash_attention_features.h ----
+// ---- begin flash_attention_fragment.h (spliced by tools/embed_shaders.py) ----
+// The 8x8 fragment layer of the kernels: simdgroup_float8x8 values, the lane mapping Apple GPUs
+// use for them, loads from threadgroup tiles (flash_attention_loader.h), and reductions over a
+// fragment row. Every loop over fragments has a constant trip count and is fully unrolled.
+//
+// Accumulators and the products' register operands (P, dS) hold float32. The operands read from
+// two tiles (Q K^T, dO V^T and their transposes: product_transposed in flash_attention_products.h) are
+// fragments of TileFragment<T>: half for half tiles, so a lane's pair is one 32-bit word moved as
+// it is, with no conversion, and the multiply-accumulate reads half operands into a float32
+// accumulator; float for bfloat and float tiles (bfloat elements are converted as they are read).
+// A product of two halves is exact in float32, so half operands give the very sums of float ones.
+// The products of a float32 register operand and a tile (P V, dS K, P^T dO, dS^T Q) read the tile
+// as float fragments: one element type on each side of every multiply that is not half x half.
+// A lane reads and writes its own two elements through thread_elements(): element loads are per
+// lane, never collective, and need no alignment.
+//
+// Half operands with a float accumulator in one simdgroup_multiply_accumulate compile with Apple's
+// compiler and run on Apple7+ GPUs: llama.cpp's flash_attn_ext kernel multiplies simdgroup_half8x8
+// Q and K fragments into a simdgroup_float8x8 (ggml-org/llama.cpp ggml/src/ggml-metal/
+// ggml-metal.metal, FA_TYPES), and Dawn exposes this f16-input/f32-result configuration on Metal,
+// tested for float32 accumulator precision on Apple M1 (dawn.googlesource.com commit ee1f8a3).
+// The CPU engine and the CUDA check build convert every operand to float32 exactly and accumulate
+// in float32 whatever the operand types (msl_simdgroup_matrix.h, tests/cuda/metal_cuda.h).
+//
+// Lane mapping (design.md; MLX steel mma.h, metal-flash-attention): with q = lane / 4, a lane holds
+// (row, col) and (row, col + 1) where row = (q & 4) + (lane / 2) % 4 and col = (q & 2) * 2 +
+// (lane % 2) * 2. The four lanes of a row are l, l ^ 1, l ^ 8 and l ^ 9.
+#ifndef FLASH_ATTENTION_FRAGMENT_H
+#define FLASH_ATTENTION_FRAGMENT_H
+
 // ---- begin flash_attention_loader.h (spliced by tools/embed_shaders.py) ----
 // The loader layer of the kernels: threadgroup tiles stored as rows of 16-byte chunks, and the
 // copy of blocks of rows from device memory into them.
@@ -531,6 +772,9 @@ inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? t
 // FlashAttentionParams.scalar_copies when a tensor's address, a stride or a head_dim is not a
 // multiple of 16 bytes (an in-place view such as x[..., 1:65]), and every copy of that call takes
 // the checked scalar path (load_rows) instead, chosen per call, never per element.
+#ifndef FLASH_ATTENTION_LOADER_H
+#define FLASH_ATTENTION_LOADER_H
+
 
 // Fully unrolls the loop that follows (a constant trip count): the fragments of a simdgroup_matrix
 // array stay in registers, as in MLX's steel attention (STEEL_PRAGMA_UNROLL). The CUDA check build
@@ -833,34 +1077,9 @@ inline void reload_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s, uint
                         constant FlashAttentionParams &p, uint tid) {
     copy_tile<ROWS, DP, false>(tile, s, s.next - s.tile_step, first, p, tid);
 }
+
+#endif
 // ---- end flash_attention_loader.h ----
-// ---- begin flash_attention_fragment.h (spliced by tools/embed_shaders.py) ----
-// The 8x8 fragment layer of the kernels: simdgroup_float8x8 values, the lane mapping Apple GPUs
-// use for them, loads from threadgroup tiles (flash_attention_loader.h), and reductions over a
-// fragment row. Every loop over fragments has a constant trip count and is fully unrolled.
-//
-// Accumulators and the products' register operands (P, dS) hold float32. The operands read from
-// two tiles (Q K^T, dO V^T and their transposes: product_transposed in flash_attention.metal) are
-// fragments of TileFragment<T>: half for half tiles, so a lane's pair is one 32-bit word moved as
-// it is, with no conversion, and the multiply-accumulate reads half operands into a float32
-// accumulator; float for bfloat and float tiles (bfloat elements are converted as they are read).
-// A product of two halves is exact in float32, so half operands give the very sums of float ones.
-// The products of a float32 register operand and a tile (P V, dS K, P^T dO, dS^T Q) read the tile
-// as float fragments: one element type on each side of every multiply that is not half x half.
-// A lane reads and writes its own two elements through thread_elements(): element loads are per
-// lane, never collective, and need no alignment.
-//
-// Half operands with a float accumulator in one simdgroup_multiply_accumulate compile with Apple's
-// compiler and run on Apple7+ GPUs: llama.cpp's flash_attn_ext kernel multiplies simdgroup_half8x8
-// Q and K fragments into a simdgroup_float8x8 (ggml-org/llama.cpp ggml/src/ggml-metal/
-// ggml-metal.metal, FA_TYPES), and Dawn exposes this f16-input/f32-result configuration on Metal,
-// tested for float32 accumulator precision on Apple M1 (dawn.googlesource.com commit ee1f8a3).
-// The CPU engine and the CUDA check build convert every operand to float32 exactly and accumulate
-// in float32 whatever the operand types (msl_simdgroup_matrix.h, tools/gpu/metal_cuda.h).
-//
-// Lane mapping (design.md; MLX steel mma.h, metal-flash-attention): with q = lane / 4, a lane holds
-// (row, col) and (row, col + 1) where row = (q & 4) + (lane / 2) % 4 and col = (q & 2) * 2 +
-// (lane % 2) * 2. The four lanes of a row are l, l ^ 1, l ^ 8 and l ^ 9.
 
 // Where a lane's two elements of every 8x8 fragment lie: (row, col) and (row, col + 1).
 struct FragmentCoord {
@@ -1002,6 +1221,8 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
         }
     }
 }
+
+#endif
 // ---- end flash_attention_fragment.h ----
 // ---- begin flash_attention_blocks.h (spliced by tools/embed_shaders.py) ----
 // The block layer of the kernels: where rows live in device memory, which (query, key) pairs are
@@ -1011,6 +1232,54 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
 // query i sees key j iff j < seqlen_k and i + shift - window_left <= j <= i + shift + window_right
 // with shift = seqlen_k - seqlen_q (a side at -1 is unbounded; causal is window_right = 0), and a
 // boolean attn_mask, where given, allows it.
+#ifndef FLASH_ATTENTION_BLOCKS_H
+#define FLASH_ATTENTION_BLOCKS_H
+
+// ---- begin flash_attention_features.h (spliced by tools/embed_shaders.py) ----
+// The score features of a call (flash_attention_params.h, FA_FUNCTION_CONSTANTS: mask type,
+// softcap, ALiBi, sinks), read by the kernels only through these four functions. They are function
+// constants, fixed when a kernel's pipeline is built, so every test of them folds away and a kernel
+// compiled for "no features" has none of their code. The parameter struct still carries the
+// feature's data (softcap's value, the mask strides); `p` stays in the signatures for that reason
+// and so that call sites read the same whichever way a host supplies the constants:
+// - Metal: `constant T name [[function_constant(index)]]`, each without a default, so a pipeline
+//   whose kernel reads one that MTLFunctionConstantValues did not set fails to build (a constant
+//   is optional only where is_function_constant_defined() tests it; none is).
+// - Hosts that cannot set function constants (PyTorch's compile_shader) define
+//   FA_FUNCTION_CONSTANTS_PREDEFINED and every constant as `constant T name = value;` before
+//   this source (the library writes that prelude: functionConstantPrelude in Specialization.swift).
+// - The CPU engine, the CUDA check build and the address-space check declare a constant through
+//   their <metal_stdlib>'s MSL_FUNCTION_CONSTANT(index, type, name): a per-dispatch value that is
+//   an error to read when the dispatch did not set it (the clang check: an external constant).
+#ifndef FLASH_ATTENTION_FEATURES_H
+#define FLASH_ATTENTION_FEATURES_H
+
+
+#if defined(FA_FUNCTION_CONSTANTS_PREDEFINED)
+#elif defined(MSL_FUNCTION_CONSTANT)
+#define FA_DECLARE_FUNCTION_CONSTANT(INDEX, TYPE, NAME, VALUE) MSL_FUNCTION_CONSTANT(INDEX, TYPE, NAME)
+FA_FUNCTION_CONSTANTS(FA_DECLARE_FUNCTION_CONSTANT)
+#undef FA_DECLARE_FUNCTION_CONSTANT
+#else
+#define FA_DECLARE_FUNCTION_CONSTANT(INDEX, TYPE, NAME, VALUE) \
+    constant TYPE NAME [[function_constant(INDEX)]];
+FA_FUNCTION_CONSTANTS(FA_DECLARE_FUNCTION_CONSTANT)
+#undef FA_DECLARE_FUNCTION_CONSTANT
+#endif
+
+inline uint mask_type_of(constant FlashAttentionParams &p) { return fa_mask_type; }
+
+// `b ? true : false`, not `b`: clang (21) emits the value of a program-scope `constant bool` with an
+// initializer (the PREDEFINED prelude) as a load that LLVM does not fold, and the dead feature code
+// would stay; a condition it folds itself.
+inline bool softcap_on(constant FlashAttentionParams &p) { return fa_has_softcap ? true : false; }
+
+inline bool alibi_on(constant FlashAttentionParams &p) { return fa_has_alibi ? true : false; }
+
+inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? true : false; }
+
+#endif
+// ---- end flash_attention_features.h ----
 
 // Element offset of row 0 of head `head` of batch `b` in a tensor laid out by `s` (64-bit:
 // tensors may span more than 2^32 elements).
@@ -1107,211 +1376,9 @@ inline uint active_fragments(uint head_dim, uint col0, uint n) {
     const uint padded = (head_dim + 7) / 8 * 8;
     return padded <= col0 ? 0u : min(n, (padded - col0) / 8);
 }
+
+#endif
 // ---- end flash_attention_blocks.h ----
-// ---- begin flash_attention_merge.h (spliced by tools/embed_shaders.py) ----
-// Merging attention results over disjoint key sets: the log-sum-exp combine behind split-KV
-// decoding, ring attention and fa_merge_attention. Included by flash_attention.metal after
-// <metal_stdlib>, flash_attention_params.h and `using namespace metal` (it includes nothing
-// itself, so that tools/embed_shaders.py can splice it).
-//
-// Math (FlashAttention-2, Dao 2023, the rescaling of its online softmax; Flash-Decoding): a part
-// computed over key set K_i has out_i = sum_{j in K_i} exp(s_j - lse_i) v_j and
-// lse_i = log sum_{j in K_i} exp(s_j). Over the union of the key sets:
-//   m = max_i lse_i,  w_i = exp(lse_i - m),  lse = m + log(sum_i w_i),
-//   out = sum_i w_i out_i / sum_i w_i.
-// A part that saw no key (lse_i = -inf) has weight 0 and its out_i is never read; a row whose
-// parts are all empty gets out = 0 and lse = -inf. -inf is compared, never subtracted from -inf,
-// so no NaN arises from empty parts, while a NaN lse still propagates to out and lse.
-
-// The weight of a part relative to the largest lse m of the parts being merged: exp(lse - m), and
-// exactly 0 for an empty part (lse = -inf), whatever m is.
-inline float merge_weight(float part_lse, float max_lse) {
-    return part_lse == -INFINITY ? 0.0f : precise::exp(part_lse - max_lse);
-}
-
-// The merged lse from the largest part lse and the sum of the weights: m + log(sum), or -inf when
-// every part is empty (sum 0).
-inline float merged_lse(float max_lse, float weight_sum) {
-    return weight_sum == 0.0f ? -INFINITY : max_lse + precise::log(weight_sum);
-}
-
-// Adds one part's element to a merge accumulator. A zero weight (an empty part, or one whose
-// share underflows) leaves the accumulator as it is, so an empty part's out may hold anything,
-// NaN included (a split-KV chunk without keys need not write its partial output).
-inline float merge_accumulate(float acc, float weight, float part_out) {
-    return weight != 0.0f ? fma(weight, part_out, acc) : acc;
-}
-
-// 1 / sum of the weights, 0 for a row whose parts are all empty (its accumulator is 0).
-inline float merge_normalizer(float weight_sum) {
-    return weight_sum == 0.0f ? 0.0f : 1.0f / weight_sum;
-}
-
-// flash_attention_merge_<dtype>: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b),
-// contiguous rows of head_dim elements of T (half, bfloat or float; the sums in float32, out rounded
-// to T once) and their float32 lse, for p (batch, num_heads, seqlen_q, head_dim; the other fields
-// are not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch),
-// threadgroups of FA_MERGE_ROWS_PER_THREADGROUP * FA_MERGE_THREADS_PER_ROW threads; the threads of
-// a row stride over head_dim, so consecutive threads touch consecutive elements. No barriers, no
-// SIMD-group functions: every thread's work is independent.
-template <typename T>
-inline void attention_merge(device const T *out_a, device const float *lse_a,
-                            device const T *out_b, device const float *lse_b,
-                            device T *out, device float *lse,
-                            constant FlashAttentionParams &p, uint3 tgid, uint tid) {
-    const uint row = tgid.x * FA_MERGE_ROWS_PER_THREADGROUP + tid / FA_MERGE_THREADS_PER_ROW;
-    if (row >= p.seqlen_q) {
-        return;
-    }
-    const ulong r = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row);
-    const float la = lse_a[r];
-    const float lb = lse_b[r];
-    const float m = max(la, lb);
-    const float wa = merge_weight(la, m);
-    const float wb = merge_weight(lb, m);
-    const float sum = wa + wb;
-    const float scale = merge_normalizer(sum);
-    const ulong start = r * p.head_dim;
-    for (uint d = tid % FA_MERGE_THREADS_PER_ROW; d < p.head_dim; d += FA_MERGE_THREADS_PER_ROW) {
-        float acc = merge_accumulate(0.0f, wa, float(out_a[start + d]));
-        acc = merge_accumulate(acc, wb, float(out_b[start + d]));
-        out[start + d] = T(acc * scale);
-    }
-    if (tid % FA_MERGE_THREADS_PER_ROW == 0) {
-        lse[r] = merged_lse(m, sum);
-    }
-}
-
-// The merge kernel of element type T, named flash_attention_merge_<SUFFIX> (f16, bf16, f32).
-#define FA_DEFINE_MERGE_KERNEL(T, SUFFIX)                                                          \
-    kernel void flash_attention_merge_##SUFFIX(                                                    \
-        device const T *out_a [[buffer(FA_MERGE_BUFFER_OUT_A)]],                                   \
-        device const float *lse_a [[buffer(FA_MERGE_BUFFER_LSE_A)]],                               \
-        device const T *out_b [[buffer(FA_MERGE_BUFFER_OUT_B)]],                                   \
-        device const float *lse_b [[buffer(FA_MERGE_BUFFER_LSE_B)]],                               \
-        device T *out [[buffer(FA_MERGE_BUFFER_OUT)]],                                             \
-        device float *lse [[buffer(FA_MERGE_BUFFER_LSE)]],                                         \
-        constant FlashAttentionParams &params [[buffer(FA_MERGE_BUFFER_PARAMS)]],                  \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_merge<T>(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);               \
-    }
-// ---- end flash_attention_merge.h ----
-// ---- begin flash_attention_varlen.h (spliced by tools/embed_shaders.py) ----
-// Variable-length batches (FlashAttention's flash_attn_varlen_func): sequences packed along the
-// rows of q (total_q rows) and of k and v (total_k rows), sequence b being query rows
-// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]); lse, delta
-// and the lse residual are [num_heads][total_q]. Every pass starts with
-// flash_attention_varlen_sequences, which turns the two tables into one FlashAttentionParams per
-// sequence; the other kernels run over (blocks of max_seqlen rows, heads, sequences) and, in their
-// prologue, take their sequence's struct (sequence_params), leave when their block starts past the
-// sequence's end, and move their pointers to the sequence's first row: the kernel bodies then see
-// an ordinary one-entry problem with that sequence's lengths (causal and the window bottom-right
-// per sequence, as FlashAttention).
-//
-// The tables are not trusted: each value is clamped to [0, total] and to at least the values before
-// it, so a wrong table gives disjoint sequences inside the tensors (wrong numbers, rows left
-// unwritten), never an access out of bounds or two threadgroups writing one row.
-
-// Threads of flash_attention_varlen_sequences: one threadgroup, each thread a contiguous range of
-// sequences.
-#define FA_VARLEN_THREADS FA_THREADS_PER_THREADGROUP
-
-// The struct a threadgroup of sequence `b` works with: the host's for a dense problem, else
-// sequence b's entry of the table bound in the host's place (its entry 0 is the host's struct).
-// `params` is the kernel's buffer argument, a pointer to an array of unknown length (never a
-// reference to one struct read past its end, which Metal may preload as just that struct).
-inline constant FlashAttentionParams &sequence_params(constant FlashAttentionParams *params, uint b) {
-    return params[0].sequences == 0 ? params[0] : params[1 + b];
-}
-
-// Whether a threadgroup whose block starts at row `first` has nothing to do: past the end of its
-// sequence's `rows` (only in a varlen pass, whose grid covers max_seqlen rows).
-inline bool block_past_end(uint first, uint rows) {
-    return first >= rows;
-}
-
-// The threadgroup position the kernel bodies see: batch entry 0 of the packed problem in a varlen
-// pass (the pointers already start at the sequence), the grid's own otherwise.
-inline uint3 sequence_tgid(constant FlashAttentionParams &p, uint3 tgid) {
-    uint3 position = tgid;
-    position.z = p.sequences == 0 ? tgid.z : 0u;
-    return position;
-}
-
-// The ALiBi slopes of the threadgroup's sequence: row b of a [sequences][num_heads] table (the
-// host's alibi_batch_stride), or the shared [num_heads] row.
-inline device const float *sequence_alibi(constant FlashAttentionParams &p, device const float *alibi,
-                                          uint b) {
-    return p.sequences == 0 ? alibi : alibi + ulong(b) * p.alibi_batch_stride;
-}
-
-// cu_seqlens[i] clamped to [0, limit].
-inline uint clamped_boundary(device const int *cu_seqlens, uint i, uint limit) {
-    return clamp_index(long(cu_seqlens[i]), long(limit));
-}
-
-// dst = src word by word: MSL has no implicit copy of a struct between the constant and device
-// address spaces (tools/check_address_spaces.py enforces that), and this follows any new field.
-inline void copy_params(device FlashAttentionParams &dst, constant FlashAttentionParams &src) {
-    static_assert(sizeof(FlashAttentionParams) % 4 == 0, "FlashAttentionParams is whole 32-bit words");
-    device uint *to = reinterpret_cast<device uint *>(&dst);
-    constant uint *from = reinterpret_cast<constant uint *>(&src);
-    for (uint i = 0; i < sizeof(FlashAttentionParams) / 4; ++i) {
-        to[i] = from[i];
-    }
-}
-
-struct VarlenSequencesStorage {
-    uint max_q[FA_VARLEN_THREADS];
-    uint max_k[FA_VARLEN_THREADS];
-};
-
-// Writes the sequence table: entry 0 the host's struct, entry 1 + b sequence b's. Sequence b spans
-// [s_b, s_{b+1}) with s_i = max over j <= i of cu_seqlens[j] clamped to [0, total] (the same for
-// keys): thread t first takes the maximum of its range's boundaries, then starts from the maximum
-// of the ranges before it.
-template <typename Storage>
-inline void varlen_sequences(device const int *cu_q, device const int *cu_k,
-                             device FlashAttentionParams *table, constant FlashAttentionParams &p,
-                             Storage tg, uint tid) {
-    const uint per_thread = (p.sequences + FA_VARLEN_THREADS - 1) / FA_VARLEN_THREADS;
-    const uint first = min(tid * per_thread, p.sequences);
-    const uint end = min(first + per_thread, p.sequences);
-    uint max_q = 0;
-    uint max_k = 0;
-    for (uint b = first; b < end; ++b) {
-        max_q = max(max_q, clamped_boundary(cu_q, b, p.seqlen_q));
-        max_k = max(max_k, clamped_boundary(cu_k, b, p.seqlen_k));
-    }
-    tg->max_q[tid] = max_q;
-    tg->max_k[tid] = max_k;
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    uint q0 = 0;
-    uint k0 = 0;
-    for (uint t = 0; t < tid; ++t) {
-        q0 = max(q0, tg->max_q[t]);
-        k0 = max(k0, tg->max_k[t]);
-    }
-    if (tid == 0) {
-        copy_params(table[0], p);
-    }
-    for (uint b = first; b < end; ++b) {
-        q0 = max(q0, clamped_boundary(cu_q, b, p.seqlen_q));
-        k0 = max(k0, clamped_boundary(cu_k, b, p.seqlen_k));
-        const uint q_end = max(q0, clamped_boundary(cu_q, b + 1, p.seqlen_q));
-        const uint k_end = max(k0, clamped_boundary(cu_k, b + 1, p.seqlen_k));
-        device FlashAttentionParams &s = table[1 + b];
-        copy_params(s, p);
-        s.seqlen_q = q_end - q0;
-        s.seqlen_k = k_end - k0;
-        s.kv_chunk_keys = k_end - k0;
-        s.seq_q0 = q0;
-        s.seq_k0 = k0;
-        s.lse_rows = p.seqlen_q;
-    }
-}
-// ---- end flash_attention_varlen.h ----
 
 // Head_dim slices of a kernel that owns ROWS rows per threadgroup (flash_attention_params.h).
 #define FA_SLICES(ROWS) (8 * FA_SIMDGROUPS / (ROWS))
@@ -1459,6 +1526,15 @@ inline void store_row(device T *dst, thread Fragments<N> &x, float scale, uint c
     }
 }
 
+#endif
+// ---- end flash_attention_products.h ----
+// ---- begin flash_attention_scores.h (spliced by tools/embed_shaders.py) ----
+// Exponentials and scores: exp_of, the modifiers of a row's scores (softmax_scale, softcap, ALiBi,
+// attn_mask, the window) and the probabilities the backward recomputes.
+#ifndef FLASH_ATTENTION_SCORES_H
+#define FLASH_ATTENTION_SCORES_H
+
+
 // ---- exponentials ----------------------------------------------------------------------------
 
 // log2(e) as a float pair hi + lo (hi the float nearest, lo the rest).
@@ -1542,10 +1618,13 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
     if (alibi_on(p)) {
         x -= m.slope * abs(float(long(row) + long(p.seqlen_k) - long(p.seqlen_q) - long(key)));
     }
+    // An additive -inf hides its key even where the score is NaN or +inf (NaN q, overflow).
     if (mask_type_of(p) == FA_MASK_ADDITIVE) {
-        x += float(((device const T *)mask)[m.mask_row + key]);
+        const float a = float(((device const T *)mask)[m.mask_row + key]);
+        x = a == -INFINITY ? a : x + a;
     } else if (mask_type_of(p) == FA_MASK_ADDITIVE_F32) {
-        x += ((device const float *)mask)[m.mask_row + key];
+        const float a = ((device const float *)mask)[m.mask_row + key];
+        x = a == -INFINITY ? a : x + a;
     }
     return x;
 }
@@ -1562,13 +1641,106 @@ inline float probability(float score, float lse, float residual) {
     return score == -INFINITY ? 0.0f : exp_of((score - lse) - residual);
 }
 
-// The lse a backward row works with: as given where finite; +inf for -inf, +inf and NaN, so that
-// every P and the sink's weight of that row are exp(-inf) = 0 and its gradient is zero, never NaN
-// or inf. The forward gives -inf only to rows without visible keys (all P 0 already); the host
-// rejects the others where it can read lse (LseCheck.swift), this covers lse in GPU memory.
+// The lse a backward row works with: +inf for -inf, so that every P and the sink's weight of that
+// row are exp(-inf) = 0 and its gradient is zero (the forward gives -inf only to rows without
+// visible keys); NaN for NaN and +inf (a row with a NaN or +inf score), so that every gradient the
+// row touches is NaN, as PyTorch's and MLX's, whatever out holds (no lse is refused); finite values
+// as given.
 inline float backward_row_lse(float lse) {
-    return isfinite(lse) ? lse : INFINITY;
+    return isinf(lse) ? (lse < 0.0f ? INFINITY : NAN) : lse;
 }
+
+#endif
+// ---- end flash_attention_scores.h ----
+// ---- begin flash_attention_merge.h (spliced by tools/embed_shaders.py) ----
+// Merging attention results over disjoint key sets: the log-sum-exp combine behind split-KV
+// decoding, ring attention and fa_merge_attention. Included by flash_attention.metal after
+// <metal_stdlib>, flash_attention_params.h and `using namespace metal` (it includes nothing
+// itself, so that tools/embed_shaders.py can splice it).
+//
+// Math (FlashAttention-2, Dao 2023, the rescaling of its online softmax; Flash-Decoding): a part
+// computed over key set K_i has out_i = sum_{j in K_i} exp(s_j - lse_i) v_j and
+// lse_i = log sum_{j in K_i} exp(s_j). Over the union of the key sets:
+//   m = max_i lse_i,  w_i = exp(lse_i - m),  lse = m + log(sum_i w_i),
+//   out = sum_i w_i out_i / sum_i w_i.
+// A part that saw no key (lse_i = -inf) has weight 0 and its out_i is never read; a row whose
+// parts are all empty gets out = 0 and lse = -inf. -inf is compared, never subtracted from -inf,
+// so no NaN arises from empty parts. Non-finite inputs (docs/semantics.md, "Non-finite values"):
+// a NaN lse makes out and lse NaN; a +inf lse (a row with a +inf score) makes lse +inf and out
+// NaN (softmax_shift).
+#ifndef FLASH_ATTENTION_MERGE_H
+#define FLASH_ATTENTION_MERGE_H
+
+
+// The shift subtracted from lse values or scores before exp: the largest one m, or 0 where m is
+// infinite: -inf (nothing seen yet) keeps every exp at 0, and +inf gives the +inf part the weight
+// exp(+inf) = +inf, so that the sum and lse are +inf and out is inf * 0 = NaN, where
+// exp(inf - inf) would make the lse NaN. Finite m is returned unchanged.
+inline float softmax_shift(float m) {
+    return isinf(m) ? 0.0f : m;
+}
+
+// The weight of a part relative to the shift m (softmax_shift of the largest lse of the parts
+// being merged): exp(lse - m), and exactly 0 for an empty part (lse = -inf), whatever m is.
+inline float merge_weight(float part_lse, float max_lse) {
+    return part_lse == -INFINITY ? 0.0f : precise::exp(part_lse - max_lse);
+}
+
+// The merged lse from the shift m and the sum of the weights: m + log(sum), or -inf when every
+// part is empty (sum 0); NaN or +inf where the sum is.
+inline float merged_lse(float max_lse, float weight_sum) {
+    return weight_sum == 0.0f ? -INFINITY : max_lse + precise::log(weight_sum);
+}
+
+// Adds one part's element to a merge accumulator. A zero weight (an empty part, or one whose
+// share underflows) leaves the accumulator as it is, so an empty part's out may hold anything,
+// NaN included (a split-KV chunk without keys need not write its partial output).
+inline float merge_accumulate(float acc, float weight, float part_out) {
+    return weight != 0.0f ? fma(weight, part_out, acc) : acc;
+}
+
+// 1 / sum of the weights, 0 for a row whose parts are all empty (its accumulator is 0).
+inline float merge_normalizer(float weight_sum) {
+    return weight_sum == 0.0f ? 0.0f : 1.0f / weight_sum;
+}
+
+// flash_attention_merge_<dtype>: out, lse = the merge of (out_a, lse_a) and (out_b, lse_b),
+// contiguous rows of head_dim elements of T (half, bfloat or float; the sums in float32, out rounded
+// to T once) and their float32 lse, for p (batch, num_heads, seqlen_q, head_dim; the other fields
+// are not read). Grid (ceil(seqlen_q / FA_MERGE_ROWS_PER_THREADGROUP), num_heads, batch),
+// threadgroups of FA_MERGE_ROWS_PER_THREADGROUP * FA_MERGE_THREADS_PER_ROW threads; the threads of
+// a row stride over head_dim, so consecutive threads touch consecutive elements. No barriers, no
+// SIMD-group functions: every thread's work is independent.
+template <typename T>
+inline void attention_merge(device const T *out_a, device const float *lse_a,
+                            device const T *out_b, device const float *lse_b,
+                            device T *out, device float *lse,
+                            constant FlashAttentionParams &p, uint3 tgid, uint tid) {
+    const uint row = tgid.x * FA_MERGE_ROWS_PER_THREADGROUP + tid / FA_MERGE_THREADS_PER_ROW;
+    if (row >= p.seqlen_q) {
+        return;
+    }
+    const ulong r = row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, row);
+    const float la = lse_a[r];
+    const float lb = lse_b[r];
+    const float m = softmax_shift(max(la, lb));
+    const float wa = merge_weight(la, m);
+    const float wb = merge_weight(lb, m);
+    const float sum = wa + wb;
+    const float scale = merge_normalizer(sum);
+    const ulong start = r * p.head_dim;
+    for (uint d = tid % FA_MERGE_THREADS_PER_ROW; d < p.head_dim; d += FA_MERGE_THREADS_PER_ROW) {
+        float acc = merge_accumulate(0.0f, wa, float(out_a[start + d]));
+        acc = merge_accumulate(acc, wb, float(out_b[start + d]));
+        out[start + d] = T(acc * scale);
+    }
+    if (tid % FA_MERGE_THREADS_PER_ROW == 0) {
+        lse[r] = merged_lse(m, sum);
+    }
+}
+
+#endif
+// ---- end flash_attention_merge.h ----
 
 // ---- forward ---------------------------------------------------------------------------------
 
@@ -1659,8 +1831,11 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     }
     const float m_next = max(r.m, row_max(tile_max));
     // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0, not NaN.
-    const float m_base = m_next == -INFINITY ? 0.0f : m_next;
-    const float correction = exp_of(r.m - m_base);
+    const float m_base = softmax_shift(m_next);
+    // After a +inf score the shift is 0, not the max, so exp(r.m - 0) could overflow and a lane
+    // whose part of l is 0 would turn NaN (0 * inf): a finite past is dropped (weight 0 beside
+    // +inf) and a +inf past kept as it is. Finite m_next: exp(r.m - m_next) as before.
+    const float correction = m_next == INFINITY ? float(r.m == INFINITY) : exp_of(r.m - m_base);
     r.l *= correction;
     FA_UNROLL
     for (uint d = 0; d < ND; ++d) {
@@ -1686,18 +1861,20 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     }
 }
 
-// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key).
+// The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key; NaN
+// where l is, from a NaN score, even while m is still -inf; +inf after a +inf score).
 inline float row_lse(float m, float l) {
-    return l > 0.0f ? m + precise::log(l) : -INFINITY;
+    return l == 0.0f ? -INFINITY : m + precise::log(l);
 }
 
 // A split-KV chunk's softmax state at entry `index` of partial_lse: its running max m and log l,
 // apart (entries 2 index and 2 index + 1), so that a chunk's share survives where |m| is too large
 // for float32 to add log l (rows masked with the float32 minimum); (-inf, 0) for a chunk without
-// keys.
+// keys; (NaN, NaN) for a chunk that saw a NaN score (l NaN, m possibly still -inf), so that the
+// combine cannot take it for an empty one.
 inline void store_partial_lse(device float *partial_lse, ulong index, float m, float l) {
-    partial_lse[2 * index] = l > 0.0f ? m : -INFINITY;
-    partial_lse[2 * index + 1] = l > 0.0f ? precise::log(l) : 0.0f;
+    partial_lse[2 * index] = l == 0.0f ? -INFINITY : (isnan(l) ? l : m);
+    partial_lse[2 * index + 1] = l == 0.0f ? 0.0f : precise::log(l);
 }
 
 // The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
@@ -1875,348 +2052,14 @@ inline void attention_forward_split(device const T *q, KV kv, device const uchar
     }
 }
 
-// ---- begin flash_attention_decode.h (spliced by tools/embed_shaders.py) ----
-// The decode forward: at most FA_SPLIT_MAX_QUERY_ROWS query rows per head over a KV cache, bound by
-// memory bandwidth. Shaped like MLX's `sdpa_vector` (ml-explore/mlx, kernels/sdpa_vector.h; facts
-// only, no code): every lane holds a contiguous slice of head_dim and reads it straight from device
-// memory with the widest aligned vector loads, the SIMD-groups take the keys in turn, and nothing
-// is staged in threadgroup memory in the key loop (no barrier there). Unlike sdpa_vector, one
-// threadgroup serves the packed rows of a whole GQA group (as the split-KV forward packs them:
-// index g * seqlen_q + i), so each K/V element is read once per chunk of keys and block of rows.
-//
-//   threadgroup (chunk x row block, KV head, batch), FA_SIMDGROUPS SIMD-groups:
-//     each lane loads its slice of the block's q rows (as float)
-//     for each key j of the chunk that some row sees, SIMD-group j % FA_SIMDGROUPS:
-//       load the lane's K and V slices of key j (a KV cache's: paged, dequantized in registers)
-//       per row: s = score(simd_sum(q . k)) (four rows per reduction); online softmax of
-//       (m, l, o) in registers
-//     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
-//     SIMD-group order; the chunk's normalised output and lse go to partial_out / partial_lse,
-//     which forward_combine (flash_attention.metal) merges over the chunks with the sink.
-//
-// Sums run in a fixed order (lanes by simd_sum, keys in order per SIMD-group, SIMD-groups 0..3,
-// chunks 0..n): results are bit-identical from run to run.
-
-// How one lane holds a row of a bucket DP wide: E elements of T, the smallest power of two that
-// covers DP / 32 and fills at least one 32-bit word; LANES lanes hold columns (the others hold
-// zeros). The slice is read in PIECES loads of PIECE bytes (at most FA_CHUNK_BYTES, the widest
-// aligned load), e.g. 8 bytes at head_dim 128 in half, 16 in float.
-template <typename T, uint DP>
-struct DecodeLane {
-    enum : uint {
-        SPAN = (DP + 31) / 32,
-        POW2 = SPAN <= 1 ? 1 : SPAN <= 2 ? 2 : SPAN <= 4 ? 4 : SPAN <= 8 ? 8 : SPAN <= 16 ? 16 : 32,
-        E = POW2 * sizeof(T) < 4 ? 4 / sizeof(T) : POW2,
-        BYTES = E * sizeof(T),
-        PIECE = BYTES < FA_CHUNK_BYTES ? BYTES : FA_CHUNK_BYTES,
-        PIECES = BYTES / PIECE,
-        WORDS = BYTES / 4,
-        LANES = DP / E,
-    };
-};
-
-// One lane's slice of a row, as the 32-bit words it was loaded in (TileWords<T> reads them).
-template <uint WORDS>
-struct DecodeSlice {
-    uint w[WORDS];
-};
-
-// A load of BYTES bytes as one vector of words.
-template <uint BYTES>
-struct DecodePiece;
-
-template <>
-struct DecodePiece<4> {
-    typedef uint type;
-    static inline void put(type x, thread uint *w) { w[0] = x; }
-};
-
-template <>
-struct DecodePiece<8> {
-    typedef uint2 type;
-    static inline void put(type x, thread uint *w) {
-        w[0] = x.x;
-        w[1] = x.y;
-    }
-};
-
-template <>
-struct DecodePiece<16> {
-    typedef uint4 type;
-    static inline void put(type x, thread uint *w) {
-        w[0] = x.x;
-        w[1] = x.y;
-        w[2] = x.z;
-        w[3] = x.w;
-    }
-};
-
-// Loads the lane's slice, columns [col0, col0 + E), of the row at `row` (`cols` wide; zero past
-// cols). The vector path needs what the host's scalar_copies = 0 promises (rows and head_dims on
-// 16-byte boundaries), which also puts each piece wholly inside or outside cols; otherwise every
-// element is loaded and checked alone.
-template <typename T, uint DP>
-inline DecodeSlice<DecodeLane<T, DP>::WORDS> load_slice(device const T *row, uint col0, uint cols,
-                                                        bool scalar) {
-    typedef DecodeLane<T, DP> L;
-    typedef DecodePiece<L::PIECE> P;
-    constexpr uint PER_PIECE = L::PIECE / sizeof(T);
-    DecodeSlice<L::WORDS> s;
-    if (!scalar) {
-        FA_UNROLL
-        for (uint i = 0; i < L::PIECES; ++i) {
-            const uint c = col0 + i * PER_PIECE;
-            typename P::type x = typename P::type(0);
-            if (c < cols) {
-                FA_DEVICE_READ(row + c, L::PIECE);
-                x = *(device const typename P::type *)(row + c);
-            }
-            P::put(x, s.w + i * (L::PIECE / 4));
-        }
-        return s;
-    }
-    constexpr uint PER_WORD = TileWords<T>::PER_WORD;
-    FA_UNROLL
-    for (uint w = 0; w < L::WORDS; ++w) {
-        uint bits = 0;
-        FA_UNROLL
-        for (uint i = 0; i < PER_WORD; ++i) {
-            const uint d = col0 + w * PER_WORD + i;
-            if (d < cols) {
-                FA_DEVICE_READ(row + d, sizeof(T));
-                bits |= TileWords<T>::bits(row[d]) << (16 * i);
-            }
-        }
-        s.w[w] = bits;
-    }
-    return s;
-}
-
-// Element i of a slice, as float.
-template <typename T, uint WORDS>
-inline float slice_element(thread const DecodeSlice<WORDS> &s, uint i) {
-    typedef TileWords<T> W;
-    return W::element(s.w[i / W::PER_WORD], i % W::PER_WORD);
-}
-
-// The K/V rows one SIMD-group of the decode kernel walks: keys first, first + FA_SIMDGROUPS, ...
-// A K/V source gives them through decode_rows(kv, p, b, kv_head, first, col0) (plain tensors
-// here; a KV cache's in flash_attention_kv_cache.h): `load` fills the lane's slice of the current
-// key's K and V as float, `next` moves to the SIMD-group's next key. The only place the decode
-// kernel addresses K and V. The key loop moves by whole steps (a 64-bit add), never multiplying
-// per key.
-template <typename T>
-struct DeviceDecodeRows {
-    device const T *k;  // the current key's rows
-    device const T *v;
-    ulong k_step;       // elements from one of the SIMD-group's keys to its next
-    ulong v_step;
-
-    template <uint DP>
-    inline void load(constant FlashAttentionParams &p, uint lane, bool scalar, thread float *kf,
-                     thread float *vf) const {
-        typedef DecodeLane<T, DP> L;
-        const DecodeSlice<L::WORDS> kw = load_slice<T, DP>(k, lane * L::E, p.head_dim, scalar);
-        const DecodeSlice<L::WORDS> vw = load_slice<T, DP>(v, lane * L::E, p.head_dim_v, scalar);
-        FA_UNROLL
-        for (uint e = 0; e < L::E; ++e) {
-            kf[e] = slice_element<T>(kw, e);
-            vf[e] = slice_element<T>(vw, e);
-        }
-    }
-
-    inline void next() {
-        k += k_step;
-        v += v_step;
-    }
-};
-
-template <typename T>
-inline DeviceDecodeRows<T> decode_rows(DeviceKV<T> kv, constant FlashAttentionParams &p, uint b,
-                                       uint kv_head, uint first, uint col0) {
-    DeviceDecodeRows<T> r;
-    r.k = kv.k + head_offset(p.k, b, kv_head) + ulong(first) * p.k.seq;
-    r.v = kv.v + head_offset(p.v, b, kv_head) + ulong(first) * p.v.seq;
-    r.k_step = ulong(FA_SIMDGROUPS) * p.k.seq;
-    r.v_step = ulong(FA_SIMDGROUPS) * p.v.seq;
-    return r;
-}
-
-// Sums each of the R values over the SIMD-group, four rows per reduction (R is 2, 4 or 8).
-template <uint R>
-inline void simd_sum_rows(thread float *x) {
-    if (R % 4 == 0) {
-        FA_UNROLL
-        for (uint r = 0; r < R; r += 4) {
-            float4 v;
-            v.x = x[r];
-            v.y = x[r + 1];
-            v.z = x[r + 2];
-            v.w = x[r + 3];
-            const float4 s = simd_sum(v);
-            x[r] = s.x;
-            x[r + 1] = s.y;
-            x[r + 2] = s.z;
-            x[r + 3] = s.w;
-        }
-    } else {
-        FA_UNROLL
-        for (uint r = 0; r < R; r += 2) {
-            float2 v;
-            v.x = x[r];
-            v.y = x[r + 1];
-            const float2 s = simd_sum(v);
-            x[r] = s.x;
-            x[r + 1] = s.y;
-        }
-    }
-}
-
-// Each SIMD-group's online-softmax state of the block's rows, merged once after the key loop.
-template <uint DP>
-struct DecodeStorage {
-    float o[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)][DP];
-    float m[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
-    float l[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
-};
-
-// One chunk of keys for one block of FA_DECODE_ROWS(DP) packed rows: threadgroups (row blocks x
-// chunks, KV heads, batch), x = chunk * row_blocks + row block, as the split-KV forward. Writes the
-// chunk's normalised output and lse of each row (partial_index).
-template <uint DP, typename T, typename KV, typename Storage>
-inline void attention_forward_decode(device const T *q, KV kv, device const uchar *mask,
-                                     device const float *alibi, device float *partial_out,
-                                     device float *partial_lse, constant FlashAttentionParams &p,
-                                     Storage tg, uint3 tgid, uint sgid, uint lane) {
-    typedef DecodeLane<T, DP> L;
-    constexpr uint R = FA_DECODE_ROWS(DP);
-    static_assert(sizeof(DecodeStorage<DP>) == FA_DECODE_THREADGROUP_BYTES(DP),
-                  "the host sizes the decode threadgroup by FA_DECODE_THREADGROUP_BYTES");
-    static_assert(DP <= FA_DECODE_MAX_HEAD_DIM, "a decode instance above FA_DECODE_MAX_HEAD_DIM");
-    static_assert(2 * R * L::E <= FA_MAX_ACCUMULATOR_FLOATS,
-                  "q and output floats per lane above the budget (flash_attention_params.h)");
-    const uint b = tgid.z;
-    const uint kv_head = tgid.y;
-    const uint group = p.num_heads / p.num_kv_heads;
-    const uint row_blocks = (group * p.seqlen_q + R - 1) / R;
-    const uint x = tgid.x + p.block_offset;
-    const uint chunk = x / row_blocks;
-    const PackedRows rows = packed_rows<R>(p, x % row_blocks);
-    const uint live = min(R, rows.count - rows.first);  // rows of the block that exist
-    const uint col0 = lane * L::E;
-    const bool scalar = p.scalar_copies != 0;
-
-    float qs[R][L::E];
-    float o[R][L::E];
-    float m[R];
-    float l[R];
-    uint row[R];
-    RowModifiers mods[R];
-    FA_UNROLL
-    for (uint r = 0; r < R; ++r) {
-        const uint packed = rows.first + (r < live ? r : 0);
-        const uint h = packed_head(p, rows, kv_head, packed);
-        row[r] = r < live ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
-        mods[r] = row_modifiers(p, alibi, b, h, row[r]);
-        const DecodeSlice<L::WORDS> s = load_slice<T, DP>(
-            q + head_offset(p.q, b, h) + ulong(packed % p.seqlen_q) * p.q.seq, col0,
-            r < live ? p.head_dim : 0, scalar);
-        FA_UNROLL
-        for (uint e = 0; e < L::E; ++e) {
-            qs[r][e] = slice_element<T>(s, e);
-            o[r][e] = 0.0f;
-        }
-        m[r] = -INFINITY;  // the sink joins once, in the combine
-        l[r] = 0.0f;
-    }
-
-    // The chunk's keys that some row of the block sees through the window.
-    const uint chunk_begin = chunk * p.kv_chunk_keys;
-    const uint key_begin = max(chunk_begin, key_range(p, rows.i_min).first);
-    const uint key_end = min(chunk_begin + p.kv_chunk_keys, key_range(p, rows.i_max).end);
-    auto kvr = decode_rows(kv, p, b, kv_head, key_begin + sgid, col0);
-    for (uint j = key_begin + sgid; j < key_end; j += FA_SIMDGROUPS) {
-        float kf[L::E];
-        float vf[L::E];
-        kvr.template load<DP>(p, lane, scalar, kf, vf);
-        kvr.next();
-        float dot[R];
-        FA_UNROLL
-        for (uint r = 0; r < R; ++r) {
-            dot[r] = 0.0f;
-            FA_UNROLL
-            for (uint e = 0; e < L::E; ++e) {
-                dot[r] = fma(qs[r][e], kf[e], dot[r]);
-            }
-        }
-        simd_sum_rows<R>(dot);
-        FA_UNROLL
-        for (uint r = 0; r < R; ++r) {
-            if (r < live) {  // the same for the whole SIMD-group
-                float t;
-                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], in_window(mods[r].keys, j), t);
-                const float m_next = max(m[r], s);
-                // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0.
-                const float m_base = m_next == -INFINITY ? 0.0f : m_next;
-                const float correction = exp_of(m[r] - m_base);
-                const float pe = exp_of(s - m_base);
-                l[r] = fma(l[r], correction, pe);
-                FA_UNROLL
-                for (uint e = 0; e < L::E; ++e) {
-                    o[r][e] = fma(o[r][e], correction, pe * vf[e]);
-                }
-                m[r] = m_next;
-            }
-        }
-    }
-
-    FA_UNROLL
-    for (uint r = 0; r < R; ++r) {
-        if (lane < L::LANES) {
-            FA_UNROLL
-            for (uint e = 0; e < L::E; ++e) {
-                tg->o[sgid][r][col0 + e] = o[r][e];
-            }
-        }
-        if (lane == 0) {
-            tg->m[sgid][r] = m[r];
-            tg->l[sgid][r] = l[r];
-        }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint e = sgid * 32 + lane; e < R * DP; e += FA_THREADS_PER_THREADGROUP) {
-        const uint r = e / DP;
-        const uint d = e % DP;
-        if (r < live && d < p.head_dim_v) {
-            float top = -INFINITY;
-            for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
-                top = max(top, tg->m[g][r]);
-            }
-            const float base = top == -INFINITY ? 0.0f : top;
-            float total = 0.0f;
-            float acc = 0.0f;
-            for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
-                const float w = exp_of(tg->m[g][r] - base);
-                total = fma(tg->l[g][r], w, total);
-                acc = fma(tg->o[g][r][d], w, acc);
-            }
-            const ulong index = partial_index(p, rows, b, kv_head, rows.first + r, chunk);
-            partial_out[index * p.head_dim_v + d] = total > 0.0f ? acc / total : 0.0f;
-            if (d == 0) {
-                store_partial_lse(partial_lse, index, top, total);
-            }
-        }
-    }
-}
-// ---- end flash_attention_decode.h ----
 
 // Combines the chunks of one query row (threadgroup (i, h, b)) with the log-sum-exp merge of
 // flash_attention_merge.h: out = sum_c w_c O_c / sum_c w_c with w_c = exp(lse_c - max_c lse_c),
 // lse = max + log(sum_c w_c), chunks in order; a sink adds its weight to the denominator only. A
 // chunk with lse -inf weighs 0 (its partial output is not used); a row without any key (and no
 // sink) gets out 0, lse -inf.
-// The weight of the chunk at entry `index` of partial_lse relative to the largest chunk max `top`:
-// l exp(m - top), exactly 0 for a chunk without keys.
+// The weight of the chunk at entry `index` of partial_lse relative to the shift `top`
+// (softmax_shift of the largest chunk max): l exp(m - top), exactly 0 for a chunk without keys.
 inline float chunk_weight(device const float *partial_lse, ulong index, float top) {
     const float m = partial_lse[2 * index];
     return m == -INFINITY ? 0.0f : precise::exp((m - top) + partial_lse[2 * index + 1]);
@@ -2233,6 +2076,7 @@ inline void attention_forward_combine(device const float *partial_out,
     for (uint c = 0; c < p.kv_chunks; ++c) {
         top = max(top, partial_lse[2 * (first + ulong(c) * p.seqlen_q)]);
     }
+    top = softmax_shift(top);
     float total = merge_weight(sink, top);
     for (uint c = 0; c < p.kv_chunks; ++c) {
         total += chunk_weight(partial_lse, first + ulong(c) * p.seqlen_q, top);
@@ -2252,6 +2096,9 @@ inline void attention_forward_combine(device const float *partial_out,
         lse[row_index(tgid.z, p.num_heads, tgid.y, p.seqlen_q, tgid.x)] = merged_lse(top, total);
     }
 }
+
+#endif
+// ---- end flash_attention_forward.h ----
 
 // ---- backward: D = rowsum(dO * O) ----------------------------------------------------------
 
@@ -2665,237 +2512,419 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     }
 }
 
-// ---- instances -------------------------------------------------------------------------------
+#endif
+// ---- end flash_attention_backward.h ----
+// ---- begin flash_attention_decode.h (spliced by tools/embed_shaders.py) ----
+// The decode forward: at most FA_SPLIT_MAX_QUERY_ROWS query rows per head over a KV cache, bound by
+// memory bandwidth. Shaped like MLX's `sdpa_vector` (ml-explore/mlx, kernels/sdpa_vector.h; facts
+// only, no code): every lane holds a contiguous slice of head_dim and reads it straight from device
+// memory with the widest aligned vector loads, the SIMD-groups take the keys in turn, and nothing
+// is staged in threadgroup memory in the key loop (no barrier there). Unlike sdpa_vector, one
+// threadgroup serves the packed rows of a whole GQA group (as the split-KV forward packs them:
+// index g * seqlen_q + i), so each K/V element is read once per chunk of keys and block of rows.
+//
+//   threadgroup (chunk x row block, KV head, batch), FA_SIMDGROUPS SIMD-groups:
+//     each lane loads its slice of the block's q rows (as float)
+//     for each key j of the chunk that some row sees, SIMD-group j % FA_SIMDGROUPS:
+//       load the lane's K and V slices of key j (a KV cache's: paged, dequantized in registers)
+//       per row: s = score(simd_sum(q . k)) (four rows per reduction); online softmax of
+//       (m, l, o) in registers
+//     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
+//     SIMD-group order; the chunk's normalised output and lse go to partial_out / partial_lse,
+//     which forward_combine (flash_attention_forward.h) merges over the chunks with the sink.
+//
+// Sums run in a fixed order (lanes by simd_sum, keys in order per SIMD-group, SIMD-groups 0..3,
+// chunks 0..n): results are bit-identical from run to run.
+#ifndef FLASH_ATTENTION_DECODE_H
+#define FLASH_ATTENTION_DECODE_H
+
+
+// How one lane holds a row of a bucket DP wide: E elements of T, the smallest power of two that
+// covers DP / 32 and fills at least one 32-bit word; LANES lanes hold columns (the others hold
+// zeros). The slice is read in PIECES loads of PIECE bytes (at most FA_CHUNK_BYTES, the widest
+// aligned load), e.g. 8 bytes at head_dim 128 in half, 16 in float.
+template <typename T, uint DP>
+struct DecodeLane {
+    enum : uint {
+        SPAN = (DP + 31) / 32,
+        POW2 = SPAN <= 1 ? 1 : SPAN <= 2 ? 2 : SPAN <= 4 ? 4 : SPAN <= 8 ? 8 : SPAN <= 16 ? 16 : 32,
+        E = POW2 * sizeof(T) < 4 ? 4 / sizeof(T) : POW2,
+        BYTES = E * sizeof(T),
+        PIECE = BYTES < FA_CHUNK_BYTES ? BYTES : FA_CHUNK_BYTES,
+        PIECES = BYTES / PIECE,
+        WORDS = BYTES / 4,
+        LANES = DP / E,
+    };
+};
+
+// One lane's slice of a row, as the 32-bit words it was loaded in (TileWords<T> reads them).
+template <uint WORDS>
+struct DecodeSlice {
+    uint w[WORDS];
+};
+
+// A load of BYTES bytes as one vector of words.
+template <uint BYTES>
+struct DecodePiece;
+
+template <>
+struct DecodePiece<4> {
+    typedef uint type;
+    static inline void put(type x, thread uint *w) { w[0] = x; }
+};
+
+template <>
+struct DecodePiece<8> {
+    typedef uint2 type;
+    static inline void put(type x, thread uint *w) {
+        w[0] = x.x;
+        w[1] = x.y;
+    }
+};
+
+template <>
+struct DecodePiece<16> {
+    typedef uint4 type;
+    static inline void put(type x, thread uint *w) {
+        w[0] = x.x;
+        w[1] = x.y;
+        w[2] = x.z;
+        w[3] = x.w;
+    }
+};
+
+// Loads the lane's slice, columns [col0, col0 + E), of the row at `row` (`cols` wide; zero past
+// cols). The vector path needs what the host's scalar_copies = 0 promises (rows and head_dims on
+// 16-byte boundaries), which also puts each piece wholly inside or outside cols; otherwise every
+// element is loaded and checked alone.
+template <typename T, uint DP>
+inline DecodeSlice<DecodeLane<T, DP>::WORDS> load_slice(device const T *row, uint col0, uint cols,
+                                                        bool scalar) {
+    typedef DecodeLane<T, DP> L;
+    typedef DecodePiece<L::PIECE> P;
+    constexpr uint PER_PIECE = L::PIECE / sizeof(T);
+    DecodeSlice<L::WORDS> s;
+    if (!scalar) {
+        FA_UNROLL
+        for (uint i = 0; i < L::PIECES; ++i) {
+            const uint c = col0 + i * PER_PIECE;
+            typename P::type x = typename P::type(0);
+            if (c < cols) {
+                FA_DEVICE_READ(row + c, L::PIECE);
+                x = *(device const typename P::type *)(row + c);
+            }
+            P::put(x, s.w + i * (L::PIECE / 4));
+        }
+        return s;
+    }
+    constexpr uint PER_WORD = TileWords<T>::PER_WORD;
+    FA_UNROLL
+    for (uint w = 0; w < L::WORDS; ++w) {
+        uint bits = 0;
+        FA_UNROLL
+        for (uint i = 0; i < PER_WORD; ++i) {
+            const uint d = col0 + w * PER_WORD + i;
+            if (d < cols) {
+                FA_DEVICE_READ(row + d, sizeof(T));
+                bits |= TileWords<T>::bits(row[d]) << (16 * i);
+            }
+        }
+        s.w[w] = bits;
+    }
+    return s;
+}
+
+// Element i of a slice, as float.
+template <typename T, uint WORDS>
+inline float slice_element(thread const DecodeSlice<WORDS> &s, uint i) {
+    typedef TileWords<T> W;
+    return W::element(s.w[i / W::PER_WORD], i % W::PER_WORD);
+}
+
+// The K/V rows one SIMD-group of the decode kernel walks: keys first, first + FA_SIMDGROUPS, ...
+// A K/V source gives them through decode_rows(kv, p, b, kv_head, first, col0) (plain tensors
+// here; a KV cache's in flash_attention_kv_cache.h): `load` fills the lane's slice of the current
+// key's K and V as float, `next` moves to the SIMD-group's next key. The only place the decode
+// kernel addresses K and V. The key loop moves by whole steps (a 64-bit add), never multiplying
+// per key.
+template <typename T>
+struct DeviceDecodeRows {
+    device const T *k;  // the current key's rows
+    device const T *v;
+    ulong k_step;       // elements from one of the SIMD-group's keys to its next
+    ulong v_step;
+
+    template <uint DP>
+    inline void load(constant FlashAttentionParams &p, uint lane, bool scalar, thread float *kf,
+                     thread float *vf) const {
+        typedef DecodeLane<T, DP> L;
+        const DecodeSlice<L::WORDS> kw = load_slice<T, DP>(k, lane * L::E, p.head_dim, scalar);
+        const DecodeSlice<L::WORDS> vw = load_slice<T, DP>(v, lane * L::E, p.head_dim_v, scalar);
+        FA_UNROLL
+        for (uint e = 0; e < L::E; ++e) {
+            kf[e] = slice_element<T>(kw, e);
+            vf[e] = slice_element<T>(vw, e);
+        }
+    }
+
+    inline void next() {
+        k += k_step;
+        v += v_step;
+    }
+};
+
+template <typename T>
+inline DeviceDecodeRows<T> decode_rows(DeviceKV<T> kv, constant FlashAttentionParams &p, uint b,
+                                       uint kv_head, uint first, uint col0) {
+    DeviceDecodeRows<T> r;
+    r.k = kv.k + head_offset(p.k, b, kv_head) + ulong(first) * p.k.seq;
+    r.v = kv.v + head_offset(p.v, b, kv_head) + ulong(first) * p.v.seq;
+    r.k_step = ulong(FA_SIMDGROUPS) * p.k.seq;
+    r.v_step = ulong(FA_SIMDGROUPS) * p.v.seq;
+    return r;
+}
+
+// Sums each of the R values over the SIMD-group, four rows per reduction (R is 2, 4 or 8).
+template <uint R>
+inline void simd_sum_rows(thread float *x) {
+    if (R % 4 == 0) {
+        FA_UNROLL
+        for (uint r = 0; r < R; r += 4) {
+            float4 v;
+            v.x = x[r];
+            v.y = x[r + 1];
+            v.z = x[r + 2];
+            v.w = x[r + 3];
+            const float4 s = simd_sum(v);
+            x[r] = s.x;
+            x[r + 1] = s.y;
+            x[r + 2] = s.z;
+            x[r + 3] = s.w;
+        }
+    } else {
+        FA_UNROLL
+        for (uint r = 0; r < R; r += 2) {
+            float2 v;
+            v.x = x[r];
+            v.y = x[r + 1];
+            const float2 s = simd_sum(v);
+            x[r] = s.x;
+            x[r + 1] = s.y;
+        }
+    }
+}
+
+// Each SIMD-group's online-softmax state of the block's rows, merged once after the key loop.
+template <uint DP>
+struct DecodeStorage {
+    float o[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)][DP];
+    float m[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
+    float l[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
+};
+
+// One chunk of keys for one block of FA_DECODE_ROWS(DP) packed rows: threadgroups (row blocks x
+// chunks, KV heads, batch), x = chunk * row_blocks + row block, as the split-KV forward. Writes the
+// chunk's normalised output and lse of each row (partial_index).
+template <uint DP, typename T, typename KV, typename Storage>
+inline void attention_forward_decode(device const T *q, KV kv, device const uchar *mask,
+                                     device const float *alibi, device float *partial_out,
+                                     device float *partial_lse, constant FlashAttentionParams &p,
+                                     Storage tg, uint3 tgid, uint sgid, uint lane) {
+    typedef DecodeLane<T, DP> L;
+    constexpr uint R = FA_DECODE_ROWS(DP);
+    static_assert(sizeof(DecodeStorage<DP>) == FA_DECODE_THREADGROUP_BYTES(DP),
+                  "the host sizes the decode threadgroup by FA_DECODE_THREADGROUP_BYTES");
+    static_assert(DP <= FA_DECODE_MAX_HEAD_DIM, "a decode instance above FA_DECODE_MAX_HEAD_DIM");
+    static_assert(2 * R * L::E <= FA_MAX_ACCUMULATOR_FLOATS,
+                  "q and output floats per lane above the budget (flash_attention_params.h)");
+    const uint b = tgid.z;
+    const uint kv_head = tgid.y;
+    const uint group = p.num_heads / p.num_kv_heads;
+    const uint row_blocks = (group * p.seqlen_q + R - 1) / R;
+    const uint x = tgid.x + p.block_offset;
+    const uint chunk = x / row_blocks;
+    const PackedRows rows = packed_rows<R>(p, x % row_blocks);
+    const uint live = min(R, rows.count - rows.first);  // rows of the block that exist
+    const uint col0 = lane * L::E;
+    const bool scalar = p.scalar_copies != 0;
+
+    float qs[R][L::E];
+    float o[R][L::E];
+    float m[R];
+    float l[R];
+    uint row[R];
+    RowModifiers mods[R];
+    FA_UNROLL
+    for (uint r = 0; r < R; ++r) {
+        const uint packed = rows.first + (r < live ? r : 0);
+        const uint h = packed_head(p, rows, kv_head, packed);
+        row[r] = r < live ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
+        mods[r] = row_modifiers(p, alibi, b, h, row[r]);
+        const DecodeSlice<L::WORDS> s = load_slice<T, DP>(
+            q + head_offset(p.q, b, h) + ulong(packed % p.seqlen_q) * p.q.seq, col0,
+            r < live ? p.head_dim : 0, scalar);
+        FA_UNROLL
+        for (uint e = 0; e < L::E; ++e) {
+            qs[r][e] = slice_element<T>(s, e);
+            o[r][e] = 0.0f;
+        }
+        m[r] = -INFINITY;  // the sink joins once, in the combine
+        l[r] = 0.0f;
+    }
+
+    // The chunk's keys that some row of the block sees through the window.
+    const uint chunk_begin = chunk * p.kv_chunk_keys;
+    const uint key_begin = max(chunk_begin, key_range(p, rows.i_min).first);
+    const uint key_end = min(chunk_begin + p.kv_chunk_keys, key_range(p, rows.i_max).end);
+    auto kvr = decode_rows(kv, p, b, kv_head, key_begin + sgid, col0);
+    for (uint j = key_begin + sgid; j < key_end; j += FA_SIMDGROUPS) {
+        float kf[L::E];
+        float vf[L::E];
+        kvr.template load<DP>(p, lane, scalar, kf, vf);
+        kvr.next();
+        float dot[R];
+        FA_UNROLL
+        for (uint r = 0; r < R; ++r) {
+            dot[r] = 0.0f;
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                dot[r] = fma(qs[r][e], kf[e], dot[r]);
+            }
+        }
+        simd_sum_rows<R>(dot);
+        FA_UNROLL
+        for (uint r = 0; r < R; ++r) {
+            if (r < live) {  // the same for the whole SIMD-group
+                float t;
+                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], in_window(mods[r].keys, j), t);
+                const float m_next = max(m[r], s);
+                // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0
+                // (softmax_shift: +inf gives l +inf, not NaN).
+                const float m_base = softmax_shift(m_next);
+                const float correction = exp_of(m[r] - m_base);
+                const float pe = exp_of(s - m_base);
+                l[r] = fma(l[r], correction, pe);
+                FA_UNROLL
+                for (uint e = 0; e < L::E; ++e) {
+                    o[r][e] = fma(o[r][e], correction, pe * vf[e]);
+                }
+                m[r] = m_next;
+            }
+        }
+    }
+
+    FA_UNROLL
+    for (uint r = 0; r < R; ++r) {
+        if (lane < L::LANES) {
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                tg->o[sgid][r][col0 + e] = o[r][e];
+            }
+        }
+        if (lane == 0) {
+            tg->m[sgid][r] = m[r];
+            tg->l[sgid][r] = l[r];
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint e = sgid * 32 + lane; e < R * DP; e += FA_THREADS_PER_THREADGROUP) {
+        const uint r = e / DP;
+        const uint d = e % DP;
+        if (r < live && d < p.head_dim_v) {
+            float top = -INFINITY;
+            for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
+                top = max(top, tg->m[g][r]);
+            }
+            const float base = softmax_shift(top);
+            float total = 0.0f;
+            float acc = 0.0f;
+            for (uint g = 0; g < FA_SIMDGROUPS; ++g) {
+                const float w = exp_of(tg->m[g][r] - base);
+                total = fma(tg->l[g][r], w, total);
+                acc = fma(tg->o[g][r][d], w, acc);
+            }
+            const ulong index = partial_index(p, rows, b, kv_head, rows.first + r, chunk);
+            // (total NaN, from a NaN score, must reach partial_out: never taken for an empty row.)
+            partial_out[index * p.head_dim_v + d] = total == 0.0f ? 0.0f : acc / total;
+            if (d == 0) {
+                store_partial_lse(partial_lse, index, top, total);
+            }
+        }
+    }
+}
+
+#endif
+// ---- end flash_attention_decode.h ----
+
+// One row of a bucket table: FLOAT32 selects FA_HEAD_DIM_BUCKETS_F32, else FA_HEAD_DIM_BUCKETS
+// (half and bfloat).
+template <bool FLOAT32, uint DP>
+struct BucketTiles;
+
+#define FA_BUCKET_TILES(FLOAT32, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)                 \
+    template <>                                                                                    \
+    struct BucketTiles<FLOAT32, DP> {                                                              \
+        enum : uint {                                                                              \
+            forward_block_q = FWD_BQ,                                                              \
+            forward_block_k = FWD_BK,                                                              \
+            dq_block_q = DQ_BQ,                                                                    \
+            dq_block_k = DQ_BK,                                                                    \
+            dkv_block_k = DKV_BK,                                                                  \
+            dkv_block_q = DKV_BQ,                                                                  \
+            has_decode = 0 FA_IF_DECODE(DP, +1)                                                    \
+        };                                                                                         \
+    };
+#define FA_BUCKET_TILES_2B(...) FA_BUCKET_TILES(false, __VA_ARGS__)
+#define FA_BUCKET_TILES_F32(...) FA_BUCKET_TILES(true, __VA_ARGS__)
+FA_HEAD_DIM_BUCKETS(FA_BUCKET_TILES_2B)
+FA_HEAD_DIM_BUCKETS_F32(FA_BUCKET_TILES_F32)
+#undef FA_BUCKET_TILES_2B
+#undef FA_BUCKET_TILES_F32
+#undef FA_BUCKET_TILES
 
 // Whether a backward kernel's two streamed tiles must share one buffer to fit in 32 KiB.
 #define FA_DQ_SHARED(T, DP, BQ, BK) (sizeof(BackwardQueryStorage<T, DP, BQ, BK, false>) > 32768)
 #define FA_DKV_SHARED(T, DP, BK, BQ) (sizeof(BackwardKeyValueStorage<T, DP, BK, BQ, false>) > 32768)
 
-// The buffers every forward kernel binds, in [[buffer(i)]] order up to sinks. `params` points at
-// the host's parameter struct, or in a varlen pass at the sequence table that starts with it
-// (sequence_params): a pointer, so that reading past the first struct is indexing an array whose
-// length the compiler does not assume.
-#define FA_FORWARD_KERNEL_BUFFERS(T)                                                               \
-    device const T *q [[buffer(FA_FORWARD_BUFFER_Q)]],                                             \
-        device const T *k [[buffer(FA_FORWARD_BUFFER_K)]],                                         \
-        device const T *v [[buffer(FA_FORWARD_BUFFER_V)]],                                         \
-        device T *out [[buffer(FA_FORWARD_BUFFER_OUT)]],                                           \
-        device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],                                       \
-        constant FlashAttentionParams *params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],                \
-        device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],                               \
-        device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],                             \
-        device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]]
+// The bucket of head_dim_max DP for element type T (half, bfloat or float).
+template <typename T, uint DP>
+struct KernelTraits : BucketTiles<sizeof(T) == 4, DP> {
+    typedef BucketTiles<sizeof(T) == 4, DP> Tiles;
+    enum : uint {
+        dq_shared = FA_DQ_SHARED(T, DP, Tiles::dq_block_q, Tiles::dq_block_k),
+        dkv_shared = FA_DKV_SHARED(T, DP, Tiles::dkv_block_k, Tiles::dkv_block_q)
+    };
+    // Threadgroup storage per kernel (the forward's K/V sharing is decided inside ForwardStorage).
+    typedef ForwardStorage<T, DP, Tiles::forward_block_q, Tiles::forward_block_k> forward_storage;
+    typedef DecodeStorage<DP> decode_storage;
+    typedef ForwardStorage<T, DP, Tiles::forward_block_q, Tiles::forward_block_k, false> lse_residual_storage;
+    typedef BackwardQueryStorage<T, DP, Tiles::dq_block_q, Tiles::dq_block_k, dq_shared != 0> dq_storage;
+    typedef BackwardKeyValueStorage<T, DP, Tiles::dkv_block_k, Tiles::dkv_block_q, dkv_shared != 0> dkv_storage;
 
-// The buffers every backward kernel binds, in [[buffer(i)]] order up to the lse residual; DELTA
-// and RESIDUAL are `const` except in the kernel that writes that workspace.
-#define FA_BACKWARD_KERNEL_BUFFERS(T, DELTA, RESIDUAL)                                             \
-    device const T *dout [[buffer(FA_BACKWARD_BUFFER_DOUT)]],                                      \
-        device const T *q [[buffer(FA_BACKWARD_BUFFER_Q)]],                                        \
-        device const T *k [[buffer(FA_BACKWARD_BUFFER_K)]],                                        \
-        device const T *v [[buffer(FA_BACKWARD_BUFFER_V)]],                                        \
-        device const T *out [[buffer(FA_BACKWARD_BUFFER_OUT)]],                                    \
-        device const float *lse [[buffer(FA_BACKWARD_BUFFER_LSE)]],                                \
-        constant FlashAttentionParams *params [[buffer(FA_BACKWARD_BUFFER_PARAMS)]],               \
-        device DELTA float *delta [[buffer(FA_BACKWARD_BUFFER_DELTA)]],                            \
-        device const uchar *mask [[buffer(FA_BACKWARD_BUFFER_MASK)]],                              \
-        device const float *alibi [[buffer(FA_BACKWARD_BUFFER_ALIBI)]],                            \
-        device const float *sinks [[buffer(FA_BACKWARD_BUFFER_SINKS)]],                            \
-        device RESIDUAL float *lse_residual [[buffer(FA_BACKWARD_BUFFER_LSE_RESIDUAL)]]
+    static_assert(sizeof(forward_storage) <= 32768 && sizeof(dq_storage) <= 32768 &&
+                      sizeof(dkv_storage) <= 32768,
+                  "threadgroup storage above 32 KiB");
+    static_assert(sizeof(T) == 4 || DP > 128 ||
+                      FA_CORE_THREADGROUP_BYTES / sizeof(forward_storage) >=
+                          FA_FORWARD_MIN_THREADGROUPS_PER_CORE,
+                  "forward threadgroups per core below the target (flash_attention_params.h)");
+    static_assert(DP % (8 * FA_SLICES(Tiles::forward_block_q)) == 0 &&
+                      DP % (8 * FA_SLICES(Tiles::dq_block_q)) == 0 &&
+                      DP % (8 * FA_SLICES(Tiles::dkv_block_k)) == 0 && Tiles::forward_block_k % 8 == 0 &&
+                      Tiles::dq_block_k % 8 == 0 && Tiles::dkv_block_q % 8 == 0,
+                  "blocks must split into 8x8 fragments");
+    static_assert(DP <= (sizeof(T) == 4 ? FA_MAX_HEAD_DIM_F32 : FA_MAX_HEAD_DIM),
+                  "a bucket above the dtype's largest head_dim (flash_attention_params.h)");
+    static_assert(FA_ACCUMULATOR_FLOATS(DP, Tiles::forward_block_q) <= FA_MAX_ACCUMULATOR_FLOATS &&
+                      FA_ACCUMULATOR_FLOATS(DP, Tiles::dq_block_q) <= FA_MAX_ACCUMULATOR_FLOATS &&
+                      2 * FA_ACCUMULATOR_FLOATS(DP, Tiles::dkv_block_k) <= FA_MAX_ACCUMULATOR_FLOATS,
+                  "accumulators per lane above the budget (flash_attention_params.h)");
+    static_assert((Tiles::has_decode != 0) == (DP <= FA_DECODE_MAX_HEAD_DIM),
+                  "FA_IF_DECODE_<DP> disagrees with FA_DECODE_MAX_HEAD_DIM");
+};
 
-// A tensor's pointer moved to the first query row (key) of the sequence of struct `p`
-// (flash_attention_varlen.h); unmoved in a dense problem, whose seq_q0 and seq_k0 are 0.
-#define FA_QUERY_ROWS(X) ((X) + ulong(p.seq_q0) * p.X.seq)
-#define FA_KEY_ROWS(X) ((X) + ulong(p.seq_k0) * p.X.seq)
-
-// The kernels of one dtype (element type T, name suffix SUFFIX) that do not depend on the bucket.
-#define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX)                                                         \
-    typedef DeltaStorage<T> flash_attention_backward_delta_##SUFFIX##_threadgroup;                 \
-                                                                                                   \
-    kernel void flash_attention_forward_combine_##SUFFIX(                                          \
-        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
-        device const float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                 \
-        device const float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                 \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        attention_forward_combine(partial_out, partial_lse, sinks, out, lse, *params, tgid, tid);  \
-    }                                                                                              \
-                                                                                                   \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_backward_delta_##SUFFIX(                                           \
-        FA_BACKWARD_KERNEL_BUFFERS(T, , const),                                                    \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint tid [[thread_index_in_threadgroup]]) {                                                \
-        threadgroup flash_attention_backward_delta_##SUFFIX##_threadgroup tg;                      \
-        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
-        if (block_past_end((tgid.x + p.block_offset) * FA_DELTA_BLOCK_ROWS, p.seqlen_q)) {          \
-            return;                                                                                \
-        }                                                                                          \
-        attention_backward_delta(FA_QUERY_ROWS(dout), FA_QUERY_ROWS(out), delta + p.seq_q0, p, &tg, \
-                                 sequence_tgid(p, tgid), tid);                                     \
-    }
-
-// The kernels of one dtype and head-dim bucket. The threadgroup storage type of kernel K is
-// K_threadgroup, so a host (the CPU engine) can size it.
-#define FA_DEFINE_KERNELS(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)             \
-    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
-        flash_attention_forward_##SUFFIX##_d##DP##_threadgroup;                                    \
-    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
-        flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup;                              \
-    FA_IF_DECODE(DP, typedef DecodeStorage<DP>                                                     \
-                         flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup;)           \
-    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK, false>                                           \
-        flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup;                      \
-    typedef BackwardQueryStorage<T, DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>           \
-        flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup;                                \
-    typedef BackwardKeyValueStorage<T, DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>   \
-        flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup;                               \
-    static_assert(sizeof(flash_attention_forward_##SUFFIX##_d##DP##_threadgroup) <= 32768 &&       \
-                      sizeof(flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup) <= 32768 && \
-                      sizeof(flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup) <= 32768,  \
-                  "threadgroup storage above 32 KiB");                                             \
-    static_assert(sizeof(T) == 4 || DP > 128 ||                                                    \
-                      FA_CORE_THREADGROUP_BYTES /                                                  \
-                              sizeof(flash_attention_forward_##SUFFIX##_d##DP##_threadgroup) >=    \
-                          FA_FORWARD_MIN_THREADGROUPS_PER_CORE,                                    \
-                  "forward threadgroups per core below the target (flash_attention_params.h)");    \
-    static_assert(DP % (8 * FA_SLICES(FWD_BQ)) == 0 && DP % (8 * FA_SLICES(DQ_BQ)) == 0 &&         \
-                      DP % (8 * FA_SLICES(DKV_BK)) == 0 && FWD_BK % 8 == 0 && DQ_BK % 8 == 0 &&    \
-                      DKV_BQ % 8 == 0,                                                             \
-                  "blocks must split into 8x8 fragments");                                         \
-    static_assert(DP <= (sizeof(T) == 4 ? FA_MAX_HEAD_DIM_F32 : FA_MAX_HEAD_DIM),                  \
-                  "a bucket above the dtype's largest head_dim (flash_attention_params.h)");       \
-    static_assert(FA_ACCUMULATOR_FLOATS(DP, FWD_BQ) <= FA_MAX_ACCUMULATOR_FLOATS &&                \
-                      FA_ACCUMULATOR_FLOATS(DP, DQ_BQ) <= FA_MAX_ACCUMULATOR_FLOATS &&             \
-                      2 * FA_ACCUMULATOR_FLOATS(DP, DKV_BK) <= FA_MAX_ACCUMULATOR_FLOATS,          \
-                  "accumulators per lane above the budget (flash_attention_params.h)");            \
-    static_assert((0 FA_IF_DECODE(DP, +1)) == (DP <= FA_DECODE_MAX_HEAD_DIM),                     \
-                  "FA_IF_DECODE_<DP> disagrees with FA_DECODE_MAX_HEAD_DIM");                     \
-                                                                                                   \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_##SUFFIX##_d##DP(                                          \
-        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_##SUFFIX##_d##DP##_threadgroup tg;                     \
-        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
-        if (block_past_end((tgid.x + p.block_offset) * FWD_BQ, p.seqlen_q)) {                      \
-            return;                                                                                \
-        }                                                                                          \
-        attention_forward<DP, FWD_BQ, FWD_BK>(                                                     \
-            FA_QUERY_ROWS(q), DeviceKV<T>{FA_KEY_ROWS(k), FA_KEY_ROWS(v)}, FA_QUERY_ROWS(out),     \
-            lse + p.seq_q0,                                                                        \
-            mask, sequence_alibi(p, alibi, tgid.z), sinks, p, &tg, sequence_tgid(p, tgid), sgid,   \
-            lane);                                                                                 \
-    }                                                                                              \
-                                                                                                   \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_split_##SUFFIX##_d##DP(                                    \
-        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
-        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
-        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_split_##SUFFIX##_d##DP##_threadgroup tg;               \
-        attention_forward_split<DP, FWD_BQ, FWD_BK>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, \
-                                                    partial_lse, *params, &tg, tgid, sgid, lane);  \
-    }                                                                                              \
-                                                                                                   \
-    FA_IF_DECODE(DP,                                                                               \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_decode_##SUFFIX##_d##DP(                                   \
-        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
-        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
-        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_decode_##SUFFIX##_d##DP##_threadgroup tg;              \
-        attention_forward_decode<DP>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse,  \
-                                     *params, &tg, tgid, sgid, lane);                              \
-    })                                                                                             \
-                                                                                                   \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_backward_lse_residual_##SUFFIX##_d##DP(                            \
-        FA_BACKWARD_KERNEL_BUFFERS(T, const, ),                                                    \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_backward_lse_residual_##SUFFIX##_d##DP##_threadgroup tg;       \
-        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
-        if (block_past_end((tgid.x + p.block_offset) * FWD_BQ, p.seqlen_q)) {                      \
-            return;                                                                                \
-        }                                                                                          \
-        attention_backward_lse_residual<DP, FWD_BQ, FWD_BK>(                                       \
-            FA_QUERY_ROWS(q), FA_KEY_ROWS(k), lse + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), \
-            sinks, lse_residual + p.seq_q0, p, &tg, sequence_tgid(p, tgid), sgid, lane);           \
-    }                                                                                              \
-                                                                                                   \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_backward_dq_##SUFFIX##_d##DP(                                      \
-        FA_BACKWARD_KERNEL_BUFFERS(T, const, const),                                               \
-        device T *dq [[buffer(FA_BACKWARD_BUFFER_DQ)]],                                            \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_backward_dq_##SUFFIX##_d##DP##_threadgroup tg;                 \
-        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
-        if (block_past_end((tgid.x + p.block_offset) * DQ_BQ, p.seqlen_q)) {                       \
-            return;                                                                                \
-        }                                                                                          \
-        attention_backward_dq<DP, DQ_BQ, DQ_BK, FA_DQ_SHARED(T, DP, DQ_BQ, DQ_BK)>(                \
-            FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0, \
-            delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,  \
-            FA_QUERY_ROWS(dq), &tg, sequence_tgid(p, tgid), sgid, lane);                           \
-    }                                                                                              \
-                                                                                                   \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_backward_dkv_##SUFFIX##_d##DP(                                     \
-        FA_BACKWARD_KERNEL_BUFFERS(T, const, const),                                               \
-        device T *dk [[buffer(FA_BACKWARD_BUFFER_DK)]],                                            \
-        device T *dv [[buffer(FA_BACKWARD_BUFFER_DV)]],                                            \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_backward_dkv_##SUFFIX##_d##DP##_threadgroup tg;                \
-        constant FlashAttentionParams &p = sequence_params(params, tgid.z);                        \
-        if (block_past_end((tgid.x + p.block_offset) * DKV_BK, p.seqlen_k)) {                      \
-            return;                                                                                \
-        }                                                                                          \
-        attention_backward_dkv<DP, DKV_BK, DKV_BQ, FA_DKV_SHARED(T, DP, DKV_BK, DKV_BQ)>(          \
-            FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0, \
-            delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,  \
-            FA_KEY_ROWS(dk), FA_KEY_ROWS(dv), &tg, sequence_tgid(p, tgid), sgid, lane);            \
-    }
-
-// Reads only lse, delta and sinks (float), whatever the dtype of the other tensors.
-typedef DsinksStorage flash_attention_backward_dsinks_threadgroup;
-
-[[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
-kernel void flash_attention_backward_dsinks(
-    FA_BACKWARD_KERNEL_BUFFERS(uchar, const, const),
-    device float *dsinks [[buffer(FA_BACKWARD_BUFFER_DSINKS)]],
-    uint3 tgid [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]]) {
-    threadgroup flash_attention_backward_dsinks_threadgroup tg;
-    attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, *params, &tg, tgid.x, tid);
-}
-
-// The first dispatch of a varlen pass (flash_attention_varlen.h): one threadgroup.
-typedef VarlenSequencesStorage flash_attention_varlen_sequences_threadgroup;
-
-[[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
-kernel void flash_attention_varlen_sequences(
-    device const int *cu_seqlens_q [[buffer(FA_VARLEN_BUFFER_CU_SEQLENS_Q)]],
-    device const int *cu_seqlens_k [[buffer(FA_VARLEN_BUFFER_CU_SEQLENS_K)]],
-    device FlashAttentionParams *table [[buffer(FA_VARLEN_BUFFER_TABLE)]],
-    constant FlashAttentionParams &params [[buffer(FA_VARLEN_BUFFER_PARAMS)]],
-    uint tid [[thread_index_in_threadgroup]]) {
-    threadgroup flash_attention_varlen_sequences_threadgroup tg;
-    varlen_sequences(cu_seqlens_q, cu_seqlens_k, table, params, &tg, tid);
-}
-
+#endif
+// ---- end flash_attention_traits.h ----
 // ---- begin flash_attention_kv_cache.h (spliced by tools/embed_shaders.py) ----
 // K/V read from a KV cache as inference engines keep it (flash_attn_with_kvcache): rows addressed
 // through a block table (paged) or per sequence (contiguous), stored as the dtype or quantized in
@@ -2913,6 +2942,9 @@ kernel void flash_attention_varlen_sequences(
 // Bounds: every block table value is clamped into [0, kv_num_blocks) and every block index into
 // [0, kv_max_blocks), so a wrong table gives wrong numbers but never an access outside the cache
 // (the hosts reject such tables before dispatch; the clamps are for memory safety alone).
+#ifndef FLASH_ATTENTION_KV_CACHE_H
+#define FLASH_ATTENTION_KV_CACHE_H
+
 
 // One KV head of one sequence of a cache. Offsets count the units of `data`: T elements, or
 // uint32 words when quantized (bits 4 or 8).
@@ -3346,63 +3378,331 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
     return r;
 }
 
-// The cache buffers of the KV-cache forward kernels, after the forward's own.
-#define FA_KV_CACHE_KERNEL_BUFFERS(T)                                                              \
-    device const int *kv_table [[buffer(FA_KV_CACHE_BUFFER_TABLE)]],                               \
-        device const T *k_scales [[buffer(FA_KV_CACHE_BUFFER_K_SCALES)]],                          \
-        device const T *k_biases [[buffer(FA_KV_CACHE_BUFFER_K_BIASES)]],                          \
-        device const T *v_scales [[buffer(FA_KV_CACHE_BUFFER_V_SCALES)]],                          \
-        device const T *v_biases [[buffer(FA_KV_CACHE_BUFFER_V_BIASES)]]
+// The cache of the KV-cache forward kernels (flash_attention_kernels.h), from their buffers.
 #define FA_KV_CACHE_SOURCE(T) CacheKV<T>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}
 
-// A split-KV kernel over a cache, flash_attention_forward_<KIND>_kvcache_<SUFFIX>_d<DP>: FORWARD
-// (attention_forward_split or attention_forward_decode, its template arguments after it) with
-// keys and values read through CacheKV, writing the chunks' partial results.
-#define FA_KV_CACHE_SPLIT_KERNEL(T, KIND, SUFFIX, DP, FORWARD, ...)                                \
+#endif
+// ---- end flash_attention_kv_cache.h ----
+// ---- begin flash_attention_varlen.h (spliced by tools/embed_shaders.py) ----
+// Variable-length batches (FlashAttention's flash_attn_varlen_func): sequences packed along the
+// rows of q (total_q rows) and of k and v (total_k rows), sequence b being query rows
+// [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]); lse, delta
+// and the lse residual are [num_heads][total_q]. Every pass starts with
+// flash_attention_varlen_sequences, which turns the two tables into one FlashAttentionParams per
+// sequence; the other kernels run over (blocks of max_seqlen rows, heads, sequences) and, in their
+// prologue, take their sequence's struct (sequence_params), leave when their block starts past the
+// sequence's end, and move their pointers to the sequence's first row: the kernel bodies then see
+// an ordinary one-entry problem with that sequence's lengths (causal and the window bottom-right
+// per sequence, as FlashAttention).
+//
+// The tables are not trusted: each value is clamped to [0, total] and to at least the values before
+// it, so a wrong table gives disjoint sequences inside the tensors (wrong numbers, rows left
+// unwritten), never an access out of bounds or two threadgroups writing one row.
+#ifndef FLASH_ATTENTION_VARLEN_H
+#define FLASH_ATTENTION_VARLEN_H
+
+
+// Threads of flash_attention_varlen_sequences: one threadgroup, each thread a contiguous range of
+// sequences.
+#define FA_VARLEN_THREADS FA_THREADS_PER_THREADGROUP
+
+// The struct a threadgroup of sequence `b` works with: the host's for a dense problem, else
+// sequence b's entry of the table bound in the host's place (its entry 0 is the host's struct).
+// `params` is the kernel's buffer argument, a pointer to an array of unknown length (never a
+// reference to one struct read past its end, which Metal may preload as just that struct).
+inline constant FlashAttentionParams &sequence_params(constant FlashAttentionParams *params, uint b) {
+    return params[0].sequences == 0 ? params[0] : params[1 + b];
+}
+
+// Whether a threadgroup whose block starts at row `first` has nothing to do: past the end of its
+// sequence's `rows` (only in a varlen pass, whose grid covers max_seqlen rows).
+inline bool block_past_end(uint first, uint rows) {
+    return first >= rows;
+}
+
+// The threadgroup position the kernel bodies see: batch entry 0 of the packed problem in a varlen
+// pass (the pointers already start at the sequence), the grid's own otherwise.
+inline uint3 sequence_tgid(constant FlashAttentionParams &p, uint3 tgid) {
+    uint3 position = tgid;
+    position.z = p.sequences == 0 ? tgid.z : 0u;
+    return position;
+}
+
+// The ALiBi slopes of the threadgroup's sequence: row b of a [sequences][num_heads] table (the
+// host's alibi_batch_stride), or the shared [num_heads] row.
+inline device const float *sequence_alibi(constant FlashAttentionParams &p, device const float *alibi,
+                                          uint b) {
+    return p.sequences == 0 ? alibi : alibi + ulong(b) * p.alibi_batch_stride;
+}
+
+// cu_seqlens[i] clamped to [0, limit].
+inline uint clamped_boundary(device const int *cu_seqlens, uint i, uint limit) {
+    return clamp_index(long(cu_seqlens[i]), long(limit));
+}
+
+// dst = src word by word: MSL has no implicit copy of a struct between the constant and device
+// address spaces (tests/static/check_address_spaces.py enforces that), and this follows any new field.
+inline void copy_params(device FlashAttentionParams &dst, constant FlashAttentionParams &src) {
+    static_assert(sizeof(FlashAttentionParams) % 4 == 0, "FlashAttentionParams is whole 32-bit words");
+    device uint *to = reinterpret_cast<device uint *>(&dst);
+    constant uint *from = reinterpret_cast<constant uint *>(&src);
+    for (uint i = 0; i < sizeof(FlashAttentionParams) / 4; ++i) {
+        to[i] = from[i];
+    }
+}
+
+struct VarlenSequencesStorage {
+    uint max_q[FA_VARLEN_THREADS];
+    uint max_k[FA_VARLEN_THREADS];
+};
+
+// Writes the sequence table: entry 0 the host's struct, entry 1 + b sequence b's. Sequence b spans
+// [s_b, s_{b+1}) with s_i = max over j <= i of cu_seqlens[j] clamped to [0, total] (the same for
+// keys): thread t first takes the maximum of its range's boundaries, then starts from the maximum
+// of the ranges before it.
+template <typename Storage>
+inline void varlen_sequences(device const int *cu_q, device const int *cu_k,
+                             device FlashAttentionParams *table, constant FlashAttentionParams &p,
+                             Storage tg, uint tid) {
+    const uint per_thread = (p.sequences + FA_VARLEN_THREADS - 1) / FA_VARLEN_THREADS;
+    const uint first = min(tid * per_thread, p.sequences);
+    const uint end = min(first + per_thread, p.sequences);
+    uint max_q = 0;
+    uint max_k = 0;
+    for (uint b = first; b < end; ++b) {
+        max_q = max(max_q, clamped_boundary(cu_q, b, p.seqlen_q));
+        max_k = max(max_k, clamped_boundary(cu_k, b, p.seqlen_k));
+    }
+    tg->max_q[tid] = max_q;
+    tg->max_k[tid] = max_k;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    uint q0 = 0;
+    uint k0 = 0;
+    for (uint t = 0; t < tid; ++t) {
+        q0 = max(q0, tg->max_q[t]);
+        k0 = max(k0, tg->max_k[t]);
+    }
+    if (tid == 0) {
+        copy_params(table[0], p);
+    }
+    for (uint b = first; b < end; ++b) {
+        q0 = max(q0, clamped_boundary(cu_q, b, p.seqlen_q));
+        k0 = max(k0, clamped_boundary(cu_k, b, p.seqlen_k));
+        const uint q_end = max(q0, clamped_boundary(cu_q, b + 1, p.seqlen_q));
+        const uint k_end = max(k0, clamped_boundary(cu_k, b + 1, p.seqlen_k));
+        device FlashAttentionParams &s = table[1 + b];
+        copy_params(s, p);
+        s.seqlen_q = q_end - q0;
+        s.seqlen_k = k_end - k0;
+        s.kv_chunk_keys = k_end - k0;
+        s.seq_q0 = q0;
+        s.seq_k0 = k0;
+        s.lse_rows = p.seqlen_q;
+    }
+}
+
+#endif
+// ---- end flash_attention_varlen.h ----
+
+// ---- parameters and arguments from the catalogue's buffer lists ------------------------------
+
+#define FA_ACCESS_read const
+#define FA_ACCESS_write
+// One buffer as a function parameter (constant buffers are read-only references).
+#define FA_PARAMETER(INDEX, NAME, TYPE, ACCESS, SPACE) , FA_PARAMETER_##SPACE(NAME, TYPE, ACCESS)
+#define FA_PARAMETER_device_memory(NAME, TYPE, ACCESS) device FA_ACCESS_##ACCESS TYPE *NAME
+#define FA_PARAMETER_constant_memory(NAME, TYPE, ACCESS) constant TYPE &NAME
+#define FA_PARAMETER_constant_array(NAME, TYPE, ACCESS) constant TYPE *NAME
+// A kernel body's parameters: the buffers of list BUFFERS for element type T, in order.
+#define FA_PARAMETERS(BUFFERS, T) FA_TAIL(0 BUFFERS(FA_PARAMETER, T))
+// An entry point's: the same with their [[buffer(i)]], then the built-ins.
+#define FA_ENTRY_PARAMETER(INDEX, NAME, TYPE, ACCESS, SPACE)                                       \
+    , FA_PARAMETER_##SPACE(NAME, TYPE, ACCESS) [[buffer(INDEX)]]
+#define FA_ENTRY_BUILTIN(TYPE, NAME, ATTRIBUTE) , TYPE NAME [[ATTRIBUTE]]
+#define FA_ARGUMENT(INDEX, NAME, TYPE, ACCESS, SPACE) , NAME
+#define FA_BUILTIN_ARGUMENT(TYPE, NAME, ATTRIBUTE) , NAME
+
+// A tensor's pointer moved to the first query row (key) of the sequence of struct `p`
+// (flash_attention_varlen.h); unmoved in a dense problem, whose seq_q0 and seq_k0 are 0.
+#define FA_QUERY_ROWS(X) ((X) + ulong(p.seq_q0) * p.X.seq)
+#define FA_KEY_ROWS(X) ((X) + ulong(p.seq_k0) * p.X.seq)
+
+// ---- kernel bodies: kernel_<KERNEL> of each catalogue entry ------------------------------------
+// Each takes the kernel's buffers, a pointer to its threadgroup storage (unless it has none) and
+// its built-ins, in catalogue order; template arguments <T, DP> (bucket kernels), <T> (dtype
+// kernels) or none.
+
+template <typename T, uint DP, typename Storage>
+inline void kernel_forward(FA_PARAMETERS(FA_FORWARD_BUFFERS, T), Storage tg, uint3 tgid, uint sgid,
+                           uint lane) {
+    typedef KernelTraits<T, DP> K;
+    constant FlashAttentionParams &p = sequence_params(params, tgid.z);
+    if (block_past_end((tgid.x + p.block_offset) * K::forward_block_q, p.seqlen_q)) {
+        return;
+    }
+    attention_forward<DP, K::forward_block_q, K::forward_block_k>(
+        FA_QUERY_ROWS(q), DeviceKV<T>{FA_KEY_ROWS(k), FA_KEY_ROWS(v)}, FA_QUERY_ROWS(out),
+        lse + p.seq_q0,
+        mask, sequence_alibi(p, alibi, tgid.z), sinks, p, tg, sequence_tgid(p, tgid), sgid,
+        lane);
+}
+
+template <typename T, uint DP, typename Storage>
+inline void kernel_forward_split(FA_PARAMETERS(FA_FORWARD_SPLIT_BUFFERS, T), Storage tg, uint3 tgid,
+                                 uint sgid, uint lane) {
+    typedef KernelTraits<T, DP> K;
+    attention_forward_split<DP, K::forward_block_q, K::forward_block_k>(
+        q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse, *params, tg, tgid, sgid, lane);
+}
+
+template <typename T, uint DP, typename Storage>
+inline void kernel_forward_decode(FA_PARAMETERS(FA_FORWARD_SPLIT_BUFFERS, T), Storage tg, uint3 tgid,
+                                  uint sgid, uint lane) {
+    attention_forward_decode<DP>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse,
+                                 *params, tg, tgid, sgid, lane);
+}
+
+// The KV-cache forward kernels (flash_attention_kv_cache.h): the forward kernels with keys and
+// values read through CacheKV; the split ones' chunks are merged by forward_combine.
+template <typename T, uint DP, typename Storage>
+inline void kernel_forward_kvcache(FA_PARAMETERS(FA_KV_CACHE_BUFFERS, T), Storage tg, uint3 tgid,
+                                   uint sgid, uint lane) {
+    typedef KernelTraits<T, DP> K;
+    attention_forward<DP, K::forward_block_q, K::forward_block_k>(
+        q, FA_KV_CACHE_SOURCE(T), out, lse, mask, alibi, sinks, *params, tg, tgid, sgid, lane);
+}
+
+template <typename T, uint DP, typename Storage>
+inline void kernel_forward_split_kvcache(FA_PARAMETERS(FA_KV_CACHE_SPLIT_BUFFERS, T), Storage tg,
+                                         uint3 tgid, uint sgid, uint lane) {
+    typedef KernelTraits<T, DP> K;
+    attention_forward_split<DP, K::forward_block_q, K::forward_block_k>(
+        q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse, *params, tg, tgid, sgid, lane);
+}
+
+template <typename T, uint DP, typename Storage>
+inline void kernel_forward_decode_kvcache(FA_PARAMETERS(FA_KV_CACHE_SPLIT_BUFFERS, T), Storage tg,
+                                          uint3 tgid, uint sgid, uint lane) {
+    attention_forward_decode<DP>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse,
+                                 *params, tg, tgid, sgid, lane);
+}
+
+template <typename T>
+inline void kernel_forward_combine(FA_PARAMETERS(FA_FORWARD_COMBINE_BUFFERS, T), uint3 tgid, uint tid) {
+    attention_forward_combine(partial_out, partial_lse, sinks, out, lse, *params, tgid, tid);
+}
+
+template <typename T, typename Storage>
+inline void kernel_backward_delta(FA_PARAMETERS(FA_BACKWARD_DELTA_BUFFERS, T), Storage tg, uint3 tgid,
+                                  uint tid) {
+    constant FlashAttentionParams &p = sequence_params(params, tgid.z);
+    if (block_past_end((tgid.x + p.block_offset) * FA_DELTA_BLOCK_ROWS, p.seqlen_q)) {
+        return;
+    }
+    attention_backward_delta(FA_QUERY_ROWS(dout), FA_QUERY_ROWS(out), delta + p.seq_q0, p, tg,
+                             sequence_tgid(p, tgid), tid);
+}
+
+template <typename T, uint DP, typename Storage>
+inline void kernel_backward_lse_residual(FA_PARAMETERS(FA_BACKWARD_LSE_RESIDUAL_BUFFERS, T), Storage tg,
+                                         uint3 tgid, uint sgid, uint lane) {
+    typedef KernelTraits<T, DP> K;
+    constant FlashAttentionParams &p = sequence_params(params, tgid.z);
+    if (block_past_end((tgid.x + p.block_offset) * K::forward_block_q, p.seqlen_q)) {
+        return;
+    }
+    attention_backward_lse_residual<DP, K::forward_block_q, K::forward_block_k>(
+        FA_QUERY_ROWS(q), FA_KEY_ROWS(k), lse + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z),
+        sinks, lse_residual + p.seq_q0, p, tg, sequence_tgid(p, tgid), sgid, lane);
+}
+
+template <typename T, uint DP, typename Storage>
+inline void kernel_backward_dq(FA_PARAMETERS(FA_BACKWARD_DQ_BUFFERS, T), Storage tg, uint3 tgid,
+                               uint sgid, uint lane) {
+    typedef KernelTraits<T, DP> K;
+    constant FlashAttentionParams &p = sequence_params(params, tgid.z);
+    if (block_past_end((tgid.x + p.block_offset) * K::dq_block_q, p.seqlen_q)) {
+        return;
+    }
+    attention_backward_dq<DP, K::dq_block_q, K::dq_block_k, K::dq_shared != 0>(
+        FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0,
+        delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,
+        FA_QUERY_ROWS(dq), tg, sequence_tgid(p, tgid), sgid, lane);
+}
+
+template <typename T, uint DP, typename Storage>
+inline void kernel_backward_dkv(FA_PARAMETERS(FA_BACKWARD_DKV_BUFFERS, T), Storage tg, uint3 tgid,
+                                uint sgid, uint lane) {
+    typedef KernelTraits<T, DP> K;
+    constant FlashAttentionParams &p = sequence_params(params, tgid.z);
+    if (block_past_end((tgid.x + p.block_offset) * K::dkv_block_k, p.seqlen_k)) {
+        return;
+    }
+    attention_backward_dkv<DP, K::dkv_block_k, K::dkv_block_q, K::dkv_shared != 0>(
+        FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0,
+        delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,
+        FA_KEY_ROWS(dk), FA_KEY_ROWS(dv), tg, sequence_tgid(p, tgid), sgid, lane);
+}
+
+template <typename Storage>
+inline void kernel_backward_dsinks(FA_PARAMETERS(FA_BACKWARD_DSINKS_BUFFERS, uchar), Storage tg,
+                                   uint3 tgid, uint tid) {
+    attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, *params, tg, tgid.x, tid);
+}
+
+// The first dispatch of a varlen pass (flash_attention_varlen.h): one threadgroup.
+template <typename Storage>
+inline void kernel_varlen_sequences(FA_PARAMETERS(FA_VARLEN_BUFFERS, uchar), Storage tg, uint tid) {
+    varlen_sequences(cu_seqlens_q, cu_seqlens_k, table, params, tg, tid);
+}
+
+// fa_merge_attention(_v2): two results over disjoint key sets -> the result over their union
+// (flash_attention_merge.h).
+template <typename T>
+inline void kernel_merge(FA_PARAMETERS(FA_MERGE_BUFFERS, T), uint3 tgid, uint tid) {
+    attention_merge<T>(out_a, lse_a, out_b, lse_b, out, lse, params, tgid, tid);
+}
+
+// ---- entry points ------------------------------------------------------------------------------
+
+// The threadgroup storage type of a kernel and the template arguments of its body, by INSTANCES.
+#define FA_STORAGE_TYPE(INSTANCES, STORAGE, T, DP) FA_STORAGE_TYPE_##INSTANCES(STORAGE, T, DP)
+#define FA_STORAGE_TYPE_bucket(STORAGE, T, DP) KernelTraits<T, DP>::STORAGE
+#define FA_STORAGE_TYPE_decode_bucket(STORAGE, T, DP) KernelTraits<T, DP>::STORAGE
+#define FA_STORAGE_TYPE_dtype(STORAGE, T, DP) STORAGE<T>
+#define FA_STORAGE_TYPE_once(STORAGE, T, DP) STORAGE
+#define FA_BODY_ARGUMENTS_bucket(T, DP) <T, DP>
+#define FA_BODY_ARGUMENTS_decode_bucket(T, DP) <T, DP>
+#define FA_BODY_ARGUMENTS_dtype(T, DP) <T>
+#define FA_BODY_ARGUMENTS_once(T, DP)
+
+// One named, non-template entry point (C++ for OpenCL, which the static checks compile, has no
+// kernel templates) calling its body; its threadgroup storage type is <name>_threadgroup, so a
+// host (the CPU engine) can size it.
+#define FA_DEFINE_KERNEL(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP)      \
+    FA_IF_STORAGE(STORAGE, typedef FA_STORAGE_TYPE(INSTANCES, STORAGE, T, DP)                      \
+                               FA_CAT(FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP), _threadgroup);) \
     [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_##KIND##_kvcache_##SUFFIX##_d##DP(                         \
-        FA_FORWARD_KERNEL_BUFFERS(T),                                                              \
-        device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],                       \
-        device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],                       \
-        FA_KV_CACHE_KERNEL_BUFFERS(T),                                                             \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_##KIND##_kvcache_##SUFFIX##_d##DP##_threadgroup tg;    \
-        FORWARD<__VA_ARGS__>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse,      \
-                             *params, &tg, tgid, sgid, lane);                                      \
+    kernel void FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP)(                                     \
+        FA_TAIL(0 BUFFERS(FA_ENTRY_PARAMETER, T) BUILTINS(FA_ENTRY_BUILTIN))) {                    \
+        FA_IF_STORAGE(STORAGE,                                                                     \
+                      threadgroup FA_CAT(FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP), _threadgroup) tg;) \
+        kernel_##KERNEL FA_BODY_ARGUMENTS_##INSTANCES(T, DP)(FA_TAIL(                              \
+            0 BUFFERS(FA_ARGUMENT, T) FA_IF_STORAGE(STORAGE, , &tg) BUILTINS(FA_BUILTIN_ARGUMENT))); \
     }
 
-// The KV-cache forward kernels of one dtype and bucket: flash_attention_forward_kvcache_* (dense,
-// any seqlen_q), flash_attention_forward_split_kvcache_* and flash_attention_forward_decode_kvcache_*
-// (split-KV shapes; their chunks are merged by flash_attention_forward_combine_*), the forward
-// kernels with keys and values read through CacheKV.
-#define FA_DEFINE_KV_CACHE_KERNELS(T, SUFFIX, DP, FWD_BQ, FWD_BK, DQ_BQ, DQ_BK, DKV_BK, DKV_BQ)    \
-    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
-        flash_attention_forward_kvcache_##SUFFIX##_d##DP##_threadgroup;                            \
-    typedef ForwardStorage<T, DP, FWD_BQ, FWD_BK>                                                  \
-        flash_attention_forward_split_kvcache_##SUFFIX##_d##DP##_threadgroup;                      \
-    FA_IF_DECODE(DP, typedef DecodeStorage<DP>                                                     \
-                     flash_attention_forward_decode_kvcache_##SUFFIX##_d##DP##_threadgroup;)       \
-                                                                                                   \
-    [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]                              \
-    kernel void flash_attention_forward_kvcache_##SUFFIX##_d##DP(                                  \
-        FA_FORWARD_KERNEL_BUFFERS(T), FA_KV_CACHE_KERNEL_BUFFERS(T),                               \
-        uint3 tgid [[threadgroup_position_in_grid]],                                               \
-        uint sgid [[simdgroup_index_in_threadgroup]],                                              \
-        uint lane [[thread_index_in_simdgroup]]) {                                                 \
-        threadgroup flash_attention_forward_kvcache_##SUFFIX##_d##DP##_threadgroup tg;             \
-        attention_forward<DP, FWD_BQ, FWD_BK>(q, FA_KV_CACHE_SOURCE(T), out, lse, mask, alibi,     \
-                                              sinks, *params, &tg, tgid, sgid, lane);              \
-    }                                                                                              \
-                                                                                                   \
-    FA_KV_CACHE_SPLIT_KERNEL(T, split, SUFFIX, DP, attention_forward_split, DP, FWD_BQ, FWD_BK)    \
-    FA_IF_DECODE(DP, FA_KV_CACHE_SPLIT_KERNEL(T, decode, SUFFIX, DP, attention_forward_decode, DP))
-// ---- end flash_attention_kv_cache.h ----
+// The entry points of bucket DP of element type T (name suffix SUFFIX: f16, bf16, f32), of the
+// kernels per dtype, and of the kernels with one instance.
+#define FA_DEFINE_BUCKET_KERNELS(T, SUFFIX, DP) FA_KERNELS(FA_AT_BUCKET, FA_DEFINE_KERNEL, T, SUFFIX, DP)
+#define FA_DEFINE_DTYPE_KERNELS(T, SUFFIX) FA_KERNELS(FA_AT_DTYPE, FA_DEFINE_KERNEL, T, SUFFIX, 0)
+#define FA_DEFINE_ONCE_KERNELS() FA_KERNELS(FA_AT_ONCE, FA_DEFINE_KERNEL, uchar, , 0)
 
-#define FA_DEFINE_F16(...) FA_DEFINE_KERNELS(half, f16, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(half, f16, __VA_ARGS__)
-#define FA_DEFINE_BF16(...) FA_DEFINE_KERNELS(bfloat, bf16, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(bfloat, bf16, __VA_ARGS__)
-#define FA_DEFINE_F32(...) FA_DEFINE_KERNELS(float, f32, __VA_ARGS__) FA_DEFINE_KV_CACHE_KERNELS(float, f32, __VA_ARGS__)
+#endif
+// ---- end flash_attention_kernels.h ----
+
+#define FA_DEFINE_F16(DP, ...) FA_DEFINE_BUCKET_KERNELS(half, f16, DP)
+#define FA_DEFINE_BF16(DP, ...) FA_DEFINE_BUCKET_KERNELS(bfloat, bf16, DP)
+#define FA_DEFINE_F32(DP, ...) FA_DEFINE_BUCKET_KERNELS(float, f32, DP)
 
 // The dtypes this compile instantiates (FA_DTYPE_MASK_* of flash_attention_params.h), every one
 // unless a prelude defines FA_DTYPES: a host whose compile of the whole source fails compiles each
@@ -3411,6 +3711,7 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
 #define FA_DTYPES (FA_DTYPE_MASK_F16 | FA_DTYPE_MASK_F32 | FA_DTYPE_MASK_BF16)
 #endif
 
+FA_DEFINE_ONCE_KERNELS()
 #if FA_DTYPES & FA_DTYPE_MASK_F16
 FA_DEFINE_DTYPE_KERNELS(half, f16)
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_F16)
@@ -3423,18 +3724,6 @@ FA_HEAD_DIM_BUCKETS_F32(FA_DEFINE_F32)
 #if (!defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)) && (FA_DTYPES & FA_DTYPE_MASK_BF16)
 FA_DEFINE_DTYPE_KERNELS(bfloat, bf16)
 FA_HEAD_DIM_BUCKETS(FA_DEFINE_BF16)
-#endif
-
-// fa_merge_attention(_v2): two results over disjoint key sets -> the result over their union
-// (flash_attention_merge.h), one kernel per dtype.
-#if FA_DTYPES & FA_DTYPE_MASK_F16
-FA_DEFINE_MERGE_KERNEL(half, f16)
-#endif
-#if FA_DTYPES & FA_DTYPE_MASK_F32
-FA_DEFINE_MERGE_KERNEL(float, f32)
-#endif
-#if (!defined(__METAL_VERSION__) || defined(__HAVE_BFLOAT__)) && (FA_DTYPES & FA_DTYPE_MASK_BF16)
-FA_DEFINE_MERGE_KERNEL(bfloat, bf16)
 #endif
 """#
 }

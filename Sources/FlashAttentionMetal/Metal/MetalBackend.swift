@@ -53,7 +53,7 @@ final class MetalBackend: ExecutionBackend {
         self.queue = queue
         kernels = try MetalFlashAttention(device: device)
         deviceName = device.name
-        gpuCores = MetalBackend.cores(of: device)
+        gpuCores = kernels.gpuCores
     }
 
     /// The core count of the device a Metal backend takes (`appleSiliconDevice`: on an Apple-silicon
@@ -64,7 +64,7 @@ final class MetalBackend: ExecutionBackend {
     static let defaultDeviceCores: UInt32? = (try? appleSiliconDevice()).flatMap(cores(of:))
 
     /// `device`'s `gpu-core-count` from the IORegistry (`DeviceCores`); nil without IOKit.
-    private static func cores(of device: MTLDevice) -> UInt32? {
+    static func cores(of device: MTLDevice) -> UInt32? {
         #if canImport(IOKit)
         return DeviceCores.read(registryID: device.registryID)
         #else

@@ -40,6 +40,9 @@ public final class MetalFlashAttention: @unchecked Sendable {
     public let device: MTLDevice
     /// Where the kernels came from, for users (``FlashAttention/backendNote``).
     let origin: String
+    /// The device's GPU core count (`MetalBackend.cores(of:)`), which the plans encoded here are
+    /// made for; nil when the IORegistry gives none.
+    let gpuCores: UInt32?
     /// One pipeline per kernel name and specialization, built on first use.
     private let pipelines: MetalPipelines
 
@@ -59,6 +62,7 @@ public final class MetalFlashAttention: @unchecked Sendable {
         let kernels = try MetalFlashAttention.libraries(for: device)
         origin = kernels.origin
         pipelines = MetalPipelines(device: device, libraries: kernels.libraries, lost: kernels.lost)
+        gpuCores = MetalBackend.cores(of: device)
     }
 
     /// Why `device` cannot run the kernels.
@@ -224,15 +228,15 @@ public final class MetalFlashAttention: @unchecked Sendable {
                               causal: Bool = false, softmaxScale: Float? = nil) throws {
         try withAutoreleasePool {
             let problem = try Problem.validate(shape, dtype: dtype, causal: causal, softmaxScale: softmaxScale)
-            try encode(DispatchPlan.forward(problem), buffers: [.q: q, .k: k, .v: v, .out: out, .lse: lse],
+            try encode(.forward, problem, buffers: [.q: q, .k: k, .v: v, .out: out, .lse: lse],
                        into: commandBuffer)
         }
     }
 
     /// Encodes the backward pass: `dq`, `dk`, `dv` from `dout` and the `q`, `k`, `v`, `out`, `lse`
     /// of the forward pass. `dk` and `dv` sum over the query heads that share a KV head. `lse` is
-    /// not read on the host here (the GPU may write it earlier in the same command buffer): a row
-    /// whose lse is not finite gets a zero gradient from the kernels, never NaN.
+    /// not read on the host (no path checks its values): a row whose lse is -inf gets zero
+    /// gradients, one whose lse is NaN or +inf NaN gradients.
     /// - Throws: as ``encodeForward(into:q:k:v:out:lse:shape:dtype:causal:softmaxScale:)``.
     public func encodeBackward(into commandBuffer: MTLCommandBuffer, dout: MTLBuffer, q: MTLBuffer, k: MTLBuffer,
                                v: MTLBuffer, out: MTLBuffer, lse: MTLBuffer, dq: MTLBuffer, dk: MTLBuffer,
@@ -240,7 +244,7 @@ public final class MetalFlashAttention: @unchecked Sendable {
                                causal: Bool = false, softmaxScale: Float? = nil) throws {
         try withAutoreleasePool {
             let problem = try Problem.validate(shape, dtype: dtype, causal: causal, softmaxScale: softmaxScale)
-            try encode(DispatchPlan.backward(problem),
+            try encode(.backward, problem,
                        buffers: [.dout: dout, .q: q, .k: k, .v: v, .out: out, .lse: lse, .dq: dq, .dk: dk, .dv: dv],
                        into: commandBuffer)
         }
@@ -257,15 +261,17 @@ public final class MetalFlashAttention: @unchecked Sendable {
         try withAutoreleasePool {
             guard rows >= 1 else { throw FlashAttentionError.invalidArgument("rows (\(rows)) must be at least 1") }
             let problem = try Problem.merge(rows: UInt64(rows), headDim: headDim, dtype: dtype)
-            try encode(DispatchPlan.merge(problem),
+            try encode(.merge, problem,
                        buffers: [.outA: outA, .lseA: lseA, .outB: outB, .lseB: lseB, .out: out, .lse: lse],
                        into: commandBuffer)
         }
     }
 
-    /// The app path: every check, then the whole plan into `commandBuffer`.
-    private func encode(_ plan: DispatchPlan, buffers: [BufferRole: MTLBuffer],
+    /// The app path: the plan of `pass` for `problem` on this device's core count, every check,
+    /// then the whole plan into `commandBuffer`.
+    private func encode(_ pass: Pass, _ problem: Problem, buffers: [BufferRole: MTLBuffer],
                         into commandBuffer: MTLCommandBuffer) throws {
+        let plan = try DispatchPlan.make(pass, problem, device: gpuCores)
         // MTLCommandBuffer.status: encoders and addCompletedHandler(_:) only before commit().
         guard commandBuffer.status == .notEnqueued || commandBuffer.status == .enqueued else {
             throw FlashAttentionError.invalidArgument(

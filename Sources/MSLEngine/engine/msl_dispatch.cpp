@@ -28,6 +28,7 @@ namespace {
 
 std::atomic<uint32_t> configured_workers{0};
 thread_local msl_engine_dispatch_stats last_stats{};
+thread_local bool count_device_reads = false;
 
 uint32_t detected_cores() {
 #if defined(__linux__)
@@ -84,6 +85,7 @@ struct dispatch_job {
     uint32_t constant_count;
     const msl_engine_cancellation *cancellation;
     uint64_t start_epoch;
+    bool count_reads;
     std::atomic<uint64_t> next{0};
     dispatch_outcome outcome;
 
@@ -94,7 +96,7 @@ struct dispatch_job {
     void work() {
         threadgroup_runner runner;
         runner.watch(cancellation, start_epoch);
-        runner.specialize(constants, constant_count);
+        runner.specialize(constants, constant_count, count_reads);
         std::string text;
         uint64_t done = 0;
         while (!outcome.failed.load(std::memory_order_relaxed)) {
@@ -275,6 +277,7 @@ extern "C" msl_engine_status msl_engine_dispatch_specialized(
     job.constant_count = constant_count;
     job.cancellation = cancellation;
     job.start_epoch = start_epoch;
+    job.count_reads = count_device_reads;
 
     uint64_t wanted = msl_engine_worker_count();
     if (wanted > job.total) wanted = job.total;
@@ -336,6 +339,8 @@ extern "C" uint32_t msl_engine_worker_count(void) {
 }
 
 extern "C" void msl_engine_set_worker_count(uint32_t workers) { configured_workers.store(workers); }
+
+extern "C" void msl_engine_count_device_reads(int enabled) { count_device_reads = enabled != 0; }
 
 extern "C" void msl_engine_last_dispatch_stats(msl_engine_dispatch_stats *stats) {
     if (stats != nullptr) *stats = last_stats;

@@ -88,6 +88,8 @@ void fiber_switch(fiber &from, fiber &to) {
     complete_switch(from);
 }
 
+void fiber_hop(fiber &from, fiber &to) { fiber_switch(from, to); }
+
 [[noreturn]] void fiber_exit(fiber &self, fiber &to) {
     announce_switch(self, to, true);
     setcontext(&to.context);
@@ -100,6 +102,9 @@ extern "C" {
 // Saves callee-saved registers on the current stack, stores the stack pointer in *save, switches
 // to load and restores what was saved there.
 void msl_engine_fiber_switch(void **save, void *load);
+// The same between fibers in the default floating-point control state (fiber_hop): the frame is
+// the same, with the default state written in place of the saved one, and none is loaded.
+void msl_engine_fiber_hop(void **save, void *load);
 // First code of a new fiber: calls the entry (register slot 1) with the argument (slot 0).
 void msl_engine_fiber_trampoline();
 }
@@ -140,6 +145,28 @@ __asm__(".text\n"
         "  popq %rbx\n"
         "  popq %rbp\n"
         "  ret\n"
+        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_hop) "\n"
+        MSL_ASM_PRIVATE(msl_engine_fiber_hop)
+        ".p2align 4\n"
+        MSL_ASM_SYMBOL(msl_engine_fiber_hop) ":\n"
+        "  pushq %rbp\n"
+        "  pushq %rbx\n"
+        "  pushq %r12\n"
+        "  pushq %r13\n"
+        "  pushq %r14\n"
+        "  pushq %r15\n"
+        "  movabsq $0x037F00001F80, %rax\n"
+        "  pushq %rax\n"
+        "  movq %rsp, (%rdi)\n"
+        "  movq %rsi, %rsp\n"
+        "  addq $8, %rsp\n"
+        "  popq %r15\n"
+        "  popq %r14\n"
+        "  popq %r13\n"
+        "  popq %r12\n"
+        "  popq %rbx\n"
+        "  popq %rbp\n"
+        "  ret\n"
         ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_trampoline) "\n"
         MSL_ASM_PRIVATE(msl_engine_fiber_trampoline)
         ".p2align 4\n"
@@ -156,7 +183,8 @@ void fiber_prepare(fiber &f, fiber_stack stack, void (*entry)(void *), void *arg
     auto *top = reinterpret_cast<unsigned long *>(
         (reinterpret_cast<unsigned long>(stack.base + stack.size) & ~15ul) - 16);
     unsigned long *frame = top - 8;
-    frame[0] = 0x037F00001F80ul; // default MXCSR (low half) and x87 control word (bits 32..47)
+    frame[0] = 0x037F00001F80ul; // default MXCSR (low half) and x87 control word (bits 32..47),
+                                 // as msl_engine_fiber_hop writes it
     frame[1] = 0;                // r15
     frame[2] = 0;                // r14
     frame[3] = reinterpret_cast<unsigned long>(entry); // r13
@@ -204,6 +232,37 @@ __asm__(".text\n"
         "  ldp d14, d15, [sp, #144]\n"
         "  add sp, sp, #176\n"
         "  ret\n"
+        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_hop) "\n"
+        MSL_ASM_PRIVATE(msl_engine_fiber_hop)
+        ".p2align 4\n"
+        MSL_ASM_SYMBOL(msl_engine_fiber_hop) ":\n"
+        "  sub sp, sp, #176\n"
+        "  stp x19, x20, [sp, #0]\n"
+        "  stp x21, x22, [sp, #16]\n"
+        "  stp x23, x24, [sp, #32]\n"
+        "  stp x25, x26, [sp, #48]\n"
+        "  stp x27, x28, [sp, #64]\n"
+        "  stp x29, x30, [sp, #80]\n"
+        "  stp d8, d9, [sp, #96]\n"
+        "  stp d10, d11, [sp, #112]\n"
+        "  stp d12, d13, [sp, #128]\n"
+        "  stp d14, d15, [sp, #144]\n"
+        "  str xzr, [sp, #160]\n"
+        "  mov x9, sp\n"
+        "  str x9, [x0]\n"
+        "  mov sp, x1\n"
+        "  ldp x19, x20, [sp, #0]\n"
+        "  ldp x21, x22, [sp, #16]\n"
+        "  ldp x23, x24, [sp, #32]\n"
+        "  ldp x25, x26, [sp, #48]\n"
+        "  ldp x27, x28, [sp, #64]\n"
+        "  ldp x29, x30, [sp, #80]\n"
+        "  ldp d8, d9, [sp, #96]\n"
+        "  ldp d10, d11, [sp, #112]\n"
+        "  ldp d12, d13, [sp, #128]\n"
+        "  ldp d14, d15, [sp, #144]\n"
+        "  add sp, sp, #176\n"
+        "  ret\n"
         ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_trampoline) "\n"
         MSL_ASM_PRIVATE(msl_engine_fiber_trampoline)
         ".p2align 4\n"
@@ -218,7 +277,7 @@ void fiber_prepare(fiber &f, fiber_stack stack, void (*entry)(void *), void *arg
     auto *top = reinterpret_cast<unsigned long *>(
         reinterpret_cast<unsigned long>(stack.base + stack.size) & ~15ul);
     unsigned long *frame = top - 22; // 176 bytes
-    for (int i = 0; i < 22; ++i) frame[i] = 0;
+    for (int i = 0; i < 22; ++i) frame[i] = 0; // fpcr 0 (default), as msl_engine_fiber_hop writes
     frame[0] = reinterpret_cast<unsigned long>(arg);    // x19
     frame[1] = reinterpret_cast<unsigned long>(entry);  // x20
     frame[11] = reinterpret_cast<unsigned long>(&msl_engine_fiber_trampoline); // x30
@@ -229,6 +288,12 @@ void fiber_prepare(fiber &f, fiber_stack stack, void (*entry)(void *), void *arg
 void fiber_switch(fiber &from, fiber &to) {
     announce_switch(from, to, false);
     msl_engine_fiber_switch(&from.stack_pointer, to.stack_pointer);
+    complete_switch(from);
+}
+
+void fiber_hop(fiber &from, fiber &to) {
+    announce_switch(from, to, false);
+    msl_engine_fiber_hop(&from.stack_pointer, to.stack_pointer);
     complete_switch(from);
 }
 

@@ -65,8 +65,40 @@ uint32_t simd_lane();
 /// The value of the dispatch's function constant `index` declared with `type`
 /// (msl_engine_constant_type) and `name`. When the dispatch does not set it with that type, the
 /// threadgroup fails (MSL_ENGINE_FUNCTION_CONSTANT_UNSET) and the calling thread never resumes.
-/// A function constant exists only in a dispatch: reading one outside traps.
+/// A function constant exists only in a dispatch: reading one outside traps. The first read of
+/// each constant by a worker comes here; later ones take the cache below.
 uint32_t function_constant(uint32_t index, uint32_t type, const char *name);
+
+/// Function constants with an index below this are cached per worker (constant_cache).
+inline constexpr uint32_t cached_constants = 64;
+
+/// The function constants a worker thread has already read in the dispatch it runs: bit i of
+/// known[type] says that constant i was set with that type and read once (function_constant
+/// checked it and counted the read), value[i] is its value. A read of a known constant is a
+/// load, not a call; everything else (a constant the dispatch lacks, another type, a first read,
+/// a read outside a dispatch) takes function_constant. The worker sets it up before its first
+/// threadgroup and clears it after its last.
+struct constant_cache {
+    uint64_t known[2];
+    uint32_t value[cached_constants];
+};
+
+/// Whether the kernels' device reads (MSL_COUNT_DEVICE_READ) are counted in the dispatch the
+/// worker thread runs (msl_engine_count_device_reads): off, a read costs one test.
+struct read_counting {
+    bool on;
+};
+
+} // namespace runtime
+} // namespace msl_engine
+
+// C-style thread-local storage (no initialisation wrapper on access, unlike C++ thread_local):
+// kernels built into another shared object (the planted-fault test builds) reach the engine's.
+extern __thread msl_engine::runtime::constant_cache msl_engine_constant_cache;
+extern __thread msl_engine::runtime::read_counting msl_engine_read_counting;
+
+namespace msl_engine {
+namespace runtime {
 
 } // namespace runtime
 } // namespace msl_engine

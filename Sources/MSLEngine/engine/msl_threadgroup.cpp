@@ -1,8 +1,14 @@
 // The threadgroup scheduler (see msl_threadgroup.hpp) and the runtime entry points that
 // <metal_stdlib> calls from kernel code (msl_runtime.hpp).
 //
-// Scheduling: runnable threads run in index order until they block (barrier or SIMD collective)
-// or return. A barrier releases when all threads of the threadgroup wait at the same call site;
+// Scheduling: runnable threads run in queue order until they block (barrier or SIMD collective)
+// or return. A blocking or returning lane does the bookkeeping itself and switches straight to
+// the next runnable lane (one switch, no round trip through the scheduler, whose context is
+// entered only to start and when nothing can run); the last lane to reach a collective runs it
+// for its SIMD-group. The queue starts in thread index order; a barrier's release appends every
+// thread in index order; a completed collective puts its SIMD-group's lanes first, in lane order,
+// so one SIMD-group runs from collective to collective while its lanes' stacks are in cache (MSL
+// orders nothing between SIMD-groups short of a barrier). A barrier releases when all threads of the threadgroup wait at the same call site;
 // a collective completes when all active lanes of the SIMD-group wait at the same call site.
 // Every divergence the MSL rules forbid is reported as soon as it is certain: a thread reaching a
 // barrier at another site than the threads already waiting, a thread returning while others wait
@@ -30,14 +36,19 @@ struct lane {
     uint32_t group = 0;
     uint32_t lane_id = 0;
     threadgroup_runner *runner = nullptr;
-    // Where the lane waits, and its part of the collective.
+    // Where the lane waits (its part of a collective goes straight into its SIMD-group's slots).
     const char *operation = nullptr;
     const char *file = nullptr;
     unsigned line = 0;
     simd_combine_fn combine = nullptr;
-    simd_slot slot{};
 };
 
+} // namespace msl_engine
+
+__thread msl_engine::runtime::constant_cache msl_engine_constant_cache;
+__thread msl_engine::runtime::read_counting msl_engine_read_counting;
+
+namespace msl_engine {
 namespace {
 
 thread_local lane *current_lane = nullptr;
@@ -75,16 +86,72 @@ std::string fault_text(const simd_fault &f) {
 threadgroup_runner::threadgroup_runner() = default;
 
 threadgroup_runner::~threadgroup_runner() {
+    specialize(nullptr, 0, false);
     release_fiber_stacks(stacks_.data(), stacks_.size());
+}
+
+void threadgroup_runner::specialize(const msl_engine_function_constant *constants, uint32_t count,
+                                    bool count_reads) {
+    constants_ = constants;
+    constant_count_ = count;
+    msl_engine_constant_cache.known[0] = 0;
+    msl_engine_constant_cache.known[1] = 0;
+    msl_engine_read_counting.on = count_reads;
 }
 
 void threadgroup_runner::lane_main(void *arg) {
     lane *l = static_cast<lane *>(arg);
     threadgroup_runner *runner = l->runner;
-    fiber_started(runner->scheduler_);
+    fiber_started(*runner->switch_source_);
     runner->kernel_->run(*runner->args_, l->ids);
     l->state = lane_state::returned;
-    fiber_exit(l->context, runner->scheduler_);
+    runner->on_return(*l);
+    lane *next = runner->next_ready();
+    current_lane = next;
+    runner->switch_source_ = &l->context;
+    ++runner->switches_;
+    fiber_exit(l->context, next != nullptr ? next->context : runner->scheduler_);
+}
+
+__attribute__((always_inline)) inline lane *threadgroup_runner::next_ready() {
+    if (status_ != MSL_ENGINE_SUCCESS || ready_count_ == 0) return nullptr;
+    if (cancellation_ != nullptr && --until_poll_ == 0) {
+        until_poll_ = kCancelPollSwitches;
+        if (msl_engine_cancellation_epoch(cancellation_) != start_epoch_) {
+            status_ = MSL_ENGINE_CANCELLED;
+            message_ = format("kernel '%s': threadgroup (%u, %u, %u) cancelled", kernel_->name,
+                              position_.x, position_.y, position_.z);
+            return nullptr;
+        }
+    }
+    lane *next = &lanes_[ready_[ready_head_]];
+    ready_head_ = (ready_head_ + 1) & ready_mask_;
+    --ready_count_;
+    return next;
+}
+
+__attribute__((always_inline)) inline void threadgroup_runner::switch_from(lane &l) {
+    lane *next = next_ready();
+    if (next == &l) return; // it completed a collective and runs on
+    current_lane = next;
+    switch_source_ = &l.context;
+    ++switches_;
+    if (next != nullptr) {
+        fiber_hop(l.context, next->context); // lanes share the default floating-point state
+    } else {
+        fiber_switch(l.context, scheduler_);
+    }
+    // Resumed by another lane or the scheduler, which set current_lane to this lane.
+}
+
+void threadgroup_runner::suspend_at_barrier(lane &l) {
+    on_barrier(l);
+    switch_from(l);
+}
+
+void threadgroup_runner::suspend_at_collective(lane &l, const void *in, void *out, uint32_t arg) {
+    on_simd(l, in, out, arg);
+    switch_from(l);
 }
 
 bool threadgroup_runner::prepare(uint32_t count) {
@@ -97,13 +164,15 @@ bool threadgroup_runner::prepare(uint32_t count) {
         if (s.base == nullptr) return false;
         stacks_.push_back(s);
     }
-    if (ready_.size() < count) ready_.resize(count);
+    uint32_t ring = 1;
+    while (ring < count) ring *= 2;
+    if (ready_.size() < ring) ready_.resize(ring);
     return true;
 }
 
 void threadgroup_runner::make_ready(uint32_t thread) {
     lanes_[thread].state = lane_state::ready;
-    ready_[(ready_head_ + ready_count_) % count_] = thread;
+    ready_[(ready_head_ + ready_count_) & ready_mask_] = thread;
     ++ready_count_;
 }
 
@@ -126,13 +195,16 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
     message_.clear();
     ready_head_ = 0;
     ready_count_ = 0;
+    ready_mask_ = uint32_t(ready_.size()) - 1;
+    until_poll_ = kCancelPollSwitches;
 
     const uint32_t simd_groups = (count + 31) / 32;
-    groups_.assign(simd_groups, simd_group{});
+    if (groups_.size() < simd_groups) groups_.resize(simd_groups);
     for (uint32_t g = 0; g < simd_groups; ++g) {
         const uint32_t lanes = count - g * 32 < 32 ? count - g * 32 : 32;
         groups_[g].first_thread = g * 32;
         groups_[g].active = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+        groups_[g].arrived = 0;
     }
     for (uint32_t i = 0; i < count; ++i) {
         lane &l = lanes_[i];
@@ -153,35 +225,23 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
         l.ids.simdgroup_index_in_threadgroup = i / 32;
         l.ids.threads_per_simdgroup = 32;
         l.ids.simdgroups_per_threadgroup = simd_groups;
-        fiber_prepare(l.context, stacks_[i], &threadgroup_runner::lane_main, &l);
+        // Each lane's stack top sits at another offset within a page (a multiple of 64 bytes,
+        // i * 5 lines apart), so the hot tops of the lanes' stacks do not all compete for the
+        // same sets of the level-1 cache, as they would a whole number of pages apart.
+        const size_t shift = (size_t(i) * 5 % 64) * 64;
+        fiber_prepare(l.context, fiber_stack{stacks_[i].base, stacks_[i].size - shift},
+                      &threadgroup_runner::lane_main, &l);
         make_ready(i);
     }
 
-    uint64_t until_poll = kCancelPollSwitches;
-    while (ready_count_ > 0 && status_ == MSL_ENGINE_SUCCESS) {
-        if (cancellation_ != nullptr && --until_poll == 0) {
-            until_poll = kCancelPollSwitches;
-            if (msl_engine_cancellation_epoch(cancellation_) != start_epoch_) {
-                status_ = MSL_ENGINE_CANCELLED;
-                message_ = format("kernel '%s': threadgroup (%u, %u, %u) cancelled", kernel.name,
-                                  position.x, position.y, position.z);
-                break;
-            }
-        }
-        lane &l = lanes_[ready_[ready_head_]];
-        ready_head_ = (ready_head_ + 1) % count_;
-        --ready_count_;
-        current_lane = &l;
-        fiber_switch(scheduler_, l.context);
+    // Lanes continue one another; the scheduler's context resumes only when none can run (all
+    // returned, a stall, a failure or a cancel), and then starts the next runnable one, if any.
+    while (lane *l = next_ready()) {
+        current_lane = l;
+        switch_source_ = &scheduler_;
+        ++switches_;
+        fiber_switch(scheduler_, l->context);
         current_lane = nullptr;
-        switches_ += 2;
-        switch (l.state) {
-        case lane_state::returned: on_return(l); break;
-        case lane_state::at_barrier: on_barrier(l); break;
-        case lane_state::at_simd: on_simd(l); break;
-        case lane_state::ready:
-        case lane_state::faulted: break;
-        }
     }
     if (status_ == MSL_ENGINE_SUCCESS && returned_ < count_) diagnose_stall();
     if (status_ != MSL_ENGINE_SUCCESS) {
@@ -210,6 +270,10 @@ uint32_t threadgroup_runner::read_function_constant(lane &l, uint32_t index, uin
         if (c.index != index) continue;
         if (c.type == type) {
             constants_read_ |= 1u << i;
+            if (index < runtime::cached_constants) {
+                msl_engine_constant_cache.value[index] = c.value;
+                msl_engine_constant_cache.known[type] |= uint64_t(1) << index;
+            }
             return c.value;
         }
         fail(MSL_ENGINE_FUNCTION_CONSTANT_UNSET,
@@ -226,7 +290,7 @@ uint32_t threadgroup_runner::read_function_constant(lane &l, uint32_t index, uin
                     l.thread, name, index, declared));
     }
     l.state = lane_state::faulted;
-    fiber_switch(l.context, scheduler_);
+    switch_from(l); // the failed threadgroup runs no further lane: to the scheduler
     __builtin_trap(); // a faulted lane is discarded, never resumed
 }
 
@@ -286,44 +350,60 @@ void threadgroup_runner::on_barrier(lane &l) {
     }
 }
 
-void threadgroup_runner::on_simd(lane &l) {
+__attribute__((always_inline)) inline void threadgroup_runner::on_simd(lane &l, const void *in, void *out,
+                                                                     uint32_t arg) {
     simd_group &g = groups_[l.group];
     if (g.arrived == 0) {
         g.operation = l.operation;
         g.file = l.file;
         g.line = l.line;
         g.combine = l.combine;
+        g.counted = l.operation == runtime::matrix_multiply_accumulate_operation ||
+                    strcmp(l.operation, runtime::matrix_multiply_accumulate_operation) == 0;
     } else if (g.combine != l.combine || !same_site(g.file, g.line, l.file, l.line)) {
-        fail(MSL_ENGINE_SIMDGROUP_DIVERGENCE,
-             format("SIMD-group %u: lanes %s wait at %s at %s, but lane %u calls %s; every active "
-                    "lane must reach the same SIMD-group function",
-                    l.group,
-                    index_ranges(32, [&](uint32_t i) { return ((g.arrived >> i) & 1u) != 0; }).c_str(),
-                    g.operation, source_location(g.file, g.line).c_str(), l.lane_id,
-                    describe_wait(l).c_str()));
+        simd_mismatch(l, g);
         return;
     }
+    // Field by field: a copy of a whole slot would read its padding, which no store wrote, and
+    // stall the load on the fields just stored.
+    simd_slot &slot = g.slots[l.lane_id];
+    slot.in = in;
+    slot.out = out;
+    slot.arg = arg;
     g.arrived |= 1u << l.lane_id;
     if (g.arrived == g.active) complete(g);
 }
 
+void threadgroup_runner::simd_mismatch(const lane &l, const simd_group &g) {
+    fail(MSL_ENGINE_SIMDGROUP_DIVERGENCE,
+         format("SIMD-group %u: lanes %s wait at %s at %s, but lane %u calls %s; every active "
+                "lane must reach the same SIMD-group function",
+                l.group,
+                index_ranges(32, [&](uint32_t i) { return ((g.arrived >> i) & 1u) != 0; }).c_str(),
+                g.operation, source_location(g.file, g.line).c_str(), l.lane_id,
+                describe_wait(l).c_str()));
+}
+
 void threadgroup_runner::complete(simd_group &g) {
-    simd_slot slots[32];
-    for (uint32_t i = 0; i < 32; ++i) {
-        slots[i] = ((g.arrived >> i) & 1u) ? lanes_[g.first_thread + i].slot : simd_slot{};
-    }
+    // Slots of lanes that have not arrived are stale; the combine functions read only g.arrived's.
     simd_fault fault{};
-    if (!g.combine(slots, g.arrived, &fault)) {
+    if (!g.combine(g.slots, g.arrived, &fault)) {
         fail(MSL_ENGINE_SIMDGROUP_DIVERGENCE,
              format("SIMD-group %u: %s at %s: %s", g.first_thread / 32, g.operation,
                     source_location(g.file, g.line).c_str(), fault_text(fault).c_str()));
         return;
     }
-    if (strcmp(g.operation, runtime::matrix_multiply_accumulate_operation) == 0) ++matrix_multiplies_;
+    if (g.counted) ++matrix_multiplies_;
     const uint32_t arrived = g.arrived;
     g.arrived = 0;
-    for (uint32_t i = 0; i < 32; ++i) {
-        if ((arrived >> i) & 1u) make_ready(g.first_thread + i);
+    // First in the queue, lowest lane first.
+    for (uint32_t i = 32; i-- > 0;) {
+        if ((arrived >> i) & 1u) {
+            lanes_[g.first_thread + i].state = lane_state::ready;
+            ready_head_ = (ready_head_ - 1) & ready_mask_;
+            ready_[ready_head_] = g.first_thread + i;
+            ++ready_count_;
+        }
     }
 }
 
@@ -373,7 +453,7 @@ void threadgroup_barrier(const char *file, unsigned line) {
     l->operation = "threadgroup_barrier";
     l->file = file;
     l->line = line;
-    fiber_switch(l->context, l->runner->scheduler_context());
+    l->runner->suspend_at_barrier(*l);
 }
 
 void simd_collective(const char *operation, simd_combine_fn combine, const void *in, void *out,
@@ -391,8 +471,7 @@ void simd_collective(const char *operation, simd_combine_fn combine, const void 
     l->file = file;
     l->line = line;
     l->combine = combine;
-    l->slot = simd_slot{in, out, arg};
-    fiber_switch(l->context, l->runner->scheduler_context());
+    l->runner->suspend_at_collective(*l, in, out, arg);
 }
 
 void device_read(const void *address, size_t bytes) {

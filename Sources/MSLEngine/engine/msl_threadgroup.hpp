@@ -21,8 +21,9 @@ struct lane;
 
 /// Executes threadgroups of kernels on the calling OS thread. One runner per worker thread; it
 /// keeps its fiber stacks between threadgroups and gives them back to the cache when destroyed.
-/// Not thread-safe: a runner belongs to one OS thread.
-class threadgroup_runner {
+/// Not thread-safe: a runner belongs to one OS thread. Hidden: the engine's own calls to it are
+/// direct, not through the dynamic linker's table.
+class __attribute__((visibility("hidden"))) threadgroup_runner {
   public:
     threadgroup_runner();
     ~threadgroup_runner();
@@ -45,20 +46,19 @@ class threadgroup_runner {
     }
 
     /// From now on run() gives the kernel these function constant values (valid while it runs;
-    /// the dispatch validated them).
-    void specialize(const msl_engine_function_constant *constants, uint32_t count) {
-        constants_ = constants;
-        constant_count_ = count;
-    }
+    /// the dispatch validated them), and counts the kernel's device reads or not. Resets the
+    /// calling OS thread's cache of constants (msl_runtime.hpp), which the destructor clears.
+    void specialize(const msl_engine_function_constant *constants, uint32_t count, bool count_reads);
 
-    /// The value of function constant `index` of `type` for lane `l`; fails the threadgroup and
-    /// parks the lane for good when the dispatch does not set it so (runtime::function_constant).
+    /// The value of function constant `index` of `type` for lane `l`, entered in the cache; fails
+    /// the threadgroup and parks the lane for good when the dispatch does not set it so
+    /// (runtime::function_constant).
     uint32_t read_function_constant(lane &l, uint32_t index, uint32_t type, const char *name);
 
     /// Bit i: constants[i] of specialize() was read so far.
     uint32_t constants_read() const { return constants_read_; }
 
-    /// Fiber switches done so far (both directions counted).
+    /// Fiber switches done so far (each switch from one context to another counts one).
     uint64_t switches() const { return switches_; }
     /// 8x8x8 SIMD-group matrix multiply-accumulates completed so far (one per SIMD-group call).
     uint64_t matrix_multiplies() const { return matrix_multiplies_; }
@@ -69,18 +69,24 @@ class threadgroup_runner {
     /// Counts a read of `bytes` at `address` against the running threadgroup's buffer holding it.
     void count_read(const void *address, size_t bytes);
 
-    /// The OS thread's own context, to which blocked or returning lanes switch.
-    fiber &scheduler_context() { return scheduler_; }
+    /// Called by lane `l` (running) once it has recorded where it waits (state at_barrier, or
+    /// at_simd with its part of the collective: input, output, argument): does the bookkeeping and continues the
+    /// next runnable lane directly, or the scheduler when none can run; returns when `l` is
+    /// resumed (the collective done).
+    void suspend_at_barrier(lane &l);
+    void suspend_at_collective(lane &l, const void *in, void *out, uint32_t arg);
 
   private:
     struct simd_group {
         uint32_t first_thread = 0; ///< thread index of lane 0
         uint32_t active = 0;       ///< lanes that exist and have not returned
         uint32_t arrived = 0;      ///< lanes waiting at the pending collective
+        bool counted = false;      ///< the pending collective is a matrix multiply-accumulate
         const char *operation = nullptr;
         const char *file = nullptr;
         unsigned line = 0;
         simd_combine_fn combine = nullptr;
+        simd_slot slots[32];       ///< the arrived lanes' parts of the pending collective
     };
 
     friend struct lane;
@@ -88,9 +94,12 @@ class threadgroup_runner {
 
     bool prepare(uint32_t count);
     void make_ready(uint32_t thread);
+    lane *next_ready();
+    void switch_from(lane &l);
     void on_return(lane &l);
     void on_barrier(lane &l);
-    void on_simd(lane &l);
+    void on_simd(lane &l, const void *in, void *out, uint32_t arg);
+    [[gnu::cold, gnu::noinline]] void simd_mismatch(const lane &l, const simd_group &g);
     void complete(simd_group &g);
     void diagnose_stall();
     void fail(msl_engine_status status, const std::string &what);
@@ -101,8 +110,10 @@ class threadgroup_runner {
     uint32_t lane_capacity_ = 0;
     std::vector<fiber_stack> stacks_;
     std::vector<simd_group> groups_;
-    std::vector<uint32_t> ready_; ///< ring buffer of runnable thread indices
-    uint32_t ready_head_ = 0, ready_count_ = 0;
+    std::vector<uint32_t> ready_; ///< ring buffer of runnable thread indices (size a power of 2)
+    uint32_t ready_head_ = 0, ready_count_ = 0, ready_mask_ = 0;
+    fiber *switch_source_ = nullptr; ///< the context that switched to a starting lane (ASan)
+    uint64_t until_poll_ = 0;        ///< switches until the next cancellation poll
 
     const kernel_entry *kernel_ = nullptr;
     const kernel_args *args_ = nullptr;

@@ -155,11 +155,17 @@ void msl_engine_set_worker_count(uint32_t workers);
 /* Buffers whose device reads a dispatch counts: [[buffer(0)]] ... [[buffer(15)]]. */
 #define MSL_ENGINE_COUNTED_BUFFERS 16
 
+/* Whether the calling thread's later dispatches count the bytes their kernels read from each
+ * buffer (msl_engine_dispatch_stats.device_bytes_read): 1 on, 0 off (the default). Off, a counted
+ * load costs one test instead of finding its buffer, and the counts stay zero. */
+void msl_engine_count_device_reads(int enabled);
+
 /* What the calling thread's last msl_engine_dispatch did. */
 typedef struct msl_engine_dispatch_stats {
     uint32_t workers;        /* OS threads that ran threadgroups */
     uint64_t threadgroups;   /* threadgroups run to completion */
-    uint64_t fiber_switches; /* context switches between threads (both directions counted) */
+    uint64_t fiber_switches; /* context switches between threads and the worker's own context
+                                (each switch from one context to another counts one) */
     uint64_t simdgroup_multiply_accumulates; /* 8x8x8 simdgroup_multiply_accumulate and
                                                 simdgroup_multiply products, one per SIMD-group
                                                 collective (not one per lane) */
@@ -168,7 +174,8 @@ typedef struct msl_engine_dispatch_stats {
     uint64_t device_bytes_read[MSL_ENGINE_COUNTED_BUFFERS]; /* bytes the kernel read from buffer i
                                       ([[buffer(i)]], i < MSL_ENGINE_COUNTED_BUFFERS) through
                                       MSL_COUNT_DEVICE_READ, the hook the kernels' loaders call at
-                                      each device load (a load outside every buffer is not counted) */
+                                      each device load (a load outside every buffer is not counted);
+                                      zero unless msl_engine_count_device_reads turned counting on */
     uint32_t function_constants_read; /* bit i: some thread read the dispatch's constants[i]
                                          (msl_engine_dispatch_specialized) */
     double seconds;          /* wall time of the dispatch */

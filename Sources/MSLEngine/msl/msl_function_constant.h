@@ -4,7 +4,8 @@
 // with MSL_FUNCTION_CONSTANT(index, type, name) instead (on Metal that macro does not exist and the
 // source uses the MSL declaration: see Shaders/flash_attention_features.h). The declared object
 // converts to its type by asking the engine for the running dispatch's value
-// (msl_engine_dispatch_specialized); a read the dispatch did not provide is an error, never a
+// (msl_engine_dispatch_specialized) on a worker's first read, and from the worker's cache of the
+// dispatch's constants after that; a read the dispatch did not provide is an error, never a
 // default. Types: bool and uint (the engine models no others).
 #ifndef MSL_FUNCTION_CONSTANT_H
 #define MSL_FUNCTION_CONSTANT_H
@@ -23,11 +24,17 @@ template <> struct function_constant_type<uint> {
     static constexpr uint32_t value = MSL_ENGINE_CONSTANT_UINT;
 };
 
-/// Function constant `Index` of type T: reads the running dispatch's value.
+/// Function constant `Index` of type T: reads the running dispatch's value, from the worker's
+/// cache once this worker has read it (msl_runtime.hpp, constant_cache).
 template <typename T, uint32_t Index> struct function_constant {
     const char *name;
     operator T() const {
-        return T(msl_engine::runtime::function_constant(Index, function_constant_type<T>::value, name));
+        constexpr uint32_t type = function_constant_type<T>::value;
+        if constexpr (Index < msl_engine::runtime::cached_constants) {
+            const msl_engine::runtime::constant_cache &cache = msl_engine_constant_cache;
+            if ((cache.known[type] >> Index) & 1u) return T(cache.value[Index]);
+        }
+        return T(msl_engine::runtime::function_constant(Index, type, name));
     }
 };
 

@@ -68,13 +68,16 @@ bool multiply_accumulate(const msl_engine::simd_slot *s, uint32_t mask,
             c[r][col + e] = float((*ops->c)[e]);
         }
     }
+    // Row by row, k outside j: every element still adds its products in k order from c (the
+    // same bits), and the j loop is 8 independent multiply-adds, one vector instruction.
     float d[8][8];
     for (int i = 0; i < 8; ++i) {
-        for (int j = 0; j < 8; ++j) {
-            float acc = c[i][j];
-            for (int k = 0; k < 8; ++k) acc = __builtin_fmaf(a[i][k], b[k][j], acc);
-            d[i][j] = acc;
+        float acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = c[i][j];
+        for (int k = 0; k < 8; ++k) {
+            for (int j = 0; j < 8; ++j) acc[j] = __builtin_fmaf(a[i][k], b[k][j], acc[j]);
         }
+        for (int j = 0; j < 8; ++j) d[i][j] = acc[j];
     }
     for (uint32_t l = 0; l < 32; ++l) {
         auto *out = static_cast<vec<TD, 2> *>(s[l].out);

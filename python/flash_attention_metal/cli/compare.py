@@ -138,7 +138,8 @@ def _implementations(context, names: list[str]) -> tuple[list, dict]:
             described[name] = {"available": False, "reason": str(reason)}
             continue
         running.append(peer)
-        described[name] = {"available": True, "version": peer.version, "device": peer.device}
+        described[name] = {"available": True, "version": peer.version,
+                           "device": peer.device + getattr(peer, "settings", "")}
     return running, described
 
 
@@ -195,8 +196,10 @@ def _entries(result: dict):
 
 
 def plot(results: list[dict], names: list[str], path: Path, title: str) -> None:
-    """Grouped bars per case of each implementation's throughput, forward and forward+backward, from
-    zero (GFLOP/s when below 1 TFLOP/s), the legend below the panels."""
+    """Grouped bars per case of each implementation's throughput, forward and forward+backward, on a
+    logarithmic axis (the peers span orders of magnitude: on a linear one the CPU engine's bars
+    beside MLX's are invisible), GFLOP/s when below 1 TFLOP/s, the legend below the panels; a
+    missing figure (a peer's error) leaves a gap."""
     plt = pyplot()
     factor, unit = throughput_unit([e["tflops"] for r in results for e in _entries(r)])
     implementations = ["library"] + names
@@ -207,12 +210,12 @@ def plot(results: list[dict], names: list[str], path: Path, title: str) -> None:
             heights = []
             for r in results:
                 figures = r["implementations"].get(name, {})
-                heights.append(figures[operation]["tflops"] * factor if operation in figures else 0.0)
+                heights.append(figures[operation]["tflops"] * factor if operation in figures else float("nan"))
             axes.bar([i + (index - (len(implementations) - 1) / 2) * width for i in range(len(results))],
                      heights, width, label=name if operation == OPERATIONS[0] else None)
         axes.set_xticks(range(len(results)), [r["label"] for r in results], rotation=35, ha="right", fontsize=8)
-        axes.set_ylim(bottom=0)
-        axes.set_ylabel(unit)
+        axes.set_yscale("log")
+        axes.set_ylabel(f"{unit} (log scale)")
         axes.set_title(operation)
         axes.grid(True, axis="y", alpha=0.3)
     figure.suptitle(title)

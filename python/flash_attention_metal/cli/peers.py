@@ -8,7 +8,8 @@ Every implementation gets the same float16 q, k, v, dout and computes the same a
 - ``mlx``: ``mx.fast.scaled_dot_product_attention`` in float16 on MLX's default device (the GPU on a
   Mac, the CPU with ``mlx[cpu]`` on Linux); forward+backward through ``mx.vjp``.
 - ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` in float16 on MPS where available,
-  else the CPU; forward+backward through autograd.
+  else the CPU with PyTorch's default thread settings (reported with the device); forward+backward
+  through autograd.
 - ``numpy``: the library's float64 NumPy reference (``flash_attention_metal.reference``), which
   materializes the attention matrix.
 
@@ -200,6 +201,11 @@ class Torch:
         self.torch, self.functional = torch, functional
         self.version = torch.__version__
         self.device = "mps" if torch.backends.mps.is_available() else "cpu"
+        # PyTorch's own thread settings, left as they are (its default: one intra-op thread per
+        # physical core) and reported with the results, since its CPU timings depend on them.
+        self.settings = "" if self.device == "mps" else (
+            f", {torch.get_num_threads()} intra-op and {torch.get_num_interop_threads()} inter-op threads "
+            "(PyTorch's defaults, not changed)")
         major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
         # enable_gqa arrived in PyTorch 2.5; before it, users repeat the KV heads themselves.
         self.native_gqa = (major, minor) >= (2, 5)

@@ -25,6 +25,23 @@ def _check_dropout(dropout_p) -> None:
         raise NotImplementedError(f"dropout_p={dropout_p}: attention dropout is not implemented; pass dropout_p=0.0")
 
 
+def _autocast(*tensors):
+    """``tensors`` cast to the autocast dtype where autocast is on for their device (PyTorch lists
+    scaled_dot_product_attention among the operators it runs in the lower precision; the custom
+    operators have no autocast kernel of their own), else as given."""
+    first = tensors[0]
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
+        return tensors
+    if not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dtype) for t in tensors) if dtype in DTYPES else tensors
+
+
+def _empty(tensors) -> bool:
+    return all(isinstance(t, torch.Tensor) for t in tensors) and any(t.numel() == 0 for t in tensors)
+
+
 def _check_tensors(tensors: dict, min_ndim: int, max_ndim: int) -> None:
     """Each of ``tensors`` (name -> value) must be a tensor of min_ndim ... max_ndim dimensions, none
     of them empty, all of one dtype of float16, bfloat16 and float32 and on one CPU or MPS device."""
@@ -111,6 +128,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if return_attn_probs:
         raise NotImplementedError("return_attn_probs=True: the attention probabilities are never formed; pass False")
+    q, k, v = _autocast(q, k, v)
     _check_tensors({"q": q, "k": k, "v": v}, 4, 4)
     batch, seqlen_q, heads, head_dim = q.shape
     if k.shape[0] != batch or v.shape[0] != batch:
@@ -171,6 +189,12 @@ def _heads(query, key, value, enable_gqa: bool) -> int:
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap) -> torch.Tensor:
     """scaled_dot_product_attention with the library's softcap (Hugging Face's Gemma 2 path)."""
     _check_dropout(dropout_p)
+    query, key, value = _autocast(query, key, value)
+    if _empty((query, key, value)):
+        # Nothing to compute (batch, heads or a sequence of 0): PyTorch's own result, empty or,
+        # without keys, zeros, with its checks and autograd.
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                                                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     _check_tensors({"query": query, "key": key, "value": value}, 3, 64)
     if not query.dim() == key.dim() == value.dim():
         raise ValueError(f"query, key and value must have one number of dimensions, got {query.dim()}, {key.dim()} "
@@ -237,8 +261,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         enable_gqa: grouped-query attention without repeating key and value.
 
     Returns:
-        (N, ..., Hq, L, Ev) in query's dtype. A row that sees no key is 0 (as PyTorch's math
-        backend). Differentiable with respect to query, key and value.
+        (N, ..., Hq, L, Ev) in query's dtype (under ``torch.autocast``, its dtype, as PyTorch's).
+        A row that sees no key is 0 (as PyTorch's math backend). Differentiable with respect to
+        query, key and value. Empty tensors (a dimension of 0) give PyTorch's own result (empty,
+        or zeros where S is 0).
 
     Raises:
         TypeError, ValueError: invalid arguments, named.

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import _validation, kv_cache
 from . import _host
-from ._tensors import DTYPES, as_numpy, from_numpy
+from ._tensors import DTYPES, as_numpy, check_index, from_numpy
 
 _NAMESPACE = "flash_attention_metal"
 _CACHE_PARTS = ("k_cache", "v_cache", "k_scales", "k_biases", "v_scales", "v_biases")
@@ -158,6 +158,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
     _check_tensor("cache_seqlens", cache_seqlens)
+    for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table), ("cache_batch_idx", cache_batch_idx)):
+        check_index(name, t)
     scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[3])
     left, right = window_size
     out, lse = kvcache_forward(q, k_parts[0], v_parts[0], k_parts[1], k_parts[2], v_parts[1], v_parts[2], k, v,

@@ -28,6 +28,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).rpartition(".")[2]
 
 
+def check_index(name: str, t) -> None:
+    """An index table (cu_seqlens, cache_seqlens, block_table, cache_batch_idx) must be an int32
+    tensor, FlashAttention's dtype for it; else TypeError with PyTorch's conversion (torch.tensor
+    of Python ints is int64)."""
+    if isinstance(t, torch.Tensor) and t.dtype != torch.int32:
+        raise TypeError(f"{name} must be an int32 tensor (FlashAttention's dtype for it), got {t.dtype}; convert "
+                        f"it with {name}.to(torch.int32)")
+
+
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A NumPy view of CPU tensor ``t`` (same memory, so writes reach the tensor); bfloat16 as
     ml_dtypes.bfloat16 through its bits."""

@@ -16,6 +16,7 @@ from torch import Tensor
 from .. import _validation, _varlen
 from . import _host
 from ._tensors import as_numpy as _numpy
+from ._tensors import check_index
 from ._tensors import from_numpy as _tensor
 
 _NAMESPACE = "flash_attention_metal"
@@ -24,6 +25,8 @@ _NAMESPACE = "flash_attention_metal"
 def _checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, softmax_scale, causal,
              window_left, window_right, softcap):
     alibi = None if alibi_slopes is None else _numpy(alibi_slopes)
+    check_index("cu_seqlens_q", cu_seqlens_q)
+    check_index("cu_seqlens_k", cu_seqlens_k)
     return _varlen.check_varlen(_numpy(q), _numpy(k), _numpy(v), _numpy(cu_seqlens_q), _numpy(cu_seqlens_k),
                                 max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                                 window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi)

@@ -78,7 +78,8 @@ def test_strided_and_unaligned_caches(ctx):
     assert_within_rule(accuracy.evaluate_forward(q[..., 1:65], k, v, out, lse), "unaligned")
 
 
-def test_reads_the_cache_once_per_call(ctx):
+def test_reads_the_cache_once_per_call(ctx, monkeypatch):
+    monkeypatch.setenv("FLASH_ATTENTION_COUNT_DEVICE_READS", "1")
     # B=1, H=32, head_dim 128, 256 keys: with 8 KV heads a GQA group's 4 rows fill one decode block;
     # with 1 KV head the 32 rows (4 decode blocks, each reading the cache) take the tiled split
     # kernel, whose one block of 32 rows reads K and V once. Deterministic: a rerun is bit-identical.

@@ -73,6 +73,23 @@ def test_cpu_counters_are_exact_and_reproducible():
             assert sum(getattr(d, field) for d in causal.dispatches) <= sum(counts)
 
 
+def test_cpu_counts_device_reads_only_when_asked(monkeypatch):
+    # FLASH_ATTENTION_COUNT_DEVICE_READS=1 (read at each call) turns the per-buffer byte counts on;
+    # without it they are absent, and the products and barriers are counted either way, alike.
+    cpu = fam.Context("cpu")
+    monkeypatch.delenv("FLASH_ATTENTION_COUNT_DEVICE_READS", raising=False)
+    plain = _forward(cpu)
+    monkeypatch.setenv("FLASH_ATTENTION_COUNT_DEVICE_READS", "1")
+    counted = _forward(cpu)
+    q, k, v, _ = make_inputs(0, 1, *SHAPE[1:])
+    for a, b in zip(plain.dispatches, counted.dispatches):
+        assert a.device_bytes_read is None
+        assert a.simdgroup_multiply_accumulates == b.simdgroup_multiply_accumulates
+        assert a.threadgroup_barriers == b.threadgroup_barriers
+    reads = counted.dispatches[0].device_bytes_read
+    assert reads[1] >= k.nbytes and reads[2] >= v.nbytes, "every key and value is read"
+
+
 def test_each_thread_sees_its_own_last_call(ctx):
     shared = fam.Context(ctx.backend)
     both_called = threading.Barrier(2)

@@ -1,4 +1,4 @@
-"""tools/check_address_spaces.py: the kernels compile with MSL's address spaces enforced (clang, C++
+"""tests/static/check_address_spaces.py: the kernels compile with MSL's address spaces enforced (clang, C++
 for OpenCL 2021), and a planted address-space error, which the CPU engine cannot see, fails it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-CHECK = ROOT / "tools" / "check_address_spaces.py"
+CHECK = ROOT / "tests" / "static" / "check_address_spaces.py"
 
 # A function parameter `thread T *name` or `thread T &name`.
 THREAD_PARAMETER = re.compile(r"[(,]\s*(thread)\s+(?:const\s+)?[\w:<>]+(?:\s+const)?\s*[*&]\s*\w+\s*[,)]")
@@ -86,9 +86,9 @@ def test_planted_error_in_the_attention_kernels_fails(tmp_path):
     reference parameter made device) fails the check, naming the address spaces."""
     shaders = tmp_path / "Shaders"
     shutil.copytree(ROOT / "Shaders", shaders)
-    source = shaders / "flash_attention.metal"
-    source.write_text(plant(source.read_text()))
-    result = run_check(source)
+    header = shaders / "flash_attention_products.h"
+    header.write_text(plant(header.read_text()))
+    result = run_check(shaders / "flash_attention.metal")
     assert result.returncode == 1, result.stdout
     assert "address space" in result.stderr, result.stderr
 

@@ -1,7 +1,7 @@
-"""tools/gpu/judge.py, which judges the CUDA check's dumps (tools/gpu/dump.h) with the package's
+"""tests/cuda/judge.py, which judges the CUDA check's dumps (tests/cuda/dump.h) with the package's
 reference and accuracy rule, run here on dumps of the CPU engine's results written in the same
 format: correct results pass, and so must every case fail when the kernels' softmax takes exp
-where they take exp2 (the planted fault of tools/gpu_check.sh: the scores scaled by ln 2), or when
+where they take exp2 (the planted fault of tests/cuda/gpu_check.sh: the scores scaled by ln 2), or when
 a row that sees no key holds one non-zero dq element too small for the accuracy rule to see."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import flash_attention_metal as fam
 from flash_attention_metal import reference
 
 ROOT = Path(__file__).resolve().parents[3]
-JUDGE = ROOT / "tools" / "gpu" / "judge.py"
+JUDGE = ROOT / "tests" / "cuda" / "judge.py"
 DTYPE_NAMES = {np.dtype(np.float16): "f16", np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float32): "f32"}
 MASK_KINDS = {"none": 0, "boolean": 1, "additive": 2, "additive_f32": 3}
 
@@ -126,7 +126,7 @@ def test_a_nonzero_gradient_in_an_empty_row_fails(tmp_path, case):
 
 
 def test_quantized_cache_judged_against_exact_rows(tmp_path):
-    """A KV-cache case of tools/gpu/kv_cache_cases.cu: a 4-bit cache's rows come as float64
+    """A KV-cache case of tests/cuda/kv_cache_cases.cu: a 4-bit cache's rows come as float64
     (NAME.k_exact, NAME.v_exact) and the judge attends to them; the CPU engine's decode result
     passes, and fails when the dump's exact rows are not the cache's (keys and values swapped)."""
     from flash_attention_metal import quantized

@@ -3,7 +3,7 @@ docs/specialisation.md): every kernel references exactly the constants the plan 
 dispatches (Metal refuses a pipeline whose kernel references one without a value, whether or not it
 runs that code); the source accepts the prelude that hosts without function constants put before it
 (PyTorch's compile_shader); and a kernel compiled with a feature off holds none of its code.
-Checked in clang's LLVM IR of the C++ for OpenCL compile of tools/check_address_spaces.py."""
+Checked in clang's LLVM IR of the C++ for OpenCL compile of tests/static/check_address_spaces.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import flash_attention_metal as fam
 from conftest import make_inputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-CHECK = ROOT / "tools" / "check_address_spaces.py"
+CHECK = ROOT / "tests" / "static" / "check_address_spaces.py"
 
 _spec = importlib.util.spec_from_file_location("check_address_spaces", CHECK)
 check_address_spaces = importlib.util.module_from_spec(_spec)

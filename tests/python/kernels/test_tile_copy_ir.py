@@ -1,4 +1,4 @@
-"""tools/check_tile_copies.py: the kernels' tile copies move 16-byte chunks with no 64-bit multiply
+"""tests/static/check_tile_copies.py: the kernels' tile copies move 16-byte chunks with no 64-bit multiply
 or division (issue 21, item 1), the per-tile steps are inlined and the products of two half tiles
 widen no element (item 7), read in clang's LLVM IR; and copies of the kernels with a planted
 per-element multiply, a narrow load, float operands or an out-of-line tile step fail it."""
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-CHECK = ROOT / "tools" / "check_tile_copies.py"
+CHECK = ROOT / "tests" / "static" / "check_tile_copies.py"
 LOADER = "flash_attention_loader.h"
 KERNELS = "flash_attention.metal"
 
@@ -28,13 +28,15 @@ FAULTS = [
 ]
 
 
-# (text in the kernels, its planted replacement, the finding it must cause): float operands for the
-# products of two half tiles, and a per-tile step kept out of line.
+# (header of the kernels, text in it, its planted replacement, the finding it must cause): float
+# operands for the products of two half tiles, and a per-tile step kept out of line.
 KERNEL_FAULTS = [
-    ("    typedef simdgroup_matrix<typename TileFragment<T>::type, 8, 8> Operand;\n",
+    ("flash_attention_products.h",
+     "    typedef simdgroup_matrix<typename TileFragment<T>::type, 8, 8> Operand;\n",
      "    typedef simdgroup_float8x8 Operand;\n",
      "product_transposed_over: a half element widened to float"),
-    ("FA_ALWAYS_INLINE void forward_tile(",
+    ("flash_attention_forward.h",
+     "FA_ALWAYS_INLINE void forward_tile(",
      "inline __attribute__((noinline)) void forward_tile(",
      "forward_tile: not inlined into its caller"),
 ]
@@ -66,8 +68,9 @@ def test_planted_faults_are_found(tmp_path):
     shaders = tmp_path / "Shaders"
     shutil.copytree(ROOT / "Shaders", shaders)
     plant(shaders / LOADER, FAULTS)
-    plant(shaders / KERNELS, KERNEL_FAULTS)
+    for header, *fault in KERNEL_FAULTS:
+        plant(shaders / header, [fault])
     result = run_check(shaders / KERNELS)
     assert result.returncode == 1, result.stdout + result.stderr
-    for _, _, finding in FAULTS + KERNEL_FAULTS:
+    for *_, finding in FAULTS + KERNEL_FAULTS:
         assert finding in result.stderr

@@ -315,13 +315,14 @@ def test_kernels_clamp_a_wrong_table(ctx):
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_decode_bytes_of_a_quantized_cache(ctx, paged):
+def test_decode_bytes_of_a_quantized_cache(ctx, paged, monkeypatch):
     """Issue 24's byte targets, counted by the CPU engine's per-buffer device_bytes_read: a decode
     call (the decode kernel) loads every K and V row of a float16 cache once, and of an 8-bit or
     4-bit cache (group 64) its words once and each group's scale and bias once per row: K/V bytes
     (scales and biases included) 0.53 and 0.28 of the float16 cache's (targets 0.55 and 0.30).
     The ratio depends on head_dim and the group only, so a small head count and length stand in
     for item 4's 32 heads over 4096 keys (docs/kv-cache.md has those)."""
+    monkeypatch.setenv("FLASH_ATTENTION_COUNT_DEVICE_READS", "1")
     rng = np.random.default_rng(8)
     heads, kv_heads, head_dim, keys = 4, 1, 128, 256
     q = _rows(rng, (1, 1, heads, head_dim), np.float16)

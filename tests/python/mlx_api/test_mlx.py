@@ -266,7 +266,8 @@ def test_array_masks_and_sinks_need_the_extension():
         fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5, mask=mx.ones((16, 16), dtype=mx.bool_),
                                              context=context)
     with pytest.raises(NotImplementedError, match=r"^sinks: attention sinks need the MLX extension"):
-        fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5, sinks=mx.zeros((4,)), context=context)
+        fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5, sinks=mx.zeros((4,), dtype=q.dtype),
+                                             context=context)
 
 
 @pytest.mark.parametrize("mask, error", [("full", ValueError), ("CAUSAL", ValueError), (1, TypeError)])

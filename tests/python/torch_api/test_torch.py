@@ -271,7 +271,7 @@ def _small():
      ValueError, "attn_mask holds NaN"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, scale=float("inf")), ValueError, "scale must be finite"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, is_causal=1), TypeError, "causal must be a bool"),
-    (lambda q, k, v: fat.scaled_dot_product_attention(q[:, :, :0], k, v), ValueError, "empty dimension"),
+    (lambda q, k, v: fat.flash_attn_func(q[:, :0], k, v), ValueError, "empty dimension"),
     (lambda q, k, v: fat.flash_attn_func(q, k, v, window_size=(-2, 0)), ValueError, "window_size"),
     (lambda q, k, v: fat.flash_attn_func(q, k, v, softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
     (lambda q, k, v: fat.flash_attn_func(q, k, v, alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes shape"),

@@ -110,9 +110,27 @@ final class CABIValidationTests: XCTestCase {
         let old = call(modified { $0.struct_size = 36; $0.dtype = 99 })
         XCTAssertEqual(old.forward, FA_STATUS_SUCCESS, old.forwardMessage)
         XCTAssertEqual(old.backward, FA_STATUS_SUCCESS, old.backwardMessage)
-        // A larger struct from a newer header is accepted.
-        let r = call(modified { $0.struct_size = UInt32(MemoryLayout<fa_problem>.size + 64) })
-        XCTAssertEqual(r.forward, FA_STATUS_SUCCESS, r.forwardMessage)
+    }
+
+    /// A larger struct from a newer header is accepted when the bytes past ours are zero (the
+    /// newer fields' defaults), and refused naming the first non-zero byte otherwise.
+    func testStructSizeAboveOursNeedsAZeroTail() throws {
+        let size = MemoryLayout<fa_problem>.size
+        let bytes = UnsafeMutableRawBufferPointer.allocate(byteCount: size + 64, alignment: 16)
+        defer { bytes.deallocate() }
+        bytes.initializeMemory(as: UInt8.self, repeating: 0)
+        var p = validProblem()
+        p.struct_size = UInt32(size + 64)
+        withUnsafeBytes(of: &p) { bytes.copyMemory(from: $0) }
+        let pointer = UnsafePointer(bytes.baseAddress!.assumingMemoryBound(to: fa_problem.self))
+        XCTAssertNoThrow(try Problem.validate(pointer))
+        bytes[size + 10] = 1
+        XCTAssertThrowsError(try Problem.validate(pointer)) {
+            XCTAssertEqual(($0 as? FlashAttentionError)?.message,
+                           "problem->struct_size (\(size + 64)) is above sizeof(fa_problem) (\(size)) of this library, "
+                               + "and byte \(size + 10) is not zero: a field of a newer fa_problem that this library "
+                               + "does not know is set")
+        }
     }
 
     func testDTypeAndHeadDimV() {

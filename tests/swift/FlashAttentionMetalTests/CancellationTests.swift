@@ -25,7 +25,7 @@ final class CancellationTests: XCTestCase {
                         buffers.bindInput(.v, kv.baseAddress!, for: problem)
                         buffers.bindOutput(.out, o.baseAddress!, for: problem)
                         buffers.bindOutput(.lse, l.baseAddress!, for: problem)
-                        do { try context.run(DispatchPlan.forward(problem), buffers: buffers) } catch { failure = error }
+                        do { try context.run(.forward, problem, buffers: buffers) } catch { failure = error }
                     }
                 }
             }

@@ -151,7 +151,7 @@ final class DispatchPlanTests: XCTestCase {
     func testDecodeTakesTheDecodeForward() throws {
         let p = try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 32768, headDim: 128,
                             causal: true, scale: nil)
-        let split = try XCTUnwrap(p.split)
+        let split = try XCTUnwrap(p.cpuSplit)
         let plan = DispatchPlan.forward(p)
         XCTAssertEqual(plan.dispatches.map(\.kernelName),
                        ["flash_attention_forward_decode_f16_d128", "flash_attention_forward_combine_f16"])
@@ -164,8 +164,8 @@ final class DispatchPlanTests: XCTestCase {
         XCTAssertEqual(plan.dispatches[1].threadgroupsPerGrid, GridSize(width: 1, height: 32, depth: 1))
         XCTAssertEqual([plan.dispatches[0].params.kv_chunks, plan.dispatches[0].params.kv_chunk_keys],
                        [split.chunks, split.chunkKeys])
-        XCTAssertEqual(BufferRole.partialLse.elementCount(for: p), 32 * Int(split.chunks) * 2)
-        XCTAssertEqual(BufferRole.partialOut.elementCount(for: p), 32 * Int(split.chunks) * 128)
+        XCTAssertEqual(BufferRole.partialLse.elementCount(for: plan.problem), 32 * Int(split.chunks) * 2)
+        XCTAssertEqual(BufferRole.partialOut.elementCount(for: plan.problem), 32 * Int(split.chunks) * 128)
     }
 
     /// The chunk rule at other core counts (docs/decode.md's table): two waves of 3 threadgroups per
@@ -200,31 +200,35 @@ final class DispatchPlanTests: XCTestCase {
     /// the dense forward would read it once per query head); from 9 rows the tiled kernel needs two
     /// chunks (multiples of FA_SPLIT_MIN_CHUNK_KEYS keys, the last one shorter).
     func testSplitKVThresholds() throws {
-        XCTAssertEqual(try problem(seqlenQ: 4, seqlenK: 512).split?.kernel, .decode)
-        XCTAssertEqual(try problem(seqlenQ: 5, seqlenK: 512).split?.kernel, .tiled)
-        XCTAssertEqual(try problem(seqlenQ: 1, seqlenK: 7).split?.chunks, 1)
-        XCTAssertEqual(try problem(seqlenQ: 8, seqlenK: 7).split.map { [$0.chunks, $0.rowBlocks] }, [1, 1])
-        XCTAssertEqual(try problem(seqlenQ: 2, seqlenK: 512, headDim: 256).split?.kernel, .decode)
-        XCTAssertEqual(try problem(seqlenQ: 3, seqlenK: 512, headDim: 256).split?.kernel, .tiled)
-        XCTAssertEqual(try problem(kvHeads: 6, seqlenQ: 1, seqlenK: 512, headDim: 512).split?.kernel, .tiled)
-        XCTAssertNil(try problem(seqlenQ: 65, seqlenK: 100_000).split)
-        XCTAssertNil(try problem(seqlenQ: 9, seqlenK: 63).split)
-        XCTAssertEqual(try problem(seqlenQ: 9, seqlenK: 128).split?.kernel, .tiled)
+        XCTAssertEqual(try problem(seqlenQ: 4, seqlenK: 512).cpuSplit?.kernel, .decode)
+        XCTAssertEqual(try problem(seqlenQ: 5, seqlenK: 512).cpuSplit?.kernel, .tiled)
+        XCTAssertEqual(try problem(seqlenQ: 1, seqlenK: 7).cpuSplit?.chunks, 1)
+        XCTAssertEqual(try problem(seqlenQ: 8, seqlenK: 7).cpuSplit.map { [$0.chunks, $0.rowBlocks] }, [1, 1])
+        XCTAssertEqual(try problem(seqlenQ: 2, seqlenK: 512, headDim: 256).cpuSplit?.kernel, .decode)
+        XCTAssertEqual(try problem(seqlenQ: 3, seqlenK: 512, headDim: 256).cpuSplit?.kernel, .tiled)
+        XCTAssertEqual(try problem(kvHeads: 6, seqlenQ: 1, seqlenK: 512, headDim: 512).cpuSplit?.kernel, .tiled)
+        XCTAssertNil(try problem(seqlenQ: 65, seqlenK: 100_000).cpuSplit)
+        XCTAssertNil(try problem(seqlenQ: 9, seqlenK: 63).cpuSplit)
+        XCTAssertEqual(try problem(seqlenQ: 9, seqlenK: 128).cpuSplit?.kernel, .tiled)
         // Rows of a GQA group beyond one block: 16 heads per KV head x 8 rows = 128 packed rows.
         let packed = try XCTUnwrap(try problem(batch: 1, heads: 16, kvHeads: 1, seqlenQ: 8, seqlenK: 4096,
-                                               headDim: 64).split)
+                                               headDim: 64).cpuSplit)
         XCTAssertEqual([packed.rowBlocks], [4])
         XCTAssertEqual(packed.kernel, .tiled)
         XCTAssertEqual(try problem(seqlenQ: 100, seqlenK: 33).params.kv_chunks, 1)
     }
 
-    /// FLASH_ATTENTION_GPU_CORES plans for another GPU; a bad value is an error naming it.
+    /// FLASH_ATTENTION_GPU_CORES plans for another GPU; a bad value is an error naming it, from the
+    /// planner: validation decides no split and reads no core count.
     func testCoreCountOverride() throws {
         defer { unsetenv(GPUCores.environmentVariable) }
         setenv(GPUCores.environmentVariable, "40", 1)
         XCTAssertEqual(try GPUCores.planned(), 40)
         setenv(GPUCores.environmentVariable, "0", 1)
-        XCTAssertThrowsError(try problem(seqlenQ: 1, seqlenK: 512)) { error in
+        let p = try problem(seqlenQ: 1, seqlenK: 512)
+        XCTAssertNil(p.split)
+        XCTAssertNil(p.gpuCores)
+        XCTAssertThrowsError(try DispatchPlan.make(.forward, p, device: nil)) { error in
             XCTAssertTrue("\(error)".contains("FLASH_ATTENTION_GPU_CORES (0)"), "\(error)")
         }
         unsetenv(GPUCores.environmentVariable)
@@ -232,7 +236,8 @@ final class DispatchPlanTests: XCTestCase {
     }
 
     /// A backend's device count (Metal: the IORegistry's) replaces the nominal GPU unless the
-    /// variable is set; the plan remade for it is the one a problem validated for that count gives.
+    /// variable is set; the planner's plan for a device is the one it makes for that count however
+    /// the count is given, and a piece's plan keeps the chunking it was given.
     func testDeviceCoreCount() throws {
         defer { unsetenv(GPUCores.environmentVariable) }
         XCTAssertEqual(try GPUCores.planned(device: 38), 38)
@@ -240,17 +245,37 @@ final class DispatchPlanTests: XCTestCase {
         XCTAssertEqual(try GPUCores.planned(device: 0), 1)
         XCTAssertEqual(try GPUCores.planned(device: nil), UInt32(FA_NOMINAL_GPU_CORES))
         XCTAssertEqual(try GPUCores.plan(device: nil).source, .nominal)
-        let nominal = DispatchPlan.forward(try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 4096))
+        let p = try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 4096)
+        let nominal = try DispatchPlan.make(.forward, p, device: nil)
         XCTAssertEqual(nominal.problem.gpuCores, UInt32(FA_NOMINAL_GPU_CORES))
-        let remade = nominal.planned(forGPUCores: 40)
+        let device = try DispatchPlan.make(.forward, p, device: 40)
+        XCTAssertEqual(device.problem.gpuCores, 40)
+        XCTAssertNotEqual(device.problem.split, nominal.problem.split)
         setenv(GPUCores.environmentVariable, "40", 1)
         XCTAssertEqual(try GPUCores.planned(device: 38), 40)
         XCTAssertEqual(try GPUCores.plan(device: 38).source, .override)
-        let validated = DispatchPlan.forward(try problem(batch: 1, heads: 32, kvHeads: 8, seqlenQ: 1, seqlenK: 4096))
-        XCTAssertEqual(remade.problem.split, validated.problem.split)
-        XCTAssertEqual(remade.problem.gpuCores, 40)
-        XCTAssertEqual(remade.dispatches.map(\.threadgroupsPerGrid), validated.dispatches.map(\.threadgroupsPerGrid))
-        XCTAssertNotEqual(remade.problem.split, nominal.problem.split)
+        let overridden = try DispatchPlan.make(.forward, p, device: 38)
+        XCTAssertEqual(overridden.problem.split, device.problem.split)
+        XCTAssertEqual(overridden.problem.gpuCores, 40)
+        XCTAssertEqual(overridden.dispatches.map(\.threadgroupsPerGrid), device.dispatches.map(\.threadgroupsPerGrid))
+        XCTAssertEqual(DispatchPlan.make(.forward, planned: nominal.problem).dispatches.map(\.threadgroupsPerGrid),
+                       nominal.dispatches.map(\.threadgroupsPerGrid))
+    }
+
+    /// A context plans once, for its backend's core count, and its profile says which: a backend
+    /// of 40 cores runs the plan made for 40 cores, not the nominal GPU's.
+    func testContextPlansForItsBackendsCores() throws {
+        let shape = AttentionShape(batch: 1, numHeads: 32, numKVHeads: 8, seqlenQ: 1, seqlenK: 4096, headDim: 64)
+        let p = try Problem.validate(shape, causal: false, softmaxScale: nil)
+        let backend = PlanRecorder(gpuCores: 40)
+        let context = Context(backend: backend)
+        try context.run(.forward, p, buffers: HostBuffers())
+        let ran = try XCTUnwrap(backend.plans.first)
+        XCTAssertEqual(backend.plans.count, 1)
+        XCTAssertEqual(ran.problem.gpuCores, 40)
+        XCTAssertEqual(ran.problem.split, try DispatchPlan.make(.forward, p, device: 40).problem.split)
+        XCTAssertNotEqual(ran.problem.split, p.cpuSplit)
+        XCTAssertEqual(context.lastProfile?.gpuCores, 40)
     }
 
     /// Masks, ALiBi and sinks bind their own buffers; sinks add the dsinks dispatch and output;
@@ -283,5 +308,20 @@ final class DispatchPlanTests: XCTestCase {
             XCTAssertEqual($0 as? FlashAttentionError,
                            .invalidArgument("softcap (-1.0) must be finite and at least 0 (0 is off)"))
         }
+    }
+}
+
+/// A backend of `gpuCores` cores that runs nothing and keeps the plans it is given.
+private final class PlanRecorder: ExecutionBackend {
+    let name: StaticString = "recorder"
+    let deviceName = "test"
+    let gpuCores: UInt32?
+    private(set) var plans: [DispatchPlan] = []
+
+    init(gpuCores: UInt32) { self.gpuCores = gpuCores }
+
+    func execute(_ plan: DispatchPlan, buffers: HostBuffers, cancellation: CancellationToken) throws -> Profile {
+        plans.append(plan)
+        return Profile(seconds: 0, dispatches: [])
     }
 }

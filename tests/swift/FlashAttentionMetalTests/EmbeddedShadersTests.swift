@@ -9,24 +9,28 @@ final class EmbeddedShadersTests: XCTestCase {
         .deletingLastPathComponent().deletingLastPathComponent()
 
     /// The checked-in Generated/EmbeddedShaders.swift holds exactly Shaders/flash_attention.metal with
-    /// each quoted #include replaced by the header's text, as tools/embed_shaders.py writes it. (Done
-    /// in Swift rather than by running the script: a child process would need Foundation.Process,
-    /// whose own allocations the sanitized run would report.)
+    /// each quoted #include replaced by the header's text, the headers' own includes expanded where
+    /// they stand, each header once, as tools/embed_shaders.py writes it. (Done in Swift rather than
+    /// by running the script: a child process would need Foundation.Process, whose own allocations
+    /// the sanitized run would report.)
     func testEmbeddedSourceIsUpToDate() throws {
         let shaders = root.appendingPathComponent("Shaders")
-        let metal = try String(contentsOf: shaders.appendingPathComponent("flash_attention.metal"), encoding: .utf8)
         var lines: [String] = []
-        for line in metal.split(separator: "\n", omittingEmptySubsequences: false).dropLast(metal.hasSuffix("\n") ? 1 : 0) {
-            if let header = quotedInclude(String(line)) {
-                let text = try String(contentsOf: shaders.appendingPathComponent(header), encoding: .utf8)
+        var spliced: Set<String> = []
+        func splice(_ name: String) throws {
+            let text = try String(contentsOf: shaders.appendingPathComponent(name), encoding: .utf8)
+            for line in text.split(separator: "\n", omittingEmptySubsequences: false).dropLast(text.hasSuffix("\n") ? 1 : 0) {
+                guard let header = quotedInclude(String(line)) else {
+                    lines.append(String(line))
+                    continue
+                }
+                guard spliced.insert(header).inserted else { continue }
                 lines.append("// ---- begin \(header) (spliced by tools/embed_shaders.py) ----")
-                lines += text.split(separator: "\n", omittingEmptySubsequences: false)
-                    .dropLast(text.hasSuffix("\n") ? 1 : 0).map(String.init)
+                try splice(header)
                 lines.append("// ---- end \(header) ----")
-            } else {
-                lines.append(String(line))
             }
         }
+        try splice("flash_attention.metal")
         // A multi-line string literal ends before the newline that precedes its closing delimiter.
         let expected = lines.joined(separator: "\n")
         XCTAssertTrue(EmbeddedShaders.source == expected,
@@ -50,16 +54,19 @@ final class EmbeddedShadersTests: XCTestCase {
         XCTAssertTrue(source.contains("typedef struct FlashAttentionParams"))
         XCTAssertTrue(source.contains("FA_HEAD_DIM_BUCKETS"))
         XCTAssertTrue(source.contains("FA_HEAD_DIM_BUCKETS_F32"))
-        for name in ["flash_attention_forward_##SUFFIX##_d", "flash_attention_forward_split_##SUFFIX##_d",
-                     "flash_attention_forward_decode_##SUFFIX##_d",
-                     "flash_attention_backward_dq_##SUFFIX##_d", "flash_attention_backward_dkv_##SUFFIX##_d",
-                     "flash_attention_backward_lse_residual_##SUFFIX##_d",
-                     "flash_attention_forward_combine_##SUFFIX", "flash_attention_backward_delta_##SUFFIX"] {
-            XCTAssertTrue(source.contains(name), name)
+        // Every kernel of the catalogue, its body and the instances of every dtype.
+        for kernel in ["forward", "forward_split", "forward_decode", "forward_kvcache", "forward_split_kvcache",
+                       "forward_decode_kvcache", "forward_combine", "backward_delta", "backward_lse_residual",
+                       "backward_dq", "backward_dkv", "backward_dsinks", "varlen_sequences", "merge"] {
+            XCTAssertTrue(source.contains("    X(\(kernel), "), kernel)
+            XCTAssertTrue(source.contains("inline void kernel_\(kernel)("), kernel)
         }
-        // The merge kernel and its header (spliced, not included).
-        XCTAssertTrue(source.contains("kernel void flash_attention_merge_##SUFFIX("))
-        XCTAssertTrue(source.contains("FA_DEFINE_MERGE_KERNEL(bfloat, bf16)"))
+        for instances in ["FA_DEFINE_DTYPE_KERNELS(half, f16)", "FA_DEFINE_DTYPE_KERNELS(bfloat, bf16)",
+                          "FA_DEFINE_DTYPE_KERNELS(float, f32)", "FA_HEAD_DIM_BUCKETS(FA_DEFINE_F16)",
+                          "FA_HEAD_DIM_BUCKETS(FA_DEFINE_BF16)", "FA_HEAD_DIM_BUCKETS_F32(FA_DEFINE_F32)"] {
+            XCTAssertTrue(source.contains(instances), instances)
+        }
+        // The merge kernel's header (spliced, not included).
         XCTAssertTrue(source.contains("inline float merge_weight("))
     }
 }

@@ -95,7 +95,7 @@ final class PlanPiecesTests: XCTestCase {
             for units in 1...6 {
                 let pieces = plan.pieces(maxFlops: units * plan.flopsPerUnit)
                 for piece in pieces {
-                    let expected = DispatchPlan.make(plan.pass, piece.plan.problem)
+                    let expected = DispatchPlan.make(plan.pass, planned: piece.plan.problem)
                     XCTAssertEqual(piece.plan.dispatches.map(\.kernelName), expected.dispatches.map(\.kernelName))
                     XCTAssertEqual(piece.plan.dispatches.map(\.threadgroupsPerGrid.depth),
                                    piece.plan.dispatches.map { _ in piece.plan.problem.batch })
@@ -147,12 +147,12 @@ final class PlanPiecesTests: XCTestCase {
         let alone = try Problem.validate(AttentionShape(batch: 1, numHeads: 2, numKVHeads: 1, seqlenQ: 2,
                                                         seqlenK: 16_384, headDim: 8),
                                          causal: true, softmaxScale: nil)
-        let chunks = try XCTUnwrap(p.split).chunks
-        XCTAssertNotEqual(try XCTUnwrap(alone.split).chunks, chunks, "the test needs a shape whose pieces differ")
+        let chunks = try XCTUnwrap(p.cpuSplit).chunks
+        XCTAssertNotEqual(try XCTUnwrap(alone.cpuSplit).chunks, chunks, "the test needs a shape whose pieces differ")
         let plan = DispatchPlan.forward(p)
         let pieces = plan.pieces(maxFlops: plan.flopsPerUnit)
         XCTAssertEqual(pieces.count, 6)
-        XCTAssertTrue(pieces.allSatisfy { $0.plan.problem.split == p.split })
+        XCTAssertTrue(pieces.allSatisfy { $0.plan.problem.split == p.cpuSplit })
         XCTAssertEqual(pieces[1].byteOffset(of: .partialLse), 2 * Int(chunks) * 2 * 2 * 4)
         XCTAssertEqual(pieces[1].byteOffset(of: .partialOut), 2 * Int(chunks) * 2 * 8 * 4)
 
@@ -162,7 +162,7 @@ final class PlanPiecesTests: XCTestCase {
         let short = try Problem.validate(AttentionShape(batch: 3, numHeads: 4, numKVHeads: 2, seqlenQ: 2,
                                                         seqlenK: 600, headDim: 8),
                                          causal: true, softmaxScale: nil)
-        XCTAssertEqual(short.split?.chunks, 10)
+        XCTAssertEqual(short.cpuSplit?.chunks, 10)
         var rng = Normal16(seed: 5)
         let q = rng.next(BufferRole.q.elementCount(for: short)), k = rng.next(BufferRole.k.elementCount(for: short))
         let v = rng.next(BufferRole.k.elementCount(for: short))
@@ -299,7 +299,7 @@ private func forward(_ context: Context, _ p: Problem, q: [Float16], k: [Float16
             try v.withUnsafeBytes { v in
                 try out.withUnsafeMutableBytes { out in
                     try lse.withUnsafeMutableBytes { lse in
-                        try context.run(DispatchPlan.forward(p), buffers: forwardBuffers(p, q, k, v, out, lse))
+                        try context.run(.forward, p, buffers: forwardBuffers(p, q, k, v, out, lse))
                     }
                 }
             }
@@ -324,13 +324,13 @@ private func forwardAndBackward(_ context: Context, _ p: Problem, q: [Float16], 
                                 try dk.withUnsafeMutableBytes { dk in
                                     try dv.withUnsafeMutableBytes { dv in
                                         let f = forwardBuffers(p, q, k, v, out, lse)
-                                        try context.run(DispatchPlan.forward(p), buffers: f)
+                                        try context.run(.forward, p, buffers: f)
                                         var b = f
                                         b.bindInput(.dout, dout.baseAddress!, for: p)
                                         b.bindOutput(.dq, dq.baseAddress!, for: p)
                                         b.bindOutput(.dk, dk.baseAddress!, for: p)
                                         b.bindOutput(.dv, dv.baseAddress!, for: p)
-                                        try context.run(DispatchPlan.backward(p), buffers: b)
+                                        try context.run(.backward, p, buffers: b)
                                     }
                                 }
                             }
@@ -368,12 +368,12 @@ private func modifiedOutputs(_ context: Context, _ p: Problem, q: [Float16], k: 
                                 sinks.withUnsafeBytes { f.bindInput(.sinks, $0.baseAddress!, for: p) }
                                 f.bindOutput(.out, out.baseAddress!, for: p)
                                 f.bindOutput(.lse, lse.baseAddress!, for: p)
-                                try context.run(DispatchPlan.forward(p), buffers: f)
+                                try context.run(.forward, p, buffers: f)
                                 f.bindOutput(.dq, dq.baseAddress!, for: p)
                                 f.bindOutput(.dk, dk.baseAddress!, for: p)
                                 f.bindOutput(.dv, dv.baseAddress!, for: p)
                                 f.bindOutput(.dsinks, ds.baseAddress!, for: p)
-                                try context.run(DispatchPlan.backward(p), buffers: f)
+                                try context.run(.backward, p, buffers: f)
                             }
                         }
                     }

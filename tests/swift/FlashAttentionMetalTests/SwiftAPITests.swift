@@ -117,7 +117,7 @@ final class SwiftAPITests: XCTestCase {
                         buffers.bindInput(.v, k.baseAddress!, for: problem)
                         buffers.bindOutput(.out, o.baseAddress!, for: problem)
                         buffers.bindOutput(.lse, l.baseAddress!, for: problem)
-                        XCTAssertThrowsError(try context.run(DispatchPlan.forward(problem), buffers: buffers)) {
+                        XCTAssertThrowsError(try context.run(.forward, problem, buffers: buffers)) {
                             XCTAssertEqual($0 as? FlashAttentionError, .executionFailed("injected failure"))
                         }
                     }

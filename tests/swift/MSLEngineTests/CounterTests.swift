@@ -53,6 +53,27 @@ final class CounterTests: XCTestCase {
         XCTAssertEqual(storm.stats.threadgroup_barriers, 3 * 7)
     }
 
+    /// Device reads are counted per buffer only when the calling thread asked for it
+    /// (msl_engine_count_device_reads); otherwise the counts stay zero. Matrix products and
+    /// barriers are counted either way (above).
+    func testDeviceReadsAreCountedOnlyWhenAsked() {
+        defer { msl_engine_count_device_reads(0) }
+        let n = 96
+        let input = HostBuffer<Float>((0..<n).map(Float.init))
+        for (counting, workers): (Int32, UInt32) in [(1, 1), (1, 2), (0, 2), (1, 2)] {
+            msl_engine_set_worker_count(workers)
+            msl_engine_count_device_reads(counting)
+            let out = HostBuffer<Float>(count: n, zero: -1)
+            let r = withExtendedLifetime(input) {
+                dispatch("counted_reads", [input.binding, out.binding], groups: (3, 1, 1), threads: (32, 1, 1))
+            }
+            XCTAssertEqual(r.status, MSL_ENGINE_SUCCESS, r.message)
+            XCTAssertEqual(out.values, input.values)
+            XCTAssertEqual(r.stats.device_bytes_read.0, counting == 1 ? UInt64(4 * n) : 0, "counting \(counting)")
+            XCTAssertEqual(r.stats.device_bytes_read.1, 0, "out is only written")
+        }
+    }
+
     /// The counters belong to the calling thread's last dispatch: a failed lookup resets them.
     func testCountersDescribeOnlyTheLastDispatch() {
         let out = HostBuffer<Float>(count: 32, zero: 0), rounds = HostBuffer<UInt32>([2])

@@ -69,6 +69,23 @@ final class FunctionConstantTests: XCTestCase {
         XCTAssertTrue(none.message.contains("'fc_use_count' (index 0, bool)"), none.message)
     }
 
+    /// Each dispatch reads its own constants: values a worker cached for an earlier dispatch are
+    /// neither reused nor taken for set.
+    func testAnEarlierDispatchsConstantsAreNotReused() {
+        let (first, out) = run([uint(5, 1000), bool(0, true)])
+        XCTAssertEqual(first.status, MSL_ENGINE_SUCCESS, first.message)
+        XCTAssertEqual(out, (0..<threads).map { 1000 + $0 })
+        let (second, changed) = run([bool(0, true), uint(5, 7)])
+        XCTAssertEqual(second.status, MSL_ENGINE_SUCCESS, second.message)
+        XCTAssertEqual(changed, (0..<threads).map { 7 + $0 })
+        let (missing, _) = run([bool(0, true)])
+        assertFailure(missing, MSL_ENGINE_FUNCTION_CONSTANT_UNSET, kernel: "function_constant_reader", sites: [])
+        let (retyped, _) = run([bool(0, true), bool(5, true)])
+        assertFailure(retyped, MSL_ENGINE_FUNCTION_CONSTANT_UNSET, kernel: "function_constant_reader", sites: [])
+        XCTAssertTrue(retyped.message.contains("'fc_count' (index 5) as uint, but the dispatch sets it as bool"),
+                      retyped.message)
+    }
+
     func testAConstantSetWithAnotherTypeFailsTheDispatch() {
         let (result, _) = run([uint(0, 1), uint(5, 3)])
         assertFailure(result, MSL_ENGINE_FUNCTION_CONSTANT_UNSET, kernel: "function_constant_reader", sites: [])

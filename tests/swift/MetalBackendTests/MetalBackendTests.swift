@@ -47,7 +47,7 @@ final class MetalBackendTests: XCTestCase {
                         f.bindInput(.v, v.baseAddress!, for: p)
                         f.bindOutput(.out, out.baseAddress!, for: p)
                         f.bindOutput(.lse, lse.baseAddress!, for: p)
-                        try context.run(DispatchPlan.forward(p), buffers: f)
+                        try context.run(.forward, p, buffers: f)
                         pieces.append(context.lastProfile?.commandBuffers ?? 0)
                         var b = f
                         b.bindInput(.out, out.baseAddress!, for: p)
@@ -56,7 +56,7 @@ final class MetalBackendTests: XCTestCase {
                         b.bindOutput(.dq, dq.baseAddress!, for: p)
                         b.bindOutput(.dk, dk.baseAddress!, for: p)
                         b.bindOutput(.dv, dv.baseAddress!, for: p)
-                        try context.run(DispatchPlan.backward(p), buffers: b)
+                        try context.run(.backward, p, buffers: b)
                         pieces.append(context.lastProfile?.commandBuffers ?? 0)
                     } }
                 } }
@@ -72,12 +72,12 @@ final class MetalBackendTests: XCTestCase {
         for causal in [false, true] {
             let p = try Problem.validate(shape, causal: causal, softmaxScale: nil)
             let reference = try run(Context(backend: try CPUBackend()), p, seed: causal ? 1 : 2)
-            let unit = DispatchPlan.forward(p).flopsPerUnit
+            let unit = try DispatchPlan.make(.forward, p, device: nil).flopsPerUnit
             for budget in [unit, 2 * unit, MetalBackend.defaultFlopsPerCommandBuffer] {
                 let metal = try run(Context(backend: try MetalBackend(flopsPerCommandBuffer: budget)), p,
                                     seed: causal ? 1 : 2)
                 XCTAssertEqual(metal.bits, reference.bits, "causal \(causal), \(budget) FLOP per command buffer")
-                XCTAssertEqual(metal.pieces, [DispatchPlan.forward(p), DispatchPlan.backward(p)].map {
+                XCTAssertEqual(metal.pieces, [try DispatchPlan.make(.forward, p, device: nil), try DispatchPlan.make(.backward, p, device: nil)].map {
                     $0.pieces(maxFlops: budget).count
                 })
             }
@@ -93,11 +93,11 @@ final class MetalBackendTests: XCTestCase {
                                      causal: true, softmaxScale: nil,
                                      options: AttentionOptions(windowLeft: 40, windowRight: -1))
         let reference = try run(Context(backend: try CPUBackend()), p, seed: 4)
-        let unit = DispatchPlan.forward(p).flopsPerUnit
+        let unit = try DispatchPlan.make(.forward, p, device: nil).flopsPerUnit
         for budget in [1, unit / 2] {
             let metal = try run(Context(backend: try MetalBackend(flopsPerCommandBuffer: budget)), p, seed: 4)
             XCTAssertEqual(metal.bits, reference.bits, "\(budget) FLOP per command buffer")
-            let expected = [DispatchPlan.forward(p), DispatchPlan.backward(p)].map { $0.pieces(maxFlops: budget).count }
+            let expected = [try DispatchPlan.make(.forward, p, device: nil), try DispatchPlan.make(.backward, p, device: nil)].map { $0.pieces(maxFlops: budget).count }
             XCTAssertEqual(metal.pieces, expected)
             XCTAssertGreaterThan(expected[0], 1)
         }
@@ -159,7 +159,7 @@ final class MetalBackendTests: XCTestCase {
         (d.kv_cache_rows, d.kv_max_blocks, d.kv_num_blocks) = (16, 3, 3)
         d.kv_block_table = UnsafePointer(bitPattern: 4)
         let p = try Problem.validate(d)
-        let plan = DispatchPlan.forward(p)
+        let plan = try DispatchPlan.make(.forward, p, device: nil)
         let page = AttentionKVCache.pageBytes
         XCTAssertNotEqual(BufferRole.k.byteCount(for: p) % page, 0)
         let memory = try AttentionKVCache.allocate(byteCount: 8 * page)

@@ -19,7 +19,7 @@
 // Here: no element of an output buffer outside the output tensors' views may change, and a second
 // run with differently poisoned output buffers must be bit-identical (determinism, and no output
 // element left unwritten). With --dump, each case's inputs and outputs go to a folder (dump.h)
-// that tools/gpu/judge.py judges with the Python package's float64 reference and accuracy rule
+// that tests/cuda/judge.py judges with the Python package's float64 reference and accuracy rule
 // (the dtype's baseline; rows that see no key must give out 0, dq 0 and lse -inf, sinks[h] with
 // sinks).
 //

@@ -11,7 +11,7 @@ compiles the kernels at (MSL_VERSIONS: the Swift host 3.0 or 3.1, PyTorch's comp
 later, MLX the newest its SDK has, up to 4.1), with __HAVE_BFLOAT__ from 3.1 as Apple's compiler
 defines it, so that every preprocessor path of the kernels is compiled.
 
-Usage: tools/check_address_spaces.py [--clang PATH] [FILE.metal ...]   (default: Shaders/*.metal)
+Usage: tests/static/check_address_spaces.py [--clang PATH] [FILE.metal ...]   (default: Shaders/*.metal)
 Exit status: 0 all compiled, 1 a compile error or a kernel not emitted, 2 no usable clang.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADER_DIR = ROOT / "tools" / "clcpp"
 KERNEL_DEFINITION = re.compile(r"\b(?:__)?kernel\s+void\s+(\w+)\s*\(")
 EMITTED_KERNEL = re.compile(r"^define\b[^@]*\bspir_kernel\b[^@]*@\"?([\w.$]+)\"?\(", re.MULTILINE)

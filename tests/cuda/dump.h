@@ -1,4 +1,4 @@
-// The check programs' results on disk, for tools/gpu/judge.py to judge with the Python package's
+// The check programs' results on disk, for tests/cuda/judge.py to judge with the Python package's
 // float64 reference and accuracy rule (python/flash_attention_metal/reference.py, accuracy.py): the
 // rule is written once. A dump folder holds cases.txt, one line per case:
 //   NAME DTYPE BATCH HEADS KV_HEADS SEQLEN_Q SEQLEN_K HEAD_DIM HEAD_DIM_V CAUSAL SCALE

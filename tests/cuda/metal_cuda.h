@@ -4,13 +4,13 @@
 // SIMD-group = 32-lane warp); only spellings differ, and this header maps them.
 //
 // One word cannot be a macro: CUDA's __device__ expands to __location__(device), so defining
-// `device` would break every CUDA declaration after it. tools/gpu_check.sh therefore rewrites the
+// `device` would break every CUDA declaration after it. tests/cuda/gpu_check.sh therefore rewrites the
 // MSL address-space word `device` to `fa_device` in a copy of the sources (sed 's/\bdevice\b/...')
 // before compiling; the files in Shaders/ stay untouched.
 //
 // MSL kernels receive their built-ins (threadgroup_position_in_grid, thread_index_in_threadgroup,
 // simdgroup_index_in_threadgroup, thread_index_in_simdgroup) as parameters, which a CUDA
-// __global__ function cannot. So `kernel` becomes __device__ and tools/gpu/kernels.cu generates
+// __global__ function cannot. So `kernel` becomes __device__ and tests/cuda/kernels.cu generates
 // thin __global__ launchers passing blockIdx, threadIdx.x, threadIdx.x / 32 and threadIdx.x % 32.
 // Attributes such as [[buffer(0)]] are unknown to nvcc and ignored (C++11 [dcl.attr.grammar]).
 //

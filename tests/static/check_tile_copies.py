@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The structure of the kernels' tile copies, checked in the LLVM IR that clang makes of them.
 
-Compiles the kernels as tools/check_address_spaces.py does (C++ for OpenCL 2021, SPIR target, the
+Compiles the kernels as tests/static/check_address_spaces.py does (C++ for OpenCL 2021, SPIR target, the
 <metal_stdlib> of tools/clcpp), at -O2 with line tables, and attributes every instruction to the
 innermost source function it came from (the debug scopes survive inlining). Then it requires of the
 code of the 16-byte tile copies, `copy_tile` and `copy_paired` (the paired layout) in
@@ -23,7 +23,7 @@ fragment path (issue 21, item 7):
 Structure, not exact counts: any clang from 14 on gives the same verdict. Exit status: 0 the
 structure holds, 1 it does not (each finding printed), 2 no usable clang.
 
-Usage: tools/check_tile_copies.py [--clang PATH] [FILE.metal]   (default: Shaders/flash_attention.metal)
+Usage: tests/static/check_tile_copies.py [--clang PATH] [FILE.metal]   (default: Shaders/flash_attention.metal)
 """
 from __future__ import annotations
 

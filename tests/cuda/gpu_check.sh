@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # Second execution of the kernels of Shaders/ on an NVIDIA GPU (issue 7): builds
-# Shaders/flash_attention.metal as CUDA through tools/gpu/metal_cuda.h, runs the accuracy grid of
-# tools/gpu/harness.cu, which dumps every case's inputs and GPU outputs for tools/gpu/judge.py to
+# Shaders/flash_attention.metal as CUDA through tests/cuda/metal_cuda.h, runs the accuracy grid of
+# tests/cuda/harness.cu, which dumps every case's inputs and GPU outputs for tests/cuda/judge.py to
 # judge with the Python package's float64 reference and accuracy rule (python/flash_attention_metal/
 # reference.py and accuracy.py, the rule's one definition), then compute-sanitizer memcheck,
 # racecheck, synccheck and initcheck on the small grid. Prints one summary line per tool and exits non-zero on
 # any mismatch, error, hazard, crash or timeout. Not part of ./build.sh test: CI has no GPU.
 #
-# Before that, tools/gpu/matrix_check.cu runs the CPU engine's SIMD-group matrix test kernels
+# The plan-fed replay (issue 35) runs the same grids through the library's exported plans:
+# tests/cuda/cases.py writes each case's plans (fa_plan_create, on a machine with the library) and
+# inputs, tests/cuda/replay.cu launches every dispatch as the plan gives it (launch_table.cu maps a
+# kernel name to its launcher) and judge.py judges the dump; the sanitizers and the planted faults
+# run over it too. The plans come from FA_GPU_PLANS (a folder with small.json and full.json that
+# `tests/cuda/cases.py plan` wrote, for a GPU machine without the library) or are made here.
+#
+# Before that, tests/cuda/matrix_check.cu runs the CPU engine's SIMD-group matrix test kernels
 # (tests/kernels/matrix.metal) through metal_cuda.h's warp-shuffle emulation. Two planted faults
 # afterwards show that the checks can fail: the kernels built with every threadgroup_barrier
 # deleted must make racecheck report hazards, and built with exp2 replaced by exp (the kernels'
@@ -15,36 +22,44 @@
 # accuracy judgement report mismatches. A detector that misses its fault fails the run too, and so
 # does a planted fault that no longer changes the kernel source.
 #
-# Opt-in, --large: tools/gpu/large_offsets.cu runs forward and the backward's delta, lse residual
+# Opt-in, --large: tests/cuda/large_offsets.cu runs forward and the backward's delta, lse residual
 # and dQ dispatches on q, out, dout and dq of more than 2^32 elements (seqlen_q 2^25 + 5, head_dim
 # 128; about 35 GB of device memory) and dumps sampled rows, those past element 2^32 included, for
 # judge.py. Its planted fault, the kernels built with every ulong replaced by
 # uint (32-bit offsets), must fail it.
 # --large-only builds and runs just that step (and its planted fault).
 #
-# Usage: tools/gpu_check.sh [--no-bench] [--no-mutants] [--large | --large-only]
+# --replay-only skips the harness's steps (the replay's and the matrix check stay).
+#
+# Usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only]
 # Environment:
 #   NVCC               nvcc to use (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc)
 #   COMPUTE_SANITIZER  compute-sanitizer to use (default: next to nvcc, else on PATH)
 #   FA_GPU_ARCH        -arch value (default: native; e.g. sm_90 to build where no GPU is visible)
 #   FA_GPU_BUILD_DIR   build folder (default: a new temporary folder, kept for its logs)
+#   FA_GPU_PLANS       folder of small.json and full.json (tests/cuda/cases.py plan); default: made
+#                      here with the Python package and the library ./build.sh built
 # Needs: bash, GNU sed, timeout (coreutils), a C++17 host compiler that nvcc accepts, python3 with
 # numpy and ml_dtypes (judge.py).
 set -uo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-GPU_DIR="$ROOT/tools/gpu"
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+GPU_DIR="$ROOT/tests/cuda"
 BENCH=1
 MUTANTS=1
 LARGE=0     # the 2^32-element step (large_offsets.cu)
 DEFAULT=1   # the default steps: reference check, accuracy grid, sanitizers, planted faults, bench
+HARNESS=1   # the harness's steps (--replay-only: only the plan-fed replay's)
+REPLAY=1    # the plan-fed replay's steps (0 when there are no plans)
+NO_PLANS=""
 for arg in "$@"; do
     case "$arg" in
         --no-bench) BENCH=0 ;;
         --no-mutants) MUTANTS=0 ;;
         --large) LARGE=1 ;;
         --large-only) LARGE=1; DEFAULT=0 ;;
-        *) echo "gpu_check: unknown argument '$arg' (usage: tools/gpu_check.sh [--no-bench] [--no-mutants] [--large | --large-only])" >&2
+        --replay-only) HARNESS=0 ;;
+        *) echo "gpu_check: unknown argument '$arg' (usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only])" >&2
            exit 2 ;;
     esac
 done
@@ -63,7 +78,7 @@ if [ "$DEFAULT" = 1 ]; then
 fi
 command -v timeout >/dev/null || die "timeout (coreutils) not found"
 python3 -c 'import numpy, ml_dtypes' 2>/dev/null \
-    || die "python3 with numpy and ml_dtypes not found (tools/gpu/judge.py judges the results with them)"
+    || die "python3 with numpy and ml_dtypes not found (tests/cuda/judge.py judges the results with them)"
 ARCH=${FA_GPU_ARCH:-native}
 BUILD=${FA_GPU_BUILD_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/fa-gpu-check.XXXXXX")}
 mkdir -p "$BUILD" || die "cannot create $BUILD"
@@ -96,15 +111,45 @@ copy_sources() {
 }
 
 # Compiles the kernels of source folder $1 into object $2 (slow: every head-dim bucket, fully
-# unrolled loops; its log holds ptxas' register and spill report).
+# unrolled loops; its log holds ptxas' register and spill report): kernels.cu's launchers and
+# launch_table.cu's table by name, one object for the harness and the replay.
 compile_kernels() {
-    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/kernels.cu" -o "$2" >"$2.log" 2>&1
+    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$2" >"$2.log" 2>&1
 }
 
 SECONDS=0
+if [ "$DEFAULT" = 1 ]; then
+    # The replay's cases: the library's plans (here, or FA_GPU_PLANS) and the inputs (numpy).
+    # Without plans the harness's steps still run and the replay's count as one failure.
+    PLANS=${FA_GPU_PLANS:-$BUILD/plans}
+    if [ -z "${FA_GPU_PLANS:-}" ]; then
+        mkdir -p "$PLANS"
+        for grid in small full; do
+            if ! PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" python3 "$GPU_DIR/cases.py" plan "$grid" \
+                "$PLANS/$grid.json" >"$BUILD/plans-$grid.log" 2>&1; then
+                tail -n 3 "$BUILD/plans-$grid.log" >&2
+                NO_PLANS="cannot export the plans here (build the library with ./build.sh, or set FA_GPU_PLANS)"
+            fi
+        done
+    elif [ ! -f "$PLANS/small.json" ] || [ ! -f "$PLANS/full.json" ]; then
+        NO_PLANS="FA_GPU_PLANS ($PLANS) lacks small.json or full.json"
+    fi
+    if [ -n "$NO_PLANS" ]; then
+        echo "gpu_check: $NO_PLANS: the replay's steps do not run" >&2
+        REPLAY=0
+        [ "$HARNESS" = 1 ] || die "$NO_PLANS"
+    fi
+fi
 copy_sources "$BUILD/src" || die "cannot copy Shaders/ into $BUILD/src"
 compile_kernels "$BUILD/src" "$BUILD/kernels.o" &
 build_jobs=("$!")
+if [ "$DEFAULT" = 1 ] && [ "$REPLAY" = 1 ]; then
+    # The replay's inputs and case files, while the kernels compile (logs: cases-*.o.log).
+    for grid in small full; do
+        python3 "$GPU_DIR/cases.py" write "$PLANS/$grid.json" "$BUILD/cases-$grid" >"$BUILD/cases-$grid.o.log" 2>&1 &
+        build_jobs+=("$!")
+    done
+fi
 if [ "$DEFAULT" = 1 ]; then
     # The engine's SIMD-group matrix test kernels, for matrix_check.cu.
     copy_metal "$BUILD/tests" "" "$ROOT/tests/kernels/matrix.metal" || die "cannot copy matrix.metal"
@@ -126,22 +171,23 @@ if [ "$LARGE" = 1 ] && [ "$MUTANTS" = 1 ]; then
     compile_kernels "$BUILD/offset32" "$BUILD/kernels-offset32.o" &
     build_jobs+=("$!")
 fi
-compile_host() {  # compile_host UNIT: compiles tools/gpu/UNIT into $BUILD/host-UNIT.o
+compile_host() {  # compile_host UNIT: compiles tests/cuda/UNIT into $BUILD/host-UNIT.o
     local object="$BUILD/host-${1%.*}.o"
     "$NVCC" "${FLAGS[@]}" -I"$BUILD/src" -c "$GPU_DIR/$1" -o "$object" >"$object.log" 2>&1 \
-        || { cat "$object.log" >&2; die "compiling tools/gpu/$1 failed"; }
+        || { cat "$object.log" >&2; die "compiling tests/cuda/$1 failed"; }
 }
 compile_host layout.cpp  # the harness's and large_offsets.cu's
 if [ "$DEFAULT" = 1 ]; then
     compile_host harness.cu
+    compile_host replay.cu
     compile_host cases.cpp
     compile_host varlen_cases.cu
     compile_host kv_cache_cases.cu
 fi
 [ "$LARGE" = 1 ] && compile_host large_offsets.cu
 for job in "${build_jobs[@]}"; do
-    wait "$job" || { cat "$BUILD"/kernels*.o.log "$BUILD"/matrix_check.o.log 2>/dev/null >&2
-                     die "compiling the kernels or matrix_check.cu failed"; }
+    wait "$job" || { cat "$BUILD"/kernels*.o.log "$BUILD"/matrix_check.o.log "$BUILD"/cases-*.o.log 2>/dev/null >&2
+                     die "compiling the kernels or matrix_check.cu, or writing the cases, failed"; }
 done
 link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
     local kernels=$1 executable=$2 unit objects=()
@@ -153,9 +199,12 @@ link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
 }
 if [ "$DEFAULT" = 1 ]; then
     link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout varlen_cases kv_cache_cases
+    link "$BUILD/kernels.o" "$BUILD/replay" replay
     if [ "$MUTANTS" = 1 ]; then
         link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout varlen_cases kv_cache_cases
         link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout varlen_cases kv_cache_cases
+        link "$BUILD/kernels-no-barrier.o" "$BUILD/replay-no-barrier" replay
+        link "$BUILD/kernels-exp.o" "$BUILD/replay-exp" replay
     fi
 fi
 if [ "$LARGE" = 1 ]; then
@@ -199,22 +248,35 @@ if [ "$DEFAULT" = 1 ]; then
     # Accuracy grid: the harness checks determinism and writes outside the views ("cuda-harness: N
     # cases, M failures") and dumps every case; judge.py applies the accuracy rule ("cuda-accuracy:
     # N cases, M mismatches").
-    run_checked_step cuda-harness "$BUILD/harness.log" "$BUILD/harness" --dump "$(fresh_dump full)"
-    run_checked_step cuda-accuracy "$BUILD/accuracy.log" python3 "$GPU_DIR/judge.py" "$BUILD/dump-full"
+    if [ "$HARNESS" = 1 ]; then
+        run_checked_step cuda-harness "$BUILD/harness.log" "$BUILD/harness" --dump "$(fresh_dump full)"
+        run_checked_step cuda-accuracy "$BUILD/accuracy.log" python3 "$GPU_DIR/judge.py" "$BUILD/dump-full"
+    fi
+    # The same through the library's plans: the replay checks determinism and writes outside the
+    # outputs ("cuda-replay: N cases, M failures") and dumps next to the cases' inputs.
+    if [ "$REPLAY" = 1 ]; then
+        rm -f "$BUILD/cases-full/cases.txt"
+        run_checked_step cuda-replay "$BUILD/replay.log" "$BUILD/replay" "$BUILD/cases-full" --dump "$BUILD/cases-full"
+        run_checked_step cuda-replay-accuracy "$BUILD/replay-accuracy.log" \
+            python3 "$GPU_DIR/judge.py" --name cuda-replay-accuracy "$BUILD/cases-full"
+    else
+        summaries+=("cuda-replay: NOT RUN ($NO_PLANS)")
+        failures=$((failures + 1))
+    fi
 
-    # Runs harness $2 under compute-sanitizer tool $1 (limit $3 seconds, tool options after that),
-    # writing $BUILD/$LOG_NAME.log, and sets: SAN_STATUS (exit status, 124 on timeout), SAN_CASES
-    # ("N cases, M failures" of the harness's own checks), SAN_ERRORS (ERROR SUMMARY count), SAN_HAZARDS (racecheck's
-    # "N hazards (E errors, W warnings)").
+    # Runs program $2 under compute-sanitizer tool $1 (limit $3 seconds, tool options after that)
+    # with PROGRAM_ARGS, writing $BUILD/$LOG_NAME.log, and sets: SAN_STATUS (exit status, 124 on
+    # timeout), SAN_CASES ("N cases, M failures" of the program's own checks), SAN_ERRORS (ERROR
+    # SUMMARY count), SAN_HAZARDS (racecheck's "N hazards (E errors, W warnings)").
     sanitize() {
-        local tool=$1 harness=$2 limit=$3
+        local tool=$1 program=$2 limit=$3
         shift 3
         local log="$BUILD/$LOG_NAME.log"
-        echo "gpu_check: compute-sanitizer --tool $tool $(basename "$harness") $HARNESS_ARGS (log: $log)"
-        # shellcheck disable=SC2086  # HARNESS_ARGS is a list of words on purpose
-        timeout "$limit" "$COMPUTE_SANITIZER" --tool "$tool" "$@" "$harness" $HARNESS_ARGS >"$log" 2>&1
+        echo "gpu_check: compute-sanitizer --tool $tool $(basename "$program") $PROGRAM_ARGS (log: $log)"
+        # shellcheck disable=SC2086  # PROGRAM_ARGS is a list of words on purpose
+        timeout "$limit" "$COMPUTE_SANITIZER" --tool "$tool" "$@" "$program" $PROGRAM_ARGS >"$log" 2>&1
         SAN_STATUS=$?
-        SAN_CASES=$(sed -nE 's/^cuda-harness: ([0-9]+ cases, [0-9]+ failures).*/\1/p' "$log" | tail -n 1)
+        SAN_CASES=$(sed -nE 's/^cuda-(harness|replay): ([0-9]+ cases, [0-9]+ failures).*/\2/p' "$log" | tail -n 1)
         SAN_ERRORS=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$log" | tail -n 1)
         # racecheck prints "RACECHECK SUMMARY: D hazards displayed (E errors, W warnings)", where D is
         # capped by the print limit; E + W counts them all.
@@ -228,22 +290,22 @@ if [ "$DEFAULT" = 1 ]; then
         fi
     }
 
-    # One sanitizer step on the small grid: passes when the harness passes under the tool and the
+    # One sanitizer step on the small grid: passes when the program passes under the tool and the
     # tool's summaries report nothing (the accuracy of these kernels is judged on the full grid).
-    check_tool() {  # check_tool TOOL LIMIT [tool options]
-        local tool=$1 limit=$2
-        shift 2
+    check_tool() {  # check_tool LABEL PROGRAM TOOL LIMIT [tool options], PROGRAM_ARGS set
+        local label=$1 program=$2 tool=$3 limit=$4
+        shift 4
         SECONDS=0
-        LOG_NAME=$tool HARNESS_ARGS="--small --once" sanitize "$tool" "$BUILD/harness" "$limit" "$@"
+        LOG_NAME=$label sanitize "$tool" "$program" "$limit" "$@"
         local ok=1 summary
         if [ "$SAN_STATUS" = 124 ]; then
-            summary="$tool: TIMEOUT after $limit s"
+            summary="$label: TIMEOUT after $limit s"
             ok=0
         elif [ -z "$SAN_CASES" ] || { [ -z "$SAN_ERRORS" ] && [ -z "$SAN_HAZARDS" ]; }; then
-            summary="$tool: incomplete run (exit status $SAN_STATUS; see $BUILD/$tool.log)"
+            summary="$label: incomplete run (exit status $SAN_STATUS; see $BUILD/$label.log)"
             ok=0
         else
-            summary="$tool: $SAN_CASES"
+            summary="$label: $SAN_CASES"
             [ -n "$SAN_ERRORS" ] && summary="$summary, $SAN_ERRORS errors"
             [ -n "$SAN_HAZARDS" ] && summary="$summary, $SAN_HAZARDS"
             [ "$SAN_STATUS" = 0 ] || ok=0
@@ -252,42 +314,65 @@ if [ "$DEFAULT" = 1 ]; then
             case "$SAN_CASES" in *", 0 failures") ;; *) ok=0 ;; esac
         fi
         grep -E '^(FAIL|========= +[A-Z][a-z]+.*(hazard|Invalid|Barrier|Uninitialized|Leaked|error))' \
-            "$BUILD/$tool.log" | head -n 20
+            "$BUILD/$label.log" | head -n 20
         [ "$ok" = 1 ] || failures=$((failures + 1))
         summaries+=("$summary (${SECONDS}s)")
     }
-    check_tool memcheck 150 --leak-check full
-    check_tool racecheck 150 --racecheck-report all
-    check_tool synccheck 120
-    check_tool initcheck 120
+    # Runs the four tools over PROGRAM $2 (step names prefixed with $1).
+    check_tools() {
+        check_tool "${1}memcheck" "$2" memcheck 150 --leak-check full
+        check_tool "${1}racecheck" "$2" racecheck 150 --racecheck-report all
+        check_tool "${1}synccheck" "$2" synccheck 120
+        check_tool "${1}initcheck" "$2" initcheck 120
+    }
+    [ "$HARNESS" = 1 ] && PROGRAM_ARGS="--small --once" check_tools "" "$BUILD/harness"
+    [ "$REPLAY" = 1 ] && PROGRAM_ARGS="$BUILD/cases-small --once" check_tools "replay-" "$BUILD/replay"
 
-    if [ "$MUTANTS" = 1 ]; then
-        # Planted race: no barriers at all. One small case suffices; racecheck must see hazards.
+    # Planted race: no barriers at all. One small case suffices; racecheck must see hazards. $1:
+    # the program, $2: its arguments.
+    planted_race() {
+        local log_name="mutant-$(basename "$1")"
         SECONDS=0
-        LOG_NAME=mutant-no-barrier HARNESS_ARGS="--small --once --case d1_" \
-            sanitize racecheck "$BUILD/harness-no-barrier" 150 --racecheck-report all
+        LOG_NAME=$log_name PROGRAM_ARGS="$2" sanitize racecheck "$1" 150 --racecheck-report all
         if [ -n "$SAN_HAZARDS" ] && [ "${SAN_HAZARDS%% *}" != 0 ]; then
-            summaries+=("planted race (no barriers): racecheck found $SAN_HAZARDS, as it must (${SECONDS}s)")
+            summaries+=("planted race (no barriers, $(basename "$1")): racecheck found $SAN_HAZARDS, as it must (${SECONDS}s)")
         else
-            summaries+=("planted race (no barriers): racecheck MISSED it (${SAN_HAZARDS:-no summary}; see $BUILD/mutant-no-barrier.log)")
+            summaries+=("planted race (no barriers, $(basename "$1")): racecheck MISSED it (${SAN_HAZARDS:-no summary}; see $BUILD/$log_name.log)")
             failures=$((failures + 1))
         fi
-        # Planted arithmetic fault: exp2 -> exp. The accuracy judgement must report mismatches.
+    }
+    # Planted arithmetic fault: exp2 -> exp. The accuracy judgement must report mismatches. $1: the
+    # program's step name (cuda-harness or cuda-replay), $2: the dump folder, then the command.
+    planted_exp() {
+        local name=$1 dump=$2 log="$BUILD/mutant-exp-$1.log"
+        shift 2
         SECONDS=0
-        timeout 120 "$BUILD/harness-exp" --small --once --dump "$(fresh_dump exp)" >"$BUILD/mutant-exp.log" 2>&1
-        python3 "$GPU_DIR/judge.py" "$BUILD/dump-exp" >>"$BUILD/mutant-exp.log" 2>&1
-        line=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$BUILD/mutant-exp.log")
+        timeout 120 "$@" >"$log" 2>&1
+        python3 "$GPU_DIR/judge.py" "$dump" >>"$log" 2>&1
+        line=$(sed -nE 's/^cuda-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' "$log")
         # Counts only when the cases ran and the rule, not a CUDA error, rejected them.
         if [[ "$line" =~ ^([1-9][0-9]*)\ cases,\ ([1-9][0-9]*)\ mismatches$ ]] \
-            && grep -q '^cuda-harness: [1-9][0-9]* cases, 0 failures' "$BUILD/mutant-exp.log"; then
-            summaries+=("planted fault (exp2 -> exp): accuracy check found $line, as it must (${SECONDS}s)")
+            && grep -q "^$name: [1-9][0-9]* cases, 0 failures" "$log"; then
+            summaries+=("planted fault (exp2 -> exp, $name): accuracy check found $line, as it must (${SECONDS}s)")
         else
-            summaries+=("planted fault (exp2 -> exp): accuracy check MISSED it (${line:-no summary}; see $BUILD/mutant-exp.log)")
+            summaries+=("planted fault (exp2 -> exp, $name): accuracy check MISSED it (${line:-no summary}; see $log)")
             failures=$((failures + 1))
+        fi
+    }
+    if [ "$MUTANTS" = 1 ]; then
+        if [ "$HARNESS" = 1 ]; then
+            planted_race "$BUILD/harness-no-barrier" "--small --once --case d1_"
+            planted_exp cuda-harness "$BUILD/dump-exp" "$BUILD/harness-exp" --small --once --dump "$(fresh_dump exp)"
+        fi
+        if [ "$REPLAY" = 1 ]; then
+            planted_race "$BUILD/replay-no-barrier" "$BUILD/cases-small --once --case d1_"
+            rm -f "$BUILD/cases-small/cases.txt"
+            planted_exp cuda-replay "$BUILD/cases-small" "$BUILD/replay-exp" "$BUILD/cases-small" --once \
+                --dump "$BUILD/cases-small"
         fi
     fi
 
-    if [ "$BENCH" = 1 ]; then
+    if [ "$BENCH" = 1 ] && [ "$HARNESS" = 1 ]; then
         # Throughput of these kernels on an H200: describes their structure, not Apple GPUs.
         timeout 120 "$BUILD/harness" --bench 2>&1 | tee "$BUILD/bench.log" \
             || echo "gpu_check: bench did not finish (not a failure)"

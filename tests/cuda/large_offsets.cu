@@ -19,7 +19,7 @@
 // and signed-int boundaries); 2^25 - 2 .. 2^25 + 4 around the 2^32-element boundary (the last
 // rows); a few seeded random rows. Their q and dout rows are read back from the device and, with
 // the GPU's out, lse and dq of those rows, written into a dump folder (dump.h) as one problem of
-// the sampled rows (causal off: rows are independent given k and v), which tools/gpu/judge.py
+// the sampled rows (causal off: rows are independent given k and v), which tests/cuda/judge.py
 // judges with the Python package's reference and accuracy rule (bound = factor * max|base - ref|
 // over the sampled rows together; lse per row). A 32-bit write offset of row 2^25 + i lands in
 // row i: row i then holds another row's result and row 2^25 + i keeps its NaN poison, both caught.

@@ -1,5 +1,5 @@
 // KV-cache cases of the CUDA check build (issue 24), run by the harness after the varlen cases so
-// that the sanitizer steps of tools/gpu_check.sh run them too. A case fills a cache from seeded
+// that the sanitizer steps of tests/cuda/gpu_check.sh run them too. A case fills a cache from seeded
 // rows, contiguous or paged (pages handed out in shuffled order through a block table, spare
 // blocks between them), of the dtype or in mx.quantize's affine format (4 or 8 bits), and runs
 // the three KV-cache kernels (fa_cuda_kvcache_forward): decode (1 query row), tiled split (12

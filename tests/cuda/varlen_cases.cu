@@ -1,5 +1,5 @@
 // Variable-length batches on the CUDA build (issue 22), run by the harness after its grid so that
-// the sanitizer steps of tools/gpu_check.sh run them too. A case packs sequences of the lengths
+// the sanitizer steps of tests/cuda/gpu_check.sh run them too. A case packs sequences of the lengths
 // below (0 and 1 among them) into one tensor, runs the varlen forward and backward
 // (fa_cuda_varlen_*), and compares every sequence bit for bit with the dense kernels on that
 // sequence alone (fa_cuda_forward and fa_cuda_backward, which the grid checks against the float64

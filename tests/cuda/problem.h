@@ -1,6 +1,6 @@
 // One attention problem of the CUDA check build on the host: its shape, score modifiers and inputs.
 // The harness judges results with python/flash_attention_metal's reference and accuracy rule
-// (tools/gpu/judge.py); this header only describes what it dumps. Plain C++17, no CUDA.
+// (tests/cuda/judge.py); this header only describes what it dumps. Plain C++17, no CUDA.
 #ifndef FA_GPU_PROBLEM_H
 #define FA_GPU_PROBLEM_H
 

@@ -1,15 +1,15 @@
 """Judges the CUDA check programs' results with the Python package's float64 reference and accuracy
 rule (python/flash_attention_metal/reference.py and accuracy.py, the one definition of the rule).
 
-Reads a dump folder that tools/gpu/harness.cu (--dump) or large_offsets.cu wrote (its layout:
-tools/gpu/dump.h) and judges each case: out and lse with ``accuracy.evaluate_forward``; dq, dk,
+Reads a dump folder that tests/cuda/harness.cu (--dump) or large_offsets.cu wrote (its layout:
+tests/cuda/dump.h) and judges each case: out and lse with ``accuracy.evaluate_forward``; dq, dk,
 dv (and dsinks with sinks) with ``accuracy.evaluate_backward`` (only the gradients the case
 dumped: large_offsets runs no dK/dV); a quantized KV cache's out and lse against its float64
 dequantized keys and values (NAME.k_exact, NAME.v_exact: ``evaluate_forward``'s ``exact_kv``); the split-KV forward's out and lse, when dumped, with
 ``evaluate_forward`` again; and rows that see no key must hold out 0, dq 0 and lse -inf (sinks[h]
 with sinks) exactly.
 
-Usage: python3 tools/gpu/judge.py DUMP_FOLDER [--name NAME]
+Usage: python3 tests/cuda/judge.py DUMP_FOLDER [--name NAME]
 Prints one line per case, the worst ratios to base per dtype and "NAME: N cases, M mismatches"
 (NAME defaults to cuda-accuracy); exit status 1 on any mismatch or an empty folder. Needs numpy, and
 ml_dtypes for bfloat16; neither the compiled library nor cffi (the two modules are loaded by path).

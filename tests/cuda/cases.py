@@ -1,0 +1,418 @@
+"""Writes the plan-fed CUDA check's cases: the library's exported plans and seeded inputs, which
+tests/cuda/replay.cu replays on the GPU and tests/cuda/judge.py judges.
+
+Two steps, so that the plans come from the library and the inputs stay off the wire:
+  python3 tests/cuda/cases.py plan {small,full} PLANS.json   (a machine with the library: the plans)
+  python3 tests/cuda/cases.py write PLANS.json FOLDER        (numpy only: inputs and case files)
+
+``plan`` places each case's tensors on the device as the case's layout says (bhsd, bshd, slices of
+a packed qkv tensor, rows with gaps; grid.py), describes them to the library as an ``fa_problem``
+and asks ``flash_attention_metal.plan.create`` for the forward and backward plans (the GPU core
+count of ``fa_plan_create``: FLASH_ATTENTION_GPU_CORES, else the nominal 10-core GPU off Metal), and
+for short queries (at most FA_SPLIT_TILED_MAX_QUERY_ROWS rows) the forward planned for a GPU of
+SPLIT_CORES cores where that plan differs (split-KV, or more chunks), into outputs of its own
+(split_out, split_lse). Nothing here picks a kernel, a grid or a parameter value: every dispatch is
+the library's.
+
+``write`` draws the inputs (N(0, 1) rounded to the dtype, seeded by the case name; masks, ALiBi
+slopes and sinks as cases.h describes; cases.cpp's generator, so the same values as the harness's), writes for each case FOLDER/NAME.case (the binary below)
+and the judge's files (dump.h's format: NAME.q, .k, .v, .dout, .mask, .alibi, .sinks as float32
+in logical order, and the case's cases.txt line in NAME.line).
+
+NAME.case, little-endian:
+  "FACASE1\\n"
+  u32 buffers; per buffer: u64 bytes, u32 kind (0 input: its bytes follow; 1 output; 2 workspace)
+  u32 dispatches; per dispatch: u32 length + kernel name, u32 threadgroups[3], u32 threads[3],
+      u32 params index, u32 length + parameter bytes, u32 bindings; per binding: u32 index,
+      u32 buffer, u64 byte offset
+  u32 outputs; per output: u32 length + name (dump.h's), u32 buffer, u64 element offset,
+      u32 dtype (0 f16, 1 bf16, 2 f32), u32 dims[4], u64 element strides[4]
+Input buffers hold 0xff (NaN in every dtype) outside the tensors' views; the replay poisons output
+and workspace buffers and checks that no output byte outside the outputs' views changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import struct
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import grid  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MAGIC = b"FACASE1\n"
+KINDS = {"input": 0, "output": 1, "workspace": 2}
+DTYPE_CODES = {"f16": 0, "bf16": 1, "f32": 2}
+DTYPE_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
+# The GPU core count of the extra forward of short queries: split-KV, in as many chunks as the keys allow.
+SPLIT_CORES = 4096
+QUERY_ROLES = ("q", "out", "dout", "dq")
+VALUE_ROLES = ("v", "out", "dout", "dv")
+TENSOR_ROLES = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")
+
+
+# ---- plan (needs the library) -------------------------------------------------------------------
+
+def _dims(c: grid.Case, role: str) -> tuple[int, int, int]:
+    """(heads, seqlen, cols) of a tensor role."""
+    query = role in QUERY_ROLES
+    return ((c.num_heads if query else c.num_kv_heads), (c.seqlen_q if query else c.seqlen_k),
+            (c.head_dim_v if role in VALUE_ROLES else c.head_dim))
+
+
+def _place(c: grid.Case) -> dict:
+    """Each tensor role's (buffer name, element offset, (batch, head, seq) strides), as layout.cpp
+    places them; the buffer names of the layout."""
+    placed = {}
+    for role in TENSOR_ROLES:
+        heads, seqlen, cols = _dims(c, role)
+        buffer, offset = role, 0
+        if c.layout == "bhsd":
+            strides = (heads * seqlen * cols, seqlen * cols, cols)
+        elif c.layout == "bshd":
+            strides = (seqlen * heads * cols, cols, heads * cols)
+        elif c.layout == "gapped":
+            seq = cols + 3
+            head = seqlen * seq + 5
+            strides = (heads * head + 7, head, seq)
+        else:  # qkv: q, k, v slices of one packed projection, dq, dk, dv of one gradient
+            assert c.seqlen_q == c.seqlen_k and c.head_dim_v == c.head_dim, c.name
+            width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+            if role in ("out", "dout"):
+                strides = (seqlen * heads * cols, cols, heads * cols)
+            else:
+                base = role[-1]
+                buffer = "dqkv" if role.startswith("d") else "qkv"
+                offset = {"q": 0, "k": c.num_heads * c.head_dim,
+                          "v": (c.num_heads + c.num_kv_heads) * c.head_dim}[base]
+                strides = (seqlen * width, cols, width)
+        placed[role] = (buffer, offset, strides)
+    return placed
+
+
+def _extent(c: grid.Case, role: str, offset: int, strides) -> int:
+    heads, seqlen, cols = _dims(c, role)
+    return offset + (c.batch - 1) * strides[0] + (heads - 1) * strides[1] + (seqlen - 1) * strides[2] + cols
+
+
+def _mask_strides(c: grid.Case) -> tuple[int, int, int, int]:
+    """(batch, head, seq) element strides of the mask (0 on a broadcast axis; rows with gaps in the
+    gapped layout) and its element count."""
+    o = c.options
+    seq = c.seqlen_k + (3 if c.layout == "gapped" else 0)
+    head = c.seqlen_q * seq
+    heads = c.num_heads if o.mask_per_head else 1
+    batch = heads * head
+    batches = c.batch if o.mask_per_batch else 1
+    return (batch if o.mask_per_batch else 0, head if o.mask_per_head else 0, seq, batches * batch)
+
+
+def _problem(c: grid.Case, placed: dict, library):
+    from flash_attention_metal import _abi
+    from flash_attention_metal._validation import Shape
+    ffi, lib = library.ffi, library.lib
+    shape = Shape(c.batch, c.num_heads, c.num_kv_heads, c.seqlen_q, c.seqlen_k, c.head_dim, c.head_dim_v)
+    strides = {role: placed[role][2] for role in TENSOR_ROLES}
+    p = _abi.new_problem(ffi, lib, shape, c.causal, c.softmax_scale, DTYPE_NAMES[c.dtype], strides)
+    o = c.options
+    # The pointers only say which optional inputs exist (fa_plan_create reads none).
+    kind = {"boolean": "FA_ATTN_MASK_BOOL", "additive": "FA_ATTN_MASK_ADDITIVE",
+            "additive_f32": "FA_ATTN_MASK_ADDITIVE_FLOAT32"}.get(o.mask)
+    window = (o.window_left, o.window_right) if o.window_left >= 0 or o.window_right >= 0 else None
+    _abi.set_score_fields(p, ffi, lib, window=window, softcap=o.softcap,
+                          mask=(16, _mask_strides(c)[:3], kind) if kind else None,
+                          alibi=(16, o.alibi_per_batch) if o.alibi else None, sinks=16 if o.sinks else None)
+    return p
+
+
+def _split_rows(library) -> int:
+    text = (ROOT / "Shaders" / "flash_attention_params.h").read_text()
+    for line in text.splitlines():
+        if line.startswith("#define FA_SPLIT_TILED_MAX_QUERY_ROWS "):
+            return int(line.split()[2])
+    raise SystemExit("cases.py: FA_SPLIT_TILED_MAX_QUERY_ROWS not found in Shaders/flash_attention_params.h")
+
+
+def _is_split(made) -> bool:
+    return any(d.kernel_name.startswith("flash_attention_forward_combine_") for d in made.dispatches)
+
+
+def plan_case(c: grid.Case, library, split_rows: int) -> dict:
+    """The case's device buffers, tensors, dispatches (forward, backward, and the extra split-KV
+    forward where it applies) and outputs, as JSON values."""
+    from flash_attention_metal import plan
+    size = 4 if c.dtype == "f32" else 2
+    placed = _place(c)
+    buffers: dict[str, dict] = {}
+
+    def buffer(name: str, nbytes: int, kind: str) -> str:
+        entry = buffers.setdefault(name, {"bytes": 0, "kind": kind})
+        entry["bytes"] = max(entry["bytes"], nbytes)
+        return name
+
+    tensors = {}
+    for role in TENSOR_ROLES:
+        name, offset, strides = placed[role]
+        kind = "output" if role in ("out", "dq", "dk", "dv") else "input"
+        buffer(name, _extent(c, role, offset, strides) * size, kind)
+        heads, seqlen, cols = _dims(c, role)
+        tensors[role] = {"buffer": name, "offset": offset, "dtype": c.dtype,
+                         "dims": [c.batch, heads, seqlen, cols], "strides": [*strides, 1]}
+    lse_strides = [c.num_heads * c.seqlen_q, c.seqlen_q, 1, 0]
+    for role in ("lse",):
+        buffer(role, c.batch * c.num_heads * c.seqlen_q * 4, "output")
+        tensors[role] = {"buffer": role, "offset": 0, "dtype": "f32",
+                         "dims": [c.batch, c.num_heads, c.seqlen_q, 1], "strides": lse_strides}
+    o = c.options
+    if o.mask != "none":
+        mb, mh, ms, count = _mask_strides(c)
+        mask_size = {"boolean": 1, "additive": size, "additive_f32": 4}[o.mask]
+        buffer("attn_mask", count * mask_size, "input")
+        tensors["attn_mask"] = {"buffer": "attn_mask", "offset": 0,
+                                "dtype": {"boolean": "u8", "additive": c.dtype, "additive_f32": "f32"}[o.mask],
+                                "dims": [c.batch if o.mask_per_batch else 1, c.num_heads if o.mask_per_head else 1,
+                                         c.seqlen_q, c.seqlen_k], "strides": [mb, mh, ms, 1]}
+    if o.alibi:
+        batches = c.batch if o.alibi_per_batch else 1
+        buffer("alibi_slopes", batches * c.num_heads * 4, "input")
+        tensors["alibi_slopes"] = {"buffer": "alibi_slopes", "offset": 0, "dtype": "f32",
+                                   "dims": [1, 1, batches, c.num_heads], "strides": [0, 0, c.num_heads, 1]}
+    if o.sinks:
+        buffer("sinks", c.num_heads * 4, "input")
+        buffer("dsinks", c.num_heads * 4, "output")
+        for role in ("sinks", "dsinks"):
+            tensors[role] = {"buffer": role, "offset": 0, "dtype": "f32", "dims": [1, 1, 1, c.num_heads],
+                             "strides": [0, 0, 0, 1]}
+    problem = _problem(c, placed, library)
+    passes = [("forward", plan.create(problem, "forward", library=library), {}),
+              ("backward", plan.create(problem, "backward", library=library), {})]
+    outputs = ["out", "lse", "dq", "dk", "dv"] + (["dsinks"] if o.sinks else [])
+    if c.seqlen_q <= split_rows:
+        saved = os.environ.get("FLASH_ATTENTION_GPU_CORES")
+        os.environ["FLASH_ATTENTION_GPU_CORES"] = str(SPLIT_CORES)
+        try:
+            split = plan.create(problem, "forward", library=library)
+        finally:
+            if saved is None:
+                del os.environ["FLASH_ATTENTION_GPU_CORES"]
+            else:
+                os.environ["FLASH_ATTENTION_GPU_CORES"] = saved
+        if _is_split(split) and split.dispatches != passes[0][1].dispatches:
+            for role in ("out", "lse"):
+                tensors["split_" + role] = dict(tensors[role], buffer=buffer("split_" + role,
+                                                                             buffers[tensors[role]["buffer"]]["bytes"],
+                                                                             "output"))
+            passes.append(("split", split, {"out": "split_out", "lse": "split_lse"}))
+            outputs += ["split_out", "split_lse"]
+    dispatches = []
+    for pass_name, made, renamed in passes:
+        bases = {}
+        for b in made.buffers:
+            role = renamed.get(b.role, b.role)
+            if b.usage == "workspace":
+                bases[b.role] = (buffer(f"{pass_name}_{b.role}", b.byte_count, "workspace"), 0)
+                continue
+            if role not in tensors:
+                raise SystemExit(f"cases.py: {c.name}: the {pass_name} plan binds {b.role}, which the case lacks")
+            t = tensors[role]
+            base = t["offset"] * np.dtype(_numpy_dtype(t["dtype"])).itemsize
+            if base + b.byte_count > buffers[t["buffer"]]["bytes"]:
+                raise SystemExit(f"cases.py: {c.name}: {b.role} needs {b.byte_count} bytes from {base}, "
+                                 f"its buffer has {buffers[t['buffer']]['bytes']}")
+            bases[b.role] = (t["buffer"], base)
+        for d in made.dispatches:
+            dispatches.append({"kernel": d.kernel_name, "threadgroups": list(d.threadgroups_per_grid),
+                               "threads": list(d.threads_per_threadgroup), "params_index": d.params_index,
+                               "params": d.params.hex(),
+                               "bindings": [[x.index, bases[x.role][0], bases[x.role][1] + x.byte_offset]
+                                            for x in d.bindings]})
+    return {"case": dataclasses.asdict(c), "buffers": buffers, "tensors": tensors, "dispatches": dispatches,
+            "outputs": outputs}
+
+
+def plan_grid(name: str, out: pathlib.Path) -> int:
+    sys.path.insert(0, str(ROOT / "python"))
+    from flash_attention_metal import _native
+    library = _native.native()
+    split_rows = _split_rows(library)
+    cases = grid.full_grid() if name == "full" else grid.small_grid()
+    planned = [plan_case(c, library, split_rows) for c in cases]
+    out.write_text(json.dumps(planned, separators=(",", ":")))
+    print(f"cases.py: {len(planned)} cases of the {name} grid planned into {out}")
+    return 0
+
+
+# ---- write (numpy only) -------------------------------------------------------------------------
+
+def _numpy_dtype(name: str):
+    if name == "bf16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    return {"f16": np.float16, "f32": np.float32, "u8": np.uint8}[name]
+
+
+def _fnv1a(text: str) -> int:
+    value = 0xcbf29ce484222325
+    for byte in text.encode():
+        value = ((value ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return value
+
+
+class SplitMix64:
+    """cases.cpp's generator (splitmix64, uniform on (0, 1), Box-Muller normals), drawn in bulk:
+    the harness's inputs, bit for bit, so that the two checks judge the same values."""
+
+    GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+    def __init__(self, seed: int):
+        self.seed = np.uint64(seed)
+        self.drawn = 0
+
+    def uniform(self, count: int) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            z = self.seed + np.arange(self.drawn + 1, self.drawn + 1 + count, dtype=np.uint64) * self.GOLDEN
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            z ^= z >> np.uint64(31)
+        self.drawn += count
+        return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+
+    def normal(self, count: int, dtype) -> np.ndarray:
+        """`count` standard normals rounded to float32 then to `dtype`, as float32."""
+        pairs = (count + 1) // 2
+        u = self.uniform(2 * pairs)
+        radius, angle = np.sqrt(-2.0 * np.log(u[0::2])), 6.283185307179586 * u[1::2]
+        values = np.empty(2 * pairs)
+        values[0::2], values[1::2] = radius * np.cos(angle), radius * np.sin(angle)
+        return values[:count].astype(np.float32).astype(dtype).astype(np.float32)
+
+
+def inputs(c: grid.Case) -> dict[str, np.ndarray]:
+    """The case's inputs as float32 in logical order: cases.cpp's random_inputs (cases.h's rules),
+    seeded by the case's name."""
+    rng = SplitMix64(_fnv1a(c.name))
+    dtype = _numpy_dtype(c.dtype)
+    b, h, kv, sq, sk = c.batch, c.num_heads, c.num_kv_heads, c.seqlen_q, c.seqlen_k
+    x = {}
+    for name, shape in (("q", (b, h, sq, c.head_dim)), ("k", (b, kv, sk, c.head_dim)),
+                        ("v", (b, kv, sk, c.head_dim_v)), ("dout", (b, h, sq, c.head_dim_v))):
+        x[name] = rng.normal(math.prod(shape), dtype).reshape(shape)
+    o = c.options
+    if o.mask != "none":
+        mb, mh = (b if o.mask_per_batch else 1), (h if o.mask_per_head else 1)
+        shape = (mb, mh, sq, sk)
+        mask = rng.normal(math.prod(shape), dtype if o.mask == "additive" else np.float32).reshape(shape)
+        draw = rng.uniform(math.prod(shape)).reshape(shape)
+        empty = np.full((mb, mh, sq, 1), False)
+        if sq >= 4:
+            for i in range(mb):
+                for j in range(mh):
+                    empty[i, j, (1 + i + 2 * j) % sq] = True
+        if o.mask == "boolean":
+            mask = (~empty & (draw < 0.75)).astype(np.float32)
+        else:
+            mask = np.where(empty | (draw < 0.2), np.float32(c.mask_hide), mask)
+        x["mask"] = mask
+    if o.alibi:
+        slopes = [[2.0 ** (-8.0 * (head + 1) / h) * (1.0 + 0.25 * batch) for head in range(h)]
+                  for batch in range(b if o.alibi_per_batch else 1)]
+        x["alibi"] = np.array(slopes if o.alibi_per_batch else slopes[0], np.float32)
+    if o.sinks:
+        x["sinks"] = rng.normal(h, np.float32) + np.float32(1)
+    return x
+
+
+def _scatter(image: bytearray, tensor: dict, values: np.ndarray) -> None:
+    dtype = np.dtype(_numpy_dtype(tensor["dtype"]))
+    view = np.frombuffer(image, dtype=dtype)
+    dims, strides = tensor["dims"], tensor["strides"]
+    target = np.lib.stride_tricks.as_strided(view[tensor["offset"]:], shape=dims,
+                                             strides=[s * dtype.itemsize for s in strides], writeable=True)
+    target[...] = values.reshape(dims).astype(dtype)
+
+
+def _line(c: grid.Case, outputs: list[str]) -> str:
+    """The case's cases.txt line (dump.h)."""
+    o = c.options
+    return (f"{c.name} {c.dtype} {c.batch} {c.num_heads} {c.num_kv_heads} {c.seqlen_q} {c.seqlen_k} "
+            f"{c.head_dim} {c.head_dim_v} {int(c.causal)} {c.softmax_scale:.9g} {o.window_left} {o.window_right} "
+            f"{o.softcap:.9g} {grid.MASKS.index(o.mask)} {int(o.mask_per_batch)} {int(o.mask_per_head)} "
+            f"{int(o.alibi)} {int(o.alibi_per_batch)} {int(o.sinks)} {','.join(outputs)}\n")
+
+
+def write_case(entry: dict, folder: pathlib.Path) -> None:
+    fields = dict(entry["case"])
+    fields["options"] = grid.Options(**fields["options"])
+    c = grid.Case(**fields)
+    values = inputs(c)
+    tensor_of = {"q": "q", "k": "k", "v": "v", "dout": "dout", "mask": "attn_mask", "alibi": "alibi_slopes",
+                 "sinks": "sinks"}
+    names = list(entry["buffers"])
+    images = {name: bytearray(b"\xff" * spec["bytes"]) for name, spec in entry["buffers"].items()
+              if spec["kind"] == "input"}
+    for name, array in values.items():
+        tensor = entry["tensors"][tensor_of[name]]
+        _scatter(images[tensor["buffer"]], tensor, array)
+        array.astype(np.float32).tofile(folder / f"{c.name}.{name}")
+    out = bytearray(MAGIC)
+    out += struct.pack("<I", len(names))
+    for name in names:
+        spec = entry["buffers"][name]
+        out += struct.pack("<QI", spec["bytes"], KINDS[spec["kind"]])
+        if spec["kind"] == "input":
+            out += images[name]
+
+    def text(value: str) -> bytes:
+        return struct.pack("<I", len(value)) + value.encode()
+
+    out += struct.pack("<I", len(entry["dispatches"]))
+    for d in entry["dispatches"]:
+        params = bytes.fromhex(d["params"])
+        out += text(d["kernel"]) + struct.pack("<3I3II", *d["threadgroups"], *d["threads"], d["params_index"])
+        out += struct.pack("<I", len(params)) + params + struct.pack("<I", len(d["bindings"]))
+        for index, buffer, offset in d["bindings"]:
+            out += struct.pack("<IIQ", index, names.index(buffer), offset)
+    out += struct.pack("<I", len(entry["outputs"]))
+    for name in entry["outputs"]:
+        t = entry["tensors"][name]
+        out += text(name) + struct.pack("<IQI4I4Q", names.index(t["buffer"]), t["offset"], DTYPE_CODES[t["dtype"]],
+                                        *t["dims"], *t["strides"])
+    (folder / f"{c.name}.case").write_bytes(bytes(out))
+    (folder / f"{c.name}.line").write_text(_line(c, entry["outputs"]))
+
+
+def write_all(plans: pathlib.Path, folder: pathlib.Path) -> int:
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = json.loads(plans.read_text())
+    for entry in entries:
+        write_case(entry, folder)
+    (folder / "cases.list").write_text("".join(e["case"]["name"] + "\n" for e in entries))
+    print(f"cases.py: {len(entries)} cases written into {folder}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="export the library's plans of a grid (needs the library)")
+    p.add_argument("grid", choices=("small", "full"))
+    p.add_argument("out", type=pathlib.Path)
+    w = sub.add_parser("write", help="draw the inputs and write the case files (numpy only)")
+    w.add_argument("plans", type=pathlib.Path)
+    w.add_argument("folder", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan_grid(args.grid, args.out)
+    return write_all(args.plans, args.folder)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The CUDA check's case grids: the attention problems the plan-fed replay runs (tests/cuda/cases.py
+writes them, replay.cu runs them). Plain data, no library: the same shapes as the harness's
+cases.cpp, with its names ("f16_d40_b1_h8x2_q33_k77_causal"), so that --case filters select the
+same cases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+F16, BF16, F32 = "f16", "bf16", "f32"
+MASKS = ("none", "boolean", "additive", "additive_f32")  # problem.h's MaskKind, dump.h's numbers
+LAYOUTS = ("bhsd", "bshd", "qkv", "gapped")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Score modifiers (problem.h's ScoreOptions): window sides (-1 unbounded), softcap, the mask's
+    kind and whether it has a batch and a head axis, ALiBi (per batch too), sinks."""
+
+    window_left: int = -1
+    window_right: int = -1
+    softcap: float = 0.0
+    mask: str = "none"
+    mask_per_batch: bool = False
+    mask_per_head: bool = False
+    alibi: bool = False
+    alibi_per_batch: bool = False
+    sinks: bool = False
+
+    def name(self) -> str:
+        """The modifiers' part of a case name (cases.cpp's options_name)."""
+        text = ""
+        if self.window_left >= 0 or self.window_right >= 0:
+            side = lambda w: "n" if w < 0 else str(w)  # noqa: E731
+            text += f"_w{side(self.window_left)}.{side(self.window_right)}"
+        if self.softcap > 0:
+            text += f"_cap{self.softcap:g}"
+        if self.mask != "none":
+            short = {"boolean": "mbool", "additive": "madd", "additive_f32": "maddf32"}[self.mask]
+            text += f"_{short}.{'b' if self.mask_per_batch else '1'}{'h' if self.mask_per_head else '1'}"
+        if self.alibi:
+            text += "_alibib" if self.alibi_per_batch else "_alibi"
+        if self.sinks:
+            text += "_sinks"
+        return text
+
+
+@dataclass(frozen=True)
+class Case:
+    """One problem: dtype, sizes, causal, softmax_scale, layout, modifiers, and the value an
+    additive mask hides keys with (-inf, or float32's lowest finite value: "_min")."""
+
+    name: str
+    dtype: str
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    head_dim_v: int
+    causal: bool
+    softmax_scale: float
+    layout: str = "bhsd"
+    options: Options = field(default_factory=Options)
+    mask_hide: float = -math.inf
+
+
+def case(dtype, d, b, h, kv, sq, sk, causal, *, dv=0, scale=0.0, layout="bhsd", options=Options()) -> Case:
+    """cases.cpp's make_case: the name from the parameters, the default scale 1/sqrt(head_dim)."""
+    head_dim_v = dv or d
+    name = f"{dtype}_d{d}" + (f"v{head_dim_v}" if head_dim_v != d else "")
+    name += f"_b{b}_h{h}x{kv}_q{sq}_k{sk}_{'causal' if causal else 'full'}"
+    if scale:
+        name += f"_s{scale:g}"
+    name += options.name()
+    if layout != "bhsd":
+        name += f"_{layout}"
+    # float32 arithmetic, as the C++ grid computes it.
+    import numpy as np
+    softmax_scale = float(np.float32(scale)) if scale else float(np.float32(1.0 / math.sqrt(d)))
+    return Case(name, dtype, b, h, kv, sq, sk, d, head_dim_v, causal, softmax_scale, layout, options)
+
+
+def finite_min(c: Case) -> Case:
+    """The case with its additive mask hiding keys with float32's lowest finite value."""
+    import numpy as np
+    return replace(c, name=c.name + "_min", mask_hide=float(np.finfo(np.float32).min))
+
+
+def mods(*, window=None, softcap=0.0, mask=None, alibi=None, sinks=False) -> Options:
+    """Options from keywords: window (left, right), mask (kind, per_batch, per_head), alibi
+    "head" or "batch"."""
+    left, right = window if window else (-1, -1)
+    kind, per_batch, per_head = mask if mask else ("none", False, False)
+    return Options(left, right, softcap, kind, per_batch, per_head, alibi is not None, alibi == "batch", sinks)
+
+
+def full_grid() -> list[Case]:
+    """cases.cpp's full_grid (see cases.h for what each group covers)."""
+    c: list[Case] = []
+    for d in (1, 3, 32, 40, 59, 64, 80, 96, 104, 128, 160, 192, 200, 256, 300, 512, 576):
+        c += [case(F16, d, 2, 3, 3, 100, 100, False), case(F16, d, 2, 3, 3, 100, 100, True),
+              case(F16, d, 1, 8, 2, 33, 77, True), case(F16, d, 2, 4, 1, 77, 33, True),
+              case(F16, d, 2, 4, 1, 77, 33, False), case(F16, d, 2, 2, 2, 1, 129, True)]
+    c += [case(F16, 16, 1, 1, 1, 1, 1, False), case(F16, 64, 1, 2, 2, 257, 257, True),
+          case(F16, 128, 1, 2, 1, 200, 131, False), case(F16, 256, 1, 1, 1, 65, 300, True),
+          case(F16, 72, 2, 6, 3, 31, 31, True, scale=0.5), case(F16, 64, 1, 2, 2, 63, 65, False, scale=-0.3),
+          case(F16, 32, 2, 4, 2, 130, 97, True, scale=2.0)]
+    for d in (1, 40, 64, 96, 128, 160, 200, 256, 512, 576):
+        c += [case(BF16, d, 2, 3, 3, 100, 100, True), case(BF16, d, 1, 8, 2, 33, 77, True),
+              case(BF16, d, 2, 4, 1, 77, 33, True), case(BF16, d, 2, 2, 2, 1, 129, True)]
+    c.append(case(BF16, 64, 1, 2, 2, 63, 65, False, scale=-0.3))
+    for d in (3, 40, 64, 96, 104, 128, 160, 192, 200, 256):
+        c += [case(F32, d, 2, 3, 3, 100, 100, False), case(F32, d, 2, 3, 3, 100, 100, True),
+              case(F32, d, 1, 8, 2, 33, 77, True), case(F32, d, 2, 4, 1, 77, 33, True),
+              case(F32, d, 2, 2, 2, 1, 129, True)]
+    c += [case(F32, 64, 1, 2, 2, 257, 257, True), case(F32, 128, 1, 2, 1, 200, 131, False),
+          case(F32, 256, 1, 1, 1, 65, 300, True), case(F32, 32, 2, 4, 2, 130, 97, True, scale=2.0)]
+    for t in (F16, BF16, F32):
+        c += [case(t, 64, 2, 8, 2, 3, 300, True), case(t, 128, 1, 4, 1, 8, 200, False),
+              case(t, 256, 1, 6, 2, 5, 90, True), case(t, 32, 1, 16, 2, 7, 150, True)]
+    c += [case(F16, 64, 1, 8, 2, 33, 77, True, layout="bshd"), case(F16, 40, 2, 4, 1, 77, 33, True, layout="gapped"),
+          case(F16, 64, 2, 4, 4, 100, 100, True, layout="qkv"), case(F16, 128, 2, 8, 2, 65, 65, False, layout="qkv"),
+          case(F16, 64, 2, 8, 2, 3, 300, True, layout="bshd"), case(BF16, 128, 2, 3, 3, 100, 100, True, layout="bshd"),
+          case(BF16, 200, 1, 8, 2, 33, 77, True, layout="gapped"), case(BF16, 96, 1, 8, 2, 65, 65, True, layout="qkv"),
+          case(F32, 256, 2, 4, 1, 77, 33, True, layout="bshd"), case(F32, 96, 2, 3, 3, 100, 100, True, layout="gapped"),
+          case(F32, 32, 2, 3, 3, 50, 50, False, layout="qkv"), case(F32, 256, 1, 2, 2, 40, 40, True, layout="qkv"),
+          case(F32, 128, 1, 4, 1, 8, 200, False, layout="gapped")]
+    for t in (F16, BF16, F32):
+        c += [case(t, 192, 2, 3, 3, 100, 100, True, dv=128), case(t, 192, 1, 8, 2, 33, 77, True, dv=128),
+              case(t, 192, 2, 4, 1, 77, 33, False, dv=128), case(t, 192, 1, 8, 2, 3, 300, True, dv=128),
+              case(t, 192, 1, 4, 2, 65, 65, True, dv=128, layout="bshd")]
+    c += [case(F16, 64, 2, 3, 3, 100, 100, True, dv=128), case(F16, 128, 1, 8, 2, 33, 77, True, dv=64),
+          case(F16, 3, 2, 4, 1, 77, 33, True, dv=40), case(F16, 256, 1, 2, 2, 50, 70, False, dv=1),
+          case(F16, 1, 1, 2, 2, 70, 50, True, dv=256, layout="gapped"), case(BF16, 40, 2, 3, 3, 100, 100, True, dv=3),
+          case(BF16, 100, 1, 8, 2, 33, 77, True, dv=200, layout="bshd"), case(BF16, 256, 2, 2, 2, 1, 129, True, dv=64),
+          case(F32, 32, 2, 3, 3, 100, 100, True, dv=96), case(F32, 128, 1, 8, 2, 33, 77, True, dv=40),
+          case(F32, 256, 2, 4, 1, 77, 33, True, dv=192), case(F32, 64, 2, 2, 2, 1, 129, True, dv=256, layout="bshd")]
+    for t in (F16, BF16):
+        c += [case(t, 576, 1, 8, 2, 33, 77, True, dv=512), case(t, 576, 2, 16, 1, 1, 300, True, dv=512),
+              case(t, 576, 1, 4, 1, 20, 40, False, dv=512, layout="bshd")]
+    c.append(case(BF16, 512, 1, 4, 1, 5, 200, True, dv=256))
+    for t in (F16, BF16, F32):
+        c += [case(t, 64, 1, 2, 1, 2048, 2048, True, options=mods(window=(512, -1))),
+              case(t, 40, 1, 8, 2, 33, 77, False, options=mods(window=(8, 8))),
+              case(t, 96, 2, 3, 3, 100, 100, False, options=mods(window=(20, -1))),
+              case(t, 64, 2, 3, 3, 100, 100, False, options=mods(window=(-1, 4))),
+              case(t, 32, 2, 4, 1, 77, 33, False, options=mods(window=(5, 3))),
+              case(t, 128, 2, 4, 1, 77, 33, True, options=mods(window=(0, -1))),
+              case(t, 64, 2, 4, 4, 65, 90, True, scale=0.5, options=mods(softcap=5)),
+              case(t, 128, 1, 8, 2, 100, 100, False, options=mods(softcap=30)),
+              case(t, 256, 1, 4, 2, 60, 60, True, options=mods(softcap=20, window=(16, 0))),
+              case(t, 64, 2, 8, 2, 100, 100, True, options=mods(alibi="head")),
+              case(t, 128, 2, 4, 1, 50, 120, False, options=mods(alibi="batch")),
+              case(t, 64, 2, 4, 2, 100, 100, True, options=mods(sinks=True)),
+              case(t, 32, 2, 4, 1, 77, 33, True, options=mods(sinks=True)),
+              case(t, 192, 1, 8, 2, 33, 77, False, options=mods(sinks=True)),
+              case(t, 64, 2, 4, 2, 60, 80, False, options=mods(mask=("boolean", True, True))),
+              case(t, 32, 2, 3, 3, 100, 100, True, options=mods(mask=("boolean", False, False))),
+              case(t, 96, 2, 4, 1, 77, 33, False, options=mods(mask=("boolean", True, False))),
+              case(t, 160, 1, 4, 2, 40, 90, True, options=mods(mask=("boolean", False, True))),
+              case(t, 64, 2, 4, 1, 70, 70, False, options=mods(mask=("additive", False, True))),
+              case(t, 128, 2, 4, 2, 65, 100, True, options=mods(mask=("additive", True, True))),
+              case(t, 40, 2, 3, 3, 100, 100, False, options=mods(mask=("additive_f32", False, False))),
+              case(t, 256, 2, 2, 1, 45, 70, False, options=mods(mask=("additive_f32", True, False))),
+              finite_min(case(t, 64, 2, 4, 2, 50, 90, False, options=mods(mask=("additive_f32", True, True)))),
+              finite_min(case(t, 128, 1, 4, 2, 40, 70, True,
+                              options=mods(mask=("additive_f32", False, True), sinks=True))),
+              case(t, 32, 2, 4, 2, 50, 60, True, scale=30.0, options=mods(sinks=True)),
+              case(t, 128, 2, 8, 2, 90, 130, True, options=mods(window=(40, -1), softcap=30,
+                                                                mask=("boolean", True, False), alibi="batch",
+                                                                sinks=True)),
+              case(t, 64, 1, 4, 4, 100, 100, False, options=mods(window=(30, 10), softcap=10,
+                                                                 mask=("additive", False, True), alibi="head",
+                                                                 sinks=True)),
+              case(t, 64, 2, 8, 2, 4, 600, True, options=mods(window=(256, -1), alibi="head", sinks=True)),
+              case(t, 128, 1, 4, 1, 1, 700, False, options=mods(softcap=30, mask=("additive", True, True))),
+              case(t, 256, 2, 6, 2, 8, 512, True, options=mods(mask=("boolean", True, False), sinks=True)),
+              case(t, 32, 1, 16, 2, 7, 520, False, options=mods(window=(100, 50), softcap=5,
+                                                                mask=("additive_f32", False, True))),
+              case(t, 64, 1, 8, 2, 16, 600, True, options=mods(alibi="head", sinks=True)),
+              case(t, 64, 2, 4, 2, 60, 70, True, layout="gapped",
+                   options=mods(mask=("additive", True, True), sinks=True)),
+              case(t, 64, 2, 4, 2, 65, 65, False, layout="qkv", options=mods(window=(10, 10), alibi="batch")),
+              case(t, 128, 1, 8, 2, 5, 300, True, layout="bshd",
+                   options=mods(mask=("boolean", False, True), sinks=True))]
+    for t in (F16, BF16):
+        c += [case(t, 512, 1, 4, 2, 40, 60, True, options=mods(window=(20, -1), softcap=30,
+                                                               mask=("additive", True, True), alibi="batch",
+                                                               sinks=True)),
+              case(t, 576, 1, 8, 1, 2, 600, True, dv=512, layout="bshd",
+                   options=mods(window=(300, -1), mask=("boolean", True, False), sinks=True))]
+    return c
+
+
+def small_grid() -> list[Case]:
+    """cases.cpp's small_grid: the sanitizer grid (seqlen <= 100)."""
+    return [
+        case(F16, 1, 2, 2, 2, 37, 37, False), case(F16, 3, 2, 3, 3, 100, 100, True),
+        case(F16, 32, 2, 4, 1, 77, 33, True), case(F16, 40, 1, 8, 2, 33, 77, True),
+        case(F16, 64, 2, 2, 2, 1, 99, True), case(F16, 72, 1, 6, 3, 31, 31, True, scale=0.5),
+        case(F16, 96, 1, 4, 2, 50, 17, True), case(F16, 128, 2, 3, 3, 100, 100, True),
+        case(F16, 160, 1, 4, 2, 40, 90, True), case(F16, 200, 2, 2, 2, 1, 100, True),
+        case(F16, 256, 2, 2, 2, 45, 70, True), case(F16, 256, 1, 6, 2, 5, 90, True),
+        case(BF16, 32, 1, 2, 2, 1, 64, True), case(BF16, 64, 1, 4, 1, 65, 64, True),
+        case(BF16, 104, 2, 2, 1, 17, 50, False), case(BF16, 128, 1, 8, 2, 70, 45, True),
+        case(BF16, 192, 1, 4, 4, 50, 20, True), case(BF16, 256, 1, 4, 1, 100, 33, True),
+        case(F32, 3, 2, 2, 2, 37, 37, False), case(F32, 32, 2, 4, 1, 77, 33, True),
+        case(F32, 64, 2, 2, 2, 1, 99, True), case(F32, 96, 1, 4, 2, 50, 17, True),
+        case(F32, 128, 1, 2, 2, 65, 65, False), case(F32, 192, 2, 2, 2, 33, 33, False),
+        case(F32, 256, 2, 2, 2, 45, 70, True), case(F32, 256, 1, 4, 1, 100, 33, True),
+        case(F32, 256, 1, 6, 2, 5, 90, True),
+        case(F16, 64, 1, 8, 2, 33, 77, True, layout="bshd"),
+        case(BF16, 128, 1, 8, 2, 65, 65, True, layout="qkv"),
+        case(F32, 40, 2, 4, 1, 77, 33, True, layout="gapped"),
+        case(F16, 192, 1, 8, 2, 33, 77, True, dv=128),
+        case(BF16, 192, 1, 4, 2, 50, 50, True, dv=128, layout="bshd"),
+        case(F32, 192, 1, 8, 2, 3, 100, True, dv=128),
+        case(F16, 64, 2, 2, 1, 40, 90, False, dv=256),
+        case(F16, 512, 1, 4, 2, 40, 70, True),
+        case(BF16, 576, 1, 8, 1, 1, 100, True, dv=512),
+        case(F16, 64, 2, 4, 1, 77, 33, False, options=mods(window=(5, 3))),
+        case(BF16, 128, 1, 4, 2, 100, 100, True, scale=0.5, options=mods(window=(16, -1), softcap=5)),
+        case(F32, 64, 2, 4, 1, 50, 90, False, options=mods(alibi="batch")),
+        case(F16, 32, 2, 4, 2, 77, 33, True, options=mods(sinks=True)),
+        case(BF16, 64, 2, 4, 2, 60, 80, False, options=mods(mask=("boolean", True, True))),
+        case(F16, 96, 2, 4, 1, 70, 70, False, layout="gapped", options=mods(mask=("additive", False, True))),
+        case(F32, 256, 2, 2, 2, 45, 70, True, options=mods(window=(20, -1), softcap=30,
+                                                           mask=("additive_f32", True, False), alibi="head",
+                                                           sinks=True)),
+        case(F16, 64, 2, 8, 2, 4, 100, True, options=mods(window=(40, -1), mask=("boolean", False, True),
+                                                          alibi="head", sinks=True)),
+        finite_min(case(F16, 128, 1, 4, 2, 40, 70, True, options=mods(mask=("additive_f32", False, True)))),
+        case(BF16, 32, 2, 4, 2, 50, 60, True, scale=30.0, options=mods(sinks=True)),
+    ]

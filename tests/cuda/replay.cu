@@ -1,0 +1,320 @@
+// Replays the library's exported plans on the GPU: the plan-fed CUDA check. Each case file
+// (NAME.case, written by tests/cuda/cases.py; format there) holds the case's device buffers (the
+// inputs' bytes, in the layout the plan's strides describe), every dispatch of its plans in order
+// (forward, backward, and a split-KV forward) as fa_plan_create made them: kernel name,
+// threadgroups, threads, parameter bytes and the buffer and byte offset at each [[buffer]] index;
+// and the output tensors to read back. This program knows nothing of attention: it allocates the
+// buffers, poisons the outputs and workspaces, launches each dispatch by name (launch_table.h) and
+// reads the outputs back.
+//
+// Checks here: no byte of an output buffer outside the output views may change, and a second run
+// with other poison bytes must give bit-identical outputs (determinism, no element left
+// unwritten). With --dump, each case's outputs go to DIR/NAME.<output> (float32, logical order)
+// and its line (NAME.line) to DIR/cases.txt, dump.h's format, for judge.py; the inputs' files are
+// cases.py's, in the cases folder (use it as DIR).
+//
+// Usage: replay CASES_FOLDER [--case SUBSTRING] [--once] [--dump DIR]
+//   --case S  only cases whose name contains S
+//   --once    one run per case (no determinism rerun; for the slow sanitizer tools), workspaces
+//             not poisoned (for initcheck)
+// Prints one line per case and "cuda-replay: N cases, M failures"; exits 1 on any failure or CUDA
+// error, 2 on bad arguments.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "device_array.h"
+#include "dtype_bits.h"
+#include "launch_table.h"
+
+namespace {
+
+constexpr char kMagic[] = "FACASE1\n";
+constexpr int kMaxBuffers = 32;
+
+enum Kind : uint32_t { kInput = 0, kOutput = 1, kWorkspace = 2 };
+
+struct Buffer {
+    uint64_t bytes = 0;
+    uint32_t kind = kInput;
+    std::vector<unsigned char> data;  // inputs only
+};
+
+struct Binding {
+    uint32_t index, buffer;
+    uint64_t offset;
+};
+
+struct Dispatch {
+    std::string kernel;
+    uint32_t groups[3], threads[3], params_index;
+    std::vector<unsigned char> params;
+    std::vector<Binding> bindings;
+};
+
+struct Output {
+    std::string name;
+    uint32_t buffer, dtype;
+    uint64_t offset;
+    uint32_t dims[4];
+    uint64_t strides[4];
+
+    size_t elements() const { return size_t(dims[0]) * dims[1] * dims[2] * dims[3]; }
+    size_t element_size() const { return dtype == 2 ? 4 : 2; }
+    // Element index of logical element n (row-major over dims).
+    size_t at(size_t n) const {
+        size_t index = offset;
+        for (int axis = 3; axis >= 0; --axis) {
+            index += (n % dims[axis]) * strides[axis];
+            n /= dims[axis];
+        }
+        return index;
+    }
+};
+
+struct Case {
+    std::string name;
+    std::vector<Buffer> buffers;
+    std::vector<Dispatch> dispatches;
+    std::vector<Output> outputs;
+};
+
+class Reader {
+public:
+    explicit Reader(const std::string &path) : in_(path, std::ios::binary), path_(path) {}
+    template <typename T>
+    T get() {
+        T value{};
+        read(&value, sizeof value);
+        return value;
+    }
+    std::string text() {
+        std::string value(get<uint32_t>(), '\0');
+        read(value.data(), value.size());
+        return value;
+    }
+    void read(void *to, size_t bytes) {
+        if (!in_.read(static_cast<char *>(to), std::streamsize(bytes))) {
+            throw CudaFailure{"cannot read " + path_ + " (truncated or missing)"};
+        }
+    }
+
+private:
+    std::ifstream in_;
+    std::string path_;
+};
+
+Case load(const std::string &folder, const std::string &name) {
+    Reader r(folder + "/" + name + ".case");
+    char magic[sizeof kMagic - 1];
+    r.read(magic, sizeof magic);
+    if (std::memcmp(magic, kMagic, sizeof magic) != 0) {
+        throw CudaFailure{name + ".case is not a case file (" + kMagic + ")"};
+    }
+    Case c;
+    c.name = name;
+    c.buffers.resize(r.get<uint32_t>());
+    for (Buffer &b : c.buffers) {
+        b.bytes = r.get<uint64_t>();
+        b.kind = r.get<uint32_t>();
+        if (b.kind == kInput) {
+            b.data.resize(b.bytes);
+            r.read(b.data.data(), b.bytes);
+        }
+    }
+    c.dispatches.resize(r.get<uint32_t>());
+    for (Dispatch &d : c.dispatches) {
+        d.kernel = r.text();
+        r.read(d.groups, sizeof d.groups);
+        r.read(d.threads, sizeof d.threads);
+        d.params_index = r.get<uint32_t>();
+        d.params.resize(r.get<uint32_t>());
+        r.read(d.params.data(), d.params.size());
+        if (d.params.size() != sizeof(FlashAttentionParams)) {
+            throw CudaFailure{name + ": " + d.kernel + " has " + std::to_string(d.params.size()) +
+                              " parameter bytes, FlashAttentionParams " +
+                              std::to_string(sizeof(FlashAttentionParams))};
+        }
+        d.bindings.resize(r.get<uint32_t>());
+        for (Binding &b : d.bindings) {
+            b.index = r.get<uint32_t>();
+            b.buffer = r.get<uint32_t>();
+            b.offset = r.get<uint64_t>();
+            if (b.index >= kMaxBuffers || b.buffer >= c.buffers.size() || b.offset > c.buffers[b.buffer].bytes) {
+                throw CudaFailure{name + ": " + d.kernel + " has a binding outside the case's buffers"};
+            }
+        }
+    }
+    c.outputs.resize(r.get<uint32_t>());
+    for (Output &o : c.outputs) {
+        o.name = r.text();
+        o.buffer = r.get<uint32_t>();
+        o.offset = r.get<uint64_t>();
+        o.dtype = r.get<uint32_t>();
+        r.read(o.dims, sizeof o.dims);
+        r.read(o.strides, sizeof o.strides);
+        if (o.buffer >= c.buffers.size() || o.dtype > 2 ||
+            (o.elements() > 0 && (o.at(o.elements() - 1) + 1) * o.element_size() > c.buffers[o.buffer].bytes)) {
+            throw CudaFailure{name + ": output " + o.name + " outside its buffer"};
+        }
+    }
+    return c;
+}
+
+float decode_element(uint32_t dtype, const unsigned char *at) {
+    return decode(dtype == 0 ? DType::f16 : dtype == 1 ? DType::bf16 : DType::f32, at);
+}
+
+struct Result {
+    std::vector<std::vector<float>> outputs;
+    size_t stray_writes = 0;
+};
+
+// One run: fresh buffers (inputs uploaded, outputs and workspaces poisoned), every dispatch in
+// order, the outputs read back; stray_writes counts output-buffer bytes outside every output view
+// that no longer hold the poison.
+Result run(const Case &c, unsigned char poison, bool poison_workspaces) {
+    std::vector<std::unique_ptr<DeviceArray<unsigned char>>> device;
+    for (const Buffer &b : c.buffers) {
+        device.push_back(std::make_unique<DeviceArray<unsigned char>>(b.bytes));
+        if (b.kind == kInput) {
+            device.back()->upload(b.data);
+        } else if (b.kind == kOutput || poison_workspaces) {
+            device.back()->fill_bytes(poison);
+        }
+    }
+    for (const Dispatch &d : c.dispatches) {
+        void *slots[kMaxBuffers] = {};
+        for (const Binding &b : d.bindings) {
+            slots[b.index] = device[b.buffer]->get() + b.offset;
+        }
+        FlashAttentionParams params;
+        std::memcpy(&params, d.params.data(), sizeof params);
+        check(fa_cuda_launch(d.kernel.c_str(), dim3(d.groups[0], d.groups[1], d.groups[2]),
+                             dim3(d.threads[0], d.threads[1], d.threads[2]), slots, params),
+              d.kernel.c_str());
+    }
+    check(cudaDeviceSynchronize(), "the case's dispatches");
+    Result result;
+    std::vector<std::vector<bool>> covered(c.buffers.size());
+    std::vector<std::vector<unsigned char>> images(c.buffers.size());
+    for (const Output &o : c.outputs) {
+        if (images[o.buffer].empty()) {
+            images[o.buffer] = device[o.buffer]->download();
+            covered[o.buffer].assign(c.buffers[o.buffer].bytes, false);
+        }
+        std::vector<float> values(o.elements());
+        for (size_t n = 0; n < values.size(); ++n) {
+            const size_t byte = o.at(n) * o.element_size();
+            values[n] = decode_element(o.dtype, images[o.buffer].data() + byte);
+            std::fill_n(covered[o.buffer].begin() + long(byte), o.element_size(), true);
+        }
+        result.outputs.push_back(std::move(values));
+    }
+    for (size_t b = 0; b < c.buffers.size(); ++b) {
+        for (size_t byte = 0; byte < covered[b].size(); ++byte) {
+            result.stray_writes += !covered[b][byte] && images[b][byte] != poison;
+        }
+    }
+    return result;
+}
+
+bool same_bits(const std::vector<std::vector<float>> &a, const std::vector<std::vector<float>> &b) {
+    if (a.size() != b.size()) {
+        return false;
+    }
+    for (size_t i = 0; i < a.size(); ++i) {
+        if (a[i].size() != b[i].size() ||
+            std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0) {
+            return false;
+        }
+    }
+    return true;
+}
+
+bool dump(const std::string &folder, const std::string &cases, const Case &c, const Result &r) {
+    for (size_t i = 0; i < c.outputs.size(); ++i) {
+        std::ofstream out(folder + "/" + c.name + "." + c.outputs[i].name, std::ios::binary);
+        out.write(reinterpret_cast<const char *>(r.outputs[i].data()), std::streamsize(r.outputs[i].size() * 4));
+        if (!out) {
+            return false;
+        }
+    }
+    std::ifstream line(cases + "/" + c.name + ".line");
+    std::stringstream text;
+    text << line.rdbuf();
+    std::ofstream list(folder + "/cases.txt", std::ios::app);
+    list << text.str();
+    return bool(line) && bool(list);
+}
+
+int usage() {
+    std::fprintf(stderr, "usage: replay CASES_FOLDER [--case SUBSTRING] [--once] [--dump DIR]\n");
+    return 2;
+}
+
+}  // namespace
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        return usage();
+    }
+    const std::string folder = argv[1];
+    std::string filter, dump_folder;
+    bool once = false;
+    for (int i = 2; i < argc; ++i) {
+        const std::string arg = argv[i];
+        if (arg == "--once") {
+            once = true;
+        } else if (arg == "--case" && i + 1 < argc) {
+            filter = argv[++i];
+        } else if (arg == "--dump" && i + 1 < argc) {
+            dump_folder = argv[++i];
+        } else {
+            return usage();
+        }
+    }
+    std::ifstream list(folder + "/cases.list");
+    if (!list) {
+        std::fprintf(stderr, "replay: no %s/cases.list (write the cases with tests/cuda/cases.py)\n", folder.c_str());
+        return 2;
+    }
+    int cases = 0, failures = 0;
+    std::string name;
+    while (std::getline(list, name)) {
+        if (name.empty() || name.find(filter) == std::string::npos) {
+            continue;
+        }
+        ++cases;
+        try {
+            const Case c = load(folder, name);
+            const Result first = run(c, 0xff, !once);
+            std::string problem;
+            if (first.stray_writes != 0) {
+                problem += " " + std::to_string(first.stray_writes) + " bytes written outside the outputs;";
+            }
+            if (!once && !same_bits(first.outputs, run(c, 0x7f, true).outputs)) {
+                problem += " a second run differs (non-deterministic, or an element left unwritten);";
+            }
+            if (!dump_folder.empty() && !dump(dump_folder, folder, c, first)) {
+                problem += " cannot write the dump;";
+            }
+            std::printf("%s %s (%zu dispatches)%s\n", problem.empty() ? "ok  " : "FAIL", name.c_str(),
+                        c.dispatches.size(), problem.c_str());
+            failures += !problem.empty();
+        } catch (const CudaFailure &failure) {
+            std::printf("FAIL %s: %s\n", name.c_str(), failure.message.c_str());
+            std::printf("cuda-replay: %d cases, %d failures (stopped at a CUDA error)\n", cases, failures + 1);
+            return 1;
+        }
+    }
+    std::printf("cuda-replay: %d cases, %d failures\n", cases, failures);
+    return failures == 0 && cases > 0 ? 0 : 1;
+}

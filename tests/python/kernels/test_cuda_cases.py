@@ -1,0 +1,156 @@
+"""tests/cuda/cases.py, the plan-fed CUDA check's case writer: every dispatch it writes is the
+library's (plan.create's kernel, grid, parameter bytes and bindings), every binding and output lies
+inside its buffer, the inputs sit in the device images where the strides say, and short queries get
+the split-KV forward. The GPU replay itself (replay.cu) runs only in tests/cuda/gpu_check.sh.
+
+Cost: a few seconds (four cases, planned and written).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flash_attention_metal import plan
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "tests" / "cuda"))
+_spec = importlib.util.spec_from_file_location("cuda_cases", ROOT / "tests" / "cuda" / "cases.py")
+cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cases)
+import grid  # noqa: E402  (tests/cuda, on the path cases.py puts it on)
+
+CASES = {c.name: c for c in grid.small_grid()}
+PICKED = ["f16_d1_b2_h2x2_q37_k37_full",                    # dense, bhsd
+          "bf16_d128_b1_h8x2_q65_k65_causal_qkv",           # packed q, k, v slices
+          "f16_d96_b2_h4x1_q70_k70_full_madd.1h_gapped",    # gapped rows, additive mask
+          "f16_d64_b2_h8x2_q4_k100_causal_w40.n_mbool.1h_alibi_sinks"]  # split-KV, every modifier
+
+
+def _read_case(path: Path) -> dict:
+    data = path.read_bytes()
+    at = len(cases.MAGIC)
+    assert data[:at] == cases.MAGIC
+
+    def take(fmt):
+        nonlocal at
+        values = struct.unpack_from("<" + fmt, data, at)
+        at += struct.calcsize("<" + fmt)
+        return values
+
+    def text():
+        nonlocal at
+        (length,) = take("I")
+        at += length
+        return data[at - length:at].decode()
+
+    buffers = []
+    for _ in range(take("I")[0]):
+        size, kind = take("QI")
+        image = None
+        if kind == 0:
+            image = data[at:at + size]
+            at += size
+        buffers.append((size, kind, image))
+    dispatches = []
+    for _ in range(take("I")[0]):
+        name = text()
+        groups, threads, index = take("3I"), take("3I"), take("I")[0]
+        (length,) = take("I")
+        params = data[at:at + length]
+        at += length
+        bindings = [take("IIQ") for _ in range(take("I")[0])]
+        dispatches.append((name, groups, threads, index, params, bindings))
+    outputs = []
+    for _ in range(take("I")[0]):
+        outputs.append((text(), *take("IQI4I4Q")))
+    assert at == len(data), "trailing bytes"
+    return {"buffers": buffers, "dispatches": dispatches, "outputs": outputs}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    from flash_attention_metal import _native
+    library = _native.native()
+    folder = tmp_path_factory.mktemp("cases")
+    entries = [cases.plan_case(CASES[name], library, cases._split_rows(library)) for name in PICKED]
+    for entry in entries:
+        cases.write_case(entry, folder)
+    return folder, {e["case"]["name"]: e for e in entries}
+
+
+@pytest.mark.parametrize("name", PICKED)
+def test_dispatches_are_the_librarys(written, name):
+    folder, entries = written
+    c = CASES[name]
+    read = _read_case(folder / f"{name}.case")
+    problem = cases._problem(c, cases._place(c), __import__("flash_attention_metal")._native.native())
+    expected = [*plan.create(problem, "forward").dispatches, *plan.create(problem, "backward").dispatches]
+    got = read["dispatches"]
+    assert [d[0] for d in got[:len(expected)]] == [d.kernel_name for d in expected]
+    for (kernel, groups, threads, index, params, bindings), d in zip(got, expected):
+        assert (groups, threads, index, params) == (d.threadgroups_per_grid, d.threads_per_threadgroup,
+                                                   d.params_index, d.params), kernel
+        assert [b[0] for b in bindings] == [b.index for b in d.bindings]
+    split = got[len(expected):]
+    # The extra forward of short queries, planned for a large GPU where that plan differs: its
+    # chunks and combine, into split_out and split_lse.
+    assert bool(split) == ("split_out" in entries[name]["outputs"])
+    if c.seqlen_q <= cases._split_rows(None):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("FLASH_ATTENTION_GPU_CORES", str(cases.SPLIT_CORES))
+            large = plan.create(problem, "forward").dispatches
+        forward = plan.create(problem, "forward").dispatches
+        differs = len(large) == 2 and large != forward
+        assert [d[0] for d in split] == ([d.kernel_name for d in large] if differs else [])
+        if split:
+            assert [d[0].split("_")[3] for d in split] in (["split", "combine"], ["decode", "combine"])
+    else:
+        assert split == []
+    sizes = [b[0] for b in read["buffers"]]
+    for kernel, *_, bindings in got:
+        for index, buffer, offset in bindings:
+            assert offset <= sizes[buffer], (kernel, index)
+    for out_name, buffer, offset, dtype, *dims_strides in read["outputs"]:
+        dims, strides = dims_strides[:4], dims_strides[4:]
+        last = offset + sum((d - 1) * s for d, s in zip(dims, strides))
+        assert (last + 1) * (4 if dtype == 2 else 2) <= sizes[buffer], out_name
+
+
+@pytest.mark.parametrize("name", PICKED)
+def test_inputs_sit_where_the_strides_say(written, name):
+    folder, entries = written
+    entry = entries[name]
+    read = _read_case(folder / f"{name}.case")
+    names = list(entry["buffers"])
+    for role, file_name in (("q", "q"), ("k", "k"), ("v", "v"), ("dout", "dout")):
+        t = entry["tensors"][role]
+        dtype = np.dtype(cases._numpy_dtype(t["dtype"]))
+        image = np.frombuffer(read["buffers"][names.index(t["buffer"])][2], dtype=dtype)
+        view = np.lib.stride_tricks.as_strided(image[t["offset"]:], shape=t["dims"],
+                                               strides=[s * dtype.itemsize for s in t["strides"]])
+        logical = np.fromfile(folder / f"{name}.{file_name}", np.float32).reshape(t["dims"])
+        np.testing.assert_array_equal(view.astype(np.float32), logical)
+    # Outside the views the input images hold 0xff (NaN in every dtype), and a gapped layout has gaps.
+    covered = {n: np.zeros(read["buffers"][names.index(n)][0], bool) for n in names
+               if read["buffers"][names.index(n)][1] == 0}
+    for t in entry["tensors"].values():
+        if t["buffer"] in covered:
+            size = np.dtype(cases._numpy_dtype(t["dtype"])).itemsize
+            index = t["offset"] + sum(np.arange(d).reshape([-1 if a == i else 1 for a in range(4)]) * s
+                                      for i, (d, s) in enumerate(zip(t["dims"], t["strides"])))
+            for byte in range(size):
+                covered[t["buffer"]][index.ravel() * size + byte] = True
+    gaps = 0
+    for n, mask in covered.items():
+        image = np.frombuffer(read["buffers"][names.index(n)][2], np.uint8)
+        assert (image[~mask] == 0xff).all(), n
+        gaps += int((~mask).sum())
+    assert (gaps > 0) == (entry["case"]["layout"] == "gapped")
+    line = (folder / f"{name}.line").read_text().split()
+    assert line[0] == name and line[-1] == ",".join(entry["outputs"])
