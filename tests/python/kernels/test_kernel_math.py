@@ -26,7 +26,7 @@ def test_kernels_call_only_precise_math_functions():
     assert sources
     found = {path.name: calls for path in sources if (calls := unqualified_calls(path.read_text()))}
     assert found == {}
-    assert "precise::exp2(" in (ROOT / "Shaders" / "flash_attention.metal").read_text()
+    assert "precise::exp2(" in (ROOT / "Shaders" / "flash_attention_scores.h").read_text()
 
 
 def test_the_scan_finds_an_unqualified_call():
