@@ -215,6 +215,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const float row_lse = row < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
     const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
+    const uint stream = dropout_stream(p, b, h);
 
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
@@ -255,19 +256,23 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
-        // dS = P (dP - D) (through the softcap), in place of S.
+        // dS = P (dP - D) (through the softcap), in place of S. With dropout, dP is with respect
+        // to the dropped P (dO V^T) times the mask's factor (D = rowsum(dO O) already is the
+        // dropped out's).
         const TileWindow window =
             tile_window(mods.keys, kv0 + at.col, !tile_unmasked(unmasked, kv0, BK));
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
+            const float2 keep = dropout_on(p) ? dropout_factors(p, stream, row, kv0 + j * 8 + at.col)
+                                              : float2(1.0f);
             FA_UNROLL
             for (uint e = 0; e < 2; ++e) {
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
                                           kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
                 const float pe = probability(x, row_lse, row_residual);
-                sc.f[j].thread_elements()[e] =
-                    through_softcap(p, pe * (dp.f[j].thread_elements()[e] - row_delta), t);
+                const float dpe = dp.f[j].thread_elements()[e] * (e == 0 ? keep.x : keep.y);
+                sc.f[j].thread_elements()[e] = through_softcap(p, pe * (dpe - row_delta), t);
             }
         }
 
@@ -343,6 +348,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         seek(ds, dout + head_offset(p.dout, b, h), rows.first);
         // The head's slope and mask start; per element only the mask row moves.
         const RowModifiers head_mods = row_modifiers(p, alibi, b, h, 0);
+        const uint stream = dropout_stream(p, b, h);
         // The head's rows of lse, residual and delta (one 64-bit multiply per head, not per tile).
         const ulong head_rows = lse_index(p, b, h, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
@@ -375,7 +381,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
             sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
 
-            // P^T in place of S^T, dS^T (through the softcap) in place of dP^T.
+            // P^T in place of S^T, dS^T (through the softcap) in place of dP^T; with dropout the
+            // dropped P^T for dV and dP^T times the mask's factor (as in dQ).
             const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
             FA_UNROLL
             for (uint j = 0; j < NQ; ++j) {
@@ -389,9 +396,10 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                     const float x = score<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
                                               mods, !masked || in_window(mods.keys, key), t);
                     const float pe = probability(x, tg->lse[i], tg->residual[i]);
-                    st.f[j].thread_elements()[e] = pe;
+                    const float kept = dropout_on(p) ? dropout_factor(p, stream, q0 + i, key) : 1.0f;
+                    st.f[j].thread_elements()[e] = pe * kept;
                     dpt.f[j].thread_elements()[e] =
-                        through_softcap(p, pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]), t);
+                        through_softcap(p, pe * (dpt.f[j].thread_elements()[e] * kept - tg->delta[i]), t);
                 }
             }
 

@@ -32,13 +32,13 @@
 // - BUILTINS: its MSL built-in arguments after the buffers, BUILTINS(A) calling A(TYPE, NAME,
 //   ATTRIBUTE) per argument.
 #define FA_KERNELS(X, ...)                                                                                       \
-    X(forward, bucket, FA_FORWARD_BUFFERS, FA_READS_SCORE_AND_SINKS, forward_storage,                            \
+    X(forward, bucket, FA_FORWARD_BUFFERS, FA_READS_FORWARD, forward_storage,                                    \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
     X(forward_split, bucket, FA_FORWARD_SPLIT_BUFFERS, FA_READS_SCORE, forward_storage, FA_BUILTINS_SIMDGROUP,   \
       __VA_ARGS__)                                                                                               \
     X(forward_decode, decode_bucket, FA_FORWARD_SPLIT_BUFFERS, FA_READS_SCORE, decode_storage,                   \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
-    X(forward_kvcache, bucket, FA_KV_CACHE_BUFFERS, FA_READS_SCORE_AND_SINKS, forward_storage,                   \
+    X(forward_kvcache, bucket, FA_KV_CACHE_BUFFERS, FA_READS_FORWARD, forward_storage,                           \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
     X(forward_split_kvcache, bucket, FA_KV_CACHE_SPLIT_BUFFERS, FA_READS_SCORE, forward_storage,                 \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
@@ -49,9 +49,9 @@
       __VA_ARGS__)                                                                                               \
     X(backward_lse_residual, bucket, FA_BACKWARD_LSE_RESIDUAL_BUFFERS, FA_READS_SCORE_AND_SINKS,                 \
       lse_residual_storage, FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                  \
-    X(backward_dq, bucket, FA_BACKWARD_DQ_BUFFERS, FA_READS_SCORE, dq_storage, FA_BUILTINS_SIMDGROUP,            \
+    X(backward_dq, bucket, FA_BACKWARD_DQ_BUFFERS, FA_READS_GRADIENTS, dq_storage, FA_BUILTINS_SIMDGROUP,        \
       __VA_ARGS__)                                                                                               \
-    X(backward_dkv, bucket, FA_BACKWARD_DKV_BUFFERS, FA_READS_SCORE, dkv_storage, FA_BUILTINS_SIMDGROUP,         \
+    X(backward_dkv, bucket, FA_BACKWARD_DKV_BUFFERS, FA_READS_GRADIENTS, dkv_storage, FA_BUILTINS_SIMDGROUP,     \
       __VA_ARGS__)                                                                                               \
     X(backward_dsinks, once, FA_BACKWARD_DSINKS_BUFFERS, FA_READS_NONE, DsinksStorage, FA_BUILTINS_THREAD,       \
       __VA_ARGS__)                                                                                               \
@@ -143,11 +143,15 @@
 
 // The score features in every kernel that computes scores; the sinks where a kernel starts or ends
 // a row's softmax (the dense forward and the lse residual start it at the sink; the split forward
-// leaves it to its combine).
+// leaves it to its combine); dropout where P meets V or dP (the dense forward, dQ, dK/dV: a problem
+// with dropout is never split).
 #define FA_READS_SCORE(C)                                                                          \
     C(FA_FUNCTION_CONSTANT_MASK_TYPE) C(FA_FUNCTION_CONSTANT_SOFTCAP) C(FA_FUNCTION_CONSTANT_ALIBI)
 #define FA_READS_SINKS(C) C(FA_FUNCTION_CONSTANT_SINKS)
 #define FA_READS_SCORE_AND_SINKS(C) FA_READS_SCORE(C) FA_READS_SINKS(C)
+#define FA_READS_DROPOUT(C) C(FA_FUNCTION_CONSTANT_DROPOUT)
+#define FA_READS_FORWARD(C) FA_READS_SCORE_AND_SINKS(C) FA_READS_DROPOUT(C)
+#define FA_READS_GRADIENTS(C) FA_READS_SCORE(C) FA_READS_DROPOUT(C)
 #define FA_READS_NONE(C)
 
 // ---- built-ins ---------------------------------------------------------------------------------

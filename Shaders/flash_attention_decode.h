@@ -6,18 +6,21 @@
 // threadgroup serves the packed rows of a whole GQA group (as the split-KV forward packs them:
 // index g * seqlen_q + i), so each K/V element is read once per chunk of keys and block of rows.
 //
-//   threadgroup (chunk x row block, KV head, batch), FA_SIMDGROUPS SIMD-groups:
-//     each lane loads its slice of the block's q rows (as float)
-//     for each key j of the chunk that some row sees, SIMD-group j % FA_SIMDGROUPS:
-//       load the lane's K and V slices of key j (a KV cache's: paged, dequantized in registers)
-//       per row: s = score(simd_sum(q . k)) (four rows per reduction); online softmax of
-//       (m, l, o) in registers
+//   threadgroup (chunk x row block, KV head, batch), FA_SIMDGROUPS SIMD-groups; the block's live
+//   rows take the instance of RI = 1, 2, 4 or FA_DECODE_ROWS(DP) rows that holds them:
+//     each lane loads its slice of the RI q rows (as float)
+//     per iteration, SIMD-group s takes N = FA_DECODE_KEYS(RI, E) keys (slot n: s + 4n + 4N i):
+//       load the lane's K and V slices of the N keys (a KV cache's: paged, dequantized in registers)
+//       N x RI partial dot products, reduce-scattered over the lanes (reduce_scatter): each lane
+//       ends with one (key, row) product, scores it and runs that row's online softmax over the N
+//       keys (m, l in the lanes that hold the row); every lane rescales its output slices once and
+//       adds each key's V slice with the weight broadcast from the lane that holds it
 //     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
 //     SIMD-group order; the chunk's normalised output and lse go to partial_out / partial_lse,
 //     which forward_combine (flash_attention_forward.h) merges over the chunks with the sink.
 //
-// Sums run in a fixed order (lanes by simd_sum, keys in order per SIMD-group, SIMD-groups 0..3,
-// chunks 0..n): results are bit-identical from run to run.
+// Sums run in a fixed order (lanes by a fixed exchange pattern, keys in order per slot, slots in
+// order, SIMD-groups 0..3, chunks 0..n): results are bit-identical from run to run.
 #ifndef FLASH_ATTENTION_DECODE_H
 #define FLASH_ATTENTION_DECODE_H
 
@@ -125,8 +128,8 @@ inline float slice_element(thread const DecodeSlice<WORDS> &s, uint i) {
     return W::element(s.w[i / W::PER_WORD], i % W::PER_WORD);
 }
 
-// The K/V rows one SIMD-group of the decode kernel walks: keys first, first + FA_SIMDGROUPS, ...
-// A K/V source gives them through decode_rows(kv, p, b, kv_head, first, col0) (plain tensors
+// The K/V rows one key slot of a SIMD-group of the decode kernel walks: keys first, first + step,
+// ... A K/V source gives them through decode_rows(kv, p, b, kv_head, first, col0, step) (plain tensors
 // here; a KV cache's in flash_attention_kv_cache.h): `load` fills the lane's slice of the current
 // key's K and V as float, `next` moves to the SIMD-group's next key. The only place the decode
 // kernel addresses K and V. The key loop moves by whole steps (a 64-bit add), never multiplying
@@ -159,43 +162,59 @@ struct DeviceDecodeRows {
 
 template <typename T>
 inline DeviceDecodeRows<T> decode_rows(DeviceKV<T> kv, constant FlashAttentionParams &p, uint b,
-                                       uint kv_head, uint first, uint col0) {
+                                       uint kv_head, uint first, uint col0, uint step) {
     DeviceDecodeRows<T> r;
     r.k = kv.k + head_offset(p.k, b, kv_head) + ulong(first) * p.k.seq;
     r.v = kv.v + head_offset(p.v, b, kv_head) + ulong(first) * p.v.seq;
-    r.k_step = ulong(FA_SIMDGROUPS) * p.k.seq;
-    r.v_step = ulong(FA_SIMDGROUPS) * p.v.seq;
+    r.k_step = ulong(step) * p.k.seq;
+    r.v_step = ulong(step) * p.v.seq;
     return r;
 }
 
-// Sums each of the R values over the SIMD-group, four rows per reduction (R is 2, 4 or 8).
-template <uint R>
-inline void simd_sum_rows(thread float *x) {
-    if (R % 4 == 0) {
+// log2 of a power of two up to 32, at compile time.
+template <uint X>
+struct DecodeLog2 {
+    enum : uint { value = X <= 1 ? 0 : X <= 2 ? 1 : X <= 4 ? 2 : X <= 8 ? 3 : X <= 16 ? 4 : 5 };
+};
+
+// The lane-transposed reduce-scatter of M partial sums (a power of two, 2 to 32) over the
+// SIMD-group: step k exchanges half of the values still held with lane ^ (16 >> k), the upper
+// lane keeping the upper half, so after log2(M) steps each lane holds one value, index
+// decode_value(lane); the remaining steps add the partners' sums. Every lane holding an index holds
+// the same bits (its sums pair the same terms in the same order, and a + b == b + a). Shuffles:
+// M - 1 + 5 - log2(M), against 5 per value for a simd_sum each.
+template <uint M>
+inline float reduce_scatter(thread float *x, uint lane) {
+    constexpr uint STEPS = DecodeLog2<M>::value;
+    FA_UNROLL
+    for (uint k = 0; k < STEPS; ++k) {
+        const uint width = M >> (k + 1);
+        const ushort offset = ushort(16u >> k);
+        const bool upper = (lane & offset) != 0;
         FA_UNROLL
-        for (uint r = 0; r < R; r += 4) {
-            float4 v;
-            v.x = x[r];
-            v.y = x[r + 1];
-            v.z = x[r + 2];
-            v.w = x[r + 3];
-            const float4 s = simd_sum(v);
-            x[r] = s.x;
-            x[r + 1] = s.y;
-            x[r + 2] = s.z;
-            x[r + 3] = s.w;
-        }
-    } else {
-        FA_UNROLL
-        for (uint r = 0; r < R; r += 2) {
-            float2 v;
-            v.x = x[r];
-            v.y = x[r + 1];
-            const float2 s = simd_sum(v);
-            x[r] = s.x;
-            x[r + 1] = s.y;
+        for (uint i = 0; i < width; ++i) {
+            const float send = upper ? x[i] : x[i + width];
+            const float keep = upper ? x[i + width] : x[i];
+            x[i] = keep + simd_shuffle_xor(send, offset);
         }
     }
+    float sum = x[0];
+    FA_UNROLL
+    for (uint k = STEPS; k < 5; ++k) {
+        sum += simd_shuffle_xor(sum, ushort(16u >> k));
+    }
+    return sum;
+}
+
+// The index of the value reduce_scatter<M> leaves in `lane`, and the lowest lane holding index v.
+template <uint M>
+inline uint decode_value(uint lane) {
+    return (lane >> (5 - DecodeLog2<M>::value)) & (M - 1);
+}
+
+template <uint M>
+inline ushort decode_owner(uint v) {
+    return ushort(v << (5 - DecodeLog2<M>::value));
 }
 
 // Each SIMD-group's online-softmax state of the block's rows, merged once after the key loop.
@@ -205,6 +224,148 @@ struct DecodeStorage {
     float m[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
     float l[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
 };
+
+// One SIMD-group's keys of the chunk for the first RI rows of the block (live of them real; RI is
+// 1, 2, 4 or FA_DECODE_ROWS(DP)): each lane keeps its slice of every row's q and output, and
+// after the reduce-scatter of the FA_DECODE_KEYS x RI dot products, the running max m and sum l
+// of the one (key, row) value it holds (decode_value); the SIMD-group's state goes to tg for
+// the merge.
+template <uint DP, uint RI, typename T, typename KV, typename Storage>
+inline void decode_block(device const T *q, KV kv, device const uchar *mask, device const float *alibi,
+                         constant FlashAttentionParams &p, PackedRows rows, uint live, uint b,
+                         uint kv_head, uint key_begin, uint key_end, Storage tg, uint sgid, uint lane) {
+    typedef DecodeLane<T, DP> L;
+    constexpr uint N = FA_DECODE_KEYS(RI, L::E);
+    constexpr uint M = N * RI;
+    static_assert(M <= 32 && (M & (M - 1)) == 0, "one value per lane at most, a power of two");
+    const uint col0 = lane * L::E;
+    const bool scalar = p.scalar_copies != 0;
+
+    float qs[RI][L::E];
+    float o[RI][L::E];
+    FA_UNROLL
+    for (uint r = 0; r < RI; ++r) {
+        const uint packed = rows.first + (r < live ? r : 0);
+        const uint h = packed_head(p, rows, kv_head, packed);
+        const DecodeSlice<L::WORDS> s = load_slice<T, DP>(
+            q + head_offset(p.q, b, h) + ulong(packed % p.seqlen_q) * p.q.seq, col0,
+            r < live ? p.head_dim : 0, scalar);
+        FA_UNROLL
+        for (uint e = 0; e < L::E; ++e) {
+            qs[r][e] = slice_element<T>(s, e);
+            o[r][e] = 0.0f;
+        }
+    }
+    // The (key slot, row) this lane scores: value n * RI + r of the reduce-scatter.
+    const uint own_v = decode_value<M>(lane);
+    const uint own_n = own_v / RI;
+    const uint own_r = own_v % RI;
+    const bool own_live = own_r < live;
+    const uint own_packed = rows.first + (own_live ? own_r : 0);
+    const uint own_row = own_live ? own_packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
+    const RowModifiers mods = row_modifiers(p, alibi, b, packed_head(p, rows, kv_head, own_packed), own_row);
+    float m = -INFINITY;  // the sink joins once, in the combine
+    float l = 0.0f;
+
+    // Slot n walks keys key_begin + sgid + n * FA_SIMDGROUPS, stepping FA_SIMDGROUPS * N.
+    typedef decltype(decode_rows(kv, p, b, kv_head, key_begin, col0, 0)) Rows;
+    Rows kvr[N];
+    FA_UNROLL
+    for (uint n = 0; n < N; ++n) {
+        kvr[n] = decode_rows(kv, p, b, kv_head, key_begin + sgid + n * FA_SIMDGROUPS, col0, N * FA_SIMDGROUPS);
+    }
+    for (uint j = key_begin + sgid; j < key_end; j += N * FA_SIMDGROUPS) {
+        float kf[N][L::E];
+        float vf[N][L::E];
+        FA_UNROLL
+        for (uint n = 0; n < N; ++n) {
+            if (j + n * FA_SIMDGROUPS < key_end) {  // the same for the whole SIMD-group
+                kvr[n].template load<DP>(p, lane, scalar, kf[n], vf[n]);
+            } else {
+                FA_UNROLL
+                for (uint e = 0; e < L::E; ++e) {
+                    kf[n][e] = 0.0f;
+                    vf[n][e] = 0.0f;
+                }
+            }
+            kvr[n].next();
+        }
+        float dot[M];
+        FA_UNROLL
+        for (uint n = 0; n < N; ++n) {
+            FA_UNROLL
+            for (uint r = 0; r < RI; ++r) {
+                float d = 0.0f;
+                FA_UNROLL
+                for (uint e = 0; e < L::E; ++e) {
+                    d = fma(qs[r][e], kf[n][e], d);
+                }
+                dot[n * RI + r] = d;
+            }
+        }
+        const float raw = reduce_scatter<M>(dot, lane);
+
+        // The online softmax of the lane's (key, row), once per iteration for the N keys: the
+        // row's max over them (its other keys' lanes differ in the top bits), one correction.
+        const uint key = j + own_n * FA_SIMDGROUPS;
+        float s = -INFINITY;
+        if (own_live && key < key_end) {
+            float t;
+            s = score<T>(p, mask, raw, own_row, key, mods, in_window(mods.keys, key), t);
+        }
+        float top = s;
+        FA_UNROLL
+        for (uint n = 1; n < N; n *= 2) {
+            top = max(top, simd_shuffle_xor(top, decode_owner<M>(n * RI)));
+        }
+        const float m_next = max(m, top);
+        // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0
+        // (softmax_shift: +inf gives l +inf, not NaN).
+        const float m_base = softmax_shift(m_next);
+        const float correction = exp_of(m - m_base);
+        const float pe = exp_of(s - m_base);
+        float pe_sum = pe;
+        FA_UNROLL
+        for (uint n = 1; n < N; n *= 2) {
+            pe_sum += simd_shuffle_xor(pe_sum, decode_owner<M>(n * RI));
+        }
+        l = fma(l, correction, pe_sum);
+        m = m_next;
+
+        // Every lane's output slice of each row: rescaled once, then each key's weight from the
+        // lane that holds it.
+        FA_UNROLL
+        for (uint r = 0; r < RI; ++r) {
+            const float c = simd_shuffle(correction, decode_owner<M>(r));
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                o[r][e] *= c;
+            }
+            FA_UNROLL
+            for (uint n = 0; n < N; ++n) {
+                const float w = simd_shuffle(pe, decode_owner<M>(n * RI + r));
+                FA_UNROLL
+                for (uint e = 0; e < L::E; ++e) {
+                    o[r][e] = fma(w, vf[n][e], o[r][e]);
+                }
+            }
+        }
+    }
+
+    FA_UNROLL
+    for (uint r = 0; r < RI; ++r) {
+        if (lane < L::LANES) {
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                tg->o[sgid][r][col0 + e] = o[r][e];
+            }
+        }
+    }
+    if (lane == decode_owner<M>(own_r)) {  // slot 0's lowest lane of each row
+        tg->m[sgid][own_r] = m;
+        tg->l[sgid][own_r] = l;
+    }
+}
 
 // One chunk of keys for one block of FA_DECODE_ROWS(DP) packed rows: threadgroups (row blocks x
 // chunks, KV heads, batch), x = chunk * row_blocks + row block, as the split-KV forward. Writes the
@@ -229,86 +390,20 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
     const uint chunk = x / row_blocks;
     const PackedRows rows = packed_rows<R>(p, x % row_blocks);
     const uint live = min(R, rows.count - rows.first);  // rows of the block that exist
-    const uint col0 = lane * L::E;
-    const bool scalar = p.scalar_copies != 0;
-
-    float qs[R][L::E];
-    float o[R][L::E];
-    float m[R];
-    float l[R];
-    uint row[R];
-    RowModifiers mods[R];
-    FA_UNROLL
-    for (uint r = 0; r < R; ++r) {
-        const uint packed = rows.first + (r < live ? r : 0);
-        const uint h = packed_head(p, rows, kv_head, packed);
-        row[r] = r < live ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
-        mods[r] = row_modifiers(p, alibi, b, h, row[r]);
-        const DecodeSlice<L::WORDS> s = load_slice<T, DP>(
-            q + head_offset(p.q, b, h) + ulong(packed % p.seqlen_q) * p.q.seq, col0,
-            r < live ? p.head_dim : 0, scalar);
-        FA_UNROLL
-        for (uint e = 0; e < L::E; ++e) {
-            qs[r][e] = slice_element<T>(s, e);
-            o[r][e] = 0.0f;
-        }
-        m[r] = -INFINITY;  // the sink joins once, in the combine
-        l[r] = 0.0f;
-    }
 
     // The chunk's keys that some row of the block sees through the window.
     const uint chunk_begin = chunk * p.kv_chunk_keys;
     const uint key_begin = max(chunk_begin, key_range(p, rows.i_min).first);
     const uint key_end = min(chunk_begin + p.kv_chunk_keys, key_range(p, rows.i_max).end);
-    auto kvr = decode_rows(kv, p, b, kv_head, key_begin + sgid, col0);
-    for (uint j = key_begin + sgid; j < key_end; j += FA_SIMDGROUPS) {
-        float kf[L::E];
-        float vf[L::E];
-        kvr.template load<DP>(p, lane, scalar, kf, vf);
-        kvr.next();
-        float dot[R];
-        FA_UNROLL
-        for (uint r = 0; r < R; ++r) {
-            dot[r] = 0.0f;
-            FA_UNROLL
-            for (uint e = 0; e < L::E; ++e) {
-                dot[r] = fma(qs[r][e], kf[e], dot[r]);
-            }
-        }
-        simd_sum_rows<R>(dot);
-        FA_UNROLL
-        for (uint r = 0; r < R; ++r) {
-            if (r < live) {  // the same for the whole SIMD-group
-                float t;
-                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], in_window(mods[r].keys, j), t);
-                const float m_next = max(m[r], s);
-                // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0
-                // (softmax_shift: +inf gives l +inf, not NaN).
-                const float m_base = softmax_shift(m_next);
-                const float correction = exp_of(m[r] - m_base);
-                const float pe = exp_of(s - m_base);
-                l[r] = fma(l[r], correction, pe);
-                FA_UNROLL
-                for (uint e = 0; e < L::E; ++e) {
-                    o[r][e] = fma(o[r][e], correction, pe * vf[e]);
-                }
-                m[r] = m_next;
-            }
-        }
-    }
-
-    FA_UNROLL
-    for (uint r = 0; r < R; ++r) {
-        if (lane < L::LANES) {
-            FA_UNROLL
-            for (uint e = 0; e < L::E; ++e) {
-                tg->o[sgid][r][col0 + e] = o[r][e];
-            }
-        }
-        if (lane == 0) {
-            tg->m[sgid][r] = m[r];
-            tg->l[sgid][r] = l[r];
-        }
+    // The instance sized to the live rows (the same for the whole threadgroup).
+    if (live <= 1) {
+        decode_block<DP, 1>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid, lane);
+    } else if (live <= 2) {
+        decode_block<DP, 2>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid, lane);
+    } else if (live <= 4) {
+        decode_block<DP, 4>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid, lane);
+    } else {
+        decode_block<DP, R>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid, lane);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint e = sgid * 32 + lane; e < R * DP; e += FA_THREADS_PER_THREADGROUP) {

@@ -1,5 +1,5 @@
 // The score features of a call (flash_attention_params.h, FA_FUNCTION_CONSTANTS: mask type,
-// softcap, ALiBi, sinks), read by the kernels only through these four functions. They are function
+// softcap, ALiBi, sinks, dropout), read by the kernels only through the functions below. They are function
 // constants, fixed when a kernel's pipeline is built, so every test of them folds away and a kernel
 // compiled for "no features" has none of their code. The parameter struct still carries the
 // feature's data (softcap's value, the mask strides); `p` stays in the signatures for that reason
@@ -17,6 +17,7 @@
 #define FLASH_ATTENTION_FEATURES_H
 
 #include "flash_attention_params.h"
+#include "flash_attention_philox.h"
 
 #if defined(FA_FUNCTION_CONSTANTS_PREDEFINED)
 #elif defined(MSL_FUNCTION_CONSTANT)
@@ -40,5 +41,31 @@ inline bool softcap_on(constant FlashAttentionParams &p) { return fa_has_softcap
 inline bool alibi_on(constant FlashAttentionParams &p) { return fa_has_alibi ? true : false; }
 
 inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? true : false; }
+
+inline bool dropout_on(constant FlashAttentionParams &p) { return fa_has_dropout ? true : false; }
+
+// The Philox stream of (batch entry b, query head h) as the kernel sees them (FlashAttentionParams).
+inline uint dropout_stream(constant FlashAttentionParams &p, uint b, uint h) {
+    return p.dropout_stream0 + b * p.dropout_heads + h;
+}
+
+// What P at (row, key) of `stream` is multiplied by: 0 where dropped, dropout_scale where kept
+// (flash_attention_philox.h).
+inline float dropout_factor(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
+    const FaPhiloxBlock w = fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4);
+    return fa_philox_word(w, key % 4) >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+}
+
+// The factors of keys `key` and `key + 1` of one row (a lane's two elements of an 8x8 fragment):
+// one Philox call where both keys lie in one group of four (key % 4 != 3, so always for an even
+// key), a second one otherwise.
+inline float2 dropout_factors(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
+    const FaPhiloxBlock w = fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4);
+    const uint e = key % 4;
+    const uint next = e == 3 ? fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4 + 1).x0
+                             : fa_philox_word(w, e + 1);
+    return float2(fa_philox_word(w, e) >= p.dropout_threshold ? p.dropout_scale : 0.0f,
+                  next >= p.dropout_threshold ? p.dropout_scale : 0.0f);
+}
 
 #endif

@@ -50,14 +50,17 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 // over the KV head's K and V): loads the tiles (every thread calls it; V only after S where K and
 // V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
 // `masked`; the lane's row is query `row`), online softmax update, O += P V (without WITH_V,
-// only m and l: V is neither loaded nor multiplied).
-template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
-          typename Storage>
+// only m and l: V is neither loaded nor multiplied). DROPOUT: the kernel reads the dropout
+// function constant (the dense forward; the split kernels never get a call with dropout) and, when
+// it is on, P enters O += P V dropped (its row sum l stays undropped: lse is of the scores), the
+// row's mask drawn from Philox stream `stream` (flash_attention_philox.h).
+template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, bool DROPOUT = false,
+          typename KS, typename VS, typename Storage>
 FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks,
                                    thread VS &vs, device const uchar *mask,
                                    constant FlashAttentionParams &p, uint kv0, bool masked,
                                    uint row, RowModifiers mods, SimdgroupSlice s, FragmentCoord at,
-                                   uint sgid, uint tid) {
+                                   uint sgid, uint tid, uint stream = 0) {
     typedef typename KS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
     constexpr bool SHARED = WITH_V && FA_FORWARD_SHARED(T, DP, BQ, BK);
@@ -117,6 +120,14 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
         }
     }
     r.m = m_next;
+    if (WITH_V && DROPOUT && dropout_on(p)) {
+        FA_UNROLL
+        for (uint j = 0; j < NK; ++j) {
+            const float2 keep = dropout_factors(p, stream, row, kv0 + j * 8 + at.col);
+            sc.f[j].thread_elements()[0] *= keep.x;
+            sc.f[j].thread_elements()[1] *= keep.y;
+        }
+    }
 
     if (SHARED) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -184,6 +195,7 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     const uint key_begin = key_range(p, q0).first;
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
+    const uint stream = dropout_stream(p, b, h);
 
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
@@ -194,8 +206,9 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     const KeyRange unmasked = unmasked_keys(p, q0, BQ);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, !tile_unmasked(unmasked, kv0, BK),
-                                 row, mods, s, at, sgid, tid);
+        forward_tile<DP, BQ, BK, ND, true, true>(r, tg, ks, vs, mask, p, kv0,
+                                                 !tile_unmasked(unmasked, kv0, BK), row, mods, s,
+                                                 at, sgid, tid, stream);
     }
 
     const float l = row_sum(r.l);

@@ -277,11 +277,17 @@ inline void load_tile(Tile tile, thread CacheStream<T, ROWS, DP> &s, uint first,
 // The E * BITS bits of elements [col, col + E) of a packed row (col a multiple of E) as float,
 // w = scale * q + bias: loaded once, in one load of 1, 2 or 4 bytes or in whole words (rows are
 // only word-aligned), and unpacked in registers. At E = 1 and 4 bits two lanes share a byte:
-// each loads it and takes its half.
+// each loads it and takes its half. No integer-to-float convert (MLX's quantized matvec uses the
+// same bits, ml-explore/mlx kernels/quantized.h, facts only): q in a half's low mantissa bits
+// under the exponent of 1024 (0x6400) is the half 1024 + q, and one half2 subtraction of 1024
+// gives q exactly for two elements (a whole word yields two per mask, those 16 bits apart), so
+// w is the same fma(scale, q, bias) as with a convert.
 template <uint E, uint BITS>
 inline void kv_dequantize(device const uint *words, uint col, float scale, float bias, thread float *x) {
     constexpr uint TOTAL = E * BITS;
     constexpr uint WORDS = (TOTAL + 31) / 32;
+    constexpr uint MASK = (1u << BITS) - 1u;
+    constexpr uint PER_HALF = 16 / BITS;  // elements per 16 bits of a word
     uint w[WORDS];
     if (TOTAL >= 32) {
         FA_DEVICE_READ(words + col * BITS / 32, TOTAL / 8);
@@ -289,7 +295,20 @@ inline void kv_dequantize(device const uint *words, uint col, float scale, float
         for (uint i = 0; i < WORDS; ++i) {
             w[i] = words[col * BITS / 32 + i];
         }
-    } else if (TOTAL == 16) {
+        FA_UNROLL
+        for (uint i = 0; i < WORDS; ++i) {
+            FA_UNROLL
+            for (uint e = 0; e < PER_HALF; ++e) {
+                // Elements e and e + PER_HALF of word i.
+                const half2 q = as_type<half2>(((w[i] >> (e * BITS)) & (MASK | MASK << 16)) | 0x64006400u) -
+                                half2(half(1024.0f));
+                x[i * 2 * PER_HALF + e] = fma(scale, float(q.x), bias);
+                x[i * 2 * PER_HALF + e + PER_HALF] = fma(scale, float(q.y), bias);
+            }
+        }
+        return;
+    }
+    if (TOTAL == 16) {
         device const ushort *halves = (device const ushort *)words + col * BITS / 16;
         FA_DEVICE_READ(halves, 2);
         w[0] = halves[0];
@@ -300,15 +319,15 @@ inline void kv_dequantize(device const uint *words, uint col, float scale, float
     }
     FA_UNROLL
     for (uint e = 0; e < E; ++e) {
-        const uint q = (w[e * BITS / 32] >> (e * BITS % 32)) & ((1u << BITS) - 1u);
-        x[e] = scale * float(q) + bias;
+        const half q = as_type<half>(ushort(((w[0] >> (e * BITS)) & MASK) | 0x6400u)) - half(1024.0f);
+        x[e] = fma(scale, float(q), bias);
     }
 }
 
 // The decode kernel's rows of a cache (DeviceDecodeRows in flash_attention_decode.h has the
-// contract): the SIMD-group's keys first, first + FA_SIMDGROUPS, ... The key's block is found once
-// for K and V and the table read only when a key enters another block: the row within the block
-// advances by FA_SIMDGROUPS and wraps by subtraction, so the key loop divides nothing. A quantized
+// contract): a key slot's keys first, first + step, ... The key's block is found once for K and V
+// and the table read only when a key enters another block: the row within the block advances by
+// the step and wraps by subtraction, so the key loop divides nothing. A quantized
 // row's scales and biases are loaded once per (row, group), by lane g for group g, and handed to
 // the lanes of the group by one shuffle.
 template <typename T>
@@ -324,6 +343,11 @@ struct CacheDecodeRows {
     uint k_groups;      // quantized: groups of a K row and of a V row
     uint v_groups;
     ushort group_lane;  // the lane that loads the scale and bias of this lane's group
+    uint step;          // keys from one of the slot's keys to its next
+    ulong k_step;       // step rows of k, v and their scales (within a block)
+    ulong v_step;
+    ulong k_scale_step;
+    ulong v_scale_step;
 
     // The rows of (block, r): a table read and the multiplies, once per block.
     inline void locate() {
@@ -390,7 +414,7 @@ struct CacheDecodeRows {
     }
 
     inline void next() {
-        r += FA_SIMDGROUPS;
+        r += step;
         if (k.page_rows != 0 && r >= k.page_rows) {
             while (r >= k.page_rows) {
                 r -= k.page_rows;
@@ -399,10 +423,10 @@ struct CacheDecodeRows {
             locate();
             return;
         }
-        k_row += ulong(FA_SIMDGROUPS) * k.row_stride;
-        v_row += ulong(FA_SIMDGROUPS) * v.row_stride;
-        k_scale_row += ulong(FA_SIMDGROUPS) * k.scale_row_stride;
-        v_scale_row += ulong(FA_SIMDGROUPS) * v.scale_row_stride;
+        k_row += k_step;
+        v_row += v_step;
+        k_scale_row += k_scale_step;
+        v_scale_row += v_scale_step;
     }
 };
 
@@ -434,11 +458,11 @@ struct CacheKV {
     }
 };
 
-// The decode kernel's rows of batch element b's KV head from key `first`, for the lane whose
-// slice starts at column col0.
+// The decode kernel's rows of batch element b's KV head from key `first` by `step`, for the lane
+// whose slice starts at column col0.
 template <typename T>
 inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionParams &p, uint b,
-                                      uint kv_head, uint first, uint col0) {
+                                      uint kv_head, uint first, uint col0, uint step) {
     CacheDecodeRows<T> r;
     r.k = kv_cache_head(p, kv.k, kv.k_scales, kv.k_biases, kv.table, p.k, b, kv_head, p.head_dim);
     r.v = kv_cache_head(p, kv.v, kv.v_scales, kv.v_biases, kv.table, p.v, b, kv_head, p.head_dim_v);
@@ -447,6 +471,11 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
     r.k_groups = p.head_dim / r.k.group_size;
     r.v_groups = p.head_dim_v / r.v.group_size;
     r.group_lane = ushort(col0 / r.k.group_size);
+    r.step = step;
+    r.k_step = ulong(step) * r.k.row_stride;
+    r.v_step = ulong(step) * r.v.row_stride;
+    r.k_scale_step = ulong(step) * r.k.scale_row_stride;
+    r.v_scale_step = ulong(step) * r.v.scale_row_stride;
     r.locate();
     return r;
 }

@@ -53,6 +53,10 @@ typedef struct FlashAttentionParams {
     FlashAttentionStrides dv;
     FlashAttentionStrides mask;  // attn_mask's (batch, head, query row) strides; 0 broadcasts
     fa_u64 alibi_batch_stride;   // alibi_slopes: 0 for (num_heads,), num_heads for (batch, num_heads)
+    // Dropout on P (flash_attention_philox.h: the mask of every element from these): the Philox key
+    // and the counter's base. Read only where dropout_threshold is not 0.
+    fa_u64 dropout_seed;
+    fa_u64 dropout_offset;
     fa_u32 batch;
     fa_u32 num_heads;
     fa_u32 num_kv_heads;
@@ -112,6 +116,17 @@ typedef struct FlashAttentionParams {
     // Rows per head of lse, delta and the lse residual in a sequence's struct: the packed total_q
     // (they are [num_heads][total_q]); unused (0) in a dense problem, whose rows per head are seqlen_q.
     fa_u32 lse_rows;
+    // Dropout (FlashAttention's: on P after the softmax, lse of the undropped scores): an element
+    // is dropped iff its Philox word is below dropout_threshold (0: no dropout, and the kernels
+    // compiled without it: FA_FUNCTION_CONSTANT_DROPOUT); kept ones are multiplied by
+    // dropout_scale = 1 / (1 - dropout_p). The stream of the counter of (batch entry b, query head
+    // h) as the kernel sees them is dropout_stream0 + b * dropout_heads + h: the call's
+    // b' * num_heads + h' for the whole problem's indices (a piece of a split plan starts at
+    // stream0 = its first batch entry and head; a varlen sequence's struct at its index b').
+    fa_u32 dropout_threshold;
+    float dropout_scale;
+    fa_u32 dropout_stream0;
+    fa_u32 dropout_heads;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -140,12 +155,14 @@ typedef struct FlashAttentionParams {
 #define FA_FUNCTION_CONSTANT_SOFTCAP 1
 #define FA_FUNCTION_CONSTANT_ALIBI 2
 #define FA_FUNCTION_CONSTANT_SINKS 3
-#define FA_FUNCTION_CONSTANT_COUNT 4
+#define FA_FUNCTION_CONSTANT_DROPOUT 4
+#define FA_FUNCTION_CONSTANT_COUNT 5
 #define FA_FUNCTION_CONSTANTS(X)                                                                   \
     X(FA_FUNCTION_CONSTANT_MASK_TYPE, uint, fa_mask_type, (p).mask_type)                           \
     X(FA_FUNCTION_CONSTANT_SOFTCAP, bool, fa_has_softcap, (p).softcap > 0.0f)                      \
     X(FA_FUNCTION_CONSTANT_ALIBI, bool, fa_has_alibi, (p).has_alibi != 0)                          \
-    X(FA_FUNCTION_CONSTANT_SINKS, bool, fa_has_sinks, (p).has_sinks != 0)
+    X(FA_FUNCTION_CONSTANT_SINKS, bool, fa_has_sinks, (p).has_sinks != 0)                          \
+    X(FA_FUNCTION_CONSTANT_DROPOUT, bool, fa_has_dropout, (p).dropout_threshold != 0)
 // How C and Swift name the two MSL types a constant can have.
 #define FA_FUNCTION_CONSTANT_TYPE_bool 0
 #define FA_FUNCTION_CONSTANT_TYPE_uint 1
@@ -271,8 +288,8 @@ typedef struct FlashAttentionParams {
 // The GPU core count plans assume without the FLASH_ATTENTION_GPU_CORES override: 10, the GPU of
 // the base M1-M4 chips (Apple's tech specs), so the CPU engine plans as for that GPU.
 #define FA_NOMINAL_GPU_CORES 10
-// The decode forward (flash_attention_decode.h): each threadgroup takes FA_DECODE_ROWS(DP) packed
-// rows, whose q and output slices every lane keeps in registers (FA_DECODE_ROWS(DP) x DP / 32
+// The decode forward (flash_attention_decode.h): each threadgroup takes up to FA_DECODE_ROWS(DP)
+// packed rows, whose q and output slices every lane keeps in registers (FA_DECODE_ROWS(DP) x DP / 32
 // floats of each, 32 at most: both within FA_MAX_ACCUMULATOR_FLOATS, asserted at the kernel), and
 // stores FA_SIMDGROUPS such states in threadgroup memory once, at the end
 // (FA_DECODE_THREADGROUP_BYTES). It serves a split problem whose packed rows per KV head
@@ -280,8 +297,13 @@ typedef struct FlashAttentionParams {
 // more rows would be more row blocks, each reading the whole cache, where the tiled split kernel
 // reads it once per forward_block_q rows (K/V tiles shared by its SIMD-groups); wider rows would
 // outgrow the registers. Buckets above FA_DECODE_MAX_HEAD_DIM have no decode instance.
+// The block's rows take the smallest instance of 1, 2, 4 or FA_DECODE_ROWS(DP) rows that holds its
+// live rows, whose key loop takes FA_DECODE_KEYS(ROWS, E) keys per iteration and SIMD-group (E:
+// elements of a row per lane): their loads in flight at once, one rescale of the outputs per
+// iteration; 4, or 2 where ROWS x E reaches 32 (the K/V slices would outgrow the registers).
 #define FA_DECODE_MAX_HEAD_DIM 256
 #define FA_DECODE_ROWS(DP) ((DP) <= 128 ? 8 : 4)
+#define FA_DECODE_KEYS(ROWS, E) ((ROWS) * (E) >= 32 ? 2 : 4)
 #define FA_DECODE_THREADGROUP_BYTES(DP) (FA_SIMDGROUPS * FA_DECODE_ROWS(DP) * ((DP) + 2) * 4)
 #define FA_DECODE_SERVES(DP, PACKED_ROWS) ((DP) <= FA_DECODE_MAX_HEAD_DIM && (PACKED_ROWS) <= FA_DECODE_ROWS(DP))
 // FA_IF_DECODE(DP, ...): the arguments where bucket DP has a decode instance (DP <=

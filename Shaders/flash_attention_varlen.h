@@ -113,6 +113,7 @@ inline void varlen_sequences(device const int *cu_q, device const int *cu_k,
         s.seq_q0 = q0;
         s.seq_k0 = k0;
         s.lse_rows = p.seqlen_q;
+        s.dropout_stream0 = p.dropout_stream0 + b * p.dropout_heads;
     }
 }
 

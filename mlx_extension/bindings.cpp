@@ -17,16 +17,25 @@ NB_MODULE(_mlx_ext, m) {
         "attention",
         [](const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v, float scale, bool causal,
            const std::optional<mlx::core::array>& mask, const std::optional<mlx::core::array>& sinks,
+           float dropout_p, uint64_t dropout_seed, uint64_t dropout_offset, mlx::core::StreamOrDevice stream) {
+            return flash_attention_mlx::attention(q, k, v, scale, causal, mask, sinks,
+                                                  {dropout_p, dropout_seed, dropout_offset}, stream)[0];
+        },
+        "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a, "mask"_a = nb::none(), "sinks"_a = nb::none(),
+        "dropout_p"_a = 0.0f, "dropout_seed"_a = 0, "dropout_offset"_a = 0, "stream"_a = nb::none(),
+        "Attention out (B, H, Lq, Dv) of the fused forward node (its vjp is the fused backward node). "
+        "mask: None, a bool array or an additive array broadcastable to (B, H, Lq, Lk); sinks: None or "
+        "(H,); dropout_p, dropout_seed, dropout_offset: the library's dropout (p 0 off). Raises ValueError naming "
+        "the argument for what the library refuses.");
+    m.def(
+        "forward_with_lse",
+        [](const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v, float scale, bool causal,
+           const std::optional<mlx::core::array>& mask, const std::optional<mlx::core::array>& sinks,
            mlx::core::StreamOrDevice stream) {
-            return flash_attention_mlx::attention(q, k, v, scale, causal, mask, sinks, stream)[0];
+            return flash_attention_mlx::attention(q, k, v, scale, causal, mask, sinks, {}, stream);
         },
         "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a, "mask"_a = nb::none(), "sinks"_a = nb::none(),
         "stream"_a = nb::none(),
-        "Attention out (B, H, Lq, Dv) of the fused forward node (its vjp is the fused backward node). "
-        "mask: None, a bool array or an additive array broadcastable to (B, H, Lq, Lk); sinks: None or "
-        "(H,). Raises ValueError naming the argument for what the library refuses.");
-    m.def("forward_with_lse", &flash_attention_mlx::attention, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a,
-          "mask"_a = nb::none(), "sinks"_a = nb::none(), "stream"_a = nb::none(),
           "[out, lse] of the forward node. No gradient flows through lse (its cotangent is not used): "
           "for code with its own vjp (ring attention).");
     m.def("backward", &flash_attention_mlx::attention_backward, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a,

@@ -130,6 +130,9 @@ fa_problem make_problem(const Options& options, const mx::array& q, const mx::ar
         p.attn_mask_strides = {stride(0), stride(1), stride(2)};
     }
     if (options.has_sinks) p.sinks = static_cast<const float*>(present());
+    p.dropout_p = options.dropout.p;
+    p.dropout_seed = options.dropout.seed;
+    p.dropout_offset = options.dropout.offset;
     return p;
 }
 
@@ -168,7 +171,7 @@ std::string long_pass_refusal(const fa_problem& problem, fa_pass pass) {
 
 std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                                  bool causal, const std::optional<mx::array>& mask,
-                                 const std::optional<mx::array>& sinks, mx::StreamOrDevice device) {
+                                 const std::optional<mx::array>& sinks, Dropout dropout, mx::StreamOrDevice device) {
     mx::Stream s = mx::to_stream(device);
     for (auto [name, a] : {std::pair{"q", &q}, {"k", &k}, {"v", &v}}) {
         if (a->ndim() != 4) {
@@ -178,7 +181,7 @@ std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const m
         if (a->dtype() != q.dtype()) throw std::invalid_argument(std::string(name) + " must have q's dtype");
     }
     library_dtype(q.dtype());
-    Options options{scale, causal, FA_ATTN_MASK_NONE, sinks.has_value()};
+    Options options{scale, causal, FA_ATTN_MASK_NONE, sinks.has_value(), dropout};
     std::vector<mx::array> inputs = {mx::contiguous(q, false, s), mx::contiguous(k, false, s),
                                      mx::contiguous(v, false, s)};
     if (mask) {
@@ -222,8 +225,8 @@ std::vector<mx::array> attention_backward(const mx::array& dout, const mx::array
                                           float scale, bool causal, mx::StreamOrDevice device) {
     mx::Stream s = mx::to_stream(device);
     // The forward's checks of q, k, v (shapes, dtypes), then those of the backward's own arrays.
-    attention(q, k, v, scale, causal, std::nullopt, std::nullopt, s);
-    Options options{scale, causal, FA_ATTN_MASK_NONE, false};
+    attention(q, k, v, scale, causal, std::nullopt, std::nullopt, {}, s);
+    Options options{scale, causal, FA_ATTN_MASK_NONE, false, {}};
     mx::Shape out_shape = {q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
     if (dout.shape() != out_shape || out.shape() != out_shape || dout.dtype() != q.dtype() || out.dtype() != q.dtype()) {
         throw std::invalid_argument("dout and out must have q's dtype and shape (batch, num_heads, seqlen_q, head_dim_v)");

@@ -17,6 +17,18 @@ namespace flash_attention_mlx {
 
 namespace mx = mlx::core;
 
+// Dropout on the attention probabilities (fa_problem's dropout_p, dropout_seed, dropout_offset):
+// p 0 is off. The backward node gets the forward's, and regenerates its mask.
+struct Dropout {
+    float p = 0.0f;
+    uint64_t seed = 0;
+    uint64_t offset = 0;
+
+    bool operator==(const Dropout& other) const {
+        return p == other.p && seed == other.seed && offset == other.offset;
+    }
+};
+
 // What a forward or backward node computes besides its input arrays. The node's inputs end with
 // the mask (when mask_type is not FA_ATTN_MASK_NONE) and then the sinks (when has_sinks).
 struct Options {
@@ -24,23 +36,26 @@ struct Options {
     bool causal;
     fa_attn_mask_type mask_type;  // NONE, BOOL (bool array) or ADDITIVE_FLOAT32 (float32 array)
     bool has_sinks;                // sinks: float32 [num_heads]
+    Dropout dropout;
 
     bool operator==(const Options& other) const {
         return scale == other.scale && causal == other.causal && mask_type == other.mask_type &&
-               has_sinks == other.has_sinks;
+               has_sinks == other.has_sinks && dropout == other.dropout;
     }
 };
 
 // out = softmax(scale * q k^T + mask, with sinks) v as one graph node with outputs (out, lse).
 //   q (B, H, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv): one of float16, bfloat16, float32.
 //   mask: None, a bool array (true = may attend) or an additive array, broadcastable to
-//   (B, H, Lq, Lk); sinks: None or (H,) logits of one virtual key per head.
-//   Returns out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) float32.
+//   (B, H, Lq, Lk); sinks: None or (H,) logits of one virtual key per head; dropout: FlashAttention's
+//   dropout on P (the library's Philox mask of (seed, offset, batch, head, row, key)).
+//   Returns out (B, H, Lq, Dv) in q's dtype and lse (B, H, Lq) float32 (of the undropped scores).
 // Throws std::invalid_argument naming the argument and the rule (the library's own checks, run
 // before anything is evaluated) for bad shapes, dtypes or scale.
 std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                                  bool causal, const std::optional<mx::array>& mask,
-                                 const std::optional<mx::array>& sinks, mx::StreamOrDevice s = {});
+                                 const std::optional<mx::array>& sinks, Dropout dropout = {},
+                                 mx::StreamOrDevice s = {});
 
 // The backward node on its own: (dq, dk, dv) of attention from dout and the forward's q, k, v, out
 // and lse, which may be the lse of a longer row (ring attention over key blocks: the library uses

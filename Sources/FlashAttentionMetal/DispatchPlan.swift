@@ -311,7 +311,7 @@ struct DispatchPlan {
                                               BufferBinding(index: Int(FA_FORWARD_BUFFER_PARTIAL_LSE), role: .lse)]
             let dense = dispatch("flash_attention_forward_\(kvName)\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                                  GridSize(width: rowBlocks, height: problem.numHeads, depth: problem.gridBatch),
-                                 reads: KernelConstants.scoreAndSinks,
+                                 reads: KernelConstants.scoreSinksAndDropout,
                                  blockWork: problem.gridWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement,
                                                              blocks: rowBlocks, rows: b.forward_block_q),
                                  cacheBindings: unused + kvBindings)
@@ -381,12 +381,12 @@ struct DispatchPlan {
         let dq = dispatch("flash_attention_backward_dq_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                           [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DQ), role: .dq)],
                           rows: problem.gridSeqlenQ, block: b.dq_block_q, heads: problem.numHeads,
-                          reads: KernelConstants.score, flops: 6)
+                          reads: KernelConstants.scoreAndDropout, flops: 6)
         let dkv = dispatch("flash_attention_backward_dkv_\(problem.dtype.kernelSuffix)_d\(b.head_dim_max)",
                            [BufferBinding(index: Int(FA_BACKWARD_BUFFER_DK), role: .dk),
                             BufferBinding(index: Int(FA_BACKWARD_BUFFER_DV), role: .dv)],
                            rows: problem.gridSeqlenK, block: b.dkv_block_k, heads: problem.numKVHeads,
-                           reads: KernelConstants.score, flops: 8, alongKeys: true)
+                           reads: KernelConstants.scoreAndDropout, flops: 8, alongKeys: true)
         guard problem.scores.hasSinks else {
             return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv],
                                                   outputs: [.dq, .dk, .dv], workspace: [.delta, .lseResidual],
@@ -406,12 +406,15 @@ struct DispatchPlan {
     /// The function constants (`FA_FUNCTION_CONSTANT_*`) each kernel reads through
     /// flash_attention_features.h: the score features in every kernel that computes scores, the
     /// sinks where a kernel starts or ends a row's softmax (the dense forward and the lse residual
-    /// start it at the sink; the split forward leaves it to its combine). The delta, dsinks and merge
-    /// kernels read none.
+    /// start it at the sink; the split forward leaves it to its combine), dropout where P meets V or
+    /// dP (the dense forward, dQ, dK/dV; a problem with dropout is never split). The delta, dsinks
+    /// and merge kernels read none.
     private enum KernelConstants {
         static let score = [FA_FUNCTION_CONSTANT_MASK_TYPE, FA_FUNCTION_CONSTANT_SOFTCAP, FA_FUNCTION_CONSTANT_ALIBI]
         static let sinks = [FA_FUNCTION_CONSTANT_SINKS]
         static let scoreAndSinks = score + sinks
+        static let scoreSinksAndDropout = scoreAndSinks + [FA_FUNCTION_CONSTANT_DROPOUT]
+        static let scoreAndDropout = score + [FA_FUNCTION_CONSTANT_DROPOUT]
     }
 
     /// attn_mask, alibi_slopes and sinks at their indices; an absent one is bound to `lse` as a

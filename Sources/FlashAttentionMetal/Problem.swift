@@ -99,6 +99,8 @@ struct Problem {
     /// Nil for a dense problem. A variable-length batch is a problem of one batch entry whose
     /// seqlen_q and seqlen_k rows are the packed totals, cut into sequences by the kernels.
     let varlen: VarlenSpec?
+    /// Dropout on P, or nil for none. A problem with dropout runs the dense forward (never split).
+    let dropout: DropoutSpec?
 
     /// The size of a 0.1 `fa_problem`: the fields up to `softmax_scale`.
     private static let firstVersionSize = MemoryLayout<fa_problem>.offset(of: \fa_problem.dtype)!
@@ -170,11 +172,14 @@ struct Problem {
             }
             varlen = VarlenSpec(sequences: p.batch, maxSeqlenQ: p.max_seqlen_q, maxSeqlenK: p.max_seqlen_k)
         }
+        let kvCache = try KVCacheSpec.validate(p)
+        let dropout = try DropoutSpec(AttentionDropout(p: p.dropout_p, seed: p.dropout_seed, offset: p.dropout_offset),
+                                      numHeads: Int(p.num_heads), kvCache: kvCache != nil)
         return try Problem(shape, dtype: dtype, causal: p.causal == 1, softmaxScale: p.softmax_scale, strides: layout,
                            window: p.use_window == 1 ? (Int(p.window_left), Int(p.window_right)) : nil,
                            softcap: p.softcap, maskType: p.attn_mask_type, maskStrides: maskStrides,
                            hasAlibi: p.alibi_slopes != nil, alibiPerBatch: p.alibi_per_batch == 1,
-                           hasSinks: p.sinks != nil, kvCache: try KVCacheSpec.validate(p), varlen: varlen)
+                           hasSinks: p.sinks != nil, kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
     /// The caller's descriptor as far as its `struct_size` goes, later fields zero (their defaults).
@@ -224,10 +229,13 @@ struct Problem {
         let window = options.windowLeft == -1 && options.windowRight == -1
             ? nil : (options.windowLeft, options.windowRight)
         let alibiPerBatch = options.alibiSlopes.map { $0.count != shape.numHeads } ?? false
+        let dropout = try options.dropout.flatMap {
+            try DropoutSpec($0, numHeads: shape.numHeads, kvCache: false)
+        }
         return try Problem(shape, dtype: dtype, causal: causal, softmaxScale: scale, strides: strides,
                            window: window, softcap: options.softcap, maskType: maskType, maskStrides: maskStrides,
                            hasAlibi: options.alibiSlopes != nil, alibiPerBatch: alibiPerBatch,
-                           hasSinks: options.sinks != nil, varlen: varlen)
+                           hasSinks: options.sinks != nil, varlen: varlen, dropout: dropout)
     }
 
     /// Validates the sizes of a merge (`fa_merge_attention_v2`): `rows` rows of `headDim` elements
@@ -248,7 +256,8 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?, gpuCores: UInt32?, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil) {
+                 split: KeyValueSplit?, gpuCores: UInt32?, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil,
+                 dropout: DropoutSpec? = nil) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -266,6 +275,7 @@ struct Problem {
         self.gpuCores = gpuCores
         self.kvCache = kvCache
         self.varlen = varlen
+        self.dropout = dropout
     }
 
     private init(_ shape: AttentionShape, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
@@ -273,7 +283,7 @@ struct Problem {
                  maskType: UInt32 = UInt32(FA_MASK_NONE),
                  maskStrides: TensorStrides = TensorStrides(batch: 0, head: 0, seq: 0), hasAlibi: Bool = false,
                  alibiPerBatch: Bool = false, hasSinks: Bool = false, kvCache: KVCacheSpec? = nil,
-                 varlen: VarlenSpec? = nil) throws {
+                 varlen: VarlenSpec? = nil, dropout: DropoutSpec? = nil) throws {
         // A variable-length batch: `batch` sequences packed into one entry of the totals' rows.
         var shape = shape
         if let varlen {
@@ -348,7 +358,7 @@ struct Problem {
         self.init(batch: UInt32(b), numHeads: UInt32(h), numKVHeads: UInt32(hk), seqlenQ: UInt32(sq),
                   seqlenK: UInt32(sk), headDim: UInt32(shape.headDim), headDimV: UInt32(shape.headDimV), dtype: dtype,
                   causal: causal, softmaxScale: softmaxScale, bucket: bucket, layouts: layouts, scores: scores,
-                  split: nil, gpuCores: nil, kvCache: kvCache, varlen: varlen)
+                  split: nil, gpuCores: nil, kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
     /// The same problem with the split-KV chunking planned for `cores` GPU cores: the planner's
@@ -357,10 +367,11 @@ struct Problem {
         Problem(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
                 headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal, softmaxScale: softmaxScale,
                 bucket: bucket, layouts: layouts, scores: scores,
-                split: varlen != nil ? nil : KeyValueSplit(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads,
+                split: varlen != nil || dropout != nil ? nil : KeyValueSplit(batch: batch, numHeads: numHeads,
+                                                                              numKVHeads: numKVHeads,
                                                             seqlenQ: seqlenQ, seqlenK: seqlenK, bucket: bucket,
                                                             cores: cores),
-                gpuCores: cores, kvCache: kvCache, varlen: varlen)
+                gpuCores: cores, kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
     /// The rules of a variable-length batch that the host can check (the tables' values live where
@@ -398,7 +409,8 @@ struct Problem {
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
                        scores: scores.slice(batch: b, heads: h),
-                       split: split, gpuCores: gpuCores, kvCache: kvCache, varlen: varlen)
+                       split: split, gpuCores: gpuCores, kvCache: kvCache, varlen: varlen,
+                       dropout: dropout?.slice(batch: batches.lowerBound, head: kvHeads.lowerBound * groupSize))
     }
 
     /// Elements of lse (and of the delta workspace): batch * numHeads * seqlenQ (checked by validation).
@@ -417,7 +429,7 @@ struct Problem {
             q: strides(.q), k: strides(.k), v: strides(.v), out: strides(.out), dout: strides(.dout),
             dq: strides(.dq), dk: strides(.dk), dv: strides(.dv),
             mask: scores.mask?.params ?? FlashAttentionStrides(batch: 0, head: 0, seq: 0),
-            alibi_batch_stride: scores.alibiPerBatch ? UInt64(numHeads) : 0,
+            alibi_batch_stride: scores.alibiPerBatch ? UInt64(numHeads) : 0, dropout_seed: 0, dropout_offset: 0,
             batch: batch, num_heads: numHeads, num_kv_heads: numKVHeads, seqlen_q: seqlenQ, seqlen_k: seqlenK,
             head_dim: headDim, head_dim_v: headDimV, causal: causal ? 1 : 0, window_left: scores.windowLeft,
             window_right: scores.windowRight, softmax_scale: softmaxScale, softcap: scores.softcap,
@@ -427,8 +439,10 @@ struct Problem {
             partial_columns: fragmentColumns(headDim) == bucket.head_dim_max
                 && fragmentColumns(headDimV) == bucket.head_dim_max ? 0 : 1,
             block_offset: 0, kv_page_rows: 0, kv_max_blocks: 0, kv_num_blocks: 0, kv_bits: 0, kv_group_size: 0,
-            kv_reserved: 0, sequences: varlen?.sequences ?? 0, seq_q0: 0, seq_k0: 0, lse_rows: 0)
+            kv_reserved: 0, sequences: varlen?.sequences ?? 0, seq_q0: 0, seq_k0: 0, lse_rows: 0,
+            dropout_threshold: 0, dropout_scale: 1, dropout_stream0: 0, dropout_heads: 0)
         kvCache?.apply(to: &params)
+        dropout?.apply(to: &params)
         return params
     }
 

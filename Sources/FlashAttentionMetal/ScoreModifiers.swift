@@ -29,15 +29,19 @@ public struct AttentionOptions: Sendable {
     public var sinks: [Float]? = nil
     /// A boolean or additive mask; combined with `causal` and the window.
     public var attnMask: AttentionMask? = nil
+    /// Dropout on the attention probabilities (``AttentionDropout``); nil or `p` 0 is off. The
+    /// backward must be given the forward's.
+    public var dropout: AttentionDropout? = nil
 
     public init(windowLeft: Int = -1, windowRight: Int = -1, softcap: Float = 0, alibiSlopes: [Float]? = nil,
-                sinks: [Float]? = nil, attnMask: AttentionMask? = nil) {
+                sinks: [Float]? = nil, attnMask: AttentionMask? = nil, dropout: AttentionDropout? = nil) {
         self.windowLeft = windowLeft
         self.windowRight = windowRight
         self.softcap = softcap
         self.alibiSlopes = alibiSlopes
         self.sinks = sinks
         self.attnMask = attnMask
+        self.dropout = dropout
     }
 }
 

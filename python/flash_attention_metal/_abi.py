@@ -33,11 +33,13 @@ def new_problem(ffi, lib, shape: Shape, causal: bool, scale: float, dtype_name: 
     return problem
 
 
-def set_score_fields(problem, ffi, lib, *, window=None, softcap=0.0, mask=None, alibi=None, sinks=None) -> None:
+def set_score_fields(problem, ffi, lib, *, window=None, softcap=0.0, mask=None, alibi=None, sinks=None,
+                     dropout=None) -> None:
     """Writes the score options into ``problem``: ``window`` (left, right) or None; ``softcap``;
     ``mask`` (address of element [0, 0, 0, 0], (batch, head, row) element strides, fa_attn_mask_type
-    enumerator name) or None; ``alibi`` (address, per_batch) or None; ``sinks`` an address or None.
-    The caller keeps the memory alive until the call returns."""
+    enumerator name) or None; ``alibi`` (address, per_batch) or None; ``sinks`` an address or None;
+    ``dropout`` (dropout_p, seed, offset) or None. The caller keeps the memory alive until the call
+    returns."""
     if window is not None:
         problem.use_window = 1
         problem.window_left, problem.window_right = window
@@ -54,3 +56,5 @@ def set_score_fields(problem, ffi, lib, *, window=None, softcap=0.0, mask=None, 
         problem.alibi_per_batch = int(per_batch)
     if sinks is not None:
         problem.sinks = ffi.cast("const float *", sinks)
+    if dropout is not None:
+        problem.dropout_p, problem.dropout_seed, problem.dropout_offset = dropout

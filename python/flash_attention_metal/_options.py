@@ -66,5 +66,5 @@ def set_problem_fields(problem, options: ScoreOptions, seqlen_k: int, ffi, lib) 
         sinks = options.sinks.ctypes.data
         keep.append(options.sinks)
     set_score_fields(problem, ffi, lib, window=options.window, softcap=options.softcap, mask=mask, alibi=alibi,
-                     sinks=sinks)
+                     sinks=sinks, dropout=options.dropout)
     return tuple(keep)

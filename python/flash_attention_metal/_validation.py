@@ -290,7 +290,8 @@ class ScoreOptions:
     as a 4-D view indexed (batch, num_heads, seqlen_q, seqlen_k) whose axes are each 1 or the
     problem's size (an axis NumPy broadcast with stride 0 cut to one slice: never expanded);
     alibi_slopes: C-contiguous float32 (num_heads,) or (batch, num_heads), or None; sinks:
-    C-contiguous float32 (num_heads,), or None.
+    C-contiguous float32 (num_heads,), or None; dropout: (dropout_p, dropout_seed, dropout_offset)
+    with dropout_p > 0, or None.
     """
 
     window: tuple[int, int] | None = None
@@ -298,17 +299,44 @@ class ScoreOptions:
     attn_mask: np.ndarray | None = None
     alibi_slopes: np.ndarray | None = None
     sinks: np.ndarray | None = None
+    dropout: tuple[float, int, int] | None = None
+
+
+def check_dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int, int] | None:
+    """dropout_p must be a real number in [0, 1); with dropout_p > 0, dropout_seed an int in
+    [0, 2**64) and dropout_offset one in [0, 2**64). Returns (dropout_p, dropout_seed,
+    dropout_offset), or None for dropout_p 0 (the seed is then not needed)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be at least 0 and below 1, got {dropout_p}")
+    for name, value in (("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset)):
+        if value is None and name == "dropout_seed":
+            continue
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not 0 <= int(value) < 2**64:
+            raise ValueError(f"{name} must be in [0, 2**64), got {value}")
+    if float(dropout_p) == 0.0:
+        return None
+    if dropout_seed is None:
+        raise ValueError(f"dropout_seed must be given with dropout_p > 0 (got dropout_p={dropout_p}): the backward "
+                         "regenerates the forward's mask from it")
+    return float(dropout_p), int(dropout_seed), int(dropout_offset)
 
 
 def check_window_size(window_size) -> tuple[int, int] | None:
-    """window_size must be a (left, right) tuple, list or 1-d integer NumPy array of ints, each -1
-    (unbounded) or 0 ... 2**31 - 1; returns it as Python ints, or None for (-1, -1)."""
+    """window_size must be a (left, right) tuple or list of ints, or a 1-D array or tensor of two
+    integers (FlashAttention's tests pass ``torch.randint(0, n, (2,))``), each -1 (unbounded) or
+    0 ... 2**31 - 1; returns it as Python ints, or None for (-1, -1)."""
     def rule() -> str:
         return (f"window_size must be a (left, right) pair, each -1 (unbounded) or a number of keys from 0 to "
                 f"{_INT32_MAX}, got {_short_repr(window_size)}")
 
-    if isinstance(window_size, np.ndarray) and window_size.ndim == 1 and window_size.dtype.kind in "iu":
-        window_size = window_size.tolist()  # np.array([3, 0]): a pair of Python ints
+    if getattr(window_size, "ndim", None) == 1 and hasattr(window_size, "tolist"):
+        # A NumPy array, torch tensor or MLX array: its elements as Python numbers (integer
+        # dtypes give ints; a float or bool dtype fails the element check below).
+        window_size = window_size.tolist()
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(rule())
     for side in window_size:
@@ -399,7 +427,8 @@ def check_attn_mask(attn_mask, shape: Shape, dtype) -> np.ndarray:
 
 
 def check_score_options(shape: Shape, dtype, *, attn_mask=None, window_size=NO_WINDOW, softcap=0.0,
-                        alibi_slopes=None, sinks=None) -> ScoreOptions:
+                        alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None,
+                        dropout_offset=0) -> ScoreOptions:
     """Every check of the score options of a call whose q has ``dtype``."""
     heads = {"(num_heads,)": (shape.num_heads,)}
     return ScoreOptions(
@@ -409,4 +438,5 @@ def check_score_options(shape: Shape, dtype, *, attn_mask=None, window_size=NO_W
         alibi_slopes=None if alibi_slopes is None else check_float32_vector(
             "alibi_slopes", alibi_slopes, {**heads, "(batch, num_heads)": (shape.batch, shape.num_heads)}),
         sinks=None if sinks is None else check_float32_vector("sinks", sinks, heads),
+        dropout=check_dropout(dropout_p, dropout_seed, dropout_offset),
     )

@@ -35,6 +35,10 @@ one or two dominant scores, and which order happens to round them luckier is cha
 softmax_scale 60: dq 8.7e-3 streamed, 3.6e-2 blocked, ours 3.6e-2). The same factor and atol then
 apply; at float32's small errors atol is a real part of the bound.
 
+Dropout (``dropout_mask``, the multipliers Z of ``reference.forward``): base multiplies P by Z in
+float32 before rounding it to the dtype for P V (the float32 base: each streamed weight before its
+product with v), and dP by Z in float32 in the backward, as a framework's dropout on P does.
+
 Score options (attn_mask, window_size, softcap, alibi_slopes, sinks; keyword arguments as in
 ``reference``): base computes S = q k^T accumulated in float32 and rounds the scaled S to the dtype,
 as above, then applies the softcap, the ALiBi bias and the additive mask in float32
@@ -145,10 +149,18 @@ def _streamed_matmul(a, b) -> np.ndarray:
     return total
 
 
+def _without_dropout(options):
+    """(options without dropout_mask, its multipliers as float32 or None)."""
+    options = dict(options)
+    mask = options.pop("dropout_mask", None)
+    return options, None if mask is None else np.asarray(mask).astype(_F32)
+
+
 def _streamed_forward(q, k, v, scale, sinks, options):
     """The float32 baseline's forward: (out, lse, residual, scores, tanh, keys), scores and out accumulated
     one term at a time, the online softmax's running max, sum and rescale of out once per tile of
     ``STREAM_WIDTH`` keys, the sink added to the denominator at the end."""
+    options, dropout = _without_dropout(options)
     num_heads = q.shape[1]
     k_full, v_full = reference.expand_kv(k, num_heads), reference.expand_kv(v, num_heads).astype(_F32)
     scaled = _streamed_matmul(q, np.swapaxes(k_full, -1, -2)) * _F32(scale)
@@ -164,8 +176,10 @@ def _streamed_forward(q, k, v, scale, sinks, options):
             shift = np.where(np.isneginf(new_max), _F32(0), new_max)
             rescale = np.exp(running_max - shift)
             weights = np.exp(tile - shift[..., None])
-            total = total * rescale + weights.sum(axis=-1)
+            total = total * rescale + weights.sum(axis=-1)  # undropped: lse is of the scores
             out = out * rescale[..., None]
+            if dropout is not None:
+                weights = weights * np.broadcast_to(dropout, scores.shape)[..., start:start + STREAM_WIDTH]
             for j in range(tile.shape[-1]):
                 out += weights[..., j, None] * v_full[..., start + j, None, :]
             running_max = new_max
@@ -191,11 +205,15 @@ def _streamed_backward(dout, q, k, v, scale, sinks, options):
     forward's lse, every product streamed (``_streamed_matmul``)."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     out, lse, residual, scores, tanh, keys = _streamed_forward(q, k, v, scale, sinks, options)
+    dropout = _without_dropout(options)[1]
     k_full, v_full = reference.expand_kv(k, num_heads), reference.expand_kv(v, num_heads)
     row_lse = np.where(np.isneginf(lse), _F32(0), lse)[..., None]
     with np.errstate(invalid="ignore", over="ignore"):
         probabilities = np.where(keys, np.exp((scores - row_lse) - residual[..., None]), _F32(0)).astype(_F32)
     dprobabilities = _streamed_matmul(dout, np.swapaxes(v_full, -1, -2))
+    kept = probabilities
+    if dropout is not None:
+        kept, dprobabilities = probabilities * dropout, dprobabilities * dropout
     delta = np.sum(dout.astype(_F32) * out, axis=-1, keepdims=True)
     dscores = probabilities * (dprobabilities - delta)
     if tanh is not None:
@@ -204,7 +222,8 @@ def _streamed_backward(dout, q, k, v, scale, sinks, options):
     dq = _streamed_matmul(dscores, k_full) * _F32(scale)
     # dK and dV sum over the query heads of a GQA group and their rows in one running sum.
     dk = _streamed_matmul(_group_rows(dscores, num_kv_heads, transpose=True), _group_rows(q, num_kv_heads))
-    dv = _streamed_matmul(_group_rows(probabilities, num_kv_heads, transpose=True), _group_rows(dout, num_kv_heads))
+    dv = _streamed_matmul(_group_rows(np.broadcast_to(kept, probabilities.shape), num_kv_heads, transpose=True),
+                          _group_rows(dout, num_kv_heads))
     return (dq, dk * _F32(scale), dv), out, lse
 
 
@@ -233,12 +252,12 @@ def _reduce_kv(x: np.ndarray, num_kv_heads: int) -> np.ndarray:
 
 
 def base_forward(q, k, v, *, causal=False, softmax_scale=None, attn_mask=None, window_size=reference.NO_WINDOW,
-                 softcap=0.0, alibi_slopes=None, sinks=None):
+                 softcap=0.0, alibi_slopes=None, sinks=None, dropout_mask=None):
     """The baseline forward in q's dtype: (out in that dtype, lse float32); for float32 the streamed
     order of the kernels (module docstring). Keyword arguments as ``reference.forward``."""
     scale = reference.default_scale(q.shape[3], softmax_scale)
     options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                   attn_mask=attn_mask)
+                   attn_mask=attn_mask, dropout_mask=dropout_mask)
     if q.dtype == _F32:
         return _streamed_forward(q, k, v, scale, sinks, options)[:2]
     return _framework_forward(q, k, v, scale, sinks, options)
@@ -246,28 +265,38 @@ def base_forward(q, k, v, *, causal=False, softmax_scale=None, attn_mask=None, w
 
 def _framework_forward(q, k, v, scale, sinks, options):
     """(out, lse) as a framework computes them in q's dtype (``base_forward``)."""
+    options, dropout = _without_dropout(options)
     probabilities, lse, _, _ = _base_probabilities(q, k, scale, sinks, options)
-    return _matmul(probabilities, reference.expand_kv(v, q.shape[1]), q.dtype), lse
+    return _matmul(_base_dropped(probabilities, dropout), reference.expand_kv(v, q.shape[1]), q.dtype), lse
+
+
+def _base_dropped(probabilities, dropout):
+    """P * Z in float32 rounded to P's dtype, as a framework's dropout on P (P without Z)."""
+    if dropout is None:
+        return probabilities
+    return (probabilities.astype(_F32) * dropout).astype(probabilities.dtype)
 
 
 def base_backward(dout, q, k, v, *, causal=False, softmax_scale=None, attn_mask=None,
-                  window_size=reference.NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None):
+                  window_size=reference.NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None, dropout_mask=None):
     """The baseline backward in q's dtype: (dq, dk, dv), and dsinks (float32) after them when sinks
     are given. D = rowsum(dout * out) in float32; dS = P (dP - D) in float32, through the softcap's
     1 - tanh^2 in float32, rounded once; dsinks = -sum exp(sinks - lse) D in float32. For float32
     every product is streamed in the kernels' order and P recomputed from the forward's lse."""
     return _base_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, attn_mask=attn_mask,
-                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)[0]
+                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                          dropout_mask=dropout_mask)[0]
 
 
 def _base_backward(dout, q, k, v, *, causal=False, softmax_scale=None, attn_mask=None,
-                   window_size=reference.NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None, blocked=False):
+                   window_size=reference.NO_WINDOW, softcap=0.0, alibi_slopes=None, sinks=None, dropout_mask=None,
+                   blocked=False):
     """(``base_backward``'s result, out, lse): out and lse are the ``base_forward`` it recomputes
     on the way, bit for bit. ``blocked``: float32 in NumPy's blocked order instead of streamed."""
     dtype = q.dtype
     scale = reference.default_scale(q.shape[3], softmax_scale)
     options = dict(causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                   attn_mask=attn_mask)
+                   attn_mask=attn_mask, dropout_mask=dropout_mask)
     if dtype == _F32 and not blocked:
         grads, out, lse = _streamed_backward(dout, q, k, v, scale, sinks, options)
     else:
@@ -280,11 +309,13 @@ def _base_backward(dout, q, k, v, *, causal=False, softmax_scale=None, attn_mask
 def _framework_backward(dout, q, k, v, scale, sinks, options):
     """((dq, dk, dv), out, lse) as a framework computes them in q's dtype (``base_backward``)."""
     dtype = q.dtype
+    options, dropout = _without_dropout(options)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     k_full, v_full = reference.expand_kv(k, num_heads), reference.expand_kv(v, num_heads)
     probabilities, lse, tanh, keys = _base_probabilities(q, k, scale, sinks, options)
-    out = _matmul(probabilities, v_full, dtype)
-    dprobabilities = _matmul(dout, np.swapaxes(v_full, -1, -2), dtype)
+    kept = _base_dropped(probabilities, dropout)
+    out = _matmul(kept, v_full, dtype)
+    dprobabilities = _base_dropped(_matmul(dout, np.swapaxes(v_full, -1, -2), dtype), dropout)
     delta = np.sum(dout.astype(_F32) * out.astype(_F32), axis=-1, keepdims=True)
     dscores = probabilities.astype(_F32) * (dprobabilities.astype(_F32) - delta)
     if tanh is not None:
@@ -292,7 +323,7 @@ def _framework_backward(dout, q, k, v, scale, sinks, options):
     dscores = np.where(keys, dscores, _F32(0)).astype(dtype)
     dq = ((dscores.astype(_F32) @ k_full.astype(_F32)) * _F32(scale)).astype(dtype)
     dk = ((np.swapaxes(dscores, -1, -2).astype(_F32) @ q.astype(_F32)) * _F32(scale)).astype(dtype)
-    dv = _matmul(np.swapaxes(probabilities, -1, -2), dout, dtype)
+    dv = _matmul(np.swapaxes(kept, -1, -2), dout, dtype)
     return (dq, _reduce_kv(dk, num_kv_heads), _reduce_kv(dv, num_kv_heads)), out, lse
 
 

@@ -122,7 +122,8 @@ class Context:
         return str(self._native.path)
 
     def forward(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
-                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, out=None, lse=None):
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None,
+                dropout_offset=0, out=None, lse=None):
         """Attention forward pass.
 
         Scores are s = softcap * tanh(softmax_scale * q.k / softcap) (or softmax_scale * q.k when
@@ -153,6 +154,11 @@ class Context:
                 the bias is added to the scaled score). No gradient.
             sinks: float32 (num_heads,), finite: one virtual key per head with logit sinks[h] and no
                 value (gpt-oss); backward then returns dsinks.
+            dropout_p: FlashAttention's attention dropout, a real number in [0, 1); 0.0 is off. Each
+                probability is dropped or kept and scaled by 1 / (1 - dropout_p) after the softmax
+                (lse stays that of the undropped scores); ``philox.dropout_keep`` gives the mask.
+            dropout_seed, dropout_offset: ints in [0, 2**64): the Philox key and counter base of the
+                mask (the seed is required when dropout_p > 0); pass the backward the same three.
             out, lse: optional arrays to write the results into instead of fresh ones: out of q's
                 dtype and the shape of the result in ``layout``, its last axis contiguous and its
                 other strides positive; lse float32 (batch, num_heads, seqlen_q), C-contiguous;
@@ -176,7 +182,8 @@ class Context:
         """
         checked = _validation.check_forward(
             q, k, v, causal, softmax_scale, layout, attn_mask=attn_mask, window_size=window_size,
-            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            dropout_offset=dropout_offset)
         return self._forward(q, k, v, checked, layout, out, lse)
 
     def _forward(self, q, k, v, checked, layout, out=None, lse=None):
@@ -201,7 +208,7 @@ class Context:
 
     def backward(self, dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bhsd",
                  attn_mask=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
-                 dq=None, dk=None, dv=None):
+                 dropout_p=0.0, dropout_seed=None, dropout_offset=0, dq=None, dk=None, dv=None):
         """Attention backward pass (FlashAttention-2, Algorithm 2; D_i = rowsum(dout * out)), through
         the softcap's tanh exactly.
 
@@ -214,8 +221,10 @@ class Context:
                 may have lost part of log(row sum) beside the row max, get their normaliser
                 recomputed from the scores when lse is this forward's (the C header's fa_backward
                 says when, and what that means for the lse of a longer row).
-            causal, softmax_scale, layout, attn_mask, window_size, softcap, alibi_slopes, sinks: as
-                for ``forward`` (views read in place likewise).
+            causal, softmax_scale, layout, attn_mask, window_size, softcap, alibi_slopes, sinks,
+                dropout_p, dropout_seed, dropout_offset: as for ``forward`` (views read in place
+                likewise; the dropout mask is regenerated from the seed and offset, so they must be
+                the forward's).
             dq, dk, dv: optional arrays to write the gradients into instead of fresh ones, each of
                 q's dtype and shaped like q, k, v, with the rules of ``forward``'s ``out``
                 (writable in place, sharing no memory with any other argument).
@@ -235,7 +244,8 @@ class Context:
         """
         checked = _validation.check_backward(
             dout, q, k, v, out, lse, causal, softmax_scale, layout, attn_mask=attn_mask,
-            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
+            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+            dropout_seed=dropout_seed, dropout_offset=dropout_offset)
         return self._backward(dout, q, k, v, out, lse, checked, layout, dq, dk, dv)
 
     def _backward(self, dout, q, k, v, out, lse, checked, layout, dq=None, dk=None, dv=None):
@@ -264,7 +274,8 @@ class Context:
         return tuple(grads)
 
     def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                       softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+                       softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                       dropout_p=0.0, dropout_seed=None, dropout_offset=0):
         """Attention forward over a variable-length batch (FlashAttention's flash_attn_varlen_func):
         sequences packed along the rows instead of padded.
 
@@ -280,7 +291,9 @@ class Context:
                 covers the longest one the table holds).
             causal, softmax_scale, window_size, softcap, sinks: as for ``forward``, per sequence
                 (causal and the window bottom-right aligned in each sequence); alibi_slopes float32
-                (num_heads,) or (batch, num_heads). No attn_mask.
+                (num_heads,) or (batch, num_heads); dropout_p, dropout_seed, dropout_offset as for
+                ``forward``, the mask of sequence b that of batch entry b with rows and keys counted
+                from the sequence's first. No attn_mask.
 
         Returns:
             (out, lse): out (total_q, num_heads, head_dim_v) in q's dtype, lse float32 (num_heads,
@@ -294,12 +307,13 @@ class Context:
         """
         checked = _varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                        softmax_scale, window_size=window_size, softcap=softcap,
-                                       alibi_slopes=alibi_slopes, sinks=sinks)
+                                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                                       dropout_seed=dropout_seed, dropout_offset=dropout_offset)
         return _varlen.forward(self, q, k, v, checked)
 
     def backward_varlen(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                         causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                        sinks=None):
+                        sinks=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
         """Attention backward over a variable-length batch: the gradients of ``forward_varlen``.
 
         Args:
@@ -319,7 +333,8 @@ class Context:
         """
         checked = _varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                        softmax_scale, window_size=window_size, softcap=softcap,
-                                       alibi_slopes=alibi_slopes, sinks=sinks)
+                                       alibi_slopes=alibi_slopes, sinks=sinks, dropout_p=dropout_p,
+                                       dropout_seed=dropout_seed, dropout_offset=dropout_offset)
         return _varlen.backward(self, dout, q, k, v, out, lse, checked)
 
     def _call(self, function: str, *arguments) -> None:
@@ -341,10 +356,11 @@ class Context:
         self._native.raise_for_status(self._native.lib.fa_context_cancel(self._handle))
 
     def attention(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
-                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
         """``forward`` without lse: returns out, in q's dtype and layout."""
         return self.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, attn_mask=attn_mask,
-                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)[0]
+                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                            dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset)[0]
 
     def merge_attention(self, out_a, lse_a, out_b, lse_b):
         """Merges two attention results over disjoint key sets of the same queries into the result

@@ -20,3 +20,11 @@ class FlashAttentionError(RuntimeError):
         self.status = status
         self.status_name = status_name
         super().__init__(f"{status_name}: {message}" if status_name else message)
+
+
+class CapacityError(FlashAttentionError, ValueError):
+    """A KV-cache length beyond what the cache or its block table holds (cache_seqlens + seqlen_new
+    over the capacity), found by the Python layer before anything is written. Both a ValueError
+    (this library's rule for a wrong value) and, through FlashAttentionError, a RuntimeError, the
+    type FlashAttention raises for it (its test_flash_attn_kvcache_paged_block_table_bounds);
+    ``status`` is None and ``status_name`` empty (no library call was made)."""

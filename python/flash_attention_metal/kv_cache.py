@@ -17,8 +17,15 @@ rule (``quantized.quantize``, bit for bit ``mx.quantize``). Batch element b then
 seqlen_k = cache_seqlens[b] + seqlen_new keys with the library's semantics (bottom-right causal
 and window alignment, so the new rows see themselves and the cache before them).
 
+FlashAttention's rotary embeddings (rotary_cos, rotary_sin; ``_rotary``) rotate q and the new k
+before the append. ``cache_leftpad[b]`` (contiguous caches) is the first cache row of batch
+element b: it attends to rows [cache_leftpad[b], cache_seqlens[b] + seqlen_new), a sequence of
+its own for causal, window and ALiBi alignment, as in FlashAttention (whose tests' reference
+re-indexes the keys from the left padding).
+
 Every table and length is checked in host memory before anything is written: a wrong value is a
-ValueError naming the argument, the element and the rule.
+ValueError naming the argument, the element and the rule (a length beyond the cache's capacity is
+``errors.CapacityError``, both a ValueError and FlashAttention's RuntimeError).
 """
 
 from __future__ import annotations
@@ -29,11 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _default, _layout, _options, _validation, plan, quantized
-
-#: FlashAttention arguments this library does not implement: NotImplementedError names them.
-UNSUPPORTED = {"rotary_cos": None, "rotary_sin": None, "rotary_interleaved": True, "cache_leftpad": None,
-               "num_splits": 0}
+from . import _default, _layout, _options, _rotary, _validation, plan, quantized
+from .errors import CapacityError
 #: Alignment of ``empty_cache``'s arrays: the VM page, 16 KiB on Apple silicon (vm_page_size; at
 #: least that everywhere), which MTLDevice.makeBuffer(bytesNoCopy:length:options:deallocator:)
 #: requires of a buffer's address and length (``AttentionKVCache.pageBytes`` in Swift).
@@ -77,17 +81,12 @@ class Cache:
         return self.bits is not None
 
 
-def check_unsupported(arguments: dict) -> None:
-    """TypeError for a name that is no argument of FlashAttention's ``flash_attn_with_kvcache``;
-    NotImplementedError naming one of ``UNSUPPORTED`` given a value other than its default."""
-    for name, value in arguments.items():
-        if name not in UNSUPPORTED:
-            raise TypeError(f"flash_attn_with_kvcache() got an unexpected keyword argument {name!r}")
-        default = UNSUPPORTED[name]
-        if value is not default and (default is None or not isinstance(value, numbers.Integral) or value != default):
-            raise NotImplementedError(f"{name} is not implemented by flash_attention_metal's flash_attn_with_kvcache "
-                                      f"(apply rotary embeddings and left padding before the call; the library "
-                                      f"chooses its own key splits)")
+def check_num_splits(num_splits) -> None:
+    """num_splits must be an int: FlashAttention's hint (0 its heuristic, 1 no split, n splits),
+    accepted and ignored (the library chooses its own key splits)."""
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits must be an int (a hint; the library chooses its own key splits), "
+                        f"got {type(num_splits).__name__}")
 
 
 def _check_cache(name: str, cache, q: np.ndarray, layout: str, bits, group_size) -> Cache:
@@ -126,9 +125,9 @@ def _check_int32(name: str, value, shape) -> np.ndarray:
     return value
 
 
-def _bad(name: str, values: np.ndarray, bad: np.ndarray, rule: str):
+def _bad(name: str, values: np.ndarray, bad: np.ndarray, rule: str, error=ValueError):
     index = tuple(int(i) for i in np.argwhere(bad)[0])
-    return ValueError(f"{name}[{', '.join(map(str, index))}] = {int(values[index])}: {rule}")
+    return error(f"{name}[{', '.join(map(str, index))}] = {int(values[index])}: {rule}")
 
 
 @dataclass(frozen=True)
@@ -137,8 +136,9 @@ class Problem:
 
     k_cache: Cache
     v_cache: Cache
-    seqlens_k: np.ndarray        # int64 (batch,): cache_seqlens + seqlen_new
+    seqlens_k: np.ndarray        # int64 (batch,): the keys attended, cache_seqlens + seqlen_new - leftpad
     cache_seqlens: np.ndarray    # int64 (batch,)
+    leftpad: np.ndarray          # int64 (batch,): the first cache row attended (cache_leftpad, else 0)
     block_table: np.ndarray | None
     slots: np.ndarray | None     # contiguous caches: the slot of each batch element
     page_block_size: int
@@ -151,7 +151,14 @@ class Problem:
         return self.block_table[b, t // self.page_block_size].astype(np.int64), t % self.page_block_size
 
 
-def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, layout, bits, group_size) -> Problem:
+    @property
+    def ends(self) -> np.ndarray:
+        """int64 (batch,): one past each sequence's last row, cache_seqlens + seqlen_new."""
+        return self.leftpad + self.seqlens_k
+
+
+def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, layout, bits, group_size,
+          cache_leftpad=None) -> Problem:
     """Every check of the cache arguments (shapes, dtypes, table values in host memory)."""
     layout = _validation.check_layout(layout)
     _validation.check_array("q", q)
@@ -224,14 +231,26 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx
                 raise ValueError("cache_batch_idx repeats a sequence while k and v are appended: two batch elements "
                                  "would write the same cache rows")
             slots = idx.astype(np.int64)
-    bad = (seqlens < 0) | (seqlens + seqlen_new > capacity)
-    if bad.any():
-        raise _bad("cache_seqlens", given, bad,
-                   f"must lie in [0, capacity - seqlen_new] = [0, {capacity - seqlen_new}] (capacity {capacity} rows per "
-                   f"sequence{' = max_blocks x page_block_size' if table is not None else ''}, seqlen_new {seqlen_new})")
-    seqlens_k = seqlens + seqlen_new
+    rule = (f"must lie in [0, capacity - seqlen_new] = [0, {capacity - seqlen_new}] (capacity {capacity} rows per "
+            f"sequence{' = max_blocks x page_block_size of block_table' if table is not None else ''}, "
+            f"seqlen_new {seqlen_new})")
+    if (seqlens < 0).any():
+        raise _bad("cache_seqlens", given, seqlens < 0, rule)
+    if (seqlens + seqlen_new > capacity).any():
+        raise _bad("cache_seqlens", given, seqlens + seqlen_new > capacity, rule, CapacityError)
+    leftpad = np.zeros(batch, dtype=np.int64)
+    if cache_leftpad is not None:
+        if table is not None:
+            raise ValueError("cache_leftpad cannot be combined with block_table (a paged cache), as in FlashAttention")
+        pad = _check_int32("cache_leftpad", cache_leftpad, (batch,))
+        bad = (pad < 0) | (pad > seqlens)
+        if bad.any():
+            raise _bad("cache_leftpad", pad, bad, "must lie in [0, cache_seqlens] (the first cached row attended)")
+        leftpad = pad.astype(np.int64)
+    seqlens_k = seqlens + seqlen_new - leftpad
     if (seqlens_k == 0).any():
-        raise _bad("cache_seqlens", given, seqlens_k == 0, "a sequence without keys (0 cached, none appended)")
+        raise _bad("cache_seqlens", given, seqlens_k == 0,
+                   "a sequence without keys (none cached past cache_leftpad, none appended)")
     if table is not None:
         used = np.arange(table.shape[1])[None, :] * rows < seqlens_k[:, None]
         bad = used & ((table < 0) | (table >= slots_total))
@@ -239,12 +258,12 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx
             raise _bad("block_table", table, bad, f"must lie in [0, {slots_total}) (the caches' blocks) for every block "
                        "that holds one of the sequence's cache_seqlens + seqlen_new rows")
         if k is not None:
-            pages = [table[b, int(s) // rows:-(-int(n) // rows)] for b, (s, n) in enumerate(zip(seqlens, seqlens_k))]
+            pages = [table[b, int(s) // rows:-(-(int(s) + seqlen_new) // rows)] for b, s in enumerate(seqlens)]
             written = np.concatenate(pages)
             if len(np.unique(written)) != len(written):
                 raise ValueError("block_table gives two appending sequences (or one twice) the same block: the "
                                  "appended rows would overwrite each other")
-    return Problem(kc, vc, seqlens_k, seqlens, table, slots, rows)
+    return Problem(kc, vc, seqlens_k, seqlens, leftpad, table, slots, rows)
 
 
 def append(problem: Problem, k, v, layout: str) -> None:
@@ -252,7 +271,7 @@ def append(problem: Problem, k, v, layout: str) -> None:
     for cache, new in ((problem.k_cache, k), (problem.v_cache, v)):
         nb = _validation.to_bhsd(new, layout)
         for b in range(nb.shape[0]):
-            slots, rows = problem.positions(b, int(problem.cache_seqlens[b]), int(problem.seqlens_k[b]))
+            slots, rows = problem.positions(b, int(problem.cache_seqlens[b]), int(problem.ends[b]))
             rows_new = nb[b].transpose(1, 0, 2)  # (seqlen_new, num_kv_heads, width)
             parts = quantized.quantize(rows_new, cache.group_size, cache.bits) if cache.quantized else (rows_new,)
             for array, part in zip(cache.arrays, parts):
@@ -279,9 +298,16 @@ def _cache_tensor(cache: Cache) -> list:
     return forms
 
 
+def _shifted(cache: Cache, first: int) -> Cache:
+    # The cache from row `first` of every sequence on (cache_leftpad): views that start there.
+    return Cache(cache.name, tuple(a[:, :, first:] for a in cache.arrays), cache.head_dim, cache.bits,
+                 cache.group_size)
+
+
 def _prepare(context, problem: Problem, qb, out, lse, batches, causal, scale, options):
-    # One fa_forward over the batch elements `batches` (all of one seqlen_k): the caches are read
-    # in place through the ABI's kv_* fields, contiguous or through a block table. The library
+    # One fa_forward over the batch elements `batches` (all of one seqlen_k and leftpad): the
+    # caches are read in place through the ABI's kv_* fields, contiguous (from the leftpad row on)
+    # or through a block table. The library
     # validates the call now (fa_plan_create: every rule it would refuse the call by, e.g. a
     # head_dim the dtype's kernels lack), so that nothing is appended to a cache for a call that
     # then fails; returns the call, to make after the append. q is copied here, before the append.
@@ -289,7 +315,10 @@ def _prepare(context, problem: Problem, qb, out, lse, batches, causal, scale, op
     ffi, lib = native.ffi, native.lib
     n = len(batches)
     seqlen_k = int(problem.seqlens_k[batches[0]])
+    first = int(problem.leftpad[batches[0]])
     kc, vc = problem.k_cache, problem.v_cache
+    if first:
+        kc, vc = _shifted(kc, first), _shifted(vc, first)
     shape = _validation.Shape(n, qb.shape[1], kc.arrays[0].shape[1], qb.shape[2], seqlen_k, qb.shape[3], vc.head_dim)
     _validation.check_head_dim(shape, context.max_head_dim)
     q_part = _layout.as_input(np.ascontiguousarray(qb[batches]), "bhsd")
@@ -300,16 +329,14 @@ def _prepare(context, problem: Problem, qb, out, lse, batches, causal, scale, op
                "k": _layout.Tensor(kc.arrays[0], *k_forms[0]), "v": _layout.Tensor(vc.arrays[0], *v_forms[0])}
     c_problem = context._problem(shape, causal, scale, qb.dtype, tensors)
     slots = kc.arrays[0].shape[0]
+    c_problem.kv_cache_rows = problem.page_block_size - first
     if problem.block_table is not None:
         table = np.ascontiguousarray(problem.block_table[batches])
-        c_problem.kv_cache_rows = problem.page_block_size
     elif n == len(problem.slots) and np.array_equal(problem.slots, np.arange(n)):
         table = None
-        c_problem.kv_cache_rows = problem.page_block_size
     else:
-        # cache_batch_idx: each sequence is one block of seqlen_cache rows.
+        # cache_batch_idx: each sequence is one block of seqlen_cache - first rows.
         table = np.ascontiguousarray(problem.slots[batches, None].astype(np.int32))
-        c_problem.kv_cache_rows = problem.page_block_size
     if table is not None:
         c_problem.kv_block_table = ffi.cast("const int32_t *", table.ctypes.data)
         c_problem.kv_max_blocks = table.shape[1]
@@ -334,12 +361,26 @@ def _prepare(context, problem: Problem, qb, out, lse, batches, causal, scale, op
     return call
 
 
+def _rotate(rotary: _rotary.Rotary, problem: Problem, qb, kb, causal, window_size):
+    # (q, k) rotated at FlashAttention's positions (bhsd), every position checked first.
+    capacity = problem.page_block_size * (1 if problem.block_table is None else problem.block_table.shape[1])
+    start = problem.cache_seqlens[:, None]
+    rows_q = np.arange(qb.shape[2])[None, :]
+    if not _rotary.is_local(bool(causal), _validation.check_window_size(window_size), capacity):
+        rows_q = np.zeros_like(rows_q)
+    positions_q, positions_k = start + rows_q, start + np.arange(kb.shape[2])[None, :]
+    _rotary.check_positions(rotary, np.maximum(positions_q.max(axis=1), positions_k.max(axis=1)))
+    return _rotary.apply(rotary, qb, positions_q), _rotary.apply(rotary, kb, positions_k)
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None,
                             cache_batch_idx=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                             softcap=0.0, alibi_slopes=None, sinks=None, return_softmax_lse=False, group_size=64,
-                            bits=None, layout="bshd", context=None, **unsupported):
-    """FlashAttention's ``flash_attn_with_kvcache`` (forward only): appends k, v to the caches in
-    place at cache_seqlens, then attends q to each sequence's cache_seqlens + seqlen_new keys.
+                            bits=None, layout="bshd", context=None, rotary_cos=None, rotary_sin=None,
+                            rotary_interleaved=True, cache_leftpad=None, num_splits=0):
+    """FlashAttention's ``flash_attn_with_kvcache`` (forward only): rotates q and k (with
+    rotary_cos, rotary_sin), appends k, v to the caches in place at cache_seqlens, then attends q
+    to each sequence's keys from cache_leftpad to cache_seqlens + seqlen_new.
 
     Args:
         q: (batch, seqlen_q, num_heads, head_dim) (``layout="bshd"``) or (batch, num_heads,
@@ -359,21 +400,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         cache_batch_idx: None or int32 (batch,): the cache slot of each batch element (contiguous
             caches only; distinct when appending).
         softmax_scale, causal, window_size, softcap, alibi_slopes, sinks: as ``Context.forward``,
-            with seqlen_k = cache_seqlens[b] + seqlen_new per batch element (bottom-right aligned).
+            with seqlen_k = cache_seqlens[b] + seqlen_new - cache_leftpad[b] per batch element
+            (bottom-right aligned).
         return_softmax_lse: also return lse, float32 (batch, num_heads, seqlen_q).
         layout: "bshd" (default) or "bhsd"; context: the Context to run on (default: the module's).
-        rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, num_splits: FlashAttention's,
-            not implemented: NotImplementedError when given a value other than the default.
+        rotary_cos, rotary_sin: None, or both (seqlen_ro, rotary_dim / 2) in q's dtype, rotary_dim
+            <= head_dim (any even value; FlashAttention needs a multiple of 16): the new key row j
+            is rotated at position cache_seqlens[b] + j before the append, and query row i at
+            cache_seqlens[b] + i when causal or local (a window side in [0, capacity)), else at
+            cache_seqlens[b]; every position used must be < seqlen_ro. Needs k and v.
+        rotary_interleaved: bool: True pairs elements 2i and 2i + 1 (GPT-J), False i and i +
+            rotary_dim / 2 (GPT-NeoX); without tables a hint that changes nothing.
+        cache_leftpad: None or int32 (batch,) in [0, cache_seqlens[b]]: the first cache row
+            batch element b attends (contiguous caches only, as in FlashAttention).
+        num_splits: an int, FlashAttention's split hint, accepted and ignored.
 
     Returns:
         out like q with head_dim_v last, or (out, lse) with return_softmax_lse.
 
     Raises:
-        TypeError, ValueError: invalid arguments, before anything is written.
-        NotImplementedError: an unsupported FlashAttention argument.
+        TypeError, ValueError: invalid arguments, before anything is written;
+        errors.CapacityError (a ValueError and a RuntimeError): cache_seqlens + seqlen_new beyond
+        the capacity (naming block_table with a paged cache).
+        FlashAttentionError: the library refused a launch (asked before the append writes).
     """
-    check_unsupported(unsupported)
-    problem = check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, layout, bits, group_size)
+    check_num_splits(num_splits)
+    problem = check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, layout, bits, group_size,
+                    cache_leftpad)
     qb = _validation.to_bhsd(q, layout)
     batch, num_heads, seqlen_q, _ = qb.shape
     options = dict(window_size=window_size, softcap=softcap, sinks=sinks)
@@ -382,22 +435,27 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     _validation.resolve_softmax_scale(softmax_scale, qb.shape[3])
     _validation.check_score_options(_validation.Shape(batch, num_heads, num_heads, seqlen_q, 1, qb.shape[3]),
                                     q.dtype, alibi_slopes=alibi_slopes, **options)
+    rotary = _rotary.check(rotary_cos, rotary_sin, rotary_interleaved, q, qb.shape[3], k is not None)
+    layout_new = layout
+    if rotary is not None:
+        qb, k = _rotate(rotary, problem, qb, _validation.to_bhsd(k, layout), causal, window_size)
+        v, layout_new = _validation.to_bhsd(v, layout), "bhsd"
     context = context if context is not None else _default.default_context()
     scale = _validation.resolve_softmax_scale(softmax_scale, qb.shape[3])
     out = np.empty(qb.shape[:3] + (problem.v_cache.head_dim,), dtype=q.dtype)
     lse = np.empty((batch, num_heads, seqlen_q), dtype=np.float32)
-    # One call per distinct seqlen_k (the kernels take one key count per call), each validated by
-    # the library before the append writes the caches.
+    # One call per distinct (seqlen_k, leftpad) (the kernels take one key count per call), each
+    # validated by the library before the append writes the caches.
     calls = []
-    for seqlen_k in np.unique(problem.seqlens_k):
-        batches = np.flatnonzero(problem.seqlens_k == seqlen_k)
+    for seqlen_k, first in sorted(set(zip(problem.seqlens_k.tolist(), problem.leftpad.tolist()))):
+        batches = np.flatnonzero((problem.seqlens_k == seqlen_k) & (problem.leftpad == first))
         slopes = None if alibi_slopes is None or alibi_slopes.ndim == 1 else alibi_slopes[batches]
         shape = _validation.Shape(len(batches), num_heads, num_heads, seqlen_q, int(seqlen_k), qb.shape[3])
         checked = _validation.check_score_options(shape, q.dtype, alibi_slopes=alibi_slopes if slopes is None
                                                   else slopes, **options)
         calls.append(_prepare(context, problem, qb, out, lse, batches, causal, scale, checked))
     if k is not None:
-        append(problem, k, v, layout)
+        append(problem, k, v, layout_new)
     for call in calls:
         call()
     out = out if layout == "bhsd" else np.ascontiguousarray(out.transpose(0, 2, 1, 3))

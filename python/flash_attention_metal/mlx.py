@@ -61,7 +61,7 @@ NATIVE = _mlx_ext is not None
 
 
 def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force_fused=False, stream=None,
-                                 context: Context | None = None):
+                                 context: Context | None = None, dropout_p=0.0, dropout_seed=None, dropout_offset=0):
     """Attention ``softmax(scale * q @ k^T) @ v`` with the library's fused forward and backward.
 
     Args:
@@ -83,6 +83,13 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force
         context: None: the native path when the extension is built, else the fallback on the
             default context (``$FLASH_ATTENTION_METAL_BACKEND``); a ``flash_attention_metal.Context``:
             the fallback on that context.
+        dropout_p: attention dropout in [0, 1) (an extension beyond MLX's signature, FlashAttention's
+            semantics: each probability dropped after the softmax, the kept ones scaled by
+            1 / (1 - dropout_p)); 0.0 is off. The gradient regenerates the same mask.
+        dropout_seed, dropout_offset: ints in [0, 2**64), the mask's Philox key and counter base
+            (``flash_attention_metal.philox.dropout_keep`` gives the mask); the seed is required with
+            dropout_p > 0 (MLX has no global generator state to draw it from: pass e.g. a fresh
+            seed per step).
 
     Returns:
         mx.array (batch, num_heads, seqlen_q, head_dim_v) in q's dtype: each row rounded once from
@@ -92,10 +99,11 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force
         TypeError: q, k or v not an mx.array, or not all of one dtype of float16, bfloat16 and
             float32; scale missing or not a real number; mask neither None, a str nor an mx.array,
             or an array mask or sinks of another dtype.
-        ValueError: shapes (named by argument, from the library's checks), head_dim or head_dim_v
-            above the library's maximum, a non-finite scale, a mask string other than "causal",
-            sinks whose dtype would promote q's (MLX's rule); on the CPU stream, when evaluated, an
-            additive mask holding NaN or +inf and sinks that are not finite; on
+        ValueError: dropout_p outside [0, 1), dropout_seed missing with dropout_p > 0; shapes (named
+            by argument, from the library's checks), head_dim or head_dim_v above the library's
+            maximum, a non-finite scale, a mask string other than "causal", sinks whose dtype would
+            promote q's (MLX's rule); on the CPU stream, when evaluated, an additive mask holding NaN
+            or +inf and sinks that are not finite; on
             the native path also a gradient asked of the mask, mx.jvp, second derivatives, mx.vmap
             over the sinks.
         NotImplementedError: on the fallback: an array mask, sinks, mx.compile/mx.vmap, mx.jvp,
@@ -104,6 +112,7 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force
     """
     causal = _check_mask(mask)
     _check_arrays(q, k, v)
+    drop = _validation.check_dropout(dropout_p, dropout_seed, dropout_offset) or (0.0, 0, 0)
     if scale is None:
         raise TypeError("scale is required (as in MLX), e.g. scale=q.shape[-1] ** -0.5")
     scale = _validation.resolve_softmax_scale(scale, q.shape[-1], "scale")
@@ -120,7 +129,7 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force
         # Nothing to compute: MLX's own result (an empty array, or zeros without keys).
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
     if context is None and NATIVE:
-        return _mlx_ext.attention(q, k, v, scale, causal, array_mask, sinks, stream=stream)
+        return _mlx_ext.attention(q, k, v, scale, causal, array_mask, sinks, *drop, stream=stream)
     if array_mask is not None:
         raise NotImplementedError(
             "mask: array masks (boolean or additive) need the MLX extension (" + PATH_NOTE + "); only "
@@ -131,7 +140,8 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force
             "sinks: attention sinks need the MLX extension (" + PATH_NOTE + "); pass sinks=None or use "
             "mx.fast.scaled_dot_product_attention"
         )
-    return _mlx_fallback._attention(q, k, v, scale, causal, default_context() if context is None else context)[0]
+    return _mlx_fallback._attention(q, k, v, scale, causal, default_context() if context is None else context,
+                                    drop)[0]
 
 
 def ring_attention(q, k, v, *, scale, causal=False, group=None):

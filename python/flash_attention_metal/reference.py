@@ -19,6 +19,12 @@ lse = log(exp(sinks[h]) + sum_j exp(s_j)) and dsinks[h] = -sum_{b,i} exp(sinks[h
 D = rowsum(dout * out). A row that sees no key gives out 0, zero gradients and lse -inf, or lse
 sinks[h] with a sink.
 
+Dropout (FlashAttention's): ``dropout_mask`` Z (B, H, Nq, Nk), 0 where an element is dropped and
+1 / (1 - p) where kept (``philox.dropout_multiplier``), multiplies P after the softmax:
+out = (P * Z) V, while lse stays that of the undropped scores. Backward: dV = (P * Z)^T dout,
+dP = (dout V^T) * Z, and D = rowsum(dout * out) with the dropped out, since
+rowsum(P * dP) = sum_j P_ij Z_ij dout_i . v_j = dout_i . out_i; dS = P (dP - D).
+
 Inputs of any real dtype (float16, ml_dtypes.bfloat16, float32, float64) are converted exactly to
 float64 and computed in float64, whatever the dtype the library ran in. Arrays are in the (B, H, N, D)
 order; pass a (B, N, H, D) array as ``x.transpose(0, 2, 1, 3)``; attn_mask is broadcastable to
@@ -177,7 +183,7 @@ def softmax(scores, keys, sinks=None):
 
 
 def forward(q, k, v, *, causal: bool = False, softmax_scale=None, attn_mask=None, window_size=NO_WINDOW,
-            softcap: float = 0.0, alibi_slopes=None, sinks=None):
+            softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_mask=None):
     """Attention forward in float64.
 
     Args:
@@ -191,6 +197,8 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale=None, attn_mask=None
         softcap: > 0 caps the scaled scores at softcap * tanh(x / softcap); 0 is off.
         alibi_slopes: None, (H,) or (B, H).
         sinks: None or (H,) logits.
+        dropout_mask: None, or the dropout multipliers Z broadcastable to (B, H, Nq, Nk) (module
+            docstring).
 
     Returns:
         (out, lse): float64 (B, H, Nq, Dv) and (B, H, Nq); lse is the natural log of the softmax
@@ -205,11 +213,18 @@ def forward(q, k, v, *, causal: bool = False, softmax_scale=None, attn_mask=None
                    attn_mask=attn_mask)
     scores, _, keys = modify_scores(scale * (q64 @ np.swapaxes(expand_kv(k64, q.shape[1]), -1, -2)), **options)
     probabilities, lse = softmax(scores, keys, sinks)
-    return masked_matmul(probabilities, keys, expand_kv(v64, q.shape[1])), lse
+    return masked_matmul(dropped(probabilities, dropout_mask), keys, expand_kv(v64, q.shape[1])), lse
+
+
+def dropped(probabilities, dropout_mask):
+    """P * Z in P's dtype (P itself without a mask)."""
+    if dropout_mask is None:
+        return probabilities
+    return probabilities * np.asarray(dropout_mask).astype(probabilities.dtype)
 
 
 def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None, attn_mask=None, window_size=NO_WINDOW,
-             softcap: float = 0.0, alibi_slopes=None, sinks=None):
+             softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_mask=None):
     """Attention backward in float64 (gradients of sum(dout * out) with respect to q, k, v and the
     sinks).
 
@@ -226,11 +241,12 @@ def backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None, attn_ma
         when the inputs hold NaN); NaN or +inf scores of a row make its gradients NaN.
     """
     return _backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, attn_mask=attn_mask,
-                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)[0]
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                     dropout_mask=dropout_mask)[0]
 
 
 def _backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None, attn_mask=None, window_size=NO_WINDOW,
-              softcap: float = 0.0, alibi_slopes=None, sinks=None):
+              softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_mask=None):
     """(``backward``'s result, out, lse): out and lse are the ``forward`` it recomputes on the way,
     bit for bit what ``forward`` returns (``accuracy`` reuses them)."""
     _check_shapes(q, k, v)
@@ -244,8 +260,9 @@ def _backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None, attn_m
                    attn_mask=attn_mask)
     scores, tanh, keys = modify_scores(scale * (q64 @ np.swapaxes(k_full, -1, -2)), **options)
     probabilities, lse = softmax(scores, keys, sinks)
-    out = masked_matmul(probabilities, keys, v_full)
-    dprobabilities = dout64 @ np.swapaxes(v_full, -1, -2)
+    kept = dropped(probabilities, dropout_mask)
+    out = masked_matmul(kept, keys, v_full)
+    dprobabilities = dropped(dout64 @ np.swapaxes(v_full, -1, -2), dropout_mask)
     # Hidden entries are exactly zero even where dP (or tanh) holds a NaN from a key the row never sees.
     with np.errstate(invalid="ignore"):
         delta = np.sum(dout64 * out, axis=-1, keepdims=True)
@@ -256,7 +273,7 @@ def _backward(dout, q, k, v, *, causal: bool = False, softmax_scale=None, attn_m
     keys_t = np.swapaxes(keys, -1, -2)
     dq = scale * masked_matmul(dscores, keys, k_full)
     dk = scale * masked_matmul(np.swapaxes(dscores, -1, -2), keys_t, q64)
-    dv = masked_matmul(np.swapaxes(probabilities, -1, -2), keys_t, dout64)
+    dv = masked_matmul(np.swapaxes(kept, -1, -2), keys_t, dout64)
     grads = (dq, reduce_kv(dk, num_kv_heads), reduce_kv(dv, num_kv_heads))
     if sinks is not None:
         grads = (*grads, -sink_terms(dout64, out, lse, sinks).sum(axis=(0, 2)))
@@ -389,11 +406,12 @@ def _sequence_alibi(alibi_slopes, b: int):
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False, softmax_scale=None,
-                   window_size=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+                   window_size=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_masks=None):
     """``forward`` of a variable-length batch (FlashAttention's varlen semantics), sequence by
     sequence: q (total_q, H, D), k (total_k, H_kv, D), v (total_k, H_kv, Dv); sequence b is query
     rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) over keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]),
-    causal and window bottom-right per sequence; alibi_slopes (H,) or (batch, H).
+    causal and window bottom-right per sequence; alibi_slopes (H,) or (batch, H); dropout_masks
+    None or one ``dropout_mask`` (1, H, rows, keys) per sequence.
 
     Returns:
         (out, lse): float64 (total_q, H, Dv) and (H, total_q); a sequence without keys gives its
@@ -411,14 +429,15 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False,
             continue
         o, l = forward(sequence_view(q, rows), sequence_view(k, keys), sequence_view(v, keys), causal=causal,
                        softmax_scale=scale, window_size=window_size, softcap=softcap,
-                       alibi_slopes=_sequence_alibi(alibi_slopes, b), sinks=sinks)
+                       alibi_slopes=_sequence_alibi(alibi_slopes, b), sinks=sinks,
+                       dropout_mask=None if dropout_masks is None else dropout_masks[b])
         out[rows] = np.swapaxes(o[0], 0, 1)
         lse[:, rows] = l[0]
     return out, lse
 
 
 def backward_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool = False, softmax_scale=None,
-                    window_size=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None, sinks=None):
+                    window_size=NO_WINDOW, softcap: float = 0.0, alibi_slopes=None, sinks=None, dropout_masks=None):
     """``backward`` of a variable-length batch, sequence by sequence (see ``forward_varlen``):
     returns float64 (dq, dk, dv) shaped like q, k, v, and dsinks (H,) summed over the sequences
     after them when sinks are given. Rows of a sequence without keys (or queries) get zero
@@ -432,7 +451,8 @@ def backward_varlen(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal: bool =
             continue
         result = backward(sequence_view(dout, rows), sequence_view(q, rows), sequence_view(k, keys),
                           sequence_view(v, keys), causal=causal, softmax_scale=scale, window_size=window_size,
-                          softcap=softcap, alibi_slopes=_sequence_alibi(alibi_slopes, b), sinks=sinks)
+                          softcap=softcap, alibi_slopes=_sequence_alibi(alibi_slopes, b), sinks=sinks,
+                          dropout_mask=None if dropout_masks is None else dropout_masks[b])
         for grad, part, span in zip(grads, result, (rows, keys, keys)):
             grad[span] = np.swapaxes(part[0], 0, 1)
         if sinks is not None:

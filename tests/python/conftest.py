@@ -52,6 +52,8 @@ QUICK_TESTS = {
     "core/test_errors.py": ["test_library_rejects_head_dim_beyond_the_kernels"],
     "core/test_given_outputs.py": ["test_given_outputs_are_written_in_place_and_equal_fresh_ones"],
     "options/test_score_options.py": ["test_identities_between_options", "test_decode_shapes_within_the_rule"],
+    "options/test_dropout.py": ["test_forward_mask_bits_equal_the_twin_in_every_bucket",
+                                "test_forward_backward_within_the_rule"],
     "varlen/test_varlen.py": ["test_each_sequence_meets_the_rule_and_equals_the_dense_call",
                               "test_wrong_tables_through_the_abi_stay_in_bounds"],
     "kv_cache/test_kv_cache.py": ["test_split_decode_paged_quantized_bhsd", "test_errors_leave_the_cache_untouched",

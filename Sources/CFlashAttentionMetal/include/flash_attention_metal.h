@@ -188,6 +188,18 @@ typedef struct fa_problem {
     const int32_t *cu_seqlens_k;
     uint32_t max_seqlen_q;
     uint32_t max_seqlen_k;
+    /* Added after 0.3.0: dropout on the attention probabilities (FlashAttention's dropout_p), forward
+     * and backward (pass the backward the forward's three values). dropout_p in [0, 1); 0 (the
+     * default) is off. Each probability P[b, h, i, j] is dropped (0) or kept and multiplied by
+     * 1 / (1 - dropout_p), after the softmax: out = (P * mask) V, lse of the undropped scores. The
+     * mask is Philox-4x32-10 keyed by dropout_seed with a counter made from dropout_offset and
+     * (b, h, i, j) (a varlen sequence: b its index, i and j counted in it); the mapping is
+     * specified in Shaders/flash_attention_philox.h, so the backward regenerates the forward's mask
+     * (nothing is stored) and every backend draws the same bits. Not with a KV cache
+     * (INVALID_ARGUMENT naming dropout_p). */
+    float dropout_p;
+    uint64_t dropout_seed;
+    uint64_t dropout_offset;
 } fa_problem;
 
 /* The library's version, FA_VERSION of the header it was built with. Static storage. */

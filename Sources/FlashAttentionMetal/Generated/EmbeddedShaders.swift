@@ -5,7 +5,7 @@
 /// backend with makeLibrary(source:options:).
 enum EmbeddedShaders {
     /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
-    static let sourceHash = "514183d81dfd847e"
+    static let sourceHash = "d8e3e8874a114062"
 
     static let source: String = #"""
 // FlashAttention for Apple GPUs: the kernel instances. The kernels are listed in
@@ -143,6 +143,10 @@ typedef struct FlashAttentionParams {
     FlashAttentionStrides dv;
     FlashAttentionStrides mask;  // attn_mask's (batch, head, query row) strides; 0 broadcasts
     fa_u64 alibi_batch_stride;   // alibi_slopes: 0 for (num_heads,), num_heads for (batch, num_heads)
+    // Dropout on P (flash_attention_philox.h: the mask of every element from these): the Philox key
+    // and the counter's base. Read only where dropout_threshold is not 0.
+    fa_u64 dropout_seed;
+    fa_u64 dropout_offset;
     fa_u32 batch;
     fa_u32 num_heads;
     fa_u32 num_kv_heads;
@@ -202,6 +206,17 @@ typedef struct FlashAttentionParams {
     // Rows per head of lse, delta and the lse residual in a sequence's struct: the packed total_q
     // (they are [num_heads][total_q]); unused (0) in a dense problem, whose rows per head are seqlen_q.
     fa_u32 lse_rows;
+    // Dropout (FlashAttention's: on P after the softmax, lse of the undropped scores): an element
+    // is dropped iff its Philox word is below dropout_threshold (0: no dropout, and the kernels
+    // compiled without it: FA_FUNCTION_CONSTANT_DROPOUT); kept ones are multiplied by
+    // dropout_scale = 1 / (1 - dropout_p). The stream of the counter of (batch entry b, query head
+    // h) as the kernel sees them is dropout_stream0 + b * dropout_heads + h: the call's
+    // b' * num_heads + h' for the whole problem's indices (a piece of a split plan starts at
+    // stream0 = its first batch entry and head; a varlen sequence's struct at its index b').
+    fa_u32 dropout_threshold;
+    float dropout_scale;
+    fa_u32 dropout_stream0;
+    fa_u32 dropout_heads;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -230,12 +245,14 @@ typedef struct FlashAttentionParams {
 #define FA_FUNCTION_CONSTANT_SOFTCAP 1
 #define FA_FUNCTION_CONSTANT_ALIBI 2
 #define FA_FUNCTION_CONSTANT_SINKS 3
-#define FA_FUNCTION_CONSTANT_COUNT 4
+#define FA_FUNCTION_CONSTANT_DROPOUT 4
+#define FA_FUNCTION_CONSTANT_COUNT 5
 #define FA_FUNCTION_CONSTANTS(X)                                                                   \
     X(FA_FUNCTION_CONSTANT_MASK_TYPE, uint, fa_mask_type, (p).mask_type)                           \
     X(FA_FUNCTION_CONSTANT_SOFTCAP, bool, fa_has_softcap, (p).softcap > 0.0f)                      \
     X(FA_FUNCTION_CONSTANT_ALIBI, bool, fa_has_alibi, (p).has_alibi != 0)                          \
-    X(FA_FUNCTION_CONSTANT_SINKS, bool, fa_has_sinks, (p).has_sinks != 0)
+    X(FA_FUNCTION_CONSTANT_SINKS, bool, fa_has_sinks, (p).has_sinks != 0)                          \
+    X(FA_FUNCTION_CONSTANT_DROPOUT, bool, fa_has_dropout, (p).dropout_threshold != 0)
 // How C and Swift name the two MSL types a constant can have.
 #define FA_FUNCTION_CONSTANT_TYPE_bool 0
 #define FA_FUNCTION_CONSTANT_TYPE_uint 1
@@ -361,8 +378,8 @@ typedef struct FlashAttentionParams {
 // The GPU core count plans assume without the FLASH_ATTENTION_GPU_CORES override: 10, the GPU of
 // the base M1-M4 chips (Apple's tech specs), so the CPU engine plans as for that GPU.
 #define FA_NOMINAL_GPU_CORES 10
-// The decode forward (flash_attention_decode.h): each threadgroup takes FA_DECODE_ROWS(DP) packed
-// rows, whose q and output slices every lane keeps in registers (FA_DECODE_ROWS(DP) x DP / 32
+// The decode forward (flash_attention_decode.h): each threadgroup takes up to FA_DECODE_ROWS(DP)
+// packed rows, whose q and output slices every lane keeps in registers (FA_DECODE_ROWS(DP) x DP / 32
 // floats of each, 32 at most: both within FA_MAX_ACCUMULATOR_FLOATS, asserted at the kernel), and
 // stores FA_SIMDGROUPS such states in threadgroup memory once, at the end
 // (FA_DECODE_THREADGROUP_BYTES). It serves a split problem whose packed rows per KV head
@@ -370,8 +387,13 @@ typedef struct FlashAttentionParams {
 // more rows would be more row blocks, each reading the whole cache, where the tiled split kernel
 // reads it once per forward_block_q rows (K/V tiles shared by its SIMD-groups); wider rows would
 // outgrow the registers. Buckets above FA_DECODE_MAX_HEAD_DIM have no decode instance.
+// The block's rows take the smallest instance of 1, 2, 4 or FA_DECODE_ROWS(DP) rows that holds its
+// live rows, whose key loop takes FA_DECODE_KEYS(ROWS, E) keys per iteration and SIMD-group (E:
+// elements of a row per lane): their loads in flight at once, one rescale of the outputs per
+// iteration; 4, or 2 where ROWS x E reaches 32 (the K/V slices would outgrow the registers).
 #define FA_DECODE_MAX_HEAD_DIM 256
 #define FA_DECODE_ROWS(DP) ((DP) <= 128 ? 8 : 4)
+#define FA_DECODE_KEYS(ROWS, E) ((ROWS) * (E) >= 32 ? 2 : 4)
 #define FA_DECODE_THREADGROUP_BYTES(DP) (FA_SIMDGROUPS * FA_DECODE_ROWS(DP) * ((DP) + 2) * 4)
 #define FA_DECODE_SERVES(DP, PACKED_ROWS) ((DP) <= FA_DECODE_MAX_HEAD_DIM && (PACKED_ROWS) <= FA_DECODE_ROWS(DP))
 // FA_IF_DECODE(DP, ...): the arguments where bucket DP has a decode instance (DP <=
@@ -522,13 +544,13 @@ typedef struct FlashAttentionParams {
 // - BUILTINS: its MSL built-in arguments after the buffers, BUILTINS(A) calling A(TYPE, NAME,
 //   ATTRIBUTE) per argument.
 #define FA_KERNELS(X, ...)                                                                                       \
-    X(forward, bucket, FA_FORWARD_BUFFERS, FA_READS_SCORE_AND_SINKS, forward_storage,                            \
+    X(forward, bucket, FA_FORWARD_BUFFERS, FA_READS_FORWARD, forward_storage,                                    \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
     X(forward_split, bucket, FA_FORWARD_SPLIT_BUFFERS, FA_READS_SCORE, forward_storage, FA_BUILTINS_SIMDGROUP,   \
       __VA_ARGS__)                                                                                               \
     X(forward_decode, decode_bucket, FA_FORWARD_SPLIT_BUFFERS, FA_READS_SCORE, decode_storage,                   \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
-    X(forward_kvcache, bucket, FA_KV_CACHE_BUFFERS, FA_READS_SCORE_AND_SINKS, forward_storage,                   \
+    X(forward_kvcache, bucket, FA_KV_CACHE_BUFFERS, FA_READS_FORWARD, forward_storage,                           \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
     X(forward_split_kvcache, bucket, FA_KV_CACHE_SPLIT_BUFFERS, FA_READS_SCORE, forward_storage,                 \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
@@ -539,9 +561,9 @@ typedef struct FlashAttentionParams {
       __VA_ARGS__)                                                                                               \
     X(backward_lse_residual, bucket, FA_BACKWARD_LSE_RESIDUAL_BUFFERS, FA_READS_SCORE_AND_SINKS,                 \
       lse_residual_storage, FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                  \
-    X(backward_dq, bucket, FA_BACKWARD_DQ_BUFFERS, FA_READS_SCORE, dq_storage, FA_BUILTINS_SIMDGROUP,            \
+    X(backward_dq, bucket, FA_BACKWARD_DQ_BUFFERS, FA_READS_GRADIENTS, dq_storage, FA_BUILTINS_SIMDGROUP,        \
       __VA_ARGS__)                                                                                               \
-    X(backward_dkv, bucket, FA_BACKWARD_DKV_BUFFERS, FA_READS_SCORE, dkv_storage, FA_BUILTINS_SIMDGROUP,         \
+    X(backward_dkv, bucket, FA_BACKWARD_DKV_BUFFERS, FA_READS_GRADIENTS, dkv_storage, FA_BUILTINS_SIMDGROUP,     \
       __VA_ARGS__)                                                                                               \
     X(backward_dsinks, once, FA_BACKWARD_DSINKS_BUFFERS, FA_READS_NONE, DsinksStorage, FA_BUILTINS_THREAD,       \
       __VA_ARGS__)                                                                                               \
@@ -633,11 +655,15 @@ typedef struct FlashAttentionParams {
 
 // The score features in every kernel that computes scores; the sinks where a kernel starts or ends
 // a row's softmax (the dense forward and the lse residual start it at the sink; the split forward
-// leaves it to its combine).
+// leaves it to its combine); dropout where P meets V or dP (the dense forward, dQ, dK/dV: a problem
+// with dropout is never split).
 #define FA_READS_SCORE(C)                                                                          \
     C(FA_FUNCTION_CONSTANT_MASK_TYPE) C(FA_FUNCTION_CONSTANT_SOFTCAP) C(FA_FUNCTION_CONSTANT_ALIBI)
 #define FA_READS_SINKS(C) C(FA_FUNCTION_CONSTANT_SINKS)
 #define FA_READS_SCORE_AND_SINKS(C) FA_READS_SCORE(C) FA_READS_SINKS(C)
+#define FA_READS_DROPOUT(C) C(FA_FUNCTION_CONSTANT_DROPOUT)
+#define FA_READS_FORWARD(C) FA_READS_SCORE_AND_SINKS(C) FA_READS_DROPOUT(C)
+#define FA_READS_GRADIENTS(C) FA_READS_SCORE(C) FA_READS_DROPOUT(C)
 #define FA_READS_NONE(C)
 
 // ---- built-ins ---------------------------------------------------------------------------------
@@ -1237,7 +1263,7 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
 
 // ---- begin flash_attention_features.h (spliced by tools/embed_shaders.py) ----
 // The score features of a call (flash_attention_params.h, FA_FUNCTION_CONSTANTS: mask type,
-// softcap, ALiBi, sinks), read by the kernels only through these four functions. They are function
+// softcap, ALiBi, sinks, dropout), read by the kernels only through the functions below. They are function
 // constants, fixed when a kernel's pipeline is built, so every test of them folds away and a kernel
 // compiled for "no features" has none of their code. The parameter struct still carries the
 // feature's data (softcap's value, the mask strides); `p` stays in the signatures for that reason
@@ -1254,6 +1280,96 @@ inline void sum_partials(thread Fragments<N> &x, Partials partials, uint first_s
 #ifndef FLASH_ATTENTION_FEATURES_H
 #define FLASH_ATTENTION_FEATURES_H
 
+// ---- begin flash_attention_philox.h (spliced by tools/embed_shaders.py) ----
+// Attention dropout's random bits: Philox-4x32-10 (Salmon, Moraes, Dror and Shaw, "Parallel Random
+// Numbers: As Easy as 1, 2, 3", SC 2011; the Random123 library's constants and round function), a
+// counter-based generator: its output is a pure function of a 128-bit counter and a 64-bit key, so
+// every element of the dropout mask is computed where it is used, by any kernel, tiling, head-dim
+// bucket or backend, with the same bits, and the backward regenerates the forward's mask instead
+// of storing it. Known answers: Random123's tests/kat_vectors (tests/python/test_dropout.py).
+//
+// Plain C/C++ over the fixed-width types of flash_attention_params.h: included by the kernels
+// (Metal, the CPU engine, the CUDA check build) and usable from C. The bit-exact Python twin is
+// python/flash_attention_metal/philox.py.
+//
+// The mask of element (batch b, query head h, query row i, key j) of a call with seed and offset
+// (both 64-bit; varlen: b the sequence, i and j counted from the sequence's first row and key):
+//   key     = (seed mod 2^32, seed >> 32)
+//   counter = (c0, c1, c2, c3) with c0 + 2^32 c1 = (offset + j / 4) mod 2^64, c2 = i,
+//             c3 = (b * num_heads + h) mod 2^32
+//   u       = word j mod 4 of Philox-4x32-10(counter, key)
+//   kept    = u >= dropout_threshold, = min(round(p 2^32), 2^32 - 1) of the float32 dropout_p p
+//             (rounded in float64), so P(dropped) = dropout_threshold / 2^32
+// so one Philox call gives four neighbouring keys of a row, and a row's mask depends only on these
+// indices. Kept probabilities are multiplied by dropout_scale = 1 / (1 - p) (float32).
+#ifndef FLASH_ATTENTION_PHILOX_H
+#define FLASH_ATTENTION_PHILOX_H
+
+
+#define FA_PHILOX_M0 0xD2511F53u
+#define FA_PHILOX_M1 0xCD9E8D57u
+#define FA_PHILOX_W0 0x9E3779B9u  // the key schedule's increments (golden ratio, sqrt(3) - 1)
+#define FA_PHILOX_W1 0xBB67AE85u
+#define FA_PHILOX_ROUNDS 10
+
+// Four 32-bit words: a counter or an output block.
+typedef struct FaPhiloxBlock {
+    fa_u32 x0;
+    fa_u32 x1;
+    fa_u32 x2;
+    fa_u32 x3;
+} FaPhiloxBlock;
+
+// The high 32 bits of the 64-bit product a * b (MSL has it as one instruction).
+inline fa_u32 fa_philox_mulhi(fa_u32 a, fa_u32 b) {
+#if defined(__METAL_VERSION__)
+    return mulhi(a, b);
+#else
+    return (fa_u32)(((fa_u64)a * (fa_u64)b) >> 32);
+#endif
+}
+
+// Philox-4x32-10 of `counter` under key (k0, k1): ten rounds, the key bumped between rounds.
+inline FaPhiloxBlock fa_philox4x32_10(FaPhiloxBlock c, fa_u32 k0, fa_u32 k1) {
+    for (int r = 0; r < FA_PHILOX_ROUNDS; ++r) {
+        if (r > 0) {
+            k0 += FA_PHILOX_W0;
+            k1 += FA_PHILOX_W1;
+        }
+        const fa_u32 hi0 = fa_philox_mulhi(FA_PHILOX_M0, c.x0);
+        const fa_u32 lo0 = FA_PHILOX_M0 * c.x0;
+        const fa_u32 hi1 = fa_philox_mulhi(FA_PHILOX_M1, c.x2);
+        const fa_u32 lo1 = FA_PHILOX_M1 * c.x2;
+        FaPhiloxBlock next;
+        next.x0 = hi1 ^ c.x1 ^ k0;
+        next.x1 = lo1;
+        next.x2 = hi0 ^ c.x3 ^ k1;
+        next.x3 = lo0;
+        c = next;
+    }
+    return c;
+}
+
+// The dropout words of keys [4 g, 4 g + 4) of row `row` of (batch, head) `stream` (b * num_heads
+// + h), the mapping above.
+inline FaPhiloxBlock fa_dropout_words(fa_u64 seed, fa_u64 offset, fa_u32 stream, fa_u32 row,
+                                      fa_u32 g) {
+    const fa_u64 position = offset + (fa_u64)g;
+    FaPhiloxBlock counter;
+    counter.x0 = (fa_u32)position;
+    counter.x1 = (fa_u32)(position >> 32);
+    counter.x2 = row;
+    counter.x3 = stream;
+    return fa_philox4x32_10(counter, (fa_u32)seed, (fa_u32)(seed >> 32));
+}
+
+// Word e (0 ... 3) of a block.
+inline fa_u32 fa_philox_word(FaPhiloxBlock w, fa_u32 e) {
+    return e == 0 ? w.x0 : e == 1 ? w.x1 : e == 2 ? w.x2 : w.x3;
+}
+
+#endif
+// ---- end flash_attention_philox.h ----
 
 #if defined(FA_FUNCTION_CONSTANTS_PREDEFINED)
 #elif defined(MSL_FUNCTION_CONSTANT)
@@ -1277,6 +1393,32 @@ inline bool softcap_on(constant FlashAttentionParams &p) { return fa_has_softcap
 inline bool alibi_on(constant FlashAttentionParams &p) { return fa_has_alibi ? true : false; }
 
 inline bool sinks_on(constant FlashAttentionParams &p) { return fa_has_sinks ? true : false; }
+
+inline bool dropout_on(constant FlashAttentionParams &p) { return fa_has_dropout ? true : false; }
+
+// The Philox stream of (batch entry b, query head h) as the kernel sees them (FlashAttentionParams).
+inline uint dropout_stream(constant FlashAttentionParams &p, uint b, uint h) {
+    return p.dropout_stream0 + b * p.dropout_heads + h;
+}
+
+// What P at (row, key) of `stream` is multiplied by: 0 where dropped, dropout_scale where kept
+// (flash_attention_philox.h).
+inline float dropout_factor(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
+    const FaPhiloxBlock w = fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4);
+    return fa_philox_word(w, key % 4) >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+}
+
+// The factors of keys `key` and `key + 1` of one row (a lane's two elements of an 8x8 fragment):
+// one Philox call where both keys lie in one group of four (key % 4 != 3, so always for an even
+// key), a second one otherwise.
+inline float2 dropout_factors(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
+    const FaPhiloxBlock w = fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4);
+    const uint e = key % 4;
+    const uint next = e == 3 ? fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4 + 1).x0
+                             : fa_philox_word(w, e + 1);
+    return float2(fa_philox_word(w, e) >= p.dropout_threshold ? p.dropout_scale : 0.0f,
+                  next >= p.dropout_threshold ? p.dropout_scale : 0.0f);
+}
 
 #endif
 // ---- end flash_attention_features.h ----
@@ -1785,14 +1927,17 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 // over the KV head's K and V): loads the tiles (every thread calls it; V only after S where K and
 // V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
 // `masked`; the lane's row is query `row`), online softmax update, O += P V (without WITH_V,
-// only m and l: V is neither loaded nor multiplied).
-template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, typename KS, typename VS,
-          typename Storage>
+// only m and l: V is neither loaded nor multiplied). DROPOUT: the kernel reads the dropout
+// function constant (the dense forward; the split kernels never get a call with dropout) and, when
+// it is on, P enters O += P V dropped (its row sum l stays undropped: lse is of the scores), the
+// row's mask drawn from Philox stream `stream` (flash_attention_philox.h).
+template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, bool DROPOUT = false,
+          typename KS, typename VS, typename Storage>
 FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks,
                                    thread VS &vs, device const uchar *mask,
                                    constant FlashAttentionParams &p, uint kv0, bool masked,
                                    uint row, RowModifiers mods, SimdgroupSlice s, FragmentCoord at,
-                                   uint sgid, uint tid) {
+                                   uint sgid, uint tid, uint stream = 0) {
     typedef typename KS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
     constexpr bool SHARED = WITH_V && FA_FORWARD_SHARED(T, DP, BQ, BK);
@@ -1852,6 +1997,14 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
         }
     }
     r.m = m_next;
+    if (WITH_V && DROPOUT && dropout_on(p)) {
+        FA_UNROLL
+        for (uint j = 0; j < NK; ++j) {
+            const float2 keep = dropout_factors(p, stream, row, kv0 + j * 8 + at.col);
+            sc.f[j].thread_elements()[0] *= keep.x;
+            sc.f[j].thread_elements()[1] *= keep.y;
+        }
+    }
 
     if (SHARED) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -1919,6 +2072,7 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     const uint key_begin = key_range(p, q0).first;
     const uint key_end = key_range(p, min(q0 + BQ, p.seqlen_q) - 1).end;
     const RowModifiers mods = row_modifiers(p, alibi, b, h, row);
+    const uint stream = dropout_stream(p, b, h);
 
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
@@ -1929,8 +2083,9 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     const KeyRange unmasked = unmasked_keys(p, q0, BQ);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, !tile_unmasked(unmasked, kv0, BK),
-                                 row, mods, s, at, sgid, tid);
+        forward_tile<DP, BQ, BK, ND, true, true>(r, tg, ks, vs, mask, p, kv0,
+                                                 !tile_unmasked(unmasked, kv0, BK), row, mods, s,
+                                                 at, sgid, tid, stream);
     }
 
     const float l = row_sum(r.l);
@@ -2311,6 +2466,7 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
     const float row_lse = row < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
     const float row_residual = row < p.seqlen_q ? residual[at_row] : 0.0f;
     const float row_delta = row < p.seqlen_q ? delta[at_row] : 0.0f;
+    const uint stream = dropout_stream(p, b, h);
 
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
@@ -2351,19 +2507,23 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
         sum_over_slices<SLICES>(sc, tg->s_partial, sgid, s, at);
         sum_over_slices<SLICES>(dp, tg->dp_partial, sgid, s, at);
 
-        // dS = P (dP - D) (through the softcap), in place of S.
+        // dS = P (dP - D) (through the softcap), in place of S. With dropout, dP is with respect
+        // to the dropped P (dO V^T) times the mask's factor (D = rowsum(dO O) already is the
+        // dropped out's).
         const TileWindow window =
             tile_window(mods.keys, kv0 + at.col, !tile_unmasked(unmasked, kv0, BK));
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
+            const float2 keep = dropout_on(p) ? dropout_factors(p, stream, row, kv0 + j * 8 + at.col)
+                                              : float2(1.0f);
             FA_UNROLL
             for (uint e = 0; e < 2; ++e) {
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
                                           kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
                 const float pe = probability(x, row_lse, row_residual);
-                sc.f[j].thread_elements()[e] =
-                    through_softcap(p, pe * (dp.f[j].thread_elements()[e] - row_delta), t);
+                const float dpe = dp.f[j].thread_elements()[e] * (e == 0 ? keep.x : keep.y);
+                sc.f[j].thread_elements()[e] = through_softcap(p, pe * (dpe - row_delta), t);
             }
         }
 
@@ -2439,6 +2599,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
         seek(ds, dout + head_offset(p.dout, b, h), rows.first);
         // The head's slope and mask start; per element only the mask row moves.
         const RowModifiers head_mods = row_modifiers(p, alibi, b, h, 0);
+        const uint stream = dropout_stream(p, b, h);
         // The head's rows of lse, residual and delta (one 64-bit multiply per head, not per tile).
         const ulong head_rows = lse_index(p, b, h, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
@@ -2471,7 +2632,8 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
             sum_over_slices<SLICES>(st, tg->s_partial, sgid, s, at);
             sum_over_slices<SLICES>(dpt, tg->dp_partial, sgid, s, at);
 
-            // P^T in place of S^T, dS^T (through the softcap) in place of dP^T.
+            // P^T in place of S^T, dS^T (through the softcap) in place of dP^T; with dropout the
+            // dropped P^T for dV and dP^T times the mask's factor (as in dQ).
             const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
             FA_UNROLL
             for (uint j = 0; j < NQ; ++j) {
@@ -2485,9 +2647,10 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                     const float x = score<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
                                               mods, !masked || in_window(mods.keys, key), t);
                     const float pe = probability(x, tg->lse[i], tg->residual[i]);
-                    st.f[j].thread_elements()[e] = pe;
+                    const float kept = dropout_on(p) ? dropout_factor(p, stream, q0 + i, key) : 1.0f;
+                    st.f[j].thread_elements()[e] = pe * kept;
                     dpt.f[j].thread_elements()[e] =
-                        through_softcap(p, pe * (dpt.f[j].thread_elements()[e] - tg->delta[i]), t);
+                        through_softcap(p, pe * (dpt.f[j].thread_elements()[e] * kept - tg->delta[i]), t);
                 }
             }
 
@@ -2523,18 +2686,21 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 // threadgroup serves the packed rows of a whole GQA group (as the split-KV forward packs them:
 // index g * seqlen_q + i), so each K/V element is read once per chunk of keys and block of rows.
 //
-//   threadgroup (chunk x row block, KV head, batch), FA_SIMDGROUPS SIMD-groups:
-//     each lane loads its slice of the block's q rows (as float)
-//     for each key j of the chunk that some row sees, SIMD-group j % FA_SIMDGROUPS:
-//       load the lane's K and V slices of key j (a KV cache's: paged, dequantized in registers)
-//       per row: s = score(simd_sum(q . k)) (four rows per reduction); online softmax of
-//       (m, l, o) in registers
+//   threadgroup (chunk x row block, KV head, batch), FA_SIMDGROUPS SIMD-groups; the block's live
+//   rows take the instance of RI = 1, 2, 4 or FA_DECODE_ROWS(DP) rows that holds them:
+//     each lane loads its slice of the RI q rows (as float)
+//     per iteration, SIMD-group s takes N = FA_DECODE_KEYS(RI, E) keys (slot n: s + 4n + 4N i):
+//       load the lane's K and V slices of the N keys (a KV cache's: paged, dequantized in registers)
+//       N x RI partial dot products, reduce-scattered over the lanes (reduce_scatter): each lane
+//       ends with one (key, row) product, scores it and runs that row's online softmax over the N
+//       keys (m, l in the lanes that hold the row); every lane rescales its output slices once and
+//       adds each key's V slice with the weight broadcast from the lane that holds it
 //     the SIMD-groups' (m, l, o) meet in threadgroup memory once (one barrier) and merge in
 //     SIMD-group order; the chunk's normalised output and lse go to partial_out / partial_lse,
 //     which forward_combine (flash_attention_forward.h) merges over the chunks with the sink.
 //
-// Sums run in a fixed order (lanes by simd_sum, keys in order per SIMD-group, SIMD-groups 0..3,
-// chunks 0..n): results are bit-identical from run to run.
+// Sums run in a fixed order (lanes by a fixed exchange pattern, keys in order per slot, slots in
+// order, SIMD-groups 0..3, chunks 0..n): results are bit-identical from run to run.
 #ifndef FLASH_ATTENTION_DECODE_H
 #define FLASH_ATTENTION_DECODE_H
 
@@ -2641,8 +2807,8 @@ inline float slice_element(thread const DecodeSlice<WORDS> &s, uint i) {
     return W::element(s.w[i / W::PER_WORD], i % W::PER_WORD);
 }
 
-// The K/V rows one SIMD-group of the decode kernel walks: keys first, first + FA_SIMDGROUPS, ...
-// A K/V source gives them through decode_rows(kv, p, b, kv_head, first, col0) (plain tensors
+// The K/V rows one key slot of a SIMD-group of the decode kernel walks: keys first, first + step,
+// ... A K/V source gives them through decode_rows(kv, p, b, kv_head, first, col0, step) (plain tensors
 // here; a KV cache's in flash_attention_kv_cache.h): `load` fills the lane's slice of the current
 // key's K and V as float, `next` moves to the SIMD-group's next key. The only place the decode
 // kernel addresses K and V. The key loop moves by whole steps (a 64-bit add), never multiplying
@@ -2675,43 +2841,59 @@ struct DeviceDecodeRows {
 
 template <typename T>
 inline DeviceDecodeRows<T> decode_rows(DeviceKV<T> kv, constant FlashAttentionParams &p, uint b,
-                                       uint kv_head, uint first, uint col0) {
+                                       uint kv_head, uint first, uint col0, uint step) {
     DeviceDecodeRows<T> r;
     r.k = kv.k + head_offset(p.k, b, kv_head) + ulong(first) * p.k.seq;
     r.v = kv.v + head_offset(p.v, b, kv_head) + ulong(first) * p.v.seq;
-    r.k_step = ulong(FA_SIMDGROUPS) * p.k.seq;
-    r.v_step = ulong(FA_SIMDGROUPS) * p.v.seq;
+    r.k_step = ulong(step) * p.k.seq;
+    r.v_step = ulong(step) * p.v.seq;
     return r;
 }
 
-// Sums each of the R values over the SIMD-group, four rows per reduction (R is 2, 4 or 8).
-template <uint R>
-inline void simd_sum_rows(thread float *x) {
-    if (R % 4 == 0) {
+// log2 of a power of two up to 32, at compile time.
+template <uint X>
+struct DecodeLog2 {
+    enum : uint { value = X <= 1 ? 0 : X <= 2 ? 1 : X <= 4 ? 2 : X <= 8 ? 3 : X <= 16 ? 4 : 5 };
+};
+
+// The lane-transposed reduce-scatter of M partial sums (a power of two, 2 to 32) over the
+// SIMD-group: step k exchanges half of the values still held with lane ^ (16 >> k), the upper
+// lane keeping the upper half, so after log2(M) steps each lane holds one value, index
+// decode_value(lane); the remaining steps add the partners' sums. Every lane holding an index holds
+// the same bits (its sums pair the same terms in the same order, and a + b == b + a). Shuffles:
+// M - 1 + 5 - log2(M), against 5 per value for a simd_sum each.
+template <uint M>
+inline float reduce_scatter(thread float *x, uint lane) {
+    constexpr uint STEPS = DecodeLog2<M>::value;
+    FA_UNROLL
+    for (uint k = 0; k < STEPS; ++k) {
+        const uint width = M >> (k + 1);
+        const ushort offset = ushort(16u >> k);
+        const bool upper = (lane & offset) != 0;
         FA_UNROLL
-        for (uint r = 0; r < R; r += 4) {
-            float4 v;
-            v.x = x[r];
-            v.y = x[r + 1];
-            v.z = x[r + 2];
-            v.w = x[r + 3];
-            const float4 s = simd_sum(v);
-            x[r] = s.x;
-            x[r + 1] = s.y;
-            x[r + 2] = s.z;
-            x[r + 3] = s.w;
-        }
-    } else {
-        FA_UNROLL
-        for (uint r = 0; r < R; r += 2) {
-            float2 v;
-            v.x = x[r];
-            v.y = x[r + 1];
-            const float2 s = simd_sum(v);
-            x[r] = s.x;
-            x[r + 1] = s.y;
+        for (uint i = 0; i < width; ++i) {
+            const float send = upper ? x[i] : x[i + width];
+            const float keep = upper ? x[i + width] : x[i];
+            x[i] = keep + simd_shuffle_xor(send, offset);
         }
     }
+    float sum = x[0];
+    FA_UNROLL
+    for (uint k = STEPS; k < 5; ++k) {
+        sum += simd_shuffle_xor(sum, ushort(16u >> k));
+    }
+    return sum;
+}
+
+// The index of the value reduce_scatter<M> leaves in `lane`, and the lowest lane holding index v.
+template <uint M>
+inline uint decode_value(uint lane) {
+    return (lane >> (5 - DecodeLog2<M>::value)) & (M - 1);
+}
+
+template <uint M>
+inline ushort decode_owner(uint v) {
+    return ushort(v << (5 - DecodeLog2<M>::value));
 }
 
 // Each SIMD-group's online-softmax state of the block's rows, merged once after the key loop.
@@ -2721,6 +2903,148 @@ struct DecodeStorage {
     float m[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
     float l[FA_SIMDGROUPS][FA_DECODE_ROWS(DP)];
 };
+
+// One SIMD-group's keys of the chunk for the first RI rows of the block (live of them real; RI is
+// 1, 2, 4 or FA_DECODE_ROWS(DP)): each lane keeps its slice of every row's q and output, and
+// after the reduce-scatter of the FA_DECODE_KEYS x RI dot products, the running max m and sum l
+// of the one (key, row) value it holds (decode_value); the SIMD-group's state goes to tg for
+// the merge.
+template <uint DP, uint RI, typename T, typename KV, typename Storage>
+inline void decode_block(device const T *q, KV kv, device const uchar *mask, device const float *alibi,
+                         constant FlashAttentionParams &p, PackedRows rows, uint live, uint b,
+                         uint kv_head, uint key_begin, uint key_end, Storage tg, uint sgid, uint lane) {
+    typedef DecodeLane<T, DP> L;
+    constexpr uint N = FA_DECODE_KEYS(RI, L::E);
+    constexpr uint M = N * RI;
+    static_assert(M <= 32 && (M & (M - 1)) == 0, "one value per lane at most, a power of two");
+    const uint col0 = lane * L::E;
+    const bool scalar = p.scalar_copies != 0;
+
+    float qs[RI][L::E];
+    float o[RI][L::E];
+    FA_UNROLL
+    for (uint r = 0; r < RI; ++r) {
+        const uint packed = rows.first + (r < live ? r : 0);
+        const uint h = packed_head(p, rows, kv_head, packed);
+        const DecodeSlice<L::WORDS> s = load_slice<T, DP>(
+            q + head_offset(p.q, b, h) + ulong(packed % p.seqlen_q) * p.q.seq, col0,
+            r < live ? p.head_dim : 0, scalar);
+        FA_UNROLL
+        for (uint e = 0; e < L::E; ++e) {
+            qs[r][e] = slice_element<T>(s, e);
+            o[r][e] = 0.0f;
+        }
+    }
+    // The (key slot, row) this lane scores: value n * RI + r of the reduce-scatter.
+    const uint own_v = decode_value<M>(lane);
+    const uint own_n = own_v / RI;
+    const uint own_r = own_v % RI;
+    const bool own_live = own_r < live;
+    const uint own_packed = rows.first + (own_live ? own_r : 0);
+    const uint own_row = own_live ? own_packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
+    const RowModifiers mods = row_modifiers(p, alibi, b, packed_head(p, rows, kv_head, own_packed), own_row);
+    float m = -INFINITY;  // the sink joins once, in the combine
+    float l = 0.0f;
+
+    // Slot n walks keys key_begin + sgid + n * FA_SIMDGROUPS, stepping FA_SIMDGROUPS * N.
+    typedef decltype(decode_rows(kv, p, b, kv_head, key_begin, col0, 0)) Rows;
+    Rows kvr[N];
+    FA_UNROLL
+    for (uint n = 0; n < N; ++n) {
+        kvr[n] = decode_rows(kv, p, b, kv_head, key_begin + sgid + n * FA_SIMDGROUPS, col0, N * FA_SIMDGROUPS);
+    }
+    for (uint j = key_begin + sgid; j < key_end; j += N * FA_SIMDGROUPS) {
+        float kf[N][L::E];
+        float vf[N][L::E];
+        FA_UNROLL
+        for (uint n = 0; n < N; ++n) {
+            if (j + n * FA_SIMDGROUPS < key_end) {  // the same for the whole SIMD-group
+                kvr[n].template load<DP>(p, lane, scalar, kf[n], vf[n]);
+            } else {
+                FA_UNROLL
+                for (uint e = 0; e < L::E; ++e) {
+                    kf[n][e] = 0.0f;
+                    vf[n][e] = 0.0f;
+                }
+            }
+            kvr[n].next();
+        }
+        float dot[M];
+        FA_UNROLL
+        for (uint n = 0; n < N; ++n) {
+            FA_UNROLL
+            for (uint r = 0; r < RI; ++r) {
+                float d = 0.0f;
+                FA_UNROLL
+                for (uint e = 0; e < L::E; ++e) {
+                    d = fma(qs[r][e], kf[n][e], d);
+                }
+                dot[n * RI + r] = d;
+            }
+        }
+        const float raw = reduce_scatter<M>(dot, lane);
+
+        // The online softmax of the lane's (key, row), once per iteration for the N keys: the
+        // row's max over them (its other keys' lanes differ in the top bits), one correction.
+        const uint key = j + own_n * FA_SIMDGROUPS;
+        float s = -INFINITY;
+        if (own_live && key < key_end) {
+            float t;
+            s = score<T>(p, mask, raw, own_row, key, mods, in_window(mods.keys, key), t);
+        }
+        float top = s;
+        FA_UNROLL
+        for (uint n = 1; n < N; n *= 2) {
+            top = max(top, simd_shuffle_xor(top, decode_owner<M>(n * RI)));
+        }
+        const float m_next = max(m, top);
+        // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0
+        // (softmax_shift: +inf gives l +inf, not NaN).
+        const float m_base = softmax_shift(m_next);
+        const float correction = exp_of(m - m_base);
+        const float pe = exp_of(s - m_base);
+        float pe_sum = pe;
+        FA_UNROLL
+        for (uint n = 1; n < N; n *= 2) {
+            pe_sum += simd_shuffle_xor(pe_sum, decode_owner<M>(n * RI));
+        }
+        l = fma(l, correction, pe_sum);
+        m = m_next;
+
+        // Every lane's output slice of each row: rescaled once, then each key's weight from the
+        // lane that holds it.
+        FA_UNROLL
+        for (uint r = 0; r < RI; ++r) {
+            const float c = simd_shuffle(correction, decode_owner<M>(r));
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                o[r][e] *= c;
+            }
+            FA_UNROLL
+            for (uint n = 0; n < N; ++n) {
+                const float w = simd_shuffle(pe, decode_owner<M>(n * RI + r));
+                FA_UNROLL
+                for (uint e = 0; e < L::E; ++e) {
+                    o[r][e] = fma(w, vf[n][e], o[r][e]);
+                }
+            }
+        }
+    }
+
+    FA_UNROLL
+    for (uint r = 0; r < RI; ++r) {
+        if (lane < L::LANES) {
+            FA_UNROLL
+            for (uint e = 0; e < L::E; ++e) {
+                tg->o[sgid][r][col0 + e] = o[r][e];
+            }
+        }
+    }
+    if (lane == decode_owner<M>(own_r)) {  // slot 0's lowest lane of each row
+        tg->m[sgid][own_r] = m;
+        tg->l[sgid][own_r] = l;
+    }
+}
 
 // One chunk of keys for one block of FA_DECODE_ROWS(DP) packed rows: threadgroups (row blocks x
 // chunks, KV heads, batch), x = chunk * row_blocks + row block, as the split-KV forward. Writes the
@@ -2745,86 +3069,20 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
     const uint chunk = x / row_blocks;
     const PackedRows rows = packed_rows<R>(p, x % row_blocks);
     const uint live = min(R, rows.count - rows.first);  // rows of the block that exist
-    const uint col0 = lane * L::E;
-    const bool scalar = p.scalar_copies != 0;
-
-    float qs[R][L::E];
-    float o[R][L::E];
-    float m[R];
-    float l[R];
-    uint row[R];
-    RowModifiers mods[R];
-    FA_UNROLL
-    for (uint r = 0; r < R; ++r) {
-        const uint packed = rows.first + (r < live ? r : 0);
-        const uint h = packed_head(p, rows, kv_head, packed);
-        row[r] = r < live ? packed % p.seqlen_q : p.seqlen_q;  // seqlen_q sees no key
-        mods[r] = row_modifiers(p, alibi, b, h, row[r]);
-        const DecodeSlice<L::WORDS> s = load_slice<T, DP>(
-            q + head_offset(p.q, b, h) + ulong(packed % p.seqlen_q) * p.q.seq, col0,
-            r < live ? p.head_dim : 0, scalar);
-        FA_UNROLL
-        for (uint e = 0; e < L::E; ++e) {
-            qs[r][e] = slice_element<T>(s, e);
-            o[r][e] = 0.0f;
-        }
-        m[r] = -INFINITY;  // the sink joins once, in the combine
-        l[r] = 0.0f;
-    }
 
     // The chunk's keys that some row of the block sees through the window.
     const uint chunk_begin = chunk * p.kv_chunk_keys;
     const uint key_begin = max(chunk_begin, key_range(p, rows.i_min).first);
     const uint key_end = min(chunk_begin + p.kv_chunk_keys, key_range(p, rows.i_max).end);
-    auto kvr = decode_rows(kv, p, b, kv_head, key_begin + sgid, col0);
-    for (uint j = key_begin + sgid; j < key_end; j += FA_SIMDGROUPS) {
-        float kf[L::E];
-        float vf[L::E];
-        kvr.template load<DP>(p, lane, scalar, kf, vf);
-        kvr.next();
-        float dot[R];
-        FA_UNROLL
-        for (uint r = 0; r < R; ++r) {
-            dot[r] = 0.0f;
-            FA_UNROLL
-            for (uint e = 0; e < L::E; ++e) {
-                dot[r] = fma(qs[r][e], kf[e], dot[r]);
-            }
-        }
-        simd_sum_rows<R>(dot);
-        FA_UNROLL
-        for (uint r = 0; r < R; ++r) {
-            if (r < live) {  // the same for the whole SIMD-group
-                float t;
-                const float s = score<T>(p, mask, dot[r], row[r], j, mods[r], in_window(mods[r].keys, j), t);
-                const float m_next = max(m[r], s);
-                // While a row has seen no key, m_next is -inf: subtracting 0 keeps exp at 0
-                // (softmax_shift: +inf gives l +inf, not NaN).
-                const float m_base = softmax_shift(m_next);
-                const float correction = exp_of(m[r] - m_base);
-                const float pe = exp_of(s - m_base);
-                l[r] = fma(l[r], correction, pe);
-                FA_UNROLL
-                for (uint e = 0; e < L::E; ++e) {
-                    o[r][e] = fma(o[r][e], correction, pe * vf[e]);
-                }
-                m[r] = m_next;
-            }
-        }
-    }
-
-    FA_UNROLL
-    for (uint r = 0; r < R; ++r) {
-        if (lane < L::LANES) {
-            FA_UNROLL
-            for (uint e = 0; e < L::E; ++e) {
-                tg->o[sgid][r][col0 + e] = o[r][e];
-            }
-        }
-        if (lane == 0) {
-            tg->m[sgid][r] = m[r];
-            tg->l[sgid][r] = l[r];
-        }
+    // The instance sized to the live rows (the same for the whole threadgroup).
+    if (live <= 1) {
+        decode_block<DP, 1>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid, lane);
+    } else if (live <= 2) {
+        decode_block<DP, 2>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid, lane);
+    } else if (live <= 4) {
+        decode_block<DP, 4>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid, lane);
+    } else {
+        decode_block<DP, R>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid, lane);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint e = sgid * 32 + lane; e < R * DP; e += FA_THREADS_PER_THREADGROUP) {
@@ -3204,11 +3462,17 @@ inline void load_tile(Tile tile, thread CacheStream<T, ROWS, DP> &s, uint first,
 // The E * BITS bits of elements [col, col + E) of a packed row (col a multiple of E) as float,
 // w = scale * q + bias: loaded once, in one load of 1, 2 or 4 bytes or in whole words (rows are
 // only word-aligned), and unpacked in registers. At E = 1 and 4 bits two lanes share a byte:
-// each loads it and takes its half.
+// each loads it and takes its half. No integer-to-float convert (MLX's quantized matvec uses the
+// same bits, ml-explore/mlx kernels/quantized.h, facts only): q in a half's low mantissa bits
+// under the exponent of 1024 (0x6400) is the half 1024 + q, and one half2 subtraction of 1024
+// gives q exactly for two elements (a whole word yields two per mask, those 16 bits apart), so
+// w is the same fma(scale, q, bias) as with a convert.
 template <uint E, uint BITS>
 inline void kv_dequantize(device const uint *words, uint col, float scale, float bias, thread float *x) {
     constexpr uint TOTAL = E * BITS;
     constexpr uint WORDS = (TOTAL + 31) / 32;
+    constexpr uint MASK = (1u << BITS) - 1u;
+    constexpr uint PER_HALF = 16 / BITS;  // elements per 16 bits of a word
     uint w[WORDS];
     if (TOTAL >= 32) {
         FA_DEVICE_READ(words + col * BITS / 32, TOTAL / 8);
@@ -3216,7 +3480,20 @@ inline void kv_dequantize(device const uint *words, uint col, float scale, float
         for (uint i = 0; i < WORDS; ++i) {
             w[i] = words[col * BITS / 32 + i];
         }
-    } else if (TOTAL == 16) {
+        FA_UNROLL
+        for (uint i = 0; i < WORDS; ++i) {
+            FA_UNROLL
+            for (uint e = 0; e < PER_HALF; ++e) {
+                // Elements e and e + PER_HALF of word i.
+                const half2 q = as_type<half2>(((w[i] >> (e * BITS)) & (MASK | MASK << 16)) | 0x64006400u) -
+                                half2(half(1024.0f));
+                x[i * 2 * PER_HALF + e] = fma(scale, float(q.x), bias);
+                x[i * 2 * PER_HALF + e + PER_HALF] = fma(scale, float(q.y), bias);
+            }
+        }
+        return;
+    }
+    if (TOTAL == 16) {
         device const ushort *halves = (device const ushort *)words + col * BITS / 16;
         FA_DEVICE_READ(halves, 2);
         w[0] = halves[0];
@@ -3227,15 +3504,15 @@ inline void kv_dequantize(device const uint *words, uint col, float scale, float
     }
     FA_UNROLL
     for (uint e = 0; e < E; ++e) {
-        const uint q = (w[e * BITS / 32] >> (e * BITS % 32)) & ((1u << BITS) - 1u);
-        x[e] = scale * float(q) + bias;
+        const half q = as_type<half>(ushort(((w[0] >> (e * BITS)) & MASK) | 0x6400u)) - half(1024.0f);
+        x[e] = fma(scale, float(q), bias);
     }
 }
 
 // The decode kernel's rows of a cache (DeviceDecodeRows in flash_attention_decode.h has the
-// contract): the SIMD-group's keys first, first + FA_SIMDGROUPS, ... The key's block is found once
-// for K and V and the table read only when a key enters another block: the row within the block
-// advances by FA_SIMDGROUPS and wraps by subtraction, so the key loop divides nothing. A quantized
+// contract): a key slot's keys first, first + step, ... The key's block is found once for K and V
+// and the table read only when a key enters another block: the row within the block advances by
+// the step and wraps by subtraction, so the key loop divides nothing. A quantized
 // row's scales and biases are loaded once per (row, group), by lane g for group g, and handed to
 // the lanes of the group by one shuffle.
 template <typename T>
@@ -3251,6 +3528,11 @@ struct CacheDecodeRows {
     uint k_groups;      // quantized: groups of a K row and of a V row
     uint v_groups;
     ushort group_lane;  // the lane that loads the scale and bias of this lane's group
+    uint step;          // keys from one of the slot's keys to its next
+    ulong k_step;       // step rows of k, v and their scales (within a block)
+    ulong v_step;
+    ulong k_scale_step;
+    ulong v_scale_step;
 
     // The rows of (block, r): a table read and the multiplies, once per block.
     inline void locate() {
@@ -3317,7 +3599,7 @@ struct CacheDecodeRows {
     }
 
     inline void next() {
-        r += FA_SIMDGROUPS;
+        r += step;
         if (k.page_rows != 0 && r >= k.page_rows) {
             while (r >= k.page_rows) {
                 r -= k.page_rows;
@@ -3326,10 +3608,10 @@ struct CacheDecodeRows {
             locate();
             return;
         }
-        k_row += ulong(FA_SIMDGROUPS) * k.row_stride;
-        v_row += ulong(FA_SIMDGROUPS) * v.row_stride;
-        k_scale_row += ulong(FA_SIMDGROUPS) * k.scale_row_stride;
-        v_scale_row += ulong(FA_SIMDGROUPS) * v.scale_row_stride;
+        k_row += k_step;
+        v_row += v_step;
+        k_scale_row += k_scale_step;
+        v_scale_row += v_scale_step;
     }
 };
 
@@ -3361,11 +3643,11 @@ struct CacheKV {
     }
 };
 
-// The decode kernel's rows of batch element b's KV head from key `first`, for the lane whose
-// slice starts at column col0.
+// The decode kernel's rows of batch element b's KV head from key `first` by `step`, for the lane
+// whose slice starts at column col0.
 template <typename T>
 inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionParams &p, uint b,
-                                      uint kv_head, uint first, uint col0) {
+                                      uint kv_head, uint first, uint col0, uint step) {
     CacheDecodeRows<T> r;
     r.k = kv_cache_head(p, kv.k, kv.k_scales, kv.k_biases, kv.table, p.k, b, kv_head, p.head_dim);
     r.v = kv_cache_head(p, kv.v, kv.v_scales, kv.v_biases, kv.table, p.v, b, kv_head, p.head_dim_v);
@@ -3374,6 +3656,11 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
     r.k_groups = p.head_dim / r.k.group_size;
     r.v_groups = p.head_dim_v / r.v.group_size;
     r.group_lane = ushort(col0 / r.k.group_size);
+    r.step = step;
+    r.k_step = ulong(step) * r.k.row_stride;
+    r.v_step = ulong(step) * r.v.row_stride;
+    r.k_scale_step = ulong(step) * r.k.scale_row_stride;
+    r.v_scale_step = ulong(step) * r.v.scale_row_stride;
     r.locate();
     return r;
 }
@@ -3498,6 +3785,7 @@ inline void varlen_sequences(device const int *cu_q, device const int *cu_k,
         s.seq_q0 = q0;
         s.seq_k0 = k0;
         s.lse_rows = p.seqlen_q;
+        s.dropout_stream0 = p.dropout_stream0 + b * p.dropout_heads;
     }
 }
 

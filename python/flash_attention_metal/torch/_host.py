@@ -44,22 +44,23 @@ def _pointers(ffi, call, roles):
     return [ffi.cast("float *" if role == "lse" else "void *", call.tensors[role].data_ptr()) for role in roles]
 
 
-def forward(q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd):
-    """(out, lse) of fa_forward; arguments as the forward operator's (``window`` None or a pair)."""
+def forward(q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd, dropout=None):
+    """(out, lse) of fa_forward; arguments as the forward operator's (``window`` None or a pair,
+    ``dropout`` None or (dropout_p, seed, offset))."""
     _check_data(attn_mask, alibi_slopes)
     ctx = context()
     out, lse, call = forward_call(ctx._native, q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd,
-                                  torch.Tensor.data_ptr)
+                                  torch.Tensor.data_ptr, dropout)
     ctx._call("fa_forward", call.problem, *_pointers(ctx._native.ffi, call, ("q", "k", "v", "out", "lse")))
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd):
+def backward(dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd, dropout=None):
     """(dq, dk, dv) of fa_backward; arguments as the backward operator's."""
     _check_data(attn_mask, alibi_slopes)
     ctx = context()
     grads, call = backward_call(ctx._native, dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal, window,
-                                softcap, bshd, torch.Tensor.data_ptr)
+                                softcap, bshd, torch.Tensor.data_ptr, dropout)
     roles = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
     ctx._call("fa_backward", call.problem, *_pointers(ctx._native.ffi, call, roles))
     return grads

@@ -14,15 +14,29 @@ import numbers
 import torch
 
 from .. import _validation
+from .. import dropout as dropout_module
 from . import _ops
-from ._tensors import DTYPES
+from ._tensors import DTYPES, as_numpy
 
 
-def _check_dropout(dropout_p) -> None:
+def _check_dropout(dropout_p) -> float:
+    """dropout_p as a float, checked: a real number in [0, 1)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
-    if dropout_p != 0:
-        raise NotImplementedError(f"dropout_p={dropout_p}: attention dropout is not implemented; pass dropout_p=0.0")
+    if not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be at least 0 and below 1, got {dropout_p}")
+    return float(dropout_p)
+
+
+def draw_dropout(dropout_p: float, device: torch.device) -> tuple[float, int, int]:
+    """(dropout_p, seed, offset) of one call: with dropout_p > 0 the seed and the Philox counter
+    base are drawn from the default generator of ``device`` (so ``torch.manual_seed`` reproduces a
+    mask), each in [0, 2**63); the autograd formula saves them for the backward, which regenerates
+    the same mask. (0.0, 0, 0) without dropout (nothing drawn)."""
+    if dropout_p == 0.0:
+        return 0.0, 0, 0
+    seed, offset = torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=device).tolist()
+    return dropout_p, seed, offset
 
 
 def _autocast(*tensors):
@@ -87,9 +101,11 @@ def _check_alibi(alibi_slopes, q: torch.Tensor, batch: int, heads: int):
     return alibi_slopes
 
 
-def _forward(q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd) -> torch.Tensor:
+def _forward(q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd, dropout_p=0.0):
+    """(out, lse) of the forward operator, dropout's seed and offset drawn here."""
     left, right = window if window is not None else (-1, -1)
-    return _ops.forward(q, k, v, attn_mask, alibi_slopes, scale, causal, left, right, softcap, bshd)[0]
+    return _ops.forward(q, k, v, attn_mask, alibi_slopes, scale, causal, left, right, softcap, bshd,
+                        *draw_dropout(dropout_p, q.device))
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -101,7 +117,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         q: (batch_size, seqlen_q, nheads, headdim); float16, bfloat16 or float32; CPU or MPS.
         k: (batch_size, seqlen_k, nheads_k, headdim); nheads % nheads_k == 0 (MQA/GQA).
         v: (batch_size, seqlen_k, nheads_k, headdim_v) (headdim_v may differ from headdim).
-        dropout_p: must be 0.0 (dropout is not implemented).
+        dropout_p: attention dropout in [0, 1) (FlashAttention's: each probability dropped after the
+            softmax, the kept ones scaled by 1 / (1 - dropout_p); lse of the undropped scores). The
+            mask's seed and Philox offset are drawn from the default generator of q's device
+            (``torch.manual_seed`` reproduces it) and saved for the backward, which regenerates
+            the mask (flash_attention_metal.philox.dropout_keep gives it). Pass 0.0 in evaluation.
         softmax_scale: the scaling of q k^T before the softmax; None means 1 / sqrt(headdim).
         causal: bottom-right aligned causal mask (FlashAttention >= 2.1): query i sees key j iff
             j <= i + seqlen_k - seqlen_q.
@@ -112,22 +132,30 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             -slope * |i + seqlen_k - seqlen_q - j| on the scaled scores; no gradient.
         deterministic: a bool, accepted either way: the backward is always deterministic (no
             atomics).
-        return_attn_probs: must be False (not implemented).
+        return_attn_probs: False returns out; True FlashAttention's tuple (out, softmax_lse,
+            S_dmask) (for testing only): softmax_lse float32 (batch_size, nheads, seqlen_q), the
+            natural log of the softmax denominator (-inf for a row without keys; no gradient);
+            S_dmask at dropout_p 0 FlashAttention's placeholder, an empty tensor of q's dtype and
+            shape (0,); at dropout_p > 0 (batch_size, nheads, seqlen_q, seqlen_k) in q's dtype,
+            exp(scaled score - the row's max over its visible keys) per element, negated where the
+            element was dropped and 0 where it is masked (computed on the host from q, k and the
+            call's mask bits, ``flash_attention_metal.dropout.s_dmask``; no gradient).
 
     Returns:
         out (batch_size, seqlen_q, nheads, headdim_v) in q's dtype, contiguous. Rows that see no
-        key are 0. Differentiable with respect to q, k and v (the library's fused backward).
+        key are 0. Differentiable with respect to q, k and v (the library's fused backward); with
+        return_attn_probs the tuple above.
 
     Raises:
-        TypeError, ValueError: invalid arguments, named.
-        NotImplementedError: dropout_p != 0, return_attn_probs, alibi_slopes that require grad.
+        TypeError, ValueError: invalid arguments, named (dropout_p outside [0, 1): ValueError).
+        NotImplementedError: alibi_slopes that require grad.
         FlashAttentionError: the library reported an error.
     """
-    _check_dropout(dropout_p)
+    dropout_p = _check_dropout(dropout_p)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    if return_attn_probs:
-        raise NotImplementedError("return_attn_probs=True: the attention probabilities are never formed; pass False")
+    if not isinstance(return_attn_probs, bool):
+        raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
     q, k, v = _autocast(q, k, v)
     _check_tensors({"q": q, "k": k, "v": v}, 4, 4)
     batch, seqlen_q, heads, head_dim = q.shape
@@ -144,9 +172,24 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     softcap = _validation.check_softcap(softcap)
     scale = _validation.resolve_softmax_scale(softmax_scale, head_dim)
     alibi_slopes = _check_alibi(alibi_slopes, q, batch, heads)
-    out = _forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, alibi_slopes, scale, causal,
-                   window, softcap, True)
-    return out.transpose(1, 2)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    left, right = window if window is not None else (-1, -1)
+    dropout = draw_dropout(dropout_p, q.device)
+    out, lse = _ops.forward(qt, kt, vt, None, alibi_slopes, scale, causal, left, right, softcap, True, *dropout)
+    if not return_attn_probs:
+        return out.transpose(1, 2)
+    return out.transpose(1, 2), lse, _s_dmask(qt, kt, alibi_slopes, scale, causal, window, softcap, dropout)
+
+
+def _s_dmask(q, k, alibi_slopes, scale, causal, window, softcap, dropout) -> torch.Tensor:
+    """FlashAttention's S_dmask of (B, H, S, D) q and k (``flash_attn_func``'s return_attn_probs)."""
+    if dropout[0] == 0.0:
+        return q.new_empty((0,))
+    slopes = None if alibi_slopes is None else alibi_slopes.detach().cpu().numpy()
+    mask = dropout_module.s_dmask(as_numpy(q.detach().cpu()), as_numpy(k.detach().cpu()), dropout, causal=causal,
+                                  softmax_scale=scale, window_size=window or (-1, -1), softcap=softcap,
+                                  alibi_slopes=slopes)
+    return torch.from_numpy(mask).to(dtype=q.dtype, device=q.device)
 
 
 def _mask(attn_mask, query: torch.Tensor, target: tuple) -> torch.Tensor | None:
@@ -188,13 +231,14 @@ def _heads(query, key, value, enable_gqa: bool) -> int:
 
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap) -> torch.Tensor:
     """scaled_dot_product_attention with the library's softcap (Hugging Face's Gemma 2 path)."""
-    _check_dropout(dropout_p)
+    dropout_p = _check_dropout(dropout_p)
     query, key, value = _autocast(query, key, value)
     if _empty((query, key, value)):
         # Nothing to compute (batch, heads or a sequence of 0): PyTorch's own result, empty or,
         # without keys, zeros, with its checks and autograd.
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
-                                                                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+                                                                dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                                                                enable_gqa=enable_gqa)
     _check_tensors({"query": query, "key": key, "value": value}, 3, 64)
     if not query.dim() == key.dim() == value.dim():
         raise ValueError(f"query, key and value must have one number of dimensions, got {query.dim()}, {key.dim()} "
@@ -236,7 +280,7 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         else:
             causal = True
     bshd = query.stride(1) < query.stride(2)
-    out = _forward(query, key, value, mask, None, scale, causal, window, softcap, bshd)
+    out = _forward(query, key, value, mask, None, scale, causal, window, softcap, bshd, dropout_p)[0]
     out = out.reshape(*leading, heads, seqlen_q, value.shape[-1])
     return out.squeeze(-3) if three_d else out
 
@@ -254,7 +298,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         attn_mask: None; bool (True = take part in attention) or floating point (added to the
             scores; a dtype other than query's or float32 is converted to float32), broadcastable to
             (N, ..., Hq, L, S); never expanded in memory; no gradient.
-        dropout_p: must be 0.0.
+        dropout_p: attention dropout in [0, 1), as ``flash_attn_func``'s (seed and offset drawn from
+            the default generator of query's device and saved for the backward).
         is_causal: PyTorch's causal mask, aligned top-left (torch.tril): query i sees key j iff
             j <= i, whatever L and S. Combined with attn_mask when both are given.
         scale: None means 1 / sqrt(E).
@@ -268,7 +313,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Raises:
         TypeError, ValueError: invalid arguments, named.
-        NotImplementedError: dropout_p != 0, or an attn_mask that requires grad.
+        NotImplementedError: an attn_mask that requires grad.
         FlashAttentionError: the library reported an error.
     """
     return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, 0.0)

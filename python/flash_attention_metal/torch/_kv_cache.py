@@ -39,16 +39,20 @@ def kvcache_forward(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scales: Optio
                     k: Optional[Tensor], v: Optional[Tensor], cache_seqlens: Tensor, block_table: Optional[Tensor],
                     cache_batch_idx: Optional[Tensor], alibi_slopes: Optional[Tensor], sinks: Optional[Tensor],
                     softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-                    group_size: int, bits: int, bhsd: bool) -> tuple[Tensor, Tensor]:
-    """(out, lse) of ``kv_cache.flash_attn_with_kvcache`` (bits 0: plain caches), k and v appended
-    into the caches in place first."""
+                    group_size: int, bits: int, bhsd: bool, rotary_cos: Optional[Tensor] = None,
+                    rotary_sin: Optional[Tensor] = None, rotary_interleaved: bool = True,
+                    cache_leftpad: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(out, lse) of ``kv_cache.flash_attn_with_kvcache`` (bits 0: plain caches), q and k rotated
+    and k and v appended into the caches in place first."""
     out, lse = kv_cache.flash_attn_with_kvcache(
         as_numpy(q), _cache(k_cache, k_scales, k_biases), _cache(v_cache, v_scales, v_biases), _optional(k),
         _optional(v), cache_seqlens=as_numpy(cache_seqlens), block_table=_optional(block_table),
         cache_batch_idx=_optional(cache_batch_idx), softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=_optional(alibi_slopes),
         sinks=_optional(sinks), return_softmax_lse=True, group_size=group_size, bits=bits or None,
-        layout="bhsd" if bhsd else "bshd", context=_host.context())
+        layout="bhsd" if bhsd else "bshd", context=_host.context(), rotary_cos=_optional(rotary_cos),
+        rotary_sin=_optional(rotary_sin), rotary_interleaved=rotary_interleaved,
+        cache_leftpad=_optional(cache_leftpad))
     return from_numpy(out), torch.from_numpy(lse)
 
 
@@ -59,7 +63,8 @@ def _head_dim_v(v_cache: Tensor, v_scales: Optional[Tensor], bits: int) -> int:
 @kvcache_forward.register_fake
 def _forward_fake(q, k_cache, v_cache, k_scales, k_biases, v_scales, v_biases, k, v, cache_seqlens, block_table,
                   cache_batch_idx, alibi_slopes, sinks, softmax_scale, causal, window_left, window_right, softcap,
-                  group_size, bits, bhsd):
+                  group_size, bits, bhsd, rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                  cache_leftpad=None):
     # The NumPy layer returns out contiguous in the call's layout and lse (B, H, Sq) contiguous.
     return q.new_empty(q.shape[:3] + (_head_dim_v(v_cache, v_scales, bits),)), \
         q.new_empty((q.shape[0], q.shape[1 if bhsd else 2], q.shape[2 if bhsd else 1]), dtype=torch.float32)
@@ -118,23 +123,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             softcap, alibi_slopes (float32 (nheads,) or (batch, nheads)), sinks (float32 (nheads,)):
             as ``flash_attn_func``.
         return_softmax_lse: also return lse, float32 (batch, nheads, seqlen_q).
-        rotary_cos, rotary_sin, rotary_interleaved, cache_leftpad, num_splits: FlashAttention's; any
-            value but the default raises NotImplementedError naming it.
+        rotary_cos, rotary_sin: None, or both (seqlen_ro, rotary_dim / 2) in q's dtype (any even
+            rotary_dim <= headdim): q and k rotated before the append, k's row j at position
+            cache_seqlens[b] + j, q's row i at cache_seqlens[b] + i when causal or local, else at
+            cache_seqlens[b] (FlashAttention's rule); needs k and v.
+        rotary_interleaved: True: GPT-J pairs (2i, 2i + 1); False: GPT-NeoX (i, i + rotary_dim / 2).
+        cache_leftpad: None or int32 (batch,): the first cache row attended per sequence
+            (contiguous caches only).
+        num_splits: an int; FlashAttention's hint, accepted and ignored.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v) ((batch, nheads, seqlen_q, headdim_v) for "bhsd")
         in q's dtype, contiguous; with return_softmax_lse, (out, lse).
 
     Raises:
-        TypeError, ValueError: invalid arguments, named, before any cache is written.
-        NotImplementedError: an unsupported FlashAttention argument, tensors not on the CPU, or a
-        tensor that requires grad (there is no backward).
+        TypeError, ValueError: invalid arguments, named, before any cache is written;
+        flash_attention_metal.errors.CapacityError (a ValueError and a RuntimeError):
+        cache_seqlens + seqlen_new beyond the capacity.
+        NotImplementedError: tensors not on the CPU, or a tensor that requires grad (there is no
+        backward).
         FlashAttentionError: the library reported an error.
     """
-    kv_cache.check_unsupported({"rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "cache_leftpad": cache_leftpad,
-                                "rotary_interleaved": rotary_interleaved, "num_splits": num_splits})
+    kv_cache.check_num_splits(num_splits)
     named = {"q": q, "k": k, "v": v, "block_table": block_table, "cache_batch_idx": cache_batch_idx,
-             "alibi_slopes": alibi_slopes, "sinks": sinks}
+             "alibi_slopes": alibi_slopes, "sinks": sinks, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
+             "cache_leftpad": cache_leftpad}
     for name, t in named.items():
         if t is None:
             continue
@@ -158,11 +171,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = torch.full((batch,), int(cache_seqlens), dtype=torch.int32)
     _check_tensor("cache_seqlens", cache_seqlens)
-    for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table), ("cache_batch_idx", cache_batch_idx)):
+    for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table), ("cache_batch_idx", cache_batch_idx),
+                    ("cache_leftpad", cache_leftpad)):
         check_index(name, t)
     scale = _validation.resolve_softmax_scale(softmax_scale, q.shape[3])
-    left, right = window_size
+    left, right = _validation.check_window_size(window_size) or (-1, -1)
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     out, lse = kvcache_forward(q, k_parts[0], v_parts[0], k_parts[1], k_parts[2], v_parts[1], v_parts[2], k, v,
                                cache_seqlens, block_table, cache_batch_idx, alibi_slopes, sinks, scale, bool(causal),
-                               int(left), int(right), float(softcap), int(group_size), int(bits or 0), bhsd)
+                               left, right, float(softcap), int(group_size), int(bits or 0), bhsd, rotary_cos,
+                               rotary_sin, rotary_interleaved, cache_leftpad)
     return (out, lse) if return_softmax_lse else out

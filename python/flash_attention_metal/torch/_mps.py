@@ -170,17 +170,17 @@ def _present(_tensor) -> int:
     return _PRESENT
 
 
-def forward(q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd):
+def forward(q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd, dropout=None):
     """(out, lse) of the forward plan; arguments as the forward operator's (``window`` None or a pair)."""
     out, lse, call = forward_call(native(), q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd,
-                                  _present)
+                                  _present, dropout)
     run(call.problem, "forward", call.tensors)
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd):
+def backward(dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd, dropout=None):
     """(dq, dk, dv) of the backward plan; arguments as the backward operator's."""
     grads, call = backward_call(native(), dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal, window,
-                                softcap, bshd, _present)
+                                softcap, bshd, _present, dropout)
     run(call.problem, "backward", call.tensors)
     return grads

@@ -123,7 +123,7 @@ class Call:
 
 
 def _call(library, q, k, v, tensors: dict, attn_mask, alibi_slopes, *, scale, causal, window, softcap,
-          address) -> Call:
+          address, dropout=None) -> Call:
     """The Call of (B, H, S, D) q, k, v with ``tensors`` (role -> tensor, lse included) and the
     options, every tensor but lse and the optional inputs put in ABI form here. ``address(t)`` is
     what the problem's pointer fields get for an optional input (its data_ptr() on the host, a
@@ -143,27 +143,30 @@ def _call(library, q, k, v, tensors: dict, attn_mask, alibi_slopes, *, scale, ca
         alibi = (address(slopes), slopes.dim() == 2)
     p = new_problem(library.ffi, library.lib, shape, causal, scale, dtype_name(q.dtype),
                     {role: strides for role, (_, strides) in views.items()})
-    set_score_fields(p, library.ffi, library.lib, window=window, softcap=softcap, mask=mask, alibi=alibi)
+    set_score_fields(p, library.ffi, library.lib, window=window, softcap=softcap, mask=mask, alibi=alibi,
+                     dropout=dropout)
     return Call(p, abi)
 
 
-def forward_call(library, q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd, address):
+def forward_call(library, q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd, address,
+                 dropout=None):
     """(out, lse, Call) of a forward pass: the outputs allocated (``new_output``; lse float32
     (B, H, S) contiguous) and the Call that writes them. Arguments as the forward operator's,
-    ``window`` None or a pair; ``address`` as for ``_call``."""
+    ``window`` None or a pair, ``dropout`` None or (dropout_p, seed, offset); ``address`` as for
+    ``_call``."""
     out = new_output(q.shape[:3] + (v.shape[3],), q.dtype, q.device, bshd)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     call = _call(library, q, k, v, {"q": q, "k": k, "v": v, "out": out, "lse": lse}, attn_mask, alibi_slopes,
-                 scale=scale, causal=causal, window=window, softcap=softcap, address=address)
+                 scale=scale, causal=causal, window=window, softcap=softcap, address=address, dropout=dropout)
     return out, lse, call
 
 
 def backward_call(library, dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal, window, softcap, bshd,
-                  address):
+                  address, dropout=None):
     """((dq, dk, dv), Call) of a backward pass, as ``forward_call``."""
     grads = tuple(new_output(t.shape, q.dtype, q.device, bshd) for t in (q, k, v))
     tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse, "dq": grads[0], "dk": grads[1],
                "dv": grads[2]}
     call = _call(library, q, k, v, tensors, attn_mask, alibi_slopes, scale=scale, causal=causal, window=window,
-                 softcap=softcap, address=address)
+                 softcap=softcap, address=address, dropout=dropout)
     return grads, call

@@ -66,6 +66,27 @@ def test_every_bucket_and_width(ctx, head_dim):
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True), f"d{head_dim}")
 
 
+# (head_dim, query heads per KV head, seqlen_q): packed rows 1, 2, 3, 4, 5 and 8 per KV head, each
+# taking the instance of 1, 2, 4 or FA_DECODE_ROWS rows that holds them (4 keys per iteration up to
+# 4 x E = 32 floats of rows, else 2; head_dim 64 with 8 rows reduce-scatters 32 values, all five
+# steps halving), rows of several heads and several query rows.
+LIVE_ROWS = [(128, 1, 1), (128, 2, 1), (128, 3, 1), (128, 1, 4), (128, 5, 1), (128, 4, 2), (64, 8, 1),
+             (256, 1, 1), (256, 2, 1), (256, 3, 1), (256, 2, 2)]
+
+
+@pytest.mark.parametrize("head_dim,group,seqlen_q", LIVE_ROWS, ids=[f"d{d}-g{g}x{n}" for d, g, n in LIVE_ROWS])
+def test_every_live_row_instance(ctx, head_dim, group, seqlen_q):
+    # Bottom-right causal with a window and ALiBi slopes per head (every row sees its own keys and
+    # modifiers), 333 keys (the last iteration's slots past the chunk's keys load nothing).
+    heads = 2 * group
+    q, k, v, _ = make_inputs(group * 10 + seqlen_q, 1, heads, 2, seqlen_q, 333, head_dim)
+    options = dict(causal=True, window_size=(200, 0), alibi_slopes=np.linspace(0.01, 0.3, heads, dtype=np.float32))
+    out, lse = _decode(ctx, q, k, v, **options)
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, **options), f"d{head_dim} {group}x{seqlen_q}")
+    again = ctx.forward(q, k, v, **options)
+    assert np.array_equal(out, again[0]) and np.array_equal(lse, again[1])
+
+
 def test_strided_and_unaligned_caches(ctx):
     # A preallocated cache read up to its fill (strided rows of the batch and head axes), and a
     # view one element into the head axis (rows off 16-byte boundaries: the element-load path).

@@ -155,7 +155,7 @@ def test_profile_names_the_specialisation_of_each_kernel(ctx):
     """The forward kernel is compiled for the call's features (docs/specialisation.md)."""
     q, k, v, _ = make_inputs(0, 1, *SHAPE[1:])
     ctx.forward(q, k, v)
-    off = {"fa_mask_type": 0, "fa_has_softcap": 0, "fa_has_alibi": 0, "fa_has_sinks": 0}
+    off = {"fa_mask_type": 0, "fa_has_softcap": 0, "fa_has_alibi": 0, "fa_has_sinks": 0, "fa_has_dropout": 0}
     assert ctx.last_profile.dispatches[0].specialization == off
     ctx.forward(q, k, v, softcap=30.0)
     assert ctx.last_profile.dispatches[0].specialization == {**off, "fa_has_softcap": 1}

@@ -53,7 +53,8 @@ def test_plan_invariants(name):
         assert len(dispatch.params) % 8 == 0
         values = {s.name: s.value for s in dispatch.specialization}
         assert dispatch.constants_prelude == prelude(values.get("fa_mask_type", 0), values.get("fa_has_softcap", 0),
-                                                     values.get("fa_has_alibi", 0), values.get("fa_has_sinks", 0))
+                                                     values.get("fa_has_alibi", 0), values.get("fa_has_sinks", 0),
+                                                     values.get("fa_has_dropout", 0))
         assert plan.specialized_source(dispatch) == dispatch.constants_prelude + plan.kernel_source()
         for binding in dispatch.bindings:
             assert binding.byte_offset + binding.byte_length <= sizes[binding.role]
@@ -66,7 +67,7 @@ def test_plan_invariants(name):
         assert usage["dsinks"] == "output" and usage["delta"] == "workspace" and usage["attn_mask"] == "input"
         assert made.dispatches[-1].kernel_name == "flash_attention_backward_dsinks"
         dq = next(d for d in made.dispatches if d.kernel_name.startswith("flash_attention_backward_dq_"))
-        expected = {"fa_mask_type": 1, "fa_has_softcap": 0, "fa_has_alibi": 1}
+        expected = {"fa_mask_type": 1, "fa_has_softcap": 0, "fa_has_alibi": 1, "fa_has_dropout": 0}
         assert {s.name: s.value for s in dq.specialization} == expected
         assert any(s.name == "fa_has_sinks" and s.value == 1 for d in made.dispatches for s in d.specialization)
         assert made.buffer("attn_mask").byte_count == 33 * 45 and made.buffer("sinks").byte_count == 4 * 4

@@ -29,7 +29,8 @@ check_address_spaces = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(check_address_spaces)
 
 
-def prelude(mask_type: int = 0, softcap: bool = False, alibi: bool = False, sinks: bool = False) -> str:
+def prelude(mask_type: int = 0, softcap: bool = False, alibi: bool = False, sinks: bool = False,
+            dropout: bool = False) -> str:
     """The text functionConstantPrelude (Specialization.swift) writes; SpecializationTests pins it."""
     def flag(on: bool) -> str:
         return "true" if on else "false"
@@ -37,7 +38,8 @@ def prelude(mask_type: int = 0, softcap: bool = False, alibi: bool = False, sink
             f"constant uint fa_mask_type = {mask_type};\n"
             f"constant bool fa_has_softcap = {flag(softcap)};\n"
             f"constant bool fa_has_alibi = {flag(alibi)};\n"
-            f"constant bool fa_has_sinks = {flag(sinks)};\n")
+            f"constant bool fa_has_sinks = {flag(sinks)};\n"
+            f"constant bool fa_has_dropout = {flag(dropout)};\n")
 
 
 def specialised_source(tmp_path: pathlib.Path, text: str) -> pathlib.Path:
@@ -71,7 +73,7 @@ def optimised_ir(clang: str, source: pathlib.Path) -> str:
 
 
 FUNCTION = re.compile(r"^define [^@]*@\"?([\w.$]+)\"?\(.*?^}", re.MULTILINE | re.DOTALL)
-CONSTANT = re.compile(r"@(fa_mask_type|fa_has_softcap|fa_has_alibi|fa_has_sinks)\b")
+CONSTANT = re.compile(r"@(fa_mask_type|fa_has_softcap|fa_has_alibi|fa_has_sinks|fa_has_dropout)\b")
 CALL = re.compile(r"\bcall [^@\n]*@\"?([\w.$]+)\"?\(")
 SUFFIX = re.compile(r"_(f16|bf16|f32)(_d\d+)?$")
 

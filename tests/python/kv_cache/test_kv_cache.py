@@ -130,6 +130,27 @@ def test_quantized_caches(ctx, bits, group_size, dtype):
            causal=True)
 
 
+@pytest.mark.parametrize("bits", [None, 8, 4], ids=["float16", "8-bit", "4-bit"])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_decode_instances_over_paged_and_quantized_caches(ctx, bits, group):
+    """The decode kernel's instances for 1, 3 (the 4-row instance) and 8 live rows over a paged
+    cache of pages of 16 rows (each key slot of a SIMD-group crosses pages on its own), float16 or
+    quantized, and the same rows contiguous."""
+    rng = np.random.default_rng(group * 10 + (bits or 0))
+    batch, kv_heads, head_dim, capacity = 2, 2, 128, 160
+    seqlens = np.int32([150, 77])
+    q = _rows(rng, (batch, 1, group * kv_heads, head_dim), np.float16)
+    k_cache, v_cache = (_rows(rng, (batch, capacity, kv_heads, head_dim), np.float16) for _ in range(2))
+    if bits:
+        k_cache, v_cache = (quantized.quantize(c, 64, bits) for c in (k_cache, v_cache))
+    label = f"{bits or 16}-bit g{group}"
+    _check(ctx, q, k_cache, v_cache, None, None, seqlens, f"{label} contiguous", bits=bits)
+    assert ctx.last_profile.dispatches[0].kernel == "flash_attention_forward_decode_kvcache_f16_d128"
+    (pk, pv), table = _paged(rng, [k_cache, v_cache], PAGE)
+    _check(ctx, q, pk, pv, None, None, seqlens, f"{label} paged", block_table=table, bits=bits)
+    assert ctx.last_profile.dispatches[0].kernel == "flash_attention_forward_decode_kvcache_f16_d128"
+
+
 @pytest.mark.parametrize("seqlen_q,kernel,page", [(1, "decode", 32), (12, "split", 32), (1, "decode", 3),
                                                   (12, "split", 5)])
 def test_split_decode_paged_quantized_bhsd(ctx, seqlen_q, kernel, page):
@@ -190,10 +211,18 @@ def test_errors_leave_the_cache_untouched():
     with pytest.raises(ValueError, match="needs bits"):
         fam.flash_attn_with_kvcache(q, quantized.quantize(k_cache, 64, 8), v_cache, cache_seqlens=1)
     assert np.array_equal(k_cache, before)
-    for name, value in [("rotary_cos", k_cache), ("rotary_sin", k_cache), ("rotary_interleaved", False),
-                        ("cache_leftpad", np.int32([0, 0])), ("num_splits", 2)]:
-        with pytest.raises(NotImplementedError, match=name):
-            fam.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1, **{name: value})
+    with pytest.raises(fam.CapacityError, match=r"cache_seqlens\[1\] = 32: .*block_table") as caught:
+        fam.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=np.int32([3, 32]),
+                                    block_table=np.int32([[0, 1], [2, 3]]))
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, RuntimeError)
+    with pytest.raises(ValueError, match=r"cache_leftpad\[1\] = 2: must lie in \[0, cache_seqlens\]"):
+        fam.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=1, cache_leftpad=np.int32([0, 2]))
+    with pytest.raises(ValueError, match="need k and v"):
+        fam.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1, rotary_cos=k_cache[0, :, 0],
+                                    rotary_sin=k_cache[0, :, 0])
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        fam.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=1, rotary=None)
+    assert np.array_equal(k_cache, before)
 
 
 def test_c_abi_rejects_a_wrong_table(ctx):

@@ -226,9 +226,10 @@ def _op_samples():
     qb, kb, vb = (_normal(g, t.shape, torch.bfloat16, bshd=True) for t in (q, k, v))
     qf = _normal(g, (1, 2, 5, 40), torch.float32)
     kf, vf = _normal(g, (1, 2, 70, 40), torch.float32), _normal(g, (1, 2, 70, 24), torch.float32)
-    return [(q, k, v, None, None, 0.25, True, -1, -1, 0.0, False),
-            (qb, kb, vb, mask, slopes, 0.3, False, 5, 2, 4.0, True),
-            (qf, kf, vf, torch.rand(5, 70, generator=g).expand(1, 2, 5, 70), None, 0.2, True, -1, -1, 0.0, False)]
+    return [(q, k, v, None, None, 0.25, True, -1, -1, 0.0, False, 0.0, 0, 0),
+            (qb, kb, vb, mask, slopes, 0.3, False, 5, 2, 4.0, True, 0.0, 0, 0),
+            (qf, kf, vf, torch.rand(5, 70, generator=g).expand(1, 2, 5, 70), None, 0.2, True, -1, -1, 0.0, False,
+             0.25, 2**62 + 5, 17)]
 
 
 @pytest.mark.parametrize("sample", range(3))
@@ -248,10 +249,10 @@ def _small():
 
 
 @pytest.mark.parametrize("call, error, rule", [
-    (lambda q, k, v: fat.flash_attn_func(q, k, v, dropout_p=0.1), NotImplementedError, "dropout_p=0.1"),
-    (lambda q, k, v: fat.flash_attn_func(q, k, v, return_attn_probs=True), NotImplementedError, "return_attn_probs"),
+    (lambda q, k, v: fat.flash_attn_func(q, k, v, dropout_p=1.0), ValueError, "dropout_p must be at least 0 and below 1"),
+    (lambda q, k, v: fat.flash_attn_func(q, k, v, return_attn_probs=1), TypeError, "return_attn_probs must be a bool"),
     (lambda q, k, v: fat.flash_attn_func(q, k, v, deterministic=None), TypeError, "deterministic must be a bool"),
-    (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, dropout_p=0.5), NotImplementedError, "dropout"),
+    (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, dropout_p=-0.5), ValueError, "dropout_p"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k.float(), v), TypeError, "key must have query's dtype"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q.double(), k, v), TypeError, "query must have dtype float16"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k.to("meta"), v), ValueError, "key is on meta"),

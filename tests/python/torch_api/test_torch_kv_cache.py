@@ -114,10 +114,17 @@ def test_refusals_leave_the_cache_untouched():
     with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 46"):
         flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([5, 46], dtype=torch.int32),
                                 block_table=table)
-    for name in ("rotary_cos", "cache_leftpad", "num_splits"):
-        with pytest.raises(NotImplementedError, match=name):
-            flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
-                                    **{name: 2 if name == "num_splits" else seqlens})
+    with pytest.raises(RuntimeError, match=r"cache_seqlens\[1\] = 46.*block_table"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([5, 46], dtype=torch.int32),
+                                block_table=table)
+    with pytest.raises(ValueError, match="cache_leftpad cannot be combined with block_table"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                cache_leftpad=seqlens)
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin must be given together"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                                rotary_cos=torch.ones(64, 8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="num_splits must be an int"):
+        flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, num_splits=1.0)
     with pytest.raises(NotImplementedError, match="q requires grad"):
         flash_attn_with_kvcache(q.clone().requires_grad_(), k_cache, v_cache, cache_seqlens=seqlens,
                                 block_table=table)
@@ -133,3 +140,31 @@ def test_empty_cache_backs_a_tensor_in_place():
     array = fam.empty_cache((7, PAGE, KV_HEADS, DIM), np.float16)
     cache = torch.from_numpy(array)
     assert cache.data_ptr() % fam.kv_cache.PAGE_BYTES == 0
+
+
+def test_rotary_and_leftpad_match_the_numpy_layer():
+    """rotary_cos/rotary_sin (both pairings), cache_leftpad, a tensor window_size and the hints
+    give the NumPy layer's bits (which tests/python/test_kv_cache_rotary.py judges), caches
+    included; opcheck covers the operator with the new arguments."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 3, HEADS, DIM, generator=gen).half()
+    k, v = (torch.randn(2, 3, KV_HEADS, DIM, generator=gen).half() for _ in range(2))
+    caches = [torch.randn(2, 32, KV_HEADS, DIM, generator=gen).half() for _ in range(2)]
+    angle = torch.rand(32, DIM // 4, generator=gen) * 6.283
+    cos, sin = angle.cos().half(), angle.sin().half()
+    seqlens, leftpad = torch.tensor([4, 20], dtype=torch.int32), torch.tensor([1, 7], dtype=torch.int32)
+    for interleaved in (True, False):
+        ours = [c.clone() for c in caches]
+        out = flash_attn_with_kvcache(q, *ours, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=seqlens,
+                                      cache_leftpad=leftpad, causal=True, window_size=torch.tensor([6, 0]),
+                                      rotary_interleaved=interleaved, num_splits=1)
+        theirs = [c.numpy().copy() for c in caches]
+        expected = fam.flash_attn_with_kvcache(q.numpy(), *theirs, k.numpy(), v.numpy(), rotary_cos=cos.numpy(),
+                                               rotary_sin=sin.numpy(), cache_seqlens=seqlens.numpy(),
+                                               cache_leftpad=leftpad.numpy(), causal=True, window_size=(6, 0),
+                                               rotary_interleaved=interleaved)
+        assert np.array_equal(out.numpy(), expected)
+        assert all(np.array_equal(a.numpy(), b) for a, b in zip(ours, theirs))
+    torch.library.opcheck(kvcache_forward, (q, *[c.clone() for c in caches], None, None, None, None, k, v, seqlens,
+                                            None, None, None, None, 0.125, True, -1, -1, 0.0, 64, 0, False, cos, sin,
+                                            False, leftpad))

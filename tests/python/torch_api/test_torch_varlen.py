@@ -53,14 +53,14 @@ def test_opcheck():
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(9, 2, 16, generator=gen, dtype=torch.float16)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    args = (q, q, q, cu, cu, 5, 5, None, 0.25, True, -1, -1, 0.0)
+    args = (q, q, q, cu, cu, 5, 5, None, 0.25, True, -1, -1, 0.0, 0.5, 3, 4)
     torch.library.opcheck(varlen_forward, args)
 
 
 def test_refusals():
     q = torch.zeros(4, 2, 8, dtype=torch.float16)
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, dropout_p=1.5)
     with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
         flash_attn_varlen_func(q, q, q, cu, torch.tensor([0, 3, 2, 4], dtype=torch.int32), 4, 4)

@@ -197,21 +197,23 @@ final class ExportedPlanTests: XCTestCase {
         let plan = try create(p, FA_PASS_FORWARD)
         defer { fa_plan_destroy(plan) }
         let got = specializations(plan, 0)
-        XCTAssertEqual(got.map(\.name), ["fa_mask_type", "fa_has_softcap", "fa_has_alibi", "fa_has_sinks"])
-        XCTAssertEqual(got.map(\.value), [UInt32(FA_MASK_BOOL), 1, 1, 0])
+        XCTAssertEqual(got.map(\.name), ["fa_mask_type", "fa_has_softcap", "fa_has_alibi", "fa_has_sinks",
+                                         "fa_has_dropout"])
+        XCTAssertEqual(got.map(\.value), [UInt32(FA_MASK_BOOL), 1, 1, 0, 0])
         XCTAssertEqual(String(cString: dispatch(plan, 0).constants_prelude), """
             #define FA_FUNCTION_CONSTANTS_PREDEFINED 1
             constant uint fa_mask_type = 1;
             constant bool fa_has_softcap = true;
             constant bool fa_has_alibi = true;
             constant bool fa_has_sinks = false;
+            constant bool fa_has_dropout = false;
 
             """)
         var s = fa_plan_specialization()
         s.struct_size = UInt32(MemoryLayout<fa_plan_specialization>.size)
-        XCTAssertEqual(fa_plan_get_specialization(plan, 0, 4, &s), FA_STATUS_INVALID_ARGUMENT)
+        XCTAssertEqual(fa_plan_get_specialization(plan, 0, 5, &s), FA_STATUS_INVALID_ARGUMENT)
         XCTAssertEqual(String(cString: fa_last_error_message()),
-                       "index (4) must be less than the dispatch's specialization_count (4)")
+                       "index (5) must be less than the dispatch's specialization_count (5)")
     }
 
     /// fa_plan_execute on the CPU engine writes exactly what fa_forward and fa_backward write.

@@ -138,6 +138,35 @@ final class PlanPiecesTests: XCTestCase {
         }
     }
 
+    /// Dropout in pieces: each piece's Philox stream starts at its first batch entry and query head
+    /// (`DropoutSpec.slice`), so the pieces draw the whole plan's mask and give its results bit for
+    /// bit; the problem is never split-KV, even where it would be without dropout.
+    func testPiecesWithDropoutGiveBitIdenticalResults() throws {
+        let options = AttentionOptions(dropout: AttentionDropout(p: 0.3, seed: 0xDEAD_BEEF_0123, offset: 1 << 40))
+        let p = try Problem.validate(AttentionShape(batch: 2, numHeads: 4, numKVHeads: 2, seqlenQ: 19, seqlenK: 23,
+                                                    headDim: 24),
+                                     causal: true, softmaxScale: nil, options: options)
+        var rng = Normal16(seed: 21)
+        let q = rng.next(BufferRole.q.elementCount(for: p)), k = rng.next(BufferRole.k.elementCount(for: p))
+        let v = rng.next(BufferRole.k.elementCount(for: p)), dout = rng.next(BufferRole.q.elementCount(for: p))
+        let reference = try forwardAndBackward(Context(backend: try CPUBackend()), p, q: q, k: k, v: v, dout: dout)
+        let undropped = try forwardAndBackward(Context(backend: try CPUBackend()),
+                                               try Problem.validate(AttentionShape(batch: 2, numHeads: 4, numKVHeads: 2,
+                                                                                   seqlenQ: 19, seqlenK: 23, headDim: 24),
+                                                                    causal: true, softmaxScale: nil),
+                                               q: q, k: k, v: v, dout: dout)
+        XCTAssertNotEqual(reference[0], undropped[0], "dropout changes out")
+        let unit = DispatchPlan.backward(p).flopsPerUnit
+        for budget in [DispatchPlan.forward(p).flopsPerUnit, unit, 2 * unit, 1] {
+            let split = Context(backend: try CPUBackend(flopsPerPiece: budget))
+            assertSame(try forwardAndBackward(split, p, q: q, k: k, v: v, dout: dout), reference, "budget \(budget)")
+        }
+        let decode = try Problem.validate(AttentionShape(batch: 1, numHeads: 2, numKVHeads: 1, seqlenQ: 2, seqlenK: 600,
+                                                         headDim: 16),
+                                          causal: true, softmaxScale: nil, options: options)
+        XCTAssertNil(decode.split, "dropout runs the dense forward")
+    }
+
     /// The split-KV forward (decode) in pieces keeps the whole problem's chunks of keys (a piece
     /// alone would choose more, and so another summation order), and its partial workspaces are cut
     /// per query head: bit for bit the whole plan's out and lse.

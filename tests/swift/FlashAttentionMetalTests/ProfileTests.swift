@@ -207,7 +207,7 @@ final class ProfileTests: XCTestCase {
         let specialization = withUnsafeBytes(of: record.specialization) {
             String(decoding: $0.prefix { $0 != 0 }, as: UTF8.self)
         }
-        XCTAssertEqual(specialization, "fa_mask_type=0 fa_has_softcap=0 fa_has_alibi=0 fa_has_sinks=0")
+        XCTAssertEqual(specialization, "fa_mask_type=0 fa_has_softcap=0 fa_has_alibi=0 fa_has_sinks=0 fa_has_dropout=0")
         let grid = plan.dispatches[0].threadgroupsPerGrid, threads = plan.dispatches[0].threadsPerThreadgroup
         XCTAssertTrue(record.threadgroups_per_grid == (grid.width, grid.height, grid.depth))
         XCTAssertTrue(record.threads_per_threadgroup == (threads.width, threads.height, threads.depth))

@@ -63,9 +63,10 @@ final class SpecializationTests: XCTestCase {
         let score = ["fa_mask_type", "fa_has_softcap", "fa_has_alibi"]
         for (prefix, names) in [("flash_attention_forward_split_", score), ("flash_attention_forward_decode_", score),
                                 ("flash_attention_forward_combine_", ["fa_has_sinks"]),
-                                ("flash_attention_forward_", score + ["fa_has_sinks"]),
+                                ("flash_attention_forward_", score + ["fa_has_sinks", "fa_has_dropout"]),
                                 ("flash_attention_backward_lse_residual_", score + ["fa_has_sinks"]),
-                                ("flash_attention_backward_dq_", score), ("flash_attention_backward_dkv_", score)]
+                                ("flash_attention_backward_dq_", score + ["fa_has_dropout"]),
+                                ("flash_attention_backward_dkv_", score + ["fa_has_dropout"])]
         where kernel.hasPrefix(prefix) {
             return names
         }
@@ -78,12 +79,13 @@ final class SpecializationTests: XCTestCase {
         case "fa_mask_type": return features.maskType
         case "fa_has_softcap": return features.softcap ? 1 : 0
         case "fa_has_alibi": return features.alibi ? 1 : 0
+        case "fa_has_dropout": return 0
         default: return features.sinks ? 1 : 0
         }
     }
 
     func testEachDispatchCarriesTheConstantsItsKernelReadsWithTheProblemsValues() throws {
-        let indices = ["fa_mask_type": 0, "fa_has_softcap": 1, "fa_has_alibi": 2, "fa_has_sinks": 3]
+        let indices = ["fa_mask_type": 0, "fa_has_softcap": 1, "fa_has_alibi": 2, "fa_has_sinks": 3, "fa_has_dropout": 4]
         for features in Self.grid {
             for shape in [Self.dense, Self.decode] {
                 let problem = try Problem.validate(shape, causal: true, softmaxScale: nil,
@@ -182,6 +184,7 @@ final class SpecializationTests: XCTestCase {
             constant bool fa_has_softcap = false;
             constant bool fa_has_alibi = false;
             constant bool fa_has_sinks = true;
+            constant bool fa_has_dropout = false;
 
             """)
         // A kernel without constants (merge) still gets every definition: the source compiles whole.

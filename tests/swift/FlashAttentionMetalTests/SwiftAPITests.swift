@@ -151,6 +151,30 @@ final class SwiftAPITests: XCTestCase {
                            .invalidArgument("alibi_slopes has 3 elements; the shape needs 2"))
         }
     }
+
+    /// Dropout through the Swift API: q = k = 0 makes P uniform (1/8) and v the identity over keys,
+    /// so out[i][j] = P_ij Z_ij; the kept pattern is the NumPy twin's
+    /// (philox.dropout_keep(0.5, 1, 2, 1, 1, 4, 8)), and the backward takes the same dropout.
+    func testDropoutAppliesThePhiloxMask() throws {
+        let attention = try FlashAttention(backend: .cpu)
+        let s = AttentionShape(batch: 1, numHeads: 1, seqlenQ: 4, seqlenK: 8, headDim: 8)
+        let q = [Float](repeating: 0, count: s.queryElementCount)
+        let k = [Float](repeating: 0, count: s.keyElementCount)
+        let v = (0..<64).map { $0 / 8 == $0 % 8 ? Float(1) : 0 }
+        let options = AttentionOptions(dropout: AttentionDropout(p: 0.5, seed: 1, offset: 2))
+        let (out, lse) = try attention.forward(q: q, k: k, v: v, shape: s, options: options)
+        let kept = ["01111000", "01000111", "10101011", "10010000"].joined().map { $0 == "1" ? Float(0.25) : 0 }
+        XCTAssertEqual(out, kept)
+        XCTAssertEqual(lse, try attention.forward(q: q, k: k, v: v, shape: s).lse, "lse is of the undropped scores")
+        let g = try attention.backward(dout: v.prefix(32).map { $0 }, q: q, k: k, v: v, out: out, lse: lse, shape: s,
+                                       options: options)
+        // dv[j][i] = P_ij Z_ij dout[i][i]: the transposed pattern.
+        for i in 0..<4 { for j in 0..<8 { XCTAssertEqual(g.dv[j * 8 + i], kept[i * 8 + j], "dv[\(j)][\(i)]") } }
+        XCTAssertThrowsError(try attention.forward(q: q, k: k, v: v, shape: s,
+                                                   options: AttentionOptions(dropout: AttentionDropout(p: 1, seed: 0)))) {
+            XCTAssertEqual($0 as? FlashAttentionError, .invalidArgument("dropout_p (1.0) must be at least 0 and below 1"))
+        }
+    }
 }
 
 private final class FailingBackend: ExecutionBackend {
