@@ -2,7 +2,8 @@
 # Builds and tests libFlashAttentionMetal. Safe to re-run.
 #   ./build.sh         the release library (.build/release/libFlashAttentionMetal.so|.dylib) and, when
 #                      .venv has MLX, the MLX extension (python/flash_attention_metal/_mlx_ext);
-#                      on macOS also .build/release/flash_attention-<hash>.metallib when `xcrun metal` works
+#                      on macOS also .build/release/flash_attention-<hash>-msl<version>.metallib (and the
+#                      features-off one for PyTorch) when `xcrun metal` works
 #   ./build.sh run     set-up (.venv with the Python package), build, then the main job:
 #                      python -m flash_attention_metal check, then examples/smollm2_generate.py
 #   ./build.sh test    build, then every test: the address-space check of the kernels, swift test,
@@ -12,6 +13,9 @@
 #                      build, then the quick tier: the C programs and the pytest tests marked quick
 #                      (tests/python/conftest.py), about one per feature; no swift test, sanitizers,
 #                      stand-in or planted-fault builds (docs/testing.md)
+#   ./build.sh wheel   build, then `pip wheel ./python` (reusing that build) into build/wheel, installed
+#                      into a fresh venv (build/wheel-venv) that imports it and runs one attention call,
+#                      on Linux with the Swift toolchain's runtime hidden from the loader
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 ROOT=$(pwd)
@@ -32,40 +36,37 @@ library_path() {
     fi
 }
 
-# The .metallib is built for MSL 3.1 (FA_MSL_VERSION_MAJOR.FA_MSL_BFLOAT_VERSION_MINOR, macOS 14),
-# the newest the kernels use, so that it holds the bfloat16 kernels; on macOS 13 Metal refuses it and
-# the library compiles its embedded source as MSL 3.0 instead (everything but bfloat16).
-metallib_macos_min() { echo "14.0"; }
-msl_std() {
-    local major minor
-    major=$(sed -n 's/^#define FA_MSL_VERSION_MAJOR \([0-9]*\)/\1/p' Shaders/flash_attention_params.h)
-    minor=$(sed -n 's/^#define FA_MSL_BFLOAT_VERSION_MINOR \([0-9]*\)/\1/p' Shaders/flash_attention_params.h)
-    echo "metal$major.$minor"
-}
+# The .metallibs: one per MSL version the library may load, each for the oldest macOS that has it
+# (MSL version:macOS), named flash_attention-<source hash>-msl<version>.metallib; the library loads
+# the newest one its macOS runs (PrecompiledShaders.swift). 3.0 has no bfloat16 kernels.
+METALLIB_VERSIONS=("3.0:13.0" "3.1:14.0" "3.2:15.0")
 
-# Compiles the shaders ahead of time to .build/release/flash_attention-<source hash>.metallib, which
-# the library loads instead of compiling its embedded source at start-up (the name ties the file to
-# that source). Whether `xcrun metal` works is decided by running it: on Xcode 26 without the Metal
-# Toolchain component `xcrun -f metal` still finds a stub. Warnings are errors; the math is the
-# run-time compile's (safe math, precise functions; -fno-fast-math on compilers older than Xcode 16).
-# Without a working compiler the library still works (it compiles the embedded source), so this only
-# notes the skip, unless FLASH_ATTENTION_METAL_REQUIRE_METALLIB=1 (the macOS workflow) makes it fatal.
+# Compiles the shaders ahead of time to .build/release/flash_attention-<source hash>-msl<v>.metallib
+# for every METALLIB_VERSIONS entry the compiler supports, which the library loads instead of
+# compiling its embedded source at start-up (the name ties the file to that source), and, where a
+# Python with the package's dependencies is at hand (.venv, or $PYTHON), the every-feature-off
+# specialisation for PyTorch's torch.mps.load_metallib (no function constants there):
+# flash_attention-<hash>-features-off.metallib, MSL 3.1. Whether `xcrun metal` works is decided by
+# running it: on Xcode 26 without the Metal Toolchain component `xcrun -f metal` still finds a stub.
+# Warnings are errors; the math is the run-time compile's (safe math, precise functions;
+# -fno-fast-math on compilers older than Xcode 16). Without a working compiler the library still
+# works (it compiles the embedded source), so this only notes the skip, unless
+# FLASH_ATTENTION_METAL_REQUIRE_METALLIB=1 (the macOS and release workflows) makes it fatal.
 build_metallib() {
-    local out=.build/release probe math="" log
-    local flags=(-std="$(msl_std)" -target "air64-apple-macos$(metallib_macos_min)" -Werror)
+    local out=.build/release probe math="" log entry version macos hash python
     probe=$(mktemp -d)
     printf 'kernel void probe(device float *x [[buffer(0)]]) { x[0] = 1.0f; }\n' > "$probe/probe.metal"
     for candidate in "-fmetal-math-mode=safe -fmetal-math-fp32-functions=precise" "-fno-fast-math"; do
         # shellcheck disable=SC2086  # the candidate is a list of flags
-        if xcrun -sdk macosx metal "${flags[@]}" $candidate -c "$probe/probe.metal" -o "$probe/probe.air" \
-            > "$probe/log" 2>&1; then
+        if xcrun -sdk macosx metal -std=metal3.0 -target air64-apple-macos13.0 -Werror $candidate \
+            -c "$probe/probe.metal" -o "$probe/probe.air" > "$probe/log" 2>&1; then
             math=$candidate
             break
         fi
         log=${log:-$(head -c 600 "$probe/log")}
     done
-    rm -rf "$probe"
     if [[ -z $math ]]; then
+        rm -rf "$probe"
         say "note: the Metal compiler does not run here (${log:-no output}); on Xcode 26 install it with" \
             "'xcodebuild -downloadComponent MetalToolchain'. Skipping the .metallib: the library compiles" \
             "its embedded shader source at start-up instead."
@@ -75,19 +76,45 @@ build_metallib() {
         fi
         return 0
     fi
-    local name
     # The hash of the source the library embeds (EmbeddedShaders.swift, which the package's
     # EmbedShadersPlugin wrote into SwiftPM's plugin outputs during the build).
     local generated
     generated=$(find .build/plugins/outputs -path '*/FlashAttentionMetal/*' -name EmbeddedShaders.swift | head -n 1)
-    name="flash_attention-$(sed -nE 's/^ *static let sourceHash = "([0-9a-f]+)"$/\1/p' "$generated").metallib"
-    say "compiling Shaders/flash_attention.metal to $out/$name ($math)"
+    hash=$(sed -nE 's/^ *static let sourceHash = "([0-9a-f]+)"$/\1/p' "$generated")
     rm -f "$out"/flash_attention-*.metallib
+    for entry in "${METALLIB_VERSIONS[@]}"; do
+        version=${entry%%:*}
+        macos=${entry##*:}
+        # shellcheck disable=SC2086
+        if ! xcrun -sdk macosx metal -std="metal$version" -target "air64-apple-macos$macos" -Werror $math \
+            -c "$probe/probe.metal" -o "$probe/probe.air" > /dev/null 2>&1; then
+            say "note: this Metal compiler has no MSL $version: no .metallib for it"
+            continue
+        fi
+        compile_metallib "$version" "$macos" "$math" Shaders/flash_attention.metal \
+            "$out/flash_attention-$hash-msl$version.metallib"
+    done
+    python=${PYTHON:-.venv/bin/python}
+    if [[ ! -f $out/flash_attention-$hash-msl3.1.metallib ]]; then
+        say "note: no MSL 3.1 .metallib: no features-off .metallib for PyTorch either"
+    elif [[ -x $python ]] && PYTHONPATH=python "$python" -c "from flash_attention_metal import plan; import sys; \
+sys.stdout.write(plan.features_off_prelude() + plan.kernel_source())" > "$probe/features_off.metal" 2> "$probe/log"; then
+        compile_metallib 3.1 14.0 "$math" "$probe/features_off.metal" "$out/flash_attention-$hash-features-off.metallib"
+    else
+        say "note: no Python with the package's dependencies (.venv or \$PYTHON): no features-off .metallib" \
+            "for PyTorch (it compiles that specialisation from source)"
+    fi
+    rm -rf "$probe"
+}
+
+# compile_metallib VERSION MACOS MATH SOURCE OUT: one .metallib of SOURCE as MSL VERSION for MACOS.
+compile_metallib() {
+    local air="${5%.metallib}.air"
+    say "compiling $4 to $5 (MSL $1, macOS $2, $3)"
     # shellcheck disable=SC2086
-    xcrun -sdk macosx metal "${flags[@]}" $math -c Shaders/flash_attention.metal -I Shaders \
-        -o "$out/flash_attention.air"
-    xcrun -sdk macosx metallib "$out/flash_attention.air" -o "$out/$name"
-    rm -f "$out/flash_attention.air"
+    xcrun -sdk macosx metal -std="metal$1" -target "air64-apple-macos$2" -Werror $3 -c "$4" -I Shaders -o "$air"
+    xcrun -sdk macosx metallib "$air" -o "$5"
+    rm -f "$air"
 }
 
 build_library() {
@@ -252,6 +279,46 @@ run_quick_tests() {
     say "quick tests passed (./build.sh test runs everything)"
 }
 
+# The wheel as a user gets it: `pip wheel ./python` with the library just built
+# (FLASH_ATTENTION_METAL_PREBUILT), installed into a fresh venv, then one forward call there from
+# outside the checkout. On Linux the Swift toolchain's runtime folder is hidden from that process
+# (a private mount namespace, which needs root and unshare) so that the wheel's bundled runtime
+# must serve; without them the call runs with the toolchain visible, and says so.
+check_wheel() {
+    local out=build/wheel venv=build/wheel-venv wheel runtime="" smoke
+    # python/build is setuptools' in-tree build folder: a file left there from an earlier build
+    # (a module since moved) would go into the wheel.
+    rm -rf "$out" "$venv" python/build
+    say "pip wheel ./python into $out (the library of this build)"
+    FLASH_ATTENTION_METAL_PREBUILT=$(library_path) .venv/bin/python -m pip wheel --quiet --no-deps \
+        --no-build-isolation -w "$out" ./python
+    wheel=$(ls "$out"/flash_attention_metal-*.whl)
+    say "installing $wheel into a fresh venv ($venv)"
+    python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet "$wheel"
+    smoke='import os, numpy as np, flash_attention_metal as f
+q = np.random.default_rng(0).standard_normal((1, 2, 16, 32)).astype(np.float16)
+out, lse = f.Context("cpu").forward(q, q, q)
+assert out.shape == q.shape and np.isfinite(out.astype(np.float32)).all() and np.isfinite(lse).all()
+maps = open("/proc/self/maps").read() if os.path.exists("/proc/self/maps") else ""
+toolchain = {line.split()[-1] for line in maps.splitlines() if "libswift" in line and "site-packages" not in line}
+assert not toolchain, f"Swift runtime loaded from outside the wheel: {sorted(toolchain)}"
+print("wheel OK:", f.__file__, f.__version__)'
+    if [[ "$(uname -s)" == Linux ]]; then
+        runtime=$(dirname "$(ldd "$(library_path)" | sed -n 's/.*libswiftCore.so => \(.*\) (.*/\1/p')")
+    fi
+    if [[ -n $runtime && $(id -u) == 0 ]] && command -v unshare >/dev/null 2>&1; then
+        say "one call from the wheel with $runtime hidden from the loader"
+        mkdir -p build/wheel-empty
+        # shellcheck disable=SC2016  # $1 ... $4 are the inner shell's arguments
+        (cd /tmp && unshare -m sh -c 'mount --bind "$1" "$2" && exec "$3" -c "$4"' sh \
+            "$ROOT/build/wheel-empty" "$runtime" "$ROOT/$venv/bin/python" "$smoke")
+    else
+        say "one call from the wheel (the Swift toolchain stays visible: no root or unshare here)"
+        (cd /tmp && "$ROOT/$venv/bin/python" -c "$smoke")
+    fi
+}
+
 case "${1:-build}" in
     build)
         build_library
@@ -272,9 +339,14 @@ case "${1:-build}" in
             *) echo "build.sh: unknown option '$2' (use: ./build.sh test [--quick])" >&2; exit 2 ;;
         esac
         ;;
-    -h | --help | help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//' ;;
+    wheel)
+        setup_venv
+        build_library
+        check_wheel
+        ;;
+    -h | --help | help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' ;;
     *)
-        echo "build.sh: unknown command '$1' (use: ./build.sh [build|run|test [--quick]])" >&2
+        echo "build.sh: unknown command '$1' (use: ./build.sh [build|run|test [--quick]|wheel])" >&2
         exit 2
         ;;
 esac

@@ -81,7 +81,7 @@ inline float residual_of_row(constant FlashAttentionParams &p, float m, float l,
     if (!needs_residual(lse) || !(l > 0.0f) || !(abs(row_lse(m, l) - lse) <= slack)) {
         return 0.0f;
     }
-    return (m - lse) + log(l);
+    return (m - lse) + precise::log(l);
 }
 
 // One threadgroup per BQ query rows, as the forward. A block none of whose rows needs a residual
@@ -159,7 +159,7 @@ inline void attention_backward_dsinks(device const float *lse, device const floa
     float acc = 0.0f;
     for (ulong r = tid; r < rows; r += FA_THREADS_PER_THREADGROUP) {
         const ulong at = row_index(uint(r / p.seqlen_q), p.num_heads, h, p.seqlen_q, uint(r % p.seqlen_q));
-        acc = fma(exp((sinks[h] - backward_row_lse(lse[at])) - residual[at]), delta[at], acc);
+        acc = fma(precise::exp((sinks[h] - backward_row_lse(lse[at])) - residual[at]), delta[at], acc);
     }
     tg->partial[tid] = acc;
     for (uint width = FA_THREADS_PER_THREADGROUP / 2; width > 0; width /= 2) {

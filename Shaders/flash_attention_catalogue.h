@@ -19,9 +19,11 @@
 //   flash_attention_<KERNEL>_<dtype>; `once`, one, flash_attention_<KERNEL>.
 // - BUFFERS: a buffer list, BUFFERS(B, T) calling B(INDEX, NAME, TYPE, ACCESS, SPACE) per buffer in
 //   [[buffer(INDEX)]] order: TYPE the element type (T, the instance's dtype, or float, uchar, int,
-//   FlashAttentionParams), ACCESS `read` or `write`, SPACE `device_memory` (a pointer) or
+//   FlashAttentionParams), ACCESS `read` or `write`, SPACE `device_memory` (a pointer),
 //   `constant_memory` (a reference; hosts without a constant address space may bind it as a device
-//   pointer). An index past the last listed one is never bound; a gap (the dense KV-cache kernel's
+//   pointer) or `constant_array` (a pointer to an array of unknown length in the constant address
+//   space: the forward's and backward's parameters, one struct or a varlen pass's sequence table,
+//   which sequence_params indexes). An index past the last listed one is never bound; a gap (the dense KV-cache kernel's
 //   9 and 10) is a slot the kernel does not read.
 // - READS: the function constants the kernel reads (FA_FUNCTION_CONSTANTS), READS(C) calling
 //   C(INDEX) per constant: its pipeline is specialised for exactly those.
@@ -66,7 +68,7 @@
     B(FA_FORWARD_BUFFER_V, v, T, read, device_memory)                                              \
     B(FA_FORWARD_BUFFER_OUT, out, T, write, device_memory)                                         \
     B(FA_FORWARD_BUFFER_LSE, lse, float, write, device_memory)                                     \
-    B(FA_FORWARD_BUFFER_PARAMS, params, FlashAttentionParams, read, constant_memory)               \
+    B(FA_FORWARD_BUFFER_PARAMS, params, FlashAttentionParams, read, constant_array)                \
     B(FA_FORWARD_BUFFER_MASK, mask, uchar, read, device_memory)                                    \
     B(FA_FORWARD_BUFFER_ALIBI, alibi, float, read, device_memory)                                  \
     B(FA_FORWARD_BUFFER_SINKS, sinks, float, read, device_memory)
@@ -99,7 +101,7 @@
     B(FA_BACKWARD_BUFFER_V, v, T, read, device_memory)                                             \
     B(FA_BACKWARD_BUFFER_OUT, out, T, read, device_memory)                                         \
     B(FA_BACKWARD_BUFFER_LSE, lse, float, read, device_memory)                                     \
-    B(FA_BACKWARD_BUFFER_PARAMS, params, FlashAttentionParams, read, constant_memory)              \
+    B(FA_BACKWARD_BUFFER_PARAMS, params, FlashAttentionParams, read, constant_array)               \
     B(FA_BACKWARD_BUFFER_DELTA, delta, float, DELTA, device_memory)                                \
     B(FA_BACKWARD_BUFFER_MASK, mask, uchar, read, device_memory)                                   \
     B(FA_BACKWARD_BUFFER_ALIBI, alibi, float, read, device_memory)                                 \

@@ -140,7 +140,7 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
 // The natural-log lse of a finished row whose row sum is l (-inf for a row that saw no key; NaN
 // where l is, from a NaN score, even while m is still -inf; +inf after a +inf score).
 inline float row_lse(float m, float l) {
-    return l == 0.0f ? -INFINITY : m + log(l);
+    return l == 0.0f ? -INFINITY : m + precise::log(l);
 }
 
 // A split-KV chunk's softmax state at entry `index` of partial_lse: its running max m and log l,
@@ -150,7 +150,7 @@ inline float row_lse(float m, float l) {
 // combine cannot take it for an empty one.
 inline void store_partial_lse(device float *partial_lse, ulong index, float m, float l) {
     partial_lse[2 * index] = l == 0.0f ? -INFINITY : (isnan(l) ? l : m);
-    partial_lse[2 * index + 1] = l == 0.0f ? 0.0f : log(l);
+    partial_lse[2 * index + 1] = l == 0.0f ? 0.0f : precise::log(l);
 }
 
 // The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
@@ -340,7 +340,7 @@ inline void attention_forward_split(device const T *q, KV kv, device const uchar
 // (softmax_shift of the largest chunk max): l exp(m - top), exactly 0 for a chunk without keys.
 inline float chunk_weight(device const float *partial_lse, ulong index, float top) {
     const float m = partial_lse[2 * index];
-    return m == -INFINITY ? 0.0f : exp((m - top) + partial_lse[2 * index + 1]);
+    return m == -INFINITY ? 0.0f : precise::exp((m - top) + partial_lse[2 * index + 1]);
 }
 
 template <typename T>

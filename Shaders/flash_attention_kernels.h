@@ -4,7 +4,10 @@
 // Math: FlashAttention-2 (Dao, 2023). Operands: Q, K, V, O (out), L (lse), dO (dout), D (delta),
 // S = Q K^T, P = softmax(S), dP = dO V^T, dS = P (dP - D). Every exponential of a score is exp2
 // of a difference x - m (<= 0) times log2(e) (exp_of): the hardware's exp2, while scores, maxima
-// and lse stay in natural units (the merges of lse values and dsinks use exp).
+// and lse stay in natural units (the merges of lse values and dsinks use exp). Every float math
+// function is called as precise:: explicitly: a host's compile options choose fast or precise
+// for the unqualified ones (MTLCompileOptions.mathFloatingPointFunctions, fast by default from
+// macOS 15; MLX sets only mathMode), and every front end must give the same bits.
 //
 //   forward (Algorithm 1), one threadgroup per BQ query rows:
 //     load Q block; m = -inf, l = 0, O = 0
@@ -68,6 +71,7 @@
 #define FA_PARAMETER(INDEX, NAME, TYPE, ACCESS, SPACE) , FA_PARAMETER_##SPACE(NAME, TYPE, ACCESS)
 #define FA_PARAMETER_device_memory(NAME, TYPE, ACCESS) device FA_ACCESS_##ACCESS TYPE *NAME
 #define FA_PARAMETER_constant_memory(NAME, TYPE, ACCESS) constant TYPE &NAME
+#define FA_PARAMETER_constant_array(NAME, TYPE, ACCESS) constant TYPE *NAME
 // A kernel body's parameters: the buffers of list BUFFERS for element type T, in order.
 #define FA_PARAMETERS(BUFFERS, T) FA_TAIL(0 BUFFERS(FA_PARAMETER, T))
 // An entry point's: the same with their [[buffer(i)]], then the built-ins.
@@ -107,14 +111,14 @@ inline void kernel_forward_split(FA_PARAMETERS(FA_FORWARD_SPLIT_BUFFERS, T), Sto
                                  uint sgid, uint lane) {
     typedef KernelTraits<T, DP> K;
     attention_forward_split<DP, K::forward_block_q, K::forward_block_k>(
-        q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse, params, tg, tgid, sgid, lane);
+        q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse, *params, tg, tgid, sgid, lane);
 }
 
 template <typename T, uint DP, typename Storage>
 inline void kernel_forward_decode(FA_PARAMETERS(FA_FORWARD_SPLIT_BUFFERS, T), Storage tg, uint3 tgid,
                                   uint sgid, uint lane) {
     attention_forward_decode<DP>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse,
-                                 params, tg, tgid, sgid, lane);
+                                 *params, tg, tgid, sgid, lane);
 }
 
 // The KV-cache forward kernels (flash_attention_kv_cache.h): the forward kernels with keys and
@@ -124,7 +128,7 @@ inline void kernel_forward_kvcache(FA_PARAMETERS(FA_KV_CACHE_BUFFERS, T), Storag
                                    uint sgid, uint lane) {
     typedef KernelTraits<T, DP> K;
     attention_forward<DP, K::forward_block_q, K::forward_block_k>(
-        q, FA_KV_CACHE_SOURCE(T), out, lse, mask, alibi, sinks, params, tg, tgid, sgid, lane);
+        q, FA_KV_CACHE_SOURCE(T), out, lse, mask, alibi, sinks, *params, tg, tgid, sgid, lane);
 }
 
 template <typename T, uint DP, typename Storage>
@@ -132,19 +136,19 @@ inline void kernel_forward_split_kvcache(FA_PARAMETERS(FA_KV_CACHE_SPLIT_BUFFERS
                                          uint3 tgid, uint sgid, uint lane) {
     typedef KernelTraits<T, DP> K;
     attention_forward_split<DP, K::forward_block_q, K::forward_block_k>(
-        q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse, params, tg, tgid, sgid, lane);
+        q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse, *params, tg, tgid, sgid, lane);
 }
 
 template <typename T, uint DP, typename Storage>
 inline void kernel_forward_decode_kvcache(FA_PARAMETERS(FA_KV_CACHE_SPLIT_BUFFERS, T), Storage tg,
                                           uint3 tgid, uint sgid, uint lane) {
     attention_forward_decode<DP>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse,
-                                 params, tg, tgid, sgid, lane);
+                                 *params, tg, tgid, sgid, lane);
 }
 
 template <typename T>
 inline void kernel_forward_combine(FA_PARAMETERS(FA_FORWARD_COMBINE_BUFFERS, T), uint3 tgid, uint tid) {
-    attention_forward_combine(partial_out, partial_lse, sinks, out, lse, params, tgid, tid);
+    attention_forward_combine(partial_out, partial_lse, sinks, out, lse, *params, tgid, tid);
 }
 
 template <typename T, typename Storage>
@@ -202,7 +206,7 @@ inline void kernel_backward_dkv(FA_PARAMETERS(FA_BACKWARD_DKV_BUFFERS, T), Stora
 template <typename Storage>
 inline void kernel_backward_dsinks(FA_PARAMETERS(FA_BACKWARD_DSINKS_BUFFERS, uchar), Storage tg,
                                    uint3 tgid, uint tid) {
-    attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, params, tg, tgid.x, tid);
+    attention_backward_dsinks(lse, delta, sinks, lse_residual, dsinks, *params, tg, tgid.x, tid);
 }
 
 // The first dispatch of a varlen pass (flash_attention_varlen.h): one threadgroup.

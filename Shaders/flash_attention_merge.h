@@ -28,13 +28,13 @@ inline float softmax_shift(float m) {
 // The weight of a part relative to the shift m (softmax_shift of the largest lse of the parts
 // being merged): exp(lse - m), and exactly 0 for an empty part (lse = -inf), whatever m is.
 inline float merge_weight(float part_lse, float max_lse) {
-    return part_lse == -INFINITY ? 0.0f : exp(part_lse - max_lse);
+    return part_lse == -INFINITY ? 0.0f : precise::exp(part_lse - max_lse);
 }
 
 // The merged lse from the shift m and the sum of the weights: m + log(sum), or -inf when every
 // part is empty (sum 0); NaN or +inf where the sum is.
 inline float merged_lse(float max_lse, float weight_sum) {
-    return weight_sum == 0.0f ? -INFINITY : max_lse + log(weight_sum);
+    return weight_sum == 0.0f ? -INFINITY : max_lse + precise::log(weight_sum);
 }
 
 // Adds one part's element to a merge accumulator. A zero weight (an empty part, or one whose

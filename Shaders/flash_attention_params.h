@@ -17,13 +17,20 @@ typedef uint64_t fa_u64;
 
 // The Metal Shading Language version the kernels are compiled as, everywhere: the run-time
 // compile (MTLCompileOptions.languageVersion), build.sh's `xcrun metal -std=metal3.0` and the
-// address-space check (__METAL_VERSION__ 300). MSL 3.0 is macOS 13 / iOS 16, the package's
+// address-space check (__METAL_VERSION__ 300 to 410: PyTorch and MLX compile at their SDK's newest
+// version, so the kernels must compile at each). MSL 3.0 is macOS 13 / iOS 16, the package's
 // platforms; simdgroup_matrix needs 2.3. The bfloat16 kernels need MSL 3.1 (macOS 14 / iOS 17,
 // where the compiler defines __HAVE_BFLOAT__): the run-time compile asks for it where the OS has
 // it, and the bfloat16 instances exist only then.
 #define FA_MSL_VERSION_MAJOR 3
 #define FA_MSL_VERSION_MINOR 0
 #define FA_MSL_BFLOAT_VERSION_MINOR 1
+
+// One bit per dtype, for FA_DTYPES (flash_attention.metal): the dtypes whose kernels a compile
+// defines.
+#define FA_DTYPE_MASK_F16 1
+#define FA_DTYPE_MASK_F32 2
+#define FA_DTYPE_MASK_BF16 4
 
 // Where a [batch][heads][seqlen][head_dim] tensor's rows are: element (b, h, i, d) is at
 // b * batch + h * head + i * seq + d (in elements; the last axis is contiguous).

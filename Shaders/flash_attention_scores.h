@@ -17,7 +17,7 @@
 // see), and a finite score beyond FLT_MAX / log2(e) (Hugging Face's float32-minimum masks) would
 // overflow in base 2.
 inline float exp_of(float x) {
-    return exp2(fma(x, FA_LOG2E_HI, x * FA_LOG2E_LO));
+    return precise::exp2(fma(x, FA_LOG2E_HI, x * FA_LOG2E_LO));
 }
 
 // ---- scores ----------------------------------------------------------------------------------
@@ -82,7 +82,7 @@ inline float score(constant FlashAttentionParams &p, device const uchar *mask, f
     }
     float x = raw * m.scale;
     if (softcap_on(p)) {
-        t = tanh(x / p.softcap);
+        t = precise::tanh(x / p.softcap);
         x = p.softcap * t;
     }
     if (alibi_on(p)) {

@@ -23,8 +23,10 @@
 
 // The struct a threadgroup of sequence `b` works with: the host's for a dense problem, else
 // sequence b's entry of the table bound in the host's place (its entry 0 is the host's struct).
-inline constant FlashAttentionParams &sequence_params(constant FlashAttentionParams &params, uint b) {
-    return params.sequences == 0 ? params : (&params)[1 + b];
+// `params` is the kernel's buffer argument, a pointer to an array of unknown length (never a
+// reference to one struct read past its end, which Metal may preload as just that struct).
+inline constant FlashAttentionParams &sequence_params(constant FlashAttentionParams *params, uint b) {
+    return params[0].sequences == 0 ? params[0] : params[1 + b];
 }
 
 // Whether a threadgroup whose block starts at row `first` has nothing to do: past the end of its

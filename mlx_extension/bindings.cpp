@@ -2,6 +2,7 @@
 // through MLX's own type caster). Imported by flash_attention_metal.mlx after mlx.core.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -40,5 +41,16 @@ NB_MODULE(_mlx_ext, m) {
     m.def("backward", &flash_attention_mlx::attention_backward, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a,
           "scale"_a, "causal"_a, "stream"_a = nb::none(),
           "[dq, dk, dv] of the backward node; lse may be that of a longer row (blockwise or ring attention).");
+    m.def(
+        "long_pass_refusal",
+        [](const mlx::core::array& q, const mlx::core::array& k, const mlx::core::array& v, bool causal,
+           bool backward) {
+            flash_attention_mlx::Options options{1.0f, causal, FA_ATTN_MASK_NONE, false};
+            return flash_attention_mlx::long_pass_refusal(flash_attention_mlx::make_problem(options, q, k, v, nullptr),
+                                                          backward ? FA_PASS_BACKWARD : FA_PASS_FORWARD);
+        },
+        "q"_a, "k"_a, "v"_a, "causal"_a, "backward"_a,
+        "Why the GPU stream would refuse this pass of these (B, H, L, D) arrays ('' when it runs): more work "
+        "than one command buffer may hold against the GPU watchdog (eval_gpu cannot commit in pieces).");
     m.attr("ABI_VERSION") = FA_VERSION;
 }

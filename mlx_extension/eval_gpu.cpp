@@ -48,12 +48,30 @@ void check_plan(fa_status status, const char* call) {
     }
 }
 
-// The pipeline of one dispatch: kernel_name specialised with its function constants, compiled
-// once per process from fa_plan_kernel_source() (MLX's default CompileOptions: safe math, which the
-// kernels need for their infinities) and cached by MLX under a name that includes the constants.
+// The kernels' library, made once per process: build.sh's .metallib for this OS
+// (fa_plan_metallib_path(), MLX's get_library(name, path), which throws when Metal refuses the
+// file), else fa_plan_kernel_source() compiled by MLX (get_library(name, builder)); both cached by
+// MLX under one name.
+MTL::Library* kernels(mx::metal::Device& device) {
+    static const char* const kName = "flash_attention_metal";
+    if (const char* path = fa_plan_metallib_path()) {
+        try {
+            return device.get_library(kName, std::string(path));
+        } catch (const std::exception&) {
+            // Refused (built for a newer macOS than this one): the source below.
+        }
+    }
+    return device.get_library(kName, [] { return std::string(fa_plan_kernel_source()); });
+}
+
+// The pipeline of one dispatch: kernel_name specialised with its function constants, built once
+// per process from kernels() and cached by MLX under a name that includes the constants. MLX's compile sets only mathMode (safe, which the kernels need for their infinities);
+// from macOS 15 the float32 math functions then default to the fast ones
+// (MTLCompileOptions.mathFloatingPointFunctions), so the kernels call every one as precise::
+// explicitly and give the Swift host's and PyTorch's bits.
 MTL::ComputePipelineState* pipeline(mx::metal::Device& device, const fa_plan* plan, uint32_t index,
                                     const fa_plan_dispatch& dispatch) {
-    auto* library = device.get_library("flash_attention_metal", [] { return std::string(fa_plan_kernel_source()); });
+    auto* library = kernels(device);
     // The values must outlive get_kernel, which reads them through the pointers.
     std::vector<uint32_t> values(dispatch.specialization_count);
     std::unique_ptr<bool[]> bools(new bool[dispatch.specialization_count]);
@@ -107,8 +125,10 @@ std::vector<uint8_t> aligned_params(const fa_plan* plan, uint32_t index, const f
 }
 
 // Encodes every dispatch of the plan of `problem` for `pass`: roles bound to `roles`' arrays (at
-// their offsets), workspaces allocated as MLX temporaries, parameters by set_bytes.
+// their offsets), workspaces allocated as MLX temporaries, parameters by set_bytes. A pass longer
+// than one command buffer may be is refused (long_pass_refusal): the plan is one piece.
 void encode(const mx::Stream& stream, const fa_problem& problem, fa_pass pass, Roles roles) {
+    if (auto why = long_pass_refusal(problem, pass); !why.empty()) throw std::runtime_error(why);
     fa_plan* raw = nullptr;
     check_plan(fa_plan_create(&problem, pass, 0, &raw), "fa_plan_create");
     std::unique_ptr<fa_plan, PlanDeleter> plan(raw);

@@ -151,6 +151,24 @@ void check_problem(const fa_problem& problem, fa_pass pass) {
     fa_plan_destroy(plan);
 }
 
+std::string long_pass_refusal(const fa_problem& problem, fa_pass pass) {
+    fa_plan* plan = nullptr;
+    if (fa_plan_create(&problem, pass, kMaxFlopsPerCommandBuffer, &plan) != FA_STATUS_SUCCESS) return "";
+    fa_plan_info info{};
+    info.struct_size = sizeof info;
+    fa_status status = fa_plan_get_info(plan, &info);
+    fa_plan_destroy(plan);
+    if (status != FA_STATUS_SUCCESS || info.piece_count <= 1) return "";
+    return std::string("flash_attention_metal.mlx: this ") + (pass == FA_PASS_BACKWARD ? "backward" : "forward") +
+           " pass needs " + std::to_string(info.piece_count) +
+           " Metal command buffers of at most 2^35 FLOP each (macOS's GPU watchdog ends longer ones on a Mac "
+           "that drives a display), and an MLX extension cannot end MLX's command buffer inside a node; split "
+           "the call over the batch or the heads (mx.split, then mx.concatenate) into calls of at most 2^35 FLOP "
+           "(about 4 * batch * heads * seqlen_q * seqlen_k * head_dim forward, 10x that backward), or run it "
+           "on the CPU stream, or through flash_attention_metal.flash_attn_func (NumPy) or the PyTorch MPS "
+           "path, which commit a long pass in pieces";
+}
+
 std::vector<mx::array> attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                                  bool causal, const std::optional<mx::array>& mask,
                                  const std::optional<mx::array>& sinks, Dropout dropout, mx::StreamOrDevice device) {

@@ -4,7 +4,9 @@
 // semantics are those of the C ABI, Sources/CFlashAttentionMetal/include/flash_attention_metal.h.
 #pragma once
 
+#include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "flash_attention_metal.h"
@@ -116,6 +118,17 @@ fa_problem make_problem(const Options& options, const mx::array& q, const mx::ar
 // Every input of a node is made row-contiguous when the node is built (the library is handed
 // contiguous tensors); throws std::logic_error if one is not, which would be a bug here.
 void require_contiguous(const std::vector<mx::array>& inputs);
+
+// Work one Metal command buffer may hold against macOS's GPU watchdog: the Swift host's budget
+// (MetalBackend.defaultFlopsPerCommandBuffer, 2^35 FLOP), which fa_plan_create cuts passes by.
+constexpr uint64_t kMaxFlopsPerCommandBuffer = uint64_t{1} << 35;
+
+// Why MLX's GPU stream cannot run `pass` of `problem`, "" when it can: the library would cut the
+// pass into more than one command buffer of kMaxFlopsPerCommandBuffer, and an MLX extension cannot
+// end MLX's command buffer inside eval_gpu (MLX adds its completion handler afterwards), so a long
+// pass would run as one command buffer that the watchdog may kill. The message names the limit and
+// the ways around it. "" as well for a problem the library refuses (check_problem reports that).
+std::string long_pass_refusal(const fa_problem& problem, fa_pass pass);
 
 // Throws std::invalid_argument with the library's message when the problem is not one it runs
 // (the checks of fa_forward/fa_backward, without touching memory).

@@ -117,6 +117,7 @@ uint32_t fa_function_constant_value(uint32_t index, const FlashAttentionParams *
 #define FA_ACCESS_WRITES_write 1
 #define FA_SPACE_CONSTANT_device_memory 0
 #define FA_SPACE_CONSTANT_constant_memory 1
+#define FA_SPACE_CONSTANT_constant_array 1
 #define FA_KERNEL_BUFFER(INDEX, NAME, TYPE, ACCESS, SPACE) \
     {INDEX, #NAME, FA_ACCESS_WRITES_##ACCESS, FA_SPACE_CONSTANT_##SPACE},
 #define FA_KERNEL_BUFFERS(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, ...) \

@@ -142,7 +142,8 @@ enum BufferRole: Int, CaseIterable {
         // dsinks is written only by the dispatch that runs once over the whole problem.
         case .sinks, .dsinks:
             return kv * g
-        // KV-cache problems are never cut into pieces (PlanPieces), nor are variable-length ones.
+        // KV-cache and variable-length problems are cut into block ranges of the whole problem only
+        // (PlanPieces), so their pieces bind every buffer from its start.
         case .blockTable, .kScales, .kBiases, .vScales, .vBiases, .cuSeqlensQ, .cuSeqlensK, .sequenceTable:
             return 0
         }
@@ -282,10 +283,11 @@ struct DispatchPlan {
         let cache = problem.kvCache != nil
         let scoreWork = problem.scoreWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement)
         guard let split = problem.split else {
+            let rowBlocks = blocks(problem.gridSeqlenQ, b.forward_block_q)
             let dense = dispatch(cache ? FA_KERNEL_forward_kvcache : FA_KERNEL_forward, problem,
-                                 GridSize(width: blocks(problem.gridSeqlenQ, b.forward_block_q),
-                                          height: problem.numHeads, depth: problem.gridBatch),
-                                 blockWork: scoreWork)
+                                 GridSize(width: rowBlocks, height: problem.numHeads, depth: problem.gridBatch),
+                                 blockWork: problem.gridWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement,
+                                                             blocks: rowBlocks, rows: b.forward_block_q))
             return withSequenceTable(DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse],
                                                   workspace: [], problem: problem))
         }
@@ -313,22 +315,27 @@ struct DispatchPlan {
     /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`.
     private static func backward(planned problem: Problem) -> DispatchPlan {
         let b = problem.bucket
-        func dispatch(_ kernel: Int, rows: UInt32, block: UInt32, heads: UInt32, blockWork: Int) -> Dispatch {
-            DispatchPlan.dispatch(kernel, problem, GridSize(width: blocks(rows, block), height: heads,
-                                                            depth: problem.gridBatch),
-                                  blockWork: blockWork)
+        // `flops` per score element over blocks of `block` query rows, or of keys (`alongKeys`); nil:
+        // `rowWork` per element of out (the delta pass), which a variable-length pass runs whole.
+        func dispatch(_ kernel: Int, rows: UInt32, block: UInt32, heads: UInt32, flops: Int?, alongKeys: Bool = false,
+                      rowWork: Int = 0) -> Dispatch {
+            let width = blocks(rows, block)
+            let work = flops.map { problem.gridWork(flopsPerScoreElement: $0, blocks: width, rows: block,
+                                                    alongKeys: alongKeys) }
+            return DispatchPlan.dispatch(kernel, problem, GridSize(width: width, height: heads, depth: problem.gridBatch),
+                                         blockWork: work ?? (problem.varlen == nil ? rowWork : nil))
         }
         // Matrix products per (query row, key, head_dim element): the residual recomputes Q K^T;
         // dQ recomputes it and forms dO V^T and dS K; dK/dV recompute both scores and add P^T dO
         // and dS^T Q. The delta pass reads each row of dout and out once.
         let delta = dispatch(FA_KERNEL_backward_delta, rows: problem.gridSeqlenQ, block: UInt32(FA_DELTA_BLOCK_ROWS),
-                             heads: problem.numHeads, blockWork: problem.rowWork(flopsPerElement: 2))
+                             heads: problem.numHeads, flops: nil, rowWork: problem.rowWork(flopsPerElement: 2))
         let residual = dispatch(FA_KERNEL_backward_lse_residual, rows: problem.gridSeqlenQ, block: b.forward_block_q,
-                                heads: problem.numHeads, blockWork: problem.scoreWork(flopsPerScoreElement: 2))
+                                heads: problem.numHeads, flops: 2)
         let dq = dispatch(FA_KERNEL_backward_dq, rows: problem.gridSeqlenQ, block: b.dq_block_q,
-                          heads: problem.numHeads, blockWork: problem.scoreWork(flopsPerScoreElement: 6))
+                          heads: problem.numHeads, flops: 6)
         let dkv = dispatch(FA_KERNEL_backward_dkv, rows: problem.gridSeqlenK, block: b.dkv_block_k,
-                           heads: problem.numKVHeads, blockWork: problem.scoreWork(flopsPerScoreElement: 8))
+                           heads: problem.numKVHeads, flops: 8, alongKeys: true)
         guard problem.scores.hasSinks else {
             return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv],
                                                   outputs: [.dq, .dk, .dv], workspace: [.delta, .lseResidual],
@@ -382,7 +389,6 @@ struct DispatchPlan {
                              blockWork: nil)
         let dispatches = plan.dispatches.map { dispatch -> Dispatch in
             var d = dispatch
-            d.blockWork = nil
             if !d.wholeProblem { d.paramsRole = .sequenceTable }
             return d
         }

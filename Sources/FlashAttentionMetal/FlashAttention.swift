@@ -30,6 +30,11 @@ public final class FlashAttention: @unchecked Sendable {
         context = try withAutoreleasePool { try Context(backend) }
     }
 
+    /// An instance over `context` (tests: a CPU engine with a small piece budget).
+    init(context: Context) {
+        self.context = context
+    }
+
     /// `"metal"` or `"cpu"`.
     public var backendName: String { context.backend.name.description }
 

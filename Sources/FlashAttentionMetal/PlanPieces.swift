@@ -63,6 +63,17 @@ extension Problem {
                                    Int(seqlenQ), Int(seqlenK), Int(bucket.head_dim_max)])
     }
 
+    /// An upper bound of the floating-point operations of a score kernel's grid of `blocks` blocks
+    /// along x, each of `rows` query rows (of keys: `alongKeys`): the whole problem's `scoreWork`
+    /// for a dense batch. In a variable-length batch block x holds those rows of every sequence,
+    /// each against its own sequence's keys (query rows), so at most `rows` times the packed total
+    /// of the other side per head: `blocks` times that. Saturating.
+    func gridWork(flopsPerScoreElement: Int, blocks: UInt32, rows: UInt32, alongKeys: Bool = false) -> Int {
+        guard varlen != nil else { return scoreWork(flopsPerScoreElement: flopsPerScoreElement) }
+        return Problem.saturatingProduct([flopsPerScoreElement, Int(numHeads), Int(blocks), Int(rows),
+                                          Int(alongKeys ? seqlenQ : seqlenK), Int(bucket.head_dim_max)])
+    }
+
     /// Floating-point operations of a kernel that does `flopsPerElement` per element of out (head_dim
     /// padded to the bucket's) of the whole problem; saturating.
     func rowWork(flopsPerElement: Int) -> Int {
@@ -85,15 +96,17 @@ extension DispatchPlan {
     /// is cut into ranges of KV heads; when one KV head of one batch entry alone is larger, each of
     /// its dispatches with `blockWork` above the budget is cut into ranges of blocks (at least one
     /// block each: a single block larger than `maxFlops` is one piece). A plan within the budget is
-    /// one piece: itself.
+    /// one piece: itself. KV-cache and variable-length plans are cut into block ranges only
+    /// (`blockPieces(maxFlops:)`).
     func pieces(maxFlops: Int) -> [PlanPiece] {
         let p = problem
+        if p.kvCache != nil || p.varlen != nil {
+            return flops <= maxFlops ? [PlanPiece(whole: self)] : blockPieces(maxFlops: maxFlops)
+        }
         let unitFlops = flopsPerUnit
         let unitsPerPiece = UInt64(max(1, maxFlops / unitFlops))
         let kvHeads = UInt64(p.numKVHeads)
-        // A KV-cache problem is not cut (its k and v are indexed by block, not by batch entry), nor is a
-        // variable-length one (its sequence table describes the whole problem).
-        if p.kvCache != nil || p.varlen != nil || unitsPerPiece >= UInt64(p.batch) * kvHeads && unitFlops <= maxFlops {
+        if unitsPerPiece >= UInt64(p.batch) * kvHeads && unitFlops <= maxFlops {
             return [PlanPiece(whole: self)]
         }
         var pieces: [PlanPiece] = []
@@ -127,6 +140,32 @@ extension DispatchPlan {
         let whole = keeping(\.wholeProblem)
         if !whole.dispatches.isEmpty {
             pieces.append(PlanPiece(whole: whole))
+        }
+        return pieces
+    }
+
+    /// A KV-cache or variable-length plan in pieces over the whole problem, each one dispatch (or a
+    /// range of its blocks, `Dispatch.blockRanges`) in order: such a problem is not sliced by batch
+    /// entry or head, since a cache's k and v are addressed through its block table or cache slots
+    /// and a variable-length batch's sequence table describes the packed problem. A variable-length
+    /// piece starts with its own run of the table kernel: the sequences' structs, which the other
+    /// kernels bind in place of the host's, carry the piece's `block_offset` (the table is the same
+    /// otherwise, so the pieces stay bit-identical to the whole plan).
+    private func blockPieces(maxFlops: Int) -> [PlanPiece] {
+        // A variable-length plan starts with the table kernel (DispatchPlan.withSequenceTable).
+        let table = problem.varlen == nil ? nil : dispatches.first
+        var pieces: [PlanPiece] = []
+        for dispatch in dispatches.dropFirst(table == nil ? 0 : 1) {
+            for (part, flops) in dispatch.blockRanges(maxFlops: maxFlops, otherwise: self.flops) {
+                var run = [part]
+                if var table, part.paramsRole == .sequenceTable {
+                    table.params.block_offset = part.params.block_offset
+                    run.insert(table, at: 0)
+                }
+                pieces.append(PlanPiece(plan: DispatchPlan(pass: pass, dispatches: run, outputs: outputs,
+                                                           workspace: workspace, problem: problem),
+                                        firstBatch: 0, firstKVHead: 0, full: problem, flops: flops))
+            }
         }
         return pieces
     }

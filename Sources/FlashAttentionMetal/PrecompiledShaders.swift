@@ -5,16 +5,29 @@ import Darwin
 #endif
 import CFlashAttentionMetal
 
-/// The precompiled kernels: `flash_attention-<source hash>.metallib`, which build.sh compiles on a
-/// Mac from exactly ``EmbeddedShaders/source`` and links next to the library (and next to the
-/// Python package).
+/// The precompiled kernels: `flash_attention-<source hash>-msl<version>.metallib`, one per MSL
+/// version, which build.sh compiles on a Mac from exactly ``EmbeddedShaders/source`` (each for the
+/// oldest macOS with that version) and links next to the library (and next to the Python package).
 enum PrecompiledShaders {
-    /// The file name of the .metallib built from the embedded source.
-    static var fileName: String { "flash_attention-\(EmbeddedShaders.sourceHash).metallib" }
+    /// (MSL version, whether this OS runs it), newest first: build.sh's METALLIB_VERSIONS.
+    private static var versions: [(String, Bool)] {
+        var supported = (v32: false, v31: false)
+        if #available(macOS 15.0, iOS 18.0, tvOS 18.0, visionOS 2.0, *) { supported.v32 = true }
+        if #available(macOS 14.0, iOS 17.0, tvOS 17.0, visionOS 1.0, *) { supported.v31 = true }
+        return [("3.2", supported.v32), ("3.1", supported.v31), ("3.0", true)]
+    }
 
-    /// Its path in the folder of the file this code was loaded from (the dylib, or the app when the
-    /// package is linked statically), as loaded or with links resolved; nil when neither folder has
-    /// it. Looked up once per process.
+    /// The file name of the .metallib of MSL `version` built from the embedded source.
+    static func fileName(version: String) -> String {
+        "flash_attention-\(EmbeddedShaders.sourceHash)-msl\(version).metallib"
+    }
+
+    /// A pattern of the file names, for messages.
+    static var fileNames: String { "flash_attention-\(EmbeddedShaders.sourceHash)-msl<version>.metallib" }
+
+    /// The path of the newest version this OS runs, in the folder of the file this code was loaded
+    /// from (the dylib, or the app when the package is linked statically), as loaded or with links
+    /// resolved; nil when neither folder has one. Looked up once per process.
     static let path: String? = {
         guard let file = fa_loaded_image_path() else { return nil }
         var images = [String(cString: file)]
@@ -22,7 +35,13 @@ enum PrecompiledShaders {
             images.append(String(cString: resolved))
             free(resolved)
         }
-        return images.map { folder(of: $0) + fileName }.first { access($0, F_OK) == 0 }
+        let names = versions.filter(\.1).map { fileName(version: $0.0) }
+        for name in names {
+            if let found = images.map({ folder(of: $0) + name }).first(where: { access($0, F_OK) == 0 }) {
+                return found
+            }
+        }
+        return nil
     }()
 
     /// `path` up to and including its last "/", or "./" when it has none.

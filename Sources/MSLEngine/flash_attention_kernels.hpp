@@ -60,6 +60,7 @@ constexpr uint32_t buffer_count(std::initializer_list<uint32_t> ends) {
 #define FA_ENGINE_BUFFER(INDEX, NAME, TYPE, ACCESS, SPACE) , FA_ENGINE_BUFFER_##SPACE(INDEX, TYPE, ACCESS)
 #define FA_ENGINE_BUFFER_device_memory(INDEX, TYPE, ACCESS) a.buffer<FA_ACCESS_##ACCESS TYPE>(INDEX)
 #define FA_ENGINE_BUFFER_constant_memory(INDEX, TYPE, ACCESS) a.constant_ref<const TYPE>(INDEX)
+#define FA_ENGINE_BUFFER_constant_array(INDEX, TYPE, ACCESS) a.buffer<const TYPE>(INDEX)
 #define FA_ENGINE_BUILTIN(TYPE, NAME, ATTRIBUTE) , t.ATTRIBUTE
 #define FA_ENGINE_BUFFER_END(INDEX, NAME, TYPE, ACCESS, SPACE) , (INDEX) + 1u
 

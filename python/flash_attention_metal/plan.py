@@ -208,5 +208,33 @@ def metallib_path(library: NativeLibrary | None = None) -> str | None:
     return None if path == library.ffi.NULL else library.ffi.string(path).decode()
 
 
-__all__ = ["Binding", "Buffer", "Dispatch", "Plan", "Specialization", "create", "gpu_cores",
-           "kernel_source", "metallib_path", "read", "specialized_source"]
+def features_off_prelude(library: NativeLibrary | None = None) -> str:
+    """The constants prelude of a dispatch with every feature compiled off (no mask, softcap, ALiBi
+    or sinks): every function constant false or 0, as the plan of such a problem records it. The
+    specialisation a precompiled library for hosts without function constants holds
+    (``features_off_metallib_path``)."""
+    from ._abi import new_problem
+    from ._validation import Shape
+
+    library = library or native()
+    problem = new_problem(library.ffi, library.lib, Shape(1, 1, 1, 1, 1, 8), False, 1.0, "float16", {})
+    return create(problem, "forward", 0, library).dispatches[0].constants_prelude
+
+
+def features_off_metallib_path(library: NativeLibrary | None = None) -> str | None:
+    """``flash_attention-<source hash>-features-off.metallib`` next to the precompiled kernels
+    (``metallib_path``): ``features_off_prelude()`` and ``kernel_source()`` compiled as MSL 3.1 by
+    build.sh on a Mac, for ``torch.mps.load_metallib``, which takes no function constants; None
+    when there is none."""
+    import os
+
+    path = metallib_path(library)
+    if path is None:
+        return None
+    folder, name = os.path.split(path)
+    candidate = os.path.join(folder, name.split("-msl")[0] + "-features-off.metallib")
+    return candidate if os.path.exists(candidate) else None
+
+
+__all__ = ["Binding", "Buffer", "Dispatch", "Plan", "Specialization", "create", "features_off_metallib_path",
+           "features_off_prelude", "gpu_cores", "kernel_source", "metallib_path", "read", "specialized_source"]

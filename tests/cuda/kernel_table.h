@@ -11,6 +11,7 @@
 #define FA_CUDA_BUFFER(INDEX, NAME, TYPE, ACCESS, SPACE) , FA_CUDA_BUFFER_##SPACE(INDEX, TYPE, ACCESS)
 #define FA_CUDA_BUFFER_device_memory(INDEX, TYPE, ACCESS) static_cast<FA_ACCESS_##ACCESS TYPE *>(b.at[INDEX])
 #define FA_CUDA_BUFFER_constant_memory(INDEX, TYPE, ACCESS) *static_cast<TYPE *>(b.at[INDEX])
+#define FA_CUDA_BUFFER_constant_array(INDEX, TYPE, ACCESS) static_cast<TYPE *>(b.at[INDEX])
 #define FA_CUDA_BUILTIN(TYPE, NAME, ATTRIBUTE) , FA_CUDA_BUILTIN_##ATTRIBUTE
 #define FA_CUDA_BUILTIN_threadgroup_position_in_grid FA_CUDA_TGID
 #define FA_CUDA_BUILTIN_simdgroup_index_in_threadgroup FA_CUDA_SGID

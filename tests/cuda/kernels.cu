@@ -35,8 +35,9 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
 
 // The kernels that run over sequences take `table`, null for a dense problem; for a varlen one the
 // sequence table in device memory (flash_attention_varlen.h), which they read in the place of
-// params (its entry 0 is the host's struct, the others follow it).
-#define FA_CUDA_PARAMS (table != nullptr ? *table : params)
+// params (its entry 0 is the host's struct, the others follow it). The forward and backward
+// kernels take the parameters as a pointer (a constant array: flash_attention_varlen.h).
+#define FA_CUDA_PARAMS (table != nullptr ? table : &params)
 
 // The kernels of one dtype that do not depend on the bucket.
 #define FA_CUDA_DTYPE_LAUNCHERS(T, SUFFIX)                                                         \
@@ -44,7 +45,7 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
         const uchar *mask, const float *alibi, const float *sinks, const float *partial_out,       \
         const float *partial_lse) {                                                                \
-        flash_attention_forward_combine_##SUFFIX(q, k, v, out, lse, params, mask, alibi, sinks,   \
+        flash_attention_forward_combine_##SUFFIX(q, k, v, out, lse, &params, mask, alibi, sinks,   \
                                                  partial_out, partial_lse, FA_CUDA_TGID,           \
                                                  threadIdx.x);                                     \
     }                                                                                              \
@@ -69,7 +70,7 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
         const uchar *mask, const float *alibi, const float *sinks, float *partial_out,             \
         float *partial_lse) {                                                                      \
-        flash_attention_forward_split_##SUFFIX##_d##DP(q, k, v, out, lse, params, mask, alibi,     \
+        flash_attention_forward_split_##SUFFIX##_d##DP(q, k, v, out, lse, &params, mask, alibi,     \
                                                        sinks, partial_out, partial_lse,            \
                                                        FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);  \
     }                                                                                              \
@@ -78,7 +79,7 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
         const uchar *mask, const float *alibi, const float *sinks, float *partial_out,             \
         float *partial_lse) {                                                                      \
-        flash_attention_forward_decode_##SUFFIX##_d##DP(q, k, v, out, lse, params, mask, alibi,    \
+        flash_attention_forward_decode_##SUFFIX##_d##DP(q, k, v, out, lse, &params, mask, alibi,    \
                                                         sinks, partial_out, partial_lse,           \
                                                         FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE); \
     })                                                                                             \
@@ -114,7 +115,7 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
         const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
         const uchar *mask, const float *alibi, const float *sinks, float *partial_out,             \
         float *partial_lse, FaCudaKVCache c) {                                                     \
-        flash_attention_##NAME(q, k, v, out, lse, params, mask, alibi, sinks, __VA_ARGS__          \
+        flash_attention_##NAME(q, k, v, out, lse, &params, mask, alibi, sinks, __VA_ARGS__          \
                                c.block_table, static_cast<const T *>(c.k_scales),                  \
                                static_cast<const T *>(c.k_biases),                                 \
                                static_cast<const T *>(c.v_scales),                                 \
@@ -150,7 +151,7 @@ FA_HEAD_DIM_BUCKETS_F32(FA_CUDA_LAUNCHERS_F32)
 __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dsinks_kernel(
     const float *lse, FlashAttentionParams params, const float *delta, const float *sinks,
     const float *lse_residual, float *dsinks) {
-    flash_attention_backward_dsinks(nullptr, nullptr, nullptr, nullptr, nullptr, lse, params, delta,
+    flash_attention_backward_dsinks(nullptr, nullptr, nullptr, nullptr, nullptr, lse, &params, delta,
                                     nullptr, nullptr, sinks, lse_residual, dsinks, FA_CUDA_TGID,
                                     threadIdx.x);
 }

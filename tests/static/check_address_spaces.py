@@ -6,7 +6,10 @@ Compiles each .metal file unmodified with clang as C++ for OpenCL 2021 (-x clcpp
 to __global, __local, __constant and __private and declaring the rest of MSL the kernels use. clang
 emits LLVM IR for the SPIR target, which instantiates every template a kernel uses; the check then
 requires one emitted kernel for every kernel the preprocessed source defines. Warnings are errors,
-as for `xcrun metal -Werror` in build.sh.
+as for `xcrun metal -Werror` in build.sh. Each file is checked at every language version a front end
+compiles the kernels at (MSL_VERSIONS: the Swift host 3.0 or 3.1, PyTorch's compile_shader 3.1 and
+later, MLX the newest its SDK has, up to 4.1), with __HAVE_BFLOAT__ from 3.1 as Apple's compiler
+defines it, so that every preprocessor path of the kernels is compiled.
 
 Usage: tests/static/check_address_spaces.py [--clang PATH] [FILE.metal ...]   (default: Shaders/*.metal)
 Exit status: 0 all compiled, 1 a compile error or a kernel not emitted, 2 no usable clang.
@@ -24,20 +27,17 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADER_DIR = ROOT / "tools" / "clcpp"
-PARAMS = ROOT / "Shaders" / "flash_attention_params.h"
 KERNEL_DEFINITION = re.compile(r"\b(?:__)?kernel\s+void\s+(\w+)\s*\(")
 EMITTED_KERNEL = re.compile(r"^define\b[^@]*\bspir_kernel\b[^@]*@\"?([\w.$]+)\"?\(", re.MULTILINE)
 
 
-def msl_version() -> str:
-    """__METAL_VERSION__ of the newest language version the kernels use (FA_MSL_VERSION_MAJOR and
-    FA_MSL_BFLOAT_VERSION_MINOR, e.g. 310), so that the bfloat16 instances are checked too."""
-    text = PARAMS.read_text(encoding="utf-8")
-    major = re.search(r"#define\s+FA_MSL_VERSION_MAJOR\s+(\d+)", text)
-    minor = re.search(r"#define\s+FA_MSL_BFLOAT_VERSION_MINOR\s+(\d+)", text)
-    if not major or not minor:
-        sys.exit(f"check_address_spaces: FA_MSL_VERSION_MAJOR/FA_MSL_BFLOAT_VERSION_MINOR not found in {PARAMS}")
-    return f"{major.group(1)}{minor.group(1)}0"
+#: (__METAL_VERSION__, whether the compiler has bfloat) of every MSL version a front end uses.
+MSL_VERSIONS = ((300, False), (310, True), (320, True), (400, True), (410, True))
+
+
+def version_name(version: int) -> str:
+    """300 -> "3.0"."""
+    return f"{version // 100}.{version // 10 % 10}"
 
 
 def find_clang(explicit: str | None) -> str | None:
@@ -53,12 +53,13 @@ def find_clang(explicit: str | None) -> str | None:
     return None
 
 
-def clang_command(clang: str, source: pathlib.Path, *extra: str) -> list[str]:
+def clang_command(clang: str, source: pathlib.Path, *extra: str, version: tuple[int, bool] = MSL_VERSIONS[-1]) -> list[str]:
+    number, bfloat = version
     return [
         clang, "-x", "clcpp", "-cl-std=clc++2021", "-target", "spir64",
         # Only our <metal_stdlib>: neither OpenCL's default header nor the host's headers.
         "-cl-no-stdinc", "-nostdinc", "-I", str(HEADER_DIR), "-I", str(source.parent),
-        f"-D__METAL_VERSION__={msl_version()}", "-D__HAVE_BFLOAT__", "-Werror", *extra, str(source),
+        f"-D__METAL_VERSION__={number}", *(["-D__HAVE_BFLOAT__"] if bfloat else []), "-Werror", *extra, str(source),
     ]
 
 
@@ -76,28 +77,48 @@ def usable(clang: str) -> str | None:
 
 
 def check(clang: str, source: pathlib.Path) -> bool:
-    """Compiles one file; prints what it found; True when every defined kernel was emitted."""
-    preprocessed = subprocess.run(clang_command(clang, source, "-E", "-P"), capture_output=True, text=True)
-    if preprocessed.returncode != 0:
-        sys.stderr.write(preprocessed.stderr)
-        print(f"check_address_spaces: {source}: the preprocessor failed", file=sys.stderr)
-        return False
-    defined = set(KERNEL_DEFINITION.findall(preprocessed.stdout))
-    compiled = subprocess.run(clang_command(clang, source, "-S", "-emit-llvm", "-o", "-"),
+    """Compiles one file at every version of MSL_VERSIONS, stopping at the first failure; prints
+    what it found; True when every defined kernel was emitted at every version. A version whose
+    preprocessed source equals one already compiled is not compiled again (the same input gives
+    the same result)."""
+    compiled: dict[str, int] = {}
+    for version in MSL_VERSIONS:
+        where = f"{source} (MSL {version_name(version[0])})"
+        preprocessed = subprocess.run(clang_command(clang, source, "-E", "-P", version=version),
+                                      capture_output=True, text=True)
+        if preprocessed.returncode != 0:
+            sys.stderr.write(preprocessed.stderr)
+            print(f"check_address_spaces: {where}: the preprocessor failed", file=sys.stderr)
+            return False
+        count = compiled.get(preprocessed.stdout)
+        if count is None:
+            count = compile_kernels(clang, source, version, set(KERNEL_DEFINITION.findall(preprocessed.stdout)))
+            if count is None:
+                return False
+            compiled[preprocessed.stdout] = count
+        print(f"check_address_spaces: {source.name} (MSL {version_name(version[0])}): {count} kernels compiled "
+              "with MSL address spaces enforced")
+    return True
+
+
+def compile_kernels(clang: str, source: pathlib.Path, version: tuple[int, bool], defined: set[str]) -> int | None:
+    """Compiles one file at one (__METAL_VERSION__, bfloat); the number of kernels emitted, or None
+    (after printing why) when it does not compile or a kernel of `defined` is not emitted."""
+    where = f"{source} (MSL {version_name(version[0])})"
+    compiled = subprocess.run(clang_command(clang, source, "-S", "-emit-llvm", "-o", "-", version=version),
                               capture_output=True, text=True)
     if compiled.returncode != 0:
         sys.stderr.write(compiled.stderr)
-        print(f"check_address_spaces: {source}: does not compile as C++ for OpenCL 2021 (address spaces "
+        print(f"check_address_spaces: {where}: does not compile as C++ for OpenCL 2021 (address spaces "
               "enforced); see the errors above", file=sys.stderr)
-        return False
+        return None
     emitted = set(EMITTED_KERNEL.findall(compiled.stdout))
     missing = sorted(defined - emitted)
     if not defined or missing:
-        print(f"check_address_spaces: {source}: kernels defined but not emitted: {missing or 'none defined'}",
+        print(f"check_address_spaces: {where}: kernels defined but not emitted: {missing or 'none defined'}",
               file=sys.stderr)
-        return False
-    print(f"check_address_spaces: {source.name}: {len(emitted)} kernels compiled with MSL address spaces enforced")
-    return True
+        return None
+    return len(emitted)
 
 
 def main() -> int:

@@ -550,7 +550,8 @@ typedef struct fa_plan_specialization {
  * pass is cut into pieces of at most that many floating-point operations (ranges of batch entries or
  * of KV heads with their query heads; when one batch entry and KV head alone is larger, one dispatch
  * of it over a range of its query or key blocks, at least one block, the parameter bytes' block_offset
- * at the range's first block), whose dispatches bind the buffers at the offsets of their range
+ * at the range's first block; a KV-cache problem only in such block ranges of the whole problem),
+ * whose dispatches bind the buffers at the offsets of their range
  * (dispatches of pieces run in order): what the Metal backend does with 2^35 against the GPU
  * watchdog, one command buffer per piece. Pieces compute bit for bit what the whole pass computes.
  * The split-KV chunks are planned for fa_gpu_cores(NULL, ...): the Metal device the library runs on
@@ -597,10 +598,14 @@ fa_status fa_plan_get_specialization(const fa_plan *plan, uint32_t dispatch, uin
  * making its copy. */
 const char *fa_plan_kernel_source(void);
 
-/* The path of the precompiled kernels, flash_attention-<hash>.metallib, built by build.sh on a Mac
- * from exactly fa_plan_kernel_source() (MSL 3.1, macOS 14) and found next to this library when it
- * was loaded; NULL when there is none (Linux, or the Metal compiler was not installed). Static
- * storage. */
+/* The path of the precompiled kernels, flash_attention-<hash>-msl<version>.metallib, built by build.sh
+ * on a Mac from exactly fa_plan_kernel_source() (one per MSL version: 3.0 for macOS 13 without the
+ * bfloat16 kernels, 3.1 for macOS 14, 3.2 for macOS 15) and found next to this library when it was
+ * loaded: the newest version this OS runs; NULL when there is none (Linux, or the Metal compiler
+ * was not installed). Its kernels take their function constants as the plan's specialisation
+ * says. Beside it build.sh may put flash_attention-<hash>-features-off.metallib: the source after
+ * the prelude of every feature off (no function constants left), for hosts without function
+ * constants such as torch.mps.load_metallib. Static storage. */
 const char *fa_plan_metallib_path(void);
 
 /* Runs `plan` on context's backend with the caller's buffers: buffers[role] for each fa_buffer_role

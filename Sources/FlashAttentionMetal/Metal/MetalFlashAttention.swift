@@ -59,9 +59,9 @@ public final class MetalFlashAttention: @unchecked Sendable {
             throw FlashAttentionError.backendUnavailable(MetalFlashAttention.notAppleSilicon(device))
         }
         self.device = device
-        let (library, origin) = try MetalFlashAttention.library(for: device)
-        self.origin = origin
-        pipelines = MetalPipelines(device: device, library: library)
+        let kernels = try MetalFlashAttention.libraries(for: device)
+        origin = kernels.origin
+        pipelines = MetalPipelines(device: device, libraries: kernels.libraries, lost: kernels.lost)
         gpuCores = MetalBackend.cores(of: device)
     }
 
@@ -73,40 +73,82 @@ public final class MetalFlashAttention: @unchecked Sendable {
 
     // MARK: Library
 
-    private static func library(for device: MTLDevice) throws -> (MTLLibrary, String) {
-        var why = "no \(PrecompiledShaders.fileName) next to the library"
-        // build.sh builds the .metallib for macOS 14 (MSL 3.1, bfloat): older systems compile the
-        // source, as MSL 3.0 without the bfloat16 kernels.
-        if #available(macOS 14.0, iOS 17.0, tvOS 17.0, visionOS 1.0, *), let url = precompiledLibraryURL() {
+    /// The libraries that hold the kernels, where they came from, and why a dtype's kernels are
+    /// missing (by kernel suffix).
+    private struct Kernels {
+        let libraries: [MTLLibrary]
+        let origin: String
+        var lost: [String: String] = [:]
+    }
+
+    private static func libraries(for device: MTLDevice) throws -> Kernels {
+        var why = "no \(PrecompiledShaders.fileNames) for this OS next to the library"
+        // The newest version this OS runs (PrecompiledShaders.path); MSL 3.0's has no bfloat16 kernels.
+        if let url = precompiledLibraryURL() {
             do {
                 // MTLDevice.makeLibrary(URL:) (macOS 10.13+), throws when it cannot load the file.
-                return (try device.makeLibrary(URL: url), "kernels from \(url.path)")
+                return Kernels(libraries: [try device.makeLibrary(URL: url)], origin: "kernels from \(url.path)")
             } catch {
                 why = "\(url.path) was refused: \(error.localizedDescription)"
             }
-        } else if precompiledLibraryURL() != nil {
-            why = "\(PrecompiledShaders.fileName) needs macOS 14 or iOS 17"
         }
-        // MTLDevice.makeLibrary(source:options:): no include path, hence the spliced header. MSL 3.1
-        // where the OS has it; if that compile fails, MSL 3.0, where the source's
-        // `#if defined(__HAVE_BFLOAT__)` leaves out the bfloat16 kernels and nothing else: one
-        // dtype lost rather than every kernel.
-        var failures: [String] = []
-        for version in try languageVersions() {
-            do {
-                let library = try device.makeLibrary(source: EmbeddedShaders.source,
-                                                     options: compileOptions(version))
-                let retried = failures.isEmpty
-                    ? "" : "; without the bfloat16 kernels: " + failures.joined(separator: "; ")
-                return (library,
-                        "kernels compiled from the embedded source when the context was created (\(why)\(retried))")
-            } catch {
-                failures.append("MSL \(version.rawValue >> 16).\(version.rawValue & 0xFFFF) failed: "
-                                    + error.localizedDescription)
+        let compiled = "kernels compiled from the embedded source when the context was created (\(why)"
+        // MTLDevice.makeLibrary(source:options:): no include path, hence the spliced header. The
+        // whole source at the newest version the OS has (MSL 3.1 where it has bfloat).
+        let versions = try languageVersions()
+        let whole: String
+        do {
+            return Kernels(libraries: [try device.makeLibrary(source: EmbeddedShaders.source,
+                                                              options: compileOptions(versions[0]))],
+                           origin: compiled + ")")
+        } catch {
+            whole = "MSL \(name(versions[0])) failed: " + error.localizedDescription
+        }
+        // That failed: each dtype alone (a prelude defining FA_DTYPES), at each version in turn
+        // (bfloat16 only from MSL 3.1), so that a compiler failure loses only its dtype.
+        var libraries: [MTLLibrary] = []
+        var lost: [String: String] = [:]
+        for dtype in AttentionDType.allCases {
+            var failures: [String] = []
+            for version in versions where dtype != .bfloat16 || version.rawValue & 0xFFFF >= UInt(FA_MSL_BFLOAT_VERSION_MINOR) {
+                do {
+                    libraries.append(try device.makeLibrary(source: "#define FA_DTYPES \(dtypeMask(dtype))\n"
+                                                                + EmbeddedShaders.source,
+                                                            options: compileOptions(version)))
+                    failures = []
+                    break
+                } catch {
+                    failures.append("MSL \(name(version)) failed: " + error.localizedDescription)
+                }
             }
+            if !failures.isEmpty { lost[dtype.kernelSuffix] = failures.joined(separator: "; ") }
         }
-        throw FlashAttentionError.executionFailed(
-            "Metal could not compile the embedded shaders for \(device.name): " + failures.joined(separator: "; "))
+        guard !libraries.isEmpty else {
+            throw FlashAttentionError.executionFailed(
+                "Metal could not compile the embedded shaders for \(device.name): \(whole); each dtype alone: "
+                    + AttentionDType.allCases.compactMap { lost[$0.kernelSuffix].map { "\($0)" } }.joined(separator: "; "))
+        }
+        let missing = AttentionDType.allCases.compactMap { dtype in
+            lost[dtype.kernelSuffix].map { "without the \(dtype) kernels: \($0)" }
+        }
+        return Kernels(libraries: libraries,
+                       origin: compiled + "; the whole source did not compile (\(whole)), so each dtype was compiled "
+                           + "alone" + missing.map { "; " + $0 }.joined() + ")",
+                       lost: lost)
+    }
+
+    /// FA_DTYPE_MASK_* of `dtype` (Shaders/flash_attention_params.h).
+    private static func dtypeMask(_ dtype: AttentionDType) -> Int32 {
+        switch dtype {
+        case .float16: return FA_DTYPE_MASK_F16
+        case .bfloat16: return FA_DTYPE_MASK_BF16
+        case .float32: return FA_DTYPE_MASK_F32
+        }
+    }
+
+    /// "3.1" for MSL 3.1.
+    private static func name(_ version: MTLLanguageVersion) -> String {
+        "\(version.rawValue >> 16).\(version.rawValue & 0xFFFF)"
     }
 
     /// The .metallib next to the library (``PrecompiledShaders/path``).

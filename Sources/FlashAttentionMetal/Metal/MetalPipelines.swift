@@ -1,4 +1,4 @@
-// The compute pipelines of one Metal library, one per kernel name and specialization (the values of
+// The compute pipelines of the kernels' Metal libraries, one per kernel name and specialization (the values of
 // the function constants the kernel reads, Dispatch.specialization). Not compiled on Linux; each
 // Metal call was checked against Apple's documentation, cited where it is used.
 #if canImport(Metal)
@@ -14,13 +14,17 @@ final class MetalPipelines: @unchecked Sendable {
     }
 
     private let device: MTLDevice
-    private let library: MTLLibrary
+    /// The kernels: one library, or one per dtype when the whole source did not compile.
+    private let libraries: [MTLLibrary]
+    /// Why a dtype's kernels are in none of the libraries, by kernel suffix ("f16", "bf16", "f32").
+    private let lost: [String: String]
     private let lock = Lock()
     private var built: [Key: Result<MTLComputePipelineState, FlashAttentionError>] = [:]
 
-    init(device: MTLDevice, library: MTLLibrary) {
+    init(device: MTLDevice, libraries: [MTLLibrary], lost: [String: String] = [:]) {
         self.device = device
-        self.library = library
+        self.libraries = libraries
+        self.lost = lost
     }
 
     /// The pipeline of `dispatch`'s kernel specialised for its function constants.
@@ -59,6 +63,10 @@ final class MetalPipelines: @unchecked Sendable {
     /// to a value of the declared type: MSL bool is one byte, as Swift's Bool, and uint four
     /// (.../mtlfunctionconstantvalues/setconstantvalue(_:type:index:)).
     private func makeFunction(_ key: Key) -> Result<MTLFunction, FlashAttentionError> {
+        // MTLLibrary.functionNames: the names of the library's functions.
+        guard let library = libraries.first(where: { $0.functionNames.contains(key.kernelName) }) else {
+            return .failure(missing(key))
+        }
         if key.specialization.isEmpty {
             guard let function = library.makeFunction(name: key.kernelName) else { return .failure(missing(key)) }
             return .success(function)
@@ -77,15 +85,18 @@ final class MetalPipelines: @unchecked Sendable {
         do {
             return .success(try library.makeFunction(name: key.kernelName, constantValues: values))
         } catch {
-            // MTLLibrary.functionNames: the names of the library's functions.
-            guard library.functionNames.contains(key.kernelName) else { return .failure(missing(key)) }
             return .failure(.internalError("Metal could not specialise \(describe(key)): "
                                                + "\(error.localizedDescription)"))
         }
     }
 
-    /// Why the library lacks the kernel.
+    /// Why no library has the kernel.
     private func missing(_ key: Key) -> FlashAttentionError {
+        if let dtype = AttentionDType.allCases.first(where: { key.kernelName.contains("_\($0.kernelSuffix)") }),
+           let reason = lost[dtype.kernelSuffix] {
+            return .unsupported("the \(dtype) kernels did not compile on \(device.name) (\(reason)); the other "
+                                    + "dtypes run")
+        }
         if key.kernelName.contains("_bf16") {
             // Compiled below MSL 3.1 (or a .metallib built without bfloat): no bfloat kernels.
             return .unsupported("bfloat16 needs Metal Shading Language 3.1 (macOS 14, iOS 17); the kernels on "

@@ -15,7 +15,13 @@ The contract of compile_shader (PyTorch ``torch/csrc/mps/Module.cpp``, ``MetalKe
   so each dispatch compiles its constants prelude (``constant`` definitions of the function
   constants, from the plan) before the source (``plan.specialized_source``): one compiled library
   per prelude, cached;
-- encoding goes to the current MPS stream, which commits when PyTorch decides.
+- encoding goes to the current MPS stream, which commits when PyTorch decides, except between the
+  plan's pieces: there recording a ``torch.mps.Event`` commits the stream's command buffer without
+  waiting (PyTorch ``aten/src/ATen/mps/MPSHooks.mm``: ``recordEvent`` passes ``syncEvent`` true;
+  ``aten/src/ATen/mps/MPSEvent.mm``: ``MPSEvent::recordLocked`` ends the kernel coalescing, encodes
+  the signal and calls ``MPSStream::synchronize(SyncType::COMMIT)``; ``MPSStream.mm``: ``commit()``
+  is ``commitAndContinue`` of its MPSCommandBuffer, or a plain commit), so that no command buffer
+  of a long pass runs into the GPU watchdog, as on the Swift host.
 An MPS tensor's ``data_ptr()`` is never used as an address (it is an MTLBuffer handle plus an
 offset). Values that need the data (NaN in an additive mask) are not checked here: the kernels
 give defined output for any input without a synchronisation.
@@ -35,10 +41,9 @@ from .. import plan as _plan
 from .._native import native
 from ._tensors import backward_call, forward_call
 
-#: Work per piece of a plan (0: the whole pass in one piece). PyTorch commits the MPS stream's
-#: command buffers on its own schedule, so pieces would not reach the GPU in separate command
-#: buffers: one piece, whose bindings start at offset 0.
-MAX_FLOPS_PER_PIECE = 0
+#: Work per piece of a plan, each piece ending its command buffer (``_end_command_buffer``): the
+#: Swift host's budget against the GPU watchdog (MetalBackend.defaultFlopsPerCommandBuffer).
+MAX_FLOPS_PER_PIECE = 1 << 35
 #: Threadgroup memory of an Apple GPU threadgroup (Apple7 and later).
 _MAX_THREADGROUP_MEMORY = 32768
 #: A stand-in address for an optional input that is present: a plan reads only presence.
@@ -54,12 +59,18 @@ _plans: OrderedDict = OrderedDict()
 
 
 def _compile(dispatch: _plan.Dispatch):
-    """The compiled library of the dispatch's specialisation, compiled on first use (once per
-    process and prelude)."""
+    """The compiled library of the dispatch's specialisation, made on first use (once per process
+    and prelude): every feature off is loaded precompiled where build.sh built it and this
+    PyTorch has ``torch.mps.load_metallib``; the others are compiled from source."""
     key = dispatch.constants_prelude
     with _lock:
         if key in _libraries:
             return _libraries[key]
+    precompiled = _plan.features_off_metallib_path() if hasattr(torch.mps, "load_metallib") else None
+    if precompiled is not None and key == _plan.features_off_prelude():
+        library = torch.mps.load_metallib(precompiled)
+        with _lock:
+            return _libraries.setdefault(key, library)
     fast_math = os.environ.get("PYTORCH_MPS_FAST_MATH")
     if fast_math is not None and fast_math != "0":
         raise RuntimeError(
@@ -108,6 +119,12 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
 
+def _end_command_buffer() -> None:
+    """Commits what the MPS stream has encoded so far without waiting for it (see the module
+    docstring): recording an event does."""
+    torch.mps.Event().record()
+
+
 def _words(params: bytes) -> list[int]:
     """The parameter bytes as the int64 values whose setBytes copy is those bytes."""
     return list(struct.unpack(f"<{len(params) // 8}q", params))
@@ -129,7 +146,9 @@ def run(p, pass_name: str, tensors: dict) -> None:
     for buffer in made.buffers:
         if buffer.usage == "workspace":
             buffers[buffer.role] = torch.empty(max(buffer.byte_count, 1), dtype=torch.uint8, device=device)
-    for dispatch in made.dispatches:
+    for n, dispatch in enumerate(made.dispatches):
+        if n > 0 and dispatch.piece != made.dispatches[n - 1].piece:
+            _end_command_buffer()
         kernel = getattr(_compile(dispatch), dispatch.kernel_name)
         group = list(dispatch.threads_per_threadgroup)
         if math.prod(group) > kernel.max_threads_per_threadgroup:

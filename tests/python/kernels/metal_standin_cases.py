@@ -316,6 +316,24 @@ def test_msl_31_compile_failure_keeps_other_dtypes(cpu, monkeypatch):
 
 
 
+def test_a_dtype_that_does_not_compile_loses_only_its_kernels(cpu, monkeypatch):
+    """When the whole source does not compile because of one dtype's kernels (here float16), the
+    backend compiles each dtype alone: float32 and bfloat16 run, float16 is refused naming why."""
+    monkeypatch.setenv(FAULT_ENV, "compile:f16")
+    context = fam.Context("metal")
+    monkeypatch.delenv(FAULT_ENV)
+    assert "each dtype was compiled alone" in context.note and "without the float16 kernels" in context.note
+    assert "bfloat16" not in context.note and "float32" not in context.note, context.note
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        q, k, v = _small(dtype)
+        _same(cpu.forward(q, k, v), context.forward(q, k, v), f"{np.dtype(dtype).name} forward without float16")
+    q, k, v = _small()
+    with pytest.raises(fam.FlashAttentionError) as raised:
+        context.forward(q, k, v)
+    assert raised.value.status_name == "FA_STATUS_UNSUPPORTED"
+    assert "the float16 kernels did not compile" in str(raised.value) and "the other dtypes run" in str(raised.value)
+
+
 def _page_aligned(array: np.ndarray) -> np.ndarray:
     """A copy of array at a 16 KiB boundary (Apple silicon's page), its size a multiple of 16 KiB:
     memory the Metal backend wraps without a copy."""

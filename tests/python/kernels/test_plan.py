@@ -140,6 +140,17 @@ def test_metallib_path_is_found_next_to_the_library(tmp_path):
         return result.stdout.strip()
 
     assert probe() == "None"
-    metallib = tmp_path / f"flash_attention-{source_hash}.metallib"
-    metallib.write_bytes(b"")
-    assert probe() == str(metallib)
+    # One per MSL version; the newest the OS runs wins (on Linux every version counts as available).
+    oldest = tmp_path / f"flash_attention-{source_hash}-msl3.0.metallib"
+    oldest.write_bytes(b"")
+    assert probe() == str(oldest)
+    newest = tmp_path / f"flash_attention-{source_hash}-msl3.2.metallib"
+    newest.write_bytes(b"")
+    assert probe() == str(newest)
+    # PyTorch's every-feature-off specialisation sits beside them.
+    features_off = "from flash_attention_metal import plan; print(plan.features_off_metallib_path())"
+    run = lambda: subprocess.run([sys.executable, "-c", features_off], capture_output=True, text=True, env=env,
+                                 timeout=120).stdout.strip()
+    assert run() == "None"
+    (tmp_path / f"flash_attention-{source_hash}-features-off.metallib").write_bytes(b"")
+    assert run() == str(tmp_path / f"flash_attention-{source_hash}-features-off.metallib")

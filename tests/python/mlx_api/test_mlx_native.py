@@ -192,3 +192,22 @@ def test_the_metal_branch_of_eval_gpu_type_checks_against_mlx_headers():
                              "-I", str(root / "Sources" / "CFlashAttentionMetal" / "include"),
                              str(root / "mlx_extension" / "eval_gpu.cpp")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_pass_longer_than_one_command_buffer_is_refused_on_the_gpu():
+    """eval_gpu cannot end MLX's command buffer between pieces, so it refuses a pass the library
+    would cut (2^35 FLOP per command buffer, as the Swift host): the message names the limit and
+    the ways around it. Computed from shapes alone (the arrays are never evaluated); the refusal in
+    eval_gpu itself is only compiled here (test_the_metal_branch_of_eval_gpu_type_checks_against_mlx_headers)."""
+    from flash_attention_metal import _mlx_ext
+    short = mx.zeros((1, 2, 1024, 64), dtype=mx.float16)
+    assert _mlx_ext.long_pass_refusal(short, short, short, True, False) == ""
+    assert _mlx_ext.long_pass_refusal(short, short, short, True, True) == ""
+    # 4 * 32768^2 * 128 = 2^39 FLOP forward: one head is cut into ranges of query blocks.
+    long = mx.zeros((1, 1, 32768, 128), dtype=mx.float16)
+    for backward in (False, True):
+        why = _mlx_ext.long_pass_refusal(long, long, long, True, backward)
+        assert why.startswith(f"flash_attention_metal.mlx: this {'backward' if backward else 'forward'} pass needs ")
+        assert "2^35 FLOP" in why and "watchdog" in why and "mx.split" in why and "CPU stream" in why, why
+    count = lambda backward: int(_mlx_ext.long_pass_refusal(long, long, long, True, backward).split()[5])
+    assert 1 < count(False) < count(True)

@@ -4,7 +4,12 @@ setuptools accepts without deprecation warnings."""
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -62,3 +67,33 @@ def test_one_version_everywhere(project):
     definitions = [path for path in (_PACKAGE_DIR.parent.parent / "Sources").rglob("*.[ch]")
                    if re.search(r'#define FA_VERSION "', path.read_text(encoding="utf-8"))]
     assert [path.name for path in definitions] == ["flash_attention_metal.h"]
+
+
+def test_the_wheel_carries_the_library_the_header_and_the_swift_runtime(tmp_path):
+    """`pip wheel ./python` with FLASH_ATTENTION_METAL_PREBUILT (python/setup.py): a py3-none-<platform>
+    wheel holding the library and the C header and, on Linux, the Swift runtime libraries the
+    library loads, which its RUNPATH's $ORIGIN finds where no toolchain is installed. The install
+    into a fresh venv with the toolchain hidden is `./build.sh wheel` (.ci/run, outside this suite)."""
+    from flash_attention_metal import _native
+
+    library = _native.native().path
+    # setuptools' in-tree build folder: what an earlier build left there would go into the wheel.
+    shutil.rmtree(_PACKAGE_DIR.parent / "build", ignore_errors=True)
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+                             str(tmp_path), str(_PACKAGE_DIR.parent)],
+                            env=dict(os.environ, FLASH_ATTENTION_METAL_PREBUILT=str(library)),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    [wheel] = tmp_path.glob("flash_attention_metal-*.whl")
+    assert re.search(r"-py3-none-(linux|manylinux|macosx)_\w+\.whl$", wheel.name), wheel.name
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"flash_attention_metal/{library.name}", "flash_attention_metal/flash_attention_metal.h",
+            "flash_attention_metal/__init__.py"} <= names
+    assert not [name for name in names if "_mlx_ext" in name], "the MLX extension is built for one Python and MLX"
+    if sys.platform.startswith("linux"):
+        needed = subprocess.run(["ldd", str(library)], capture_output=True, text=True, check=True).stdout
+        runtime = set(re.findall(r"(libswift\w*\.so|libdispatch\.so|libBlocksRuntime\.so) => \S*/swift/", needed))
+        assert "libswiftCore.so" in runtime
+        assert {f"flash_attention_metal/{name}" for name in runtime} <= names
+        dynamic = subprocess.run(["readelf", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+        assert re.search(r"RUNPATH.*\$ORIGIN", dynamic), dynamic

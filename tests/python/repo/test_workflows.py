@@ -81,3 +81,23 @@ def test_no_copy_of_the_shaders_is_committed():
     if result.returncode == 128:
         pytest.skip(f"not a git checkout: {result.stderr.strip()}")
     assert result.stdout.split() == ["Shaders/flash_attention_params.h"], result.stdout
+
+
+def test_release_workflow_builds_macos_arm64_wheels_with_the_kernels():
+    """release.yml: on an Apple-silicon runner, the build with every .metallib required, `pip wheel
+    ./python` with that build, a check that the wheel carries the dylib and the .metallib files
+    (one per MSL version and PyTorch's features-off one), an install into a fresh venv that runs a
+    call, and the wheel kept as an artifact."""
+    document = YAML(typ="safe").load((ROOT / ".github" / "workflows" / "release.yml").read_text())
+    job = document["jobs"]["macos-arm64-wheel"]
+    assert job["runs-on"] == "macos-15"
+    steps = job["steps"]
+    scripts = "\n".join(step.get("run", "") for step in steps)
+    assert any(step.get("env", {}).get("FLASH_ATTENTION_METAL_REQUIRE_METALLIB") == "1" and "./build.sh" in step["run"]
+               for step in steps)
+    assert re.search(r"FLASH_ATTENTION_METAL_PREBUILT=\S+libFlashAttentionMetal\.dylib\S*\s*\\?\s*\S*python -m pip wheel"
+                     r"[^\n]*\./python", scripts)
+    for carried in ("flash_attention_metal/libFlashAttentionMetal.dylib", "-msl3.1.metallib", "-features-off.metallib"):
+        assert carried in scripts, carried
+    assert "pip install --quiet dist/flash_attention_metal-*.whl" in scripts
+    assert any(step.get("uses", "").startswith("actions/upload-artifact") for step in steps)

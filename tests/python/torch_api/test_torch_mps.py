@@ -68,6 +68,20 @@ class StandInCompiler:
         self.max_threads = max_threads_per_threadgroup
         self.sources = []
         self.dispatches = []
+        # len(dispatches) at each commit: torch.mps.Event().record() through the stand-in events.
+        self.commits = []
+        self._events = 0
+
+    def acquire_event(self, enable_timing: bool) -> int:
+        """torch._C._mps_acquireEvent: an event id above 0."""
+        assert enable_timing is False
+        self._events += 1
+        return self._events
+
+    def record_event(self, event_id: int) -> None:
+        """torch._C._mps_recordEvent, which commits the MPS stream's command buffer (MPSEvent.mm)."""
+        assert 0 < event_id <= self._events
+        self.commits.append(len(self.dispatches))
 
     def __call__(self, source: str):
         self.sources.append(source)
@@ -210,6 +224,9 @@ class StandInKernel:
 def compiler(monkeypatch):
     stand_in = StandInCompiler()
     monkeypatch.setattr(torch._C, "_mps_compileShader", stand_in, raising=False)
+    monkeypatch.setattr(torch._C, "_mps_acquireEvent", stand_in.acquire_event, raising=False)
+    monkeypatch.setattr(torch._C, "_mps_recordEvent", stand_in.record_event, raising=False)
+    monkeypatch.setattr(torch._C, "_mps_releaseEvent", lambda _event_id: None, raising=False)
     monkeypatch.setattr(_mps, "_libraries", {})
     monkeypatch.setattr(_mps, "_plans", type(_mps._plans)())
     return stand_in
@@ -275,15 +292,28 @@ def test_translation_gives_the_cpu_paths_bits(compiler, monkeypatch, case):
 
 def test_pieces_bind_at_offsets(compiler, monkeypatch):
     """A plan cut into pieces: each piece's dispatches bind the buffers at the piece's offsets
-    (views of the tensors further into their storage) and still give the whole plan's bits."""
+    (views of the tensors further into their storage), still give the whole plan's bits, and each
+    piece ends its command buffer (an event recorded after it, none after the pass's last piece:
+    PyTorch commits that one when it decides)."""
     sizes, options = CASES["float16, causal GQA"]
     expected = _run(_mps, sizes, options)
     whole = len(compiler.dispatches)
+    assert compiler.commits == [], "the default budget holds these passes in one piece each"
     monkeypatch.setattr(_mps, "MAX_FLOPS_PER_PIECE", 1)
     got = _run(_mps, sizes, options)
     assert len(compiler.dispatches) - whole > 2 * whole  # 4 pieces (2 batch entries x 2 KV heads) per pass
     for mine, theirs in zip(got, expected):
         assert torch.equal(mine, theirs)
+    plans = [made for (pass_name, budget, *_), made in _mps._plans.items() if budget == 1]
+    assert [made.pass_name for made in plans] == ["forward", "backward"]
+    boundaries, start = [], whole
+    for made in plans:
+        pieces = [d.piece for d in made.dispatches]
+        boundaries += [start + n for n in range(1, len(pieces)) if pieces[n] != pieces[n - 1]]
+        start += len(pieces)
+    assert len(boundaries) == sum(made.piece_count - 1 for made in plans) > 0
+    assert compiler.commits == boundaries
+
 
 
 def test_a_pipeline_with_fewer_threads_is_refused(compiler):
@@ -370,4 +400,33 @@ def test_a_view_off_a_16_byte_boundary_gives_the_cpu_paths_bits(compiler):
     expected = _host.forward(q, k, v, None, None, *settings)
     got = _mps.forward(q, k, v, None, None, *settings)
     for mine, theirs in zip(got, expected):
+        assert torch.equal(mine, theirs)
+
+
+def test_features_off_is_loaded_precompiled(compiler, monkeypatch, tmp_path):
+    """With build.sh's features-off .metallib and torch.mps.load_metallib, a pass without features
+    compiles nothing (one load per process), and a pass with features compiles only its own
+    prelude; the results are the source path's bits. Compiles per process for the two passes
+    (forward + backward) of each case: 1 from source without the .metallib, 0 with it for the
+    featureless case; 1 for the case with a mask, ALiBi, a window and softcap either way."""
+    metallib = tmp_path / "flash_attention-0-features-off.metallib"
+    metallib.write_bytes(b"stand-in")
+    loads = []
+
+    def load(path):
+        loads.append(path)
+        return StandInLibrary(compiler, plan.features_off_prelude() + plan.kernel_source())
+
+    plain, featured = CASES["float16, causal GQA"], CASES["bfloat16, mask, ALiBi, window, softcap, bshd"]
+    expected = [_run(_mps, *plain), _run(_mps, *featured)]
+    assert len(compiler.sources) == 2 and compiler.sources[0].startswith(plan.features_off_prelude())
+    monkeypatch.setattr(_mps, "_libraries", {})
+    monkeypatch.setattr(plan, "features_off_metallib_path", lambda library=None: str(metallib))
+    monkeypatch.setattr(torch._C, "_mps_loadMetallibFromPath", load, raising=False)
+    compiled = len(compiler.sources)
+    got = [_run(_mps, *plain), _run(_mps, *plain)]
+    assert loads == [str(metallib)] and len(compiler.sources) == compiled
+    got.append(_run(_mps, *featured))
+    assert len(compiler.sources) == compiled + 1 and not compiler.sources[-1].startswith(plan.features_off_prelude())
+    for mine, theirs in zip(got[0] + got[1] + got[2], expected[0] + expected[0] + expected[1]):
         assert torch.equal(mine, theirs)

@@ -412,3 +412,108 @@ private func modifiedOutputs(_ context: Context, _ p: Problem, q: [Float16], k: 
     }
     return [out, dq, dk, dv].map { $0.map { UInt32($0.bitPattern) } } + [lse, dsinks].map { $0.map(\.bitPattern) }
 }
+
+/// KV-cache and variable-length plans, which are cut into block ranges of the whole problem only:
+/// the pieces give the whole plan's bits on the CPU engine, and a variable-length piece first
+/// rewrites the sequence table with its own `block_offset`.
+final class BlockOnlyPiecesTests: XCTestCase {
+    /// Memory for the calls' arguments, freed when the test ends.
+    private var allocations: [UnsafeMutableBufferPointer<Float>] = []
+
+    override func tearDown() {
+        allocations.forEach { $0.deallocate() }
+        allocations = []
+    }
+
+    /// `count` floats, sin-filled from `seed`, or filled with `fill`.
+    private func buffer(_ count: Int, _ seed: Int = 0, fill: Float? = nil) -> UnsafeMutableBufferPointer<Float> {
+        let memory = UnsafeMutableBufferPointer<Float>.allocate(capacity: count)
+        for i in 0..<count { memory[i] = fill ?? Float(sin(Double(i * 7 + seed))) }
+        allocations.append(memory)
+        return memory
+    }
+
+    private func attention(flopsPerPiece: Int) throws -> FlashAttention {
+        FlashAttention(context: Context(backend: try CPUBackend(flopsPerPiece: flopsPerPiece)))
+    }
+
+    private func assertSame(_ result: [UnsafeMutableBufferPointer<Float>], _ reference: [UnsafeMutableBufferPointer<Float>],
+                            _ label: String, file: StaticString = #filePath, line: UInt = #line) {
+        for (n, (mine, whole)) in zip(result, reference).enumerated() {
+            XCTAssertFalse(whole.contains { $0.isNaN }, "output \(n) written: \(label)", file: file, line: line)
+            XCTAssertEqual(mine.map(\.bitPattern), whole.map(\.bitPattern), "output \(n): \(label)", file: file, line: line)
+        }
+    }
+
+    /// Sequences of 40, 0 and 70 query rows (50, 3, 67 keys), causal with a window, sinks and a
+    /// slope per sequence and head: forward and backward in pieces of one block (and of a few)
+    /// equal the whole run bit for bit.
+    func testVarlenPiecesGiveBitIdenticalResults() throws {
+        let batch = VarlenBatch(cuSeqlensQ: [0, 40, 40, 110], cuSeqlensK: [0, 50, 53, 120])
+        let (heads, kvHeads, dim, tq, tk) = (2, 1, 16, 110, 120)
+        let options = AttentionOptions(windowLeft: 30, windowRight: 5,
+                                       alibiSlopes: [0.25, 0.5, 0.125, 0.0625, 0.3, 0.2], sinks: [0.5, -1])
+        let q = buffer(tq * heads * dim, 1), k = buffer(tk * kvHeads * dim, 2), v = buffer(tk * kvHeads * dim, 3)
+        let dout = buffer(tq * heads * dim, 4)
+        func run(_ flopsPerPiece: Int) throws -> [UnsafeMutableBufferPointer<Float>] {
+            let attention = try attention(flopsPerPiece: flopsPerPiece)
+            let out = buffer(tq * heads * dim, fill: .nan), lse = buffer(heads * tq, fill: .nan)
+            let dq = buffer(q.count, fill: .nan), dk = buffer(k.count, fill: .nan), dv = buffer(v.count, fill: .nan)
+            let dsinks = buffer(heads, fill: .nan)
+            try attention.forwardVarlen(q: UnsafeBufferPointer(q), k: UnsafeBufferPointer(k), v: UnsafeBufferPointer(v),
+                                        out: out, lse: lse, batch: batch, numHeads: heads, numKVHeads: kvHeads,
+                                        headDim: dim, causal: true, options: options)
+            try attention.backwardVarlen(dout: UnsafeBufferPointer(dout), q: UnsafeBufferPointer(q),
+                                         k: UnsafeBufferPointer(k), v: UnsafeBufferPointer(v),
+                                         out: UnsafeBufferPointer(out), lse: UnsafeBufferPointer(lse), dq: dq, dk: dk,
+                                         dv: dv, batch: batch, numHeads: heads, numKVHeads: kvHeads, headDim: dim,
+                                         causal: true, options: options, dsinks: dsinks)
+            return [out, lse, dq, dk, dv, dsinks]
+        }
+        let whole = try run(.max)
+        for budget in [1, 200_000] {
+            assertSame(try run(budget), whole, "budget \(budget)")
+        }
+        // The plan's pieces: each dispatch over sequences (3 query blocks of 32 of the longest
+        // sequence's 70 rows; dK/dV 3 key blocks of 32 of 67) after a table run with its block_offset.
+        let p = try Problem.validate(batch.shape(numHeads: heads, numKVHeads: kvHeads, headDim: dim, headDimV: nil),
+                                     dtype: .float32, causal: true, softmaxScale: nil, options: options,
+                                     varlen: try batch.validated())
+        let backward = DispatchPlan.backward(p).pieces(maxFlops: 1)
+        for piece in backward where piece.plan.dispatches.last?.paramsRole == .sequenceTable {
+            XCTAssertEqual(piece.plan.dispatches.map(\.kernelName).first, "flash_attention_varlen_sequences")
+            XCTAssertEqual(piece.plan.dispatches.count, 2)
+            XCTAssertEqual(piece.plan.dispatches[0].params.block_offset, piece.plan.dispatches[1].params.block_offset)
+        }
+        XCTAssertEqual(backward.map { $0.plan.dispatches.last!.kernelName.split(separator: "_")[3] },
+                       ["delta"] + Array(repeating: "lse", count: 3) + Array(repeating: "dq", count: 3)
+                        + Array(repeating: "dkv", count: 3) + ["dsinks"])
+        XCTAssertEqual(backward.map { $0.plan.dispatches.last!.params.block_offset }, [0, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+        XCTAssertEqual(DispatchPlan.forward(p).pieces(maxFlops: .max).count, 1)
+    }
+
+    /// A paged cache (shuffled blocks) read by the dense kernel (65 query rows) and by the split-KV
+    /// kernel (2 rows): pieces of one block of the grid, then the combine, equal the whole run.
+    func testKVCachePiecesGiveBitIdenticalResults() throws {
+        let (heads, kvHeads, seqlenK, dim, page) = (4, 2, 77, 32, 8)
+        let table: [Int32] = [3, 0, 5, 1, 4, 10, 7, 9, 6, 8]
+        let kPaged = buffer(11 * kvHeads * page * dim, 2), vPaged = buffer(11 * kvHeads * page * dim, 3)
+        for seqlenQ in [65, 2] {
+            let shape = AttentionShape(batch: 1, numHeads: heads, numKVHeads: kvHeads, seqlenQ: seqlenQ,
+                                       seqlenK: seqlenK, headDim: dim)
+            let q = buffer(heads * seqlenQ * dim, 1)
+            func run(_ flopsPerPiece: Int) throws -> [UnsafeMutableBufferPointer<Float>] {
+                let out = buffer(heads * seqlenQ * dim, fill: .nan), lse = buffer(heads * seqlenQ, fill: .nan)
+                try table.withUnsafeBufferPointer { t in
+                    let cache = AttentionKVCache(k: UnsafeRawBufferPointer(kPaged), v: UnsafeRawBufferPointer(vPaged),
+                                                 rows: page, blockTable: t, maxBlocks: 10, numBlocks: 11)
+                    try attention(flopsPerPiece: flopsPerPiece).forward(q: UnsafeBufferPointer(q), cache: cache,
+                                                                        out: out, lse: lse, shape: shape, causal: true)
+                }
+                return [out, lse]
+            }
+            let whole = try run(.max)
+            assertSame(try run(1), whole, "seqlen_q \(seqlenQ)")
+        }
+    }
+}

@@ -3,6 +3,7 @@
 import Glibc
 #endif
 import Foundation
+import CFlashAttentionMetal
 import IOKit
 import MSLEngine
 
@@ -148,7 +149,16 @@ final class StandInDevice: MTLDevice, @unchecked Sendable {
     func makeLibrary(source: String, options: MTLCompileOptions?) throws -> MTLLibrary {
         let version = options?.languageVersion ?? .version3_1
         let major = Int(version.rawValue >> 16), minor = Int(version.rawValue & 0xFFFF)
-        if FaultPlan.shared.compileFails(major: major, minor: minor) {
+        // The source's `#if defined(__HAVE_BFLOAT__)` drops the bfloat16 kernels below MSL 3.1, and a
+        // first line `#define FA_DTYPES <mask>` keeps only those dtypes (flash_attention.metal).
+        let withBFloat = major > 3 || (major == 3 && minor >= 1)
+        var dtypes: Set<String> = withBFloat ? ["f16", "f32", "bf16"] : ["f16", "f32"]
+        let prelude = "#define FA_DTYPES "
+        if source.hasPrefix(prelude), let mask = Int(source.dropFirst(prelude.count).prefix { $0 != "\n" }) {
+            let bits = [("f16", Int(FA_DTYPE_MASK_F16)), ("f32", Int(FA_DTYPE_MASK_F32)), ("bf16", Int(FA_DTYPE_MASK_BF16))]
+            dtypes = dtypes.filter { suffix in bits.contains { $0.0 == suffix && mask & $0.1 != 0 } }
+        }
+        if FaultPlan.shared.compileFails(major: major, minor: minor, dtypes: dtypes) {
             throw NSError(domain: "MTLLibraryErrorDomain", code: 3, userInfo: [
                 NSLocalizedDescriptionKey: "program_source: error: (stand-in fault) MSL \(major).\(minor) refused",
             ])
@@ -157,8 +167,7 @@ final class StandInDevice: MTLDevice, @unchecked Sendable {
             throw NSError(domain: "MTLLibraryErrorDomain", code: 3,
                           userInfo: [NSLocalizedDescriptionKey: "program_source: no kernel"])
         }
-        // The source's `#if defined(__HAVE_BFLOAT__)` drops the bfloat16 kernels below MSL 3.1.
-        return StandInLibrary(device: self, withBFloat: major > 3 || (major == 3 && minor >= 1))
+        return StandInLibrary(device: self, dtypes: dtypes)
     }
 
     func makeComputePipelineState(function computeFunction: MTLFunction) throws -> MTLComputePipelineState {

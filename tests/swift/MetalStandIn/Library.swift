@@ -60,18 +60,21 @@ public protocol MTLComputePipelineState: AnyObject {
     var staticThreadgroupMemoryLength: Int { get }
 }
 
-/// The engine's kernels, without the bfloat16 ones when compiled below MSL 3.1.
+/// The engine's kernels of `dtypes` (kernel suffixes: no bfloat16 ones when compiled below MSL
+/// 3.1, only the prelude's when the source starts with one) and those of no dtype.
 final class StandInLibrary: MTLLibrary, @unchecked Sendable {
     let device: StandInDevice
     let functionNames: [String]
 
-    init(device: StandInDevice, withBFloat: Bool) {
+    init(device: StandInDevice, dtypes: Set<String>) {
         self.device = device
         var names: [String] = []
         while let name = msl_engine_kernel_name(names.count) {
             names.append(String(cString: name))
         }
-        functionNames = names.filter { withBFloat || !$0.contains("_bf16") }
+        functionNames = names.filter { name in
+            ["f16", "f32", "bf16"].allSatisfy { dtypes.contains($0) || !name.contains("_\($0)") }
+        }
     }
 
     func makeFunction(name functionName: String) -> MTLFunction? {

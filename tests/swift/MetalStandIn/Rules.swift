@@ -48,12 +48,15 @@ final class FaultPlan: @unchecked Sendable {
         return text.split(separator: ":")
     }
 
-    /// Whether compiling at `major.minor` fails.
-    func compileFails(major: Int, minor: Int) -> Bool {
+    /// Whether compiling at `major.minor` a source that defines the kernels of `dtypes` (kernel
+    /// suffixes) fails: "compile:3.1" fails every compile at MSL 3.1, "compile:f16" every compile
+    /// that defines the float16 kernels.
+    func compileFails(major: Int, minor: Int, dtypes: Set<String>) -> Bool {
         lock.lock()
         defer { lock.unlock() }
         let parts = current()
-        return parts.count == 2 && parts[0] == "compile" && parts[1] == "\(major).\(minor)"
+        return parts.count == 2 && parts[0] == "compile"
+            && (parts[1] == "\(major).\(minor)" || dtypes.contains(String(parts[1])))
     }
 
     /// The error code the next committed command buffer completes with, if any.
