@@ -263,15 +263,15 @@ inline void attention_backward_dq(device const T *dout, device const T *q, devic
             tile_window(mods.keys, kv0 + at.col, !tile_unmasked(unmasked, kv0, BK));
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
-            const float2 keep = dropout_on(p) ? dropout_factors(p, stream, row, kv0 + j * 8 + at.col)
-                                              : float2(1.0f);
+            const DropoutFactors keep = dropout_on(p) ? dropout_factors(p, stream, row, kv0 + j * 8 + at.col)
+                                                      : no_dropout();
             FA_UNROLL
             for (uint e = 0; e < 2; ++e) {
                 float t;
                 const float x = score<T>(p, mask, sc.f[j].thread_elements()[e], row,
                                           kv0 + j * 8 + at.col + e, mods, window.visible(j * 8 + e), t);
                 const float pe = probability(x, row_lse, row_residual);
-                const float dpe = dp.f[j].thread_elements()[e] * (e == 0 ? keep.x : keep.y);
+                const float dpe = dp.f[j].thread_elements()[e] * (e == 0 ? keep.first : keep.second);
                 sc.f[j].thread_elements()[e] = through_softcap(p, pe * (dpe - row_delta), t);
             }
         }

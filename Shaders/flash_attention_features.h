@@ -56,16 +56,31 @@ inline float dropout_factor(constant FlashAttentionParams &p, uint stream, uint 
     return fa_philox_word(w, key % 4) >= p.dropout_threshold ? p.dropout_scale : 0.0f;
 }
 
-// The factors of keys `key` and `key + 1` of one row (a lane's two elements of an 8x8 fragment):
-// one Philox call where both keys lie in one group of four (key % 4 != 3, so always for an even
+// The factors of keys `key` and `key + 1` of one row (a lane's two elements of an 8x8 fragment).
+struct DropoutFactors {
+    float first;
+    float second;
+};
+
+// One Philox call where both keys lie in one group of four (key % 4 != 3, so always for an even
 // key), a second one otherwise.
-inline float2 dropout_factors(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
+inline DropoutFactors dropout_factors(constant FlashAttentionParams &p, uint stream, uint row, uint key) {
     const FaPhiloxBlock w = fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4);
     const uint e = key % 4;
     const uint next = e == 3 ? fa_dropout_words(p.dropout_seed, p.dropout_offset, stream, row, key / 4 + 1).x0
                              : fa_philox_word(w, e + 1);
-    return float2(fa_philox_word(w, e) >= p.dropout_threshold ? p.dropout_scale : 0.0f,
-                  next >= p.dropout_threshold ? p.dropout_scale : 0.0f);
+    DropoutFactors f;
+    f.first = fa_philox_word(w, e) >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+    f.second = next >= p.dropout_threshold ? p.dropout_scale : 0.0f;
+    return f;
+}
+
+// Both factors 1: what the gradient kernels multiply by without dropout (folds away).
+inline DropoutFactors no_dropout() {
+    DropoutFactors f;
+    f.first = 1.0f;
+    f.second = 1.0f;
+    return f;
 }
 
 #endif

@@ -123,9 +123,9 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     if (WITH_V && DROPOUT && dropout_on(p)) {
         FA_UNROLL
         for (uint j = 0; j < NK; ++j) {
-            const float2 keep = dropout_factors(p, stream, row, kv0 + j * 8 + at.col);
-            sc.f[j].thread_elements()[0] *= keep.x;
-            sc.f[j].thread_elements()[1] *= keep.y;
+            const DropoutFactors keep = dropout_factors(p, stream, row, kv0 + j * 8 + at.col);
+            sc.f[j].thread_elements()[0] *= keep.first;
+            sc.f[j].thread_elements()[1] *= keep.second;
         }
     }
 

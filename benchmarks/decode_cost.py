@@ -43,14 +43,13 @@ DRAM_BYTES_PER_CYCLE = 7.5
 SCHEDULERS = 4
 GROUP_SIZE = 64
 
-PRELUDE = """#include <metal_stdlib>
-using namespace metal;
-#define FA_FUNCTION_CONSTANTS_PREDEFINED 1
-constant uint fa_mask_type = 0;
-constant bool fa_has_softcap = false;
-constant bool fa_has_alibi = false;
-constant bool fa_has_sinks = false;
-"""
+def prelude() -> str:
+    """Every function constant of FA_FUNCTION_CONSTANTS compiled off (0 / false)."""
+    params = (SHADERS / "flash_attention_params.h").read_text()
+    constants = re.findall(r"X\(FA_FUNCTION_CONSTANT_\w+, (uint|bool), (\w+),", params)
+    lines = [f"constant {kind} {name} = {'false' if kind == 'bool' else '0'};" for kind, name in constants]
+    return "\n".join(["#include <metal_stdlib>", "using namespace metal;", "#define FA_FUNCTION_CONSTANTS_PREDEFINED 1",
+                      *lines, ""])
 
 # A KV cache whose layout is a compile-time constant: CacheKV's rows with bits and paging fixed.
 FIXED_CACHE = """
@@ -151,7 +150,7 @@ def build_source(work: pathlib.Path, live: int, head_dims: list[int]) -> pathlib
     path = shaders / "decode_cost.metal"
     # Every function inlined, as Apple's compiler does, so a fixed layout folds inside the loads too.
     inline = "#pragma clang attribute push (__attribute__((always_inline)), apply_to = function)\n"
-    path.write_text(PRELUDE + inline + '#include "flash_attention_kernels.h"\n' + FIXED_CACHE +
+    path.write_text(prelude() + inline + '#include "flash_attention_kernels.h"\n' + FIXED_CACHE +
                     "#pragma clang attribute pop\n" + kernels)
     return path
 

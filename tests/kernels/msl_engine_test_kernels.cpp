@@ -11,6 +11,7 @@
 #include "planted_out_of_bounds.metal"
 #include "planted_undefined_behaviour.metal"
 #include "simd.metal"
+#include "tensor_ops.metal"
 
 #include "include/msl_engine_test_kernels.h"
 
@@ -124,6 +125,37 @@ void run_planted_signed_overflow(const kernel_args &a, const builtins &t) {
                             t.thread_position_in_grid.x);
 }
 
+void run_tensor_matmul_half(const kernel_args &a, const builtins &) {
+    tensor_matmul_half(a.buffer<const half>(0), a.buffer<const half>(1), a.buffer<const float>(2),
+                       a.buffer<float>(3));
+}
+void run_tensor_matmul_float(const kernel_args &a, const builtins &) {
+    tensor_matmul_float(a.buffer<const float>(0), a.buffer<const float>(1), a.buffer<float>(2),
+                        a.buffer<float>(3));
+}
+void run_tensor_layout_by_index(const kernel_args &a, const builtins &) {
+    tensor_layout_by_index(a.buffer<const half>(0), a.buffer<const half>(1), a.buffer<float>(2));
+}
+void run_tensor_layout_assumed(const kernel_args &a, const builtins &t) {
+    tensor_layout_assumed(a.buffer<const half>(0), a.buffer<const half>(1), a.buffer<float>(2),
+                          t.thread_index_in_simdgroup);
+}
+void run_tensor_bounds(const kernel_args &a, const builtins &) {
+    tensor_bounds(a.buffer<const half>(0), a.buffer<const half>(1), a.buffer<float>(2));
+}
+void run_tensor_missing_lane(const kernel_args &a, const builtins &t) {
+    tensor_missing_lane(a.buffer<const half>(0), a.buffer<float>(1), t.thread_index_in_simdgroup);
+}
+void run_tensor_divergent_descriptor(const kernel_args &a, const builtins &t) {
+    tensor_divergent_descriptor(a.buffer<float>(0), t.thread_index_in_simdgroup);
+}
+void run_tensor_capacity_overrun(const kernel_args &a, const builtins &) {
+    tensor_capacity_overrun(a.buffer<float>(0));
+}
+void run_tensor_run_on_tensors(const kernel_args &a, const builtins &) {
+    tensor_run_on_tensors(a.buffer<const half>(0), a.buffer<const half>(1), a.buffer<float>(2));
+}
+
 // LINE is where the kernel is defined; EngineTests checks every one against the .metal source.
 #define TEST_KERNEL(NAME, BUFFERS, THREADGROUP_BYTES, FILE, LINE)                                  \
     msl_engine::kernel_entry {                                                                     \
@@ -159,6 +191,15 @@ const msl_engine::kernel_entry kTestKernels[] = {
     TEST_KERNEL(planted_out_of_bounds_read, 3, 0, "planted_out_of_bounds.metal", 6),
     TEST_KERNEL(planted_signed_overflow, 3, 0, "planted_undefined_behaviour.metal", 6),
     TEST_KERNEL(function_constant_reader, 1, 0, "function_constants.metal", 16),
+    TEST_KERNEL(tensor_matmul_half, 4, 0, "tensor_ops.metal", 12),
+    TEST_KERNEL(tensor_matmul_float, 4, 0, "tensor_ops.metal", 43),
+    TEST_KERNEL(tensor_layout_by_index, 3, 0, "tensor_ops.metal", 53),
+    TEST_KERNEL(tensor_layout_assumed, 3, 0, "tensor_ops.metal", 78),
+    TEST_KERNEL(tensor_bounds, 3, 0, "tensor_ops.metal", 105),
+    TEST_KERNEL(tensor_missing_lane, 2, 0, "tensor_ops.metal", 121),
+    TEST_KERNEL(tensor_divergent_descriptor, 1, 0, "tensor_ops.metal", 136),
+    TEST_KERNEL(tensor_capacity_overrun, 1, 0, "tensor_ops.metal", 154),
+    TEST_KERNEL(tensor_run_on_tensors, 3, 0, "tensor_ops.metal", 166),
 };
 
 } // namespace

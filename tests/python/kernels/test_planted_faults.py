@@ -65,29 +65,29 @@ FAULTS = [
     # The forward's O rounded to float16 after every key tile's P V.
     Fault("O accumulated in float16", "flash_attention_forward.h",
           r"(accumulate_product<T>\(r\.o,[^;]*\);)", ROUND_O_TO_HALF,
-          "test_long_sequences.py::test_long_forward_of_few_rows_within_rule"),
+          "core/test_long_sequences.py::test_long_forward_of_few_rows_within_rule"),
     # O not multiplied by exp(m - m') on the second key tile (the running sum still is).
     Fault("rescale of O dropped on one tile", "flash_attention_forward.h",
           r"(r\.o\.f\[d\]\.thread_elements\(\)\[[01]\]\s*\*=\s*)correction;", r"\1(kv0 / BK == 1 ? 1.0f : correction);",
-          "test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]", count=2),
+          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]", count=2),
     # The element mask of a tile that the causal edge (or window) crosses lets key end through
     # (the window test of the decode kernel and dK/dV; TileWindow is the forward's and dQ's).
     Fault("off-by-one on the causal edge tile", "flash_attention_scores.h",
           r"key < keys\.end\b", "key <= keys.end",
-          "test_accuracy.py::test_forward_and_backward_within_rule[B2-H3-Hkv3-Nq7-Nk7-D8-causal]"),
+          "core/test_accuracy.py::test_forward_and_backward_within_rule[B2-H3-Hkv3-Nq7-Nk7-D8-causal]"),
     # The forward's key loop stops before a last tile that is not full.
     Fault("last key tile skipped", "flash_attention_forward.h",
           r"kv0 < key_end;(\s*kv0 \+= BK\)\s*\{\s*forward_tile<DP, BQ, BK>\(r, tg,)", r"kv0 + BK <= key_end;\1",
-          "test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]"),
+          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]"),
     # dK/dV sum the group's first query head twice and never its last.
     Fault("dK/dV sum the wrong query head of a GQA group", "flash_attention_backward.h",
           r"(const uint h = kv_head \* group \+ )g;", r"\1(g + 1 < group ? g : 0);",
-          "test_accuracy.py::test_forward_and_backward_within_rule[B1-H4-Hkv2-Nq32-Nk32-D32-full]"),
+          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H4-Hkv2-Nq32-Nk32-D32-full]"),
     # dQ takes the lse of the next row (the last row its own).
     Fault("dQ reads the lse of the neighbouring row", "flash_attention_backward.h",
           r"(const float row_lse = row < p\.seqlen_q \? backward_row_lse\(lse\[at_row)\]\)",
           r"\1 + (row + 1 < p.seqlen_q ? 1 : 0)])",
-          "test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]"),
+          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]"),
 ]
 
 

@@ -108,7 +108,7 @@ final class EngineTests: XCTestCase {
     func testTestKernelEntriesNameTheirDefinitions() {
         msl_engine_test_kernels_register()
         for file in ["barrier.metal", "bfloat.metal", "counters.metal", "simd.metal", "matrix.metal", "limits.metal",
-                     "planted_out_of_bounds.metal", "planted_undefined_behaviour.metal", "function_constants.metal"] {
+                     "planted_out_of_bounds.metal", "planted_undefined_behaviour.metal", "function_constants.metal", "tensor_ops.metal"] {
             let kernels = kernelSourceLines(file).compactMap { line -> String? in
                 guard line.hasPrefix("kernel void ") else { return nil }
                 return String(line.dropFirst("kernel void ".count).prefix { $0 != "(" })
