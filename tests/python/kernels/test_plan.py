@@ -130,8 +130,9 @@ def test_metallib_path_is_found_next_to_the_library(tmp_path):
     """fa_plan_metallib_path looks next to the file the library was loaded from."""
     library = tmp_path / _native.library_file_name()
     shutil.copy(_native.native().path, library)
-    # The first 16 hex digits of the SHA-256 of the embedded source (Sources/EmbedShaders).
-    source_hash = hashlib.sha256(plan.kernel_source().encode("utf-8")).hexdigest()[:16]
+    # The first 16 hex digits of the SHA-256 of the spliced source (Sources/EmbedShaders), whose last
+    # newline the Swift string literal that embeds it drops.
+    source_hash = hashlib.sha256((plan.kernel_source() + "\n").encode("utf-8")).hexdigest()[:16]
     env = dict(os.environ, **{fam.LIBRARY_ENV: str(library)})
 
     def probe() -> str:
