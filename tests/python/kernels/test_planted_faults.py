@@ -77,7 +77,7 @@ FAULTS = [
           "core/test_accuracy.py::test_forward_and_backward_within_rule[B2-H3-Hkv3-Nq7-Nk7-D8-causal]"),
     # The forward's key loop stops before a last tile that is not full.
     Fault("last key tile skipped", "flash_attention_forward.h",
-          r"kv0 < key_end;(\s*kv0 \+= BK\)\s*\{\s*forward_tile<DP, BQ, BK>\(r, tg,)", r"kv0 + BK <= key_end;\1",
+          r"kv0 < key_end;(\s*kv0 \+= BK\)\s*\{\s*forward_tile<DP, BQ, BK[^>]*>\(r, tg,)", r"kv0 + BK <= key_end;\1",
           "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]"),
     # dK/dV sum the group's first query head twice and never its last.
     Fault("dK/dV sum the wrong query head of a GQA group", "flash_attention_backward.h",
