@@ -144,6 +144,10 @@ def _nonfinite_metrics(q, k, v, dout, ours: dict, options: dict) -> list:
     with np.errstate(all="ignore"):
         ref_out, ref_lse = reference.forward(q, k, v, **options)
         base_outs = [accuracy.base_forward(q, k, v, **options)[0]]
+        if q.dtype == np.float32:  # float32's second baseline, as evaluate_forward takes it
+            score_options = {n: x for n, x in options.items() if n not in ("sinks", "softmax_scale")}
+            scale = reference.default_scale(q.shape[3], options.get("softmax_scale"))
+            base_outs.append(accuracy._framework_forward(q, k, v, scale, options.get("sinks"), score_options)[0])
         metrics = []
         for out, lse, suffix in (("out", "lse", ""), ("split_out", "split_lse", "(split)")):
             if out in ours:
@@ -152,10 +156,12 @@ def _nonfinite_metrics(q, k, v, dout, ours: dict, options: dict) -> list:
         gradients = [t for t in ("dq", "dk", "dv") if t in ours]
         if gradients:
             refs = reference.backward(dout, q, k, v, **options)
-            bases = accuracy.base_backward(dout, q, k, v, **options)
+            candidates = [accuracy.base_backward(dout, q, k, v, **options)]
+            if q.dtype == np.float32:  # float32's second baseline, as evaluate_backward takes it
+                candidates.append(accuracy._base_backward(dout, q, k, v, blocked=True, **options)[0])
             for i, t in enumerate(("dq", "dk", "dv")):
                 if t in ours:
-                    metrics.append(_finite_metric(t, ours[t], [bases[i]], refs[i], softcap))
+                    metrics.append(_finite_metric(t, ours[t], [c[i] for c in candidates], refs[i], softcap))
     return metrics
 
 
