@@ -1,7 +1,8 @@
 """The CUDA check's case grids: the attention problems the plan-fed replay runs (tests/cuda/cases.py
 writes them, replay.cu runs them). Plain data, no library: the same shapes as the harness's
 cases.cpp, with its names ("f16_d40_b1_h8x2_q33_k77_causal"), so that --case filters select the
-same cases.
+same cases; and, in both grids, cases the harness has not: non-finite inputs (issue 36) and dropout
+(issue 40), nonfinite_cases and dropout_cases below.
 """
 
 from __future__ import annotations
