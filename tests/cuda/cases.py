@@ -16,7 +16,8 @@ the library's.
 
 ``write`` draws the inputs (N(0, 1) rounded to the dtype, seeded by the case name; masks, ALiBi
 slopes and sinks as cases.h describes; cases.cpp's generator, so the same values as the harness's;
-then the NaN and infinities of grid.NONFINITE_PLACEMENTS for issue 36's cases), writes for each case FOLDER/NAME.case (the binary below)
+then the NaN and infinities of grid.NONFINITE_PLACEMENTS for issue 36's cases), writes for each
+case FOLDER/NAME.case (the binary below)
 and the judge's files (dump.h's format: NAME.q, .k, .v, .dout, .mask, .alibi, .sinks as float32
 in logical order, and the case's cases.txt line in NAME.line).
 

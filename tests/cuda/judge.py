@@ -112,8 +112,8 @@ def judge_case(folder: pathlib.Path, line: str) -> tuple[str, bool, str, list]:
         options["dropout_mask"] = dropout.reference_mask(dropout_call, batch, heads, seqlen_q, seqlen_k)
     if not all(np.all(np.isfinite(x.astype(np.float32))) for x in (q, k, v, dout)):
         metrics = _nonfinite_metrics(q, k, v, dout, ours, options)
-        return name, all(m.passed for m in metrics), " ".join(
-            f"{m.name} {m.error:.2e}/{m.bound:.2e}{'' if m.passed else '(FAIL)'}" for m in metrics) + " non-finite", metrics
+        detail = " ".join(f"{m.name} {m.error:.2e}/{m.bound:.2e}{'' if m.passed else '(FAIL)'}" for m in metrics)
+        return name, all(m.passed for m in metrics), detail + " non-finite", metrics
 
     metrics = accuracy.evaluate_forward(q, k, v, ours["out"], ours["lse"], exact_kv=exact_kv, **options)
     gradients = [t for t in ("dq", "dk", "dv") if t in ours]
