@@ -15,7 +15,9 @@ SPLIT_CORES cores where that plan differs (split-KV, or more chunks), into outpu
 the library's.
 
 ``write`` draws the inputs (N(0, 1) rounded to the dtype, seeded by the case name; masks, ALiBi
-slopes and sinks as cases.h describes; cases.cpp's generator, so the same values as the harness's), writes for each case FOLDER/NAME.case (the binary below)
+slopes and sinks as cases.h describes; cases.cpp's generator, so the same values as the harness's;
+then the NaN and infinities of grid.NONFINITE_PLACEMENTS for issue 36's cases), writes for each
+case FOLDER/NAME.case (the binary below)
 and the judge's files (dump.h's format: NAME.q, .k, .v, .dout, .mask, .alibi, .sinks as float32
 in logical order, and the case's cases.txt line in NAME.line).
 
@@ -129,7 +131,8 @@ def _problem(c: grid.Case, placed: dict, library):
     window = (o.window_left, o.window_right) if o.window_left >= 0 or o.window_right >= 0 else None
     _abi.set_score_fields(p, ffi, lib, window=window, softcap=o.softcap,
                           mask=(16, _mask_strides(c)[:3], kind) if kind else None,
-                          alibi=(16, o.alibi_per_batch) if o.alibi else None, sinks=16 if o.sinks else None)
+                          alibi=(16, o.alibi_per_batch) if o.alibi else None, sinks=16 if o.sinks else None,
+                          dropout=(c.dropout_p, c.dropout_seed, c.dropout_offset) if c.dropout_p > 0 else None)
     return p
 
 
@@ -327,7 +330,17 @@ def inputs(c: grid.Case) -> dict[str, np.ndarray]:
         x["alibi"] = np.array(slopes if o.alibi_per_batch else slopes[0], np.float32)
     if o.sinks:
         x["sinks"] = rng.normal(h, np.float32) + np.float32(1)
+    _plant_nonfinite(c, x)
     return x
+
+
+def _plant_nonfinite(c: grid.Case, x: dict[str, np.ndarray]) -> None:
+    """Writes the case's NaN and infinities (grid.NONFINITE_PLACEMENTS) into the drawn inputs,
+    after every draw, so the finite values stay the seeded ones."""
+    for tensor, batch, head, row, column, value in grid.NONFINITE_PLACEMENTS.get(c.nonfinite, ()):
+        rows = x[tensor].shape[2]
+        if row < rows:
+            x[tensor][batch, head, row % rows, column] = value
 
 
 def _scatter(image: bytearray, tensor: dict, values: np.ndarray) -> None:
@@ -340,12 +353,14 @@ def _scatter(image: bytearray, tensor: dict, values: np.ndarray) -> None:
 
 
 def _line(c: grid.Case, outputs: list[str]) -> str:
-    """The case's cases.txt line (dump.h)."""
+    """The case's cases.txt line (dump.h), with dropout_p, seed and offset after the outputs when
+    the case has dropout (judge.py reads them; the harness's lines have none)."""
     o = c.options
     return (f"{c.name} {c.dtype} {c.batch} {c.num_heads} {c.num_kv_heads} {c.seqlen_q} {c.seqlen_k} "
             f"{c.head_dim} {c.head_dim_v} {int(c.causal)} {c.softmax_scale:.9g} {o.window_left} {o.window_right} "
             f"{o.softcap:.9g} {grid.MASKS.index(o.mask)} {int(o.mask_per_batch)} {int(o.mask_per_head)} "
-            f"{int(o.alibi)} {int(o.alibi_per_batch)} {int(o.sinks)} {','.join(outputs)}\n")
+            f"{int(o.alibi)} {int(o.alibi_per_batch)} {int(o.sinks)} {','.join(outputs)}"
+            + (f" {c.dropout_p:.9g} {c.dropout_seed} {c.dropout_offset}" if c.dropout_p > 0 else "") + "\n")
 
 
 def write_case(entry: dict, folder: pathlib.Path) -> None:

@@ -1,7 +1,8 @@
 """The CUDA check's case grids: the attention problems the plan-fed replay runs (tests/cuda/cases.py
 writes them, replay.cu runs them). Plain data, no library: the same shapes as the harness's
 cases.cpp, with its names ("f16_d40_b1_h8x2_q33_k77_causal"), so that --case filters select the
-same cases.
+same cases; and, in both grids, cases the harness has not: non-finite inputs (issue 36) and dropout
+(issue 40), nonfinite_cases and dropout_cases below.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class Case:
     layout: str = "bhsd"
     options: Options = field(default_factory=Options)
     mask_hide: float = -math.inf
+    nonfinite: str = ""  # "" or a NONFINITE_PLACEMENTS key: where cases.py plants NaN and infinities
+    dropout_p: float = 0.0  # dropout on P (FlashAttention's dropout_p), with its Philox seed and offset
+    dropout_seed: int = 0
+    dropout_offset: int = 0
 
 
 def case(dtype, d, b, h, kv, sq, sk, causal, *, dv=0, scale=0.0, layout="bhsd", options=Options()) -> Case:
@@ -88,6 +93,54 @@ def finite_min(c: Case) -> Case:
     """The case with its additive mask hiding keys with float32's lowest finite value."""
     import numpy as np
     return replace(c, name=c.name + "_min", mask_hide=float(np.finfo(np.float32).min))
+
+
+# Issue 36 (docs/semantics.md, "Non-finite values"): (tensor, batch, head, row, column, value) of
+# each planted element; rows past a tensor's length are left out. Keys 64, 79, 95, 127 are the first,
+# a middle and the last key of 64-key chunks and tiles; batch 1 stays finite, so every case has rows
+# that the accuracy rule (and the planted exp2 -> exp fault) still sees.
+_NAN, _INF = math.nan, math.inf
+NONFINITE_PLACEMENTS = {
+    "k": (("k", 0, 0, 64, 3, _NAN), ("k", 0, -1, 79, 5, _INF), ("k", 0, 0, 95, 0, -_INF), ("k", 0, -1, 127, -1, _NAN)),
+    "v": (("v", 0, 0, 64, 3, _NAN), ("v", 0, -1, 79, 5, _INF), ("v", 0, 0, 95, 0, -_INF), ("v", 0, -1, 127, -1, _NAN)),
+    "q": (("q", 0, 0, 0, 3, _NAN), ("q", 0, -1, -1, 5, _INF), ("q", 0, 1, 0, 0, -_INF)),
+    "issue36": (("k", 0, 0, 3, 7, _NAN),),  # the issue's reproducer: heads 0-3 NaN, heads 4-7 finite
+}
+
+
+def nonfinite(c: Case, placement: str) -> Case:
+    """The case with NaN and infinities planted in its inputs (NONFINITE_PLACEMENTS[placement])."""
+    return replace(c, name=f"{c.name}_nonfinite.{placement}", nonfinite=placement)
+
+
+def dropout(c: Case, p: float, seed: int, offset: int, tag: str = "") -> Case:
+    """The case with dropout p on the probabilities, Philox-keyed by seed and offset."""
+    return replace(c, name=f"{c.name}_drop{p:g}{tag}", dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+
+
+def nonfinite_cases() -> list[Case]:
+    """Issue 36's cases, in both grids: NaN and infinities in k, v and q rows on the dense (72 rows),
+    tiled split (16 query heads over 1 KV head, one row) and decode (4:1 GQA, two rows) paths,
+    forward and backward (a NaN in q reaches dq, dk, dv), and the issue's reproducer. No mask,
+    window or causal: no key is hidden from a row, so rows the reference gives finite must be
+    finite (docs/semantics.md lets a non-finite v at a hidden key reach a row)."""
+    shapes = [case(F16, 64, 2, 4, 2, 72, 160, False), case(F16, 64, 2, 16, 1, 1, 160, False),
+              case(F32, 64, 2, 4, 1, 2, 160, False)]
+    c = [nonfinite(s, where) for s in shapes for where in ("k", "v", "q")]
+    c.append(nonfinite(case(BF16, 128, 2, 4, 2, 40, 90, False), "q"))
+    c.append(nonfinite(case(F32, 64, 1, 8, 2, 1, 2000, False), "issue36"))
+    return c
+
+
+def dropout_cases() -> list[Case]:
+    """Issue 40's cases, in both grids: dropout 0.17 forward and backward, float16 and float32, head
+    dims 64 and 128, causal, a window, GQA; one with seed and offset near 2^64 so that the Philox
+    counter wraps."""
+    return [dropout(case(F16, 64, 2, 4, 2, 100, 100, True), 0.17, 1234, 5678),
+            dropout(case(F32, 128, 1, 8, 2, 70, 77, False, options=mods(window=(16, 8))), 0.17, 42, 7),
+            dropout(case(F16, 128, 2, 8, 2, 65, 90, False, options=mods(window=(20, -1))), 0.17,
+                    2**64 - 3, 2**64 - 5, ".wrap"),
+            dropout(case(F32, 64, 2, 6, 3, 80, 60, True), 0.17, 99, 0)]
 
 
 def mods(*, window=None, softcap=0.0, mask=None, alibi=None, sinks=False) -> Options:
@@ -193,7 +246,7 @@ def full_grid() -> list[Case]:
                                                                sinks=True)),
               case(t, 576, 1, 8, 1, 2, 600, True, dv=512, layout="bshd",
                    options=mods(window=(300, -1), mask=("boolean", True, False), sinks=True))]
-    return c
+    return c + nonfinite_cases() + dropout_cases()
 
 
 def small_grid() -> list[Case]:
@@ -235,4 +288,4 @@ def small_grid() -> list[Case]:
                                                           alibi="head", sinks=True)),
         finite_min(case(F16, 128, 1, 4, 2, 40, 70, True, options=mods(mask=("additive_f32", False, True)))),
         case(BF16, 32, 2, 4, 2, 50, 60, True, scale=30.0, options=mods(sinks=True)),
-    ]
+    ] + nonfinite_cases() + dropout_cases()

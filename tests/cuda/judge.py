@@ -7,12 +7,14 @@ dv (and dsinks with sinks) with ``accuracy.evaluate_backward`` (only the gradien
 dumped: large_offsets runs no dK/dV); a quantized KV cache's out and lse against its float64
 dequantized keys and values (NAME.k_exact, NAME.v_exact: ``evaluate_forward``'s ``exact_kv``); the split-KV forward's out and lse, when dumped, with
 ``evaluate_forward`` again; and rows that see no key must hold out 0, dq 0 and lse -inf (sinks[h]
-with sinks) exactly.
+with sinks) exactly. A case with dropout (dropout_p, seed, offset after its outputs) is judged
+against the reference with the same Philox mask (``dropout.reference_mask``); a case whose inputs
+hold NaN or infinities by docs/semantics.md's "Non-finite values" (``_nonfinite_metrics``).
 
 Usage: python3 tests/cuda/judge.py DUMP_FOLDER [--name NAME]
 Prints one line per case, the worst ratios to base per dtype and "NAME: N cases, M mismatches"
 (NAME defaults to cuda-accuracy); exit status 1 on any mismatch or an empty folder. Needs numpy, and
-ml_dtypes for bfloat16; neither the compiled library nor cffi (the two modules are loaded by path).
+ml_dtypes for bfloat16; neither the compiled library nor cffi (the modules are loaded by path).
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ def _load_rule_modules():
     (which loads the native library through cffi: neither is needed, nor present on a GPU box)."""
     package = types.ModuleType("flash_attention_metal")
     package.__path__ = [str(PACKAGE)]
-    sys.modules.setdefault("flash_attention_metal", package)
+    sys.modules.setdefault("flash_attention_metal", package)  # dropout: the Philox mask, numpy only
     return (importlib.import_module("flash_attention_metal.reference"),
-            importlib.import_module("flash_attention_metal.accuracy"))
+            importlib.import_module("flash_attention_metal.accuracy"),
+            importlib.import_module("flash_attention_metal.dropout"))
 
 
-reference, accuracy = _load_rule_modules()
+reference, accuracy, dropout = _load_rule_modules()
 
 
 def _dtypes() -> dict:
@@ -65,6 +68,8 @@ def judge_case(folder: pathlib.Path, line: str) -> tuple[str, bool, str, list]:
     left, right = int(fields[9]), int(fields[10])
     mask_kind, mask_per_batch, mask_per_head, alibi, alibi_per_batch, sinks = map(int, fields[12:18])
     outputs = fields[18].split(",")
+    # cases.py's dropout cases add dropout_p, seed and offset (the harness's lines end at outputs).
+    dropout_call = (float(fields[19]), int(fields[20]), int(fields[21])) if len(fields) > 19 else None
     if dtype_name not in DTYPES:
         return name, False, f"cannot judge {dtype_name}: install ml_dtypes", []
     dtype = DTYPES[dtype_name]
@@ -103,6 +108,12 @@ def judge_case(folder: pathlib.Path, line: str) -> tuple[str, bool, str, list]:
         options["alibi_slopes"] = load("alibi")
     if sinks:
         options["sinks"] = load("sinks")
+    if dropout_call is not None:
+        options["dropout_mask"] = dropout.reference_mask(dropout_call, batch, heads, seqlen_q, seqlen_k)
+    if not all(np.all(np.isfinite(x.astype(np.float32))) for x in (q, k, v, dout)):
+        metrics = _nonfinite_metrics(q, k, v, dout, ours, options)
+        detail = " ".join(f"{m.name} {m.error:.2e}/{m.bound:.2e}{'' if m.passed else '(FAIL)'}" for m in metrics)
+        return name, all(m.passed for m in metrics), detail + " non-finite", metrics
 
     metrics = accuracy.evaluate_forward(q, k, v, ours["out"], ours["lse"], exact_kv=exact_kv, **options)
     gradients = [t for t in ("dq", "dk", "dv") if t in ours]
@@ -121,6 +132,62 @@ def judge_case(folder: pathlib.Path, line: str) -> tuple[str, bool, str, list]:
         f"{m.name} {m.error:.2e}/{m.base_error:.2e}={_ratio(m):.2f}{'' if m.passed else '(FAIL)'}"
         for m in metrics)
     return name, passed, f"{detail} empty {empty_rows}{'' if empty_ok else '(FAIL)'}", metrics
+
+
+def _nonfinite_metrics(q, k, v, dout, ours: dict, options: dict) -> list:
+    """Issue 36's rule (docs/semantics.md, "Non-finite values") for inputs holding NaN or
+    infinities: every output entry the float64 reference gives NaN (or +-inf) must be that, the lse
+    NaN, +inf or -inf exactly where the reference's is; the entries the reference gives finite
+    must be finite and within the accuracy rule (its base error taken over those entries). The
+    cases hide no key from any row (grid.nonfinite_cases), so no exception of the rule applies."""
+    softcap = options.get("softcap", 0.0)
+    with np.errstate(all="ignore"):
+        ref_out, ref_lse = reference.forward(q, k, v, **options)
+        base_outs = [accuracy.base_forward(q, k, v, **options)[0]]
+        if q.dtype == np.float32:  # float32's second baseline, as evaluate_forward takes it
+            score_options = {n: x for n, x in options.items() if n not in ("sinks", "softmax_scale")}
+            scale = reference.default_scale(q.shape[3], options.get("softmax_scale"))
+            base_outs.append(accuracy._framework_forward(q, k, v, scale, options.get("sinks"), score_options)[0])
+        metrics = []
+        for out, lse, suffix in (("out", "lse", ""), ("split_out", "split_lse", "(split)")):
+            if out in ours:
+                metrics += [_finite_metric("out" + suffix, ours[out], base_outs, ref_out, softcap),
+                            _lse_class_metric("lse" + suffix, ours[lse], ref_lse)]
+        gradients = [t for t in ("dq", "dk", "dv") if t in ours]
+        if gradients:
+            refs = reference.backward(dout, q, k, v, **options)
+            candidates = [accuracy.base_backward(dout, q, k, v, **options)]
+            if q.dtype == np.float32:  # float32's second baseline, as evaluate_backward takes it
+                candidates.append(accuracy._base_backward(dout, q, k, v, blocked=True, **options)[0])
+            for i, t in enumerate(("dq", "dk", "dv")):
+                if t in ours:
+                    metrics.append(_finite_metric(t, ours[t], [c[i] for c in candidates], refs[i], softcap))
+    return metrics
+
+
+def _same_classes(ours, ref) -> bool:
+    """Whether ours is NaN, +inf and -inf exactly where ref is."""
+    ours = np.asarray(ours, dtype=np.float64)
+    return all(np.array_equal(test(ours), test(ref)) for test in (np.isnan, np.isposinf, np.isneginf))
+
+
+def _finite_metric(name: str, ours, bases, ref, softcap: float):
+    """The accuracy rule on ref's finite entries (a base's non-finite entry there counts as no
+    error), infinite error when ours is not NaN or +-inf exactly where ref is."""
+    finite = np.isfinite(ref)
+    bases = [np.where(np.isfinite(b.astype(np.float64)), b.astype(np.float64), ref)[finite] for b in bases]
+    metric = accuracy._metric(name, np.asarray(ours, dtype=np.float64)[finite], bases, ref[finite], softcap)
+    if not _same_classes(ours, ref):
+        return accuracy.Metric(name, float("inf"), metric.base_error, metric.bound)
+    return metric
+
+
+def _lse_class_metric(name: str, ours, ref):
+    """lse within the rule where ref is finite, and NaN, +inf, -inf exactly where ref is."""
+    finite = np.isfinite(ref)
+    metric = accuracy.lse_metric(np.asarray(ours)[finite], ref[finite])
+    error = metric.error if _same_classes(ours, ref) else float("inf")
+    return accuracy.Metric(name, error, metric.base_error, metric.bound)
 
 
 def _ratio(metric) -> float:

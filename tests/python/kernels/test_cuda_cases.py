@@ -1,13 +1,16 @@
 """tests/cuda/cases.py, the plan-fed CUDA check's case writer: every dispatch it writes is the
 library's (plan.create's kernel, grid, parameter bytes and bindings), every binding and output lies
 inside its buffer, the inputs sit in the device images where the strides say, and short queries get
-the split-KV forward. The GPU replay itself (replay.cu) runs only in tests/cuda/gpu_check.sh.
+the split-KV forward; issue 36's non-finite and issue 40's dropout cases are in both grids, their
+NaN and infinities planted where grid.py says and their dropout in the plans' parameters. The GPU
+replay itself (replay.cu) runs only in tests/cuda/gpu_check.sh.
 
-Cost: a few seconds (four cases, planned and written).
+Cost: a few seconds (six cases, planned and written).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import struct
 import sys
@@ -29,7 +32,9 @@ CASES = {c.name: c for c in grid.small_grid()}
 PICKED = ["f16_d1_b2_h2x2_q37_k37_full",                    # dense, bhsd
           "bf16_d128_b1_h8x2_q65_k65_causal_qkv",           # packed q, k, v slices
           "f16_d96_b2_h4x1_q70_k70_full_madd.1h_gapped",    # gapped rows, additive mask
-          "f16_d64_b2_h8x2_q4_k100_causal_w40.n_mbool.1h_alibi_sinks"]  # split-KV, every modifier
+          "f16_d64_b2_h8x2_q4_k100_causal_w40.n_mbool.1h_alibi_sinks",  # split-KV, every modifier
+          "f32_d64_b2_h4x1_q2_k160_full_nonfinite.k",        # decode, NaN and infinities in k (issue 36)
+          "f16_d128_b2_h8x2_q65_k90_full_w20.n_drop0.17.wrap"]  # dropout, Philox counter wrapping (issue 40)
 
 
 def _read_case(path: Path) -> dict:
@@ -153,4 +158,48 @@ def test_inputs_sit_where_the_strides_say(written, name):
         gaps += int((~mask).sum())
     assert (gaps > 0) == (entry["case"]["layout"] == "gapped")
     line = (folder / f"{name}.line").read_text().split()
-    assert line[0] == name and line[-1] == ",".join(entry["outputs"])
+    assert line[0] == name and line[20] == ",".join(entry["outputs"])
+    c = CASES[name]
+    assert line[21:] == ([f"{c.dropout_p:.9g}", str(c.dropout_seed), str(c.dropout_offset)] if c.dropout_p else [])
+
+
+def test_new_case_kinds_are_in_both_grids():
+    """Issue 36's non-finite and issue 40's dropout cases, in the sanitizer grid and the full one."""
+    new = {c.name for c in grid.nonfinite_cases() + grid.dropout_cases()}
+    assert len(new) == 15
+    for cases_of in (grid.small_grid(), grid.full_grid()):
+        names = [c.name for c in cases_of]
+        assert new <= set(names) and len(names) == len(set(names))
+
+
+def test_nonfinite_values_are_planted_after_the_draw():
+    """The planted NaN and infinities sit where grid.NONFINITE_PLACEMENTS says, every other input is
+    the seeded draw of the case, and batch 1 stays finite."""
+    for c in grid.nonfinite_cases():
+        planted, clean = cases.inputs(c), cases.inputs(dataclasses.replace(c, nonfinite=""))
+        spots = {t: np.zeros(planted[t].shape, bool) for t in ("q", "k", "v")}
+        for tensor, b, h, row, column, value in grid.NONFINITE_PLACEMENTS[c.nonfinite]:
+            if row < planted[tensor].shape[2]:
+                spots[tensor][b, h, row, column] = True
+                np.testing.assert_array_equal(planted[tensor][b, h, row, column], np.float32(value))
+        assert sum(int(m.sum()) for m in spots.values()) >= 1, c.name
+        for t, m in spots.items():
+            np.testing.assert_array_equal(planted[t][~m], clean[t][~m])
+            if c.batch > 1:
+                assert np.isfinite(planted[t][1]).all(), c.name
+        assert np.isfinite(planted["dout"]).all()
+
+
+def test_dropout_reaches_the_plans_parameters():
+    """A dropout case's forward and backward parameters differ from the same case without dropout:
+    fa_problem's dropout_p, seed and offset reach every kernel's FlashAttentionParams."""
+    from flash_attention_metal import _native
+    library = _native.native()
+    for c in grid.dropout_cases():
+        plain = dataclasses.replace(c, dropout_p=0.0, dropout_seed=0, dropout_offset=0)
+        for pass_name in ("forward", "backward"):
+            ours, theirs = (plan.create(cases._problem(x, cases._place(x), library), pass_name, library=library)
+                            for x in (c, plain))
+            assert [d.kernel_name for d in ours.dispatches] == [d.kernel_name for d in theirs.dispatches]
+            assert all(a.params != b.params for a, b in zip(ours.dispatches, theirs.dispatches)
+                       if a.kernel_name.startswith(("flash_attention_forward_f", "flash_attention_backward_d"))), c.name

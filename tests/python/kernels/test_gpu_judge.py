@@ -151,3 +151,109 @@ def test_quantized_cache_judged_against_exact_rows(tmp_path):
     result = _judge(tmp_path)
     assert "cuda-accuracy: 2 cases, 1 mismatches" in result.stdout, result.stdout + result.stderr
     assert "ok   kvcache_q4_decode " in result.stdout and "FAIL kvcache_q4_decode_swapped" in result.stdout
+
+
+def _write_nonfinite_or_dropout(folder: Path, name: str, dtype, shape, *, plant=(), dropout=None, edit=None):
+    """A non-causal case of the CPU engine's forward and backward in dump.h's format: ``plant``
+    (tensor, batch, head, row, column, value) entries written into the inputs first; ``dropout``
+    (p, seed, offset) appended to the line as cases.py does; ``edit(outputs)`` alters the results
+    before they are written (a planted fault)."""
+    rng = np.random.default_rng(len(name))
+    batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v = shape
+    q, k, v, dout = (rng.standard_normal(s).astype(dtype) for s in (
+        (batch, heads, seqlen_q, head_dim), (batch, kv_heads, seqlen_k, head_dim),
+        (batch, kv_heads, seqlen_k, head_dim_v), (batch, heads, seqlen_q, head_dim_v)))
+    for tensor, b, h, row, column, value in plant:
+        {"q": q, "k": k, "v": v}[tensor][b, h, row, column] = value
+    scale = np.float32(1 / np.sqrt(head_dim))
+    extra = {} if dropout is None else dict(zip(("dropout_p", "dropout_seed", "dropout_offset"), dropout))
+    ctx = fam.Context("cpu")
+    out, lse = ctx.forward(q, k, v, softmax_scale=float(scale), **extra)
+    dq, dk, dv = ctx.backward(dout, q, k, v, out, lse, softmax_scale=float(scale), **extra)[:3]
+    outputs = {"out": out.astype(np.float32), "lse": lse.astype(np.float32), "dq": dq.astype(np.float32),
+               "dk": dk.astype(np.float32), "dv": dv.astype(np.float32)}
+    if edit is not None:
+        edit(outputs)
+    for tensor, values in [("q", q), ("k", k), ("v", v), ("dout", dout), *outputs.items()]:
+        np.asarray(values, dtype=np.float32).tofile(folder / f"{name}.{tensor}")
+    fields = [name, DTYPE_NAMES[np.dtype(dtype)], *shape, 0, f"{scale:.9g}", -1, -1, "0", 0, 0, 0, 0, 0, 0,
+              ",".join(outputs)]
+    if dropout is not None:
+        fields += [f"{dropout[0]:.9g}", dropout[1], dropout[2]]
+    with open(folder / "cases.txt", "a") as listing:
+        listing.write(" ".join(map(str, fields)) + "\n")
+
+
+# grid.NONFINITE_PLACEMENTS' kinds: NaN and infinities in k (decode-sized), v, and a q row (backward).
+NONFINITE = [
+    ("nan_k", np.float32, (2, 4, 1, 2, 160, 64, 64), (("k", 0, 0, 64, 3, np.nan), ("k", 0, 0, 79, 5, np.inf),
+                                                     ("k", 0, 0, 95, 0, -np.inf))),
+    ("nan_v", np.float16, (2, 4, 2, 9, 130, 32, 32), (("v", 0, 0, 64, 3, np.nan), ("v", 0, 1, 79, 5, np.inf))),
+    ("nan_q", np.float16, (2, 4, 2, 9, 70, 32, 32), (("q", 0, 0, 0, 3, np.nan), ("q", 0, 1, 8, 0, -np.inf))),
+]
+
+
+def test_nonfinite_placement_passes(tmp_path):
+    for name, dtype, shape, plant in NONFINITE:
+        _write_nonfinite_or_dropout(tmp_path, name, dtype, shape, plant=plant)
+    result = _judge(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"cuda-accuracy: {len(NONFINITE)} cases, 0 mismatches" in result.stdout
+    assert result.stdout.count("non-finite") == len(NONFINITE)
+
+
+def _hide_nan(outputs):
+    """A kernel that drops a NaN key's chunk (issue 36): the NaN rows' out made finite."""
+    out = outputs["out"]
+    out[np.isnan(out)] = 0.5
+
+
+def _nan_where_finite(outputs):
+    outputs["out"][1, 0, 0, 0] = np.nan  # batch 1 has no non-finite input
+
+
+def _finite_lse_for_nan(outputs):
+    lse = outputs["lse"]
+    lse[np.isnan(lse)] = 1.0
+
+
+def _finite_dq_for_nan(outputs):
+    dq = outputs["dq"]
+    dq[np.isnan(dq)] = 0.0
+
+
+@pytest.mark.parametrize("edit", [_hide_nan, _nan_where_finite, _finite_lse_for_nan, _finite_dq_for_nan],
+                         ids=lambda e: e.__name__)
+def test_nonfinite_misplacement_fails(tmp_path, edit):
+    name, dtype, shape, plant = NONFINITE[2]
+    _write_nonfinite_or_dropout(tmp_path, name, dtype, shape, plant=plant, edit=edit)
+    result = _judge(tmp_path)
+    assert result.returncode == 1, result.stdout
+    assert "cuda-accuracy: 1 cases, 1 mismatches" in result.stdout, result.stdout
+
+
+# grid.dropout_cases' kinds: float16 and float32, GQA, a seed and offset near 2^64 (the counter wraps).
+DROPOUT = [("drop_f16", np.float16, (2, 4, 2, 70, 90, 64, 64), (0.17, 1234, 5678)),
+           ("drop_f32_wrap", np.float32, (1, 8, 2, 33, 77, 128, 128), (0.17, 2**64 - 3, 2**64 - 5))]
+
+
+def test_dropout_with_its_mask_passes(tmp_path):
+    for name, dtype, shape, call in DROPOUT:
+        _write_nonfinite_or_dropout(tmp_path, name, dtype, shape, dropout=call)
+    result = _judge(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"cuda-accuracy: {len(DROPOUT)} cases, 0 mismatches" in result.stdout
+
+
+@pytest.mark.parametrize("case", DROPOUT, ids=[c[0] for c in DROPOUT])
+def test_dropout_with_another_mask_fails(tmp_path, case):
+    """The results of one seed judged as another's: the judge's mask is not the kernels'."""
+    name, dtype, shape, (p, seed, offset) = case
+    _write_nonfinite_or_dropout(tmp_path, name, dtype, shape, dropout=(p, seed, offset))
+    listing = tmp_path / "cases.txt"
+    fields = listing.read_text().split()
+    fields[-2] = str((seed + 1) % 2**64)
+    listing.write_text(" ".join(fields) + "\n")
+    result = _judge(tmp_path)
+    assert result.returncode == 1, result.stdout
+    assert "cuda-accuracy: 1 cases, 1 mismatches" in result.stdout, result.stdout
