@@ -163,8 +163,9 @@ std::string long_pass_refusal(const fa_problem& problem, fa_pass pass) {
            " pass needs " + std::to_string(info.piece_count) +
            " Metal command buffers of at most 2^35 FLOP each (macOS's GPU watchdog ends longer ones on a Mac "
            "that drives a display), and an MLX extension cannot end MLX's command buffer inside a node; split "
-           "the call over the batch or the heads (mx.split, then mx.concatenate) into calls of at most 2^35 FLOP "
-           "(about 4 * batch * heads * seqlen_q * seqlen_k * head_dim forward, 10x that backward), or run it "
+           "the call over the batch or the heads into calls of at most 2^35 FLOP (about 4 * batch * heads * "
+           "seqlen_q * seqlen_k * head_dim forward, 10x that backward) and mx.eval each part before the next "
+           "(MLX commits its command buffer at the end of an eval, not between nodes), or run it "
            "on the CPU stream, or through flash_attention_metal.flash_attn_func (NumPy) or the PyTorch MPS "
            "path, which commit a long pass in pieces";
 }

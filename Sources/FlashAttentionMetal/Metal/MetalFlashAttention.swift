@@ -365,7 +365,7 @@ public final class MetalFlashAttention: @unchecked Sendable {
             // MTLCommandBuffer.makeComputeCommandEncoder(); MTLComputeCommandEncoder
             // setComputePipelineState(_:), setBuffer(_:offset:index:) (device buffers: offsets are
             // multiples of the element size), setBytes(_:length:index:) (below 4 KB: the parameter
-            // struct, 304 bytes), dispatchThreadgroups(_:threadsPerThreadgroup:), endEncoding().
+            // struct, MemoryLayout<FlashAttentionParams>.stride bytes), dispatchThreadgroups(_:threadsPerThreadgroup:), endEncoding().
             guard let encoder = commandBuffer.makeComputeCommandEncoder() else {
                 throw FlashAttentionError.executionFailed("Metal could not create a compute command encoder")
             }
@@ -384,7 +384,7 @@ public final class MetalFlashAttention: @unchecked Sendable {
             if let role = dispatch.paramsRole {
                 encoder.setBuffer(buffers[role], offset: 0, index: dispatch.paramsIndex)
             } else {
-                encoder.setBytes(&params, length: MemoryLayout<FlashAttentionParams>.size, index: dispatch.paramsIndex)
+                encoder.setBytes(&params, length: MemoryLayout<FlashAttentionParams>.stride, index: dispatch.paramsIndex)
             }
             encoder.dispatchThreadgroups(metalSize(dispatch.threadgroupsPerGrid),
                                          threadsPerThreadgroup: metalSize(dispatch.threadsPerThreadgroup))

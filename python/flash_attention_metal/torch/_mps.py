@@ -68,9 +68,15 @@ def _compile(dispatch: _plan.Dispatch):
             return _libraries[key]
     precompiled = _plan.features_off_metallib_path() if hasattr(torch.mps, "load_metallib") else None
     if precompiled is not None and key == _plan.features_off_prelude():
-        library = torch.mps.load_metallib(precompiled)
-        with _lock:
-            return _libraries.setdefault(key, library)
+        try:
+            library = torch.mps.load_metallib(precompiled)
+        except RuntimeError:
+            # A file this Metal refuses (built for a newer OS, damaged): compile the source instead,
+            # as the Swift host and the MLX extension do.
+            library = None
+        if library is not None:
+            with _lock:
+                return _libraries.setdefault(key, library)
     fast_math = os.environ.get("PYTORCH_MPS_FAST_MATH")
     if fast_math is not None and fast_math != "0":
         raise RuntimeError(
