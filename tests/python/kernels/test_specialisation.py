@@ -155,7 +155,7 @@ def test_every_kernel_compiles_after_the_prelude(tmp_path):
     source = specialised_source(tmp_path, prelude(mask_type=1, softcap=True, alibi=True, sinks=True))
     result = subprocess.run([sys.executable, str(CHECK), str(source)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"specialised\.metal: [1-9]\d* kernels compiled", result.stdout), result.stdout
+    assert re.search(r"specialised\.metal \(MSL [\d.]+\): [1-9]\d* kernels compiled", result.stdout), result.stdout
 
 
 def test_a_feature_compiled_off_leaves_no_code(clang, tmp_path):
