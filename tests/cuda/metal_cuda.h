@@ -88,6 +88,7 @@ __device__ __forceinline__ float exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ float log(float x) { return logf(x); }
 __device__ __forceinline__ float log2(float x) { return log2f(x); }
 __device__ __forceinline__ float rsqrt(float x) { return rsqrtf(x); }
+__device__ __forceinline__ float tanh(float x) { return tanhf(x); }
 }  // namespace fast
 namespace precise {
 using fast::exp;
@@ -95,6 +96,7 @@ using fast::exp2;
 using fast::log;
 using fast::log2;
 using fast::rsqrt;
+using fast::tanh;
 }  // namespace precise
 
 // ---- Vectors (MSL specification, section 2): vec<T, 2> and vec<T, 4> with members x, y (z, w),
