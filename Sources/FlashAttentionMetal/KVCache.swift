@@ -65,6 +65,9 @@ struct KVCacheSpec {
                 throw FlashAttentionError.invalidArgument(
                     "kv_max_blocks (\(p.kv_max_blocks)) and kv_num_blocks (\(p.kv_num_blocks)) must be at least 1 with a block table")
             }
+            // The table's batch x kv_max_blocks int32 entries must have a size (the plan binds it whole).
+            _ = try TensorLayout.checkedCount([Int(p.batch), Int(p.kv_max_blocks)], bytesPerElement: 4,
+                                              of: "kv_block_table")
         }
         let capacity = paged ? UInt64(p.kv_max_blocks) * rows : rows
         guard UInt64(p.seqlen_k) <= capacity else {

@@ -458,7 +458,11 @@ struct Problem {
             // A quantized cache's words are dequantized element by element, never moved in chunks.
             if (role == .k || role == .v) && kvCache?.quantized ?? false { return true }
             guard let layout = layouts[role] else { return true }
-            return [layout.strides.batch, layout.strides.head, layout.strides.seq].allSatisfy { ($0 * size) % chunk == 0 }
+            return [layout.strides.batch, layout.strides.head, layout.strides.seq].allSatisfy {
+                // A stride whose bytes overflow (an axis of length 1 may hold any stride) never chunks.
+                let (bytes, overflow) = $0.multipliedReportingOverflow(by: size)
+                return !overflow && bytes % chunk == 0
+            }
         }
     }
 }
