@@ -250,13 +250,22 @@ struct DispatchPlan {
     }
 
     /// The planner: the plan of `pass` for a validated `problem` on a GPU of `device` cores (the
-    /// backend's `ExecutionBackend.gpuCores`; nil: the CPU engine's nominal GPU), made once per
-    /// call. Here and only here the split-KV chunking is decided, for `GPUCores.planned(device:)`
-    /// (FLASH_ATTENTION_GPU_CORES wins over the device).
-    /// - Throws: `invalidArgument` when FLASH_ATTENTION_GPU_CORES is set to a bad value.
-    static func make(_ pass: Pass, _ problem: Problem, device: UInt32?) throws -> DispatchPlan {
-        make(pass, planned: problem.planned(forGPUCores: try GPUCores.planned(device: device)))
+    /// backend's `ExecutionBackend.gpuCores`; nil: the CPU engine's nominal GPU) whose tensor-op
+    /// support is `tensorOps` (the backend's `ExecutionBackend.tensorOps`), made once per call. Here
+    /// and only here the split-KV chunking is decided, for `GPUCores.planned(device:)`
+    /// (FLASH_ATTENTION_GPU_CORES wins over the device), and the tensor-op route, `TensorOps.route`
+    /// (FLASH_ATTENTION_TENSOR_OPS wins over the device; the plan's `tensorOps` says which and why).
+    /// - Throws: `invalidArgument` when FLASH_ATTENTION_GPU_CORES or FLASH_ATTENTION_TENSOR_OPS is
+    ///   set to a bad value.
+    static func make(_ pass: Pass, _ problem: Problem, device: UInt32?,
+                     tensorOps: TensorOpsSupport = .cpuEngine) throws -> DispatchPlan {
+        let route = pass == .merge ? TensorOpsRoute.off : try TensorOps.route(tensorOps)
+        return make(pass, planned: problem.planned(forGPUCores: try GPUCores.planned(device: device), tensorOps: route))
     }
+
+    /// The tensor-op route the plan was made with (kernels with `tensor` in their names where it is
+    /// enabled and one serves the problem).
+    var tensorOps: TensorOpsRoute { problem.tensorOps }
 
     /// The plan of `pass` for a problem the planner has planned (a piece of a split plan: a slice
     /// that keeps the whole plan's chunking).
@@ -270,7 +279,9 @@ struct DispatchPlan {
     }
 
     /// Forward. Dense: `flash_attention_forward_<dtype>_d<DP>` over (ceil(seqlen_q / forward_block_q),
-    /// num_heads, batch) threadgroups. Split-KV (`problem.split`, short queries over long caches):
+    /// num_heads, batch) threadgroups, or, where the tensor-op route is enabled and
+    /// `TensorOps.forwardServes` the problem, `flash_attention_forward_tensor_<dtype>_d<DP>` over
+    /// (ceil(seqlen_q / FA_TENSOR_BLOCK_Q), num_heads, batch). Split-KV (`problem.split`, short queries over long caches):
     /// `flash_attention_forward_decode_<dtype>_d<DP>` or `flash_attention_forward_split_<dtype>_d<DP>`
     /// (`KeyValueSplit.kernel`; `_decode_kvcache_`, `_split_kvcache_` for a KV cache) over
     /// (chunks x row blocks, num_kv_heads, batch) threadgroups writes one partial result per chunk,
@@ -283,11 +294,15 @@ struct DispatchPlan {
         let cache = problem.kvCache != nil
         let scoreWork = problem.scoreWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement)
         guard let split = problem.split else {
-            let rowBlocks = blocks(problem.gridSeqlenQ, b.forward_block_q)
-            let dense = dispatch(cache ? FA_KERNEL_forward_kvcache : FA_KERNEL_forward, problem,
+            // The tensor-op forward where the route takes it and it serves the problem.
+            let tensor = problem.tensorOps.enabled && TensorOps.forwardServes(problem)
+            let blockQ = tensor ? UInt32(FA_TENSOR_BLOCK_Q) : b.forward_block_q
+            let rowBlocks = blocks(problem.gridSeqlenQ, blockQ)
+            let kernel = tensor ? FA_KERNEL_forward_tensor : cache ? FA_KERNEL_forward_kvcache : FA_KERNEL_forward
+            let dense = dispatch(kernel, problem,
                                  GridSize(width: rowBlocks, height: problem.numHeads, depth: problem.gridBatch),
                                  blockWork: problem.gridWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement,
-                                                             blocks: rowBlocks, rows: b.forward_block_q))
+                                                             blocks: rowBlocks, rows: blockQ))
             return withSequenceTable(DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse],
                                                   workspace: [], problem: problem))
         }
