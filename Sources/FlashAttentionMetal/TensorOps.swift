@@ -22,10 +22,11 @@ struct TensorOpsSupport: Equatable, Sendable {
     /// The CPU engine: no matrix units; the kernels run through its emulation when forced.
     static let cpuEngine = TensorOpsSupport(hasUnits: false, hasKernels: true,
                                             detail: "the CPU engine has no matrix units (it emulates matmul2d)")
-    /// A host that encodes exported plans itself: its framework compiles the other kernels' source
-    /// only (fa_plan_kernel_source), so the tensor-op path is never chosen for it by itself.
-    static let framework = TensorOpsSupport(hasUnits: false, hasKernels: true,
-                                            detail: "a framework host compiles the simdgroup kernels' source")
+    /// A host that encodes exported plans itself (fa_plan_create: PyTorch's MPS and MLX's GPU paths):
+    /// its framework compiles fa_plan_kernel_source(), which has no tensor-op kernels, so its plans
+    /// keep the simdgroup kernels, forced or not, until the front ends compile the tensor-op library.
+    static let framework = TensorOpsSupport(hasUnits: false, hasKernels: false,
+                                            detail: "exported plans (fa_plan_create) have no tensor-op kernels yet")
 
     /// Whether architecture `name` (`MTLArchitecture.name`, e.g. `applegpu_g17s`) is generation 17
     /// or later (18 for `p`), parsed as MLX parses it: the two digits before the last letter.
