@@ -420,6 +420,9 @@ __device__ __forceinline__ To as_type(const From &from) {
 
 }  // namespace metal
 
+// Metal 4 tensor ops (matmul2d, cooperative tensors), before the keyword macros below.
+#include "metal_tensor_ops.h"
+
 // The kernels' full unroll of a loop with a constant trip count (FA_UNROLL) is left to nvcc's own
 // measure here: this build checks correctness, not speed, and forcing every such loop open made
 // compiling the kernels several times slower on the H200 (docs/verification.md, issue 21).
