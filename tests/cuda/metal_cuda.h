@@ -17,7 +17,8 @@
 // Vector names (float2, half2, ulong2, ...) are macros for metal::vec types while the MSL source is
 // compiled: CUDA declares its own ::float2 and ::half2, which `using namespace metal` would make
 // ambiguous. SIMD-group functions and simdgroup_matrix are warp shuffles with Apple's lane mapping
-// (see the section below).
+// (see the section below); Metal 4's tensor ops (matmul2d, cooperative tensors) are emulated in
+// metal_tensor_ops.h, included below.
 //
 // Include this header first (the .metal file does so through <metal_stdlib>, see include/), and
 // include metal_cuda_end.h after the Metal source: the keyword macros below must not leak into
