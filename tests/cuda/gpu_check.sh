@@ -36,7 +36,8 @@
 # cuda-tensor-ops: the documented accumulation order, bounds, both layouts, the scope and capacity
 # faults) and writes their outputs, which tests/cuda/tensor_ops_compare.py compares bit for bit
 # with the CPU engine's, committed as tests/cuda/tensor_ops_engine.txt (step
-# cuda-tensor-identity). --tensor-ops-only builds and runs just those two steps (a minute).
+# cuda-tensor-identity), then runs it under memcheck and synccheck. --tensor-ops-only builds and
+# runs just those steps (a minute or two).
 #
 # Usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only]
 #                                [--tensor-ops-only]
@@ -78,7 +79,7 @@ die() { echo "gpu_check: $*" >&2; exit 2; }
 
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 command -v "$NVCC" >/dev/null || die "nvcc not found: install the CUDA toolkit or set NVCC=/path/to/nvcc"
-if [ "$DEFAULT" = 1 ]; then
+if [ "$DEFAULT" = 1 ] || [ "$TENSOR" = 1 ]; then
     if [ -z "${COMPUTE_SANITIZER:-}" ]; then
         COMPUTE_SANITIZER="$(dirname "$(command -v "$NVCC")")/compute-sanitizer"
         [ -x "$COMPUTE_SANITIZER" ] || COMPUTE_SANITIZER=$(command -v compute-sanitizer || true)
@@ -263,6 +264,22 @@ if [ "$TENSOR" = 1 ]; then
         --write "$BUILD/tensor_ops_cuda.txt"
     run_checked_step cuda-tensor-identity "$BUILD/tensor-identity.log" \
         python3 "$GPU_DIR/tensor_ops_compare.py" "$GPU_DIR/tensor_ops_engine.txt" "$BUILD/tensor_ops_cuda.txt"
+    # The same program under memcheck and synccheck (the warp shuffles of matmul2d's gather); its
+    # fault children, which trap on purpose, run outside the tool (application-only).
+    for tool in memcheck synccheck; do
+        SECONDS=0
+        log="$BUILD/tensor-ops-$tool.log"
+        timeout 300 "$COMPUTE_SANITIZER" --tool "$tool" --target-processes application-only \
+            "$BUILD/tensor_ops_check" >"$log" 2>&1
+        status=$?
+        errors=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$log" | tail -n 1)
+        if [ "$status" = 0 ] && [ "$errors" = 0 ]; then
+            summaries+=("tensor-ops-$tool: 0 errors (${SECONDS}s)")
+        else
+            summaries+=("tensor-ops-$tool: FAIL (exit status $status, ${errors:-no} errors reported; see $log)")
+            failures=$((failures + 1))
+        fi
+    done
 fi
 if [ "$DEFAULT" = 1 ]; then
     # Accuracy grid: the harness checks determinism and writes outside the views ("cuda-harness: N

@@ -21,6 +21,8 @@ import sys
 def read(path: str) -> dict[str, list[int]]:
     """Output name -> its float32 bit patterns, in element order."""
     outputs: dict[str, dict[int, list[int]]] = {}
+    if not pathlib.Path(path).is_file():
+        sys.exit(f"tensor_ops_compare: no file {path} (did tensor_ops_check --write run?)")
     for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
         if not line.strip() or line.startswith("#"):
             continue
