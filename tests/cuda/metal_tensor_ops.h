@@ -10,8 +10,8 @@
 //   (__match_all_sync), print the sites and trap. Lanes that the compiler left diverged before
 //   a correct call would count as missing too: a loud false fault, never a silent one.
 // - Layout: the engine's map, M5 (MLX's steel/gemm/nax.h fragment map) or permuted, chosen on
-//   the host by fa_cuda::select_tensor_layout (FLASH_ATTENTION_TENSOR_LAYOUT's values) per translation
-//   unit, read when a cooperative tensor is made.
+//   the host by fa_cuda::select_tensor_layout (FLASH_ATTENTION_TENSOR_LAYOUT's values) per
+//   translation unit, read when a cooperative tensor is made.
 // - Bounds: load() reads 0 past a tensor's extents, store() writes only inside them; an element
 //   index at or past get_capacity() prints and traps.
 // - Rounding: every lane gathers the dense left and right operands by warp shuffles, then each
@@ -54,7 +54,8 @@ template <class T, class Extents = dextents<int, 2>, class Kind = tensor_inline>
     Extents extents;
     int strides[2];
 
-    __device__ tensor(T *data_, Extents e) : data(data_), extents(e), strides{1, int(e.extent(0))} {}
+    __device__ tensor(T *data_, Extents e)
+        : data(data_), extents(e), strides{1, int(e.extent(0))} {}
     template <class A>
     __device__ tensor(T *data_, Extents e, const A &s)
         : data(data_), extents(e), strides{int(s[0]), int(s[1])} {}
@@ -245,7 +246,8 @@ namespace tensor_ops_detail {
 
 // The scope check of run (file comment): traps unless all 32 lanes arrived together at one call
 // site with one descriptor code. The lowest lane of each group that arrived prints the report.
-static __device__ __noinline__ void check_scope(unsigned long long code, unsigned line, const char *file) {
+static __device__ __noinline__ void check_scope(unsigned long long code, unsigned line,
+                                                const char *file) {
     const unsigned arrived = __activemask();
     const unsigned lane = metal::simd_detail::lane_id();
     const bool first = lane == unsigned(__ffs(arrived) - 1);
@@ -284,8 +286,8 @@ template <uint32_t Rows, uint32_t Cols, class CT>
 __device__ __forceinline__ void gather(const CT &t, float *m, bool relaxed) {
     for (uint32_t src = 0; src < 32; ++src) {
         for (uint32_t i = 0; i < CT::capacity; ++i) {
-            const float v = __shfl_sync(metal::simd_detail::kAllLanes, operand(t.elements[i], relaxed),
-                                        src);
+            const float v =
+                __shfl_sync(metal::simd_detail::kAllLanes, operand(t.elements[i], relaxed), src);
             uint32_t r = 0, c = 0;
             position(t.map, src, i, CT::fragment_columns, r, c);
             if (r < Rows && c < Cols) m[r * Cols + c] = v;
@@ -347,7 +349,8 @@ template <unsigned long long Code, class Scope> struct matmul2d {
         return cooperative_tensor<L, M, K, TransposeLeft>();
     }
     // The right operand (k x n) as a cooperative tensor of element type R.
-    template <class L, class R, class D> __device__ auto get_right_input_cooperative_tensor() const {
+    template <class L, class R, class D>
+    __device__ auto get_right_input_cooperative_tensor() const {
         return cooperative_tensor<R, K, N, TransposeRight>();
     }
     // The destination (m x n) as a cooperative tensor of element type D.

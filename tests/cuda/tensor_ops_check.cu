@@ -231,15 +231,18 @@ void check_results(const std::vector<Output> &m5, const std::vector<Output> &per
     const std::vector<float> zero(512, 0.0f), minus_one(512, -1.0f);
     const std::vector<float> product = ordered(a, b, zero, 16, 32);
     report->add("tensor_matmul_half: d = a * bt^T + c in the documented order",
-                bitwise(output_named(m5, "tensor_matmul_half.m5"), ordered(a, b, accumulator_c(), 16, 32)));
+                bitwise(output_named(m5, "tensor_matmul_half.m5"),
+                        ordered(a, b, accumulator_c(), 16, 32)));
     const std::vector<float> fa = float_a(), fb = float_b();
     report->add("tensor_matmul_float: float operands exact without relaxed_precision",
-                bitwise(output_named(m5, "tensor_matmul_float.m5.exact"), ordered(fa, fb, zero, 16, 32)));
+                bitwise(output_named(m5, "tensor_matmul_float.m5.exact"),
+                        ordered(fa, fb, zero, 16, 32)));
     std::vector<float> ta(fa), tb(fb);
     for (float &x : ta) x = truncated(x);
     for (float &x : tb) x = truncated(x);
     report->add("tensor_matmul_float: relaxed_precision truncates to 10 mantissa bits",
-                bitwise(output_named(m5, "tensor_matmul_float.m5.relaxed"), ordered(ta, tb, zero, 16, 32)));
+                bitwise(output_named(m5, "tensor_matmul_float.m5.relaxed"),
+                        ordered(ta, tb, zero, 16, 32)));
     report->add("tensor_layout_by_index under the M5 layout",
                 bitwise(output_named(m5, "tensor_layout_by_index.m5"), product));
     report->add("tensor_layout_by_index under the permuted layout",
@@ -262,7 +265,8 @@ void check_results(const std::vector<Output> &m5, const std::vector<Output> &per
     report->add("tensor_bounds: loads past extents read 0, stores clip",
                 bitwise(output_named(m5, "tensor_bounds.m5"), bounds));
     report->add("tensor_run_on_tensors: tensor operands and destination",
-                bitwise(output_named(m5, "tensor_run_on_tensors.m5"), ordered(a, b, minus_one, 16, 32)));
+                bitwise(output_named(m5, "tensor_run_on_tensors.m5"),
+                        ordered(a, b, minus_one, 16, 32)));
     std::string independent;
     for (const char *name : {"tensor_matmul_half", "tensor_matmul_float.exact",
                              "tensor_matmul_float.relaxed", "tensor_bounds",
@@ -275,7 +279,9 @@ void check_results(const std::vector<Output> &m5, const std::vector<Output> &per
         }
         const std::string failure = bitwise(output_named(permuted, base + ".permuted" + rest),
                                             output_named(m5, base + ".m5" + rest));
-        if (!failure.empty() && independent.empty()) independent = std::string(name) + " " + failure;
+        if (!failure.empty() && independent.empty()) {
+            independent = std::string(name) + " " + failure;
+        }
     }
     report->add("load/store code gives the same bits under both layouts", independent);
 }
@@ -308,7 +314,8 @@ int run_fault(const std::string &name) {
 // Runs `program --fault name` (60 s limit) and checks that it failed with every text of `want`.
 void check_fault(const char *program, const char *name, const std::vector<std::string> &want,
                  Report *report) {
-    const std::string command = std::string("timeout 60 '") + program + "' --fault " + name + " 2>&1";
+    const std::string command =
+        std::string("timeout 60 '") + program + "' --fault " + name + " 2>&1";
     FILE *pipe = popen(command.c_str(), "r");
     std::string text;
     if (pipe != nullptr) {
@@ -326,7 +333,9 @@ void check_fault(const char *program, const char *name, const std::vector<std::s
                   " (3: the launch failed, as it must)";
     }
     for (const std::string &w : want) {
-        if (failure.empty() && text.find(w) == std::string::npos) failure = "no '" + w + "' in the report";
+        if (failure.empty() && text.find(w) == std::string::npos) {
+            failure = "no '" + w + "' in the report";
+        }
     }
     if (!failure.empty()) failure += "; output: " + text;
     else std::printf("%s", text.c_str());
@@ -387,7 +396,8 @@ int main(int argc, char **argv) {
     // Each half of the warp sees only itself; the half that traps first may end the launch before
     // the other prints, so one site is named for sure (the engine names both).
     check_fault(argv[0], "divergent_descriptor",
-                {"matmul2d::run at", "tensor_ops.metal:", "16 of the SIMD-group's 32 lanes"}, &report);
+                {"matmul2d::run at", "tensor_ops.metal:", "16 of the SIMD-group's 32 lanes"},
+                &report);
     check_fault(argv[0], "capacity_overrun", {"past get_capacity() 16"}, &report);
     std::printf("cuda-tensor-ops: %d checks, %d mismatches\n", report.checks, report.mismatches);
     return report.mismatches == 0 ? 0 : 1;
