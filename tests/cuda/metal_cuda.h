@@ -191,11 +191,16 @@ FA_VEC_ALIASES(ulong, ulong)
 namespace simd_detail {
 constexpr unsigned kAllLanes = 0xffffffffu;
 
-// The lane index of the calling thread (PTX %laneid), independent of how the block is shaped.
+// The lane index of the calling thread (PTX %laneid), independent of how the block is shaped;
+// the simulated warp's lane on the host (host_warp/cuda_runtime.h, FA_HOST_WARP).
 __device__ __forceinline__ unsigned lane_id() {
+#ifdef FA_HOST_WARP
+    return fa_host_warp::lane_index;
+#else
     unsigned lane;
     asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
     return lane;
+#endif
 }
 
 // Scalars go through one warp shuffle, vectors element by element. Kind: 0 index, 1 xor, 2 down,

@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "device_array.h"
-#include "dtype_bits.h"
+#include "tensor_ops_inputs.h"
 
 namespace {
 
@@ -62,69 +62,9 @@ __global__ void launch_tensor_divergent_descriptor(float *d) {
 }
 __global__ void launch_tensor_capacity_overrun(float *d) { tensor_capacity_overrun(d); }
 
-// ---- Inputs, as TensorOpsTests defines them (halfA, halfB, the c of the half product; the float
-// operands of the cross-check: [0.5, 1) with every mantissa bit drawn from a multiplicative hash).
-
-std::vector<uint16_t> half_a() {
-    std::vector<uint16_t> v(256);
-    for (int i = 0; i < 256; ++i) v[i] = float_to_half_bits(float((i * 7) % 23) * 0.125f - 1.375f);
-    return v;
-}
-std::vector<uint16_t> half_b() {
-    std::vector<uint16_t> v(512);
-    for (int i = 0; i < 512; ++i) v[i] = float_to_half_bits(float((i * 5) % 19) * 0.0625f - 0.5f);
-    return v;
-}
-std::vector<float> accumulator_c() {
-    std::vector<float> v(512);
-    for (int i = 0; i < 512; ++i) v[i] = float(i % 11) * 0.5f - 2;
-    return v;
-}
-std::vector<float> hashed_floats(int count, uint32_t multiplier) {
-    std::vector<float> v(count);
-    for (int i = 0; i < count; ++i) {
-        const uint32_t bits = 0x3f000000u | ((uint32_t(i) * multiplier) >> 9);
-        std::memcpy(&v[i], &bits, 4);
-    }
-    return v;
-}
-std::vector<float> float_a() { return hashed_floats(256, 2654435761u); }
-std::vector<float> float_b() { return hashed_floats(512, 2246822519u); }
-
-std::vector<float> widen(const std::vector<uint16_t> &h) {
-    std::vector<float> v(h.size());
-    for (size_t i = 0; i < h.size(); ++i) v[i] = half_bits_to_float(h[i]);
-    return v;
-}
-
-float truncated(float x) {
-    uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    bits &= ~0x1fffu;
-    std::memcpy(&x, &bits, 4);
-    return x;
-}
-
-// The documented order (TensorOpsTests.ordered): start from c, add a[i][k] * b[k][j] for k
-// ascending, one fused multiply-add each; a is rows x k, b is k x n, row-major.
-std::vector<float> ordered(const std::vector<float> &a, const std::vector<float> &b,
-                           const std::vector<float> &c, int k, int n) {
-    std::vector<float> d(c.size());
-    for (size_t e = 0; e < c.size(); ++e) {
-        const size_t i = e / n, j = e % n;
-        float acc = c[e];
-        for (int q = 0; q < k; ++q) acc = std::fma(a[i * k + q], b[q * n + j], acc);
-        d[e] = acc;
-    }
-    return d;
-}
+using namespace tensor_ops_inputs;
 
 // ---- Running the kernels
-
-struct Output {
-    std::string name;
-    std::vector<float> values;
-};
 
 struct HalfInputs {
     DeviceArray<uint16_t> a{256}, b{512};
@@ -149,12 +89,9 @@ std::vector<Output> run_all(const char *layout) {
     std::vector<Output> out;
     HalfInputs in;
     {
-        const std::vector<uint16_t> b = half_b();
-        std::vector<uint16_t> bt(512);
-        for (int e = 0; e < 512; ++e) bt[e] = b[(e % 16) * 32 + e / 16];
         DeviceArray<uint16_t> dbt(512);
         DeviceArray<float> dc(512), dd(512);
-        dbt.upload(bt);
+        dbt.upload(half_bt());
         dc.upload(accumulator_c());
         dd.fill_bytes(0);
         launch_tensor_matmul_half<<<1, 32>>>(in.pa(), reinterpret_cast<const half *>(dbt.get()),
@@ -342,25 +279,6 @@ void check_fault(const char *program, const char *name, const std::vector<std::s
     report->add(std::string("fault reported: ") + name, failure);
 }
 
-void write_outputs(const char *path, const std::vector<Output> &outputs) {
-    FILE *f = std::fopen(path, "w");
-    if (f == nullptr) throw CudaFailure{std::string("cannot write ") + path};
-    std::fprintf(f, "# tests/cuda/tensor_ops_check.cu --write: the CUDA build's outputs "
-                    "(tests/cuda/tensor_ops_engine.txt's format)\n");
-    for (const Output &o : outputs) {
-        for (size_t first = 0; first < o.values.size(); first += 32) {
-            std::fprintf(f, "%s %zu", o.name.c_str(), first);
-            for (size_t i = first; i < first + 32 && i < o.values.size(); ++i) {
-                uint32_t bits;
-                std::memcpy(&bits, &o.values[i], 4);
-                std::fprintf(f, " %08x", bits);
-            }
-            std::fprintf(f, "\n");
-        }
-    }
-    std::fclose(f);
-}
-
 }  // namespace
 
 int main(int argc, char **argv) {
@@ -377,13 +295,15 @@ int main(int argc, char **argv) {
         const std::vector<Output> m5 = run_all("m5"), permuted = run_all("permuted");
         check_results(m5, permuted, &report);
         if (write_path != nullptr) {
-            // The engine's file holds the M5 runs and the two layout kernels' permuted runs.
-            std::vector<Output> written(m5);
-            written.push_back({"tensor_layout_by_index.permuted",
-                               output_named(permuted, "tensor_layout_by_index.permuted")});
-            written.push_back({"tensor_layout_assumed.permuted",
-                               output_named(permuted, "tensor_layout_assumed.permuted")});
-            write_outputs(write_path, written);
+            std::vector<Output> all(m5), written;
+            all.insert(all.end(), permuted.begin(), permuted.end());
+            for (const std::string &name : engine_file_names()) {
+                written.push_back({name, output_named(all, name)});
+            }
+            const char *comment = "tests/cuda/tensor_ops_check.cu --write: the CUDA build's outputs";
+            if (!write_outputs(write_path, comment, written)) {
+                throw CudaFailure{std::string("cannot write ") + write_path};
+            }
         }
     } catch (const CudaFailure &failure) {
         std::printf("FAIL CUDA error: %s\n", failure.message.c_str());
