@@ -4,7 +4,7 @@ docs/tensor-ops.md, "What an M5 owner should run").
 Per head_dim it prints the path the library's forward and backward take, the tensor-op kernels
 (Metal 4's ``matmul2d`` on the GPU's neural accelerators: a kernel with ``tensor`` in its name) or
 the simdgroup_matrix kernels, and why; then the best wall time (after one warm-up) of forward and
-of forward+backward of three implementations on the same float16 inputs:
+of forward+backward of three implementations on the same float16 (or bfloat16) inputs:
 
 - ``ours``: the library as it routes by itself;
 - ``simdgroup``: the library with ``FLASH_ATTENTION_TENSOR_OPS=0`` (a context made while the
@@ -22,6 +22,9 @@ import argparse
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
 
 from . import _types
 from ._context import context_for
@@ -45,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=_types.positive_int, default=_HEADS,
                         help="query and KV heads (default: %(default)s)")
     parser.add_argument("--causal", action="store_true", help="causal masking (default: off)")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
+                        help="dtype of q, k, v and dout (default: %(default)s)")
     parser.add_argument("--repeats", type=_types.positive_int, default=3,
                         help="timed runs after one warm-up run; the best counts (default: %(default)s)")
 
@@ -107,6 +112,24 @@ def _time(operations: dict, repeats: int) -> Timing:
     return Timing(best_ms(operations["forward"], repeats), best_ms(operations["fwd+bwd"], repeats))
 
 
+def _inputs(case: Case, dtype: str) -> list:
+    """The case's seeded q, k, v, dout in ``dtype`` (bfloat16: rounded from the float16 draw)."""
+    inputs = case.inputs()
+    return inputs if dtype == "float16" else [a.astype(np.float32).astype(ml_dtypes.bfloat16) for a in inputs]
+
+
+def _mlx_timing(mlx, case: Case, inputs, dtype: str, repeats: int) -> tuple[Timing, str]:
+    """MLX's times on ``inputs`` (cast to MLX's bfloat16 when ``dtype`` is), and "" or why they
+    are missing (MLX refused the case)."""
+    mx = mlx.mx
+    if dtype == "bfloat16":
+        inputs = [mx.array(a.astype(np.float32)).astype(mx.bfloat16) for a in inputs]
+    try:
+        return _time(mlx.operations(case, *inputs), repeats), ""
+    except (RuntimeError, ValueError) as error:
+        return Timing(None, None), f"mlx failed at head_dim {case.head_dim}: {error}"
+
+
 def _library_paths(context, case: Case, inputs) -> tuple[str, str]:
     """(forward path, backward path) of one forward and backward on ``inputs``."""
     q, k, v, dout = inputs
@@ -138,16 +161,16 @@ def run(args: argparse.Namespace) -> int:
     except Unavailable as missing:
         mlx = None
         print(f"mlx: unavailable ({missing})")
-    print(f"shape: batch {args.batch}, {args.heads} heads, seqlen {seqlen}, float16"
+    print(f"shape: batch {args.batch}, {args.heads} heads, seqlen {seqlen}, {args.dtype}"
           f"{', causal' if args.causal else ''}; best of {args.repeats} after a warm-up, wall ms")
     ours = Library(context)
     header = (f"{'head_dim':>8}  {'forward path':<12}  {'backward path':<13}  {'ours fwd':>9}  {'simdgroup fwd':>13}  "
               f"{'mlx fwd':>9}  {'ours f+b':>9}  {'simdgroup f+b':>13}  {'mlx f+b':>9}  {'ours fwd TFLOP/s':>16}")
     print(header)
-    reasons, status = {}, 0
+    reasons, notes, status = {}, [], 0
     for head_dim in args.head_dims:
         case = Case("m5-check", args.batch, args.heads, args.heads, seqlen, seqlen, head_dim, args.causal)
-        inputs = case.inputs()
+        inputs = _inputs(case, args.dtype)
         forward_path, backward_path = _library_paths(context, case, inputs)
         with tensor_ops_variable("0"):
             forbidden = _library_paths(simdgroup.context, case, inputs)
@@ -157,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
         timings = [_time(ours.operations(case, *inputs), args.repeats)]
         with tensor_ops_variable("0"):
             timings.append(_time(simdgroup.operations(case, *inputs), args.repeats))
-        timings.append(_time(mlx.operations(case, *inputs), args.repeats) if mlx else Timing(None, None))
+        mlx_timing, note = _mlx_timing(mlx, case, inputs, args.dtype, args.repeats) if mlx else (Timing(None, None), "")
+        timings.append(mlx_timing)
+        notes += [note] if note else []
         flops = forward_flops(args.batch, args.heads, seqlen, seqlen, head_dim, args.causal)
         tflops = flops / (timings[0].forward_ms * 1e-3) / 1e12
         print(f"{head_dim:>8}  {forward_path:<12}  {backward_path:<13}  {_ms(timings[0].forward_ms):>9}  "
@@ -169,4 +194,6 @@ def run(args: argparse.Namespace) -> int:
                 listed.append(head_dim)
     for text, head_dims in reasons.items():
         print(f"why (head_dim {', '.join(map(str, head_dims))}): {text}")
+    for note in notes:
+        print(note)
     return status
