@@ -44,6 +44,14 @@ template <class I, int Rank> struct dextents {
     __host__ __device__ I extent(int d) const { return e[d]; }
 };
 
+// A fixed-size array (MSL's metal::array), as tensors take their strides: array<int32_t, 2>{1, s}.
+template <class T, size_t N> struct array {
+    T elements[N];
+    __host__ __device__ T &operator[](size_t i) { return elements[i]; }
+    __host__ __device__ const T &operator[](size_t i) const { return elements[i]; }
+    __host__ __device__ static constexpr size_t size() { return N; }
+};
+
 // A tensor whose pointer, extents and strides live in the kernel (Metal's tensor_inline).
 struct tensor_inline {};
 
