@@ -5,8 +5,8 @@
 // that the CUDA emulation's logic (gather by shuffles, layouts, bounds, truncation, accumulation
 // order) gives the CPU engine's bits; the GPU's own intrinsics and divergence are gpu_check.sh's.
 //
-// Build (tests/python/kernels/test_cuda_tensor_ops_on_host.py does): clang++ -std=c++20 -pthread
-// -DFA_HOST_WARP -Itests/cuda/host_warp -Itests/cuda/include -Itests/cuda -I<tensor_ops.metal
+// Build (tests/python/kernels/test_cuda_tensor_ops_on_host.py does): clang++ -std=c++17
+// -Wno-deprecated-declarations -DFA_HOST_WARP -Itests/cuda/host_warp -Itests/cuda/include -Itests/cuda -I<tensor_ops.metal
 // with `device` renamed fa_device> tests/cuda/host_warp/tensor_ops_host.cpp
 // Usage: tensor_ops_host OUTPUT.txt
 #include "metal_cuda.h"

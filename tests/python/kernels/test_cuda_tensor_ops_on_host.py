@@ -1,5 +1,5 @@
 """The CUDA check's tensor-op emulation (tests/cuda/metal_tensor_ops.h) run on the host, on a
-simulated warp (tests/cuda/host_warp: 32 threads, every warp intrinsic a rendezvous), without nvcc
+simulated warp (tests/cuda/host_warp: 32 fibers, every warp intrinsic a rendezvous), without nvcc
 or a GPU: its outputs of tests/kernels/tensor_ops.metal's cross-check runs must be the CPU engine's
 bit for bit (tests/cuda/tensor_ops_engine.txt, held to the engine by TensorOpsEngineOutputTests),
 and a planted change of the accumulation order must break that (docs/tensor-ops.md)."""
@@ -39,7 +39,8 @@ def _run(tmp_path: pathlib.Path, headers: pathlib.Path) -> subprocess.CompletedP
     source = (ROOT / "tests" / "kernels" / "tensor_ops.metal").read_text()
     (kernels / "tensor_ops.metal").write_text(re.sub(r"\bdevice\b", "fa_device", source))
     program, output = tmp_path / "tensor_ops_host", tmp_path / "host.txt"
-    subprocess.run([CLANG, "-std=c++20", "-O1", "-pthread", "-DFA_HOST_WARP", "-Wno-unknown-attributes",
+    subprocess.run([CLANG, "-std=c++17", "-O1", "-DFA_HOST_WARP", "-Wno-unknown-attributes",
+                    "-Wno-deprecated-declarations",
                     f"-I{CUDA / 'host_warp'}", f"-I{CUDA / 'include'}", f"-I{headers}", f"-I{kernels}",
                     str(CUDA / "host_warp" / "tensor_ops_host.cpp"), "-o", str(program)],
                    check=True, capture_output=True, text=True)
