@@ -92,9 +92,16 @@ enum TensorOps {
     /// Whether the tensor-op forward serves `problem` (a planned one): float16 or bfloat16, a
     /// head-dim bucket of FA_TENSOR_BUCKET_MASK (64, 96, 128, 256), plain k and v (no KV cache), the
     /// dense forward (no split-KV: at 1-64 rows per KV head the split and decode kernels stay,
-    /// docs/tensor-ops.md).
+    /// docs/tensor-ops.md), row strides that fit a tensor (`rowStridesFitTensors`).
     static func forwardServes(_ problem: Problem) -> Bool {
         problem.dtype != .float32 && problem.kvCache == nil && problem.split == nil
             && UInt32(FA_TENSOR_BUCKET_MASK) & (1 << (problem.bucket.head_dim_max / 32)) != 0
+            && rowStridesFitTensors(problem)
+    }
+
+    /// Whether every tensor's row stride fits the int32 strides of a Metal tensor, through which the
+    /// tensor-op kernels read and write rows (`rows_tensor`, flash_attention_tensor.h).
+    static func rowStridesFitTensors(_ problem: Problem) -> Bool {
+        problem.layouts.values.allSatisfy { $0.strides.seq <= Int(Int32.max) }
     }
 }
