@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import _validation
-from ._mlx_arrays import evaluate, new_output, numpy_view
+from .. import _validation
+from ._arrays import evaluate, new_output, numpy_view
 
 
 @mx.custom_function
