@@ -22,11 +22,13 @@ and the judge's files (dump.h's format: NAME.q, .k, .v, .dout, .mask, .alibi, .s
 in logical order, and the case's cases.txt line in NAME.line).
 
 NAME.case, little-endian:
-  "FACASE1\\n"
+  "FACASE2\\n"
   u32 buffers; per buffer: u64 bytes, u32 kind (0 input: its bytes follow; 1 output; 2 workspace)
   u32 dispatches; per dispatch: u32 length + kernel name, u32 threadgroups[3], u32 threads[3],
-      u32 params index, u32 length + parameter bytes, u32 bindings; per binding: u32 index,
-      u32 buffer, u64 byte offset
+      u32 constants; per constant (the plan's specialisation): u32 index, u32 type (0 bool,
+      1 uint), u32 value; u32 params index, u32 length + parameter bytes (length 0 where a binding
+      at the params index holds the struct), u32 bindings; per binding: u32 index, u32 buffer,
+      u64 byte offset
   u32 outputs; per output: u32 length + name (dump.h's), u32 buffer, u64 element offset,
       u32 dtype (0 f16, 1 bf16, 2 f32), u32 dims[4], u64 element strides[4]
 Input buffers hold 0xff (NaN in every dtype) outside the tensors' views; the replay poisons output
@@ -50,9 +52,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import grid  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-MAGIC = b"FACASE1\n"
+MAGIC = b"FACASE2\n"
 KINDS = {"input": 0, "output": 1, "workspace": 2}
 DTYPE_CODES = {"f16": 0, "bf16": 1, "f32": 2}
+# fa_specialization_type's values, by plan.Specialization's type names.
+CONSTANT_TYPES = {"bool": 0, "uint": 1}
 DTYPE_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 # The GPU core count of the extra forward of short queries: split-KV, in as many chunks as the keys allow.
 SPLIT_CORES = 4096
@@ -233,7 +237,9 @@ def plan_case(c: grid.Case, library, split_rows: int) -> dict:
             bases[b.role] = (t["buffer"], base)
         for d in made.dispatches:
             dispatches.append({"kernel": d.kernel_name, "threadgroups": list(d.threadgroups_per_grid),
-                               "threads": list(d.threads_per_threadgroup), "params_index": d.params_index,
+                               "threads": list(d.threads_per_threadgroup),
+                               "constants": [[x.index, CONSTANT_TYPES[x.type], x.value] for x in d.specialization],
+                               "params_index": d.params_index,
                                "params": d.params.hex(),
                                "bindings": [[x.index, bases[x.role][0], bases[x.role][1] + x.byte_offset]
                                             for x in d.bindings]})
@@ -391,7 +397,9 @@ def write_case(entry: dict, folder: pathlib.Path) -> None:
     out += struct.pack("<I", len(entry["dispatches"]))
     for d in entry["dispatches"]:
         params = bytes.fromhex(d["params"])
-        out += text(d["kernel"]) + struct.pack("<3I3II", *d["threadgroups"], *d["threads"], d["params_index"])
+        out += text(d["kernel"]) + struct.pack("<3I3II", *d["threadgroups"], *d["threads"], len(d["constants"]))
+        out += b"".join(struct.pack("<3I", *constant) for constant in d["constants"])
+        out += struct.pack("<I", d["params_index"])
         out += struct.pack("<I", len(params)) + params + struct.pack("<I", len(d["bindings"]))
         for index, buffer, offset in d["bindings"]:
             out += struct.pack("<IIQ", index, names.index(buffer), offset)

@@ -9,8 +9,9 @@
 #
 # The plan-fed replay (issue 35) runs the same grids through the library's exported plans:
 # tests/cuda/cases.py writes each case's plans (fa_plan_create, on a machine with the library) and
-# inputs, tests/cuda/replay.cu launches every dispatch as the plan gives it (launch_table.cu maps a
-# kernel name to its launcher) and judge.py judges the dump; the sanitizers and the planted faults
+# inputs, tests/cuda/replay.cu launches every dispatch as the plan gives it (launch_table.cu: every
+# instance of the kernel catalogue by name, with the plan's function constants) and judge.py judges
+# the dump; the sanitizers and the planted faults
 # run over it too. The plans come from FA_GPU_PLANS (a folder with small.json and full.json that
 # `tests/cuda/cases.py plan` wrote, for a GPU machine without the library) or are made here.
 #
@@ -98,11 +99,16 @@ copy_sources() {
     fi
 }
 
-# Compiles the kernels of source folder $1 into object $2 (slow: every head-dim bucket, fully
-# unrolled loops; its log holds ptxas' register and spill report): kernels.cu's launchers and
-# launch_table.cu's table by name, one object for the harness and the replay.
+# Compiles the kernels of source folder $1 twice, in parallel (slow: every head-dim bucket, fully
+# unrolled loops; the logs hold ptxas' register and spill report): kernels.cu's hand-written
+# launchers into object $2 (the harness's and large_offsets.cu's) and launch_table.cu's catalogue
+# table into $2 with .o replaced by -table.o (the replay's).
 compile_kernels() {
-    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$2" >"$2.log" 2>&1
+    local table=${2%.o}-table.o
+    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/kernels.cu" -o "$2" >"$2.log" 2>&1 &
+    local launchers=$!
+    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$table" >"$table.log" 2>&1 \
+        && wait "$launchers"
 }
 
 SECONDS=0
@@ -187,12 +193,12 @@ link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
 }
 if [ "$DEFAULT" = 1 ]; then
     link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout varlen_cases kv_cache_cases
-    link "$BUILD/kernels.o" "$BUILD/replay" replay
+    link "$BUILD/kernels-table.o" "$BUILD/replay" replay
     if [ "$MUTANTS" = 1 ]; then
         link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout varlen_cases kv_cache_cases
         link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout varlen_cases kv_cache_cases
-        link "$BUILD/kernels-no-barrier.o" "$BUILD/replay-no-barrier" replay
-        link "$BUILD/kernels-exp.o" "$BUILD/replay-exp" replay
+        link "$BUILD/kernels-no-barrier-table.o" "$BUILD/replay-no-barrier" replay
+        link "$BUILD/kernels-exp-table.o" "$BUILD/replay-exp" replay
     fi
 fi
 if [ "$LARGE" = 1 ]; then

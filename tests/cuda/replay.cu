@@ -2,10 +2,12 @@
 // (NAME.case, written by tests/cuda/cases.py; format there) holds the case's device buffers (the
 // inputs' bytes, in the layout the plan's strides describe), every dispatch of its plans in order
 // (forward, backward, and a split-KV forward) as fa_plan_create made them: kernel name,
-// threadgroups, threads, parameter bytes and the buffer and byte offset at each [[buffer]] index;
-// and the output tensors to read back. This program knows nothing of attention: it allocates the
-// buffers, poisons the outputs and workspaces, launches each dispatch by name (launch_table.h) and
-// reads the outputs back.
+// threadgroups, threads, function constants, parameter bytes (none where the plan binds a buffer,
+// a varlen pass's sequence table, in their place) and the buffer and byte offset at each [[buffer]]
+// index; and the output tensors to read back. This program knows nothing of attention: it
+// allocates the buffers, poisons the outputs and workspaces, copies each dispatch's parameter
+// bytes into device memory, launches each dispatch by name (launch_table.h: every instance of the
+// kernel catalogue) and reads the outputs back.
 //
 // Checks here: no byte of an output buffer outside the output views may change, and a second run
 // with other poison bytes must give bit-identical outputs (determinism, no element left
@@ -36,8 +38,7 @@
 
 namespace {
 
-constexpr char kMagic[] = "FACASE1\n";
-constexpr int kMaxBuffers = 32;
+constexpr char kMagic[] = "FACASE2\n";
 
 enum Kind : uint32_t { kInput = 0, kOutput = 1, kWorkspace = 2 };
 
@@ -54,8 +55,10 @@ struct Binding {
 
 struct Dispatch {
     std::string kernel;
-    uint32_t groups[3], threads[3], params_index;
-    std::vector<unsigned char> params;
+    uint32_t groups[3], threads[3];
+    std::vector<FaCudaConstant> constants;
+    uint32_t params_index;
+    std::vector<unsigned char> params;  // empty: a binding at params_index holds the struct
     std::vector<Binding> bindings;
 };
 
@@ -134,22 +137,35 @@ Case load(const std::string &folder, const std::string &name) {
         d.kernel = r.text();
         r.read(d.groups, sizeof d.groups);
         r.read(d.threads, sizeof d.threads);
+        d.constants.resize(r.get<uint32_t>());
+        for (FaCudaConstant &k : d.constants) {
+            k.index = r.get<uint32_t>();
+            k.type = r.get<uint32_t>();
+            k.value = r.get<uint32_t>();
+        }
         d.params_index = r.get<uint32_t>();
         d.params.resize(r.get<uint32_t>());
         r.read(d.params.data(), d.params.size());
-        if (d.params.size() != sizeof(FlashAttentionParams)) {
+        if (!d.params.empty() && d.params.size() != sizeof(FlashAttentionParams)) {
             throw CudaFailure{name + ": " + d.kernel + " has " + std::to_string(d.params.size()) +
                               " parameter bytes, FlashAttentionParams " +
                               std::to_string(sizeof(FlashAttentionParams))};
         }
+        bool params_bound = false;
         d.bindings.resize(r.get<uint32_t>());
         for (Binding &b : d.bindings) {
             b.index = r.get<uint32_t>();
             b.buffer = r.get<uint32_t>();
             b.offset = r.get<uint64_t>();
-            if (b.index >= kMaxBuffers || b.buffer >= c.buffers.size() || b.offset > c.buffers[b.buffer].bytes) {
+            if (b.index >= FA_CUDA_MAX_BUFFERS || b.buffer >= c.buffers.size() ||
+                b.offset > c.buffers[b.buffer].bytes) {
                 throw CudaFailure{name + ": " + d.kernel + " has a binding outside the case's buffers"};
             }
+            params_bound = params_bound || b.index == d.params_index;
+        }
+        if (d.params_index >= FA_CUDA_MAX_BUFFERS || params_bound == !d.params.empty()) {
+            throw CudaFailure{name + ": " + d.kernel + " must have either parameter bytes or a buffer at " +
+                              "its params index " + std::to_string(d.params_index)};
         }
     }
     c.outputs.resize(r.get<uint32_t>());
@@ -190,15 +206,22 @@ Result run(const Case &c, unsigned char poison, bool poison_workspaces) {
             device.back()->fill_bytes(poison);
         }
     }
+    // Each dispatch's parameter bytes in device memory of their own (the CUDA build binds constant
+    // buffers as device pointers), alive until the dispatches have run.
+    std::vector<std::unique_ptr<DeviceArray<unsigned char>>> params;
     for (const Dispatch &d : c.dispatches) {
-        void *slots[kMaxBuffers] = {};
+        FaCudaBuffers slots;
         for (const Binding &b : d.bindings) {
-            slots[b.index] = device[b.buffer]->get() + b.offset;
+            slots.at[b.index] = device[b.buffer]->get() + b.offset;
         }
-        FlashAttentionParams params;
-        std::memcpy(&params, d.params.data(), sizeof params);
+        if (!d.params.empty()) {
+            params.push_back(std::make_unique<DeviceArray<unsigned char>>(d.params.size()));
+            params.back()->upload(d.params);
+            slots.at[d.params_index] = params.back()->get();
+        }
         check(fa_cuda_launch(d.kernel.c_str(), dim3(d.groups[0], d.groups[1], d.groups[2]),
-                             dim3(d.threads[0], d.threads[1], d.threads[2]), slots, params),
+                             dim3(d.threads[0], d.threads[1], d.threads[2]), slots, d.constants.data(),
+                             d.constants.size()),
               d.kernel.c_str());
     }
     check(cudaDeviceSynchronize(), "the case's dispatches");

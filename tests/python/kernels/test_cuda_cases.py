@@ -1,5 +1,5 @@
 """tests/cuda/cases.py, the plan-fed CUDA check's case writer: every dispatch it writes is the
-library's (plan.create's kernel, grid, parameter bytes and bindings), every binding and output lies
+library's (plan.create's kernel, grid, function constants, parameter bytes and bindings), every binding and output lies
 inside its buffer, the inputs sit in the device images where the strides say, and short queries get
 the split-KV forward; issue 36's non-finite and issue 40's dropout cases are in both grids, their
 NaN and infinities planted where grid.py says and their dropout in the plans' parameters. The GPU
@@ -65,12 +65,14 @@ def _read_case(path: Path) -> dict:
     dispatches = []
     for _ in range(take("I")[0]):
         name = text()
-        groups, threads, index = take("3I"), take("3I"), take("I")[0]
+        groups, threads = take("3I"), take("3I")
+        constants = [take("3I") for _ in range(take("I")[0])]
+        index = take("I")[0]
         (length,) = take("I")
         params = data[at:at + length]
         at += length
         bindings = [take("IIQ") for _ in range(take("I")[0])]
-        dispatches.append((name, groups, threads, index, params, bindings))
+        dispatches.append((name, groups, threads, constants, index, params, bindings))
     outputs = []
     for _ in range(take("I")[0]):
         outputs.append((text(), *take("IQI4I4Q")))
@@ -98,9 +100,10 @@ def test_dispatches_are_the_librarys(written, name):
     expected = [*plan.create(problem, "forward").dispatches, *plan.create(problem, "backward").dispatches]
     got = read["dispatches"]
     assert [d[0] for d in got[:len(expected)]] == [d.kernel_name for d in expected]
-    for (kernel, groups, threads, index, params, bindings), d in zip(got, expected):
+    for (kernel, groups, threads, constants, index, params, bindings), d in zip(got, expected):
         assert (groups, threads, index, params) == (d.threadgroups_per_grid, d.threads_per_threadgroup,
                                                    d.params_index, d.params), kernel
+        assert constants == [(x.index, cases.CONSTANT_TYPES[x.type], x.value) for x in d.specialization], kernel
         assert [b[0] for b in bindings] == [b.index for b in d.bindings]
     split = got[len(expected):]
     # The extra forward of short queries, planned for a large GPU where that plan differs: its
