@@ -2,10 +2,13 @@
 library's (plan.create's kernel, grid, function constants, parameter bytes and bindings), every binding and output lies
 inside its buffer, the inputs sit in the device images where the strides say, and short queries get
 the split-KV forward; issue 36's non-finite and issue 40's dropout cases are in both grids, their
-NaN and infinities planted where grid.py says and their dropout in the plans' parameters. The GPU
+NaN and infinities planted where grid.py says and their dropout in the plans' parameters. The
+variable-length and KV-cache cases (fed by fa_plan_create's varlen and cache plans) are replayed
+here on the CPU engine: fa_plan_execute on the case files' buffers, the outputs read through the
+case's output views as replay.cu reads them, and judge.py's verdict on that dump must pass. The GPU
 replay itself (replay.cu) runs only in tests/cuda/gpu_check.sh.
 
-Cost: a few seconds (six cases, planned and written).
+Cost: about 10 s (six dense cases planned and written; a varlen and two KV-cache cases replayed).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import flash_attention_metal as fam
 from flash_attention_metal import plan
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -206,3 +210,96 @@ def test_dropout_reaches_the_plans_parameters():
             assert [d.kernel_name for d in ours.dispatches] == [d.kernel_name for d in theirs.dispatches]
             assert all(a.params != b.params for a, b in zip(ours.dispatches, theirs.dispatches)
                        if a.kernel_name.startswith(("flash_attention_forward_f", "flash_attention_backward_d"))), c.name
+
+
+# A variable-length batch (GQA, a sequence whose causal rows partly see no key) and two KV caches
+# (paged 4-bit decode through the split-KV decode kernel, contiguous 8-bit through the dense one).
+REPLAYED = [grid.varlen_cases()[0], *grid.kv_cache_cases()[:2]]
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(cases._numpy_dtype(dtype)).itemsize
+
+
+def _problem_of(entry: dict, library):
+    """The case's fa_problem, made as cases.py made it, and what it points to."""
+    case = next(x for x in REPLAYED if x.name == entry["name"])
+    if entry["kind"] == "varlen":
+        return cases.varlen_problem(case, library)
+    strides = {role: tuple(entry["tensors"][role]["strides"][:3]) for role in ("k", "v")}
+    return cases.kv_cache_problem(case, entry["geometry"], strides, library)
+
+
+def _replay_on_cpu(entry: dict, folder: Path, ctx) -> list[str]:
+    """replay.cu's run of one case, on the CPU engine: the case file's buffers (inputs as written,
+    outputs poisoned with 0xff), each pass's plan (fa_plan_create, as cases.py made it) run by
+    fa_plan_execute with every role at its case buffer and offset, the outputs read back through
+    the case's output views into the dump (NAME.<output>, cases.txt). Returns the case's lines."""
+    library = ctx._native
+    ffi, lib = library.ffi, library.lib
+    name = entry["name"]
+    read = _read_case(folder / f"{name}.case")
+    memory = {buffer: np.frombuffer(bytearray(image), np.uint8) if kind == 0 else np.full(size, 0xff, np.uint8)
+              for buffer, (size, kind, image) in zip(entry["buffers"], read["buffers"])}
+    problem, held = _problem_of(entry, library)  # noqa: F841  (held: alive while planning)
+    passes = [("FA_PASS_FORWARD", {}, None)] + ([("FA_PASS_BACKWARD", {}, None)] if entry["kind"] == "varlen" else [])
+    if "split_out" in entry["outputs"]:
+        passes.append(("FA_PASS_FORWARD", {"out": "split_out", "lse": "split_lse"}, cases.SPLIT_CORES))
+    for pass_name, renamed, cores in passes:
+        holder = ffi.new("fa_plan **")
+        with pytest.MonkeyPatch.context() as env:
+            if cores:
+                env.setenv("FLASH_ATTENTION_GPU_CORES", str(cores))
+            library.raise_for_status(lib.fa_plan_create(problem, getattr(lib, pass_name), 0, holder))
+        try:
+            pointers = ffi.new("void *[]", lib.FA_BUFFER_ROLE_COUNT)
+            for b in plan.read(holder[0], library).buffers:
+                if b.usage != "workspace":
+                    t = entry["tensors"][renamed.get(b.role, b.role)]
+                    address = memory[t["buffer"]].ctypes.data + t["offset"] * _itemsize(t["dtype"])
+                    pointers[getattr(lib, "FA_BUFFER_ROLE_" + b.role.upper())] = ffi.cast("void *", address)
+            library.raise_for_status(lib.fa_plan_execute(ctx._handle, holder[0], pointers, lib.FA_BUFFER_ROLE_COUNT))
+        finally:
+            lib.fa_plan_destroy(holder[0])
+    for output in entry["outputs"]:
+        t = entry["tensors"][output]
+        size = _itemsize(t["dtype"])
+        flat = memory[t["buffer"]].view(cases._numpy_dtype(t["dtype"]))
+        view = np.lib.stride_tricks.as_strided(flat[t["offset"]:], shape=t["dims"],
+                                               strides=[stride * size for stride in t["strides"]])
+        view.astype(np.float32).tofile(folder / f"{name}.{output}")
+    return (folder / f"{name}.line").read_text().splitlines()
+
+
+@pytest.mark.parametrize("case", REPLAYED, ids=lambda c: c.name)
+def test_varlen_and_kv_cache_cases_replay_and_judge(tmp_path, case):
+    """A varlen or KV-cache case planned and written by cases.py, replayed on the CPU engine through
+    its case file's buffers, passes judge.py (every sequence of a varlen case as its dense case);
+    the varlen plans bind the sequence table at the params index (no parameter bytes written)."""
+    ctx = fam.Context("cpu")
+    library = ctx._native
+    if isinstance(case, grid.VarlenCase):
+        entry = cases.plan_varlen(case, library)
+        table = [d for d in entry["dispatches"] if d["kernel"] != "flash_attention_varlen_sequences"]
+        assert table and all(d["params"] == "" and d["params_index"] in [b[0] for b in d["bindings"]] for d in table)
+    else:
+        entry = cases.plan_kv_cache(case, library, cases._split_rows(library))
+        assert all("kvcache" in d["kernel"] or "combine" in d["kernel"] for d in entry["dispatches"])
+    cases.write_case(entry, tmp_path)
+    lines = _replay_on_cpu(entry, tmp_path, ctx)
+    assert len(lines) == (len(case.seqlens_q) if isinstance(case, grid.VarlenCase) else 1)
+    spec = importlib.util.spec_from_file_location("cuda_judge", ROOT / "tests" / "cuda" / "judge.py")
+    judge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(judge)
+    for line in lines:
+        name, passed, detail, _ = judge.judge_case(tmp_path, line)
+        assert passed, f"{name}: {detail}"
+
+
+def test_varlen_and_kv_cache_cases_are_in_both_grids():
+    """The small (sanitizer) grid holds a varlen and two KV-cache cases, the full one more, with
+    contiguous, paged and 4- and 8-bit quantized caches and every dtype."""
+    small, full = grid.kv_cache_cases(small=True), grid.kv_cache_cases()
+    assert len(grid.varlen_cases(small=True)) == 1 and len(small) == 2 and set(small) <= set(full)
+    assert {(bool(k.page), k.bits) for k in full} == {(True, 0), (True, 4), (True, 8), (False, 0), (False, 8)}
+    assert {v.dtype for v in grid.varlen_cases()} == {k.case.dtype for k in full} == {"f16", "bf16", "f32"}
