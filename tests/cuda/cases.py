@@ -1,8 +1,9 @@
 """Writes the plan-fed CUDA check's cases: the library's exported plans and seeded inputs, which
-tests/cuda/replay.cu replays on the GPU and tests/cuda/judge.py judges.
+tests/cuda/replay.cu replays on the GPU and tests/cuda/judge.py judges (and the plan of
+tests/cuda/large_offsets.cu's 2^32-element problem).
 
 Two steps, so that the plans come from the library and the inputs stay off the wire:
-  python3 tests/cuda/cases.py plan {small,full} PLANS.json   (a machine with the library: the plans)
+  python3 tests/cuda/cases.py plan {small,full,large} PLANS.json   (a machine with the library)
   python3 tests/cuda/cases.py write PLANS.json FOLDER        (numpy only: inputs and case files)
 
 ``plan`` places each case's tensors on the device as the case's layout says (bhsd, bshd, slices of
@@ -11,8 +12,10 @@ and asks ``flash_attention_metal.plan.create`` for the forward and backward plan
 count of ``fa_plan_create``: FLASH_ATTENTION_GPU_CORES, else the nominal 10-core GPU off Metal), and
 for short queries (at most FA_SPLIT_TILED_MAX_QUERY_ROWS rows) the forward planned for a GPU of
 SPLIT_CORES cores where that plan differs (split-KV, or more chunks), into outputs of its own
-(split_out, split_lse). Nothing here picks a kernel, a grid or a parameter value: every dispatch is
-the library's.
+(split_out, split_lse); grid.varlen_cases and grid.kv_cache_cases through the library's varlen
+and KV-cache plans (plan_varlen, plan_kv_cache); ``large`` the one problem of large_offsets.cu
+(plan_large). Nothing here picks a kernel, a grid or a parameter value: every dispatch is the
+library's.
 
 ``write`` draws the inputs (N(0, 1) rounded to the dtype, seeded by the case name; masks, ALiBi
 slopes and sinks as cases.h describes; cases.cpp's generator, so the same values as the harness's;
@@ -23,7 +26,9 @@ in logical order, and the case's cases.txt line in NAME.line).
 
 NAME.case, little-endian:
   "FACASE2\\n"
-  u32 buffers; per buffer: u64 bytes, u32 kind (0 input: its bytes follow; 1 output; 2 workspace)
+  u32 buffers; per buffer: u32 length + name, u64 bytes, u32 kind (0 input: its bytes follow;
+      1 output; 2 workspace; 3 filled on the device by the program that runs the case: the inputs
+      of large_offsets.cu, too large to write)
   u32 dispatches; per dispatch: u32 length + kernel name, u32 threadgroups[3], u32 threads[3],
       u32 constants; per constant (the plan's specialisation): u32 index, u32 type (0 bool,
       1 uint), u32 value; u32 params index, u32 length + parameter bytes (length 0 where a binding
@@ -53,7 +58,7 @@ import grid  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAGIC = b"FACASE2\n"
-KINDS = {"input": 0, "output": 1, "workspace": 2}
+KINDS = {"input": 0, "output": 1, "workspace": 2, "device": 3}
 DTYPE_CODES = {"f16": 0, "bf16": 1, "f32": 2}
 # fa_specialization_type's values, by plan.Specialization's type names.
 CONSTANT_TYPES = {"bool": 0, "uint": 1}
@@ -434,16 +439,47 @@ def _cache_tensor(name: str, dtype: str, slots: int, heads: int, rows: int, unit
             "strides": [heads * rows * units, rows * units, units, 1]}
 
 
+def plan_large(library) -> dict:
+    """large_offsets.cu's problem (grid.large_offsets_case: q, out, dout, dq of more than 2^32
+    elements) with the library's forward and backward plans. q, k, v and dout are "device" buffers
+    (large_offsets.cu fills them); the outputs list the views it samples rows of (q, k, v and dout
+    too). It runs every dispatch but dK/dV's (each key's gradient sums over all query rows)."""
+    from flash_attention_metal import plan
+    c = grid.large_offsets_case()
+    placed = _place(c)
+    buffers: dict[str, dict] = {}
+    tensors = {}
+    for role in TENSOR_ROLES:
+        _, offset, strides = placed[role]
+        kind = "device" if role in ("q", "k", "v", "dout") else "output"
+        _buffer(buffers, role, _extent(c, role, offset, strides) * 2, kind)
+        heads, seqlen, cols = _dims(c, role)
+        tensors[role] = {"buffer": role, "offset": 0, "dtype": c.dtype, "dims": [c.batch, heads, seqlen, cols],
+                         "strides": [*strides, 1]}
+    _buffer(buffers, "lse", c.seqlen_q * 4, "output")
+    tensors["lse"] = {"buffer": "lse", "offset": 0, "dtype": "f32", "dims": [1, 1, c.seqlen_q, 1],
+                      "strides": [c.seqlen_q, c.seqlen_q, 1, 0]}
+    problem = _problem(c, placed, library)
+    passes = [("forward", plan.create(problem, "forward", library=library), {}),
+              ("backward", plan.create(problem, "backward", library=library), {})]
+    return {"kind": "large", "name": c.name, "case": dataclasses.asdict(c), "buffers": buffers, "tensors": tensors,
+            "dispatches": _dispatches(c.name, passes, tensors, buffers),
+            "outputs": ["q", "k", "v", "dout", "out", "lse", "dq"]}
+
+
 def plan_grid(name: str, out: pathlib.Path) -> int:
     sys.path.insert(0, str(ROOT / "python"))
     from flash_attention_metal import _native
     library = _native.native()
     split_rows = _split_rows(library)
-    small = name != "full"
-    cases = grid.small_grid() if small else grid.full_grid()
-    planned = [plan_case(c, library, split_rows) for c in cases]
-    planned += [plan_varlen(v, library) for v in grid.varlen_cases(small)]
-    planned += [plan_kv_cache(kc, library, split_rows) for kc in grid.kv_cache_cases(small)]
+    if name == "large":
+        planned = [plan_large(library)]
+    else:
+        small = name == "small"
+        cases = grid.small_grid() if small else grid.full_grid()
+        planned = [plan_case(c, library, split_rows) for c in cases]
+        planned += [plan_varlen(v, library) for v in grid.varlen_cases(small)]
+        planned += [plan_kv_cache(kc, library, split_rows) for kc in grid.kv_cache_cases(small)]
     out.write_text(json.dumps(planned, separators=(",", ":")))
     print(f"cases.py: {len(planned)} cases of the {name} grid planned into {out}")
     return 0
@@ -660,7 +696,9 @@ def _write_kv_cache(entry: dict, images: dict, folder: pathlib.Path) -> str:
     return _line(c, entry["outputs"])
 
 
-_WRITERS = {"dense": _write_dense, "varlen": _write_varlen, "kv_cache": _write_kv_cache}
+# large_offsets.cu makes its inputs and its dump itself: nothing to draw, no line.
+_WRITERS = {"dense": _write_dense, "varlen": _write_varlen, "kv_cache": _write_kv_cache,
+            "large": lambda entry, images, folder: ""}
 
 
 def write_case(entry: dict, folder: pathlib.Path) -> None:
@@ -672,15 +710,16 @@ def write_case(entry: dict, folder: pathlib.Path) -> None:
               if spec["kind"] == "input"}
     line = _WRITERS[entry.get("kind", "dense")](entry, images, folder)
     out = bytearray(MAGIC)
-    out += struct.pack("<I", len(names))
-    for buffer_name in names:
-        spec = entry["buffers"][buffer_name]
-        out += struct.pack("<QI", spec["bytes"], KINDS[spec["kind"]])
-        if spec["kind"] == "input":
-            out += images[buffer_name]
 
     def text(value: str) -> bytes:
         return struct.pack("<I", len(value)) + value.encode()
+
+    out += struct.pack("<I", len(names))
+    for buffer_name in names:
+        spec = entry["buffers"][buffer_name]
+        out += text(buffer_name) + struct.pack("<QI", spec["bytes"], KINDS[spec["kind"]])
+        if spec["kind"] == "input":
+            out += images[buffer_name]
 
     out += struct.pack("<I", len(entry["dispatches"]))
     for d in entry["dispatches"]:
@@ -714,7 +753,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="export the library's plans of a grid (needs the library)")
-    p.add_argument("grid", choices=("small", "full"))
+    p.add_argument("grid", choices=("small", "full", "large"))
     p.add_argument("out", type=pathlib.Path)
     w = sub.add_parser("write", help="draw the inputs and write the case files (numpy only)")
     w.add_argument("plans", type=pathlib.Path)

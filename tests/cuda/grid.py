@@ -227,6 +227,12 @@ def kv_cache_cases(small: bool = False) -> list[KVCacheCase]:
     return c[:2] if small else c
 
 
+def large_offsets_case() -> Case:
+    """large_offsets.cu's problem: q, out, dout and dq of 2^32 + 640 elements (seqlen_q 2^25 + 5,
+    head_dim 128, one head; row 2^25 starts at element 2^32) over 16 keys, float16, causal off."""
+    return replace(case(F16, 128, 1, 1, 1, 2**25 + 5, 16, False), name="large_offsets_f16_d128_k16")
+
+
 def mods(*, window=None, softcap=0.0, mask=None, alibi=None, sinks=False) -> Options:
     """Options from keywords: window (left, right), mask (kind, per_batch, per_head), alibi
     "head" or "batch"."""

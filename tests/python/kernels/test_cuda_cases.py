@@ -58,8 +58,9 @@ def _read_case(path: Path) -> dict:
         at += length
         return data[at - length:at].decode()
 
-    buffers = []
+    buffers, names = [], []
     for _ in range(take("I")[0]):
+        names.append(text())
         size, kind = take("QI")
         image = None
         if kind == 0:
@@ -81,7 +82,7 @@ def _read_case(path: Path) -> dict:
     for _ in range(take("I")[0]):
         outputs.append((text(), *take("IQI4I4Q")))
     assert at == len(data), "trailing bytes"
-    return {"buffers": buffers, "dispatches": dispatches, "outputs": outputs}
+    return {"buffers": buffers, "names": names, "dispatches": dispatches, "outputs": outputs}
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,7 @@ def test_dispatches_are_the_librarys(written, name):
     else:
         assert split == []
     sizes = [b[0] for b in read["buffers"]]
+    assert read["names"] == list(entries[name]["buffers"])
     for kernel, *_, bindings in got:
         for index, buffer, offset in bindings:
             assert offset <= sizes[buffer], (kernel, index)
@@ -303,3 +305,30 @@ def test_varlen_and_kv_cache_cases_are_in_both_grids():
     assert len(grid.varlen_cases(small=True)) == 1 and len(small) == 2 and set(small) <= set(full)
     assert {(bool(k.page), k.bits) for k in full} == {(True, 0), (True, 4), (True, 8), (False, 0), (False, 8)}
     assert {v.dtype for v in grid.varlen_cases()} == {k.case.dtype for k in full} == {"f16", "bf16", "f32"}
+
+
+def test_large_offsets_case_is_the_librarys_plan(tmp_path):
+    """large_offsets.cu's case file: the library's forward and backward plans of the 2^32-element
+    problem, q, k, v and dout left for the program to fill on the device (no bytes written), and
+    the contiguous float16 views it samples rows of (large_offsets.cu checks them too)."""
+    from flash_attention_metal import _native
+    library = _native.native()
+    entry = cases.plan_large(library)
+    cases.write_case(entry, tmp_path)
+    read = _read_case(tmp_path / "large_offsets_f16_d128_k16.case")
+    assert (tmp_path / "large_offsets_f16_d128_k16.case").stat().st_size < 10_000
+    kinds = dict(zip(read["names"], (b[1] for b in read["buffers"])))
+    assert [n for n, k in kinds.items() if k == cases.KINDS["device"]] == ["q", "k", "v", "dout"]
+    c = grid.large_offsets_case()
+    problem = cases._problem(c, cases._place(c), library)
+    expected = [*plan.create(problem, "forward").dispatches, *plan.create(problem, "backward").dispatches]
+    assert [(d[0], d[1], d[5]) for d in read["dispatches"]] == [
+        (d.kernel_name, d.threadgroups_per_grid, d.params) for d in expected]
+    assert read["dispatches"][-1][0].startswith("flash_attention_backward_dkv_")  # the one it skips
+    views = {o[0]: o[1:] for o in read["outputs"]}
+    rows = 2**25 + 5
+    assert sum(1 for o in read["outputs"]) == 7 and c.seqlen_q == rows and c.head_dim == 128
+    for name in ("q", "dout", "out", "dq"):
+        buffer, offset, dtype, *dims_strides = views[name]
+        assert (offset, dtype, dims_strides[:4], dims_strides[6:]) == (0, 0, [1, 1, rows, 128], [128, 1])
+        assert read["buffers"][buffer][0] == rows * 128 * 2 and rows * 128 > 2**32
