@@ -350,15 +350,25 @@ def plan_varlen(v: grid.VarlenCase, library) -> dict:
 
 def _cache_geometry(kc: grid.KVCacheCase) -> dict:
     """Slots (sequences, or blocks when paged), rows per slot, the block table (max_blocks per
-    sequence: one spare; blocks in a seeded shuffled order, two never used) and the units per row
+    sequence: one spare; blocks in a seeded shuffled order, two never used; with wrong_table, the
+    first and the last block among the used ones, and "written_table": what the device gets, the
+    first block as -7, the last as 100 past it, the spare entries +-2^31 - 1) and the units per row
     (elements, or packed uint32 words) and scale groups of k and v."""
     c = kc.case
     geometry = {"rows": kc.page or kc.cache_rows, "max_blocks": 0, "table": []}
     if kc.page:
-        geometry["max_blocks"] = -(-c.seqlen_k // kc.page) + 1
-        geometry["slots"] = c.batch * geometry["max_blocks"] + 2
-        order = np.random.default_rng(_fnv1a(kc.name) % 2**32).permutation(geometry["slots"])
-        geometry["table"] = order[:c.batch * geometry["max_blocks"]].tolist()
+        max_blocks = geometry["max_blocks"] = -(-c.seqlen_k // kc.page) + 1
+        slots = geometry["slots"] = c.batch * max_blocks + 2
+        order = np.random.default_rng(_fnv1a(kc.name) % 2**32).permutation(slots)
+        if kc.wrong_table:  # blocks 0 and slots - 1 hold rows (row 0 of sequences 0 and 1)
+            order = np.concatenate([[0, slots - 1], order[(order != 0) & (order != slots - 1)]])
+            order[[1, max_blocks]] = order[[max_blocks, 1]]
+        geometry["table"] = order[:c.batch * max_blocks].tolist()
+        if kc.wrong_table:
+            used = -(-c.seqlen_k // kc.page)
+            geometry["written_table"] = [
+                (-7 if block == 0 else slots + 99 if block == slots - 1 else block) if i % max_blocks < used
+                else (2**31 - 1 if i % 2 else -2**31) for i, block in enumerate(geometry["table"])]
     else:
         geometry["slots"] = c.batch
     for role, cols in (("k", c.head_dim), ("v", c.head_dim_v)):
@@ -689,7 +699,7 @@ def _write_kv_cache(entry: dict, images: dict, folder: pathlib.Path) -> str:
                 cache[slot[n], :, row] = np.asarray(data[n]).astype(cache.dtype).transpose(1, 0, 2)
         files[role] = logical
     if kc.page:
-        _write_tables(entry, images, {"block_table": g["table"]})
+        _write_tables(entry, images, {"block_table": g.get("written_table", g["table"])})
     files["dout"] = rng.normal(b * c.num_heads * c.seqlen_q * c.head_dim_v, dtype)
     for name, array in files.items():
         array.astype(np.float32).tofile(folder / f"{kc.name}.{name}")

@@ -184,24 +184,29 @@ class KVCacheCase:
     each, contiguous (cache_rows rows per sequence) or paged (page rows per block, blocks handed out
     in shuffled order through a block table with spare blocks), of the dtype or mx.quantize's
     packed words (bits 4 or 8, group_size). Judged as the dense problem over the cached keys (a
-    quantized cache against its float64 dequantized keys and values)."""
+    quantized cache against its float64 dequantized keys and values). wrong_table: the block
+    table written to the device holds entries outside [0, num_blocks) (each where the kernels'
+    clamp gives back the block the rows are in: above the last block, below 0) and garbage in its
+    unused entries, so the case passes only if every table read is clamped."""
 
     case: Case
     cache_rows: int = 0  # contiguous: rows per sequence (>= seqlen_k); 0 when paged
     page: int = 0        # paged: rows per block; 0 when contiguous
     bits: int = 0
     group_size: int = 64
+    wrong_table: bool = False
 
     @property
     def name(self) -> str:
         return self.case.name
 
 
-def kv_cache(c: Case, *, cache_rows=0, page=0, bits=0, group_size=64) -> KVCacheCase:
+def kv_cache(c: Case, *, cache_rows=0, page=0, bits=0, group_size=64, wrong_table=False) -> KVCacheCase:
     """The case c over a KV cache, its name telling the cache."""
     tag = f"_page{page}" if page else f"_rows{cache_rows}"
     tag += f"_q{bits}g{group_size}" if bits else ""
-    return KVCacheCase(replace(c, name=f"kvcache_{c.name}{tag}"), cache_rows, page, bits, group_size)
+    tag += "_wrongtable" if wrong_table else ""
+    return KVCacheCase(replace(c, name=f"kvcache_{c.name}{tag}"), cache_rows, page, bits, group_size, wrong_table)
 
 
 def varlen_cases(small: bool = False) -> list[VarlenCase]:
@@ -217,14 +222,16 @@ def varlen_cases(small: bool = False) -> list[VarlenCase]:
 def kv_cache_cases(small: bool = False) -> list[KVCacheCase]:
     """KV-cache forwards through the exported plans: contiguous and paged caches, 4- and 8-bit
     quantized ones, decode shapes (split-KV, decode kernels) and longer query blocks (the dense
-    KV-cache kernel), every dtype. The sanitizer grid takes the first two."""
+    KV-cache kernel), a block table with entries out of range (the harness's wrong-table case), every
+    dtype. The sanitizer grid takes the first three."""
     c = [kv_cache(case(BF16, 64, 2, 8, 2, 1, 200, True), page=32, bits=4, group_size=32),
          kv_cache(case(F16, 128, 2, 4, 4, 100, 120, True), cache_rows=128, bits=8, group_size=64),
+         kv_cache(case(F16, 64, 2, 4, 2, 12, 50, True), page=16, bits=4, group_size=64, wrong_table=True),
          kv_cache(case(F16, 64, 2, 8, 2, 1, 300, True), cache_rows=320),
          kv_cache(case(F16, 128, 3, 4, 4, 7, 90, True), page=16),
          kv_cache(case(F32, 64, 2, 4, 2, 20, 150, True), page=64),
          kv_cache(case(F32, 64, 1, 6, 3, 2, 260, False), page=48, bits=8, group_size=32)]
-    return c[:2] if small else c
+    return c[:3] if small else c
 
 
 def large_offsets_case() -> Case:

@@ -8,7 +8,7 @@ here on the CPU engine: fa_plan_execute on the case files' buffers, the outputs 
 case's output views as replay.cu reads them, and judge.py's verdict on that dump must pass. The GPU
 replay itself (replay.cu) runs only in tests/cuda/gpu_check.sh.
 
-Cost: about 10 s (six dense cases planned and written; a varlen and two KV-cache cases replayed).
+Cost: about 10 s (six dense cases planned and written; a varlen and three KV-cache cases replayed).
 """
 
 from __future__ import annotations
@@ -214,9 +214,10 @@ def test_dropout_reaches_the_plans_parameters():
                        if a.kernel_name.startswith(("flash_attention_forward_f", "flash_attention_backward_d"))), c.name
 
 
-# A variable-length batch (GQA, a sequence whose causal rows partly see no key) and two KV caches
-# (paged 4-bit decode through the split-KV decode kernel, contiguous 8-bit through the dense one).
-REPLAYED = [grid.varlen_cases()[0], *grid.kv_cache_cases()[:2]]
+# A variable-length batch (GQA, a sequence whose causal rows partly see no key) and three KV caches
+# (paged 4-bit decode through the split-KV decode kernel, contiguous 8-bit through the dense one,
+# a paged 4-bit one whose block table holds entries out of range, which the kernels clamp).
+REPLAYED = [grid.varlen_cases()[0], *grid.kv_cache_cases()[:3]]
 
 
 def _itemsize(dtype: str) -> int:
@@ -299,10 +300,12 @@ def test_varlen_and_kv_cache_cases_replay_and_judge(tmp_path, case):
 
 
 def test_varlen_and_kv_cache_cases_are_in_both_grids():
-    """The small (sanitizer) grid holds a varlen and two KV-cache cases, the full one more, with
-    contiguous, paged and 4- and 8-bit quantized caches and every dtype."""
+    """The small (sanitizer) grid holds a varlen and three KV-cache cases (a wrong block table among
+    them), the full one more, with contiguous, paged and 4- and 8-bit quantized caches and every
+    dtype."""
     small, full = grid.kv_cache_cases(small=True), grid.kv_cache_cases()
-    assert len(grid.varlen_cases(small=True)) == 1 and len(small) == 2 and set(small) <= set(full)
+    assert len(grid.varlen_cases(small=True)) == 1 and len(small) == 3 and set(small) <= set(full)
+    assert any(k.wrong_table for k in small)
     assert {(bool(k.page), k.bits) for k in full} == {(True, 0), (True, 4), (True, 8), (False, 0), (False, 8)}
     assert {v.dtype for v in grid.varlen_cases()} == {k.case.dtype for k in full} == {"f16", "bf16", "f32"}
 
@@ -332,3 +335,21 @@ def test_large_offsets_case_is_the_librarys_plan(tmp_path):
         buffer, offset, dtype, *dims_strides = views[name]
         assert (offset, dtype, dims_strides[:4], dims_strides[6:]) == (0, 0, [1, 1, rows, 128], [128, 1])
         assert read["buffers"][buffer][0] == rows * 128 * 2 and rows * 128 > 2**32
+
+
+def test_wrong_table_reaches_the_device_out_of_range(tmp_path):
+    """The wrong-table case's block table buffer holds entries outside [0, num_blocks) (the
+    first and last blocks' stand-ins and the spare entries), its cache rows the true table's."""
+    from flash_attention_metal import _native
+    library = _native.native()
+    kc = next(k for k in grid.kv_cache_cases(small=True) if k.wrong_table)
+    entry = cases.plan_kv_cache(kc, library, cases._split_rows(library))
+    cases.write_case(entry, tmp_path)
+    read = _read_case(tmp_path / f"{kc.name}.case")
+    written = np.frombuffer(read["buffers"][read["names"].index("block_table")][2], np.int32)
+    slots = entry["geometry"]["slots"]
+    assert ((written < 0) | (written >= slots)).sum() == 4
+    table = np.asarray(entry["geometry"]["table"])
+    used = np.arange(table.size) % entry["geometry"]["max_blocks"] < -(-kc.case.seqlen_k // kc.page)
+    assert np.array_equal(np.clip(written, 0, slots - 1)[used], table[used])
+    assert not np.array_equal(written[used], table[used])
