@@ -11,9 +11,9 @@
 # tests/cuda/cases.py writes each case's plans (fa_plan_create, on a machine with the library) and
 # inputs, tests/cuda/replay.cu launches every dispatch as the plan gives it (launch_table.cu: every
 # instance of the kernel catalogue by name, with the plan's function constants) and judge.py judges
-# the dump; the sanitizers and the planted faults
-# run over it too. The plans come from FA_GPU_PLANS (a folder with small.json and full.json that
-# `tests/cuda/cases.py plan` wrote, for a GPU machine without the library) or are made here.
+# the dump; the sanitizers and the planted faults run over it too. The plans come from
+# FA_GPU_PLANS (a folder with small.json and full.json that `tests/cuda/cases.py plan` wrote, for a
+# GPU machine without the library) or are made here.
 #
 # Before that, tests/cuda/matrix_check.cu runs the CPU engine's SIMD-group matrix test kernels
 # (tests/kernels/matrix.metal) through metal_cuda.h's warp-shuffle emulation. Two planted faults
@@ -26,8 +26,8 @@
 # Opt-in, --large: tests/cuda/large_offsets.cu runs the library's plan (cases.py plan large) of
 # forward and the backward's delta, lse residual and dQ dispatches on q, out, dout and dq of more
 # than 2^32 elements (seqlen_q 2^25 + 5, head_dim 128; about 35 GB of device memory; its inputs made
-# on the device) and dumps sampled rows, those past element 2^32 included, for judge.py. Its planted fault, the kernels built with every ulong replaced by
-# uint (32-bit offsets), must fail it.
+# on the device) and dumps sampled rows, those past element 2^32 included, for judge.py. Its
+# planted fault, the kernels built with every ulong replaced by uint (32-bit offsets), must fail it.
 # --large-only builds and runs just that step (and its planted fault).
 #
 # --replay-only skips the harness's steps (the replay's and the matrix check stay).
