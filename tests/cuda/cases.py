@@ -14,7 +14,8 @@ for short queries (at most FA_SPLIT_TILED_MAX_QUERY_ROWS rows) the forward plann
 SPLIT_CORES cores where that plan differs (split-KV, or more chunks), into outputs of its own
 (split_out, split_lse); grid.varlen_cases and grid.kv_cache_cases through the library's varlen
 and KV-cache plans (plan_varlen, plan_kv_cache); ``large`` the one problem of large_offsets.cu
-(plan_large). Nothing here picks a kernel, a grid or a parameter value: every dispatch is the
+(plan_large); grid.merge_cases, two forwards over parts of the keys and fa_plan_create_merge's
+plan (plan_merge). Nothing here picks a kernel, a grid or a parameter value: every dispatch is the
 library's.
 
 ``write`` draws the inputs (N(0, 1) rounded to the dtype, seeded by the case name; masks, ALiBi
@@ -449,6 +450,55 @@ def _cache_tensor(name: str, dtype: str, slots: int, heads: int, rows: int, unit
             "strides": [heads * rows * units, rows * units, units, 1]}
 
 
+def merge_problems(m: grid.MergeCase, library) -> tuple:
+    """The fa_problems of the two parts of a merge case: keys [0, split) and [split, seqlen_k) of
+    the whole k and v (bhsd strides of the whole tensors)."""
+    placed = _place(m.case)  # the whole tensors' strides
+    return tuple(_problem(dataclasses.replace(m.case, seqlen_k=keys), placed, library)
+                 for keys in (m.split, m.case.seqlen_k - m.split))
+
+
+def plan_merge(m: grid.MergeCase, library) -> dict:
+    """A merge case: q, k, v as the dense case's; the library's forward plans of the two parts of
+    the keys (the second binding k and v at the split's offset) into out_a, lse_a and out_b, lse_b
+    (workspaces here), then fa_plan_create_merge's plan into out and lse, the outputs."""
+    from flash_attention_metal import plan
+    ffi, lib = library.ffi, library.lib
+    c = m.case
+    placed = _place(c)
+    buffers: dict[str, dict] = {}
+    tensors = {}
+    for role, kind in (("q", "input"), ("k", "input"), ("v", "input"), ("out", "output")):
+        _, offset, strides = placed[role]
+        _buffer(buffers, role, _extent(c, role, offset, strides) * 2, kind)
+        heads, seqlen, cols = _dims(c, role)
+        tensors[role] = {"buffer": role, "offset": 0, "dtype": c.dtype, "dims": [c.batch, heads, seqlen, cols],
+                         "strides": [*strides, 1]}
+    rows = c.batch * c.num_heads * c.seqlen_q
+    _buffer(buffers, "lse", rows * 4, "output")
+    tensors["lse"] = {"buffer": "lse", "offset": 0, "dtype": "f32", "dims": [c.batch, c.num_heads, c.seqlen_q, 1],
+                      "strides": [c.num_heads * c.seqlen_q, c.seqlen_q, 1, 0]}
+    for part in ("a", "b"):
+        for role in ("out", "lse"):
+            name = f"{role}_{part}"
+            tensors[name] = dict(tensors[role], buffer=_buffer(buffers, name, buffers[role]["bytes"], "workspace"))
+    for role in ("k", "v"):
+        tensors[role + "_b"] = dict(tensors[role], offset=m.split * tensors[role]["strides"][2])
+    first, second = merge_problems(m, library)
+    holder = ffi.new("fa_plan **")
+    library.raise_for_status(lib.fa_plan_create_merge(rows, c.head_dim_v, holder))
+    try:
+        merge = plan.read(holder[0], library)
+    finally:
+        lib.fa_plan_destroy(holder[0])
+    passes = [("forward_a", plan.create(first, "forward", library=library), {"out": "out_a", "lse": "lse_a"}),
+              ("forward_b", plan.create(second, "forward", library=library),
+               {"k": "k_b", "v": "v_b", "out": "out_b", "lse": "lse_b"}),
+              ("merge", merge, {})]
+    return {"kind": "merge", "name": m.name, "case": dataclasses.asdict(m), "buffers": buffers, "tensors": tensors,
+            "dispatches": _dispatches(m.name, passes, tensors, buffers), "outputs": ["out", "lse"]}
+
+
 def plan_large(library) -> dict:
     """large_offsets.cu's problem (grid.large_offsets_case: q, out, dout, dq of more than 2^32
     elements) with the library's forward and backward plans. q, k, v and dout are "device" buffers
@@ -490,6 +540,7 @@ def plan_grid(name: str, out: pathlib.Path) -> int:
         planned = [plan_case(c, library, split_rows) for c in cases]
         planned += [plan_varlen(v, library) for v in grid.varlen_cases(small)]
         planned += [plan_kv_cache(kc, library, split_rows) for kc in grid.kv_cache_cases(small)]
+        planned += [plan_merge(m, library) for m in grid.merge_cases()]
     out.write_text(json.dumps(planned, separators=(",", ":")))
     print(f"cases.py: {len(planned)} cases of the {name} grid planned into {out}")
     return 0
@@ -707,7 +758,20 @@ def _write_kv_cache(entry: dict, images: dict, folder: pathlib.Path) -> str:
 
 
 # large_offsets.cu makes its inputs and its dump itself: nothing to draw, no line.
-_WRITERS = {"dense": _write_dense, "varlen": _write_varlen, "kv_cache": _write_kv_cache,
+def _write_merge(entry: dict, images: dict, folder: pathlib.Path) -> str:
+    """A MergeCase's inputs: the dense case's (q, k, v into their buffers; dout only for the judge's
+    files); its cases.txt line, the dense case's."""
+    fields = dict(entry["case"]["case"])
+    fields["options"] = grid.Options(**fields["options"])
+    c = grid.Case(**fields)
+    for name, array in inputs(c).items():
+        if name in images:
+            _scatter(images[name], entry["tensors"][name], array)
+        array.astype(np.float32).tofile(folder / f"{c.name}.{name}")
+    return _line(c, entry["outputs"])
+
+
+_WRITERS = {"dense": _write_dense, "varlen": _write_varlen, "kv_cache": _write_kv_cache, "merge": _write_merge,
             "large": lambda entry, images, folder: ""}
 
 

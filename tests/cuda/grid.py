@@ -234,6 +234,29 @@ def kv_cache_cases(small: bool = False) -> list[KVCacheCase]:
     return c[:3] if small else c
 
 
+@dataclass(frozen=True)
+class MergeCase:
+    """fa_merge_attention through plans: the forward over keys [0, split) and the forward over keys
+    [split, seqlen_k) (each a plan of its own, binding k and v at the split's offset), then the merge
+    plan of their out and lse (float16: fa_plan_create_merge's dtype). Judged as the dense case over
+    all keys (causal off and no modifiers, so each part's mask is the whole mask's restriction)."""
+
+    case: Case
+    split: int
+
+    @property
+    def name(self) -> str:
+        return self.case.name
+
+
+def merge_cases() -> list[MergeCase]:
+    """The merge kernel through plans, in both grids: GQA, a split inside a key tile and one at a
+    tile's edge, head_dim_v != head_dim."""
+    return [MergeCase(replace(c, name=f"merge_{c.name}_at{split}"), split) for c, split in (
+        (case(F16, 64, 2, 4, 2, 40, 90, False), 37),
+        (case(F16, 128, 1, 2, 2, 33, 128, False, dv=64), 64))]
+
+
 def large_offsets_case() -> Case:
     """large_offsets.cu's problem: q, out, dout and dq of 2^32 + 640 elements (seqlen_q 2^25 + 5,
     head_dim 128, one head; row 2^25 starts at element 2^32) over 16 keys, float16, causal off."""

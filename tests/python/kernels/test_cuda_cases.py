@@ -1,14 +1,16 @@
 """tests/cuda/cases.py, the plan-fed CUDA check's case writer: every dispatch it writes is the
-library's (plan.create's kernel, grid, function constants, parameter bytes and bindings), every binding and output lies
-inside its buffer, the inputs sit in the device images where the strides say, and short queries get
-the split-KV forward; issue 36's non-finite and issue 40's dropout cases are in both grids, their
-NaN and infinities planted where grid.py says and their dropout in the plans' parameters. The
-variable-length and KV-cache cases (fed by fa_plan_create's varlen and cache plans) are replayed
-here on the CPU engine: fa_plan_execute on the case files' buffers, the outputs read through the
-case's output views as replay.cu reads them, and judge.py's verdict on that dump must pass. The GPU
-replay itself (replay.cu) runs only in tests/cuda/gpu_check.sh.
+library's (plan.create's kernel, grid, function constants, parameter bytes and bindings), every
+binding and output lies inside its buffer, the inputs sit in the device images where the strides
+say, and short queries get the split-KV forward; issue 36's non-finite and issue 40's dropout cases
+are in both grids, their NaN and infinities planted where grid.py says and their dropout in the
+plans' parameters. The variable-length, KV-cache and merge cases (fed by fa_plan_create's varlen
+and cache plans and fa_plan_create_merge's) are replayed here on the CPU engine: fa_plan_execute on
+the case files' buffers, the outputs read through the case's output views as replay.cu reads
+them, and judge.py's verdict on that dump must pass. The GPU replay itself (replay.cu) runs only in
+tests/cuda/gpu_check.sh.
 
-Cost: about 10 s (six dense cases planned and written; a varlen and three KV-cache cases replayed).
+Cost: about 10 s (six dense cases planned and written; a varlen, three KV-cache and two merge
+cases replayed).
 """
 
 from __future__ import annotations
@@ -217,25 +219,49 @@ def test_dropout_reaches_the_plans_parameters():
 # A variable-length batch (GQA, a sequence whose causal rows partly see no key) and three KV caches
 # (paged 4-bit decode through the split-KV decode kernel, contiguous 8-bit through the dense one,
 # a paged 4-bit one whose block table holds entries out of range, which the kernels clamp).
-REPLAYED = [grid.varlen_cases()[0], *grid.kv_cache_cases()[:3]]
+# And the merge cases: two forwards over parts of the keys, then the merge kernel's plan.
+REPLAYED = [grid.varlen_cases()[0], *grid.kv_cache_cases()[:3], *grid.merge_cases()]
 
 
 def _itemsize(dtype: str) -> int:
     return np.dtype(cases._numpy_dtype(dtype)).itemsize
 
 
-def _problem_of(entry: dict, library):
-    """The case's fa_problem, made as cases.py made it, and what it points to."""
+def _plans(entry: dict, library) -> list:
+    """(fa_plan ** holding the plan, roles renamed to the case's tensors) of each pass of the case,
+    made as cases.py made them."""
+    ffi, lib = library.ffi, library.lib
     case = next(x for x in REPLAYED if x.name == entry["name"])
+
+    def create(problem, cores=None, pass_name="FA_PASS_FORWARD"):
+        holder = ffi.new("fa_plan **")
+        with pytest.MonkeyPatch.context() as env:
+            if cores:
+                env.setenv("FLASH_ATTENTION_GPU_CORES", str(cores))
+            library.raise_for_status(lib.fa_plan_create(problem, getattr(lib, pass_name), 0, holder))
+        return holder
+
     if entry["kind"] == "varlen":
-        return cases.varlen_problem(case, library)
+        problem, held = cases.varlen_problem(case, library)  # noqa: F841  (held: alive while planning)
+        return [(create(problem), {}), (create(problem, pass_name="FA_PASS_BACKWARD"), {})]
+    if entry["kind"] == "merge":
+        first, second = cases.merge_problems(case, library)
+        merge = ffi.new("fa_plan **")
+        c = case.case
+        library.raise_for_status(lib.fa_plan_create_merge(c.batch * c.num_heads * c.seqlen_q, c.head_dim_v, merge))
+        return [(create(first), {"out": "out_a", "lse": "lse_a"}),
+                (create(second), {"k": "k_b", "v": "v_b", "out": "out_b", "lse": "lse_b"}), (merge, {})]
     strides = {role: tuple(entry["tensors"][role]["strides"][:3]) for role in ("k", "v")}
-    return cases.kv_cache_problem(case, entry["geometry"], strides, library)
+    problem, table = cases.kv_cache_problem(case, entry["geometry"], strides, library)  # noqa: F841
+    plans = [(create(problem), {})]
+    if "split_out" in entry["outputs"]:
+        plans.append((create(problem, cases.SPLIT_CORES), {"out": "split_out", "lse": "split_lse"}))
+    return plans
 
 
 def _replay_on_cpu(entry: dict, folder: Path, ctx) -> list[str]:
     """replay.cu's run of one case, on the CPU engine: the case file's buffers (inputs as written,
-    outputs poisoned with 0xff), each pass's plan (fa_plan_create, as cases.py made it) run by
+    the others poisoned with 0xff), each pass's plan (made as cases.py made it) run by
     fa_plan_execute with every role at its case buffer and offset, the outputs read back through
     the case's output views into the dump (NAME.<output>, cases.txt). Returns the case's lines."""
     library = ctx._native
@@ -244,16 +270,7 @@ def _replay_on_cpu(entry: dict, folder: Path, ctx) -> list[str]:
     read = _read_case(folder / f"{name}.case")
     memory = {buffer: np.frombuffer(bytearray(image), np.uint8) if kind == 0 else np.full(size, 0xff, np.uint8)
               for buffer, (size, kind, image) in zip(entry["buffers"], read["buffers"])}
-    problem, held = _problem_of(entry, library)  # noqa: F841  (held: alive while planning)
-    passes = [("FA_PASS_FORWARD", {}, None)] + ([("FA_PASS_BACKWARD", {}, None)] if entry["kind"] == "varlen" else [])
-    if "split_out" in entry["outputs"]:
-        passes.append(("FA_PASS_FORWARD", {"out": "split_out", "lse": "split_lse"}, cases.SPLIT_CORES))
-    for pass_name, renamed, cores in passes:
-        holder = ffi.new("fa_plan **")
-        with pytest.MonkeyPatch.context() as env:
-            if cores:
-                env.setenv("FLASH_ATTENTION_GPU_CORES", str(cores))
-            library.raise_for_status(lib.fa_plan_create(problem, getattr(lib, pass_name), 0, holder))
+    for holder, renamed in _plans(entry, library):
         try:
             pointers = ffi.new("void *[]", lib.FA_BUFFER_ROLE_COUNT)
             for b in plan.read(holder[0], library).buffers:
@@ -275,13 +292,17 @@ def _replay_on_cpu(entry: dict, folder: Path, ctx) -> list[str]:
 
 
 @pytest.mark.parametrize("case", REPLAYED, ids=lambda c: c.name)
-def test_varlen_and_kv_cache_cases_replay_and_judge(tmp_path, case):
-    """A varlen or KV-cache case planned and written by cases.py, replayed on the CPU engine through
-    its case file's buffers, passes judge.py (every sequence of a varlen case as its dense case);
-    the varlen plans bind the sequence table at the params index (no parameter bytes written)."""
+def test_varlen_kv_cache_and_merge_cases_replay_and_judge(tmp_path, case):
+    """A varlen, KV-cache or merge case planned and written by cases.py, replayed on the CPU engine
+    through its case file's buffers, passes judge.py (every sequence of a varlen case as its dense
+    case, a merge as the dense case over all keys); the varlen plans bind the sequence table at the
+    params index (no parameter bytes written)."""
     ctx = fam.Context("cpu")
     library = ctx._native
-    if isinstance(case, grid.VarlenCase):
+    if isinstance(case, grid.MergeCase):
+        entry = cases.plan_merge(case, library)
+        assert [d["kernel"].split("_")[2] for d in entry["dispatches"]][-1] == "merge"
+    elif isinstance(case, grid.VarlenCase):
         entry = cases.plan_varlen(case, library)
         table = [d for d in entry["dispatches"] if d["kernel"] != "flash_attention_varlen_sequences"]
         assert table and all(d["params"] == "" and d["params_index"] in [b[0] for b in d["bindings"]] for d in table)
