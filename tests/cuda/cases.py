@@ -301,7 +301,8 @@ def varlen_problem(v: grid.VarlenCase, library):
     problem = _abi.new_problem(ffi, lib, shape, v.causal, v.softmax_scale, DTYPE_NAMES[v.dtype], {})
     o = v.options
     _abi.set_score_fields(problem, ffi, lib, window=(o.window_left, o.window_right)
-                          if o.window_left >= 0 or o.window_right >= 0 else None)
+                          if o.window_left >= 0 or o.window_right >= 0 else None, softcap=o.softcap,
+                          alibi=(16, o.alibi_per_batch) if o.alibi else None)
     problem.cu_seqlens_q, problem.cu_seqlens_k = tables
     problem.max_seqlen_q, problem.max_seqlen_k = max(v.seqlens_q), max(v.seqlens_k)
     return problem, tables
@@ -327,6 +328,11 @@ def plan_varlen(v: grid.VarlenCase, library) -> dict:
     _buffer(buffers, "lse", h * total_q * 4, "output")
     tensors["lse"] = {"buffer": "lse", "offset": 0, "dtype": "f32", "dims": [1, h, total_q, 1],
                       "strides": [0, total_q, 1, 0]}
+    if v.options.alibi:
+        batches = len(v.seqlens_q) if v.options.alibi_per_batch else 1
+        _buffer(buffers, "alibi_slopes", batches * h * 4, "input")
+        tensors["alibi_slopes"] = {"buffer": "alibi_slopes", "offset": 0, "dtype": "f32", "dims": [1, 1, batches, h],
+                                   "strides": [0, 0, h, 1]}
     tables = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
     for role, table in tables.items():
         _buffer(buffers, role, 4 * len(table), "input")
@@ -693,12 +699,20 @@ def _write_varlen(entry: dict, images: dict, folder: pathlib.Path) -> str:
         values[role] = rng.normal(rows * heads * cols, dtype).reshape(1, rows, heads, cols).transpose(0, 2, 1, 3)
         _scatter(images[role], entry["tensors"][role], values[role])
     _write_tables(entry, images, cu)
+    slopes = None
+    if v.options.alibi:  # the dense cases' slopes (inputs()), one row per sequence with alibi_per_batch
+        batches = len(v.seqlens_q) if v.options.alibi_per_batch else 1
+        slopes = np.array([[2.0 ** (-8.0 * (head + 1) / v.num_heads) * (1.0 + 0.25 * batch)
+                            for head in range(v.num_heads)] for batch in range(batches)], np.float32)
+        _scatter(images["alibi_slopes"], entry["tensors"]["alibi_slopes"], slopes)
     lines = []
     for n in range(len(v.seqlens_q)):
         sequence = v.sequence(n)
         for role in ("q", "k", "v", "dout"):
             table = cu["cu_seqlens_k" if role in ("k", "v") else "cu_seqlens_q"]
             values[role][:, :, table[n]:table[n + 1]].astype(np.float32).tofile(folder / f"{sequence.name}.{role}")
+        if slopes is not None:
+            slopes[n if v.options.alibi_per_batch else 0].tofile(folder / f"{sequence.name}.alibi")
         lines.append(_line(sequence, ["out", "lse", "dq", "dk", "dv"]))
     return "".join(lines)
 

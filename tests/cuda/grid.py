@@ -147,8 +147,10 @@ def dropout_cases() -> list[Case]:
 @dataclass(frozen=True)
 class VarlenCase:
     """A variable-length batch (flash_attn_varlen_func): sequence n has seqlens_q[n] query rows and
-    seqlens_k[n] keys, packed contiguous (total, heads, head_dim); causal and the window per
-    sequence. Judged sequence by sequence as dense problems (each at least one row and one key)."""
+    seqlens_k[n] keys, packed contiguous (total, heads, head_dim); causal, the window, softcap and
+    ALiBi (per head, or per sequence with alibi_per_batch) per sequence; no mask (varlen has none)
+    and no sinks (dsinks sums over the sequences). Judged sequence by sequence as dense problems
+    (each at least one row and one key; sequence n's ALiBi slopes as per-head ones)."""
 
     name: str
     dtype: str
@@ -166,7 +168,7 @@ class VarlenCase:
         """Sequence n as the dense batch-1 case that judges it (named NAME.s<n>)."""
         return Case(f"{self.name}.s{n}", self.dtype, 1, self.num_heads, self.num_kv_heads, self.seqlens_q[n],
                     self.seqlens_k[n], self.head_dim, self.head_dim_v, self.causal, self.softmax_scale,
-                    options=self.options)
+                    options=replace(self.options, alibi_per_batch=False))
 
 
 def varlen(dtype, d, h, kv, seqlens_q, seqlens_k, causal, *, options=Options()) -> VarlenCase:
@@ -211,11 +213,12 @@ def kv_cache(c: Case, *, cache_rows=0, page=0, bits=0, group_size=64, wrong_tabl
 
 def varlen_cases(small: bool = False) -> list[VarlenCase]:
     """Variable-length batches through the exported plans: GQA with causal rows that see no key
-    (a sequence with more queries than keys), one-row sequences, a window; every dtype. The
-    sanitizer grid takes the first."""
+    (a sequence with more queries than keys), one-row sequences, a window, softcap with ALiBi slopes
+    per sequence; every dtype. The sanitizer grid takes the first."""
     c = [varlen(F16, 64, 4, 2, (5, 17, 1, 33), (7, 17, 40, 20), True),
          varlen(BF16, 128, 8, 8, (64, 3, 70), (64, 3, 70), False, options=mods(window=(16, 0))),
-         varlen(F32, 40, 6, 2, (12, 9), (30, 9), True)]
+         varlen(F32, 40, 6, 2, (12, 9), (30, 9), True),
+         varlen(F16, 96, 4, 4, (20, 7, 33), (25, 7, 40), True, options=mods(softcap=20, alibi="batch"))]
     return c[:1] if small else c
 
 

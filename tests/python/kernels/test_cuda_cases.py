@@ -216,11 +216,12 @@ def test_dropout_reaches_the_plans_parameters():
                        if a.kernel_name.startswith(("flash_attention_forward_f", "flash_attention_backward_d"))), c.name
 
 
-# A variable-length batch (GQA, a sequence whose causal rows partly see no key) and three KV caches
+# Two variable-length batches (GQA, a sequence whose causal rows partly see no key; softcap with
+# ALiBi slopes per sequence) and three KV caches
 # (paged 4-bit decode through the split-KV decode kernel, contiguous 8-bit through the dense one,
 # a paged 4-bit one whose block table holds entries out of range, which the kernels clamp).
 # And the merge cases: two forwards over parts of the keys, then the merge kernel's plan.
-REPLAYED = [grid.varlen_cases()[0], *grid.kv_cache_cases()[:3], *grid.merge_cases()]
+REPLAYED = [grid.varlen_cases()[0], grid.varlen_cases()[3], *grid.kv_cache_cases()[:3], *grid.merge_cases()]
 
 
 def _itemsize(dtype: str) -> int:
