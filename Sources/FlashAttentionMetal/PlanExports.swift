@@ -139,7 +139,8 @@ public func _exportPlanGetDispatch(_ handle: OpaquePointer?, _ index: UInt32,
         let legacy = MemoryLayout<fa_plan_dispatch>.offset(of: \fa_plan_dispatch.params_from_buffer)!
         guard declared >= legacy else {
             throw FlashAttentionError.invalidArgument(
-                "dispatch->struct_size (\(declared)) must be at least \(legacy) (fa_plan_dispatch up to constants_prelude)")
+                "dispatch->struct_size (\(declared)) must be at least \(legacy) "
+                    + "(fa_plan_dispatch up to constants_prelude)")
         }
         let record = plan.records[try checkIndex(index, plan.records.count, "index", "the plan's dispatch_count")]
         let d = record.dispatch

@@ -107,7 +107,8 @@ final class ExportedPlanTests: XCTestCase {
             let got = bindings(plan, UInt32(n))
             // A dispatch that reads its parameters from a buffer (a varlen pass's sequence table)
             // lists that buffer last, at its parameter index.
-            let bound = want.bindings + (want.paramsRole.map { [BufferBinding(index: want.paramsIndex, role: $0)] } ?? [])
+            let bound = want.bindings
+                + (want.paramsRole.map { [BufferBinding(index: want.paramsIndex, role: $0)] } ?? [])
             XCTAssertEqual(d.params_from_buffer, want.paramsRole == nil ? 0 : 1, file: file, line: line)
             XCTAssertEqual(got.map(\.index), bound.map { UInt32($0.index) }, file: file, line: line)
             XCTAssertEqual(got.map(\.role), bound.map { $0.role.abi.rawValue }, file: file, line: line)
