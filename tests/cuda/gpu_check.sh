@@ -122,7 +122,9 @@ GRIDS=()
 [ "$DEFAULT" = 1 ] && GRIDS+=(small full)
 [ "$LARGE" = 1 ] && GRIDS+=(large)
 PLANS=${FA_GPU_PLANS:-$BUILD/plans}
-if [ -z "${FA_GPU_PLANS:-}" ]; then
+if [ "${#GRIDS[@]}" = 0 ]; then
+    :  # no step that needs plans
+elif [ -z "${FA_GPU_PLANS:-}" ]; then
     mkdir -p "$PLANS"
     for grid in "${GRIDS[@]}"; do
         if ! PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" python3 "$GPU_DIR/cases.py" plan "$grid" \
