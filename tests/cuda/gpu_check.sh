@@ -30,9 +30,18 @@
 # planted fault, the kernels built with every ulong replaced by uint (32-bit offsets), must fail it.
 # --large-only builds and runs just that step (and its planted fault).
 #
-# --replay-only skips the harness's steps (the replay's and the matrix check stay).
+# --replay-only skips the harness's steps (the replay's and the matrix and tensor-op checks stay).
+#
+# After the matrix check, tests/cuda/tensor_ops_check.cu runs the CPU engine's tensor-op test
+# kernels (tests/kernels/tensor_ops.metal) through metal_tensor_ops.h's matmul2d emulation (step
+# cuda-tensor-ops: the documented accumulation order, bounds, both layouts, the scope and capacity
+# faults) and writes their outputs, which tests/cuda/tensor_ops_compare.py compares bit for bit
+# with the CPU engine's, committed as tests/cuda/tensor_ops_engine.txt (step
+# cuda-tensor-identity), then runs it under memcheck and synccheck. --tensor-ops-only builds and
+# runs just those steps (a minute or two).
 #
 # Usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only]
+#                                [--tensor-ops-only]
 # Environment:
 #   NVCC               nvcc to use (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc)
 #   COMPUTE_SANITIZER  compute-sanitizer to use (default: next to nvcc, else on PATH)
@@ -52,6 +61,7 @@ MUTANTS=1
 LARGE=0     # the 2^32-element step (large_offsets.cu)
 DEFAULT=1   # the default steps: reference check, accuracy grid, sanitizers, planted faults, bench
 HARNESS=1   # the harness's steps (--replay-only: only the plan-fed replay's)
+TENSOR=1    # the tensor-op steps (tensor_ops_check.cu), with the default steps or alone
 REPLAY=1    # the plan-fed replay's steps (0 when there are no plans)
 NO_PLANS=""
 for arg in "$@"; do
@@ -59,9 +69,10 @@ for arg in "$@"; do
         --no-bench) BENCH=0 ;;
         --no-mutants) MUTANTS=0 ;;
         --large) LARGE=1 ;;
-        --large-only) LARGE=1; DEFAULT=0 ;;
+        --large-only) LARGE=1; DEFAULT=0; TENSOR=0 ;;
         --replay-only) HARNESS=0 ;;
-        *) echo "gpu_check: unknown argument '$arg' (usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only])" >&2
+        --tensor-ops-only) DEFAULT=0; LARGE=0 ;;
+        *) echo "gpu_check: unknown argument '$arg' (usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only] [--tensor-ops-only])" >&2
            exit 2 ;;
     esac
 done
@@ -70,7 +81,7 @@ die() { echo "gpu_check: $*" >&2; exit 2; }
 
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 command -v "$NVCC" >/dev/null || die "nvcc not found: install the CUDA toolkit or set NVCC=/path/to/nvcc"
-if [ "$DEFAULT" = 1 ]; then
+if [ "$DEFAULT" = 1 ] || [ "$TENSOR" = 1 ]; then
     if [ -z "${COMPUTE_SANITIZER:-}" ]; then
         COMPUTE_SANITIZER="$(dirname "$(command -v "$NVCC")")/compute-sanitizer"
         [ -x "$COMPUTE_SANITIZER" ] || COMPUTE_SANITIZER=$(command -v compute-sanitizer || true)
@@ -79,7 +90,7 @@ if [ "$DEFAULT" = 1 ]; then
         || die "compute-sanitizer not found: set COMPUTE_SANITIZER=/path/to/compute-sanitizer"
 fi
 command -v timeout >/dev/null || die "timeout (coreutils) not found"
-python3 -c 'import numpy, ml_dtypes' 2>/dev/null \
+{ [ "$DEFAULT" = 0 ] && [ "$LARGE" = 0 ]; } || python3 -c 'import numpy, ml_dtypes' 2>/dev/null \
     || die "python3 with numpy and ml_dtypes not found (tests/cuda/judge.py judges the results with them)"
 ARCH=${FA_GPU_ARCH:-native}
 BUILD=${FA_GPU_BUILD_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/fa-gpu-check.XXXXXX")}
@@ -148,9 +159,15 @@ if [ "$LARGE" = 1 ]; then
     python3 "$GPU_DIR/cases.py" write "$PLANS/large.json" "$BUILD/cases-large" >"$BUILD/cases-large.log" 2>&1 \
         || { cat "$BUILD/cases-large.log" >&2; die "cannot write large_offsets.cu's case file"; }
 fi
-copy_sources "$BUILD/src" || die "cannot copy Shaders/ into $BUILD/src"
-compile_kernels "$BUILD/src" "$BUILD/kernels.o" "$([ "$DEFAULT" = 1 ] || echo table)" &
-build_jobs=("$!")
+KERNELS=0   # whether a step needs the attention kernels
+{ [ "$DEFAULT" = 1 ] || [ "$LARGE" = 1 ]; } && KERNELS=1
+build_jobs=()
+if [ "$KERNELS" = 1 ]; then
+    copy_sources "$BUILD/src" || die "cannot copy Shaders/ into $BUILD/src"
+    # --large alone links only the catalogue's table (large_offsets.cu).
+    compile_kernels "$BUILD/src" "$BUILD/kernels.o" "$([ "$DEFAULT" = 1 ] || echo table)" &
+    build_jobs+=("$!")
+fi
 if [ "$DEFAULT" = 1 ] && [ "$REPLAY" = 1 ]; then
     # The replay's inputs and case files, while the kernels compile (logs: cases-*.o.log).
     for grid in small full; do
@@ -163,6 +180,13 @@ if [ "$DEFAULT" = 1 ]; then
     copy_metal "$BUILD/tests" "" "$ROOT/tests/kernels/matrix.metal" || die "cannot copy matrix.metal"
     "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/matrix_check.cu" -o "$BUILD/matrix_check" \
         >"$BUILD/matrix_check.o.log" 2>&1 &
+    build_jobs+=("$!")
+fi
+if [ "$TENSOR" = 1 ]; then
+    # The engine's tensor-op test kernels, for tensor_ops_check.cu.
+    copy_metal "$BUILD/tests" "" "$ROOT/tests/kernels/tensor_ops.metal" || die "cannot copy tensor_ops.metal"
+    "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/tensor_ops_check.cu" -o "$BUILD/tensor_ops_check" \
+        >"$BUILD/tensor_ops_check.o.log" 2>&1 &
     build_jobs+=("$!")
 fi
 if [ "$DEFAULT" = 1 ] && [ "$MUTANTS" = 1 ]; then
@@ -194,8 +218,9 @@ if [ "$DEFAULT" = 1 ]; then
 fi
 [ "$LARGE" = 1 ] && compile_host large_offsets.cu
 for job in "${build_jobs[@]}"; do
-    wait "$job" || { cat "$BUILD"/kernels*.o.log "$BUILD"/matrix_check.o.log "$BUILD"/cases-*.o.log 2>/dev/null >&2
-                     die "compiling the kernels or matrix_check.cu, or writing the cases, failed"; }
+    wait "$job" || { cat "$BUILD"/kernels*.o.log "$BUILD"/matrix_check.o.log "$BUILD"/tensor_ops_check.o.log \
+                         "$BUILD"/cases-*.o.log 2>/dev/null >&2
+                     die "compiling the kernels, matrix_check.cu or tensor_ops_check.cu, or writing the cases, failed"; }
 done
 link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
     local kernels=$1 executable=$2 unit objects=()
@@ -252,7 +277,32 @@ run_checked_step() {
 if [ "$DEFAULT" = 1 ]; then
     # The SIMD-group emulation against the engine's expectations, before the kernels rely on it.
     run_checked_step cuda-matrix "$BUILD/matrix.log" "$BUILD/matrix_check"
-
+fi
+if [ "$TENSOR" = 1 ]; then
+    # The tensor-op emulation: its own checks, then bit-identity with the CPU engine's outputs.
+    rm -f "$BUILD/tensor_ops_cuda.txt"
+    run_checked_step cuda-tensor-ops "$BUILD/tensor-ops.log" "$BUILD/tensor_ops_check" \
+        --write "$BUILD/tensor_ops_cuda.txt"
+    run_checked_step cuda-tensor-identity "$BUILD/tensor-identity.log" \
+        python3 "$GPU_DIR/tensor_ops_compare.py" "$GPU_DIR/tensor_ops_engine.txt" "$BUILD/tensor_ops_cuda.txt"
+    # The same program under memcheck and synccheck (the warp shuffles of matmul2d's gather); its
+    # fault children, which trap on purpose, run outside the tool (application-only).
+    for tool in memcheck synccheck; do
+        SECONDS=0
+        log="$BUILD/tensor-ops-$tool.log"
+        timeout 300 "$COMPUTE_SANITIZER" --tool "$tool" --target-processes application-only \
+            "$BUILD/tensor_ops_check" >"$log" 2>&1
+        status=$?
+        errors=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$log" | tail -n 1)
+        if [ "$status" = 0 ] && [ "$errors" = 0 ]; then
+            summaries+=("tensor-ops-$tool: 0 errors (${SECONDS}s)")
+        else
+            summaries+=("tensor-ops-$tool: FAIL (exit status $status, ${errors:-no} errors reported; see $log)")
+            failures=$((failures + 1))
+        fi
+    done
+fi
+if [ "$DEFAULT" = 1 ]; then
     # Accuracy grid: the harness checks determinism and writes outside the views ("cuda-harness: N
     # cases, M failures") and dumps every case; judge.py applies the accuracy rule ("cuda-accuracy:
     # N cases, M mismatches").
