@@ -9,10 +9,11 @@
 #
 # The plan-fed replay (issue 35) runs the same grids through the library's exported plans:
 # tests/cuda/cases.py writes each case's plans (fa_plan_create, on a machine with the library) and
-# inputs, tests/cuda/replay.cu launches every dispatch as the plan gives it (launch_table.cu maps a
-# kernel name to its launcher) and judge.py judges the dump; the sanitizers and the planted faults
-# run over it too. The plans come from FA_GPU_PLANS (a folder with small.json and full.json that
-# `tests/cuda/cases.py plan` wrote, for a GPU machine without the library) or are made here.
+# inputs, tests/cuda/replay.cu launches every dispatch as the plan gives it (launch_table.cu: every
+# instance of the kernel catalogue by name, with the plan's function constants) and judge.py judges
+# the dump; the sanitizers and the planted faults run over it too. The plans come from
+# FA_GPU_PLANS (a folder with small.json and full.json that `tests/cuda/cases.py plan` wrote, for a
+# GPU machine without the library) or are made here.
 #
 # Before that, tests/cuda/matrix_check.cu runs the CPU engine's SIMD-group matrix test kernels
 # (tests/kernels/matrix.metal) through metal_cuda.h's warp-shuffle emulation. Two planted faults
@@ -22,11 +23,11 @@
 # accuracy judgement report mismatches. A detector that misses its fault fails the run too, and so
 # does a planted fault that no longer changes the kernel source.
 #
-# Opt-in, --large: tests/cuda/large_offsets.cu runs forward and the backward's delta, lse residual
-# and dQ dispatches on q, out, dout and dq of more than 2^32 elements (seqlen_q 2^25 + 5, head_dim
-# 128; about 35 GB of device memory) and dumps sampled rows, those past element 2^32 included, for
-# judge.py. Its planted fault, the kernels built with every ulong replaced by
-# uint (32-bit offsets), must fail it.
+# Opt-in, --large: tests/cuda/large_offsets.cu runs the library's plan (cases.py plan large) of
+# forward and the backward's delta, lse residual and dQ dispatches on q, out, dout and dq of more
+# than 2^32 elements (seqlen_q 2^25 + 5, head_dim 128; about 35 GB of device memory; its inputs made
+# on the device) and dumps sampled rows, those past element 2^32 included, for judge.py. Its
+# planted fault, the kernels built with every ulong replaced by uint (32-bit offsets), must fail it.
 # --large-only builds and runs just that step (and its planted fault).
 #
 # --replay-only skips the harness's steps (the replay's and the matrix and tensor-op checks stay).
@@ -46,8 +47,9 @@
 #   COMPUTE_SANITIZER  compute-sanitizer to use (default: next to nvcc, else on PATH)
 #   FA_GPU_ARCH        -arch value (default: native; e.g. sm_90 to build where no GPU is visible)
 #   FA_GPU_BUILD_DIR   build folder (default: a new temporary folder, kept for its logs)
-#   FA_GPU_PLANS       folder of small.json and full.json (tests/cuda/cases.py plan); default: made
-#                      here with the Python package and the library ./build.sh built
+#   FA_GPU_PLANS       folder of small.json and full.json (and large.json for --large; tests/cuda/
+#                      cases.py plan); default: made here with the Python package and the library
+#                      ./build.sh built
 # Needs: bash, GNU sed, timeout (coreutils), a C++17 host compiler that nvcc accepts, python3 with
 # numpy and ml_dtypes (judge.py).
 set -uo pipefail
@@ -109,42 +111,61 @@ copy_sources() {
     fi
 }
 
-# Compiles the kernels of source folder $1 into object $2 (slow: every head-dim bucket, fully
-# unrolled loops; its log holds ptxas' register and spill report): kernels.cu's launchers and
-# launch_table.cu's table by name, one object for the harness and the replay.
+# Compiles the kernels of source folder $1 (slow: every head-dim bucket, fully unrolled loops; the
+# logs hold ptxas' register and spill report): launch_table.cu's catalogue table into $2 with .o
+# replaced by -table.o (the replay's and large_offsets.cu's) and, unless $3 is "table", kernels.cu's
+# hand-written launchers into $2 (the harness's), in parallel.
 compile_kernels() {
-    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$2" >"$2.log" 2>&1
+    local table=${2%.o}-table.o launchers=""
+    if [ "${3:-}" != table ]; then
+        "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/kernels.cu" -o "$2" >"$2.log" 2>&1 &
+        launchers=$!
+    fi
+    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$table" >"$table.log" 2>&1 \
+        && { [ -z "$launchers" ] || wait "$launchers"; }
 }
 
 SECONDS=0
-if [ "$DEFAULT" = 1 ]; then
-    # The replay's cases: the library's plans (here, or FA_GPU_PLANS) and the inputs (numpy).
-    # Without plans the harness's steps still run and the replay's count as one failure.
-    PLANS=${FA_GPU_PLANS:-$BUILD/plans}
-    if [ -z "${FA_GPU_PLANS:-}" ]; then
-        mkdir -p "$PLANS"
-        for grid in small full; do
-            if ! PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" python3 "$GPU_DIR/cases.py" plan "$grid" \
-                "$PLANS/$grid.json" >"$BUILD/plans-$grid.log" 2>&1; then
-                tail -n 3 "$BUILD/plans-$grid.log" >&2
-                NO_PLANS="cannot export the plans here (build the library with ./build.sh, or set FA_GPU_PLANS)"
-            fi
-        done
-    elif [ ! -f "$PLANS/small.json" ] || [ ! -f "$PLANS/full.json" ]; then
-        NO_PLANS="FA_GPU_PLANS ($PLANS) lacks small.json or full.json"
-    fi
-    if [ -n "$NO_PLANS" ]; then
-        echo "gpu_check: $NO_PLANS: the replay's steps do not run" >&2
-        REPLAY=0
-        [ "$HARNESS" = 1 ] || die "$NO_PLANS"
-    fi
+# The library's plans (here, or FA_GPU_PLANS): the replay's grids (small, full) for the default
+# steps, large_offsets.cu's problem (large) for --large. Without the grids' plans the harness's
+# steps still run and the replay's count as one failure; --large cannot run without its plan.
+GRIDS=()
+[ "$DEFAULT" = 1 ] && GRIDS+=(small full)
+[ "$LARGE" = 1 ] && GRIDS+=(large)
+PLANS=${FA_GPU_PLANS:-$BUILD/plans}
+if [ "${#GRIDS[@]}" = 0 ]; then
+    :  # no step that needs plans
+elif [ -z "${FA_GPU_PLANS:-}" ]; then
+    mkdir -p "$PLANS"
+    for grid in "${GRIDS[@]}"; do
+        if ! PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" python3 "$GPU_DIR/cases.py" plan "$grid" \
+            "$PLANS/$grid.json" >"$BUILD/plans-$grid.log" 2>&1; then
+            tail -n 3 "$BUILD/plans-$grid.log" >&2
+            NO_PLANS="cannot export the plans here (build the library with ./build.sh, or set FA_GPU_PLANS)"
+        fi
+    done
+else
+    for grid in "${GRIDS[@]}"; do
+        [ -f "$PLANS/$grid.json" ] || NO_PLANS="FA_GPU_PLANS ($PLANS) lacks $grid.json"
+    done
+fi
+if [ -n "$NO_PLANS" ]; then
+    [ "$LARGE" = 1 ] && die "$NO_PLANS (--large runs large_offsets.cu through its plan)"
+    echo "gpu_check: $NO_PLANS: the replay's steps do not run" >&2
+    REPLAY=0
+    [ "$HARNESS" = 1 ] || die "$NO_PLANS"
+fi
+if [ "$LARGE" = 1 ]; then
+    python3 "$GPU_DIR/cases.py" write "$PLANS/large.json" "$BUILD/cases-large" >"$BUILD/cases-large.log" 2>&1 \
+        || { cat "$BUILD/cases-large.log" >&2; die "cannot write large_offsets.cu's case file"; }
 fi
 KERNELS=0   # whether a step needs the attention kernels
 { [ "$DEFAULT" = 1 ] || [ "$LARGE" = 1 ]; } && KERNELS=1
 build_jobs=()
 if [ "$KERNELS" = 1 ]; then
     copy_sources "$BUILD/src" || die "cannot copy Shaders/ into $BUILD/src"
-    compile_kernels "$BUILD/src" "$BUILD/kernels.o" &
+    # --large alone links only the catalogue's table (large_offsets.cu).
+    compile_kernels "$BUILD/src" "$BUILD/kernels.o" "$([ "$DEFAULT" = 1 ] || echo table)" &
     build_jobs+=("$!")
 fi
 if [ "$DEFAULT" = 1 ] && [ "$REPLAY" = 1 ]; then
@@ -179,7 +200,7 @@ fi
 if [ "$LARGE" = 1 ] && [ "$MUTANTS" = 1 ]; then
     # 32-bit offsets: every ulong of the kernels becomes uint, so offsets wrap at 2^32 elements.
     copy_sources "$BUILD/offset32" 's/\bulong\b/uint/g' || die "cannot copy Shaders/"
-    compile_kernels "$BUILD/offset32" "$BUILD/kernels-offset32.o" &
+    compile_kernels "$BUILD/offset32" "$BUILD/kernels-offset32.o" table &
     build_jobs+=("$!")
 fi
 compile_host() {  # compile_host UNIT: compiles tests/cuda/UNIT into $BUILD/host-UNIT.o
@@ -187,8 +208,8 @@ compile_host() {  # compile_host UNIT: compiles tests/cuda/UNIT into $BUILD/host
     "$NVCC" "${FLAGS[@]}" -I"$BUILD/src" -c "$GPU_DIR/$1" -o "$object" >"$object.log" 2>&1 \
         || { cat "$object.log" >&2; die "compiling tests/cuda/$1 failed"; }
 }
-[ "$KERNELS" = 1 ] && compile_host layout.cpp  # the harness's and large_offsets.cu's
 if [ "$DEFAULT" = 1 ]; then
+    compile_host layout.cpp  # the harness's
     compile_host harness.cu
     compile_host replay.cu
     compile_host cases.cpp
@@ -211,17 +232,17 @@ link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
 }
 if [ "$DEFAULT" = 1 ]; then
     link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout varlen_cases kv_cache_cases
-    link "$BUILD/kernels.o" "$BUILD/replay" replay
+    link "$BUILD/kernels-table.o" "$BUILD/replay" replay
     if [ "$MUTANTS" = 1 ]; then
         link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout varlen_cases kv_cache_cases
         link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout varlen_cases kv_cache_cases
-        link "$BUILD/kernels-no-barrier.o" "$BUILD/replay-no-barrier" replay
-        link "$BUILD/kernels-exp.o" "$BUILD/replay-exp" replay
+        link "$BUILD/kernels-no-barrier-table.o" "$BUILD/replay-no-barrier" replay
+        link "$BUILD/kernels-exp-table.o" "$BUILD/replay-exp" replay
     fi
 fi
 if [ "$LARGE" = 1 ]; then
-    link "$BUILD/kernels.o" "$BUILD/large_offsets" large_offsets layout
-    [ "$MUTANTS" = 1 ] && link "$BUILD/kernels-offset32.o" "$BUILD/large_offsets-offset32" large_offsets layout
+    link "$BUILD/kernels-table.o" "$BUILD/large_offsets" large_offsets
+    [ "$MUTANTS" = 1 ] && link "$BUILD/kernels-offset32-table.o" "$BUILD/large_offsets-offset32" large_offsets
 fi
 cat "$BUILD"/*.o.log >"$BUILD/build.log"
 echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/build.log)"
@@ -418,12 +439,14 @@ fi
 
 # Opt-in: offsets above 2^32 elements, and the planted 32-bit-offset fault that must fail it.
 if [ "$LARGE" = 1 ]; then
-    run_checked_step large-offsets "$BUILD/large-offsets.log" "$BUILD/large_offsets" "$(fresh_dump large)"
+    run_checked_step large-offsets "$BUILD/large-offsets.log" "$BUILD/large_offsets" "$BUILD/cases-large" \
+        "$(fresh_dump large)"
     run_checked_step large-offsets-accuracy "$BUILD/large-offsets-accuracy.log" \
         python3 "$GPU_DIR/judge.py" --name large-offsets-accuracy "$BUILD/dump-large"
     if [ "$MUTANTS" = 1 ]; then
         SECONDS=0
-        timeout 300 "$BUILD/large_offsets-offset32" "$(fresh_dump offset32)" >"$BUILD/mutant-offset32.log" 2>&1
+        timeout 300 "$BUILD/large_offsets-offset32" "$BUILD/cases-large" "$(fresh_dump offset32)" \
+            >"$BUILD/mutant-offset32.log" 2>&1
         python3 "$GPU_DIR/judge.py" --name large-offsets-accuracy "$BUILD/dump-offset32" \
             >>"$BUILD/mutant-offset32.log" 2>&1
         line=$(sed -nE 's/^large-offsets-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' \
