@@ -168,13 +168,19 @@ inline void attention_forward_tensor(device const T *q, device const T *k, devic
         row_scale[mine] = l > 0.0f ? 1.0f / l : 0.0f;
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);
+    // O's rows times 1 / l, written element by element: a cooperative tensor's store() takes only
+    // its own element type (float), out holds T. Rows past seqlen_q, columns past head_dim_v stay.
+    device T *o_rows = out + head_offset(p.out, b, h) + ulong(r0) * p.out.seq;
     for (uint i = 0; i < o.get_capacity(); ++i) {
         if (o.is_valid_element(i)) {
-            o[i] *= row_scale[o.get_multidimensional_index(i)[1]];
+            const auto at = o.get_multidimensional_index(i);
+            const uint o_col = uint(at[0]);
+            const uint o_row = uint(at[1]);
+            if (o_row < rows && o_col < p.head_dim_v) {
+                o_rows[ulong(o_row) * p.out.seq + o_col] = T(o[i] * row_scale[o_row]);
+            }
         }
     }
-    // store() writes only inside the extents: rows past seqlen_q and columns past head_dim_v stay.
-    o.store(rows_tensor(out + head_offset(p.out, b, h) + ulong(r0) * p.out.seq, p.head_dim_v, rows, p.out.seq));
     if (c0 == 0 && row < p.seqlen_q) {
         lse[lse_index(p, b, h, row)] = row_lse(m, l);
     }

@@ -232,8 +232,11 @@ template <class T, uint32_t Rows, uint32_t Cols, bool Transposed> struct coopera
         }
     }
 
-    /// Stores this lane's elements into `t`; elements past t's extents are not written.
+    /// Stores this lane's elements into `t`; elements past t's extents are not written. As in
+    /// MPP, `t`'s element type must be the cooperative tensor's (no converting store).
     template <class U, class E, class K> void store(const metal::tensor<U, E, K> &t) const {
+        static_assert(__is_same(U, T), "cooperative_tensor::store: the tensor's element type must be the "
+                                       "cooperative tensor's (MPP has no converting store)");
         for (uint32_t i = 0; i < capacity; ++i) {
             int x = 0, y = 0;
             if (address(i, t.get_extent(0), t.get_extent(1), x, y))
