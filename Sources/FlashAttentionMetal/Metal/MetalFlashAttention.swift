@@ -151,7 +151,9 @@ public final class MetalFlashAttention: @unchecked Sendable {
     /// themselves. The library is compiled only where the route may take it: matrix units, or
     /// FLASH_ATTENTION_TENSOR_OPS=1 when the context is made (never with 0). A compile failure
     /// loses only this path; its reason goes into the support's detail (the profile's route and
-    /// the backend note). MTLLanguageVersion raw value 4 << 16 is version4_0 (macOS 26+).
+    /// the backend note). MTLLanguageVersion raw value 4 << 16 is version4_0 (macOS 26+, spelled by
+    /// value so that older SDKs build): an imported C enum's init(rawValue:) accepts any value, so
+    /// the OS check, not the optional, keeps 4.0 from an OS without it (reached with the override).
     private static func tensorLibrary(for device: MTLDevice) -> (library: MTLLibrary?, support: TensorOpsSupport) {
         var units = false
         var what = "MTLDevice.architecture needs macOS 14 or iOS 17"
@@ -169,9 +171,10 @@ public final class MetalFlashAttention: @unchecked Sendable {
         guard (units || override == "1") && override != "0" else {
             return (nil, TensorOpsSupport(hasUnits: units, hasKernels: false, detail: what + "; no tensor-op library"))
         }
-        guard let version = MTLLanguageVersion(rawValue: 4 << 16) else {
+        guard #available(macOS 26.0, iOS 26.0, tvOS 26.0, visionOS 26.0, *),
+              let version = MTLLanguageVersion(rawValue: 4 << 16) else {
             return (nil, TensorOpsSupport(hasUnits: units, hasKernels: false,
-                                          detail: what + "; this SDK has no MSL 4.0 for the tensor-op library"))
+                                          detail: what + "; the tensor-op library needs MSL 4.0 (macOS 26 or iOS 26)"))
         }
         do {
             let library = try device.makeLibrary(source: EmbeddedShaders.tensorSource, options: compileOptions(version))
