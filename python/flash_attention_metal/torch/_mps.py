@@ -10,10 +10,11 @@ The contract of compile_shader (PyTorch ``torch/csrc/mps/Module.cpp``, ``MetalKe
   parameter struct's bytes travel, as little-endian int64 words;
 - ``threads`` is the grid in threads (dispatchThreads), ``group_size`` the threadgroup; the plan's
   grid is whole threadgroups, so threads = threadgroups * group_size on each axis;
-- the library is compiled as MSL 3.1 or later without fast math unless PYTORCH_MPS_FAST_MATH is a
-  non-zero integer, which PyTorch reads once per process, at its first compile
-  (``MetalShaderLibrary::compileLibrary``: a function-local static of ``std::stoi(value) != 0``);
-  this module reads it once too, at its first compile from source, and then refuses to compile
+- the library is compiled as MSL 3.1 or later without fast math unless PYTORCH_MPS_FAST_MATH is
+  set, which PyTorch reads once per process, at its first compile
+  (``MetalShaderLibrary::compileLibrary``: a function-local static; ``value != "0"`` on main, a
+  string comparison, where releases before it took ``std::stoi(value) != 0``); this module reads
+  it once too, at its first compile from source, and then refuses any value but "0" to compile
   (the kernels rely on infinities); there are no function constants,
   so each dispatch compiles its constants prelude (``constant`` definitions of the function
   constants, from the plan) before the source (``plan.specialized_source``): one compiled library
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import struct
 import threading
 from collections import OrderedDict
@@ -107,13 +107,10 @@ def _compile(dispatch: _plan.Dispatch):
 
 
 def _fast_math_on(value: str | None) -> bool:
-    """Whether PyTorch compiles with fast math for this PYTORCH_MPS_FAST_MATH value: its integer
-    prefix (``std::stoi``: leading spaces, a sign, digits) is not 0. A value without one makes
-    PyTorch's compile fail, so it counts as on here (refused with the variable named)."""
-    if value is None:
-        return False
-    match = re.match(r"\s*([+-]?\d+)", value)
-    return match is None or int(match.group(1)) != 0
+    """Whether PyTorch may compile with fast math for this PYTORCH_MPS_FAST_MATH value: set and not
+    "0" (PyTorch main compares the string; ``std::stoi`` of older releases turns fewer values on,
+    "00" for one, which are refused here too: the rule that is on under either)."""
+    return value is not None and value != "0"
 
 
 def _plan_for(p, pass_name: str) -> _plan.Plan:
