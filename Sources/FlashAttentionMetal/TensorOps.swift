@@ -96,4 +96,10 @@ enum TensorOps {
         problem.dtype != .float32 && problem.kvCache == nil && problem.split == nil
             && UInt32(FA_TENSOR_BUCKET_MASK) & (1 << (problem.bucket.head_dim_max / 32)) != 0
     }
+
+    /// Whether the tensor-op dQ and dK/dV serve `problem` (a planned one): float16 or bfloat16 and a
+    /// head-dim bucket of FA_TENSOR_BUCKET_MASK; every option of the simdgroup backward is theirs too.
+    static func backwardServes(_ problem: Problem) -> Bool {
+        problem.dtype != .float32 && UInt32(FA_TENSOR_BUCKET_MASK) & (1 << (problem.bucket.head_dim_max / 32)) != 0
+    }
 }
