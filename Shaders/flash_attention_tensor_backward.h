@@ -180,12 +180,15 @@ inline void attention_backward_dq_tensor(device const T *dout, device const T *q
 
 // ---- dK and dV ---------------------------------------------------------------------------------
 
-// Per SIMD-group: its P^T tile (then dS^T) and the lse, residual and D of the query tile's rows.
+// Per SIMD-group: its P^T tile (then dS^T) and the lse, residual, D and visible keys of the query
+// tile's rows.
 struct TensorBackwardKeyValueStorage {
     float pt[FA_SIMDGROUPS][FA_TENSOR_ROWS][FA_TENSOR_BLOCK_K + FA_TENSOR_SCORE_PAD];
     float lse[FA_SIMDGROUPS][FA_TENSOR_BLOCK_K];
     float residual[FA_SIMDGROUPS][FA_TENSOR_BLOCK_K];
     float delta[FA_SIMDGROUPS][FA_TENSOR_BLOCK_K];
+    uint key_first[FA_SIMDGROUPS][FA_TENSOR_BLOCK_K];
+    uint key_end[FA_SIMDGROUPS][FA_TENSOR_BLOCK_K];
 };
 
 // One threadgroup per FA_TENSOR_BLOCK_Q keys of one KV head; each SIMD-group owns FA_TENSOR_ROWS
@@ -215,6 +218,8 @@ inline void attention_backward_dkv_tensor(device const T *dout, device const T *
     auto row_lse = tg->lse[sgid];
     auto row_residual = tg->residual[sgid];
     auto row_delta = tg->delta[sgid];
+    auto key_first = tg->key_first[sgid];
+    auto key_last = tg->key_end[sgid];
 
     constexpr TensorBackwardDescriptor scores_desc = tensor_scores_product<DP>();
     constexpr TensorBackwardDescriptor gradient_desc = tensor_gradient_product<DP>();
@@ -241,13 +246,16 @@ inline void attention_backward_dkv_tensor(device const T *dout, device const T *
         const uint stream = dropout_stream(p, b, h);
         const ulong head_rows = lse_index(p, b, h, 0);
         for (uint q0 = rows.first; q0 < rows.end; q0 += BQ) {
-            // The tile's rows: lane l's is q0 + l (0 past the end, whose P is 0).
+            // The tile's rows: lane l's is q0 + l (0 and no keys past the end, whose P is 0).
             simdgroup_barrier(mem_flags::mem_threadgroup);
             const uint mine = q0 + lane;
             const ulong at_row = head_rows + (mine < p.seqlen_q ? mine : 0);
             row_lse[lane] = mine < p.seqlen_q ? backward_row_lse(lse[at_row]) : 0.0f;
             row_residual[lane] = mine < p.seqlen_q ? residual[at_row] : 0.0f;
             row_delta[lane] = mine < p.seqlen_q ? delta[at_row] : 0.0f;
+            const KeyRange seen = visible_keys(p, mine);
+            key_first[lane] = seen.first;
+            key_last[lane] = seen.end;
             simdgroup_barrier(mem_flags::mem_threadgroup);
 
             // S^T = K Q^T and dP^T = V dO^T.
@@ -268,7 +276,8 @@ inline void attention_backward_dkv_tensor(device const T *dout, device const T *
                     const uint key = key0 + uint(at[1]);
                     RowModifiers m = head_mods;
                     m.mask_row += ulong(row) * p.mask.seq;
-                    m.keys = visible_keys(p, row);
+                    m.keys.first = key_first[c];
+                    m.keys.end = key_last[c];
                     float t;
                     const float x = score<T>(p, mask, st[i], row, key, m, !masked || in_window(m.keys, key), t);
                     const float pe = probability(x, row_lse[c], row_residual[c]);
