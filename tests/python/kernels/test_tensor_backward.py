@@ -168,3 +168,35 @@ def test_smollm2_prefill_backward(ctx, monkeypatch, tensor_layout):
     _, _, grads = _tensor_backward(ctx, monkeypatch, dout, q, k, v, causal=True)
     metrics = accuracy.evaluate_backward(dout, q, k, v, *grads, causal=True, tensor_ops=True)
     _assert_within_tensor_rule(metrics, f"{name} layout={tensor_layout}")
+
+
+def test_long_sequence_within_the_rule(ctx, monkeypatch):
+    """600 causal rows over 600 keys: up to 19 key tiles per row block, 19 query tiles per key block."""
+    q, k, v, dout = make_inputs(29, 1, 1, 1, 600, 600, 64)
+    _, _, grads = _tensor_backward(ctx, monkeypatch, dout, q, k, v, causal=True)
+    _assert_within_tensor_rule(accuracy.evaluate_backward(dout, q, k, v, *grads, causal=True, tensor_ops=True),
+                               "long")
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_lse_gives_the_simdgroup_kernels_pattern(ctx, monkeypatch, value):
+    """A row whose lse is NaN or +inf makes its gradients NaN, -inf zero, as the simdgroup
+    backward (the same NaN and zero entries; the finite ones within the rule's reach of each other)."""
+    q, k, v, dout = make_inputs(31, 1, 2, 1, 40, 40, 64)
+    _route(monkeypatch, "0")
+    out, lse = ctx.forward(q, k, v)
+    lse[0, 1, 4] = value
+    simdgroup = ctx.backward(dout, q, k, v, out, lse)
+    _route(monkeypatch, "1")
+    tensor = ctx.backward(dout, q, k, v, out, lse)
+    assert any("_backward_dq_tensor_" in kernel for kernel in _kernels(ctx))
+    for ours, theirs in zip(tensor, simdgroup):
+        ours, theirs = ours.astype(np.float32), theirs.astype(np.float32)
+        np.testing.assert_array_equal(np.isnan(ours), np.isnan(theirs))
+        np.testing.assert_array_equal(ours == 0, theirs == 0)
+        finite = np.isfinite(theirs)
+        np.testing.assert_allclose(ours[finite], theirs[finite], rtol=0.05, atol=0.05)
+    if value == -np.inf:
+        assert np.all(tensor[0][0, 1, 4] == 0)
+    else:
+        assert np.all(np.isnan(tensor[0][0, 1, 4])) and np.isnan(tensor[1]).all()
