@@ -240,6 +240,46 @@ def test_varlen_through_the_metal_backend(cpu, metal):
     _same(*results, "varlen")
 
 
+# A head_dim of each bucket of the tensor-op kernels (64, 96, 128, 256).
+TENSOR_HEAD_DIMS = [64, 80, 128, 200]
+
+
+@pytest.fixture(scope="module")
+def tensor_metal() -> fam.Context:
+    """A Metal context made with FLASH_ATTENTION_TENSOR_OPS=1, so that it compiles the tensor-op
+    library (a device without matrix units compiles it only then)."""
+    saved = os.environ.get("FLASH_ATTENTION_TENSOR_OPS")
+    os.environ["FLASH_ATTENTION_TENSOR_OPS"] = "1"
+    try:
+        return fam.Context("metal")
+    finally:
+        if saved is None:
+            del os.environ["FLASH_ATTENTION_TENSOR_OPS"]
+        else:
+            os.environ["FLASH_ATTENTION_TENSOR_OPS"] = saved
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("head_dim", TENSOR_HEAD_DIMS)
+def test_tensor_ops_forced(cpu, tensor_metal, monkeypatch, dtype, head_dim):
+    """FLASH_ATTENTION_TENSOR_OPS=1: the tensor-op forward, dQ and dK/dV through the Metal backend
+    (its tensor-op library), the same bits as the CPU backend's."""
+    monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", "1")
+    metal = tensor_metal
+    rng = np.random.default_rng(head_dim + len(dtype))
+    q, k, v = _inputs(rng, DTYPES[dtype], 1, 4, 2, 70, 45, head_dim)
+    forward = [c.forward(q, k, v, causal=True) for c in (cpu, metal)]
+    _record(metal)
+    assert "_forward_tensor_" in metal.last_profile.dispatches[0].kernel
+    _same(*forward, f"tensor-op forward {dtype} d{head_dim}")
+    out, lse = forward[0]
+    dout = rng.standard_normal(out.shape).astype(np.float32).astype(out.dtype)
+    backward = [c.backward(dout, q, k, v, out, lse, causal=True) for c in (cpu, metal)]
+    _record(metal)
+    assert sum("_tensor_" in d.kernel for d in metal.last_profile.dispatches) == 2
+    _same(*backward, f"tensor-op backward {dtype} d{head_dim}")
+
+
 def test_all_kernels_reached():
     """Every kernel the engine has went through the Metal backend in the cases above."""
     library = ctypes.CDLL(os.environ[fam.LIBRARY_ENV])

@@ -200,3 +200,25 @@ def test_non_finite_lse_gives_the_simdgroup_kernels_pattern(ctx, monkeypatch, va
         assert np.all(tensor[0][0, 1, 4] == 0)
     else:
         assert np.all(np.isnan(tensor[0][0, 1, 4])) and np.isnan(tensor[1]).all()
+
+
+def test_strided_layouts_give_the_contiguous_bits(ctx, monkeypatch):
+    """bshd tensors and q, k, v sliced in place from one packed qkv tensor (row strides of 3 heads'
+    columns, unaligned starts): the tensor-op kernels read rows through the strides and give the
+    contiguous bhsd call's bits."""
+    q, k, v, dout = make_inputs(37, 1, 2, 2, 45, 45, 64)
+    _, _, expected = _tensor_backward(ctx, monkeypatch, dout, q, k, v, causal=True)
+    bshd = [np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (q, k, v, dout)]
+    _route(monkeypatch, "0")
+    out, lse = ctx.forward(*bshd[:3], causal=True, layout="bshd")
+    _route(monkeypatch, "1")
+    grads = ctx.backward(bshd[3], *bshd[:3], out, lse, causal=True, layout="bshd")
+    for ours, theirs in zip(grads, expected):
+        np.testing.assert_array_equal(ours.transpose(0, 2, 1, 3), theirs)
+    packed = np.empty((1, 45, 2, 3 * 64 + 1), np.float16)
+    packed[..., 1:65], packed[..., 65:129], packed[..., 129:] = bshd[0], bshd[1], bshd[2]
+    views = [packed[..., 1:65], packed[..., 65:129], packed[..., 129:]]
+    grads = ctx.backward(bshd[3], *views, out, lse, causal=True, layout="bshd")
+    assert any("_backward_dq_tensor_" in kernel for kernel in _kernels(ctx))
+    for ours, theirs in zip(grads, expected):
+        np.testing.assert_array_equal(ours.transpose(0, 2, 1, 3), theirs)
