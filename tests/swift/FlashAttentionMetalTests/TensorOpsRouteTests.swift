@@ -5,7 +5,7 @@ import XCTest
 
 /// The tensor-op route (TensorOps.swift): FLASH_ATTENTION_TENSOR_OPS over the device's support, the
 /// architecture test, and the plans it gives.
-final class TensorOpsTests: XCTestCase {
+final class TensorOpsRouteTests: XCTestCase {
     private let m5 = TensorOpsSupport(hasUnits: true, hasKernels: true, detail: "applegpu_g17s has matrix units")
     private let lost = TensorOpsSupport(hasUnits: true, hasKernels: false, detail: "the library did not compile")
 
