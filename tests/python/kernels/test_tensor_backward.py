@@ -222,3 +222,14 @@ def test_strided_layouts_give_the_contiguous_bits(ctx, monkeypatch):
     assert any("_backward_dq_tensor_" in kernel for kernel in _kernels(ctx))
     for ours, theirs in zip(grads, expected):
         np.testing.assert_array_equal(ours.transpose(0, 2, 1, 3), theirs)
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", [(64, 40), (96, 128)])
+def test_head_dim_v_differs(ctx, monkeypatch, tensor_layout, head_dim, head_dim_v):
+    """v and dout narrower or wider than q and k (the bucket of the wider): dV over head_dim_v
+    columns, dQ and dK over head_dim."""
+    q, k, v, dout = make_inputs(41, 1, 2, 1, 50, 37, head_dim, head_dim_v=head_dim_v, dtype=BF16)
+    _, _, grads = _tensor_backward(ctx, monkeypatch, dout, q, k, v, causal=True)
+    assert grads[2].shape == v.shape
+    _assert_within_tensor_rule(accuracy.evaluate_backward(dout, q, k, v, *grads, causal=True, tensor_ops=True),
+                               f"head_dim {head_dim} head_dim_v {head_dim_v} layout={tensor_layout}")
