@@ -17,9 +17,11 @@
 // Precision: half and bfloat operands multiply exactly into float32; dS, P^T and dS^T enter their
 // products as float32 under relaxed_precision (truncated to 10 mantissa bits on M5: the accuracy
 // rule's tensor-op term, docs/testing.md).
+//
+// Included by flash_attention_tensor.h (after its rows_tensor), which the tensor-op library and the
+// CPU engine compile; the catalogue's storage of both kernels is TensorKernelTraits' there.
 #ifndef FLASH_ATTENTION_TENSOR_BACKWARD_H
 #define FLASH_ATTENTION_TENSOR_BACKWARD_H
-
 
 typedef mpp::tensor_ops::matmul2d_descriptor TensorBackwardDescriptor;
 
@@ -134,16 +136,19 @@ inline void attention_backward_dq_tensor(device const T *dout, device const T *q
     device const T *v_head = v + head_offset(p.v, b, kv_head);
     auto ds_tile = rows_tensor(&tg->ds[sgid][0][0], BK, R, BK + FA_TENSOR_SCORE_PAD);
     auto k_tile = rows_tensor(k_head + ulong(key_begin) * p.k.seq, p.head_dim, p.seqlen_k - key_begin, p.k.seq);
-    auto dq_acc = gradient_op.template get_destination_cooperative_tensor<decltype(ds_tile), decltype(k_tile), float>();
+    auto dq_acc =
+        gradient_op.template get_destination_cooperative_tensor<decltype(ds_tile), decltype(k_tile), float>();
     clear_slots(dq_acc);
 
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         // dP = dO V^T and S = Q K^T: two destinations of one operation, so one layout.
         auto v_tile = rows_tensor(v_head + ulong(kv0) * p.v.seq, p.head_dim_v, p.seqlen_k - kv0, p.v.seq);
-        auto dp = scores_op.template get_destination_cooperative_tensor<decltype(dout_rows), decltype(v_tile), float>();
+        auto dp =
+            scores_op.template get_destination_cooperative_tensor<decltype(dout_rows), decltype(v_tile), float>();
         scores_op.run(dout_rows, v_tile, dp);
         k_tile = rows_tensor(k_head + ulong(kv0) * p.k.seq, p.head_dim, p.seqlen_k - kv0, p.k.seq);
-        auto sc = scores_op.template get_destination_cooperative_tensor<decltype(q_rows), decltype(k_tile), float>();
+        auto sc =
+            scores_op.template get_destination_cooperative_tensor<decltype(q_rows), decltype(k_tile), float>();
         scores_op.run(q_rows, k_tile, sc);
 
         // dS = P (dP - D) (through the softcap) in place of S, element by element as the simdgroup
@@ -233,8 +238,10 @@ inline void attention_backward_dkv_tensor(device const T *dout, device const T *
     auto pt_tile = rows_tensor(&tg->pt[sgid][0][0], BQ, R, BQ + FA_TENSOR_SCORE_PAD);
     auto q_tile = rows_tensor(q, p.head_dim, 0, p.q.seq);
     auto dout_tile = rows_tensor(dout, p.head_dim_v, 0, p.dout.seq);
-    auto dk_acc = gradient_op.template get_destination_cooperative_tensor<decltype(pt_tile), decltype(q_tile), float>();
-    auto dv_acc = gradient_op.template get_destination_cooperative_tensor<decltype(pt_tile), decltype(dout_tile), float>();
+    auto dk_acc =
+        gradient_op.template get_destination_cooperative_tensor<decltype(pt_tile), decltype(q_tile), float>();
+    auto dv_acc =
+        gradient_op.template get_destination_cooperative_tensor<decltype(pt_tile), decltype(dout_tile), float>();
     clear_slots(dk_acc);
     clear_slots(dv_acc);
 
@@ -261,9 +268,11 @@ inline void attention_backward_dkv_tensor(device const T *dout, device const T *
             // S^T = K Q^T and dP^T = V dO^T.
             q_tile = rows_tensor(q_head + ulong(q0) * p.q.seq, p.head_dim, p.seqlen_q - q0, p.q.seq);
             dout_tile = rows_tensor(dout_head + ulong(q0) * p.dout.seq, p.head_dim_v, p.seqlen_q - q0, p.dout.seq);
-            auto st = scores_op.template get_destination_cooperative_tensor<decltype(k_rows), decltype(q_tile), float>();
+            auto st =
+                scores_op.template get_destination_cooperative_tensor<decltype(k_rows), decltype(q_tile), float>();
             scores_op.run(k_rows, q_tile, st);
-            auto dpt = scores_op.template get_destination_cooperative_tensor<decltype(v_rows), decltype(dout_tile), float>();
+            auto dpt =
+                scores_op.template get_destination_cooperative_tensor<decltype(v_rows), decltype(dout_tile), float>();
             scores_op.run(v_rows, dout_tile, dpt);
 
             // P^T (dropped, for dV) in place of S^T, dS^T (through the softcap) in place of dP^T.

@@ -27,7 +27,8 @@ final class TensorBackwardPlanTests: XCTestCase {
         XCTAssertEqual(plan.dispatches[3].threadgroupsPerGrid, GridSize(width: 3, height: 3, depth: 2))
         XCTAssertEqual(try DispatchPlan.make(.backward, try problem(headDim: 200, dtype: .bfloat16), device: nil,
                                              tensorOps: m5).dispatches.map(\.kernelName).suffix(2),
-                       ["flash_attention_backward_dq_tensor_bf16_d256", "flash_attention_backward_dkv_tensor_bf16_d256"])
+                       ["flash_attention_backward_dq_tensor_bf16_d256",
+                        "flash_attention_backward_dkv_tensor_bf16_d256"])
         for (other, suffix) in [(try problem(dtype: .float32), "f32_d64"), (try problem(headDim: 192), "f16_d192"),
                                 (try problem(headDim: 32), "f16_d32")] {
             XCTAssertEqual(try DispatchPlan.make(.backward, other, device: nil, tensorOps: m5)
