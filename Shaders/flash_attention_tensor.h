@@ -50,7 +50,8 @@ struct TensorKernelTraits {
 typedef dextents<int32_t, 2> TensorExtents;
 
 // `rows` rows from `first` of a matrix of `cols` columns whose rows are `stride` elements apart, as a
-// rank-2 tensor (dimension 0 the columns). E carries the address space (device const T, threadgroup
+// rank-2 tensor (dimension 0 the columns). The plan takes these kernels only where every row stride
+// fits int32 (TensorOps.rowStridesFitTensors); rows and cols are at most a tile's and FA_MAX_HEAD_DIM. E carries the address space (device const T, threadgroup
 // float), deduced from the pointer, so that callers never spell it.
 template <typename E>
 inline tensor<E, TensorExtents, tensor_inline> rows_tensor(E *first, uint cols, uint rows, ulong stride) {
@@ -103,7 +104,9 @@ inline void attention_forward_tensor(device const T *q, device const T *k, devic
     device const T *v_head = v + head_offset(p.v, b, kv_head);
     // P, this SIMD-group's tile of threadgroup memory, as the left operand of P V.
     auto p_tile = rows_tensor(&s[0][0], BK, R, BK);
-    auto v_tile = rows_tensor(v_head + ulong(key_begin) * p.v.seq, p.head_dim_v, p.seqlen_k - key_begin, p.v.seq);
+    // A tile's tensors span at most BK keys (int32 extents whatever seqlen_k; reads stop at its end).
+    auto v_tile = rows_tensor(v_head + ulong(key_begin) * p.v.seq, p.head_dim_v, min(p.seqlen_k - key_begin, BK),
+                              p.v.seq);
     auto o = pv.template get_destination_cooperative_tensor<decltype(p_tile), decltype(v_tile), float>();
     for (uint i = 0; i < o.get_capacity(); ++i) {
         o[i] = 0.0f;
@@ -114,7 +117,7 @@ inline void attention_forward_tensor(device const T *q, device const T *k, devic
     float m = sinks_on(p) ? sinks[h] : -INFINITY;
     float l = sinks_on(p) && c0 == 0 ? 1.0f : 0.0f;
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        auto k_tile = rows_tensor(k_head + ulong(kv0) * p.k.seq, p.head_dim, p.seqlen_k - kv0, p.k.seq);
+        auto k_tile = rows_tensor(k_head + ulong(kv0) * p.k.seq, p.head_dim, min(p.seqlen_k - kv0, BK), p.k.seq);
         auto scores = qk.template get_destination_cooperative_tensor<decltype(q_rows), decltype(k_tile), float>();
         qk.run(q_rows, k_tile, scores);
         scores.store(p_tile);
@@ -161,7 +164,7 @@ inline void attention_forward_tensor(device const T *q, device const T *k, devic
                 o[i] *= row_scale[o.get_multidimensional_index(i)[1]];
             }
         }
-        v_tile = rows_tensor(v_head + ulong(kv0) * p.v.seq, p.head_dim_v, p.seqlen_k - kv0, p.v.seq);
+        v_tile = rows_tensor(v_head + ulong(kv0) * p.v.seq, p.head_dim_v, min(p.seqlen_k - kv0, BK), p.v.seq);
         pv.run(p_tile, v_tile, o);
         simdgroup_barrier(mem_flags::mem_threadgroup);
     }

@@ -81,8 +81,9 @@ struct TensorBackwardQueryStorage {
 
 // One threadgroup per FA_TENSOR_BLOCK_Q query rows of one head; each SIMD-group owns
 // FA_TENSOR_ROWS of them and works alone (no threadgroup barrier): its Q and dO rows stay in left
-// cooperative tensors, each key tile of K and V is a tensor operand read from device memory (reads
-// past seqlen_k and head_dim give 0), dQ accumulates in a destination cooperative tensor.
+// cooperative tensors, each key tile of K and V is a tensor operand read from device memory (its
+// extents at most one tile, so int32 whatever seqlen_k; reads past seqlen_k and head_dim give 0),
+// dQ accumulates in a destination cooperative tensor.
 template <typename T, uint DP, typename Storage>
 inline void attention_backward_dq_tensor(device const T *dout, device const T *q, device const T *k,
                                          device const T *v, device const float *lse,
@@ -135,18 +136,19 @@ inline void attention_backward_dq_tensor(device const T *dout, device const T *q
     device const T *k_head = k + head_offset(p.k, b, kv_head);
     device const T *v_head = v + head_offset(p.v, b, kv_head);
     auto ds_tile = rows_tensor(&tg->ds[sgid][0][0], BK, R, BK + FA_TENSOR_SCORE_PAD);
-    auto k_tile = rows_tensor(k_head + ulong(key_begin) * p.k.seq, p.head_dim, p.seqlen_k - key_begin, p.k.seq);
+    auto k_tile = rows_tensor(k_head + ulong(key_begin) * p.k.seq, p.head_dim, min(BK, p.seqlen_k - key_begin),
+                              p.k.seq);
     auto dq_acc =
         gradient_op.template get_destination_cooperative_tensor<decltype(ds_tile), decltype(k_tile), float>();
     clear_slots(dq_acc);
 
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         // dP = dO V^T and S = Q K^T: two destinations of one operation, so one layout.
-        auto v_tile = rows_tensor(v_head + ulong(kv0) * p.v.seq, p.head_dim_v, p.seqlen_k - kv0, p.v.seq);
+        auto v_tile = rows_tensor(v_head + ulong(kv0) * p.v.seq, p.head_dim_v, min(BK, p.seqlen_k - kv0), p.v.seq);
         auto dp =
             scores_op.template get_destination_cooperative_tensor<decltype(dout_rows), decltype(v_tile), float>();
         scores_op.run(dout_rows, v_tile, dp);
-        k_tile = rows_tensor(k_head + ulong(kv0) * p.k.seq, p.head_dim, p.seqlen_k - kv0, p.k.seq);
+        k_tile = rows_tensor(k_head + ulong(kv0) * p.k.seq, p.head_dim, min(BK, p.seqlen_k - kv0), p.k.seq);
         auto sc =
             scores_op.template get_destination_cooperative_tensor<decltype(q_rows), decltype(k_tile), float>();
         scores_op.run(q_rows, k_tile, sc);
@@ -266,8 +268,9 @@ inline void attention_backward_dkv_tensor(device const T *dout, device const T *
             simdgroup_barrier(mem_flags::mem_threadgroup);
 
             // S^T = K Q^T and dP^T = V dO^T.
-            q_tile = rows_tensor(q_head + ulong(q0) * p.q.seq, p.head_dim, p.seqlen_q - q0, p.q.seq);
-            dout_tile = rows_tensor(dout_head + ulong(q0) * p.dout.seq, p.head_dim_v, p.seqlen_q - q0, p.dout.seq);
+            q_tile = rows_tensor(q_head + ulong(q0) * p.q.seq, p.head_dim, min(BQ, p.seqlen_q - q0), p.q.seq);
+            dout_tile = rows_tensor(dout_head + ulong(q0) * p.dout.seq, p.head_dim_v, min(BQ, p.seqlen_q - q0),
+                                    p.dout.seq);
             auto st =
                 scores_op.template get_destination_cooperative_tensor<decltype(k_rows), decltype(q_tile), float>();
             scores_op.run(k_rows, q_tile, st);

@@ -22,10 +22,11 @@ struct TensorOpsSupport: Equatable, Sendable {
     /// The CPU engine: no matrix units; the kernels run through its emulation when forced.
     static let cpuEngine = TensorOpsSupport(hasUnits: false, hasKernels: true,
                                             detail: "the CPU engine has no matrix units (it emulates matmul2d)")
-    /// A host that encodes exported plans itself: its framework compiles the other kernels' source
-    /// only (fa_plan_kernel_source), so the tensor-op path is never chosen for it by itself.
-    static let framework = TensorOpsSupport(hasUnits: false, hasKernels: true,
-                                            detail: "a framework host compiles the simdgroup kernels' source")
+    /// A host that encodes exported plans itself (fa_plan_create: PyTorch's MPS and MLX's GPU paths):
+    /// its framework compiles fa_plan_kernel_source(), which has no tensor-op kernels, so its plans
+    /// keep the simdgroup kernels, forced or not, until the front ends compile the tensor-op library.
+    static let framework = TensorOpsSupport(hasUnits: false, hasKernels: false,
+                                            detail: "exported plans (fa_plan_create) have no tensor-op kernels yet")
 
     /// Whether architecture `name` (`MTLArchitecture.name`, e.g. `applegpu_g17s`) is generation 17
     /// or later (18 for `p`), parsed as MLX parses it: the two digits before the last letter.
@@ -91,10 +92,17 @@ enum TensorOps {
     /// Whether the tensor-op forward serves `problem` (a planned one): float16 or bfloat16, a
     /// head-dim bucket of FA_TENSOR_BUCKET_MASK (64, 96, 128, 256), plain k and v (no KV cache), the
     /// dense forward (no split-KV: at 1-64 rows per KV head the split and decode kernels stay,
-    /// docs/tensor-ops.md).
+    /// docs/tensor-ops.md), row strides that fit a tensor (`rowStridesFitTensors`).
     static func forwardServes(_ problem: Problem) -> Bool {
         problem.dtype != .float32 && problem.kvCache == nil && problem.split == nil
             && UInt32(FA_TENSOR_BUCKET_MASK) & (1 << (problem.bucket.head_dim_max / 32)) != 0
+            && rowStridesFitTensors(problem)
+    }
+
+    /// Whether every tensor's row stride fits the int32 strides of a Metal tensor, through which the
+    /// tensor-op kernels read and write rows (`rows_tensor`, flash_attention_tensor.h).
+    static func rowStridesFitTensors(_ problem: Problem) -> Bool {
+        problem.layouts.values.allSatisfy { $0.strides.seq <= Int(Int32.max) }
     }
 
     /// Whether the tensor-op dQ and dK/dV serve `problem` (a planned one): float16 or bfloat16, a
@@ -103,6 +111,6 @@ enum TensorOps {
     /// theirs too.
     static func backwardServes(_ problem: Problem) -> Bool {
         problem.dtype != .float32 && UInt32(FA_TENSOR_BUCKET_MASK) & (1 << (problem.bucket.head_dim_max / 32)) != 0
-            && problem.layouts.values.allSatisfy { $0.strides.seq <= Int(Int32.max) }
+            && rowStridesFitTensors(problem)
     }
 }

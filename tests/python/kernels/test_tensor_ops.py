@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import flash_attention_metal as fam
-from flash_attention_metal import _native, accuracy, dropout
+from flash_attention_metal import _abi, _native, accuracy, dropout, plan
+from flash_attention_metal._validation import Shape
 
 from conftest import assert_within_rule, make_inputs
 
@@ -174,6 +175,11 @@ def test_routing_on_the_cpu_engine(ctx, monkeypatch):
     decode = make_inputs(2, 1, 8, 2, 1, 600, 64)[:3]
     ctx.forward(*decode)
     assert not any("tensor" in name for name in _kernels(ctx))
+    # Exported plans (PyTorch's, MLX's hosts) compile the simdgroup kernels' source: never tensor ops yet.
+    exported = plan.create(_abi.new_problem(_native.native().ffi, _native.native().lib,
+                                            Shape(1, 2, 2, 100, 30, 64), False, 0.125, "float16", {}),
+                           "forward")
+    assert [d.kernel_name for d in exported.dispatches] == ["flash_attention_forward_f16_d64"]
     monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", "yes")
     with pytest.raises(fam.FlashAttentionError, match="FLASH_ATTENTION_TENSOR_OPS \\(yes\\) must be 1"):
         ctx.forward(q, k, v)

@@ -72,6 +72,14 @@ final class TensorOpsRouteTests: XCTestCase {
             XCTAssertEqual(try DispatchPlan.make(.forward, other, device: nil, tensorOps: m5).dispatches.map(\.kernelName),
                            [kernel])
         }
+        // A row stride beyond int32 (a tensor's stride) keeps the simdgroup kernel.
+        let wide = try Problem.validate(AttentionShape(batch: 1, numHeads: 1, numKVHeads: 1, seqlenQ: 100, seqlenK: 33,
+                                                       headDim: 64),
+                                        causal: false, softmaxScale: nil,
+                                        strides: ProblemStrides(q: TensorStrides(batch: 1 << 40, head: 1 << 40,
+                                                                                 seq: 1 << 31)))
+        XCTAssertEqual(try DispatchPlan.make(.forward, wide, device: nil, tensorOps: m5).dispatches.map(\.kernelName),
+                       ["flash_attention_forward_f16_d64"])
         let decode = try DispatchPlan.make(.forward, try problem(seqlenQ: 1, seqlenK: 4096), device: nil, tensorOps: m5)
         XCTAssertFalse(decode.dispatches.contains { $0.kernelName.contains("tensor") })
         XCTAssertEqual(try DispatchPlan.make(.forward, p, device: nil).dispatches.map(\.kernelName),
