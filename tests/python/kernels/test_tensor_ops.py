@@ -143,6 +143,16 @@ def test_real_model_inputs_within_the_tensor_op_rule(ctx, tensor_ops):
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True, tensor_ops=True), name)
 
 
+def test_long_forward_within_the_tensor_op_rule(ctx, tensor_ops):
+    """65 rows over 4100 keys (the length at which float16 accumulation of O fails the rule): every
+    row's O sums 4100 products of truncated P, in 129 tiles."""
+    tensor_ops("permuted")
+    q, k, v, _ = make_inputs(3, 1, 2, 2, 65, 4100, 64)
+    out, lse = ctx.forward(q, k, v)
+    assert _kernels(ctx) == ["flash_attention_forward_tensor_f16_d64"]
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, tensor_ops=True), "forward 65 x 4100")
+
+
 def test_layouts_give_the_same_bits(ctx, tensor_ops):
     """The kernel assumes no layout: both runs sum in the emulation's one order."""
     q, k, v, _ = make_inputs(9, 1, HEADS, 2, 70, 45, 64)
