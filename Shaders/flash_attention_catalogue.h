@@ -61,6 +61,10 @@
       FA_BUILTINS_THREAD_INDEX, __VA_ARGS__)                                                                     \
     X(merge, dtype, FA_MERGE_BUFFERS, FA_READS_NONE, none, FA_BUILTINS_THREAD, __VA_ARGS__)              \
     X(forward_tensor, tensor_bucket, FA_FORWARD_BUFFERS, FA_READS_FORWARD, tensor_forward_storage,            \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                     \
+    X(backward_dq_tensor, tensor_bucket, FA_BACKWARD_DQ_BUFFERS, FA_READS_GRADIENTS, tensor_dq_storage,       \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                     \
+    X(backward_dkv_tensor, tensor_bucket, FA_BACKWARD_DKV_BUFFERS, FA_READS_GRADIENTS, tensor_dkv_storage,    \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)
 
 // ---- buffer lists ----------------------------------------------------------------------------

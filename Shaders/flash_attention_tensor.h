@@ -30,10 +30,16 @@ struct TensorForwardStorage {
     float row_scale[FA_SIMDGROUPS][FA_TENSOR_ROWS];
 };
 
+// The tensor-op backward's storage (flash_attention_tensor_backward.h, included below).
+struct TensorBackwardQueryStorage;
+struct TensorBackwardKeyValueStorage;
+
 // The tensor-op kernels of bucket DP (catalogue STORAGE of the tensor_bucket kernels).
 template <typename T, uint DP>
 struct TensorKernelTraits {
     typedef TensorForwardStorage tensor_forward_storage;
+    typedef TensorBackwardQueryStorage tensor_dq_storage;
+    typedef TensorBackwardKeyValueStorage tensor_dkv_storage;
     static_assert(sizeof(T) == 2, "the tensor-op kernels take half and bfloat");
     static_assert(DP % 16 == 0, "head_dim buckets of the tensor-op kernels are whole 16-column fragments");
     static_assert(sizeof(TensorForwardStorage) <= 32768, "threadgroup storage above 32 KiB");
@@ -199,6 +205,8 @@ inline void kernel_forward_tensor(FA_PARAMETERS(FA_FORWARD_BUFFERS, T), Storage 
                                     lse + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), sinks, p, tg,
                                     sequence_tgid(p, tgid), sgid, lane);
 }
+
+#include "flash_attention_tensor_backward.h"
 
 // The entry points of the tensor-op kernels of bucket DP (FA_HEAD_DIM_BUCKETS(FA_DEFINE_TENSOR_F16)).
 #define FA_DEFINE_TENSOR_F16(DP, ...) FA_KERNELS(FA_AT_TENSOR, FA_DEFINE_KERNEL, half, f16, DP)

@@ -327,7 +327,10 @@ struct DispatchPlan {
     /// num_heads, batch) threadgroups writes `lseResidual` (recomputing scores only for blocks with
     /// a row whose |lse| is huge); `flash_attention_backward_dq_<dtype>_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
     /// threadgroups writes `dq`; `flash_attention_backward_dkv_<dtype>_d<DP>` over
-    /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`.
+    /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`. Where the
+    /// tensor-op route is enabled and `TensorOps.backwardServes` the problem, dQ and dK/dV are
+    /// `flash_attention_backward_dq_tensor_<dtype>_d<DP>` and `..._dkv_tensor_...` over blocks of
+    /// FA_TENSOR_BLOCK_Q rows and keys (the pre-passes and dsinks stay).
     private static func backward(planned problem: Problem) -> DispatchPlan {
         let b = problem.bucket
         // `flops` per score element over blocks of `block` query rows, or of keys (`alongKeys`); nil:
@@ -347,10 +350,14 @@ struct DispatchPlan {
                              heads: problem.numHeads, flops: nil, rowWork: problem.rowWork(flopsPerElement: 2))
         let residual = dispatch(FA_KERNEL_backward_lse_residual, rows: problem.gridSeqlenQ, block: b.forward_block_q,
                                 heads: problem.numHeads, flops: 2)
-        let dq = dispatch(FA_KERNEL_backward_dq, rows: problem.gridSeqlenQ, block: b.dq_block_q,
-                          heads: problem.numHeads, flops: 6)
-        let dkv = dispatch(FA_KERNEL_backward_dkv, rows: problem.gridSeqlenK, block: b.dkv_block_k,
-                           heads: problem.numKVHeads, flops: 8, alongKeys: true)
+        // The tensor-op dQ and dK/dV where the route takes them and they serve the problem: one
+        // threadgroup per FA_TENSOR_BLOCK_Q query rows (dQ) or keys (dK/dV).
+        let tensor = problem.tensorOps.enabled && TensorOps.backwardServes(problem)
+        let dq = dispatch(tensor ? FA_KERNEL_backward_dq_tensor : FA_KERNEL_backward_dq, rows: problem.gridSeqlenQ,
+                          block: tensor ? UInt32(FA_TENSOR_BLOCK_Q) : b.dq_block_q, heads: problem.numHeads, flops: 6)
+        let dkv = dispatch(tensor ? FA_KERNEL_backward_dkv_tensor : FA_KERNEL_backward_dkv, rows: problem.gridSeqlenK,
+                           block: tensor ? UInt32(FA_TENSOR_BLOCK_Q) : b.dkv_block_k, heads: problem.numKVHeads,
+                           flops: 8, alongKeys: true)
         guard problem.scores.hasSinks else {
             return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv],
                                                   outputs: [.dq, .dk, .dv], workspace: [.delta, .lseResidual],

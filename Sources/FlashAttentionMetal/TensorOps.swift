@@ -104,4 +104,13 @@ enum TensorOps {
     static func rowStridesFitTensors(_ problem: Problem) -> Bool {
         problem.layouts.values.allSatisfy { $0.strides.seq <= Int(Int32.max) }
     }
+
+    /// Whether the tensor-op dQ and dK/dV serve `problem` (a planned one): float16 or bfloat16, a
+    /// head-dim bucket of FA_TENSOR_BUCKET_MASK, and row strides that fit the int32 strides of a
+    /// Metal tensor (the kernels read rows as tensors); every option of the simdgroup backward is
+    /// theirs too.
+    static func backwardServes(_ problem: Problem) -> Bool {
+        problem.dtype != .float32 && UInt32(FA_TENSOR_BUCKET_MASK) & (1 << (problem.bucket.head_dim_max / 32)) != 0
+            && rowStridesFitTensors(problem)
+    }
 }

@@ -257,6 +257,24 @@ def test_tensor_op_forward(cpu, monkeypatch, dtype):
         _same(*forward, f"tensor-op forward {dtype} d{head_dim} {sorted(options)}")
 
 
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_tensor_op_backward(cpu, monkeypatch, dtype):
+    """The tensor-op dQ and dK/dV of every bucket that has them (FLASH_ATTENTION_TENSOR_OPS=1), a
+    score option each, bit for bit the CPU backend's."""
+    monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", "1")
+    metal = fam.Context("metal")
+    for n, head_dim in enumerate([64, 80, 128, 200]):
+        rng = np.random.default_rng(97 + n)
+        q, k, v = _inputs(rng, DTYPES[dtype], 1, 4, 2, 70, 45, head_dim)
+        options = _options(n + 2 * len(dtype) + 1, rng, 1, 4, 70, 45)
+        out, lse = cpu.forward(q, k, v, **options)
+        dout = rng.standard_normal(out.shape).astype(np.float32).astype(out.dtype)
+        backward = [c.backward(dout, q, k, v, out, lse, **options) for c in (cpu, metal)]
+        assert sum("_tensor_" in d.kernel for d in metal.last_profile.dispatches) == 2
+        _record(metal)
+        _same(*backward, f"tensor-op backward {dtype} d{head_dim} {sorted(options)}")
+
+
 def test_all_kernels_reached():
     """Every kernel the engine has went through the Metal backend in the cases above."""
     library = ctypes.CDLL(os.environ[fam.LIBRARY_ENV])
