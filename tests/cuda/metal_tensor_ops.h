@@ -224,9 +224,12 @@ template <class T, uint32_t Rows, uint32_t Cols, bool Transposed> struct coopera
         }
     }
 
-    // Stores this lane's elements into `t`; elements past t's extents are not written.
+    // Stores this lane's elements into `t`; elements past t's extents are not written. As in MPP,
+    // `t`'s element type must be this tensor's (no converting store).
     template <class U, class E, class K>
     __device__ void store(const metal::tensor<U, E, K> &t) const {
+        static_assert(tensor_ops_detail::is_same<U, T>::value,
+                      "cooperative_tensor::store: the tensor's element type must be the cooperative tensor's");
         for (uint32_t i = 0; i < capacity; ++i) {
             int x = 0, y = 0;
             if (address(i, t.get_extent(0), t.get_extent(1), x, y))
