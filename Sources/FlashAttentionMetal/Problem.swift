@@ -92,6 +92,9 @@ struct Problem {
     let split: KeyValueSplit?
     /// The GPU core count `split` was planned for; nil in a problem the planner has not planned.
     let gpuCores: UInt32?
+    /// Threadgroups per key block of the backward's dK/dV, each over a part of the GQA group
+    /// (`GroupSplit`); 1 (the whole group in one) until the planner decides.
+    let dkvSplits: UInt32
     /// Window, softcap, mask, ALiBi and sinks.
     let scores: ScoreSpec
     /// The KV cache k and v are read from (forward), or nil for plain tensors.
@@ -256,8 +259,8 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?, gpuCores: UInt32?, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil,
-                 dropout: DropoutSpec? = nil) {
+                 split: KeyValueSplit?, gpuCores: UInt32?, dkvSplits: UInt32 = 1, kvCache: KVCacheSpec?,
+                 varlen: VarlenSpec? = nil, dropout: DropoutSpec? = nil) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -273,6 +276,7 @@ struct Problem {
         self.scores = scores
         self.split = split
         self.gpuCores = gpuCores
+        self.dkvSplits = dkvSplits
         self.kvCache = kvCache
         self.varlen = varlen
         self.dropout = dropout
@@ -361,8 +365,8 @@ struct Problem {
                   split: nil, gpuCores: nil, kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
-    /// The same problem with the split-KV chunking planned for `cores` GPU cores: the planner's
-    /// decision (`DispatchPlan.make`), made once per call.
+    /// The same problem with the split-KV chunking and the dK/dV group split planned for `cores` GPU
+    /// cores: the planner's decisions (`DispatchPlan.make`), made once per call.
     func planned(forGPUCores cores: UInt32) -> Problem {
         Problem(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
                 headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal, softmaxScale: softmaxScale,
@@ -371,7 +375,8 @@ struct Problem {
                                                                               numKVHeads: numKVHeads,
                                                             seqlenQ: seqlenQ, seqlenK: seqlenK, bucket: bucket,
                                                             cores: cores),
-                gpuCores: cores, kvCache: kvCache, varlen: varlen, dropout: dropout)
+                gpuCores: cores, dkvSplits: kvCache != nil ? 1 : GroupSplit.splits(for: self, cores: cores),
+                kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
     /// The rules of a variable-length batch that the host can check (the tables' values live where
@@ -394,8 +399,9 @@ struct Problem {
     /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their
     /// query heads (whole GQA groups): what one piece of a split plan runs. Its buffers are the
     /// parts of this problem's buffers that start at `BufferRole.elementOffset` (see `PlanPiece`).
-    /// The split-KV chunking stays the whole problem's (it would otherwise follow the smaller grid),
-    /// so that a piece computes exactly what the whole plan computes for its rows.
+    /// The split-KV chunking and the dK/dV group split stay the whole problem's (they would otherwise
+    /// follow the smaller grid), so that a piece computes exactly what the whole plan computes for its
+    /// rows.
     func slice(batches: Range<UInt32>, kvHeads: Range<UInt32>) -> Problem {
         precondition(!batches.isEmpty && batches.upperBound <= batch, "batch range outside the problem")
         precondition(!kvHeads.isEmpty && kvHeads.upperBound <= numKVHeads, "KV head range outside the problem")
@@ -409,7 +415,7 @@ struct Problem {
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
                        scores: scores.slice(batch: b, heads: h),
-                       split: split, gpuCores: gpuCores, kvCache: kvCache, varlen: varlen,
+                       split: split, gpuCores: gpuCores, dkvSplits: dkvSplits, kvCache: kvCache, varlen: varlen,
                        dropout: dropout?.slice(batch: batches.lowerBound, head: kvHeads.lowerBound * groupSize))
     }
 
@@ -440,7 +446,7 @@ struct Problem {
                 && fragmentColumns(headDimV) == bucket.head_dim_max ? 0 : 1,
             block_offset: 0, kv_page_rows: 0, kv_max_blocks: 0, kv_num_blocks: 0, kv_bits: 0, kv_group_size: 0,
             sequences: varlen?.sequences ?? 0, seq_q0: 0, seq_k0: 0, lse_rows: 0,
-            dropout_threshold: 0, dropout_scale: 1, dropout_stream0: 0, dropout_heads: 0)
+            dropout_threshold: 0, dropout_scale: 1, dropout_stream0: 0, dropout_heads: 0, dkv_splits: dkvSplits)
         kvCache?.apply(to: &params)
         dropout?.apply(to: &params)
         return params

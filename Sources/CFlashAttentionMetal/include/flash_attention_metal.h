@@ -416,7 +416,8 @@ typedef enum fa_pass {
 /* What a buffer of a plan holds. Tensors have the problem's dtype and layout (fa_problem); lse,
  * lse_a, lse_b and the workspaces are float32; attn_mask has its fa_attn_mask_type's elements.
  * Workspaces (written and read only by the plan's own kernels): delta (D_i = rowsum(dout * out)) and
- * lse_residual (backward), partial_out and partial_lse (the split-KV forward of decode shapes). */
+ * lse_residual (backward), partial_out and partial_lse (the split-KV forward of decode shapes),
+ * partial_dk and partial_dv (the backward's dK/dV split over the GQA group, few KV heads). */
 typedef enum fa_buffer_role {
     FA_BUFFER_ROLE_Q = 0,
     FA_BUFFER_ROLE_K = 1,
@@ -444,7 +445,9 @@ typedef enum fa_buffer_role {
     FA_BUFFER_ROLE_K_BIASES = 23,
     FA_BUFFER_ROLE_V_SCALES = 24,
     FA_BUFFER_ROLE_V_BIASES = 25,
-    FA_BUFFER_ROLE_COUNT = 26
+    FA_BUFFER_ROLE_PARTIAL_DK = 26,   /* the split dK/dV's partial sums (backward, few KV heads) */
+    FA_BUFFER_ROLE_PARTIAL_DV = 27,
+    FA_BUFFER_ROLE_COUNT = 28
 } fa_buffer_role;
 
 /* How a plan uses a buffer. */
