@@ -17,7 +17,7 @@ import MSLEngine
 /// highest occupancy (the smallest of equals). Like `KeyValueSplit`, the answer depends on the shape
 /// and the planned core count alone: a plan computes a shape the same way every time (bit-identical
 /// reruns; the CPU engine and a GPU of that core count agree). Different split counts add the same
-/// products in different groupings, so their results differ in rounding only (docs/training.md).
+/// products in different groupings, so their results differ in rounding only (docs/performance.md).
 enum GroupSplit {
     /// Splits per key block for a grid of `keyBlocks` x `kvHeads` x `batch` unsplit threadgroups of
     /// a group of `group` query heads, on `cores` cores that each hold `resident` threadgroups.
