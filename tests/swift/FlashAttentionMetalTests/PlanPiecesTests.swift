@@ -492,10 +492,13 @@ final class BlockOnlyPiecesTests: XCTestCase {
             XCTAssertEqual(piece.plan.dispatches.count, 2)
             XCTAssertEqual(piece.plan.dispatches[0].params.block_offset, piece.plan.dispatches[1].params.block_offset)
         }
+        // dK/dV: 3 key blocks x 2 splits of the group (GroupSplit), then their reduction whole.
+        XCTAssertEqual(DispatchPlan.backward(p).problem.dkvSplits, 2)
         XCTAssertEqual(backward.map { $0.plan.dispatches.last!.kernelName.split(separator: "_")[3] },
                        ["delta"] + Array(repeating: "lse", count: 3) + Array(repeating: "dq", count: 3)
-                        + Array(repeating: "dkv", count: 3) + ["dsinks"])
-        XCTAssertEqual(backward.map { $0.plan.dispatches.last!.params.block_offset }, [0, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+                        + Array(repeating: "dkv", count: 7) + ["dsinks"])
+        XCTAssertEqual(backward.map { $0.plan.dispatches.last!.params.block_offset },
+                       [0, 0, 1, 2, 0, 1, 2] + Array(0..<6) + [0, 0])
         XCTAssertEqual(DispatchPlan.forward(p).pieces(maxFlops: .max).count, 1)
     }
 
