@@ -74,13 +74,15 @@ struct Entry {
     FA_IF_DECODE(DP, FA_REPLAY_ENTRY(forward_decode, SUFFIX, DP))                                  \
     FA_REPLAY_ENTRY(backward_lse_residual, SUFFIX, DP)                                             \
     FA_REPLAY_ENTRY(backward_dq, SUFFIX, DP)                                                       \
-    FA_REPLAY_ENTRY(backward_dkv, SUFFIX, DP)
+    FA_REPLAY_ENTRY(backward_dkv, SUFFIX, DP)                                                      \
+    FA_REPLAY_ENTRY(backward_dkv_split, SUFFIX, DP)
 #define FA_REPLAY_F16(...) FA_REPLAY_BUCKET(f16, __VA_ARGS__)
 #define FA_REPLAY_BF16(...) FA_REPLAY_BUCKET(bf16, __VA_ARGS__)
 #define FA_REPLAY_F32(...) FA_REPLAY_BUCKET(f32, __VA_ARGS__)
 #define FA_REPLAY_DTYPE(SUFFIX)                                                                    \
     {"flash_attention_forward_combine_" #SUFFIX, &launch<fa_cuda_forward_combine_##SUFFIX>},       \
-    {"flash_attention_backward_delta_" #SUFFIX, &launch<fa_cuda_backward_delta_##SUFFIX>},
+    {"flash_attention_backward_delta_" #SUFFIX, &launch<fa_cuda_backward_delta_##SUFFIX>},       \
+    {"flash_attention_backward_dkv_reduce_" #SUFFIX, &launch<fa_cuda_backward_dkv_reduce_##SUFFIX>},
 const Entry kEntries[] = {
     FA_HEAD_DIM_BUCKETS(FA_REPLAY_F16) FA_HEAD_DIM_BUCKETS(FA_REPLAY_BF16) FA_HEAD_DIM_BUCKETS_F32(FA_REPLAY_F32)
     FA_REPLAY_DTYPE(f16) FA_REPLAY_DTYPE(bf16) FA_REPLAY_DTYPE(f32)
