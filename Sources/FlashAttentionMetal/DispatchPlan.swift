@@ -265,11 +265,12 @@ struct DispatchPlan {
 
     /// The planner: the plan of `pass` for a validated `problem` on a GPU of `device` cores (the
     /// backend's `ExecutionBackend.gpuCores`; nil: the CPU engine's nominal GPU), made once per
-    /// call. Here and only here the split-KV chunking is decided, for `GPUCores.planned(device:)`
+    /// call. Here and only here the split-KV chunking and the dK/dV group split (`GroupSplit`) are
+    /// decided, for `GPUCores.planned(device:)`
     /// (FLASH_ATTENTION_GPU_CORES wins over the device).
     /// - Throws: `invalidArgument` when FLASH_ATTENTION_GPU_CORES is set to a bad value.
     static func make(_ pass: Pass, _ problem: Problem, device: UInt32?) throws -> DispatchPlan {
-        make(pass, planned: problem.planned(forGPUCores: try GPUCores.planned(device: device)))
+        make(pass, planned: problem.planned(forGPUCores: try GPUCores.planned(device: device), pass: pass))
     }
 
     /// The plan of `pass` for a problem the planner has planned (a piece of a split plan: a slice

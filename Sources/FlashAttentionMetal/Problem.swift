@@ -365,9 +365,10 @@ struct Problem {
                   split: nil, gpuCores: nil, kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
-    /// The same problem with the split-KV chunking and the dK/dV group split planned for `cores` GPU
-    /// cores: the planner's decisions (`DispatchPlan.make`), made once per call.
-    func planned(forGPUCores cores: UInt32) -> Problem {
+    /// The same problem with the split-KV chunking and, for the backward `pass`, the dK/dV group
+    /// split planned for `cores` GPU cores: the planner's decisions (`DispatchPlan.make`), made once
+    /// per call.
+    func planned(forGPUCores cores: UInt32, pass: Pass) -> Problem {
         Problem(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
                 headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal, softmaxScale: softmaxScale,
                 bucket: bucket, layouts: layouts, scores: scores,
@@ -375,7 +376,7 @@ struct Problem {
                                                                               numKVHeads: numKVHeads,
                                                             seqlenQ: seqlenQ, seqlenK: seqlenK, bucket: bucket,
                                                             cores: cores),
-                gpuCores: cores, dkvSplits: kvCache != nil ? 1 : GroupSplit.splits(for: self, cores: cores),
+                gpuCores: cores, dkvSplits: pass == .backward ? GroupSplit.splits(for: self, cores: cores) : 1,
                 kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
