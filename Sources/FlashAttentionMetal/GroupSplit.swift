@@ -14,7 +14,7 @@ import MSLEngine
 /// s threadgroups per key block makes n s threadgroups, each 1 / s as long. The plan keeps the
 /// unsplit grid when that is at least FA_DKV_SPLIT_MIN_OCCUPANCY percent; otherwise it takes the
 /// smallest divisor s of the group that reaches it, or, where none does, the divisor with the
-/// highest occupancy (the smallest of equals). Like `KeyValueSplit`, the answer depends on the shape
+/// highest occupancy (the smallest of equals) among those that give at most 10 waves. Like `KeyValueSplit`, the answer depends on the shape
 /// and the planned core count alone: a plan computes a shape the same way every time (bit-identical
 /// reruns; the CPU engine and a GPU of that core count agree). Different split counts add the same
 /// products in different groupings, so their results differ in rounding only (docs/performance.md).
@@ -35,8 +35,11 @@ enum GroupSplit {
         }
         let percent = UInt64(FA_DKV_SPLIT_MIN_OCCUPANCY)
         guard group > 1, !atLeast(occupancy(1), percent: percent) else { return 1 }
+        // From 10 waves on the occupancy is above 90 %: no larger split is tried (this also bounds
+        // the loop, and the split grid, for huge groups).
+        let limit = UInt32(min(UInt64(group), (10 * slots + threadgroups - 1) / max(threadgroups, 1)))
         var best: UInt32 = 1
-        for s in 2...group where group % s == 0 {
+        for s in stride(from: UInt32(2), through: limit, by: 1) where group % s == 0 {
             let o = occupancy(s)
             if atLeast(o, percent: percent) { return s }
             let b = occupancy(best)

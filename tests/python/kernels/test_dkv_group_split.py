@@ -27,7 +27,7 @@ DKV_BLOCK_K_D64 = 32
 def expected_splits(threadgroups: int, group: int, cores: int, resident: int) -> int:
     """The plan's rule (GroupSplit.splits), restated: the unsplit grid unless its slots are busy less
     than MIN_OCCUPANCY percent of its waves, else the smallest divisor of the group that reaches it,
-    else the divisor with the highest occupancy (the smallest of equals)."""
+    else the divisor with the highest occupancy (the smallest of equals) of at most 10 waves."""
     slots = cores * resident
 
     def occupancy(s):
@@ -37,7 +37,7 @@ def expected_splits(threadgroups: int, group: int, cores: int, resident: int) ->
     if group == 1 or occupancy(1) * 100 >= MIN_OCCUPANCY:
         return 1
     best = 1
-    for s in range(2, group + 1):
+    for s in range(2, min(group, -(-10 * slots // threadgroups)) + 1):
         if group % s:
             continue
         if occupancy(s) * 100 >= MIN_OCCUPANCY:

@@ -162,6 +162,9 @@ final class DispatchPlanTests: XCTestCase {
         XCTAssertEqual(splits(1, 1, 6, 40), 6)  // never reaches 90 %: the whole group, one head each
         // 3 threadgroups in 4 slots (75 %); 2 and 3 splits stay at 75 %, 6 reach 90 %.
         XCTAssertEqual(splits(3, 1, 6, 2), 6)
+        // Huge groups: the search stops at 10 waves (8192 slots here), so it is short and the grid small.
+        XCTAssertEqual(splits(1, 1, 1 << 31, 4096), 8192)
+        XCTAssertEqual(splits(1, 1, 4_294_967_291, 4096), 1)  // a prime: no divisor within 10 waves
     }
 
     /// Every buffer slot of every dispatch is bound exactly once, the parameter struct included.
