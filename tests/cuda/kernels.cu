@@ -9,7 +9,6 @@
 
 #include "kernels.h"
 
-#include <cstring>
 #include <initializer_list>
 #include <type_traits>
 
@@ -56,16 +55,6 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
         flash_attention_backward_delta_##SUFFIX(dout, q, k, v, out, lse, FA_CUDA_PARAMS, delta, mask, \
                                                 alibi, sinks, lse_residual, FA_CUDA_TGID,          \
                                                 threadIdx.x);                                      \
-    }                                                                                              \
-    __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dkv_reduce_##SUFFIX(              \
-        const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
-        FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
-        const float *sinks, const float *lse_residual, T *dk, T *dv, const float *partial_dk,      \
-        const float *partial_dv, FlashAttentionParams *table) {                                    \
-        flash_attention_backward_dkv_reduce_##SUFFIX(dout, q, k, v, out, lse, FA_CUDA_PARAMS, delta, \
-                                                     mask, alibi, sinks, lse_residual, dk, dv,     \
-                                                     partial_dk, partial_dv, FA_CUDA_TGID,         \
-                                                     threadIdx.x);                                 \
     }
 
 // The kernels of one dtype and head-dim bucket.
@@ -116,16 +105,6 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
         flash_attention_backward_dkv_##SUFFIX##_d##DP(dout, q, k, v, out, lse, FA_CUDA_PARAMS, delta, \
                                                       mask, alibi, sinks, lse_residual, dk, dv,    \
                                                       FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);   \
-    }                                                                                              \
-    /* [[buffer(12)]] and [[buffer(13)]] are slots the split kernel does not read. */              \
-    __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dkv_split_##SUFFIX##_d##DP(       \
-        const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
-        FlashAttentionParams params, const float *delta, const uchar *mask, const float *alibi,    \
-        const float *sinks, const float *lse_residual, const void *, const void *,                 \
-        float *partial_dk, float *partial_dv, FlashAttentionParams *table) {                       \
-        flash_attention_backward_dkv_split_##SUFFIX##_d##DP(                                       \
-            dout, q, k, v, out, lse, FA_CUDA_PARAMS, delta, mask, alibi, sinks, lse_residual,      \
-            partial_dk, partial_dv, FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);                     \
     }
 
 // The KV-cache kernels of one dtype and bucket (Shaders/flash_attention_kv_cache.h), one signature
@@ -175,9 +154,6 @@ __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dsinks_kernel(
                                     nullptr, nullptr, sinks, lse_residual, dsinks, FA_CUDA_TGID,
                                     threadIdx.x);
 }
-// Every instance by name (the launches of exported plans, fa_cuda_launch).
-#include "kernel_table.h"
-
 #undef FA_CUDA_LAUNCHERS_F16
 #undef FA_CUDA_LAUNCHERS_BF16
 #undef FA_CUDA_LAUNCHERS_F32
@@ -720,14 +696,4 @@ cudaError_t fa_cuda_varlen_backward(const FlashAttentionParams &given, int dtype
         error = fa_cuda_backward_dsinks(p, lse, delta, lse_residual, x.sinks, dsinks);
     }
     return error;
-}
-
-cudaError_t fa_cuda_launch(const char *name, dim3 grid, const FaCudaBuffers &buffers) {
-    for (const FaCudaKernel &k : kFaCudaKernels) {
-        if (std::strcmp(k.name, name) == 0) {
-            k.launch<<<grid, kThreads>>>(buffers);
-            return cudaGetLastError();
-        }
-    }
-    return cudaErrorInvalidValue;
 }

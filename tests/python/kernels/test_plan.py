@@ -90,6 +90,31 @@ def test_kv_cache_buffers_are_read_write():
     assert usage["out"] == usage["lse"] == "output"
 
 
+def test_varlen_plans_bind_the_sequence_table():
+    # 3 sequences packed (presence of the tables only): the pass starts with the sequence-table
+    # dispatch, whose parameters are bytes; every later dispatch reads its sequence's struct from
+    # the table, bound at its params index (params_from_buffer), and a host binds the cu_seqlens
+    # tables as inputs.
+    library = _native.native()
+    for pass_name in ("forward", "backward"):
+        p = _problem(Shape(3, 4, 2, 30, 41, 64))
+        p.cu_seqlens_q = p.cu_seqlens_k = library.ffi.cast("const int32_t *", 4)
+        p.max_seqlen_q, p.max_seqlen_k = 17, 20
+        made = plan.create(p, pass_name)
+        usage = {b.role: b.usage for b in made.buffers}
+        assert usage["cu_seqlens_q"] == usage["cu_seqlens_k"] == "input"
+        assert usage["sequence_table"] == "workspace"
+        assert made.buffer("cu_seqlens_q").byte_count == 4 * 4
+        first, *rest = made.dispatches
+        assert first.kernel_name == "flash_attention_varlen_sequences" and not first.params_from_buffer
+        assert rest and all(d.params_from_buffer for d in rest)
+        for d in rest:
+            at_params = [b for b in d.bindings if b.index == d.params_index]
+            assert [b.role for b in at_params] == ["sequence_table"], d.kernel_name
+            assert sorted(b.index for b in d.bindings) == list(range(len(d.bindings))), d.kernel_name
+        assert rest[0].threadgroups_per_grid[2] == 3  # one z per sequence
+
+
 def test_pieces(monkeypatch):
     # Planned for 1 GPU core, whose 3 dK/dV slots the 6 threadgroups fill: no dK/dV group split.
     monkeypatch.setenv("FLASH_ATTENTION_GPU_CORES", "1")
