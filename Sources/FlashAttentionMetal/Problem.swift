@@ -92,6 +92,8 @@ struct Problem {
     let split: KeyValueSplit?
     /// The GPU core count `split` was planned for; nil in a problem the planner has not planned.
     let gpuCores: UInt32?
+    /// Whether the plan takes the tensor-op kernels (`TensorOps.route`); `.off` until planned.
+    let tensorOps: TensorOpsRoute
     /// Threadgroups per key block of the backward's dK/dV, each over a part of the GQA group
     /// (`GroupSplit`); 1 (the whole group in one) until the planner decides.
     let dkvSplits: UInt32
@@ -259,7 +261,8 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?, gpuCores: UInt32?, dkvSplits: UInt32 = 1, kvCache: KVCacheSpec?,
+                 split: KeyValueSplit?, gpuCores: UInt32?, tensorOps: TensorOpsRoute = .off, dkvSplits: UInt32 = 1,
+                 kvCache: KVCacheSpec?,
                  varlen: VarlenSpec? = nil, dropout: DropoutSpec? = nil) {
         self.batch = batch
         self.numHeads = numHeads
@@ -276,6 +279,7 @@ struct Problem {
         self.scores = scores
         self.split = split
         self.gpuCores = gpuCores
+        self.tensorOps = tensorOps
         self.dkvSplits = dkvSplits
         self.kvCache = kvCache
         self.varlen = varlen
@@ -365,10 +369,10 @@ struct Problem {
                   split: nil, gpuCores: nil, kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
-    /// The same problem with the split-KV chunking and, for the backward `pass`, the dK/dV group
-    /// split planned for `cores` GPU cores: the planner's decisions (`DispatchPlan.make`), made once
-    /// per call.
-    func planned(forGPUCores cores: UInt32, pass: Pass) -> Problem {
+    /// The same problem with the split-KV chunking planned for `cores` GPU cores, the tensor-op route
+    /// `tensorOps` and, for the backward `pass` where it takes the simdgroup-matrix kernels, the dK/dV
+    /// group split: the planner's decisions (`DispatchPlan.make`), made once per call.
+    func planned(forGPUCores cores: UInt32, tensorOps: TensorOpsRoute, pass: Pass) -> Problem {
         Problem(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
                 headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal, softmaxScale: softmaxScale,
                 bucket: bucket, layouts: layouts, scores: scores,
@@ -376,7 +380,9 @@ struct Problem {
                                                                               numKVHeads: numKVHeads,
                                                             seqlenQ: seqlenQ, seqlenK: seqlenK, bucket: bucket,
                                                             cores: cores),
-                gpuCores: cores, dkvSplits: pass == .backward ? GroupSplit.splits(for: self, cores: cores) : 1,
+                gpuCores: cores, tensorOps: tensorOps,
+                dkvSplits: pass == .backward && !(tensorOps.enabled && TensorOps.backwardServes(self))
+                    ? GroupSplit.splits(for: self, cores: cores) : 1,
                 kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
@@ -416,7 +422,8 @@ struct Problem {
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
                        scores: scores.slice(batch: b, heads: h),
-                       split: split, gpuCores: gpuCores, dkvSplits: dkvSplits, kvCache: kvCache, varlen: varlen,
+                       split: split, gpuCores: gpuCores, tensorOps: tensorOps, dkvSplits: dkvSplits, kvCache: kvCache,
+                       varlen: varlen,
                        dropout: dropout?.slice(batch: batches.lowerBound, head: kvHeads.lowerBound * groupSize))
     }
 

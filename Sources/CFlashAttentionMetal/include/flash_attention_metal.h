@@ -623,8 +623,9 @@ const char *fa_plan_kernel_source(void);
 /* The path of the precompiled kernels, flash_attention-<hash>-msl<version>.metallib, built by build.sh
  * on a Mac from exactly fa_plan_kernel_source() (one per MSL version: 3.0 for macOS 13 without the
  * bfloat16 kernels, 3.1 for macOS 14, 3.2 for macOS 15) and found next to this library when it was
- * loaded: the newest version this OS runs; NULL when there is none (Linux, or the Metal compiler
- * was not installed). Its kernels take their function constants as the plan's specialisation
+ * loaded: the newest version this OS runs, never 3.0 where the OS runs 3.1 (it would lose
+ * bfloat16: the embedded source compiled at 3.1 keeps it); NULL when there is none (or only the
+ * 3.0 one there), e.g. on Linux or where the Metal compiler was not installed. Its kernels take their function constants as the plan's specialisation
  * says. Beside it build.sh may put flash_attention-<hash>-features-off.metallib: the source after
  * the prelude of every feature off (no function constants left), for hosts without function
  * constants such as torch.mps.load_metallib. Static storage. */

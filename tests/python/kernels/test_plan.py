@@ -182,10 +182,13 @@ def test_metallib_path_is_found_next_to_the_library(tmp_path):
         return result.stdout.strip()
 
     assert probe() == "None"
-    # One per MSL version; the newest the OS runs wins (on Linux every version counts as available).
-    oldest = tmp_path / f"flash_attention-{source_hash}-msl3.0.metallib"
-    oldest.write_bytes(b"")
-    assert probe() == str(oldest)
+    # One per MSL version; the newest the OS runs wins (on Linux every version counts as available),
+    # but never 3.0 where the OS runs 3.1: it has no bfloat16 kernels (the source compile has them).
+    (tmp_path / f"flash_attention-{source_hash}-msl3.0.metallib").write_bytes(b"")
+    assert probe() == "None"
+    with_bfloat = tmp_path / f"flash_attention-{source_hash}-msl3.1.metallib"
+    with_bfloat.write_bytes(b"")
+    assert probe() == str(with_bfloat)
     newest = tmp_path / f"flash_attention-{source_hash}-msl3.2.metallib"
     newest.write_bytes(b"")
     assert probe() == str(newest)

@@ -98,7 +98,7 @@ final class DispatchPlanTests: XCTestCase {
     func testBackwardBindingsAndParams() throws {
         let p = try problem(causal: false, scale: nil)
         // One GPU core: its 3 dK/dV slots are busy through the 12 threadgroups' waves, so no split.
-        let plan = DispatchPlan.make(.backward, planned: p.planned(forGPUCores: 1, pass: .backward))
+        let plan = DispatchPlan.make(.backward, planned: p.planned(forGPUCores: 1, tensorOps: .off, pass: .backward))
         let inputs = [BufferBinding(index: 0, role: .dout), BufferBinding(index: 1, role: .q),
                       BufferBinding(index: 2, role: .k), BufferBinding(index: 3, role: .v),
                       BufferBinding(index: 4, role: .out), BufferBinding(index: 5, role: .lse),
@@ -129,7 +129,7 @@ final class DispatchPlanTests: XCTestCase {
         }
         // On 10 cores (30 slots) the group splits in 2: the split kernel writes the partial sums,
         // which the reduction reads beside dk and dv; both are workspaces of [2][3][2][33][64] floats.
-        let split = DispatchPlan.make(.backward, planned: p.planned(forGPUCores: 10, pass: .backward))
+        let split = DispatchPlan.make(.backward, planned: p.planned(forGPUCores: 10, tensorOps: .off, pass: .backward))
         XCTAssertEqual(split.problem.dkvSplits, 2)
         XCTAssertEqual(split.dispatches.map(\.kernelName).suffix(2),
                        ["flash_attention_backward_dkv_split_f16_d64", "flash_attention_backward_dkv_reduce_f16"])
