@@ -303,13 +303,74 @@ struct BackwardKeyValueStorage {
     FA_PARTIALS(dp_partial, FA_SLICES(BK), BQ);
 };
 
-template <uint DP, uint BK, uint BQ, bool SHARED, typename T, typename Storage>
+// The query heads [first, end) of a KV head's GQA group that one dK/dV threadgroup sums over: the
+// whole group, or one split of it (backward_dkv_split).
+struct GroupHeads {
+    uint first;
+    uint end;
+};
+
+// Split `split` of the group: dkv_splits consecutive ranges of ceil(group / dkv_splits) heads.
+inline GroupHeads group_split(constant FlashAttentionParams &p, uint split) {
+    const uint group = p.num_heads / p.num_kv_heads;
+    const uint per_split = (group + p.dkv_splits - 1) / p.dkv_splits;
+    GroupHeads g;
+    g.first = min(split * per_split, group);
+    g.end = min(g.first + per_split, group);
+    return g;
+}
+
+// Where dK and dV go: dk and dv themselves (rounded to T, dK scaled by softmax_scale).
+template <typename T>
+struct KeyValueGradients {
+    device T *dk;
+    device T *dv;
+
+    template <uint N>
+    inline void store(constant FlashAttentionParams &p, uint b, uint kv_head, uint key,
+                      thread Fragments<N> &dk_acc, thread Fragments<N> &dv_acc, SimdgroupSlice s,
+                      FragmentCoord at) const {
+        store_row(dk + head_offset(p.dk, b, kv_head) + ulong(key) * p.dk.seq, dk_acc, p.softmax_scale,
+                  p.head_dim, s, at);
+        store_row(dv + head_offset(p.dv, b, kv_head) + ulong(key) * p.dv.seq, dv_acc, 1.0f,
+                  p.head_dim_v, s, at);
+    }
+};
+
+// Row `key` of split `split` in partial_dk and partial_dv ([batch][num_kv_heads][dkv_splits][rows]
+// rows of head_dim and head_dim_v floats; rows: the keys of the host's struct).
+inline ulong partial_key_row(constant FlashAttentionParams &p, uint rows, uint b, uint kv_head, uint split,
+                             uint key) {
+    return ((ulong(b) * p.num_kv_heads + kv_head) * p.dkv_splits + split) * rows + key;
+}
+
+// Where a split's dK and dV go: its float32 partial sums, unscaled (backward_dkv_reduce scales and
+// rounds their sum once).
+struct PartialKeyValueGradients {
+    device float *dk;
+    device float *dv;
+    uint rows;
+    uint split;
+
+    template <uint N>
+    inline void store(constant FlashAttentionParams &p, uint b, uint kv_head, uint key,
+                      thread Fragments<N> &dk_acc, thread Fragments<N> &dv_acc, SimdgroupSlice s,
+                      FragmentCoord at) const {
+        const ulong row = partial_key_row(p, rows, b, kv_head, split, key);
+        store_row(dk + row * p.head_dim, dk_acc, 1.0f, p.head_dim, s, at);
+        store_row(dv + row * p.head_dim_v, dv_acc, 1.0f, p.head_dim_v, s, at);
+    }
+};
+
+// One threadgroup per BK keys (block `block`) of KV head tgid.y, summing over query `heads` of its
+// GQA group in order; `out` stores the sums (KeyValueGradients or PartialKeyValueGradients).
+template <uint DP, uint BK, uint BQ, bool SHARED, typename T, typename Out, typename Storage>
 inline void attention_backward_dkv(device const T *dout, device const T *q, device const T *k,
                                    device const T *v, device const float *lse,
                                    device const float *delta, device const float *residual,
                                    device const uchar *mask, device const float *alibi,
-                                   constant FlashAttentionParams &p, device T *dk, device T *dv,
-                                   Storage tg, uint3 tgid, uint sgid, uint lane) {
+                                   constant FlashAttentionParams &p, Out out, Storage tg, uint block,
+                                   GroupHeads heads, uint3 tgid, uint sgid, uint lane) {
     constexpr uint SLICES = FA_SLICES(BK);
     constexpr uint ND = DP / SLICES / 8;
     constexpr uint NQ = BQ / 8;  // fragments across a query tile
@@ -320,11 +381,15 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     const uint b = tgid.z;
     const uint kv_head = tgid.y;
     const uint group = p.num_heads / p.num_kv_heads;
-    const uint k0 = (tgid.x + p.block_offset) * BK;
+    const uint k0 = block * BK;
     const SimdgroupSlice s = simdgroup_slice<DP, SLICES>(p, sgid, p.seqlen_k - k0);
     const uint key = k0 + s.row0 + at.row;
-    // The query rows that see some key of the block through the window.
+    // The query rows that see some key of the block through the window, and those that see this
+    // lane's key (none past the end): a tile's element mask is then one compare per element
+    // (TileWindow over query rows), as the forward's and dQ's are over keys.
     const KeyRange rows = row_range(p, k0, BK);
+    KeyRange seen = row_range(p, key, 1);
+    seen.end = key < p.seqlen_k ? seen.end : seen.first;
 
     TileStream<T, BK, DP> ks = tile_stream<T, BK, DP>(k + head_offset(p.k, b, kv_head), k0,
                                                       p.seqlen_k, p.k.seq, p.head_dim, tid);
@@ -342,7 +407,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     Fragments<ND> dv_acc;
     clear(dk_acc);
     clear(dv_acc);
-    for (uint g = 0; g < group; ++g) {
+    for (uint g = heads.first; g < heads.end; ++g) {
         const uint h = kv_head * group + g;
         seek(qs, q + head_offset(p.q, b, h), rows.first);
         seek(ds, dout + head_offset(p.dout, b, h), rows.first);
@@ -383,7 +448,7 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
 
             // P^T in place of S^T, dS^T (through the softcap) in place of dP^T; with dropout the
             // dropped P^T for dV and dP^T times the mask's factor (as in dQ).
-            const bool masked = !tile_unmasked(p, q0, BQ, k0, BK);
+            const TileWindow window = tile_window(seen, q0 + at.col, !tile_unmasked(p, q0, BQ, k0, BK));
             FA_UNROLL
             for (uint j = 0; j < NQ; ++j) {
                 FA_UNROLL
@@ -391,10 +456,9 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
                     const uint i = j * 8 + at.col + e;
                     RowModifiers mods = head_mods;
                     mods.mask_row += ulong(q0 + i) * p.mask.seq;
-                    mods.keys = visible_keys(p, q0 + i);
                     float t;
                     const float x = score<T>(p, mask, st.f[j].thread_elements()[e], q0 + i, key,
-                                              mods, !masked || in_window(mods.keys, key), t);
+                                              mods, window.visible(j * 8 + e), t);
                     const float pe = probability(x, tg->lse[i], tg->residual[i]);
                     const float kept = dropout_on(p) ? dropout_factor(p, stream, q0 + i, key) : 1.0f;
                     st.f[j].thread_elements()[e] = pe * kept;
@@ -417,10 +481,45 @@ inline void attention_backward_dkv(device const T *dout, device const T *q, devi
     }
 
     if (key < p.seqlen_k) {
-        store_row(dk + head_offset(p.dk, b, kv_head) + ulong(key) * p.dk.seq, dk_acc,
-                  p.softmax_scale, p.head_dim, s, at);
-        store_row(dv + head_offset(p.dv, b, kv_head) + ulong(key) * p.dv.seq, dv_acc, 1.0f,
-                  p.head_dim_v, s, at);
+        out.store(p, b, kv_head, key, dk_acc, dv_acc, s, at);
+    }
+}
+
+// ---- backward: the split dK/dV's reduction ------------------------------------------------------
+
+// One threadgroup per FA_DKV_REDUCE_ROWS keys from `first` of KV head tgid.y: each element of dk
+// and dv is the sum of its dkv_splits partial sums, added in split order (so reruns are
+// bit-identical), scaled (dK by softmax_scale) and rounded to T once, as the unsplit kernel's.
+template <typename T>
+inline void attention_backward_dkv_reduce(device const float *partial_dk, device const float *partial_dv,
+                                          uint rows, device T *dk, device T *dv,
+                                          constant FlashAttentionParams &p, uint first, uint3 tgid,
+                                          uint tid) {
+    const uint b = tgid.z;
+    const uint kv_head = tgid.y;
+    const uint last = min(first + FA_DKV_REDUCE_ROWS, p.seqlen_k);
+    // A split's rows lie rows x head_dim (head_dim_v) floats after the previous split's.
+    const ulong dk_split = ulong(rows) * p.head_dim;
+    const ulong dv_split = ulong(rows) * p.head_dim_v;
+    for (uint key = first; key < last; ++key) {
+        device const float *dk_sums = partial_dk + partial_key_row(p, rows, b, kv_head, 0, key) * p.head_dim;
+        device const float *dv_sums = partial_dv + partial_key_row(p, rows, b, kv_head, 0, key) * p.head_dim_v;
+        device T *dk_row = dk + head_offset(p.dk, b, kv_head) + ulong(key) * p.dk.seq;
+        device T *dv_row = dv + head_offset(p.dv, b, kv_head) + ulong(key) * p.dv.seq;
+        for (uint c = tid; c < p.head_dim; c += FA_THREADS_PER_THREADGROUP) {
+            float sum = dk_sums[c];
+            for (uint split = 1; split < p.dkv_splits; ++split) {
+                sum += dk_sums[split * dk_split + c];
+            }
+            dk_row[c] = T(sum * p.softmax_scale);
+        }
+        for (uint c = tid; c < p.head_dim_v; c += FA_THREADS_PER_THREADGROUP) {
+            float sum = dv_sums[c];
+            for (uint split = 1; split < p.dkv_splits; ++split) {
+                sum += dv_sums[split * dv_split + c];
+            }
+            dv_row[c] = T(sum);
+        }
     }
 }
 

@@ -55,6 +55,10 @@
       __VA_ARGS__)                                                                                               \
     X(backward_dkv, bucket, FA_BACKWARD_DKV_BUFFERS, FA_READS_GRADIENTS, dkv_storage, FA_BUILTINS_SIMDGROUP,     \
       __VA_ARGS__)                                                                                               \
+    X(backward_dkv_split, bucket, FA_BACKWARD_DKV_SPLIT_BUFFERS, FA_READS_GRADIENTS, dkv_storage,                \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
+    X(backward_dkv_reduce, dtype, FA_BACKWARD_DKV_REDUCE_BUFFERS, FA_READS_NONE, none, FA_BUILTINS_THREAD,       \
+      __VA_ARGS__)                                                                                               \
     X(backward_dsinks, once, FA_BACKWARD_DSINKS_BUFFERS, FA_READS_NONE, DsinksStorage, FA_BUILTINS_THREAD,       \
       __VA_ARGS__)                                                                                               \
     X(varlen_sequences, once, FA_VARLEN_BUFFERS, FA_READS_NONE, VarlenSequencesStorage,                          \
@@ -124,6 +128,15 @@
     FA_BACKWARD_BUFFERS(B, T, read, read)                                                          \
     B(FA_BACKWARD_BUFFER_DK, dk, T, write, device_memory)                                          \
     B(FA_BACKWARD_BUFFER_DV, dv, T, write, device_memory)
+// The split dK/dV: its partial sums (FA_BACKWARD_BUFFER_PARTIAL_DK), then their reduction into dk, dv.
+#define FA_BACKWARD_DKV_SPLIT_BUFFERS(B, T)                                                        \
+    FA_BACKWARD_BUFFERS(B, T, read, read)                                                          \
+    B(FA_BACKWARD_BUFFER_PARTIAL_DK, partial_dk, float, write, device_memory)                      \
+    B(FA_BACKWARD_BUFFER_PARTIAL_DV, partial_dv, float, write, device_memory)
+#define FA_BACKWARD_DKV_REDUCE_BUFFERS(B, T)                                                       \
+    FA_BACKWARD_DKV_BUFFERS(B, T)                                                                  \
+    B(FA_BACKWARD_BUFFER_PARTIAL_DK, partial_dk, float, read, device_memory)                       \
+    B(FA_BACKWARD_BUFFER_PARTIAL_DV, partial_dv, float, read, device_memory)
 // dsinks reads only lse, delta, sinks and the lse residual (float), whatever the dtype: its one
 // instance takes uchar for T.
 #define FA_BACKWARD_DSINKS_BUFFERS(B, T)                                                           \

@@ -26,6 +26,8 @@
 //     for each query head of the GQA group, in order, and each Q/dO tile that sees the keys:
 //       S^T = K Q^T, P^T = exp(S^T - L - R), dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - D),
 //       dK += dS^T Q; dk = softmax_scale dK
+//   backward_dkv_split + backward_dkv_reduce (few KV heads): the same over a part of the group per
+//     threadgroup into float32 partial sums, then dk, dv = their sum in split order
 //   No atomics: every output element has one writer, and sums run in a fixed order, so results
 //   are bit-identical from run to run.
 //
@@ -197,10 +199,46 @@ inline void kernel_backward_dkv(FA_PARAMETERS(FA_BACKWARD_DKV_BUFFERS, T), Stora
     if (block_past_end((tgid.x + p.block_offset) * K::dkv_block_k, p.seqlen_k)) {
         return;
     }
+    const GroupHeads group = {0u, p.num_heads / p.num_kv_heads};
     attention_backward_dkv<DP, K::dkv_block_k, K::dkv_block_q, K::dkv_shared != 0>(
         FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0,
         delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,
-        FA_KEY_ROWS(dk), FA_KEY_ROWS(dv), tg, sequence_tgid(p, tgid), sgid, lane);
+        KeyValueGradients<T>{FA_KEY_ROWS(dk), FA_KEY_ROWS(dv)}, tg, tgid.x + p.block_offset, group,
+        sequence_tgid(p, tgid), sgid, lane);
+}
+
+// dK/dV over few KV heads: x = key block x dkv_splits + split, each split a part of the GQA group
+// writing its partial sums (the host's struct, params[0], holds the rows of the partials).
+template <typename T, uint DP, typename Storage>
+inline void kernel_backward_dkv_split(FA_PARAMETERS(FA_BACKWARD_DKV_SPLIT_BUFFERS, T), Storage tg, uint3 tgid,
+                                      uint sgid, uint lane) {
+    typedef KernelTraits<T, DP> K;
+    constant FlashAttentionParams &p = sequence_params(params, tgid.z);
+    const uint x = tgid.x + p.block_offset;
+    const uint block = x / p.dkv_splits;
+    if (block_past_end(block * K::dkv_block_k, p.seqlen_k)) {
+        return;
+    }
+    const uint split = x % p.dkv_splits;
+    const uint rows = params[0].seqlen_k;
+    attention_backward_dkv<DP, K::dkv_block_k, K::dkv_block_q, K::dkv_shared != 0>(
+        FA_QUERY_ROWS(dout), FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), lse + p.seq_q0,
+        delta + p.seq_q0, lse_residual + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), p,
+        PartialKeyValueGradients{partial_dk + ulong(p.seq_k0) * p.head_dim,
+                                 partial_dv + ulong(p.seq_k0) * p.head_dim_v, rows, split},
+        tg, block, group_split(p, split), sequence_tgid(p, tgid), sgid, lane);
+}
+
+template <typename T>
+inline void kernel_backward_dkv_reduce(FA_PARAMETERS(FA_BACKWARD_DKV_REDUCE_BUFFERS, T), uint3 tgid, uint tid) {
+    constant FlashAttentionParams &p = sequence_params(params, tgid.z);
+    const uint first = (tgid.x + p.block_offset) * FA_DKV_REDUCE_ROWS;
+    if (block_past_end(first, p.seqlen_k)) {
+        return;
+    }
+    attention_backward_dkv_reduce(partial_dk + ulong(p.seq_k0) * p.head_dim,
+                                  partial_dv + ulong(p.seq_k0) * p.head_dim_v, params[0].seqlen_k,
+                                  FA_KEY_ROWS(dk), FA_KEY_ROWS(dv), p, first, sequence_tgid(p, tgid), tid);
 }
 
 template <typename Storage>

@@ -125,6 +125,10 @@ typedef struct FlashAttentionParams {
     float dropout_scale;
     fa_u32 dropout_stream0;
     fa_u32 dropout_heads;
+    // Backward dK/dV over few KV heads (backward_dkv_split; 0 or 1 elsewhere): the GQA group of
+    // each (batch entry, KV head, key block) is cut into this many splits of consecutive query
+    // heads, each a threadgroup writing float32 partial sums that backward_dkv_reduce adds in order.
+    fa_u32 dkv_splits;
 } FlashAttentionParams;
 
 // Element types of q, k, v, out, dout, dq, dk, dv (one per call); lse and the workspaces are float.
@@ -236,11 +240,24 @@ typedef struct FlashAttentionParams {
 #define FA_BACKWARD_BUFFER_DK 12
 #define FA_BACKWARD_BUFFER_DV 13
 #define FA_BACKWARD_BUFFER_DSINKS 12
+#define FA_BACKWARD_BUFFER_PARTIAL_DK 14
+#define FA_BACKWARD_BUFFER_PARTIAL_DV 15
 #define FA_BACKWARD_DELTA_BUFFER_COUNT 12
 #define FA_BACKWARD_LSE_RESIDUAL_BUFFER_COUNT 12
 #define FA_BACKWARD_DQ_BUFFER_COUNT 13
 #define FA_BACKWARD_DKV_BUFFER_COUNT 14
 #define FA_BACKWARD_DSINKS_BUFFER_COUNT 13
+#define FA_BACKWARD_DKV_SPLIT_BUFFER_COUNT 16
+#define FA_BACKWARD_DKV_REDUCE_BUFFER_COUNT 16
+// The split dK/dV (few KV heads): with its GQA group cut over dkv_splits threadgroups,
+// backward_dkv_split writes partial_dk and partial_dv (float32 workspaces,
+// [batch][num_kv_heads][dkv_splits][seqlen_k][head_dim] and head_dim_v; a varlen pass's seqlen_k the
+// packed total) at 14 and 15, then backward_dkv_reduce sums each element's splits in split order
+// into dk and dv, FA_DKV_REDUCE_ROWS key rows per threadgroup. The plan splits only where the
+// unsplit grid would keep the GPU's threadgroup slots less than FA_DKV_SPLIT_MIN_OCCUPANCY percent
+// busy over its waves (GroupSplit.swift).
+#define FA_DKV_REDUCE_ROWS 16
+#define FA_DKV_SPLIT_MIN_OCCUPANCY 90
 
 // Buffer indices: flash_attention_varlen_sequences, the first dispatch of a varlen pass. It reads
 // cu_seqlens_q and cu_seqlens_k (int32, sequences + 1 each) and the host's parameters, and writes the

@@ -6,7 +6,8 @@ import CFlashAttentionMetal
 enum BufferRole: Int, CaseIterable {
     /// Workspaces: `delta`, D_i = rowsum(dout * out) per query row, and `lseResidual`, what float32
     /// lse could not hold of rows whose |lse| is huge (backward); `partialOut` and
-    /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward).
+    /// `partialLse`, one normalised output and lse per chunk of keys (split-KV forward); `partialDk`
+    /// and `partialDv`, one unscaled dK and dV sum per split of the GQA group (the split dK/dV).
     /// Optional inputs: `attnMask`, `alibiSlopes`, `sinks` (float32); optional output `dsinks`.
     /// KV caches (forward): `blockTable` (int32) and a quantized cache's `kScales`, `kBiases`,
     /// `vScales`, `vBiases` (the dtype), with `k` and `v` then packed uint32 words.
@@ -14,7 +15,8 @@ enum BufferRole: Int, CaseIterable {
     /// workspace `sequenceTable` (FlashAttentionParams, sequences + 1) that the pass's first kernel
     /// writes and the others bind in place of the parameter struct.
     case q, k, v, out, lse, dout, dq, dk, dv, delta, lseResidual, partialOut, partialLse, attnMask, alibiSlopes, sinks, dsinks,
-         outA, lseA, outB, lseB, blockTable, kScales, kBiases, vScales, vBiases, cuSeqlensQ, cuSeqlensK, sequenceTable
+         outA, lseA, outB, lseB, blockTable, kScales, kBiases, vScales, vBiases, cuSeqlensQ, cuSeqlensK, sequenceTable,
+         partialDk, partialDv
 
     /// The inputs whose rows the kernels copy into threadgroup tiles (in 16-byte chunks when aligned).
     static let copiedInTiles: [BufferRole] = [.q, .k, .v, .out, .dout]
@@ -22,7 +24,9 @@ enum BufferRole: Int, CaseIterable {
     /// Whether the role holds float32 whatever the problem's dtype.
     var isFloat32: Bool {
         switch self {
-        case .lse, .lseA, .lseB, .delta, .lseResidual, .partialOut, .partialLse, .alibiSlopes, .sinks, .dsinks: return true
+        case .lse, .lseA, .lseB, .delta, .lseResidual, .partialOut, .partialLse, .partialDk, .partialDv, .alibiSlopes,
+             .sinks, .dsinks:
+            return true
         default: return false
         }
     }
@@ -78,6 +82,8 @@ enum BufferRole: Int, CaseIterable {
         case .cuSeqlensQ: return "cu_seqlens_q"
         case .cuSeqlensK: return "cu_seqlens_k"
         case .sequenceTable: return "sequence_table"
+        case .partialDk: return "partial_dk"
+        case .partialDv: return "partial_dv"
         }
     }
 
@@ -111,6 +117,11 @@ enum BufferRole: Int, CaseIterable {
         case .kScales, .kBiases: return problem.kvCache?.scaleCount(problem.layouts[.k]!, cols: problem.headDim) ?? 0
         case .vScales, .vBiases: return problem.kvCache?.scaleCount(problem.layouts[.v]!, cols: problem.headDimV) ?? 0
         case .cuSeqlensQ, .cuSeqlensK, .sequenceTable: return Int(problem.varlen?.sequences ?? 0) + 1
+        // [batch][num_kv_heads][splits][seqlen_k] rows (a varlen problem's seqlen_k is the packed total).
+        case .partialDk, .partialDv:
+            guard problem.dkvSplits > 1 else { return 0 }
+            return Int(problem.batch) * Int(problem.numKVHeads) * Int(problem.dkvSplits) * Int(problem.seqlenK)
+                * Int(self == .partialDk ? problem.headDim : problem.headDimV)
         }
     }
 
@@ -137,6 +148,9 @@ enum BufferRole: Int, CaseIterable {
         case .partialLse, .partialOut:
             let rows = (b * Int(problem.numHeads) + kv * g) * Int(problem.split?.chunks ?? 0) * Int(problem.seqlenQ)
             return rows * (self == .partialLse ? 2 : Int(problem.headDimV))
+        case .partialDk, .partialDv:
+            let rows = (b * Int(problem.numKVHeads) + kv) * Int(problem.dkvSplits) * Int(problem.seqlenK)
+            return rows * Int(self == .partialDk ? problem.headDim : problem.headDimV)
         case .alibiSlopes:
             return (problem.scores.alibiPerBatch ? b * Int(problem.numHeads) : 0) + kv * g
         // dsinks is written only by the dispatch that runs once over the whole problem.
@@ -252,15 +266,17 @@ struct DispatchPlan {
     /// The planner: the plan of `pass` for a validated `problem` on a GPU of `device` cores (the
     /// backend's `ExecutionBackend.gpuCores`; nil: the CPU engine's nominal GPU) whose tensor-op
     /// support is `tensorOps` (the backend's `ExecutionBackend.tensorOps`), made once per call. Here
-    /// and only here the split-KV chunking is decided, for `GPUCores.planned(device:)`
-    /// (FLASH_ATTENTION_GPU_CORES wins over the device), and the tensor-op route, `TensorOps.route`
-    /// (FLASH_ATTENTION_TENSOR_OPS wins over the device; the plan's `tensorOps` says which and why).
+    /// and only here the split-KV chunking and the dK/dV group split (`GroupSplit`) are decided, for
+    /// `GPUCores.planned(device:)` (FLASH_ATTENTION_GPU_CORES wins over the device), and the
+    /// tensor-op route, `TensorOps.route` (FLASH_ATTENTION_TENSOR_OPS wins over the device; the plan's
+    /// `tensorOps` says which and why).
     /// - Throws: `invalidArgument` when FLASH_ATTENTION_GPU_CORES or FLASH_ATTENTION_TENSOR_OPS is
     ///   set to a bad value.
     static func make(_ pass: Pass, _ problem: Problem, device: UInt32?,
                      tensorOps: TensorOpsSupport = .cpuEngine) throws -> DispatchPlan {
         let route = pass == .merge ? TensorOpsRoute.off : try TensorOps.route(tensorOps)
-        return make(pass, planned: problem.planned(forGPUCores: try GPUCores.planned(device: device), tensorOps: route))
+        return make(pass, planned: problem.planned(forGPUCores: try GPUCores.planned(device: device), tensorOps: route,
+                                                   pass: pass))
     }
 
     /// The tensor-op route the plan was made with (kernels with `tensor` in their names where it is
@@ -327,10 +343,14 @@ struct DispatchPlan {
     /// num_heads, batch) threadgroups writes `lseResidual` (recomputing scores only for blocks with
     /// a row whose |lse| is huge); `flash_attention_backward_dq_<dtype>_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
     /// threadgroups writes `dq`; `flash_attention_backward_dkv_<dtype>_d<DP>` over
-    /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`. Where the
+    /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`, or, where
+    /// the plan splits the GQA group (`problem.dkvSplits` > 1, `GroupSplit`),
+    /// `flash_attention_backward_dkv_split_<dtype>_d<DP>` over (that x splits, num_kv_heads, batch)
+    /// writes `partialDk` and `partialDv` and `flash_attention_backward_dkv_reduce_<dtype>` over
+    /// (ceil(seqlen_k / FA_DKV_REDUCE_ROWS), num_kv_heads, batch) sums them into `dk` and `dv`. Where the
     /// tensor-op route is enabled and `TensorOps.backwardServes` the problem, dQ and dK/dV are
     /// `flash_attention_backward_dq_tensor_<dtype>_d<DP>` and `..._dkv_tensor_...` over blocks of
-    /// FA_TENSOR_BLOCK_Q rows and keys (the pre-passes and dsinks stay).
+    /// FA_TENSOR_BLOCK_Q rows and keys (the pre-passes and dsinks stay; the group is not split).
     private static func backward(planned problem: Problem) -> DispatchPlan {
         let b = problem.bucket
         // `flops` per score element over blocks of `block` query rows, or of keys (`alongKeys`); nil:
@@ -355,20 +375,36 @@ struct DispatchPlan {
         let tensor = problem.tensorOps.enabled && TensorOps.backwardServes(problem)
         let dq = dispatch(tensor ? FA_KERNEL_backward_dq_tensor : FA_KERNEL_backward_dq, rows: problem.gridSeqlenQ,
                           block: tensor ? UInt32(FA_TENSOR_BLOCK_Q) : b.dq_block_q, heads: problem.numHeads, flops: 6)
-        let dkv = dispatch(tensor ? FA_KERNEL_backward_dkv_tensor : FA_KERNEL_backward_dkv, rows: problem.gridSeqlenK,
-                           block: tensor ? UInt32(FA_TENSOR_BLOCK_Q) : b.dkv_block_k, heads: problem.numKVHeads,
-                           flops: 8, alongKeys: true)
+        var gradients = [delta, residual, dq]
+        var workspace: [BufferRole] = [.delta, .lseResidual]
+        if problem.dkvSplits > 1 {
+            // x = key block x splits + split; each threadgroup's work is 1 / splits of the unsplit one's.
+            var split = dispatch(FA_KERNEL_backward_dkv_split, rows: problem.gridSeqlenK, block: b.dkv_block_k,
+                                 heads: problem.numKVHeads, flops: 8, alongKeys: true)
+            split.threadgroupsPerGrid.width *= problem.dkvSplits
+            // A few additions per element of dk and dv: small next to the score kernels, run whole.
+            let reduce = DispatchPlan.dispatch(FA_KERNEL_backward_dkv_reduce, problem,
+                                               GridSize(width: blocks(problem.gridSeqlenK, UInt32(FA_DKV_REDUCE_ROWS)),
+                                                        height: problem.numKVHeads, depth: problem.gridBatch),
+                                               blockWork: nil)
+            gradients += [split, reduce]
+            workspace += [.partialDk, .partialDv]
+        } else {
+            gradients.append(dispatch(tensor ? FA_KERNEL_backward_dkv_tensor : FA_KERNEL_backward_dkv,
+                                      rows: problem.gridSeqlenK, block: tensor ? UInt32(FA_TENSOR_BLOCK_Q) : b.dkv_block_k,
+                                      heads: problem.numKVHeads, flops: 8, alongKeys: true))
+        }
         guard problem.scores.hasSinks else {
-            return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv],
-                                                  outputs: [.dq, .dk, .dv], workspace: [.delta, .lseResidual],
+            return withSequenceTable(DispatchPlan(pass: .backward, dispatches: gradients,
+                                                  outputs: [.dq, .dk, .dv], workspace: workspace,
                                                   problem: problem))
         }
         // dsinks sums over every batch entry: it runs once over the whole problem, after the pieces.
         var dsinks = DispatchPlan.dispatch(FA_KERNEL_backward_dsinks, problem,
                                            GridSize(width: problem.numHeads, height: 1, depth: 1), blockWork: nil)
         dsinks.wholeProblem = true
-        return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv, dsinks],
-                                              outputs: [.dq, .dk, .dv, .dsinks], workspace: [.delta, .lseResidual],
+        return withSequenceTable(DispatchPlan(pass: .backward, dispatches: gradients + [dsinks],
+                                              outputs: [.dq, .dk, .dv, .dsinks], workspace: workspace,
                                               problem: problem))
     }
 

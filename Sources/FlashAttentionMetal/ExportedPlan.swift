@@ -112,6 +112,8 @@ extension BufferRole {
         case .lseResidual: return FA_BUFFER_ROLE_LSE_RESIDUAL
         case .partialOut: return FA_BUFFER_ROLE_PARTIAL_OUT
         case .partialLse: return FA_BUFFER_ROLE_PARTIAL_LSE
+        case .partialDk: return FA_BUFFER_ROLE_PARTIAL_DK
+        case .partialDv: return FA_BUFFER_ROLE_PARTIAL_DV
         case .attnMask: return FA_BUFFER_ROLE_ATTN_MASK
         case .alibiSlopes: return FA_BUFFER_ROLE_ALIBI_SLOPES
         case .sinks: return FA_BUFFER_ROLE_SINKS

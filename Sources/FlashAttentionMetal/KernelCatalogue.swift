@@ -96,6 +96,8 @@ extension BufferRole {
         case "lse_residual": return .lseResidual
         case "partial_out": return .partialOut
         case "partial_lse": return .partialLse
+        case "partial_dk": return .partialDk
+        case "partial_dv": return .partialDv
         case "mask": return s.maskType == UInt32(FA_MASK_NONE) ? .lse : .attnMask
         case "alibi": return s.hasAlibi ? .alibiSlopes : .lse
         case "sinks": return s.hasSinks ? .sinks : .lse

@@ -89,7 +89,7 @@ struct KeyValueSplit: Equatable {
 /// (`ExecutionBackend.gpuCores`: the Metal backend, from the IORegistry; for `fa_plan_create`,
 /// `libraryDevice`), else FA_NOMINAL_GPU_CORES, the nominal GPU of the CPU engine (so its results
 /// never depend on the machine). Tests and users set the variable to plan for another GPU; the
-/// split-KV chunking (`KeyValueSplit`) is its only reader.
+/// split-KV chunking (`KeyValueSplit`) and the dK/dV group split (`GroupSplit`) are its readers.
 enum GPUCores {
     static let environmentVariable = "FLASH_ATTENTION_GPU_CORES"
     static let limit: UInt32 = 4096

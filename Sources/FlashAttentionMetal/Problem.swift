@@ -94,6 +94,9 @@ struct Problem {
     let gpuCores: UInt32?
     /// Whether the plan takes the tensor-op kernels (`TensorOps.route`); `.off` until planned.
     let tensorOps: TensorOpsRoute
+    /// Threadgroups per key block of the backward's dK/dV, each over a part of the GQA group
+    /// (`GroupSplit`); 1 (the whole group in one) until the planner decides.
+    let dkvSplits: UInt32
     /// Window, softcap, mask, ALiBi and sinks.
     let scores: ScoreSpec
     /// The KV cache k and v are read from (forward), or nil for plain tensors.
@@ -258,7 +261,8 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?, gpuCores: UInt32?, tensorOps: TensorOpsRoute = .off, kvCache: KVCacheSpec?,
+                 split: KeyValueSplit?, gpuCores: UInt32?, tensorOps: TensorOpsRoute = .off, dkvSplits: UInt32 = 1,
+                 kvCache: KVCacheSpec?,
                  varlen: VarlenSpec? = nil, dropout: DropoutSpec? = nil) {
         self.batch = batch
         self.numHeads = numHeads
@@ -276,6 +280,7 @@ struct Problem {
         self.split = split
         self.gpuCores = gpuCores
         self.tensorOps = tensorOps
+        self.dkvSplits = dkvSplits
         self.kvCache = kvCache
         self.varlen = varlen
         self.dropout = dropout
@@ -364,9 +369,10 @@ struct Problem {
                   split: nil, gpuCores: nil, kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
-    /// The same problem with the split-KV chunking planned for `cores` GPU cores and the tensor-op
-    /// route `tensorOps`: the planner's decisions (`DispatchPlan.make`), made once per call.
-    func planned(forGPUCores cores: UInt32, tensorOps: TensorOpsRoute) -> Problem {
+    /// The same problem with the split-KV chunking planned for `cores` GPU cores, the tensor-op route
+    /// `tensorOps` and, for the backward `pass` where it takes the simdgroup-matrix kernels, the dK/dV
+    /// group split: the planner's decisions (`DispatchPlan.make`), made once per call.
+    func planned(forGPUCores cores: UInt32, tensorOps: TensorOpsRoute, pass: Pass) -> Problem {
         Problem(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
                 headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal, softmaxScale: softmaxScale,
                 bucket: bucket, layouts: layouts, scores: scores,
@@ -374,7 +380,10 @@ struct Problem {
                                                                               numKVHeads: numKVHeads,
                                                             seqlenQ: seqlenQ, seqlenK: seqlenK, bucket: bucket,
                                                             cores: cores),
-                gpuCores: cores, tensorOps: tensorOps, kvCache: kvCache, varlen: varlen, dropout: dropout)
+                gpuCores: cores, tensorOps: tensorOps,
+                dkvSplits: pass == .backward && !(tensorOps.enabled && TensorOps.backwardServes(self))
+                    ? GroupSplit.splits(for: self, cores: cores) : 1,
+                kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
     /// The rules of a variable-length batch that the host can check (the tables' values live where
@@ -397,8 +406,9 @@ struct Problem {
     /// The same problem restricted to `batches` batch entries and `kvHeads` KV heads with their
     /// query heads (whole GQA groups): what one piece of a split plan runs. Its buffers are the
     /// parts of this problem's buffers that start at `BufferRole.elementOffset` (see `PlanPiece`).
-    /// The split-KV chunking stays the whole problem's (it would otherwise follow the smaller grid),
-    /// so that a piece computes exactly what the whole plan computes for its rows.
+    /// The split-KV chunking and the dK/dV group split stay the whole problem's (they would otherwise
+    /// follow the smaller grid), so that a piece computes exactly what the whole plan computes for its
+    /// rows.
     func slice(batches: Range<UInt32>, kvHeads: Range<UInt32>) -> Problem {
         precondition(!batches.isEmpty && batches.upperBound <= batch, "batch range outside the problem")
         precondition(!kvHeads.isEmpty && kvHeads.upperBound <= numKVHeads, "KV head range outside the problem")
@@ -412,7 +422,8 @@ struct Problem {
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
                        scores: scores.slice(batch: b, heads: h),
-                       split: split, gpuCores: gpuCores, tensorOps: tensorOps, kvCache: kvCache, varlen: varlen,
+                       split: split, gpuCores: gpuCores, tensorOps: tensorOps, dkvSplits: dkvSplits, kvCache: kvCache,
+                       varlen: varlen,
                        dropout: dropout?.slice(batch: batches.lowerBound, head: kvHeads.lowerBound * groupSize))
     }
 
@@ -443,7 +454,7 @@ struct Problem {
                 && fragmentColumns(headDimV) == bucket.head_dim_max ? 0 : 1,
             block_offset: 0, kv_page_rows: 0, kv_max_blocks: 0, kv_num_blocks: 0, kv_bits: 0, kv_group_size: 0,
             sequences: varlen?.sequences ?? 0, seq_q0: 0, seq_k0: 0, lse_rows: 0,
-            dropout_threshold: 0, dropout_scale: 1, dropout_stream0: 0, dropout_heads: 0)
+            dropout_threshold: 0, dropout_scale: 1, dropout_stream0: 0, dropout_heads: 0, dkv_splits: dkvSplits)
         kvCache?.apply(to: &params)
         dropout?.apply(to: &params)
         return params

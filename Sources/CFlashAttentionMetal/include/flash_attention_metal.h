@@ -417,7 +417,8 @@ typedef enum fa_pass {
  * lse_a, lse_b and the workspaces are float32 (but the sequence table); attn_mask has its
  * fa_attn_mask_type's elements. Workspaces (written and read only by the plan's own kernels): delta
  * (D_i = rowsum(dout * out)) and lse_residual (backward), partial_out and partial_lse (the split-KV
- * forward of decode shapes), sequence_table (a variable-length pass). */
+ * forward of decode shapes), sequence_table (a variable-length pass), partial_dk and partial_dv
+ * (the backward's dK/dV split over the GQA group, few KV heads). */
 typedef enum fa_buffer_role {
     FA_BUFFER_ROLE_Q = 0,
     FA_BUFFER_ROLE_K = 1,
@@ -452,7 +453,10 @@ typedef enum fa_buffer_role {
                                            each), written by the pass's first dispatch from the two
                                            tables and bound by the others in place of their
                                            parameter bytes (fa_plan_dispatch.params_from_buffer) */
-    FA_BUFFER_ROLE_COUNT = 29           /* 26 before those: fa_plan_execute takes either count */
+    /* Added after 0.3.0: the split dK/dV's partial sums (backward, few KV heads; workspaces). */
+    FA_BUFFER_ROLE_PARTIAL_DK = 29,
+    FA_BUFFER_ROLE_PARTIAL_DV = 30,
+    FA_BUFFER_ROLE_COUNT = 31           /* 26 or 29 before those: fa_plan_execute takes each count */
 } fa_buffer_role;
 
 /* How a plan uses a buffer. */

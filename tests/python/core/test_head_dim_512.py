@@ -111,9 +111,11 @@ def test_exported_plan_names_the_new_buckets():
     chunks, combine = kernels(Shape(1, 8, 1, 1, 4096, 576, 512), "forward")
     assert chunks == _split_kernel("bf16", 576) and combine == "flash_attention_forward_combine_bf16"
     assert kernels(Shape(1, 8, 2, 100, 100, 512), "forward") == ["flash_attention_forward_bf16_d512"]
+    # 26 dK/dV threadgroups of 2 per core on the nominal 10 cores: the group splits in 2 (GroupSplit.swift).
     assert kernels(Shape(1, 8, 2, 100, 100, 512), "backward") == [
         "flash_attention_backward_delta_bf16", "flash_attention_backward_lse_residual_bf16_d512",
-        "flash_attention_backward_dq_bf16_d512", "flash_attention_backward_dkv_bf16_d512"]
+        "flash_attention_backward_dq_bf16_d512", "flash_attention_backward_dkv_split_bf16_d512",
+        "flash_attention_backward_dkv_reduce_bf16"]
     # Between the buckets: head_dim 300 runs in d512 with the zero columns past it skipped.
     assert kernels(Shape(1, 2, 2, 40, 40, 300), "forward") == ["flash_attention_forward_bf16_d512"]
 

@@ -30,6 +30,7 @@ CASES = [(dtype, bucket) for dtype in DTYPES for bucket in range(len(HEAD_DIMS))
 FAULT_ENV = "FLASH_ATTENTION_METAL_STANDIN_FAULT"
 
 _KERNELS_RUN: set[str] = set()
+GPU_CORES_ENV = "FLASH_ATTENTION_GPU_CORES"
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def _options(case: int, rng, batch: int, heads: int, seqlen_q: int, seqlen_k: in
 
 
 @pytest.mark.parametrize("dtype,bucket", CASES)
-def test_forward_backward_decode(cpu, metal, dtype, bucket):
+def test_forward_backward_decode(cpu, metal, dtype, bucket, monkeypatch):
     """Forward and backward (GQA, unequal lengths, a score option), then a decode-shaped forward
     (the decode and combine kernels; above head_dim 256 the tiled split kernel), 16 rows over the
     same cache (the tiled split kernel) and a paged KV cache (the cache-reading kernels)."""
@@ -101,9 +102,21 @@ def test_forward_backward_decode(cpu, metal, dtype, bucket):
     _same(*forward, f"forward {dtype} d{head_dim} {sorted(options)}")
     out, lse = forward[0]
     dout = rng.standard_normal(out.shape).astype(np.float32).astype(out.dtype)
+    # Planned for 40 cores, whose slots the GQA backward's few dK/dV threadgroups leave idle in
+    # every bucket: its group is cut over threadgroups (the split dK/dV and its reduction,
+    # GroupSplit.swift); one KV head per query head below keeps the unsplit kernel.
+    monkeypatch.setenv(GPU_CORES_ENV, "40")
     backward = [c.backward(dout, q, k, v, out, lse, **options) for c in (cpu, metal)]
+    monkeypatch.delenv(GPU_CORES_ENV)
     _record(metal)
+    assert any("dkv_split" in d.kernel for d in metal.last_profile.dispatches)
     _same(*backward, f"backward {dtype} d{head_dim} {sorted(options)}")
+    q, k, v = _inputs(rng, DTYPES[dtype], 1, 2, 2, 19, 27, head_dim)
+    out, lse = cpu.forward(q, k, v)
+    dout = np.ascontiguousarray(dout[:, :2])
+    backward = [c.backward(dout, q, k, v, out, lse) for c in (cpu, metal)]
+    _record(metal)
+    _same(*backward, f"backward, no GQA, {dtype} d{head_dim}")
 
     q, k, v = _inputs(rng, DTYPES[dtype], 1, 2, 1, 1, 600, head_dim)
     decode = [c.forward(q, k, v) for c in (cpu, metal)]
@@ -159,7 +172,6 @@ def test_bshd_views_and_given_outputs(cpu, metal):
     _same(*results, "bshd views, given outputs")
 
 
-GPU_CORES_ENV = "FLASH_ATTENTION_GPU_CORES"
 # The stand-in IOKit's gpu-core-count of the stand-in device (tests/swift/IOKitStandIn).
 DEVICE_CORES_ENV = "FLASH_ATTENTION_METAL_STANDIN_GPU_CORE_COUNT"
 

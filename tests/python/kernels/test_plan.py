@@ -115,7 +115,9 @@ def test_varlen_plans_bind_the_sequence_table():
         assert rest[0].threadgroups_per_grid[2] == 3  # one z per sequence
 
 
-def test_pieces():
+def test_pieces(monkeypatch):
+    # Planned for 1 GPU core, whose 3 dK/dV slots the 6 threadgroups fill: no dK/dV group split.
+    monkeypatch.setenv("FLASH_ATTENTION_GPU_CORES", "1")
     # One unit (batch entry, KV head with its 2 query heads): 10 FLOP x 2 x 37 x 29 x 64 (bucket).
     made = plan.create(_problem(Shape(2, 6, 3, 37, 29, 40)), "backward", max_flops_per_piece=10 * 2 * 37 * 29 * 64)
     assert made.piece_count == 6
@@ -128,6 +130,20 @@ def test_pieces():
     assert [d.piece for d in blocks.dispatches] == list(range(36))
     assert {d.threadgroups_per_grid[0] for d in blocks.dispatches} == {1}
     assert [d.kernel_name.split("_")[3] for d in blocks.dispatches[:6]] == ["delta", "lse", "lse", "dq", "dq", "dkv"]
+    # On 10 cores the group splits in 2 (GroupSplit.swift): each piece runs the split dK/dV and its
+    # reduction, binding its part of the partial sums ([batch][kv head][split][key][head_dim] floats).
+    monkeypatch.setenv("FLASH_ATTENTION_GPU_CORES", "10")
+    split = plan.create(_problem(Shape(2, 6, 3, 37, 29, 40)), "backward", max_flops_per_piece=10 * 2 * 37 * 29 * 64)
+    assert split.piece_count == 6
+    assert [d.kernel_name for d in split.dispatches[3:5]] == ["flash_attention_backward_dkv_split_f16_d64",
+                                                             "flash_attention_backward_dkv_reduce_f16"]
+    assert split.dispatches[3].threadgroups_per_grid == (2, 1, 1)
+    usage = {b.role: b.usage for b in split.buffers}
+    assert usage["partial_dk"] == usage["partial_dv"] == "workspace"
+    assert split.buffer("partial_dk").byte_count == 2 * 3 * 2 * 29 * 40 * 4
+    offsets = [next(b.byte_offset for b in d.bindings if b.role == "partial_dk")
+               for d in split.dispatches if "dkv_split" in d.kernel_name]
+    assert offsets == [n * 2 * 29 * 40 * 4 for n in range(6)]
 
 
 def test_errors():

@@ -115,6 +115,12 @@ def planned_constants(ctx) -> dict[str, set[str]]:
     record()
     ctx.backward(dout, q, k, v, out, lse, **options)
     record()
+    # The GQA backward above cuts its group of 2 over threadgroups (the split dK/dV and its
+    # reduction: GroupSplit.swift); one KV head per query head runs the unsplit dK/dV.
+    q, k, v, dout = make_inputs(53, 1, 2, 2, 24, 40, 16)
+    out, lse = ctx.forward(q, k, v, **options)
+    ctx.backward(dout, q, k, v, out, lse, **options)
+    record()
     q, k, v, _ = make_inputs(51, 1, 2, 1, 1, 600, 16)
     ctx.forward(q, k, v)
     record()

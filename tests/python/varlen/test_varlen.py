@@ -64,6 +64,15 @@ def _spans(cu_q, cu_k):
             for b in range(len(cu_q) - 1)]
 
 
+def _dkv_splits(ctx, key_rows: int) -> int:
+    """The splits of the GQA group in the last backward's dK/dV (GroupSplit.swift; 1: unsplit), from
+    its grid: key blocks (32 keys in every bucket of CASES) times the splits."""
+    for d in ctx.last_profile.dispatches:
+        if "_dkv_split_" in d.kernel:
+            return d.threadgroups[0] // -(-key_rows // 32)
+    return 1
+
+
 def _assert_passes(metrics, label):
     assert all(m.passed for m in metrics), f"{label}\n{accuracy.describe(metrics)}"
 
@@ -73,6 +82,7 @@ def test_each_sequence_meets_the_rule_and_equals_the_dense_call(ctx, name):
     (q, k, v, dout), tables, options = _inputs(CASES[name])
     out, lse = ctx.forward_varlen(q, k, v, *tables, **options)
     grads = ctx.backward_varlen(dout, q, k, v, out, lse, *tables, **options)
+    varlen_splits = _dkv_splits(ctx, tables[3])
     dq, dk, dv = grads[:3]
     sinks = options.get("sinks")
     dsinks_bound, ref_dsinks = 0.0, np.zeros(q.shape[1])
@@ -93,10 +103,19 @@ def test_each_sequence_meets_the_rule_and_equals_the_dense_call(ctx, name):
         metrics = accuracy.evaluate_backward(sd, sq, sk, sv, sequence_view(dq, rows), sequence_view(dk, keys),
                                              sequence_view(dv, keys), None if sinks is None else grads[3], **seq)
         _assert_passes(metrics[:3], label)
-        # The same kernels on the sequence alone: the same bits (backward given the same lse).
+        # The same kernels on the sequence alone: the same bits (backward given the same lse), where
+        # both plans cut the dK/dV group alike; other split counts regroup dk's and dv's float32
+        # sums, a rounding difference (tests/python/kernels/test_dkv_group_split.py).
         dense = ctx.backward(sd, sq, sk, sv, so, np.ascontiguousarray(sl), **seq)
-        for ours, theirs in zip((dq[rows], dk[keys], dv[keys]), dense[:3]):
-            np.testing.assert_array_equal(ours, np.swapaxes(theirs[0], 0, 1), err_msg=label)
+        same_split = _dkv_splits(ctx, keys.stop - keys.start) == varlen_splits
+        for n, (ours, theirs) in enumerate(zip((dq[rows], dk[keys], dv[keys]), dense[:3])):
+            theirs = np.swapaxes(theirs[0], 0, 1)
+            if n == 0 or same_split:
+                np.testing.assert_array_equal(ours, theirs, err_msg=label)
+                continue
+            a, b = ours.astype(np.float32), theirs.astype(np.float32)
+            unit = float(ml_dtypes.finfo(q.dtype).eps) + 16 * float(np.finfo(np.float32).eps)
+            assert np.abs(a - b).max() <= unit * np.abs(b).max(), label
         if rows.stop - rows.start > SPLIT_MAX_QUERY_ROWS:
             dense_out, dense_lse = ctx.forward(sq, sk, sv, **seq)
             np.testing.assert_array_equal(out[rows], np.swapaxes(dense_out[0], 0, 1), err_msg=label)

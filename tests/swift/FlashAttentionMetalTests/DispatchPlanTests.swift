@@ -24,9 +24,13 @@ final class DispatchPlanTests: XCTestCase {
             let forward = DispatchPlan.forward(p)
             XCTAssertEqual(forward.dispatches.map(\.kernelName), ["flash_attention_forward_f16_d\(bucket)"])
             let backward = DispatchPlan.backward(p)
+            // The group of 2 query heads is split where the 6 x key blocks leave slots idle (GroupSplit).
+            let dkv = backward.problem.dkvSplits > 1
+                ? ["flash_attention_backward_dkv_split_f16_d\(bucket)", "flash_attention_backward_dkv_reduce_f16"]
+                : ["flash_attention_backward_dkv_f16_d\(bucket)"]
             XCTAssertEqual(backward.dispatches.map(\.kernelName),
                            ["flash_attention_backward_delta_f16", "flash_attention_backward_lse_residual_f16_d\(bucket)",
-                            "flash_attention_backward_dq_f16_d\(bucket)", "flash_attention_backward_dkv_f16_d\(bucket)"])
+                            "flash_attention_backward_dq_f16_d\(bucket)"] + dkv)
             XCTAssertEqual(forward.dispatches[0].params.head_dim, UInt32(headDim))
         }
         XCTAssertThrowsError(try problem(headDim: 577)) { error in
@@ -58,14 +62,16 @@ final class DispatchPlanTests: XCTestCase {
             let f = DispatchPlan.forward(p).dispatches[0]
             XCTAssertEqual(f.threadsPerThreadgroup, threads)
             XCTAssertEqual(f.threadgroupsPerGrid, GridSize(width: (100 + fbq - 1) / fbq, height: 6, depth: 2))
-            let b = DispatchPlan.backward(p).dispatches
-            XCTAssertEqual(b.map(\.threadsPerThreadgroup), [threads, threads, threads, threads])
+            let backward = DispatchPlan.backward(p)
+            let b = backward.dispatches
+            XCTAssertEqual(b.map(\.threadsPerThreadgroup), Array(repeating: threads, count: b.count))
             XCTAssertEqual(b[0].threadgroupsPerGrid, GridSize(width: 1, height: 6, depth: 2))
             // The lse residual runs over the forward's row blocks (it redoes the forward's scores).
             XCTAssertEqual(b[1].threadgroupsPerGrid, f.threadgroupsPerGrid)
             XCTAssertEqual(b[2].threadgroupsPerGrid, GridSize(width: (100 + dqbq - 1) / dqbq, height: 6, depth: 2))
-            // dK/dV runs over key blocks and KV heads, not query heads.
-            XCTAssertEqual(b[3].threadgroupsPerGrid, GridSize(width: (33 + dkvbk - 1) / dkvbk, height: 3, depth: 2))
+            // dK/dV runs over key blocks (times the group's splits) and KV heads, not query heads.
+            XCTAssertEqual(b[3].threadgroupsPerGrid, GridSize(width: (33 + dkvbk - 1) / dkvbk * backward.problem.dkvSplits,
+                                                              height: 3, depth: 2))
         }
     }
 
@@ -91,7 +97,8 @@ final class DispatchPlanTests: XCTestCase {
 
     func testBackwardBindingsAndParams() throws {
         let p = try problem(causal: false, scale: nil)
-        let plan = DispatchPlan.backward(p)
+        // One GPU core: its 3 dK/dV slots are busy through the 12 threadgroups' waves, so no split.
+        let plan = DispatchPlan.make(.backward, planned: p.planned(forGPUCores: 1, tensorOps: .off, pass: .backward))
         let inputs = [BufferBinding(index: 0, role: .dout), BufferBinding(index: 1, role: .q),
                       BufferBinding(index: 2, role: .k), BufferBinding(index: 3, role: .v),
                       BufferBinding(index: 4, role: .out), BufferBinding(index: 5, role: .lse),
@@ -120,6 +127,44 @@ final class DispatchPlanTests: XCTestCase {
             XCTAssertEqual(d.params.window_right, -1)
             XCTAssertEqual(d.params.softmax_scale, 1 / Float(64).squareRoot())
         }
+        // On 10 cores (30 slots) the group splits in 2: the split kernel writes the partial sums,
+        // which the reduction reads beside dk and dv; both are workspaces of [2][3][2][33][64] floats.
+        let split = DispatchPlan.make(.backward, planned: p.planned(forGPUCores: 10, tensorOps: .off, pass: .backward))
+        XCTAssertEqual(split.problem.dkvSplits, 2)
+        XCTAssertEqual(split.dispatches.map(\.kernelName).suffix(2),
+                       ["flash_attention_backward_dkv_split_f16_d64", "flash_attention_backward_dkv_reduce_f16"])
+        let partials = [BufferBinding(index: 14, role: .partialDk), BufferBinding(index: 15, role: .partialDv)]
+        XCTAssertEqual(split.dispatches[3].bindings,
+                       inputs + [BufferBinding(index: 12, role: .lse), BufferBinding(index: 13, role: .lse)] + partials)
+        XCTAssertEqual(split.dispatches[4].bindings,
+                       inputs + [BufferBinding(index: 12, role: .dk), BufferBinding(index: 13, role: .dv)] + partials)
+        XCTAssertEqual(split.dispatches[3].threadgroupsPerGrid, GridSize(width: 2 * 2, height: 3, depth: 2))
+        XCTAssertEqual(split.dispatches[4].threadgroupsPerGrid,
+                       GridSize(width: (33 + UInt32(FA_DKV_REDUCE_ROWS) - 1) / UInt32(FA_DKV_REDUCE_ROWS), height: 3, depth: 2))
+        XCTAssertEqual(split.dispatches.map(\.params.dkv_splits), [2, 2, 2, 2, 2])
+        XCTAssertEqual(split.workspace, [.delta, .lseResidual, .partialDk, .partialDv])
+        XCTAssertEqual(BufferRole.partialDk.byteCount(for: split.problem), 2 * 3 * 2 * 33 * 64 * 4)
+        XCTAssertEqual(BufferRole.partialDv.byteCount(for: split.problem), 2 * 3 * 2 * 33 * 64 * 4)
+        XCTAssertEqual(BufferRole.partialDk.byteCount(for: plan.problem), 0)
+    }
+
+    /// The dK/dV group split (GroupSplit): unsplit at 90 % occupancy of the slots' waves or more,
+    /// else the smallest divisor of the group that reaches it, else the best divisor.
+    func testGroupSplitRule() {
+        func splits(_ blocks: UInt32, _ kvHeads: UInt32, _ group: UInt32, _ cores: UInt32) -> UInt32 {
+            GroupSplit.splits(keyBlocks: blocks, kvHeads: kvHeads, batch: 1, group: group, cores: cores, resident: 2)
+        }
+        // B 1, H 32, 4K tokens, head_dim 128 (docs/performance.md): 128 key blocks.
+        XCTAssertEqual([1, 2, 8].map { splits(128, $0, 32 / $0, 10) }, [1, 1, 1])
+        XCTAssertEqual([1, 2, 8].map { splits(128, $0, 32 / $0, 40) }, [4, 2, 1])
+        XCTAssertEqual(splits(32, 1, 32, 40), 16)  // 1K tokens
+        XCTAssertEqual(splits(1, 1, 1, 40), 1)  // no group to split
+        XCTAssertEqual(splits(1, 1, 6, 40), 6)  // never reaches 90 %: the whole group, one head each
+        // 3 threadgroups in 4 slots (75 %); 2 and 3 splits stay at 75 %, 6 reach 90 %.
+        XCTAssertEqual(splits(3, 1, 6, 2), 6)
+        // Huge groups: the search stops at 10 waves (8192 slots here), so it is short and the grid small.
+        XCTAssertEqual(splits(1, 1, 1 << 31, 4096), 8192)
+        XCTAssertEqual(splits(1, 1, 4_294_967_291, 4096), 1)  // a prime: no divisor within 10 waves
     }
 
     /// Every buffer slot of every dispatch is bound exactly once, the parameter struct included.

@@ -82,8 +82,12 @@ final class PlanPiecesTests: XCTestCase {
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .q) }, [0, 6 * 5 * 8 * 2, 12 * 5 * 8 * 2])
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .dk) }, [0, 3 * 5 * 8 * 2, 6 * 5 * 8 * 2])
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .lse) }, [0, 6 * 5 * 4, 12 * 5 * 4])
-        // The backward's workspaces: D_i and the lse residual per query row, laid out like lse.
-        XCTAssertEqual(plan.workspace, [.delta, .lseResidual])
+        // The backward's workspaces: D_i and the lse residual per query row, laid out like lse; the
+        // 8 dK/dV threadgroups leave the nominal 30 slots idle, so each group of 2 is split in 2, with
+        // partial sums of [kv head][split][key][head_dim] floats.
+        XCTAssertEqual(plan.workspace, [.delta, .lseResidual, .partialDk, .partialDv])
+        XCTAssertEqual(plan.problem.dkvSplits, 2)
+        XCTAssertEqual(pieces.map { $0.byteOffset(of: .partialDk) }, [0, 3 * 2 * 5 * 8 * 4, 6 * 2 * 5 * 8 * 4])
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .delta) }, [0, 6 * 5 * 4, 12 * 5 * 4])
         XCTAssertEqual(pieces.map { $0.byteOffset(of: .lseResidual) }, [0, 6 * 5 * 4, 12 * 5 * 4])
     }
@@ -232,6 +236,7 @@ final class PlanPiecesTests: XCTestCase {
         XCTAssertTrue(six.dispatches.allSatisfy {
             ($0.simdgroupMultiplyAccumulates ?? 0) > 0 || $0.kernelName.hasPrefix("flash_attention_backward_delta")
                 || $0.kernelName.hasPrefix("flash_attention_backward_lse_residual")
+                || $0.kernelName.hasPrefix("flash_attention_backward_dkv_reduce")
         })
     }
 
@@ -292,9 +297,11 @@ final class PlanPiecesTests: XCTestCase {
             assertSame(try run(budget), reference, "budget \(budget)")
         }
         XCTAssertEqual(forward.pieces(maxFlops: 1).count, 10)
-        // delta 3, lse residual 10, dQ 10, dK/dV 10, then dsinks over the whole problem.
+        // delta 3, lse residual 10, dQ 10, dK/dV 10 key blocks x 2 splits of the group (GroupSplit: 10
+        // threadgroups in the nominal 50 slots) and their reduction whole, then dsinks over the whole problem.
+        XCTAssertEqual(backward.problem.dkvSplits, 2)
         XCTAssertEqual(backward.pieces(maxFlops: 1).map { $0.plan.dispatches[0].params.block_offset },
-                       Array(0..<3) + Array(0..<10) + Array(0..<10) + Array(0..<10) + [0])
+                       Array(0..<3) + Array(0..<10) + Array(0..<10) + Array(0..<20) + [0, 0])
     }
 
     private func assertSame(_ result: [[UInt32]], _ reference: [[UInt32]], _ label: String,
@@ -485,10 +492,13 @@ final class BlockOnlyPiecesTests: XCTestCase {
             XCTAssertEqual(piece.plan.dispatches.count, 2)
             XCTAssertEqual(piece.plan.dispatches[0].params.block_offset, piece.plan.dispatches[1].params.block_offset)
         }
+        // dK/dV: 3 key blocks x 2 splits of the group (GroupSplit), then their reduction whole.
+        XCTAssertEqual(DispatchPlan.backward(p).problem.dkvSplits, 2)
         XCTAssertEqual(backward.map { $0.plan.dispatches.last!.kernelName.split(separator: "_")[3] },
                        ["delta"] + Array(repeating: "lse", count: 3) + Array(repeating: "dq", count: 3)
-                        + Array(repeating: "dkv", count: 3) + ["dsinks"])
-        XCTAssertEqual(backward.map { $0.plan.dispatches.last!.params.block_offset }, [0, 0, 1, 2, 0, 1, 2, 0, 1, 2, 0])
+                        + Array(repeating: "dkv", count: 7) + ["dsinks"])
+        XCTAssertEqual(backward.map { $0.plan.dispatches.last!.params.block_offset },
+                       [0, 0, 1, 2, 0, 1, 2] + Array(0..<6) + [0, 0])
         XCTAssertEqual(DispatchPlan.forward(p).pieces(maxFlops: .max).count, 1)
     }
 

@@ -66,6 +66,7 @@ final class SpecializationTests: XCTestCase {
                                 ("flash_attention_forward_", score + ["fa_has_sinks", "fa_has_dropout"]),
                                 ("flash_attention_backward_lse_residual_", score + ["fa_has_sinks"]),
                                 ("flash_attention_backward_dq_", score + ["fa_has_dropout"]),
+                                ("flash_attention_backward_dkv_reduce_", []),
                                 ("flash_attention_backward_dkv_", score + ["fa_has_dropout"])]
         where kernel.hasPrefix(prefix) {
             return names

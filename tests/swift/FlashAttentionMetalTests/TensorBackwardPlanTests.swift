@@ -31,9 +31,11 @@ final class TensorBackwardPlanTests: XCTestCase {
                         "flash_attention_backward_dkv_tensor_bf16_d256"])
         for (other, suffix) in [(try problem(dtype: .float32), "f32_d64"), (try problem(headDim: 192), "f16_d192"),
                                 (try problem(headDim: 32), "f16_d32")] {
-            XCTAssertEqual(try DispatchPlan.make(.backward, other, device: nil, tensorOps: m5)
-                .dispatches.map(\.kernelName).suffix(2),
-                           ["flash_attention_backward_dq_\(suffix)", "flash_attention_backward_dkv_\(suffix)"])
+            let names = try DispatchPlan.make(.backward, other, device: nil, tensorOps: m5).dispatches.map(\.kernelName)
+            XCTAssertTrue(names.contains("flash_attention_backward_dq_\(suffix)"), suffix)
+            // The simdgroup-matrix dK/dV, its GQA group split where its threadgroups leave slots idle (GroupSplit).
+            XCTAssertTrue(names.contains("flash_attention_backward_dkv_\(suffix)")
+                          || names.contains("flash_attention_backward_dkv_split_\(suffix)"), suffix)
         }
         // Without a backend's support (the CPU engine's, unforced) the simdgroup kernels stay.
         XCTAssertFalse(try DispatchPlan.make(.backward, try problem(), device: nil).dispatches
