@@ -274,6 +274,92 @@ inline void load_tile(Tile tile, thread CacheStream<T, ROWS, DP> &s, uint first,
     }
 }
 
+// The tiled kernels' copy of an unquantized paged cache whose rows lie on 16-byte boundaries
+// (scalar_copies 0): the dense forward's 16-byte chunk copy (copy_chunks, paired K included), each
+// thread's row of every pass located by its own cursor. A cursor moves ROWS rows per tile: within
+// a block by one 64-bit add; into another by subtracting page_rows (as often as the tile spans
+// blocks), one table read and the multiplies. The only division is kv_cursor's, once per launch.
+template <typename T, uint ROWS, uint DP>
+struct PagedStream {
+    typedef T element;
+    typedef TileStream<T, ROWS, DP> Geometry;
+    Geometry s;              // the thread's (row, chunk) and the bounds (its pointers unused)
+    KVCacheHead<T> head;
+    ulong tile_step;         // units of ROWS rows within a block
+    KVCursor at[Geometry::PASSES];  // the thread's row of each pass in the next tile
+};
+
+template <typename T, uint ROWS, uint DP>
+inline PagedStream<T, ROWS, DP> paged_stream(KVCacheHead<T> head, uint first, uint seqlen, uint cols,
+                                             uint tid) {
+    typedef TileStream<T, ROWS, DP> S;
+    PagedStream<T, ROWS, DP> ps;
+    ps.s = tile_stream<T, ROWS, DP>(head.data, first, seqlen, 0, cols, tid);
+    ps.head = head;
+    ps.tile_step = ulong(ROWS) * head.row_stride;
+    const uint row = ps.s.row < ROWS ? ps.s.row : 0;
+    ps.at[0] = kv_cursor(head, first + row);
+    FA_UNROLL
+    for (uint k = 1; k < S::PASSES; ++k) {
+        ps.at[k] = ps.at[k - 1];
+        kv_advance(head, ps.at[k], S::STEP);
+    }
+    return ps;
+}
+
+// The cursor moved on by one tile (ROWS rows) of a paged head.
+template <uint ROWS, typename T>
+FA_ALWAYS_INLINE void kv_next_tile(thread const KVCacheHead<T> &c, ulong tile_step, thread KVCursor &at) {
+    at.r += ROWS;
+    if (at.r < c.page_rows) {
+        at.row += tile_step;
+        return;
+    }
+    do {
+        at.r -= c.page_rows;
+        ++at.block;
+    } while (at.r >= c.page_rows);
+    at.row = ulong(kv_page(c.table, c.max_blocks, c.num_blocks, at.block)) * c.block_stride +
+             ulong(at.r) * c.row_stride;
+}
+
+// Copies the stream's next tile, rows [first, first + ROWS) (in the paired layout when PAIRED),
+// and moves its cursors to the tile after it.
+template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
+FA_ALWAYS_INLINE void load_tile(Tile tile, thread PagedStream<T, ROWS, DP> &ps, uint first,
+                      constant FlashAttentionParams &p, uint tid) {
+    typedef TileStream<T, ROWS, DP> S;
+    TileChunks<S::PASSES> from;
+    FA_UNROLL
+    for (uint k = 0; k < S::PASSES; ++k) {
+        from.at[k] = (device const uint4 *)(ps.head.data + ps.at[k].row) + ps.s.chunk;
+        kv_next_tile<ROWS>(ps.head, ps.tile_step, ps.at[k]);
+    }
+    copy_chunks<ROWS, DP, PAIRED>(tile, ps.s, from, first);
+}
+
+// The K/V source of the tiled kernels for an unquantized paged cache on 16-byte boundaries.
+template <typename T>
+struct PagedKV {
+    device const T *k;
+    device const T *v;
+    device const int *table;
+
+    template <uint ROWS, uint DP>
+    inline PagedStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                         uint first, uint tid) const {
+        return paged_stream<T, ROWS, DP>(kv_cache_head(p, k, k, k, table, p.k, b, kv_head, p.head_dim),
+                                         first, p.seqlen_k, p.head_dim, tid);
+    }
+
+    template <uint ROWS, uint DP>
+    inline PagedStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                           uint first, uint tid) const {
+        return paged_stream<T, ROWS, DP>(kv_cache_head(p, v, v, v, table, p.v, b, kv_head, p.head_dim_v),
+                                         first, p.seqlen_k, p.head_dim_v, tid);
+    }
+};
+
 // The E * BITS bits of elements [col, col + E) of a packed row (col a multiple of E) as float,
 // w = scale * q + bias: loaded once, in one load of 1, 2 or 4 bytes or in whole words (rows are
 // only word-aligned), and unpacked in registers. At E = 1 and 4 bits two lanes share a byte:
@@ -482,5 +568,22 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
 
 // The cache of the KV-cache forward kernels (flash_attention_kernels.h), from their buffers.
 #define FA_KV_CACHE_SOURCE(T) CacheKV<T>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}
+
+// How the tiled KV-cache kernels read a launch's cache, decided once per launch so that each kind's
+// key loop holds only its own copy (flash_attention_kernels.h instantiates the loop per kind):
+// an unquantized contiguous cache is a plain strided tensor (DeviceKV: the dense forward's copy,
+// scalar_copies included); an unquantized paged one on 16-byte boundaries takes PagedKV's chunk
+// copy; quantized caches and paged ones off 16-byte boundaries CacheKV's element copy.
+enum KVCacheKind : uint { FA_KV_CACHE_STRIDED, FA_KV_CACHE_PAGED_CHUNKS, FA_KV_CACHE_ELEMENTS };
+
+inline uint kv_cache_kind(constant FlashAttentionParams &p) {
+    if (p.kv_bits != 0) {
+        return FA_KV_CACHE_ELEMENTS;
+    }
+    if (p.kv_page_rows == 0) {
+        return FA_KV_CACHE_STRIDED;
+    }
+    return p.scalar_copies == 0 ? FA_KV_CACHE_PAGED_CHUNKS : FA_KV_CACHE_ELEMENTS;
+}
 
 #endif
