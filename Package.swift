@@ -19,7 +19,8 @@ let package = Package(
         ),
         // Embeds Shaders/ into the library at build time (EmbeddedShaders.swift, generated, never
         // committed): the Metal backend compiles that source, and names its .metallib by its hash.
-        .executableTarget(name: "EmbedShaders", path: "Sources/EmbedShaders"),
+        .target(name: "ShaderSplice", path: "Sources/ShaderSplice"),
+        .executableTarget(name: "EmbedShaders", dependencies: ["ShaderSplice"], path: "Sources/EmbedShaders"),
         .plugin(name: "EmbedShadersPlugin", capability: .buildTool(), dependencies: ["EmbedShaders"],
                 path: "Plugins/EmbedShadersPlugin"),
         .target(
@@ -50,7 +51,7 @@ let package = Package(
         ),
         .testTarget(
             name: "FlashAttentionMetalTests",
-            dependencies: ["FlashAttentionMetal", "CFlashAttentionMetal"],
+            dependencies: ["FlashAttentionMetal", "CFlashAttentionMetal", "ShaderSplice"],
             path: "tests/swift/FlashAttentionMetalTests"
         ),
     ],

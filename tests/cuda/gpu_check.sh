@@ -87,19 +87,7 @@ echo "gpu_check: $("$NVCC" --version | tail -n 1), arch $ARCH"
 
 FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo -I"$GPU_DIR/include" -I"$GPU_DIR")
 
-# Copies the files $3... into folder $1 with the one rewrite every build needs: MSL's
-# address-space word `device` becomes `fa_device` (a macro named `device` would break CUDA's own
-# __device__, which expands to __location__(device)). A further sed expression $2 (may be empty)
-# plants a fault.
-copy_metal() {
-    local folder=$1 fault=$2 source
-    shift 2
-    mkdir -p "$folder"
-    for source in "$@"; do
-        sed -e 's/\bdevice\b/fa_device/g' ${fault:+-e "$fault"} "$source" \
-            >"$folder/$(basename "$source")" || return 1
-    done
-}
+. "$GPU_DIR/copy_metal.sh"
 # Copies Shaders/ into folder $1, with the fault $2 if given; a fault that changes nothing (the
 # kernels no longer contain what it rewrites) is an error, not a silent pass.
 copy_sources() {

@@ -116,20 +116,18 @@ void msl_engine_fiber_trampoline();
 #define MSL_ASM_SYMBOL(name) #name
 #define MSL_ASM_PRIVATE(name) ".hidden " #name "\n.type " #name ", @function\n"
 #endif
+#define MSL_ASM_FUNCTION(name) \
+    ".globl " MSL_ASM_SYMBOL(name) "\n" MSL_ASM_PRIVATE(name) ".p2align 4\n" MSL_ASM_SYMBOL(name) ":\n"
 
 #if defined(__x86_64__)
 // Frame: [mxcsr, x87 control word] r15 r14 r13 r12 rbx rbp, return address.
+#define MSL_X86_PUSH_CALLEE_SAVED \
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+#define MSL_X86_POP_CALLEE_SAVED_AND_RETURN \
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n  ret\n"
 __asm__(".text\n"
-        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_switch) "\n"
-        MSL_ASM_PRIVATE(msl_engine_fiber_switch)
-        ".p2align 4\n"
-        MSL_ASM_SYMBOL(msl_engine_fiber_switch) ":\n"
-        "  pushq %rbp\n"
-        "  pushq %rbx\n"
-        "  pushq %r12\n"
-        "  pushq %r13\n"
-        "  pushq %r14\n"
-        "  pushq %r15\n"
+        MSL_ASM_FUNCTION(msl_engine_fiber_switch)
+        MSL_X86_PUSH_CALLEE_SAVED
         "  subq $8, %rsp\n"
         "  stmxcsr (%rsp)\n"
         "  fnstcw 4(%rsp)\n"
@@ -138,39 +136,16 @@ __asm__(".text\n"
         "  ldmxcsr (%rsp)\n"
         "  fldcw 4(%rsp)\n"
         "  addq $8, %rsp\n"
-        "  popq %r15\n"
-        "  popq %r14\n"
-        "  popq %r13\n"
-        "  popq %r12\n"
-        "  popq %rbx\n"
-        "  popq %rbp\n"
-        "  ret\n"
-        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_hop) "\n"
-        MSL_ASM_PRIVATE(msl_engine_fiber_hop)
-        ".p2align 4\n"
-        MSL_ASM_SYMBOL(msl_engine_fiber_hop) ":\n"
-        "  pushq %rbp\n"
-        "  pushq %rbx\n"
-        "  pushq %r12\n"
-        "  pushq %r13\n"
-        "  pushq %r14\n"
-        "  pushq %r15\n"
+        MSL_X86_POP_CALLEE_SAVED_AND_RETURN
+        MSL_ASM_FUNCTION(msl_engine_fiber_hop)
+        MSL_X86_PUSH_CALLEE_SAVED
         "  movabsq $0x037F00001F80, %rax\n"
         "  pushq %rax\n"
         "  movq %rsp, (%rdi)\n"
         "  movq %rsi, %rsp\n"
         "  addq $8, %rsp\n"
-        "  popq %r15\n"
-        "  popq %r14\n"
-        "  popq %r13\n"
-        "  popq %r12\n"
-        "  popq %rbx\n"
-        "  popq %rbp\n"
-        "  ret\n"
-        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_trampoline) "\n"
-        MSL_ASM_PRIVATE(msl_engine_fiber_trampoline)
-        ".p2align 4\n"
-        MSL_ASM_SYMBOL(msl_engine_fiber_trampoline) ":\n"
+        MSL_X86_POP_CALLEE_SAVED_AND_RETURN
+        MSL_ASM_FUNCTION(msl_engine_fiber_trampoline)
         "  movq %r12, %rdi\n"
         "  callq *%r13\n"
         "  ud2\n");
@@ -197,22 +172,19 @@ void fiber_prepare(fiber &f, fiber_stack stack, void (*entry)(void *), void *arg
 
 #elif defined(__aarch64__)
 // Frame (176 bytes): x19..x28, x29, x30, d8..d15, fpcr.
+#define MSL_ARM64_PUSH_CALLEE_SAVED \
+    "  sub sp, sp, #176\n  stp x19, x20, [sp, #0]\n  stp x21, x22, [sp, #16]\n" \
+    "  stp x23, x24, [sp, #32]\n  stp x25, x26, [sp, #48]\n  stp x27, x28, [sp, #64]\n" \
+    "  stp x29, x30, [sp, #80]\n  stp d8, d9, [sp, #96]\n  stp d10, d11, [sp, #112]\n" \
+    "  stp d12, d13, [sp, #128]\n  stp d14, d15, [sp, #144]\n"
+#define MSL_ARM64_POP_CALLEE_SAVED_AND_RETURN \
+    "  ldp x19, x20, [sp, #0]\n  ldp x21, x22, [sp, #16]\n  ldp x23, x24, [sp, #32]\n" \
+    "  ldp x25, x26, [sp, #48]\n  ldp x27, x28, [sp, #64]\n  ldp x29, x30, [sp, #80]\n" \
+    "  ldp d8, d9, [sp, #96]\n  ldp d10, d11, [sp, #112]\n  ldp d12, d13, [sp, #128]\n" \
+    "  ldp d14, d15, [sp, #144]\n  add sp, sp, #176\n  ret\n"
 __asm__(".text\n"
-        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_switch) "\n"
-        MSL_ASM_PRIVATE(msl_engine_fiber_switch)
-        ".p2align 4\n"
-        MSL_ASM_SYMBOL(msl_engine_fiber_switch) ":\n"
-        "  sub sp, sp, #176\n"
-        "  stp x19, x20, [sp, #0]\n"
-        "  stp x21, x22, [sp, #16]\n"
-        "  stp x23, x24, [sp, #32]\n"
-        "  stp x25, x26, [sp, #48]\n"
-        "  stp x27, x28, [sp, #64]\n"
-        "  stp x29, x30, [sp, #80]\n"
-        "  stp d8, d9, [sp, #96]\n"
-        "  stp d10, d11, [sp, #112]\n"
-        "  stp d12, d13, [sp, #128]\n"
-        "  stp d14, d15, [sp, #144]\n"
+        MSL_ASM_FUNCTION(msl_engine_fiber_switch)
+        MSL_ARM64_PUSH_CALLEE_SAVED
         "  mrs x9, fpcr\n"
         "  str x9, [sp, #160]\n"
         "  mov x9, sp\n"
@@ -220,53 +192,15 @@ __asm__(".text\n"
         "  mov sp, x1\n"
         "  ldr x9, [sp, #160]\n"
         "  msr fpcr, x9\n"
-        "  ldp x19, x20, [sp, #0]\n"
-        "  ldp x21, x22, [sp, #16]\n"
-        "  ldp x23, x24, [sp, #32]\n"
-        "  ldp x25, x26, [sp, #48]\n"
-        "  ldp x27, x28, [sp, #64]\n"
-        "  ldp x29, x30, [sp, #80]\n"
-        "  ldp d8, d9, [sp, #96]\n"
-        "  ldp d10, d11, [sp, #112]\n"
-        "  ldp d12, d13, [sp, #128]\n"
-        "  ldp d14, d15, [sp, #144]\n"
-        "  add sp, sp, #176\n"
-        "  ret\n"
-        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_hop) "\n"
-        MSL_ASM_PRIVATE(msl_engine_fiber_hop)
-        ".p2align 4\n"
-        MSL_ASM_SYMBOL(msl_engine_fiber_hop) ":\n"
-        "  sub sp, sp, #176\n"
-        "  stp x19, x20, [sp, #0]\n"
-        "  stp x21, x22, [sp, #16]\n"
-        "  stp x23, x24, [sp, #32]\n"
-        "  stp x25, x26, [sp, #48]\n"
-        "  stp x27, x28, [sp, #64]\n"
-        "  stp x29, x30, [sp, #80]\n"
-        "  stp d8, d9, [sp, #96]\n"
-        "  stp d10, d11, [sp, #112]\n"
-        "  stp d12, d13, [sp, #128]\n"
-        "  stp d14, d15, [sp, #144]\n"
+        MSL_ARM64_POP_CALLEE_SAVED_AND_RETURN
+        MSL_ASM_FUNCTION(msl_engine_fiber_hop)
+        MSL_ARM64_PUSH_CALLEE_SAVED
         "  str xzr, [sp, #160]\n"
         "  mov x9, sp\n"
         "  str x9, [x0]\n"
         "  mov sp, x1\n"
-        "  ldp x19, x20, [sp, #0]\n"
-        "  ldp x21, x22, [sp, #16]\n"
-        "  ldp x23, x24, [sp, #32]\n"
-        "  ldp x25, x26, [sp, #48]\n"
-        "  ldp x27, x28, [sp, #64]\n"
-        "  ldp x29, x30, [sp, #80]\n"
-        "  ldp d8, d9, [sp, #96]\n"
-        "  ldp d10, d11, [sp, #112]\n"
-        "  ldp d12, d13, [sp, #128]\n"
-        "  ldp d14, d15, [sp, #144]\n"
-        "  add sp, sp, #176\n"
-        "  ret\n"
-        ".globl " MSL_ASM_SYMBOL(msl_engine_fiber_trampoline) "\n"
-        MSL_ASM_PRIVATE(msl_engine_fiber_trampoline)
-        ".p2align 4\n"
-        MSL_ASM_SYMBOL(msl_engine_fiber_trampoline) ":\n"
+        MSL_ARM64_POP_CALLEE_SAVED_AND_RETURN
+        MSL_ASM_FUNCTION(msl_engine_fiber_trampoline)
         "  mov x0, x19\n"
         "  blr x20\n"
         "  brk #0\n");

@@ -2,6 +2,7 @@ import Foundation
 import XCTest
 
 @testable import FlashAttentionMetal
+import ShaderSplice
 
 /// The MSL source the Metal backend compiles at run time.
 final class EmbeddedShadersTests: XCTestCase {
@@ -9,39 +10,15 @@ final class EmbeddedShadersTests: XCTestCase {
         .deletingLastPathComponent().deletingLastPathComponent()
 
     /// The embedded source (EmbeddedShaders.swift, generated at build time by the EmbedShaders tool)
-    /// holds exactly Shaders/flash_attention.metal with each quoted #include replaced by the header's
-    /// text, the headers' own includes expanded where they stand, each header once. (Compared here
-    /// rather than by running the tool: a child process would need Foundation.Process, whose own
-    /// allocations the sanitized run would report.)
+    /// is Shaders/ spliced now, and its hash names it. (The splice is called here rather than the
+    /// tool run: a child process would need Foundation.Process, whose own allocations the
+    /// sanitized run would report.)
     func testEmbeddedSourceIsUpToDate() throws {
-        let shaders = root.appendingPathComponent("Shaders")
-        var lines: [String] = []
-        var spliced: Set<String> = []
-        func splice(_ name: String) throws {
-            let text = try String(contentsOf: shaders.appendingPathComponent(name), encoding: .utf8)
-            for line in text.split(separator: "\n", omittingEmptySubsequences: false).dropLast(text.hasSuffix("\n") ? 1 : 0) {
-                guard let header = quotedInclude(String(line)) else {
-                    lines.append(String(line))
-                    continue
-                }
-                guard spliced.insert(header).inserted else { continue }
-                lines.append("// ---- begin \(header) (spliced by EmbedShaders) ----")
-                try splice(header)
-                lines.append("// ---- end \(header) ----")
-            }
-        }
-        try splice("flash_attention.metal")
+        let spliced = try splicedSource(folder: root.appendingPathComponent("Shaders"), metal: "flash_attention.metal")
         // A multi-line string literal ends before the newline that precedes its closing delimiter.
-        let expected = lines.joined(separator: "\n")
-        XCTAssertTrue(EmbeddedShaders.source == expected,
+        XCTAssertTrue(EmbeddedShaders.source + "\n" == spliced,
                       "the embedded source differs from Shaders/: the EmbedShaders plugin did not rerun")
-    }
-
-    /// The file name of a `#include "name"` line, else nil.
-    private func quotedInclude(_ line: String) -> String? {
-        let compact = line.filter { $0 != " " && $0 != "\t" }
-        guard compact.hasPrefix("#include\""), compact.hasSuffix("\""), compact.count > 10 else { return nil }
-        return String(compact.dropFirst(9).dropLast())
+        XCTAssertEqual(EmbeddedShaders.sourceHash, sourceHash(spliced))
     }
 
     /// makeLibrary(source:) has no include path: only angle-bracket system headers may remain, and

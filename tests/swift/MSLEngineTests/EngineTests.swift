@@ -166,20 +166,16 @@ final class EngineTests: XCTestCase {
         for out in outputs { XCTAssertEqual(out.values, expected) }
     }
 
-    /// Fiber switches per second with barriers and almost no work (printed for the report).
-    func testFiberSwitchThroughput() {
+    /// Fiber switches of a barrier-bound kernel: one per lane per barrier and per return (lanes
+    /// continue one another), plus the scheduler's switch to the first lane. Their rate is a
+    /// benchmark's business (benchmarks/engine_speed.py), not a timed test's.
+    func testBarrierSwitchCount() {
         let rounds = HostBuffer<UInt32>([2000])
         let out = HostBuffer<UInt32>(count: 1024, zero: 0)
         msl_engine_set_worker_count(1)
         let r = dispatch("barrier_storm", [out.binding, rounds.binding], threads: (1024, 1, 1))
         XCTAssertEqual(r.status, MSL_ENGINE_SUCCESS, r.message)
-        // Lanes continue one another: one switch per thread per barrier and per return, plus the
-        // scheduler's switch to the first thread.
         XCTAssertEqual(r.stats.fiber_switches, 1024 * 2001 + 1)
-        let rate = Double(r.stats.fiber_switches) / r.stats.seconds
-        print(String(format: "fiber switches: %llu in %.3f s = %.1f million/s (1 worker)",
-                     r.stats.fiber_switches, r.stats.seconds, rate / 1e6))
-        XCTAssertGreaterThan(rate, 1e6)
     }
 
     /// A deliberate out-of-bounds read for tests/run_sanitized.sh, which runs this test alone with
