@@ -124,24 +124,18 @@ inline void kernel_forward_decode(FA_PARAMETERS(FA_FORWARD_SPLIT_BUFFERS, T), St
 }
 
 // The KV-cache forward kernels (flash_attention_kv_cache.h): the forward kernels with keys and
-// values read by the cache's kind (kv_cache_kind: one key loop per kind, chosen once per launch);
-// the split ones' chunks are merged by forward_combine.
+// values read by the cache's kind (FA_WITH_CACHE_SOURCE: one key loop per kind, chosen once per
+// launch); the split ones' chunks are merged by forward_combine.
 template <typename T, uint DP, typename Storage>
 inline void kernel_forward_kvcache(FA_PARAMETERS(FA_KV_CACHE_BUFFERS, T), Storage tg, uint3 tgid,
                                    uint sgid, uint lane) {
     typedef KernelTraits<T, DP> K;
     constant FlashAttentionParams &p = *params;
-    const uint kind = kv_cache_kind(p);
-    if (kind == FA_KV_CACHE_STRIDED) {
-        attention_forward<DP, K::forward_block_q, K::forward_block_k>(q, DeviceKV<T>{k, v}, out, lse, mask, alibi,
-                                                                      sinks, p, tg, tgid, sgid, lane);
-    } else if (kind == FA_KV_CACHE_PAGED_CHUNKS) {
-        attention_forward<DP, K::forward_block_q, K::forward_block_k>(q, PagedKV<T>{k, v, kv_table}, out, lse,
-                                                                      mask, alibi, sinks, p, tg, tgid, sgid, lane);
-    } else {
-        attention_forward<DP, K::forward_block_q, K::forward_block_k>(q, FA_KV_CACHE_SOURCE(T), out, lse, mask,
-                                                                      alibi, sinks, p, tg, tgid, sgid, lane);
-    }
+#define FA_FORWARD_KVCACHE(SOURCE)                                                                 \
+    attention_forward<DP, K::forward_block_q, K::forward_block_k>(q, SOURCE, out, lse, mask, alibi, sinks, p, tg, \
+                                                                  tgid, sgid, lane)
+    FA_WITH_CACHE_SOURCE(T, p, FA_FORWARD_KVCACHE)
+#undef FA_FORWARD_KVCACHE
 }
 
 // A split forward over a KV cache by the cache's kind, BQ packed rows per block (the tiled split
@@ -151,17 +145,10 @@ inline void split_kvcache(FA_PARAMETERS(FA_KV_CACHE_SPLIT_BUFFERS, T), Storage t
                           uint lane) {
     constexpr uint BK = KernelTraits<T, DP>::forward_block_k;
     constant FlashAttentionParams &p = *params;
-    const uint kind = kv_cache_kind(p);
-    if (kind == FA_KV_CACHE_STRIDED) {
-        attention_forward_split<DP, BQ, BK>(q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse, p, tg,
-                                            tgid, sgid, lane);
-    } else if (kind == FA_KV_CACHE_PAGED_CHUNKS) {
-        attention_forward_split<DP, BQ, BK>(q, PagedKV<T>{k, v, kv_table}, mask, alibi, partial_out, partial_lse,
-                                            p, tg, tgid, sgid, lane);
-    } else {
-        attention_forward_split<DP, BQ, BK>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse, p,
-                                            tg, tgid, sgid, lane);
-    }
+#define FA_SPLIT_KVCACHE(SOURCE)                                                                   \
+    attention_forward_split<DP, BQ, BK>(q, SOURCE, mask, alibi, partial_out, partial_lse, p, tg, tgid, sgid, lane)
+    FA_WITH_CACHE_SOURCE(T, p, FA_SPLIT_KVCACHE)
+#undef FA_SPLIT_KVCACHE
 }
 
 template <typename T, uint DP, typename Storage>

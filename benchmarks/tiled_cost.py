@@ -11,9 +11,8 @@ the shipped KV-cache kernels run for that kind (``kv_cache_kind``, flash_attenti
 
     float16 contiguous   DeviceKV (the dense forward's copy)
     paged                PagedKV (16-byte chunks, a cursor per pass)
-    8-bit, 4-bit         CacheKV, element by element (MLX's format, group 64): one loop for both
-                         widths and paging, bits read at run time, all paths counted; the two
-                         differ only in bytes per key
+    8-bit, 4-bit         QuantKV (MLX's format, group 64; contiguous and paged in one loop)
+    elements             CacheKV's element copy: unquantized paged caches off 16-byte boundaries
 
 A threadgroup's four SIMD-groups share each key tile, one per scheduler of a core: a core spends
 the cycles of one SIMD-group's iteration per tile of BK keys, so it reads BK x bytes per key /
@@ -43,8 +42,9 @@ KINDS = {
     # name: (source expression, the decode_cost kind whose bytes per key it reads)
     "float16": ("DeviceKV<half>{k, v}", "float16"),
     "paged": ("PagedKV<half>{k, v, kv_table}", "paged"),
-    "8-bit": ("FA_KV_CACHE_SOURCE(half)", "8-bit"),
-    "4-bit": ("FA_KV_CACHE_SOURCE(half)", "4-bit"),
+    "8-bit": ("QuantKV<half, 8>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}", "8-bit"),
+    "4-bit": ("QuantKV<half, 4>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}", "4-bit"),
+    "elements (paged, off 16 B)": ("FA_KV_CACHE_SOURCE(half)", "paged"),
 }
 
 

@@ -1,9 +1,9 @@
 """Speculative-decoding and chunked-prefill widths over a KV cache (issue 38 items 3 and 4) on the CPU
 engine: the spec kernel (9-16 packed rows per KV head) over contiguous, paged and quantized caches
 in every dtype against the float64 reference under the accuracy rule, bottom-right causal among the
-new rows; the tiled KV-cache kernels' chunk copy of a paged cache (pages smaller than, equal to and
-larger than a tile) bit-identical to the same rows contiguous; and the bytes the spec kernel reads
-per call."""
+new rows; the tiled KV-cache kernels' chunk copies of a paged cache (pages smaller than, equal to
+and larger than a tile; unquantized and quantized) bit-identical to the same rows contiguous; and the
+bytes the spec kernel reads per call."""
 
 from __future__ import annotations
 
@@ -60,35 +60,41 @@ def test_spec_with_a_window_softcap_alibi_and_sinks(ctx):
     assert ctx.last_profile.dispatches[0].kernel == "flash_attention_forward_spec_kvcache_f16_d64"
 
 
-# (label, dtype, seqlen_q, heads, kv_heads, head_dim, page, kernel): the dense KV-cache kernel (a
-# prefill chunk of 72 rows) and the tiled split one (32 packed rows) over pages smaller than a key
-# tile (5), equal (16, 32) and larger (48); d128 f16 and d64 bf16 copy K in the paired layout, f32
-# row-major; head_dim 36 in half is off 16-byte boundaries (CacheKV's element copy).
+# (label, dtype, seqlen_q, heads, kv_heads, head_dim, page, kernel, bits): the dense KV-cache kernel
+# (a prefill chunk of 72 rows) and the tiled split one (32 packed rows) over pages smaller than a
+# key tile (5), equal (16, 32) and larger (48); d128 f16 and d64 bf16 copy K in the paired layout,
+# f32 row-major; head_dim 36 in half is off 16-byte boundaries (CacheKV's element copy); quantized
+# caches take the dequantizing chunk copy, contiguous and paged alike.
 PAGED = [
-    ("dense f16 d128 page 5", np.float16, 72, 2, 1, 128, 5, "kvcache"),
-    ("dense bf16 d64 page 48", BF16, 72, 4, 2, 64, 48, "kvcache"),
-    ("split f16 d128 page 16", np.float16, 4, 16, 2, 128, 16, "split_kvcache"),
-    ("split f32 d96 page 32", np.float32, 8, 8, 2, 96, 32, "split_kvcache"),
-    ("split f16 d36 page 5 (element copy)", np.float16, 8, 8, 2, 36, 5, "split_kvcache"),
+    ("dense f16 d128 page 5", np.float16, 72, 2, 1, 128, 5, "kvcache", None),
+    ("dense bf16 d64 page 48", BF16, 72, 4, 2, 64, 48, "kvcache", None),
+    ("split f16 d128 page 16", np.float16, 4, 16, 2, 128, 16, "split_kvcache", None),
+    ("split f32 d96 page 32", np.float32, 8, 8, 2, 96, 32, "split_kvcache", None),
+    ("split f16 d36 page 5 (element copy)", np.float16, 8, 8, 2, 36, 5, "split_kvcache", None),
+    ("dense 8-bit f16 d128 page 5", np.float16, 72, 2, 1, 128, 5, "kvcache", 8),
+    ("split 4-bit bf16 d64 page 16", BF16, 4, 16, 2, 64, 16, "split_kvcache", 4),
+    ("dense 4-bit f32 d64 page 48", np.float32, 72, 2, 2, 64, 48, "kvcache", 4),
 ]
 
 
 @pytest.mark.parametrize("case", PAGED, ids=[c[0] for c in PAGED])
 def test_paged_tiles_equal_the_contiguous_ones_bit_for_bit(ctx, case):
-    label, dtype, seqlen_q, heads, kv_heads, head_dim, page, kernel = case
+    label, dtype, seqlen_q, heads, kv_heads, head_dim, page, kernel, bits = case
     rng = np.random.default_rng(len(label))
     batch, capacity = 2, 160
     seqlens = np.int32([157, 70])
     q = _rows(rng, (batch, seqlen_q, heads, head_dim), dtype)
     k_cache, v_cache = (_rows(rng, (batch, capacity, kv_heads, head_dim), dtype) for _ in range(2))
-    options = dict(cache_seqlens=seqlens, causal=True, return_softmax_lse=True, context=ctx)
+    if bits:
+        k_cache, v_cache = (quantized.quantize(c, 64, bits) for c in (k_cache, v_cache))
+    options = dict(cache_seqlens=seqlens, causal=True, return_softmax_lse=True, bits=bits, context=ctx)
     out, lse = fam.flash_attn_with_kvcache(q, k_cache, v_cache, **options)
     assert ctx.last_profile.dispatches[0].kernel.startswith(f"flash_attention_forward_{kernel}_")
     (pk, pv), table = _paged(rng, [k_cache, v_cache], page)
     paged_out, paged_lse = fam.flash_attn_with_kvcache(q, pk, pv, block_table=table, **options)
     assert ctx.last_profile.dispatches[0].kernel.startswith(f"flash_attention_forward_{kernel}_")
     assert np.array_equal(out, paged_out) and np.array_equal(lse, paged_lse), label
-    _check(ctx, q, pk, pv, None, None, seqlens, label, block_table=table, causal=True)
+    _check(ctx, q, pk, pv, None, None, seqlens, label, block_table=table, bits=bits, causal=True)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
