@@ -14,10 +14,10 @@ import Darwin
 ///   (`fa_decode_serves`: FA_DECODE_ROWS rows, head_dim_max <= FA_DECODE_MAX_HEAD_DIM), whatever
 ///   the length: the cache is read once per call;
 /// - `spec` (`flash_attention_forward_spec_<dtype>_d<DP>`: the tiled split kernel with blocks of
-///   FA_SPEC_BLOCK_Q packed rows, 16) for the other shapes whose packed rows fit one such block
-///   (`fa_spec_serves`: speculative-decoding verify widths and chunked prefill, 2-16 query rows
-///   times the group), whatever the length: one block per KV head and chunk, so the cache is read
-///   once per call, with half the products per key of a 32-row block;
+///   FA_SPEC_BLOCK_Q packed rows, 16) in place of `tiled` below wherever one such block holds the
+///   packed rows (`fa_spec_serves`: speculative-decoding verify widths and chunked prefill, 2-16
+///   query rows times the group): one block per KV head and chunk, so the cache is read once per
+///   call, with half the products per key of a 32-row block;
 /// - `tiled` (`flash_attention_forward_split_<dtype>_d<DP>`) for the other seqlen_q <=
 ///   FA_SPLIT_MAX_QUERY_ROWS (large GQA groups, e.g. 32 query heads over 1 KV head, and head_dim
 ///   above 256), whose blocks of forward_block_q packed rows read the cache once per block where
@@ -57,15 +57,14 @@ struct KeyValueSplit: Equatable {
             kernel = .decode
             rowsPerBlock = UInt64(fa_decode_rows(bucket.head_dim_max))
             resident = UInt64(FA_CORE_THREADGROUP_BYTES) / UInt64(fa_decode_threadgroup_bytes(bucket.head_dim_max))
-        } else if fa_spec_serves(bucket.head_dim_max, bucket.forward_block_q, packedRows) != 0 {
-            kernel = .spec
-            rowsPerBlock = UInt64(fa_spec_block_q(bucket.forward_block_q))
-            resident = UInt64(FA_FORWARD_MIN_THREADGROUPS_PER_CORE)
         } else if seqlenQ <= UInt32(FA_SPLIT_TILED_MAX_QUERY_ROWS) {
-            kernel = .tiled
-            rowsPerBlock = UInt64(bucket.forward_block_q)
+            // The spec kernel wherever its one block holds the packed rows, the tiled one otherwise.
+            let spec = fa_spec_serves(bucket.head_dim_max, bucket.forward_block_q, packedRows) != 0
+            kernel = spec ? .spec : .tiled
+            rowsPerBlock = UInt64(spec ? fa_spec_block_q(bucket.forward_block_q) : bucket.forward_block_q)
             resident = UInt64(FA_FORWARD_MIN_THREADGROUPS_PER_CORE)
-            let dense = UInt64(batch) * UInt64(numHeads) * ((UInt64(seqlenQ) + rowsPerBlock - 1) / rowsPerBlock)
+            let denseRows = UInt64(bucket.forward_block_q)
+            let dense = UInt64(batch) * UInt64(numHeads) * ((UInt64(seqlenQ) + denseRows - 1) / denseRows)
             guard decodeShape || dense < UInt64(cores) * resident else { return nil }
         } else {
             return nil
@@ -81,9 +80,9 @@ struct KeyValueSplit: Equatable {
         // Rounded down: the chunks made are at least the chunks wanted (two waves at least).
         let chunkKeys = max(keys / granule, 1) * granule
         let made = (UInt64(seqlenK) + chunkKeys - 1) / chunkKeys
-        // Decode and spec shapes stay split even in one chunk: the dense forward would read the
-        // cache once per query head.
-        guard decodeShape || kernel == .spec || made >= 2 else { return nil }
+        // Decode shapes stay split even in one chunk: the dense forward would read the cache once
+        // per query head.
+        guard decodeShape || made >= 2 else { return nil }
         self.kernel = kernel
         self.chunks = UInt32(made)
         self.chunkKeys = UInt32(chunkKeys)
