@@ -6,8 +6,8 @@
 // call below was checked against the 0.32.4 wheel's mlx/backend/metal/device.h (CommandEncoder:
 // set_compute_pipeline_state, set_input_array(a, idx, offset), set_output_array(a, idx, offset),
 // set_bytes(const T*, n, idx), dispatch_threadgroups(MTL::Size, MTL::Size), add_temporary;
-// Device: get_library(name, builder), get_kernel(name, lib, hash_name, MTLFCList)) and against
-// MLX's own uses in mlx/backend/metal/scaled_dot_product_attention.cpp (function constants as
+// Device: get_library(name, builder), get_kernel(name, lib, hash_name, MTLFCList), mtl_device())
+// and against MLX's own uses in mlx/backend/metal/scaled_dot_product_attention.cpp (function constants as
 // {&value, MTL::DataType::DataTypeBool, index}, temporaries allocated then add_temporary).
 #include "primitives.h"
 
@@ -170,6 +170,17 @@ void encode(const mx::Stream& stream, const fa_problem& problem, fa_pass pass, R
         if (kernel->maxTotalThreadsPerThreadgroup() < NS::UInteger(t[0]) * t[1] * t[2]) {
             throw std::runtime_error(std::string("flash_attention_metal: kernel ") + dispatch.kernel_name +
                                      " allows fewer threads per threadgroup than its plan uses");
+        }
+        // metal-cpp's ComputePipelineState::staticThreadgroupMemoryLength() and
+        // Device::maxThreadgroupMemoryLength() (MTLComputePipelineState, MTLDevice): the kernels
+        // declare all their threadgroup memory statically (no setThreadgroupMemoryLength), so the
+        // static length is the whole need; a pipeline above the device's limit fails to launch.
+        const NS::UInteger needed = kernel->staticThreadgroupMemoryLength();
+        const NS::UInteger available = device.mtl_device()->maxThreadgroupMemoryLength();
+        if (needed > available) {
+            throw std::runtime_error(std::string("flash_attention_metal: kernel ") + dispatch.kernel_name + " needs " +
+                                     std::to_string(needed) + " bytes of threadgroup memory; this GPU has " +
+                                     std::to_string(available) + " per threadgroup");
         }
         encoder.set_compute_pipeline_state(kernel);
         for (uint32_t b = 0; b < dispatch.binding_count; ++b) {

@@ -46,9 +46,13 @@ def built_library() -> Path:
                          "repository (python/ beside Package.swift), where Swift 5.9 or later builds it")
     swift = shutil.which("swift")
     if swift is None:
-        raise SystemExit(f"building {LIBRARY} needs Swift 5.9 or later on PATH (https://www.swift.org/install), "
-                         f"or set {PREBUILT_ENV} to a built one")
-    subprocess.run([swift, "build", "-c", "release", "--product", "FlashAttentionMetal"], cwd=CHECKOUT, check=True)
+        raise SystemExit(f"building {LIBRARY} needs Swift 5.9 or later on PATH (https://www.swift.org/install); "
+                         f"or run ./build.sh in the checkout first (it links the library next to the package), or "
+                         f"set {PREBUILT_ENV} to a built one")
+    command = [swift, "build", "-c", "release", "--product", "FlashAttentionMetal"]
+    if subprocess.run(command, cwd=CHECKOUT).returncode != 0:
+        raise SystemExit(f"`{' '.join(command[1:])}` failed in {CHECKOUT} (its output is above); ./build.sh "
+                         f"builds the same and says what it needs, or set {PREBUILT_ENV} to a built {LIBRARY}")
     return CHECKOUT / ".build" / "release" / LIBRARY
 
 

@@ -14,7 +14,8 @@ final class ExportedPlan {
     struct Record {
         let piece: Int
         let dispatch: Dispatch
-        /// (binding, byte offset, byte length) in binding order.
+        /// (binding, byte offset, byte length) in binding order, then the buffer that holds the
+        /// parameter struct where the dispatch reads it from one (`dispatch.paramsRole`).
         let bindings: [(binding: BufferBinding, offset: Int, length: Int)]
         /// `paramsSize` bytes (calloc): the parameter struct, padded to its stride with zeros.
         let params: UnsafeMutableRawPointer
@@ -72,7 +73,9 @@ final class ExportedPlan {
             throw FlashAttentionError.outOfMemory("cannot allocate the records of the plan")
         }
         params.storeBytes(of: dispatch.params, as: FlashAttentionParams.self)
-        let bindings = dispatch.bindings.map { binding in
+        let bound = dispatch.bindings
+            + (dispatch.paramsRole.map { [BufferBinding(index: dispatch.paramsIndex, role: $0)] } ?? [])
+        let bindings = bound.map { binding in
             (binding, piece.byteOffset(of: binding.role), binding.role.byteCount(for: piece.plan.problem))
         }
         return Record(piece: number, dispatch: dispatch, bindings: bindings, params: params, kernelName: strings[0],
@@ -93,10 +96,6 @@ final class ExportedPlan {
 }
 
 extension BufferRole {
-    /// The roles an exported plan can bind: all but the variable-length ones (fa_plan_create refuses
-    /// varlen problems).
-    static let withABIRole = allCases.filter { ![.cuSeqlensQ, .cuSeqlensK, .sequenceTable].contains($0) }
-
     /// The role's `fa_buffer_role`.
     var abi: fa_buffer_role {
         switch self {
@@ -126,9 +125,9 @@ extension BufferRole {
         case .kBiases: return FA_BUFFER_ROLE_K_BIASES
         case .vScales: return FA_BUFFER_ROLE_V_SCALES
         case .vBiases: return FA_BUFFER_ROLE_V_BIASES
-        // fa_plan_create refuses variable-length problems, the only ones that bind these.
-        case .cuSeqlensQ, .cuSeqlensK, .sequenceTable:
-            preconditionFailure("\(name) has no fa_buffer_role (fa_plan_create refuses varlen problems)")
+        case .cuSeqlensQ: return FA_BUFFER_ROLE_CU_SEQLENS_Q
+        case .cuSeqlensK: return FA_BUFFER_ROLE_CU_SEQLENS_K
+        case .sequenceTable: return FA_BUFFER_ROLE_SEQUENCE_TABLE
         }
     }
 }

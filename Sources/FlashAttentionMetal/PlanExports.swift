@@ -43,10 +43,6 @@ public func _exportPlanCreate(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_
         let out = try required(outPlan, "out_plan")
         out.pointee = nil
         let p = try Problem.validate(problem)
-        // Its hosts bind the plan's buffers by role; the varlen roles are not in fa_plan_buffer_role yet.
-        guard p.varlen == nil else {
-            throw FlashAttentionError.unsupported("cu_seqlens_q (variable-length batches) is not supported by fa_plan_create yet")
-        }
         let kind: Pass
         switch pass {
         case FA_PASS_FORWARD: kind = .forward
@@ -134,19 +130,37 @@ public func _exportPlanGetDispatch(_ handle: OpaquePointer?, _ index: UInt32,
                                    _ dispatch: UnsafeMutablePointer<fa_plan_dispatch>?) -> fa_status {
     do {
         let plan = try exportedPlan(handle)
+        let out = try required(dispatch, "dispatch")
+        // Callers built before params_from_buffer pass the struct up to constants_prelude: they get
+        // every dispatch but one that binds its parameters from a buffer, where they would bind the
+        // bytes instead.
+        let declared = Int(UnsafeRawPointer(out).load(as: UInt32.self))
+        let size = MemoryLayout<fa_plan_dispatch>.size
+        let legacy = MemoryLayout<fa_plan_dispatch>.offset(of: \fa_plan_dispatch.params_from_buffer)!
+        guard declared >= legacy else {
+            throw FlashAttentionError.invalidArgument(
+                "dispatch->struct_size (\(declared)) must be at least \(legacy) "
+                    + "(fa_plan_dispatch up to constants_prelude)")
+        }
         let record = plan.records[try checkIndex(index, plan.records.count, "index", "the plan's dispatch_count")]
         let d = record.dispatch
-        try fill(dispatch, "dispatch", "fa_plan_dispatch") { size in
-            fa_plan_dispatch(
-                struct_size: size, piece: UInt32(record.piece),
-                threadgroups_per_grid: (d.threadgroupsPerGrid.width, d.threadgroupsPerGrid.height,
-                                        d.threadgroupsPerGrid.depth),
-                threads_per_threadgroup: (d.threadsPerThreadgroup.width, d.threadsPerThreadgroup.height,
-                                          d.threadsPerThreadgroup.depth),
-                binding_count: UInt32(d.bindings.count), specialization_count: UInt32(d.specialization.count),
-                params_index: UInt32(d.paramsIndex), params_size: UInt32(ExportedPlan.paramsSize),
-                params: UnsafeRawPointer(record.params), kernel_name: UnsafePointer(record.kernelName),
-                constants_prelude: UnsafePointer(record.prelude))
+        if let role = d.paramsRole, declared < size {
+            throw FlashAttentionError.invalidArgument(
+                "dispatch->struct_size (\(declared)) must be at least sizeof(fa_plan_dispatch) (\(size)) for dispatch "
+                    + "\(index), which reads its parameters from the \(role.name) buffer (params_from_buffer)")
+        }
+        var value = fa_plan_dispatch(
+            struct_size: UInt32(declared), piece: UInt32(record.piece),
+            threadgroups_per_grid: (d.threadgroupsPerGrid.width, d.threadgroupsPerGrid.height,
+                                    d.threadgroupsPerGrid.depth),
+            threads_per_threadgroup: (d.threadsPerThreadgroup.width, d.threadsPerThreadgroup.height,
+                                      d.threadsPerThreadgroup.depth),
+            binding_count: UInt32(record.bindings.count), specialization_count: UInt32(d.specialization.count),
+            params_index: UInt32(d.paramsIndex), params_size: UInt32(ExportedPlan.paramsSize),
+            params: UnsafeRawPointer(record.params), kernel_name: UnsafePointer(record.kernelName),
+            constants_prelude: UnsafePointer(record.prelude), params_from_buffer: d.paramsRole == nil ? 0 : 1)
+        withUnsafeBytes(of: &value) { bytes in
+            UnsafeMutableRawPointer(out).copyMemory(from: bytes.baseAddress!, byteCount: min(declared, size))
         }
         return FA_STATUS_SUCCESS
     } catch {
@@ -229,7 +243,7 @@ public func _exportPlanExecute(_ contextHandle: OpaquePointer?, _ planHandle: Op
             }
             let plan = exported.plan
             var buffers = HostBuffers()
-            for role in BufferRole.withABIRole {
+            for role in BufferRole.allCases {
                 let name = "buffers[\(role.abi.rawValue)] (\(role.name))"
                 guard let (_, usage) = exported.buffers.first(where: { $0.role == role }) else {
                     guard pointer(role) == nil else {

@@ -25,9 +25,16 @@ enum PrecompiledShaders {
     /// A pattern of the file names, for messages.
     static var fileNames: String { "flash_attention-\(EmbeddedShaders.sourceHash)-msl<version>.metallib" }
 
-    /// The path of the newest version this OS runs, in the folder of the file this code was loaded
-    /// from (the dylib, or the app when the package is linked statically), as loaded or with links
-    /// resolved; nil when neither folder has one. Looked up once per process.
+    /// The versions whose library this OS may load, newest first: those it runs, less MSL 3.0 where
+    /// it runs 3.1 (macOS 14+): 3.0 has no bfloat16 kernels, which the source compiled at 3.1 keeps.
+    static var loadableVersions: [String] {
+        let runs = versions.filter(\.1).map(\.0)
+        return runs.contains("3.1") ? runs.filter { $0 != "3.0" } : runs
+    }
+
+    /// The path of the newest loadable version (``loadableVersions``), in the folder of the file this
+    /// code was loaded from (the dylib, or the app when the package is linked statically), as loaded
+    /// or with links resolved; nil when neither folder has one. Looked up once per process.
     static let path: String? = {
         guard let file = fa_loaded_image_path() else { return nil }
         var images = [String(cString: file)]
@@ -35,7 +42,7 @@ enum PrecompiledShaders {
             images.append(String(cString: resolved))
             free(resolved)
         }
-        let names = versions.filter(\.1).map { fileName(version: $0.0) }
+        let names = loadableVersions.map { fileName(version: $0) }
         for name in names {
             if let found = images.map({ folder(of: $0) + name }).first(where: { access($0, F_OK) == 0 }) {
                 return found

@@ -1,5 +1,5 @@
-"""How NumPy arrays reach the C ABI without copies: element strides, the copy fallback, and
-output allocation in the layout of the inputs.
+"""How NumPy arrays reach the C ABI without copies: the copy fallback, and output allocation in
+the layout of the inputs (the address rules, ``element_strides``, are ``_abi``'s).
 
 The ABI (``fa_strides`` in flash_attention_metal.h) addresses a [batch][heads][seqlen][head_dim]
 tensor whose last axis is contiguous through three element strides, all zero meaning the
@@ -15,51 +15,10 @@ into); those must be addressable in place, as an output is never copied back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from ._abi import CONTIGUOUS, Tensor, element_strides
 from ._validation import check_array, to_bhsd
-
-#: The ``fa_strides`` value of the contiguous layout.
-CONTIGUOUS = (0, 0, 0)
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One tensor as the ABI takes it: ``array`` is its (B, H, S, D) view (kept alive for the call),
-    ``address`` the address of element [0, 0, 0, 0], ``strides`` (batch, head, seq) in elements."""
-
-    array: np.ndarray
-    address: int
-    strides: tuple[int, int, int]
-
-
-def element_strides(view: np.ndarray) -> tuple[int, int, int] | None:
-    """The ``fa_strides`` (batch, head, seq) of a (B, H, S, D) view, ``CONTIGUOUS`` for a
-    C-contiguous one, or None when the ABI cannot address it in place.
-
-    An axis of length 1 is never stepped along, so its stride is free: it gets the span of the
-    tensor plus one, which keeps it positive and clear of every element (a non-overlap check on
-    written tensors then sees no overlap that is not there).
-    """
-    if not view.flags.aligned:
-        return None
-    if view.flags.c_contiguous:
-        return CONTIGUOUS
-    itemsize = view.itemsize
-    if view.shape[3] > 1 and view.strides[3] != itemsize:
-        return None
-    steps = []
-    for size, stride in zip(view.shape[:3], view.strides[:3]):
-        if size == 1:
-            steps.append(None)
-        elif stride <= 0 or stride % itemsize:
-            return None
-        else:
-            steps.append(stride // itemsize)
-    span = view.shape[3] + sum((size - 1) * step for size, step in zip(view.shape[:3], steps) if step)
-    return tuple(span if step is None else step for step in steps)
 
 
 def as_input(array: np.ndarray, layout: str) -> Tensor:

@@ -302,14 +302,20 @@ class ScoreOptions:
     dropout: tuple[float, int, int] | None = None
 
 
-def check_dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int, int] | None:
-    """dropout_p must be a real number in [0, 1); with dropout_p > 0, dropout_seed an int in
-    [0, 2**64) and dropout_offset one in [0, 2**64). Returns (dropout_p, dropout_seed,
-    dropout_offset), or None for dropout_p 0 (the seed is then not needed)."""
+def check_dropout_p(dropout_p) -> float:
+    """dropout_p must be a real number (not a bool) in [0, 1); returns it as a float."""
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be at least 0 and below 1, got {dropout_p}")
+    return float(dropout_p)
+
+
+def check_dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int, int] | None:
+    """dropout_p must be a real number in [0, 1) (``check_dropout_p``); with dropout_p > 0,
+    dropout_seed an int in [0, 2**64) and dropout_offset one in [0, 2**64). Returns (dropout_p,
+    dropout_seed, dropout_offset), or None for dropout_p 0 (the seed is then not needed)."""
+    check_dropout_p(dropout_p)
     for name, value in (("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset)):
         if value is None and name == "dropout_seed":
             continue

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _layout, _options
-from ._abi import new_problem
+from . import _abi, _layout
 from ._validation import (
     DTYPES,
     Shape,
@@ -145,15 +144,16 @@ def _tensor(array: np.ndarray, output: bool = False) -> _layout.Tensor:
 
 
 def _problem(context, checked: Varlen, dtype, tensors: dict):
-    ffi, lib = context._native.ffi, context._native.lib
-    strides = {name: tensor.strides for name, tensor in tensors.items()}
-    problem = new_problem(ffi, lib, checked.shape, checked.causal, checked.scale, np.dtype(dtype).name, strides)
-    problem.cu_seqlens_q = ffi.cast("const int32_t *", checked.cu_seqlens_q.ctypes.data)
-    problem.cu_seqlens_k = ffi.cast("const int32_t *", checked.cu_seqlens_k.ctypes.data)
-    problem.max_seqlen_q = checked.max_q
-    problem.max_seqlen_k = checked.max_k
-    keep = _options.set_problem_fields(problem, checked.options, checked.shape.seqlen_k, ffi, lib)
+    library = context.library
+    problem, keep = _abi.numpy_problem(library, checked.shape, checked.causal, checked.scale, dtype, tensors,
+                                       checked.options)
+    _abi.set_varlen_fields(problem, library.ffi, checked.cu_seqlens_q, checked.cu_seqlens_k, checked.max_q,
+                           checked.max_k)
     return problem, keep
+
+
+def _pointers(ffi, tensors: dict, names) -> list:
+    return [_abi.pointer(ffi, tensors[name].address) for name in names]
 
 
 def forward(context, q, k, v, checked: Varlen):
@@ -169,9 +169,9 @@ def forward(context, q, k, v, checked: Varlen):
         return out, lse
     tensors = {"q": _tensor(q), "k": _tensor(k), "v": _tensor(v), "out": _tensor(out, output=True)}
     problem, keep = _problem(context, checked, q.dtype, tensors)
-    ffi = context._native.ffi
-    context._call("fa_forward", problem, *(ffi.cast("void *", tensors[n].address) for n in ("q", "k", "v", "out")),
-                  ffi.from_buffer("float[]", lse, require_writable=True))
+    ffi = context.library.ffi
+    context.call("fa_forward", problem, *_pointers(ffi, tensors, ("q", "k", "v", "out")),
+                 ffi.from_buffer("float[]", lse, require_writable=True))
     del keep  # the arrays the problem points into lived until here
     return out, lse
 
@@ -195,13 +195,11 @@ def backward(context, dout, q, k, v, out, lse, checked: Varlen):
     tensors = {"dout": _tensor(dout), "q": _tensor(q), "k": _tensor(k), "v": _tensor(v), "out": _tensor(out)}
     tensors.update((name, _tensor(g, output=True)) for name, g in zip(("dq", "dk", "dv"), grads))
     problem, keep = _problem(context, checked, q.dtype, tensors)
-    ffi = context._native.ffi
+    ffi = context.library.ffi
     if sinks is not None:
         grads.append(np.empty(shape.num_heads, dtype=np.float32))
         problem.dsinks = ffi.from_buffer("float[]", grads[3], require_writable=True)
-    context._call("fa_backward", problem,
-                  *(ffi.cast("void *", tensors[n].address) for n in ("dout", "q", "k", "v", "out")),
-                  ffi.from_buffer("float[]", lse),
-                  *(ffi.cast("void *", tensors[n].address) for n in ("dq", "dk", "dv")))
+    context.call("fa_backward", problem, *_pointers(ffi, tensors, ("dout", "q", "k", "v", "out")),
+                 ffi.from_buffer("float[]", lse), *_pointers(ffi, tensors, ("dq", "dk", "dv")))
     del keep
     return tuple(grads)

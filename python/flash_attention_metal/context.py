@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _interruptible, _layout, _options, _validation, _varlen, plan
-from ._abi import DTYPE_CODES, new_problem
+from . import _abi, _interruptible, _layout, _validation, _varlen, plan
 from ._native import NativeLibrary, native
 from .profile import Profile, last_profile
 
@@ -121,6 +120,12 @@ class Context:
         """The file the library was loaded from."""
         return str(self._native.path)
 
+    @property
+    def library(self) -> NativeLibrary:
+        """The loaded library (its cffi ``ffi`` and ``lib``): what the C ABI's structs are made
+        with, for ``call`` (``flash_attention_metal._abi`` builds the problems of every front end)."""
+        return self._native
+
     def forward(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None,
                 dropout_offset=0, out=None, lse=None):
@@ -198,11 +203,10 @@ class Context:
         lse = np.empty(lse_shape, dtype=np.float32) if lse is None else lse
         tensors = {name: _layout.as_input(a, layout) for name, a in (("q", q), ("k", k), ("v", v))}
         tensors["out"] = _layout.as_output(out, layout)
-        ffi, lib = self._native.ffi, self._native.lib
-        problem = self._problem(shape, causal, scale, q.dtype, tensors)
-        keep = _options.set_problem_fields(problem, options, shape.seqlen_k, ffi, lib)
-        self._call("fa_forward", problem, *(_pointer(ffi, tensors[name]) for name in ("q", "k", "v", "out")),
-                   ffi.from_buffer("float[]", lse, require_writable=True))
+        ffi = self._native.ffi
+        problem, keep = _abi.numpy_problem(self._native, shape, causal, scale, q.dtype, tensors, options)
+        self.call("fa_forward", problem, *(_abi.pointer(ffi, tensors[name].address) for name in ("q", "k", "v", "out")),
+                  ffi.from_buffer("float[]", lse, require_writable=True))
         del keep  # the arrays the problem points into lived until here
         return out, lse
 
@@ -262,14 +266,14 @@ class Context:
         tensors = {name: _layout.as_input(a, layout) for name, a in inputs}
         tensors.update((name, _layout.as_output(g, layout)) for name, g in zip(("dq", "dk", "dv"), grads))
         lse = np.ascontiguousarray(lse)
-        ffi, lib = self._native.ffi, self._native.lib
-        problem = self._problem(shape, causal, scale, q.dtype, tensors)
-        keep = _options.set_problem_fields(problem, options, shape.seqlen_k, ffi, lib)
+        ffi = self._native.ffi
+        problem, keep = _abi.numpy_problem(self._native, shape, causal, scale, q.dtype, tensors, options)
         if options.sinks is not None:
             grads.append(np.empty(shape.num_heads, dtype=np.float32))
             problem.dsinks = ffi.from_buffer("float[]", grads[3], require_writable=True)
-        self._call("fa_backward", problem, *(_pointer(ffi, tensors[name]) for name in ("dout", "q", "k", "v", "out")),
-                   ffi.from_buffer("float[]", lse), *(_pointer(ffi, tensors[name]) for name in ("dq", "dk", "dv")))
+        pointers = {name: _abi.pointer(ffi, tensor.address) for name, tensor in tensors.items()}
+        self.call("fa_backward", problem, *(pointers[name] for name in ("dout", "q", "k", "v", "out")),
+                  ffi.from_buffer("float[]", lse), *(pointers[name] for name in ("dq", "dk", "dv")))
         del keep  # the arrays the problem points into lived until here
         return tuple(grads)
 
@@ -337,9 +341,13 @@ class Context:
                                        dropout_seed=dropout_seed, dropout_offset=dropout_offset)
         return _varlen.backward(self, dout, q, k, v, out, lse, checked)
 
-    def _call(self, function: str, *arguments) -> None:
-        """``lib.<function>(context, *arguments)``, interruptible when made from the main thread
-        (Ctrl-C cancels it); raises FlashAttentionError when the library reports a failure."""
+    def call(self, function: str, *arguments) -> None:
+        """``library.lib.<function>(context, *arguments)``: a C ABI call on this context (fa_forward,
+        fa_backward, fa_plan_execute, ...), with arguments made through ``library.ffi`` (a problem
+        from ``flash_attention_metal._abi``), kept alive by the caller until it returns. The one way
+        every front end calls the library: interruptible when made from the main thread (Ctrl-C
+        cancels it, KeyboardInterrupt); raises FlashAttentionError when the library reports a
+        failure."""
         call = getattr(self._native.lib, function)
         _interruptible.call(lambda: self._native.raise_for_status(call(self._handle, *arguments)), self.cancel)
 
@@ -396,18 +404,18 @@ class Context:
         lse = np.empty(lse_a.shape, dtype=np.float32)
         out_a, lse_a, out_b, lse_b = (np.ascontiguousarray(a) for a in (out_a, lse_a, out_b, lse_b))
         ffi, lib = self._native.ffi, self._native.lib
-        self._call("fa_merge_attention_v2", rows, head_dim, getattr(lib, DTYPE_CODES[out.dtype.name]),
-                   _address(ffi, out_a), ffi.from_buffer("float[]", lse_a),
-                   _address(ffi, out_b), ffi.from_buffer("float[]", lse_b),
-                   _address(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True))
+        self.call("fa_merge_attention_v2", rows, head_dim, getattr(lib, _abi.DTYPE_CODES[out.dtype.name]),
+                  _address(ffi, out_a), ffi.from_buffer("float[]", lse_a),
+                  _address(ffi, out_b), ffi.from_buffer("float[]", lse_b),
+                  _address(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True))
         return out, lse
 
     def _problem(self, shape: _validation.Shape, causal: bool, scale: float, dtype=np.float16, tensors=None):
-        """The fa_problem of a call, score options off (``_options.set_problem_fields`` sets them);
-        ``tensors`` maps fa_problem's stride fields (q, k, v, out, dout, dq, dk, dv) to their
-        ``_layout.Tensor`` (absent ones: contiguous)."""
+        """A bare fa_problem of this context's library, score options off (``_abi.new_problem``);
+        ``tensors`` maps fa_problem's stride fields to their ``_abi.Tensor`` (absent: contiguous)."""
         strides = {name: tensor.strides for name, tensor in (tensors or {}).items()}
-        return new_problem(self._native.ffi, self._native.lib, shape, causal, scale, np.dtype(dtype).name, strides)
+        return _abi.new_problem(self._native.ffi, self._native.lib, shape, causal, scale, np.dtype(dtype).name,
+                                strides)
 
 
 def _check_given_outputs(outputs: dict, layout: str, inputs: dict) -> None:
@@ -420,15 +428,10 @@ def _check_given_outputs(outputs: dict, layout: str, inputs: dict) -> None:
             others[name] = array
 
 
-def _pointer(ffi, tensor: _layout.Tensor):
-    # Element [0, 0, 0, 0] of the view; the ABI takes elements of the problem's dtype as void *.
-    return ffi.cast("void *", tensor.address)
-
-
 def _address(ffi, array: np.ndarray):
     # A contiguous array's data as void * (cffi's from_buffer cannot read ml_dtypes' bfloat16); the
     # caller keeps the array alive for the call.
-    return ffi.cast("void *", array.ctypes.data)
+    return _abi.pointer(ffi, array.ctypes.data)
 
 
 __all__ = ["BACKENDS", "Context", "normalize_backend"]

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _default, _layout, _options, _rotary, _validation, plan, quantized
+from . import _abi, _default, _layout, _rotary, _validation, plan, quantized
 from .errors import CapacityError
 #: Alignment of ``empty_cache``'s arrays: the VM page, 16 KiB on Apple silicon (vm_page_size; at
 #: least that everywhere), which MTLDevice.makeBuffer(bytesNoCopy:length:options:deallocator:)
@@ -311,8 +311,8 @@ def _prepare(context, problem: Problem, qb, out, lse, batches, causal, scale, op
     # validates the call now (fa_plan_create: every rule it would refuse the call by, e.g. a
     # head_dim the dtype's kernels lack), so that nothing is appended to a cache for a call that
     # then fails; returns the call, to make after the append. q is copied here, before the append.
-    native = context._native
-    ffi, lib = native.ffi, native.lib
+    native = context.library
+    ffi = native.ffi
     n = len(batches)
     seqlen_k = int(problem.seqlens_k[batches[0]])
     first = int(problem.leftpad[batches[0]])
@@ -327,7 +327,7 @@ def _prepare(context, problem: Problem, qb, out, lse, batches, causal, scale, op
     k_forms, v_forms = _cache_tensor(kc), _cache_tensor(vc)
     tensors = {"q": q_part, "out": _layout.as_output(out_part, "bhsd"),
                "k": _layout.Tensor(kc.arrays[0], *k_forms[0]), "v": _layout.Tensor(vc.arrays[0], *v_forms[0])}
-    c_problem = context._problem(shape, causal, scale, qb.dtype, tensors)
+    c_problem, keep = _abi.numpy_problem(native, shape, causal, scale, qb.dtype, tensors, options)
     slots = kc.arrays[0].shape[0]
     c_problem.kv_cache_rows = problem.page_block_size - first
     if problem.block_table is not None:
@@ -347,13 +347,12 @@ def _prepare(context, problem: Problem, qb, out, lse, batches, causal, scale, op
         for name, form in (("k_scales", k_forms[1]), ("k_biases", k_forms[2]), ("v_scales", v_forms[1]),
                            ("v_biases", v_forms[2])):
             setattr(c_problem, name, ffi.cast("const void *", form[0]))
-    keep = _options.set_problem_fields(c_problem, options, seqlen_k, ffi, lib)
     plan.create(c_problem, "forward", library=native)
 
     def call() -> None:
-        context._call("fa_forward", c_problem,
-                      *(ffi.cast("void *", tensors[name].address) for name in ("q", "k", "v", "out")),
-                      ffi.from_buffer("float[]", lse_part, require_writable=True))
+        context.call("fa_forward", c_problem,
+                     *(_abi.pointer(ffi, tensors[name].address) for name in ("q", "k", "v", "out")),
+                     ffi.from_buffer("float[]", lse_part, require_writable=True))
         out[batches] = out_part
         lse[batches] = lse_part
 

@@ -4,7 +4,8 @@ A framework that encodes Metal work on its own stream (PyTorch's ``torch.mps.com
 ``flash_attention_metal.torch``) runs a pass of the library by compiling ``kernel_source()`` and
 encoding each ``Dispatch`` of the pass's ``Plan`` in order: its kernel, specialised by its
 constants; at each ``Binding.index`` the buffer of ``Binding.role`` offset by ``byte_offset``; the
-parameter bytes at ``params_index``; ``threadgroups_per_grid`` threadgroups of
+parameter bytes at ``params_index`` (unless ``params_from_buffer``: then a binding is there, the
+sequence table of a variable-length pass); ``threadgroups_per_grid`` threadgroups of
 ``threads_per_threadgroup`` threads. Workspaces (``Buffer.usage == "workspace"``) are allocated by
 the host for the pass, uninitialised. Role names are the C enumerators' (``FA_BUFFER_ROLE_Q`` is
 ``"q"``, ``FA_BUFFER_ROLE_LSE_RESIDUAL`` is ``"lse_residual"``).
@@ -59,7 +60,9 @@ class Specialization:
 @dataclass(frozen=True)
 class Dispatch:
     """One kernel dispatch, in encoding order (see the module docstring). ``params`` holds the
-    parameter struct's bytes (a multiple of 8); ``piece`` says which piece of the plan it is in;
+    parameter struct's bytes (a multiple of 8), to bind at ``params_index`` unless
+    ``params_from_buffer`` (a binding at ``params_index`` holds the struct: a variable-length pass's
+    ``sequence_table``); ``piece`` says which piece of the plan it is in;
     ``specialization`` the values of the function constants its kernel reads, and
     ``constants_prelude`` the text that stands for them before the kernel source where a compiler
     cannot set function constants (``specialized_source``)."""
@@ -73,6 +76,7 @@ class Dispatch:
     params_index: int
     params: bytes
     constants_prelude: str
+    params_from_buffer: bool = False
 
     @property
     def threads_per_grid(self) -> tuple[int, int, int]:
@@ -143,14 +147,16 @@ def read(handle, library: NativeLibrary | None = None) -> Plan:
         dispatches.append(Dispatch(
             ffi.string(d.kernel_name).decode(), d.piece, tuple(d.threadgroups_per_grid),
             tuple(d.threads_per_threadgroup), bindings, constants, d.params_index,
-            ffi.buffer(d.params, d.params_size)[:], ffi.string(d.constants_prelude).decode()))
+            ffi.buffer(d.params, d.params_size)[:], ffi.string(d.constants_prelude).decode(),
+            bool(d.params_from_buffer)))
     # "pass" is a Python keyword, hence getattr.
     return Plan(passes[getattr(info, "pass")], info.piece_count, tuple(buffers), tuple(dispatches))
 
 
 def create(problem, pass_name: str, max_flops_per_piece: int = 0, library: NativeLibrary | None = None) -> Plan:
     """The plan of ``pass_name`` ("forward" or "backward") for ``problem``, a cffi ``fa_problem *``
-    whose pointer fields only mark which optional inputs exist (fa_plan_create); pieces of at most
+    whose pointer fields only mark which optional inputs exist (fa_plan_create; cu_seqlens_q and
+    cu_seqlens_k make a variable-length plan, kv_block_table a paged KV cache's); pieces of at most
     ``max_flops_per_piece`` operations (0: one piece).
 
     Raises FlashAttentionError with the library's message for a problem it refuses, ValueError for

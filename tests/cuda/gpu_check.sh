@@ -9,10 +9,11 @@
 #
 # The plan-fed replay (issue 35) runs the same grids through the library's exported plans:
 # tests/cuda/cases.py writes each case's plans (fa_plan_create, on a machine with the library) and
-# inputs, tests/cuda/replay.cu launches every dispatch as the plan gives it (launch_table.cu maps a
-# kernel name to its launcher) and judge.py judges the dump; the sanitizers and the planted faults
-# run over it too. The plans come from FA_GPU_PLANS (a folder with small.json and full.json that
-# `tests/cuda/cases.py plan` wrote, for a GPU machine without the library) or are made here.
+# inputs, tests/cuda/replay.cu launches every dispatch as the plan gives it (launch_table.cu: every
+# instance of the kernel catalogue by name, with the plan's function constants) and judge.py judges
+# the dump; the sanitizers and the planted faults run over it too. The plans come from
+# FA_GPU_PLANS (a folder with small.json and full.json that `tests/cuda/cases.py plan` wrote, for a
+# GPU machine without the library) or are made here.
 #
 # Before that, tests/cuda/matrix_check.cu runs the CPU engine's SIMD-group matrix test kernels
 # (tests/kernels/matrix.metal) through metal_cuda.h's warp-shuffle emulation. Two planted faults
@@ -22,23 +23,33 @@
 # accuracy judgement report mismatches. A detector that misses its fault fails the run too, and so
 # does a planted fault that no longer changes the kernel source.
 #
-# Opt-in, --large: tests/cuda/large_offsets.cu runs forward and the backward's delta, lse residual
-# and dQ dispatches on q, out, dout and dq of more than 2^32 elements (seqlen_q 2^25 + 5, head_dim
-# 128; about 35 GB of device memory) and dumps sampled rows, those past element 2^32 included, for
-# judge.py. Its planted fault, the kernels built with every ulong replaced by
-# uint (32-bit offsets), must fail it.
+# Opt-in, --large: tests/cuda/large_offsets.cu runs the library's plan (cases.py plan large) of
+# forward and the backward's delta, lse residual and dQ dispatches on q, out, dout and dq of more
+# than 2^32 elements (seqlen_q 2^25 + 5, head_dim 128; about 35 GB of device memory; its inputs made
+# on the device) and dumps sampled rows, those past element 2^32 included, for judge.py. Its
+# planted fault, the kernels built with every ulong replaced by uint (32-bit offsets), must fail it.
 # --large-only builds and runs just that step (and its planted fault).
 #
-# --replay-only skips the harness's steps (the replay's and the matrix check stay).
+# --replay-only skips the harness's steps (the replay's and the matrix and tensor-op checks stay).
+#
+# After the matrix check, tests/cuda/tensor_ops_check.cu runs the CPU engine's tensor-op test
+# kernels (tests/kernels/tensor_ops.metal) through metal_tensor_ops.h's matmul2d emulation (step
+# cuda-tensor-ops: the documented accumulation order, bounds, both layouts, the scope and capacity
+# faults) and writes their outputs, which tests/cuda/tensor_ops_compare.py compares bit for bit
+# with the CPU engine's, committed as tests/cuda/tensor_ops_engine.txt (step
+# cuda-tensor-identity), then runs it under memcheck and synccheck. --tensor-ops-only builds and
+# runs just those steps (a minute or two).
 #
 # Usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only]
+#                                [--tensor-ops-only]
 # Environment:
 #   NVCC               nvcc to use (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc)
 #   COMPUTE_SANITIZER  compute-sanitizer to use (default: next to nvcc, else on PATH)
 #   FA_GPU_ARCH        -arch value (default: native; e.g. sm_90 to build where no GPU is visible)
 #   FA_GPU_BUILD_DIR   build folder (default: a new temporary folder, kept for its logs)
-#   FA_GPU_PLANS       folder of small.json and full.json (tests/cuda/cases.py plan); default: made
-#                      here with the Python package and the library ./build.sh built
+#   FA_GPU_PLANS       folder of small.json and full.json (and large.json for --large; tests/cuda/
+#                      cases.py plan); default: made here with the Python package and the library
+#                      ./build.sh built
 # Needs: bash, GNU sed, timeout (coreutils), a C++17 host compiler that nvcc accepts, python3 with
 # numpy and ml_dtypes (judge.py).
 set -uo pipefail
@@ -50,6 +61,7 @@ MUTANTS=1
 LARGE=0     # the 2^32-element step (large_offsets.cu)
 DEFAULT=1   # the default steps: reference check, accuracy grid, sanitizers, planted faults, bench
 HARNESS=1   # the harness's steps (--replay-only: only the plan-fed replay's)
+TENSOR=1    # the tensor-op steps (tensor_ops_check.cu), with the default steps or alone
 REPLAY=1    # the plan-fed replay's steps (0 when there are no plans)
 NO_PLANS=""
 for arg in "$@"; do
@@ -57,9 +69,10 @@ for arg in "$@"; do
         --no-bench) BENCH=0 ;;
         --no-mutants) MUTANTS=0 ;;
         --large) LARGE=1 ;;
-        --large-only) LARGE=1; DEFAULT=0 ;;
+        --large-only) LARGE=1; DEFAULT=0; TENSOR=0 ;;
         --replay-only) HARNESS=0 ;;
-        *) echo "gpu_check: unknown argument '$arg' (usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only])" >&2
+        --tensor-ops-only) DEFAULT=0; LARGE=0 ;;
+        *) echo "gpu_check: unknown argument '$arg' (usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only] [--tensor-ops-only])" >&2
            exit 2 ;;
     esac
 done
@@ -68,7 +81,7 @@ die() { echo "gpu_check: $*" >&2; exit 2; }
 
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 command -v "$NVCC" >/dev/null || die "nvcc not found: install the CUDA toolkit or set NVCC=/path/to/nvcc"
-if [ "$DEFAULT" = 1 ]; then
+if [ "$DEFAULT" = 1 ] || [ "$TENSOR" = 1 ]; then
     if [ -z "${COMPUTE_SANITIZER:-}" ]; then
         COMPUTE_SANITIZER="$(dirname "$(command -v "$NVCC")")/compute-sanitizer"
         [ -x "$COMPUTE_SANITIZER" ] || COMPUTE_SANITIZER=$(command -v compute-sanitizer || true)
@@ -77,7 +90,7 @@ if [ "$DEFAULT" = 1 ]; then
         || die "compute-sanitizer not found: set COMPUTE_SANITIZER=/path/to/compute-sanitizer"
 fi
 command -v timeout >/dev/null || die "timeout (coreutils) not found"
-python3 -c 'import numpy, ml_dtypes' 2>/dev/null \
+{ [ "$DEFAULT" = 0 ] && [ "$LARGE" = 0 ]; } || python3 -c 'import numpy, ml_dtypes' 2>/dev/null \
     || die "python3 with numpy and ml_dtypes not found (tests/cuda/judge.py judges the results with them)"
 ARCH=${FA_GPU_ARCH:-native}
 BUILD=${FA_GPU_BUILD_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/fa-gpu-check.XXXXXX")}
@@ -98,39 +111,63 @@ copy_sources() {
     fi
 }
 
-# Compiles the kernels of source folder $1 into object $2 (slow: every head-dim bucket, fully
-# unrolled loops; its log holds ptxas' register and spill report): kernels.cu's launchers and
-# launch_table.cu's table by name, one object for the harness and the replay.
+# Compiles the kernels of source folder $1 (slow: every head-dim bucket, fully unrolled loops; the
+# logs hold ptxas' register and spill report): launch_table.cu's catalogue table into $2 with .o
+# replaced by -table.o (the replay's and large_offsets.cu's) and, unless $3 is "table", kernels.cu's
+# hand-written launchers into $2 (the harness's), in parallel.
 compile_kernels() {
-    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$2" >"$2.log" 2>&1
+    local table=${2%.o}-table.o launchers=""
+    if [ "${3:-}" != table ]; then
+        "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/kernels.cu" -o "$2" >"$2.log" 2>&1 &
+        launchers=$!
+    fi
+    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$table" >"$table.log" 2>&1 \
+        && { [ -z "$launchers" ] || wait "$launchers"; }
 }
 
 SECONDS=0
-if [ "$DEFAULT" = 1 ]; then
-    # The replay's cases: the library's plans (here, or FA_GPU_PLANS) and the inputs (numpy).
-    # Without plans the harness's steps still run and the replay's count as one failure.
-    PLANS=${FA_GPU_PLANS:-$BUILD/plans}
-    if [ -z "${FA_GPU_PLANS:-}" ]; then
-        mkdir -p "$PLANS"
-        for grid in small full; do
-            if ! PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" python3 "$GPU_DIR/cases.py" plan "$grid" \
-                "$PLANS/$grid.json" >"$BUILD/plans-$grid.log" 2>&1; then
-                tail -n 3 "$BUILD/plans-$grid.log" >&2
-                NO_PLANS="cannot export the plans here (build the library with ./build.sh, or set FA_GPU_PLANS)"
-            fi
-        done
-    elif [ ! -f "$PLANS/small.json" ] || [ ! -f "$PLANS/full.json" ]; then
-        NO_PLANS="FA_GPU_PLANS ($PLANS) lacks small.json or full.json"
-    fi
-    if [ -n "$NO_PLANS" ]; then
-        echo "gpu_check: $NO_PLANS: the replay's steps do not run" >&2
-        REPLAY=0
-        [ "$HARNESS" = 1 ] || die "$NO_PLANS"
-    fi
+# The library's plans (here, or FA_GPU_PLANS): the replay's grids (small, full) for the default
+# steps, large_offsets.cu's problem (large) for --large. Without the grids' plans the harness's
+# steps still run and the replay's count as one failure; --large cannot run without its plan.
+GRIDS=()
+[ "$DEFAULT" = 1 ] && GRIDS+=(small full)
+[ "$LARGE" = 1 ] && GRIDS+=(large)
+PLANS=${FA_GPU_PLANS:-$BUILD/plans}
+if [ "${#GRIDS[@]}" = 0 ]; then
+    :  # no step that needs plans
+elif [ -z "${FA_GPU_PLANS:-}" ]; then
+    mkdir -p "$PLANS"
+    for grid in "${GRIDS[@]}"; do
+        if ! PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" python3 "$GPU_DIR/cases.py" plan "$grid" \
+            "$PLANS/$grid.json" >"$BUILD/plans-$grid.log" 2>&1; then
+            tail -n 3 "$BUILD/plans-$grid.log" >&2
+            NO_PLANS="cannot export the plans here (build the library with ./build.sh, or set FA_GPU_PLANS)"
+        fi
+    done
+else
+    for grid in "${GRIDS[@]}"; do
+        [ -f "$PLANS/$grid.json" ] || NO_PLANS="FA_GPU_PLANS ($PLANS) lacks $grid.json"
+    done
 fi
-copy_sources "$BUILD/src" || die "cannot copy Shaders/ into $BUILD/src"
-compile_kernels "$BUILD/src" "$BUILD/kernels.o" &
-build_jobs=("$!")
+if [ -n "$NO_PLANS" ]; then
+    [ "$LARGE" = 1 ] && die "$NO_PLANS (--large runs large_offsets.cu through its plan)"
+    echo "gpu_check: $NO_PLANS: the replay's steps do not run" >&2
+    REPLAY=0
+    [ "$HARNESS" = 1 ] || die "$NO_PLANS"
+fi
+if [ "$LARGE" = 1 ]; then
+    python3 "$GPU_DIR/cases.py" write "$PLANS/large.json" "$BUILD/cases-large" >"$BUILD/cases-large.log" 2>&1 \
+        || { cat "$BUILD/cases-large.log" >&2; die "cannot write large_offsets.cu's case file"; }
+fi
+KERNELS=0   # whether a step needs the attention kernels
+{ [ "$DEFAULT" = 1 ] || [ "$LARGE" = 1 ]; } && KERNELS=1
+build_jobs=()
+if [ "$KERNELS" = 1 ]; then
+    copy_sources "$BUILD/src" || die "cannot copy Shaders/ into $BUILD/src"
+    # --large alone links only the catalogue's table (large_offsets.cu).
+    compile_kernels "$BUILD/src" "$BUILD/kernels.o" "$([ "$DEFAULT" = 1 ] || echo table)" &
+    build_jobs+=("$!")
+fi
 if [ "$DEFAULT" = 1 ] && [ "$REPLAY" = 1 ]; then
     # The replay's inputs and case files, while the kernels compile (logs: cases-*.o.log).
     for grid in small full; do
@@ -145,6 +182,13 @@ if [ "$DEFAULT" = 1 ]; then
         >"$BUILD/matrix_check.o.log" 2>&1 &
     build_jobs+=("$!")
 fi
+if [ "$TENSOR" = 1 ]; then
+    # The engine's tensor-op test kernels, for tensor_ops_check.cu.
+    copy_metal "$BUILD/tests" "" "$ROOT/tests/kernels/tensor_ops.metal" || die "cannot copy tensor_ops.metal"
+    "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/tensor_ops_check.cu" -o "$BUILD/tensor_ops_check" \
+        >"$BUILD/tensor_ops_check.o.log" 2>&1 &
+    build_jobs+=("$!")
+fi
 if [ "$DEFAULT" = 1 ] && [ "$MUTANTS" = 1 ]; then
     copy_sources "$BUILD/no-barrier" 's/threadgroup_barrier([^;]*);//g' || die "cannot copy Shaders/"
     copy_sources "$BUILD/exp" 's/\bexp2(/exp(/g' || die "cannot copy Shaders/"
@@ -156,7 +200,7 @@ fi
 if [ "$LARGE" = 1 ] && [ "$MUTANTS" = 1 ]; then
     # 32-bit offsets: every ulong of the kernels becomes uint, so offsets wrap at 2^32 elements.
     copy_sources "$BUILD/offset32" 's/\bulong\b/uint/g' || die "cannot copy Shaders/"
-    compile_kernels "$BUILD/offset32" "$BUILD/kernels-offset32.o" &
+    compile_kernels "$BUILD/offset32" "$BUILD/kernels-offset32.o" table &
     build_jobs+=("$!")
 fi
 compile_host() {  # compile_host UNIT: compiles tests/cuda/UNIT into $BUILD/host-UNIT.o
@@ -164,8 +208,8 @@ compile_host() {  # compile_host UNIT: compiles tests/cuda/UNIT into $BUILD/host
     "$NVCC" "${FLAGS[@]}" -I"$BUILD/src" -c "$GPU_DIR/$1" -o "$object" >"$object.log" 2>&1 \
         || { cat "$object.log" >&2; die "compiling tests/cuda/$1 failed"; }
 }
-compile_host layout.cpp  # the harness's and large_offsets.cu's
 if [ "$DEFAULT" = 1 ]; then
+    compile_host layout.cpp  # the harness's
     compile_host harness.cu
     compile_host replay.cu
     compile_host cases.cpp
@@ -174,8 +218,9 @@ if [ "$DEFAULT" = 1 ]; then
 fi
 [ "$LARGE" = 1 ] && compile_host large_offsets.cu
 for job in "${build_jobs[@]}"; do
-    wait "$job" || { cat "$BUILD"/kernels*.o.log "$BUILD"/matrix_check.o.log "$BUILD"/cases-*.o.log 2>/dev/null >&2
-                     die "compiling the kernels or matrix_check.cu, or writing the cases, failed"; }
+    wait "$job" || { cat "$BUILD"/kernels*.o.log "$BUILD"/matrix_check.o.log "$BUILD"/tensor_ops_check.o.log \
+                         "$BUILD"/cases-*.o.log 2>/dev/null >&2
+                     die "compiling the kernels, matrix_check.cu or tensor_ops_check.cu, or writing the cases, failed"; }
 done
 link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
     local kernels=$1 executable=$2 unit objects=()
@@ -187,17 +232,17 @@ link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
 }
 if [ "$DEFAULT" = 1 ]; then
     link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout varlen_cases kv_cache_cases
-    link "$BUILD/kernels.o" "$BUILD/replay" replay
+    link "$BUILD/kernels-table.o" "$BUILD/replay" replay
     if [ "$MUTANTS" = 1 ]; then
         link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout varlen_cases kv_cache_cases
         link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout varlen_cases kv_cache_cases
-        link "$BUILD/kernels-no-barrier.o" "$BUILD/replay-no-barrier" replay
-        link "$BUILD/kernels-exp.o" "$BUILD/replay-exp" replay
+        link "$BUILD/kernels-no-barrier-table.o" "$BUILD/replay-no-barrier" replay
+        link "$BUILD/kernels-exp-table.o" "$BUILD/replay-exp" replay
     fi
 fi
 if [ "$LARGE" = 1 ]; then
-    link "$BUILD/kernels.o" "$BUILD/large_offsets" large_offsets layout
-    [ "$MUTANTS" = 1 ] && link "$BUILD/kernels-offset32.o" "$BUILD/large_offsets-offset32" large_offsets layout
+    link "$BUILD/kernels-table.o" "$BUILD/large_offsets" large_offsets
+    [ "$MUTANTS" = 1 ] && link "$BUILD/kernels-offset32-table.o" "$BUILD/large_offsets-offset32" large_offsets
 fi
 cat "$BUILD"/*.o.log >"$BUILD/build.log"
 echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/build.log)"
@@ -232,7 +277,32 @@ run_checked_step() {
 if [ "$DEFAULT" = 1 ]; then
     # The SIMD-group emulation against the engine's expectations, before the kernels rely on it.
     run_checked_step cuda-matrix "$BUILD/matrix.log" "$BUILD/matrix_check"
-
+fi
+if [ "$TENSOR" = 1 ]; then
+    # The tensor-op emulation: its own checks, then bit-identity with the CPU engine's outputs.
+    rm -f "$BUILD/tensor_ops_cuda.txt"
+    run_checked_step cuda-tensor-ops "$BUILD/tensor-ops.log" "$BUILD/tensor_ops_check" \
+        --write "$BUILD/tensor_ops_cuda.txt"
+    run_checked_step cuda-tensor-identity "$BUILD/tensor-identity.log" \
+        python3 "$GPU_DIR/tensor_ops_compare.py" "$GPU_DIR/tensor_ops_engine.txt" "$BUILD/tensor_ops_cuda.txt"
+    # The same program under memcheck and synccheck (the warp shuffles of matmul2d's gather); its
+    # fault children, which trap on purpose, run outside the tool (application-only).
+    for tool in memcheck synccheck; do
+        SECONDS=0
+        log="$BUILD/tensor-ops-$tool.log"
+        timeout 300 "$COMPUTE_SANITIZER" --tool "$tool" --target-processes application-only \
+            "$BUILD/tensor_ops_check" >"$log" 2>&1
+        status=$?
+        errors=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$log" | tail -n 1)
+        if [ "$status" = 0 ] && [ "$errors" = 0 ]; then
+            summaries+=("tensor-ops-$tool: 0 errors (${SECONDS}s)")
+        else
+            summaries+=("tensor-ops-$tool: FAIL (exit status $status, ${errors:-no} errors reported; see $log)")
+            failures=$((failures + 1))
+        fi
+    done
+fi
+if [ "$DEFAULT" = 1 ]; then
     # Accuracy grid: the harness checks determinism and writes outside the views ("cuda-harness: N
     # cases, M failures") and dumps every case; judge.py applies the accuracy rule ("cuda-accuracy:
     # N cases, M mismatches").
@@ -369,12 +439,14 @@ fi
 
 # Opt-in: offsets above 2^32 elements, and the planted 32-bit-offset fault that must fail it.
 if [ "$LARGE" = 1 ]; then
-    run_checked_step large-offsets "$BUILD/large-offsets.log" "$BUILD/large_offsets" "$(fresh_dump large)"
+    run_checked_step large-offsets "$BUILD/large-offsets.log" "$BUILD/large_offsets" "$BUILD/cases-large" \
+        "$(fresh_dump large)"
     run_checked_step large-offsets-accuracy "$BUILD/large-offsets-accuracy.log" \
         python3 "$GPU_DIR/judge.py" --name large-offsets-accuracy "$BUILD/dump-large"
     if [ "$MUTANTS" = 1 ]; then
         SECONDS=0
-        timeout 300 "$BUILD/large_offsets-offset32" "$(fresh_dump offset32)" >"$BUILD/mutant-offset32.log" 2>&1
+        timeout 300 "$BUILD/large_offsets-offset32" "$BUILD/cases-large" "$(fresh_dump offset32)" \
+            >"$BUILD/mutant-offset32.log" 2>&1
         python3 "$GPU_DIR/judge.py" --name large-offsets-accuracy "$BUILD/dump-offset32" \
             >>"$BUILD/mutant-offset32.log" 2>&1
         line=$(sed -nE 's/^large-offsets-accuracy: ([0-9]+ cases, [0-9]+ mismatches).*/\1/p' \

@@ -2,7 +2,8 @@
 writes them, replay.cu runs them). Plain data, no library: the same shapes as the harness's
 cases.cpp, with its names ("f16_d40_b1_h8x2_q33_k77_causal"), so that --case filters select the
 same cases; and, in both grids, cases the harness has not: non-finite inputs (issue 36) and dropout
-(issue 40), nonfinite_cases and dropout_cases below.
+(issue 40), nonfinite_cases and dropout_cases below; and the variable-length and KV-cache cases that
+the replay runs through the library's plans (varlen_cases, kv_cache_cases: VarlenCase, KVCacheCase).
 """
 
 from __future__ import annotations
@@ -141,6 +142,128 @@ def dropout_cases() -> list[Case]:
             dropout(case(F16, 128, 2, 8, 2, 65, 90, False, options=mods(window=(20, -1))), 0.17,
                     2**64 - 3, 2**64 - 5, ".wrap"),
             dropout(case(F32, 64, 2, 6, 3, 80, 60, True), 0.17, 99, 0)]
+
+
+@dataclass(frozen=True)
+class VarlenCase:
+    """A variable-length batch (flash_attn_varlen_func): sequence n has seqlens_q[n] query rows and
+    seqlens_k[n] keys, packed contiguous (total, heads, head_dim); causal, the window, softcap and
+    ALiBi (per head, or per sequence with alibi_per_batch) per sequence; no mask (varlen has none)
+    and no sinks (dsinks sums over the sequences). Judged sequence by sequence as dense problems
+    (each at least one row and one key; sequence n's ALiBi slopes as per-head ones)."""
+
+    name: str
+    dtype: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    causal: bool
+    softmax_scale: float
+    seqlens_q: tuple[int, ...]
+    seqlens_k: tuple[int, ...]
+    options: Options = field(default_factory=Options)
+
+    def sequence(self, n: int) -> Case:
+        """Sequence n as the dense batch-1 case that judges it (named NAME.s<n>)."""
+        return Case(f"{self.name}.s{n}", self.dtype, 1, self.num_heads, self.num_kv_heads, self.seqlens_q[n],
+                    self.seqlens_k[n], self.head_dim, self.head_dim_v, self.causal, self.softmax_scale,
+                    options=replace(self.options, alibi_per_batch=False))
+
+
+def varlen(dtype, d, h, kv, seqlens_q, seqlens_k, causal, *, options=Options()) -> VarlenCase:
+    """A VarlenCase named like the dense cases, its scale 1/sqrt(head_dim) in float32."""
+    import numpy as np
+    name = (f"varlen_{dtype}_d{d}_h{h}x{kv}_q{'.'.join(map(str, seqlens_q))}_k{'.'.join(map(str, seqlens_k))}"
+            f"_{'causal' if causal else 'full'}{options.name()}")
+    return VarlenCase(name, dtype, h, kv, d, d, causal, float(np.float32(1.0 / math.sqrt(d))), tuple(seqlens_q),
+                      tuple(seqlens_k), options)
+
+
+@dataclass(frozen=True)
+class KVCacheCase:
+    """A forward over KV caches (flash_attn_with_kvcache): batch sequences of seqlen_k cached keys
+    each, contiguous (cache_rows rows per sequence) or paged (page rows per block, blocks handed out
+    in shuffled order through a block table with spare blocks), of the dtype or mx.quantize's
+    packed words (bits 4 or 8, group_size). Judged as the dense problem over the cached keys (a
+    quantized cache against its float64 dequantized keys and values). wrong_table: the block
+    table written to the device holds entries outside [0, num_blocks) (each where the kernels'
+    clamp gives back the block the rows are in: above the last block, below 0) and garbage in its
+    unused entries, so the case passes only if every table read is clamped."""
+
+    case: Case
+    cache_rows: int = 0  # contiguous: rows per sequence (>= seqlen_k); 0 when paged
+    page: int = 0        # paged: rows per block; 0 when contiguous
+    bits: int = 0
+    group_size: int = 64
+    wrong_table: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.case.name
+
+
+def kv_cache(c: Case, *, cache_rows=0, page=0, bits=0, group_size=64, wrong_table=False) -> KVCacheCase:
+    """The case c over a KV cache, its name telling the cache."""
+    tag = f"_page{page}" if page else f"_rows{cache_rows}"
+    tag += f"_q{bits}g{group_size}" if bits else ""
+    tag += "_wrongtable" if wrong_table else ""
+    return KVCacheCase(replace(c, name=f"kvcache_{c.name}{tag}"), cache_rows, page, bits, group_size, wrong_table)
+
+
+def varlen_cases(small: bool = False) -> list[VarlenCase]:
+    """Variable-length batches through the exported plans: GQA with causal rows that see no key
+    (a sequence with more queries than keys), one-row sequences, a window, softcap with ALiBi slopes
+    per sequence; every dtype. The sanitizer grid takes the first."""
+    c = [varlen(F16, 64, 4, 2, (5, 17, 1, 33), (7, 17, 40, 20), True),
+         varlen(BF16, 128, 8, 8, (64, 3, 70), (64, 3, 70), False, options=mods(window=(16, 0))),
+         varlen(F32, 40, 6, 2, (12, 9), (30, 9), True),
+         varlen(F16, 96, 4, 4, (20, 7, 33), (25, 7, 40), True, options=mods(softcap=20, alibi="batch"))]
+    return c[:1] if small else c
+
+
+def kv_cache_cases(small: bool = False) -> list[KVCacheCase]:
+    """KV-cache forwards through the exported plans: contiguous and paged caches, 4- and 8-bit
+    quantized ones, decode shapes (split-KV, decode kernels) and longer query blocks (the dense
+    KV-cache kernel), a block table with entries out of range (the harness's wrong-table case), every
+    dtype. The sanitizer grid takes the first three."""
+    c = [kv_cache(case(BF16, 64, 2, 8, 2, 1, 200, True), page=32, bits=4, group_size=32),
+         kv_cache(case(F16, 128, 2, 4, 4, 100, 120, True), cache_rows=128, bits=8, group_size=64),
+         kv_cache(case(F16, 64, 2, 4, 2, 12, 50, True), page=16, bits=4, group_size=64, wrong_table=True),
+         kv_cache(case(F16, 64, 2, 8, 2, 1, 300, True), cache_rows=320),
+         kv_cache(case(F16, 128, 3, 4, 4, 7, 90, True), page=16),
+         kv_cache(case(F32, 64, 2, 4, 2, 20, 150, True), page=64),
+         kv_cache(case(F32, 64, 1, 6, 3, 2, 260, False), page=48, bits=8, group_size=32)]
+    return c[:3] if small else c
+
+
+@dataclass(frozen=True)
+class MergeCase:
+    """fa_merge_attention through plans: the forward over keys [0, split) and the forward over keys
+    [split, seqlen_k) (each a plan of its own, binding k and v at the split's offset), then the merge
+    plan of their out and lse (float16: fa_plan_create_merge's dtype). Judged as the dense case over
+    all keys (causal off and no modifiers, so each part's mask is the whole mask's restriction)."""
+
+    case: Case
+    split: int
+
+    @property
+    def name(self) -> str:
+        return self.case.name
+
+
+def merge_cases() -> list[MergeCase]:
+    """The merge kernel through plans, in both grids: GQA, a split inside a key tile and one at a
+    tile's edge, head_dim_v != head_dim."""
+    return [MergeCase(replace(c, name=f"merge_{c.name}_at{split}"), split) for c, split in (
+        (case(F16, 64, 2, 4, 2, 40, 90, False), 37),
+        (case(F16, 128, 1, 2, 2, 33, 128, False, dv=64), 64))]
+
+
+def large_offsets_case() -> Case:
+    """large_offsets.cu's problem: q, out, dout and dq of 2^32 + 640 elements (seqlen_q 2^25 + 5,
+    head_dim 128, one head; row 2^25 starts at element 2^32) over 16 keys, float16, causal off."""
+    return replace(case(F16, 128, 1, 1, 1, 2**25 + 5, 16, False), name="large_offsets_f16_d128_k16")
 
 
 def mods(*, window=None, softcap=0.0, mask=None, alibi=None, sinks=False) -> Options:

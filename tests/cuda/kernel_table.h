@@ -3,25 +3,30 @@
 // fa_cuda_kernel_<instance>, that binds the kernel's buffers from FaCudaBuffers by [[buffer(i)]]
 // index and its built-ins from CUDA's, and kFaCudaKernels, the instances by name. The parameter
 // struct is bound as a device pointer like every buffer (the CUDA build has no constant address
-// space; a varlen pass binds its sequence table there). Included by kernels.cu after the kernels,
-// where FA_CUDA_TGID, FA_CUDA_SGID and FA_CUDA_LANE are defined.
+// space; a varlen pass binds its sequence table there). Included by launch_table.cu after the
+// kernels (metal_cuda.h, flash_attention.metal, metal_cuda_end.h).
 #ifndef FA_GPU_KERNEL_TABLE_H
 #define FA_GPU_KERNEL_TABLE_H
+
+#include "launch_table.h"
+
+// The MSL built-ins from CUDA's: every threadgroup is 1-D, so thread_index_in_threadgroup is
+// threadIdx.x, and its SIMD-groups are consecutive runs of 32 threads (warps, Apple's SIMD width).
 
 #define FA_CUDA_BUFFER(INDEX, NAME, TYPE, ACCESS, SPACE) , FA_CUDA_BUFFER_##SPACE(INDEX, TYPE, ACCESS)
 #define FA_CUDA_BUFFER_device_memory(INDEX, TYPE, ACCESS) static_cast<FA_ACCESS_##ACCESS TYPE *>(b.at[INDEX])
 #define FA_CUDA_BUFFER_constant_memory(INDEX, TYPE, ACCESS) *static_cast<TYPE *>(b.at[INDEX])
 #define FA_CUDA_BUFFER_constant_array(INDEX, TYPE, ACCESS) static_cast<TYPE *>(b.at[INDEX])
 #define FA_CUDA_BUILTIN(TYPE, NAME, ATTRIBUTE) , FA_CUDA_BUILTIN_##ATTRIBUTE
-#define FA_CUDA_BUILTIN_threadgroup_position_in_grid FA_CUDA_TGID
-#define FA_CUDA_BUILTIN_simdgroup_index_in_threadgroup FA_CUDA_SGID
-#define FA_CUDA_BUILTIN_thread_index_in_simdgroup FA_CUDA_LANE
+#define FA_CUDA_BUILTIN_threadgroup_position_in_grid make_uint3(blockIdx.x, blockIdx.y, blockIdx.z)
+#define FA_CUDA_BUILTIN_simdgroup_index_in_threadgroup (threadIdx.x / 32)
+#define FA_CUDA_BUILTIN_thread_index_in_simdgroup (threadIdx.x % 32)
 #define FA_CUDA_BUILTIN_thread_index_in_threadgroup threadIdx.x
 #define FA_CUDA_BUFFER_INDEX_FITS(INDEX, NAME, TYPE, ACCESS, SPACE) &&(INDEX) < FA_CUDA_MAX_BUFFERS
 
 #define FA_CUDA_KERNEL(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP)        \
     static_assert(true BUFFERS(FA_CUDA_BUFFER_INDEX_FITS, T), "a buffer index past FaCudaBuffers"); \
-    __global__ void __launch_bounds__(kThreads)                                                    \
+    __global__ void __launch_bounds__(FA_THREADS_PER_THREADGROUP)                                  \
         FA_CAT(fa_cuda_kernel_, FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP))(FaCudaBuffers b) {  \
         FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP)(                                             \
             FA_TAIL(0 BUFFERS(FA_CUDA_BUFFER, T) BUILTINS(FA_CUDA_BUILTIN)));                      \

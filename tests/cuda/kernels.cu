@@ -9,7 +9,6 @@
 
 #include "kernels.h"
 
-#include <cstring>
 #include <initializer_list>
 #include <type_traits>
 
@@ -165,9 +164,6 @@ __global__ void __launch_bounds__(kThreads) fa_cuda_backward_dsinks_kernel(
                                     nullptr, nullptr, sinks, lse_residual, dsinks, FA_CUDA_TGID,
                                     threadIdx.x);
 }
-// Every instance by name (the launches of exported plans, fa_cuda_launch).
-#include "kernel_table.h"
-
 #undef FA_CUDA_LAUNCHERS_F16
 #undef FA_CUDA_LAUNCHERS_BF16
 #undef FA_CUDA_LAUNCHERS_F32
@@ -728,14 +724,4 @@ cudaError_t fa_cuda_varlen_backward(const FlashAttentionParams &given, int dtype
         error = fa_cuda_backward_dsinks(p, lse, delta, lse_residual, x.sinks, dsinks);
     }
     return error;
-}
-
-cudaError_t fa_cuda_launch(const char *name, dim3 grid, const FaCudaBuffers &buffers) {
-    for (const FaCudaKernel &k : kFaCudaKernels) {
-        if (std::strcmp(k.name, name) == 0) {
-            k.launch<<<grid, kThreads>>>(buffers);
-            return cudaGetLastError();
-        }
-    }
-    return cudaErrorInvalidValue;
 }

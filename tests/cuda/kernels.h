@@ -165,16 +165,4 @@ cudaError_t fa_cuda_kvcache_forward(const FlashAttentionParams &params, int dtyp
                                     float *partial_out, float *partial_lse,
                                     const FaCudaScoreInputs &inputs = {});
 
-// Any kernel instance by name, as the library's plans name and bind them: `buffers` the device
-// pointers by [[buffer(i)]] index (the parameter struct's too, in device memory: the CUDA build binds
-// constant buffers as device pointers), launched over `grid` threadgroups of
-// FA_THREADS_PER_THREADGROUP threads on the default stream with the function constants set last.
-// cudaErrorInvalidValue for an unknown name. The instances come from the kernel catalogue
-// (Shaders/flash_attention_catalogue.h, expanded in kernel_table.h).
-#define FA_CUDA_MAX_BUFFERS FA_KV_CACHE_BUFFER_COUNT
-struct FaCudaBuffers {
-    void *at[FA_CUDA_MAX_BUFFERS] = {};
-};
-cudaError_t fa_cuda_launch(const char *name, dim3 grid, const FaCudaBuffers &buffers);
-
 #endif

@@ -1,19 +1,23 @@
 // 64-bit offsets on a tensor of more than 2^32 elements (issue 5: "a tensor of more than 2^32
 // elements is either right or rejected"): the kernels of Shaders/flash_attention.metal (CUDA build,
-// kernels.cu) on q, out, dout and dq of 2^32 + 640 elements each, checked row by row.
+// the catalogue's launch table) on q, out, dout and dq of 2^32 + 640 elements each, checked row by
+// row, under the library's plan: tests/cuda/cases.py plan large exports it (fa_plan_create on the
+// host) and writes CASES_FOLDER/large_offsets_f16_d128_k16.case, whose dispatches run here as
+// replay.cu runs them (case_file.h); only the inputs are made here, on the device.
 //
-// Shape: batch 1, one head, one KV head, head_dim 128, seqlen_k 16, seqlen_q 2^25 + 5, causal off,
-// softmax_scale 1/sqrt(128). Row 2^25 starts at element 2^32, so every row from there on needs an
-// offset above 32 bits; the last threadgroup holds only those 5 rows. q, out, dout and dq take
-// 8.6 GB each as float16 (34.4 GB of device memory in all).
+// Shape (grid.large_offsets_case; checked against the case file's views): batch 1, one head, one
+// KV head, head_dim 128, seqlen_k 16, seqlen_q 2^25 + 5, causal off, softmax_scale 1/sqrt(128).
+// Row 2^25 starts at element 2^32, so every row from there on needs an offset above 32 bits; the
+// last threadgroup holds only those 5 rows. q, out, dout and dq take 8.6 GB each as float16 (34.4
+// GB of device memory in all).
 //
 // q and dout are filled on the device by a hash of the 64-bit element index (so two rows 2^25
 // apart differ), k and v on the host. out, lse, the delta and lse residual workspaces and dq are
 // poisoned with NaN before the run, so a row a kernel never writes fails. Forward, then the
 // backward's delta, lse residual (0 on every row here: |lse| < 256) and dQ dispatches on the
-// forward's out and lse. dK/dV is not run: each key's gradient sums over all
-// 33.5 M query rows, so its reference would need every row on the host, and the one threadgroup
-// that owns the 16 keys would walk all of q.
+// forward's out and lse: the plan's dispatches but dK/dV's, which is not run: each key's gradient
+// sums over all 33.5 M query rows, so its reference would need every row on the host, and the one
+// threadgroup that owns the 16 keys would walk all of q.
 //
 // Only sampled rows come back to the host: rows 0..3; around 2^30 and 2^31 elements (32-bit byte
 // and signed-int boundaries); 2^25 - 2 .. 2^25 + 4 around the 2^32-element boundary (the last
@@ -24,8 +28,9 @@
 // over the sampled rows together; lse per row). A 32-bit write offset of row 2^25 + i lands in
 // row i: row i then holds another row's result and row 2^25 + i keeps its NaN poison, both caught.
 //
-// Usage: large_offsets DUMP_FOLDER. Prints "large-offsets: N rows dumped, M failures (q elements
-// E > 2^32)"; exits 1 on a CUDA error (including too little device memory) or a failed dump.
+// Usage: large_offsets CASES_FOLDER DUMP_FOLDER. Prints "large-offsets: N rows dumped, M failures (q
+// elements E > 2^32)"; exits 1 on a CUDA error (including too little device memory), a case file
+// that is not this problem's, or a failed dump.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -33,16 +38,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "case_file.h"
 #include "device_array.h"
 #include "dtype_bits.h"
 #include "dump.h"
-#include "kernels.h"
-#include "layout.h"
 
 namespace {
 
@@ -53,6 +59,7 @@ constexpr uint32_t kSeqlenQ = kBoundaryRow + 5;
 constexpr size_t kQElements = size_t(kSeqlenQ) * kHeadDim;
 constexpr size_t kKvElements = size_t(kSeqlenK) * kHeadDim;
 constexpr uint64_t kQSeed = 1, kDoutSeed = 2, kKSeed = 3, kVSeed = 4;
+constexpr char kCaseName[] = "large_offsets_f16_d128_k16";  // grid.large_offsets_case, and the dump's
 static_assert(kQElements > (size_t(1) << 32), "the test needs more than 2^32 elements");
 
 
@@ -73,15 +80,15 @@ __host__ __device__ float hashed_value(uint64_t seed, uint64_t index) {
 }
 
 // Fills x[0, n) with hashed_value(seed, i) as float16 bits; grid-stride over 64-bit indices.
-__global__ void fill_hashed(uint16_t *x, size_t n, uint64_t seed) {
+__global__ void fill_hashed(uint16_t *x, uint64_t n, uint64_t seed) {
     const size_t stride = size_t(gridDim.x) * blockDim.x;
     for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
         x[i] = __half_as_ushort(__float2half_rn(hashed_value(seed, i)));
     }
 }
 
-void fill_on_device(DeviceArray<uint16_t> &x, size_t n, uint64_t seed) {
-    fill_hashed<<<4096, 256>>>(x.get(), n, seed);
+void fill_on_device(unsigned char *x, uint64_t n, uint64_t seed) {
+    fill_hashed<<<4096, 256>>>(reinterpret_cast<uint16_t *>(x), n, seed);
     check(cudaGetLastError(), "fill launch");
 }
 
@@ -137,92 +144,120 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// Runs the kernels and dumps the sampled rows into `folder` (dump.h) for judge.py (a CUDA error or
-// a failed dump throws).
-void run(const std::string &folder, int *rows_dumped) {
+// Throws unless view `name` of the case is the contiguous float16 (1, 1, rows, kHeadDim) tensor at
+// the start of its buffer, as this program fills and reads it.
+void expect_rows(const Case &c, const char *name, uint32_t rows) {
+    const Output &o = output_named(c, name);
+    const bool contiguous = o.offset == 0 && o.dtype == 0 && o.dims[0] == 1 && o.dims[1] == 1 &&
+                            o.dims[2] == rows && o.dims[3] == kHeadDim && o.strides[2] == kHeadDim &&
+                            o.strides[3] == 1;
+    if (!contiguous) {
+        throw CudaFailure{c.name + ": view " + name + " is not the float16 (1, 1, " + std::to_string(rows) +
+                          ", 128) tensor this program makes"};
+    }
+}
+
+// `count` bytes from `offset` of device memory `at`.
+std::vector<unsigned char> bytes_at(const unsigned char *at, size_t offset, size_t count) {
+    std::vector<unsigned char> host(count);
+    check(cudaMemcpy(host.data(), at + offset, count, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
+    return host;
+}
+
+// Row `row` (kHeadDim float16 elements) of the contiguous tensor at `at`, as floats.
+std::vector<float> row_of(const unsigned char *at, uint32_t row) {
+    const std::vector<unsigned char> bytes = bytes_at(at, size_t(row) * kHeadDim * 2, kHeadDim * 2);
+    std::vector<uint16_t> bits(kHeadDim);
+    std::memcpy(bits.data(), bytes.data(), bytes.size());
+    return from_half_bits(bits);
+}
+
+// Runs the case's dispatches and dumps the sampled rows into `folder` (dump.h) for judge.py (a
+// CUDA error, a case file of another problem or a failed dump throws).
+void run(const std::string &cases, const std::string &folder, int *rows_dumped) {
+    const Case c = load(cases, kCaseName);
+    for (const char *name : {"q", "dout", "out", "dq"}) {
+        expect_rows(c, name, kSeqlenQ);
+    }
+    expect_rows(c, "k", kSeqlenK);
+    expect_rows(c, "v", kSeqlenK);
+    const Output &lse_view = output_named(c, "lse");
+    if (lse_view.dtype != 2 || lse_view.elements() != kSeqlenQ || lse_view.strides[2] != 1) {
+        throw CudaFailure{c.name + ": view lse is not float32 [seqlen_q]"};
+    }
     int index = 0;
     cudaDeviceProp prop;
     check(cudaGetDevice(&index), "cudaGetDevice");
     check(cudaGetDeviceProperties(&prop, index), "cudaGetDeviceProperties");
     size_t free_bytes = 0, total_bytes = 0;
     check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
-    // q, dout, out, dq; lse, delta and lse_residual.
-    const size_t needed = 4 * kQElements * sizeof(uint16_t) + 3 * size_t(kSeqlenQ) * sizeof(float);
+    size_t needed = 0;
+    for (const Buffer &b : c.buffers) {
+        needed += b.bytes;
+    }
     std::printf("device: %s (sm_%d%d), %.1f GB free; needs %.1f GB\n", prop.name, prop.major,
                 prop.minor, free_bytes / 1e9, needed / 1e9);
     if (free_bytes < needed) {
         throw CudaFailure{"not enough free device memory for the 2^32-element tensors"};
     }
 
-    const AttentionShape shape{1, 1, 1, int(kSeqlenQ), int(kSeqlenK), int(kHeadDim), int(kHeadDim),
-                               false, 1.0f / std::sqrt(float(kHeadDim)), DType::f16};
-    // Contiguous (bhsd) tensors, no score modifiers (no mask: its strides 0), the dense kernels.
-    const FlashAttentionParams p = params_of(shape, place(shape, Layout::bhsd), MaskPlacement{});
-
-    DeviceArray<uint16_t> q(kQElements), dout(kQElements), out(kQElements), dq(kQElements),
-        k(kKvElements), v(kKvElements);
-    DeviceArray<float> lse(kSeqlenQ), delta(fa_cuda_delta_elements(p)),
-        lse_residual(fa_cuda_delta_elements(p));
+    // The case's buffers: q, dout (hashed on the device) and k, v (host values) made here, the
+    // outputs and workspaces poisoned with NaN.
+    std::vector<std::unique_ptr<DeviceArray<unsigned char>>> device;
+    std::vector<unsigned char *> addresses;
+    for (const Buffer &b : c.buffers) {
+        device.push_back(std::make_unique<DeviceArray<unsigned char>>(b.bytes));
+        addresses.push_back(device.back()->get());
+        if (b.kind == kOutput || b.kind == kWorkspace) {
+            device.back()->fill_bytes(0xff);
+        } else if (b.kind == kInput) {
+            device.back()->upload(b.data);
+        }
+    }
+    const auto address = [&](const char *name) { return addresses[output_named(c, name).buffer]; };
     const std::vector<float> k_host = host_values(kKvElements, kKSeed),
                              v_host = host_values(kKvElements, kVSeed);
-    k.upload(to_half_bits(k_host));
-    v.upload(to_half_bits(v_host));
-
+    check(cudaMemcpy(address("k"), to_half_bits(k_host).data(), kKvElements * 2, cudaMemcpyHostToDevice), "k");
+    check(cudaMemcpy(address("v"), to_half_bits(v_host).data(), kKvElements * 2, cudaMemcpyHostToDevice), "v");
     auto start = std::chrono::steady_clock::now();
-    fill_on_device(q, kQElements, kQSeed);
-    fill_on_device(dout, kQElements, kDoutSeed);
-    out.fill_bytes(0xff);
-    dq.fill_bytes(0xff);
-    lse.fill_bytes(0xff);
-    delta.fill_bytes(0xff);
-    lse_residual.fill_bytes(0xff);
+    fill_on_device(address("q"), kQElements, kQSeed);
+    fill_on_device(address("dout"), kQElements, kDoutSeed);
     check(cudaDeviceSynchronize(), "fill");
-    std::printf("filled q and dout, poisoned out, lse, delta, lse_residual and dq: %.2f s\n",
-                seconds_since(start));
+    std::printf("filled q and dout, poisoned the outputs and workspaces: %.2f s\n", seconds_since(start));
 
-    start = std::chrono::steady_clock::now();
-    check(fa_cuda_forward(p, FA_DTYPE_F16, q.get(), k.get(), v.get(), out.get(), lse.get()),
-          "forward launch");
-    check(cudaDeviceSynchronize(), "forward");
-    std::printf("forward: %.2f s\n", seconds_since(start));
-    start = std::chrono::steady_clock::now();
-    check(fa_cuda_backward_delta(p, FA_DTYPE_F16, dout.get(), q.get(), k.get(), v.get(), out.get(),
-                                 lse.get(), delta.get(), lse_residual.get()),
-          "backward delta launch");
-    check(cudaDeviceSynchronize(), "backward delta");
-    std::printf("backward delta: %.2f s\n", seconds_since(start));
-    start = std::chrono::steady_clock::now();
-    check(fa_cuda_backward_lse_residual(p, FA_DTYPE_F16, dout.get(), q.get(), k.get(), v.get(),
-                                        out.get(), lse.get(), delta.get(), lse_residual.get()),
-          "backward lse residual launch");
-    check(cudaDeviceSynchronize(), "backward lse residual");
-    std::printf("backward lse residual: %.2f s\n", seconds_since(start));
-    start = std::chrono::steady_clock::now();
-    check(fa_cuda_backward_dq(p, FA_DTYPE_F16, dout.get(), q.get(), k.get(), v.get(), out.get(),
-                              lse.get(), delta.get(), lse_residual.get(), dq.get()),
-          "backward dq launch");
-    check(cudaDeviceSynchronize(), "backward dq");
-    std::printf("backward dq: %.2f s\n", seconds_since(start));
+    std::vector<std::unique_ptr<DeviceArray<unsigned char>>> params;
+    for (const Dispatch &d : c.dispatches) {
+        if (d.kernel.rfind("flash_attention_backward_dkv_", 0) == 0) {
+            continue;  // dK/dV: see the top of this file
+        }
+        start = std::chrono::steady_clock::now();
+        launch(d, addresses, &params);
+        check(cudaDeviceSynchronize(), d.kernel.c_str());
+        std::printf("%s: %.2f s\n", d.kernel.c_str(), seconds_since(start));
+    }
 
     // The sampled rows make one problem with the same k and v (causal off: rows are independent),
     // dumped for judge.py.
     const std::vector<uint32_t> rows = sampled_rows();
-    AttentionShape sampled = shape;
-    sampled.seqlen_q = int(rows.size());
+    // The scale as grid.py computes it (float32 of the double 1/sqrt(128)), the plan's.
+    const AttentionShape sampled{1, 1, 1, int(rows.size()), int(kSeqlenK), int(kHeadDim), int(kHeadDim),
+                                 false, float(1.0 / std::sqrt(double(kHeadDim))), DType::f16};
     AttentionInputs in;
     in.k = k_host;
     in.v = v_host;
     std::vector<float> sampled_out, sampled_dq, sampled_lse;
     for (uint32_t row : rows) {
-        const size_t first = size_t(row) * kHeadDim;
-        append(&in.q, from_half_bits(q.download(first, kHeadDim)));
-        append(&in.dout, from_half_bits(dout.download(first, kHeadDim)));
-        append(&sampled_out, from_half_bits(out.download(first, kHeadDim)));
-        append(&sampled_dq, from_half_bits(dq.download(first, kHeadDim)));
-        sampled_lse.push_back(lse.download(row, 1)[0]);
+        append(&in.q, row_of(address("q"), row));
+        append(&in.dout, row_of(address("dout"), row));
+        append(&sampled_out, row_of(address("out"), row));
+        append(&sampled_dq, row_of(address("dq"), row));
+        float lse = 0;
+        const std::vector<unsigned char> bytes = bytes_at(address("lse"), lse_view.at(row) * 4, 4);
+        std::memcpy(&lse, bytes.data(), 4);
+        sampled_lse.push_back(lse);
     }
     std::remove((folder + "/cases.txt").c_str());
-    if (!Dump(folder).write("large_offsets_f16_d128_k16", sampled, in,
+    if (!Dump(folder).write(kCaseName, sampled, in,
                             {{"out", &sampled_out}, {"lse", &sampled_lse}, {"dq", &sampled_dq}})) {
         throw CudaFailure{"cannot write the dump into " + folder};
     }
@@ -232,14 +267,15 @@ void run(const std::string &folder, int *rows_dumped) {
 }  // namespace
 
 int main(int argc, char **argv) {
-    if (argc != 2) {
-        std::fprintf(stderr, "usage: %s DUMP_FOLDER (needs about 35 GB of device memory)\n", argv[0]);
+    if (argc != 3) {
+        std::fprintf(stderr, "usage: %s CASES_FOLDER DUMP_FOLDER (needs about 35 GB of device memory)\n",
+                     argv[0]);
         return 2;
     }
     int rows = 0;
     int failures = 0;
     try {
-        run(argv[1], &rows);
+        run(argv[1], argv[2], &rows);
     } catch (const CudaFailure &failure) {
         std::printf("FAIL CUDA error: %s\n", failure.message.c_str());
         failures = 1;

@@ -17,7 +17,8 @@
 // Vector names (float2, half2, ulong2, ...) are macros for metal::vec types while the MSL source is
 // compiled: CUDA declares its own ::float2 and ::half2, which `using namespace metal` would make
 // ambiguous. SIMD-group functions and simdgroup_matrix are warp shuffles with Apple's lane mapping
-// (see the section below).
+// (see the section below); Metal 4's tensor ops (matmul2d, cooperative tensors) are emulated in
+// metal_tensor_ops.h, included below.
 //
 // Include this header first (the .metal file does so through <metal_stdlib>, see include/), and
 // include metal_cuda_end.h after the Metal source: the keyword macros below must not leak into
@@ -190,11 +191,16 @@ FA_VEC_ALIASES(ulong, ulong)
 namespace simd_detail {
 constexpr unsigned kAllLanes = 0xffffffffu;
 
-// The lane index of the calling thread (PTX %laneid), independent of how the block is shaped.
+// The lane index of the calling thread (PTX %laneid), independent of how the block is shaped;
+// the simulated warp's lane on the host (host_warp/cuda_runtime.h, FA_HOST_WARP).
 __device__ __forceinline__ unsigned lane_id() {
+#ifdef FA_HOST_WARP
+    return fa_host_warp::lane_index;
+#else
     unsigned lane;
     asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
     return lane;
+#endif
 }
 
 // Scalars go through one warp shuffle, vectors element by element. Kind: 0 index, 1 xor, 2 down,
@@ -419,6 +425,9 @@ __device__ __forceinline__ To as_type(const From &from) {
 }
 
 }  // namespace metal
+
+// Metal 4 tensor ops (matmul2d, cooperative tensors), before the keyword macros below.
+#include "metal_tensor_ops.h"
 
 // The kernels' full unroll of a loop with a constant trip count (FA_UNROLL) is left to nvcc's own
 // measure here: this build checks correctness, not speed, and forcing every such loop open made

@@ -2,10 +2,12 @@
 // (NAME.case, written by tests/cuda/cases.py; format there) holds the case's device buffers (the
 // inputs' bytes, in the layout the plan's strides describe), every dispatch of its plans in order
 // (forward, backward, and a split-KV forward) as fa_plan_create made them: kernel name,
-// threadgroups, threads, parameter bytes and the buffer and byte offset at each [[buffer]] index;
-// and the output tensors to read back. This program knows nothing of attention: it allocates the
-// buffers, poisons the outputs and workspaces, launches each dispatch by name (launch_table.h) and
-// reads the outputs back.
+// threadgroups, threads, function constants, parameter bytes (none where the plan binds a buffer,
+// a varlen pass's sequence table, in their place) and the buffer and byte offset at each [[buffer]]
+// index; and the output tensors to read back. This program knows nothing of attention: it
+// allocates the buffers, poisons the outputs and workspaces, copies each dispatch's parameter
+// bytes into device memory, launches each dispatch by name (launch_table.h: every instance of the
+// kernel catalogue) and reads the outputs back.
 //
 // Checks here: no byte of an output buffer outside the output views may change, and a second run
 // with other poison bytes must give bit-identical outputs (determinism, no element left
@@ -21,6 +23,7 @@
 // error, 2 on bad arguments.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -30,143 +33,11 @@
 #include <string>
 #include <vector>
 
+#include "case_file.h"
 #include "device_array.h"
 #include "dtype_bits.h"
-#include "launch_table.h"
 
 namespace {
-
-constexpr char kMagic[] = "FACASE1\n";
-constexpr int kMaxBuffers = 32;
-
-enum Kind : uint32_t { kInput = 0, kOutput = 1, kWorkspace = 2 };
-
-struct Buffer {
-    uint64_t bytes = 0;
-    uint32_t kind = kInput;
-    std::vector<unsigned char> data;  // inputs only
-};
-
-struct Binding {
-    uint32_t index, buffer;
-    uint64_t offset;
-};
-
-struct Dispatch {
-    std::string kernel;
-    uint32_t groups[3], threads[3], params_index;
-    std::vector<unsigned char> params;
-    std::vector<Binding> bindings;
-};
-
-struct Output {
-    std::string name;
-    uint32_t buffer, dtype;
-    uint64_t offset;
-    uint32_t dims[4];
-    uint64_t strides[4];
-
-    size_t elements() const { return size_t(dims[0]) * dims[1] * dims[2] * dims[3]; }
-    size_t element_size() const { return dtype == 2 ? 4 : 2; }
-    // Element index of logical element n (row-major over dims).
-    size_t at(size_t n) const {
-        size_t index = offset;
-        for (int axis = 3; axis >= 0; --axis) {
-            index += (n % dims[axis]) * strides[axis];
-            n /= dims[axis];
-        }
-        return index;
-    }
-};
-
-struct Case {
-    std::string name;
-    std::vector<Buffer> buffers;
-    std::vector<Dispatch> dispatches;
-    std::vector<Output> outputs;
-};
-
-class Reader {
-public:
-    explicit Reader(const std::string &path) : in_(path, std::ios::binary), path_(path) {}
-    template <typename T>
-    T get() {
-        T value{};
-        read(&value, sizeof value);
-        return value;
-    }
-    std::string text() {
-        std::string value(get<uint32_t>(), '\0');
-        read(value.data(), value.size());
-        return value;
-    }
-    void read(void *to, size_t bytes) {
-        if (!in_.read(static_cast<char *>(to), std::streamsize(bytes))) {
-            throw CudaFailure{"cannot read " + path_ + " (truncated or missing)"};
-        }
-    }
-
-private:
-    std::ifstream in_;
-    std::string path_;
-};
-
-Case load(const std::string &folder, const std::string &name) {
-    Reader r(folder + "/" + name + ".case");
-    char magic[sizeof kMagic - 1];
-    r.read(magic, sizeof magic);
-    if (std::memcmp(magic, kMagic, sizeof magic) != 0) {
-        throw CudaFailure{name + ".case is not a case file (" + kMagic + ")"};
-    }
-    Case c;
-    c.name = name;
-    c.buffers.resize(r.get<uint32_t>());
-    for (Buffer &b : c.buffers) {
-        b.bytes = r.get<uint64_t>();
-        b.kind = r.get<uint32_t>();
-        if (b.kind == kInput) {
-            b.data.resize(b.bytes);
-            r.read(b.data.data(), b.bytes);
-        }
-    }
-    c.dispatches.resize(r.get<uint32_t>());
-    for (Dispatch &d : c.dispatches) {
-        d.kernel = r.text();
-        r.read(d.groups, sizeof d.groups);
-        r.read(d.threads, sizeof d.threads);
-        d.params_index = r.get<uint32_t>();
-        d.params.resize(r.get<uint32_t>());
-        r.read(d.params.data(), d.params.size());
-        if (d.params.size() != sizeof(FlashAttentionParams)) {
-            throw CudaFailure{name + ": " + d.kernel + " has " + std::to_string(d.params.size()) +
-                              " parameter bytes, FlashAttentionParams " +
-                              std::to_string(sizeof(FlashAttentionParams))};
-        }
-        d.bindings.resize(r.get<uint32_t>());
-        for (Binding &b : d.bindings) {
-            b.index = r.get<uint32_t>();
-            b.buffer = r.get<uint32_t>();
-            b.offset = r.get<uint64_t>();
-            if (b.index >= kMaxBuffers || b.buffer >= c.buffers.size() || b.offset > c.buffers[b.buffer].bytes) {
-                throw CudaFailure{name + ": " + d.kernel + " has a binding outside the case's buffers"};
-            }
-        }
-    }
-    c.outputs.resize(r.get<uint32_t>());
-    for (Output &o : c.outputs) {
-        o.name = r.text();
-        o.buffer = r.get<uint32_t>();
-        o.offset = r.get<uint64_t>();
-        o.dtype = r.get<uint32_t>();
-        r.read(o.dims, sizeof o.dims);
-        r.read(o.strides, sizeof o.strides);
-        if (o.buffer >= c.buffers.size() || o.dtype > 2 ||
-            (o.elements() > 0 && (o.at(o.elements() - 1) + 1) * o.element_size() > c.buffers[o.buffer].bytes)) {
-            throw CudaFailure{name + ": output " + o.name + " outside its buffer"};
-        }
-    }
-    return c;
-}
 
 float decode_element(uint32_t dtype, const unsigned char *at) {
     return decode(dtype == 0 ? DType::f16 : dtype == 1 ? DType::bf16 : DType::f32, at);
@@ -182,24 +53,22 @@ struct Result {
 // that no longer hold the poison.
 Result run(const Case &c, unsigned char poison, bool poison_workspaces) {
     std::vector<std::unique_ptr<DeviceArray<unsigned char>>> device;
+    std::vector<unsigned char *> addresses;
     for (const Buffer &b : c.buffers) {
+        if (b.kind == kDevice) {
+            throw CudaFailure{c.name + ": buffer " + b.name + " is filled on the device by its own program"};
+        }
         device.push_back(std::make_unique<DeviceArray<unsigned char>>(b.bytes));
+        addresses.push_back(device.back()->get());
         if (b.kind == kInput) {
             device.back()->upload(b.data);
         } else if (b.kind == kOutput || poison_workspaces) {
             device.back()->fill_bytes(poison);
         }
     }
+    std::vector<std::unique_ptr<DeviceArray<unsigned char>>> params;
     for (const Dispatch &d : c.dispatches) {
-        void *slots[kMaxBuffers] = {};
-        for (const Binding &b : d.bindings) {
-            slots[b.index] = device[b.buffer]->get() + b.offset;
-        }
-        FlashAttentionParams params;
-        std::memcpy(&params, d.params.data(), sizeof params);
-        check(fa_cuda_launch(d.kernel.c_str(), dim3(d.groups[0], d.groups[1], d.groups[2]),
-                             dim3(d.threads[0], d.threads[1], d.threads[2]), slots, params),
-              d.kernel.c_str());
+        launch(d, addresses, &params);
     }
     check(cudaDeviceSynchronize(), "the case's dispatches");
     Result result;

@@ -28,7 +28,7 @@ kernel void tensor_matmul_half(device const half *a [[buffer(0)]],
 
 // d = a * b for float a 16x16 and b 16x32 with relaxed_precision set or not (mode multiply).
 template <bool Relaxed>
-void float_product(device const float *a, device const float *b, device float *d) {
+inline void float_product(device const float *a, device const float *b, device float *d) {
     constexpr auto desc = descriptor(16, 32, 16, false, false, Relaxed);
     mpp::tensor_ops::matmul2d<desc, execution_simdgroup> op;
     auto left = op.template get_left_input_cooperative_tensor<float, float, float>();

@@ -414,9 +414,10 @@ typedef enum fa_pass {
 } fa_pass;
 
 /* What a buffer of a plan holds. Tensors have the problem's dtype and layout (fa_problem); lse,
- * lse_a, lse_b and the workspaces are float32; attn_mask has its fa_attn_mask_type's elements.
- * Workspaces (written and read only by the plan's own kernels): delta (D_i = rowsum(dout * out)) and
- * lse_residual (backward), partial_out and partial_lse (the split-KV forward of decode shapes). */
+ * lse_a, lse_b and the workspaces are float32 (but the sequence table); attn_mask has its
+ * fa_attn_mask_type's elements. Workspaces (written and read only by the plan's own kernels): delta
+ * (D_i = rowsum(dout * out)) and lse_residual (backward), partial_out and partial_lse (the split-KV
+ * forward of decode shapes), sequence_table (a variable-length pass). */
 typedef enum fa_buffer_role {
     FA_BUFFER_ROLE_Q = 0,
     FA_BUFFER_ROLE_K = 1,
@@ -444,7 +445,14 @@ typedef enum fa_buffer_role {
     FA_BUFFER_ROLE_K_BIASES = 23,
     FA_BUFFER_ROLE_V_SCALES = 24,
     FA_BUFFER_ROLE_V_BIASES = 25,
-    FA_BUFFER_ROLE_COUNT = 26
+    /* Added after 0.3.0: a variable-length pass (fa_problem's cu_seqlens_q and cu_seqlens_k). */
+    FA_BUFFER_ROLE_CU_SEQLENS_Q = 26,   /* int32 [batch + 1] cu_seqlens_q, in the device's memory */
+    FA_BUFFER_ROLE_CU_SEQLENS_K = 27,   /* int32 [batch + 1] cu_seqlens_k, likewise */
+    FA_BUFFER_ROLE_SEQUENCE_TABLE = 28, /* workspace: [batch + 1] parameter structs (params_size bytes
+                                           each), written by the pass's first dispatch from the two
+                                           tables and bound by the others in place of their
+                                           parameter bytes (fa_plan_dispatch.params_from_buffer) */
+    FA_BUFFER_ROLE_COUNT = 29           /* 26 before those: fa_plan_execute takes either count */
 } fa_buffer_role;
 
 /* How a plan uses a buffer. */
@@ -492,9 +500,10 @@ typedef struct fa_plan_buffer {
 
 /* One kernel dispatch: dispatchThreadgroups(threadgroups_per_grid, threads_per_threadgroup) of the
  * kernel kernel_name, specialised with its constants, buffers bound as its bindings say and
- * params_size bytes at params (copy them with setBytes) bound at [[buffer(params_index)]]. Buffer
- * indices 0 ... binding_count are all bound: the bindings and params_index. A host whose grid is
- * given in threads (dispatchThreads) uses threadgroups_per_grid[i] * threads_per_threadgroup[i]. */
+ * params_size bytes at params (copy them with setBytes) bound at [[buffer(params_index)]], unless
+ * params_from_buffer says a binding holds the parameters there. The bindings and params_index
+ * together cover every buffer index the kernel reads. A host whose grid is given in threads
+ * (dispatchThreads) uses threadgroups_per_grid[i] * threads_per_threadgroup[i]. */
 typedef struct fa_plan_dispatch {
     uint32_t struct_size;
     uint32_t piece;                      /* 0 ... piece_count - 1, non-decreasing over the dispatches */
@@ -512,6 +521,13 @@ typedef struct fa_plan_dispatch {
                                             to put before fa_plan_kernel_source() to compile this
                                             dispatch's kernel with its constants (see
                                             fa_plan_specialization); NUL-terminated, owned by the plan */
+    /* Added after 0.3.0. 0: bind the params bytes at params_index. 1: one of the bindings is at
+     * params_index (FA_BUFFER_ROLE_SEQUENCE_TABLE: the dispatches of a variable-length pass after
+     * its first read their sequence's parameters from the table it writes); bind that buffer there
+     * and not the bytes (params still holds the whole problem's struct, the table's entry 0).
+     * fa_plan_get_dispatch refuses such a dispatch (INVALID_ARGUMENT) to a caller whose struct_size
+     * ends before this field, so that a host that does not know it never binds the bytes instead. */
+    uint32_t params_from_buffer;
 } fa_plan_dispatch;
 
 /* One buffer binding of a dispatch: the buffer of `role` at [[buffer(index)]], `byte_offset` bytes
@@ -546,7 +562,9 @@ typedef struct fa_plan_specialization {
  * fa_forward and fa_backward validate it. Of the pointer fields only the presence is read (never the
  * memory): attn_mask (with attn_mask_type), alibi_slopes and sinks say whether those inputs exist,
  * any non-null value will do; dsinks is not read (the backward plan of a problem with sinks writes
- * the dsinks buffer). max_flops_per_piece: 0 gives one piece holding the whole pass; otherwise the
+ * the dsinks buffer); cu_seqlens_q and cu_seqlens_k make a variable-length plan (since after 0.3.0;
+ * before, UNSUPPORTED), whose hosts bind the two tables as FA_BUFFER_ROLE_CU_SEQLENS_Q and _K, and
+ * kv_block_table a paged KV cache's (FA_BUFFER_ROLE_BLOCK_TABLE). max_flops_per_piece: 0 gives one piece holding the whole pass; otherwise the
  * pass is cut into pieces of at most that many floating-point operations (ranges of batch entries or
  * of KV heads with their query heads; when one batch entry and KV head alone is larger, one dispatch
  * of it over a range of its query or key blocks, at least one block, the parameter bytes' block_offset
@@ -601,17 +619,19 @@ const char *fa_plan_kernel_source(void);
 /* The path of the precompiled kernels, flash_attention-<hash>-msl<version>.metallib, built by build.sh
  * on a Mac from exactly fa_plan_kernel_source() (one per MSL version: 3.0 for macOS 13 without the
  * bfloat16 kernels, 3.1 for macOS 14, 3.2 for macOS 15) and found next to this library when it was
- * loaded: the newest version this OS runs; NULL when there is none (Linux, or the Metal compiler
- * was not installed). Its kernels take their function constants as the plan's specialisation
+ * loaded: the newest version this OS runs, never 3.0 where the OS runs 3.1 (it would lose
+ * bfloat16: the embedded source compiled at 3.1 keeps it); NULL when there is none (or only the
+ * 3.0 one there), e.g. on Linux or where the Metal compiler was not installed. Its kernels take their function constants as the plan's specialisation
  * says. Beside it build.sh may put flash_attention-<hash>-features-off.metallib: the source after
  * the prelude of every feature off (no function constants left), for hosts without function
  * constants such as torch.mps.load_metallib. Static storage. */
 const char *fa_plan_metallib_path(void);
 
 /* Runs `plan` on context's backend with the caller's buffers: buffers[role] for each fa_buffer_role
- * role below buffer_count (pass FA_BUFFER_ROLE_COUNT entries), each pointing at the start of that
- * role's memory of at least the plan's byte_count for it, laid out as the problem says. Every input
- * and output of the plan must be given; workspaces are allocated by the library, so their entries
+ * role below buffer_count (pass FA_BUFFER_ROLE_COUNT entries; a role at or past buffer_count counts
+ * as NULL, so a variable-length plan needs buffer_count > FA_BUFFER_ROLE_CU_SEQLENS_K), each
+ * pointing at the start of that role's memory of at least the plan's byte_count for it, laid out as
+ * the problem says. Every input and output of the plan must be given; workspaces are allocated by the library, so their entries
  * (and those of roles the plan does not use) must be NULL. Outputs must not overlap any other
  * buffer. The CPU engine reads and writes the buffers in place; Metal copies them (a framework with
  * GPU buffers encodes the plan itself). Cancellation, profiles and NaN-filled outputs on failure are

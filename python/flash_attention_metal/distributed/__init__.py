@@ -15,13 +15,28 @@ on the gathered sequences. Needs the extra ``distributed`` (mpi4py and an MPI li
     out_global = dist.unshard_sequence(out, comm=comm, causal=True)
 
 Launch with ``mpiexec -n P python -m mpi4py your_script.py`` (``-m mpi4py`` aborts the whole job when
-a rank raises).
+a rank raises). ``layout`` (where each rank's rows sit, which block calls a step makes) is the one
+layout of both ring implementations, this one and ``flash_attention_metal.mlx.ring_attention``.
 """
 
-from ..sequence_layout import SequenceLayout, rank_work
-from .ring import StepProfile, ring_attention, ring_attention_backward
-from .sharding import shard_sequence, unshard_sequence
-from .transport import DEFAULT_TIMEOUT_S, RingTimeoutError
+import importlib
+
+from .layout import SequenceLayout, rank_work
+
+# The MPI parts load on first use (raising ImportError naming the extra without mpi4py): the
+# layout, which the MLX ring shares, needs no MPI.
+_MPI_PARTS = {"DEFAULT_TIMEOUT_S": "transport", "RingTimeoutError": "transport", "StepProfile": "ring",
+              "ring_attention": "ring", "ring_attention_backward": "ring", "shard_sequence": "sharding",
+              "unshard_sequence": "sharding"}
+
+
+def __getattr__(name: str):
+    if name not in _MPI_PARTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_MPI_PARTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

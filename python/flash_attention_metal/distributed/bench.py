@@ -22,9 +22,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import context as _context
-from .. import sequence_layout as layout
 from ..cli import _types
-from . import ring, sharding
+from . import layout, ring, sharding
 
 
 def _arguments(argv) -> argparse.Namespace:

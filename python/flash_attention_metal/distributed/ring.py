@@ -22,7 +22,7 @@ import numpy as np
 from .. import _validation
 from .._default import default_context
 from ..context import Context
-from ..sequence_layout import Call, SequenceLayout, block_calls
+from .layout import Call, SequenceLayout, block_calls
 from .running import RunningAttention
 from .transport import DEFAULT_TIMEOUT_S, allgather_ints, check_comm, check_timeout, shift
 

@@ -10,7 +10,7 @@ import zlib
 
 import numpy as np
 
-from ..sequence_layout import SequenceLayout
+from .layout import SequenceLayout
 from .transport import DEFAULT_TIMEOUT_S, allgather_bytes, allgather_ints, check_comm, check_timeout
 
 _SEQUENCE_AXIS = 2

@@ -9,23 +9,12 @@ Everything here reads only shapes, strides, dtypes and Python values, so ``torch
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from .. import _validation
 from .. import dropout as dropout_module
 from . import _ops
 from ._tensors import DTYPES, as_numpy
-
-
-def _check_dropout(dropout_p) -> float:
-    """dropout_p as a float, checked: a real number in [0, 1)."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be at least 0 and below 1, got {dropout_p}")
-    return float(dropout_p)
 
 
 def draw_dropout(dropout_p: float, device: torch.device) -> tuple[float, int, int]:
@@ -151,7 +140,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         NotImplementedError: alibi_slopes that require grad.
         FlashAttentionError: the library reported an error.
     """
-    dropout_p = _check_dropout(dropout_p)
+    dropout_p = _validation.check_dropout_p(dropout_p)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     if not isinstance(return_attn_probs, bool):
@@ -231,7 +220,7 @@ def _heads(query, key, value, enable_gqa: bool) -> int:
 
 def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap) -> torch.Tensor:
     """scaled_dot_product_attention with the library's softcap (Hugging Face's Gemma 2 path)."""
-    dropout_p = _check_dropout(dropout_p)
+    dropout_p = _validation.check_dropout_p(dropout_p)
     query, key, value = _autocast(query, key, value)
     if _empty((query, key, value)):
         # Nothing to compute (batch, heads or a sequence of 0): PyTorch's own result, empty or,

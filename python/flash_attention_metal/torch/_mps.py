@@ -10,8 +10,11 @@ The contract of compile_shader (PyTorch ``torch/csrc/mps/Module.cpp``, ``MetalKe
   parameter struct's bytes travel, as little-endian int64 words;
 - ``threads`` is the grid in threads (dispatchThreads), ``group_size`` the threadgroup; the plan's
   grid is whole threadgroups, so threads = threadgroups * group_size on each axis;
-- the library is compiled as MSL 3.1 or later without fast math (unless PYTORCH_MPS_FAST_MATH is
-  set, which this module refuses: the kernels rely on infinities); there are no function constants,
+- the library is compiled as MSL 3.1 or later without fast math unless PYTORCH_MPS_FAST_MATH is a
+  non-zero integer, which PyTorch reads once per process, at its first compile
+  (``MetalShaderLibrary::compileLibrary``: a function-local static of ``std::stoi(value) != 0``);
+  this module reads it once too, at its first compile from source, and then refuses to compile
+  (the kernels rely on infinities); there are no function constants,
   so each dispatch compiles its constants prelude (``constant`` definitions of the function
   constants, from the plan) before the source (``plan.specialized_source``): one compiled library
   per prelude, cached;
@@ -21,7 +24,15 @@ The contract of compile_shader (PyTorch ``torch/csrc/mps/Module.cpp``, ``MetalKe
   ``aten/src/ATen/mps/MPSEvent.mm``: ``MPSEvent::recordLocked`` ends the kernel coalescing, encodes
   the signal and calls ``MPSStream::synchronize(SyncType::COMMIT)``; ``MPSStream.mm``: ``commit()``
   is ``commitAndContinue`` of its MPSCommandBuffer, or a plain commit), so that no command buffer
-  of a long pass runs into the GPU watchdog, as on the Swift host.
+  of a long pass runs into the GPU watchdog, as on the Swift host. The event commits the stream
+  it was acquired on, which is always the default stream (``MPSEventPool::acquireEvent`` passes no
+  stream, ``m_default_stream``), and compile_shader's kernels encode on ``getCurrentMPSStream()``
+  (``MetalKernelFunction::runCommandBlock``/``startEncoding``), which every PyTorch release defines
+  as ``getDefaultMPSStream()`` (``MPSStream.mm``): one stream, so the commit ends the command buffer
+  our kernels are in. A PyTorch whose threads may select another MPS stream (a stream pool with
+  ``setCurrentMPSStream``, in development) would break that: a pass of several pieces is refused
+  there while the current stream is not the default one (``torch.accelerator.current_stream``;
+  ``MPSGuardImpl::getStream`` gives the default stream, id 0, in every release).
 An MPS tensor's ``data_ptr()`` is never used as an address (it is an MTLBuffer handle plus an
 offset). Values that need the data (NaN in an additive mask) are not checked here: the kernels
 give defined output for any input without a synchronisation.
@@ -31,6 +42,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import struct
 import threading
 from collections import OrderedDict
@@ -53,7 +65,12 @@ _PLAN_CACHE_SIZE = 256
 _CHUNKED_ROLES = ("q", "k", "v", "out", "dout")
 _CHUNK_BYTES = 16
 
+#: The key of ``_libraries`` that holds the PYTORCH_MPS_FAST_MATH reading (read with the first
+#: library compiled from source, as PyTorch reads it with its first).
+_FAST_MATH = "PYTORCH_MPS_FAST_MATH"
+
 _lock = threading.Lock()
+#: Per process: the compiled libraries by constants prelude, and the fast-math reading.
 _libraries: dict = {}
 _plans: OrderedDict = OrderedDict()
 
@@ -77,15 +94,26 @@ def _compile(dispatch: _plan.Dispatch):
         if library is not None:
             with _lock:
                 return _libraries.setdefault(key, library)
-    fast_math = os.environ.get("PYTORCH_MPS_FAST_MATH")
-    if fast_math is not None and fast_math != "0":
+    with _lock:
+        fast_math = _libraries.setdefault(_FAST_MATH, os.environ.get(_FAST_MATH))
+    if _fast_math_on(fast_math):
         raise RuntimeError(
             f"PYTORCH_MPS_FAST_MATH is set ({fast_math!r}): torch.mps.compile_shader would compile the attention "
             "kernels with fast math, which breaks the infinities they rely on (rows without keys, masked "
-            "scores); unset it (or set it to 0) before the first MPS call")
+            "scores); unset it (or set it to 0) before the process starts (PyTorch and this module read it once)")
     library = torch.mps.compile_shader(_plan.specialized_source(dispatch))
     with _lock:
         return _libraries.setdefault(key, library)
+
+
+def _fast_math_on(value: str | None) -> bool:
+    """Whether PyTorch compiles with fast math for this PYTORCH_MPS_FAST_MATH value: its integer
+    prefix (``std::stoi``: leading spaces, a sign, digits) is not 0. A value without one makes
+    PyTorch's compile fail, so it counts as on here (refused with the variable named)."""
+    if value is None:
+        return False
+    match = re.match(r"\s*([+-]?\d+)", value)
+    return match is None or int(match.group(1)) != 0
 
 
 def _plan_for(p, pass_name: str) -> _plan.Plan:
@@ -131,6 +159,26 @@ def _end_command_buffer() -> None:
     torch.mps.Event().record()
 
 
+def _current_stream_id(device: torch.device) -> int:
+    """The id of the calling thread's current stream on ``device`` (0: the default stream), where
+    this PyTorch can say (``torch.accelerator``, 2.6 and later); else 0."""
+    accelerator = getattr(torch, "accelerator", None)
+    if device.type != "mps" or not hasattr(accelerator, "current_stream"):
+        return 0
+    return int(accelerator.current_stream(device).stream_id)
+
+
+def _check_commit_stream(made: _plan.Plan, device: torch.device) -> None:
+    """A plan of several pieces commits between them through the default stream (the module
+    docstring): refused unless the kernels go there too."""
+    if made.piece_count > 1 and (stream := _current_stream_id(device)) != 0:
+        raise RuntimeError(
+            f"this {made.pass_name} pass needs {made.piece_count} command buffers (the GPU watchdog's budget, "
+            f"MAX_FLOPS_PER_PIECE) and the current MPS stream is {stream}, not the default stream: PyTorch can end "
+            "a command buffer from Python only on the default stream (torch.mps.Event); run the call on the "
+            "default stream, or split it (fewer query rows or keys per call)")
+
+
 def _words(params: bytes) -> list[int]:
     """The parameter bytes as the int64 values whose setBytes copy is those bytes."""
     return list(struct.unpack(f"<{len(params) // 8}q", params))
@@ -141,14 +189,16 @@ def run(p, pass_name: str, tensors: dict) -> None:
     ``tensors`` (role name -> tensor, each laid out as the problem says) and workspaces it allocates.
 
     Raises RuntimeError when a kernel's pipeline cannot run the plan's threadgroups (register
-    pressure lowers its thread limit) or needs more threadgroup memory than a threadgroup has."""
+    pressure lowers its thread limit) or needs more threadgroup memory than a threadgroup has, when
+    PYTORCH_MPS_FAST_MATH is on, or for a plan of several pieces off the default stream."""
     made = _plan_for(p, pass_name)
+    device = next(iter(tensors.values())).device
+    _check_commit_stream(made, device)
     buffers = dict(tensors)
     outputs = {b.role for b in made.buffers if b.usage == "output"}
     for role in _CHUNKED_ROLES:
         if role in buffers and role not in outputs:
             buffers[role] = _aligned(buffers[role])
-    device = next(iter(tensors.values())).device
     for buffer in made.buffers:
         if buffer.usage == "workspace":
             buffers[buffer.role] = torch.empty(max(buffer.byte_count, 1), dtype=torch.uint8, device=device)

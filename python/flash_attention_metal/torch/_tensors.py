@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from .._abi import new_problem, set_score_fields
+from .._abi import abi_strides, mask_kind, mask_strides, new_problem, set_score_fields
 from .._validation import Shape, check_head_dim
 
 #: The dtypes of q, k, v, dout and the outputs (one per call); lse is float32.
@@ -59,30 +59,15 @@ def shape_of(q, k, v) -> Shape:
     return Shape(batch, num_heads, k.shape[1], seqlen_q, k.shape[2], head_dim, v.shape[3])
 
 
-def _addressable(t: torch.Tensor) -> bool:
-    sizes, strides = t.shape, t.stride()
-    if sizes[3] > 1 and strides[3] != 1:
-        return False
-    return all(size == 1 or stride > 0 for size, stride in zip(sizes[:3], strides[:3]))
-
-
 def abi_tensor(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """A (B, H, S, D) tensor as the ABI takes it: itself when its last axis is contiguous and its
-    other strides positive, else a contiguous copy; and its (batch, head, seq) element strides. An
-    axis of length 1 is never stepped along, so it gets the tensor's span as its stride (positive,
-    clear of every element)."""
-    if not _addressable(t):
+    """A (B, H, S, D) tensor as the ABI takes it (``_abi.abi_strides``, the rules of every front
+    end): itself when the ABI can address it in place, else a contiguous copy; and its (batch,
+    head, seq) element strides."""
+    strides = abi_strides(t.shape, t.stride())
+    if strides is None:
         t = t.contiguous()
-    sizes, strides = t.shape, t.stride()
-    span = 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides))
-    return t, tuple(span if size == 1 else stride for size, stride in zip(sizes[:3], strides[:3]))
-
-
-def mask_kind(mask: torch.Tensor) -> str:
-    """The fa_attn_mask_type enumerator of an attn_mask of the call's dtype, float32 or bool."""
-    if mask.dtype == torch.bool:
-        return "FA_ATTN_MASK_BOOL"
-    return "FA_ATTN_MASK_ADDITIVE_FLOAT32" if mask.dtype == torch.float32 else "FA_ATTN_MASK_ADDITIVE"
+        strides = abi_strides(t.shape, t.stride())
+    return t, strides
 
 
 def distinct(mask: torch.Tensor) -> torch.Tensor:
@@ -100,7 +85,7 @@ def abi_mask(mask: torch.Tensor, seqlen_k: int) -> tuple[torch.Tensor, tuple[int
     mask = distinct(mask)
     if mask.shape[3] != seqlen_k or (seqlen_k > 1 and mask.stride(3) != 1):
         mask = mask.expand(*mask.shape[:3], seqlen_k).contiguous()
-    return mask, tuple(0 if size == 1 else stride for size, stride in zip(mask.shape[:3], mask.stride()[:3]))
+    return mask, mask_strides(mask.shape, mask.stride())
 
 
 def new_output(shape, dtype: torch.dtype, device, bshd: bool) -> torch.Tensor:
@@ -137,7 +122,7 @@ def _call(library, q, k, v, tensors: dict, attn_mask, alibi_slopes, *, scale, ca
     if attn_mask is not None:
         m, strides = abi_mask(attn_mask, k.shape[2])
         abi["attn_mask"] = m
-        mask = (address(m), strides, mask_kind(m))
+        mask = (address(m), strides, mask_kind(dtype_name(m.dtype)))
     if alibi_slopes is not None:
         abi["alibi_slopes"] = slopes = alibi_slopes.contiguous()
         alibi = (address(slopes), slopes.dim() == 2)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .. import _validation, _varlen
 from . import _host, _paged_varlen
-from ._interface import _check_dropout, draw_dropout
+from ._interface import draw_dropout
 from ._tensors import as_numpy as _numpy
 from ._tensors import check_index
 from ._tensors import from_numpy as _tensor
@@ -128,7 +128,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         TypeError, ValueError: invalid arguments, named. NotImplementedError: return_attn_probs
         with dropout_p > 0, MPS tensors. FlashAttentionError: the library reported an error.
     """
-    dropout_p = _check_dropout(dropout_p)
+    dropout_p = _validation.check_dropout_p(dropout_p)
     if not isinstance(return_attn_probs, bool):
         raise TypeError(f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}")
     if return_attn_probs and dropout_p > 0:

@@ -330,3 +330,40 @@ def test_bench_decode_checks_its_options(capsys, options, message):
         main(["bench", "--backend", "cpu", *options])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_m5_check_runs_off_apple_gpus_and_says_so():
+    """m5-check (docs/tensor-ops.md, "What an M5 owner should run") on the CPU engine: the device
+    line and the reason say it is not an Apple GPU, and each head_dim gets its paths and times."""
+    env_free = {k: v for k, v in os.environ.items() if k != "FLASH_ATTENTION_TENSOR_OPS"}
+    env_free["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(fam.__file__).resolve().parent.parent), env_free.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-m", "flash_attention_metal", "m5-check", "--backend", "cpu",
+                             "--head-dims", "64", "96", "--seqlen", "16", "--heads", "1", "--repeats", "1"],
+                            env=env_free, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "not an Apple GPU" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines if line.split() and line.split()[0] in ("64", "96")}
+    assert set(rows) == {"64", "96"}
+    for row in rows.values():
+        assert row[1:3] == ["simdgroup", "simdgroup"]
+        assert all(float(x) > 0 for x in row[3:5] + row[6:8])
+    assert any(line.startswith("why (head_dim 64, 96): not an Apple GPU") for line in lines)
+
+
+def test_m5_check_reasons_follow_the_override_and_the_path():
+    from types import SimpleNamespace
+
+    from flash_attention_metal.cli.m5_check import path_name, reason
+
+    engine = SimpleNamespace(backend="cpu", device="CPU engine", note="")
+    mac = SimpleNamespace(backend="metal", device="Apple M5 Max", note="")
+    assert path_name(("flash_attention_forward_tensor_f16_d128",)) == "tensor ops"
+    assert path_name(("flash_attention_forward_f16_d128",)) == "simdgroup"
+    assert "=0 forbids" in reason(mac, False, "0")
+    assert "=1 forces" in reason(engine, True, "1") and "emulation" in reason(engine, True, "1")
+    assert "but none ran" in reason(mac, False, "1")
+    assert reason(engine, False, None).startswith("not an Apple GPU")
+    assert "the plan chose them" in reason(mac, True, None)
+    assert "macOS 26.2" in reason(mac, False, None)

@@ -63,6 +63,21 @@ def _global_rows(layout, rank):
     return np.concatenate([np.arange(c.start, c.start + c.length) for c in layout.chunks(rank)])
 
 
+def test_the_layout_imports_without_mpi4py():
+    """distributed.layout, the layout MLX's ring shares, needs no MPI: with mpi4py unimportable the
+    package and its layout import, and its MPI functions raise the ImportError naming the extra
+    when first used; the deprecated sequence_layout alias is the same module's names."""
+    probe = ("import sys; sys.modules['mpi4py'] = None\n"
+             "import flash_attention_metal.distributed as dist\n"
+             "from flash_attention_metal.distributed.layout import SequenceLayout\n"
+             "from flash_attention_metal import sequence_layout\n"
+             "assert dist.SequenceLayout is SequenceLayout is sequence_layout.SequenceLayout\n"
+             "try:\n    dist.ring_attention\nexcept ImportError as error:\n    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "needs mpi4py" in result.stdout and "[distributed]" in result.stdout
+
+
 @pytest.mark.parametrize("seqlen_q, seqlen_k, size, causal", [
     (37, 37, 2, True), (37, 37, 4, True), (64, 64, 4, True), (50, 30, 4, True), (30, 50, 4, True),
     (23, 23, 4, False), (9, 9, 4, True), (16, 16, 1, True),

@@ -1,11 +1,16 @@
 """tests/cuda/cases.py, the plan-fed CUDA check's case writer: every dispatch it writes is the
-library's (plan.create's kernel, grid, parameter bytes and bindings), every binding and output lies
-inside its buffer, the inputs sit in the device images where the strides say, and short queries get
-the split-KV forward; issue 36's non-finite and issue 40's dropout cases are in both grids, their
-NaN and infinities planted where grid.py says and their dropout in the plans' parameters. The GPU
-replay itself (replay.cu) runs only in tests/cuda/gpu_check.sh.
+library's (plan.create's kernel, grid, function constants, parameter bytes and bindings), every
+binding and output lies inside its buffer, the inputs sit in the device images where the strides
+say, and short queries get the split-KV forward; issue 36's non-finite and issue 40's dropout cases
+are in both grids, their NaN and infinities planted where grid.py says and their dropout in the
+plans' parameters. The variable-length, KV-cache and merge cases (fed by fa_plan_create's varlen
+and cache plans and fa_plan_create_merge's) are replayed here on the CPU engine: fa_plan_execute on
+the case files' buffers, the outputs read through the case's output views as replay.cu reads
+them, and judge.py's verdict on that dump must pass. The GPU replay itself (replay.cu) runs only in
+tests/cuda/gpu_check.sh.
 
-Cost: a few seconds (six cases, planned and written).
+Cost: about 10 s (six dense cases planned and written; a varlen, three KV-cache and two merge
+cases replayed).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import flash_attention_metal as fam
 from flash_attention_metal import plan
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -54,8 +60,9 @@ def _read_case(path: Path) -> dict:
         at += length
         return data[at - length:at].decode()
 
-    buffers = []
+    buffers, names = [], []
     for _ in range(take("I")[0]):
+        names.append(text())
         size, kind = take("QI")
         image = None
         if kind == 0:
@@ -65,17 +72,19 @@ def _read_case(path: Path) -> dict:
     dispatches = []
     for _ in range(take("I")[0]):
         name = text()
-        groups, threads, index = take("3I"), take("3I"), take("I")[0]
+        groups, threads = take("3I"), take("3I")
+        constants = [take("3I") for _ in range(take("I")[0])]
+        index = take("I")[0]
         (length,) = take("I")
         params = data[at:at + length]
         at += length
         bindings = [take("IIQ") for _ in range(take("I")[0])]
-        dispatches.append((name, groups, threads, index, params, bindings))
+        dispatches.append((name, groups, threads, constants, index, params, bindings))
     outputs = []
     for _ in range(take("I")[0]):
         outputs.append((text(), *take("IQI4I4Q")))
     assert at == len(data), "trailing bytes"
-    return {"buffers": buffers, "dispatches": dispatches, "outputs": outputs}
+    return {"buffers": buffers, "names": names, "dispatches": dispatches, "outputs": outputs}
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +107,10 @@ def test_dispatches_are_the_librarys(written, name):
     expected = [*plan.create(problem, "forward").dispatches, *plan.create(problem, "backward").dispatches]
     got = read["dispatches"]
     assert [d[0] for d in got[:len(expected)]] == [d.kernel_name for d in expected]
-    for (kernel, groups, threads, index, params, bindings), d in zip(got, expected):
+    for (kernel, groups, threads, constants, index, params, bindings), d in zip(got, expected):
         assert (groups, threads, index, params) == (d.threadgroups_per_grid, d.threads_per_threadgroup,
                                                    d.params_index, d.params), kernel
+        assert constants == [(x.index, cases.CONSTANT_TYPES[x.type], x.value) for x in d.specialization], kernel
         assert [b[0] for b in bindings] == [b.index for b in d.bindings]
     split = got[len(expected):]
     # The extra forward of short queries, planned for a large GPU where that plan differs: its
@@ -118,6 +128,7 @@ def test_dispatches_are_the_librarys(written, name):
     else:
         assert split == []
     sizes = [b[0] for b in read["buffers"]]
+    assert read["names"] == list(entries[name]["buffers"])
     for kernel, *_, bindings in got:
         for index, buffer, offset in bindings:
             assert offset <= sizes[buffer], (kernel, index)
@@ -203,3 +214,164 @@ def test_dropout_reaches_the_plans_parameters():
             assert [d.kernel_name for d in ours.dispatches] == [d.kernel_name for d in theirs.dispatches]
             assert all(a.params != b.params for a, b in zip(ours.dispatches, theirs.dispatches)
                        if a.kernel_name.startswith(("flash_attention_forward_f", "flash_attention_backward_d"))), c.name
+
+
+# Two variable-length batches (GQA, a sequence whose causal rows partly see no key; softcap with
+# ALiBi slopes per sequence) and three KV caches
+# (paged 4-bit decode through the split-KV decode kernel, contiguous 8-bit through the dense one,
+# a paged 4-bit one whose block table holds entries out of range, which the kernels clamp).
+# And the merge cases: two forwards over parts of the keys, then the merge kernel's plan.
+REPLAYED = [grid.varlen_cases()[0], grid.varlen_cases()[3], *grid.kv_cache_cases()[:3], *grid.merge_cases()]
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(cases._numpy_dtype(dtype)).itemsize
+
+
+def _plans(entry: dict, library) -> list:
+    """(fa_plan ** holding the plan, roles renamed to the case's tensors) of each pass of the case,
+    made as cases.py made them."""
+    ffi, lib = library.ffi, library.lib
+    case = next(x for x in REPLAYED if x.name == entry["name"])
+
+    def create(problem, cores=None, pass_name="FA_PASS_FORWARD"):
+        holder = ffi.new("fa_plan **")
+        with pytest.MonkeyPatch.context() as env:
+            if cores:
+                env.setenv("FLASH_ATTENTION_GPU_CORES", str(cores))
+            library.raise_for_status(lib.fa_plan_create(problem, getattr(lib, pass_name), 0, holder))
+        return holder
+
+    if entry["kind"] == "varlen":
+        problem, held = cases.varlen_problem(case, library)  # noqa: F841  (held: alive while planning)
+        return [(create(problem), {}), (create(problem, pass_name="FA_PASS_BACKWARD"), {})]
+    if entry["kind"] == "merge":
+        first, second = cases.merge_problems(case, library)
+        merge = ffi.new("fa_plan **")
+        c = case.case
+        library.raise_for_status(lib.fa_plan_create_merge(c.batch * c.num_heads * c.seqlen_q, c.head_dim_v, merge))
+        return [(create(first), {"out": "out_a", "lse": "lse_a"}),
+                (create(second), {"k": "k_b", "v": "v_b", "out": "out_b", "lse": "lse_b"}), (merge, {})]
+    strides = {role: tuple(entry["tensors"][role]["strides"][:3]) for role in ("k", "v")}
+    problem, table = cases.kv_cache_problem(case, entry["geometry"], strides, library)  # noqa: F841
+    plans = [(create(problem), {})]
+    if "split_out" in entry["outputs"]:
+        plans.append((create(problem, cases.SPLIT_CORES), {"out": "split_out", "lse": "split_lse"}))
+    return plans
+
+
+def _replay_on_cpu(entry: dict, folder: Path, ctx) -> list[str]:
+    """replay.cu's run of one case, on the CPU engine: the case file's buffers (inputs as written,
+    the others poisoned with 0xff), each pass's plan (made as cases.py made it) run by
+    fa_plan_execute with every role at its case buffer and offset, the outputs read back through
+    the case's output views into the dump (NAME.<output>, cases.txt). Returns the case's lines."""
+    library = ctx._native
+    ffi, lib = library.ffi, library.lib
+    name = entry["name"]
+    read = _read_case(folder / f"{name}.case")
+    memory = {buffer: np.frombuffer(bytearray(image), np.uint8) if kind == 0 else np.full(size, 0xff, np.uint8)
+              for buffer, (size, kind, image) in zip(entry["buffers"], read["buffers"])}
+    for holder, renamed in _plans(entry, library):
+        try:
+            pointers = ffi.new("void *[]", lib.FA_BUFFER_ROLE_COUNT)
+            for b in plan.read(holder[0], library).buffers:
+                if b.usage != "workspace":
+                    t = entry["tensors"][renamed.get(b.role, b.role)]
+                    address = memory[t["buffer"]].ctypes.data + t["offset"] * _itemsize(t["dtype"])
+                    pointers[getattr(lib, "FA_BUFFER_ROLE_" + b.role.upper())] = ffi.cast("void *", address)
+            library.raise_for_status(lib.fa_plan_execute(ctx._handle, holder[0], pointers, lib.FA_BUFFER_ROLE_COUNT))
+        finally:
+            lib.fa_plan_destroy(holder[0])
+    for output in entry["outputs"]:
+        t = entry["tensors"][output]
+        size = _itemsize(t["dtype"])
+        flat = memory[t["buffer"]].view(cases._numpy_dtype(t["dtype"]))
+        view = np.lib.stride_tricks.as_strided(flat[t["offset"]:], shape=t["dims"],
+                                               strides=[stride * size for stride in t["strides"]])
+        view.astype(np.float32).tofile(folder / f"{name}.{output}")
+    return (folder / f"{name}.line").read_text().splitlines()
+
+
+@pytest.mark.parametrize("case", REPLAYED, ids=lambda c: c.name)
+def test_varlen_kv_cache_and_merge_cases_replay_and_judge(tmp_path, case):
+    """A varlen, KV-cache or merge case planned and written by cases.py, replayed on the CPU engine
+    through its case file's buffers, passes judge.py (every sequence of a varlen case as its dense
+    case, a merge as the dense case over all keys); the varlen plans bind the sequence table at the
+    params index (no parameter bytes written)."""
+    ctx = fam.Context("cpu")
+    library = ctx._native
+    if isinstance(case, grid.MergeCase):
+        entry = cases.plan_merge(case, library)
+        assert [d["kernel"].split("_")[2] for d in entry["dispatches"]][-1] == "merge"
+    elif isinstance(case, grid.VarlenCase):
+        entry = cases.plan_varlen(case, library)
+        table = [d for d in entry["dispatches"] if d["kernel"] != "flash_attention_varlen_sequences"]
+        assert table and all(d["params"] == "" and d["params_index"] in [b[0] for b in d["bindings"]] for d in table)
+    else:
+        entry = cases.plan_kv_cache(case, library, cases._split_rows(library))
+        assert all("kvcache" in d["kernel"] or "combine" in d["kernel"] for d in entry["dispatches"])
+    cases.write_case(entry, tmp_path)
+    lines = _replay_on_cpu(entry, tmp_path, ctx)
+    assert len(lines) == (len(case.seqlens_q) if isinstance(case, grid.VarlenCase) else 1)
+    spec = importlib.util.spec_from_file_location("cuda_judge", ROOT / "tests" / "cuda" / "judge.py")
+    judge = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(judge)
+    for line in lines:
+        name, passed, detail, _ = judge.judge_case(tmp_path, line)
+        assert passed, f"{name}: {detail}"
+
+
+def test_varlen_and_kv_cache_cases_are_in_both_grids():
+    """The small (sanitizer) grid holds a varlen and three KV-cache cases (a wrong block table among
+    them), the full one more, with contiguous, paged and 4- and 8-bit quantized caches and every
+    dtype."""
+    small, full = grid.kv_cache_cases(small=True), grid.kv_cache_cases()
+    assert len(grid.varlen_cases(small=True)) == 1 and len(small) == 3 and set(small) <= set(full)
+    assert any(k.wrong_table for k in small)
+    assert {(bool(k.page), k.bits) for k in full} == {(True, 0), (True, 4), (True, 8), (False, 0), (False, 8)}
+    assert {v.dtype for v in grid.varlen_cases()} == {k.case.dtype for k in full} == {"f16", "bf16", "f32"}
+
+
+def test_large_offsets_case_is_the_librarys_plan(tmp_path):
+    """large_offsets.cu's case file: the library's forward and backward plans of the 2^32-element
+    problem, q, k, v and dout left for the program to fill on the device (no bytes written), and
+    the contiguous float16 views it samples rows of (large_offsets.cu checks them too)."""
+    from flash_attention_metal import _native
+    library = _native.native()
+    entry = cases.plan_large(library)
+    cases.write_case(entry, tmp_path)
+    read = _read_case(tmp_path / "large_offsets_f16_d128_k16.case")
+    assert (tmp_path / "large_offsets_f16_d128_k16.case").stat().st_size < 10_000
+    kinds = dict(zip(read["names"], (b[1] for b in read["buffers"])))
+    assert [n for n, k in kinds.items() if k == cases.KINDS["device"]] == ["q", "k", "v", "dout"]
+    c = grid.large_offsets_case()
+    problem = cases._problem(c, cases._place(c), library)
+    expected = [*plan.create(problem, "forward").dispatches, *plan.create(problem, "backward").dispatches]
+    assert [(d[0], d[1], d[5]) for d in read["dispatches"]] == [
+        (d.kernel_name, d.threadgroups_per_grid, d.params) for d in expected]
+    assert read["dispatches"][-1][0].startswith("flash_attention_backward_dkv_")  # the one it skips
+    views = {o[0]: o[1:] for o in read["outputs"]}
+    rows = 2**25 + 5
+    assert sum(1 for o in read["outputs"]) == 7 and c.seqlen_q == rows and c.head_dim == 128
+    for name in ("q", "dout", "out", "dq"):
+        buffer, offset, dtype, *dims_strides = views[name]
+        assert (offset, dtype, dims_strides[:4], dims_strides[6:]) == (0, 0, [1, 1, rows, 128], [128, 1])
+        assert read["buffers"][buffer][0] == rows * 128 * 2 and rows * 128 > 2**32
+
+
+def test_wrong_table_reaches_the_device_out_of_range(tmp_path):
+    """The wrong-table case's block table buffer holds entries outside [0, num_blocks) (the
+    first and last blocks' stand-ins and the spare entries), its cache rows the true table's."""
+    from flash_attention_metal import _native
+    library = _native.native()
+    kc = next(k for k in grid.kv_cache_cases(small=True) if k.wrong_table)
+    entry = cases.plan_kv_cache(kc, library, cases._split_rows(library))
+    cases.write_case(entry, tmp_path)
+    read = _read_case(tmp_path / f"{kc.name}.case")
+    written = np.frombuffer(read["buffers"][read["names"].index("block_table")][2], np.int32)
+    slots = entry["geometry"]["slots"]
+    assert ((written < 0) | (written >= slots)).sum() == 4
+    table = np.asarray(entry["geometry"]["table"])
+    used = np.arange(table.size) % entry["geometry"]["max_blocks"] < -(-kc.case.seqlen_k // kc.page)
+    assert np.array_equal(np.clip(written, 0, slots - 1)[used], table[used])
+    assert not np.array_equal(written[used], table[used])

@@ -90,6 +90,31 @@ def test_kv_cache_buffers_are_read_write():
     assert usage["out"] == usage["lse"] == "output"
 
 
+def test_varlen_plans_bind_the_sequence_table():
+    # 3 sequences packed (presence of the tables only): the pass starts with the sequence-table
+    # dispatch, whose parameters are bytes; every later dispatch reads its sequence's struct from
+    # the table, bound at its params index (params_from_buffer), and a host binds the cu_seqlens
+    # tables as inputs.
+    library = _native.native()
+    for pass_name in ("forward", "backward"):
+        p = _problem(Shape(3, 4, 2, 30, 41, 64))
+        p.cu_seqlens_q = p.cu_seqlens_k = library.ffi.cast("const int32_t *", 4)
+        p.max_seqlen_q, p.max_seqlen_k = 17, 20
+        made = plan.create(p, pass_name)
+        usage = {b.role: b.usage for b in made.buffers}
+        assert usage["cu_seqlens_q"] == usage["cu_seqlens_k"] == "input"
+        assert usage["sequence_table"] == "workspace"
+        assert made.buffer("cu_seqlens_q").byte_count == 4 * 4
+        first, *rest = made.dispatches
+        assert first.kernel_name == "flash_attention_varlen_sequences" and not first.params_from_buffer
+        assert rest and all(d.params_from_buffer for d in rest)
+        for d in rest:
+            at_params = [b for b in d.bindings if b.index == d.params_index]
+            assert [b.role for b in at_params] == ["sequence_table"], d.kernel_name
+            assert sorted(b.index for b in d.bindings) == list(range(len(d.bindings))), d.kernel_name
+        assert rest[0].threadgroups_per_grid[2] == 3  # one z per sequence
+
+
 def test_pieces():
     # One unit (batch entry, KV head with its 2 query heads): 10 FLOP x 2 x 37 x 29 x 64 (bucket).
     made = plan.create(_problem(Shape(2, 6, 3, 37, 29, 40)), "backward", max_flops_per_piece=10 * 2 * 37 * 29 * 64)
@@ -141,10 +166,13 @@ def test_metallib_path_is_found_next_to_the_library(tmp_path):
         return result.stdout.strip()
 
     assert probe() == "None"
-    # One per MSL version; the newest the OS runs wins (on Linux every version counts as available).
-    oldest = tmp_path / f"flash_attention-{source_hash}-msl3.0.metallib"
-    oldest.write_bytes(b"")
-    assert probe() == str(oldest)
+    # One per MSL version; the newest the OS runs wins (on Linux every version counts as available),
+    # but never 3.0 where the OS runs 3.1: it has no bfloat16 kernels (the source compile has them).
+    (tmp_path / f"flash_attention-{source_hash}-msl3.0.metallib").write_bytes(b"")
+    assert probe() == "None"
+    with_bfloat = tmp_path / f"flash_attention-{source_hash}-msl3.1.metallib"
+    with_bfloat.write_bytes(b"")
+    assert probe() == str(with_bfloat)
     newest = tmp_path / f"flash_attention-{source_hash}-msl3.2.metallib"
     newest.write_bytes(b"")
     assert probe() == str(newest)

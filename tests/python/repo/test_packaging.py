@@ -69,6 +69,40 @@ def test_one_version_everywhere(project):
     assert [path.name for path in definitions] == ["flash_attention_metal.h"]
 
 
+def _setup_definitions(checkout: Path) -> dict:
+    """python/setup.py's definitions, without its setup() call, as if it sat in ``checkout``/python."""
+    source = (_PACKAGE_DIR.parent / "setup.py").read_text(encoding="utf-8").split("\nheader = runpy.run_path(")[0]
+    (checkout / "python" / "flash_attention_metal").mkdir(parents=True)
+    namespace = {"__file__": str(checkout / "python" / "setup.py"), "__name__": "setup_under_test"}
+    exec(compile(source, "setup.py", "exec"), namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("case", ["no checkout", "no swift", "swift fails"])
+def test_pip_install_without_a_library_builds_it_or_says_how(case, tmp_path, monkeypatch):
+    """`pip install ./python` from a clean checkout builds the library with `swift build` (setup.py's
+    built_library); where it cannot, it stops with a message naming what to do (Swift, ./build.sh
+    or FLASH_ATTENTION_METAL_PREBUILT), never a traceback."""
+    monkeypatch.delenv("FLASH_ATTENTION_METAL_PREBUILT", raising=False)
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    monkeypatch.setenv("PATH", str(tools))
+    checkout = tmp_path / "checkout"
+    setup = _setup_definitions(checkout)
+    if case != "no checkout":
+        (checkout / "Package.swift").write_text("// a checkout\n")
+    if case == "swift fails":
+        (tools / "swift").write_text("#!/bin/sh\nexit 3\n")
+        (tools / "swift").chmod(0o755)
+    with pytest.raises(SystemExit) as stopped:
+        setup["built_library"]()
+    message = str(stopped.value)
+    assert "FLASH_ATTENTION_METAL_PREBUILT" in message
+    expected = {"no checkout": "install from a checkout", "no swift": "Swift 5.9 or later on PATH",
+                "swift fails": "`build -c release --product FlashAttentionMetal` failed"}[case]
+    assert expected in message and ("./build.sh" in message or case == "no checkout")
+
+
 def test_the_wheel_carries_the_library_the_header_and_the_swift_runtime(tmp_path):
     """`pip wheel ./python` with FLASH_ATTENTION_METAL_PREBUILT (python/setup.py): a py3-none-<platform>
     wheel holding the library and the C header and, on Linux, the Swift runtime libraries the

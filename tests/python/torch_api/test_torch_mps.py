@@ -331,6 +331,32 @@ def test_fast_math_is_refused(compiler, monkeypatch):
     assert compiler.sources == []
 
 
+def test_fast_math_is_read_once_as_pytorch_reads_it(compiler, monkeypatch):
+    """PyTorch reads PYTORCH_MPS_FAST_MATH once per process (std::stoi of it != 0): so does the
+    MPS path, at its first compile from source; a change later in the process changes nothing."""
+    sizes, options = CASES["float16, causal GQA"]
+    monkeypatch.setenv("PYTORCH_MPS_FAST_MATH", "00")
+    _run(_mps, sizes, options)
+    monkeypatch.setenv("PYTORCH_MPS_FAST_MATH", "1")
+    compiled = len(compiler.sources)
+    _run(_mps, *CASES["bfloat16, mask, ALiBi, window, softcap, bshd"])  # other preludes: compiled
+    assert len(compiler.sources) > compiled
+    assert [_mps._fast_math_on(v) for v in (None, "0", " -0", "00", "1", " 2x", "-1", "yes")] == \
+        [False, False, False, False, True, True, True, True]
+
+
+def test_a_pass_in_pieces_is_refused_off_the_default_stream(compiler, monkeypatch):
+    """The commit between pieces reaches the default stream only (torch.mps.Event): a pass of
+    several pieces while another stream is current is refused, naming the stream and the way
+    around; one piece needs no commit and runs."""
+    sizes, options = CASES["float16, causal GQA"]
+    monkeypatch.setattr(_mps, "_current_stream_id", lambda _device: 3)
+    _run(_mps, sizes, options)
+    monkeypatch.setattr(_mps, "MAX_FLOPS_PER_PIECE", 1)
+    with pytest.raises(RuntimeError, match=r"needs \d+ command buffers .* current MPS stream is 3, not the default"):
+        _run(_mps, sizes, options)
+
+
 def test_features_reach_the_engine_as_function_constants(compiler):
     """The bfloat16 case's mask, ALiBi and softcap: the kernels read them as function constants,
     here from the prelude of the source compile_shader got (a kernel that read one the prelude did

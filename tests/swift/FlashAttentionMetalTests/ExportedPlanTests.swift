@@ -105,13 +105,19 @@ final class ExportedPlanTests: XCTestCase {
             XCTAssertEqual(Array(UnsafeRawBufferPointer(start: d.params, count: fields)), bytes,
                            file: file, line: line)
             let got = bindings(plan, UInt32(n))
-            XCTAssertEqual(got.map(\.index), want.bindings.map { UInt32($0.index) }, file: file, line: line)
-            XCTAssertEqual(got.map(\.role), want.bindings.map { $0.role.abi.rawValue }, file: file, line: line)
-            XCTAssertEqual(got.map(\.byte_offset), want.bindings.map { _ in 0 }, file: file, line: line)
+            // A dispatch that reads its parameters from a buffer (a varlen pass's sequence table)
+            // lists that buffer last, at its parameter index.
+            let bound = want.bindings
+                + (want.paramsRole.map { [BufferBinding(index: want.paramsIndex, role: $0)] } ?? [])
+            XCTAssertEqual(d.params_from_buffer, want.paramsRole == nil ? 0 : 1, file: file, line: line)
+            XCTAssertEqual(got.map(\.index), bound.map { UInt32($0.index) }, file: file, line: line)
+            XCTAssertEqual(got.map(\.role), bound.map { $0.role.abi.rawValue }, file: file, line: line)
+            XCTAssertEqual(got.map(\.byte_offset), bound.map { _ in 0 }, file: file, line: line)
             XCTAssertEqual(got.map(\.byte_length),
-                           want.bindings.map { UInt64($0.role.byteCount(for: expected.problem)) }, file: file, line: line)
+                           bound.map { UInt64($0.role.byteCount(for: expected.problem)) }, file: file, line: line)
             // Every [[buffer(i)]] from 0 to the last is bound once: the bindings and the parameters.
-            XCTAssertEqual(Set(got.map(\.index) + [d.params_index]), Set(0...d.binding_count), file: file, line: line)
+            let slots = Set(got.map(\.index) + (d.params_from_buffer == 1 ? [] : [d.params_index]))
+            XCTAssertEqual(slots, Set(0..<(d.binding_count + 1 - d.params_from_buffer)), file: file, line: line)
         }
         let list = buffers(plan)
         XCTAssertEqual(list.map(\.role), expected.boundRoles.map { $0.abi.rawValue }, file: file, line: line)
@@ -257,6 +263,93 @@ final class ExportedPlanTests: XCTestCase {
         XCTAssertEqual(memory.get(FA_BUFFER_ROLE_DV, Float16.self, dv.count).map(\.bitPattern), dv.map(\.bitPattern))
     }
 
+    /// A variable-length problem (3 sequences, one without queries) through fa_plan_create: its
+    /// records are the plan's (the sequence-table dispatch first, the others binding the table at
+    /// their parameter index), a caller built before params_from_buffer gets the dispatches that
+    /// bind bytes (its struct's bytes only) and a named error for the others, and fa_plan_execute
+    /// with the tables as FA_BUFFER_ROLE_CU_SEQLENS_Q and _K gives fa_forward's and fa_backward's bits.
+    func testVarlenPlan() throws {
+        var cuQ: [Int32] = [0, 5, 5, 14], cuK: [Int32] = [0, 7, 10, 21]
+        var p = descriptor(seqlenQ: 14, seqlenK: 21)
+        p.batch = 3
+        (p.max_seqlen_q, p.max_seqlen_k) = (9, 11)
+        let problem = try cuQ.withUnsafeBufferPointer { q in
+            try cuK.withUnsafeBufferPointer { k in
+                p.cu_seqlens_q = q.baseAddress
+                p.cu_seqlens_k = k.baseAddress
+                return try Problem.validate(&p)
+            }
+        }
+        // Presence only, as for the optional inputs; the tables come through the buffers.
+        p.cu_seqlens_q = UnsafePointer(bitPattern: 4)
+        p.cu_seqlens_k = UnsafePointer(bitPattern: 4)
+        let forward = try create(p, FA_PASS_FORWARD), backward = try create(p, FA_PASS_BACKWARD)
+        defer {
+            fa_plan_destroy(forward)
+            fa_plan_destroy(backward)
+        }
+        assertRecords(forward, equal: DispatchPlan.forward(problem))
+        assertRecords(backward, equal: DispatchPlan.backward(problem))
+        XCTAssertEqual(String(cString: dispatch(forward, 0).kernel_name), "flash_attention_varlen_sequences")
+        XCTAssertEqual(bindings(forward, 1).last?.role, FA_BUFFER_ROLE_SEQUENCE_TABLE.rawValue)
+        XCTAssertEqual(buffers(forward).first { $0.role == FA_BUFFER_ROLE_SEQUENCE_TABLE.rawValue }?.usage,
+                       FA_BUFFER_WORKSPACE.rawValue)
+
+        let legacy = MemoryLayout<fa_plan_dispatch>.offset(of: \fa_plan_dispatch.params_from_buffer)!
+        var old = fa_plan_dispatch()
+        old.struct_size = UInt32(legacy)
+        old.params_from_buffer = 77
+        XCTAssertEqual(fa_plan_get_dispatch(forward, 0, &old), FA_STATUS_SUCCESS)
+        XCTAssertEqual(String(cString: old.kernel_name), "flash_attention_varlen_sequences")
+        XCTAssertEqual(old.params_from_buffer, 77, "bytes past the caller's struct_size stay as they were")
+        XCTAssertEqual(fa_plan_get_dispatch(forward, 1, &old), FA_STATUS_INVALID_ARGUMENT)
+        XCTAssertEqual(String(cString: fa_last_error_message()),
+                       "dispatch->struct_size (\(legacy)) must be at least sizeof(fa_plan_dispatch) "
+                           + "(\(MemoryLayout<fa_plan_dispatch>.size)) for dispatch 1, which reads its parameters "
+                           + "from the sequence_table buffer (params_from_buffer)")
+
+        var rng = Normal16(seed: 35)
+        let q = rng.next(BufferRole.q.elementCount(for: problem))
+        let k = rng.next(BufferRole.k.elementCount(for: problem))
+        let v = rng.next(BufferRole.v.elementCount(for: problem))
+        let dout = rng.next(BufferRole.dout.elementCount(for: problem))
+        var out = [Float16](repeating: 0, count: q.count), lse = [Float](repeating: 0, count: problem.lseElements)
+        var dq = out, dk = [Float16](repeating: 0, count: k.count), dv = dk
+        cuQ.withUnsafeBufferPointer { tq in
+            cuK.withUnsafeBufferPointer { tk in
+                var call = p
+                (call.cu_seqlens_q, call.cu_seqlens_k) = (tq.baseAddress, tk.baseAddress)
+                XCTAssertEqual(fa_forward(ctx, &call, q, k, v, &out, &lse), FA_STATUS_SUCCESS)
+                XCTAssertEqual(fa_backward(ctx, &call, dout, q, k, v, out, lse, &dq, &dk, &dv), FA_STATUS_SUCCESS)
+            }
+        }
+        let memory = RoleMemory()
+        for (role, values) in [(FA_BUFFER_ROLE_Q, q), (FA_BUFFER_ROLE_K, k), (FA_BUFFER_ROLE_V, v)] {
+            memory.set(role, values)
+        }
+        memory.set(FA_BUFFER_ROLE_OUT, [Float16](repeating: 0, count: out.count))
+        memory.set(FA_BUFFER_ROLE_LSE, [Float](repeating: 0, count: lse.count))
+        memory.set(FA_BUFFER_ROLE_CU_SEQLENS_Q, cuQ)
+        memory.set(FA_BUFFER_ROLE_CU_SEQLENS_K, cuK)
+        XCTAssertEqual(fa_plan_execute(ctx, forward, memory.table, 26), FA_STATUS_INVALID_ARGUMENT)
+        XCTAssertEqual(String(cString: fa_last_error_message()),
+                       "buffers[26] (cu_seqlens_q), which the plan reads, must not be null")
+        XCTAssertEqual(fa_plan_execute(ctx, forward, memory.table, UInt32(memory.table.count)), FA_STATUS_SUCCESS,
+                       String(cString: fa_last_error_message()))
+        XCTAssertEqual(memory.get(FA_BUFFER_ROLE_OUT, Float16.self, out.count).map(\.bitPattern), out.map(\.bitPattern))
+        XCTAssertEqual(memory.get(FA_BUFFER_ROLE_LSE, Float.self, lse.count).map(\.bitPattern), lse.map(\.bitPattern))
+        memory.set(FA_BUFFER_ROLE_OUT, out)
+        memory.set(FA_BUFFER_ROLE_DOUT, dout)
+        for role in [FA_BUFFER_ROLE_DQ, FA_BUFFER_ROLE_DK, FA_BUFFER_ROLE_DV] {
+            memory.set(role, [Float16](repeating: 0, count: role == FA_BUFFER_ROLE_DQ ? dq.count : dk.count))
+        }
+        XCTAssertEqual(fa_plan_execute(ctx, backward, memory.table, UInt32(memory.table.count)), FA_STATUS_SUCCESS,
+                       String(cString: fa_last_error_message()))
+        XCTAssertEqual(memory.get(FA_BUFFER_ROLE_DQ, Float16.self, dq.count).map(\.bitPattern), dq.map(\.bitPattern))
+        XCTAssertEqual(memory.get(FA_BUFFER_ROLE_DK, Float16.self, dk.count).map(\.bitPattern), dk.map(\.bitPattern))
+        XCTAssertEqual(memory.get(FA_BUFFER_ROLE_DV, Float16.self, dv.count).map(\.bitPattern), dv.map(\.bitPattern))
+    }
+
     /// Misuse of the plan functions: named errors, nothing written.
     func testErrors() throws {
         var p = descriptor()
@@ -280,8 +373,9 @@ final class ExportedPlanTests: XCTestCase {
         expect(fa_plan_get_dispatch(forward, 1, &d), "index (1) must be less than the plan's dispatch_count (1)")
         expect(fa_plan_get_dispatch(nil, 0, &d), "plan must not be null")
         d.struct_size = 8
+        let legacy = MemoryLayout<fa_plan_dispatch>.offset(of: \fa_plan_dispatch.params_from_buffer)!
         expect(fa_plan_get_dispatch(forward, 0, &d),
-               "dispatch->struct_size (8) must be at least sizeof(fa_plan_dispatch) (\(MemoryLayout<fa_plan_dispatch>.size))")
+               "dispatch->struct_size (8) must be at least \(legacy) (fa_plan_dispatch up to constants_prelude)")
         var b = fa_plan_binding()
         b.struct_size = UInt32(MemoryLayout<fa_plan_binding>.size)
         expect(fa_plan_get_binding(forward, 3, 0, &b), "dispatch (3) must be less than the plan's dispatch_count (1)")

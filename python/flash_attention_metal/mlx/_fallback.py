@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import _validation
-from ._mlx_arrays import evaluate, new_output, numpy_view
+from .. import _validation
+from ._arrays import evaluate, new_output, numpy_view
 
 
 @mx.custom_function
@@ -25,7 +25,8 @@ def _attention(q, k, v, scale, causal, context, dropout=(0.0, None, 0)):
     shape = checked[0]
     out, out_view = new_output((shape.batch, shape.num_heads, shape.seqlen_q, shape.head_dim_v), q.dtype)
     lse, lse_view = new_output((shape.batch, shape.num_heads, shape.seqlen_q), mx.float32)
-    context._forward(*views, checked, "bhsd", out_view, lse_view)
+    context.forward(*views, causal=causal, softmax_scale=scale, dropout_p=dropout[0], dropout_seed=dropout[1],
+                    dropout_offset=dropout[2], out=out_view, lse=lse_view)
     return out, lse
 
 

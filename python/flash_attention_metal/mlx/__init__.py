@@ -7,12 +7,12 @@ Algorithm 1) and the backward (Algorithm 2, from the ``out`` and ``lse`` the for
 MLX primitives, so training holds O(seqlen) memory per head instead of O(seqlen^2).
 
 Two paths (``NATIVE`` says which one this process has, ``PATH_NOTE`` why):
-- native (the MLX extension ``_mlx_ext``, built from mlx_extension/ by ./build.sh when MLX is
+- native (the MLX extension ``flash_attention_metal._mlx_ext``, built from mlx_extension/ by ./build.sh when MLX is
   installed): graph nodes ``FlashAttentionForward``/``FlashAttentionBackward`` evaluated on MLX's
   stream (on the CPU stream through the library's CPU engine). ``mx.grad``, ``mx.value_and_grad``,
   ``mx.vjp``, ``mx.compile`` (also of a training step), ``mx.vmap`` over any axis, array masks
   (boolean: True = may attend; additive) and sinks; output shapes are known without evaluation.
-- pure-Python fallback (``_mlx_fallback``: an ``mx.custom_function`` on NumPy views of evaluated
+- pure-Python fallback (``mlx._fallback``: an ``mx.custom_function`` on NumPy views of evaluated
   arrays; used when the extension is absent or a ``context`` is passed): ``mx.grad`` and the like
   only; ``mx.compile``/``mx.vmap``, array masks and sinks raise NotImplementedError.
 Neither path has ``mx.jvp`` or second derivatives (they raise instead of giving zeros), nor a
@@ -28,7 +28,7 @@ deliberate differences are in one table in docs/integrations.md; among them, Ctr
 ``mx.eval`` of a native-path node is honoured only when the evaluation returns (pass ``context=``
 for calls that Ctrl-C cancels at once).
 
-Copies: the fallback copies no row-contiguous input (``_mlx_arrays``); the native path makes
+Copies: the fallback copies no row-contiguous input (``mlx._arrays``); the native path makes
 inputs row-contiguous in the graph (MLX's ``contiguous``: free when they already are) and reads a
 mask's size-1 axes as broadcasts. MLX itself needs Python 3.10 or later.
 """
@@ -44,13 +44,14 @@ except ImportError as error:  # the message names the extra that installs MLX
         "Linux, pip install mlx on Apple silicon"
     ) from error
 
-from . import _mlx_fallback, _validation
-from ._default import default_context
-from ._mlx_arrays import DTYPES
-from .context import Context
+from .. import _validation
+from .._default import default_context
+from ..context import Context
+from . import _fallback
+from ._arrays import DTYPES
 
 try:
-    from . import _mlx_ext
+    from .. import _mlx_ext
 except ImportError as _error:  # not built (./build.sh builds it where MLX is installed)
     _mlx_ext = None
     PATH_NOTE = (f"pure-Python fallback (no mx.compile/mx.vmap, array masks or sinks): the MLX extension "
@@ -140,7 +141,7 @@ def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force
             "sinks: attention sinks need the MLX extension (" + PATH_NOTE + "); pass sinks=None or use "
             "mx.fast.scaled_dot_product_attention"
         )
-    return _mlx_fallback._attention(q, k, v, scale, causal, default_context() if context is None else context,
+    return _fallback._attention(q, k, v, scale, causal, default_context() if context is None else context,
                                     drop)[0]
 
 
@@ -195,8 +196,8 @@ def unshard_sequence(x_local, *, causal=False, group=None):
 def _ring_module():
     if not NATIVE:
         raise RuntimeError(f"ring_attention needs the MLX extension: {PATH_NOTE}")
-    from . import _mlx_ring
-    return _mlx_ring
+    from . import _ring
+    return _ring
 
 
 def _describe(value) -> str:

@@ -2,7 +2,7 @@
 backends), forward and backward: the ring of ``flash_attention_metal.distributed`` (Ring Attention,
 Liu et al. 2023) with MLX's send/recv as the transport instead of MPI's.
 
-The same algorithm and layout (``sequence_layout``: contiguous shards, zigzag for causal masks, the
+The same algorithm and layout (``distributed.layout``: contiguous shards, zigzag for causal masks, the
 fewest library calls per block): at step s a rank computes its queries against the K/V shard of
 rank (rank - s) mod P, then passes that shard to the next rank; partial results merge by
 log-sum-exp in float32 and are rounded once. Backward (FlashAttention-2, Algorithm 2): with the
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import _mlx_ext
-from .sequence_layout import SequenceLayout, block_calls
+from .. import _mlx_ext
+from ..distributed.layout import SequenceLayout, block_calls
 
 _F32 = mx.float32
 
