@@ -6,10 +6,12 @@
 // mlx/ops.cpp, facts only). Values are dequantized in registers as they are loaded: no
 // dequantized copy exists in device memory.
 //
-// The addressing is small inline functions (kv_page, kv_row) and the loads
-// kv_elements and kv_chunk, with which the forward kernels copy 16-byte chunks into their
-// threadgroup tiles (CacheStream below); the decode kernel's lanes load their slices of a row
-// straight into registers (CacheDecodeRows, kv_dequantize).
+// The tiled kernels read a cache by its kind, one key loop per kind (kv_cache_kind,
+// FA_WITH_CACHE_SOURCE): a contiguous unquantized cache as a plain tensor (DeviceKV), a paged one by
+// 16-byte chunks found by per-pass cursors (PagedKV), a quantized one by chunks dequantized in
+// registers (QuantKV), an unquantized paged one off 16-byte boundaries element by element
+// (CacheKV: kv_elements, kv_chunk). The decode kernel's lanes load their slices of a row straight
+// into registers (CacheDecodeRows, kv_dequantize).
 //
 // Bounds: every block table value is clamped into [0, kv_num_blocks) and every block index into
 // [0, kv_max_blocks), so a wrong table gives wrong numbers but never an access outside the cache
@@ -335,7 +337,7 @@ FA_ALWAYS_INLINE void kv_next_tile(thread const KVCacheHead<T> &c, ulong tile_st
 // and moves its cursors to the tile after it.
 template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
 FA_ALWAYS_INLINE void load_tile(Tile tile, thread PagedStream<T, ROWS, DP> &ps, uint first,
-                      constant FlashAttentionParams &p, uint tid) {
+                                constant FlashAttentionParams &p, uint tid) {
     typedef TileStream<T, ROWS, DP> S;
     TileChunks<S::PASSES> from;
     FA_UNROLL
@@ -524,7 +526,9 @@ struct CacheDecodeRows {
     }
 };
 
-// The K/V source of the forward kernels for a cache: streams over batch element b's KV head.
+// The K/V source of the forward kernels for a cache, element by element (the decode kernel's for
+// every kind; the tiled kernels' for unquantized paged caches off 16-byte boundaries): streams over
+// batch element b's KV head.
 template <typename T>
 struct CacheKV {
     device const T *k;
