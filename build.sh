@@ -5,7 +5,8 @@
 #                      on macOS also .build/release/flash_attention-<hash>-msl<version>.metallib (and the
 #                      features-off one for PyTorch) when `xcrun metal` works
 #   ./build.sh run     set-up (.venv with the Python package), build, then the main job:
-#                      python -m flash_attention_metal check, then examples/smollm2_generate.py
+#                      python -m flash_attention_metal check, then examples/smollm2_generate.py,
+#                      then 20 fine-tuning steps of examples/finetune_smollm2.py (with torch and transformers)
 #   ./build.sh test    build, then every test: the address-space check of the kernels, swift test,
 #                      the sanitized run, the C program, on Linux the Metal backend's build against
 #                      the stand-in Metal module, pytest (with the workflow linters)
@@ -331,6 +332,12 @@ case "${1:-build}" in
         .venv/bin/python -m flash_attention_metal check
         say "SmolLM2-135M-Instruct answering a chat prompt, every attention call through the library"
         .venv/bin/python examples/smollm2_generate.py
+        if .venv/bin/python -c "import torch, transformers, tqdm" 2>/dev/null; then
+            say "SmolLM2-135M fine-tuned for 20 steps through transformers, next to PyTorch's math SDPA (docs/training.md)"
+            .venv/bin/python examples/finetune_smollm2.py --steps 20 --seq-len 32
+        else
+            say "note: no torch, transformers or tqdm in .venv (Python < 3.10): skipping examples/finetune_smollm2.py"
+        fi
         ;;
     test)
         case "${2:-}" in
@@ -344,7 +351,7 @@ case "${1:-build}" in
         build_library
         check_wheel
         ;;
-    -h | --help | help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' ;;
+    -h | --help | help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//' ;;
     *)
         echo "build.sh: unknown command '$1' (use: ./build.sh [build|run|test [--quick]|wheel])" >&2
         exit 2

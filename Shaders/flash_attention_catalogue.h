@@ -15,8 +15,10 @@
 //   (flash_attention_kernels.h).
 // - INSTANCES: `bucket`, one instance per dtype and head-dim bucket, named
 //   flash_attention_<KERNEL>_<dtype>_d<head_dim_max>; `decode_bucket`, the same for the buckets
-//   up to FA_DECODE_MAX_HEAD_DIM (FA_IF_DECODE); `dtype`, one per dtype,
-//   flash_attention_<KERNEL>_<dtype>; `once`, one, flash_attention_<KERNEL>.
+//   up to FA_DECODE_MAX_HEAD_DIM (FA_IF_DECODE); `tensor_bucket`, the same for the half and bfloat
+//   buckets that have a Metal 4 tensor-op kernel (FA_IF_TENSOR, flash_attention_tensor.h), which
+//   only the tensor-op library (flash_attention_tensor.metal, MSL 4.0) and the CPU engine define;
+//   `dtype`, one per dtype, flash_attention_<KERNEL>_<dtype>; `once`, one, flash_attention_<KERNEL>.
 // - BUFFERS: a buffer list, BUFFERS(B, T) calling B(INDEX, NAME, TYPE, ACCESS, SPACE) per buffer in
 //   [[buffer(INDEX)]] order: TYPE the element type (T, the instance's dtype, or float, uchar, int,
 //   FlashAttentionParams), ACCESS `read` or `write`, SPACE `device_memory` (a pointer),
@@ -61,7 +63,13 @@
       __VA_ARGS__)                                                                                               \
     X(varlen_sequences, once, FA_VARLEN_BUFFERS, FA_READS_NONE, VarlenSequencesStorage,                          \
       FA_BUILTINS_THREAD_INDEX, __VA_ARGS__)                                                                     \
-    X(merge, dtype, FA_MERGE_BUFFERS, FA_READS_NONE, none, FA_BUILTINS_THREAD, __VA_ARGS__)
+    X(merge, dtype, FA_MERGE_BUFFERS, FA_READS_NONE, none, FA_BUILTINS_THREAD, __VA_ARGS__)              \
+    X(forward_tensor, tensor_bucket, FA_FORWARD_BUFFERS, FA_READS_FORWARD, tensor_forward_storage,            \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                     \
+    X(backward_dq_tensor, tensor_bucket, FA_BACKWARD_DQ_BUFFERS, FA_READS_GRADIENTS, tensor_dq_storage,       \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                     \
+    X(backward_dkv_tensor, tensor_bucket, FA_BACKWARD_DKV_BUFFERS, FA_READS_GRADIENTS, tensor_dkv_storage,    \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)
 
 // ---- buffer lists ----------------------------------------------------------------------------
 
@@ -172,24 +180,36 @@
 // ---- expanding the catalogue -------------------------------------------------------------------
 // Helpers every consumer shares. FA_KERNELS(FA_AT_BUCKET, F, T, SUFFIX, DP) calls
 // F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP) for the kernels that have
-// an instance in bucket DP of dtype T (name suffix SUFFIX); FA_AT_DTYPE (DP 0) those that have one
-// per dtype; FA_AT_ONCE (T uchar, SUFFIX and DP unused) the others.
+// an instance in bucket DP of dtype T (name suffix SUFFIX); FA_AT_TENSOR the same for the tensor-op
+// kernels (never expanded by FA_AT_BUCKET: their source needs MSL 4.0 and its own library);
+// FA_AT_DTYPE (DP 0) those that have one per dtype; FA_AT_ONCE (T uchar, SUFFIX and DP unused) the
+// others.
 #define FA_AT_BUCKET(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, F, T, SUFFIX, DP)       \
     FA_AT_BUCKET_##INSTANCES(DP, F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP))
 #define FA_AT_BUCKET_bucket(DP, ...) __VA_ARGS__
 #define FA_AT_BUCKET_decode_bucket(DP, ...) FA_IF_DECODE(DP, __VA_ARGS__)
+#define FA_AT_BUCKET_tensor_bucket(DP, ...)
 #define FA_AT_BUCKET_dtype(DP, ...)
 #define FA_AT_BUCKET_once(DP, ...)
+#define FA_AT_TENSOR(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, F, T, SUFFIX, DP)       \
+    FA_AT_TENSOR_##INSTANCES(DP, F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP))
+#define FA_AT_TENSOR_bucket(DP, ...)
+#define FA_AT_TENSOR_decode_bucket(DP, ...)
+#define FA_AT_TENSOR_tensor_bucket(DP, ...) FA_IF_TENSOR(DP, __VA_ARGS__)
+#define FA_AT_TENSOR_dtype(DP, ...)
+#define FA_AT_TENSOR_once(DP, ...)
 #define FA_AT_DTYPE(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, F, T, SUFFIX, DP)        \
     FA_AT_DTYPE_##INSTANCES(F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP))
 #define FA_AT_DTYPE_bucket(...)
 #define FA_AT_DTYPE_decode_bucket(...)
+#define FA_AT_DTYPE_tensor_bucket(...)
 #define FA_AT_DTYPE_dtype(...) __VA_ARGS__
 #define FA_AT_DTYPE_once(...)
 #define FA_AT_ONCE(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, F, T, SUFFIX, DP)         \
     FA_AT_ONCE_##INSTANCES(F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP))
 #define FA_AT_ONCE_bucket(...)
 #define FA_AT_ONCE_decode_bucket(...)
+#define FA_AT_ONCE_tensor_bucket(...)
 #define FA_AT_ONCE_dtype(...)
 #define FA_AT_ONCE_once(...) __VA_ARGS__
 
@@ -197,6 +217,7 @@
 #define FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP) FA_KERNEL_NAME_##INSTANCES(KERNEL, SUFFIX, DP)
 #define FA_KERNEL_NAME_bucket(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX##_d##DP
 #define FA_KERNEL_NAME_decode_bucket(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX##_d##DP
+#define FA_KERNEL_NAME_tensor_bucket(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX##_d##DP
 #define FA_KERNEL_NAME_dtype(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX
 #define FA_KERNEL_NAME_once(KERNEL, SUFFIX, DP) flash_attention_##KERNEL
 

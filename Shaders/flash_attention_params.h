@@ -328,6 +328,27 @@ typedef struct FlashAttentionParams {
 #define FA_IF_DECODE_256(...) __VA_ARGS__
 #define FA_IF_DECODE_512(...)
 #define FA_IF_DECODE_576(...)
+// FA_IF_TENSOR(DP, ...): the arguments where half/bfloat bucket DP has a Metal 4 tensor-op forward
+// (flash_attention_tensor.h, docs/tensor-ops.md: head_dim 64, 96, 128 and 256), nothing elsewhere;
+// FA_TENSOR_BUCKET_MASK has bit DP / 32 of each such bucket (bits 2, 3, 4, 8), for the host's
+// routing (a plain number, which Swift imports; TensorKernelTraits checks it against FA_IF_TENSOR).
+#define FA_IF_TENSOR(DP, ...) FA_IF_TENSOR_##DP(__VA_ARGS__)
+#define FA_IF_TENSOR_32(...)
+#define FA_IF_TENSOR_64(...) __VA_ARGS__
+#define FA_IF_TENSOR_96(...) __VA_ARGS__
+#define FA_IF_TENSOR_128(...) __VA_ARGS__
+#define FA_IF_TENSOR_192(...)
+#define FA_IF_TENSOR_256(...) __VA_ARGS__
+#define FA_IF_TENSOR_512(...)
+#define FA_IF_TENSOR_576(...)
+#define FA_TENSOR_BUCKET_MASK 284u
+// The tensor-op forward's tiles (MLX's NAX attention: 64 query rows, 32 keys, 4 SIMD-groups of 16
+// rows; docs/tensor-ops.md argues them per head dim): FA_TENSOR_ROWS query rows per SIMD-group,
+// FA_TENSOR_BLOCK_Q (FA_SIMDGROUPS x FA_TENSOR_ROWS, checked in flash_attention_tensor.h) per
+// threadgroup, key tiles of FA_TENSOR_BLOCK_K.
+#define FA_TENSOR_ROWS 16
+#define FA_TENSOR_BLOCK_Q 64
+#define FA_TENSOR_BLOCK_K 32
 // Bytes one thread moves per load and store of a tile copy (flash_attention_loader.h); rows whose
 // address, strides or width are not multiples of it take the checked scalar copy (scalar_copies).
 #define FA_CHUNK_BYTES 16

@@ -17,10 +17,11 @@ On a Mac (the full run, a few hundred steps on the GPU):
 
     python examples/finetune_smollm2.py --device mps --steps 300 --seq-len 256 --batch-size 4
 
-On the CPU here (the library on its CPU engine; a capped run):
+On the CPU (the library on its CPU engine; the first is the last step of ``./build.sh run``, about a
+minute of CPU time, the second about two):
 
     python examples/finetune_smollm2.py --steps 20 --seq-len 32
-    python examples/finetune_smollm2.py --memory 64 128 256 512 --plot docs/training_memory.png
+    python examples/finetune_smollm2.py --memory 32 64 128 256 --plot docs/training_memory.png
 
 Criterion of the comparison (issue 40): per-step losses within 1e-2 relative for the first 20 steps
 and the final loss within 2 %; the script exits 1 when it is not met. ``--memory`` measures one
@@ -41,12 +42,17 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+# Before PyTorch loads OpenMP: its idle workers otherwise spin between operators and take the cores
+# the CPU engine's workers need (on this repository's busy 2-core machine a library training step
+# 6x slower, a math one 3x; docs/training.md).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from flash_attention_metal.models import smollm2, smollm2_texts
-from flash_attention_metal.models.smollm2_finetune import (FINAL_RELATIVE, FIRST_STEPS, RUNS, STEP_RELATIVE,
-                                                           agreement, batches, build, llama_config, measure_step,
-                                                           memory_table, plot_memory, train)
+import torch  # noqa: E402
+
+from flash_attention_metal.models import smollm2, smollm2_texts  # noqa: E402
+from flash_attention_metal.models.smollm2_finetune import (FINAL_RELATIVE, FIRST_STEPS, RUNS,  # noqa: E402
+                                                           STEP_RELATIVE, agreement, batches, build, llama_config,
+                                                           measure_step, memory_table, plot_memory, train)
 
 _MIB = 1 << 20
 
@@ -54,11 +60,10 @@ _MIB = 1 << 20
 def measure_memory(seq_lens: list) -> list:
     """One measured step per (run, seq_len), each in a fresh process: rows of dicts."""
     rows = []
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     for seq_len in seq_lens:
         for run in RUNS:
             child = subprocess.run([sys.executable, __file__, "--memory-child", run, str(seq_len)],
-                                   capture_output=True, text=True, env=env)
+                                   capture_output=True, text=True)
             if child.returncode != 0:
                 raise RuntimeError(child.stderr.strip().splitlines()[-1] if child.stderr else "memory child failed")
             result = json.loads(child.stdout.strip().splitlines()[-1])

@@ -1,5 +1,6 @@
 // Writes EmbeddedShaders.swift (the build-tool plugin Plugins/EmbedShadersPlugin runs it on every
-// build whose Shaders/ changed): the MSL source of Shaders/flash_attention.metal with every quoted
+// build whose Shaders/ changed): the MSL source of Shaders/flash_attention.metal (and of
+// flash_attention_tensor.metal, the tensor-op library) with every quoted
 // #include of a file in Shaders/ replaced by its text, the headers' own includes expanded where they
 // stand, each header once (every header has an include guard), because
 // MTLDevice.makeLibrary(source:options:) has no include path; and a hash of that source, which
@@ -11,10 +12,16 @@
 import Foundation
 import ShaderSplice
 
-/// The Swift file holding `source` as a raw string literal whose delimiter cannot occur in it.
-func swiftFile(_ source: String) -> String {
+/// `source` as a raw string literal whose delimiter cannot occur in it.
+func rawLiteral(_ source: String) -> String {
     var hashes = "#"
     while source.contains("\"" + hashes) || source.contains("\\" + hashes) { hashes += "#" }
+    return hashes + "\"\"\"\n" + source + "\"\"\"" + hashes
+}
+
+/// The Swift file holding `source` and `tensorSource` (flash_attention_tensor.metal's) as raw
+/// string literals.
+func swiftFile(_ source: String, tensorSource: String) -> String {
     return """
         // Generated at build time by Sources/EmbedShaders (the EmbedShadersPlugin build-tool plugin)
         // from Shaders/flash_attention.metal and the headers it includes.
@@ -25,8 +32,11 @@ func swiftFile(_ source: String) -> String {
             /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
             static let sourceHash = "\(sourceHash(source))"
 
-            static let source: String = \(hashes)\"\"\"
-        \(source)\"\"\"\(hashes)
+            static let source: String = \(rawLiteral(source))
+
+            /// The Metal 4 tensor-op kernels' source (Shaders/flash_attention_tensor.metal), compiled
+            /// as a library of its own at MSL 4.0, so that a failure loses only the tensor-op path.
+            static let tensorSource: String = \(rawLiteral(tensorSource))
         }
 
         """
@@ -41,8 +51,10 @@ do {
         FileHandle.standardError.write("usage: EmbedShaders SHADERS_DIR OUTPUT.swift | --hash SHADERS_DIR\n".data(using: .utf8)!)
         exit(2)
     default:
-        let source = try splicedSource(folder: URL(fileURLWithPath: arguments[0]), metal: "flash_attention.metal")
-        try swiftFile(source).write(to: URL(fileURLWithPath: arguments[1]), atomically: true, encoding: .utf8)
+        let folder = URL(fileURLWithPath: arguments[0])
+        let source = try splicedSource(folder: folder, metal: "flash_attention.metal")
+        let tensorSource = try splicedSource(folder: folder, metal: "flash_attention_tensor.metal")
+        try swiftFile(source, tensorSource: tensorSource).write(to: URL(fileURLWithPath: arguments[1]), atomically: true, encoding: .utf8)
     }
 } catch {
     FileHandle.standardError.write("EmbedShaders: \(error)\n".data(using: .utf8)!)

@@ -34,6 +34,12 @@ final class AutoBackend: ExecutionBackend {
         lock.withLock { metal?.gpuCores }
     }
 
+    /// Metal's while it is used (a plan it cannot prepare runs on the CPU engine, which runs
+    /// tensor-op kernels too); the CPU engine's after Metal was given up.
+    var tensorOps: TensorOpsSupport {
+        lock.withLock { metal?.tensorOps ?? .cpuEngine }
+    }
+
     func prepare(_ plan: DispatchPlan) throws {
         try runner(for: plan).prepare(plan)
     }

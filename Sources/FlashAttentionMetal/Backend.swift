@@ -98,6 +98,9 @@ protocol ExecutionBackend: AnyObject {
     /// `gpu-core-count`), for the split-KV plan (`GPUCores.planned`); nil for the CPU engine, which
     /// plans for the nominal GPU.
     var gpuCores: UInt32? { get }
+    /// What the backend offers the tensor-op kernels, for the plan's route (`TensorOps.route`):
+    /// Metal's device and tensor-op library; the CPU engine's emulation (`.cpuEngine`).
+    var tensorOps: TensorOpsSupport { get }
     /// Checks, before anything is written, that every kernel of `plan` can run here (Metal: the
     /// device is usable and each pipeline builds and fits the device); `execute` checks the same.
     /// Throws `FlashAttentionError`.
@@ -113,5 +116,6 @@ protocol ExecutionBackend: AnyObject {
 extension ExecutionBackend {
     var note: String { "" }
     var gpuCores: UInt32? { nil }
+    var tensorOps: TensorOpsSupport { .cpuEngine }
     func prepare(_ plan: DispatchPlan) throws {}
 }

@@ -66,11 +66,13 @@ final class Context {
         #endif
     }
 
-    /// Plans `pass` for `problem` on the backend's GPU core count (`DispatchPlan.make`, once) and
+    /// Plans `pass` for `problem` on the backend's GPU core count and tensor-op support
+    /// (`DispatchPlan.make`, once) and
     /// runs that plan (`run(_:buffers:)`).
     /// - Throws: `invalidArgument` for a bad FLASH_ATTENTION_GPU_CORES, and as `run(_:buffers:)`.
     func run(_ pass: Pass, _ problem: Problem, buffers: HostBuffers) throws {
-        try run(DispatchPlan.make(pass, problem, device: backend.gpuCores), buffers: buffers)
+        try run(DispatchPlan.make(pass, problem, device: backend.gpuCores, tensorOps: backend.tensorOps),
+                buffers: buffers)
     }
 
     /// Runs `plan` as it was made and keeps its profile as the calling thread's last one on this
@@ -91,6 +93,7 @@ final class Context {
         }
         var planned = profile
         planned.gpuCores = Int(plan.problem.gpuCores ?? UInt32(FA_NOMINAL_GPU_CORES))
+        planned.tensorOps = plan.tensorOps.reason
         ProfileStore.record(planned, for: self)
     }
 

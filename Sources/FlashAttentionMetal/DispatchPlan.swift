@@ -250,13 +250,22 @@ struct DispatchPlan {
     }
 
     /// The planner: the plan of `pass` for a validated `problem` on a GPU of `device` cores (the
-    /// backend's `ExecutionBackend.gpuCores`; nil: the CPU engine's nominal GPU), made once per
-    /// call. Here and only here the split-KV chunking is decided, for `GPUCores.planned(device:)`
-    /// (FLASH_ATTENTION_GPU_CORES wins over the device).
-    /// - Throws: `invalidArgument` when FLASH_ATTENTION_GPU_CORES is set to a bad value.
-    static func make(_ pass: Pass, _ problem: Problem, device: UInt32?) throws -> DispatchPlan {
-        make(pass, planned: problem.planned(forGPUCores: try GPUCores.planned(device: device)))
+    /// backend's `ExecutionBackend.gpuCores`; nil: the CPU engine's nominal GPU) whose tensor-op
+    /// support is `tensorOps` (the backend's `ExecutionBackend.tensorOps`), made once per call. Here
+    /// and only here the split-KV chunking is decided, for `GPUCores.planned(device:)`
+    /// (FLASH_ATTENTION_GPU_CORES wins over the device), and the tensor-op route, `TensorOps.route`
+    /// (FLASH_ATTENTION_TENSOR_OPS wins over the device; the plan's `tensorOps` says which and why).
+    /// - Throws: `invalidArgument` when FLASH_ATTENTION_GPU_CORES or FLASH_ATTENTION_TENSOR_OPS is
+    ///   set to a bad value.
+    static func make(_ pass: Pass, _ problem: Problem, device: UInt32?,
+                     tensorOps: TensorOpsSupport = .cpuEngine) throws -> DispatchPlan {
+        let route = pass == .merge ? TensorOpsRoute.off : try TensorOps.route(tensorOps)
+        return make(pass, planned: problem.planned(forGPUCores: try GPUCores.planned(device: device), tensorOps: route))
     }
+
+    /// The tensor-op route the plan was made with (kernels with `tensor` in their names where it is
+    /// enabled and one serves the problem).
+    var tensorOps: TensorOpsRoute { problem.tensorOps }
 
     /// The plan of `pass` for a problem the planner has planned (a piece of a split plan: a slice
     /// that keeps the whole plan's chunking).
@@ -270,7 +279,9 @@ struct DispatchPlan {
     }
 
     /// Forward. Dense: `flash_attention_forward_<dtype>_d<DP>` over (ceil(seqlen_q / forward_block_q),
-    /// num_heads, batch) threadgroups. Split-KV (`problem.split`, short queries over long caches):
+    /// num_heads, batch) threadgroups, or, where the tensor-op route is enabled and
+    /// `TensorOps.forwardServes` the problem, `flash_attention_forward_tensor_<dtype>_d<DP>` over
+    /// (ceil(seqlen_q / FA_TENSOR_BLOCK_Q), num_heads, batch). Split-KV (`problem.split`, short queries over long caches):
     /// `flash_attention_forward_decode_<dtype>_d<DP>`, `_spec_` or `flash_attention_forward_split_<dtype>_d<DP>`
     /// (`KeyValueSplit.kernel`; `_decode_kvcache_`, `_spec_kvcache_`, `_split_kvcache_` for a KV cache) over
     /// (chunks x row blocks, num_kv_heads, batch) threadgroups writes one partial result per chunk,
@@ -283,11 +294,15 @@ struct DispatchPlan {
         let cache = problem.kvCache != nil
         let scoreWork = problem.scoreWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement)
         guard let split = problem.split else {
-            let rowBlocks = blocks(problem.gridSeqlenQ, b.forward_block_q)
-            let dense = dispatch(cache ? FA_KERNEL_forward_kvcache : FA_KERNEL_forward, problem,
+            // The tensor-op forward where the route takes it and it serves the problem.
+            let tensor = problem.tensorOps.enabled && TensorOps.forwardServes(problem)
+            let blockQ = tensor ? UInt32(FA_TENSOR_BLOCK_Q) : b.forward_block_q
+            let rowBlocks = blocks(problem.gridSeqlenQ, blockQ)
+            let kernel = tensor ? FA_KERNEL_forward_tensor : cache ? FA_KERNEL_forward_kvcache : FA_KERNEL_forward
+            let dense = dispatch(kernel, problem,
                                  GridSize(width: rowBlocks, height: problem.numHeads, depth: problem.gridBatch),
                                  blockWork: problem.gridWork(flopsPerScoreElement: Pass.forward.flopsPerScoreElement,
-                                                             blocks: rowBlocks, rows: b.forward_block_q))
+                                                             blocks: rowBlocks, rows: blockQ))
             return withSequenceTable(DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse],
                                                   workspace: [], problem: problem))
         }
@@ -315,7 +330,10 @@ struct DispatchPlan {
     /// num_heads, batch) threadgroups writes `lseResidual` (recomputing scores only for blocks with
     /// a row whose |lse| is huge); `flash_attention_backward_dq_<dtype>_d<DP>` over (ceil(seqlen_q / dq_block_q), num_heads, batch)
     /// threadgroups writes `dq`; `flash_attention_backward_dkv_<dtype>_d<DP>` over
-    /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`.
+    /// (ceil(seqlen_k / dkv_block_k), num_kv_heads, batch) threadgroups writes `dk` and `dv`. Where the
+    /// tensor-op route is enabled and `TensorOps.backwardServes` the problem, dQ and dK/dV are
+    /// `flash_attention_backward_dq_tensor_<dtype>_d<DP>` and `..._dkv_tensor_...` over blocks of
+    /// FA_TENSOR_BLOCK_Q rows and keys (the pre-passes and dsinks stay).
     private static func backward(planned problem: Problem) -> DispatchPlan {
         let b = problem.bucket
         // `flops` per score element over blocks of `block` query rows, or of keys (`alongKeys`); nil:
@@ -335,10 +353,14 @@ struct DispatchPlan {
                              heads: problem.numHeads, flops: nil, rowWork: problem.rowWork(flopsPerElement: 2))
         let residual = dispatch(FA_KERNEL_backward_lse_residual, rows: problem.gridSeqlenQ, block: b.forward_block_q,
                                 heads: problem.numHeads, flops: 2)
-        let dq = dispatch(FA_KERNEL_backward_dq, rows: problem.gridSeqlenQ, block: b.dq_block_q,
-                          heads: problem.numHeads, flops: 6)
-        let dkv = dispatch(FA_KERNEL_backward_dkv, rows: problem.gridSeqlenK, block: b.dkv_block_k,
-                           heads: problem.numKVHeads, flops: 8, alongKeys: true)
+        // The tensor-op dQ and dK/dV where the route takes them and they serve the problem: one
+        // threadgroup per FA_TENSOR_BLOCK_Q query rows (dQ) or keys (dK/dV).
+        let tensor = problem.tensorOps.enabled && TensorOps.backwardServes(problem)
+        let dq = dispatch(tensor ? FA_KERNEL_backward_dq_tensor : FA_KERNEL_backward_dq, rows: problem.gridSeqlenQ,
+                          block: tensor ? UInt32(FA_TENSOR_BLOCK_Q) : b.dq_block_q, heads: problem.numHeads, flops: 6)
+        let dkv = dispatch(tensor ? FA_KERNEL_backward_dkv_tensor : FA_KERNEL_backward_dkv, rows: problem.gridSeqlenK,
+                           block: tensor ? UInt32(FA_TENSOR_BLOCK_Q) : b.dkv_block_k, heads: problem.numKVHeads,
+                           flops: 8, alongKeys: true)
         guard problem.scores.hasSinks else {
             return withSequenceTable(DispatchPlan(pass: .backward, dispatches: [delta, residual, dq, dkv],
                                                   outputs: [.dq, .dk, .dv], workspace: [.delta, .lseResidual],

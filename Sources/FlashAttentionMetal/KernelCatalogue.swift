@@ -40,7 +40,8 @@ struct CatalogueKernel {
     /// bucket), flash_attention_<name>_<dtype> (per dtype) or flash_attention_<name>.
     func instanceName(for problem: Problem) -> String {
         switch instances {
-        case Int(FA_KERNEL_INSTANCES_bucket), Int(FA_KERNEL_INSTANCES_decode_bucket):
+        case Int(FA_KERNEL_INSTANCES_bucket), Int(FA_KERNEL_INSTANCES_decode_bucket),
+             Int(FA_KERNEL_INSTANCES_tensor_bucket):
             return "flash_attention_\(name)_\(problem.dtype.kernelSuffix)_d\(problem.bucket.head_dim_max)"
         case Int(FA_KERNEL_INSTANCES_dtype):
             return "flash_attention_\(name)_\(problem.dtype.kernelSuffix)"

@@ -54,7 +54,7 @@ public func _exportPlanCreate(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_
                                                           + "FA_PASS_BACKWARD (FA_PASS_MERGE: fa_plan_create_merge)")
         }
         // For the GPU its hosts encode it on, as a Metal context plans (fa_gpu_cores with no context).
-        let plan = try DispatchPlan.make(kind, p, device: GPUCores.libraryDevice)
+        let plan = try DispatchPlan.make(kind, p, device: GPUCores.libraryDevice, tensorOps: .framework)
         publish(try ExportedPlan(plan, maxFlopsPerPiece: maxFlopsPerPiece), out)
         return FA_STATUS_SUCCESS
     } catch {

@@ -92,6 +92,8 @@ struct Problem {
     let split: KeyValueSplit?
     /// The GPU core count `split` was planned for; nil in a problem the planner has not planned.
     let gpuCores: UInt32?
+    /// Whether the plan takes the tensor-op kernels (`TensorOps.route`); `.off` until planned.
+    let tensorOps: TensorOpsRoute
     /// Window, softcap, mask, ALiBi and sinks.
     let scores: ScoreSpec
     /// The KV cache k and v are read from (forward), or nil for plain tensors.
@@ -256,8 +258,8 @@ struct Problem {
     private init(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
                  headDim: UInt32, headDimV: UInt32, dtype: AttentionDType, causal: Bool, softmaxScale: Float,
                  bucket: FlashAttentionBucket, layouts: [BufferRole: TensorLayout], scores: ScoreSpec,
-                 split: KeyValueSplit?, gpuCores: UInt32?, kvCache: KVCacheSpec?, varlen: VarlenSpec? = nil,
-                 dropout: DropoutSpec? = nil) {
+                 split: KeyValueSplit?, gpuCores: UInt32?, tensorOps: TensorOpsRoute = .off, kvCache: KVCacheSpec?,
+                 varlen: VarlenSpec? = nil, dropout: DropoutSpec? = nil) {
         self.batch = batch
         self.numHeads = numHeads
         self.numKVHeads = numKVHeads
@@ -273,6 +275,7 @@ struct Problem {
         self.scores = scores
         self.split = split
         self.gpuCores = gpuCores
+        self.tensorOps = tensorOps
         self.kvCache = kvCache
         self.varlen = varlen
         self.dropout = dropout
@@ -361,9 +364,9 @@ struct Problem {
                   split: nil, gpuCores: nil, kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
-    /// The same problem with the split-KV chunking planned for `cores` GPU cores: the planner's
-    /// decision (`DispatchPlan.make`), made once per call.
-    func planned(forGPUCores cores: UInt32) -> Problem {
+    /// The same problem with the split-KV chunking planned for `cores` GPU cores and the tensor-op
+    /// route `tensorOps`: the planner's decisions (`DispatchPlan.make`), made once per call.
+    func planned(forGPUCores cores: UInt32, tensorOps: TensorOpsRoute) -> Problem {
         Problem(batch: batch, numHeads: numHeads, numKVHeads: numKVHeads, seqlenQ: seqlenQ, seqlenK: seqlenK,
                 headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal, softmaxScale: softmaxScale,
                 bucket: bucket, layouts: layouts, scores: scores,
@@ -371,7 +374,7 @@ struct Problem {
                                                                               numKVHeads: numKVHeads,
                                                             seqlenQ: seqlenQ, seqlenK: seqlenK, bucket: bucket,
                                                             cores: cores),
-                gpuCores: cores, kvCache: kvCache, varlen: varlen, dropout: dropout)
+                gpuCores: cores, tensorOps: tensorOps, kvCache: kvCache, varlen: varlen, dropout: dropout)
     }
 
     /// The rules of a variable-length batch that the host can check (the tables' values live where
@@ -409,7 +412,7 @@ struct Problem {
                        seqlenK: seqlenK, headDim: headDim, headDimV: headDimV, dtype: dtype, causal: causal,
                        softmaxScale: softmaxScale, bucket: bucket, layouts: sliced,
                        scores: scores.slice(batch: b, heads: h),
-                       split: split, gpuCores: gpuCores, kvCache: kvCache, varlen: varlen,
+                       split: split, gpuCores: gpuCores, tensorOps: tensorOps, kvCache: kvCache, varlen: varlen,
                        dropout: dropout?.slice(batch: batches.lowerBound, head: kvHeads.lowerBound * groupSize))
     }
 

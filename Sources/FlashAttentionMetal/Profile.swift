@@ -22,6 +22,11 @@ public struct Profile: Sendable, Equatable {
     /// set, else the device's (Metal: the IORegistry's `gpu-core-count`), else
     /// FA_NOMINAL_GPU_CORES (the CPU engine; docs/decode.md).
     public var gpuCores: Int
+    /// The tensor-op route the plan took and why (`FLASH_ATTENTION_TENSOR_OPS` or the device's
+    /// support), e.g. "tensor ops: FLASH_ATTENTION_TENSOR_OPS=1 (...)" or "simdgroup kernels: ...";
+    /// the kernels that ran have `tensor` in their names where it was taken and one served the
+    /// problem. Empty for a profile made by hand.
+    public var tensorOps: String = ""
 
     /// Creates a profile from its parts.
     public init(seconds: Double, dispatches: [DispatchProfile], commandBuffers: Int = 1,

@@ -22,7 +22,7 @@ const msl_engine::kernel_entry *msl_engine::flash_attention_kernel_table(size_t 
     static const std::vector<kernel_entry> *all = [] {
         auto *entries = new std::vector<kernel_entry>();
         for (auto part : {flash_attention_kernels_once, flash_attention_kernels_f16, flash_attention_kernels_bf16,
-                          flash_attention_kernels_f32}) {
+                          flash_attention_kernels_f32, flash_attention_kernels_tensor}) {
             size_t n = 0;
             const kernel_entry *first = part(&n);
             entries->insert(entries->end(), first, first + n);

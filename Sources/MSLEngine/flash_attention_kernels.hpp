@@ -39,6 +39,7 @@ const kernel_entry *flash_attention_kernels_once(size_t *count);
 const kernel_entry *flash_attention_kernels_f16(size_t *count);
 const kernel_entry *flash_attention_kernels_bf16(size_t *count);
 const kernel_entry *flash_attention_kernels_f32(size_t *count);
+const kernel_entry *flash_attention_kernels_tensor(size_t *count);
 
 namespace flash_attention {
 

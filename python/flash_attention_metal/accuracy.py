@@ -35,6 +35,14 @@ one or two dominant scores, and which order happens to round them luckier is cha
 softmax_scale 60: dq 8.7e-3 streamed, 3.6e-2 blocked, ours 3.6e-2). The same factor and atol then
 apply; at float32's small errors atol is a real part of the bound.
 
+Metal 4 tensor-op kernels (``tensor_ops=True``; docs/tensor-ops.md): their matmul2d runs with
+relaxed_precision, under which an M5 truncates float32 operands (P in P V, dS in the backward)
+toward zero to 10 mantissa bits (2^-10.4 relative measured; the CPU engine's emulation does the
+same), where the base rounds them to the dtype (2^-11 for float16, 2^-8 for bfloat16, to nearest).
+Truncation biases every weight of a row the same way, so its errors add up where rounding's cancel:
+the factor becomes TENSOR_OPS_FACTOR = 4 (twice 2; the softcap's 4 stays 4) with the same atol. lse
+is unaffected (Q K^T takes the dtype's operands, exact products into float32).
+
 Dropout (``dropout_mask``, the multipliers Z of ``reference.forward``): base multiplies P by Z in
 float32 before rounding it to the dtype for P V (the float32 base: each streamed weight before its
 product with v), and dP by Z in float32 in the backward, as a framework's dropout on P does.
@@ -77,6 +85,10 @@ GRAD_FACTOR = 2.0
 SOFTCAP_FACTOR = 4.0
 #: dsinks' factor on its root-sum-square base error (see the module docstring).
 DSINKS_FACTOR = 4.0
+#: The least factor of out and the gradients of the Metal 4 tensor-op kernels (``tensor_ops=True``;
+#: see the module docstring): relaxed precision truncates their float32 operands (P, dS) to 10
+#: mantissa bits.
+TENSOR_OPS_FACTOR = 4.0
 LSE_RELATIVE = 1e-4
 #: The float32 baseline's key tile: its online softmax updates the running max once per this many
 #: keys (the narrowest tile of the kernels).
@@ -119,19 +131,19 @@ def absolute_term(ref) -> float:
     return float(2 * np.max(np.abs((ref32 + _F32(0.3) - _F32(0.3)) - ref32)))
 
 
-def factor(name: str, softcap: float = 0.0) -> float:
-    """The rule's factor on max|base - ref| for ``name`` (out, dq, dk, dv or dsinks)."""
+def factor(name: str, softcap: float = 0.0, tensor_ops: bool = False) -> float:
+    """The rule's factor on max|base - ref| for ``name`` (out, dq, dk, dv or dsinks); at least
+    TENSOR_OPS_FACTOR for the tensor-op kernels (``tensor_ops``)."""
     if name == "dsinks":
         return DSINKS_FACTOR
-    if softcap:
-        return SOFTCAP_FACTOR
-    return OUT_FACTOR if name == "out" else GRAD_FACTOR
+    base = SOFTCAP_FACTOR if softcap else (OUT_FACTOR if name == "out" else GRAD_FACTOR)
+    return max(base, TENSOR_OPS_FACTOR) if tensor_ops else base
 
 
-def bound(name: str, base_error: float, ref, softcap: float = 0.0) -> float:
+def bound(name: str, base_error: float, ref, softcap: float = 0.0, tensor_ops: bool = False) -> float:
     """The rule's bound on max|ours - ref| for tensor ``name`` whose base error is ``base_error``:
-    ``factor(name, softcap) * base_error + absolute_term(ref)``."""
-    return factor(name, softcap) * base_error + absolute_term(ref)
+    ``factor(name, softcap, tensor_ops) * base_error + absolute_term(ref)``."""
+    return factor(name, softcap, tensor_ops) * base_error + absolute_term(ref)
 
 
 def _matmul(a, b, dtype) -> np.ndarray:
@@ -352,17 +364,18 @@ def lse_metric(ours: np.ndarray, ref: np.ndarray, base=None) -> Metric:
     return Metric("lse", _lse_error(ours, ref), base_error, bound)
 
 
-def _metric(name: str, ours, bases, ref, softcap: float) -> Metric:
+def _metric(name: str, ours, bases, ref, softcap: float, tensor_ops: bool = False) -> Metric:
     # float32 has two baselines (module docstring): the larger error counts.
     base_error = max(max_abs_error(base, ref) for base in bases)
-    return Metric(name, max_abs_error(ours, ref), base_error, bound(name, base_error, ref, softcap))
+    return Metric(name, max_abs_error(ours, ref), base_error, bound(name, base_error, ref, softcap, tensor_ops))
 
 
 def evaluate_forward(q, k, v, out, lse, *, causal=False, softmax_scale=None, base_out=None, exact_kv=None,
-                     **options) -> list[Metric]:
+                     tensor_ops=False, **options) -> list[Metric]:
     """Judges a forward result (out, lse) for q, k, v of one dtype: metrics for out and lse (out
     alone when ``lse`` is None, for callers that have no lse). ``options``: attn_mask, window_size,
-    softcap, alibi_slopes, sinks as for ``reference.forward``.
+    softcap, alibi_slopes, sinks as for ``reference.forward``. ``tensor_ops``: the result of a
+    tensor-op kernel, held to at least TENSOR_OPS_FACTOR.
 
     ``base_out`` replaces ``base_forward``'s out when the result comes from a composite
     computation whose framework counterpart rounds more often: attention over key parts merged with
@@ -390,7 +403,7 @@ def evaluate_forward(q, k, v, out, lse, *, causal=False, softmax_scale=None, bas
                                                 dict(score_options, causal=causal))[0])
     else:
         base_outs = [base_out]
-    metrics = [_metric("out", out, base_outs, ref_out, options.get("softcap", 0.0))]
+    metrics = [_metric("out", out, base_outs, ref_out, options.get("softcap", 0.0), tensor_ops)]
     return metrics if lse is None else metrics + [lse_metric(lse, ref_lse, base_lse)]
 
 
@@ -415,10 +428,11 @@ def base_merge_attention(out_a, lse_a, out_b, lse_b):
 
 
 def evaluate_backward(dout, q, k, v, dq, dk, dv, dsinks=None, *, causal=False, softmax_scale=None,
-                      **options) -> list[Metric]:
+                      tensor_ops=False, **options) -> list[Metric]:
     """Judges a backward result (dq, dk, dv, and dsinks when ``options`` has sinks) for dout, q, k, v
     of one dtype: one metric per gradient (dsinks: see the module docstring). ``options``:
-    attn_mask, window_size, softcap, alibi_slopes, sinks as for ``reference.backward``."""
+    attn_mask, window_size, softcap, alibi_slopes, sinks as for ``reference.backward``.
+    ``tensor_ops``: the result of tensor-op kernels, dq, dk, dv held to at least TENSOR_OPS_FACTOR."""
     refs, ref_out, ref_lse = reference._backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
     bases, base_out, base_lse = _base_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, **options)
     candidates = [bases]
@@ -426,7 +440,7 @@ def evaluate_backward(dout, q, k, v, dq, dk, dv, dsinks=None, *, causal=False, s
         candidates.append(_base_backward(dout, q, k, v, causal=causal, softmax_scale=softmax_scale, blocked=True,
                                          **options)[0])
     metrics = [
-        _metric(name, ours, [c[i] for c in candidates], ref, options.get("softcap", 0.0))
+        _metric(name, ours, [c[i] for c in candidates], ref, options.get("softcap", 0.0), tensor_ops)
         for i, (name, ours, ref) in enumerate(zip(("dq", "dk", "dv"), (dq, dk, dv), refs))
     ]
     if options.get("sinks") is None:

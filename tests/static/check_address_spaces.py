@@ -9,7 +9,8 @@ requires one emitted kernel for every kernel the preprocessed source defines. Wa
 as for `xcrun metal -Werror` in build.sh. Each file is checked at every language version a front end
 compiles the kernels at (MSL_VERSIONS: the Swift host 3.0 or 3.1, PyTorch's compile_shader 3.1 and
 later, MLX the newest its SDK has, up to 4.1), with __HAVE_BFLOAT__ from 3.1 as Apple's compiler
-defines it, so that every preprocessor path of the kernels is compiled.
+defines it, so that every preprocessor path of the kernels is compiled; a file that includes
+<MetalPerformancePrimitives/...> (the tensor-op library, compiled at MSL 4.0) from 4.0 only.
 
 Usage: tests/static/check_address_spaces.py [--clang PATH] [FILE.metal ...]   (default: Shaders/*.metal)
 Exit status: 0 all compiled, 1 a compile error or a kernel not emitted, 2 no usable clang.
@@ -28,6 +29,7 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADER_DIR = ROOT / "tools" / "clcpp"
 KERNEL_DEFINITION = re.compile(r"\b(?:__)?kernel\s+void\s+(\w+)\s*\(")
+TENSOR_OPS_INCLUDE = re.compile(r"^\s*#\s*include\s*<MetalPerformancePrimitives/", re.MULTILINE)
 EMITTED_KERNEL = re.compile(r"^define\b[^@]*\bspir_kernel\b[^@]*@\"?([\w.$]+)\"?\(", re.MULTILINE)
 
 
@@ -82,7 +84,11 @@ def check(clang: str, source: pathlib.Path) -> bool:
     preprocessed source equals one already compiled is not compiled again (the same input gives
     the same result)."""
     compiled: dict[str, int] = {}
+    # Metal 4's tensor ops exist from MSL 4.0: the host compiles their library at 4.0 only.
+    tensor_ops = TENSOR_OPS_INCLUDE.search(source.read_text(encoding="utf-8")) is not None
     for version in MSL_VERSIONS:
+        if tensor_ops and version[0] < 400:
+            continue
         where = f"{source} (MSL {version_name(version[0])})"
         preprocessed = subprocess.run(clang_command(clang, source, "-E", "-P", version=version),
                                       capture_output=True, text=True)

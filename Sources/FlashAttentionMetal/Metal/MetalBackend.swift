@@ -17,6 +17,8 @@ final class MetalBackend: ExecutionBackend {
     /// The device's `gpu-core-count` from the IORegistry (`DeviceCores`), read once; nil when
     /// there is none (the plan then takes FA_NOMINAL_GPU_CORES).
     let gpuCores: UInt32?
+    /// The device's matrix units and the tensor-op library (`MetalFlashAttention.tensorOps`).
+    var tensorOps: TensorOpsSupport { kernels.tensorOps }
 
     /// Work per command buffer, in FLOP as FlashAttention counts them (`Pass.flopsPerScoreElement`).
     /// macOS stops a command buffer that runs for seconds and may then refuse the process's later

@@ -43,6 +43,8 @@ public final class MetalFlashAttention: @unchecked Sendable {
     /// The device's GPU core count (`MetalBackend.cores(of:)`), which the plans encoded here are
     /// made for; nil when the IORegistry gives none.
     let gpuCores: UInt32?
+    /// The device's matrix units and whether the tensor-op library compiled (`tensorLibrary`).
+    let tensorOps: TensorOpsSupport
     /// One pipeline per kernel name and specialization, built on first use.
     private let pipelines: MetalPipelines
 
@@ -60,8 +62,11 @@ public final class MetalFlashAttention: @unchecked Sendable {
         }
         self.device = device
         let kernels = try MetalFlashAttention.libraries(for: device)
-        origin = kernels.origin
-        pipelines = MetalPipelines(device: device, libraries: kernels.libraries, lost: kernels.lost)
+        let tensor = MetalFlashAttention.tensorLibrary(for: device)
+        tensorOps = tensor.support
+        origin = kernels.origin + (tensor.library == nil && tensor.support.hasUnits ? "; " + tensor.support.detail : "")
+        pipelines = MetalPipelines(device: device, libraries: kernels.libraries + (tensor.library.map { [$0] } ?? []),
+                                   lost: kernels.lost)
         gpuCores = MetalBackend.cores(of: device)
     }
 
@@ -135,6 +140,47 @@ public final class MetalFlashAttention: @unchecked Sendable {
                        origin: compiled + "; the whole source did not compile (\(whole)), so each dtype was compiled "
                            + "alone" + missing.map { "; " + $0 }.joined() + ")",
                        lost: lost)
+    }
+
+    /// The tensor-op kernels' library (EmbeddedShaders.tensorSource, MSL 4.0) and what the device
+    /// offers them. Matrix units: MLX's test (mlx/backend/metal/device.cpp, `is_nax_available`):
+    /// macOS/iOS 26.2 or later (`__builtin_available` there, `#available` here) and an architecture
+    /// generation of 17 or later (18 for `p`) parsed from MTLDevice.architecture.name
+    /// (MTLArchitecture, macOS 14+ / iOS 17+: developer.apple.com/documentation/metal/mtlarchitecture/
+    /// name, e.g. `applegpu_g17s`, the M5's Apple GPU family 10); Metal has no query for the units
+    /// themselves. The library is compiled only where the route may take it: matrix units, or
+    /// FLASH_ATTENTION_TENSOR_OPS=1 when the context is made (never with 0). A compile failure
+    /// loses only this path; its reason goes into the support's detail (the profile's route and
+    /// the backend note). MTLLanguageVersion raw value 4 << 16 is version4_0 (macOS 26+).
+    private static func tensorLibrary(for device: MTLDevice) -> (library: MTLLibrary?, support: TensorOpsSupport) {
+        var units = false
+        var what = "MTLDevice.architecture needs macOS 14 or iOS 17"
+        if #available(macOS 14.0, iOS 17.0, tvOS 17.0, visionOS 1.0, *) {
+            let architecture = device.architecture.name
+            if #available(macOS 26.2, iOS 26.2, tvOS 26.2, visionOS 26.2, *) {
+                units = TensorOpsSupport.hasMatrixUnits(architecture: architecture)
+                what = units ? "\(architecture) has matrix units"
+                    : "\(architecture) has no matrix units (architecture generation 17 and later have)"
+            } else {
+                what = "\(architecture): the tensor ops need macOS 26.2 or iOS 26.2"
+            }
+        }
+        let override = getenv(TensorOps.environmentVariable).map { String(cString: $0) }
+        guard (units || override == "1") && override != "0" else {
+            return (nil, TensorOpsSupport(hasUnits: units, hasKernels: false, detail: what + "; no tensor-op library"))
+        }
+        guard let version = MTLLanguageVersion(rawValue: 4 << 16) else {
+            return (nil, TensorOpsSupport(hasUnits: units, hasKernels: false,
+                                          detail: what + "; this SDK has no MSL 4.0 for the tensor-op library"))
+        }
+        do {
+            let library = try device.makeLibrary(source: EmbeddedShaders.tensorSource, options: compileOptions(version))
+            return (library, TensorOpsSupport(hasUnits: units, hasKernels: true, detail: what))
+        } catch {
+            return (nil, TensorOpsSupport(hasUnits: units, hasKernels: false,
+                                          detail: what + "; the tensor-op library (MSL 4.0) did not compile: "
+                                              + error.localizedDescription))
+        }
     }
 
     /// FA_DTYPE_MASK_* of `dtype` (Shaders/flash_attention_params.h).
@@ -271,7 +317,7 @@ public final class MetalFlashAttention: @unchecked Sendable {
     /// then the whole plan into `commandBuffer`.
     private func encode(_ pass: Pass, _ problem: Problem, buffers: [BufferRole: MTLBuffer],
                         into commandBuffer: MTLCommandBuffer) throws {
-        let plan = try DispatchPlan.make(pass, problem, device: gpuCores)
+        let plan = try DispatchPlan.make(pass, problem, device: gpuCores, tensorOps: tensorOps)
         // MTLCommandBuffer.status: encoders and addCompletedHandler(_:) only before commit().
         guard commandBuffer.status == .notEnqueued || commandBuffer.status == .enqueued else {
             throw FlashAttentionError.invalidArgument(

@@ -51,6 +51,14 @@ template <class I, int Rank> struct dextents {
     I extent(int d) const { return e[d]; }
 };
 
+/// A fixed-size array (MSL's metal::array), as tensors take their strides.
+template <class T, size_t N> struct array {
+    T elements[N];
+    T &operator[](size_t i) { return elements[i]; }
+    const T &operator[](size_t i) const { return elements[i]; }
+    static constexpr size_t size() { return N; }
+};
+
 /// Marks a tensor whose pointer, extents and strides live in the kernel (Metal's tensor_inline).
 struct tensor_inline {};
 

@@ -9,7 +9,9 @@ The work is done by two custom operators, ``torch.ops.flash_attention_metal.forw
 ``flash_attention_metal.torch.transformers`` registers the attention with Hugging Face transformers.
 ``flash_attn_varlen_func`` (CPU tensors) runs on ``varlen_forward`` and ``varlen_backward``;
 ``flash_attn_with_kvcache`` (CPU tensors, forward only, appending to the caches in place) on
-``kvcache_forward``. See docs/pytorch.md.
+``kvcache_forward``. FlashAttention's packed entry points (``flash_attn_qkvpacked_func``,
+``flash_attn_kvpacked_func`` and their varlen forms) split the packed tensor into views and call
+these. See docs/pytorch.md.
 """
 
 try:
@@ -22,6 +24,10 @@ except ImportError as error:  # the message names the extra that installs PyTorc
 
 from ._interface import flash_attn_func, scaled_dot_product_attention
 from ._kv_cache import flash_attn_with_kvcache
+from ._packed import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
+                      flash_attn_varlen_qkvpacked_func)
 from ._varlen import flash_attn_varlen_func
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "scaled_dot_product_attention"]
+__all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
+           "scaled_dot_product_attention"]

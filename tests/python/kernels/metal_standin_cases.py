@@ -240,6 +240,41 @@ def test_varlen_through_the_metal_backend(cpu, metal):
     _same(*results, "varlen")
 
 
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_tensor_op_forward(cpu, monkeypatch, dtype):
+    """The tensor-op forward of every bucket that has one (FLASH_ATTENTION_TENSOR_OPS=1; a Metal
+    context made while it is set compiles the tensor-op library), a score option each."""
+    monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", "1")
+    metal = fam.Context("metal")
+    for n, head_dim in enumerate([64, 80, 128, 256]):
+        rng = np.random.default_rng(77 + n)
+        q, k, v = _inputs(rng, DTYPES[dtype], 1, 4, 2, 70, 45, head_dim)
+        options = _options(n + 2 * len(dtype), rng, 1, 4, 70, 45)
+        forward = [c.forward(q, k, v, **options) for c in (cpu, metal)]
+        assert [d.kernel for d in metal.last_profile.dispatches] == [
+            f"flash_attention_forward_tensor_{dtype}_d{96 if head_dim == 80 else head_dim}"]
+        _record(metal)
+        _same(*forward, f"tensor-op forward {dtype} d{head_dim} {sorted(options)}")
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_tensor_op_backward(cpu, monkeypatch, dtype):
+    """The tensor-op dQ and dK/dV of every bucket that has them (FLASH_ATTENTION_TENSOR_OPS=1), a
+    score option each, bit for bit the CPU backend's."""
+    monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", "1")
+    metal = fam.Context("metal")
+    for n, head_dim in enumerate([64, 80, 128, 200]):
+        rng = np.random.default_rng(97 + n)
+        q, k, v = _inputs(rng, DTYPES[dtype], 1, 4, 2, 70, 45, head_dim)
+        options = _options(n + 2 * len(dtype) + 1, rng, 1, 4, 70, 45)
+        out, lse = cpu.forward(q, k, v, **options)
+        dout = rng.standard_normal(out.shape).astype(np.float32).astype(out.dtype)
+        backward = [c.backward(dout, q, k, v, out, lse, **options) for c in (cpu, metal)]
+        assert sum("_tensor_" in d.kernel for d in metal.last_profile.dispatches) == 2
+        _record(metal)
+        _same(*backward, f"tensor-op backward {dtype} d{head_dim} {sorted(options)}")
+
+
 def test_all_kernels_reached():
     """Every kernel the engine has went through the Metal backend in the cases above."""
     library = ctypes.CDLL(os.environ[fam.LIBRARY_ENV])
@@ -332,6 +367,28 @@ def test_a_dtype_that_does_not_compile_loses_only_its_kernels(cpu, monkeypatch):
         context.forward(q, k, v)
     assert raised.value.status_name == "FA_STATUS_UNSUPPORTED"
     assert "the float16 kernels did not compile" in str(raised.value) and "the other dtypes run" in str(raised.value)
+
+
+def test_matrix_units_take_the_tensor_op_path_and_a_failed_library_loses_only_it(cpu, monkeypatch):
+    """An M5's architecture (the stand-in's FLASH_ATTENTION_METAL_STANDIN_ARCH) compiles the MSL 4.0
+    tensor-op library and takes the tensor-op forward unasked; when that library does not compile,
+    the note says why and the simdgroup kernels run, forced or not."""
+    monkeypatch.setenv("FLASH_ATTENTION_METAL_STANDIN_ARCH", "applegpu_g17s")
+    q, k, v = _inputs(np.random.default_rng(8), np.float16, 1, 2, 2, 70, 40, 64)
+    m5 = fam.Context("metal")
+    out = m5.forward(q, k, v, causal=True)
+    assert [d.kernel for d in m5.last_profile.dispatches] == ["flash_attention_forward_tensor_f16_d64"]
+    monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", "1")
+    _same(cpu.forward(q, k, v, causal=True), out, "tensor-op forward chosen by the device")
+    monkeypatch.setenv(FAULT_ENV, "compile:tensor")
+    lost = fam.Context("metal")
+    monkeypatch.delenv(FAULT_ENV)
+    assert "the tensor-op library (MSL 4.0) did not compile" in lost.note, lost.note
+    for forced in ("1", None):
+        if forced is None:
+            monkeypatch.delenv("FLASH_ATTENTION_TENSOR_OPS")
+        lost.forward(q, k, v, causal=True)
+        assert [d.kernel for d in lost.last_profile.dispatches] == ["flash_attention_forward_f16_d64"]
 
 
 def _page_aligned(array: np.ndarray) -> np.ndarray:

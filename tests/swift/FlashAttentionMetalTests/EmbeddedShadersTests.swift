@@ -19,6 +19,25 @@ final class EmbeddedShadersTests: XCTestCase {
         XCTAssertTrue(EmbeddedShaders.source + "\n" == spliced,
                       "the embedded source differs from Shaders/: the EmbedShaders plugin did not rerun")
         XCTAssertEqual(EmbeddedShaders.sourceHash, sourceHash(spliced))
+        let tensor = try splicedSource(folder: root.appendingPathComponent("Shaders"), metal: "flash_attention_tensor.metal")
+        XCTAssertTrue(EmbeddedShaders.tensorSource + "\n" == tensor,
+                      "the embedded tensor-op source differs from Shaders/: the EmbedShaders plugin did not rerun")
+    }
+
+    /// The tensor-op library's source: self-contained, the tensor-op kernels' body and instances,
+    /// Metal 4's header; the other library's source has none of them (a failure to compile one
+    /// library loses only its kernels).
+    func testTensorSourceIsItsOwnLibrary() throws {
+        let tensor = EmbeddedShaders.tensorSource
+        for line in tensor.split(separator: "\n") where line.trimmingCharacters(in: .whitespaces).hasPrefix("#include") {
+            XCTAssertTrue(line.contains("<"), "quoted include left in the embedded tensor-op source: \(line)")
+        }
+        XCTAssertTrue(tensor.contains("#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>"))
+        XCTAssertTrue(tensor.contains("inline void kernel_forward_tensor("))
+        XCTAssertTrue(tensor.contains("FA_HEAD_DIM_BUCKETS(FA_DEFINE_TENSOR_F16)"))
+        XCTAssertTrue(tensor.contains("FA_HEAD_DIM_BUCKETS(FA_DEFINE_TENSOR_BF16)"))
+        XCTAssertFalse(EmbeddedShaders.source.contains("MetalPerformancePrimitives"))
+        XCTAssertFalse(EmbeddedShaders.source.contains("inline void kernel_forward_tensor("))
     }
 
     /// makeLibrary(source:) has no include path: only angle-bracket system headers may remain, and

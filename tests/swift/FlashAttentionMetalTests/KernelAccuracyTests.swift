@@ -61,6 +61,36 @@ final class KernelAccuracyTests: XCTestCase {
         }
     }
 
+    /// The Metal 4 tensor-op forward (FLASH_ATTENTION_TENSOR_OPS=1: the CPU engine's matmul2d
+    /// emulation), so that the sanitized runs cover it too: head_dim 64 (two threadgroups of 64 rows,
+    /// causal) and 128, within the rule's tensor-op term (4x the base error plus atol).
+    func testTensorOpForwardMatchesTheReference() throws {
+        setenv(TensorOps.environmentVariable, "1", 1)
+        defer { unsetenv(TensorOps.environmentVariable) }
+        let attention = try FlashAttention(backend: .cpu)
+        for (n, c) in [AttentionCase(batch: 1, heads: 2, kvHeads: 1, seqlenQ: 100, seqlenK: 70, headDim: 64, causal: true),
+                       AttentionCase(batch: 1, heads: 1, kvHeads: 1, seqlenQ: 65, seqlenK: 33, headDim: 128,
+                                     causal: false)].enumerated() {
+            let x = inputs(c, seed: UInt64(n + 60))
+            let ours = try attention.forward(q: x.q, k: x.k, v: x.v, shape: shape(c), causal: c.causal)
+            XCTAssertEqual(attention.lastProfile?.dispatches.map(\.kernelName),
+                           ["flash_attention_forward_tensor_f16_d\(c.headDim)"])
+            let ref = Reference.forward(c, q: x.q, k: x.k, v: x.v)
+            let base = Reference.baseForward(c, q: x.q, k: x.k, v: x.v).out
+            let outError = Reference.maxError(ours.out.map(Double.init), ref.out)
+            XCTAssertLessThanOrEqual(outError, 4 * Reference.maxError(base, ref.out) + Reference.absoluteTerm(ref.out),
+                                     "out, \(c)")
+            XCTAssertTrue(attention.lastProfile?.tensorOps.hasPrefix("tensor ops: FLASH_ATTENTION_TENSOR_OPS=1") ?? false)
+            for (mine, exact) in zip(ours.lse, ref.lse) {
+                if exact == -.infinity {
+                    XCTAssertEqual(mine, -.infinity, "lse of a row without keys, \(c)")
+                } else {
+                    XCTAssertLessThanOrEqual(abs(Double(mine) - exact), 1e-4 * max(1, abs(exact)), "lse, \(c)")
+                }
+            }
+        }
+    }
+
     /// The bfloat16 and float32 kernels (so that the sanitized runs cover them too) on float16 inputs
     /// rounded to bfloat16's 8 significant bits (exact in all three types), against the float64
     /// reference of those values. Their bound is the float16 base's error scaled by the rounding

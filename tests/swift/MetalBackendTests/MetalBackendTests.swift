@@ -14,6 +14,7 @@ final class MetalBackendTests: XCTestCase {
         ("testEncodeForwardEqualsTheCPUBackend", testEncodeForwardEqualsTheCPUBackend),
         ("testBlockPiecesEqualTheCPUBackend", testBlockPiecesEqualTheCPUBackend),
         ("testKVCacheIsBoundInPlace", testKVCacheIsBoundInPlace),
+        ("testTensorOpsRouteAndLibrary", testTensorOpsRouteAndLibrary),
     ]
 
     private let shape = AttentionShape(batch: 2, numHeads: 4, numKVHeads: 2, seqlenQ: 19, seqlenK: 23, headDim: 24)
@@ -146,6 +147,51 @@ final class MetalBackendTests: XCTestCase {
             XCTAssertEqual($0 as? FlashAttentionError,
                            .invalidArgument("out shares memory with q: an output may not alias another output or an input"))
         }
+    }
+
+    /// The tensor-op route on Metal (docs/tensor-ops.md): an M1's architecture gets no tensor-op
+    /// library and the simdgroup kernels; an M5's (the stand-in's FLASH_ATTENTION_METAL_STANDIN_ARCH)
+    /// compiles the MSL 4.0 library and takes the tensor-op forward unasked, bit for bit what the CPU
+    /// backend gives with the path forced; a tensor-op library that fails to compile loses only that
+    /// path, its reason in the backend's note, and FLASH_ATTENTION_TENSOR_OPS=0 forbids it.
+    func testTensorOpsRouteAndLibrary() throws {
+        defer {
+            for name in ["FLASH_ATTENTION_METAL_STANDIN_ARCH", "FLASH_ATTENTION_METAL_STANDIN_FAULT",
+                         TensorOps.environmentVariable] {
+                unsetenv(name)
+            }
+        }
+        let device = try XCTUnwrap(MTLCreateSystemDefaultDevice())
+        let p = try Problem.validate(AttentionShape(batch: 1, numHeads: 2, numKVHeads: 1, seqlenQ: 70, seqlenK: 45,
+                                                    headDim: 64),
+                                     causal: true, softmaxScale: nil)
+        func forwardKernels(_ kernels: MetalFlashAttention) throws -> [String] {
+            try DispatchPlan.make(.forward, p, device: kernels.gpuCores, tensorOps: kernels.tensorOps).dispatches
+                .map(\.kernelName)
+        }
+        let m1 = try MetalFlashAttention(device: device)
+        XCTAssertFalse(m1.tensorOps.hasUnits || m1.tensorOps.hasKernels, m1.tensorOps.detail)
+        XCTAssertEqual(try forwardKernels(m1), ["flash_attention_forward_f16_d64"])
+
+        setenv("FLASH_ATTENTION_METAL_STANDIN_ARCH", "applegpu_g17s", 1)
+        let m5 = try MetalFlashAttention(device: device)
+        XCTAssertTrue(m5.tensorOps.hasUnits && m5.tensorOps.hasKernels, m5.tensorOps.detail)
+        XCTAssertEqual(try forwardKernels(m5), ["flash_attention_forward_tensor_f16_d64"])
+        let metal = try run(Context(backend: try MetalBackend()), p, seed: 5)
+        setenv(TensorOps.environmentVariable, "1", 1)
+        XCTAssertEqual(metal.bits[0], try run(Context(backend: try CPUBackend()), p, seed: 5).bits[0])
+        setenv(TensorOps.environmentVariable, "0", 1)
+        XCTAssertEqual(try forwardKernels(m5), ["flash_attention_forward_f16_d64"])
+        unsetenv(TensorOps.environmentVariable)
+
+        setenv("FLASH_ATTENTION_METAL_STANDIN_FAULT", "compile:tensor", 1)
+        let lost = try MetalFlashAttention(device: device)
+        XCTAssertTrue(lost.tensorOps.hasUnits)
+        XCTAssertFalse(lost.tensorOps.hasKernels)
+        XCTAssertTrue(lost.origin.contains("the tensor-op library (MSL 4.0) did not compile"), lost.origin)
+        XCTAssertEqual(try forwardKernels(lost), ["flash_attention_forward_f16_d64"])
+        setenv(TensorOps.environmentVariable, "1", 1)
+        XCTAssertEqual(try forwardKernels(lost), ["flash_attention_forward_f16_d64"])
     }
 
     /// A KV cache (a read-write role) on page-aligned memory is bound in place even though its

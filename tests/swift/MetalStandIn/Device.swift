@@ -43,8 +43,17 @@ public struct MTLSize: Sendable {
     }
 }
 
+// https://developer.apple.com/documentation/metal/mtlarchitecture
+public final class MTLArchitecture: @unchecked Sendable {
+    // https://developer.apple.com/documentation/metal/mtlarchitecture/name
+    public let name: String
+    init(name: String) { self.name = name }
+}
+
 // https://developer.apple.com/documentation/metal/mtldevice
 public protocol MTLDevice: AnyObject {
+    // https://developer.apple.com/documentation/metal/mtldevice/architecture (macOS 14+)
+    var architecture: MTLArchitecture { get }
     // https://developer.apple.com/documentation/metal/mtldevice/name
     var name: String { get }
     // https://developer.apple.com/documentation/metal/mtldevice/registryid
@@ -100,6 +109,12 @@ final class StandInDevice: MTLDevice, @unchecked Sendable {
     let maxThreadgroupMemoryLength = 32 * 1024
 
     func supportsFamily(_ gpuFamily: MTLGPUFamily) -> Bool { gpuFamily == .apple7 }
+
+    /// An M1's (`applegpu_g13s`: no matrix units), or $FLASH_ATTENTION_METAL_STANDIN_ARCH's (tests
+    /// of the tensor-op route set `applegpu_g17s`, an M5's), read on each use.
+    var architecture: MTLArchitecture {
+        MTLArchitecture(name: getenv("FLASH_ATTENTION_METAL_STANDIN_ARCH").map { String(cString: $0) } ?? "applegpu_g13s")
+    }
 
     func makeCommandQueue() -> MTLCommandQueue? { StandInCommandQueue(device: self) }
 
@@ -167,7 +182,15 @@ final class StandInDevice: MTLDevice, @unchecked Sendable {
             throw NSError(domain: "MTLLibraryErrorDomain", code: 3,
                           userInfo: [NSLocalizedDescriptionKey: "program_source: no kernel"])
         }
-        return StandInLibrary(device: self, dtypes: dtypes)
+        // The tensor-op source (MetalPerformancePrimitives) compiles from MSL 4.0 only.
+        let tensor = source.contains("<MetalPerformancePrimitives/MetalPerformancePrimitives.h>")
+        if tensor && (major < 4 || FaultPlan.shared.compileFails(major: major, minor: minor, dtypes: ["tensor"])) {
+            throw NSError(domain: "MTLLibraryErrorDomain", code: 3, userInfo: [
+                NSLocalizedDescriptionKey: "program_source: error: (stand-in) the tensor-op source did not compile at "
+                    + "MSL \(major).\(minor)",
+            ])
+        }
+        return StandInLibrary(device: self, dtypes: dtypes, tensor: tensor)
     }
 
     func makeComputePipelineState(function computeFunction: MTLFunction) throws -> MTLComputePipelineState {

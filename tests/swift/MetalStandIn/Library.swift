@@ -8,6 +8,8 @@ public enum MTLLanguageVersion: UInt, Sendable {
     case version3_0 = 196608
     // https://developer.apple.com/documentation/metal/mtllanguageversion/version3_1
     case version3_1 = 196609
+    // https://developer.apple.com/documentation/metal/mtllanguageversion/version4_0
+    case version4_0 = 262144
 }
 
 // https://developer.apple.com/documentation/metal/mtlcompileoptions
@@ -61,12 +63,14 @@ public protocol MTLComputePipelineState: AnyObject {
 }
 
 /// The engine's kernels of `dtypes` (kernel suffixes: no bfloat16 ones when compiled below MSL
-/// 3.1, only the prelude's when the source starts with one) and those of no dtype.
+/// 3.1, only the prelude's when the source starts with one) and those of no dtype; the tensor-op
+/// kernels (`_tensor_` in their names) only in a tensor-op library (`tensor`: a source of
+/// flash_attention_tensor.metal), and only they there.
 final class StandInLibrary: MTLLibrary, @unchecked Sendable {
     let device: StandInDevice
     let functionNames: [String]
 
-    init(device: StandInDevice, dtypes: Set<String>) {
+    init(device: StandInDevice, dtypes: Set<String>, tensor: Bool = false) {
         self.device = device
         var names: [String] = []
         while let name = msl_engine_kernel_name(names.count) {
@@ -74,6 +78,7 @@ final class StandInLibrary: MTLLibrary, @unchecked Sendable {
         }
         functionNames = names.filter { name in
             ["f16", "f32", "bf16"].allSatisfy { dtypes.contains($0) || !name.contains("_\($0)") }
+                && name.contains("_tensor_") == tensor
         }
     }
 

@@ -26,6 +26,7 @@ func hostSeconds() -> Double {
 /// Faults a test asks for through `$FLASH_ATTENTION_METAL_STANDIN_FAULT`, to reach the backend's
 /// error paths that a healthy device never takes:
 /// - `compile:3.1`: makeLibrary(source:options:) fails at that language version (3.0 or 3.1);
+///   `compile:tensor`: the tensor-op library (flash_attention_tensor.metal) fails to compile;
 /// - `commit:<code>:<n>`: the next n command buffers committed after the value was set complete
 ///   with MTLCommandBufferError code <code> (timeout, pageFault, outOfMemory, accessRevoked,
 ///   notPermitted, internal); n is `all` for every one.
