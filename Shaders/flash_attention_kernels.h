@@ -82,6 +82,8 @@
 #define FA_ENTRY_BUILTIN(TYPE, NAME, ATTRIBUTE) , TYPE NAME [[ATTRIBUTE]]
 #define FA_ARGUMENT(INDEX, NAME, TYPE, ACCESS, SPACE) , NAME
 #define FA_BUILTIN_ARGUMENT(TYPE, NAME, ATTRIBUTE) , NAME
+// A kernel body's buffers as the arguments of a call (the names FA_PARAMETERS gave them).
+#define FA_ARGUMENTS(BUFFERS, T) FA_TAIL(0 BUFFERS(FA_ARGUMENT, T))
 
 // A tensor's pointer moved to the first query row (key) of the sequence of struct `p`
 // (flash_attention_varlen.h); unmoved in a dense problem, whose seq_q0 and seq_k0 are 0.
@@ -124,21 +126,38 @@ inline void kernel_forward_decode(FA_PARAMETERS(FA_FORWARD_SPLIT_BUFFERS, T), St
 }
 
 // The KV-cache forward kernels (flash_attention_kv_cache.h): the forward kernels with keys and
-// values read through CacheKV; the split ones' chunks are merged by forward_combine.
+// values read by the cache's kind (FA_WITH_CACHE_SOURCE: one key loop per kind, chosen once per
+// launch); the split ones' chunks are merged by forward_combine.
 template <typename T, uint DP, typename Storage>
 inline void kernel_forward_kvcache(FA_PARAMETERS(FA_KV_CACHE_BUFFERS, T), Storage tg, uint3 tgid,
                                    uint sgid, uint lane) {
     typedef KernelTraits<T, DP> K;
-    attention_forward<DP, K::forward_block_q, K::forward_block_k>(
-        q, FA_KV_CACHE_SOURCE(T), out, lse, mask, alibi, sinks, *params, tg, tgid, sgid, lane);
+    constant FlashAttentionParams &p = *params;
+#define FA_FORWARD_KVCACHE(SOURCE)                                                                 \
+    attention_forward<DP, K::forward_block_q, K::forward_block_k>(q, SOURCE, out, lse, mask, alibi, sinks, p, tg, \
+                                                                  tgid, sgid, lane)
+    FA_WITH_CACHE_SOURCE(T, p, FA_FORWARD_KVCACHE)
+#undef FA_FORWARD_KVCACHE
+}
+
+// A split forward over a KV cache by the cache's kind, BQ packed rows per block (the tiled split
+// kernel's forward_block_q, the spec kernel's spec_block_q).
+template <typename T, uint DP, uint BQ, typename Storage>
+inline void split_kvcache(FA_PARAMETERS(FA_KV_CACHE_SPLIT_BUFFERS, T), Storage tg, uint3 tgid, uint sgid,
+                          uint lane) {
+    constexpr uint BK = KernelTraits<T, DP>::forward_block_k;
+    constant FlashAttentionParams &p = *params;
+#define FA_SPLIT_KVCACHE(SOURCE)                                                                   \
+    attention_forward_split<DP, BQ, BK>(q, SOURCE, mask, alibi, partial_out, partial_lse, p, tg, tgid, sgid, lane)
+    FA_WITH_CACHE_SOURCE(T, p, FA_SPLIT_KVCACHE)
+#undef FA_SPLIT_KVCACHE
 }
 
 template <typename T, uint DP, typename Storage>
 inline void kernel_forward_split_kvcache(FA_PARAMETERS(FA_KV_CACHE_SPLIT_BUFFERS, T), Storage tg,
                                          uint3 tgid, uint sgid, uint lane) {
-    typedef KernelTraits<T, DP> K;
-    attention_forward_split<DP, K::forward_block_q, K::forward_block_k>(
-        q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse, *params, tg, tgid, sgid, lane);
+    split_kvcache<T, DP, KernelTraits<T, DP>::forward_block_q>(FA_ARGUMENTS(FA_KV_CACHE_SPLIT_BUFFERS, T), tg,
+                                                                tgid, sgid, lane);
 }
 
 template <typename T, uint DP, typename Storage>
@@ -146,6 +165,22 @@ inline void kernel_forward_decode_kvcache(FA_PARAMETERS(FA_KV_CACHE_SPLIT_BUFFER
                                           uint3 tgid, uint sgid, uint lane) {
     attention_forward_decode<DP>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse,
                                  *params, tg, tgid, sgid, lane);
+}
+
+// The spec forward (FA_SPEC_SERVES): the tiled split kernel with blocks of spec_block_q packed rows.
+template <typename T, uint DP, typename Storage>
+inline void kernel_forward_spec(FA_PARAMETERS(FA_FORWARD_SPLIT_BUFFERS, T), Storage tg, uint3 tgid, uint sgid,
+                                uint lane) {
+    typedef KernelTraits<T, DP> K;
+    attention_forward_split<DP, K::spec_block_q, K::forward_block_k>(
+        q, DeviceKV<T>{k, v}, mask, alibi, partial_out, partial_lse, *params, tg, tgid, sgid, lane);
+}
+
+template <typename T, uint DP, typename Storage>
+inline void kernel_forward_spec_kvcache(FA_PARAMETERS(FA_KV_CACHE_SPLIT_BUFFERS, T), Storage tg, uint3 tgid,
+                                        uint sgid, uint lane) {
+    split_kvcache<T, DP, KernelTraits<T, DP>::spec_block_q>(FA_ARGUMENTS(FA_KV_CACHE_SPLIT_BUFFERS, T), tg, tgid,
+                                                             sgid, lane);
 }
 
 template <typename T>

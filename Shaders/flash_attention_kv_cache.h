@@ -6,10 +6,12 @@
 // mlx/ops.cpp, facts only). Values are dequantized in registers as they are loaded: no
 // dequantized copy exists in device memory.
 //
-// The addressing is small inline functions (kv_page, kv_row) and the loads
-// kv_elements and kv_chunk, with which the forward kernels copy 16-byte chunks into their
-// threadgroup tiles (CacheStream below); the decode kernel's lanes load their slices of a row
-// straight into registers (CacheDecodeRows, kv_dequantize).
+// The tiled kernels read a cache by its kind, one key loop per kind (kv_cache_kind,
+// FA_WITH_CACHE_SOURCE): a contiguous unquantized cache as a plain tensor (DeviceKV), a paged one by
+// 16-byte chunks found by per-pass cursors (PagedKV), a quantized one by chunks dequantized in
+// registers (QuantKV), an unquantized paged one off 16-byte boundaries element by element
+// (CacheKV: kv_elements, kv_chunk). The decode kernel's lanes load their slices of a row straight
+// into registers (CacheDecodeRows, kv_dequantize).
 //
 // Bounds: every block table value is clamped into [0, kv_num_blocks) and every block index into
 // [0, kv_max_blocks), so a wrong table gives wrong numbers but never an access outside the cache
@@ -274,6 +276,100 @@ inline void load_tile(Tile tile, thread CacheStream<T, ROWS, DP> &s, uint first,
     }
 }
 
+// The tiled kernels' copy of an unquantized paged cache whose rows lie on 16-byte boundaries
+// (scalar_copies 0): the dense forward's 16-byte chunk copy (copy_chunks, paired K included), each
+// thread's row of every pass located by its own cursor. A cursor moves ROWS rows per tile: within
+// a block by one 64-bit add; into another by subtracting page_rows (as often as the tile spans
+// blocks), one table read and the multiplies. The only division is kv_cursor's, once per launch.
+template <typename T, uint ROWS, uint DP>
+struct PagedStream {
+    typedef T element;
+    typedef TileStream<T, ROWS, DP> Geometry;
+    Geometry s;              // the thread's (row, chunk) and the bounds (its pointers unused)
+    KVCacheHead<T> head;
+    ulong tile_step;         // units of ROWS rows within a block
+    KVCursor at[Geometry::PASSES];  // the thread's row of each pass in the next tile
+};
+
+template <typename T, uint ROWS, uint DP>
+inline PagedStream<T, ROWS, DP> paged_stream(KVCacheHead<T> head, uint first, uint seqlen, uint cols,
+                                             uint tid) {
+    typedef TileStream<T, ROWS, DP> S;
+    PagedStream<T, ROWS, DP> ps;
+    ps.s = tile_stream<T, ROWS, DP>(head.data, first, seqlen, 0, cols, tid);
+    ps.head = head;
+    ps.tile_step = ulong(ROWS) * head.row_stride;
+    const uint row = ps.s.row < ROWS ? ps.s.row : 0;
+    ps.at[0] = kv_cursor(head, first + row);
+    FA_UNROLL
+    for (uint k = 1; k < S::PASSES; ++k) {
+        ps.at[k] = ps.at[k - 1];
+        kv_advance(head, ps.at[k], S::STEP);
+    }
+    return ps;
+}
+
+// The cursor moved on by one tile (ROWS rows) of a paged head (QUANTIZED: of a quantized head,
+// contiguous or paged, its scale row moved too; tile_step and scale_tile_step are ROWS rows).
+template <uint ROWS, bool QUANTIZED, typename T>
+FA_ALWAYS_INLINE void kv_next_tile(thread const KVCacheHead<T> &c, ulong tile_step, ulong scale_tile_step,
+                                   thread KVCursor &at) {
+    at.r += ROWS;
+    if ((QUANTIZED && c.page_rows == 0) || at.r < c.page_rows) {
+        at.row += tile_step;
+        if (QUANTIZED) {
+            at.scale_row += scale_tile_step;
+        }
+        return;
+    }
+    do {
+        at.r -= c.page_rows;
+        ++at.block;
+    } while (at.r >= c.page_rows);
+    const ulong page = kv_page(c.table, c.max_blocks, c.num_blocks, at.block);
+    at.row = page * c.block_stride + ulong(at.r) * c.row_stride;
+    if (QUANTIZED) {
+        at.scale_row = page * c.scale_block_stride + ulong(at.r) * c.scale_row_stride;
+    }
+}
+
+// Copies the stream's next tile, rows [first, first + ROWS) (in the paired layout when PAIRED),
+// and moves its cursors to the tile after it.
+template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
+FA_ALWAYS_INLINE void load_tile(Tile tile, thread PagedStream<T, ROWS, DP> &ps, uint first,
+                                constant FlashAttentionParams &p, uint tid) {
+    typedef TileStream<T, ROWS, DP> S;
+    TileChunks<S::PASSES> from;
+    FA_UNROLL
+    for (uint k = 0; k < S::PASSES; ++k) {
+        from.at[k] = (device const uint4 *)(ps.head.data + ps.at[k].row) + ps.s.chunk;
+        kv_next_tile<ROWS, false>(ps.head, ps.tile_step, 0, ps.at[k]);
+    }
+    copy_chunks<ROWS, DP, PAIRED>(tile, ps.s, from, first);
+}
+
+// The K/V source of the tiled kernels for an unquantized paged cache on 16-byte boundaries.
+template <typename T>
+struct PagedKV {
+    device const T *k;
+    device const T *v;
+    device const int *table;
+
+    template <uint ROWS, uint DP>
+    inline PagedStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                         uint first, uint tid) const {
+        return paged_stream<T, ROWS, DP>(kv_cache_head(p, k, k, k, table, p.k, b, kv_head, p.head_dim),
+                                         first, p.seqlen_k, p.head_dim, tid);
+    }
+
+    template <uint ROWS, uint DP>
+    inline PagedStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                           uint first, uint tid) const {
+        return paged_stream<T, ROWS, DP>(kv_cache_head(p, v, v, v, table, p.v, b, kv_head, p.head_dim_v),
+                                         first, p.seqlen_k, p.head_dim_v, tid);
+    }
+};
+
 // The E * BITS bits of elements [col, col + E) of a packed row (col a multiple of E) as float,
 // w = scale * q + bias: loaded once, in one load of 1, 2 or 4 bytes or in whole words (rows are
 // only word-aligned), and unpacked in registers. At E = 1 and 4 bits two lanes share a byte:
@@ -430,7 +526,9 @@ struct CacheDecodeRows {
     }
 };
 
-// The K/V source of the forward kernels for a cache: streams over batch element b's KV head.
+// The K/V source of the forward kernels for a cache, element by element (the decode kernel's for
+// every kind; the tiled kernels' for unquantized paged caches off 16-byte boundaries): streams over
+// batch element b's KV head.
 template <typename T>
 struct CacheKV {
     device const T *k;
@@ -480,7 +578,142 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
     return r;
 }
 
+// The tiled kernels' copy of a quantized cache (BITS 8 or 4, contiguous or paged): PagedStream's
+// cursors (moved one tile per tile, scale rows with them), each thread's 16-byte chunk of a row
+// dequantized from its words as the decode kernel's lanes do (kv_dequantize: one or two word
+// loads, no int-to-float convert), so the chunk copies (copy_chunks, paired K included) stage it
+// as they stage an unquantized one. Quantized rows are only word-aligned, which these loads need.
+template <typename T, uint PASSES, uint BITS>
+struct QuantChunks {
+    device const uint *words[PASSES];  // pass k's row
+    ulong group[PASSES];               // its entry of scales and biases for the chunk's columns
+    device const T *scales;
+    device const T *biases;
+    uint col;                          // the chunk's first column
+
+    inline uint4 load(uint k) const {
+        constexpr uint V = FA_CHUNK_BYTES / sizeof(T);
+        constexpr uint PER_WORD = TileWords<T>::PER_WORD;
+        FA_DEVICE_READ(scales + group[k], sizeof(T));
+        FA_DEVICE_READ(biases + group[k], sizeof(T));
+        float x[V];
+        kv_dequantize<V, BITS>(words[k], col, float(scales[group[k]]), float(biases[group[k]]), x);
+        uint4 out = uint4(0);
+        FA_UNROLL
+        for (uint e = 0; e < V; ++e) {
+            out[e / PER_WORD] |= TileWords<T>::bits(T(x[e])) << (16 * (e % PER_WORD));
+        }
+        return out;
+    }
+};
+
+template <typename T, uint ROWS, uint DP, uint BITS>
+struct QuantStream {
+    typedef T element;
+    typedef TileStream<T, ROWS, DP> Geometry;
+    PagedStream<T, ROWS, DP> ps;  // the cursors (their scale rows used), geometry and head
+    ulong scale_tile_step;        // scale entries of ROWS rows
+};
+
+template <uint ROWS, uint DP, bool PAIRED = false, typename T, uint BITS, typename Tile>
+FA_ALWAYS_INLINE void load_tile(Tile tile, thread QuantStream<T, ROWS, DP, BITS> &qs, uint first,
+                                constant FlashAttentionParams &p, uint tid) {
+    typedef TileStream<T, ROWS, DP> S;
+    thread PagedStream<T, ROWS, DP> &ps = qs.ps;
+    QuantChunks<T, S::PASSES, BITS> from;
+    from.scales = ps.head.scales;
+    from.biases = ps.head.biases;
+    from.col = ps.s.chunk * S::V;
+    FA_UNROLL
+    for (uint k = 0; k < S::PASSES; ++k) {
+        from.words[k] = (device const uint *)ps.head.data + ps.at[k].row;
+        from.group[k] = ps.at[k].scale_row + (from.col >> ps.head.group_shift);
+        kv_next_tile<ROWS, true>(ps.head, ps.tile_step, qs.scale_tile_step, ps.at[k]);
+    }
+    copy_chunks<ROWS, DP, PAIRED>(tile, ps.s, from, first);
+}
+
+// The K/V source of the tiled kernels for a cache quantized to BITS bits.
+template <typename T, uint BITS>
+struct QuantKV {
+    device const T *k;
+    device const T *v;
+    device const int *table;
+    device const T *k_scales;
+    device const T *k_biases;
+    device const T *v_scales;
+    device const T *v_biases;
+
+    template <uint ROWS, uint DP>
+    inline QuantStream<T, ROWS, DP, BITS> stream(KVCacheHead<T> head, uint first, uint seqlen, uint cols,
+                                                 uint tid) const {
+        QuantStream<T, ROWS, DP, BITS> qs;
+        qs.ps = paged_stream<T, ROWS, DP>(head, first, seqlen, cols, tid);
+        qs.scale_tile_step = ulong(ROWS) * head.scale_row_stride;
+        return qs;
+    }
+
+    template <uint ROWS, uint DP>
+    inline QuantStream<T, ROWS, DP, BITS> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                               uint first, uint tid) const {
+        return stream<ROWS, DP>(kv_cache_head(p, k, k_scales, k_biases, table, p.k, b, kv_head, p.head_dim),
+                                first, p.seqlen_k, p.head_dim, tid);
+    }
+
+    template <uint ROWS, uint DP>
+    inline QuantStream<T, ROWS, DP, BITS> values(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                                 uint first, uint tid) const {
+        return stream<ROWS, DP>(kv_cache_head(p, v, v_scales, v_biases, table, p.v, b, kv_head, p.head_dim_v),
+                                first, p.seqlen_k, p.head_dim_v, tid);
+    }
+};
+
 // The cache of the KV-cache forward kernels (flash_attention_kernels.h), from their buffers.
 #define FA_KV_CACHE_SOURCE(T) CacheKV<T>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}
+
+// How the tiled KV-cache kernels read a launch's cache, decided once per launch so that each kind's
+// key loop holds only its own copy (FA_WITH_CACHE_SOURCE instantiates the loop per kind): an
+// unquantized contiguous cache is a plain strided tensor (DeviceKV: the dense forward's copy,
+// scalar_copies included); an unquantized paged one on 16-byte boundaries takes PagedKV's chunk
+// copy; a quantized one QuantKV's dequantizing chunk copy, per width; unquantized paged ones off
+// 16-byte boundaries CacheKV's element copy.
+enum KVCacheKind : uint {
+    FA_KV_CACHE_STRIDED,
+    FA_KV_CACHE_PAGED_CHUNKS,
+    FA_KV_CACHE_QUANTIZED_8,
+    FA_KV_CACHE_QUANTIZED_4,
+    FA_KV_CACHE_ELEMENTS
+};
+
+inline uint kv_cache_kind(constant FlashAttentionParams &p) {
+    if (p.kv_bits != 0) {
+        return p.kv_bits == 8 ? FA_KV_CACHE_QUANTIZED_8 : FA_KV_CACHE_QUANTIZED_4;
+    }
+    if (p.kv_page_rows == 0) {
+        return FA_KV_CACHE_STRIDED;
+    }
+    return p.scalar_copies == 0 ? FA_KV_CACHE_PAGED_CHUNKS : FA_KV_CACHE_ELEMENTS;
+}
+
+// Calls CALL(source) with the K/V source of the launch's cache kind (kv_cache_kind of P), in a
+// KV-cache kernel body (its buffers k, v, kv_table, k_scales ... in scope): one call, so one key
+// loop, per kind.
+#define FA_WITH_CACHE_SOURCE(T, P, CALL)                                                           \
+    switch (kv_cache_kind(P)) {                                                                    \
+    case FA_KV_CACHE_STRIDED:                                                                      \
+        CALL((DeviceKV<T>{k, v}));                                                                 \
+        break;                                                                                     \
+    case FA_KV_CACHE_PAGED_CHUNKS:                                                                 \
+        CALL((PagedKV<T>{k, v, kv_table}));                                                        \
+        break;                                                                                     \
+    case FA_KV_CACHE_QUANTIZED_8:                                                                  \
+        CALL((QuantKV<T, 8>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}));             \
+        break;                                                                                     \
+    case FA_KV_CACHE_QUANTIZED_4:                                                                  \
+        CALL((QuantKV<T, 4>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}));             \
+        break;                                                                                     \
+    default:                                                                                       \
+        CALL(FA_KV_CACHE_SOURCE(T));                                                               \
+    }
 
 #endif

@@ -205,12 +205,38 @@ inline void seek(thread TileStream<T, ROWS, DP> &s, device const T *src, uint fi
              s.chunk;
 }
 
+// Where a thread's chunks of one tile lie in device memory: pass k's at at[k]. A TileStream's are
+// pass_step apart (strided_chunks); a paged cache's each in its row's block
+// (flash_attention_kv_cache.h). The chunk copies below take each chunk from `load(k)` of such a
+// source (a quantized cache's source dequantizes it there), so every kind copies alike.
+template <uint PASSES>
+struct TileChunks {
+    device const uint4 *at[PASSES];
+
+    inline uint4 load(uint k) const {
+        FA_DEVICE_READ(at[k], FA_CHUNK_BYTES);
+        return *at[k];
+    }
+};
+
+// The chunks of the stream's tile whose first chunk is `from`: by additions, no multiply.
+template <typename T, uint ROWS, uint DP>
+inline TileChunks<TileStream<T, ROWS, DP>::PASSES> strided_chunks(thread const TileStream<T, ROWS, DP> &s,
+                                                                  device const uint4 *from) {
+    TileChunks<TileStream<T, ROWS, DP>::PASSES> c;
+    FA_UNROLL
+    for (uint k = 0; k < TileStream<T, ROWS, DP>::PASSES; ++k) {
+        c.at[k] = from;
+        from += s.pass_step;
+    }
+    return c;
+}
+
 // Copies rows [first, first + ROWS) into `tile` in the paired layout (PairedRows): the thread's
 // chunk of row r and the same chunk of row r ^ 1, interleaved, give the chunk that it stores; the
 // partner thread (tid ^ CHUNKS) stores the other half. Every lane reaches the shuffles.
-template <uint ROWS, uint DP, typename T, typename Tile>
-inline void copy_paired(Tile tile, thread const TileStream<T, ROWS, DP> &s,
-                        device const uint4 *from, uint first) {
+template <uint ROWS, uint DP, typename T, typename Tile, typename Chunks>
+inline void copy_paired(Tile tile, thread const TileStream<T, ROWS, DP> &s, Chunks from, uint first) {
     typedef TileStream<T, ROWS, DP> S;
     // Instantiated for every stream (C++14 has no `if constexpr`); copy_tile asserts the layout.
     constexpr uint HALF = S::CHUNKS > 1 ? S::CHUNKS / 2 : 1;
@@ -227,10 +253,8 @@ inline void copy_paired(Tile tile, thread const TileStream<T, ROWS, DP> &s,
     for (uint k = 0; k < S::PASSES; ++k) {
         uint4 own = uint4(0);
         if (cols_inside && (interior || row + k * S::STEP < rows_inside)) {
-            FA_DEVICE_READ(from, FA_CHUNK_BYTES);
-            own = *from;
+            own = from.load(k);
         }
-        from += s.pass_step;
         // The even row's thread stores columns 0-3 of the chunk, the odd row's columns 4-7: each
         // sends the partner the two words it lacks.
         const uint in0 = simd_shuffle_xor(odd ? own.x : own.z, ushort(S::CHUNKS));
@@ -248,19 +272,13 @@ inline void copy_paired(Tile tile, thread const TileStream<T, ROWS, DP> &s,
     }
 }
 
-// Copies rows [first, first + ROWS) into `tile`, the thread's chunks starting at `from` (in the
-// paired layout when PAIRED).
-template <uint ROWS, uint DP, bool PAIRED, typename T, typename Tile>
-inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
-                      device const uint4 *from, uint first, constant FlashAttentionParams &p,
-                      uint tid) {
+// Copies rows [first, first + ROWS) into `tile` by 16-byte chunks, the thread's from `from` (in the
+// paired layout when PAIRED); s gives the thread's (row, chunk) and the bounds.
+template <uint ROWS, uint DP, bool PAIRED, typename T, typename Tile, typename Chunks>
+inline void copy_chunks(Tile tile, thread const TileStream<T, ROWS, DP> &s, Chunks from, uint first) {
     typedef TileStream<T, ROWS, DP> S;
     static_assert(!PAIRED || (PairedRows<T, DP>::ON != 0 && S::EXACT != 0 && ROWS % 2 == 0),
                   "paired tiles need whole row pairs and a power-of-two chunk count below 32");
-    if (p.scalar_copies != 0) {
-        load_rows<ROWS, DP, PAIRED>(tile, s.src, first, s.seqlen, s.stride, s.cols, tid);
-        return;
-    }
     if (PAIRED) {
         copy_paired(tile, s, from, first);
         return;
@@ -271,9 +289,7 @@ inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
         if (s.cols_inside) {
             FA_UNROLL
             for (uint k = 0; k < S::PASSES; ++k) {
-                FA_DEVICE_READ(from, FA_CHUNK_BYTES);
-                tile[s.row + k * S::STEP][s.chunk] = *from;
-                from += s.pass_step;
+                tile[s.row + k * S::STEP][s.chunk] = from.load(k);
             }
         } else {
             FA_UNROLL
@@ -290,14 +306,26 @@ inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
         const uint r = s.row + k * S::STEP;
         if (r < ROWS) {
             if (s.cols_inside && r < rows_inside) {
-                FA_DEVICE_READ(from, FA_CHUNK_BYTES);
-                tile[r][s.chunk] = *from;
+                tile[r][s.chunk] = from.load(k);
             } else {
                 tile[r][s.chunk] = zero;
             }
         }
-        from += s.pass_step;
     }
+}
+
+// Copies rows [first, first + ROWS) into `tile`, the thread's chunks starting at `from` (in the
+// paired layout when PAIRED): by chunks, or element by element where the call's rows are not on
+// 16-byte boundaries (scalar_copies).
+template <uint ROWS, uint DP, bool PAIRED, typename T, typename Tile>
+inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
+                      device const uint4 *from, uint first, constant FlashAttentionParams &p,
+                      uint tid) {
+    if (p.scalar_copies != 0) {
+        load_rows<ROWS, DP, PAIRED>(tile, s.src, first, s.seqlen, s.stride, s.cols, tid);
+        return;
+    }
+    copy_chunks<ROWS, DP, PAIRED>(tile, s, strided_chunks(s, from), first);
 }
 
 // Copies the stream's next tile, rows [first, first + ROWS), into `tile` (in the paired layout

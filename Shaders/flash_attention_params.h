@@ -321,6 +321,18 @@ typedef struct FlashAttentionParams {
 #define FA_DECODE_KEYS(ROWS, E) ((ROWS) * (E) >= 32 ? 2 : 4)
 #define FA_DECODE_THREADGROUP_BYTES(DP) (FA_SIMDGROUPS * FA_DECODE_ROWS(DP) * ((DP) + 2) * 4)
 #define FA_DECODE_SERVES(DP, PACKED_ROWS) ((DP) <= FA_DECODE_MAX_HEAD_DIM && (PACKED_ROWS) <= FA_DECODE_ROWS(DP))
+// The spec forward (speculative-decoding verify widths, chunked prefill): the tiled split kernel
+// with blocks of FA_SPEC_BLOCK_Q(forward_block_q) packed rows (16, or the bucket's forward_block_q
+// where smaller), instantiated with the decode kernel (FA_IF_DECODE). It serves a split problem
+// whose packed rows per KV head do not fit a decode block but fit one spec block
+// (FA_SPEC_SERVES): one block per KV head and chunk reads each K/V byte once, and its SIMD-groups
+// own 8 rows x half of head_dim, half the products per key of a 32-row block (which would pad 16
+// rows to 32); the cost model puts it at the DRAM bound up to 16 packed rows (docs/decode.md).
+#define FA_SPEC_ROWS 16
+#define FA_SPEC_BLOCK_Q(FWD_BQ) ((FWD_BQ) < FA_SPEC_ROWS ? (FWD_BQ) : FA_SPEC_ROWS)
+#define FA_SPEC_SERVES(DP, FWD_BQ, PACKED_ROWS)                                                    \
+    ((DP) <= FA_DECODE_MAX_HEAD_DIM && !FA_DECODE_SERVES(DP, PACKED_ROWS) &&                       \
+     (PACKED_ROWS) <= FA_SPEC_BLOCK_Q(FWD_BQ))
 // FA_IF_DECODE(DP, ...): the arguments where bucket DP has a decode instance (DP <=
 // FA_DECODE_MAX_HEAD_DIM), nothing above. The preprocessor cannot compare, hence a line per bucket;
 // KernelTraits (flash_attention_traits.h) static_asserts that each line agrees with FA_DECODE_MAX_HEAD_DIM.

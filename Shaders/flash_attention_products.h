@@ -54,7 +54,7 @@ inline SimdgroupSlice simdgroup_slice(constant FlashAttentionParams &p, uint sgi
 template <typename T, uint ND, bool CHECKED, uint B_PAIRED, uint N, typename TileA, typename TileB>
 FA_ALWAYS_INLINE void product_transposed_over(thread Fragments<N> &x, TileA a, uint a_row0,
                                               TileB b, uint col0, uint active, FragmentCoord at) {
-    static_assert(B_PAIRED == 0 || ND * 8 == B_PAIRED, "a paired tile is read in one slice");
+    static_assert(B_PAIRED == 0 || B_PAIRED % (ND * 8) == 0, "a paired tile is read in whole slices");
     // Half tiles give half operands (TileFragment, flash_attention_fragment.h).
     typedef simdgroup_matrix<typename TileFragment<T>::type, 8, 8> Operand;
     clear(x);
@@ -67,8 +67,9 @@ FA_ALWAYS_INLINE void product_transposed_over(thread Fragments<N> &x, TileA a, u
             for (uint j = 0; j < N; ++j) {
                 Operand bt;
                 if (B_PAIRED != 0) {
-                    // One slice (asserted): column fragment d, a constant once unrolled.
-                    load_fragment_paired<T, B_PAIRED>(bt, b, j * 8, d, at);
+                    // Column fragment col0 / 8 + d of the tile (a constant once unrolled where
+                    // the SIMD-group reads all of head_dim: col0 0).
+                    load_fragment_paired<T, B_PAIRED>(bt, b, j * 8, col0 / 8 + d, at);
                 } else {
                     load_fragment_transposed<T>(bt, b, j * 8, col0 + d * 8, at);
                 }

@@ -24,7 +24,8 @@ struct BucketTiles;
             dq_block_k = DQ_BK,                                                                    \
             dkv_block_k = DKV_BK,                                                                  \
             dkv_block_q = DKV_BQ,                                                                  \
-            has_decode = 0 FA_IF_DECODE(DP, +1)                                                    \
+            has_decode = 0 FA_IF_DECODE(DP, +1),                                                   \
+            spec_block_q = FA_SPEC_BLOCK_Q(FWD_BQ)                                                 \
         };                                                                                         \
     };
 #define FA_BUCKET_TILES_2B(...) FA_BUCKET_TILES(false, __VA_ARGS__)
@@ -50,11 +51,12 @@ struct KernelTraits : BucketTiles<sizeof(T) == 4, DP> {
     // Threadgroup storage per kernel (the forward's K/V sharing is decided inside ForwardStorage).
     typedef ForwardStorage<T, DP, Tiles::forward_block_q, Tiles::forward_block_k> forward_storage;
     typedef DecodeStorage<DP> decode_storage;
+    typedef ForwardStorage<T, DP, Tiles::spec_block_q, Tiles::forward_block_k> spec_storage;
     typedef ForwardStorage<T, DP, Tiles::forward_block_q, Tiles::forward_block_k, false> lse_residual_storage;
     typedef BackwardQueryStorage<T, DP, Tiles::dq_block_q, Tiles::dq_block_k, dq_shared != 0> dq_storage;
     typedef BackwardKeyValueStorage<T, DP, Tiles::dkv_block_k, Tiles::dkv_block_q, dkv_shared != 0> dkv_storage;
 
-    static_assert(sizeof(forward_storage) <= 32768 && sizeof(dq_storage) <= 32768 &&
+    static_assert(sizeof(forward_storage) <= 32768 && sizeof(spec_storage) <= 32768 && sizeof(dq_storage) <= 32768 &&
                       sizeof(dkv_storage) <= 32768,
                   "threadgroup storage above 32 KiB");
     static_assert(sizeof(T) == 4 || DP > 128 ||
@@ -62,6 +64,7 @@ struct KernelTraits : BucketTiles<sizeof(T) == 4, DP> {
                           FA_FORWARD_MIN_THREADGROUPS_PER_CORE,
                   "forward threadgroups per core below the target (flash_attention_params.h)");
     static_assert(DP % (8 * FA_SLICES(Tiles::forward_block_q)) == 0 &&
+                      DP % (8 * FA_SLICES(Tiles::spec_block_q)) == 0 &&
                       DP % (8 * FA_SLICES(Tiles::dq_block_q)) == 0 &&
                       DP % (8 * FA_SLICES(Tiles::dkv_block_k)) == 0 && Tiles::forward_block_k % 8 == 0 &&
                       Tiles::dq_block_k % 8 == 0 && Tiles::dkv_block_q % 8 == 0,

@@ -298,8 +298,8 @@ struct DispatchPlan {
     /// num_heads, batch) threadgroups, or, where the tensor-op route is enabled and
     /// `TensorOps.forwardServes` the problem, `flash_attention_forward_tensor_<dtype>_d<DP>` over
     /// (ceil(seqlen_q / FA_TENSOR_BLOCK_Q), num_heads, batch). Split-KV (`problem.split`, short queries over long caches):
-    /// `flash_attention_forward_decode_<dtype>_d<DP>` or `flash_attention_forward_split_<dtype>_d<DP>`
-    /// (`KeyValueSplit.kernel`; `_decode_kvcache_`, `_split_kvcache_` for a KV cache) over
+    /// `flash_attention_forward_decode_<dtype>_d<DP>`, `_spec_` or `flash_attention_forward_split_<dtype>_d<DP>`
+    /// (`KeyValueSplit.kernel`; `_decode_kvcache_`, `_spec_kvcache_`, `_split_kvcache_` for a KV cache) over
     /// (chunks x row blocks, num_kv_heads, batch) threadgroups writes one partial result per chunk,
     /// then `flash_attention_forward_combine_<dtype>`
     /// over (seqlen_q, num_heads, batch) threadgroups merges them into out and lse.
@@ -322,9 +322,12 @@ struct DispatchPlan {
             return withSequenceTable(DispatchPlan(pass: .forward, dispatches: [dense], outputs: [.out, .lse],
                                                   workspace: [], problem: problem))
         }
-        let kernel = split.kernel == .decode
-            ? (cache ? FA_KERNEL_forward_decode_kvcache : FA_KERNEL_forward_decode)
-            : (cache ? FA_KERNEL_forward_split_kvcache : FA_KERNEL_forward_split)
+        let kernel: Int
+        switch split.kernel {
+        case .decode: kernel = cache ? FA_KERNEL_forward_decode_kvcache : FA_KERNEL_forward_decode
+        case .spec: kernel = cache ? FA_KERNEL_forward_spec_kvcache : FA_KERNEL_forward_spec
+        case .tiled: kernel = cache ? FA_KERNEL_forward_split_kvcache : FA_KERNEL_forward_split
+        }
         let chunks = dispatch(kernel, problem,
                               GridSize(width: split.chunks * split.rowBlocks, height: problem.numKVHeads,
                                        depth: problem.batch),

@@ -13,6 +13,11 @@ import Darwin
 ///   for seqlen_q <= FA_SPLIT_MAX_QUERY_ROWS when the packed rows fit one of its blocks
 ///   (`fa_decode_serves`: FA_DECODE_ROWS rows, head_dim_max <= FA_DECODE_MAX_HEAD_DIM), whatever
 ///   the length: the cache is read once per call;
+/// - `spec` (`flash_attention_forward_spec_<dtype>_d<DP>`: the tiled split kernel with blocks of
+///   FA_SPEC_BLOCK_Q packed rows, 16) in place of `tiled` below wherever one such block holds the
+///   packed rows (`fa_spec_serves`: speculative-decoding verify widths and chunked prefill, 2-16
+///   query rows times the group): one block per KV head and chunk, so the cache is read once per
+///   call, with half the products per key of a 32-row block;
 /// - `tiled` (`flash_attention_forward_split_<dtype>_d<DP>`) for the other seqlen_q <=
 ///   FA_SPLIT_MAX_QUERY_ROWS (large GQA groups, e.g. 32 query heads over 1 KV head, and head_dim
 ///   above 256), whose blocks of forward_block_q packed rows read the cache once per block where
@@ -28,6 +33,7 @@ import Darwin
 struct KeyValueSplit: Equatable {
     enum Kernel: Equatable {
         case decode
+        case spec
         case tiled
     }
 
@@ -37,7 +43,7 @@ struct KeyValueSplit: Equatable {
     /// Keys per chunk, a multiple of FA_SPLIT_MIN_CHUNK_KEYS; the last chunk may be shorter.
     let chunkKeys: UInt32
     /// Threadgroups per chunk along x: blocks of packed query rows (group x seqlen_q), of
-    /// FA_DECODE_ROWS rows (decode) or forward_block_q rows (tiled).
+    /// FA_DECODE_ROWS rows (decode), FA_SPEC_BLOCK_Q rows (spec) or forward_block_q rows (tiled).
     let rowBlocks: UInt32
 
     init?(batch: UInt32, numHeads: UInt32, numKVHeads: UInt32, seqlenQ: UInt32, seqlenK: UInt32,
@@ -52,10 +58,13 @@ struct KeyValueSplit: Equatable {
             rowsPerBlock = UInt64(fa_decode_rows(bucket.head_dim_max))
             resident = UInt64(FA_CORE_THREADGROUP_BYTES) / UInt64(fa_decode_threadgroup_bytes(bucket.head_dim_max))
         } else if seqlenQ <= UInt32(FA_SPLIT_TILED_MAX_QUERY_ROWS) {
-            kernel = .tiled
-            rowsPerBlock = UInt64(bucket.forward_block_q)
+            // The spec kernel wherever its one block holds the packed rows, the tiled one otherwise.
+            let spec = fa_spec_serves(bucket.head_dim_max, bucket.forward_block_q, packedRows) != 0
+            kernel = spec ? .spec : .tiled
+            rowsPerBlock = UInt64(spec ? fa_spec_block_q(bucket.forward_block_q) : bucket.forward_block_q)
             resident = UInt64(FA_FORWARD_MIN_THREADGROUPS_PER_CORE)
-            let dense = UInt64(batch) * UInt64(numHeads) * ((UInt64(seqlenQ) + rowsPerBlock - 1) / rowsPerBlock)
+            let denseRows = UInt64(bucket.forward_block_q)
+            let dense = UInt64(batch) * UInt64(numHeads) * ((UInt64(seqlenQ) + denseRows - 1) / denseRows)
             guard decodeShape || dense < UInt64(cores) * resident else { return nil }
         } else {
             return nil

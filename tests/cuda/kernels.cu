@@ -81,6 +81,14 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
         flash_attention_forward_decode_##SUFFIX##_d##DP(q, k, v, out, lse, &params, mask, alibi,    \
                                                         sinks, partial_out, partial_lse,           \
                                                         FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE); \
+    }                                                                                              \
+    __global__ void __launch_bounds__(kThreads) fa_cuda_forward_spec_##SUFFIX##_d##DP(             \
+        const T *q, const T *k, const T *v, T *out, float *lse, FlashAttentionParams params,      \
+        const uchar *mask, const float *alibi, const float *sinks, float *partial_out,             \
+        float *partial_lse) {                                                                      \
+        flash_attention_forward_spec_##SUFFIX##_d##DP(q, k, v, out, lse, &params, mask, alibi,      \
+                                                      sinks, partial_out, partial_lse,             \
+                                                      FA_CUDA_TGID, FA_CUDA_SGID, FA_CUDA_LANE);   \
     })                                                                                             \
     __global__ void __launch_bounds__(kThreads) fa_cuda_backward_lse_residual_##SUFFIX##_d##DP(    \
         const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,        \
@@ -125,6 +133,8 @@ unsigned ceil_div(unsigned n, unsigned d) { return (n + d - 1) / d; }
     FA_CUDA_KV_CACHE_LAUNCHER(T, forward_kvcache_##SUFFIX##_d##DP, )                               \
     FA_CUDA_KV_CACHE_LAUNCHER(T, forward_split_kvcache_##SUFFIX##_d##DP, partial_out, partial_lse,) \
     FA_IF_DECODE(DP, FA_CUDA_KV_CACHE_LAUNCHER(T, forward_decode_kvcache_##SUFFIX##_d##DP,         \
+                                               partial_out, partial_lse,)                          \
+                     FA_CUDA_KV_CACHE_LAUNCHER(T, forward_spec_kvcache_##SUFFIX##_d##DP,           \
                                                partial_out, partial_lse,))
 
 // The first dispatch of a varlen pass: writes the sequence table from the cu_seqlens tables.
@@ -193,11 +203,17 @@ struct Bucket {
                                   const uchar *, const float *, const float *, float *, float *,
                                   FaCudaKVCache);
     KVCacheKernel forward_kvcache, forward_split_kvcache;
-    // Last, so that buckets without decode instances (FA_IF_DECODE) leave them null.
+    // Last, so that buckets without decode and spec instances (FA_IF_DECODE) leave them null.
     void (*forward_decode)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
                            const uchar *, const float *, const float *, float *, float *);
     KVCacheKernel forward_decode_kvcache;
+    void (*forward_spec)(const T *, const T *, const T *, T *, float *, FlashAttentionParams,
+                         const uchar *, const float *, const float *, float *, float *);
+    KVCacheKernel forward_spec_kvcache;
 };
+
+// The split-KV kernel that writes a problem's chunks, as the Metal plan picks it (KeyValueSplit).
+enum SplitKernel { kSplitDecode, kSplitSpec, kSplitTiled };
 
 // A dtype: its buckets and its bucket-independent kernels.
 template <typename T>
@@ -240,7 +256,9 @@ struct DtypeKernels {
               fa_cuda_forward_kvcache_##SUFFIX##_d##DP,                                            \
               fa_cuda_forward_split_kvcache_##SUFFIX##_d##DP,                                      \
               FA_IF_DECODE(DP, fa_cuda_forward_decode_##SUFFIX##_d##DP,                            \
-                           fa_cuda_forward_decode_kvcache_##SUFFIX##_d##DP)},
+                           fa_cuda_forward_decode_kvcache_##SUFFIX##_d##DP,                        \
+                           fa_cuda_forward_spec_##SUFFIX##_d##DP,                                  \
+                           fa_cuda_forward_spec_kvcache_##SUFFIX##_d##DP)},
 #define FA_CUDA_BUCKET_F16(...) FA_CUDA_BUCKET(half, f16, __VA_ARGS__)
 #define FA_CUDA_BUCKET_BF16(...) FA_CUDA_BUCKET(bfloat, bf16, __VA_ARGS__)
 #define FA_CUDA_BUCKET_F32(...) FA_CUDA_BUCKET(float, f32, __VA_ARGS__)
@@ -360,11 +378,16 @@ cudaError_t forward_split(const DtypeKernels<T> &kernels, const FlashAttentionPa
     if (const cudaError_t error = specialise(p); error != cudaSuccess) {
         return error;
     }
-    // As the Metal plan: the decode kernel where it serves the packed rows, the tiled one otherwise.
+    // As the Metal plan: the decode kernel where it serves the packed rows, else the spec kernel
+    // where it does, else the tiled one.
     const unsigned rows = p.num_heads / p.num_kv_heads * p.seqlen_q;
-    const bool decode = FA_DECODE_SERVES(b->head_dim_max, rows);
-    const unsigned row_blocks = ceil_div(rows, decode ? FA_DECODE_ROWS(b->head_dim_max) : b->forward_block_q);
-    chunks(b, decode, dim3(p.kv_chunks * row_blocks, p.num_kv_heads, p.batch));
+    const SplitKernel kernel = FA_DECODE_SERVES(b->head_dim_max, rows) ? kSplitDecode
+                               : FA_SPEC_SERVES(b->head_dim_max, b->forward_block_q, rows) ? kSplitSpec
+                                                                                            : kSplitTiled;
+    const unsigned block = kernel == kSplitDecode ? FA_DECODE_ROWS(b->head_dim_max)
+                           : kernel == kSplitSpec ? FA_SPEC_BLOCK_Q(b->forward_block_q)
+                                                  : b->forward_block_q;
+    chunks(b, kernel, dim3(p.kv_chunks * ceil_div(rows, block), p.num_kv_heads, p.batch));
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) {
         return error;
@@ -524,8 +547,10 @@ cudaError_t fa_cuda_forward_split(const FlashAttentionParams &given, int dtype, 
     return with_dtype(dtype, [&](const auto &kernels) {
         using T = typename std::remove_pointer<decltype(kernels.buckets)>::type::Element;
         return forward_split(kernels, p, q, k, v, out, lse, partial_out, partial_lse, x,
-                             [&](const Bucket<T> *b, bool decode, dim3 grid) {
-                                 (decode ? b->forward_decode : b->forward_split)<<<grid, kThreads>>>(
+                             [&](const Bucket<T> *b, SplitKernel kernel, dim3 grid) {
+                                 (kernel == kSplitDecode ? b->forward_decode
+                                  : kernel == kSplitSpec ? b->forward_spec
+                                                         : b->forward_split)<<<grid, kThreads>>>(
                                      typed<T>(q), typed<T>(k), typed<T>(v), typed<T>(out), lse, p,
                                      mask_of(x), x.alibi, x.sinks, partial_out, partial_lse);
                              });
@@ -554,8 +579,11 @@ cudaError_t fa_cuda_kvcache_forward(const FlashAttentionParams &given, int dtype
             return cudaGetLastError();
         }
         return forward_split(kernels, p, q, k, v, out, lse, partial_out, partial_lse, x,
-                             [&](const Bucket<T> *b, bool decode, dim3 grid) {
-                                 launch(decode ? b->forward_decode_kvcache : b->forward_split_kvcache, grid);
+                             [&](const Bucket<T> *b, SplitKernel kernel, dim3 grid) {
+                                 launch(kernel == kSplitDecode ? b->forward_decode_kvcache
+                                        : kernel == kSplitSpec ? b->forward_spec_kvcache
+                                                               : b->forward_split_kvcache,
+                                        grid);
                              });
     });
 }

@@ -2,8 +2,9 @@
 // that the sanitizer steps of tests/cuda/gpu_check.sh run them too. A case fills a cache from seeded
 // rows, contiguous or paged (pages handed out in shuffled order through a block table, spare
 // blocks between them), of the dtype or in mx.quantize's affine format (4 or 8 bits), and runs
-// the three KV-cache kernels (fa_cuda_kvcache_forward): decode (1 query row), tiled split (12
-// rows) and dense (20 rows), bottom-right causal. Each run's out and lse go to the dump for
+// the KV-cache kernels (fa_cuda_kvcache_forward): decode (1 query row), spec (4 rows: 16 packed
+// rows where the group is 4; decode where it is 2), tiled split (12 rows) and dense (20 rows),
+// bottom-right causal. Each run's out and lse go to the dump for
 // judge.py (a quantized cache's keys and values as float64, dequantized exactly: NAME.k_exact,
 // NAME.v_exact); an unquantized paged cache must also give bit for bit what the plain kernels give
 // on the same rows laid out contiguously (fa_cuda_forward_split, fa_cuda_forward: the same kernel
@@ -153,13 +154,13 @@ std::vector<unsigned char> contiguous_bytes(const KVCacheCase &c, const std::vec
     return bytes;
 }
 
-// One run: `rows` query rows through the decode, tiled split or dense kernel.
+// One run: `rows` query rows through the decode, spec, tiled split or dense kernel.
 struct Run {
     const char *kernel;
     int rows;
     bool split;
 };
-const Run kRuns[] = {{"decode", 1, true}, {"split", 12, true}, {"dense", 20, false}};
+const Run kRuns[] = {{"decode", 1, true}, {"spec", 4, true}, {"split", 12, true}, {"dense", 20, false}};
 
 FlashAttentionParams problem(const KVCacheCase &c, const Geometry &g, int rows) {
     FlashAttentionParams p{};

@@ -32,6 +32,12 @@ static inline int fa_decode_serves(uint32_t head_dim_max, uint64_t packed_rows) 
 static inline uint32_t fa_decode_threadgroup_bytes(uint32_t head_dim_max) {
     return FA_DECODE_THREADGROUP_BYTES(head_dim_max);
 }
+/* Packed query rows per spec threadgroup of a bucket (forward_block_q its forward rows), and whether
+ * the spec kernel serves packed_rows rows per KV head of that bucket (FA_SPEC_SERVES). */
+static inline uint32_t fa_spec_block_q(uint32_t forward_block_q) { return FA_SPEC_BLOCK_Q(forward_block_q); }
+static inline int fa_spec_serves(uint32_t head_dim_max, uint32_t forward_block_q, uint64_t packed_rows) {
+    return FA_SPEC_SERVES(head_dim_max, forward_block_q, packed_rows);
+}
 
 /* Threads per threadgroup of every kernel (FA_SIMDGROUPS SIMD-groups of 32). */
 static inline uint32_t fa_threads_per_threadgroup(void) { return FA_THREADS_PER_THREADGROUP; }

@@ -20,9 +20,11 @@ D = 32
 KEYS = (64, 79, 95, 127)
 SEQLEN_K = 160
 # (name, heads, kv_heads, seqlen_q, kernel that writes the result): seqlen_q 72 > 64 takes the
-# dense forward; 16 packed query rows of one query the tiled split kernel; 8 the decode kernel.
+# dense forward; 32 packed query rows of one query the tiled split kernel; 16 the spec kernel; 8 the
+# decode kernel.
 PATHS = [("dense", 2, 1, 72, "flash_attention_forward_f32_"),
-         ("split", 16, 1, 1, "flash_attention_forward_split_f32_"),
+         ("split", 32, 1, 1, "flash_attention_forward_split_f32_"),
+         ("spec", 16, 1, 1, "flash_attention_forward_spec_f32_"),
          ("decode", 4, 1, 2, "flash_attention_forward_decode_f32_")]
 # Where the non-finite value goes: one element of key j's k or v, all of one query row, or key j's
 # k made 1e4 for a scale of 1.1e34, whose product overflows float32 (q row 0 is ones).
@@ -155,7 +157,7 @@ def test_sinks_with_non_finite_scores(ctx):
     q, k, v = _inputs(4, 1, 2)
     k[0, 0, 64, 0] = np.nan
     sinks = np.array([0.5, -1.0, 2.0, 0.0], dtype=F32)
-    out, lse = _run(ctx, PATHS[2], q, k, v, sinks=sinks, causal=True)
+    out, lse = _run(ctx, PATHS[-1], q, k, v, sinks=sinks, causal=True)
     ref_out, ref_lse = reference.forward(q, k, v, sinks=sinks, causal=True)
     assert_matches(out, ref_out, "sinks out")
     assert_matches(lse, ref_lse, "sinks lse", tol=1e-5)

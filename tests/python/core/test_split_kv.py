@@ -31,15 +31,20 @@ DECODE = [
 def _chunk_kernel(q, k) -> str:
     """The kernel that writes the chunks (KeyValueSplit.swift): decode where one of its blocks holds
     a KV head's packed rows, heads / kv_heads x seqlen_q (8 up to head_dim 128, 4 up to 256), else
-    the tiled split kernel."""
+    the spec kernel where one of its blocks holds them (up to head_dim 256: 16 rows, float32's 8
+    above head_dim 128), else the tiled split kernel."""
     _, heads, seqlen_q, head_dim = q.shape
     block = 8 if head_dim <= 128 else 4 if head_dim <= 256 else 0
-    return "decode" if heads // k.shape[1] * seqlen_q <= block else "split"
+    packed = heads // k.shape[1] * seqlen_q
+    if packed <= block:
+        return "decode"
+    spec = 8 if q.dtype == np.float32 and head_dim > 128 else 16
+    return "spec" if head_dim <= 256 and packed <= spec else "split"
 
 
 def _split_forward(ctx, q, k, v, **options):
-    """ctx.forward, asserting from its profile that the split-KV path ran: the decode or tiled split
-    kernel over key chunks, then their combine, and no dense forward."""
+    """ctx.forward, asserting from its profile that the split-KV path ran: the decode, spec or tiled
+    split kernel over key chunks, then their combine, and no dense forward."""
     out, lse = ctx.forward(q, k, v, **options)
     kernels = [dispatch.kernel for dispatch in ctx.last_profile.dispatches]
     split = _chunk_kernel(q, k)

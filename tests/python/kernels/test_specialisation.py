@@ -128,6 +128,10 @@ def planned_constants(ctx) -> dict[str, set[str]]:
     q, k, v, _ = make_inputs(52, 1, 2, 1, 16, 600, 16)
     ctx.forward(q, k, v)
     record()
+    # 8 rows x 2 heads: 16 packed rows, the spec kernel.
+    q, k, v, _ = make_inputs(53, 1, 2, 1, 8, 600, 16)
+    ctx.forward(q, k, v)
+    record()
     ctx.merge_attention(out, lse, out, lse)
     record()
     # A variable-length forward: its first dispatch writes the sequence table (no constants).
@@ -136,9 +140,9 @@ def planned_constants(ctx) -> dict[str, set[str]]:
     ctx.forward_varlen(packed, packed, packed, table, table, 2, 2)
     record()
     # A KV cache (bshd), prefill chunk, speculative and decode steps: the cache-reading dense,
-    # tiled split and decode kernels.
+    # tiled split, spec and decode kernels.
     cache = rng.standard_normal((1, 600, 1, 16)).astype(np.float16)
-    for rows in (80, 16, 1):
+    for rows in (80, 16, 8, 1):
         query = rng.standard_normal((1, rows, 2, 16)).astype(np.float16)
         fam.flash_attn_with_kvcache(query, cache, cache, cache_seqlens=600, context=ctx)
         record()

@@ -57,8 +57,8 @@ def _check(ctx, q, k_cache, v_cache, k, v, seqlens, label, *, block_table=None, 
                                            causal=causal, alibi_slopes=alibi_slopes, return_softmax_lse=True,
                                            context=ctx, **options)
     kernels = [d.kernel for d in ctx.last_profile.dispatches]
-    # The dense or, for short queries, a split-KV instance (decode or tiled) that reads a cache.
-    assert re.fullmatch(r"flash_attention_forward_((split|decode)_)?kvcache_(f16|bf16|f32)_d\d+", kernels[0]), kernels
+    # The dense or, for short queries, a split-KV instance (decode, spec or tiled) that reads a cache.
+    assert re.fullmatch(r"flash_attention_forward_((split|spec|decode)_)?kvcache_(f16|bf16|f32)_d\d+", kernels[0]), kernels
     assert out.dtype == q.dtype and out.shape == q.shape[:3] + (v_cache[0].shape[3] * 32 // bits if bits
                                                                   else v_cache.shape[3],)
     sequences = reference.kvcache_sequences(k_cache, v_cache, seqlens, k=k, v=v, block_table=block_table,

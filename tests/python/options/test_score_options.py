@@ -112,8 +112,9 @@ def test_rows_without_keys_follow_the_empty_row_rule(ctx, kind, with_sinks, dtyp
 
 
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, options): short queries over long KV
-# caches take the split-KV forward (seqlen_q <= 8): the decode kernel, or the tiled split kernel
-# where the packed rows outgrow a decode block (8 x 8 and 2 x 8); each with a window, ALiBi or sinks.
+# caches take the split-KV forward (seqlen_q <= 8): the decode kernel, the spec kernel where the
+# packed rows outgrow a decode block but fit 16 (2 x 8), or the tiled split kernel (8 x 8); each with
+# a window, ALiBi or sinks.
 DECODE = [
     (1, 8, 2, 1, 600, 64, dict(window_size=(255, 0))),
     (2, 4, 4, 5, 700, 32, dict(causal=True, window_size=(300, -1), sinks=np.array([1, 0, -1, 3], np.float32))),
@@ -130,6 +131,7 @@ def test_decode_shapes_within_the_rule(ctx, case):
     q, k, v, dout = make_inputs(sum(shape), *shape)
     out, lse = ctx.forward(q, k, v, **options)
     assert ctx.last_profile.dispatches[0].kernel.startswith(("flash_attention_forward_decode",
+                                                             "flash_attention_forward_spec",
                                                              "flash_attention_forward_split"))
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, **options), f"decode {shape}")
     grads = ctx.backward(dout, q, k, v, out, lse, **options)

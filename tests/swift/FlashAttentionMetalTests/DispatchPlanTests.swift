@@ -242,16 +242,22 @@ final class DispatchPlanTests: XCTestCase {
 
     /// The split-KV thresholds: the decode kernel at any length where its block holds the packed
     /// rows of a KV head (group x seqlen_q: 8 up to head_dim 128, 4 up to 256, none above), else the
-    /// tiled kernel, which reads the cache once per forward_block_q rows (even in one chunk, where
-    /// the dense forward would read it once per query head); from 9 rows the tiled kernel needs two
-    /// chunks (multiples of FA_SPLIT_MIN_CHUNK_KEYS keys, the last one shorter).
+    /// spec kernel where one 16-row block holds them (up to head_dim 256), else the tiled kernel,
+    /// which reads the cache once per forward_block_q rows (decode and spec shapes even in one chunk,
+    /// where the dense forward would read it once per query head); from 9 rows the tiled kernel
+    /// needs two chunks (multiples of FA_SPLIT_MIN_CHUNK_KEYS keys, the last one shorter).
     func testSplitKVThresholds() throws {
         XCTAssertEqual(try problem(seqlenQ: 4, seqlenK: 512).cpuSplit?.kernel, .decode)
-        XCTAssertEqual(try problem(seqlenQ: 5, seqlenK: 512).cpuSplit?.kernel, .tiled)
+        XCTAssertEqual(try problem(seqlenQ: 5, seqlenK: 512).cpuSplit?.kernel, .spec)
+        XCTAssertEqual(try problem(seqlenQ: 8, seqlenK: 512).cpuSplit.map { [$0.rowBlocks] }, [1])
+        XCTAssertEqual(try problem(seqlenQ: 8, seqlenK: 63).cpuSplit.map { [$0.chunks] }, [1])
+        XCTAssertEqual(try problem(seqlenQ: 9, seqlenK: 512).cpuSplit?.kernel, .tiled)
+        XCTAssertEqual(try problem(heads: 3, seqlenQ: 16, seqlenK: 512).cpuSplit?.kernel, .spec)
         XCTAssertEqual(try problem(seqlenQ: 1, seqlenK: 7).cpuSplit?.chunks, 1)
         XCTAssertEqual(try problem(seqlenQ: 8, seqlenK: 7).cpuSplit.map { [$0.chunks, $0.rowBlocks] }, [1, 1])
         XCTAssertEqual(try problem(seqlenQ: 2, seqlenK: 512, headDim: 256).cpuSplit?.kernel, .decode)
-        XCTAssertEqual(try problem(seqlenQ: 3, seqlenK: 512, headDim: 256).cpuSplit?.kernel, .tiled)
+        XCTAssertEqual(try problem(seqlenQ: 3, seqlenK: 512, headDim: 256).cpuSplit?.kernel, .spec)
+        XCTAssertEqual(try problem(kvHeads: 6, seqlenQ: 12, seqlenK: 512, headDim: 512).cpuSplit?.kernel, .tiled)
         XCTAssertEqual(try problem(kvHeads: 6, seqlenQ: 1, seqlenK: 512, headDim: 512).cpuSplit?.kernel, .tiled)
         XCTAssertNil(try problem(seqlenQ: 65, seqlenK: 100_000).cpuSplit)
         XCTAssertNil(try problem(seqlenQ: 9, seqlenK: 63).cpuSplit)
