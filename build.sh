@@ -252,8 +252,9 @@ run_tests() {
     say "pytest on every core (pytest-xdist), but the serial tests"
     # One OpenBLAS thread per worker: the workers fill the cores already, and NumPy's BLAS threads
     # beside them only contend (the two SmolLM2 modules: 125 s of CPU with them, 33 s without).
+    # The 20 slowest tests are listed: the suite's time budget (docs/testing.md) is kept with them.
     OPENBLAS_NUM_THREADS=1 .venv/bin/python -m pytest tests/python -q -n auto --dist loadfile --no-loadscope-reorder \
-        -m "not serial"
+        -m "not serial" --durations=20
     if [[ -n $sanitized ]]; then
         local status=0
         wait "$sanitized" || status=$?

@@ -4,9 +4,10 @@
 Compiles the kernels as tests/static/check_address_spaces.py does (C++ for OpenCL 2021, SPIR target, the
 <metal_stdlib> of tools/clcpp), at -O2 with line tables, and attributes every instruction to the
 innermost source function it came from (the debug scopes survive inlining). Then it requires of the
-code of the 16-byte tile copies, `copy_tile` and `copy_paired` (the paired layout) in
-Shaders/flash_attention_loader.h, in every kernel (their checked scalar path, `load_rows`, is a
-function of its own and exempt):
+code of the 16-byte tile copies in Shaders/flash_attention_loader.h, in every kernel: `copy_chunks`
+and `copy_paired` (the paired layout), `strided_chunks` (where a thread's chunks lie) and
+`TileChunks::load` (the chunk's one device load); their checked scalar path, `load_rows`, and the
+chunk sources of the KV-cache kernels (a quantized cache's dequantizing `load`) are exempt:
   - no 64-bit integer multiply and no integer division or remainder (the thread's row and chunk
     are computed once per kernel in `tile_stream`; a tile moves its pointer by additions),
   - every device load 16 bytes wide and at least one such load (the copies move whole chunks),
@@ -38,8 +39,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import check_address_spaces  # noqa: E402  (the compile command and the clang it finds)
 
 ROOT = check_address_spaces.ROOT
-COPY = "copy_tile"
-COPIES = (COPY, "copy_paired")
+CHUNK_LOAD = "TileChunks::load"
+COPIES = ("copy_chunks", "copy_paired", "strided_chunks", CHUNK_LOAD)
 SCALAR_PATH = "load_rows"
 PER_TILE = ("product_transposed_over", "accumulate_product_over", "forward_tile")
 INLINED = ("forward_tile", "product_transposed", "product_transposed_over", "accumulate_product",
@@ -53,6 +54,9 @@ DEFINE = re.compile(r'^define [^@]*@"?([^"(]+)')
 HALF_WIDENING = re.compile(r"=\s*fpext (?:half|<\d+ x half>) ")
 HALF_INTO_FLOAT = re.compile(r"call [^@]*@\S*simdgroup_multiply_accumulateIfDhDhf")
 NAME = re.compile(r'\bname: "([^"]*)"')
+FILE = re.compile(r'\bfile: !(\d+)')
+FILENAME = re.compile(r'\bfilename: "([^"]*)"')
+LOADER = "flash_attention_loader.h"
 DEBUG = re.compile(r", !dbg !(\d+)")
 MUL64 = re.compile(r"=\s*mul(?: nuw| nsw)* i64 ")
 DIVISION = re.compile(r"=\s*[us](?:div|rem) ")
@@ -63,7 +67,7 @@ WIDTHS = {"<4 x i32>": 16, "<4 x float>": 16, "<8 x half>": 16, "<2 x i64>": 16,
 
 def source_functions(ir: str) -> dict[str, str]:
     """For every DILocation id, the name of the innermost source function it lies in."""
-    kind, scope_of, name_of = {}, {}, {}
+    kind, scope_of, name_of, file_of, filename = {}, {}, {}, {}, {}
     for line in ir.splitlines():
         match = METADATA.match(line)
         if not match:
@@ -74,8 +78,18 @@ def source_functions(ir: str) -> dict[str, str]:
         if scope:
             scope_of[node] = scope.group(1)
         name = NAME.search(body)
+        if what == "DIFile" and FILENAME.search(body):
+            filename[node] = FILENAME.search(body).group(1)
         if what == "DISubprogram" and name:
             name_of[node] = name.group(1).split("<")[0]  # without template arguments
+            file = FILE.search(body)
+            if file:
+                file_of[node] = file.group(1)
+    # Every chunk source names its chunk's read `load` (line tables keep no class name): the
+    # loader's is the tile's own.
+    for node, name in name_of.items():
+        if name == "load" and filename.get(file_of.get(node), "").endswith(LOADER):
+            name_of[node] = CHUNK_LOAD
 
     def function(node: str) -> str:
         seen = 0
@@ -139,7 +153,7 @@ def findings(ir: str) -> list[str]:
             if DIVISION.search(line):
                 problems.append(f"{function}: an integer division: {line.strip()}")
     if counts["wide"] == 0:
-        problems.append(f"{COPY}: no 16-byte device load (is the tile copy still in {COPY}?)")
+        problems.append(f"{CHUNK_LOAD}: no 16-byte device load (is the chunk read still in {CHUNK_LOAD}?)")
     return problems + fragment_findings(ir)
 
 

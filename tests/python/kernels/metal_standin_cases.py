@@ -92,7 +92,8 @@ def _options(case: int, rng, batch: int, heads: int, seqlen_q: int, seqlen_k: in
 def test_forward_backward_decode(cpu, metal, dtype, bucket, monkeypatch):
     """Forward and backward (GQA, unequal lengths, a score option), then a decode-shaped forward
     (the decode and combine kernels; above head_dim 256 the tiled split kernel), 16 rows over the
-    same cache (the tiled split kernel) and a paged KV cache (the cache-reading kernels)."""
+    same cache (the tiled split kernel), a few rows past a decode block (the spec kernel) and a
+    paged KV cache (the cache-reading kernels)."""
     rng = np.random.default_rng(1000 * bucket + len(dtype))
     head_dim = HEAD_DIMS[bucket]
     q, k, v = _inputs(rng, DTYPES[dtype], 1, 4, 2, 19, 27, head_dim)
@@ -129,6 +130,14 @@ def test_forward_backward_decode(cpu, metal, dtype, bucket, monkeypatch):
     _record(metal)
     assert any("split" in d.kernel for d in metal.last_profile.dispatches)
     _same(*speculative, f"16 rows {dtype} d{head_dim}")
+    # Packed rows past a decode block but within one spec block (FA_SPEC_SERVES): the spec kernel.
+    spec_rows = 5 if head_dim <= 128 else 3
+    if head_dim <= 256:
+        q = _inputs(rng, DTYPES[dtype], 1, 2, 1, spec_rows, 600, head_dim)[0]
+        spec = [c.forward(q, k, v) for c in (cpu, metal)]
+        _record(metal)
+        assert any("forward_spec_" in d.kernel for d in metal.last_profile.dispatches)
+        _same(*spec, f"{spec_rows} rows {dtype} d{head_dim}")
 
     # A paged KV cache, pages shuffled: a prefill chunk (the cache-reading forward), a speculative
     # step (the cache-reading tiled split kernel) and a decode step (the cache-reading decode
@@ -136,7 +145,7 @@ def test_forward_backward_decode(cpu, metal, dtype, bucket, monkeypatch):
     pages = rng.permutation(40).astype(np.int32)[None]
     k_cache, v_cache = (rng.standard_normal((40, 16, 1, head_dim)).astype(np.float32).astype(DTYPES[dtype])
                         for _ in range(2))
-    for rows in (80, 16, 1):
+    for rows in (80, 16, spec_rows, 1):
         query = rng.standard_normal((1, rows, 2, head_dim)).astype(np.float32).astype(DTYPES[dtype])
         cached = [fam.flash_attn_with_kvcache(query, k_cache, v_cache, cache_seqlens=600, block_table=pages,
                                               return_softmax_lse=True, context=c) for c in (cpu, metal)]

@@ -17,14 +17,15 @@ CHECK = ROOT / "tests" / "static" / "check_tile_copies.py"
 LOADER = "flash_attention_loader.h"
 KERNELS = "flash_attention.metal"
 
-# (text of the interior copy in the loader, its planted replacement, the finding it must cause)
+# (text of a chunk copy in the loader, its planted replacement, the finding it must cause)
 FAULTS = [
-    ("                from += s.pass_step;\n",
-     "                from += s.pass_step * s.stride;\n",
-     "copy_tile: a 64-bit multiply"),
-    ("                tile[s.row + k * S::STEP][s.chunk] = *from;\n",
-     "                tile[s.row + k * S::STEP][s.chunk] = uint4(*(device const uint *)from);\n",
-     "copy_tile: a device load narrower than 16 bytes"),
+    ("    // The tile crosses the end of the rows (or the bucket's chunks leave some threads idle).\n"
+     "    const uint rows_inside = s.seqlen > first ? s.seqlen - first : 0;\n",
+     "    const uint rows_inside = s.seqlen > first ? uint(ulong(s.seqlen - first) * s.stride / s.stride) : 0;\n",
+     "copy_chunks: a 64-bit multiply"),
+    ("        return *at[k];\n",
+     "        return uint4(*(device const uint *)at[k]);\n",
+     "TileChunks::load: a device load narrower than 16 bytes"),
 ]
 
 
