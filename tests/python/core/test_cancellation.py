@@ -52,7 +52,10 @@ def _interrupt(script: str, *args: str, backend: str | None = None):
     SIGINT to its exit."""
     env = dict(os.environ, **({"FLASH_ATTENTION_METAL_BACKEND": backend} if backend else {}))
     env["PYTHONPATH"] = os.pathsep.join([str(Path(fam.__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    # SIGINT back to its default in the child: a parent that ignores it (a shell's background job)
+    # would pass that on, and Python then installs no KeyboardInterrupt handler.
     child = subprocess.Popen([sys.executable, "-c", script, *args], env=env,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "calling", child.stderr.read()
