@@ -79,21 +79,22 @@ KINDS = {
 }
 
 
-def kernel_name(kind: str, dp: int) -> str:
-    return f"decode_cost_{kind.replace('-', '_')}_d{dp}"
-
-
-def kernel_source(kind: str, dp: int) -> str:
-    source = KINDS[kind][0]
+def cache_kernel_parameters(outputs: bool = False) -> str:
+    """The parameter list of a measured cache kernel (float16 q, a cache's K/V, table, scales and
+    biases, the split outputs, the built-ins); with ``outputs`` also out, lse and sinks (the dense
+    forward's)."""
+    dense = ("""
+    device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
+    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],""" if outputs else "")
+    sinks = ("""
+    device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],""" if outputs else "")
     return f"""
-[[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
-kernel void {kernel_name(kind, dp)}(
     device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],
     device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],
-    device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],
+    device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],{dense}
     constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
     device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
-    device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
+    device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],{sinks}
     device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],
     device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],
     device const int *kv_table [[buffer(FA_KV_CACHE_BUFFER_TABLE)]],
@@ -103,7 +104,18 @@ kernel void {kernel_name(kind, dp)}(
     device const half *v_biases [[buffer(FA_KV_CACHE_BUFFER_V_BIASES)]],
     uint3 tgid [[threadgroup_position_in_grid]],
     uint sgid [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {{
+    uint lane [[thread_index_in_simdgroup]]"""
+
+
+def kernel_name(kind: str, dp: int) -> str:
+    return f"decode_cost_{kind.replace('-', '_')}_d{dp}"
+
+
+def kernel_source(kind: str, dp: int) -> str:
+    source = KINDS[kind][0]
+    return f"""
+[[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
+kernel void {kernel_name(kind, dp)}({cache_kernel_parameters()}) {{
     threadgroup DecodeStorage<{dp}> tg;
     attention_forward_decode<{dp}>(q, {source}, mask, alibi, partial_out, partial_lse, params, &tg,
                                    tgid, sgid, lane);

@@ -36,7 +36,7 @@ import tempfile
 import types
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from decode_cost import DRAM_BYTES_PER_CYCLE, ROOT, SHADERS, bytes_per_key, prelude  # noqa: E402
+from decode_cost import DRAM_BYTES_PER_CYCLE, ROOT, SHADERS, bytes_per_key, cache_kernel_parameters, prelude  # noqa: E402
 
 KINDS = {
     # name: (source expression, the decode_cost kind whose bytes per key it reads)
@@ -61,26 +61,7 @@ def kernel_source(kernel: str, kind: str, dp: int) -> str:
             "partial_lse, params, &tg, tgid, sgid, lane);")
     return f"""
 [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
-kernel void {kernel_name(kernel, kind, dp)}(
-    device const half *q [[buffer(FA_FORWARD_BUFFER_Q)]],
-    device const half *k [[buffer(FA_FORWARD_BUFFER_K)]],
-    device const half *v [[buffer(FA_FORWARD_BUFFER_V)]],
-    device half *out [[buffer(FA_FORWARD_BUFFER_OUT)]],
-    device float *lse [[buffer(FA_FORWARD_BUFFER_LSE)]],
-    constant FlashAttentionParams &params [[buffer(FA_FORWARD_BUFFER_PARAMS)]],
-    device const uchar *mask [[buffer(FA_FORWARD_BUFFER_MASK)]],
-    device const float *alibi [[buffer(FA_FORWARD_BUFFER_ALIBI)]],
-    device const float *sinks [[buffer(FA_FORWARD_BUFFER_SINKS)]],
-    device float *partial_out [[buffer(FA_FORWARD_BUFFER_PARTIAL_OUT)]],
-    device float *partial_lse [[buffer(FA_FORWARD_BUFFER_PARTIAL_LSE)]],
-    device const int *kv_table [[buffer(FA_KV_CACHE_BUFFER_TABLE)]],
-    device const half *k_scales [[buffer(FA_KV_CACHE_BUFFER_K_SCALES)]],
-    device const half *k_biases [[buffer(FA_KV_CACHE_BUFFER_K_BIASES)]],
-    device const half *v_scales [[buffer(FA_KV_CACHE_BUFFER_V_SCALES)]],
-    device const half *v_biases [[buffer(FA_KV_CACHE_BUFFER_V_BIASES)]],
-    uint3 tgid [[threadgroup_position_in_grid]],
-    uint sgid [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {{
+kernel void {kernel_name(kernel, kind, dp)}({cache_kernel_parameters(outputs=True)}) {{
     typedef KernelTraits<half, {dp}> K;
     threadgroup ForwardStorage<half, {dp}, K::{rows}, K::forward_block_k> tg;
     {body}
