@@ -521,29 +521,39 @@ struct KVPairCursor {
     ulong v_scale_row;
 };
 
-// The offsets of some rows within a block: K's, V's and their scales' (n rows: n times the strides).
-struct KVPairSteps {
+// How a cursor moves by one tile of ROWS rows, worked out once per launch (the one division of
+// ROWS by page_rows): ROWS = blocks x page_rows + rows; within a block its offsets grow by ROWS
+// rows of K, V and their scales.
+struct KVTileStep {
     ulong k;
     ulong v;
     ulong k_scale;
     ulong v_scale;
+    uint rows;    // ROWS % page_rows (contiguous: ROWS)
+    uint blocks;  // ROWS / page_rows (contiguous: 0)
+    uint within;  // a moved cursor is still in its block while its row is below this: page_rows
+                  // where blocks is 0, else 0 (contiguous: every row)
 };
 
-template <typename T>
-inline KVPairSteps kv_pair_steps(thread const KVCacheHead<T> &k, thread const KVCacheHead<T> &v, uint n) {
-    KVPairSteps s;
-    s.k = ulong(n) * k.row_stride;
-    s.v = ulong(n) * v.row_stride;
-    s.k_scale = ulong(n) * k.scale_row_stride;
-    s.v_scale = ulong(n) * v.scale_row_stride;
+template <uint ROWS, typename T>
+inline KVTileStep kv_tile_step(thread const KVCacheHead<T> &k, thread const KVCacheHead<T> &v) {
+    KVTileStep s;
+    s.k = ulong(ROWS) * k.row_stride;
+    s.v = ulong(ROWS) * v.row_stride;
+    s.k_scale = ulong(ROWS) * k.scale_row_stride;
+    s.v_scale = ulong(ROWS) * v.scale_row_stride;
+    s.blocks = k.page_rows == 0 ? 0 : ROWS / k.page_rows;
+    s.rows = ROWS - s.blocks * k.page_rows;
+    s.within = k.page_rows == 0 ? 0xffffffffu : (s.blocks == 0 ? k.page_rows : 0);
     return s;
 }
 
 // The cursor's offsets from its (block, r): one table read (clamped, kv_page) and the multiplies.
+// Only a quantized cache may be contiguous (page_rows 0) here.
 template <bool QUANTIZED, typename T>
 FA_ALWAYS_INLINE void kv_pair_seek(thread const KVCacheHead<T> &k, thread const KVCacheHead<T> &v,
                                    thread KVPairCursor &at) {
-    const ulong page = k.page_rows == 0 ? 0 : kv_page(k.table, k.max_blocks, k.num_blocks, at.block);
+    const ulong page = QUANTIZED && k.page_rows == 0 ? 0 : kv_page(k.table, k.max_blocks, k.num_blocks, at.block);
     at.k_row = page * k.block_stride + ulong(at.r) * k.row_stride;
     at.v_row = page * v.block_stride + ulong(at.r) * v.row_stride;
     if (QUANTIZED) {
@@ -552,26 +562,25 @@ FA_ALWAYS_INLINE void kv_pair_seek(thread const KVCacheHead<T> &k, thread const 
     }
 }
 
-// The cursor moved n rows on (`steps` are n rows): within a block by adding the steps; into another
-// by subtracting page_rows (as often as n spans blocks) and kv_pair_seek. No division. Only a
-// quantized cache may be contiguous (page_rows 0) here.
+// The cursor moved on by one tile: within its block by adding the steps; else into the block
+// `blocks` or `blocks` + 1 on (its row, below page_rows before, is below 2 page_rows after adding
+// `rows`: one subtraction wraps it) and kv_pair_seek. No division, no loop.
 template <bool QUANTIZED, typename T>
-FA_ALWAYS_INLINE void kv_pair_move(thread const KVCacheHead<T> &k, thread const KVCacheHead<T> &v,
-                                   KVPairSteps steps, thread KVPairCursor &at, uint n) {
-    at.r += n;
-    if ((QUANTIZED && k.page_rows == 0) || at.r < k.page_rows) {
-        at.k_row += steps.k;
-        at.v_row += steps.v;
+FA_ALWAYS_INLINE void kv_pair_next(thread const KVCacheHead<T> &k, thread const KVCacheHead<T> &v,
+                                   thread const KVTileStep &step, thread KVPairCursor &at) {
+    at.r += step.rows;
+    if (at.r < step.within) {
+        at.k_row += step.k;
+        at.v_row += step.v;
         if (QUANTIZED) {
-            at.k_scale_row += steps.k_scale;
-            at.v_scale_row += steps.v_scale;
+            at.k_scale_row += step.k_scale;
+            at.v_scale_row += step.v_scale;
         }
         return;
     }
-    do {
-        at.r -= k.page_rows;
-        ++at.block;
-    } while (at.r >= k.page_rows);
+    const bool wrap = at.r >= k.page_rows;
+    at.r -= wrap ? k.page_rows : 0;
+    at.block += step.blocks + (wrap ? 1 : 0);
     kv_pair_seek<QUANTIZED>(k, v, at);
 }
 
@@ -579,8 +588,8 @@ FA_ALWAYS_INLINE void kv_pair_move(thread const KVCacheHead<T> &k, thread const 
 // or of a quantized one (BITS 8 or 4, contiguous or paged): each thread's chunk of every pass
 // copied by the dense forward's 16-byte chunk copy (copy_chunks, paired K included), dequantized in
 // registers when quantized (QuantChunks), its row found by one cursor per pass shared by K and V.
-// A cursor is located once per launch (the one division by page_rows) and moved ROWS rows per
-// tile (kv_pair_move: within a block two 64-bit adds, four when quantized).
+// A cursor is located once per launch (a division by page_rows) and moved ROWS rows per tile
+// (kv_pair_next: within a block two 64-bit adds, four when quantized).
 template <typename T, uint ROWS, uint DP, uint BITS>
 struct KVPages {
     typedef T element;
@@ -589,7 +598,7 @@ struct KVPages {
     Geometry vs;             // the same rows, V's bounds (head_dim_v)
     KVCacheHead<T> k;
     KVCacheHead<T> v;
-    KVPairSteps tile_steps;  // ROWS rows
+    KVTileStep step;         // ROWS rows
     KVPairCursor at[Geometry::PASSES];  // the thread's row of each pass in the next tile
 };
 
@@ -611,7 +620,7 @@ FA_ALWAYS_INLINE KVPages<T, ROWS, DP, BITS> kv_pages(KVCacheHead<T> k, KVCacheHe
     typedef TileStream<T, ROWS, DP> S;
     KVPages<T, ROWS, DP, BITS> s = {tile_stream<T, ROWS, DP>(k.data, first, p.seqlen_k, 0, p.head_dim, tid),
                                     tile_stream<T, ROWS, DP>(v.data, first, p.seqlen_k, 0, p.head_dim_v, tid),
-                                    k, v, kv_pair_steps(k, v, ROWS)};
+                                    k, v, kv_tile_step<ROWS>(k, v)};
     const uint row = s.ks.row < ROWS ? s.ks.row : 0;
     FA_UNROLL
     for (uint i = 0; i < S::PASSES; ++i) {
@@ -689,7 +698,7 @@ template <typename T, uint ROWS, uint DP, uint BITS>
 FA_ALWAYS_INLINE void next_tile(thread KVPages<T, ROWS, DP, BITS> &s) {
     FA_UNROLL
     for (uint i = 0; i < TileStream<T, ROWS, DP>::PASSES; ++i) {
-        kv_pair_move<BITS != 0>(s.k, s.v, s.tile_steps, s.at[i], ROWS);
+        kv_pair_next<BITS != 0>(s.k, s.v, s.step, s.at[i]);
     }
 }
 
