@@ -44,7 +44,7 @@ struct TensorOpsSupport: Equatable, Sendable {
         if let name = architecture ?? GPUArchitecture.libraryDevice {
             device = units(architecture: name)
         } else {
-            device = (false, "no Metal device's architecture (the host named none)")
+            device = (false, "no Metal device, and the host named no architecture")
         }
         switch library {
         case FA_TENSOR_LIBRARY_READY:
