@@ -30,7 +30,13 @@
 # planted fault, the kernels built with every ulong replaced by uint (32-bit offsets), must fail it.
 # --large-only builds and runs just that step (and its planted fault).
 #
-# --replay-only skips the harness's steps (the replay's and the matrix and tensor-op checks stay).
+# --replay-only skips the harness's steps and its build (the replay's and the matrix and tensor-op
+# checks stay).
+#
+# The build is most of a run (minutes: every kernel instance, fully unrolled). --build-only stops
+# after it, and --reuse skips every compile and link whose output is already in the build folder:
+# with FA_GPU_BUILD_DIR set, one call builds and the next runs the checks (a device session's
+# per-call limit). The device code of each unit is optimised on all cores (nvcc -split-compile).
 #
 # After the matrix check, tests/cuda/tensor_ops_check.cu runs the CPU engine's tensor-op test
 # kernels (tests/kernels/tensor_ops.metal) through metal_tensor_ops.h's matmul2d emulation (step
@@ -41,7 +47,7 @@
 # runs just those steps (a minute or two).
 #
 # Usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only]
-#                                [--tensor-ops-only]
+#                                [--tensor-ops-only] [--build-only] [--reuse]
 # Environment:
 #   NVCC               nvcc to use (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc)
 #   COMPUTE_SANITIZER  compute-sanitizer to use (default: next to nvcc, else on PATH)
@@ -64,6 +70,8 @@ HARNESS=1   # the harness's steps (--replay-only: only the plan-fed replay's)
 TENSOR=1    # the tensor-op steps (tensor_ops_check.cu), with the default steps or alone
 REPLAY=1    # the plan-fed replay's steps (0 when there are no plans)
 NO_PLANS=""
+BUILD_ONLY=0
+REUSE=0     # skip the compiles and links whose output exists (a previous --build-only call's)
 for arg in "$@"; do
     case "$arg" in
         --no-bench) BENCH=0 ;;
@@ -72,7 +80,9 @@ for arg in "$@"; do
         --large-only) LARGE=1; DEFAULT=0; TENSOR=0 ;;
         --replay-only) HARNESS=0 ;;
         --tensor-ops-only) DEFAULT=0; LARGE=0 ;;
-        *) echo "gpu_check: unknown argument '$arg' (usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only] [--tensor-ops-only])" >&2
+        --build-only) BUILD_ONLY=1 ;;
+        --reuse) REUSE=1 ;;
+        *) echo "gpu_check: unknown argument '$arg' (usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only] [--tensor-ops-only] [--build-only] [--reuse])" >&2
            exit 2 ;;
     esac
 done
@@ -98,7 +108,10 @@ mkdir -p "$BUILD" || die "cannot create $BUILD"
 echo "gpu_check: build folder $BUILD (logs: *.log)"
 echo "gpu_check: $("$NVCC" --version | tail -n 1), arch $ARCH"
 
-FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo -I"$GPU_DIR/include" -I"$GPU_DIR")
+FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo -split-compile=0 -I"$GPU_DIR/include" -I"$GPU_DIR")
+
+# Whether output $1 must be (re)built: always, unless --reuse finds it.
+stale() { [ "$REUSE" = 0 ] || [ ! -s "$1" ]; }
 
 . "$GPU_DIR/copy_metal.sh"
 # Copies Shaders/ into folder $1, with the fault $2 if given; a fault that changes nothing (the
@@ -117,13 +130,18 @@ copy_sources() {
 # hand-written launchers into $2 (the harness's), in parallel.
 compile_kernels() {
     local table=${2%.o}-table.o launchers=""
-    if [ "${3:-}" != table ]; then
+    if [ "${3:-}" != table ] && stale "$2"; then
         "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/kernels.cu" -o "$2" >"$2.log" 2>&1 &
         launchers=$!
     fi
-    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$table" >"$table.log" 2>&1 \
-        && { [ -z "$launchers" ] || wait "$launchers"; }
+    if stale "$table"; then
+        "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$table" >"$table.log" 2>&1 \
+            || return 1
+    fi
+    [ -z "$launchers" ] || wait "$launchers"
 }
+# The harness's part of the build (--replay-only has none): "table" leaves its launchers out.
+HARNESS_PART=$([ "$HARNESS" = 1 ] || echo table)
 
 SECONDS=0
 # The library's plans (here, or FA_GPU_PLANS): the replay's grids (small, full) for the default
@@ -165,7 +183,7 @@ build_jobs=()
 if [ "$KERNELS" = 1 ]; then
     copy_sources "$BUILD/src" || die "cannot copy Shaders/ into $BUILD/src"
     # --large alone links only the catalogue's table (large_offsets.cu).
-    compile_kernels "$BUILD/src" "$BUILD/kernels.o" "$([ "$DEFAULT" = 1 ] || echo table)" &
+    compile_kernels "$BUILD/src" "$BUILD/kernels.o" "$([ "$DEFAULT" = 1 ] && echo "$HARNESS_PART" || echo table)" &
     build_jobs+=("$!")
 fi
 if [ "$DEFAULT" = 1 ] && [ "$REPLAY" = 1 ]; then
@@ -178,23 +196,27 @@ fi
 if [ "$DEFAULT" = 1 ]; then
     # The engine's SIMD-group matrix test kernels, for matrix_check.cu.
     copy_metal "$BUILD/tests" "" "$ROOT/tests/kernels/matrix.metal" || die "cannot copy matrix.metal"
-    "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/matrix_check.cu" -o "$BUILD/matrix_check" \
-        >"$BUILD/matrix_check.o.log" 2>&1 &
-    build_jobs+=("$!")
+    if stale "$BUILD/matrix_check"; then
+        "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/matrix_check.cu" -o "$BUILD/matrix_check" \
+            >"$BUILD/matrix_check.o.log" 2>&1 &
+        build_jobs+=("$!")
+    fi
 fi
 if [ "$TENSOR" = 1 ]; then
     # The engine's tensor-op test kernels, for tensor_ops_check.cu.
     copy_metal "$BUILD/tests" "" "$ROOT/tests/kernels/tensor_ops.metal" || die "cannot copy tensor_ops.metal"
-    "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/tensor_ops_check.cu" -o "$BUILD/tensor_ops_check" \
-        >"$BUILD/tensor_ops_check.o.log" 2>&1 &
-    build_jobs+=("$!")
+    if stale "$BUILD/tensor_ops_check"; then
+        "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/tensor_ops_check.cu" -o "$BUILD/tensor_ops_check" \
+            >"$BUILD/tensor_ops_check.o.log" 2>&1 &
+        build_jobs+=("$!")
+    fi
 fi
 if [ "$DEFAULT" = 1 ] && [ "$MUTANTS" = 1 ]; then
     copy_sources "$BUILD/no-barrier" 's/threadgroup_barrier([^;]*);//g' || die "cannot copy Shaders/"
     copy_sources "$BUILD/exp" 's/\bexp2(/exp(/g' || die "cannot copy Shaders/"
-    compile_kernels "$BUILD/no-barrier" "$BUILD/kernels-no-barrier.o" &
+    compile_kernels "$BUILD/no-barrier" "$BUILD/kernels-no-barrier.o" "$HARNESS_PART" &
     build_jobs+=("$!")
-    compile_kernels "$BUILD/exp" "$BUILD/kernels-exp.o" &
+    compile_kernels "$BUILD/exp" "$BUILD/kernels-exp.o" "$HARNESS_PART" &
     build_jobs+=("$!")
 fi
 if [ "$LARGE" = 1 ] && [ "$MUTANTS" = 1 ]; then
@@ -205,16 +227,19 @@ if [ "$LARGE" = 1 ] && [ "$MUTANTS" = 1 ]; then
 fi
 compile_host() {  # compile_host UNIT: compiles tests/cuda/UNIT into $BUILD/host-UNIT.o
     local object="$BUILD/host-${1%.*}.o"
+    stale "$object" || return 0
     "$NVCC" "${FLAGS[@]}" -I"$BUILD/src" -c "$GPU_DIR/$1" -o "$object" >"$object.log" 2>&1 \
         || { cat "$object.log" >&2; die "compiling tests/cuda/$1 failed"; }
 }
 if [ "$DEFAULT" = 1 ]; then
-    compile_host layout.cpp  # the harness's
-    compile_host harness.cu
     compile_host replay.cu
-    compile_host cases.cpp
-    compile_host varlen_cases.cu
-    compile_host kv_cache_cases.cu
+    if [ "$HARNESS" = 1 ]; then
+        compile_host layout.cpp
+        compile_host harness.cu
+        compile_host cases.cpp
+        compile_host varlen_cases.cu
+        compile_host kv_cache_cases.cu
+    fi
 fi
 [ "$LARGE" = 1 ] && compile_host large_offsets.cu
 for job in "${build_jobs[@]}"; do
@@ -228,14 +253,17 @@ link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
     for unit in "$@"; do
         objects+=("$BUILD/host-$unit.o")
     done
+    stale "$executable" || return 0
     "$NVCC" "${FLAGS[@]}" "$kernels" "${objects[@]}" -o "$executable" || die "linking $executable failed"
 }
 if [ "$DEFAULT" = 1 ]; then
-    link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout varlen_cases kv_cache_cases
     link "$BUILD/kernels-table.o" "$BUILD/replay" replay
+    [ "$HARNESS" = 1 ] && link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout varlen_cases kv_cache_cases
     if [ "$MUTANTS" = 1 ]; then
-        link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout varlen_cases kv_cache_cases
-        link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout varlen_cases kv_cache_cases
+        if [ "$HARNESS" = 1 ]; then
+            link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout varlen_cases kv_cache_cases
+            link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout varlen_cases kv_cache_cases
+        fi
         link "$BUILD/kernels-no-barrier-table.o" "$BUILD/replay-no-barrier" replay
         link "$BUILD/kernels-exp-table.o" "$BUILD/replay-exp" replay
     fi
@@ -244,8 +272,9 @@ if [ "$LARGE" = 1 ]; then
     link "$BUILD/kernels-table.o" "$BUILD/large_offsets" large_offsets
     [ "$MUTANTS" = 1 ] && link "$BUILD/kernels-offset32-table.o" "$BUILD/large_offsets-offset32" large_offsets
 fi
-cat "$BUILD"/*.o.log >"$BUILD/build.log"
+cat "$BUILD"/*.o.log >"$BUILD/build.log" 2>/dev/null
 echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/build.log)"
+[ "$BUILD_ONLY" = 0 ] || exit 0
 
 failures=0
 summaries=()
