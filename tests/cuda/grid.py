@@ -229,16 +229,22 @@ def varlen_cases(small: bool = False) -> list[VarlenCase]:
 def kv_cache_cases(small: bool = False) -> list[KVCacheCase]:
     """KV-cache forwards through the exported plans: contiguous and paged caches, 4- and 8-bit
     quantized ones, decode shapes (split-KV, decode kernels) and longer query blocks (the dense
-    KV-cache kernel), a block table with entries out of range (wrong_table), every
-    dtype. The sanitizer grid takes the first three."""
+    KV-cache kernel), a block table with entries out of range (wrong_table), the speculative-decoding
+    widths over contiguous, paged and quantized caches (pages of 5 rows: a page boundary inside
+    every tile), every dtype. The sanitizer grid takes the first three and a paged speculative one."""
     c = [kv_cache(case(BF16, 64, 2, 8, 2, 1, 200, True), page=32, bits=4, group_size=32),
          kv_cache(case(F16, 128, 2, 4, 4, 100, 120, True), cache_rows=128, bits=8, group_size=64),
          kv_cache(case(F16, 64, 2, 4, 2, 12, 50, True), page=16, bits=4, group_size=64, wrong_table=True),
          kv_cache(case(F16, 64, 2, 8, 2, 1, 300, True), cache_rows=320),
          kv_cache(case(F16, 128, 3, 4, 4, 7, 90, True), page=16),
          kv_cache(case(F32, 64, 2, 4, 2, 20, 150, True), page=64),
-         kv_cache(case(F32, 64, 1, 6, 3, 2, 260, False), page=48, bits=8, group_size=32)]
-    return c[:3] if small else c
+         kv_cache(case(F32, 64, 1, 6, 3, 2, 260, False), page=48, bits=8, group_size=32),
+         # The speculative-decoding kernel (2-16 packed rows per KV head) over each cache kind.
+         kv_cache(case(F16, 128, 2, 8, 2, 4, 200, True), page=16),
+         kv_cache(case(BF16, 64, 1, 8, 1, 2, 260, True), cache_rows=288, bits=8, group_size=64),
+         kv_cache(case(F32, 64, 2, 12, 1, 1, 300, True), page=5, bits=4, group_size=32),
+         kv_cache(case(F16, 64, 2, 4, 2, 40, 90, True), page=5, bits=8, group_size=32)]
+    return c[:3] + c[7:8] if small else c
 
 
 @dataclass(frozen=True)
