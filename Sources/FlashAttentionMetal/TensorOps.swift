@@ -51,7 +51,7 @@ struct TensorOpsSupport: Equatable, Sendable {
             return TensorOpsSupport(hasUnits: device.has, hasKernels: true, detail: device.detail)
         case FA_TENSOR_LIBRARY_FAILED:
             return TensorOpsSupport(hasUnits: device.has, hasKernels: false,
-                                    detail: device.detail + "; the tensor-op library (MSL 4.0) did not compile: "
+                                    detail: device.detail + "; the host's tensor-op library failed: "
                                         + (error ?? "no message"))
         default:
             return TensorOpsSupport(hasUnits: device.has, hasKernels: false,

@@ -597,7 +597,7 @@ fa_status fa_plan_create(const fa_problem *problem, fa_pass pass, uint64_t max_f
 typedef enum fa_tensor_library {
     FA_TENSOR_LIBRARY_NONE = 0,  /* the host compiled none (fa_tensor_ops_wanted said 0, or it cannot) */
     FA_TENSOR_LIBRARY_READY = 1, /* fa_plan_tensor_kernel_source() compiled: its kernels may be named */
-    FA_TENSOR_LIBRARY_FAILED = 2 /* its compile failed; tensor_library_error says why */
+    FA_TENSOR_LIBRARY_FAILED = 2 /* its compile (or a pipeline of it) failed; tensor_library_error says why */
 } fa_tensor_library;
 
 /* What the host encoding a plan offers (fa_plan_create_for). */
