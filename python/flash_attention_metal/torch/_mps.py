@@ -39,9 +39,10 @@ own (``plan.tensor_kernel_source()`` after the dispatch's prelude): compile_shad
 4.0 on macOS 26 and later (``compileLibrary`` on PyTorch main at 001d046: ``is_macos_at_least(
 MACOS_26_0)`` selects ``MTLLanguageVersion4_0``; 3.2 on macOS 15, 3.1 before), which the
 MetalPerformancePrimitives header needs; a PyTorch or OS that compiles older MSL fails that compile
-(``compileLibrary`` raises ``c10::SyntaxError`` for a compile failure, Python's SyntaxError, and
-RuntimeError otherwise), which loses only the tensor-op path: the pass is planned again without it,
-and ``tensor_ops()`` says why. The library is wanted where ``plan.tensor_ops_wanted()`` says so for
+(``compileLibrary`` raises ``c10::SyntaxError`` for a compile failure, which
+``torch/csrc/Exceptions.h`` turns into Python's SyntaxError, and RuntimeError otherwise; making a
+pipeline, ``getLibraryPipelineState``, raises RuntimeError), which loses only the tensor-op path:
+the pass is planned again without it, and ``tensor_ops()`` says why. The library is wanted where ``plan.tensor_ops_wanted()`` says so for
 the library's own Metal device: PyTorch gives Python no MTLDevice or architecture
 (``torch.backends.mps`` has get_name and get_core_count), and its MPS device, the first Metal device
 that is not low-power (``aten/src/ATen/mps/MPSDevice.mm``), is the Apple-silicon Mac's one GPU.
