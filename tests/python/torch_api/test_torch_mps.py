@@ -557,3 +557,17 @@ def test_a_tensor_library_compile_failure_falls_back_with_the_reason(compiler, m
     _, expected = _tensor_run()
     for mine, theirs in zip(got, expected):
         assert torch.equal(mine, theirs)
+
+
+def test_tensor_op_plans_in_pieces_give_the_whole_plans_bits(compiler, monkeypatch):
+    """The tensor-op kernels bound at a piece's offsets (MAX_FLOPS_PER_PIECE 1: one query or key
+    block range per piece) give the bits of the plan in one piece."""
+    monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", "1")
+    _, whole = _tensor_run()
+    monkeypatch.setattr(_mps, "MAX_FLOPS_PER_PIECE", 1)
+    start = len(compiler.dispatches)
+    _, pieces = _tensor_run()
+    names = [name for name, _ in compiler.dispatches[start:]]
+    assert sum("_tensor_" in name for name in names) > 3 and len(compiler.commits) > 2
+    for mine, theirs in zip(pieces, whole):
+        assert torch.equal(mine, theirs)
