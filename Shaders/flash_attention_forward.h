@@ -47,8 +47,8 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
 }
 
 // One K/V tile of the forward pass, keys [kv0, kv0 + BK) (the next tiles of the KV head's K and V
-// from kvs, KVTiles or a cache's source): loads the tiles (every thread calls it; V only after S where K and
-// V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
+// from kvs, KVTiles or a cache's source): loads the tiles (every thread calls it; V only after S
+// where K and V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
 // `masked`; the lane's row is query `row`), online softmax update, O += P V (without WITH_V,
 // only m and l: V is neither loaded nor multiplied). DROPOUT: the kernel reads the dropout
 // function constant (the dense forward; the split kernels never get a call with dropout) and, when

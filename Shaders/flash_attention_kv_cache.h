@@ -759,7 +759,7 @@ inline uint kv_cache_kind(constant FlashAttentionParams &p) {
         CALL((DeviceKV<T>{k, v}));                                                                 \
         break;                                                                                     \
     case FA_KV_CACHE_PAGED_CHUNKS:                                                                 \
-        CALL((PagedKV<T, 0>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}));                                                        \
+        CALL((PagedKV<T, 0>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}));             \
         break;                                                                                     \
     case FA_KV_CACHE_QUANTIZED_8:                                                                  \
         CALL((PagedKV<T, 8>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}));             \

@@ -316,11 +316,12 @@ inline void copy_chunks(Tile tile, thread const TileStream<T, ROWS, DP> &s, Chun
 
 // Copies rows [first, first + ROWS) into `tile`, the thread's chunks starting at `from` (in the
 // paired layout when PAIRED): by chunks, or element by element where the call's rows are not on
-// 16-byte boundaries (scalar_copies).
+// 16-byte boundaries (scalar_copies). Always inlined, as load_tile: a stream handed to an
+// out-of-line copy would keep the key loop's whole K/V source in memory, its fields reloaded after
+// every call in the loop.
 template <uint ROWS, uint DP, bool PAIRED, typename T, typename Tile>
-FA_ALWAYS_INLINE void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
-                      device const uint4 *from, uint first, constant FlashAttentionParams &p,
-                      uint tid) {
+FA_ALWAYS_INLINE void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s, device const uint4 *from,
+                                uint first, constant FlashAttentionParams &p, uint tid) {
     if (p.scalar_copies != 0) {
         load_rows<ROWS, DP, PAIRED>(tile, s.src, first, s.seqlen, s.stride, s.cols, tid);
         return;
@@ -334,7 +335,7 @@ FA_ALWAYS_INLINE void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> 
 // tile_stream or seek).
 template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
 FA_ALWAYS_INLINE void load_tile(Tile tile, thread TileStream<T, ROWS, DP> &s, uint first,
-                      constant FlashAttentionParams &p, uint tid) {
+                                constant FlashAttentionParams &p, uint tid) {
     device const uint4 *from = s.next;
     s.next += s.tile_step;
     copy_tile<ROWS, DP, PAIRED>(tile, s, from, first, p, tid);
