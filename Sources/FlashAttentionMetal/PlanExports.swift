@@ -39,6 +39,20 @@ private func fill<T>(_ pointer: UnsafeMutablePointer<T>?, _ name: String, _ type
 @_cdecl("fa_plan_create")
 public func _exportPlanCreate(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_pass, _ maxFlopsPerPiece: UInt64,
                               _ outPlan: UnsafeMutablePointer<OpaquePointer?>?) -> fa_status {
+    createPlan(problem, pass, maxFlopsPerPiece, outPlan, tensorOps: .framework)
+}
+
+/// fa_plan_create_tensor_ops: see flash_attention_metal.h.
+@_cdecl("fa_plan_create_tensor_ops")
+public func _exportPlanCreateTensorOps(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_pass,
+                                       _ maxFlopsPerPiece: UInt64,
+                                       _ outPlan: UnsafeMutablePointer<OpaquePointer?>?) -> fa_status {
+    createPlan(problem, pass, maxFlopsPerPiece, outPlan, tensorOps: .exportedTensorKernels)
+}
+
+/// The plan of fa_plan_create and fa_plan_create_tensor_ops, for a host offering `tensorOps`.
+private func createPlan(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_pass, _ maxFlopsPerPiece: UInt64,
+                        _ outPlan: UnsafeMutablePointer<OpaquePointer?>?, tensorOps: TensorOpsSupport) -> fa_status {
     do {
         let out = try required(outPlan, "out_plan")
         out.pointee = nil
@@ -54,7 +68,7 @@ public func _exportPlanCreate(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_
                                                           + "FA_PASS_BACKWARD (FA_PASS_MERGE: fa_plan_create_merge)")
         }
         // For the GPU its hosts encode it on, as a Metal context plans (fa_gpu_cores with no context).
-        let plan = try DispatchPlan.make(kind, p, device: GPUCores.libraryDevice, tensorOps: .framework)
+        let plan = try DispatchPlan.make(kind, p, device: GPUCores.libraryDevice, tensorOps: tensorOps)
         publish(try ExportedPlan(plan, maxFlopsPerPiece: maxFlopsPerPiece), out)
         return FA_STATUS_SUCCESS
     } catch {

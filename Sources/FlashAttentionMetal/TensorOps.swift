@@ -27,6 +27,12 @@ struct TensorOpsSupport: Equatable, Sendable {
     /// keep the simdgroup kernels, forced or not, until the front ends compile the tensor-op library.
     static let framework = TensorOpsSupport(hasUnits: false, hasKernels: false,
                                             detail: "exported plans (fa_plan_create) have no tensor-op kernels yet")
+    /// A host of exported plans that runs the tensor-op kernels too (fa_plan_create_tensor_ops: the CUDA
+    /// check build, fa_plan_execute): no device query for matrix units, so only
+    /// FLASH_ATTENTION_TENSOR_OPS=1 takes them.
+    static let exportedTensorKernels = TensorOpsSupport(
+        hasUnits: false, hasKernels: true,
+        detail: "fa_plan_create_tensor_ops: the host runs the tensor-op kernels; no matrix-unit query for exported plans")
 
     /// Whether architecture `name` (`MTLArchitecture.name`, e.g. `applegpu_g17s`) is generation 17
     /// or later (18 for `p`), parsed as MLX parses it: the two digits before the last letter.

@@ -153,11 +153,14 @@ def read(handle, library: NativeLibrary | None = None) -> Plan:
     return Plan(passes[getattr(info, "pass")], info.piece_count, tuple(buffers), tuple(dispatches))
 
 
-def create(problem, pass_name: str, max_flops_per_piece: int = 0, library: NativeLibrary | None = None) -> Plan:
+def create(problem, pass_name: str, max_flops_per_piece: int = 0, library: NativeLibrary | None = None, *,
+           tensor_ops: bool = False) -> Plan:
     """The plan of ``pass_name`` ("forward" or "backward") for ``problem``, a cffi ``fa_problem *``
     whose pointer fields only mark which optional inputs exist (fa_plan_create; cu_seqlens_q and
     cu_seqlens_k make a variable-length plan, kv_block_table a paged KV cache's); pieces of at most
-    ``max_flops_per_piece`` operations (0: one piece).
+    ``max_flops_per_piece`` operations (0: one piece). ``tensor_ops``: for a host that runs the
+    Metal 4 tensor-op kernels too (fa_plan_create_tensor_ops: with FLASH_ATTENTION_TENSOR_OPS=1 the
+    plan takes them where they serve the problem; the CUDA check, fa_plan_execute).
 
     Raises FlashAttentionError with the library's message for a problem it refuses, ValueError for
     an unknown pass name."""
@@ -166,8 +169,8 @@ def create(problem, pass_name: str, max_flops_per_piece: int = 0, library: Nativ
     library = library or native()
     ffi, lib = library.ffi, library.lib
     holder = ffi.new("fa_plan **")
-    library.raise_for_status(lib.fa_plan_create(problem, getattr(lib, _PASS_NAMES[pass_name]),
-                                                max_flops_per_piece, holder))
+    make = lib.fa_plan_create_tensor_ops if tensor_ops else lib.fa_plan_create
+    library.raise_for_status(make(problem, getattr(lib, _PASS_NAMES[pass_name]), max_flops_per_piece, holder))
     try:
         return read(holder[0], library)
     finally:

@@ -586,6 +586,16 @@ typedef struct fa_plan_specialization {
 fa_status fa_plan_create(const fa_problem *problem, fa_pass pass, uint64_t max_flops_per_piece,
                          fa_plan **out_plan);
 
+/* fa_plan_create for a host that runs the Metal 4 tensor-op kernels too (docs/tensor-ops.md: the
+ * tensor-op library, which fa_plan_kernel_source() does not hold; the CUDA check build and
+ * fa_plan_execute do run them): with FLASH_ATTENTION_TENSOR_OPS=1 the forward and the backward's dQ
+ * and dK/dV take the tensor-op kernels (names with "tensor") wherever they serve the problem, as a
+ * context forced onto them does; unset or 0, fa_plan_create's plan (exported plans query no matrix
+ * units). Errors: fa_plan_create's, and INVALID_ARGUMENT for a FLASH_ATTENTION_TENSOR_OPS other
+ * than 0 or 1. */
+fa_status fa_plan_create_tensor_ops(const fa_problem *problem, fa_pass pass, uint64_t max_flops_per_piece,
+                                    fa_plan **out_plan);
+
 /* Makes the FA_PASS_MERGE plan of fa_merge_attention for `rows` rows of `head_dim` elements (the
  * same rules). Errors: INVALID_ARGUMENT, UNSUPPORTED. */
 fa_status fa_plan_create_merge(uint64_t rows, uint32_t head_dim, fa_plan **out_plan);
