@@ -32,6 +32,12 @@
 #
 # --replay-only skips the harness's steps (the replay's and the matrix and tensor-op checks stay).
 #
+# The replay's grids hold the Metal 4 tensor-op kernels too (names tensor_*: grid.tensor_cases,
+# planned by fa_plan_create_tensor_ops under FLASH_ATTENTION_TENSOR_OPS=1; launch_table_tensor.cu,
+# the tensor-op library's unit), judged by the rule's tensor-op term, under the sanitizers with the
+# small grid, and replayed once more in the permuted cooperative-tensor layout, whose outputs must
+# be bit for bit the M5 layout's (step cuda-tensor-layouts).
+#
 # After the matrix check, tests/cuda/tensor_ops_check.cu runs the CPU engine's tensor-op test
 # kernels (tests/kernels/tensor_ops.metal) through metal_tensor_ops.h's matmul2d emulation (step
 # cuda-tensor-ops: the documented accumulation order, bounds, both layouts, the scope and capacity
@@ -98,7 +104,10 @@ mkdir -p "$BUILD" || die "cannot create $BUILD"
 echo "gpu_check: build folder $BUILD (logs: *.log)"
 echo "gpu_check: $("$NVCC" --version | tail -n 1), arch $ARCH"
 
-FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo -I"$GPU_DIR/include" -I"$GPU_DIR")
+# --expt-relaxed-constexpr: MSL helpers declared `constexpr` without `inline` (the tensor-op
+# backward's matmul2d descriptors) are host functions to nvcc; clang's CUDA mode, like Metal,
+# lets device code call them.
+FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo --expt-relaxed-constexpr -I"$GPU_DIR/include" -I"$GPU_DIR")
 
 . "$GPU_DIR/copy_metal.sh"
 # Copies Shaders/ into folder $1, with the fault $2 if given; a fault that changes nothing (the
@@ -113,16 +122,24 @@ copy_sources() {
 
 # Compiles the kernels of source folder $1 (slow: every head-dim bucket, fully unrolled loops; the
 # logs hold ptxas' register and spill report): launch_table.cu's catalogue table into $2 with .o
-# replaced by -table.o (the replay's and large_offsets.cu's) and, unless $3 is "table", kernels.cu's
+# replaced by -table.o and launch_table_tensor.cu's (the tensor-op library's) by -tensor.o (both
+# the replay's and large_offsets.cu's: table_objects) and, unless $3 is "table", kernels.cu's
 # hand-written launchers into $2 (the harness's), in parallel.
 compile_kernels() {
-    local table=${2%.o}-table.o launchers=""
+    local table=${2%.o}-table.o tensor=${2%.o}-tensor.o launchers="" tensor_job
     if [ "${3:-}" != table ]; then
         "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/kernels.cu" -o "$2" >"$2.log" 2>&1 &
         launchers=$!
     fi
+    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table_tensor.cu" -o "$tensor" \
+        >"$tensor.log" 2>&1 &
+    tensor_job=$!
     "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$table" >"$table.log" 2>&1 \
-        && { [ -z "$launchers" ] || wait "$launchers"; }
+        && wait "$tensor_job" && { [ -z "$launchers" ] || wait "$launchers"; }
+}
+# The objects of the catalogue's tables that compile_kernels made for kernels object $1.
+table_objects() {
+    echo "${1%.o}-table.o ${1%.o}-tensor.o"
 }
 
 SECONDS=0
@@ -222,27 +239,29 @@ for job in "${build_jobs[@]}"; do
                          "$BUILD"/cases-*.o.log 2>/dev/null >&2
                      die "compiling the kernels, matrix_check.cu or tensor_ops_check.cu, or writing the cases, failed"; }
 done
-link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
-    local kernels=$1 executable=$2 unit objects=()
+link() {  # link KERNEL_OBJECTS EXECUTABLE MAIN_UNIT [more host units]; KERNEL_OBJECTS: space-separated
+    local kernels executable=$2 unit objects=()
+    read -r -a kernels <<<"$1"
     shift 2
     for unit in "$@"; do
         objects+=("$BUILD/host-$unit.o")
     done
-    "$NVCC" "${FLAGS[@]}" "$kernels" "${objects[@]}" -o "$executable" || die "linking $executable failed"
+    "$NVCC" "${FLAGS[@]}" "${kernels[@]}" "${objects[@]}" -o "$executable" || die "linking $executable failed"
 }
 if [ "$DEFAULT" = 1 ]; then
     link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout varlen_cases kv_cache_cases
-    link "$BUILD/kernels-table.o" "$BUILD/replay" replay
+    link "$(table_objects "$BUILD/kernels.o")" "$BUILD/replay" replay
     if [ "$MUTANTS" = 1 ]; then
         link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout varlen_cases kv_cache_cases
         link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout varlen_cases kv_cache_cases
-        link "$BUILD/kernels-no-barrier-table.o" "$BUILD/replay-no-barrier" replay
-        link "$BUILD/kernels-exp-table.o" "$BUILD/replay-exp" replay
+        link "$(table_objects "$BUILD/kernels-no-barrier.o")" "$BUILD/replay-no-barrier" replay
+        link "$(table_objects "$BUILD/kernels-exp.o")" "$BUILD/replay-exp" replay
     fi
 fi
 if [ "$LARGE" = 1 ]; then
-    link "$BUILD/kernels-table.o" "$BUILD/large_offsets" large_offsets
-    [ "$MUTANTS" = 1 ] && link "$BUILD/kernels-offset32-table.o" "$BUILD/large_offsets-offset32" large_offsets
+    link "$(table_objects "$BUILD/kernels.o")" "$BUILD/large_offsets" large_offsets
+    [ "$MUTANTS" = 1 ] && link "$(table_objects "$BUILD/kernels-offset32.o")" "$BUILD/large_offsets-offset32" \
+        large_offsets
 fi
 cat "$BUILD"/*.o.log >"$BUILD/build.log"
 echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/build.log)"
@@ -317,6 +336,15 @@ if [ "$DEFAULT" = 1 ]; then
         run_checked_step cuda-replay "$BUILD/replay.log" "$BUILD/replay" "$BUILD/cases-full" --dump "$BUILD/cases-full"
         run_checked_step cuda-replay-accuracy "$BUILD/replay-accuracy.log" \
             python3 "$GPU_DIR/judge.py" --name cuda-replay-accuracy "$BUILD/cases-full"
+        # The tensor-op cases again in the permuted cooperative-tensor layout (docs/tensor-ops.md): the
+        # kernels assume no layout, so every output must keep its bits ("cuda-tensor-layouts: N
+        # cases, 0 differ").
+        rm -rf "$BUILD/tensor-permuted" && mkdir -p "$BUILD/tensor-permuted"
+        run_checked_step cuda-replay-permuted "$BUILD/replay-permuted.log" \
+            env FLASH_ATTENTION_TENSOR_LAYOUT=permuted "$BUILD/replay" "$BUILD/cases-full" --case tensor_ \
+            --dump "$BUILD/tensor-permuted" --name cuda-replay-permuted
+        run_checked_step cuda-tensor-layouts "$BUILD/tensor-layouts.log" \
+            python3 "$GPU_DIR/same_bits.py" --name cuda-tensor-layouts "$BUILD/cases-full" "$BUILD/tensor-permuted"
     else
         summaries+=("cuda-replay: NOT RUN ($NO_PLANS)")
         failures=$((failures + 1))

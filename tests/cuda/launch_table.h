@@ -1,7 +1,7 @@
 // Launches any kernel instance of Shaders/ compiled as CUDA by its Metal name, as an exported
 // plan's dispatch gives it (launch_table.cu and, for the tensor-op kernels, launch_table_tensor.cu
-// over the catalogue's tables, kernel_table.h): the plan
-// picks the kernel, the grid, every buffer and the function constants; nothing here knows a kernel.
+// over the catalogue's tables, kernel_table.h): the plan picks the kernel, the grid, every buffer
+// and the function constants; nothing here knows a kernel.
 #ifndef FA_GPU_LAUNCH_TABLE_H
 #define FA_GPU_LAUNCH_TABLE_H
 
