@@ -2,8 +2,7 @@
 // flash_attention.metal defines (Shaders/flash_attention_catalogue.h, expanded by kernel_table.h:
 // dense, split-KV, decode, KV-cache, varlen, merge), launched by name for replay.cu and
 // large_offsets.cu (launch_table.h); a name this table lacks goes to the tensor-op library's
-// (launch_table_tensor.cu). The hand-written launchers of kernels.cu (the harness's) are not part
-// of this unit.
+// (launch_table_tensor.cu).
 //
 // gpu_check.sh copies Shaders/ into its build folder with the `device` address-space word renamed
 // to `fa_device` (metal_cuda.h says why) and puts that folder first on the include path.

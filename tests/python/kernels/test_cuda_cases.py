@@ -408,13 +408,15 @@ def test_tensor_cases_replay_and_judge_in_both_layouts(tmp_path, monkeypatch, ca
 
 
 def test_varlen_and_kv_cache_cases_are_in_both_grids():
-    """The small (sanitizer) grid holds a varlen and three KV-cache cases (a wrong block table among
-    them), the full one more, with contiguous, paged and 4- and 8-bit quantized caches and every
-    dtype."""
+    """The small (sanitizer) grid holds a varlen and four KV-cache cases (a wrong block table and a
+    paged speculative-decoding width among them), the full one more, with contiguous, paged and 4-
+    and 8-bit quantized caches and every dtype."""
     small, full = grid.kv_cache_cases(small=True), grid.kv_cache_cases()
     plain_varlen = [v for v in grid.varlen_cases(small=True) if not v.tensor_ops]  # and one tensor-op batch
-    assert len(plain_varlen) == 1 and len(small) == 3 and set(small) <= set(full)
+    assert len(plain_varlen) == 1 and len(small) == 4 and set(small) <= set(full)
     assert any(k.wrong_table for k in small)
+    packed_rows = lambda k: k.case.seqlen_q * (k.case.num_heads // k.case.num_kv_heads)  # noqa: E731
+    assert any(k.page and 2 <= packed_rows(k) <= 16 for k in small)
     assert {(bool(k.page), k.bits) for k in full} == {(True, 0), (True, 4), (True, 8), (False, 0), (False, 8)}
     assert {v.dtype for v in grid.varlen_cases()} == {k.case.dtype for k in full} == {"f16", "bf16", "f32"}
 
