@@ -15,9 +15,9 @@ SPLIT_CORES cores where that plan differs (split-KV, or more chunks), into outpu
 (split_out, split_lse); grid.varlen_cases and grid.kv_cache_cases through the library's varlen
 and KV-cache plans (plan_varlen, plan_kv_cache); ``large`` the one problem of large_offsets.cu
 (plan_large); grid.merge_cases, two forwards over parts of the keys and fa_plan_create_merge's
-plan (plan_merge); grid.tensor_cases (dense and varlen) through fa_plan_create_tensor_ops under
-FLASH_ATTENTION_TENSOR_OPS=1, the plans a host that runs the Metal 4 tensor-op kernels gets with
-the tensor-op path forced (their lines end with tensor_ops=<passes> for judge.py). Nothing here
+plan (plan_merge); grid.tensor_cases (dense and varlen) through fa_plan_create_for with the
+tensor-op library ready (TENSOR_TARGET) under FLASH_ATTENTION_TENSOR_OPS=1, the plans a host that
+runs the Metal 4 tensor-op kernels gets with the tensor-op path forced (their lines end with tensor_ops=<passes> for judge.py). Nothing here
 picks a kernel, a grid or a parameter value: every dispatch is the library's.
 
 ``write`` draws the inputs (N(0, 1) rounded to the dtype, seeded by the case name; masks, ALiBi
@@ -67,8 +67,11 @@ CONSTANT_TYPES = {"bool": 0, "uint": 1}
 DTYPE_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 # The GPU core count of the extra forward of short queries: split-KV, in as many chunks as the keys allow.
 SPLIT_CORES = 4096
-# The override that forces the tensor-op path (docs/tensor-ops.md), set while a tensor-op case is planned.
+# The override that forces the tensor-op path (docs/tensor-ops.md), set while a tensor-op case is
+# planned, and the host the plan is made for (plan.Target's fields): the tensor-op library compiled,
+# as the CUDA build compiles it (launch_table_tensor.cu).
 TENSOR_OPS_VARIABLE = "FLASH_ATTENTION_TENSOR_OPS"
+TENSOR_TARGET = {"tensor_library": "ready"}
 QUERY_ROLES = ("q", "out", "dout", "dq")
 VALUE_ROLES = ("v", "out", "dout", "dv")
 TENSOR_ROLES = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")
@@ -169,16 +172,16 @@ def _buffer(buffers: dict, name: str, nbytes: int, kind: str) -> str:
 
 
 def _create(problem, pass_name: str, library, tensor_ops: bool = False):
-    """plan.create's plan of `problem`; with `tensor_ops`, fa_plan_create_tensor_ops's under
-    FLASH_ATTENTION_TENSOR_OPS=1 (the tensor-op path forced, as the CUDA build runs those kernels
-    too), which must then name a tensor-op kernel (else the case would not test them)."""
+    """plan.create's plan of `problem`; with `tensor_ops`, for TENSOR_TARGET under
+    FLASH_ATTENTION_TENSOR_OPS=1 (the tensor-op path forced; the CUDA build runs those kernels), which
+    must then name a tensor-op kernel (else the case would not test them)."""
     from flash_attention_metal import plan
     if not tensor_ops:
         return plan.create(problem, pass_name, library=library)
     saved = os.environ.get(TENSOR_OPS_VARIABLE)
     os.environ[TENSOR_OPS_VARIABLE] = "1"
     try:
-        made = plan.create(problem, pass_name, library=library, tensor_ops=True)
+        made = plan.create(problem, pass_name, library=library, target=plan.Target(**TENSOR_TARGET))
     finally:
         if saved is None:
             del os.environ[TENSOR_OPS_VARIABLE]

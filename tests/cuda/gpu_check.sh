@@ -33,7 +33,7 @@
 # per-call limit). The device code of each unit is optimised on all cores (nvcc -split-compile).
 #
 # The grids hold the Metal 4 tensor-op kernels too (names tensor_*: grid.tensor_cases, planned by
-# fa_plan_create_tensor_ops under FLASH_ATTENTION_TENSOR_OPS=1; launch_table_tensor.cu, the
+# fa_plan_create_for (tensor-op library ready) under FLASH_ATTENTION_TENSOR_OPS=1; launch_table_tensor.cu, the
 # tensor-op library's unit, linked beside launch_table.cu), judged by the rule's tensor-op term,
 # under the sanitizers with the small grid, and replayed once more in the permuted
 # cooperative-tensor layout, whose outputs must be the M5 layout's bit for bit (steps

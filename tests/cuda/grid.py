@@ -189,7 +189,7 @@ def varlen(dtype, d, h, kv, seqlens_q, seqlens_k, causal, *, options=Options()) 
 
 def tensor(c):
     """Case or VarlenCase c planned with the Metal 4 tensor-op kernels forced (issue 37:
-    fa_plan_create_tensor_ops under FLASH_ATTENTION_TENSOR_OPS=1; cases.py refuses a case whose
+    fa_plan_create_for with the tensor-op library ready, under FLASH_ATTENTION_TENSOR_OPS=1; cases.py refuses a case whose
     forward or backward plan then names no tensor-op kernel), named tensor_<name>."""
     return replace(c, name=f"tensor_{c.name}", tensor_ops=True)
 

@@ -7,8 +7,8 @@ plans' parameters. The variable-length, KV-cache and merge cases (fed by fa_plan
 and cache plans and fa_plan_create_merge's) are replayed here on the CPU engine: fa_plan_execute on
 the case files' buffers, the outputs read through the case's output views as replay.cu reads
 them, and judge.py's verdict on that dump must pass. The Metal 4 tensor-op cases (issue 37) come
-from fa_plan_create_tensor_ops under FLASH_ATTENTION_TENSOR_OPS=1, name tensor-op kernels in both
-passes (fa_plan_create would not), carry tensor_ops=forward,backward for judge.py's tensor-op term,
+from fa_plan_create_for with the tensor-op library ready under FLASH_ATTENTION_TENSOR_OPS=1, name
+tensor-op kernels in both passes (without the library or the override they would not), carry tensor_ops=forward,backward for judge.py's tensor-op term,
 and two of them are replayed on the CPU engine in both cooperative-tensor layouts, bit for bit
 alike. The GPU replay itself (replay.cu) runs only in tests/cuda/gpu_check.sh.
 
@@ -245,10 +245,13 @@ def _plans(entry: dict, library) -> list:
         with pytest.MonkeyPatch.context() as env:
             if cores:
                 env.setenv("FLASH_ATTENTION_GPU_CORES", str(cores))
+            target = ffi.NULL
             if tensor_ops:  # as cases.py plans a tensor-op case
                 env.setenv(cases.TENSOR_OPS_VARIABLE, "1")
-            make = lib.fa_plan_create_tensor_ops if tensor_ops else lib.fa_plan_create
-            library.raise_for_status(make(problem, getattr(lib, pass_name), 0, holder))
+                target = ffi.new("fa_plan_target *")
+                target.struct_size = ffi.sizeof("fa_plan_target")
+                target.tensor_library = getattr(lib, "FA_TENSOR_LIBRARY_" + cases.TENSOR_TARGET["tensor_library"].upper())
+            library.raise_for_status(lib.fa_plan_create_for(problem, getattr(lib, pass_name), 0, target, holder))
         return holder
 
     if entry.get("kind") == "dense":
@@ -341,10 +344,11 @@ def _judge():
 
 
 def test_tensor_cases_plan_tensor_kernels_in_both_passes():
-    """Every tensor-op case of both grids: its forward and backward plans (fa_plan_create_tensor_ops
-    under FLASH_ATTENTION_TENSOR_OPS=1) name a tensor-op kernel for the forward, dQ and dK/dV, which
-    fa_plan_create's plans of the same problem, forced or not, do not (its hosts compile no
-    tensor-op library); both buckets' worth of head dims and both 2-byte dtypes are there."""
+    """Every tensor-op case of both grids: its forward and backward plans (fa_plan_create_for with
+    the tensor-op library ready, under FLASH_ATTENTION_TENSOR_OPS=1) name a tensor-op kernel for the
+    forward, dQ and dK/dV, which the plans of the same problem without the library (forced) or
+    with it but FLASH_ATTENTION_TENSOR_OPS=0 do not; the head-dim buckets and both 2-byte dtypes
+    are there."""
     from flash_attention_metal import _native
     library = _native.native()
     small, full = grid.tensor_cases(small=True), grid.tensor_cases()
@@ -365,7 +369,8 @@ def test_tensor_cases_plan_tensor_kernels_in_both_passes():
     with pytest.MonkeyPatch.context() as env:
         env.setenv(cases.TENSOR_OPS_VARIABLE, "1")
         forced = plan.create(problem, "backward", library=library)
-    unforced = plan.create(problem, "backward", library=library, tensor_ops=True)
+        env.setenv(cases.TENSOR_OPS_VARIABLE, "0")
+        unforced = plan.create(problem, "backward", library=library, target=plan.Target(**cases.TENSOR_TARGET))
     for made in (forced, unforced):
         assert not any("tensor" in d.kernel_name for d in made.dispatches)
     assert forced.dispatches == unforced.dispatches
