@@ -61,9 +61,8 @@ _MAX_THREADGROUP_MEMORY = 32768
 #: A stand-in address for an optional input that is present: a plan reads only presence.
 _PRESENT = 1
 _PLAN_CACHE_SIZE = 256
-#: The inputs the kernels copy into threadgroup memory in chunks of this many bytes (FA_CHUNK_BYTES).
+#: The inputs the kernels copy into threadgroup memory in chunks (the header's FA_PLAN_BIND_ALIGNMENT).
 _CHUNKED_ROLES = ("q", "k", "v", "out", "dout")
-_CHUNK_BYTES = 16
 
 #: The key of ``_libraries`` that holds the PYTORCH_MPS_FAST_MATH reading (read with the first
 #: library compiled from source, as PyTorch reads it with its first).
@@ -142,10 +141,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t``, or where compile_shader would bind it at a byte offset that is not a multiple of 16 (a
     view such as ``x[..., 1:65]``), a copy with the same strides in storage of its own. The plan's
     parameters take the kernels' 16-byte tile copies whenever the strides and head dims are
-    multiples of 16 bytes (FA_CHUNK_BYTES, ``scalar_copies`` in Shaders/flash_attention_params.h),
-    and its bindings' offsets are multiples of the strides; the plan cannot see where compile_shader
-    binds a view, so an input copied in tiles must start at a 16-byte boundary."""
-    if t.storage_offset() * t.element_size() % _CHUNK_BYTES == 0:
+    multiples of 16 bytes (the header's FA_PLAN_BIND_ALIGNMENT, ``scalar_copies`` in
+    Shaders/flash_attention_params.h), and its bindings' offsets are multiples of the strides; the
+    plan cannot see where compile_shader binds a view, so an input copied in tiles must start at a
+    16-byte boundary."""
+    if t.storage_offset() * t.element_size() % native().lib.FA_PLAN_BIND_ALIGNMENT == 0:
         return t
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
