@@ -591,6 +591,11 @@ fa_status fa_plan_create(const fa_problem *problem, fa_pass pass, uint64_t max_f
  * Added after 0.3.0. */
 enum { FA_PLAN_BIND_ALIGNMENT = 16 };
 
+/* The Metal backend's work per command buffer against the GPU watchdog: 2^FA_PLAN_PIECE_FLOPS_LOG2
+ * floating-point operations (2^35, about 15 ms at an M1's FP16 peak). A host that encodes a plan's
+ * pieces itself passes it as fa_plan_create's max_flops_per_piece. Added after 0.3.0. */
+enum { FA_PLAN_PIECE_FLOPS_LOG2 = 35 };
+
 /* Makes the FA_PASS_MERGE plan of fa_merge_attention for `rows` rows of `head_dim` elements (the
  * same rules). Errors: INVALID_ARGUMENT, UNSUPPORTED. */
 fa_status fa_plan_create_merge(uint64_t rows, uint32_t head_dim, fa_plan **out_plan);

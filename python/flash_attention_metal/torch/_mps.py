@@ -53,9 +53,10 @@ from .. import plan as _plan
 from .._native import native
 from ._tensors import backward_call, forward_call
 
-#: Work per piece of a plan, each piece ending its command buffer (``_end_command_buffer``): the
-#: Swift host's budget against the GPU watchdog (MetalBackend.defaultFlopsPerCommandBuffer).
-MAX_FLOPS_PER_PIECE = 1 << 35
+#: Work per piece of a plan, each piece ending its command buffer (``_end_command_buffer``); None
+#: is the Swift host's budget against the GPU watchdog, the header's 2**FA_PLAN_PIECE_FLOPS_LOG2
+#: (tests lower it).
+MAX_FLOPS_PER_PIECE = None
 #: Threadgroup memory of an Apple GPU threadgroup (Apple7 and later).
 _MAX_THREADGROUP_MEMORY = 32768
 #: A stand-in address for an optional input that is present: a plan reads only presence.
@@ -117,12 +118,13 @@ def _plan_for(p, pass_name: str) -> _plan.Plan:
     fields hold only presence markers, so equal problems have equal bytes) and the GPU core count
     its chunks are planned for (FLASH_ATTENTION_GPU_CORES may change between calls)."""
     library = native()
-    key = (pass_name, MAX_FLOPS_PER_PIECE, os.environ.get("FLASH_ATTENTION_GPU_CORES"), library.ffi.buffer(p)[:])
+    budget = MAX_FLOPS_PER_PIECE or 1 << library.lib.FA_PLAN_PIECE_FLOPS_LOG2
+    key = (pass_name, budget, os.environ.get("FLASH_ATTENTION_GPU_CORES"), library.ffi.buffer(p)[:])
     with _lock:
         if key in _plans:
             _plans.move_to_end(key)
             return _plans[key]
-    made = _plan.create(p, pass_name, MAX_FLOPS_PER_PIECE, library)
+    made = _plan.create(p, pass_name, budget, library)
     with _lock:
         _plans[key] = made
         while len(_plans) > _PLAN_CACHE_SIZE:
