@@ -203,14 +203,12 @@ def _mask(attn_mask, query: torch.Tensor, target: tuple) -> torch.Tensor | None:
 
 
 def _heads(query, key, value, enable_gqa: bool) -> int:
-    """The heads of the output, by PyTorch's rules: with enable_gqa, query heads that are a multiple
-    of the key heads; without, equal heads or one side's broadcast from 1."""
+    """The heads of the output, by PyTorch's rules: with enable_gqa, the query's (the library then
+    requires a multiple of the key heads); without, equal heads or one side's broadcast from 1."""
     hq, hk = query.shape[-3], key.shape[-3]
     if value.shape[-3] != hk:
         raise ValueError(f"value has {value.shape[-3]} heads and key {hk}: they must be equal")
     if enable_gqa:
-        if hq % hk:
-            raise ValueError(f"query heads ({hq}) must be a multiple of key and value heads ({hk}) with enable_gqa")
         return hq
     if hq != hk and 1 not in (hq, hk):
         raise ValueError(f"query has {hq} heads and key {hk}: they must be equal or 1 (broadcast), or pass "

@@ -262,7 +262,7 @@ def _small():
      ValueError, "enable_gqa=True"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q.repeat(1, 3, 1, 1), k.repeat(1, 2, 1, 1),
                                                       v.repeat(1, 2, 1, 1), enable_gqa=True),
-     ValueError, r"query heads \(6\) must be a multiple of key and value heads \(4\)"),
+     ValueError, r"num_heads \(6\) must be a multiple of num_kv_heads \(4\)"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 5, dtype=torch.bool)),
      ValueError, "not broadcastable"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.int32)),
