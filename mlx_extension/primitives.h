@@ -130,6 +130,11 @@ constexpr uint64_t kMaxFlopsPerCommandBuffer = uint64_t{1} << FA_PLAN_PIECE_FLOP
 // the ways around it. "" as well for a problem the library refuses (check_problem reports that).
 std::string long_pass_refusal(const fa_problem& problem, fa_pass pass);
 
+// The tensor-op route of the last pass eval_gpu encoded and why (fa_plan_tensor_ops: "tensor ops:
+// ..." or "simdgroup kernels: ...", with the compiler's message where the tensor-op library failed
+// to compile); "" before the first, and always with an MLX without Metal.
+std::string tensor_ops_route();
+
 // Throws std::invalid_argument with the library's message when the problem is not one it runs
 // (the checks of fa_forward/fa_backward, without touching memory).
 void check_problem(const fa_problem& problem, fa_pass pass);

@@ -68,6 +68,7 @@ QUICK_TESTS = {
     "models/test_fixture_smollm2.py": ["test_forward_meets_the_accuracy_rule"],
     "kernels/test_dkv_group_split.py": ["test_split_with_dropout_within_the_rule"],
     "kernels/test_plan.py": ["test_plan_invariants", "test_errors"],
+    "kernels/test_plan_tensor_ops.py": ["test_the_override_forces_or_forbids"],
     "kernels/test_tensor_backward.py": ["test_the_rule_can_fail_and_the_route_can_be_forbidden"],
     "kernels/test_tensor_ops.py": ["test_routing_on_the_cpu_engine", "test_dropout_within_the_tensor_op_rule"],
     "repo/test_import_graph.py": ["test_the_import_graph_has_no_cycle"],

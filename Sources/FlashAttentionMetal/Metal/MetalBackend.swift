@@ -66,6 +66,17 @@ final class MetalBackend: ExecutionBackend {
     /// without such a device or count (`GPUCores.libraryDevice`).
     static let defaultDeviceCores: UInt32? = (try? appleSiliconDevice()).flatMap(cores(of:))
 
+    /// The architecture name of the device a Metal backend takes (`GPUArchitecture.libraryDevice`),
+    /// read once per process.
+    static let defaultDeviceArchitecture: String? = (try? appleSiliconDevice()).flatMap(architecture(of:))
+
+    /// `device.architecture.name` (MTLArchitecture, macOS 14+ / iOS 17+: developer.apple.com/
+    /// documentation/metal/mtlarchitecture/name, e.g. `applegpu_g17s`); nil on older systems.
+    static func architecture(of device: MTLDevice) -> String? {
+        guard #available(macOS 14.0, iOS 17.0, tvOS 17.0, visionOS 1.0, *) else { return nil }
+        return device.architecture.name
+    }
+
     /// `device`'s `gpu-core-count` from the IORegistry (`DeviceCores`); nil without IOKit.
     static func cores(of device: MTLDevice) -> UInt32? {
         #if canImport(IOKit)
