@@ -120,8 +120,8 @@ fa_problem make_problem(const Options& options, const mx::array& q, const mx::ar
 void require_contiguous(const std::vector<mx::array>& inputs);
 
 // Work one Metal command buffer may hold against macOS's GPU watchdog: the Swift host's budget
-// (MetalBackend.defaultFlopsPerCommandBuffer, 2^35 FLOP), which fa_plan_create cuts passes by.
-constexpr uint64_t kMaxFlopsPerCommandBuffer = uint64_t{1} << 35;
+// (the header's FA_PLAN_PIECE_FLOPS_LOG2, 2^35 FLOP), which fa_plan_create cuts passes by.
+constexpr uint64_t kMaxFlopsPerCommandBuffer = uint64_t{1} << FA_PLAN_PIECE_FLOPS_LOG2;
 
 // Why MLX's GPU stream cannot run `pass` of `problem`, "" when it can: the library would cut the
 // pass into more than one command buffer of kMaxFlopsPerCommandBuffer, and an MLX extension cannot

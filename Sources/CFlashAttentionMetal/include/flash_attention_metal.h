@@ -581,11 +581,21 @@ typedef struct fa_plan_specialization {
  * with the tensor-op library uses fa_plan_create_for.
  * Errors: INVALID_ARGUMENT (null problem or out_plan, an unknown pass, anything fa_forward or
  * fa_backward would refuse), UNSUPPORTED (head_dim), OUT_OF_MEMORY. The parameter bytes take the
- * kernels' 16-byte tile copies when head_dim, head_dim_v and every stride of q, k, v, out and dout
- * are multiples of 16 bytes: a host that encodes the dispatches itself then binds each of those
- * tensors at a 16-byte boundary (copying a view that starts elsewhere, e.g. x[..., 1:65]). */
+ * kernels' FA_PLAN_BIND_ALIGNMENT-byte tile copies when head_dim, head_dim_v and every stride of q,
+ * k, v, out and dout are multiples of FA_PLAN_BIND_ALIGNMENT bytes: a host that encodes the
+ * dispatches itself then binds each of those tensors at such a boundary (copying a view that starts
+ * elsewhere, e.g. x[..., 1:65]). */
 fa_status fa_plan_create(const fa_problem *problem, fa_pass pass, uint64_t max_flops_per_piece,
                          fa_plan **out_plan);
+
+/* Bytes the kernels' tile copies move per load (16; the kernels' FA_CHUNK_BYTES): see fa_plan_create.
+ * Added after 0.3.0. */
+enum { FA_PLAN_BIND_ALIGNMENT = 16 };
+
+/* The Metal backend's work per command buffer against the GPU watchdog: 2^FA_PLAN_PIECE_FLOPS_LOG2
+ * floating-point operations (2^35, about 15 ms at an M1's FP16 peak). A host that encodes a plan's
+ * pieces itself passes it as fa_plan_create's max_flops_per_piece. Added after 0.3.0. */
+enum { FA_PLAN_PIECE_FLOPS_LOG2 = 35 };
 
 /* The Metal 4 tensor-op kernels (issue 37, docs/tensor-ops.md) for a host that encodes plans itself.
  * They are a library of their own, fa_plan_tensor_kernel_source(), compiled at MSL 4.0, so that a

@@ -23,8 +23,9 @@ final class MetalBackend: ExecutionBackend {
     /// Work per command buffer, in FLOP as FlashAttention counts them (`Pass.flopsPerScoreElement`).
     /// macOS stops a command buffer that runs for seconds and may then refuse the process's later
     /// work; 2^35 FLOP (34 GFLOP) is about 15 ms at the M1's 2.6 TFLOPS FP16 peak, 0.3 s at a
-    /// twentieth of it, while a command buffer costs tens of microseconds.
-    static let defaultFlopsPerCommandBuffer = 1 << 35
+    /// twentieth of it, while a command buffer costs tens of microseconds. The header's
+    /// FA_PLAN_PIECE_FLOPS_LOG2, which the PyTorch and MLX hosts read too.
+    static let defaultFlopsPerCommandBuffer = 1 << Int(FA_PLAN_PIECE_FLOPS_LOG2)
     /// How long to wait for a command buffer to complete before giving up on the call: this plus
     /// its work at `slowestFlopsPerSecond`, far beyond what the watchdog lets one run, so only a
     /// hung GPU or driver reaches it.

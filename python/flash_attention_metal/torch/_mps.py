@@ -65,17 +65,17 @@ from .. import plan as _plan
 from .._native import native
 from ._tensors import backward_call, forward_call
 
-#: Work per piece of a plan, each piece ending its command buffer (``_end_command_buffer``): the
-#: Swift host's budget against the GPU watchdog (MetalBackend.defaultFlopsPerCommandBuffer).
-MAX_FLOPS_PER_PIECE = 1 << 35
+#: Work per piece of a plan, each piece ending its command buffer (``_end_command_buffer``); None
+#: is the Swift host's budget against the GPU watchdog, the header's 2**FA_PLAN_PIECE_FLOPS_LOG2
+#: (tests lower it).
+MAX_FLOPS_PER_PIECE = None
 #: Threadgroup memory of an Apple GPU threadgroup (Apple7 and later).
 _MAX_THREADGROUP_MEMORY = 32768
 #: A stand-in address for an optional input that is present: a plan reads only presence.
 _PRESENT = 1
 _PLAN_CACHE_SIZE = 256
-#: The inputs the kernels copy into threadgroup memory in chunks of this many bytes (FA_CHUNK_BYTES).
+#: The inputs the kernels copy into threadgroup memory in chunks (the header's FA_PLAN_BIND_ALIGNMENT).
 _CHUNKED_ROLES = ("q", "k", "v", "out", "dout")
-_CHUNK_BYTES = 16
 
 #: The key of ``_libraries`` that holds the PYTORCH_MPS_FAST_MATH reading (read with the first
 #: library compiled from source, as PyTorch reads it with its first).
@@ -166,13 +166,14 @@ def _plan_for(p, pass_name: str, target: _plan.Target) -> _plan.Plan:
     and the GPU core count and tensor-op override it is planned for (FLASH_ATTENTION_GPU_CORES and
     FLASH_ATTENTION_TENSOR_OPS may change between calls)."""
     library = native()
-    key = (pass_name, MAX_FLOPS_PER_PIECE, os.environ.get("FLASH_ATTENTION_GPU_CORES"),
-           os.environ.get("FLASH_ATTENTION_TENSOR_OPS"), target, library.ffi.buffer(p)[:])
+    budget = MAX_FLOPS_PER_PIECE or 1 << library.lib.FA_PLAN_PIECE_FLOPS_LOG2
+    key = (pass_name, budget, os.environ.get("FLASH_ATTENTION_GPU_CORES"), os.environ.get("FLASH_ATTENTION_TENSOR_OPS"),
+           target, library.ffi.buffer(p)[:])
     with _lock:
         if key in _plans:
             _plans.move_to_end(key)
             return _plans[key]
-    made = _plan.create(p, pass_name, MAX_FLOPS_PER_PIECE, library, target)
+    made = _plan.create(p, pass_name, budget, library, target)
     with _lock:
         _plans[key] = made
         while len(_plans) > _PLAN_CACHE_SIZE:
@@ -191,10 +192,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t``, or where compile_shader would bind it at a byte offset that is not a multiple of 16 (a
     view such as ``x[..., 1:65]``), a copy with the same strides in storage of its own. The plan's
     parameters take the kernels' 16-byte tile copies whenever the strides and head dims are
-    multiples of 16 bytes (FA_CHUNK_BYTES, ``scalar_copies`` in Shaders/flash_attention_params.h),
-    and its bindings' offsets are multiples of the strides; the plan cannot see where compile_shader
-    binds a view, so an input copied in tiles must start at a 16-byte boundary."""
-    if t.storage_offset() * t.element_size() % _CHUNK_BYTES == 0:
+    multiples of 16 bytes (the header's FA_PLAN_BIND_ALIGNMENT, ``scalar_copies`` in
+    Shaders/flash_attention_params.h), and its bindings' offsets are multiples of the strides; the
+    plan cannot see where compile_shader binds a view, so an input copied in tiles must start at a
+    16-byte boundary."""
+    if t.storage_offset() * t.element_size() % native().lib.FA_PLAN_BIND_ALIGNMENT == 0:
         return t
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 

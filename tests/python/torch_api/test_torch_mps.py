@@ -41,6 +41,7 @@ import pytest
 from torch_env import torch  # noqa: E402  (first: skips without PyTorch)
 
 from flash_attention_metal import _native, plan  # noqa: E402
+from flash_attention_metal.errors import ArgumentError  # noqa: E402
 from flash_attention_metal.torch import _host, _mps  # noqa: E402
 
 _ENGINE_CDEF = """
@@ -306,6 +307,20 @@ def test_translation_gives_the_cpu_paths_bits(compiler, monkeypatch, case):
     assert names[0].startswith("flash_attention_forward_") and names[-1].startswith("flash_attention_backward_dkv_")
     if "decode" in case:
         assert names[:2] == ["flash_attention_forward_decode_f32_d128", "flash_attention_forward_combine_f32"]
+
+
+@pytest.mark.parametrize("sizes, rule", [
+    ((torch.float16, 1, 1, 1, 2, 3, 577), r"head_dim \(577\) must be at most fa_max_head_dim\(\) \(576\)"),
+    ((torch.float16, 1, 3, 2, 2, 3, 8), r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+    ((torch.float32, 1, 1, 1, 2, 3, 264), r"with dtype float32 must be at most 256"),
+], ids=["head_dim", "heads", "float32 head_dim"])
+def test_the_librarys_refusals_come_before_any_dispatch(compiler, sizes, rule):
+    """The rules Python leaves to the library reach the MPS path's caller from fa_plan_create, as
+    a ValueError naming the argument, before anything is compiled or dispatched."""
+    q, k, v, _, _ = _case(*sizes)
+    with pytest.raises(ArgumentError, match=rule):
+        _mps.forward(q, k, v, None, None, 0.5, False, None, 0.0, False)
+    assert compiler.sources == [] and compiler.dispatches == []
 
 
 def test_pieces_bind_at_offsets(compiler, monkeypatch):
