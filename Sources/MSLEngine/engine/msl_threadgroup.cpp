@@ -51,7 +51,16 @@ __thread msl_engine::runtime::read_counting msl_engine_read_counting;
 namespace msl_engine {
 namespace {
 
-thread_local lane *current_lane = nullptr;
+// The runner of the calling OS thread while it runs a threadgroup; its running_ lane is the
+// calling thread of the kernel. A lane switch is a store to running_, not to thread-local storage
+// (in a shared library each access to that is a call to __tls_get_addr).
+thread_local threadgroup_runner *current_runner = nullptr;
+
+// The kernel thread calling into the engine, or null outside a dispatch.
+inline lane *current_lane() {
+    const threadgroup_runner *r = current_runner;
+    return r == nullptr ? nullptr : r->running();
+}
 
 // A threadgroup of the attention kernels makes thousands of switches per key block, and a poll is
 // one atomic load: this keeps it off the profile while a cancel still lands within microseconds.
@@ -107,7 +116,7 @@ void threadgroup_runner::lane_main(void *arg) {
     l->state = lane_state::returned;
     runner->on_return(*l);
     lane *next = runner->next_ready();
-    current_lane = next;
+    runner->running_ = next;
     runner->switch_source_ = &l->context;
     ++runner->switches_;
     fiber_exit(l->context, next != nullptr ? next->context : runner->scheduler_);
@@ -133,7 +142,7 @@ __attribute__((always_inline)) inline lane *threadgroup_runner::next_ready() {
 __attribute__((always_inline)) inline void threadgroup_runner::switch_from(lane &l) {
     lane *next = next_ready();
     if (next == &l) return; // it completed a collective and runs on
-    current_lane = next;
+    running_ = next;
     switch_source_ = &l.context;
     ++switches_;
     if (next != nullptr) {
@@ -141,7 +150,7 @@ __attribute__((always_inline)) inline void threadgroup_runner::switch_from(lane 
     } else {
         fiber_switch(l.context, scheduler_);
     }
-    // Resumed by another lane or the scheduler, which set current_lane to this lane.
+    // Resumed by another lane or the scheduler, which set running_ to this lane.
 }
 
 void threadgroup_runner::suspend_at_barrier(lane &l) {
@@ -149,7 +158,9 @@ void threadgroup_runner::suspend_at_barrier(lane &l) {
     switch_from(l);
 }
 
-void threadgroup_runner::suspend_at_collective(lane &l, const void *in, void *out, uint32_t arg) {
+// Inlined into runtime::simd_collective, its one caller: a collective is one call.
+__attribute__((always_inline)) inline void threadgroup_runner::suspend_at_collective(
+    lane &l, const void *in, void *out, uint32_t arg) {
     on_simd(l, in, out, arg);
     switch_from(l);
 }
@@ -205,6 +216,7 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
         groups_[g].first_thread = g * 32;
         groups_[g].active = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
         groups_[g].arrived = 0;
+        groups_[g].counted_for = nullptr;
     }
     for (uint32_t i = 0; i < count; ++i) {
         lane &l = lanes_[i];
@@ -236,13 +248,15 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
 
     // Lanes continue one another; the scheduler's context resumes only when none can run (all
     // returned, a stall, a failure or a cancel), and then starts the next runnable one, if any.
+    current_runner = this;
     while (lane *l = next_ready()) {
-        current_lane = l;
+        running_ = l;
         switch_source_ = &scheduler_;
         ++switches_;
         fiber_switch(scheduler_, l->context);
-        current_lane = nullptr;
+        running_ = nullptr;
     }
+    current_runner = nullptr;
     if (status_ == MSL_ENGINE_SUCCESS && returned_ < count_) diagnose_stall();
     if (status_ != MSL_ENGINE_SUCCESS) {
         for (uint32_t i = 0; i < count_; ++i) {
@@ -358,8 +372,12 @@ __attribute__((always_inline)) inline void threadgroup_runner::on_simd(lane &l, 
         g.file = l.file;
         g.line = l.line;
         g.combine = l.combine;
-        g.counted = l.operation == runtime::matrix_multiply_accumulate_operation ||
-                    strcmp(l.operation, runtime::matrix_multiply_accumulate_operation) == 0;
+        // A combine function serves one operation: its name is compared once per change.
+        if (l.combine != g.counted_for) {
+            g.counted_for = l.combine;
+            g.counted = l.operation == runtime::matrix_multiply_accumulate_operation ||
+                        strcmp(l.operation, runtime::matrix_multiply_accumulate_operation) == 0;
+        }
     } else if (g.combine != l.combine || !same_site(g.file, g.line, l.file, l.line)) {
         simd_mismatch(l, g);
         return;
@@ -394,16 +412,16 @@ void threadgroup_runner::complete(simd_group &g) {
         return;
     }
     if (g.counted) ++matrix_multiplies_;
-    const uint32_t arrived = g.arrived;
+    uint32_t arrived = g.arrived;
     g.arrived = 0;
-    // First in the queue, lowest lane first.
-    for (uint32_t i = 32; i-- > 0;) {
-        if ((arrived >> i) & 1u) {
-            lanes_[g.first_thread + i].state = lane_state::ready;
-            ready_head_ = (ready_head_ - 1) & ready_mask_;
-            ready_[ready_head_] = g.first_thread + i;
-            ++ready_count_;
-        }
+    // First in the queue, lowest lane first: the arrived lanes from the highest down.
+    ready_count_ += uint32_t(__builtin_popcount(arrived));
+    while (arrived != 0) {
+        const uint32_t i = 31u - uint32_t(__builtin_clz(arrived));
+        arrived &= ~(1u << i);
+        lanes_[g.first_thread + i].state = lane_state::ready;
+        ready_head_ = (ready_head_ - 1) & ready_mask_;
+        ready_[ready_head_] = g.first_thread + i;
     }
 }
 
@@ -447,7 +465,7 @@ void threadgroup_runner::diagnose_stall() {
 namespace runtime {
 
 void threadgroup_barrier(const char *file, unsigned line) {
-    lane *l = current_lane;
+    lane *l = current_lane();
     if (l == nullptr) return;
     l->state = lane_state::at_barrier;
     l->operation = "threadgroup_barrier";
@@ -458,7 +476,7 @@ void threadgroup_barrier(const char *file, unsigned line) {
 
 void simd_collective(const char *operation, simd_combine_fn combine, const void *in, void *out,
                      uint32_t arg, const char *file, unsigned line) {
-    lane *l = current_lane;
+    lane *l = current_lane();
     if (l == nullptr) {
         simd_slot slots[32] = {};
         slots[0] = simd_slot{in, out, arg};
@@ -475,17 +493,17 @@ void simd_collective(const char *operation, simd_combine_fn combine, const void 
 }
 
 void device_read(const void *address, size_t bytes) {
-    lane *l = current_lane;
+    lane *l = current_lane();
     if (l != nullptr) l->runner->count_read(address, bytes);
 }
 
 uint32_t simd_lane() {
-    const lane *l = current_lane;
+    const lane *l = current_lane();
     return l == nullptr ? 0 : l->lane_id;
 }
 
 uint32_t function_constant(uint32_t index, uint32_t type, const char *name) {
-    lane *l = current_lane;
+    lane *l = current_lane();
     if (l == nullptr) __builtin_trap();
     return l->runner->read_function_constant(*l, index, type, name);
 }
