@@ -25,7 +25,8 @@
 namespace msl_engine {
 
 // faulted: stopped for good by an error found in the lane itself (an unset function constant).
-enum class lane_state : uint8_t { ready, at_barrier, at_simd, returned, faulted };
+// A lane waiting at a collective stays `ready`: its SIMD-group's arrived mask says it waits.
+enum class lane_state : uint8_t { ready, at_barrier, returned, faulted };
 
 /// One thread of the threadgroup being run.
 struct lane {
@@ -123,7 +124,7 @@ void threadgroup_runner::lane_main(void *arg) {
 }
 
 __attribute__((always_inline)) inline lane *threadgroup_runner::next_ready() {
-    if (status_ != MSL_ENGINE_SUCCESS || ready_count_ == 0) return nullptr;
+    if (status_ != MSL_ENGINE_SUCCESS || (burst_ == 0 && ready_count_ == 0)) return nullptr;
     if (cancellation_ != nullptr && --until_poll_ == 0) {
         until_poll_ = kCancelPollSwitches;
         if (msl_engine_cancellation_epoch(cancellation_) != start_epoch_) {
@@ -132,6 +133,11 @@ __attribute__((always_inline)) inline lane *threadgroup_runner::next_ready() {
                               position_.x, position_.y, position_.z);
             return nullptr;
         }
+    }
+    if (burst_ != 0) {
+        const uint32_t i = uint32_t(__builtin_ctz(burst_));
+        burst_ &= burst_ - 1;
+        return &lanes_[burst_first_ + i];
     }
     lane *next = &lanes_[ready_[ready_head_]];
     ready_head_ = (ready_head_ + 1) & ready_mask_;
@@ -206,6 +212,7 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
     message_.clear();
     ready_head_ = 0;
     ready_count_ = 0;
+    burst_ = 0;
     ready_mask_ = uint32_t(ready_.size()) - 1;
     until_poll_ = kCancelPollSwitches;
 
@@ -412,17 +419,18 @@ void threadgroup_runner::complete(simd_group &g) {
         return;
     }
     if (g.counted) ++matrix_multiplies_;
-    uint32_t arrived = g.arrived;
-    g.arrived = 0;
-    // First in the queue, lowest lane first: the arrived lanes from the highest down.
-    ready_count_ += uint32_t(__builtin_popcount(arrived));
-    while (arrived != 0) {
-        const uint32_t i = 31u - uint32_t(__builtin_clz(arrived));
-        arrived &= ~(1u << i);
-        lanes_[g.first_thread + i].state = lane_state::ready;
+    // First in the queue, lowest lane first: the burst (lanes of an earlier collective still
+    // in it go back to the front of the queue, ahead of the rest, where they were).
+    ready_count_ += uint32_t(__builtin_popcount(burst_));
+    while (burst_ != 0) {
+        const uint32_t i = 31u - uint32_t(__builtin_clz(burst_));
+        burst_ &= ~(1u << i);
         ready_head_ = (ready_head_ - 1) & ready_mask_;
-        ready_[ready_head_] = g.first_thread + i;
+        ready_[ready_head_] = burst_first_ + i;
     }
+    burst_ = g.arrived;
+    burst_first_ = g.first_thread;
+    g.arrived = 0;
 }
 
 void threadgroup_runner::count_read(const void *address, size_t bytes) {
@@ -484,7 +492,6 @@ void simd_collective(const char *operation, simd_combine_fn combine, const void 
         combine(slots, 1u, &ignored);
         return;
     }
-    l->state = lane_state::at_simd;
     l->operation = operation;
     l->file = file;
     l->line = line;

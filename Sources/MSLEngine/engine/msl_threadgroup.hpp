@@ -73,7 +73,7 @@ class __attribute__((visibility("hidden"))) threadgroup_runner {
     void count_read(const void *address, size_t bytes);
 
     /// Called by lane `l` (running) once it has recorded where it waits (state at_barrier, or
-    /// at_simd with its operation, combine function and site): does the bookkeeping with its part
+    /// for a collective its operation, combine function and site): does the bookkeeping with its part
     /// of the collective (input, output, argument) and continues the next runnable lane directly,
     /// or the scheduler when none can run; returns when `l` is resumed (the collective done).
     void suspend_at_barrier(lane &l);
@@ -116,6 +116,9 @@ class __attribute__((visibility("hidden"))) threadgroup_runner {
     std::vector<simd_group> groups_;
     std::vector<uint32_t> ready_; ///< ring buffer of runnable thread indices (size a power of 2)
     uint32_t ready_head_ = 0, ready_count_ = 0, ready_mask_ = 0;
+    /// Runnable lanes ahead of the ring: bit i is lane burst_first_ + i, lowest first (the lanes
+    /// of the last completed collective, resumed without a trip through the ring).
+    uint32_t burst_ = 0, burst_first_ = 0;
     lane *running_ = nullptr;        ///< the lane running now (current_lane, msl_threadgroup.cpp)
     fiber *switch_source_ = nullptr; ///< the context that switched to a starting lane (ASan)
     uint64_t until_poll_ = 0;        ///< switches until the next cancellation poll
