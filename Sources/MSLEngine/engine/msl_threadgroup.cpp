@@ -35,6 +35,7 @@ struct lane {
     lane_state state = lane_state::ready;
     uint32_t thread = 0;
     uint32_t group = 0;
+    threadgroup_runner::simd_group *simd = nullptr; ///< its SIMD-group's state (groups_[group])
     uint32_t lane_id = 0;
     threadgroup_runner *runner = nullptr;
     // Where the lane waits (its part of a collective goes straight into its SIMD-group's slots).
@@ -231,6 +232,7 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
         l.group = i / 32;
         l.lane_id = i % 32;
         l.runner = this;
+        l.simd = &groups_[i / 32];
         const metal::uint3 local(i % threads.x, (i / threads.x) % threads.y,
                                  i / (threads.x * threads.y));
         l.ids.threadgroup_position_in_grid = position;
@@ -321,7 +323,7 @@ std::string threadgroup_runner::describe_wait(const lane &l) const {
 
 void threadgroup_runner::on_return(lane &l) {
     ++returned_;
-    simd_group &g = groups_[l.group];
+    simd_group &g = *l.simd;
     g.active &= ~(1u << l.lane_id);
     if (barrier_waiting_ > 0) {
         const lane &waiting = lanes_[barrier_first_thread_];
@@ -373,7 +375,7 @@ void threadgroup_runner::on_barrier(lane &l) {
 
 __attribute__((always_inline)) inline void threadgroup_runner::on_simd(lane &l, const void *in, void *out,
                                                                      uint32_t arg) {
-    simd_group &g = groups_[l.group];
+    simd_group &g = *l.simd;
     if (g.arrived == 0) {
         g.operation = l.operation;
         g.file = l.file;
@@ -484,7 +486,8 @@ void threadgroup_barrier(const char *file, unsigned line) {
 
 void simd_collective(const char *operation, simd_combine_fn combine, const void *in, void *out,
                      uint32_t arg, const char *file, unsigned line) {
-    lane *l = current_lane();
+    threadgroup_runner *runner = current_runner;
+    lane *l = runner == nullptr ? nullptr : runner->running();
     if (l == nullptr) {
         simd_slot slots[32] = {};
         slots[0] = simd_slot{in, out, arg};
@@ -496,7 +499,7 @@ void simd_collective(const char *operation, simd_combine_fn combine, const void 
     l->file = file;
     l->line = line;
     l->combine = combine;
-    l->runner->suspend_at_collective(*l, in, out, arg);
+    runner->suspend_at_collective(*l, in, out, arg);
 }
 
 void device_read(const void *address, size_t bytes) {
