@@ -7,15 +7,6 @@
 #include <mutex>
 #include <vector>
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define MSL_ENGINE_ASAN 1
-#endif
-#endif
-#if defined(__SANITIZE_ADDRESS__) && !defined(MSL_ENGINE_ASAN)
-#define MSL_ENGINE_ASAN 1
-#endif
-
 #ifdef MSL_ENGINE_ASAN
 #include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
@@ -225,11 +216,13 @@ void fiber_switch(fiber &from, fiber &to) {
     complete_switch(from);
 }
 
+#ifdef MSL_ENGINE_ASAN
 void fiber_hop(fiber &from, fiber &to) {
     announce_switch(from, to, false);
     msl_engine_fiber_hop(&from.stack_pointer, to.stack_pointer);
     complete_switch(from);
 }
+#endif
 
 [[noreturn]] void fiber_exit(fiber &self, fiber &to) {
     // No address-taken locals here: under ASan they may live on the fake stack, which the

@@ -19,6 +19,18 @@
 #include <ucontext.h>
 #endif
 
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MSL_ENGINE_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) && !defined(MSL_ENGINE_ASAN)
+#define MSL_ENGINE_ASAN 1
+#endif
+
+// The engine's own calls to these functions are direct, not through the dynamic linker's table.
+#pragma GCC visibility push(hidden)
+
 namespace msl_engine {
 
 /// A stack region [base, base + size) with an inaccessible guard page below base.
@@ -51,7 +63,15 @@ void fiber_switch(fiber &from, fiber &to);
 /// fiber_switch between two fibers made by fiber_prepare, for code that keeps the floating-point
 /// control state fiber_prepare gives (round to nearest, no flush to zero, exceptions masked), as
 /// kernel code does: skips saving and loading that state, the dearest part of a switch.
+#if defined(MSL_ENGINE_FIBER_UCONTEXT) || defined(MSL_ENGINE_ASAN)
 void fiber_hop(fiber &from, fiber &to);
+#else
+extern "C" void msl_engine_fiber_hop(void **save, void *load); // msl_fiber.cpp
+// Inline: nothing to announce to a sanitizer, one call into the assembly.
+inline void fiber_hop(fiber &from, fiber &to) {
+    msl_engine_fiber_hop(&from.stack_pointer, to.stack_pointer);
+}
+#endif
 
 /// Called first by a fiber's entry function: completes the switch that started it (ASan).
 /// `scheduler` receives the bounds of the stack that switched in.
@@ -73,5 +93,7 @@ fiber_stack acquire_fiber_stack();
 void release_fiber_stacks(const fiber_stack *stacks, size_t count);
 
 } // namespace msl_engine
+
+#pragma GCC visibility pop
 
 #endif

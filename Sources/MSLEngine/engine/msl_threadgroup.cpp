@@ -25,7 +25,8 @@
 namespace msl_engine {
 
 // faulted: stopped for good by an error found in the lane itself (an unset function constant).
-enum class lane_state : uint8_t { ready, at_barrier, at_simd, returned, faulted };
+// A lane waiting at a collective stays `ready`: its SIMD-group's arrived mask says it waits.
+enum class lane_state : uint8_t { ready, at_barrier, returned, faulted };
 
 /// One thread of the threadgroup being run.
 struct lane {
@@ -34,6 +35,7 @@ struct lane {
     lane_state state = lane_state::ready;
     uint32_t thread = 0;
     uint32_t group = 0;
+    threadgroup_runner::simd_group *simd = nullptr; ///< its SIMD-group's state (groups_[group])
     uint32_t lane_id = 0;
     threadgroup_runner *runner = nullptr;
     // Where the lane waits (its part of a collective goes straight into its SIMD-group's slots).
@@ -51,7 +53,16 @@ __thread msl_engine::runtime::read_counting msl_engine_read_counting;
 namespace msl_engine {
 namespace {
 
-thread_local lane *current_lane = nullptr;
+// The runner of the calling OS thread while it runs a threadgroup; its running_ lane is the
+// calling thread of the kernel. A lane switch is a store to running_, not to thread-local storage
+// (in a shared library each access to that is a call to __tls_get_addr).
+thread_local threadgroup_runner *current_runner = nullptr;
+
+// The kernel thread calling into the engine, or null outside a dispatch.
+inline lane *current_lane() {
+    const threadgroup_runner *r = current_runner;
+    return r == nullptr ? nullptr : r->running();
+}
 
 // A threadgroup of the attention kernels makes thousands of switches per key block, and a poll is
 // one atomic load: this keeps it off the profile while a cancel still lands within microseconds.
@@ -107,14 +118,14 @@ void threadgroup_runner::lane_main(void *arg) {
     l->state = lane_state::returned;
     runner->on_return(*l);
     lane *next = runner->next_ready();
-    current_lane = next;
+    runner->running_ = next;
     runner->switch_source_ = &l->context;
     ++runner->switches_;
     fiber_exit(l->context, next != nullptr ? next->context : runner->scheduler_);
 }
 
 __attribute__((always_inline)) inline lane *threadgroup_runner::next_ready() {
-    if (status_ != MSL_ENGINE_SUCCESS || ready_count_ == 0) return nullptr;
+    if (status_ != MSL_ENGINE_SUCCESS || (burst_ == 0 && ready_count_ == 0)) return nullptr;
     if (cancellation_ != nullptr && --until_poll_ == 0) {
         until_poll_ = kCancelPollSwitches;
         if (msl_engine_cancellation_epoch(cancellation_) != start_epoch_) {
@@ -123,6 +134,11 @@ __attribute__((always_inline)) inline lane *threadgroup_runner::next_ready() {
                               position_.x, position_.y, position_.z);
             return nullptr;
         }
+    }
+    if (burst_ != 0) {
+        const uint32_t i = uint32_t(__builtin_ctz(burst_));
+        burst_ &= burst_ - 1;
+        return &lanes_[burst_first_ + i];
     }
     lane *next = &lanes_[ready_[ready_head_]];
     ready_head_ = (ready_head_ + 1) & ready_mask_;
@@ -133,7 +149,7 @@ __attribute__((always_inline)) inline lane *threadgroup_runner::next_ready() {
 __attribute__((always_inline)) inline void threadgroup_runner::switch_from(lane &l) {
     lane *next = next_ready();
     if (next == &l) return; // it completed a collective and runs on
-    current_lane = next;
+    running_ = next;
     switch_source_ = &l.context;
     ++switches_;
     if (next != nullptr) {
@@ -141,7 +157,7 @@ __attribute__((always_inline)) inline void threadgroup_runner::switch_from(lane 
     } else {
         fiber_switch(l.context, scheduler_);
     }
-    // Resumed by another lane or the scheduler, which set current_lane to this lane.
+    // Resumed by another lane or the scheduler, which set running_ to this lane.
 }
 
 void threadgroup_runner::suspend_at_barrier(lane &l) {
@@ -149,7 +165,9 @@ void threadgroup_runner::suspend_at_barrier(lane &l) {
     switch_from(l);
 }
 
-void threadgroup_runner::suspend_at_collective(lane &l, const void *in, void *out, uint32_t arg) {
+// Inlined into runtime::simd_collective, its one caller: a collective is one call.
+__attribute__((always_inline)) inline void threadgroup_runner::suspend_at_collective(
+    lane &l, const void *in, void *out, uint32_t arg) {
     on_simd(l, in, out, arg);
     switch_from(l);
 }
@@ -195,6 +213,7 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
     message_.clear();
     ready_head_ = 0;
     ready_count_ = 0;
+    burst_ = 0;
     ready_mask_ = uint32_t(ready_.size()) - 1;
     until_poll_ = kCancelPollSwitches;
 
@@ -205,6 +224,7 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
         groups_[g].first_thread = g * 32;
         groups_[g].active = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
         groups_[g].arrived = 0;
+        groups_[g].counted_for = nullptr;
     }
     for (uint32_t i = 0; i < count; ++i) {
         lane &l = lanes_[i];
@@ -212,6 +232,7 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
         l.group = i / 32;
         l.lane_id = i % 32;
         l.runner = this;
+        l.simd = &groups_[i / 32];
         const metal::uint3 local(i % threads.x, (i / threads.x) % threads.y,
                                  i / (threads.x * threads.y));
         l.ids.threadgroup_position_in_grid = position;
@@ -236,13 +257,15 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
 
     // Lanes continue one another; the scheduler's context resumes only when none can run (all
     // returned, a stall, a failure or a cancel), and then starts the next runnable one, if any.
+    current_runner = this;
     while (lane *l = next_ready()) {
-        current_lane = l;
+        running_ = l;
         switch_source_ = &scheduler_;
         ++switches_;
         fiber_switch(scheduler_, l->context);
-        current_lane = nullptr;
+        running_ = nullptr;
     }
+    current_runner = nullptr;
     if (status_ == MSL_ENGINE_SUCCESS && returned_ < count_) diagnose_stall();
     if (status_ != MSL_ENGINE_SUCCESS) {
         for (uint32_t i = 0; i < count_; ++i) {
@@ -300,7 +323,7 @@ std::string threadgroup_runner::describe_wait(const lane &l) const {
 
 void threadgroup_runner::on_return(lane &l) {
     ++returned_;
-    simd_group &g = groups_[l.group];
+    simd_group &g = *l.simd;
     g.active &= ~(1u << l.lane_id);
     if (barrier_waiting_ > 0) {
         const lane &waiting = lanes_[barrier_first_thread_];
@@ -352,14 +375,18 @@ void threadgroup_runner::on_barrier(lane &l) {
 
 __attribute__((always_inline)) inline void threadgroup_runner::on_simd(lane &l, const void *in, void *out,
                                                                      uint32_t arg) {
-    simd_group &g = groups_[l.group];
+    simd_group &g = *l.simd;
     if (g.arrived == 0) {
         g.operation = l.operation;
         g.file = l.file;
         g.line = l.line;
         g.combine = l.combine;
-        g.counted = l.operation == runtime::matrix_multiply_accumulate_operation ||
-                    strcmp(l.operation, runtime::matrix_multiply_accumulate_operation) == 0;
+        // A combine function serves one operation: its name is compared once per change.
+        if (l.combine != g.counted_for) {
+            g.counted_for = l.combine;
+            g.counted = l.operation == runtime::matrix_multiply_accumulate_operation ||
+                        strcmp(l.operation, runtime::matrix_multiply_accumulate_operation) == 0;
+        }
     } else if (g.combine != l.combine || !same_site(g.file, g.line, l.file, l.line)) {
         simd_mismatch(l, g);
         return;
@@ -394,17 +421,18 @@ void threadgroup_runner::complete(simd_group &g) {
         return;
     }
     if (g.counted) ++matrix_multiplies_;
-    const uint32_t arrived = g.arrived;
-    g.arrived = 0;
-    // First in the queue, lowest lane first.
-    for (uint32_t i = 32; i-- > 0;) {
-        if ((arrived >> i) & 1u) {
-            lanes_[g.first_thread + i].state = lane_state::ready;
-            ready_head_ = (ready_head_ - 1) & ready_mask_;
-            ready_[ready_head_] = g.first_thread + i;
-            ++ready_count_;
-        }
+    // First in the queue, lowest lane first: the burst (lanes of an earlier collective still
+    // in it go back to the front of the queue, ahead of the rest, where they were).
+    ready_count_ += uint32_t(__builtin_popcount(burst_));
+    while (burst_ != 0) {
+        const uint32_t i = 31u - uint32_t(__builtin_clz(burst_));
+        burst_ &= ~(1u << i);
+        ready_head_ = (ready_head_ - 1) & ready_mask_;
+        ready_[ready_head_] = burst_first_ + i;
     }
+    burst_ = g.arrived;
+    burst_first_ = g.first_thread;
+    g.arrived = 0;
 }
 
 void threadgroup_runner::count_read(const void *address, size_t bytes) {
@@ -447,7 +475,7 @@ void threadgroup_runner::diagnose_stall() {
 namespace runtime {
 
 void threadgroup_barrier(const char *file, unsigned line) {
-    lane *l = current_lane;
+    lane *l = current_lane();
     if (l == nullptr) return;
     l->state = lane_state::at_barrier;
     l->operation = "threadgroup_barrier";
@@ -458,7 +486,8 @@ void threadgroup_barrier(const char *file, unsigned line) {
 
 void simd_collective(const char *operation, simd_combine_fn combine, const void *in, void *out,
                      uint32_t arg, const char *file, unsigned line) {
-    lane *l = current_lane;
+    threadgroup_runner *runner = current_runner;
+    lane *l = runner == nullptr ? nullptr : runner->running();
     if (l == nullptr) {
         simd_slot slots[32] = {};
         slots[0] = simd_slot{in, out, arg};
@@ -466,26 +495,25 @@ void simd_collective(const char *operation, simd_combine_fn combine, const void 
         combine(slots, 1u, &ignored);
         return;
     }
-    l->state = lane_state::at_simd;
     l->operation = operation;
     l->file = file;
     l->line = line;
     l->combine = combine;
-    l->runner->suspend_at_collective(*l, in, out, arg);
+    runner->suspend_at_collective(*l, in, out, arg);
 }
 
 void device_read(const void *address, size_t bytes) {
-    lane *l = current_lane;
+    lane *l = current_lane();
     if (l != nullptr) l->runner->count_read(address, bytes);
 }
 
 uint32_t simd_lane() {
-    const lane *l = current_lane;
+    const lane *l = current_lane();
     return l == nullptr ? 0 : l->lane_id;
 }
 
 uint32_t function_constant(uint32_t index, uint32_t type, const char *name) {
-    lane *l = current_lane;
+    lane *l = current_lane();
     if (l == nullptr) __builtin_trap();
     return l->runner->read_function_constant(*l, index, type, name);
 }

@@ -55,6 +55,9 @@ class __attribute__((visibility("hidden"))) threadgroup_runner {
     /// (runtime::function_constant).
     uint32_t read_function_constant(lane &l, uint32_t index, uint32_t type, const char *name);
 
+    /// The lane (kernel thread) running now, null between threadgroups.
+    lane *running() const { return running_; }
+
     /// Bit i: constants[i] of specialize() was read so far.
     uint32_t constants_read() const { return constants_read_; }
 
@@ -70,9 +73,9 @@ class __attribute__((visibility("hidden"))) threadgroup_runner {
     void count_read(const void *address, size_t bytes);
 
     /// Called by lane `l` (running) once it has recorded where it waits (state at_barrier, or
-    /// at_simd with its part of the collective: input, output, argument): does the bookkeeping and continues the
-    /// next runnable lane directly, or the scheduler when none can run; returns when `l` is
-    /// resumed (the collective done).
+    /// for a collective its operation, combine function and site): does the bookkeeping with its part
+    /// of the collective (input, output, argument) and continues the next runnable lane directly,
+    /// or the scheduler when none can run; returns when `l` is resumed (the collective done).
     void suspend_at_barrier(lane &l);
     void suspend_at_collective(lane &l, const void *in, void *out, uint32_t arg);
 
@@ -85,7 +88,8 @@ class __attribute__((visibility("hidden"))) threadgroup_runner {
         const char *operation = nullptr;
         const char *file = nullptr;
         unsigned line = 0;
-        simd_combine_fn combine = nullptr;
+        simd_combine_fn combine = nullptr;  ///< of the pending (or last) collective
+        simd_combine_fn counted_for = nullptr; ///< the combine function `counted` was decided for
         simd_slot slots[32];       ///< the arrived lanes' parts of the pending collective
     };
 
@@ -112,6 +116,10 @@ class __attribute__((visibility("hidden"))) threadgroup_runner {
     std::vector<simd_group> groups_;
     std::vector<uint32_t> ready_; ///< ring buffer of runnable thread indices (size a power of 2)
     uint32_t ready_head_ = 0, ready_count_ = 0, ready_mask_ = 0;
+    /// Runnable lanes ahead of the ring: bit i is lane burst_first_ + i, lowest first (the lanes
+    /// of the last completed collective, resumed without a trip through the ring).
+    uint32_t burst_ = 0, burst_first_ = 0;
+    lane *running_ = nullptr;        ///< the lane running now (current_lane, msl_threadgroup.cpp)
     fiber *switch_source_ = nullptr; ///< the context that switched to a starting lane (ASan)
     uint64_t until_poll_ = 0;        ///< switches until the next cancellation poll
 

@@ -54,9 +54,12 @@ template <class TA, class TB, class TC> struct mma_operands {
     const vec<TC, 2> *c;
 };
 
+// d = a * b + c from the 32 lanes' slots (all must be active). Inlined into each combine below,
+// which fixes the instruction set it is compiled for.
 template <class TD, class TA, class TB, class TC>
-bool multiply_accumulate(const msl_engine::simd_slot *s, uint32_t mask,
-                         msl_engine::simd_fault *fault) {
+__attribute__((always_inline)) inline bool multiply_accumulate_body(const msl_engine::simd_slot *s,
+                                                                    uint32_t mask,
+                                                                    msl_engine::simd_fault *fault) {
     if (!require_all_lanes(mask, fault)) return false;
     float a[8][8], b[8][8], c[8][8];
     for (uint32_t l = 0; l < 32; ++l) {
@@ -85,6 +88,39 @@ bool multiply_accumulate(const msl_engine::simd_slot *s, uint32_t mask,
         *out = vec<TD, 2>(TD(d[r][col]), TD(d[r][col + 1]));
     }
     return true;
+}
+
+template <class TD, class TA, class TB, class TC>
+bool multiply_accumulate(const msl_engine::simd_slot *s, uint32_t mask,
+                         msl_engine::simd_fault *fault) {
+    return multiply_accumulate_body<TD, TA, TB, TC>(s, mask, fault);
+}
+
+#if defined(__x86_64__)
+// The same for x86-64 CPUs with AVX2, F16C and FMA (those the attention kernels are built for):
+// fused multiply-adds and half conversions are instructions there, library calls in the baseline
+// build, which made them most of a matrix product's time. The same operations, the same bits.
+template <class TD, class TA, class TB, class TC>
+__attribute__((target("avx2,f16c,fma"))) bool
+multiply_accumulate_avx2(const msl_engine::simd_slot *s, uint32_t mask, msl_engine::simd_fault *fault) {
+    return multiply_accumulate_body<TD, TA, TB, TC>(s, mask, fault);
+}
+
+/// Whether this CPU runs multiply_accumulate_avx2.
+inline bool has_avx2_f16c_fma() {
+    static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+                            __builtin_cpu_supports("fma");
+    return yes;
+}
+#endif
+
+/// The combine function of a multiply-accumulate: the fastest this CPU runs.
+template <class TD, class TA, class TB, class TC>
+inline msl_engine::simd_combine_fn multiply_accumulate_combine() {
+#if defined(__x86_64__)
+    if (has_avx2_f16c_fma()) return multiply_accumulate_avx2<TD, TA, TB, TC>;
+#endif
+    return multiply_accumulate<TD, TA, TB, TC>;
 }
 
 } // namespace matrix_detail
@@ -152,7 +188,7 @@ void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8> &d, const simdgrou
     const matrix_detail::mma_operands<TA, TB, TC> ops{&a.elements, &b.elements, &c.elements};
     vec<TD, 2> result;
     msl_engine::runtime::simd_collective(msl_engine::runtime::matrix_multiply_accumulate_operation,
-                                         matrix_detail::multiply_accumulate<TD, TA, TB, TC>, &ops,
+                                         matrix_detail::multiply_accumulate_combine<TD, TA, TB, TC>(), &ops,
                                          &result, 0, file, line);
     d.elements = result;
 }
