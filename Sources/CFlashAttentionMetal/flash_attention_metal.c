@@ -148,5 +148,7 @@ _Static_assert(FA_ATTN_MASK_NONE == FA_MASK_NONE && FA_ATTN_MASK_BOOL == FA_MASK
                    FA_ATTN_MASK_ADDITIVE_FLOAT32 == FA_MASK_ADDITIVE_F32,
                "fa_attn_mask_type and the kernels' mask kinds must agree");
 
+_Static_assert(FA_PLAN_BIND_ALIGNMENT == FA_CHUNK_BYTES, "the header's FA_PLAN_BIND_ALIGNMENT is FA_CHUNK_BYTES");
+
 /* The Metal backend passes the parameter struct with setBytes, which takes at most 4 KB. */
 _Static_assert(sizeof(FlashAttentionParams) < 4096, "FlashAttentionParams must stay below 4 KB");

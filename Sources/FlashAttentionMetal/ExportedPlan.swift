@@ -32,6 +32,8 @@ final class ExportedPlan {
     let records: [Record]
     /// Every role the dispatches bind, in order of first binding, with its use.
     let buffers: [(role: BufferRole, usage: fa_buffer_usage)]
+    /// The plan's tensor-op route and why (`TensorOpsRoute.reason`), as a C string.
+    let tensorOps: UnsafeMutablePointer<CChar>
 
     /// The parameter bytes of every dispatch: the struct's stride, as MSL's sizeof counts it.
     static let paramsSize = MemoryLayout<FlashAttentionParams>.stride
@@ -49,6 +51,10 @@ final class ExportedPlan {
                 : plan.caches.contains(role) ? FA_BUFFER_READ_WRITE : FA_BUFFER_INPUT
             return (role, usage)
         }
+        guard let reason = strdup(plan.tensorOps.reason) else {
+            throw FlashAttentionError.outOfMemory("cannot allocate the records of the plan")
+        }
+        tensorOps = reason
         var made: [Record] = []
         do {
             for (number, piece) in pieces.enumerated() {
@@ -58,6 +64,7 @@ final class ExportedPlan {
             }
         } catch {
             ExportedPlan.release(made)
+            free(reason)
             throw error
         }
         records = made
@@ -92,7 +99,10 @@ final class ExportedPlan {
         }
     }
 
-    deinit { ExportedPlan.release(records) }
+    deinit {
+        ExportedPlan.release(records)
+        free(tensorOps)
+    }
 }
 
 extension BufferRole {

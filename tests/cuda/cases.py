@@ -19,8 +19,7 @@ plan (plan_merge). Nothing here picks a kernel, a grid or a parameter value: eve
 library's.
 
 ``write`` draws the inputs (N(0, 1) rounded to the dtype, seeded by the case name; masks, ALiBi
-slopes and sinks as cases.h describes; cases.cpp's generator, so the same values as the harness's;
-then the NaN and infinities of grid.NONFINITE_PLACEMENTS for issue 36's cases), writes for each
+slopes and sinks as ``inputs`` describes; then the NaN and infinities of grid.NONFINITE_PLACEMENTS for issue 36's cases), writes for each
 case FOLDER/NAME.case (the binary below)
 and the judge's files (dump.h's format: NAME.q, .k, .v, .dout, .mask, .alibi, .sinks as float32
 in logical order, and the case's cases.txt line in NAME.line).
@@ -81,8 +80,8 @@ def _dims(c: grid.Case, role: str) -> tuple[int, int, int]:
 
 
 def _place(c: grid.Case) -> dict:
-    """Each tensor role's (buffer name, element offset, (batch, head, seq) strides), as layout.cpp
-    places them; the buffer names of the layout."""
+    """Each tensor role's (buffer name, element offset, (batch, head, seq) strides) in the case's
+    layout (grid.py); the buffer names of the layout."""
     placed = {}
     for role in TENSOR_ROLES:
         heads, seqlen, cols = _dims(c, role)
@@ -569,8 +568,8 @@ def _fnv1a(text: str) -> int:
 
 
 class SplitMix64:
-    """cases.cpp's generator (splitmix64, uniform on (0, 1), Box-Muller normals), drawn in bulk:
-    the harness's inputs, bit for bit, so that the two checks judge the same values."""
+    """The inputs' generator (splitmix64, uniform on (0, 1), Box-Muller normals), drawn in bulk;
+    seeded by the case name, so a filtered run sees the same inputs as the full one."""
 
     GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -598,8 +597,11 @@ class SplitMix64:
 
 
 def inputs(c: grid.Case) -> dict[str, np.ndarray]:
-    """The case's inputs as float32 in logical order: cases.cpp's random_inputs (cases.h's rules),
-    seeded by the case's name."""
+    """The case's inputs as float32 in logical order, seeded by the case's name: q, k, v and dout
+    from N(0, 1) rounded to the dtype; a boolean mask allowing 3 in 4 pairs, an additive one of
+    N(0, 1) values hiding 1 in 5 with the case's mask_hide (-inf, or float32's lowest), each with
+    one query row hidden entirely per mask head when seqlen_q >= 4; ALiBi's standard slopes
+    2^(-8 (h + 1) / H), times 1 + b / 4 per batch; sinks from N(0, 1) + 1."""
     rng = SplitMix64(_fnv1a(c.name))
     dtype = _numpy_dtype(c.dtype)
     b, h, kv, sq, sk = c.batch, c.num_heads, c.num_kv_heads, c.seqlen_q, c.seqlen_k
@@ -653,7 +655,7 @@ def _scatter(image: bytearray, tensor: dict, values: np.ndarray) -> None:
 
 def _line(c: grid.Case, outputs: list[str]) -> str:
     """The case's cases.txt line (dump.h), with dropout_p, seed and offset after the outputs when
-    the case has dropout (judge.py reads them; the harness's lines have none)."""
+    the case has dropout (judge.py reads them)."""
     o = c.options
     return (f"{c.name} {c.dtype} {c.batch} {c.num_heads} {c.num_kv_heads} {c.seqlen_q} {c.seqlen_k} "
             f"{c.head_dim} {c.head_dim_v} {int(c.causal)} {c.softmax_scale:.9g} {o.window_left} {o.window_right} "

@@ -1,9 +1,13 @@
 """The CUDA check's case grids: the attention problems the plan-fed replay runs (tests/cuda/cases.py
-writes them, replay.cu runs them). Plain data, no library: the same shapes as the harness's
-cases.cpp, with its names ("f16_d40_b1_h8x2_q33_k77_causal"), so that --case filters select the
-same cases; and, in both grids, cases the harness has not: non-finite inputs (issue 36) and dropout
-(issue 40), nonfinite_cases and dropout_cases below; and the variable-length and KV-cache cases that
-the replay runs through the library's plans (varlen_cases, kv_cache_cases: VarlenCase, KVCacheCase).
+writes them, replay.cu runs them). Plain data, no library. Each case has a stable name such as
+"f16_d40_b1_h8x2_q33_k77_causal" (dtype, head_dim and "v<head_dim_v>" when it differs, batch,
+num_heads x num_kv_heads, seqlen_q, seqlen_k, mask, "_s<scale>" for a non-default scale, the score
+modifiers and "_<layout>" for a layout other than bhsd) that --case filters select. Layouts: bhsd
+contiguous; bshd FlashAttention's order for every tensor; qkv the slices of one packed projection
+(and of one packed gradient), out and dout bshd; gapped padding between rows, heads and batches.
+Both grids also hold non-finite inputs (issue 36) and dropout (issue 40), nonfinite_cases and
+dropout_cases below; and the variable-length, KV-cache and merge cases that the replay runs through
+the library's plans (varlen_cases, kv_cache_cases, merge_cases).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class Options:
     sinks: bool = False
 
     def name(self) -> str:
-        """The modifiers' part of a case name (cases.cpp's options_name)."""
+        """The modifiers' part of a case name."""
         text = ""
         if self.window_left >= 0 or self.window_right >= 0:
             side = lambda w: "n" if w < 0 else str(w)  # noqa: E731
@@ -75,7 +79,7 @@ class Case:
 
 
 def case(dtype, d, b, h, kv, sq, sk, causal, *, dv=0, scale=0.0, layout="bhsd", options=Options()) -> Case:
-    """cases.cpp's make_case: the name from the parameters, the default scale 1/sqrt(head_dim)."""
+    """A case named by its parameters, with the default scale 1/sqrt(head_dim)."""
     head_dim_v = dv or d
     name = f"{dtype}_d{d}" + (f"v{head_dim_v}" if head_dim_v != d else "")
     name += f"_b{b}_h{h}x{kv}_q{sq}_k{sk}_{'causal' if causal else 'full'}"
@@ -225,16 +229,22 @@ def varlen_cases(small: bool = False) -> list[VarlenCase]:
 def kv_cache_cases(small: bool = False) -> list[KVCacheCase]:
     """KV-cache forwards through the exported plans: contiguous and paged caches, 4- and 8-bit
     quantized ones, decode shapes (split-KV, decode kernels) and longer query blocks (the dense
-    KV-cache kernel), a block table with entries out of range (the harness's wrong-table case), every
-    dtype. The sanitizer grid takes the first three."""
+    KV-cache kernel), a block table with entries out of range (wrong_table), the speculative-decoding
+    widths over contiguous, paged and quantized caches (pages of 5 rows: a page boundary inside
+    every tile), every dtype. The sanitizer grid takes the first three and a paged speculative one."""
     c = [kv_cache(case(BF16, 64, 2, 8, 2, 1, 200, True), page=32, bits=4, group_size=32),
          kv_cache(case(F16, 128, 2, 4, 4, 100, 120, True), cache_rows=128, bits=8, group_size=64),
          kv_cache(case(F16, 64, 2, 4, 2, 12, 50, True), page=16, bits=4, group_size=64, wrong_table=True),
          kv_cache(case(F16, 64, 2, 8, 2, 1, 300, True), cache_rows=320),
          kv_cache(case(F16, 128, 3, 4, 4, 7, 90, True), page=16),
          kv_cache(case(F32, 64, 2, 4, 2, 20, 150, True), page=64),
-         kv_cache(case(F32, 64, 1, 6, 3, 2, 260, False), page=48, bits=8, group_size=32)]
-    return c[:3] if small else c
+         kv_cache(case(F32, 64, 1, 6, 3, 2, 260, False), page=48, bits=8, group_size=32),
+         # The speculative-decoding kernel (2-16 packed rows per KV head) over each cache kind.
+         kv_cache(case(F16, 128, 2, 8, 2, 4, 200, True), page=16),
+         kv_cache(case(BF16, 64, 1, 8, 1, 2, 260, True), cache_rows=288, bits=8, group_size=64),
+         kv_cache(case(F32, 64, 2, 12, 1, 1, 300, True), page=5, bits=4, group_size=32),
+         kv_cache(case(F16, 64, 2, 4, 2, 40, 90, True), page=5, bits=8, group_size=32)]
+    return c[:3] + c[7:8] if small else c
 
 
 @dataclass(frozen=True)
@@ -275,7 +285,14 @@ def mods(*, window=None, softcap=0.0, mask=None, alibi=None, sinks=False) -> Opt
 
 
 def full_grid() -> list[Case]:
-    """cases.cpp's full_grid (see cases.h for what each group covers)."""
+    """The accuracy grid: float16 over every head-dim bucket, causal on and off, GQA 8/2 and MQA,
+    cross-attention both ways (with causal empty rows), decode, batch 2, odd lengths, longer
+    sequences and scales, short GQA queries (2-8 rows) for the split-KV forward; bfloat16 and
+    float32 over every bucket of their tables; strided layouts and head_dim_v != head_dim (MLA's
+    192/128 among them) in every dtype; every score modifier in every dtype (windows, some leaving
+    rows empty, softcap, ALiBi per head and per batch, sinks with dsinks, boolean and additive
+    masks broadcast and full, a float32-minimum additive mask, all at once); rows whose |lse| >=
+    256 for the backward's lse residual; then the non-finite and dropout cases."""
     c: list[Case] = []
     for d in (1, 3, 32, 40, 59, 64, 80, 96, 104, 128, 160, 192, 200, 256, 300, 512, 576):
         c += [case(F16, d, 2, 3, 3, 100, 100, False), case(F16, d, 2, 3, 3, 100, 100, True),
@@ -373,7 +390,11 @@ def full_grid() -> list[Case]:
 
 
 def small_grid() -> list[Case]:
-    """cases.cpp's small_grid: the sanitizer grid (seqlen <= 100)."""
+    """The sanitizer grid (seqlen <= 100): every dtype, the buckets, GQA, MQA, cross-attention
+    both ways, decode and short GQA queries (split-KV forward), causal empty rows, strided layouts,
+    head_dim_v != head_dim, float32 at head_dim 256 (whose backward kernels share one tile buffer),
+    each score modifier at least once, and two cases whose lse residual dispatch recomputes rows, so
+    that racecheck sees its barriers."""
     return [
         case(F16, 1, 2, 2, 2, 37, 37, False), case(F16, 3, 2, 3, 3, 100, 100, True),
         case(F16, 32, 2, 4, 1, 77, 33, True), case(F16, 40, 1, 8, 2, 33, 77, True),

@@ -1,7 +1,7 @@
 """Judges the CUDA check programs' results with the Python package's float64 reference and accuracy
 rule (python/flash_attention_metal/reference.py and accuracy.py, the one definition of the rule).
 
-Reads a dump folder that tests/cuda/harness.cu (--dump) or large_offsets.cu wrote (its layout:
+Reads a dump folder that tests/cuda/replay.cu (--dump) or large_offsets.cu wrote (its layout:
 tests/cuda/dump.h) and judges each case: out and lse with ``accuracy.evaluate_forward``; dq, dk,
 dv (and dsinks with sinks) with ``accuracy.evaluate_backward`` (only the gradients the case
 dumped: large_offsets runs no dK/dV); a quantized KV cache's out and lse against its float64
@@ -68,7 +68,7 @@ def judge_case(folder: pathlib.Path, line: str) -> tuple[str, bool, str, list]:
     left, right = int(fields[9]), int(fields[10])
     mask_kind, mask_per_batch, mask_per_head, alibi, alibi_per_batch, sinks = map(int, fields[12:18])
     outputs = fields[18].split(",")
-    # cases.py's dropout cases add dropout_p, seed and offset (the harness's lines end at outputs).
+    # Dropout cases add dropout_p, seed and offset after the outputs.
     dropout_call = (float(fields[19]), int(fields[20]), int(fields[21])) if len(fields) > 19 else None
     if dtype_name not in DTYPES:
         return name, False, f"cannot judge {dtype_name}: install ml_dtypes", []

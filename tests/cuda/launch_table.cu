@@ -1,7 +1,6 @@
 // The kernels of Shaders/ compiled as CUDA, every instance of the kernel catalogue
 // (Shaders/flash_attention_catalogue.h, expanded by kernel_table.h: dense, split-KV, decode,
-// KV-cache, varlen, merge), launched by name for replay.cu (launch_table.h). The hand-written
-// launchers of kernels.cu (the harness's) are not part of this unit.
+// KV-cache, varlen, merge), launched by name for replay.cu and large_offsets.cu (launch_table.h).
 //
 // gpu_check.sh copies Shaders/ into its build folder with the `device` address-space word renamed
 // to `fa_device` (metal_cuda.h says why) and puts that folder first on the include path.

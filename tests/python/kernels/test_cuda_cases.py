@@ -322,12 +322,14 @@ def test_varlen_kv_cache_and_merge_cases_replay_and_judge(tmp_path, case):
 
 
 def test_varlen_and_kv_cache_cases_are_in_both_grids():
-    """The small (sanitizer) grid holds a varlen and three KV-cache cases (a wrong block table among
-    them), the full one more, with contiguous, paged and 4- and 8-bit quantized caches and every
-    dtype."""
+    """The small (sanitizer) grid holds a varlen and four KV-cache cases (a wrong block table and a
+    paged speculative-decoding width among them), the full one more, with contiguous, paged and 4-
+    and 8-bit quantized caches and every dtype."""
     small, full = grid.kv_cache_cases(small=True), grid.kv_cache_cases()
-    assert len(grid.varlen_cases(small=True)) == 1 and len(small) == 3 and set(small) <= set(full)
+    assert len(grid.varlen_cases(small=True)) == 1 and len(small) == 4 and set(small) <= set(full)
     assert any(k.wrong_table for k in small)
+    packed_rows = lambda k: k.case.seqlen_q * (k.case.num_heads // k.case.num_kv_heads)  # noqa: E731
+    assert any(k.page and 2 <= packed_rows(k) <= 16 for k in small)
     assert {(bool(k.page), k.bits) for k in full} == {(True, 0), (True, 4), (True, 8), (False, 0), (False, 8)}
     assert {v.dtype for v in grid.varlen_cases()} == {k.case.dtype for k in full} == {"f16", "bf16", "f32"}
 
