@@ -98,7 +98,9 @@ inline void decode_mma_pair(thread const uint *w, uint f, thread const float *sb
 #define FA_DECODE_MMA_FRAGMENTS 2
 
 // A lane's quarter of its key's K or V row: the words, and the folded scales and biases (zeros,
-// so every element 0, for a key past the chunk).
+// so every element 0, for a key past the chunk). The scale and bias of the quarter's group are
+// read once per row, by the lane of the group's first quarter (`loads`), and reach the group's
+// other lanes by a shuffle from `from`, as the vector decode hands them out.
 template <uint DP, uint BITS>
 struct DecodeMMAQuarter {
     uint w[DecodeMMALayout<DP, BITS>::WORDS];
@@ -107,7 +109,8 @@ struct DecodeMMAQuarter {
 
 template <uint DP, uint BITS, typename T>
 inline DecodeMMAQuarter<DP, BITS> decode_mma_quarter(device const uint *words, device const T *scale,
-                                                      device const T *bias, bool valid) {
+                                                      device const T *bias, bool valid, bool loads,
+                                                      ushort from) {
     typedef DecodeMMALayout<DP, BITS> L;
     DecodeMMAQuarter<DP, BITS> x;
     FA_UNROLL
@@ -118,22 +121,28 @@ inline DecodeMMAQuarter<DP, BITS> decode_mma_quarter(device const uint *words, d
     for (uint i = 0; i < L::WORDS; ++i) {
         x.w[i] = 0u;
     }
+    float sc = 0.0f;
+    float bi = 0.0f;
     if (valid) {
         FA_DEVICE_READ(words, L::WORDS * 4);
         FA_UNROLL
         for (uint i = 0; i < L::WORDS; ++i) {
             x.w[i] = words[i];
         }
-        FA_DEVICE_READ(scale, sizeof(T));
-        FA_DEVICE_READ(bias, sizeof(T));
-        const float sc = float(*scale);
-        const float bi = float(*bias);
-        const bool fold = DecodeMMAFold<T>::value;
-        x.sb[0] = sc;
-        x.sb[1] = fold ? fma(-1024.0f, sc, bi) : bi;
-        x.sb[2] = sc * 0.0625f;
-        x.sb[3] = fold ? fma(-64.0f, sc, bi) : bi;
+        if (loads) {
+            FA_DEVICE_READ(scale, sizeof(T));
+            FA_DEVICE_READ(bias, sizeof(T));
+            sc = float(*scale);
+            bi = float(*bias);
+        }
     }
+    sc = simd_shuffle(sc, from);
+    bi = simd_shuffle(bi, from);
+    const bool fold = DecodeMMAFold<T>::value;
+    x.sb[0] = sc;
+    x.sb[1] = fold ? fma(-1024.0f, sc, bi) : bi;
+    x.sb[2] = sc * 0.0625f;
+    x.sb[3] = fold ? fma(-64.0f, sc, bi) : bi;
     return x;
 }
 
@@ -235,14 +244,22 @@ inline void decode_mma_block(device const T *q, KV kv, device const uchar *mask,
         slot[n].at = decode_rows(kv, p, b, kv_head, key_begin + 8 * (N * sgid + n) + at.row, col0, STEP);
         slot[n].point(col0);
     }
+    // The lane of the first quarter of this lane's group (groups of 32-128 columns hold whole
+    // quarters of DP / 4 <= 32), which reads the group's scale and bias.
+    const uint quarters = max((1u << slot[0].at.k.group_shift) / L::COLS, 1u);
+    const uint first_quarter = at.col / 2 / quarters * quarters;
+    const bool loads = first_quarter == at.col / 2;
+    const ushort scale_lane = fragment_lane(at.row, first_quarter * 2);
     for (uint j0 = key_begin + 8 * N * sgid; j0 < key_end; j0 += STEP) {
         DecodeMMAQuarter<DP, BITS> kq[N];
         DecodeMMAQuarter<DP, BITS> vq[N];
         FA_UNROLL
         for (uint n = 0; n < N; ++n) {
             const bool valid = j0 + 8 * n + at.row < key_end;
-            kq[n] = decode_mma_quarter<DP, BITS>(slot[n].k, slot[n].k_scale, slot[n].k_bias, valid);
-            vq[n] = decode_mma_quarter<DP, BITS>(slot[n].v, slot[n].v_scale, slot[n].v_bias, valid);
+            kq[n] = decode_mma_quarter<DP, BITS>(slot[n].k, slot[n].k_scale, slot[n].k_bias, valid, loads,
+                                                 scale_lane);
+            vq[n] = decode_mma_quarter<DP, BITS>(slot[n].v, slot[n].v_scale, slot[n].v_bias, valid, loads,
+                                                 scale_lane);
             slot[n].next(col0);
         }
         // S^T = K Q^T per fragment of keys, then S = (S^T)^T: the lane's (row at.row, key at.col +

@@ -367,7 +367,8 @@ def test_plan_buffers_span_exactly_the_cache(bits):
     assert sizes["block_table"] == table.nbytes
     if bits:
         assert sizes["k_scales"] == sizes["v_biases"] == 7 * 2 * PAGE * 2 * 2
-    assert built.dispatches[0].kernel_name.startswith("flash_attention_forward_decode_kvcache_f16_d64")
+    kernel = "decode_mma_kvcache" if bits else "decode_kvcache"  # a quantized cache: the MMA decode
+    assert built.dispatches[0].kernel_name.startswith(f"flash_attention_forward_{kernel}_f16_d64")
 
 
 def test_kernels_clamp_a_wrong_table(ctx):
@@ -406,9 +407,10 @@ def test_kernels_clamp_a_wrong_table(ctx):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_decode_bytes_of_a_quantized_cache(ctx, paged, monkeypatch):
     """Issue 24's byte targets, counted by the CPU engine's per-buffer device_bytes_read: a decode
-    call (the decode kernel) loads every K and V row of a float16 cache once, and of an 8-bit or
-    4-bit cache (group 64) its words once and each group's scale and bias once per row: K/V bytes
-    (scales and biases included) 0.53 and 0.28 of the float16 cache's (targets 0.55 and 0.30).
+    call (the decode kernel; the MMA decode for a quantized cache) loads every K and V row of a
+    float16 cache once, and of an 8-bit or 4-bit cache (group 64) its words once and each group's
+    scale and bias once per row: K/V bytes (scales and biases included) 0.53 and 0.28 of the
+    float16 cache's (targets 0.55 and 0.30).
     The ratio depends on head_dim and the group only, so a small head count and length stand in
     for item 4's 32 heads over 4096 keys (docs/kv-cache.md has those)."""
     monkeypatch.setenv("FLASH_ATTENTION_COUNT_DEVICE_READS", "1")
@@ -422,7 +424,8 @@ def test_decode_bytes_of_a_quantized_cache(ctx, paged, monkeypatch):
         if paged:
             (k, v), table = _paged(rng, [k, v], PAGE)
         fam.flash_attn_with_kvcache(q, k, v, cache_seqlens=keys, block_table=table, bits=bits, context=ctx)
-        assert ctx.last_profile.dispatches[0].kernel.startswith("flash_attention_forward_decode_kvcache_f16")
+        kernel = "decode_mma_kvcache" if bits else "decode_kvcache"  # a quantized cache: the MMA decode
+        assert ctx.last_profile.dispatches[0].kernel.startswith(f"flash_attention_forward_{kernel}_f16")
         total = np.zeros(16, dtype=np.int64)
         for dispatch in ctx.last_profile.dispatches:
             total += np.array(dispatch.device_bytes_read[:16])
