@@ -86,6 +86,10 @@ int fa_bucket_for_head_dim(uint32_t dtype, uint32_t head_dim, FlashAttentionBuck
     return 0;
 }
 
+_Static_assert(offsetof(FlashAttentionParams, dkv_splits) + sizeof(fa_u32) + 4 == sizeof(FlashAttentionParams),
+               "fa_params_field_bytes: dkv_splits must be FlashAttentionParams' last field, 4 bytes of padding "
+               "after it");
+
 #define FA_CONSTANT_ROW(INDEX, TYPE, NAME, VALUE) [INDEX] = {#NAME, #TYPE, FA_FUNCTION_CONSTANT_TYPE_##TYPE},
 static const FlashAttentionFunctionConstant function_constants[] = {FA_FUNCTION_CONSTANTS(FA_CONSTANT_ROW)};
 #undef FA_CONSTANT_ROW

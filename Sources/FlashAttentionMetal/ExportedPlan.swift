@@ -80,6 +80,10 @@ final class ExportedPlan {
             throw FlashAttentionError.outOfMemory("cannot allocate the records of the plan")
         }
         params.storeBytes(of: dispatch.params, as: FlashAttentionParams.self)
+        // The struct's tail padding holds whatever the Swift value's copy had: zeroed, so that one
+        // problem always exports the same bytes.
+        let fields = fa_params_field_bytes()
+        memset(params + fields, 0, paramsSize - fields)
         let bound = dispatch.bindings
             + (dispatch.paramsRole.map { [BufferBinding(index: dispatch.paramsIndex, role: $0)] } ?? [])
         let bindings = bound.map { binding in

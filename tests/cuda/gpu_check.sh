@@ -32,6 +32,13 @@
 # with FA_GPU_BUILD_DIR set, one call builds and the next runs the checks (a device session's
 # per-call limit). The device code of each unit is optimised on all cores (nvcc -split-compile).
 #
+# The grids hold the Metal 4 tensor-op kernels too (names tensor_*: grid.tensor_cases, planned by
+# fa_plan_create_for (tensor-op library ready) under FLASH_ATTENTION_TENSOR_OPS=1; launch_table_tensor.cu, the
+# tensor-op library's unit, linked beside launch_table.cu), judged by the rule's tensor-op term,
+# under the sanitizers with the small grid, and replayed once more in the permuted
+# cooperative-tensor layout, whose outputs must be the M5 layout's bit for bit (steps
+# cuda-replay-permuted, cuda-tensor-layouts).
+#
 # After the matrix check, tests/cuda/tensor_ops_check.cu runs the CPU engine's tensor-op test
 # kernels (tests/kernels/tensor_ops.metal) through metal_tensor_ops.h's matmul2d emulation (step
 # cuda-tensor-ops: the documented accumulation order, bounds, both layouts, the scope and capacity
@@ -96,7 +103,11 @@ mkdir -p "$BUILD" || die "cannot create $BUILD"
 echo "gpu_check: build folder $BUILD (logs: *.log)"
 echo "gpu_check: $("$NVCC" --version | tail -n 1), arch $ARCH"
 
-FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo -split-compile=0 -I"$GPU_DIR/include" -I"$GPU_DIR")
+# --expt-relaxed-constexpr: MSL helpers declared `constexpr` without `inline` (the tensor-op
+# backward's matmul2d descriptors) are host functions to nvcc; clang's CUDA mode, like Metal,
+# lets device code call them.
+FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo -split-compile=0 --expt-relaxed-constexpr -I"$GPU_DIR/include"
+       -I"$GPU_DIR")
 
 # Whether output $1 must be (re)built: always, unless --reuse finds it.
 stale() { [ "$REUSE" = 0 ] || [ ! -s "$1" ]; }
@@ -113,10 +124,25 @@ copy_sources() {
 }
 
 # Compiles the kernels of source folder $1 (slow: every instance of the catalogue, fully unrolled
-# loops; the log holds ptxas' register and spill report): launch_table.cu's catalogue table into $2.
+# loops; the logs hold ptxas' register and spill report): launch_table.cu's catalogue table into $2
+# and, in parallel, launch_table_tensor.cu's (the tensor-op library's) into $2 with .o replaced by
+# -tensor.o (kernel_objects names both).
 compile_kernels() {
-    stale "$2" || return 0
-    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$2" >"$2.log" 2>&1
+    local tensor=${2%.o}-tensor.o tensor_job=""
+    if stale "$tensor"; then
+        "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table_tensor.cu" -o "$tensor" \
+            >"$tensor.log" 2>&1 &
+        tensor_job=$!
+    fi
+    if stale "$2"; then
+        "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$2" >"$2.log" 2>&1 \
+            || return 1
+    fi
+    [ -z "$tensor_job" ] || wait "$tensor_job"
+}
+# The objects compile_kernels made for kernels object $1, space-separated.
+kernel_objects() {
+    echo "$1 ${1%.o}-tensor.o"
 }
 
 SECONDS=0
@@ -208,25 +234,27 @@ for job in "${build_jobs[@]}"; do
                          "$BUILD"/cases-*.o.log 2>/dev/null >&2
                      die "compiling the kernels, matrix_check.cu or tensor_ops_check.cu, or writing the cases, failed"; }
 done
-link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
-    local kernels=$1 executable=$2 unit objects=()
+link() {  # link KERNEL_OBJECTS EXECUTABLE MAIN_UNIT [more host units]; KERNEL_OBJECTS space-separated
+    local kernels executable=$2 unit objects=()
+    read -r -a kernels <<<"$1"
     shift 2
     for unit in "$@"; do
         objects+=("$BUILD/host-$unit.o")
     done
     stale "$executable" || return 0
-    "$NVCC" "${FLAGS[@]}" "$kernels" "${objects[@]}" -o "$executable" || die "linking $executable failed"
+    "$NVCC" "${FLAGS[@]}" "${kernels[@]}" "${objects[@]}" -o "$executable" || die "linking $executable failed"
 }
 if [ "$DEFAULT" = 1 ]; then
-    link "$BUILD/kernels.o" "$BUILD/replay" replay
+    link "$(kernel_objects "$BUILD/kernels.o")" "$BUILD/replay" replay
     if [ "$MUTANTS" = 1 ]; then
-        link "$BUILD/kernels-no-barrier.o" "$BUILD/replay-no-barrier" replay
-        link "$BUILD/kernels-exp.o" "$BUILD/replay-exp" replay
+        link "$(kernel_objects "$BUILD/kernels-no-barrier.o")" "$BUILD/replay-no-barrier" replay
+        link "$(kernel_objects "$BUILD/kernels-exp.o")" "$BUILD/replay-exp" replay
     fi
 fi
 if [ "$LARGE" = 1 ]; then
-    link "$BUILD/kernels.o" "$BUILD/large_offsets" large_offsets
-    [ "$MUTANTS" = 1 ] && link "$BUILD/kernels-offset32.o" "$BUILD/large_offsets-offset32" large_offsets
+    link "$(kernel_objects "$BUILD/kernels.o")" "$BUILD/large_offsets" large_offsets
+    [ "$MUTANTS" = 1 ] && link "$(kernel_objects "$BUILD/kernels-offset32.o")" "$BUILD/large_offsets-offset32" \
+        large_offsets
 fi
 cat "$BUILD"/*.o.log >"$BUILD/build.log" 2>/dev/null
 echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/build.log)"
@@ -295,6 +323,15 @@ if [ "$DEFAULT" = 1 ]; then
     run_checked_step cuda-replay "$BUILD/replay.log" "$BUILD/replay" "$BUILD/cases-full" --dump "$BUILD/cases-full"
     run_checked_step cuda-replay-accuracy "$BUILD/replay-accuracy.log" \
         python3 "$GPU_DIR/judge.py" --name cuda-replay-accuracy "$BUILD/cases-full"
+    # The tensor-op cases again in the permuted cooperative-tensor layout (docs/tensor-ops.md): the
+    # kernels assume no layout, so every output must keep its bits ("cuda-tensor-layouts: N cases,
+    # 0 differ").
+    rm -rf "$BUILD/tensor-permuted" && mkdir -p "$BUILD/tensor-permuted"
+    run_checked_step cuda-replay-permuted "$BUILD/replay-permuted.log" \
+        env FLASH_ATTENTION_TENSOR_LAYOUT=permuted "$BUILD/replay" "$BUILD/cases-full" --case tensor_ \
+        --dump "$BUILD/tensor-permuted" --name cuda-replay-permuted
+    run_checked_step cuda-tensor-layouts "$BUILD/tensor-layouts.log" \
+        python3 "$GPU_DIR/same_bits.py" --name cuda-tensor-layouts "$BUILD/cases-full" "$BUILD/tensor-permuted"
 
     # Runs program $2 under compute-sanitizer tool $1 (limit $3 seconds, tool options after that)
     # with PROGRAM_ARGS, writing $BUILD/$LOG_NAME.log, and sets: SAN_STATUS (exit status, 124 on

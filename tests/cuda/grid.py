@@ -5,9 +5,10 @@ num_heads x num_kv_heads, seqlen_q, seqlen_k, mask, "_s<scale>" for a non-defaul
 modifiers and "_<layout>" for a layout other than bhsd) that --case filters select. Layouts: bhsd
 contiguous; bshd FlashAttention's order for every tensor; qkv the slices of one packed projection
 (and of one packed gradient), out and dout bshd; gapped padding between rows, heads and batches.
-Both grids also hold non-finite inputs (issue 36) and dropout (issue 40), nonfinite_cases and
-dropout_cases below; and the variable-length, KV-cache and merge cases that the replay runs through
-the library's plans (varlen_cases, kv_cache_cases, merge_cases).
+Both grids also hold non-finite inputs (issue 36), dropout (issue 40) and the Metal 4 tensor-op
+kernels (issue 37), nonfinite_cases, dropout_cases and tensor_cases below; and the variable-length,
+KV-cache and merge cases that the replay runs through the library's plans (varlen_cases,
+kv_cache_cases, merge_cases).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class Case:
     dropout_p: float = 0.0  # dropout on P (FlashAttention's dropout_p), with its Philox seed and offset
     dropout_seed: int = 0
     dropout_offset: int = 0
+    tensor_ops: bool = False  # planned with the Metal 4 tensor-op kernels forced (tensor_cases)
 
 
 def case(dtype, d, b, h, kv, sq, sk, causal, *, dv=0, scale=0.0, layout="bhsd", options=Options()) -> Case:
@@ -167,12 +169,13 @@ class VarlenCase:
     seqlens_q: tuple[int, ...]
     seqlens_k: tuple[int, ...]
     options: Options = field(default_factory=Options)
+    tensor_ops: bool = False  # planned with the Metal 4 tensor-op kernels forced (tensor_cases)
 
     def sequence(self, n: int) -> Case:
         """Sequence n as the dense batch-1 case that judges it (named NAME.s<n>)."""
         return Case(f"{self.name}.s{n}", self.dtype, 1, self.num_heads, self.num_kv_heads, self.seqlens_q[n],
                     self.seqlens_k[n], self.head_dim, self.head_dim_v, self.causal, self.softmax_scale,
-                    options=replace(self.options, alibi_per_batch=False))
+                    options=replace(self.options, alibi_per_batch=False), tensor_ops=self.tensor_ops)
 
 
 def varlen(dtype, d, h, kv, seqlens_q, seqlens_k, causal, *, options=Options()) -> VarlenCase:
@@ -182,6 +185,51 @@ def varlen(dtype, d, h, kv, seqlens_q, seqlens_k, causal, *, options=Options()) 
             f"_{'causal' if causal else 'full'}{options.name()}")
     return VarlenCase(name, dtype, h, kv, d, d, causal, float(np.float32(1.0 / math.sqrt(d))), tuple(seqlens_q),
                       tuple(seqlens_k), options)
+
+
+def tensor(c):
+    """Case or VarlenCase c planned with the Metal 4 tensor-op kernels forced (issue 37:
+    fa_plan_create_for with the tensor-op library ready, under FLASH_ATTENTION_TENSOR_OPS=1; cases.py refuses a case whose
+    forward or backward plan then names no tensor-op kernel), named tensor_<name>."""
+    return replace(c, name=f"tensor_{c.name}", tensor_ops=True)
+
+
+def tensor_cases(small: bool = False) -> list:
+    """The tensor-op kernels (forward, dQ, dK/dV; docs/tensor-ops.md) through their exported plans,
+    in both grids: head dims 64, 96, 128, 256 and 80 (the 96 bucket, columns past head_dim), float16
+    and bfloat16, causal rows, GQA and MQA (empty causal rows), a window with softcap, ALiBi per
+    batch with sinks, boolean and additive masks, head_dim_v != head_dim, the bshd and gapped
+    layouts, dropout and a variable-length batch. Query rows stay above the split-KV forward's
+    (the tensor-op forward serves the dense one only). The sanitizer grid takes the first five,
+    one per bucket and the varlen batch, at most 50 rows (the emulation gathers every operand
+    by warp shuffles: slow under the tools)."""
+    small_cases = [
+        tensor(case(F16, 64, 1, 4, 2, 40, 50, True)),
+        tensor(case(BF16, 96, 1, 2, 2, 33, 40, False, options=mods(window=(12, 4), softcap=10))),
+        tensor(case(F16, 128, 1, 2, 1, 20, 40, True, options=mods(mask=("boolean", False, True), alibi="head",
+                                                                   sinks=True))),
+        tensor(case(BF16, 256, 1, 2, 1, 20, 33, True)),
+        tensor(varlen(F16, 64, 4, 2, (9, 17, 33), (7, 17, 40), True)),
+    ]
+    if small:
+        return small_cases
+    return small_cases + [
+        tensor(case(F16, 64, 2, 4, 4, 100, 100, True)),
+        tensor(case(BF16, 64, 1, 8, 2, 70, 77, True)),
+        tensor(case(BF16, 96, 2, 4, 1, 77, 33, True)),
+        tensor(case(F16, 80, 1, 4, 2, 70, 90, False, options=mods(window=(20, 8)))),
+        tensor(case(F16, 128, 2, 4, 2, 65, 100, False, options=mods(alibi="batch", sinks=True))),
+        tensor(case(BF16, 128, 1, 8, 2, 100, 100, True, options=mods(mask=("additive", True, True)))),
+        tensor(case(F16, 256, 2, 4, 2, 65, 70, True, options=mods(softcap=20, window=(16, 0),
+                                                                  mask=("additive_f32", True, False)))),
+        tensor(case(BF16, 256, 2, 2, 2, 65, 65, False)),
+        tensor(case(F16, 128, 1, 4, 2, 40, 60, True, dv=64)),
+        tensor(case(BF16, 64, 2, 4, 2, 65, 70, False, dv=128)),
+        tensor(case(F16, 64, 1, 8, 2, 70, 77, True, layout="bshd")),
+        tensor(case(BF16, 96, 2, 4, 1, 60, 50, False, layout="gapped", options=mods(mask=("boolean", True, True)))),
+        tensor(dropout(case(F16, 64, 2, 4, 2, 70, 80, True), 0.17, 1234, 5678)),
+        tensor(varlen(BF16, 128, 4, 2, (64, 3, 70), (64, 30, 70), False, options=mods(window=(16, 0)))),
+    ]
 
 
 @dataclass(frozen=True)
@@ -223,7 +271,7 @@ def varlen_cases(small: bool = False) -> list[VarlenCase]:
          varlen(BF16, 128, 8, 8, (64, 3, 70), (64, 3, 70), False, options=mods(window=(16, 0))),
          varlen(F32, 40, 6, 2, (12, 9), (30, 9), True),
          varlen(F16, 96, 4, 4, (20, 7, 33), (25, 7, 40), True, options=mods(softcap=20, alibi="batch"))]
-    return c[:1] if small else c
+    return (c[:1] if small else c) + [t for t in tensor_cases(small) if isinstance(t, VarlenCase)]
 
 
 def kv_cache_cases(small: bool = False) -> list[KVCacheCase]:
@@ -386,7 +434,7 @@ def full_grid() -> list[Case]:
                                                                sinks=True)),
               case(t, 576, 1, 8, 1, 2, 600, True, dv=512, layout="bshd",
                    options=mods(window=(300, -1), mask=("boolean", True, False), sinks=True))]
-    return c + nonfinite_cases() + dropout_cases()
+    return c + nonfinite_cases() + dropout_cases() + [t for t in tensor_cases() if isinstance(t, Case)]
 
 
 def small_grid() -> list[Case]:
@@ -432,4 +480,4 @@ def small_grid() -> list[Case]:
                                                           alibi="head", sinks=True)),
         finite_min(case(F16, 128, 1, 4, 2, 40, 70, True, options=mods(mask=("additive_f32", False, True)))),
         case(BF16, 32, 2, 4, 2, 50, 60, True, scale=30.0, options=mods(sinks=True)),
-    ] + nonfinite_cases() + dropout_cases()
+    ] + nonfinite_cases() + dropout_cases() + [t for t in tensor_cases(small=True) if isinstance(t, Case)]
