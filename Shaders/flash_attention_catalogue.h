@@ -46,6 +46,8 @@
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
     X(forward_decode_kvcache, decode_bucket, FA_KV_CACHE_SPLIT_BUFFERS, FA_READS_SCORE, decode_storage,          \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
+    X(forward_decode_mma_kvcache, decode_bucket, FA_KV_CACHE_SPLIT_BUFFERS, FA_READS_SCORE, decode_storage,      \
+      FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
     X(forward_spec, decode_bucket, FA_FORWARD_SPLIT_BUFFERS, FA_READS_SCORE, spec_storage, FA_BUILTINS_SIMDGROUP, \
       __VA_ARGS__)                                                                                               \
     X(forward_spec_kvcache, decode_bucket, FA_KV_CACHE_SPLIT_BUFFERS, FA_READS_SCORE, spec_storage,              \

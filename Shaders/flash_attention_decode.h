@@ -367,10 +367,21 @@ inline void decode_block(device const T *q, KV kv, device const uchar *mask, dev
     }
 }
 
+// The MMA decode of a block's rows where the K/V source has one (flash_attention_decode_mma.h:
+// quantized caches, found by argument-dependent lookup); false: the vector instance runs.
+template <uint DP, typename T, typename KV, typename Storage>
+inline bool decode_rows_mma(device const T *, KV, device const uchar *, device const float *,
+                            constant FlashAttentionParams &, PackedRows, uint, uint, uint, uint, uint, Storage, uint,
+                            uint) {
+    return false;
+}
+
 // One chunk of keys for one block of FA_DECODE_ROWS(DP) packed rows: threadgroups (row blocks x
 // chunks, KV heads, batch), x = chunk * row_blocks + row block, as the split-KV forward. Writes the
-// chunk's normalised output and lse of each row (partial_index).
-template <uint DP, typename T, typename KV, typename Storage>
+// chunk's normalised output and lse of each row (partial_index). MMA: the MMA decode's instance
+// (the forward_decode_mma_kvcache kernel), which takes every block by decode_rows_mma where it
+// serves the launch and the 8-row vector instance where not.
+template <uint DP, bool MMA = false, typename T, typename KV, typename Storage>
 inline void attention_forward_decode(device const T *q, KV kv, device const uchar *mask,
                                      device const float *alibi, device float *partial_out,
                                      device float *partial_lse, constant FlashAttentionParams &p,
@@ -396,7 +407,12 @@ inline void attention_forward_decode(device const T *q, KV kv, device const ucha
     const uint key_begin = max(chunk_begin, key_range(p, rows.i_min).first);
     const uint key_end = min(chunk_begin + p.kv_chunk_keys, key_range(p, rows.i_max).end);
     // The instance sized to the live rows (the same for the whole threadgroup).
-    if (live <= 1) {
+    if (MMA) {
+        if (!decode_rows_mma<DP>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid,
+                                 lane)) {
+            decode_block<DP, R>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid, lane);
+        }
+    } else if (live <= 1) {
         decode_block<DP, 1>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid, lane);
     } else if (live <= 2) {
         decode_block<DP, 2>(q, kv, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end, tg, sgid, lane);

@@ -62,7 +62,7 @@
 
 #include "flash_attention_catalogue.h"
 #include "flash_attention_traits.h"
-#include "flash_attention_kv_cache.h"
+#include "flash_attention_decode_mma.h"
 #include "flash_attention_varlen.h"
 
 // ---- parameters and arguments from the catalogue's buffer lists ------------------------------
@@ -165,6 +165,14 @@ inline void kernel_forward_decode_kvcache(FA_PARAMETERS(FA_KV_CACHE_SPLIT_BUFFER
                                           uint3 tgid, uint sgid, uint lane) {
     attention_forward_decode<DP>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse,
                                  *params, tg, tgid, sgid, lane);
+}
+
+// The MMA decode over a quantized cache (FA_DECODE_MMA_SERVES; flash_attention_decode_mma.h).
+template <typename T, uint DP, typename Storage>
+inline void kernel_forward_decode_mma_kvcache(FA_PARAMETERS(FA_KV_CACHE_SPLIT_BUFFERS, T), Storage tg,
+                                              uint3 tgid, uint sgid, uint lane) {
+    attention_forward_decode<DP, true>(q, FA_KV_CACHE_SOURCE(T), mask, alibi, partial_out, partial_lse,
+                                       *params, tg, tgid, sgid, lane);
 }
 
 // The spec forward (FA_SPEC_SERVES): the tiled split kernel with blocks of spec_block_q packed rows.

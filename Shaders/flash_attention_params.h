@@ -325,6 +325,17 @@ typedef struct FlashAttentionParams {
 #define FA_DECODE_KEYS(ROWS, E) ((ROWS) * (E) >= 32 ? 2 : 4)
 #define FA_DECODE_THREADGROUP_BYTES(DP) (FA_SIMDGROUPS * FA_DECODE_ROWS(DP) * ((DP) + 2) * 4)
 #define FA_DECODE_SERVES(DP, PACKED_ROWS) ((DP) <= FA_DECODE_MAX_HEAD_DIM && (PACKED_ROWS) <= FA_DECODE_ROWS(DP))
+// The MMA decode over a quantized cache (flash_attention_decode_mma.h): in place of the decode
+// kernel for a cache quantized to BITS = 8 or 4 bits whose head_dim and head_dim_v are the
+// bucket's DP, 32, 64 or 128 (a lane's quarter of a row lies in one quantization group). The
+// vector decode's key loop grows with the rows and dequantizes per row slice; the MMA decode's
+// costs the same for 1-8 rows, at or below the vector one's for every g from 2 (docs/decode.md:
+// 8-bit and 4-bit at 1.88x and 2.73x float16's keys per second at head_dim 128 by the cost model,
+// 1.88x and 2.50x at 64, where the vector decode gives 4-bit 2.84x and 2.02x at g = 1, 1.27x and
+// 1.01x at g = 8).
+#define FA_DECODE_MMA_SERVES(DP, HEAD_DIM, HEAD_DIM_V, BITS, PACKED_ROWS)                          \
+    (((DP) == 32 || (DP) == 64 || (DP) == 128) && (HEAD_DIM) == (DP) && (HEAD_DIM_V) == (DP) &&     \
+     ((BITS) == 8 || (BITS) == 4) && FA_DECODE_SERVES(DP, PACKED_ROWS))
 // The spec forward (speculative-decoding verify widths, chunked prefill): the tiled split kernel
 // with blocks of FA_SPEC_BLOCK_Q(forward_block_q) packed rows (16, or the bucket's forward_block_q
 // where smaller), instantiated with the decode kernel (FA_IF_DECODE). It serves a split problem

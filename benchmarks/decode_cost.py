@@ -68,6 +68,21 @@ inline CacheDecodeRows<T> decode_rows(FixedCacheKV<T, BITS, PAGED> f, constant F
     r.v.page_rows = r.k.page_rows;
     return r;
 }
+
+// The MMA decode with the width fixed (flash_attention_decode_mma.h; the vector instance for
+// unquantized caches).
+template <uint DP, typename T, uint BITS, bool PAGED, typename Storage>
+inline bool decode_rows_mma(device const T *q, FixedCacheKV<T, BITS, PAGED> f, device const uchar *mask,
+                            device const float *alibi, constant FlashAttentionParams &p, PackedRows rows,
+                            uint live, uint b, uint kv_head, uint key_begin, uint key_end, Storage tg,
+                            uint sgid, uint lane) {
+    if (BITS == 0) {
+        return false;
+    }
+    decode_mma_block<DP, BITS == 0 ? 8 : BITS>(q, f, mask, alibi, p, rows, live, b, kv_head, key_begin, key_end,
+                                               tg, sgid, lane);
+    return true;
+}
 """
 
 KINDS = {
@@ -111,13 +126,14 @@ def kernel_name(kind: str, dp: int) -> str:
     return f"decode_cost_{kind.replace('-', '_')}_d{dp}"
 
 
-def kernel_source(kind: str, dp: int) -> str:
+def kernel_source(kind: str, dp: int, live: int) -> str:
     source = KINDS[kind][0]
+    mma = "true" if uses_mma(kind, dp, live) else "false"
     return f"""
 [[max_total_threads_per_threadgroup(FA_THREADS_PER_THREADGROUP)]]
 kernel void {kernel_name(kind, dp)}({cache_kernel_parameters()}) {{
     threadgroup DecodeStorage<{dp}> tg;
-    attention_forward_decode<{dp}>(q, {source}, mask, alibi, partial_out, partial_lse, params, &tg,
+    attention_forward_decode<{dp}, {mma}>(q, {source}, mask, alibi, partial_out, partial_lse, params, &tg,
                                    tgid, sgid, lane);
 }}
 """
@@ -148,6 +164,18 @@ def keys_per_iteration(dp: int, live: int) -> int:
     return int(rule.group(2)) if rows * e >= int(rule.group(1)) else int(rule.group(3))
 
 
+def uses_mma(kind: str, dp: int, live: int) -> bool:
+    """Whether `live` packed rows over this cache take the MMA decode kernel (FA_DECODE_MMA_SERVES
+    with head_dim and head_dim_v the bucket's)."""
+    return KINDS[kind][1] != 0 and live <= decode_rows_limit(dp) and dp in (32, 64, 128)
+
+
+def mma_keys_per_iteration() -> int:
+    """8 keys per fragment times FA_DECODE_MMA_FRAGMENTS (flash_attention_decode_mma.h)."""
+    header = (SHADERS / "flash_attention_decode_mma.h").read_text()
+    return 8 * int(re.search(r"#define FA_DECODE_MMA_FRAGMENTS (\d+)", header).group(1))
+
+
 def build_source(work: pathlib.Path, live: int, head_dims: list[int]) -> pathlib.Path:
     """Writes the measurement source for `live` rows into `work` (with a copy of Shaders/ whose
     decode header has the live rows fixed)."""
@@ -158,7 +186,7 @@ def build_source(work: pathlib.Path, live: int, head_dims: list[int]) -> pathlib
     if n != 1:
         sys.exit(f"decode_cost: expected one `const uint live = ...;` in flash_attention_decode.h, found {n}")
     (shaders / "flash_attention_decode.h").write_text(fixed)
-    kernels = "".join(kernel_source(kind, dp) for dp in head_dims for kind in KINDS)
+    kernels = "".join(kernel_source(kind, dp, live) for dp in head_dims for kind in KINDS)
     path = shaders / "decode_cost.metal"
     # Every function inlined, as Apple's compiler does, so a fixed layout folds inside the loads too.
     inline = "#pragma clang attribute push (__attribute__((always_inline)), apply_to = function)\n"
@@ -196,11 +224,13 @@ def main() -> int:
         for dp in dims:
             for kind in KINDS:
                 name = kernel_name(kind, dp)
-                fn, loop = issue_cost.key_loop(an, ir_mix.find_kernel(an, name), True)
+                mma = uses_mma(kind, dp, live)
+                # The MMA decode's key loop is the one with the MMAs (issue_cost's tiled rule).
+                fn, loop = issue_cost.key_loop(an, ir_mix.find_kernel(an, name), not mma)
                 region = loop["body"] - an.feature_blocks(fn)[0]
                 weights, _ = an.weights(fn, region, loop["header"])
                 counts = issue_cost.region_counts(an, fn, region, weights, True)
-                keys = keys_per_iteration(dp, live)
+                keys = mma_keys_per_iteration() if mma else keys_per_iteration(dp, live)
                 per_key = issue_cost.cycles(counts) / keys
                 rate = SCHEDULERS * bytes_per_key(kind, dp) / per_key
                 share = min(1.0, rate / DRAM_BYTES_PER_CYCLE)

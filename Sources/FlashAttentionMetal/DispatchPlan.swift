@@ -323,7 +323,13 @@ struct DispatchPlan {
         }
         let kernel: Int
         switch split.kernel {
-        case .decode: kernel = cache ? FA_KERNEL_forward_decode_kvcache : FA_KERNEL_forward_decode
+        case .decode:
+            // A quantized cache of head_dim 32, 64 or 128: the MMA decode (FA_DECODE_MMA_SERVES).
+            let packedRows = UInt64(problem.numHeads / problem.numKVHeads) * UInt64(problem.seqlenQ)
+            let mma = fa_decode_mma_serves(b.head_dim_max, problem.headDim, problem.headDimV,
+                                           problem.kvCache?.bits ?? 0, packedRows) != 0
+            kernel = mma ? FA_KERNEL_forward_decode_mma_kvcache
+                : cache ? FA_KERNEL_forward_decode_kvcache : FA_KERNEL_forward_decode
         case .spec: kernel = cache ? FA_KERNEL_forward_spec_kvcache : FA_KERNEL_forward_spec
         case .tiled: kernel = cache ? FA_KERNEL_forward_split_kvcache : FA_KERNEL_forward_split
         }

@@ -39,6 +39,12 @@ static inline uint32_t fa_decode_rows(uint32_t head_dim_max) { return FA_DECODE_
 static inline int fa_decode_serves(uint32_t head_dim_max, uint64_t packed_rows) {
     return FA_DECODE_SERVES(head_dim_max, packed_rows);
 }
+/* Whether the MMA decode serves a split problem that the decode kernel serves: a cache quantized to
+ * bits bits, head_dim and head_dim_v of the bucket (FA_DECODE_MMA_SERVES). */
+static inline int fa_decode_mma_serves(uint32_t head_dim_max, uint32_t head_dim, uint32_t head_dim_v, uint32_t bits,
+                                       uint64_t packed_rows) {
+    return FA_DECODE_MMA_SERVES(head_dim_max, head_dim, head_dim_v, bits, packed_rows);
+}
 static inline uint32_t fa_decode_threadgroup_bytes(uint32_t head_dim_max) {
     return FA_DECODE_THREADGROUP_BYTES(head_dim_max);
 }

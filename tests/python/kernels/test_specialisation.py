@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import flash_attention_metal as fam
+from flash_attention_metal import quantized
 
 from conftest import make_inputs
 
@@ -146,6 +147,12 @@ def planned_constants(ctx) -> dict[str, set[str]]:
         query = rng.standard_normal((1, rows, 2, 16)).astype(np.float16)
         fam.flash_attn_with_kvcache(query, cache, cache, cache_seqlens=600, context=ctx)
         record()
+    # A decode step over an 8-bit cache of head_dim 32: the MMA decode.
+    packed_cache = quantized.quantize(rng.standard_normal((1, 600, 1, 32)).astype(np.float16), 32, 8)
+    query = rng.standard_normal((1, 1, 2, 32)).astype(np.float16)
+    fam.flash_attn_with_kvcache(query, packed_cache, packed_cache, cache_seqlens=600, bits=8, group_size=32,
+                                context=ctx)
+    record()
     return planned
 
 

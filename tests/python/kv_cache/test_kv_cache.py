@@ -57,8 +57,9 @@ def _check(ctx, q, k_cache, v_cache, k, v, seqlens, label, *, block_table=None, 
                                            causal=causal, alibi_slopes=alibi_slopes, return_softmax_lse=True,
                                            context=ctx, **options)
     kernels = [d.kernel for d in ctx.last_profile.dispatches]
-    # The dense or, for short queries, a split-KV instance (decode, spec or tiled) that reads a cache.
-    assert re.fullmatch(r"flash_attention_forward_((split|spec|decode)_)?kvcache_(f16|bf16|f32)_d\d+", kernels[0]), kernels
+    # The dense or, for short queries, a split-KV instance (decode, MMA decode, spec or tiled) that
+    # reads a cache.
+    assert re.fullmatch(r"flash_attention_forward_((split|spec|decode|decode_mma)_)?kvcache_(f16|bf16|f32)_d\d+", kernels[0]), kernels
     assert out.dtype == q.dtype and out.shape == q.shape[:3] + (v_cache[0].shape[3] * 32 // bits if bits
                                                                   else v_cache.shape[3],)
     sequences = reference.kvcache_sequences(k_cache, v_cache, seqlens, k=k, v=v, block_table=block_table,
@@ -144,19 +145,78 @@ def test_decode_instances_over_paged_and_quantized_caches(ctx, bits, group):
     if bits:
         k_cache, v_cache = (quantized.quantize(c, 64, bits) for c in (k_cache, v_cache))
     label = f"{bits or 16}-bit g{group}"
+    # A quantized cache takes the MMA decode (FA_DECODE_MMA_SERVES).
+    kernel = "decode_mma_kvcache" if bits else "decode_kvcache"
     _check(ctx, q, k_cache, v_cache, None, None, seqlens, f"{label} contiguous", bits=bits)
-    assert ctx.last_profile.dispatches[0].kernel == "flash_attention_forward_decode_kvcache_f16_d128"
+    assert ctx.last_profile.dispatches[0].kernel == f"flash_attention_forward_{kernel}_f16_d128"
     (pk, pv), table = _paged(rng, [k_cache, v_cache], PAGE)
     _check(ctx, q, pk, pv, None, None, seqlens, f"{label} paged", block_table=table, bits=bits)
-    assert ctx.last_profile.dispatches[0].kernel == "flash_attention_forward_decode_kvcache_f16_d128"
+    assert ctx.last_profile.dispatches[0].kernel == f"flash_attention_forward_{kernel}_f16_d128"
 
 
-@pytest.mark.parametrize("seqlen_q,kernel,page", [(1, "decode", 32), (12, "split", 32), (1, "decode", 3),
+# (label, dtype, bits, group_size, head_dim, heads, kv_heads, seqlen_q, options): 1-8 packed rows
+MMA_CASES = [
+    ("f16 8-bit group 64 d128 8 rows", np.float16, 8, 64, 128, 16, 2, 1, {}),
+    ("f16 4-bit group 64 d64 1 row", np.float16, 4, 64, 64, 2, 2, 1, {}),
+    ("bf16 4-bit group 32 d64 6 rows window softcap", BF16, 4, 32, 64, 12, 2, 1,
+     dict(causal=True, window_size=(40, 0), softcap=4.0)),
+    ("f32 4-bit group 128 d128 2 x 3 rows causal alibi sinks", np.float32, 4, 128, 128, 6, 2, 2,
+     dict(causal=True, alibi_slopes=np.float32([0.1, 0.3, 0.2, 0.5, 0.4, 0.6]),
+          sinks=np.float32([0.5, -1, 2, 0, 1, -2]))),
+    ("f16 8-bit group 32 d32 5 rows causal", np.float16, 8, 32, 32, 2, 2, 5, dict(causal=True)),
+]
+
+
+@pytest.mark.parametrize("case", MMA_CASES, ids=[c[0] for c in MMA_CASES])
+def test_mma_decode_over_quantized_caches(ctx, case):
+    """The MMA decode (flash_attention_decode_mma.h): 1-8 packed rows per KV head (a GQA group, or
+    query rows times the group under bottom-right causal) over an 8-bit or 4-bit cache, contiguous
+    and paged (pages of 16 rows: a lane's keys cross pages), every dtype, group sizes 32-128,
+    head_dim 32-128, options; the keys end inside a fragment and the plan gives two chunks."""
+    label, dtype, bits, group_size, head_dim, heads, kv_heads, seqlen_q, options = case
+    rng = np.random.default_rng(len(label))
+    batch, capacity = 2, 160
+    seqlens = np.int32([150, 77])
+    q = _rows(rng, (batch, seqlen_q, heads, head_dim), dtype)
+    k_cache, v_cache = (quantized.quantize(_rows(rng, (batch, capacity, kv_heads, head_dim), dtype), group_size, bits)
+                        for _ in range(2))
+    suffix = {np.dtype(np.float16): "f16", BF16: "bf16", np.dtype(np.float32): "f32"}[np.dtype(dtype)]
+    want = f"flash_attention_forward_decode_mma_kvcache_{suffix}_d{head_dim}"
+    _check(ctx, q, k_cache, v_cache, None, None, seqlens, f"{label} contiguous", bits=bits, group_size=group_size,
+           **options)
+    chunks = ctx.last_profile.dispatches[0]
+    # Its key loop's products are simdgroup matrix products (the vector decode has none).
+    assert chunks.kernel == want and chunks.simdgroup_multiply_accumulates > 0
+    (pk, pv), table = _paged(rng, [k_cache, v_cache], PAGE)
+    _check(ctx, q, pk, pv, None, None, seqlens, f"{label} paged", block_table=table, bits=bits,
+           group_size=group_size, **options)
+    chunks = ctx.last_profile.dispatches[0]
+    assert chunks.kernel == want and chunks.simdgroup_multiply_accumulates > 0
+
+
+@pytest.mark.parametrize("bits,head_dim,head_dim_v", [(8, 96, 96), (4, 256, 256), (4, 128, 64)])
+def test_vector_decode_where_the_mma_decode_does_not_serve(ctx, bits, head_dim, head_dim_v):
+    """Quantized caches the MMA decode does not serve (head_dim 96 or 256, or head_dim_v apart from
+    head_dim) keep the vector decode, 3 live rows (its 4-row instance)."""
+    rng = np.random.default_rng(head_dim + head_dim_v + bits)
+    batch, kv_heads, capacity = 1, 2, 100
+    seqlens = np.int32([90])
+    q = _rows(rng, (batch, 1, 3 * kv_heads, head_dim), np.float16)
+    k_cache = quantized.quantize(_rows(rng, (batch, capacity, kv_heads, head_dim), np.float16), 32, bits)
+    v_cache = quantized.quantize(_rows(rng, (batch, capacity, kv_heads, head_dim_v), np.float16), 32, bits)
+    _check(ctx, q, k_cache, v_cache, None, None, seqlens, f"{bits}-bit d{head_dim}/{head_dim_v}", bits=bits,
+           group_size=32)
+    assert ctx.last_profile.dispatches[0].kernel.startswith("flash_attention_forward_decode_kvcache_f16_d")
+
+
+
+@pytest.mark.parametrize("seqlen_q,kernel,page", [(1, "decode_mma", 32), (12, "split", 32), (1, "decode_mma", 3),
                                                   (12, "split", 5)])
 def test_split_decode_paged_quantized_bhsd(ctx, seqlen_q, kernel, page):
     """A short query over a long paged 8-bit cache in mlx-lm's (B, H_kv, S, ...) order: the decode
     kernel (one row) and the tiled split kernel (12 rows), each in several chunks; pages of 3 and 5
-    rows make a SIMD-group's keys and a paired tile chunk's two rows cross blocks."""
+    rows make a SIMD-group's keys and a paired tile chunk's two rows cross blocks (the MMA decode
+    for the one row: a quantized cache)."""
     rng = np.random.default_rng(7)
     batch, heads, kv_heads, head_dim, capacity = 1, 8, 2, 64, 640
     seqlens = np.int32([600])
@@ -307,7 +367,8 @@ def test_plan_buffers_span_exactly_the_cache(bits):
     assert sizes["block_table"] == table.nbytes
     if bits:
         assert sizes["k_scales"] == sizes["v_biases"] == 7 * 2 * PAGE * 2 * 2
-    assert built.dispatches[0].kernel_name.startswith("flash_attention_forward_decode_kvcache_f16_d64")
+    kernel = "decode_mma_kvcache" if bits else "decode_kvcache"  # a quantized cache: the MMA decode
+    assert built.dispatches[0].kernel_name.startswith(f"flash_attention_forward_{kernel}_f16_d64")
 
 
 @pytest.mark.parametrize("bits", [None, 8], ids=["float16", "8-bit"])
@@ -367,9 +428,10 @@ def test_kernels_clamp_a_wrong_table(ctx, seqlen_q, kernel, bits):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_decode_bytes_of_a_quantized_cache(ctx, paged, monkeypatch):
     """Issue 24's byte targets, counted by the CPU engine's per-buffer device_bytes_read: a decode
-    call (the decode kernel) loads every K and V row of a float16 cache once, and of an 8-bit or
-    4-bit cache (group 64) its words once and each group's scale and bias once per row: K/V bytes
-    (scales and biases included) 0.53 and 0.28 of the float16 cache's (targets 0.55 and 0.30).
+    call (the decode kernel; the MMA decode for a quantized cache) loads every K and V row of a
+    float16 cache once, and of an 8-bit or 4-bit cache (group 64) its words once and each group's
+    scale and bias once per row: K/V bytes (scales and biases included) 0.53 and 0.28 of the
+    float16 cache's (targets 0.55 and 0.30).
     The ratio depends on head_dim and the group only, so a small head count and length stand in
     for item 4's 32 heads over 4096 keys (docs/kv-cache.md has those)."""
     monkeypatch.setenv("FLASH_ATTENTION_COUNT_DEVICE_READS", "1")
@@ -383,7 +445,8 @@ def test_decode_bytes_of_a_quantized_cache(ctx, paged, monkeypatch):
         if paged:
             (k, v), table = _paged(rng, [k, v], PAGE)
         fam.flash_attn_with_kvcache(q, k, v, cache_seqlens=keys, block_table=table, bits=bits, context=ctx)
-        assert ctx.last_profile.dispatches[0].kernel.startswith("flash_attention_forward_decode_kvcache_f16")
+        kernel = "decode_mma_kvcache" if bits else "decode_kvcache"  # a quantized cache: the MMA decode
+        assert ctx.last_profile.dispatches[0].kernel.startswith(f"flash_attention_forward_{kernel}_f16")
         total = np.zeros(16, dtype=np.int64)
         for dispatch in ctx.last_profile.dispatches:
             total += np.array(dispatch.device_bytes_read[:16])

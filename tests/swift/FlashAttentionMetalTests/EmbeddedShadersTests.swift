@@ -52,8 +52,8 @@ final class EmbeddedShadersTests: XCTestCase {
         XCTAssertTrue(source.contains("FA_HEAD_DIM_BUCKETS_F32"))
         // Every kernel of the catalogue, its body and the instances of every dtype.
         for kernel in ["forward", "forward_split", "forward_decode", "forward_kvcache", "forward_split_kvcache",
-                       "forward_decode_kvcache", "forward_combine", "backward_delta", "backward_lse_residual",
-                       "backward_dq", "backward_dkv", "backward_dsinks", "varlen_sequences", "merge"] {
+                       "forward_decode_kvcache", "forward_decode_mma_kvcache", "forward_combine", "backward_delta",
+                       "backward_lse_residual", "backward_dq", "backward_dkv", "backward_dsinks", "varlen_sequences", "merge"] {
             XCTAssertTrue(source.contains("    X(\(kernel), "), kernel)
             XCTAssertTrue(source.contains("inline void kernel_\(kernel)("), kernel)
         }
