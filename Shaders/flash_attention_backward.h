@@ -124,9 +124,10 @@ inline void attention_backward_lse_residual(device const T *q, device const T *k
         RowState<ND> r;
         start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
         const KeyRange unmasked = unmasked_keys(p, q0, BQ);
+        // (ks stands in for the V stream, which is not read.)
+        KVTiles<TileStream<T, BK, DP>, TileStream<T, BK, DP>> kvs = kv_tiles(ks, ks);
         for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-            // (ks stands in for the V stream, which is not read.)
-            forward_tile<DP, BQ, BK, ND, false>(r, tg, ks, ks, mask, p, kv0,
+            forward_tile<DP, BQ, BK, ND, false>(r, tg, kvs, mask, p, kv0,
                                                 !tile_unmasked(unmasked, kv0, BK), row, mods, s,
                                                 at, sgid, tid);
         }

@@ -46,31 +46,31 @@ inline void start_rows(thread RowState<ND> &r, bool with_sink, float sink, Fragm
     clear(r.o);
 }
 
-// One K/V tile of the forward pass, keys [kv0, kv0 + BK) (the next tiles of the streams ks and vs
-// over the KV head's K and V): loads the tiles (every thread calls it; V only after S where K and
-// V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
+// One K/V tile of the forward pass, keys [kv0, kv0 + BK) (the next tiles of the KV head's K and V
+// from kvs, KVTiles or a cache's source): loads the tiles (every thread calls it; V only after S
+// where K and V share a buffer), S = Q K^T over the slice and then over all of head_dim, masks (only when
 // `masked`; the lane's row is query `row`), online softmax update, O += P V (without WITH_V,
 // only m and l: V is neither loaded nor multiplied). DROPOUT: the kernel reads the dropout
 // function constant (the dense forward; the split kernels never get a call with dropout) and, when
 // it is on, P enters O += P V dropped (its row sum l stays undropped: lse is of the scores), the
 // row's mask drawn from Philox stream `stream` (flash_attention_philox.h).
 template <uint DP, uint BQ, uint BK, uint ND, bool WITH_V = true, bool DROPOUT = false,
-          typename KS, typename VS, typename Storage>
-FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS &ks,
-                                   thread VS &vs, device const uchar *mask,
+          typename KVS, typename Storage>
+FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KVS &kvs,
+                                   device const uchar *mask,
                                    constant FlashAttentionParams &p, uint kv0, bool masked,
                                    uint row, RowModifiers mods, SimdgroupSlice s, FragmentCoord at,
                                    uint sgid, uint tid, uint stream = 0) {
-    typedef typename KS::element T;
+    typedef typename KVS::element T;
     constexpr uint NK = BK / 8;  // fragments across a key tile
     constexpr bool SHARED = WITH_V && FA_FORWARD_SHARED(T, DP, BQ, BK);
     auto v_tile = SHARED ? tg->k : tg->v;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // K is read only transposed: paired rows where the bucket allows (PairedRows).
     constexpr uint K_PAIRED = PairedRows<T, DP>::WIDTH;
-    load_tile<BK, DP, K_PAIRED != 0>(tg->k, ks, kv0, p, tid);
+    load_keys<BK, DP, K_PAIRED != 0>(tg->k, kvs, kv0, p, tid);
     if (WITH_V && !SHARED) {
-        load_tile<BK, DP>(tg->v, vs, kv0, p, tid);
+        load_values<BK, DP>(tg->v, kvs, kv0, p, tid);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -80,8 +80,9 @@ FA_ALWAYS_INLINE void forward_tile(thread RowState<ND> &r, Storage tg, thread KS
     if (SHARED) {
         // V over K once every SIMD-group has read K (the softmax sits between copy and barrier).
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        load_tile<BK, DP>(v_tile, vs, kv0, p, tid);
+        load_values<BK, DP>(v_tile, kvs, kv0, p, tid);
     }
+    next_tile(kvs);
 
     // Online softmax; P replaces S in place.
     const TileWindow window = tile_window(mods.keys, kv0 + at.col, masked);
@@ -154,25 +155,21 @@ inline void store_partial_lse(device float *partial_lse, ulong index, float m, f
 }
 
 // The K/V source of the forward kernels for plain tensors k and v (flash_attention_kv_cache.h has
-// the one for KV caches): tile streams over batch element b's KV head. (Member functions say
-// `inline`: the CUDA check build makes every `inline` function a __device__ one.)
+// the ones for KV caches): the tiles of batch element b's KV head from key `first`, tile streams
+// over K and V. (Member functions say `inline`: the CUDA check build makes every `inline` function
+// a __device__ one.)
 template <typename T>
 struct DeviceKV {
     device const T *k;
     device const T *v;
 
     template <uint ROWS, uint DP>
-    inline TileStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                        uint first, uint tid) const {
-        return tile_stream<T, ROWS, DP>(k + head_offset(p.k, b, kv_head), first, p.seqlen_k, p.k.seq,
-                                        p.head_dim, tid);
-    }
-
-    template <uint ROWS, uint DP>
-    inline TileStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                          uint first, uint tid) const {
-        return tile_stream<T, ROWS, DP>(v + head_offset(p.v, b, kv_head), first, p.seqlen_k, p.v.seq,
-                                        p.head_dim_v, tid);
+    FA_ALWAYS_INLINE KVTiles<TileStream<T, ROWS, DP>, TileStream<T, ROWS, DP>>
+    tiles(constant FlashAttentionParams &p, uint b, uint kv_head, uint first, uint tid) const {
+        return kv_tiles(tile_stream<T, ROWS, DP>(k + head_offset(p.k, b, kv_head), first, p.seqlen_k, p.k.seq,
+                                                 p.head_dim, tid),
+                        tile_stream<T, ROWS, DP>(v + head_offset(p.v, b, kv_head), first, p.seqlen_k, p.v.seq,
+                                                 p.head_dim_v, tid));
     }
 };
 
@@ -200,13 +197,12 @@ inline void attention_forward(device const T *q, KV kv, device T *out, device fl
     TileStream<T, BQ, DP> qs = tile_stream<T, BQ, DP>(q + head_offset(p.q, b, h), q0, p.seqlen_q,
                                                       p.q.seq, p.head_dim, tid);
     load_tile<BQ, DP>(tg->q, qs, q0, p, tid);
-    auto ks = kv.template keys<BK, DP>(p, b, kv_head, key_begin, tid);
-    auto vs = kv.template values<BK, DP>(p, b, kv_head, key_begin, tid);
+    auto kvs = kv.template tiles<BK, DP>(p, b, kv_head, key_begin, tid);
     RowState<ND> r;
     start_rows(r, sinks_on(p), sinks_on(p) ? sinks[h] : 0.0f, at);
     const KeyRange unmasked = unmasked_keys(p, q0, BQ);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
-        forward_tile<DP, BQ, BK, ND, true, true>(r, tg, ks, vs, mask, p, kv0,
+        forward_tile<DP, BQ, BK, ND, true, true>(r, tg, kvs, mask, p, kv0,
                                                  !tile_unmasked(unmasked, kv0, BK), row, mods, s,
                                                  at, sgid, tid, stream);
     }
@@ -308,15 +304,14 @@ inline void attention_forward_split(device const T *q, KV kv, device const uchar
         }
         tg->q[r][w / 4][w % 4] = bits;
     }
-    auto ks = kv.template keys<BK, DP>(p, b, kv_head, key_begin, tid);
-    auto vs = kv.template values<BK, DP>(p, b, kv_head, key_begin, tid);
+    auto kvs = kv.template tiles<BK, DP>(p, b, kv_head, key_begin, tid);
     // The sink joins once, in the combine.
     RowState<ND> r;
     start_rows(r, false, 0.0f, at);
     const KeyRange unmasked = unmasked_keys(p, rows.i_min, rows.i_max - rows.i_min + 1);
     for (uint kv0 = key_begin; kv0 < key_end; kv0 += BK) {
         const bool masked = !rows.full || !tile_unmasked(unmasked, kv0, BK);
-        forward_tile<DP, BQ, BK>(r, tg, ks, vs, mask, p, kv0, masked, row, mods, s, at, sgid, tid);
+        forward_tile<DP, BQ, BK>(r, tg, kvs, mask, p, kv0, masked, row, mods, s, at, sgid, tid);
     }
 
     const float l = row_sum(r.l);

@@ -8,8 +8,9 @@
 //
 // The tiled kernels read a cache by its kind, one key loop per kind (kv_cache_kind,
 // FA_WITH_CACHE_SOURCE): a contiguous unquantized cache as a plain tensor (DeviceKV), a paged one by
-// 16-byte chunks found by per-pass cursors (PagedKV), a quantized one by chunks dequantized in
-// registers (QuantKV), an unquantized paged one off 16-byte boundaries element by element
+// 16-byte chunks found by per-pass cursors that K and V share (PagedKV<T, 0>), a quantized one by
+// the same cursors and chunks dequantized in registers (PagedKV<T, BITS>), an unquantized paged one
+// off 16-byte boundaries element by element
 // (CacheKV: kv_elements, kv_chunk). The decode kernel's lanes load their slices of a row straight
 // into registers (CacheDecodeRows, kv_dequantize).
 //
@@ -276,100 +277,6 @@ inline void load_tile(Tile tile, thread CacheStream<T, ROWS, DP> &s, uint first,
     }
 }
 
-// The tiled kernels' copy of an unquantized paged cache whose rows lie on 16-byte boundaries
-// (scalar_copies 0): the dense forward's 16-byte chunk copy (copy_chunks, paired K included), each
-// thread's row of every pass located by its own cursor. A cursor moves ROWS rows per tile: within
-// a block by one 64-bit add; into another by subtracting page_rows (as often as the tile spans
-// blocks), one table read and the multiplies. The only division is kv_cursor's, once per launch.
-template <typename T, uint ROWS, uint DP>
-struct PagedStream {
-    typedef T element;
-    typedef TileStream<T, ROWS, DP> Geometry;
-    Geometry s;              // the thread's (row, chunk) and the bounds (its pointers unused)
-    KVCacheHead<T> head;
-    ulong tile_step;         // units of ROWS rows within a block
-    KVCursor at[Geometry::PASSES];  // the thread's row of each pass in the next tile
-};
-
-template <typename T, uint ROWS, uint DP>
-inline PagedStream<T, ROWS, DP> paged_stream(KVCacheHead<T> head, uint first, uint seqlen, uint cols,
-                                             uint tid) {
-    typedef TileStream<T, ROWS, DP> S;
-    PagedStream<T, ROWS, DP> ps;
-    ps.s = tile_stream<T, ROWS, DP>(head.data, first, seqlen, 0, cols, tid);
-    ps.head = head;
-    ps.tile_step = ulong(ROWS) * head.row_stride;
-    const uint row = ps.s.row < ROWS ? ps.s.row : 0;
-    ps.at[0] = kv_cursor(head, first + row);
-    FA_UNROLL
-    for (uint k = 1; k < S::PASSES; ++k) {
-        ps.at[k] = ps.at[k - 1];
-        kv_advance(head, ps.at[k], S::STEP);
-    }
-    return ps;
-}
-
-// The cursor moved on by one tile (ROWS rows) of a paged head (QUANTIZED: of a quantized head,
-// contiguous or paged, its scale row moved too; tile_step and scale_tile_step are ROWS rows).
-template <uint ROWS, bool QUANTIZED, typename T>
-FA_ALWAYS_INLINE void kv_next_tile(thread const KVCacheHead<T> &c, ulong tile_step, ulong scale_tile_step,
-                                   thread KVCursor &at) {
-    at.r += ROWS;
-    if ((QUANTIZED && c.page_rows == 0) || at.r < c.page_rows) {
-        at.row += tile_step;
-        if (QUANTIZED) {
-            at.scale_row += scale_tile_step;
-        }
-        return;
-    }
-    do {
-        at.r -= c.page_rows;
-        ++at.block;
-    } while (at.r >= c.page_rows);
-    const ulong page = kv_page(c.table, c.max_blocks, c.num_blocks, at.block);
-    at.row = page * c.block_stride + ulong(at.r) * c.row_stride;
-    if (QUANTIZED) {
-        at.scale_row = page * c.scale_block_stride + ulong(at.r) * c.scale_row_stride;
-    }
-}
-
-// Copies the stream's next tile, rows [first, first + ROWS) (in the paired layout when PAIRED),
-// and moves its cursors to the tile after it.
-template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
-FA_ALWAYS_INLINE void load_tile(Tile tile, thread PagedStream<T, ROWS, DP> &ps, uint first,
-                                constant FlashAttentionParams &p, uint tid) {
-    typedef TileStream<T, ROWS, DP> S;
-    TileChunks<S::PASSES> from;
-    FA_UNROLL
-    for (uint k = 0; k < S::PASSES; ++k) {
-        from.at[k] = (device const uint4 *)(ps.head.data + ps.at[k].row) + ps.s.chunk;
-        kv_next_tile<ROWS, false>(ps.head, ps.tile_step, 0, ps.at[k]);
-    }
-    copy_chunks<ROWS, DP, PAIRED>(tile, ps.s, from, first);
-}
-
-// The K/V source of the tiled kernels for an unquantized paged cache on 16-byte boundaries.
-template <typename T>
-struct PagedKV {
-    device const T *k;
-    device const T *v;
-    device const int *table;
-
-    template <uint ROWS, uint DP>
-    inline PagedStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                         uint first, uint tid) const {
-        return paged_stream<T, ROWS, DP>(kv_cache_head(p, k, k, k, table, p.k, b, kv_head, p.head_dim),
-                                         first, p.seqlen_k, p.head_dim, tid);
-    }
-
-    template <uint ROWS, uint DP>
-    inline PagedStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                           uint first, uint tid) const {
-        return paged_stream<T, ROWS, DP>(kv_cache_head(p, v, v, v, table, p.v, b, kv_head, p.head_dim_v),
-                                         first, p.seqlen_k, p.head_dim_v, tid);
-    }
-};
-
 // The E * BITS bits of elements [col, col + E) of a packed row (col a multiple of E) as float,
 // w = scale * q + bias: loaded once, in one load of 1, 2 or 4 bytes or in whole words (rows are
 // only word-aligned), and unpacked in registers. At E = 1 and 4 bits two lanes share a byte:
@@ -540,19 +447,14 @@ struct CacheKV {
     device const T *v_biases;
 
     template <uint ROWS, uint DP>
-    inline CacheStream<T, ROWS, DP> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                         uint first, uint tid) const {
-        return cache_stream<T, ROWS, DP>(
-            kv_cache_head(p, k, k_scales, k_biases, table, p.k, b, kv_head, p.head_dim), p.seqlen_k,
-            p.head_dim, tid);
-    }
-
-    template <uint ROWS, uint DP>
-    inline CacheStream<T, ROWS, DP> values(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                           uint first, uint tid) const {
-        return cache_stream<T, ROWS, DP>(
-            kv_cache_head(p, v, v_scales, v_biases, table, p.v, b, kv_head, p.head_dim_v),
-            p.seqlen_k, p.head_dim_v, tid);
+    inline KVTiles<CacheStream<T, ROWS, DP>, CacheStream<T, ROWS, DP>>
+    tiles(constant FlashAttentionParams &p, uint b, uint kv_head, uint first, uint tid) const {
+        return kv_tiles(cache_stream<T, ROWS, DP>(kv_cache_head(p, k, k_scales, k_biases, table, p.k, b, kv_head,
+                                                                p.head_dim),
+                                                  p.seqlen_k, p.head_dim, tid),
+                        cache_stream<T, ROWS, DP>(kv_cache_head(p, v, v_scales, v_biases, table, p.v, b, kv_head,
+                                                                p.head_dim_v),
+                                                  p.seqlen_k, p.head_dim_v, tid));
     }
 };
 
@@ -578,11 +480,11 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
     return r;
 }
 
-// The tiled kernels' copy of a quantized cache (BITS 8 or 4, contiguous or paged): PagedStream's
-// cursors (moved one tile per tile, scale rows with them), each thread's 16-byte chunk of a row
-// dequantized from its words as the decode kernel's lanes do (kv_dequantize: one or two word
-// loads, no int-to-float convert), so the chunk copies (copy_chunks, paired K included) stage it
-// as they stage an unquantized one. Quantized rows are only word-aligned, which these loads need.
+// The tiled kernels' chunks of a quantized cache (BITS 8 or 4, contiguous or paged; KVPages below
+// finds the rows): each thread's 16-byte chunk of a row dequantized from its words as the decode
+// kernel's lanes do (kv_dequantize: one or two word loads, no int-to-float convert), so the chunk
+// copies (copy_chunks, paired K included) stage it as they stage an unquantized one. Quantized
+// rows are only word-aligned, which these loads need.
 template <typename T, uint PASSES, uint BITS>
 struct QuantChunks {
     device const uint *words[PASSES];  // pass k's row
@@ -607,35 +509,203 @@ struct QuantChunks {
     }
 };
 
-template <typename T, uint ROWS, uint DP, uint BITS>
-struct QuantStream {
-    typedef T element;
-    typedef TileStream<T, ROWS, DP> Geometry;
-    PagedStream<T, ROWS, DP> ps;  // the cursors (their scale rows used), geometry and head
-    ulong scale_tile_step;        // scale entries of ROWS rows
+// A thread's row of one pass in the next key tile of a paged or quantized cache, for K and V at
+// once: both caches are addressed through the same block table (K and V of a row share its block
+// and row within it), so the row's table entry is read, clamped and multiplied out once for both.
+struct KVPairCursor {
+    uint block;         // the row's entry of the table row (paged; contiguous: 0)
+    uint r;             // its row within that block (contiguous: the row)
+    ulong k_row;        // its offset in K's data and in V's (units of data)
+    ulong v_row;
+    ulong k_scale_row;  // quantized: in K's scales and biases, and in V's
+    ulong v_scale_row;
 };
 
-template <uint ROWS, uint DP, bool PAIRED = false, typename T, uint BITS, typename Tile>
-FA_ALWAYS_INLINE void load_tile(Tile tile, thread QuantStream<T, ROWS, DP, BITS> &qs, uint first,
-                                constant FlashAttentionParams &p, uint tid) {
-    typedef TileStream<T, ROWS, DP> S;
-    thread PagedStream<T, ROWS, DP> &ps = qs.ps;
-    QuantChunks<T, S::PASSES, BITS> from;
-    from.scales = ps.head.scales;
-    from.biases = ps.head.biases;
-    from.col = ps.s.chunk * S::V;
-    FA_UNROLL
-    for (uint k = 0; k < S::PASSES; ++k) {
-        from.words[k] = (device const uint *)ps.head.data + ps.at[k].row;
-        from.group[k] = ps.at[k].scale_row + (from.col >> ps.head.group_shift);
-        kv_next_tile<ROWS, true>(ps.head, ps.tile_step, qs.scale_tile_step, ps.at[k]);
-    }
-    copy_chunks<ROWS, DP, PAIRED>(tile, ps.s, from, first);
+// How a cursor moves by one tile of ROWS rows, worked out once per launch (the one division of
+// ROWS by page_rows): ROWS = blocks x page_rows + rows; within a block its offsets grow by ROWS
+// rows of K, V and their scales.
+struct KVTileStep {
+    ulong k;
+    ulong v;
+    ulong k_scale;
+    ulong v_scale;
+    uint rows;    // ROWS % page_rows (contiguous: ROWS)
+    uint blocks;  // ROWS / page_rows (contiguous: 0)
+    uint within;  // a moved cursor is still in its block while its row is below this: page_rows
+                  // where blocks is 0, else 0 (contiguous: every row)
+};
+
+template <uint ROWS, typename T>
+inline KVTileStep kv_tile_step(thread const KVCacheHead<T> &k, thread const KVCacheHead<T> &v) {
+    KVTileStep s;
+    s.k = ulong(ROWS) * k.row_stride;
+    s.v = ulong(ROWS) * v.row_stride;
+    s.k_scale = ulong(ROWS) * k.scale_row_stride;
+    s.v_scale = ulong(ROWS) * v.scale_row_stride;
+    s.blocks = k.page_rows == 0 ? 0 : ROWS / k.page_rows;
+    s.rows = ROWS - s.blocks * k.page_rows;
+    s.within = k.page_rows == 0 ? 0xffffffffu : (s.blocks == 0 ? k.page_rows : 0);
+    return s;
 }
 
-// The K/V source of the tiled kernels for a cache quantized to BITS bits.
+// The cursor's offsets from its (block, r): one table read (clamped, kv_page) and the multiplies.
+// Only a quantized cache may be contiguous (page_rows 0) here.
+template <bool QUANTIZED, typename T>
+FA_ALWAYS_INLINE void kv_pair_seek(thread const KVCacheHead<T> &k, thread const KVCacheHead<T> &v,
+                                   thread KVPairCursor &at) {
+    const ulong page = QUANTIZED && k.page_rows == 0 ? 0 : kv_page(k.table, k.max_blocks, k.num_blocks, at.block);
+    at.k_row = page * k.block_stride + ulong(at.r) * k.row_stride;
+    at.v_row = page * v.block_stride + ulong(at.r) * v.row_stride;
+    if (QUANTIZED) {
+        at.k_scale_row = page * k.scale_block_stride + ulong(at.r) * k.scale_row_stride;
+        at.v_scale_row = page * v.scale_block_stride + ulong(at.r) * v.scale_row_stride;
+    }
+}
+
+// The cursor moved on by one tile: within its block by adding the steps; else into the block
+// `blocks` or `blocks` + 1 on (its row, below page_rows before, is below 2 page_rows after adding
+// `rows`: one subtraction wraps it) and kv_pair_seek. No division, no loop.
+template <bool QUANTIZED, typename T>
+FA_ALWAYS_INLINE void kv_pair_next(thread const KVCacheHead<T> &k, thread const KVCacheHead<T> &v,
+                                   thread const KVTileStep &step, thread KVPairCursor &at) {
+    at.r += step.rows;
+    if (at.r < step.within) {
+        at.k_row += step.k;
+        at.v_row += step.v;
+        if (QUANTIZED) {
+            at.k_scale_row += step.k_scale;
+            at.v_scale_row += step.v_scale;
+        }
+        return;
+    }
+    const bool wrap = at.r >= k.page_rows;
+    at.r -= wrap ? k.page_rows : 0;
+    at.block += step.blocks + (wrap ? 1 : 0);
+    kv_pair_seek<QUANTIZED>(k, v, at);
+}
+
+// The tiled kernels' K and V tiles of a paged cache on 16-byte boundaries (BITS 0, scalar_copies 0)
+// or of a quantized one (BITS 8 or 4, contiguous or paged): each thread's chunk of every pass
+// copied by the dense forward's 16-byte chunk copy (copy_chunks, paired K included), dequantized in
+// registers when quantized (QuantChunks), its row found by one cursor per pass shared by K and V.
+// A cursor is located once per launch (a division by page_rows) and moved ROWS rows per tile
+// (kv_pair_next: within a block two 64-bit adds, four when quantized).
+template <typename T, uint ROWS, uint DP, uint BITS>
+struct KVPages {
+    typedef T element;
+    typedef TileStream<T, ROWS, DP> Geometry;
+    Geometry ks;             // the thread's (row, chunk) and K's bounds (its pointers unused)
+    Geometry vs;             // the same rows, V's bounds (head_dim_v)
+    KVCacheHead<T> k;
+    KVCacheHead<T> v;
+    KVTileStep step;         // ROWS rows
+    KVPairCursor at[Geometry::PASSES];  // the thread's row of each pass in the next tile
+};
+
+// The cursor at row t: the one division, t / page_rows (paged caches), once per launch and pass.
+template <bool QUANTIZED, typename T>
+FA_ALWAYS_INLINE void kv_pair_locate(thread const KVCacheHead<T> &k, thread const KVCacheHead<T> &v, uint t,
+                                     thread KVPairCursor &at) {
+    at.block = k.page_rows == 0 ? 0 : t / k.page_rows;
+    at.r = t - at.block * k.page_rows;
+    kv_pair_seek<QUANTIZED>(k, v, at);
+}
+
+// (Built by aggregate initialization and field stores, no assignment of structs: clang's OpenCL
+// C++ gives an assignment operator a generic `this`, whose address-space cast would keep the
+// whole source in memory, its fields reloaded after every call of the key loop.)
+template <typename T, uint ROWS, uint DP, uint BITS>
+FA_ALWAYS_INLINE KVPages<T, ROWS, DP, BITS> kv_pages(KVCacheHead<T> k, KVCacheHead<T> v, uint first,
+                                                     constant FlashAttentionParams &p, uint tid) {
+    typedef TileStream<T, ROWS, DP> S;
+    KVPages<T, ROWS, DP, BITS> s = {tile_stream<T, ROWS, DP>(k.data, first, p.seqlen_k, 0, p.head_dim, tid),
+                                    tile_stream<T, ROWS, DP>(v.data, first, p.seqlen_k, 0, p.head_dim_v, tid),
+                                    k, v, kv_tile_step<ROWS>(k, v)};
+    const uint row = s.ks.row < ROWS ? s.ks.row : 0;
+    FA_UNROLL
+    for (uint i = 0; i < S::PASSES; ++i) {
+        kv_pair_locate<BITS != 0>(k, v, first + row + i * S::STEP, s.at[i]);
+    }
+    return s;
+}
+
+// Where a thread's chunks of a tile lie for one cache head, given its passes' rows (and scale rows):
+// 16-byte chunks (TileChunks) or, quantized, chunks dequantized from their words (QuantChunks).
+template <typename T, uint PASSES, uint BITS>
+struct PageChunks {
+    typedef QuantChunks<T, PASSES, BITS> type;
+    static FA_ALWAYS_INLINE type at(thread const KVCacheHead<T> &c, uint chunk, thread const ulong *rows,
+                                    thread const ulong *scale_rows) {
+        type from;
+        from.scales = c.scales;
+        from.biases = c.biases;
+        from.col = chunk * (FA_CHUNK_BYTES / sizeof(T));
+        FA_UNROLL
+        for (uint i = 0; i < PASSES; ++i) {
+            from.words[i] = (device const uint *)c.data + rows[i];
+            from.group[i] = scale_rows[i] + (from.col >> c.group_shift);
+        }
+        return from;
+    }
+};
+
+template <typename T, uint PASSES>
+struct PageChunks<T, PASSES, 0> {
+    typedef TileChunks<PASSES> type;
+    static FA_ALWAYS_INLINE type at(thread const KVCacheHead<T> &c, uint chunk, thread const ulong *rows,
+                                    thread const ulong *) {
+        type from;
+        FA_UNROLL
+        for (uint i = 0; i < PASSES; ++i) {
+            from.at[i] = (device const uint4 *)(c.data + rows[i]) + chunk;
+        }
+        return from;
+    }
+};
+
+template <uint ROWS, uint DP, bool PAIRED, typename T, uint BITS, typename Tile>
+FA_ALWAYS_INLINE void load_keys(Tile tile, thread KVPages<T, ROWS, DP, BITS> &s, uint first,
+                                constant FlashAttentionParams &p, uint tid) {
+    constexpr uint PASSES = TileStream<T, ROWS, DP>::PASSES;
+    ulong rows[PASSES];
+    ulong scale_rows[PASSES];
+    FA_UNROLL
+    for (uint i = 0; i < PASSES; ++i) {
+        rows[i] = s.at[i].k_row;
+        scale_rows[i] = s.at[i].k_scale_row;
+    }
+    copy_chunks<ROWS, DP, PAIRED>(tile, s.ks, PageChunks<T, PASSES, BITS>::at(s.k, s.ks.chunk, rows, scale_rows),
+                                  first);
+}
+
+template <uint ROWS, uint DP, typename T, uint BITS, typename Tile>
+FA_ALWAYS_INLINE void load_values(Tile tile, thread KVPages<T, ROWS, DP, BITS> &s, uint first,
+                                  constant FlashAttentionParams &p, uint tid) {
+    constexpr uint PASSES = TileStream<T, ROWS, DP>::PASSES;
+    ulong rows[PASSES];
+    ulong scale_rows[PASSES];
+    FA_UNROLL
+    for (uint i = 0; i < PASSES; ++i) {
+        rows[i] = s.at[i].v_row;
+        scale_rows[i] = s.at[i].v_scale_row;
+    }
+    copy_chunks<ROWS, DP, false>(tile, s.vs, PageChunks<T, PASSES, BITS>::at(s.v, s.vs.chunk, rows, scale_rows),
+                                 first);
+}
+
+// The cursors moved on to the tile after the one just loaded.
+template <typename T, uint ROWS, uint DP, uint BITS>
+FA_ALWAYS_INLINE void next_tile(thread KVPages<T, ROWS, DP, BITS> &s) {
+    FA_UNROLL
+    for (uint i = 0; i < TileStream<T, ROWS, DP>::PASSES; ++i) {
+        kv_pair_next<BITS != 0>(s.k, s.v, s.step, s.at[i]);
+    }
+}
+
+// The K/V source of the tiled kernels for an unquantized paged cache on 16-byte boundaries (BITS
+// 0) or a cache quantized to BITS bits, contiguous or paged.
 template <typename T, uint BITS>
-struct QuantKV {
+struct PagedKV {
     device const T *k;
     device const T *v;
     device const int *table;
@@ -645,26 +715,11 @@ struct QuantKV {
     device const T *v_biases;
 
     template <uint ROWS, uint DP>
-    inline QuantStream<T, ROWS, DP, BITS> stream(KVCacheHead<T> head, uint first, uint seqlen, uint cols,
-                                                 uint tid) const {
-        QuantStream<T, ROWS, DP, BITS> qs;
-        qs.ps = paged_stream<T, ROWS, DP>(head, first, seqlen, cols, tid);
-        qs.scale_tile_step = ulong(ROWS) * head.scale_row_stride;
-        return qs;
-    }
-
-    template <uint ROWS, uint DP>
-    inline QuantStream<T, ROWS, DP, BITS> keys(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                               uint first, uint tid) const {
-        return stream<ROWS, DP>(kv_cache_head(p, k, k_scales, k_biases, table, p.k, b, kv_head, p.head_dim),
-                                first, p.seqlen_k, p.head_dim, tid);
-    }
-
-    template <uint ROWS, uint DP>
-    inline QuantStream<T, ROWS, DP, BITS> values(constant FlashAttentionParams &p, uint b, uint kv_head,
-                                                 uint first, uint tid) const {
-        return stream<ROWS, DP>(kv_cache_head(p, v, v_scales, v_biases, table, p.v, b, kv_head, p.head_dim_v),
-                                first, p.seqlen_k, p.head_dim_v, tid);
+    FA_ALWAYS_INLINE KVPages<T, ROWS, DP, BITS> tiles(constant FlashAttentionParams &p, uint b, uint kv_head,
+                                                      uint first, uint tid) const {
+        return kv_pages<T, ROWS, DP, BITS>(
+            kv_cache_head(p, k, k_scales, k_biases, table, p.k, b, kv_head, p.head_dim),
+            kv_cache_head(p, v, v_scales, v_biases, table, p.v, b, kv_head, p.head_dim_v), first, p, tid);
     }
 };
 
@@ -675,7 +730,7 @@ struct QuantKV {
 // key loop holds only its own copy (FA_WITH_CACHE_SOURCE instantiates the loop per kind): an
 // unquantized contiguous cache is a plain strided tensor (DeviceKV: the dense forward's copy,
 // scalar_copies included); an unquantized paged one on 16-byte boundaries takes PagedKV's chunk
-// copy; a quantized one QuantKV's dequantizing chunk copy, per width; unquantized paged ones off
+// copy; a quantized one PagedKV's dequantizing chunk copy, per width; unquantized paged ones off
 // 16-byte boundaries CacheKV's element copy.
 enum KVCacheKind : uint {
     FA_KV_CACHE_STRIDED,
@@ -704,13 +759,13 @@ inline uint kv_cache_kind(constant FlashAttentionParams &p) {
         CALL((DeviceKV<T>{k, v}));                                                                 \
         break;                                                                                     \
     case FA_KV_CACHE_PAGED_CHUNKS:                                                                 \
-        CALL((PagedKV<T>{k, v, kv_table}));                                                        \
+        CALL((PagedKV<T, 0>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}));             \
         break;                                                                                     \
     case FA_KV_CACHE_QUANTIZED_8:                                                                  \
-        CALL((QuantKV<T, 8>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}));             \
+        CALL((PagedKV<T, 8>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}));             \
         break;                                                                                     \
     case FA_KV_CACHE_QUANTIZED_4:                                                                  \
-        CALL((QuantKV<T, 4>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}));             \
+        CALL((PagedKV<T, 4>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}));             \
         break;                                                                                     \
     default:                                                                                       \
         CALL(FA_KV_CACHE_SOURCE(T));                                                               \

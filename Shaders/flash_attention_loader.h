@@ -316,11 +316,12 @@ inline void copy_chunks(Tile tile, thread const TileStream<T, ROWS, DP> &s, Chun
 
 // Copies rows [first, first + ROWS) into `tile`, the thread's chunks starting at `from` (in the
 // paired layout when PAIRED): by chunks, or element by element where the call's rows are not on
-// 16-byte boundaries (scalar_copies).
+// 16-byte boundaries (scalar_copies). Always inlined, as load_tile: a stream handed to an
+// out-of-line copy would keep the key loop's whole K/V source in memory, its fields reloaded after
+// every call in the loop.
 template <uint ROWS, uint DP, bool PAIRED, typename T, typename Tile>
-inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
-                      device const uint4 *from, uint first, constant FlashAttentionParams &p,
-                      uint tid) {
+FA_ALWAYS_INLINE void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s, device const uint4 *from,
+                                uint first, constant FlashAttentionParams &p, uint tid) {
     if (p.scalar_copies != 0) {
         load_rows<ROWS, DP, PAIRED>(tile, s.src, first, s.seqlen, s.stride, s.cols, tid);
         return;
@@ -333,12 +334,44 @@ inline void copy_tile(Tile tile, thread const TileStream<T, ROWS, DP> &s,
 // it with the same `first`: the first row of the previous call plus ROWS (or the `first` of
 // tile_stream or seek).
 template <uint ROWS, uint DP, bool PAIRED = false, typename T, typename Tile>
-inline void load_tile(Tile tile, thread TileStream<T, ROWS, DP> &s, uint first,
-                      constant FlashAttentionParams &p, uint tid) {
+FA_ALWAYS_INLINE void load_tile(Tile tile, thread TileStream<T, ROWS, DP> &s, uint first,
+                                constant FlashAttentionParams &p, uint tid) {
     device const uint4 *from = s.next;
     s.next += s.tile_step;
     copy_tile<ROWS, DP, PAIRED>(tile, s, from, first, p, tid);
 }
+
+// The K and V tiles of a key loop (forward_tile), from one source per launch: load_keys and
+// load_values copy the next key tile's K and V, and next_tile moves the source on to the tile after
+// it (for two streams, which move themselves as they load, a no-op). A paged cache's source
+// (KVPages, flash_attention_kv_cache.h) finds each row's page once for K and V.
+template <typename KS, typename VS>
+struct KVTiles {
+    typedef typename KS::element element;
+    KS k;
+    VS v;
+};
+
+template <typename KS, typename VS>
+FA_ALWAYS_INLINE KVTiles<KS, VS> kv_tiles(KS k, VS v) {
+    KVTiles<KS, VS> s = {k, v};
+    return s;
+}
+
+template <uint ROWS, uint DP, bool PAIRED, typename KS, typename VS, typename Tile>
+FA_ALWAYS_INLINE void load_keys(Tile tile, thread KVTiles<KS, VS> &s, uint first,
+                                constant FlashAttentionParams &p, uint tid) {
+    load_tile<ROWS, DP, PAIRED>(tile, s.k, first, p, tid);
+}
+
+template <uint ROWS, uint DP, typename KS, typename VS, typename Tile>
+FA_ALWAYS_INLINE void load_values(Tile tile, thread KVTiles<KS, VS> &s, uint first,
+                                  constant FlashAttentionParams &p, uint tid) {
+    load_tile<ROWS, DP>(tile, s.v, first, p, tid);
+}
+
+template <typename KS, typename VS>
+FA_ALWAYS_INLINE void next_tile(thread KVTiles<KS, VS> &) {}
 
 // Copies the tile that the last load_tile of the stream copied (rows [first, first + ROWS)) again.
 template <uint ROWS, uint DP, typename T, typename Tile>

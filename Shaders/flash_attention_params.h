@@ -255,9 +255,13 @@ typedef struct FlashAttentionParams {
 // packed total) at 14 and 15, then backward_dkv_reduce sums each element's splits in split order
 // into dk and dv, FA_DKV_REDUCE_ROWS key rows per threadgroup. The plan splits only where the
 // unsplit grid would keep the GPU's threadgroup slots less than FA_DKV_SPLIT_MIN_OCCUPANCY percent
-// busy over its waves (GroupSplit.swift).
+// busy over its waves (GroupSplit.swift), and never into more splits than keep the two workspaces
+// together within FA_DKV_SPLIT_MAX_WORKSPACE_BYTES (64 MiB; no split where two would not fit): the
+// memory a backward call adds is bounded whatever the shape and the planned core count. (On GPUs of
+// up to 80 cores the rule alone stays below it: a split grid has at most 10 waves of slots.)
 #define FA_DKV_REDUCE_ROWS 16
 #define FA_DKV_SPLIT_MIN_OCCUPANCY 90
+#define FA_DKV_SPLIT_MAX_WORKSPACE_BYTES 67108864
 
 // Buffer indices: flash_attention_varlen_sequences, the first dispatch of a varlen pass. It reads
 // cu_seqlens_q and cu_seqlens_k (int32, sequences + 1 each) and the host's parameters, and writes the

@@ -10,8 +10,8 @@ off (docs/specialisation.md's prelude), as compiled (no extra inlining). Each me
 the shipped KV-cache kernels run for that kind (``kv_cache_kind``, flash_attention_kv_cache.h):
 
     float16 contiguous   DeviceKV (the dense forward's copy)
-    paged                PagedKV (16-byte chunks, a cursor per pass)
-    8-bit, 4-bit         QuantKV (MLX's format, group 64; contiguous and paged in one loop)
+    paged                PagedKV<T, 0> (16-byte chunks, a cursor per pass shared by K and V)
+    8-bit, 4-bit         PagedKV<T, 8 or 4> (MLX's format, group 64; contiguous and paged in one loop)
     elements             CacheKV's element copy: unquantized paged caches off 16-byte boundaries
 
 A threadgroup's four SIMD-groups share each key tile, one per scheduler of a core: a core spends
@@ -41,9 +41,9 @@ from decode_cost import DRAM_BYTES_PER_CYCLE, ROOT, SHADERS, bytes_per_key, cach
 KINDS = {
     # name: (source expression, the decode_cost kind whose bytes per key it reads)
     "float16": ("DeviceKV<half>{k, v}", "float16"),
-    "paged": ("PagedKV<half>{k, v, kv_table}", "paged"),
-    "8-bit": ("QuantKV<half, 8>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}", "8-bit"),
-    "4-bit": ("QuantKV<half, 4>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}", "4-bit"),
+    "paged": ("PagedKV<half, 0>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}", "paged"),
+    "8-bit": ("PagedKV<half, 8>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}", "8-bit"),
+    "4-bit": ("PagedKV<half, 4>{k, v, kv_table, k_scales, k_biases, v_scales, v_biases}", "4-bit"),
     "elements (paged, off 16 B)": ("FA_KV_CACHE_SOURCE(half)", "paged"),
 }
 

@@ -52,5 +52,8 @@ NB_MODULE(_mlx_ext, m) {
         "q"_a, "k"_a, "v"_a, "causal"_a, "backward"_a,
         "Why the GPU stream would refuse this pass of these (B, H, L, D) arrays ('' when it runs): more work "
         "than one command buffer may hold against the GPU watchdog (eval_gpu cannot commit in pieces).");
+    m.def("tensor_ops", &flash_attention_mlx::tensor_ops_route,
+          "The tensor-op route of the last pass on MLX's GPU stream and why ('' before the first): 'tensor ops: "
+          "...' or 'simdgroup kernels: ...', with the compiler's message where the tensor-op library failed.");
     m.attr("ABI_VERSION") = FA_VERSION;
 }

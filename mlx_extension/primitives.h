@@ -120,8 +120,8 @@ fa_problem make_problem(const Options& options, const mx::array& q, const mx::ar
 void require_contiguous(const std::vector<mx::array>& inputs);
 
 // Work one Metal command buffer may hold against macOS's GPU watchdog: the Swift host's budget
-// (MetalBackend.defaultFlopsPerCommandBuffer, 2^35 FLOP), which fa_plan_create cuts passes by.
-constexpr uint64_t kMaxFlopsPerCommandBuffer = uint64_t{1} << 35;
+// (the header's FA_PLAN_PIECE_FLOPS_LOG2, 2^35 FLOP), which fa_plan_create cuts passes by.
+constexpr uint64_t kMaxFlopsPerCommandBuffer = uint64_t{1} << FA_PLAN_PIECE_FLOPS_LOG2;
 
 // Why MLX's GPU stream cannot run `pass` of `problem`, "" when it can: the library would cut the
 // pass into more than one command buffer of kMaxFlopsPerCommandBuffer, and an MLX extension cannot
@@ -129,6 +129,11 @@ constexpr uint64_t kMaxFlopsPerCommandBuffer = uint64_t{1} << 35;
 // pass would run as one command buffer that the watchdog may kill. The message names the limit and
 // the ways around it. "" as well for a problem the library refuses (check_problem reports that).
 std::string long_pass_refusal(const fa_problem& problem, fa_pass pass);
+
+// The tensor-op route of the last pass eval_gpu encoded and why (fa_plan_tensor_ops: "tensor ops:
+// ..." or "simdgroup kernels: ...", with the compiler's message where the tensor-op library failed
+// to compile); "" before the first, and always with an MLX without Metal.
+std::string tensor_ops_route();
 
 // Throws std::invalid_argument with the library's message when the problem is not one it runs
 // (the checks of fa_forward/fa_backward, without touching memory).

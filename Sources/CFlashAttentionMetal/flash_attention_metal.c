@@ -86,6 +86,10 @@ int fa_bucket_for_head_dim(uint32_t dtype, uint32_t head_dim, FlashAttentionBuck
     return 0;
 }
 
+_Static_assert(offsetof(FlashAttentionParams, dkv_splits) + sizeof(fa_u32) + 4 == sizeof(FlashAttentionParams),
+               "fa_params_field_bytes: dkv_splits must be FlashAttentionParams' last field, 4 bytes of padding "
+               "after it");
+
 #define FA_CONSTANT_ROW(INDEX, TYPE, NAME, VALUE) [INDEX] = {#NAME, #TYPE, FA_FUNCTION_CONSTANT_TYPE_##TYPE},
 static const FlashAttentionFunctionConstant function_constants[] = {FA_FUNCTION_CONSTANTS(FA_CONSTANT_ROW)};
 #undef FA_CONSTANT_ROW
@@ -147,6 +151,8 @@ _Static_assert(FA_ATTN_MASK_NONE == FA_MASK_NONE && FA_ATTN_MASK_BOOL == FA_MASK
                    FA_ATTN_MASK_ADDITIVE == FA_MASK_ADDITIVE &&
                    FA_ATTN_MASK_ADDITIVE_FLOAT32 == FA_MASK_ADDITIVE_F32,
                "fa_attn_mask_type and the kernels' mask kinds must agree");
+
+_Static_assert(FA_PLAN_BIND_ALIGNMENT == FA_CHUNK_BYTES, "the header's FA_PLAN_BIND_ALIGNMENT is FA_CHUNK_BYTES");
 
 /* The Metal backend passes the parameter struct with setBytes, which takes at most 4 KB. */
 _Static_assert(sizeof(FlashAttentionParams) < 4096, "FlashAttentionParams must stay below 4 KB");

@@ -117,10 +117,9 @@ enum BufferRole: Int, CaseIterable {
         case .kScales, .kBiases: return problem.kvCache?.scaleCount(problem.layouts[.k]!, cols: problem.headDim) ?? 0
         case .vScales, .vBiases: return problem.kvCache?.scaleCount(problem.layouts[.v]!, cols: problem.headDimV) ?? 0
         case .cuSeqlensQ, .cuSeqlensK, .sequenceTable: return Int(problem.varlen?.sequences ?? 0) + 1
-        // [batch][num_kv_heads][splits][seqlen_k] rows (a varlen problem's seqlen_k is the packed total).
         case .partialDk, .partialDv:
             guard problem.dkvSplits > 1 else { return 0 }
-            return Int(problem.batch) * Int(problem.numKVHeads) * Int(problem.dkvSplits) * Int(problem.seqlenK)
+            return GroupSplit.workspaceRows(for: problem, splits: problem.dkvSplits)
                 * Int(self == .partialDk ? problem.headDim : problem.headDimV)
         }
     }

@@ -32,6 +32,8 @@ final class ExportedPlan {
     let records: [Record]
     /// Every role the dispatches bind, in order of first binding, with its use.
     let buffers: [(role: BufferRole, usage: fa_buffer_usage)]
+    /// The plan's tensor-op route and why (`TensorOpsRoute.reason`), as a C string.
+    let tensorOps: UnsafeMutablePointer<CChar>
 
     /// The parameter bytes of every dispatch: the struct's stride, as MSL's sizeof counts it.
     static let paramsSize = MemoryLayout<FlashAttentionParams>.stride
@@ -49,6 +51,10 @@ final class ExportedPlan {
                 : plan.caches.contains(role) ? FA_BUFFER_READ_WRITE : FA_BUFFER_INPUT
             return (role, usage)
         }
+        guard let reason = strdup(plan.tensorOps.reason) else {
+            throw FlashAttentionError.outOfMemory("cannot allocate the records of the plan")
+        }
+        tensorOps = reason
         var made: [Record] = []
         do {
             for (number, piece) in pieces.enumerated() {
@@ -58,6 +64,7 @@ final class ExportedPlan {
             }
         } catch {
             ExportedPlan.release(made)
+            free(reason)
             throw error
         }
         records = made
@@ -73,6 +80,10 @@ final class ExportedPlan {
             throw FlashAttentionError.outOfMemory("cannot allocate the records of the plan")
         }
         params.storeBytes(of: dispatch.params, as: FlashAttentionParams.self)
+        // The struct's tail padding holds whatever the Swift value's copy had: zeroed, so that one
+        // problem always exports the same bytes.
+        let fields = fa_params_field_bytes()
+        memset(params + fields, 0, paramsSize - fields)
         let bound = dispatch.bindings
             + (dispatch.paramsRole.map { [BufferBinding(index: dispatch.paramsIndex, role: $0)] } ?? [])
         let bindings = bound.map { binding in
@@ -92,7 +103,10 @@ final class ExportedPlan {
         }
     }
 
-    deinit { ExportedPlan.release(records) }
+    deinit {
+        ExportedPlan.release(records)
+        free(tensorOps)
+    }
 }
 
 extension BufferRole {

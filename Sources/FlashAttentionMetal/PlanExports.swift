@@ -39,6 +39,44 @@ private func fill<T>(_ pointer: UnsafeMutablePointer<T>?, _ name: String, _ type
 @_cdecl("fa_plan_create")
 public func _exportPlanCreate(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_pass, _ maxFlopsPerPiece: UInt64,
                               _ outPlan: UnsafeMutablePointer<OpaquePointer?>?) -> fa_status {
+    _exportPlanCreateFor(problem, pass, maxFlopsPerPiece, nil, outPlan)
+}
+
+/// What `target` (an fa_plan_target; nil: the library's Metal device without a tensor-op library)
+/// offers the tensor-op kernels.
+private func tensorOpsSupport(_ target: UnsafePointer<fa_plan_target>?) throws -> TensorOpsSupport {
+    guard let target else { return .host(architecture: nil, library: FA_TENSOR_LIBRARY_NONE, error: nil) }
+    try checkStructSize(UnsafeMutablePointer(mutating: target), "target", "fa_plan_target")
+    let t = target.pointee
+    let library = fa_tensor_library(rawValue: t.tensor_library)
+    guard [FA_TENSOR_LIBRARY_NONE, FA_TENSOR_LIBRARY_READY, FA_TENSOR_LIBRARY_FAILED].contains(library) else {
+        throw FlashAttentionError.invalidArgument(
+            "target->tensor_library (\(t.tensor_library)) must be FA_TENSOR_LIBRARY_NONE, _READY or _FAILED")
+    }
+    return TensorOpsSupport.host(architecture: t.architecture.map { String(cString: $0) }, library: library,
+                                 error: t.tensor_library_error.map { String(cString: $0) })
+}
+
+/// fa_tensor_ops_wanted: see flash_attention_metal.h.
+@_cdecl("fa_tensor_ops_wanted")
+public func _exportTensorOpsWanted(_ architecture: UnsafePointer<CChar>?,
+                                   _ outWanted: UnsafeMutablePointer<UInt32>?) -> fa_status {
+    do {
+        let out = try required(outWanted, "out_wanted")
+        let support = TensorOpsSupport.host(architecture: architecture.map { String(cString: $0) },
+                                            library: FA_TENSOR_LIBRARY_NONE, error: nil)
+        out.pointee = TensorOps.wantsLibrary(hasUnits: support.hasUnits) ? 1 : 0
+        return FA_STATUS_SUCCESS
+    } catch {
+        return report(error)
+    }
+}
+
+/// fa_plan_create_for: see flash_attention_metal.h.
+@_cdecl("fa_plan_create_for")
+public func _exportPlanCreateFor(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_pass, _ maxFlopsPerPiece: UInt64,
+                                 _ target: UnsafePointer<fa_plan_target>?,
+                                 _ outPlan: UnsafeMutablePointer<OpaquePointer?>?) -> fa_status {
     do {
         let out = try required(outPlan, "out_plan")
         out.pointee = nil
@@ -54,7 +92,7 @@ public func _exportPlanCreate(_ problem: UnsafePointer<fa_problem>?, _ pass: fa_
                                                           + "FA_PASS_BACKWARD (FA_PASS_MERGE: fa_plan_create_merge)")
         }
         // For the GPU its hosts encode it on, as a Metal context plans (fa_gpu_cores with no context).
-        let plan = try DispatchPlan.make(kind, p, device: GPUCores.libraryDevice, tensorOps: .framework)
+        let plan = try DispatchPlan.make(kind, p, device: GPUCores.libraryDevice, tensorOps: try tensorOpsSupport(target))
         publish(try ExportedPlan(plan, maxFlopsPerPiece: maxFlopsPerPiece), out)
         return FA_STATUS_SUCCESS
     } catch {
@@ -104,6 +142,12 @@ public func _exportPlanGetInfo(_ handle: OpaquePointer?, _ info: UnsafeMutablePo
     } catch {
         return report(error)
     }
+}
+
+/// fa_plan_tensor_ops: see flash_attention_metal.h.
+@_cdecl("fa_plan_tensor_ops")
+public func _exportPlanTensorOps(_ handle: OpaquePointer?) -> UnsafePointer<CChar>? {
+    (try? exportedPlan(handle)).map { UnsafePointer($0.tensorOps) }
 }
 
 /// fa_plan_get_buffer: see flash_attention_metal.h.
@@ -217,12 +261,20 @@ private struct SharedCString: @unchecked Sendable {
 
 /// The embedded kernel source as a C string, made once (nil only when out of memory).
 private let kernelSource = SharedCString(pointer: strdup(EmbeddedShaders.source))
+/// The tensor-op kernels' source as a C string, made once (nil only when out of memory).
+private let tensorKernelSource = SharedCString(pointer: strdup(EmbeddedShaders.tensorSource))
 /// The .metallib's path as a C string, made once; nil when there is none.
 private let metallibPath = SharedCString(pointer: PrecompiledShaders.path.flatMap { strdup($0) })
 
 /// fa_plan_kernel_source: see flash_attention_metal.h.
 @_cdecl("fa_plan_kernel_source")
 public func _exportPlanKernelSource() -> UnsafePointer<CChar>? { kernelSource.pointer.map { UnsafePointer($0) } }
+
+/// fa_plan_tensor_kernel_source: see flash_attention_metal.h.
+@_cdecl("fa_plan_tensor_kernel_source")
+public func _exportPlanTensorKernelSource() -> UnsafePointer<CChar>? {
+    tensorKernelSource.pointer.map { UnsafePointer($0) }
+}
 
 /// fa_plan_metallib_path: see flash_attention_metal.h.
 @_cdecl("fa_plan_metallib_path")

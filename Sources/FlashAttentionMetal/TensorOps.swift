@@ -22,11 +22,42 @@ struct TensorOpsSupport: Equatable, Sendable {
     /// The CPU engine: no matrix units; the kernels run through its emulation when forced.
     static let cpuEngine = TensorOpsSupport(hasUnits: false, hasKernels: true,
                                             detail: "the CPU engine has no matrix units (it emulates matmul2d)")
-    /// A host that encodes exported plans itself (fa_plan_create: PyTorch's MPS and MLX's GPU paths):
-    /// its framework compiles fa_plan_kernel_source(), which has no tensor-op kernels, so its plans
-    /// keep the simdgroup kernels, forced or not, until the front ends compile the tensor-op library.
-    static let framework = TensorOpsSupport(hasUnits: false, hasKernels: false,
-                                            detail: "exported plans (fa_plan_create) have no tensor-op kernels yet")
+    /// Whether a device of architecture `name` has matrix units on this OS, and why, for users: the
+    /// one test of the Metal host and of the hosts of exported plans. MLX's (`is_nax_available`,
+    /// mlx/backend/metal/device.cpp at 846d176): macOS/iOS 26.2 or later (`__builtin_available`
+    /// there, `#available` here) and an architecture generation of 17 or later (18 for `p`).
+    static func units(architecture name: String) -> (has: Bool, detail: String) {
+        guard #available(macOS 26.2, iOS 26.2, tvOS 26.2, visionOS 26.2, *) else {
+            return (false, "\(name): the tensor ops need macOS 26.2 or iOS 26.2")
+        }
+        let has = hasMatrixUnits(architecture: name)
+        return (has, has ? "\(name) has matrix units"
+                    : "\(name) has no matrix units (architecture generation 17 and later have)")
+    }
+
+    /// What a host of exported plans (PyTorch's MPS and MLX's GPU paths) offers, from its
+    /// `fa_plan_target`: the units of the device it encodes on (`architecture`, or the library's
+    /// Metal device's when nil, the GPU those hosts use: `GPUArchitecture.libraryDevice`) and the
+    /// tensor-op library it compiled (`library`; `error` the compiler's message when it failed).
+    static func host(architecture: String?, library: fa_tensor_library, error: String?) -> TensorOpsSupport {
+        let device: (has: Bool, detail: String)
+        if let name = architecture ?? GPUArchitecture.libraryDevice {
+            device = units(architecture: name)
+        } else {
+            device = (false, "no Metal device, and the host named no architecture")
+        }
+        switch library {
+        case FA_TENSOR_LIBRARY_READY:
+            return TensorOpsSupport(hasUnits: device.has, hasKernels: true, detail: device.detail)
+        case FA_TENSOR_LIBRARY_FAILED:
+            return TensorOpsSupport(hasUnits: device.has, hasKernels: false,
+                                    detail: device.detail + "; the host's tensor-op library failed: "
+                                        + (error ?? "no message"))
+        default:
+            return TensorOpsSupport(hasUnits: device.has, hasKernels: false,
+                                    detail: device.detail + "; the host compiled no tensor-op library")
+        }
+    }
 
     /// Whether architecture `name` (`MTLArchitecture.name`, e.g. `applegpu_g17s`) is generation 17
     /// or later (18 for `p`), parsed as MLX parses it: the two digits before the last letter.
@@ -40,6 +71,21 @@ struct TensorOpsSupport: Equatable, Sendable {
 
     private static func digit(_ c: UInt8) -> Int? {
         c >= UInt8(ascii: "0") && c <= UInt8(ascii: "9") ? Int(c - UInt8(ascii: "0")) : nil
+    }
+}
+
+/// The architecture name (`MTLArchitecture.name`) of the Metal device the library runs on, the one
+/// a Metal context takes: exported plans' default (`TensorOpsSupport.host`). Its hosts' device:
+/// PyTorch's MPS device is the first Metal device that is not low-power (aten/src/ATen/mps/
+/// MPSDevice.mm, `MPSDevice::MPSDevice`), the Apple-silicon Mac's one GPU, which is this one.
+enum GPUArchitecture {
+    /// Read once per process; nil off Metal, or before macOS 14 / iOS 17 (MTLArchitecture).
+    static var libraryDevice: String? {
+        #if canImport(Metal)
+        return MetalBackend.defaultDeviceArchitecture
+        #else
+        return nil
+        #endif
     }
 }
 
@@ -62,6 +108,17 @@ struct TensorOpsRoute: Equatable, Sendable {
 /// device's support.
 enum TensorOps {
     static let environmentVariable = "FLASH_ATTENTION_TENSOR_OPS"
+
+    /// Whether a host compiles the tensor-op library: only where the route may take it, a device
+    /// with matrix units (`hasUnits`) or FLASH_ATTENTION_TENSOR_OPS=1; never with 0. A value the
+    /// route refuses compiles nothing (the plan then reports it).
+    static func wantsLibrary(hasUnits: Bool) -> Bool {
+        switch getenv(environmentVariable).map({ String(cString: $0) }) {
+        case nil: return hasUnits
+        case "1": return true
+        default: return false
+        }
+    }
 
     /// The route for a backend offering `support`.
     /// - Throws: `invalidArgument` when FLASH_ATTENTION_TENSOR_OPS is set to anything but 0 or 1.

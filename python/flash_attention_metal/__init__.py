@@ -34,8 +34,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_ma
     """``Context.forward`` on the default context: returns (out like q, lse float32), written into
     ``out`` and ``lse`` when given.
 
-    The arguments are checked before the library is loaded, so a wrong dtype or shape is reported
-    as such even where the library is missing.
+    Python's checks of the arguments (types, dtypes, how the shapes agree) run before the library
+    is loaded, so such a mistake is reported as such even where the library is missing; the
+    library's own rules (the largest head_dim, ...) need it.
     """
     options = dict(attn_mask=attn_mask, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                    sinks=sinks, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_offset=dropout_offset)

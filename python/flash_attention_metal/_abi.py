@@ -13,7 +13,7 @@ broadcasting an axis.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -183,10 +183,25 @@ def numpy_problem(library, shape: Shape, causal: bool, scale: float, dtype, tens
                   options: ScoreOptions) -> tuple:
     """(fa_problem, keep) of a NumPy call: sizes, flags and dtype, the strides of ``tensors``
     (fa_problem's stride field name -> ``Tensor``; absent ones contiguous) and the score options.
-    ``library`` is the loaded library (``Context.library``); keep ``keep`` alive for the call."""
+    ``library`` is the loaded library (``Context._native``); keep ``keep`` alive for the call."""
     strides = {name: tensor.strides for name, tensor in tensors.items()}
     problem = new_problem(library.ffi, library.lib, shape, causal, scale, np.dtype(dtype).name, strides)
     return problem, set_problem_fields(problem, options, shape.seqlen_k, library.ffi, library.lib)
+
+
+def check_sizes(library, shape: Shape, causal: bool, scale: float, dtype, options: ScoreOptions = ScoreOptions(),
+                pass_enum: str = "FA_PASS_FORWARD") -> None:
+    """Asks the library whether it takes a pass (``pass_enum``, an fa_pass enumerator's name) of
+    ``shape`` and these options (``fa_plan_create`` validates, nothing runs) and raises its ``ArgumentError`` if not. For a caller that must know
+    before it makes no call (an empty varlen batch) or before it communicates (ring attention):
+    every other caller learns it from the call itself, before anything is written. Sizes of 0 (an
+    empty batch's rows or keys) are asked about as 1."""
+    shape = replace(shape, seqlen_q=max(shape.seqlen_q, 1), seqlen_k=max(shape.seqlen_k, 1))
+    problem, keep = numpy_problem(library, shape, causal, scale, dtype, {}, options)
+    holder = library.ffi.new("fa_plan **")
+    library.raise_for_status(library.lib.fa_plan_create(problem, getattr(library.lib, pass_enum), 0, holder))
+    library.lib.fa_plan_destroy(holder[0])
+    del keep  # the arrays the problem points into lived until here
 
 
 def set_varlen_fields(problem, ffi, cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, max_seqlen_q: int,

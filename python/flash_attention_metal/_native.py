@@ -15,7 +15,7 @@ from pathlib import Path
 import cffi
 
 from ._header import HEADER_NAME, PACKAGE_DIR, REPO_ROOT, header_candidates
-from .errors import FlashAttentionError
+from .errors import ArgumentError, FlashAttentionError
 
 LIBRARY_ENV = "FLASH_ATTENTION_METAL_LIBRARY"
 
@@ -86,7 +86,8 @@ class NativeLibrary:
         self.header_path = header_path
 
     def raise_for_status(self, status: int) -> None:
-        """Raises FlashAttentionError with this thread's last library message unless status is 0.
+        """Raises FlashAttentionError with this thread's last library message unless status is 0:
+        an ``ArgumentError`` (also a ValueError) for a refused argument.
 
         Must run on the thread that made the failing call: the message is thread-local.
         """
@@ -94,8 +95,9 @@ class NativeLibrary:
             return
         message = self.ffi.string(self.lib.fa_last_error_message()).decode("utf-8", "replace")
         name = self.ffi.string(self.lib.fa_status_name(status)).decode("ascii", "replace")
-        raise FlashAttentionError(message or "the library reported an error without a message",
-                                  status, name)
+        refused = status in (self.lib.FA_STATUS_INVALID_ARGUMENT, self.lib.FA_STATUS_UNSUPPORTED)
+        raise (ArgumentError if refused else FlashAttentionError)(
+            message or "the library reported an error without a message", status, name)
 
 
 def load() -> NativeLibrary:

@@ -1,8 +1,12 @@
-"""Argument checks that run before any native call.
+"""Argument checks that run before any native call: what only Python can check.
 
 One rule per check; each error names the argument and the rule. Types and dtypes raise TypeError
-(never a silent cast), shapes and values raise ValueError. The C ABI repeats the checks so that C and
-Swift callers get them too.
+(never a silent cast), shapes and values raise ValueError. Checked here: Python types and dtypes,
+how the arrays' shapes agree (the library sees one set of sizes, not each array), conversions to
+the ABI's C types (a dimension beyond uint32, a scale beyond float32), and host data (NaN in a
+mask, non-finite slopes, table values). A rule of the sizes the library enforces itself (the largest
+head_dim per dtype, num_heads a multiple of num_kv_heads, dropout_p in [0, 1)) has no copy here:
+its message reaches the caller as ``errors.ArgumentError``, a ValueError, before anything is written.
 
 Shapes are given in the call's ``layout``: ``"bhsd"`` (batch, heads, seqlen, head_dim), PyTorch's
 and MLX's order, or ``"bshd"`` (batch, seqlen, heads, head_dim), FlashAttention's. v, out and dout
@@ -99,6 +103,8 @@ def check_array(name: str, array, dtypes=DTYPES, ndim: int | None = 4) -> None:
         )
     if ndim is not None and array.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got {array.ndim}-D with shape {array.shape}")
+    # Sizes of 0 and beyond uint32 are the library's rules too, checked here first: the default scale
+    # divides by sqrt(head_dim), and a size beyond uint32 does not fit the ABI's fields.
     if 0 in array.shape:
         raise ValueError(f"{name} has a zero-sized dimension (shape {array.shape}); every dimension must be >= 1")
     if max(array.shape, default=0) > _UINT32_MAX:
@@ -135,6 +141,8 @@ def resolve_softmax_scale(softmax_scale, head_dim: int, name: str = "softmax_sca
     array of one is taken as its value) that is finite
     and representable as a float32 (the ABI's type). Errors call the value ``name`` (MLX's
     signature calls it ``scale``)."""
+    # Checked here, not left to the library (which refuses a non-finite scale): it sees only the float32
+    # the value rounds to (1e39 would reach it as inf), and MLX's front end calls it scale.
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, np.ndarray) and softmax_scale.ndim == 0 and softmax_scale.dtype.kind in "iuf":
@@ -172,9 +180,8 @@ def check_same_dtype(name: str, array: np.ndarray, q: np.ndarray) -> None:
 
 def check_qkv(q, k, v, layout: str = "bhsd") -> Shape:
     """Checks q (B, H, Nq, D), k (B, H_kv, Nk, D) and v (B, H_kv, Nk, Dv), axes in ``layout``
-    order, all of one dtype of ``DTYPES``, and returns the shape.
-
-    Needs no library; the upper bound of head_dim does (``check_head_dim``).
+    order, all of one dtype of ``DTYPES``, and returns the shape. The rules of the shape itself (head_dim
+    at most the dtype's largest, H a multiple of H_kv) are the library's.
     """
     layout = check_layout(layout)
     for name, array in (("q", q), ("k", k), ("v", v)):
@@ -193,23 +200,12 @@ def check_qkv(q, k, v, layout: str = "bhsd") -> Shape:
             f"v shape {v.shape} must equal k shape {k.shape} but for the last axis (head_dim_v): "
             f"({axes}) in layout {layout!r}"
         )
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"q num_heads {num_heads} must be divisible by k/v num_kv_heads {num_kv_heads} (GQA/MQA)"
-        )
     return Shape(batch, num_heads, num_kv_heads, seqlen_q, seqlen_k, head_dim, v.shape[3])
-
-
-def check_head_dim(shape: Shape, max_head_dim: int) -> None:
-    """head_dim and head_dim_v must be within 1..max_head_dim, the library's ``fa_max_head_dim()``."""
-    for name, value in (("head_dim", shape.head_dim), ("head_dim_v", shape.head_dim_v)):
-        if not 1 <= value <= max_head_dim:
-            raise ValueError(f"{name} {value} is outside the supported range 1..{max_head_dim}")
 
 
 def check_forward(q, k, v, causal, softmax_scale, layout="bhsd",
                   **options) -> tuple[Shape, bool, float, ScoreOptions]:
-    """Every forward check that needs no library: returns (shape, causal, softmax_scale, the score
+    """Every forward check of this module: returns (shape, causal, softmax_scale, the score
     options); ``options`` are attn_mask, window_size, softcap, alibi_slopes and sinks."""
     shape = check_qkv(q, k, v, layout)
     causal = check_causal(causal)
@@ -219,7 +215,7 @@ def check_forward(q, k, v, causal, softmax_scale, layout="bhsd",
 
 def check_backward(dout, q, k, v, out, lse, causal, softmax_scale, layout="bhsd",
                    **options) -> tuple[Shape, bool, float, ScoreOptions]:
-    """Every backward check that needs no library, as ``check_forward``."""
+    """Every backward check of this module, as ``check_forward``."""
     shape = check_qkv(q, k, v, layout)
     check_like_q("dout", dout, q, shape.head_dim_v)
     check_like_q("out", out, q, shape.head_dim_v)
@@ -255,7 +251,7 @@ def check_merge(out_a, lse_a, out_b, lse_b) -> tuple[int, int]:
     """Checks the two parts of ``merge_attention``: out_a, out_b of one dtype (float16, bfloat16
     or float32) and shape (..., head_dim); lse_a, lse_b float32 of shape (...), the same leading
     shape. Returns (rows, head_dim), rows being the product of the leading dimensions (at most
-    2**32 - 1)."""
+    2**32 - 1; head_dim at most the library's largest is its rule)."""
     check_array("out_a", out_a, ndim=None)
     if out_a.ndim < 1:
         raise ValueError("out_a must have at least 1 dimension (..., head_dim), got a 0-D array")
@@ -268,6 +264,7 @@ def check_merge(out_a, lse_a, out_b, lse_b) -> tuple[int, int]:
         if lse.shape != leading:
             raise ValueError(f"{name} shape {lse.shape} must be out_a's shape without head_dim, {leading}")
     rows = math.prod(leading)
+    # The library's rule too, checked here first: the call copies broadcast views of this many rows.
     if rows > _UINT32_MAX:
         raise ValueError(f"out_a has {rows} rows (the product of its leading dimensions {leading}); "
                          f"at most 2**32 - 1 are supported")
@@ -291,7 +288,7 @@ class ScoreOptions:
     problem's size (an axis NumPy broadcast with stride 0 cut to one slice: never expanded);
     alibi_slopes: C-contiguous float32 (num_heads,) or (batch, num_heads), or None; sinks:
     C-contiguous float32 (num_heads,), or None; dropout: (dropout_p, dropout_seed, dropout_offset)
-    with dropout_p > 0, or None.
+    with dropout_p other than 0, or None.
     """
 
     window: tuple[int, int] | None = None
@@ -303,18 +300,18 @@ class ScoreOptions:
 
 
 def check_dropout_p(dropout_p) -> float:
-    """dropout_p must be a real number (not a bool) in [0, 1); returns it as a float."""
+    """dropout_p must be a real number (not a bool); returns it as a float. Its range, [0, 1), is
+    the library's rule (``ArgumentError`` naming dropout_p)."""
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be at least 0 and below 1, got {dropout_p}")
     return float(dropout_p)
 
 
 def check_dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int, int] | None:
-    """dropout_p must be a real number in [0, 1) (``check_dropout_p``); with dropout_p > 0,
-    dropout_seed an int in [0, 2**64) and dropout_offset one in [0, 2**64). Returns (dropout_p,
-    dropout_seed, dropout_offset), or None for dropout_p 0 (the seed is then not needed)."""
+    """dropout_p must be a real number (``check_dropout_p``); with dropout_p other than 0,
+    dropout_seed an int in [0, 2**64) and dropout_offset one in [0, 2**64) (the ABI's uint64
+    fields). Returns (dropout_p, dropout_seed, dropout_offset), or None for dropout_p 0 (the seed
+    is then not needed)."""
     check_dropout_p(dropout_p)
     for name, value in (("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset)):
         if value is None and name == "dropout_seed":
@@ -326,7 +323,7 @@ def check_dropout(dropout_p, dropout_seed, dropout_offset) -> tuple[float, int, 
     if float(dropout_p) == 0.0:
         return None
     if dropout_seed is None:
-        raise ValueError(f"dropout_seed must be given with dropout_p > 0 (got dropout_p={dropout_p}): the backward "
+        raise ValueError(f"dropout_seed must be given with dropout_p other than 0 (got dropout_p={dropout_p}): the backward "
                          "regenerates the forward's mask from it")
     return float(dropout_p), int(dropout_seed), int(dropout_offset)
 
@@ -335,6 +332,8 @@ def check_window_size(window_size) -> tuple[int, int] | None:
     """window_size must be a (left, right) tuple or list of ints, or a 1-D array or tensor of two
     integers (FlashAttention's tests pass ``torch.randint(0, n, (2,))``), each -1 (unbounded) or
     0 ... 2**31 - 1; returns it as Python ints, or None for (-1, -1)."""
+    # Checked here, not left to the library: it sees the ABI's int32 fields window_left and
+    # window_right, which a Python int may not fit, not the window_size the caller passed.
     def rule() -> str:
         return (f"window_size must be a (left, right) pair, each -1 (unbounded) or a number of keys from 0 to "
                 f"{_INT32_MAX}, got {_short_repr(window_size)}")
@@ -357,6 +356,7 @@ def check_window_size(window_size) -> tuple[int, int] | None:
 def check_softcap(softcap) -> float:
     """softcap must be a real number (not a bool), finite and >= 0 (0 is off), within float32's
     range and not rounding to 0 in float32 when positive; returns it as a float."""
+    # Checked on the Python value (as softmax_scale): the library sees only its float32 rounding.
     if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number (0.0 is off), got {type(softcap).__name__}")
     def rule() -> str:

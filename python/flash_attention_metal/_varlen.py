@@ -21,7 +21,6 @@ from ._validation import (
     ScoreOptions,
     check_array,
     check_causal,
-    check_head_dim,
     check_int32_array,
     check_same_dtype,
     check_score_options,
@@ -95,8 +94,6 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise ValueError(f"k head_dim {k_head_dim} must equal q head_dim {head_dim}")
     if v.shape[:2] != k.shape[:2]:
         raise ValueError(f"v shape {v.shape} must equal k shape {k.shape} but for the last axis (head_dim_v)")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"q num_heads {num_heads} must be divisible by k/v num_kv_heads {num_kv_heads} (GQA/MQA)")
     cu_q = check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, "total_q (q.shape[0])")
     cu_k = check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, total_k, "total_k (k.shape[0])")
     if cu_q.shape != cu_k.shape:
@@ -144,7 +141,7 @@ def _tensor(array: np.ndarray, output: bool = False) -> _layout.Tensor:
 
 
 def _problem(context, checked: Varlen, dtype, tensors: dict):
-    library = context.library
+    library = context._native
     problem, keep = _abi.numpy_problem(library, checked.shape, checked.causal, checked.scale, dtype, tensors,
                                        checked.options)
     _abi.set_varlen_fields(problem, library.ffi, checked.cu_seqlens_q, checked.cu_seqlens_k, checked.max_q,
@@ -159,19 +156,20 @@ def _pointers(ffi, tensors: dict, names) -> list:
 def forward(context, q, k, v, checked: Varlen):
     """``Context.forward_varlen`` on checked arguments."""
     shape = checked.shape
-    check_head_dim(shape, context.max_head_dim)
     out = np.empty(q.shape[:2] + (shape.head_dim_v,), dtype=q.dtype)
     lse = np.empty((shape.num_heads, shape.seqlen_q), dtype=np.float32)
     if shape.seqlen_q == 0 or shape.seqlen_k == 0:
-        # Nothing to attend to (the ABI takes at least one row and key): out 0, lse -inf or the sink.
+        # Nothing to attend to (the ABI takes at least one row and key): out 0, lse -inf or the sink,
+        # for a call the library would take.
+        _abi.check_sizes(context._native, shape, checked.causal, checked.scale, q.dtype, checked.options)
         out[...] = 0
         lse[...] = -np.inf if checked.options.sinks is None else checked.options.sinks[:, None]
         return out, lse
     tensors = {"q": _tensor(q), "k": _tensor(k), "v": _tensor(v), "out": _tensor(out, output=True)}
     problem, keep = _problem(context, checked, q.dtype, tensors)
-    ffi = context.library.ffi
-    context.call("fa_forward", problem, *_pointers(ffi, tensors, ("q", "k", "v", "out")),
-                 ffi.from_buffer("float[]", lse, require_writable=True))
+    ffi = context._native.ffi
+    context._call("fa_forward", problem, *_pointers(ffi, tensors, ("q", "k", "v", "out")),
+                  ffi.from_buffer("float[]", lse, require_writable=True))
     del keep  # the arrays the problem points into lived until here
     return out, lse
 
@@ -179,13 +177,14 @@ def forward(context, q, k, v, checked: Varlen):
 def backward(context, dout, q, k, v, out, lse, checked: Varlen):
     """``Context.backward_varlen`` on checked arguments (dout, out, lse checked here)."""
     shape = checked.shape
-    check_head_dim(shape, context.max_head_dim)
     check_packed_like_q("dout", dout, q, shape.head_dim_v)
     check_packed_like_q("out", out, q, shape.head_dim_v)
     lse = check_varlen_lse(lse, shape)
     grads = [np.empty(like.shape, dtype=like.dtype) for like in (q, k, v)]
     sinks = checked.options.sinks
     if shape.seqlen_q == 0 or shape.seqlen_k == 0:
+        _abi.check_sizes(context._native, shape, checked.causal, checked.scale, q.dtype, checked.options,
+                         "FA_PASS_BACKWARD")
         for grad in grads:
             grad[...] = 0
         if sinks is not None:
@@ -195,11 +194,11 @@ def backward(context, dout, q, k, v, out, lse, checked: Varlen):
     tensors = {"dout": _tensor(dout), "q": _tensor(q), "k": _tensor(k), "v": _tensor(v), "out": _tensor(out)}
     tensors.update((name, _tensor(g, output=True)) for name, g in zip(("dq", "dk", "dv"), grads))
     problem, keep = _problem(context, checked, q.dtype, tensors)
-    ffi = context.library.ffi
+    ffi = context._native.ffi
     if sinks is not None:
         grads.append(np.empty(shape.num_heads, dtype=np.float32))
         problem.dsinks = ffi.from_buffer("float[]", grads[3], require_writable=True)
-    context.call("fa_backward", problem, *_pointers(ffi, tensors, ("dout", "q", "k", "v", "out")),
-                 ffi.from_buffer("float[]", lse), *_pointers(ffi, tensors, ("dq", "dk", "dv")))
+    context._call("fa_backward", problem, *_pointers(ffi, tensors, ("dout", "q", "k", "v", "out")),
+                  ffi.from_buffer("float[]", lse), *_pointers(ffi, tensors, ("dq", "dk", "dv")))
     del keep
     return tuple(grads)

@@ -120,12 +120,6 @@ class Context:
         """The file the library was loaded from."""
         return str(self._native.path)
 
-    @property
-    def library(self) -> NativeLibrary:
-        """The loaded library (its cffi ``ffi`` and ``lib``): what the C ABI's structs are made
-        with, for ``call`` (``flash_attention_metal._abi`` builds the problems of every front end)."""
-        return self._native
-
     def forward(self, q, k, v, *, causal=False, softmax_scale=None, layout="bhsd", attn_mask=None,
                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None, dropout_p=0.0, dropout_seed=None,
                 dropout_offset=0, out=None, lse=None):
@@ -180,7 +174,9 @@ class Context:
             is in float32; out is rounded once to the dtype.
 
         Raises:
-            TypeError, ValueError: invalid arguments (checked before any native call).
+            TypeError, ValueError: invalid arguments, each naming the argument and the rule, before
+                anything is written (a rule the library enforces, e.g. the largest head_dim: its
+                ``errors.ArgumentError``, a ValueError and a FlashAttentionError).
             FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
                 when ``cancel`` stopped the call).
             KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
@@ -193,9 +189,9 @@ class Context:
 
     def _forward(self, q, k, v, checked, layout, out=None, lse=None):
         """``forward`` on arguments ``_validation.check_forward`` passed, ``checked`` being what it
-        returned: the checks that need the library, then the call."""
+        returned: the given outputs checked, then the call (the library refuses a problem it does
+        not take before it writes anything)."""
         shape, causal, scale, options = checked
-        _validation.check_head_dim(shape, self.max_head_dim)
         lse_shape = (shape.batch, shape.num_heads, shape.seqlen_q)
         _check_given_outputs({"out": (out, q.dtype, q.shape[:3] + (shape.head_dim_v,)),
                               "lse": (lse, np.float32, lse_shape)}, layout, {"q": q, "k": k, "v": v})
@@ -205,8 +201,8 @@ class Context:
         tensors["out"] = _layout.as_output(out, layout)
         ffi = self._native.ffi
         problem, keep = _abi.numpy_problem(self._native, shape, causal, scale, q.dtype, tensors, options)
-        self.call("fa_forward", problem, *(_abi.pointer(ffi, tensors[name].address) for name in ("q", "k", "v", "out")),
-                  ffi.from_buffer("float[]", lse, require_writable=True))
+        self._call("fa_forward", problem, *(_abi.pointer(ffi, tensors[name].address) for name in ("q", "k", "v", "out")),
+                   ffi.from_buffer("float[]", lse, require_writable=True))
         del keep  # the arrays the problem points into lived until here
         return out, lse
 
@@ -241,7 +237,9 @@ class Context:
             alibi_slopes. Deterministic. Fresh arrays, or the ones given.
 
         Raises:
-            TypeError, ValueError: invalid arguments (checked before any native call).
+            TypeError, ValueError: invalid arguments, each naming the argument and the rule, before
+                anything is written (a rule the library enforces, e.g. the largest head_dim: its
+                ``errors.ArgumentError``, a ValueError and a FlashAttentionError).
             FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
                 when ``cancel`` stopped the call).
             KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
@@ -254,9 +252,8 @@ class Context:
 
     def _backward(self, dout, q, k, v, out, lse, checked, layout, dq=None, dk=None, dv=None):
         """``backward`` on arguments ``_validation.check_backward`` passed, ``checked`` being what
-        it returned: the checks that need the library, then the call."""
+        it returned, as ``_forward``."""
         shape, causal, scale, options = checked
-        _validation.check_head_dim(shape, self.max_head_dim)
         given = {"dq": dq, "dk": dk, "dv": dv}
         _check_given_outputs({name: (given[name], q.dtype, like.shape) for name, like in zip(given, (q, k, v))},
                              layout, {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
@@ -272,8 +269,8 @@ class Context:
             grads.append(np.empty(shape.num_heads, dtype=np.float32))
             problem.dsinks = ffi.from_buffer("float[]", grads[3], require_writable=True)
         pointers = {name: _abi.pointer(ffi, tensor.address) for name, tensor in tensors.items()}
-        self.call("fa_backward", problem, *(pointers[name] for name in ("dout", "q", "k", "v", "out")),
-                  ffi.from_buffer("float[]", lse), *(pointers[name] for name in ("dq", "dk", "dv")))
+        self._call("fa_backward", problem, *(pointers[name] for name in ("dout", "q", "k", "v", "out")),
+                   ffi.from_buffer("float[]", lse), *(pointers[name] for name in ("dq", "dk", "dv")))
         del keep  # the arrays the problem points into lived until here
         return tuple(grads)
 
@@ -332,7 +329,9 @@ class Context:
             rows of empty sequences get zero gradients. Deterministic (no atomics).
 
         Raises:
-            TypeError, ValueError: invalid arguments (checked before any native call).
+            TypeError, ValueError: invalid arguments, each naming the argument and the rule, before
+                anything is written (a rule the library enforces, e.g. the largest head_dim: its
+                ``errors.ArgumentError``, a ValueError and a FlashAttentionError).
             FlashAttentionError: the library reported an error.
         """
         checked = _varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -341,13 +340,14 @@ class Context:
                                        dropout_seed=dropout_seed, dropout_offset=dropout_offset)
         return _varlen.backward(self, dout, q, k, v, out, lse, checked)
 
-    def call(self, function: str, *arguments) -> None:
-        """``library.lib.<function>(context, *arguments)``: a C ABI call on this context (fa_forward,
-        fa_backward, fa_plan_execute, ...), with arguments made through ``library.ffi`` (a problem
+    def _call(self, function: str, *arguments) -> None:
+        """``_native.lib.<function>(context, *arguments)``: a C ABI call on this context (fa_forward,
+        fa_backward, fa_plan_execute, ...), with arguments made through ``_native.ffi`` (a problem
         from ``flash_attention_metal._abi``), kept alive by the caller until it returns. The one way
-        every front end calls the library: interruptible when made from the main thread (Ctrl-C
-        cancels it, KeyboardInterrupt); raises FlashAttentionError when the library reports a
-        failure."""
+        every front end of this package calls the library (package-internal, as ``_native``, the
+        loaded library): interruptible when made from the main thread (Ctrl-C cancels it,
+        KeyboardInterrupt); raises FlashAttentionError when the library reports a failure
+        (``ArgumentError``, also a ValueError, for an argument it refuses)."""
         call = getattr(self._native.lib, function)
         _interruptible.call(lambda: self._native.raise_for_status(call(self._handle, *arguments)), self.cancel)
 
@@ -390,24 +390,23 @@ class Context:
             (out, lse): out like out_a (dtype and shape), lse float32 like lse_a. Fresh arrays.
 
         Raises:
-            TypeError, ValueError: invalid arguments (checked before any native call).
+            TypeError, ValueError: invalid arguments, each naming the argument and the rule, before
+                anything is written (a rule the library enforces, e.g. the largest head_dim: its
+                ``errors.ArgumentError``, a ValueError and a FlashAttentionError).
             FlashAttentionError: the library reported an error (status_name ``FA_STATUS_CANCELLED``
                 when ``cancel`` stopped the call).
             KeyboardInterrupt: Ctrl-C during a call from the main thread (the call is cancelled).
         """
         rows, head_dim = _validation.check_merge(out_a, lse_a, out_b, lse_b)
-        if head_dim > self.max_head_dim:
-            raise ValueError(f"head_dim {head_dim} (the last dimension of out_a) is outside the supported "
-                             f"range 1..{self.max_head_dim}")
         # Shapes first: np.ascontiguousarray turns a 0-D lse (one row) into shape (1,).
         out = np.empty(out_a.shape, dtype=out_a.dtype)
         lse = np.empty(lse_a.shape, dtype=np.float32)
         out_a, lse_a, out_b, lse_b = (np.ascontiguousarray(a) for a in (out_a, lse_a, out_b, lse_b))
         ffi, lib = self._native.ffi, self._native.lib
-        self.call("fa_merge_attention_v2", rows, head_dim, getattr(lib, _abi.DTYPE_CODES[out.dtype.name]),
-                  _address(ffi, out_a), ffi.from_buffer("float[]", lse_a),
-                  _address(ffi, out_b), ffi.from_buffer("float[]", lse_b),
-                  _address(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True))
+        self._call("fa_merge_attention_v2", rows, head_dim, getattr(lib, _abi.DTYPE_CODES[out.dtype.name]),
+                   _address(ffi, out_a), ffi.from_buffer("float[]", lse_a),
+                   _address(ffi, out_b), ffi.from_buffer("float[]", lse_b),
+                   _address(ffi, out), ffi.from_buffer("float[]", lse, require_writable=True))
         return out, lse
 
     def _problem(self, shape: _validation.Shape, causal: bool, scale: float, dtype=np.float16, tensors=None):

@@ -22,6 +22,14 @@ class FlashAttentionError(RuntimeError):
         super().__init__(f"{status_name}: {message}" if status_name else message)
 
 
+class ArgumentError(FlashAttentionError, ValueError):
+    """An argument the library refused (``FA_STATUS_INVALID_ARGUMENT``, or ``FA_STATUS_UNSUPPORTED``
+    for a value outside what its kernels have, such as a head_dim), its message naming the argument
+    and the rule. A ValueError, as this package's own checks of values raise, so that a rule the
+    library enforces needs no Python copy (``_validation``); and a FlashAttentionError, with the
+    status and the library's message."""
+
+
 class CapacityError(FlashAttentionError, ValueError):
     """A KV-cache length beyond what the cache or its block table holds (cache_seqlens + seqlen_new
     over the capacity), found by the Python layer before anything is written. Both a ValueError

@@ -101,6 +101,7 @@ def _check_cache(name: str, cache, q: np.ndarray, layout: str, bits, group_size)
             _validation.check_array(name + part, array)
             _validation.check_same_dtype(name + part, array, q)
         head_dim = packed.shape[3] * 32 // bits
+        # The library's rule too, needed here first: the scales' shape below divides by group_size.
         if head_dim % group_size:
             raise ValueError(f"{name}'s head_dim {head_dim} must be a multiple of group_size {group_size}")
         for part, array, last in (("[1] (scales)", scales, head_dim // group_size),
@@ -159,10 +160,13 @@ class Problem:
 
 def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, layout, bits, group_size,
           cache_leftpad=None) -> Problem:
-    """Every check of the cache arguments (shapes, dtypes, table values in host memory)."""
+    """Every check of the cache arguments that only Python can make (shapes, dtypes, table values
+    in host memory); the library's own rules (head_dim, num_heads a multiple of num_kv_heads, ...)
+    are asked of it before the append (``_prepare``)."""
     layout = _validation.check_layout(layout)
     _validation.check_array("q", q)
     if bits is not None:
+        # Here, not only in the library: bits and group_size say how to read the triple's shapes.
         quantized.check_format(group_size, bits)
     kc = _check_cache("k_cache", k_cache, q, layout, bits, group_size)
     vc = _check_cache("v_cache", v_cache, q, layout, bits, group_size)
@@ -174,8 +178,6 @@ def check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx
                          f"{layout}), got {vc.arrays[0].shape[:3]} and {kc.arrays[0].shape[:3]} (bhsd order)")
     if kc.head_dim != head_dim:
         raise ValueError(f"k_cache's head_dim ({kc.head_dim}) must equal q's ({head_dim})")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"q's num_heads ({num_heads}) must be a multiple of the caches' num_kv_heads ({num_kv_heads})")
     seqlen_new = 0
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new keys and values to append) or both be None")
@@ -311,7 +313,7 @@ def _prepare(context, problem: Problem, qb, out, lse, batches, causal, scale, op
     # validates the call now (fa_plan_create: every rule it would refuse the call by, e.g. a
     # head_dim the dtype's kernels lack), so that nothing is appended to a cache for a call that
     # then fails; returns the call, to make after the append. q is copied here, before the append.
-    native = context.library
+    native = context._native
     ffi = native.ffi
     n = len(batches)
     seqlen_k = int(problem.seqlens_k[batches[0]])
@@ -320,7 +322,6 @@ def _prepare(context, problem: Problem, qb, out, lse, batches, causal, scale, op
     if first:
         kc, vc = _shifted(kc, first), _shifted(vc, first)
     shape = _validation.Shape(n, qb.shape[1], kc.arrays[0].shape[1], qb.shape[2], seqlen_k, qb.shape[3], vc.head_dim)
-    _validation.check_head_dim(shape, context.max_head_dim)
     q_part = _layout.as_input(np.ascontiguousarray(qb[batches]), "bhsd")
     out_part = np.empty((n,) + out.shape[1:], dtype=out.dtype)
     lse_part = np.empty((n,) + lse.shape[1:], dtype=np.float32)
@@ -350,9 +351,9 @@ def _prepare(context, problem: Problem, qb, out, lse, batches, causal, scale, op
     plan.create(c_problem, "forward", library=native)
 
     def call() -> None:
-        context.call("fa_forward", c_problem,
-                     *(_abi.pointer(ffi, tensors[name].address) for name in ("q", "k", "v", "out")),
-                     ffi.from_buffer("float[]", lse_part, require_writable=True))
+        context._call("fa_forward", c_problem,
+                      *(_abi.pointer(ffi, tensors[name].address) for name in ("q", "k", "v", "out")),
+                      ffi.from_buffer("float[]", lse_part, require_writable=True))
         out[batches] = out_part
         lse[batches] = lse_part
 

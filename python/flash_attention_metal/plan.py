@@ -9,6 +9,11 @@ sequence table of a variable-length pass); ``threadgroups_per_grid`` threadgroup
 ``threads_per_threadgroup`` threads. Workspaces (``Buffer.usage == "workspace"``) are allocated by
 the host for the pass, uninitialised. Role names are the C enumerators' (``FA_BUFFER_ROLE_Q`` is
 ``"q"``, ``FA_BUFFER_ROLE_LSE_RESIDUAL`` is ``"lse_residual"``).
+
+The Metal 4 tensor-op kernels (docs/tensor-ops.md) are a library of their own,
+``tensor_kernel_source()``, compiled at MSL 4.0: a host compiles it where ``tensor_ops_wanted()``
+says so and passes ``Target`` (what it has) to ``create``; the plan then names tensor-op kernels
+(``Dispatch.tensor_library``) where the route allows, and ``Plan.tensor_ops`` says which way and why.
 """
 
 from __future__ import annotations
@@ -79,6 +84,11 @@ class Dispatch:
     params_from_buffer: bool = False
 
     @property
+    def tensor_library(self) -> bool:
+        """Whether the kernel is a tensor-op kernel, compiled from ``tensor_kernel_source()``."""
+        return "_tensor_" in self.kernel_name
+
+    @property
     def threads_per_grid(self) -> tuple[int, int, int]:
         """The grid in threads, for hosts that dispatch threads (dispatchThreads)."""
         return tuple(g * t for g, t in zip(self.threadgroups_per_grid, self.threads_per_threadgroup))
@@ -86,12 +96,14 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class Plan:
-    """A pass as dispatches and buffers."""
+    """A pass as dispatches and buffers; ``tensor_ops`` the tensor-op route and why
+    (fa_plan_tensor_ops: "tensor ops: ..." or "simdgroup kernels: ...")."""
 
     pass_name: str
     piece_count: int
     buffers: tuple[Buffer, ...]
     dispatches: tuple[Dispatch, ...]
+    tensor_ops: str = ""
 
     def buffer(self, role: str) -> Buffer:
         """The buffer of ``role``; KeyError when the plan does not use it."""
@@ -149,25 +161,59 @@ def read(handle, library: NativeLibrary | None = None) -> Plan:
             tuple(d.threads_per_threadgroup), bindings, constants, d.params_index,
             ffi.buffer(d.params, d.params_size)[:], ffi.string(d.constants_prelude).decode(),
             bool(d.params_from_buffer)))
+    route = lib.fa_plan_tensor_ops(handle)
     # "pass" is a Python keyword, hence getattr.
-    return Plan(passes[getattr(info, "pass")], info.piece_count, tuple(buffers), tuple(dispatches))
+    return Plan(passes[getattr(info, "pass")], info.piece_count, tuple(buffers), tuple(dispatches),
+                ffi.string(route).decode())
 
 
-def create(problem, pass_name: str, max_flops_per_piece: int = 0, library: NativeLibrary | None = None) -> Plan:
+_TENSOR_LIBRARIES = {"none": "FA_TENSOR_LIBRARY_NONE", "ready": "FA_TENSOR_LIBRARY_READY",
+                     "failed": "FA_TENSOR_LIBRARY_FAILED"}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the host encoding a plan offers (fa_plan_target): ``tensor_library`` "none" (not
+    compiled), "ready" (``tensor_kernel_source()`` compiled) or "failed" (``error``: the
+    compiler's message); ``architecture`` the GPU's MTLDevice.architecture.name, None for the
+    library's Metal device (the GPU PyTorch's MPS device is on an Apple-silicon Mac)."""
+
+    tensor_library: str = "none"
+    error: str | None = None
+    architecture: str | None = None
+
+
+def create(problem, pass_name: str, max_flops_per_piece: int = 0, library: NativeLibrary | None = None,
+           target: Target | None = None) -> Plan:
     """The plan of ``pass_name`` ("forward" or "backward") for ``problem``, a cffi ``fa_problem *``
     whose pointer fields only mark which optional inputs exist (fa_plan_create; cu_seqlens_q and
     cu_seqlens_k make a variable-length plan, kv_block_table a paged KV cache's); pieces of at most
-    ``max_flops_per_piece`` operations (0: one piece).
+    ``max_flops_per_piece`` operations (0: one piece); for a host offering ``target`` (None: no
+    tensor-op library; fa_plan_create_for).
 
-    Raises FlashAttentionError with the library's message for a problem it refuses, ValueError for
-    an unknown pass name."""
+    Raises FlashAttentionError with the library's message for a problem it refuses (or a
+    FLASH_ATTENTION_TENSOR_OPS value it does not know), ValueError for an unknown pass name or
+    tensor library."""
     if pass_name not in _PASS_NAMES:
         raise ValueError(f"pass_name must be one of {', '.join(map(repr, _PASS_NAMES))}, got {pass_name!r}")
+    if target is not None and target.tensor_library not in _TENSOR_LIBRARIES:
+        raise ValueError(f"target.tensor_library must be one of {', '.join(map(repr, _TENSOR_LIBRARIES))}, "
+                         f"got {target.tensor_library!r}")
     library = library or native()
     ffi, lib = library.ffi, library.lib
     holder = ffi.new("fa_plan **")
-    library.raise_for_status(lib.fa_plan_create(problem, getattr(lib, _PASS_NAMES[pass_name]),
-                                                max_flops_per_piece, holder))
+    c_target, keep = ffi.NULL, []
+    if target is not None:
+        c_target = ffi.new("fa_plan_target *")
+        c_target.struct_size = ffi.sizeof("fa_plan_target")
+        c_target.tensor_library = getattr(lib, _TENSOR_LIBRARIES[target.tensor_library])
+        for field in ("architecture", "error"):
+            text = getattr(target, field)
+            if text is not None:
+                keep.append(ffi.new("char[]", text.encode("utf-8", "replace")))
+                setattr(c_target, "tensor_library_error" if field == "error" else field, keep[-1])
+    library.raise_for_status(lib.fa_plan_create_for(problem, getattr(lib, _PASS_NAMES[pass_name]),
+                                                    max_flops_per_piece, c_target, holder))
     try:
         return read(holder[0], library)
     finally:
@@ -201,10 +247,31 @@ def kernel_source(library: NativeLibrary | None = None) -> str:
     return library.ffi.string(library.lib.fa_plan_kernel_source()).decode("utf-8")
 
 
+def tensor_kernel_source(library: NativeLibrary | None = None) -> str:
+    """The self-contained MSL source of the tensor-op kernels (fa_plan_tensor_kernel_source): a
+    library of its own, compiled at MSL 4.0 or later (MetalPerformancePrimitives)."""
+    library = library or native()
+    return library.ffi.string(library.lib.fa_plan_tensor_kernel_source()).decode("utf-8")
+
+
+def tensor_ops_wanted(architecture: str | None = None, library: NativeLibrary | None = None) -> bool:
+    """Whether a host encoding on a GPU of ``architecture`` (None: the library's Metal device)
+    should compile ``tensor_kernel_source()`` (fa_tensor_ops_wanted): the GPU has matrix units or
+    FLASH_ATTENTION_TENSOR_OPS is 1, and it is not 0. Read again at every call."""
+    library = library or native()
+    ffi = library.ffi
+    wanted = ffi.new("uint32_t *")
+    name = ffi.NULL if architecture is None else ffi.new("char[]", architecture.encode())
+    library.raise_for_status(library.lib.fa_tensor_ops_wanted(name, wanted))
+    return bool(wanted[0])
+
+
 def specialized_source(dispatch: Dispatch, library: NativeLibrary | None = None) -> str:
     """What a host without function constants compiles for ``dispatch``: its constants prelude,
-    then ``kernel_source()``. Dispatches with one prelude share the compiled library."""
-    return dispatch.constants_prelude + kernel_source(library)
+    then ``kernel_source()``, or ``tensor_kernel_source()`` for a tensor-op kernel
+    (``Dispatch.tensor_library``). Dispatches with one prelude and library share the compiled one."""
+    source = tensor_kernel_source(library) if dispatch.tensor_library else kernel_source(library)
+    return dispatch.constants_prelude + source
 
 
 def metallib_path(library: NativeLibrary | None = None) -> str | None:
@@ -242,5 +309,6 @@ def features_off_metallib_path(library: NativeLibrary | None = None) -> str | No
     return candidate if os.path.exists(candidate) else None
 
 
-__all__ = ["Binding", "Buffer", "Dispatch", "Plan", "Specialization", "create", "features_off_metallib_path",
-           "features_off_prelude", "gpu_cores", "kernel_source", "metallib_path", "read", "specialized_source"]
+__all__ = ["Binding", "Buffer", "Dispatch", "Plan", "Specialization", "Target", "create", "features_off_metallib_path",
+           "features_off_prelude", "gpu_cores", "kernel_source", "metallib_path", "read", "specialized_source",
+           "tensor_kernel_source", "tensor_ops_wanted"]

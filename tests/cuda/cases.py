@@ -15,12 +15,13 @@ SPLIT_CORES cores where that plan differs (split-KV, or more chunks), into outpu
 (split_out, split_lse); grid.varlen_cases and grid.kv_cache_cases through the library's varlen
 and KV-cache plans (plan_varlen, plan_kv_cache); ``large`` the one problem of large_offsets.cu
 (plan_large); grid.merge_cases, two forwards over parts of the keys and fa_plan_create_merge's
-plan (plan_merge). Nothing here picks a kernel, a grid or a parameter value: every dispatch is the
-library's.
+plan (plan_merge); grid.tensor_cases (dense and varlen) through fa_plan_create_for with the
+tensor-op library ready (TENSOR_TARGET) under FLASH_ATTENTION_TENSOR_OPS=1, the plans a host that
+runs the Metal 4 tensor-op kernels gets with the tensor-op path forced (their lines end with tensor_ops=<passes> for judge.py). Nothing here
+picks a kernel, a grid or a parameter value: every dispatch is the library's.
 
 ``write`` draws the inputs (N(0, 1) rounded to the dtype, seeded by the case name; masks, ALiBi
-slopes and sinks as cases.h describes; cases.cpp's generator, so the same values as the harness's;
-then the NaN and infinities of grid.NONFINITE_PLACEMENTS for issue 36's cases), writes for each
+slopes and sinks as ``inputs`` describes; then the NaN and infinities of grid.NONFINITE_PLACEMENTS for issue 36's cases), writes for each
 case FOLDER/NAME.case (the binary below)
 and the judge's files (dump.h's format: NAME.q, .k, .v, .dout, .mask, .alibi, .sinks as float32
 in logical order, and the case's cases.txt line in NAME.line).
@@ -66,6 +67,11 @@ CONSTANT_TYPES = {"bool": 0, "uint": 1}
 DTYPE_NAMES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32"}
 # The GPU core count of the extra forward of short queries: split-KV, in as many chunks as the keys allow.
 SPLIT_CORES = 4096
+# The override that forces the tensor-op path (docs/tensor-ops.md), set while a tensor-op case is
+# planned, and the host the plan is made for (plan.Target's fields): the tensor-op library compiled,
+# as the CUDA build compiles it (launch_table_tensor.cu).
+TENSOR_OPS_VARIABLE = "FLASH_ATTENTION_TENSOR_OPS"
+TENSOR_TARGET = {"tensor_library": "ready"}
 QUERY_ROLES = ("q", "out", "dout", "dq")
 VALUE_ROLES = ("v", "out", "dout", "dv")
 TENSOR_ROLES = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")
@@ -81,8 +87,8 @@ def _dims(c: grid.Case, role: str) -> tuple[int, int, int]:
 
 
 def _place(c: grid.Case) -> dict:
-    """Each tensor role's (buffer name, element offset, (batch, head, seq) strides), as layout.cpp
-    places them; the buffer names of the layout."""
+    """Each tensor role's (buffer name, element offset, (batch, head, seq) strides) in the case's
+    layout (grid.py); the buffer names of the layout."""
     placed = {}
     for role in TENSOR_ROLES:
         heads, seqlen, cols = _dims(c, role)
@@ -165,6 +171,34 @@ def _buffer(buffers: dict, name: str, nbytes: int, kind: str) -> str:
     return name
 
 
+def _create(problem, pass_name: str, library, tensor_ops: bool = False):
+    """plan.create's plan of `problem`; with `tensor_ops`, for TENSOR_TARGET under
+    FLASH_ATTENTION_TENSOR_OPS=1 (the tensor-op path forced; the CUDA build runs those kernels), which
+    must then name a tensor-op kernel (else the case would not test them)."""
+    from flash_attention_metal import plan
+    if not tensor_ops:
+        return plan.create(problem, pass_name, library=library)
+    saved = os.environ.get(TENSOR_OPS_VARIABLE)
+    os.environ[TENSOR_OPS_VARIABLE] = "1"
+    try:
+        made = plan.create(problem, pass_name, library=library, target=plan.Target(**TENSOR_TARGET))
+    finally:
+        if saved is None:
+            del os.environ[TENSOR_OPS_VARIABLE]
+        else:
+            os.environ[TENSOR_OPS_VARIABLE] = saved
+    if not any("tensor" in d.kernel_name for d in made.dispatches):
+        raise SystemExit(f"cases.py: the {pass_name} plan of a tensor-op case names no tensor-op kernel: "
+                         + ", ".join(d.kernel_name for d in made.dispatches))
+    return made
+
+
+def _tensor_passes(passes: list) -> list[str]:
+    """The passes ("forward", "backward") whose plans name a tensor-op kernel: judge.py holds their
+    outputs to the accuracy rule's tensor-op term."""
+    return [name for name, made, _ in passes if any("tensor" in d.kernel_name for d in made.dispatches)]
+
+
 def _split_forward(problem, library):
     """The forward plan of `problem` for a GPU of SPLIT_CORES cores."""
     from flash_attention_metal import plan
@@ -228,8 +262,8 @@ def _dispatches(name: str, passes: list, tensors: dict, buffers: dict) -> list:
 
 def plan_case(c: grid.Case, library, split_rows: int) -> dict:
     """The case's device buffers, tensors, dispatches (forward, backward, and the extra split-KV
-    forward where it applies) and outputs, as JSON values."""
-    from flash_attention_metal import plan
+    forward where it applies), outputs and the passes planned onto tensor-op kernels, as JSON
+    values."""
     size = 4 if c.dtype == "f32" else 2
     placed = _place(c)
     buffers: dict[str, dict] = {}
@@ -271,13 +305,14 @@ def plan_case(c: grid.Case, library, split_rows: int) -> dict:
             tensors[role] = {"buffer": role, "offset": 0, "dtype": "f32", "dims": [1, 1, 1, c.num_heads],
                              "strides": [0, 0, 0, 1]}
     problem = _problem(c, placed, library)
-    passes = [("forward", plan.create(problem, "forward", library=library), {}),
-              ("backward", plan.create(problem, "backward", library=library), {})]
+    passes = [("forward", _create(problem, "forward", library, c.tensor_ops), {}),
+              ("backward", _create(problem, "backward", library, c.tensor_ops), {})]
+    tensor_passes = _tensor_passes(passes)
     outputs = ["out", "lse", "dq", "dk", "dv"] + (["dsinks"] if o.sinks else [])
     _add_split(passes, problem, library, c.seqlen_q, split_rows, tensors, buffers, outputs)
     dispatches = _dispatches(c.name, passes, tensors, buffers)
     return {"name": c.name, "case": dataclasses.asdict(c), "buffers": buffers, "tensors": tensors,
-            "dispatches": dispatches, "outputs": outputs}
+            "dispatches": dispatches, "outputs": outputs, "tensor_passes": tensor_passes}
 
 
 def _contiguous(role: str, rows: int, heads: int, cols: int, dtype: str, buffers: dict, kind: str) -> dict:
@@ -314,7 +349,6 @@ def plan_varlen(v: grid.VarlenCase, library) -> dict:
     cu_seqlens_k: the sequence-table dispatch first), and per sequence n the outputs s<n>.out,
     s<n>.lse, s<n>.dq, s<n>.dk, s<n>.dv (views of the packed outputs), which judge.py judges as the
     dense case NAME.s<n> (VarlenCase.sequence)."""
-    from flash_attention_metal import plan
     h, kv, d, dv = v.num_heads, v.num_kv_heads, v.head_dim, v.head_dim_v
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(lengths)]).tolist() for lengths in (v.seqlens_q, v.seqlens_k))
     total_q, total_k = cu_q[-1], cu_k[-1]
@@ -339,8 +373,8 @@ def plan_varlen(v: grid.VarlenCase, library) -> dict:
         tensors[role] = {"buffer": role, "offset": 0, "dtype": "i32", "dims": [1, 1, 1, len(table)],
                          "strides": [0, 0, 0, 1]}
     problem, held = varlen_problem(v, library)  # noqa: F841  (held: the tables, alive while planning)
-    passes = [("forward", plan.create(problem, "forward", library=library), {}),
-              ("backward", plan.create(problem, "backward", library=library), {})]
+    passes = [("forward", _create(problem, "forward", library, v.tensor_ops), {}),
+              ("backward", _create(problem, "backward", library, v.tensor_ops), {})]
     outputs = []
     for n in range(len(v.seqlens_q)):
         rows_q, rows_k = v.seqlens_q[n], v.seqlens_k[n]
@@ -352,7 +386,7 @@ def plan_varlen(v: grid.VarlenCase, library) -> dict:
             outputs.append(f"s{n}.{role}")
     return {"kind": "varlen", "name": v.name, "case": dataclasses.asdict(v), "buffers": buffers,
             "tensors": tensors, "dispatches": _dispatches(v.name, passes, tensors, buffers), "outputs": outputs,
-            "tables": tables}
+            "tables": tables, "tensor_passes": _tensor_passes(passes)}
 
 
 def _cache_geometry(kc: grid.KVCacheCase) -> dict:
@@ -569,8 +603,8 @@ def _fnv1a(text: str) -> int:
 
 
 class SplitMix64:
-    """cases.cpp's generator (splitmix64, uniform on (0, 1), Box-Muller normals), drawn in bulk:
-    the harness's inputs, bit for bit, so that the two checks judge the same values."""
+    """The inputs' generator (splitmix64, uniform on (0, 1), Box-Muller normals), drawn in bulk;
+    seeded by the case name, so a filtered run sees the same inputs as the full one."""
 
     GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -598,8 +632,11 @@ class SplitMix64:
 
 
 def inputs(c: grid.Case) -> dict[str, np.ndarray]:
-    """The case's inputs as float32 in logical order: cases.cpp's random_inputs (cases.h's rules),
-    seeded by the case's name."""
+    """The case's inputs as float32 in logical order, seeded by the case's name: q, k, v and dout
+    from N(0, 1) rounded to the dtype; a boolean mask allowing 3 in 4 pairs, an additive one of
+    N(0, 1) values hiding 1 in 5 with the case's mask_hide (-inf, or float32's lowest), each with
+    one query row hidden entirely per mask head when seqlen_q >= 4; ALiBi's standard slopes
+    2^(-8 (h + 1) / H), times 1 + b / 4 per batch; sinks from N(0, 1) + 1."""
     rng = SplitMix64(_fnv1a(c.name))
     dtype = _numpy_dtype(c.dtype)
     b, h, kv, sq, sk = c.batch, c.num_heads, c.num_kv_heads, c.seqlen_q, c.seqlen_k
@@ -651,15 +688,17 @@ def _scatter(image: bytearray, tensor: dict, values: np.ndarray) -> None:
     target[...] = values.reshape(dims).astype(dtype)
 
 
-def _line(c: grid.Case, outputs: list[str]) -> str:
+def _line(c: grid.Case, outputs: list[str], tensor_passes=()) -> str:
     """The case's cases.txt line (dump.h), with dropout_p, seed and offset after the outputs when
-    the case has dropout (judge.py reads them; the harness's lines have none)."""
+    the case has dropout, and last tensor_ops=<passes> when plans of the case ran tensor-op kernels
+    (judge.py reads them)."""
     o = c.options
     return (f"{c.name} {c.dtype} {c.batch} {c.num_heads} {c.num_kv_heads} {c.seqlen_q} {c.seqlen_k} "
             f"{c.head_dim} {c.head_dim_v} {int(c.causal)} {c.softmax_scale:.9g} {o.window_left} {o.window_right} "
             f"{o.softcap:.9g} {grid.MASKS.index(o.mask)} {int(o.mask_per_batch)} {int(o.mask_per_head)} "
             f"{int(o.alibi)} {int(o.alibi_per_batch)} {int(o.sinks)} {','.join(outputs)}"
-            + (f" {c.dropout_p:.9g} {c.dropout_seed} {c.dropout_offset}" if c.dropout_p > 0 else "") + "\n")
+            + (f" {c.dropout_p:.9g} {c.dropout_seed} {c.dropout_offset}" if c.dropout_p > 0 else "")
+            + (f" tensor_ops={','.join(tensor_passes)}" if tensor_passes else "") + "\n")
 
 
 def _write_dense(entry: dict, images: dict, folder: pathlib.Path) -> str:
@@ -673,7 +712,7 @@ def _write_dense(entry: dict, images: dict, folder: pathlib.Path) -> str:
         tensor = entry["tensors"][tensor_of[name]]
         _scatter(images[tensor["buffer"]], tensor, array)
         array.astype(np.float32).tofile(folder / f"{c.name}.{name}")
-    return _line(c, entry["outputs"])
+    return _line(c, entry["outputs"], entry.get("tensor_passes", ()))
 
 
 def _write_tables(entry: dict, images: dict, tables: dict) -> None:
@@ -713,7 +752,7 @@ def _write_varlen(entry: dict, images: dict, folder: pathlib.Path) -> str:
             values[role][:, :, table[n]:table[n + 1]].astype(np.float32).tofile(folder / f"{sequence.name}.{role}")
         if slopes is not None:
             slopes[n if v.options.alibi_per_batch else 0].tofile(folder / f"{sequence.name}.alibi")
-        lines.append(_line(sequence, ["out", "lse", "dq", "dk", "dv"]))
+        lines.append(_line(sequence, ["out", "lse", "dq", "dk", "dv"], entry.get("tensor_passes", ())))
     return "".join(lines)
 
 

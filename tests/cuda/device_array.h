@@ -1,4 +1,4 @@
-// CUDA error checking and device memory for the check programs (harness.cu, large_offsets.cu).
+// CUDA error checking and device memory for the check programs (replay.cu, large_offsets.cu, matrix_check.cu).
 #ifndef FA_GPU_DEVICE_ARRAY_H
 #define FA_GPU_DEVICE_ARRAY_H
 

@@ -1,5 +1,5 @@
 // The element types of the kernels on the host, bit-exact and without CUDA headers, so the host
-// code (cases.cpp rounding the inputs) needs no CUDA header for them:
+// code (dump.h, the checks' host sides) needs no CUDA header for them:
 // IEEE 754 binary16 (half) and bfloat16 (bfloat: the upper 16 bits of a binary32) <-> binary32.
 // Rounding is round-to-nearest-even, as in Metal, the CPU engine, CUDA (__float2half_rn,
 // __float2bfloat16_rn) and NumPy / ml_dtypes (astype(float16), astype(bfloat16)).

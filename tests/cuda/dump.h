@@ -3,11 +3,13 @@
 // rule is written once. A dump folder holds cases.txt, one line per case:
 //   NAME DTYPE BATCH HEADS KV_HEADS SEQLEN_Q SEQLEN_K HEAD_DIM HEAD_DIM_V CAUSAL SCALE
 //   WINDOW_LEFT WINDOW_RIGHT SOFTCAP MASK MASK_PER_BATCH MASK_PER_HEAD ALIBI ALIBI_PER_BATCH SINKS
-//   OUTPUTS [DROPOUT_P DROPOUT_SEED DROPOUT_OFFSET]
+//   OUTPUTS [DROPOUT_P DROPOUT_SEED DROPOUT_OFFSET] [tensor_ops=PASSES]
 // (MASK: MaskKind as a number, 0 none, 1 boolean, 2 additive in the dtype, 3 additive float32;
 // WINDOW_RIGHT as given, causal not folded in; OUTPUTS: the GPU tensors dumped, comma-separated,
 // from out, lse, dq, dk, dv, dsinks, split_out, split_lse; the dropout fields only on the replay's
-// dropout cases, written by cases.py: this program writes none), and per case the raw little-endian
+// dropout cases, tensor_ops= (forward, backward or both, comma-separated: the passes whose plans
+// ran Metal 4 tensor-op kernels) only on its tensor-op cases, both written by cases.py: this
+// program writes neither), and per case the raw little-endian
 // float32 files NAME.q, .k, .v, .dout (.mask, .alibi, .sinks when present) in problem.h's logical
 // order, and NAME.<output> for each output (values of the dtype as float; lse and dsinks float32).
 #ifndef FA_GPU_DUMP_H

@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
 # Second execution of the kernels of Shaders/ on an NVIDIA GPU (issue 7): builds
-# Shaders/flash_attention.metal as CUDA through tests/cuda/metal_cuda.h, runs the accuracy grid of
-# tests/cuda/harness.cu, which dumps every case's inputs and GPU outputs for tests/cuda/judge.py to
-# judge with the Python package's float64 reference and accuracy rule (python/flash_attention_metal/
-# reference.py and accuracy.py, the rule's one definition), then compute-sanitizer memcheck,
-# racecheck, synccheck and initcheck on the small grid. Prints one summary line per tool and exits non-zero on
-# any mismatch, error, hazard, crash or timeout. Not part of ./build.sh test: CI has no GPU.
-#
-# The plan-fed replay (issue 35) runs the same grids through the library's exported plans:
-# tests/cuda/cases.py writes each case's plans (fa_plan_create, on a machine with the library) and
-# inputs, tests/cuda/replay.cu launches every dispatch as the plan gives it (launch_table.cu: every
-# instance of the kernel catalogue by name, with the plan's function constants) and judge.py judges
-# the dump; the sanitizers and the planted faults run over it too. The plans come from
-# FA_GPU_PLANS (a folder with small.json and full.json that `tests/cuda/cases.py plan` wrote, for a
-# GPU machine without the library) or are made here.
+# Shaders/flash_attention.metal as CUDA through tests/cuda/metal_cuda.h and runs it through the
+# library's exported plans (issue 35): tests/cuda/cases.py writes each case's plans (fa_plan_create,
+# on a machine with the library) and inputs, tests/cuda/replay.cu launches every dispatch as the
+# plan gives it (launch_table.cu: every instance of the kernel catalogue by name, with the plan's
+# function constants) and dumps every case's outputs for tests/cuda/judge.py to judge with the
+# Python package's float64 reference and accuracy rule (python/flash_attention_metal/reference.py
+# and accuracy.py, the rule's one definition); then compute-sanitizer memcheck, racecheck,
+# synccheck and initcheck on the small grid. Prints one summary line per step and exits non-zero on
+# any mismatch, error, hazard, crash or timeout. Not part of ./build.sh test: CI has no GPU. The
+# plans come from FA_GPU_PLANS (a folder with small.json and full.json that `tests/cuda/cases.py
+# plan` wrote, for a GPU machine without the library) or are made here.
 #
 # Before that, tests/cuda/matrix_check.cu runs the CPU engine's SIMD-group matrix test kernels
 # (tests/kernels/matrix.metal) through metal_cuda.h's warp-shuffle emulation. Two planted faults
@@ -30,7 +27,17 @@
 # planted fault, the kernels built with every ulong replaced by uint (32-bit offsets), must fail it.
 # --large-only builds and runs just that step (and its planted fault).
 #
-# --replay-only skips the harness's steps (the replay's and the matrix and tensor-op checks stay).
+# The build is most of a run (minutes: every kernel instance, fully unrolled). --build-only stops
+# after it, and --reuse skips every compile and link whose output is already in the build folder:
+# with FA_GPU_BUILD_DIR set, one call builds and the next runs the checks (a device session's
+# per-call limit). The device code of each unit is optimised on all cores (nvcc -split-compile).
+#
+# The grids hold the Metal 4 tensor-op kernels too (names tensor_*: grid.tensor_cases, planned by
+# fa_plan_create_for (tensor-op library ready) under FLASH_ATTENTION_TENSOR_OPS=1; launch_table_tensor.cu, the
+# tensor-op library's unit, linked beside launch_table.cu), judged by the rule's tensor-op term,
+# under the sanitizers with the small grid, and replayed once more in the permuted
+# cooperative-tensor layout, whose outputs must be the M5 layout's bit for bit (steps
+# cuda-replay-permuted, cuda-tensor-layouts).
 #
 # After the matrix check, tests/cuda/tensor_ops_check.cu runs the CPU engine's tensor-op test
 # kernels (tests/kernels/tensor_ops.metal) through metal_tensor_ops.h's matmul2d emulation (step
@@ -40,8 +47,8 @@
 # cuda-tensor-identity), then runs it under memcheck and synccheck. --tensor-ops-only builds and
 # runs just those steps (a minute or two).
 #
-# Usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only]
-#                                [--tensor-ops-only]
+# Usage: tests/cuda/gpu_check.sh [--no-mutants] [--large | --large-only] [--tensor-ops-only]
+#                                [--build-only] [--reuse]
 # Environment:
 #   NVCC               nvcc to use (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc)
 #   COMPUTE_SANITIZER  compute-sanitizer to use (default: next to nvcc, else on PATH)
@@ -56,23 +63,21 @@ set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 GPU_DIR="$ROOT/tests/cuda"
-BENCH=1
 MUTANTS=1
 LARGE=0     # the 2^32-element step (large_offsets.cu)
-DEFAULT=1   # the default steps: reference check, accuracy grid, sanitizers, planted faults, bench
-HARNESS=1   # the harness's steps (--replay-only: only the plan-fed replay's)
+DEFAULT=1   # the default steps: matrix check, replay and its accuracy, sanitizers, planted faults
 TENSOR=1    # the tensor-op steps (tensor_ops_check.cu), with the default steps or alone
-REPLAY=1    # the plan-fed replay's steps (0 when there are no plans)
-NO_PLANS=""
+BUILD_ONLY=0
+REUSE=0     # skip the compiles and links whose output exists (a previous --build-only call's)
 for arg in "$@"; do
     case "$arg" in
-        --no-bench) BENCH=0 ;;
         --no-mutants) MUTANTS=0 ;;
         --large) LARGE=1 ;;
         --large-only) LARGE=1; DEFAULT=0; TENSOR=0 ;;
-        --replay-only) HARNESS=0 ;;
         --tensor-ops-only) DEFAULT=0; LARGE=0 ;;
-        *) echo "gpu_check: unknown argument '$arg' (usage: tests/cuda/gpu_check.sh [--no-bench] [--no-mutants] [--replay-only] [--large | --large-only] [--tensor-ops-only])" >&2
+        --build-only) BUILD_ONLY=1 ;;
+        --reuse) REUSE=1 ;;
+        *) echo "gpu_check: unknown argument '$arg' (usage: tests/cuda/gpu_check.sh [--no-mutants] [--large | --large-only] [--tensor-ops-only] [--build-only] [--reuse])" >&2
            exit 2 ;;
     esac
 done
@@ -98,7 +103,14 @@ mkdir -p "$BUILD" || die "cannot create $BUILD"
 echo "gpu_check: build folder $BUILD (logs: *.log)"
 echo "gpu_check: $("$NVCC" --version | tail -n 1), arch $ARCH"
 
-FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo -I"$GPU_DIR/include" -I"$GPU_DIR")
+# --expt-relaxed-constexpr: MSL helpers declared `constexpr` without `inline` (the tensor-op
+# backward's matmul2d descriptors) are host functions to nvcc; clang's CUDA mode, like Metal,
+# lets device code call them.
+FLAGS=(-std=c++17 -O3 -arch="$ARCH" -lineinfo -split-compile=0 --expt-relaxed-constexpr -I"$GPU_DIR/include"
+       -I"$GPU_DIR")
+
+# Whether output $1 must be (re)built: always, unless --reuse finds it.
+stale() { [ "$REUSE" = 0 ] || [ ! -s "$1" ]; }
 
 . "$GPU_DIR/copy_metal.sh"
 # Copies Shaders/ into folder $1, with the fault $2 if given; a fault that changes nothing (the
@@ -111,24 +123,31 @@ copy_sources() {
     fi
 }
 
-# Compiles the kernels of source folder $1 (slow: every head-dim bucket, fully unrolled loops; the
-# logs hold ptxas' register and spill report): launch_table.cu's catalogue table into $2 with .o
-# replaced by -table.o (the replay's and large_offsets.cu's) and, unless $3 is "table", kernels.cu's
-# hand-written launchers into $2 (the harness's), in parallel.
+# Compiles the kernels of source folder $1 (slow: every instance of the catalogue, fully unrolled
+# loops; the logs hold ptxas' register and spill report): launch_table.cu's catalogue table into $2
+# and, in parallel, launch_table_tensor.cu's (the tensor-op library's) into $2 with .o replaced by
+# -tensor.o (kernel_objects names both).
 compile_kernels() {
-    local table=${2%.o}-table.o launchers=""
-    if [ "${3:-}" != table ]; then
-        "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/kernels.cu" -o "$2" >"$2.log" 2>&1 &
-        launchers=$!
+    local tensor=${2%.o}-tensor.o tensor_job=""
+    if stale "$tensor"; then
+        "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table_tensor.cu" -o "$tensor" \
+            >"$tensor.log" 2>&1 &
+        tensor_job=$!
     fi
-    "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$table" >"$table.log" 2>&1 \
-        && { [ -z "$launchers" ] || wait "$launchers"; }
+    if stale "$2"; then
+        "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$2" >"$2.log" 2>&1 \
+            || return 1
+    fi
+    [ -z "$tensor_job" ] || wait "$tensor_job"
+}
+# The objects compile_kernels made for kernels object $1, space-separated.
+kernel_objects() {
+    echo "$1 ${1%.o}-tensor.o"
 }
 
 SECONDS=0
 # The library's plans (here, or FA_GPU_PLANS): the replay's grids (small, full) for the default
-# steps, large_offsets.cu's problem (large) for --large. Without the grids' plans the harness's
-# steps still run and the replay's count as one failure; --large cannot run without its plan.
+# steps, large_offsets.cu's problem (large) for --large; neither can run without its plans.
 GRIDS=()
 [ "$DEFAULT" = 1 ] && GRIDS+=(small full)
 [ "$LARGE" = 1 ] && GRIDS+=(large)
@@ -141,19 +160,13 @@ elif [ -z "${FA_GPU_PLANS:-}" ]; then
         if ! PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}" python3 "$GPU_DIR/cases.py" plan "$grid" \
             "$PLANS/$grid.json" >"$BUILD/plans-$grid.log" 2>&1; then
             tail -n 3 "$BUILD/plans-$grid.log" >&2
-            NO_PLANS="cannot export the plans here (build the library with ./build.sh, or set FA_GPU_PLANS)"
+            die "cannot export the plans here (build the library with ./build.sh, or set FA_GPU_PLANS)"
         fi
     done
 else
     for grid in "${GRIDS[@]}"; do
-        [ -f "$PLANS/$grid.json" ] || NO_PLANS="FA_GPU_PLANS ($PLANS) lacks $grid.json"
+        [ -f "$PLANS/$grid.json" ] || die "FA_GPU_PLANS ($PLANS) lacks $grid.json"
     done
-fi
-if [ -n "$NO_PLANS" ]; then
-    [ "$LARGE" = 1 ] && die "$NO_PLANS (--large runs large_offsets.cu through its plan)"
-    echo "gpu_check: $NO_PLANS: the replay's steps do not run" >&2
-    REPLAY=0
-    [ "$HARNESS" = 1 ] || die "$NO_PLANS"
 fi
 if [ "$LARGE" = 1 ]; then
     python3 "$GPU_DIR/cases.py" write "$PLANS/large.json" "$BUILD/cases-large" >"$BUILD/cases-large.log" 2>&1 \
@@ -164,11 +177,10 @@ KERNELS=0   # whether a step needs the attention kernels
 build_jobs=()
 if [ "$KERNELS" = 1 ]; then
     copy_sources "$BUILD/src" || die "cannot copy Shaders/ into $BUILD/src"
-    # --large alone links only the catalogue's table (large_offsets.cu).
-    compile_kernels "$BUILD/src" "$BUILD/kernels.o" "$([ "$DEFAULT" = 1 ] || echo table)" &
+    compile_kernels "$BUILD/src" "$BUILD/kernels.o" &
     build_jobs+=("$!")
 fi
-if [ "$DEFAULT" = 1 ] && [ "$REPLAY" = 1 ]; then
+if [ "$DEFAULT" = 1 ]; then
     # The replay's inputs and case files, while the kernels compile (logs: cases-*.o.log).
     for grid in small full; do
         python3 "$GPU_DIR/cases.py" write "$PLANS/$grid.json" "$BUILD/cases-$grid" >"$BUILD/cases-$grid.o.log" 2>&1 &
@@ -178,16 +190,20 @@ fi
 if [ "$DEFAULT" = 1 ]; then
     # The engine's SIMD-group matrix test kernels, for matrix_check.cu.
     copy_metal "$BUILD/tests" "" "$ROOT/tests/kernels/matrix.metal" || die "cannot copy matrix.metal"
-    "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/matrix_check.cu" -o "$BUILD/matrix_check" \
-        >"$BUILD/matrix_check.o.log" 2>&1 &
-    build_jobs+=("$!")
+    if stale "$BUILD/matrix_check"; then
+        "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/matrix_check.cu" -o "$BUILD/matrix_check" \
+            >"$BUILD/matrix_check.o.log" 2>&1 &
+        build_jobs+=("$!")
+    fi
 fi
 if [ "$TENSOR" = 1 ]; then
     # The engine's tensor-op test kernels, for tensor_ops_check.cu.
     copy_metal "$BUILD/tests" "" "$ROOT/tests/kernels/tensor_ops.metal" || die "cannot copy tensor_ops.metal"
-    "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/tensor_ops_check.cu" -o "$BUILD/tensor_ops_check" \
-        >"$BUILD/tensor_ops_check.o.log" 2>&1 &
-    build_jobs+=("$!")
+    if stale "$BUILD/tensor_ops_check"; then
+        "$NVCC" "${FLAGS[@]}" -I"$BUILD/tests" "$GPU_DIR/tensor_ops_check.cu" -o "$BUILD/tensor_ops_check" \
+            >"$BUILD/tensor_ops_check.o.log" 2>&1 &
+        build_jobs+=("$!")
+    fi
 fi
 if [ "$DEFAULT" = 1 ] && [ "$MUTANTS" = 1 ]; then
     copy_sources "$BUILD/no-barrier" 's/threadgroup_barrier([^;]*);//g' || die "cannot copy Shaders/"
@@ -200,21 +216,17 @@ fi
 if [ "$LARGE" = 1 ] && [ "$MUTANTS" = 1 ]; then
     # 32-bit offsets: every ulong of the kernels becomes uint, so offsets wrap at 2^32 elements.
     copy_sources "$BUILD/offset32" 's/\bulong\b/uint/g' || die "cannot copy Shaders/"
-    compile_kernels "$BUILD/offset32" "$BUILD/kernels-offset32.o" table &
+    compile_kernels "$BUILD/offset32" "$BUILD/kernels-offset32.o" &
     build_jobs+=("$!")
 fi
 compile_host() {  # compile_host UNIT: compiles tests/cuda/UNIT into $BUILD/host-UNIT.o
     local object="$BUILD/host-${1%.*}.o"
+    stale "$object" || return 0
     "$NVCC" "${FLAGS[@]}" -I"$BUILD/src" -c "$GPU_DIR/$1" -o "$object" >"$object.log" 2>&1 \
         || { cat "$object.log" >&2; die "compiling tests/cuda/$1 failed"; }
 }
 if [ "$DEFAULT" = 1 ]; then
-    compile_host layout.cpp  # the harness's
-    compile_host harness.cu
     compile_host replay.cu
-    compile_host cases.cpp
-    compile_host varlen_cases.cu
-    compile_host kv_cache_cases.cu
 fi
 [ "$LARGE" = 1 ] && compile_host large_offsets.cu
 for job in "${build_jobs[@]}"; do
@@ -222,35 +234,36 @@ for job in "${build_jobs[@]}"; do
                          "$BUILD"/cases-*.o.log 2>/dev/null >&2
                      die "compiling the kernels, matrix_check.cu or tensor_ops_check.cu, or writing the cases, failed"; }
 done
-link() {  # link KERNELS_OBJECT EXECUTABLE MAIN_UNIT [more host units]
-    local kernels=$1 executable=$2 unit objects=()
+link() {  # link KERNEL_OBJECTS EXECUTABLE MAIN_UNIT [more host units]; KERNEL_OBJECTS space-separated
+    local kernels executable=$2 unit objects=()
+    read -r -a kernels <<<"$1"
     shift 2
     for unit in "$@"; do
         objects+=("$BUILD/host-$unit.o")
     done
-    "$NVCC" "${FLAGS[@]}" "$kernels" "${objects[@]}" -o "$executable" || die "linking $executable failed"
+    stale "$executable" || return 0
+    "$NVCC" "${FLAGS[@]}" "${kernels[@]}" "${objects[@]}" -o "$executable" || die "linking $executable failed"
 }
 if [ "$DEFAULT" = 1 ]; then
-    link "$BUILD/kernels.o" "$BUILD/harness" harness cases layout varlen_cases kv_cache_cases
-    link "$BUILD/kernels-table.o" "$BUILD/replay" replay
+    link "$(kernel_objects "$BUILD/kernels.o")" "$BUILD/replay" replay
     if [ "$MUTANTS" = 1 ]; then
-        link "$BUILD/kernels-no-barrier.o" "$BUILD/harness-no-barrier" harness cases layout varlen_cases kv_cache_cases
-        link "$BUILD/kernels-exp.o" "$BUILD/harness-exp" harness cases layout varlen_cases kv_cache_cases
-        link "$BUILD/kernels-no-barrier-table.o" "$BUILD/replay-no-barrier" replay
-        link "$BUILD/kernels-exp-table.o" "$BUILD/replay-exp" replay
+        link "$(kernel_objects "$BUILD/kernels-no-barrier.o")" "$BUILD/replay-no-barrier" replay
+        link "$(kernel_objects "$BUILD/kernels-exp.o")" "$BUILD/replay-exp" replay
     fi
 fi
 if [ "$LARGE" = 1 ]; then
-    link "$BUILD/kernels-table.o" "$BUILD/large_offsets" large_offsets
-    [ "$MUTANTS" = 1 ] && link "$BUILD/kernels-offset32-table.o" "$BUILD/large_offsets-offset32" large_offsets
+    link "$(kernel_objects "$BUILD/kernels.o")" "$BUILD/large_offsets" large_offsets
+    [ "$MUTANTS" = 1 ] && link "$(kernel_objects "$BUILD/kernels-offset32.o")" "$BUILD/large_offsets-offset32" \
+        large_offsets
 fi
-cat "$BUILD"/*.o.log >"$BUILD/build.log"
+cat "$BUILD"/*.o.log >"$BUILD/build.log" 2>/dev/null
 echo "gpu_check: built in ${SECONDS}s (ptxas register and spill report: $BUILD/build.log)"
+[ "$BUILD_ONLY" = 0 ] || exit 0
 
 failures=0
 summaries=()
 
-# An empty dump folder $BUILD/dump-$1 (its path printed) for the harness or large_offsets.
+# An empty dump folder $BUILD/dump-$1 (its path printed) for large_offsets.
 fresh_dump() {
     rm -rf "$BUILD/dump-$1" && mkdir -p "$BUILD/dump-$1" && echo "$BUILD/dump-$1"
 }
@@ -303,24 +316,22 @@ if [ "$TENSOR" = 1 ]; then
     done
 fi
 if [ "$DEFAULT" = 1 ]; then
-    # Accuracy grid: the harness checks determinism and writes outside the views ("cuda-harness: N
-    # cases, M failures") and dumps every case; judge.py applies the accuracy rule ("cuda-accuracy:
-    # N cases, M mismatches").
-    if [ "$HARNESS" = 1 ]; then
-        run_checked_step cuda-harness "$BUILD/harness.log" "$BUILD/harness" --dump "$(fresh_dump full)"
-        run_checked_step cuda-accuracy "$BUILD/accuracy.log" python3 "$GPU_DIR/judge.py" "$BUILD/dump-full"
-    fi
-    # The same through the library's plans: the replay checks determinism and writes outside the
-    # outputs ("cuda-replay: N cases, M failures") and dumps next to the cases' inputs.
-    if [ "$REPLAY" = 1 ]; then
-        rm -f "$BUILD/cases-full/cases.txt"
-        run_checked_step cuda-replay "$BUILD/replay.log" "$BUILD/replay" "$BUILD/cases-full" --dump "$BUILD/cases-full"
-        run_checked_step cuda-replay-accuracy "$BUILD/replay-accuracy.log" \
-            python3 "$GPU_DIR/judge.py" --name cuda-replay-accuracy "$BUILD/cases-full"
-    else
-        summaries+=("cuda-replay: NOT RUN ($NO_PLANS)")
-        failures=$((failures + 1))
-    fi
+    # Accuracy grid through the library's plans: the replay checks determinism and writes outside
+    # the outputs ("cuda-replay: N cases, M failures") and dumps next to the cases' inputs; judge.py
+    # applies the accuracy rule ("cuda-replay-accuracy: N cases, M mismatches").
+    rm -f "$BUILD/cases-full/cases.txt"
+    run_checked_step cuda-replay "$BUILD/replay.log" "$BUILD/replay" "$BUILD/cases-full" --dump "$BUILD/cases-full"
+    run_checked_step cuda-replay-accuracy "$BUILD/replay-accuracy.log" \
+        python3 "$GPU_DIR/judge.py" --name cuda-replay-accuracy "$BUILD/cases-full"
+    # The tensor-op cases again in the permuted cooperative-tensor layout (docs/tensor-ops.md): the
+    # kernels assume no layout, so every output must keep its bits ("cuda-tensor-layouts: N cases,
+    # 0 differ").
+    rm -rf "$BUILD/tensor-permuted" && mkdir -p "$BUILD/tensor-permuted"
+    run_checked_step cuda-replay-permuted "$BUILD/replay-permuted.log" \
+        env FLASH_ATTENTION_TENSOR_LAYOUT=permuted "$BUILD/replay" "$BUILD/cases-full" --case tensor_ \
+        --dump "$BUILD/tensor-permuted" --name cuda-replay-permuted
+    run_checked_step cuda-tensor-layouts "$BUILD/tensor-layouts.log" \
+        python3 "$GPU_DIR/same_bits.py" --name cuda-tensor-layouts "$BUILD/cases-full" "$BUILD/tensor-permuted"
 
     # Runs program $2 under compute-sanitizer tool $1 (limit $3 seconds, tool options after that)
     # with PROGRAM_ARGS, writing $BUILD/$LOG_NAME.log, and sets: SAN_STATUS (exit status, 124 on
@@ -334,7 +345,7 @@ if [ "$DEFAULT" = 1 ]; then
         # shellcheck disable=SC2086  # PROGRAM_ARGS is a list of words on purpose
         timeout "$limit" "$COMPUTE_SANITIZER" --tool "$tool" "$@" "$program" $PROGRAM_ARGS >"$log" 2>&1
         SAN_STATUS=$?
-        SAN_CASES=$(sed -nE 's/^cuda-(harness|replay): ([0-9]+ cases, [0-9]+ failures).*/\2/p' "$log" | tail -n 1)
+        SAN_CASES=$(sed -nE 's/^cuda-replay: ([0-9]+ cases, [0-9]+ failures).*/\1/p' "$log" | tail -n 1)
         SAN_ERRORS=$(sed -nE 's/^========= ERROR SUMMARY: ([0-9]+) error.*/\1/p' "$log" | tail -n 1)
         # racecheck prints "RACECHECK SUMMARY: D hazards displayed (E errors, W warnings)", where D is
         # capped by the print limit; E + W counts them all.
@@ -383,8 +394,7 @@ if [ "$DEFAULT" = 1 ]; then
         check_tool "${1}synccheck" "$2" synccheck 120
         check_tool "${1}initcheck" "$2" initcheck 120
     }
-    [ "$HARNESS" = 1 ] && PROGRAM_ARGS="--small --once" check_tools "" "$BUILD/harness"
-    [ "$REPLAY" = 1 ] && PROGRAM_ARGS="$BUILD/cases-small --once" check_tools "replay-" "$BUILD/replay"
+    PROGRAM_ARGS="$BUILD/cases-small --once" check_tools "replay-" "$BUILD/replay"
 
     # Planted race: no barriers at all. One small case suffices; racecheck must see hazards. $1:
     # the program, $2: its arguments.
@@ -400,7 +410,7 @@ if [ "$DEFAULT" = 1 ]; then
         fi
     }
     # Planted arithmetic fault: exp2 -> exp. The accuracy judgement must report mismatches. $1: the
-    # program's step name (cuda-harness or cuda-replay), $2: the dump folder, then the command.
+    # program's step name (cuda-replay), $2: the dump folder, then the command.
     planted_exp() {
         local name=$1 dump=$2 log="$BUILD/mutant-exp-$1.log"
         shift 2
@@ -418,22 +428,10 @@ if [ "$DEFAULT" = 1 ]; then
         fi
     }
     if [ "$MUTANTS" = 1 ]; then
-        if [ "$HARNESS" = 1 ]; then
-            planted_race "$BUILD/harness-no-barrier" "--small --once --case d1_"
-            planted_exp cuda-harness "$BUILD/dump-exp" "$BUILD/harness-exp" --small --once --dump "$(fresh_dump exp)"
-        fi
-        if [ "$REPLAY" = 1 ]; then
-            planted_race "$BUILD/replay-no-barrier" "$BUILD/cases-small --once --case d1_"
-            rm -f "$BUILD/cases-small/cases.txt"
-            planted_exp cuda-replay "$BUILD/cases-small" "$BUILD/replay-exp" "$BUILD/cases-small" --once \
-                --dump "$BUILD/cases-small"
-        fi
-    fi
-
-    if [ "$BENCH" = 1 ] && [ "$HARNESS" = 1 ]; then
-        # Throughput of these kernels on an H200: describes their structure, not Apple GPUs.
-        timeout 120 "$BUILD/harness" --bench 2>&1 | tee "$BUILD/bench.log" \
-            || echo "gpu_check: bench did not finish (not a failure)"
+        planted_race "$BUILD/replay-no-barrier" "$BUILD/cases-small --once --case d1_"
+        rm -f "$BUILD/cases-small/cases.txt"
+        planted_exp cuda-replay "$BUILD/cases-small" "$BUILD/replay-exp" "$BUILD/cases-small" --once \
+            --dump "$BUILD/cases-small"
     fi
 fi
 

@@ -1,9 +1,14 @@
 """The CUDA check's case grids: the attention problems the plan-fed replay runs (tests/cuda/cases.py
-writes them, replay.cu runs them). Plain data, no library: the same shapes as the harness's
-cases.cpp, with its names ("f16_d40_b1_h8x2_q33_k77_causal"), so that --case filters select the
-same cases; and, in both grids, cases the harness has not: non-finite inputs (issue 36) and dropout
-(issue 40), nonfinite_cases and dropout_cases below; and the variable-length and KV-cache cases that
-the replay runs through the library's plans (varlen_cases, kv_cache_cases: VarlenCase, KVCacheCase).
+writes them, replay.cu runs them). Plain data, no library. Each case has a stable name such as
+"f16_d40_b1_h8x2_q33_k77_causal" (dtype, head_dim and "v<head_dim_v>" when it differs, batch,
+num_heads x num_kv_heads, seqlen_q, seqlen_k, mask, "_s<scale>" for a non-default scale, the score
+modifiers and "_<layout>" for a layout other than bhsd) that --case filters select. Layouts: bhsd
+contiguous; bshd FlashAttention's order for every tensor; qkv the slices of one packed projection
+(and of one packed gradient), out and dout bshd; gapped padding between rows, heads and batches.
+Both grids also hold non-finite inputs (issue 36), dropout (issue 40) and the Metal 4 tensor-op
+kernels (issue 37), nonfinite_cases, dropout_cases and tensor_cases below; and the variable-length,
+KV-cache and merge cases that the replay runs through the library's plans (varlen_cases,
+kv_cache_cases, merge_cases).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ class Options:
     sinks: bool = False
 
     def name(self) -> str:
-        """The modifiers' part of a case name (cases.cpp's options_name)."""
+        """The modifiers' part of a case name."""
         text = ""
         if self.window_left >= 0 or self.window_right >= 0:
             side = lambda w: "n" if w < 0 else str(w)  # noqa: E731
@@ -72,10 +77,11 @@ class Case:
     dropout_p: float = 0.0  # dropout on P (FlashAttention's dropout_p), with its Philox seed and offset
     dropout_seed: int = 0
     dropout_offset: int = 0
+    tensor_ops: bool = False  # planned with the Metal 4 tensor-op kernels forced (tensor_cases)
 
 
 def case(dtype, d, b, h, kv, sq, sk, causal, *, dv=0, scale=0.0, layout="bhsd", options=Options()) -> Case:
-    """cases.cpp's make_case: the name from the parameters, the default scale 1/sqrt(head_dim)."""
+    """A case named by its parameters, with the default scale 1/sqrt(head_dim)."""
     head_dim_v = dv or d
     name = f"{dtype}_d{d}" + (f"v{head_dim_v}" if head_dim_v != d else "")
     name += f"_b{b}_h{h}x{kv}_q{sq}_k{sk}_{'causal' if causal else 'full'}"
@@ -163,12 +169,13 @@ class VarlenCase:
     seqlens_q: tuple[int, ...]
     seqlens_k: tuple[int, ...]
     options: Options = field(default_factory=Options)
+    tensor_ops: bool = False  # planned with the Metal 4 tensor-op kernels forced (tensor_cases)
 
     def sequence(self, n: int) -> Case:
         """Sequence n as the dense batch-1 case that judges it (named NAME.s<n>)."""
         return Case(f"{self.name}.s{n}", self.dtype, 1, self.num_heads, self.num_kv_heads, self.seqlens_q[n],
                     self.seqlens_k[n], self.head_dim, self.head_dim_v, self.causal, self.softmax_scale,
-                    options=replace(self.options, alibi_per_batch=False))
+                    options=replace(self.options, alibi_per_batch=False), tensor_ops=self.tensor_ops)
 
 
 def varlen(dtype, d, h, kv, seqlens_q, seqlens_k, causal, *, options=Options()) -> VarlenCase:
@@ -178,6 +185,51 @@ def varlen(dtype, d, h, kv, seqlens_q, seqlens_k, causal, *, options=Options()) 
             f"_{'causal' if causal else 'full'}{options.name()}")
     return VarlenCase(name, dtype, h, kv, d, d, causal, float(np.float32(1.0 / math.sqrt(d))), tuple(seqlens_q),
                       tuple(seqlens_k), options)
+
+
+def tensor(c):
+    """Case or VarlenCase c planned with the Metal 4 tensor-op kernels forced (issue 37:
+    fa_plan_create_for with the tensor-op library ready, under FLASH_ATTENTION_TENSOR_OPS=1; cases.py refuses a case whose
+    forward or backward plan then names no tensor-op kernel), named tensor_<name>."""
+    return replace(c, name=f"tensor_{c.name}", tensor_ops=True)
+
+
+def tensor_cases(small: bool = False) -> list:
+    """The tensor-op kernels (forward, dQ, dK/dV; docs/tensor-ops.md) through their exported plans,
+    in both grids: head dims 64, 96, 128, 256 and 80 (the 96 bucket, columns past head_dim), float16
+    and bfloat16, causal rows, GQA and MQA (empty causal rows), a window with softcap, ALiBi per
+    batch with sinks, boolean and additive masks, head_dim_v != head_dim, the bshd and gapped
+    layouts, dropout and a variable-length batch. Query rows stay above the split-KV forward's
+    (the tensor-op forward serves the dense one only). The sanitizer grid takes the first five,
+    one per bucket and the varlen batch, at most 50 rows (the emulation gathers every operand
+    by warp shuffles: slow under the tools)."""
+    small_cases = [
+        tensor(case(F16, 64, 1, 4, 2, 40, 50, True)),
+        tensor(case(BF16, 96, 1, 2, 2, 33, 40, False, options=mods(window=(12, 4), softcap=10))),
+        tensor(case(F16, 128, 1, 2, 1, 20, 40, True, options=mods(mask=("boolean", False, True), alibi="head",
+                                                                   sinks=True))),
+        tensor(case(BF16, 256, 1, 2, 1, 20, 33, True)),
+        tensor(varlen(F16, 64, 4, 2, (9, 17, 33), (7, 17, 40), True)),
+    ]
+    if small:
+        return small_cases
+    return small_cases + [
+        tensor(case(F16, 64, 2, 4, 4, 100, 100, True)),
+        tensor(case(BF16, 64, 1, 8, 2, 70, 77, True)),
+        tensor(case(BF16, 96, 2, 4, 1, 77, 33, True)),
+        tensor(case(F16, 80, 1, 4, 2, 70, 90, False, options=mods(window=(20, 8)))),
+        tensor(case(F16, 128, 2, 4, 2, 65, 100, False, options=mods(alibi="batch", sinks=True))),
+        tensor(case(BF16, 128, 1, 8, 2, 100, 100, True, options=mods(mask=("additive", True, True)))),
+        tensor(case(F16, 256, 2, 4, 2, 65, 70, True, options=mods(softcap=20, window=(16, 0),
+                                                                  mask=("additive_f32", True, False)))),
+        tensor(case(BF16, 256, 2, 2, 2, 65, 65, False)),
+        tensor(case(F16, 128, 1, 4, 2, 40, 60, True, dv=64)),
+        tensor(case(BF16, 64, 2, 4, 2, 65, 70, False, dv=128)),
+        tensor(case(F16, 64, 1, 8, 2, 70, 77, True, layout="bshd")),
+        tensor(case(BF16, 96, 2, 4, 1, 60, 50, False, layout="gapped", options=mods(mask=("boolean", True, True)))),
+        tensor(dropout(case(F16, 64, 2, 4, 2, 70, 80, True), 0.17, 1234, 5678)),
+        tensor(varlen(BF16, 128, 4, 2, (64, 3, 70), (64, 30, 70), False, options=mods(window=(16, 0)))),
+    ]
 
 
 @dataclass(frozen=True)
@@ -219,22 +271,28 @@ def varlen_cases(small: bool = False) -> list[VarlenCase]:
          varlen(BF16, 128, 8, 8, (64, 3, 70), (64, 3, 70), False, options=mods(window=(16, 0))),
          varlen(F32, 40, 6, 2, (12, 9), (30, 9), True),
          varlen(F16, 96, 4, 4, (20, 7, 33), (25, 7, 40), True, options=mods(softcap=20, alibi="batch"))]
-    return c[:1] if small else c
+    return (c[:1] if small else c) + [t for t in tensor_cases(small) if isinstance(t, VarlenCase)]
 
 
 def kv_cache_cases(small: bool = False) -> list[KVCacheCase]:
     """KV-cache forwards through the exported plans: contiguous and paged caches, 4- and 8-bit
     quantized ones, decode shapes (split-KV, decode kernels) and longer query blocks (the dense
-    KV-cache kernel), a block table with entries out of range (the harness's wrong-table case), every
-    dtype. The sanitizer grid takes the first three."""
+    KV-cache kernel), a block table with entries out of range (wrong_table), the speculative-decoding
+    widths over contiguous, paged and quantized caches (pages of 5 rows: a page boundary inside
+    every tile), every dtype. The sanitizer grid takes the first three and a paged speculative one."""
     c = [kv_cache(case(BF16, 64, 2, 8, 2, 1, 200, True), page=32, bits=4, group_size=32),
          kv_cache(case(F16, 128, 2, 4, 4, 100, 120, True), cache_rows=128, bits=8, group_size=64),
          kv_cache(case(F16, 64, 2, 4, 2, 12, 50, True), page=16, bits=4, group_size=64, wrong_table=True),
          kv_cache(case(F16, 64, 2, 8, 2, 1, 300, True), cache_rows=320),
          kv_cache(case(F16, 128, 3, 4, 4, 7, 90, True), page=16),
          kv_cache(case(F32, 64, 2, 4, 2, 20, 150, True), page=64),
-         kv_cache(case(F32, 64, 1, 6, 3, 2, 260, False), page=48, bits=8, group_size=32)]
-    return c[:3] if small else c
+         kv_cache(case(F32, 64, 1, 6, 3, 2, 260, False), page=48, bits=8, group_size=32),
+         # The speculative-decoding kernel (2-16 packed rows per KV head) over each cache kind.
+         kv_cache(case(F16, 128, 2, 8, 2, 4, 200, True), page=16),
+         kv_cache(case(BF16, 64, 1, 8, 1, 2, 260, True), cache_rows=288, bits=8, group_size=64),
+         kv_cache(case(F32, 64, 2, 12, 1, 1, 300, True), page=5, bits=4, group_size=32),
+         kv_cache(case(F16, 64, 2, 4, 2, 40, 90, True), page=5, bits=8, group_size=32)]
+    return c[:3] + c[7:8] if small else c
 
 
 @dataclass(frozen=True)
@@ -275,7 +333,14 @@ def mods(*, window=None, softcap=0.0, mask=None, alibi=None, sinks=False) -> Opt
 
 
 def full_grid() -> list[Case]:
-    """cases.cpp's full_grid (see cases.h for what each group covers)."""
+    """The accuracy grid: float16 over every head-dim bucket, causal on and off, GQA 8/2 and MQA,
+    cross-attention both ways (with causal empty rows), decode, batch 2, odd lengths, longer
+    sequences and scales, short GQA queries (2-8 rows) for the split-KV forward; bfloat16 and
+    float32 over every bucket of their tables; strided layouts and head_dim_v != head_dim (MLA's
+    192/128 among them) in every dtype; every score modifier in every dtype (windows, some leaving
+    rows empty, softcap, ALiBi per head and per batch, sinks with dsinks, boolean and additive
+    masks broadcast and full, a float32-minimum additive mask, all at once); rows whose |lse| >=
+    256 for the backward's lse residual; then the non-finite and dropout cases."""
     c: list[Case] = []
     for d in (1, 3, 32, 40, 59, 64, 80, 96, 104, 128, 160, 192, 200, 256, 300, 512, 576):
         c += [case(F16, d, 2, 3, 3, 100, 100, False), case(F16, d, 2, 3, 3, 100, 100, True),
@@ -369,11 +434,15 @@ def full_grid() -> list[Case]:
                                                                sinks=True)),
               case(t, 576, 1, 8, 1, 2, 600, True, dv=512, layout="bshd",
                    options=mods(window=(300, -1), mask=("boolean", True, False), sinks=True))]
-    return c + nonfinite_cases() + dropout_cases()
+    return c + nonfinite_cases() + dropout_cases() + [t for t in tensor_cases() if isinstance(t, Case)]
 
 
 def small_grid() -> list[Case]:
-    """cases.cpp's small_grid: the sanitizer grid (seqlen <= 100)."""
+    """The sanitizer grid (seqlen <= 100): every dtype, the buckets, GQA, MQA, cross-attention
+    both ways, decode and short GQA queries (split-KV forward), causal empty rows, strided layouts,
+    head_dim_v != head_dim, float32 at head_dim 256 (whose backward kernels share one tile buffer),
+    each score modifier at least once, and two cases whose lse residual dispatch recomputes rows, so
+    that racecheck sees its barriers."""
     return [
         case(F16, 1, 2, 2, 2, 37, 37, False), case(F16, 3, 2, 3, 3, 100, 100, True),
         case(F16, 32, 2, 4, 1, 77, 33, True), case(F16, 40, 1, 8, 2, 33, 77, True),
@@ -411,4 +480,4 @@ def small_grid() -> list[Case]:
                                                           alibi="head", sinks=True)),
         finite_min(case(F16, 128, 1, 4, 2, 40, 70, True, options=mods(mask=("additive_f32", False, True)))),
         case(BF16, 32, 2, 4, 2, 50, 60, True, scale=30.0, options=mods(sinks=True)),
-    ] + nonfinite_cases() + dropout_cases()
+    ] + nonfinite_cases() + dropout_cases() + [t for t in tensor_cases(small=True) if isinstance(t, Case)]

@@ -1,14 +1,17 @@
 """Judges the CUDA check programs' results with the Python package's float64 reference and accuracy
 rule (python/flash_attention_metal/reference.py and accuracy.py, the one definition of the rule).
 
-Reads a dump folder that tests/cuda/harness.cu (--dump) or large_offsets.cu wrote (its layout:
+Reads a dump folder that tests/cuda/replay.cu (--dump) or large_offsets.cu wrote (its layout:
 tests/cuda/dump.h) and judges each case: out and lse with ``accuracy.evaluate_forward``; dq, dk,
 dv (and dsinks with sinks) with ``accuracy.evaluate_backward`` (only the gradients the case
 dumped: large_offsets runs no dK/dV); a quantized KV cache's out and lse against its float64
 dequantized keys and values (NAME.k_exact, NAME.v_exact: ``evaluate_forward``'s ``exact_kv``); the split-KV forward's out and lse, when dumped, with
 ``evaluate_forward`` again; and rows that see no key must hold out 0, dq 0 and lse -inf (sinks[h]
 with sinks) exactly. A case with dropout (dropout_p, seed, offset after its outputs) is judged
-against the reference with the same Philox mask (``dropout.reference_mask``); a case whose inputs
+against the reference with the same Philox mask (``dropout.reference_mask``); a case whose line ends
+with tensor_ops=forward,backward (cases.py: its plans ran Metal 4 tensor-op kernels) has those
+passes' outputs held to the rule's tensor-op term (``tensor_ops=True``, as the Python tests hold the
+kernels); a case whose inputs
 hold NaN or infinities by docs/semantics.md's "Non-finite values" (``_nonfinite_metrics``).
 
 Usage: python3 tests/cuda/judge.py DUMP_FOLDER [--name NAME]
@@ -68,7 +71,10 @@ def judge_case(folder: pathlib.Path, line: str) -> tuple[str, bool, str, list]:
     left, right = int(fields[9]), int(fields[10])
     mask_kind, mask_per_batch, mask_per_head, alibi, alibi_per_batch, sinks = map(int, fields[12:18])
     outputs = fields[18].split(",")
-    # cases.py's dropout cases add dropout_p, seed and offset (the harness's lines end at outputs).
+    # cases.py's tensor-op cases end with tensor_ops=<passes>: the passes whose plans ran tensor-op
+    # kernels, held to the rule's tensor-op term (accuracy.TENSOR_OPS_FACTOR).
+    tensor_passes = set(fields.pop()[len("tensor_ops="):].split(",")) if fields[-1].startswith("tensor_ops=") else set()
+    # Dropout cases add dropout_p, seed and offset after the outputs.
     dropout_call = (float(fields[19]), int(fields[20]), int(fields[21])) if len(fields) > 19 else None
     if dtype_name not in DTYPES:
         return name, False, f"cannot judge {dtype_name}: install ml_dtypes", []
@@ -115,12 +121,14 @@ def judge_case(folder: pathlib.Path, line: str) -> tuple[str, bool, str, list]:
         detail = " ".join(f"{m.name} {m.error:.2e}/{m.bound:.2e}{'' if m.passed else '(FAIL)'}" for m in metrics)
         return name, all(m.passed for m in metrics), detail + " non-finite", metrics
 
-    metrics = accuracy.evaluate_forward(q, k, v, ours["out"], ours["lse"], exact_kv=exact_kv, **options)
+    metrics = accuracy.evaluate_forward(q, k, v, ours["out"], ours["lse"], exact_kv=exact_kv,
+                                        tensor_ops="forward" in tensor_passes, **options)
     gradients = [t for t in ("dq", "dk", "dv") if t in ours]
     if gradients:
         # A gradient not dumped (large_offsets has no dK/dV) is judged as zeros and left out.
         dumped = [ours.get(t, np.zeros(shapes[t], dtype)) for t in ("dq", "dk", "dv")]
-        backward = accuracy.evaluate_backward(dout, q, k, v, *dumped, ours.get("dsinks"), **options)
+        backward = accuracy.evaluate_backward(dout, q, k, v, *dumped, ours.get("dsinks"),
+                                              tensor_ops="backward" in tensor_passes, **options)
         metrics += [m for m in backward if m.name in gradients or m.name == "dsinks"]
     if "split_out" in ours:
         split = accuracy.evaluate_forward(q, k, v, ours["split_out"], ours["split_lse"], **options)
@@ -235,8 +243,8 @@ def main() -> int:
         value, case = kinds.get("lse", (0.0, "-"))
         # Ratios without the absolute term: a tiny base error (dsinks near 1e-18) can give a large
         # ratio that the term still admits.
-        print(f"{dtype_name} worst ratio to base: {', '.join(parts)} (bounds: 2x, 4x with softcap, dsinks 4x, "
-              f"plus the absolute term); worst lse relative error {value:.1e} ({case}; bound "
+        print(f"{dtype_name} worst ratio to base: {', '.join(parts)} (bounds: 2x, 4x with softcap or from "
+              f"tensor-op kernels, dsinks 4x, plus the absolute term); worst lse relative error {value:.1e} ({case}; bound "
               f"{accuracy.LSE_RELATIVE:g}, or {accuracy.OUT_FACTOR:g}x the base's for a quantized cache)")
     mismatches = sum(1 for _, passed, _, _ in results if not passed)
     print(f"{args.name}: {len(results)} cases, {mismatches} mismatches")

@@ -1,14 +1,22 @@
 // The CUDA check build's kernel table, expanded from the kernel catalogue
-// (Shaders/flash_attention_catalogue.h): one __global__ per kernel instance, named
-// fa_cuda_kernel_<instance>, that binds the kernel's buffers from FaCudaBuffers by [[buffer(i)]]
-// index and its built-ins from CUDA's, and kFaCudaKernels, the instances by name. The parameter
-// struct is bound as a device pointer like every buffer (the CUDA build has no constant address
-// space; a varlen pass binds its sequence table there). Included by launch_table.cu after the
-// kernels (metal_cuda.h, flash_attention.metal, metal_cuda_end.h).
+// (Shaders/flash_attention_catalogue.h): one __global__ per kernel instance of FA_CUDA_TABLE,
+// named fa_cuda_kernel_<instance>, that binds the kernel's buffers from FaCudaBuffers by
+// [[buffer(i)]] index and its built-ins from CUDA's; kFaCudaKernels, the instances by name; and
+// launch_from_table, which launches one of them with a dispatch's function constants. The
+// parameter struct is bound as a device pointer like every buffer (the CUDA build has no constant
+// address space; a varlen pass binds its sequence table there). Included after the kernels
+// (metal_cuda.h, the .metal file, metal_cuda_end.h) by the unit of each Metal library, with
+// FA_CUDA_TABLE defined as its instance list: launch_table.cu (flash_attention.metal,
+// FA_CUDA_INSTANCES) and launch_table_tensor.cu (flash_attention_tensor.metal, the Metal 4
+// tensor-op kernels, FA_CUDA_TENSOR_INSTANCES). Each unit has its own function constants and
+// tensor layout (static device variables of metal_cuda.h and metal_tensor_ops.h), so each
+// launches only its own kernels.
 #ifndef FA_GPU_KERNEL_TABLE_H
 #define FA_GPU_KERNEL_TABLE_H
 
 #include "launch_table.h"
+
+#include <cstring>
 
 // The MSL built-ins from CUDA's: every threadgroup is 1-D, so thread_index_in_threadgroup is
 // threadIdx.x, and its SIMD-groups are consecutive runs of 32 threads (warps, Apple's SIMD width).
@@ -35,7 +43,8 @@
     {FA_STRING(FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP)),                                     \
      FA_CAT(fa_cuda_kernel_, FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP))},
 
-// Every instance the Metal library has, for F (FA_CUDA_KERNEL or FA_CUDA_TABLE_ENTRY).
+// Every instance the Metal library (flash_attention.metal) has, through FA_CUDA_EACH
+// (FA_CUDA_KERNEL or FA_CUDA_TABLE_ENTRY).
 #define FA_CUDA_F16(DP, ...) FA_KERNELS(FA_AT_BUCKET, FA_CUDA_EACH, half, f16, DP)
 #define FA_CUDA_BF16(DP, ...) FA_KERNELS(FA_AT_BUCKET, FA_CUDA_EACH, bfloat, bf16, DP)
 #define FA_CUDA_F32(DP, ...) FA_KERNELS(FA_AT_BUCKET, FA_CUDA_EACH, float, f32, DP)
@@ -44,9 +53,18 @@
     FA_KERNELS(FA_AT_DTYPE, FA_CUDA_EACH, half, f16, 0) FA_HEAD_DIM_BUCKETS(FA_CUDA_F16)           \
     FA_KERNELS(FA_AT_DTYPE, FA_CUDA_EACH, bfloat, bf16, 0) FA_HEAD_DIM_BUCKETS(FA_CUDA_BF16)       \
     FA_KERNELS(FA_AT_DTYPE, FA_CUDA_EACH, float, f32, 0) FA_HEAD_DIM_BUCKETS_F32(FA_CUDA_F32)
+// Every instance the tensor-op library (flash_attention_tensor.metal) has: half and bfloat at the
+// buckets of FA_IF_TENSOR.
+#define FA_CUDA_TENSOR_F16(DP, ...) FA_KERNELS(FA_AT_TENSOR, FA_CUDA_EACH, half, f16, DP)
+#define FA_CUDA_TENSOR_BF16(DP, ...) FA_KERNELS(FA_AT_TENSOR, FA_CUDA_EACH, bfloat, bf16, DP)
+#define FA_CUDA_TENSOR_INSTANCES FA_HEAD_DIM_BUCKETS(FA_CUDA_TENSOR_F16) FA_HEAD_DIM_BUCKETS(FA_CUDA_TENSOR_BF16)
+
+#ifndef FA_CUDA_TABLE
+#error "define FA_CUDA_TABLE (FA_CUDA_INSTANCES or FA_CUDA_TENSOR_INSTANCES) before kernel_table.h"
+#endif
 
 #define FA_CUDA_EACH FA_CUDA_KERNEL
-FA_CUDA_INSTANCES
+FA_CUDA_TABLE
 #undef FA_CUDA_EACH
 
 // An instance by name, as the Metal plan names it.
@@ -56,7 +74,48 @@ struct FaCudaKernel {
 };
 
 #define FA_CUDA_EACH FA_CUDA_TABLE_ENTRY
-static const FaCudaKernel kFaCudaKernels[] = {FA_CUDA_INSTANCES};
+static const FaCudaKernel kFaCudaKernels[] = {FA_CUDA_TABLE};
 #undef FA_CUDA_EACH
+
+static_assert(FA_THREADS_PER_THREADGROUP % 32 == 0, "threadgroups are whole SIMD-groups (warps)");
+
+// fa_cuda_launch (launch_table.h) for the instances of this unit's table: cudaErrorInvalidDeviceFunction
+// for a name the table does not hold, else the same errors.
+static cudaError_t launch_from_table(const char *kernel_name, dim3 grid, dim3 block, const FaCudaBuffers &buffers,
+                                     const FaCudaConstant *constants, size_t count) {
+    const FaCudaKernel *kernel = nullptr;
+    for (const FaCudaKernel &k : kFaCudaKernels) {
+        if (std::strcmp(k.name, kernel_name) == 0) {
+            kernel = &k;
+        }
+    }
+    if (kernel == nullptr) {
+        return cudaErrorInvalidDeviceFunction;
+    }
+    if (block.x != FA_THREADS_PER_THREADGROUP || block.y != 1 || block.z != 1) {
+        return cudaErrorInvalidValue;
+    }
+    // The dispatch's specialisation, as Metal builds a pipeline per dispatch: only these are set.
+    metal::function_constant_values values{};
+    for (size_t i = 0; i < count; ++i) {
+        const FaCudaConstant &c = constants[i];
+        if (c.index >= FA_FUNCTION_CONSTANT_COUNT ||
+            (c.type != FA_FUNCTION_CONSTANT_TYPE_bool && c.type != FA_FUNCTION_CONSTANT_TYPE_uint)) {
+            return cudaErrorInvalidValue;
+        }
+        values.set |= 1u << c.index;
+        values.type[c.index] = static_cast<unsigned char>(c.type);
+        values.value[c.index] = c.value;
+    }
+    static_assert(metal::function_constant_type<bool>::value == FA_FUNCTION_CONSTANT_TYPE_bool &&
+                      metal::function_constant_type<unsigned>::value == FA_FUNCTION_CONSTANT_TYPE_uint,
+                  "metal_cuda.h's constant types are the plan's");
+    if (const cudaError_t error = cudaMemcpyToSymbol(metal::function_constants, &values, sizeof values);
+        error != cudaSuccess) {
+        return error;
+    }
+    kernel->launch<<<grid, block>>>(buffers);
+    return cudaGetLastError();
+}
 
 #endif

@@ -1,6 +1,7 @@
 // Launches any kernel instance of Shaders/ compiled as CUDA by its Metal name, as an exported
-// plan's dispatch gives it (launch_table.cu over the catalogue's table, kernel_table.h): the plan
-// picks the kernel, the grid, every buffer and the function constants; nothing here knows a kernel.
+// plan's dispatch gives it (launch_table.cu and, for the tensor-op kernels, launch_table_tensor.cu
+// over the catalogue's tables, kernel_table.h): the plan picks the kernel, the grid, every buffer
+// and the function constants; nothing here knows a kernel.
 #ifndef FA_GPU_LAUNCH_TABLE_H
 #define FA_GPU_LAUNCH_TABLE_H
 
@@ -33,5 +34,11 @@ struct FaCudaConstant {
 // whose index or type the kernels do not have; else the launch's.
 cudaError_t fa_cuda_launch(const char *kernel_name, dim3 grid, dim3 block, const FaCudaBuffers &buffers,
                            const FaCudaConstant *constants, size_t count);
+
+// fa_cuda_launch for the tensor-op library's kernels only (launch_table_tensor.cu; fa_cuda_launch
+// calls it for a name its own table lacks). Its first call selects the cooperative-tensor layout
+// by FLASH_ATTENTION_TENSOR_LAYOUT.
+cudaError_t fa_cuda_launch_tensor(const char *kernel_name, dim3 grid, dim3 block, const FaCudaBuffers &buffers,
+                                  const FaCudaConstant *constants, size_t count);
 
 #endif

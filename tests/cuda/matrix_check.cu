@@ -5,7 +5,7 @@
 // transposed, the diagonal constructor, make_filled_simdgroup_matrix), plus the SIMD-group
 // functions the kernels use and the row reduction design.md describes (a row of a matrix is owned
 // by lanes l, l ^ 1, l ^ 8, l ^ 9), and the conversions of half and bfloat (the element types of
-// the kernels' tensors) against the host's (dtype_bits.h, by which the harness judges).
+// the kernels' tensors) against the host's (dtype_bits.h, which the dumps' conversions use).
 // matrix_partial_group (a 16-lane SIMD-group) is not run: a
 // CUDA warp shuffle with lanes missing is undefined, not a reported error.
 //

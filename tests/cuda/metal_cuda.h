@@ -10,7 +10,7 @@
 //
 // MSL kernels receive their built-ins (threadgroup_position_in_grid, thread_index_in_threadgroup,
 // simdgroup_index_in_threadgroup, thread_index_in_simdgroup) as parameters, which a CUDA
-// __global__ function cannot. So `kernel` becomes __device__ and tests/cuda/kernels.cu generates
+// __global__ function cannot. So `kernel` becomes __device__ and tests/cuda/kernel_table.h generates
 // thin __global__ launchers passing blockIdx, threadIdx.x, threadIdx.x / 32 and threadIdx.x % 32.
 // Attributes such as [[buffer(0)]] are unknown to nvcc and ignored (C++11 [dcl.attr.grammar]).
 //

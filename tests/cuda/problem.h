@@ -1,6 +1,6 @@
 // One attention problem of the CUDA check build on the host: its shape, score modifiers and inputs.
-// The harness judges results with python/flash_attention_metal's reference and accuracy rule
-// (tests/cuda/judge.py); this header only describes what it dumps. Plain C++17, no CUDA.
+// tests/cuda/judge.py judges results with python/flash_attention_metal's reference and accuracy
+// rule; this header only describes what dump.h writes. Plain C++17, no CUDA.
 #ifndef FA_GPU_PROBLEM_H
 #define FA_GPU_PROBLEM_H
 
@@ -38,7 +38,7 @@ struct ScoreOptions {
 // (batch, num_kv_heads, seqlen_k, head_dim_v); out, dout (batch, num_heads, seqlen_q, head_dim_v);
 // lse (batch, num_heads, seqlen_q); mask (mask_batches, mask_heads, seqlen_q, seqlen_k); alibi
 // slopes (alibi_batches, num_heads); sinks and dsinks (num_heads). (Where they live on the device
-// is the harness's business.)
+// is the plan's business.)
 struct AttentionShape {
     int batch;
     int num_heads;

@@ -15,12 +15,14 @@
 // and its line (NAME.line) to DIR/cases.txt, dump.h's format, for judge.py; the inputs' files are
 // cases.py's, in the cases folder (use it as DIR).
 //
-// Usage: replay CASES_FOLDER [--case SUBSTRING] [--once] [--dump DIR]
+// Usage: replay CASES_FOLDER [--case SUBSTRING] [--once] [--dump DIR] [--name NAME]
 //   --case S  only cases whose name contains S
 //   --once    one run per case (no determinism rerun; for the slow sanitizer tools), workspaces
 //             not poisoned (for initcheck)
-// Prints one line per case and "cuda-replay: N cases, M failures"; exits 1 on any failure or CUDA
-// error, 2 on bad arguments.
+//   --name N  the summary line's name (default cuda-replay)
+// Prints one line per case and "NAME: N cases, M failures"; exits 1 on any failure or CUDA error,
+// 2 on bad arguments. The tensor-op kernels take FLASH_ATTENTION_TENSOR_LAYOUT's cooperative-tensor
+// layout (launch_table_tensor.cu).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -125,7 +127,7 @@ bool dump(const std::string &folder, const std::string &cases, const Case &c, co
 }
 
 int usage() {
-    std::fprintf(stderr, "usage: replay CASES_FOLDER [--case SUBSTRING] [--once] [--dump DIR]\n");
+    std::fprintf(stderr, "usage: replay CASES_FOLDER [--case SUBSTRING] [--once] [--dump DIR] [--name NAME]\n");
     return 2;
 }
 
@@ -136,7 +138,7 @@ int main(int argc, char **argv) {
         return usage();
     }
     const std::string folder = argv[1];
-    std::string filter, dump_folder;
+    std::string filter, dump_folder, summary = "cuda-replay";
     bool once = false;
     for (int i = 2; i < argc; ++i) {
         const std::string arg = argv[i];
@@ -146,6 +148,8 @@ int main(int argc, char **argv) {
             filter = argv[++i];
         } else if (arg == "--dump" && i + 1 < argc) {
             dump_folder = argv[++i];
+        } else if (arg == "--name" && i + 1 < argc) {
+            summary = argv[++i];
         } else {
             return usage();
         }
@@ -180,10 +184,11 @@ int main(int argc, char **argv) {
             failures += !problem.empty();
         } catch (const CudaFailure &failure) {
             std::printf("FAIL %s: %s\n", name.c_str(), failure.message.c_str());
-            std::printf("cuda-replay: %d cases, %d failures (stopped at a CUDA error)\n", cases, failures + 1);
+            std::printf("%s: %d cases, %d failures (stopped at a CUDA error)\n", summary.c_str(), cases,
+                        failures + 1);
             return 1;
         }
     }
-    std::printf("cuda-replay: %d cases, %d failures\n", cases, failures);
+    std::printf("%s: %d cases, %d failures\n", summary.c_str(), cases, failures);
     return failures == 0 && cases > 0 ? 0 : 1;
 }

@@ -48,7 +48,7 @@ copy_metal "$BUILD/src" "" "$ROOT"/Shaders/* || die "cannot copy Shaders/"
 copy_metal "$BUILD/tests" "" "$ROOT/tests/kernels/"*.metal || die "cannot copy tests/kernels/"
 
 units=("$@")
-[ ${#units[@]} -gt 0 ] || units=($(cd "$GPU_DIR" && ls *.cu *.cpp))
+[ ${#units[@]} -gt 0 ] || units=($(cd "$GPU_DIR" && ls *.cu))
 failed=0
 for unit in "${units[@]}"; do
     unit=$(basename "$unit")

@@ -5,6 +5,8 @@
 
 #include "../../../Shaders/flash_attention_catalogue.h"
 
+#include <stddef.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -22,6 +24,14 @@ typedef struct FlashAttentionBucket {
     uint32_t dkv_block_k;      /* key rows per backward dK/dV threadgroup */
     uint32_t dkv_block_q;      /* query rows per Q/dO tile */
 } FlashAttentionBucket;
+
+/* The bytes of FlashAttentionParams up to its last field, dkv_splits (flash_attention_metal.c
+ * checks that it is the last); the struct's tail padding follows (a Swift copy of the struct
+ * carries whatever bytes its padding had, so exported parameter bytes zero it: equal plans export
+ * equal bytes). */
+static inline size_t fa_params_field_bytes(void) {
+    return offsetof(FlashAttentionParams, dkv_splits) + sizeof(fa_u32);
+}
 
 /* Packed query rows per decode threadgroup, and its threadgroup bytes, for a bucket's head_dim_max;
  * whether the decode kernel serves packed_rows rows per KV head (group x seqlen_q) of that bucket. */

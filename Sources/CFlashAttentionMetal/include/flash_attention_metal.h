@@ -577,14 +577,73 @@ typedef struct fa_plan_specialization {
  * (dispatches of pieces run in order): what the Metal backend does with 2^35 against the GPU
  * watchdog, one command buffer per piece. Pieces compute bit for bit what the whole pass computes.
  * The split-KV chunks are planned for fa_gpu_cores(NULL, ...): the Metal device the library runs on
- * (or FLASH_ATTENTION_GPU_CORES, or the nominal GPU).
+ * (or FLASH_ATTENTION_GPU_CORES, or the nominal GPU). Its plans name no tensor-op kernel: a host
+ * with the tensor-op library uses fa_plan_create_for.
  * Errors: INVALID_ARGUMENT (null problem or out_plan, an unknown pass, anything fa_forward or
  * fa_backward would refuse), UNSUPPORTED (head_dim), OUT_OF_MEMORY. The parameter bytes take the
- * kernels' 16-byte tile copies when head_dim, head_dim_v and every stride of q, k, v, out and dout
- * are multiples of 16 bytes: a host that encodes the dispatches itself then binds each of those
- * tensors at a 16-byte boundary (copying a view that starts elsewhere, e.g. x[..., 1:65]). */
+ * kernels' FA_PLAN_BIND_ALIGNMENT-byte tile copies when head_dim, head_dim_v and every stride of q,
+ * k, v, out and dout are multiples of FA_PLAN_BIND_ALIGNMENT bytes: a host that encodes the
+ * dispatches itself then binds each of those tensors at such a boundary (copying a view that starts
+ * elsewhere, e.g. x[..., 1:65]). */
 fa_status fa_plan_create(const fa_problem *problem, fa_pass pass, uint64_t max_flops_per_piece,
                          fa_plan **out_plan);
+
+/* Bytes the kernels' tile copies move per load (16; the kernels' FA_CHUNK_BYTES): see fa_plan_create.
+ * Added after 0.3.0. */
+enum { FA_PLAN_BIND_ALIGNMENT = 16 };
+
+/* The Metal backend's work per command buffer against the GPU watchdog: 2^FA_PLAN_PIECE_FLOPS_LOG2
+ * floating-point operations (2^35, about 15 ms at an M1's FP16 peak). A host that encodes a plan's
+ * pieces itself passes it as fa_plan_create's max_flops_per_piece. Added after 0.3.0. */
+enum { FA_PLAN_PIECE_FLOPS_LOG2 = 35 };
+
+/* The Metal 4 tensor-op kernels (issue 37, docs/tensor-ops.md) for a host that encodes plans itself.
+ * They are a library of their own, fa_plan_tensor_kernel_source(), compiled at MSL 4.0, so that a
+ * compile failure loses only the tensor-op path. The host asks fa_tensor_ops_wanted whether to
+ * compile it, then names what it has in an fa_plan_target for fa_plan_create_for; the plan takes the
+ * tensor-op kernels (names with "_tensor_") where the route allows, as a Metal context does:
+ * matrix units (architecture generation 17+, 18+ for a "p" suffix, on macOS/iOS 26.2+) with the
+ * library compiled, or FLASH_ATTENTION_TENSOR_OPS=1 with it compiled; never with =0. */
+typedef enum fa_tensor_library {
+    FA_TENSOR_LIBRARY_NONE = 0,  /* the host compiled none (fa_tensor_ops_wanted said 0, or it cannot) */
+    FA_TENSOR_LIBRARY_READY = 1, /* fa_plan_tensor_kernel_source() compiled: its kernels may be named */
+    FA_TENSOR_LIBRARY_FAILED = 2 /* its compile (or a pipeline of it) failed; tensor_library_error says why */
+} fa_tensor_library;
+
+/* What the host encoding a plan offers (fa_plan_create_for). */
+typedef struct fa_plan_target {
+    uint32_t struct_size;             /* sizeof(fa_plan_target) */
+    uint32_t tensor_library;          /* fa_tensor_library */
+    const char *architecture;         /* MTLDevice.architecture.name of the GPU the host encodes on
+                                         (e.g. "applegpu_g17s"); NULL: the library's Metal device's */
+    const char *tensor_library_error; /* FA_TENSOR_LIBRARY_FAILED: the compiler's message (copied into
+                                         the plan's route, fa_plan_tensor_ops); otherwise ignored */
+} fa_plan_target;
+
+/* *out_wanted = 1 where a host encoding on a GPU of `architecture` (NULL: the library's Metal
+ * device) should compile fa_plan_tensor_kernel_source(): the GPU has matrix units, or
+ * FLASH_ATTENTION_TENSOR_OPS is 1; 0 otherwise, and always with FLASH_ATTENTION_TENSOR_OPS=0. The same
+ * test a Metal context makes before compiling the library. Errors: INVALID_ARGUMENT (null out_wanted). */
+fa_status fa_tensor_ops_wanted(const char *architecture, uint32_t *out_wanted);
+
+/* fa_plan_create for a host that offers `target` (NULL: as fa_plan_create, no tensor-op library).
+ * Errors: those of fa_plan_create; INVALID_ARGUMENT also for a target whose struct_size is below
+ * sizeof(fa_plan_target), an unknown tensor_library, or FLASH_ATTENTION_TENSOR_OPS set to anything
+ * but 0 or 1. */
+fa_status fa_plan_create_for(const fa_problem *problem, fa_pass pass, uint64_t max_flops_per_piece,
+                             const fa_plan_target *target, fa_plan **out_plan);
+
+/* The plan's tensor-op route and why, for users: "tensor ops: ..." or "simdgroup kernels: ..."
+ * (the override, the device's units, the library's compile error). NUL-terminated, owned by the
+ * plan; NULL for a null plan. */
+const char *fa_plan_tensor_ops(const fa_plan *plan);
+
+/* The MSL source of the tensor-op kernels (Shaders/flash_attention_tensor.metal, the headers of
+ * Shaders/ spliced in; it includes <MetalPerformancePrimitives/MetalPerformancePrimitives.h>):
+ * compile it as MSL 4.0 or later, without fast math, as a library of its own; a plan's constants
+ * prelude goes before it as before fa_plan_kernel_source(). Static storage; NULL only when out of
+ * memory. */
+const char *fa_plan_tensor_kernel_source(void);
 
 /* Makes the FA_PASS_MERGE plan of fa_merge_attention for `rows` rows of `head_dim` elements (the
  * same rules). Errors: INVALID_ARGUMENT, UNSUPPORTED. */

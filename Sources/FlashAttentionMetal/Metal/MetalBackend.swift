@@ -23,8 +23,9 @@ final class MetalBackend: ExecutionBackend {
     /// Work per command buffer, in FLOP as FlashAttention counts them (`Pass.flopsPerScoreElement`).
     /// macOS stops a command buffer that runs for seconds and may then refuse the process's later
     /// work; 2^35 FLOP (34 GFLOP) is about 15 ms at the M1's 2.6 TFLOPS FP16 peak, 0.3 s at a
-    /// twentieth of it, while a command buffer costs tens of microseconds.
-    static let defaultFlopsPerCommandBuffer = 1 << 35
+    /// twentieth of it, while a command buffer costs tens of microseconds. The header's
+    /// FA_PLAN_PIECE_FLOPS_LOG2, which the PyTorch and MLX hosts read too.
+    static let defaultFlopsPerCommandBuffer = 1 << Int(FA_PLAN_PIECE_FLOPS_LOG2)
     /// How long to wait for a command buffer to complete before giving up on the call: this plus
     /// its work at `slowestFlopsPerSecond`, far beyond what the watchdog lets one run, so only a
     /// hung GPU or driver reaches it.
@@ -64,6 +65,17 @@ final class MetalBackend: ExecutionBackend {
     /// read once per process (Swift runs a static's initializer once, lazily, on first use); nil
     /// without such a device or count (`GPUCores.libraryDevice`).
     static let defaultDeviceCores: UInt32? = (try? appleSiliconDevice()).flatMap(cores(of:))
+
+    /// The architecture name of the device a Metal backend takes (`GPUArchitecture.libraryDevice`),
+    /// read once per process.
+    static let defaultDeviceArchitecture: String? = (try? appleSiliconDevice()).flatMap(architecture(of:))
+
+    /// `device.architecture.name` (MTLArchitecture, macOS 14+ / iOS 17+: developer.apple.com/
+    /// documentation/metal/mtlarchitecture/name, e.g. `applegpu_g17s`); nil on older systems.
+    static func architecture(of device: MTLDevice) -> String? {
+        guard #available(macOS 14.0, iOS 17.0, tvOS 17.0, visionOS 1.0, *) else { return nil }
+        return device.architecture.name
+    }
 
     /// `device`'s `gpu-core-count` from the IORegistry (`DeviceCores`); nil without IOKit.
     static func cores(of device: MTLDevice) -> UInt32? {

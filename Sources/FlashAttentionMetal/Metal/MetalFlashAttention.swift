@@ -143,32 +143,18 @@ public final class MetalFlashAttention: @unchecked Sendable {
     }
 
     /// The tensor-op kernels' library (EmbeddedShaders.tensorSource, MSL 4.0) and what the device
-    /// offers them. Matrix units: MLX's test (mlx/backend/metal/device.cpp, `is_nax_available`):
-    /// macOS/iOS 26.2 or later (`__builtin_available` there, `#available` here) and an architecture
-    /// generation of 17 or later (18 for `p`) parsed from MTLDevice.architecture.name
-    /// (MTLArchitecture, macOS 14+ / iOS 17+: developer.apple.com/documentation/metal/mtlarchitecture/
-    /// name, e.g. `applegpu_g17s`, the M5's Apple GPU family 10); Metal has no query for the units
-    /// themselves. The library is compiled only where the route may take it: matrix units, or
-    /// FLASH_ATTENTION_TENSOR_OPS=1 when the context is made (never with 0). A compile failure
+    /// offers them. Matrix units: `TensorOpsSupport.units` of MTLDevice.architecture.name (e.g.
+    /// `applegpu_g17s`, the M5's Apple GPU family 10); Metal has no query for the units themselves.
+    /// The library is compiled only where the route may take it (`TensorOps.wantsLibrary`: matrix
+    /// units, or FLASH_ATTENTION_TENSOR_OPS=1 when the context is made; never with 0). A compile failure
     /// loses only this path; its reason goes into the support's detail (the profile's route and
     /// the backend note). MTLLanguageVersion raw value 4 << 16 is version4_0 (macOS 26+, spelled by
     /// value so that older SDKs build): an imported C enum's init(rawValue:) accepts any value, so
     /// the OS check, not the optional, keeps 4.0 from an OS without it (reached with the override).
     private static func tensorLibrary(for device: MTLDevice) -> (library: MTLLibrary?, support: TensorOpsSupport) {
-        var units = false
-        var what = "MTLDevice.architecture needs macOS 14 or iOS 17"
-        if #available(macOS 14.0, iOS 17.0, tvOS 17.0, visionOS 1.0, *) {
-            let architecture = device.architecture.name
-            if #available(macOS 26.2, iOS 26.2, tvOS 26.2, visionOS 26.2, *) {
-                units = TensorOpsSupport.hasMatrixUnits(architecture: architecture)
-                what = units ? "\(architecture) has matrix units"
-                    : "\(architecture) has no matrix units (architecture generation 17 and later have)"
-            } else {
-                what = "\(architecture): the tensor ops need macOS 26.2 or iOS 26.2"
-            }
-        }
-        let override = getenv(TensorOps.environmentVariable).map { String(cString: $0) }
-        guard (units || override == "1") && override != "0" else {
+        let (units, what) = MetalBackend.architecture(of: device).map(TensorOpsSupport.units(architecture:))
+            ?? (false, "MTLDevice.architecture needs macOS 14 or iOS 17")
+        guard TensorOps.wantsLibrary(hasUnits: units) else {
             return (nil, TensorOpsSupport(hasUnits: units, hasKernels: false, detail: what + "; no tensor-op library"))
         }
         guard #available(macOS 26.0, iOS 26.0, tvOS 26.0, visionOS 26.0, *),

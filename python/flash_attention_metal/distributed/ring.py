@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .. import _validation
+from .. import _abi, _validation
 from .._default import default_context
 from ..context import Context
 from .layout import Call, SequenceLayout, block_calls
@@ -115,7 +115,8 @@ def _agree(comm, name: str, check: Callable[[], tuple], context, timeout,
         context = default_context() if context is None else context
         if not isinstance(context, Context):
             raise TypeError(f"context must be a flash_attention_metal.Context or None, got {type(context).__name__}")
-        _validation.check_head_dim(shape, context.max_head_dim)
+        # The library's rules (head_dim, heads), asked now: a rank refused mid-ring would stall the others.
+        _abi.check_sizes(context._native, shape, causal, scale, dtype)
         if profile is not None and not isinstance(profile, list):
             raise TypeError(f"profile must be a list or None, got {type(profile).__name__}")
         local_error = None

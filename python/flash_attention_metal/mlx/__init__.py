@@ -6,7 +6,8 @@ that keep the (seqlen_q x seqlen_k) score matrix of every head. Here the forward
 Algorithm 1) and the backward (Algorithm 2, from the ``out`` and ``lse`` the forward saved) are
 MLX primitives, so training holds O(seqlen) memory per head instead of O(seqlen^2).
 
-Two paths (``NATIVE`` says which one this process has, ``PATH_NOTE`` why):
+Two paths (``NATIVE`` says which one this process has, ``PATH_NOTE`` why; ``tensor_ops()`` which
+kernels the last pass on MLX's GPU stream took, the Metal 4 tensor-op ones or not, and why):
 - native (the MLX extension ``flash_attention_metal._mlx_ext``, built from mlx_extension/ by ./build.sh when MLX is
   installed): graph nodes ``FlashAttentionForward``/``FlashAttentionBackward`` evaluated on MLX's
   stream (on the CPU stream through the library's CPU engine). ``mx.grad``, ``mx.value_and_grad``,
@@ -59,6 +60,14 @@ except ImportError as _error:  # not built (./build.sh builds it where MLX is in
 else:
     PATH_NOTE = "native: the MLX extension flash_attention_metal._mlx_ext (MLX primitives)"
 NATIVE = _mlx_ext is not None
+
+
+def tensor_ops() -> str:
+    """The tensor-op route of the last pass on MLX's GPU stream and why (docs/tensor-ops.md):
+    "tensor ops: ..." or "simdgroup kernels: ...", with the compiler's message where the tensor-op
+    library failed to compile; "" before the first such pass, without the extension, or with an
+    MLX without Metal."""
+    return _mlx_ext.tensor_ops() if _mlx_ext is not None else ""
 
 
 def scaled_dot_product_attention(q, k, v, *, scale, mask=None, sinks=None, force_fused=False, stream=None,
@@ -234,5 +243,5 @@ def _check_arrays(q, k, v) -> None:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {array.dtype} (convert explicitly)")
 
 
-__all__ = ["scaled_dot_product_attention", "ring_attention", "shard_sequence", "unshard_sequence", "NATIVE",
-           "PATH_NOTE"]
+__all__ = ["scaled_dot_product_attention", "ring_attention", "shard_sequence", "unshard_sequence", "tensor_ops",
+           "NATIVE", "PATH_NOTE"]

@@ -11,7 +11,8 @@ The work is done by two custom operators, ``torch.ops.flash_attention_metal.forw
 ``flash_attn_with_kvcache`` (CPU tensors, forward only, appending to the caches in place) on
 ``kvcache_forward``. FlashAttention's packed entry points (``flash_attn_qkvpacked_func``,
 ``flash_attn_kvpacked_func`` and their varlen forms) split the packed tensor into views and call
-these. See docs/pytorch.md.
+these. ``mps_tensor_ops()`` says which kernels the last MPS pass took, the Metal 4 tensor-op ones
+(docs/tensor-ops.md) or not, and why. See docs/pytorch.md.
 """
 
 try:
@@ -24,10 +25,11 @@ except ImportError as error:  # the message names the extra that installs PyTorc
 
 from ._interface import flash_attn_func, scaled_dot_product_attention
 from ._kv_cache import flash_attn_with_kvcache
+from ._mps import tensor_ops as mps_tensor_ops
 from ._packed import (flash_attn_kvpacked_func, flash_attn_qkvpacked_func, flash_attn_varlen_kvpacked_func,
                       flash_attn_varlen_qkvpacked_func)
 from ._varlen import flash_attn_varlen_func
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache",
-           "scaled_dot_product_attention"]
+           "mps_tensor_ops", "scaled_dot_product_attention"]

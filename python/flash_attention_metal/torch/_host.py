@@ -49,9 +49,9 @@ def forward(q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap, bs
     ``dropout`` None or (dropout_p, seed, offset))."""
     _check_data(attn_mask, alibi_slopes)
     ctx = context()
-    out, lse, call = forward_call(ctx.library, q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap,
+    out, lse, call = forward_call(ctx._native, q, k, v, attn_mask, alibi_slopes, scale, causal, window, softcap,
                                   bshd, torch.Tensor.data_ptr, dropout)
-    ctx.call("fa_forward", call.problem, *_pointers(ctx.library.ffi, call, ("q", "k", "v", "out", "lse")))
+    ctx._call("fa_forward", call.problem, *_pointers(ctx._native.ffi, call, ("q", "k", "v", "out", "lse")))
     return out, lse
 
 
@@ -59,8 +59,8 @@ def backward(dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal, wi
     """(dq, dk, dv) of fa_backward; arguments as the backward operator's."""
     _check_data(attn_mask, alibi_slopes)
     ctx = context()
-    grads, call = backward_call(ctx.library, dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal,
+    grads, call = backward_call(ctx._native, dout, q, k, v, out, lse, attn_mask, alibi_slopes, scale, causal,
                                 window, softcap, bshd, torch.Tensor.data_ptr, dropout)
     roles = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
-    ctx.call("fa_backward", call.problem, *_pointers(ctx.library.ffi, call, roles))
+    ctx._call("fa_backward", call.problem, *_pointers(ctx._native.ffi, call, roles))
     return grads

@@ -148,14 +148,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     q, k, v = _autocast(q, k, v)
     _check_tensors({"q": q, "k": k, "v": v}, 4, 4)
     batch, seqlen_q, heads, head_dim = q.shape
+    # How the tensors agree is checked here: the library sees one set of sizes (q's and k's), not each
+    # tensor. The sizes' own rules (head_dim, nheads a multiple of nheads_k) are the library's.
     if k.shape[0] != batch or v.shape[0] != batch:
         raise ValueError(f"q, k and v must have one batch_size, got {q.shape[0]}, {k.shape[0]} and {v.shape[0]}")
     if k.shape[3] != head_dim:
         raise ValueError(f"k's headdim {k.shape[3]} must be q's {head_dim}")
     if v.shape[1:3] != k.shape[1:3]:
         raise ValueError(f"v's (seqlen_k, nheads_k) {tuple(v.shape[1:3])} must be k's {tuple(k.shape[1:3])}")
-    if heads % k.shape[2] != 0:
-        raise ValueError(f"nheads ({heads}) must be a multiple of nheads_k ({k.shape[2]})")
     causal = _validation.check_causal(causal)
     window = _validation.check_window_size(window_size)
     softcap = _validation.check_softcap(softcap)
@@ -203,14 +203,12 @@ def _mask(attn_mask, query: torch.Tensor, target: tuple) -> torch.Tensor | None:
 
 
 def _heads(query, key, value, enable_gqa: bool) -> int:
-    """The heads of the output, by PyTorch's rules: with enable_gqa, query heads that are a multiple
-    of the key heads; without, equal heads or one side's broadcast from 1."""
+    """The heads of the output, by PyTorch's rules: with enable_gqa, the query's (the library then
+    requires a multiple of the key heads); without, equal heads or one side's broadcast from 1."""
     hq, hk = query.shape[-3], key.shape[-3]
     if value.shape[-3] != hk:
         raise ValueError(f"value has {value.shape[-3]} heads and key {hk}: they must be equal")
     if enable_gqa:
-        if hq % hk:
-            raise ValueError(f"query heads ({hq}) must be a multiple of key and value heads ({hk}) with enable_gqa")
         return hq
     if hq != hk and 1 not in (hq, hk):
         raise ValueError(f"query has {hq} heads and key {hk}: they must be equal or 1 (broadcast), or pass "

@@ -161,9 +161,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if q.dim() != 4:
         raise ValueError(f"q must have 4 dimensions, got shape {tuple(q.shape)}")
     k_parts, v_parts = _split("k_cache", k_cache, bits), _split("v_cache", v_cache, bits)
-    bhsd = layout == "bhsd"
-    if layout not in ("bshd", "bhsd"):
-        raise ValueError(f"layout must be 'bshd' or 'bhsd', got {layout!r}")
+    bhsd = _validation.check_layout(layout) == "bhsd"
     batch = q.shape[0]
     if cache_seqlens is None:
         rows = k_parts[0].shape[2 if bhsd else 1]

@@ -34,6 +34,18 @@ The contract of compile_shader (PyTorch ``torch/csrc/mps/Module.cpp``, ``MetalKe
   ``setCurrentMPSStream``, in development) would break that: a pass of several pieces is refused
   there while the current stream is not the default one (``torch.accelerator.current_stream``;
   ``MPSGuardImpl::getStream`` gives the default stream, id 0, in every release).
+The tensor-op kernels (docs/tensor-ops.md) are compiled from source too, as a library of their
+own (``plan.tensor_kernel_source()`` after the dispatch's prelude): compile_shader compiles at MSL
+4.0 on macOS 26 and later (``compileLibrary`` on PyTorch main at 001d046: ``is_macos_at_least(
+MACOS_26_0)`` selects ``MTLLanguageVersion4_0``; 3.2 on macOS 15, 3.1 before), which the
+MetalPerformancePrimitives header needs; a PyTorch or OS that compiles older MSL fails that compile
+(``compileLibrary`` raises ``c10::SyntaxError`` for a compile failure, which
+``torch/csrc/Exceptions.h`` turns into Python's SyntaxError, and RuntimeError otherwise; making a
+pipeline, ``getLibraryPipelineState``, raises RuntimeError), which loses only the tensor-op path:
+the pass is planned again without it, and ``tensor_ops()`` says why. The library is wanted where ``plan.tensor_ops_wanted()`` says so for
+the library's own Metal device: PyTorch gives Python no MTLDevice or architecture
+(``torch.backends.mps`` has get_name and get_core_count), and its MPS device, the first Metal device
+that is not low-power (``aten/src/ATen/mps/MPSDevice.mm``), is the Apple-silicon Mac's one GPU.
 An MPS tensor's ``data_ptr()`` is never used as an address (it is an MTLBuffer handle plus an
 offset). Values that need the data (NaN in an additive mask) are not checked here: the kernels
 give defined output for any input without a synchronisation.
@@ -53,38 +65,68 @@ from .. import plan as _plan
 from .._native import native
 from ._tensors import backward_call, forward_call
 
-#: Work per piece of a plan, each piece ending its command buffer (``_end_command_buffer``): the
-#: Swift host's budget against the GPU watchdog (MetalBackend.defaultFlopsPerCommandBuffer).
-MAX_FLOPS_PER_PIECE = 1 << 35
+#: Work per piece of a plan, each piece ending its command buffer (``_end_command_buffer``); None
+#: is the Swift host's budget against the GPU watchdog, the header's 2**FA_PLAN_PIECE_FLOPS_LOG2
+#: (tests lower it).
+MAX_FLOPS_PER_PIECE = None
 #: Threadgroup memory of an Apple GPU threadgroup (Apple7 and later).
 _MAX_THREADGROUP_MEMORY = 32768
 #: A stand-in address for an optional input that is present: a plan reads only presence.
 _PRESENT = 1
 _PLAN_CACHE_SIZE = 256
-#: The inputs the kernels copy into threadgroup memory in chunks of this many bytes (FA_CHUNK_BYTES).
+#: The inputs the kernels copy into threadgroup memory in chunks (the header's FA_PLAN_BIND_ALIGNMENT).
 _CHUNKED_ROLES = ("q", "k", "v", "out", "dout")
-_CHUNK_BYTES = 16
 
 #: The key of ``_libraries`` that holds the PYTORCH_MPS_FAST_MATH reading (read with the first
 #: library compiled from source, as PyTorch reads it with its first).
 _FAST_MATH = "PYTORCH_MPS_FAST_MATH"
 
+#: The key of ``_libraries`` that holds why the tensor-op library failed to compile (once failed,
+#: every later plan keeps the simdgroup kernels), and the key of the last pass's route.
+_TENSOR_FAILURE = "tensor library failure"
+_ROUTE = "tensor-op route"
+
 _lock = threading.Lock()
-#: Per process: the compiled libraries by constants prelude, and the fast-math reading.
+#: Per process: the compiled libraries by (constants prelude, tensor-op library), the fast-math
+#: reading, the tensor-op library's failure and the last route.
 _libraries: dict = {}
 _plans: OrderedDict = OrderedDict()
 
 
+class _TensorLibraryFailed(Exception):
+    """compile_shader refused the tensor-op source; the message is the compiler's."""
+
+
+def tensor_ops() -> str:
+    """The tensor-op route of the last pass this process planned for MPS tensors and why
+    (``plan.Plan.tensor_ops``: "tensor ops: ..." or "simdgroup kernels: ...", with the compiler's
+    message where the tensor-op library failed to compile); "" before the first."""
+    with _lock:
+        return _libraries.get(_ROUTE, "")
+
+
+def _target() -> _plan.Target:
+    """What this process offers the plans (see the module docstring): no tensor-op library where
+    the library does not want one; else "ready" (compiled per prelude on first use) until a compile
+    of it failed, then "failed" with the compiler's message."""
+    if not _plan.tensor_ops_wanted():
+        return _plan.Target("none")
+    with _lock:
+        failure = _libraries.get(_TENSOR_FAILURE)
+    return _plan.Target("ready") if failure is None else _plan.Target("failed", failure)
+
+
 def _compile(dispatch: _plan.Dispatch):
-    """The compiled library of the dispatch's specialisation, made on first use (once per process
-    and prelude): every feature off is loaded precompiled where build.sh built it and this
-    PyTorch has ``torch.mps.load_metallib``; the others are compiled from source."""
-    key = dispatch.constants_prelude
+    """The compiled library of the dispatch's specialisation, made on first use (once per process,
+    prelude and library): every feature off is loaded precompiled where build.sh built it and this
+    PyTorch has ``torch.mps.load_metallib``; the others, and the tensor-op kernels, are compiled
+    from source. Raises _TensorLibraryFailed when compile_shader refuses the tensor-op source."""
+    key = (dispatch.constants_prelude, dispatch.tensor_library)
     with _lock:
         if key in _libraries:
             return _libraries[key]
     precompiled = _plan.features_off_metallib_path() if hasattr(torch.mps, "load_metallib") else None
-    if precompiled is not None and key == _plan.features_off_prelude():
+    if precompiled is not None and key == (_plan.features_off_prelude(), False):
         try:
             library = torch.mps.load_metallib(precompiled)
         except RuntimeError:
@@ -101,7 +143,12 @@ def _compile(dispatch: _plan.Dispatch):
             f"PYTORCH_MPS_FAST_MATH is set ({fast_math!r}): torch.mps.compile_shader would compile the attention "
             "kernels with fast math, which breaks the infinities they rely on (rows without keys, masked "
             "scores); unset it (or set it to 0) before the process starts (PyTorch and this module read it once)")
-    library = torch.mps.compile_shader(_plan.specialized_source(dispatch))
+    try:
+        library = torch.mps.compile_shader(_plan.specialized_source(dispatch))
+    except (SyntaxError, RuntimeError) as error:
+        if not dispatch.tensor_library:
+            raise
+        raise _TensorLibraryFailed(f"{type(error).__name__}: {error}") from error
     with _lock:
         return _libraries.setdefault(key, library)
 
@@ -113,17 +160,20 @@ def _fast_math_on(value: str | None) -> bool:
     return value is not None and value != "0"
 
 
-def _plan_for(p, pass_name: str) -> _plan.Plan:
-    """The plan of ``pass_name`` for fa_problem ``p``, cached by the problem's bytes (its pointer
-    fields hold only presence markers, so equal problems have equal bytes) and the GPU core count
-    its chunks are planned for (FLASH_ATTENTION_GPU_CORES may change between calls)."""
+def _plan_for(p, pass_name: str, target: _plan.Target) -> _plan.Plan:
+    """The plan of ``pass_name`` for fa_problem ``p`` and ``target``, cached by the problem's bytes
+    (its pointer fields hold only presence markers, so equal problems have equal bytes), the target,
+    and the GPU core count and tensor-op override it is planned for (FLASH_ATTENTION_GPU_CORES and
+    FLASH_ATTENTION_TENSOR_OPS may change between calls)."""
     library = native()
-    key = (pass_name, MAX_FLOPS_PER_PIECE, os.environ.get("FLASH_ATTENTION_GPU_CORES"), library.ffi.buffer(p)[:])
+    budget = MAX_FLOPS_PER_PIECE or 1 << library.lib.FA_PLAN_PIECE_FLOPS_LOG2
+    key = (pass_name, budget, os.environ.get("FLASH_ATTENTION_GPU_CORES"), os.environ.get("FLASH_ATTENTION_TENSOR_OPS"),
+           target, library.ffi.buffer(p)[:])
     with _lock:
         if key in _plans:
             _plans.move_to_end(key)
             return _plans[key]
-    made = _plan.create(p, pass_name, MAX_FLOPS_PER_PIECE, library)
+    made = _plan.create(p, pass_name, budget, library, target)
     with _lock:
         _plans[key] = made
         while len(_plans) > _PLAN_CACHE_SIZE:
@@ -142,10 +192,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t``, or where compile_shader would bind it at a byte offset that is not a multiple of 16 (a
     view such as ``x[..., 1:65]``), a copy with the same strides in storage of its own. The plan's
     parameters take the kernels' 16-byte tile copies whenever the strides and head dims are
-    multiples of 16 bytes (FA_CHUNK_BYTES, ``scalar_copies`` in Shaders/flash_attention_params.h),
-    and its bindings' offsets are multiples of the strides; the plan cannot see where compile_shader
-    binds a view, so an input copied in tiles must start at a 16-byte boundary."""
-    if t.storage_offset() * t.element_size() % _CHUNK_BYTES == 0:
+    multiples of 16 bytes (the header's FA_PLAN_BIND_ALIGNMENT, ``scalar_copies`` in
+    Shaders/flash_attention_params.h), and its bindings' offsets are multiples of the strides; the
+    plan cannot see where compile_shader binds a view, so an input copied in tiles must start at a
+    16-byte boundary."""
+    if t.storage_offset() * t.element_size() % native().lib.FA_PLAN_BIND_ALIGNMENT == 0:
         return t
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
@@ -181,6 +232,36 @@ def _words(params: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(params) // 8}q", params))
 
 
+def _kernel(dispatch: _plan.Dispatch):
+    """The dispatch's kernel (``getattr`` on the library makes its pipeline: PyTorch's
+    ``getLibraryPipelineState``, which raises RuntimeError when Metal refuses it). Raises
+    _TensorLibraryFailed when the tensor-op library or a pipeline of it cannot be made."""
+    library = _compile(dispatch)
+    try:
+        return getattr(library, dispatch.kernel_name)
+    except RuntimeError as error:
+        if not dispatch.tensor_library:
+            raise
+        raise _TensorLibraryFailed(f"{dispatch.kernel_name}: {type(error).__name__}: {error}") from error
+
+
+def _planned(p, pass_name: str) -> tuple[_plan.Plan, list]:
+    """The plan of ``pass_name`` for ``p`` and its dispatches' kernels, every library compiled
+    before anything is encoded: where the tensor-op library fails, the failure is kept (later
+    plans keep the simdgroup kernels) and the pass is planned again without it."""
+    made = _plan_for(p, pass_name, _target())
+    try:
+        kernels = [_kernel(d) for d in made.dispatches]
+    except _TensorLibraryFailed as failure:
+        with _lock:
+            _libraries.setdefault(_TENSOR_FAILURE, str(failure))
+        made = _plan_for(p, pass_name, _target())
+        kernels = [_kernel(d) for d in made.dispatches]
+    with _lock:
+        _libraries[_ROUTE] = made.tensor_ops
+    return made, kernels
+
+
 def run(p, pass_name: str, tensors: dict) -> None:
     """Encodes the plan of ``pass_name`` for fa_problem ``p`` on the current MPS stream, binding
     ``tensors`` (role name -> tensor, each laid out as the problem says) and workspaces it allocates.
@@ -188,7 +269,7 @@ def run(p, pass_name: str, tensors: dict) -> None:
     Raises RuntimeError when a kernel's pipeline cannot run the plan's threadgroups (register
     pressure lowers its thread limit) or needs more threadgroup memory than a threadgroup has, when
     PYTORCH_MPS_FAST_MATH is on, or for a plan of several pieces off the default stream."""
-    made = _plan_for(p, pass_name)
+    made, kernels = _planned(p, pass_name)
     device = next(iter(tensors.values())).device
     _check_commit_stream(made, device)
     buffers = dict(tensors)
@@ -202,7 +283,7 @@ def run(p, pass_name: str, tensors: dict) -> None:
     for n, dispatch in enumerate(made.dispatches):
         if n > 0 and dispatch.piece != made.dispatches[n - 1].piece:
             _end_command_buffer()
-        kernel = getattr(_compile(dispatch), dispatch.kernel_name)
+        kernel = kernels[n]
         group = list(dispatch.threads_per_threadgroup)
         if math.prod(group) > kernel.max_threads_per_threadgroup:
             raise RuntimeError(

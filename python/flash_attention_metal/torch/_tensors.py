@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .._abi import abi_strides, mask_kind, mask_strides, new_problem, set_score_fields
-from .._validation import Shape, check_head_dim
+from .._validation import Shape
 
 #: The dtypes of q, k, v, dout and the outputs (one per call); lse is float32.
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,9 +112,9 @@ def _call(library, q, k, v, tensors: dict, attn_mask, alibi_slopes, *, scale, ca
     """The Call of (B, H, S, D) q, k, v with ``tensors`` (role -> tensor, lse included) and the
     options, every tensor but lse and the optional inputs put in ABI form here. ``address(t)`` is
     what the problem's pointer fields get for an optional input (its data_ptr() on the host, a
-    presence marker for a plan). Raises ValueError for a head_dim the kernels do not have."""
+    presence marker for a plan). The library judges the sizes (head_dim, heads) when it is given
+    the problem, before it writes anything."""
     shape = shape_of(q, k, v)
-    check_head_dim(shape, library.lib.fa_max_head_dim())
     views = {role: abi_tensor(t) for role, t in tensors.items() if role != "lse"}
     abi = {role: t for role, (t, _) in views.items()}
     abi["lse"] = tensors["lse"].contiguous()

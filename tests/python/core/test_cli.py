@@ -40,6 +40,10 @@ def test_info_reports_version_backend_device_and_library():
     # GPU: then a "plan gpu cores" row says so).
     if "FLASH_ATTENTION_GPU_CORES" not in os.environ:
         assert fields["gpu cores"].startswith("10 (the nominal GPU")
+    # Off a Mac no matrix units: the exported plans keep the simdgroup kernels, saying why.
+    if "FLASH_ATTENTION_TENSOR_OPS" not in os.environ and sys.platform != "darwin":
+        assert fields["tensor ops"] == ("simdgroup kernels: no Metal device, and the host named no architecture; "
+                                        "the host compiled no tensor-op library (exported plans: PyTorch MPS, MLX GPU)")
 
 
 def test_info_says_why_auto_runs_on_the_cpu():

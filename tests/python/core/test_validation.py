@@ -46,17 +46,13 @@ def test_layout_must_be_a_str(guarded, inputs, layout):
 
 def test_bshd_shapes_are_read_in_bshd_order(guarded):
     # (B, L, H, D): seqlen_q 5, heads 4; k seqlen_k 6, kv heads 2.
+    # (How the heads are read: core/test_library_rules.py, the library's rule.)
     q, k, v, dout = make_inputs(0, 2, 4, 2, 5, 6, 8, head_dim_v=3, layout="bshd")
-    with pytest.raises(ValueError, match="num_heads 4 must be divisible by k/v num_kv_heads 3"):
-        guarded.forward(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2), layout="bshd")
     with pytest.raises(ValueError, match=r"v shape \(2, 5, 2, 3\) must equal k shape \(2, 6, 2, 8\) but for the "
                                          r"last axis \(head_dim_v\): \(batch, seqlen, num_heads\) in layout 'bshd'"):
         guarded.forward(q, k, v[:, :5], layout="bshd")
     with pytest.raises(ValueError, match="k batch size 1 must equal q batch size 2"):
         guarded.forward(q, k[:1], v[:1], layout="bshd")
-    # The same arrays read as bhsd: 5 query heads over 6 KV heads.
-    with pytest.raises(ValueError, match="num_heads 5 must be divisible by k/v num_kv_heads 6"):
-        guarded.forward(q, k, v)
 
 
 def test_dout_and_out_need_head_dim_v(guarded):
@@ -68,14 +64,6 @@ def test_dout_and_out_need_head_dim_v(guarded):
         guarded.backward(np.zeros(q.shape, np.float16), q, k, v, out, lse)
     with pytest.raises(ValueError, match=r"out shape \(1, 2, 5, 8\) must equal q shape"):
         guarded.backward(dout, q, k, v, np.zeros(q.shape, np.float16), lse)
-
-
-def test_head_dim_v_above_the_supported_range_is_rejected(guarded):
-    head_dim_v = fam.default_context().max_head_dim + 1
-    q, k, v, _ = make_inputs(0, 1, 1, 1, 2, 2, 8, head_dim_v=head_dim_v)
-    rule = rf"head_dim_v {head_dim_v} is outside the supported range 1..{head_dim_v - 1}"
-    with pytest.raises(ValueError, match=rule):
-        guarded.forward(q, k, v)
 
 
 def test_inputs_must_be_arrays(guarded, inputs):
@@ -113,19 +101,6 @@ def test_v_must_match_k_seqlen(guarded, inputs):
     inputs["v"] = inputs["v"][:, :, :3]
     with pytest.raises(ValueError, match=r"v shape .* must equal k shape"):
         run_forward(guarded, inputs)
-
-
-def test_heads_must_be_divisible_by_kv_heads(guarded):
-    q, k, v, _ = make_inputs(0, 1, 3, 2, 4, 4, 8)
-    with pytest.raises(ValueError, match="num_heads 3 must be divisible by k/v num_kv_heads 2"):
-        guarded.forward(q, k, v)
-
-
-def test_head_dim_above_the_supported_range_is_rejected(guarded):
-    head_dim = fam.default_context().max_head_dim + 1
-    q, k, v, _ = make_inputs(0, 1, 1, 1, 2, 2, head_dim)
-    with pytest.raises(ValueError, match=rf"head_dim {head_dim} is outside the supported range 1..{head_dim - 1}"):
-        guarded.forward(q, k, v)
 
 
 def test_lse_must_be_float32(guarded, inputs):

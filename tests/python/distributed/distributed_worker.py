@@ -140,6 +140,9 @@ def errors(comm) -> None:
                                                                comm=comm, causal=True, timeout=TIMEOUT_S))
     report_error("scale per rank", lambda: dist.ring_attention(q_local, k_local, v_local, comm=comm, causal=True,
                                                                softmax_scale=0.1 * (rank + 1), timeout=TIMEOUT_S))
+    heads = q_local[:, :1].repeat(3, axis=1) if rank == 1 else q_local  # 3 query heads over 2 KV heads
+    report_error("heads on rank 1", lambda: dist.ring_attention(heads, k_local, v_local, comm=comm, causal=True,
+                                                                timeout=TIMEOUT_S))
     short = q_local[:, :, 3:] if rank == 0 else q_local
     report_error("layout", lambda: dist.ring_attention(short, k_local, v_local, comm=comm, causal=True,
                                                        timeout=TIMEOUT_S))

@@ -149,6 +149,10 @@ def test_rejects_a_non_communicator_and_a_bad_timeout():
         dist.ring_attention(q, k, v, comm=MPI.COMM_SELF, timeout=0)
     with pytest.raises(ValueError, match="3-D .* or 4-D"):
         dist.shard_sequence(q[0, 0], comm=MPI.COMM_SELF)
+    # A rule of the library's (no Python copy): asked of it before the ring starts.
+    q, k, v, _ = make_inputs(1, 1, 3, 2, 4, 4, 8)
+    with pytest.raises(ValueError, match=r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"):
+        dist.ring_attention(q, k, v, comm=MPI.COMM_SELF)
 
 
 # --- several processes -------------------------------------------------------------------------
@@ -204,6 +208,10 @@ def test_argument_errors_are_raised_on_every_rank(ranks, tmp_path):
     assert dtype[1]["error"] == "TypeError" and "got float64" in dtype[1]["message"]
     for rank in set(range(ranks)) - {1}:
         assert dtype[rank]["error"] == "ValueError" and "rank(s) [1]" in dtype[rank]["message"]
+    # A rule of the library's, asked of it before the first exchange.
+    heads = by_label["heads on rank 1"]
+    assert heads[1]["error"] == "ArgumentError" and "num_heads (3) must be a multiple of" in heads[1]["message"]
+    assert all("rank(s) [1]" in heads[rank]["message"] for rank in set(range(ranks)) - {1})
     for label, pattern in (("scale per rank", "softmax_scale must be the same on every rank"),
                            ("dtype per rank", "must have the same dtype on every rank"),
                            ("layout", "layout of a"), ("unshard shapes", "same dtype and dimensions"),

@@ -3,8 +3,9 @@ over several threadgroups (flash_attention_backward_dkv_split, then backward_dkv
 float32 partial sums in split order) exactly where that raises the modelled occupancy of the GPU's
 threadgroup slots. Checked on the CPU engine, planning for other GPUs with FLASH_ATTENTION_GPU_CORES:
 the split taken as the rule says, gradients within the accuracy rule for KV heads 1 and 2 on every
-dtype with causal, window, varlen and dropout, bit-identical reruns, and what changing the split
-count may change (the grouping of the float32 sums only)."""
+dtype with causal, window, varlen and dropout, bit-identical reruns, what changing the split
+count may change (the grouping of the float32 sums only), and the workspace's bound on a huge
+problem (planned, not run)."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -19,25 +20,27 @@ CORES_VARIABLE = "FLASH_ATTENTION_GPU_CORES"
 # Shaders/flash_attention_params.h
 CORE_THREADGROUP_BYTES = 61440
 MIN_OCCUPANCY = 90
+MAX_WORKSPACE_BYTES = 64 << 20
 # dK/dV threadgroups per core at head_dim 64 (the occupancy table there), keys per block (32).
 DKV_RESIDENT_D64 = {"f16": 3, "bf16": 3, "f32": 2}
 DKV_BLOCK_K_D64 = 32
 
 
-def expected_splits(threadgroups: int, group: int, cores: int, resident: int) -> int:
+def expected_splits(threadgroups: int, group: int, cores: int, resident: int, max_splits: int = 1 << 32) -> int:
     """The plan's rule (GroupSplit.splits), restated: the unsplit grid unless its slots are busy less
     than MIN_OCCUPANCY percent of its waves, else the smallest divisor of the group that reaches it,
-    else the divisor with the highest occupancy (the smallest of equals) of at most 10 waves."""
+    else the divisor with the highest occupancy (the smallest of equals) of at most 10 waves; never
+    more than max_splits (the workspace bound)."""
     slots = cores * resident
 
     def occupancy(s):
         n = threadgroups * s
         return n / (-(-n // slots) * slots)
 
-    if group == 1 or occupancy(1) * 100 >= MIN_OCCUPANCY:
+    if group == 1 or max_splits < 2 or occupancy(1) * 100 >= MIN_OCCUPANCY:
         return 1
     best = 1
-    for s in range(2, min(group, -(-10 * slots // threadgroups)) + 1):
+    for s in range(2, min(group, max_splits, -(-10 * slots // threadgroups)) + 1):
         if group % s:
             continue
         if occupancy(s) * 100 >= MIN_OCCUPANCY:
@@ -188,3 +191,31 @@ def test_reruns_bit_identical_and_split_counts_differ_in_rounding_only(ctx, monk
             scale = np.abs(b).max() * (float(ml_dtypes.finfo(DTYPES[dtype]).eps) + 16 * float(np.finfo(np.float32).eps))
             assert np.abs(a - b).max() <= scale, (name, s)
         assert_within_rule(accuracy.evaluate_backward(dout, q, k, v, *results[0][1], causal=True), f"splits {s}")
+
+
+@pytest.mark.parametrize("kv_heads,seqlen,uncapped,capped", [(1, 4096, 32, 16), (2, 4096, 16, 8), (1, 131072, 2, 1)])
+def test_huge_problem_gets_a_bounded_workspace(monkeypatch, kv_heads, seqlen, uncapped, capped):
+    """B 1, H 32, head_dim 128 (float16: 2 dK/dV threadgroups per core, key blocks of 32) planned for
+    4096 GPU cores: the occupancy rule alone would split 1 KV head over 4K tokens 32 ways (128 MiB
+    of float32 workspace: 4 MiB per split) and 2 KV heads 16 ways (128 MiB); the plan takes the
+    most splits within MAX_WORKSPACE_BYTES (FA_DKV_SPLIT_MAX_WORKSPACE_BYTES), 16 and 8 (64 MiB),
+    and none at 128K tokens, where one split's workspace alone (128 MiB) is over it. Planned only."""
+    from flash_attention_metal import _abi, _native, plan
+    from flash_attention_metal._validation import Shape
+    library = _native.native()
+    problem = _abi.new_problem(library.ffi, library.lib, Shape(1, 32, kv_heads, seqlen, seqlen, 128), True, 0.125,
+                               "float16", {})
+    monkeypatch.setenv(CORES_VARIABLE, "4096")
+    made = plan.create(problem, "backward")
+    blocks, per_split = seqlen // 32 * kv_heads, kv_heads * seqlen * 2 * 128 * 4
+    assert expected_splits(blocks, 32 // kv_heads, 4096, 2) == uncapped
+    assert expected_splits(blocks, 32 // kv_heads, 4096, 2, MAX_WORKSPACE_BYTES // per_split) == capped
+    names = [d.kernel_name for d in made.dispatches]
+    if capped == 1:
+        assert "flash_attention_backward_dkv_f16_d128" in names
+        assert not any("partial_d" in b.role for b in made.buffers)
+        return
+    split = next(d for d in made.dispatches if d.kernel_name == "flash_attention_backward_dkv_split_f16_d128")
+    assert split.threadgroups_per_grid == (seqlen // 32 * capped, kv_heads, 1)
+    workspace = made.buffer("partial_dk").byte_count + made.buffer("partial_dv").byte_count
+    assert workspace == capped * per_split <= MAX_WORKSPACE_BYTES

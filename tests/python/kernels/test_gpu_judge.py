@@ -126,7 +126,7 @@ def test_a_nonzero_gradient_in_an_empty_row_fails(tmp_path, case):
 
 
 def test_quantized_cache_judged_against_exact_rows(tmp_path):
-    """A KV-cache case of tests/cuda/kv_cache_cases.cu: a 4-bit cache's rows come as float64
+    """A KV-cache case of the replay (grid.kv_cache_cases): a 4-bit cache's rows come as float64
     (NAME.k_exact, NAME.v_exact) and the judge attends to them; the CPU engine's decode result
     passes, and fails when the dump's exact rows are not the cache's (keys and values swapped)."""
     from flash_attention_metal import quantized

@@ -84,6 +84,41 @@ def test_serial_part_of_the_named_subset_on_context_metal():
     _passed(_pytest(_library(), *METAL_SUBSET, "-m", "serial", backend="metal"))
 
 
+# A forward plan as the PyTorch MPS path makes it (no architecture given: the library's Metal device),
+# its tensor-op library compiled where wanted: prints whether it was wanted, then the route.
+_EXPORTED_ROUTE = """
+from flash_attention_metal import _abi, _native, plan
+from flash_attention_metal._validation import Shape
+library = _native.native()
+problem = _abi.new_problem(library.ffi, library.lib, Shape(1, 2, 1, 70, 40, 64), True, 0.125, "float16", {})
+wanted = plan.tensor_ops_wanted()
+made = plan.create(problem, "forward", target=plan.Target("ready" if wanted else "none"))
+print(wanted)
+print(made.tensor_ops)
+print(made.dispatches[0].kernel_name)
+"""
+
+
+@pytest.mark.parametrize("architecture, expected", [
+    ("applegpu_g17s", ["True", "tensor ops: applegpu_g17s has matrix units", "flash_attention_forward_tensor_f16_d64"]),
+    (None, ["False", "simdgroup kernels: applegpu_g13s has no matrix units (architecture generation 17 and later "
+            "have); the host compiled no tensor-op library", "flash_attention_forward_f16_d64"]),
+])
+def test_exported_plans_read_the_metal_devices_architecture(architecture, expected):
+    """Exported plans without an architecture (the PyTorch MPS path's) gate on the Metal device the
+    library runs on (MetalBackend.defaultDeviceArchitecture; the stand-in's is an M1's or
+    FLASH_ATTENTION_METAL_STANDIN_ARCH): an M5's takes the tensor-op forward, an M1's not."""
+    env = dict(os.environ, **{fam.LIBRARY_ENV: str(_library())})
+    env.pop("FLASH_ATTENTION_TENSOR_OPS", None)
+    env.pop("FLASH_ATTENTION_METAL_STANDIN_ARCH", None)
+    if architecture is not None:
+        env["FLASH_ATTENTION_METAL_STANDIN_ARCH"] = architecture
+    result = subprocess.run([sys.executable, "-c", _EXPORTED_ROUTE], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == expected
+
+
 # A defect planted in a copy of MetalFlashAttention.swift: the original line, the planted one, and
 # what the failure must say.
 PLANTS = {

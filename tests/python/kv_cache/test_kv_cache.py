@@ -310,36 +310,57 @@ def test_plan_buffers_span_exactly_the_cache(bits):
     assert built.dispatches[0].kernel_name.startswith("flash_attention_forward_decode_kvcache_f16_d64")
 
 
-def test_kernels_clamp_a_wrong_table(ctx):
+@pytest.mark.parametrize("bits", [None, 8], ids=["float16", "8-bit"])
+@pytest.mark.parametrize("seqlen_q,kernel", [(3, "_decode_kvcache_"), (5, "_spec_kvcache_"),
+                                             (40, "forward_(split_)?kvcache_")], ids=["decode", "spec", "tiled"])
+def test_kernels_clamp_a_wrong_table(ctx, seqlen_q, kernel, bits):
     """fa_plan_execute does not read the table on the host: a table with entries past both ends
     runs on the kernels' clamps (into [0, num_blocks)) and gives what the clamped table gives,
-    without reading outside the cache (the sanitized CUDA build checks the same clamps)."""
+    without reading outside the cache (the sanitized CUDA build checks the same clamps): the decode
+    kernel's rows, and the tiled kernels' page cursors shared by K and V (the spec kernel's and the
+    dense one's, unquantized and 8-bit), whose last move runs past the table row (its index clamped
+    too)."""
     from flash_attention_metal import _abi, _validation
     ffi, lib = ctx._native.ffi, ctx._native.lib
     rng = np.random.default_rng(6)
-    blocks, heads, head_dim = 4, 2, 64
-    k_cache, v_cache = (_rows(rng, (blocks, heads, PAGE, head_dim), np.float16) for _ in range(2))
-    q = _rows(rng, (1, heads, 3, head_dim), np.float16)
+    blocks, heads, kv_heads, head_dim = 4, 4, 2, 64
+    k_cache, v_cache = (_rows(rng, (blocks, kv_heads, PAGE, head_dim), np.float16) for _ in range(2))
+    if bits:
+        k_cache, v_cache = (quantized.quantize(c, 32, bits) for c in (k_cache, v_cache))
+    q = _rows(rng, (1, heads, seqlen_q, head_dim), np.float16)
     wrong, clamped = np.int32([[99, -5, 2]]), np.int32([[3, 0, 2]])
-    problem = _abi.new_problem(ffi, lib, _validation.Shape(1, heads, heads, 3, 40, head_dim), True, 0.125,
+    problem = _abi.new_problem(ffi, lib, _validation.Shape(1, heads, kv_heads, seqlen_q, 40, head_dim), True, 0.125,
                                "float16", {})
     problem.kv_cache_rows, problem.kv_max_blocks, problem.kv_num_blocks = PAGE, 3, blocks
     problem.kv_block_table = ffi.cast("const int32_t *", wrong.ctypes.data)
+    out, lse = np.zeros((1, heads, seqlen_q, head_dim), np.float16), np.zeros((1, heads, seqlen_q), np.float32)
+    roles = [(lib.FA_BUFFER_ROLE_Q, q), (lib.FA_BUFFER_ROLE_OUT, out), (lib.FA_BUFFER_ROLE_LSE, lse),
+             (lib.FA_BUFFER_ROLE_BLOCK_TABLE, wrong)]
+    if bits:
+        problem.kv_bits, problem.kv_group_size = bits, 32
+        parts = {"k": k_cache, "v": v_cache}
+        for name in ("k", "v"):
+            words, scales, biases = parts[name]
+            setattr(problem, f"{name}_scales", ffi.cast("const void *", scales.ctypes.data))
+            setattr(problem, f"{name}_biases", ffi.cast("const void *", biases.ctypes.data))
+            roles += [(getattr(lib, f"FA_BUFFER_ROLE_{name.upper()}"), words),
+                      (getattr(lib, f"FA_BUFFER_ROLE_{name.upper()}_SCALES"), scales),
+                      (getattr(lib, f"FA_BUFFER_ROLE_{name.upper()}_BIASES"), biases)]
+    else:
+        roles += [(lib.FA_BUFFER_ROLE_K, k_cache), (lib.FA_BUFFER_ROLE_V, v_cache)]
     holder = ffi.new("fa_plan **")
     ctx._native.raise_for_status(lib.fa_plan_create(problem, lib.FA_PASS_FORWARD, 0, holder))
-    out, lse = np.zeros((1, heads, 3, head_dim), np.float16), np.zeros((1, heads, 3), np.float32)
     buffers = ffi.new("void *[]", lib.FA_BUFFER_ROLE_COUNT)
-    for role, array in ((lib.FA_BUFFER_ROLE_Q, q), (lib.FA_BUFFER_ROLE_K, k_cache), (lib.FA_BUFFER_ROLE_V, v_cache),
-                        (lib.FA_BUFFER_ROLE_OUT, out), (lib.FA_BUFFER_ROLE_LSE, lse),
-                        (lib.FA_BUFFER_ROLE_BLOCK_TABLE, wrong)):
+    for role, array in roles:
         buffers[role] = ffi.cast("void *", array.ctypes.data)
     try:
         ctx._native.raise_for_status(lib.fa_plan_execute(ctx._handle, holder[0], buffers, lib.FA_BUFFER_ROLE_COUNT))
     finally:
         lib.fa_plan_destroy(holder[0])
     expected, expected_lse = fam.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=40, block_table=clamped,
-                                                         causal=True, layout="bhsd", return_softmax_lse=True,
-                                                         context=ctx)
+                                                         bits=bits, group_size=32, causal=True, layout="bhsd",
+                                                         return_softmax_lse=True, context=ctx)
+    assert re.search(kernel, ctx.last_profile.dispatches[0].kernel), ctx.last_profile.dispatches[0].kernel
     assert np.array_equal(out, expected) and np.array_equal(lse, expected_lse)
 
 

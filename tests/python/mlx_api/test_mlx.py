@@ -304,12 +304,15 @@ def test_shape_errors_name_the_argument(native):
     q, k, v, _ = _small()
     with pytest.raises(ValueError, match=r"^q must be 4-D"):
         fam_mlx.scaled_dot_product_attention(q[0], k, v, scale=0.5, context=context)
-    # The library's own message on the native path, the Python package's on the fallback.
-    heads = (r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)" if native
-             else r"^q num_heads 4 must be divisible by k/v num_kv_heads 3")
-    with pytest.raises(ValueError, match=heads):
+    # The library's own message on both paths (the rule has no Python copy).
+    with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):
         fam_mlx.scaled_dot_product_attention(q, mx.concatenate([k, k[:, :1]], axis=1),
                                              mx.concatenate([v, v[:, :1]], axis=1), scale=0.5, context=context)
+    wide = mx.zeros((1, 1, 2, 577), dtype=mx.float16)
+    with pytest.raises(ValueError, match=r"head_dim \(577\) must be at most fa_max_head_dim\(\) \(576\)"):
+        fam_mlx.scaled_dot_product_attention(wide, wide, wide, scale=0.5, context=context)
+    with pytest.raises(ValueError, match=r"dropout_p \(1\.0\) must be at least 0 and below 1"):
+        fam_mlx.scaled_dot_product_attention(q, k, v, scale=0.5, dropout_p=1.0, dropout_seed=0, context=context)
 
 
 # Training: the tiny transformer of examples/mlx_train_tiny.py (models.tiny_mlx), 50 steps.

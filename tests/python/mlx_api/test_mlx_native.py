@@ -211,3 +211,16 @@ def test_a_pass_longer_than_one_command_buffer_is_refused_on_the_gpu():
         assert "2^35 FLOP" in why and "watchdog" in why and "mx.eval each part" in why and "CPU stream" in why, why
     count = lambda backward: int(_mlx_ext.long_pass_refusal(long, long, long, True, backward).split()[5])
     assert 1 < count(False) < count(True)
+
+
+def test_the_tensor_op_route_is_reported_after_a_gpu_pass():
+    """``tensor_ops()`` is the extension's last GPU route (eval_gpu sets it, docs/tensor-ops.md):
+    without Metal (here) only CPU-stream passes run, which plan nothing, so it stays ""; after a GPU
+    pass (on a Mac) it names the way."""
+    q, k, v, _ = _small()
+    if not mx.metal.is_available():
+        mx.eval(ours(q, k, v, scale=0.5, stream=mx.cpu))
+        assert fam_mlx.tensor_ops() == ""
+    else:
+        mx.eval(ours(q, k, v, scale=0.5, stream=mx.gpu))
+        assert fam_mlx.tensor_ops().startswith(("tensor ops: ", "simdgroup kernels: "))

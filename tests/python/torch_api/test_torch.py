@@ -249,7 +249,8 @@ def _small():
 
 
 @pytest.mark.parametrize("call, error, rule", [
-    (lambda q, k, v: fat.flash_attn_func(q, k, v, dropout_p=1.0), ValueError, "dropout_p must be at least 0 and below 1"),
+    (lambda q, k, v: fat.flash_attn_func(q, k, v, dropout_p=1.0), ValueError,
+     r"dropout_p \(1\.0\) must be at least 0 and below 1"),
     (lambda q, k, v: fat.flash_attn_func(q, k, v, return_attn_probs=1), TypeError, "return_attn_probs must be a bool"),
     (lambda q, k, v: fat.flash_attn_func(q, k, v, deterministic=None), TypeError, "deterministic must be a bool"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, dropout_p=-0.5), ValueError, "dropout_p"),
@@ -261,7 +262,7 @@ def _small():
      ValueError, "enable_gqa=True"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q.repeat(1, 3, 1, 1), k.repeat(1, 2, 1, 1),
                                                       v.repeat(1, 2, 1, 1), enable_gqa=True),
-     ValueError, r"query heads \(6\) must be a multiple of key and value heads \(4\)"),
+     ValueError, r"num_heads \(6\) must be a multiple of num_kv_heads \(4\)"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 5, dtype=torch.bool)),
      ValueError, "not broadcastable"),
     (lambda q, k, v: fat.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 5, dtype=torch.int32)),
@@ -278,9 +279,9 @@ def _small():
     (lambda q, k, v: fat.flash_attn_func(q, k, v, alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes shape"),
     (lambda q, k, v: fat.flash_attn_func(q, k, v, alibi_slopes=torch.ones(1, 2).half()), TypeError, "float32"),
     (lambda q, k, v: fat.flash_attn_func(q, k[:, :, :1].repeat(1, 1, 3, 1), v[:, :, :1].repeat(1, 1, 3, 1)),
-     ValueError, r"nheads \(5\) must be a multiple of nheads_k \(3\)"),
+     ValueError, r"num_heads \(5\) must be a multiple of num_kv_heads \(3\)"),
     (lambda q, k, v: fat.scaled_dot_product_attention(*(torch.zeros(1, 1, 2, 600, dtype=torch.float16),) * 3),
-     ValueError, "head_dim 600 is outside the supported range 1..576"),
+     ValueError, r"head_dim \(600\) must be at most fa_max_head_dim\(\) \(576\)"),
 ])
 def test_errors_name_the_argument_and_the_rule(call, error, rule):
     with pytest.raises(error, match=rule):

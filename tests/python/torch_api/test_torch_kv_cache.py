@@ -130,6 +130,9 @@ def test_refusals_leave_the_cache_untouched():
                                 block_table=table)
     with pytest.raises(ValueError, match="bits=8 is given, so k_cache must be"):
         flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, bits=8)
+    # A rule of the library's (no Python copy), asked of it before the append.
+    with pytest.raises(ValueError, match=r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"):
+        flash_attn_with_kvcache(q[:, :, :3], k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table)
     assert torch.equal(k_cache, before)
     # Without cache_seqlens every sequence's cache is full: 48 rows each, no append.
     out = flash_attn_with_kvcache(q, k_cache, v_cache, block_table=table)

@@ -8,8 +8,12 @@ kernel name, and check every argument against compile_shader's contract as PyTor
 
 - the source is ASCII (Metal gets it through NSASCIIStringEncoding) and is a dispatch's constants
   prelude (the function constants' values, which the stand-in hands the engine as the dispatch's
-  constants: compile_shader has none) followed by ``fa_plan_kernel_source()``, left unchanged by
-  compile_shader's embedding of PyTorch's headers;
+  constants: compile_shader has none) followed by ``fa_plan_kernel_source()`` or, a library of its
+  own, the tensor-op source ``fa_plan_tensor_kernel_source()``, left unchanged by compile_shader's
+  embedding of PyTorch's headers; a library holds only its own source's kernels; compileLibrary's
+  MSL version (4.0 on macOS 26 on PyTorch main, 3.2 on macOS 15) decides whether the tensor-op
+  source, which includes MetalPerformancePrimitives, compiles: below 4.0 it raises SyntaxError
+  (``c10::SyntaxError`` for MTLLibraryErrorCompileFailure);
 - argument i is ``[[buffer(i)]]``; a tensor binds its storage's buffer at ``storage_offset() *
   element_size()`` bytes (never through ``data_ptr()``); any other argument is setBytes: a Python
   int as int64, a float as float32, a non-empty list of either as a vector of that type (every
@@ -37,6 +41,7 @@ import pytest
 from torch_env import torch  # noqa: E402  (first: skips without PyTorch)
 
 from flash_attention_metal import _native, plan  # noqa: E402
+from flash_attention_metal.errors import ArgumentError  # noqa: E402
 from flash_attention_metal.torch import _host, _mps  # noqa: E402
 
 _ENGINE_CDEF = """
@@ -66,6 +71,10 @@ class StandInCompiler:
         # The engine's C entry points are exported by libFlashAttentionMetal (Sources/MSLEngine/include).
         self.engine = self.ffi.dlopen(str(_native.native().path))
         self.max_threads = max_threads_per_threadgroup
+        #: compileLibrary's MSL version (MTLCompileOptions.languageVersion), as (major, minor).
+        self.language_version = (4, 0)
+        #: Sources refused (compile failures raised).
+        self.refused = []
         self.sources = []
         self.dispatches = []
         # len(dispatches) at each commit: torch.mps.Event().record() through the stand-in events.
@@ -84,8 +93,13 @@ class StandInCompiler:
         self.commits.append(len(self.dispatches))
 
     def __call__(self, source: str):
+        library = StandInLibrary(self, source)
+        if library.tensor and self.language_version < (4, 0):
+            self.refused.append(source)
+            raise SyntaxError("program_source:7:10: fatal error: 'MetalPerformancePrimitives/"
+                              "MetalPerformancePrimitives.h' file not found")
         self.sources.append(source)
-        return StandInLibrary(self, source)
+        return library
 
 
 _CONSTANT = re.compile(r"^constant (bool|uint) (\w+) = (true|false|\d+);$")
@@ -108,11 +122,16 @@ class StandInLibrary:
             bits = {"true": 1, "false": 0}[value] if kind == "bool" else int(value)
             self.constants.append((index, 0 if kind == "bool" else 1, bits))
         # compile_shader's header embedding ends the text with one more newline; nothing else changes.
-        assert "\n".join(lines[count:]).rstrip("\n") == plan.kernel_source().rstrip("\n"), \
-            "compile_shader got other text than the kernel source"
+        text = "\n".join(lines[count:]).rstrip("\n")
+        sources = {plan.kernel_source().rstrip("\n"): False, plan.tensor_kernel_source().rstrip("\n"): True}
+        assert text in sources, "compile_shader got other text than the kernel source or the tensor-op source"
+        #: Whether this is the tensor-op library, which holds the kernels named "_tensor_" and no other.
+        self.tensor = sources[text]
         self.compiler = compiler
 
     def __getattr__(self, name: str):
+        # MTLLibrary.newFunctionWithName gives nil for a kernel of the other library.
+        assert ("_tensor_" in name) == self.tensor, f"no kernel {name} in this library"
         info = self.compiler.ffi.new("msl_engine_kernel_info *")
         assert self.compiler.engine.msl_engine_describe_kernel(name.encode(), info), f"no kernel {name}"
         return StandInKernel(self, name, info)
@@ -290,6 +309,20 @@ def test_translation_gives_the_cpu_paths_bits(compiler, monkeypatch, case):
         assert names[:2] == ["flash_attention_forward_decode_f32_d128", "flash_attention_forward_combine_f32"]
 
 
+@pytest.mark.parametrize("sizes, rule", [
+    ((torch.float16, 1, 1, 1, 2, 3, 577), r"head_dim \(577\) must be at most fa_max_head_dim\(\) \(576\)"),
+    ((torch.float16, 1, 3, 2, 2, 3, 8), r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+    ((torch.float32, 1, 1, 1, 2, 3, 264), r"with dtype float32 must be at most 256"),
+], ids=["head_dim", "heads", "float32 head_dim"])
+def test_the_librarys_refusals_come_before_any_dispatch(compiler, sizes, rule):
+    """The rules Python leaves to the library reach the MPS path's caller from fa_plan_create, as
+    a ValueError naming the argument, before anything is compiled or dispatched."""
+    q, k, v, _, _ = _case(*sizes)
+    with pytest.raises(ArgumentError, match=rule):
+        _mps.forward(q, k, v, None, None, 0.5, False, None, 0.0, False)
+    assert compiler.sources == [] and compiler.dispatches == []
+
+
 def test_pieces_bind_at_offsets(compiler, monkeypatch):
     """A plan cut into pieces: each piece's dispatches bind the buffers at the piece's offsets
     (views of the tensors further into their storage), still give the whole plan's bits, and each
@@ -374,7 +407,7 @@ def _forward_kernel(compiler):
     sizes, options = CASES["float16, causal GQA"]
     q, k, v, _, _ = _case(*sizes)
     _, _, call = _mps.forward_call(_native.native(), q, k, v, None, None, 0.2, True, None, 0.0, False, _mps._present)
-    dispatch, = _mps._plan_for(call.problem, "forward").dispatches
+    dispatch, = _mps._plan_for(call.problem, "forward", _mps._target()).dispatches
     arguments = [None] * (len(dispatch.bindings) + 1)
     for binding in dispatch.bindings:
         arguments[binding.index] = call.tensors[binding.role]
@@ -456,4 +489,100 @@ def test_features_off_is_loaded_precompiled(compiler, monkeypatch, tmp_path):
     got.append(_run(_mps, *featured))
     assert len(compiler.sources) == compiled + 1 and not compiler.sources[-1].startswith(plan.features_off_prelude())
     for mine, theirs in zip(got[0] + got[1] + got[2], expected[0] + expected[0] + expected[1]):
+        assert torch.equal(mine, theirs)
+
+
+# The tensor-op kernels (docs/tensor-ops.md): float16 at head_dim 64 with GQA, causal; more than 64
+# query rows, so that the dense forward serves them (split-KV keeps its kernels).
+TENSOR_SIZES = (torch.float16, 1, 2, 1, 66, 40, 64)
+TENSOR_SETTINGS = (0.2, True, None, 0.0, False)
+
+
+def _is_tensor_source(source: str) -> bool:
+    """Whether compile_shader got the tensor-op source (after a prelude; PyTorch adds a newline)."""
+    return source.rstrip("\n").endswith(plan.tensor_kernel_source().rstrip("\n"))
+
+
+def _tensor_run():
+    """(q, k, v, dout) and (out, lse, dq, dk, dv) of the MPS path for TENSOR_SIZES."""
+    q, k, v, _, _ = _case(*TENSOR_SIZES)
+    out, lse = _mps.forward(q, k, v, None, None, *TENSOR_SETTINGS)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.dtype)
+    return (q, k, v, dout), (out, lse, *_mps.backward(dout, q, k, v, out, lse, None, None, *TENSOR_SETTINGS))
+
+
+def test_forced_tensor_ops_name_tensor_kernels_within_the_rule(compiler, monkeypatch):
+    """FLASH_ATTENTION_TENSOR_OPS=1: the MPS plans name the tensor-op forward, dQ and dK/dV, compiled
+    from the tensor-op source as a library of its own (once per prelude; the other dispatches from
+    the kernel source), and the results are within the accuracy rule's tensor-op term of the
+    float64 reference; mps_tensor_ops() says which way and why."""
+    from conftest import assert_within_rule
+    from flash_attention_metal import accuracy
+    from flash_attention_metal.torch import mps_tensor_ops
+
+    monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", "1")
+    (q, k, v, dout), (out, lse, dq, dk, dv) = _tensor_run()
+    names = [name for name, _ in compiler.dispatches]
+    for kernel in ("forward", "backward_dq", "backward_dkv"):
+        assert f"flash_attention_{kernel}_tensor_f16_d64" in names, names
+    tensor_sources = [s for s in compiler.sources if _is_tensor_source(s)]
+    assert len(tensor_sources) == len(set(tensor_sources)) == 1  # one prelude: features off
+    assert mps_tensor_ops().startswith("tensor ops: FLASH_ATTENTION_TENSOR_OPS=1 (")
+    arrays = [t.numpy() for t in (q, k, v)]
+    options = dict(causal=True, softmax_scale=0.2, tensor_ops=True)
+    metrics = accuracy.evaluate_forward(*arrays, out.numpy(), lse.numpy(), **options)
+    metrics += accuracy.evaluate_backward(dout.numpy(), *arrays, dq.numpy(), dk.numpy(), dv.numpy(), **options)
+    assert_within_rule(metrics, "tensor-op kernels on the MPS path")
+
+
+@pytest.mark.parametrize("value, why", [
+    ("0", "simdgroup kernels: FLASH_ATTENTION_TENSOR_OPS=0"),
+    (None, "simdgroup kernels: no Metal device, and the host named no architecture"),  # Linux: no matrix units
+])
+def test_without_the_override_or_with_0_no_tensor_kernel(compiler, monkeypatch, value, why):
+    from flash_attention_metal.torch import mps_tensor_ops
+
+    if value is None:
+        monkeypatch.delenv("FLASH_ATTENTION_TENSOR_OPS", raising=False)
+    else:
+        monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", value)
+    _tensor_run()
+    assert compiler.dispatches and not any("_tensor_" in name for name, _ in compiler.dispatches)
+    assert not any(_is_tensor_source(s) for s in compiler.sources + compiler.refused)
+    assert mps_tensor_ops().startswith(why)
+
+
+def test_a_tensor_library_compile_failure_falls_back_with_the_reason(compiler, monkeypatch):
+    """compile_shader at MSL 3.2 (macOS 15, or a PyTorch that does not select 4.0) refuses the
+    tensor-op source: the pass is planned again on the simdgroup kernels (nothing was encoded
+    before), giving their bits; the failure is kept (the backward does not try again) and
+    mps_tensor_ops() carries the compiler's message."""
+    from flash_attention_metal.torch import mps_tensor_ops
+
+    monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", "1")
+    compiler.language_version = (3, 2)
+    _, got = _tensor_run()
+    assert len(compiler.refused) == 1
+    assert compiler.dispatches and not any("_tensor_" in name for name, _ in compiler.dispatches)
+    route = mps_tensor_ops()
+    assert route.startswith("simdgroup kernels: FLASH_ATTENTION_TENSOR_OPS=1, but ")
+    assert route.endswith("the host's tensor-op library failed: SyntaxError: program_source:7:10: "
+                          "fatal error: 'MetalPerformancePrimitives/MetalPerformancePrimitives.h' file not found")
+    monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", "0")
+    _, expected = _tensor_run()
+    for mine, theirs in zip(got, expected):
+        assert torch.equal(mine, theirs)
+
+
+def test_tensor_op_plans_in_pieces_give_the_whole_plans_bits(compiler, monkeypatch):
+    """The tensor-op kernels bound at a piece's offsets (MAX_FLOPS_PER_PIECE 1: one query or key
+    block range per piece) give the bits of the plan in one piece."""
+    monkeypatch.setenv("FLASH_ATTENTION_TENSOR_OPS", "1")
+    _, whole = _tensor_run()
+    monkeypatch.setattr(_mps, "MAX_FLOPS_PER_PIECE", 1)
+    start = len(compiler.dispatches)
+    _, pieces = _tensor_run()
+    names = [name for name, _ in compiler.dispatches[start:]]
+    assert sum("_tensor_" in name for name in names) > 3 and len(compiler.commits) > 2
+    for mine, theirs in zip(pieces, whole):
         assert torch.equal(mine, theirs)

@@ -60,7 +60,9 @@ def test_opcheck():
 def test_refusals():
     q = torch.zeros(4, 2, 8, dtype=torch.float16)
     cu = torch.tensor([0, 4], dtype=torch.int32)
-    with pytest.raises(ValueError, match="dropout_p"):
+    with pytest.raises(ValueError, match=r"dropout_p \(1\.5\) must be at least 0 and below 1"):
         flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, dropout_p=1.5)
+    with pytest.raises(ValueError, match=r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"):
+        flash_attn_varlen_func(torch.zeros(4, 3, 8, dtype=torch.float16), q, q, cu, cu, 4, 4)
     with pytest.raises(ValueError, match="cu_seqlens_k must be non-decreasing"):
         flash_attn_varlen_func(q, q, q, cu, torch.tensor([0, 3, 2, 4], dtype=torch.int32), 4, 4)

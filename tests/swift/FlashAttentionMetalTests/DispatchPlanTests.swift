@@ -151,8 +151,10 @@ final class DispatchPlanTests: XCTestCase {
     /// The dK/dV group split (GroupSplit): unsplit at 90 % occupancy of the slots' waves or more,
     /// else the smallest divisor of the group that reaches it, else the best divisor.
     func testGroupSplitRule() {
-        func splits(_ blocks: UInt32, _ kvHeads: UInt32, _ group: UInt32, _ cores: UInt32) -> UInt32 {
-            GroupSplit.splits(keyBlocks: blocks, kvHeads: kvHeads, batch: 1, group: group, cores: cores, resident: 2)
+        func splits(_ blocks: UInt32, _ kvHeads: UInt32, _ group: UInt32, _ cores: UInt32,
+                    max: UInt32 = .max) -> UInt32 {
+            GroupSplit.splits(keyBlocks: blocks, kvHeads: kvHeads, batch: 1, group: group, cores: cores, resident: 2,
+                              maxSplits: max)
         }
         // B 1, H 32, 4K tokens, head_dim 128 (docs/performance.md): 128 key blocks.
         XCTAssertEqual([1, 2, 8].map { splits(128, $0, 32 / $0, 10) }, [1, 1, 1])
@@ -165,6 +167,26 @@ final class DispatchPlanTests: XCTestCase {
         // Huge groups: the search stops at 10 waves (8192 slots here), so it is short and the grid small.
         XCTAssertEqual(splits(1, 1, 1 << 31, 4096), 8192)
         XCTAssertEqual(splits(1, 1, 4_294_967_291, 4096), 1)  // a prime: no divisor within 10 waves
+        // The workspace bound: at most `max` splits, the best divisor below it, none below 2.
+        XCTAssertEqual(splits(32, 1, 32, 40, max: 16), 16)
+        XCTAssertEqual(splits(32, 1, 32, 40, max: 8), 2)  // 2, 4 and 8 all at 80 %: the smallest
+        XCTAssertEqual(splits(32, 1, 32, 40, max: 1), 1)
+    }
+
+    /// FA_DKV_SPLIT_MAX_WORKSPACE_BYTES bounds partial_dk and partial_dv together: planned for 4096
+    /// cores, B 1, H 32, 1 KV head, 4K tokens, head_dim 128 would split 32 ways (128 MiB); the plan
+    /// takes 16 (64 MiB), and at 128K tokens, where one split needs 128 MiB, none.
+    func testGroupSplitWorkspaceBound() throws {
+        for (seqlen, expected) in [(4096, UInt32(16)), (131_072, 1)] {
+            let p = try problem(batch: 1, heads: 32, kvHeads: 1, seqlenQ: seqlen, seqlenK: seqlen, headDim: 128)
+            let planned = p.planned(forGPUCores: 4096, tensorOps: .off, pass: .backward)
+            XCTAssertEqual(planned.dkvSplits, expected)
+            let perSplit = seqlen * 256 * 4
+            XCTAssertEqual(GroupSplit.maxSplits(for: planned), UInt32(Int(FA_DKV_SPLIT_MAX_WORKSPACE_BYTES) / perSplit))
+            let workspace = BufferRole.partialDk.byteCount(for: planned) + BufferRole.partialDv.byteCount(for: planned)
+            XCTAssertEqual(workspace, expected > 1 ? Int(expected) * perSplit : 0)
+            XCTAssertLessThanOrEqual(workspace, Int(FA_DKV_SPLIT_MAX_WORKSPACE_BYTES))
+        }
     }
 
     /// Every buffer slot of every dispatch is bound exactly once, the parameter struct included.

@@ -29,6 +29,36 @@ final class TensorOpsRouteTests: XCTestCase {
         }
     }
 
+    /// A host of exported plans (fa_plan_create_for): the device's units from the architecture it
+    /// names (the OS is checked in the process: always new enough off Apple), its library's state,
+    /// and whether it should compile the library (TensorOps.wantsLibrary, as the Metal host asks).
+    func testHostsOfExportedPlans() {
+        guard #available(macOS 26.2, iOS 26.2, tvOS 26.2, visionOS 26.2, *) else {
+            XCTAssertFalse(TensorOpsSupport.host(architecture: "applegpu_g17s", library: FA_TENSOR_LIBRARY_READY,
+                                                 error: nil).hasUnits)
+            return
+        }
+        let ready = TensorOpsSupport.host(architecture: "applegpu_g17s", library: FA_TENSOR_LIBRARY_READY, error: nil)
+        XCTAssertEqual(ready, m5)
+        let failed = TensorOpsSupport.host(architecture: "applegpu_g17s", library: FA_TENSOR_LIBRARY_FAILED,
+                                           error: "no MetalPerformancePrimitives")
+        XCTAssertTrue(failed.hasUnits && !failed.hasKernels)
+        XCTAssertEqual(failed.detail, "applegpu_g17s has matrix units; the host's tensor-op library failed: "
+                           + "no MetalPerformancePrimitives")
+        let old = TensorOpsSupport.host(architecture: "applegpu_g15g", library: FA_TENSOR_LIBRARY_NONE, error: nil)
+        XCTAssertFalse(old.hasUnits || old.hasKernels)
+        XCTAssertTrue(old.detail.hasSuffix("; the host compiled no tensor-op library"), old.detail)
+        unsetenv(TensorOps.environmentVariable)
+        XCTAssertTrue(TensorOps.wantsLibrary(hasUnits: true))
+        XCTAssertFalse(TensorOps.wantsLibrary(hasUnits: false))
+        setenv(TensorOps.environmentVariable, "1", 1)
+        XCTAssertTrue(TensorOps.wantsLibrary(hasUnits: false))
+        setenv(TensorOps.environmentVariable, "0", 1)
+        XCTAssertFalse(TensorOps.wantsLibrary(hasUnits: true))
+        setenv(TensorOps.environmentVariable, "yes", 1)
+        XCTAssertFalse(TensorOps.wantsLibrary(hasUnits: true))
+    }
+
     /// Unset: the device decides; 1: forced wherever the backend can run the kernels; 0: forbidden;
     /// anything else is refused naming the variable.
     func testRouteFollowsTheOverrideThenTheDevice() throws {
