@@ -7,9 +7,9 @@
 #   ./build.sh run     set-up (.venv with the Python package), build, then the main job:
 #                      python -m flash_attention_metal check, then examples/smollm2_generate.py,
 #                      then 20 fine-tuning steps of examples/finetune_smollm2.py (with torch and transformers)
-#   ./build.sh test    build, then every test: the address-space check of the kernels, swift test,
-#                      the sanitized run, the C program, on Linux the Metal backend's build against
-#                      the stand-in Metal module, pytest (with the workflow linters)
+#   ./build.sh test    build, then every test: swift test under ASan and UBSan (the sanitized run),
+#                      the C program, on Linux the Metal backend's build against the stand-in Metal
+#                      module, pytest (with the workflow linters and the kernels' address-space check)
 #   ./build.sh test --quick
 #                      build, then the quick tier: the C programs and the pytest tests marked quick
 #                      (tests/python/conftest.py), about one per feature; no swift test, sanitizers,
@@ -195,17 +195,17 @@ run_c_test() {
 }
 
 # The kernels through a second compiler that enforces MSL's address spaces (clang, C++ for OpenCL
-# 2021). Swift toolchains and Xcode ship a clang that can; where none can, install one with apt-get
-# when that is possible, else skip loudly.
-check_address_spaces() {
-    say "address-space check of Shaders/*.metal (tests/static/check_address_spaces.py)"
+# 2021): pytest runs tests/static/check_address_spaces.py (tests/python/kernels/test_address_space_check.py,
+# which skips without such a clang). Swift toolchains and Xcode ship a clang that can; where none
+# can, install one with apt-get when that is possible, else say loudly that the check is skipped.
+find_clang_for_address_spaces() {
     local status=0
-    python3 tests/static/check_address_spaces.py || status=$?
+    python3 tests/static/check_address_spaces.py --probe || status=$?
     if [[ $status == 2 ]] && command -v apt-get >/dev/null 2>&1 && [[ $(id -u) == 0 ]]; then
         say "installing clang with apt-get for the address-space check"
         if apt-get install -y -qq clang >/dev/null; then
             status=0
-            python3 tests/static/check_address_spaces.py || status=$?
+            python3 tests/static/check_address_spaces.py --probe || status=$?
         fi
     fi
     case $status in
@@ -215,15 +215,16 @@ check_address_spaces() {
     esac
 }
 
-# The sanitized run (tests/run_sanitized.sh: one ASan and UBSan build and its XCTest run) goes in the
-# background beside swift test, the C program, the stand-in build and the parallel pytest run, its
+# The sanitized run (tests/run_sanitized.sh: one ASan and UBSan build and its run of every XCTest)
+# goes in the background beside the C program, the stand-in build and the parallel pytest run, its
 # output kept in .build/sanitizers/run.log and shown when it ends; pytest's serial tests (timed
-# ones) run after it, alone.
+# ones) run after it, alone. A plain swift test runs only without it: it would build the package's
+# tests a second time (about 60 s of CPU) and run the same XCTests again, unsanitized.
 run_tests() {
     build_library
     setup_venv
     build_mlx_extension
-    check_address_spaces
+    find_clang_for_address_spaces
     local sanitized="" sanitized_log=.build/sanitizers/run.log
     if [[ -f tests/run_sanitized.sh ]]; then
         say "sanitized run (tests/run_sanitized.sh) in the background, log $sanitized_log"
@@ -241,8 +242,10 @@ run_tests() {
     else
         warn "tests/run_sanitized.sh is missing: skipping the sanitized run"
     fi
-    say "swift test"
-    swift test
+    if [[ -z $sanitized ]]; then
+        say "swift test"
+        swift test
+    fi
     run_c_test
     if [[ "$(uname -s)" != Darwin ]]; then
         # The Metal backend compiled against the stand-in Metal module; tests/python/kernels/test_metal_standin.py runs it.

@@ -13,7 +13,9 @@ defines it, so that every preprocessor path of the kernels is compiled; a file t
 <MetalPerformancePrimitives/...> (the tensor-op library, compiled at MSL 4.0) from 4.0 only.
 
 Usage: tests/static/check_address_spaces.py [--clang PATH] [FILE.metal ...]   (default: Shaders/*.metal)
-Exit status: 0 all compiled, 1 a compile error or a kernel not emitted, 2 no usable clang.
+       tests/static/check_address_spaces.py [--clang PATH] --probe   (only look for a usable clang)
+Exit status: 0 all compiled (--probe: a usable clang found), 1 a compile error or a kernel not
+emitted, 2 no usable clang.
 """
 from __future__ import annotations
 
@@ -130,6 +132,7 @@ def compile_kernels(clang: str, source: pathlib.Path, version: tuple[int, bool],
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clang", help="the clang to use (default: $CLANG, clang on PATH, or next to swift)")
+    parser.add_argument("--probe", action="store_true", help="only look for a usable clang: exit 0 or 2")
     parser.add_argument("sources", nargs="*", type=pathlib.Path)
     args = parser.parse_args()
     sources = args.sources or sorted((ROOT / "Shaders").glob("*.metal"))
@@ -142,6 +145,9 @@ def main() -> int:
         print(f"check_address_spaces: {clang} cannot compile C++ for OpenCL 2021 to SPIR (clang 14 or later "
               f"is needed): {reason}", file=sys.stderr)
         return 2
+    if args.probe:
+        print(f"check_address_spaces: {clang} compiles C++ for OpenCL 2021")
+        return 0
     results = [check(clang, source) for source in sources]
     return 0 if all(results) else 1
 

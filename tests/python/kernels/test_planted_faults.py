@@ -1,14 +1,15 @@
 """Planted kernel faults that the accuracy tests must catch.
 
 Each fault is one textual edit of a copy of Shaders/ (a regular expression and its replacement).
-The copy is compiled into a shared object of the CPU engine's float16 kernels alone
-(Sources/MSLEngine/flash_attention_kernels.cpp, the way the package compiles it: about 5 s of one
-core), which the library loads in place of its built-in kernels through the test-only hook
+The copy is compiled into a shared object of the CPU engine's float16 kernels of the head_dim
+buckets the catcher runs (the engine's float16 translation unit, flash_attention_kernels_f16.cpp,
+restricted to those buckets, with the package's flags: about 5 s of one core per bucket), which the
+library loads in place of its built-in kernels through the test-only hook
 MSL_ENGINE_KERNELS_OVERRIDE (Sources/MSLEngine/engine/msl_registry.cpp). A child pytest then runs
 the test named as the fault's catcher against it, and it must fail by an assertion. The unedited
-copy, built the same way, must pass every one of ``CATCHERS``: a failure is the fault's, not the
-build's. A pattern that no longer matches the kernels (they are being restructured) fails
-the check itself, naming the fault and the pattern.
+copy, built the same way with every bucket of ``CATCHER_BUCKETS``, must pass every one of
+``CATCHERS``: a failure is the fault's, not the build's. A pattern that no longer matches the
+kernels (they are being restructured) fails the check itself, naming the fault and the pattern.
 """
 
 from __future__ import annotations
@@ -36,14 +37,37 @@ CATCHERS = [
     "tests/python/core/test_long_sequences.py::test_long_forward_of_few_rows_within_rule",
 ]
 
+# The head_dim buckets (FA_HEAD_DIM_BUCKETS, Shaders/flash_attention_params.h) that the CATCHERS
+# run: the grid's head dims 8 to 128 and 256, the long forward's 64. The unedited build has them all;
+# a planted build only its catcher's (Fault.bucket): every bucket is one instance of the same
+# templates, and compiling all eight for each of the seven builds took 4 minutes of CPU. Every
+# build also has the bucket of FA_MAX_HEAD_DIM, whose forward kernel the CPU backend looks up to
+# tell that the engine has its kernels (CPUBackend.swift).
+CATCHER_BUCKETS = (32, 64, 96, 128, 256)
+MAX_HEAD_DIM = int(re.search(r"^#define FA_MAX_HEAD_DIM (\d+)$",
+                             (ROOT / "Shaders" / "flash_attention_params.h").read_text(), re.M).group(1))
+
+# What the engine says when a dispatch names a kernel the table lacks (msl_dispatch.cpp).
+MISSING_KERNEL = "no kernel of that name is registered"
+
 # Exported by the shared object: the hook's entry point, returning the edited kernels' table.
 # The catchers run float16 alone, so every planted build compiles the engine's float16 translation
-# unit only (flash_attention_kernels_f16.cpp) and serves its table.
+# unit (flash_attention_kernels_f16.cpp) restricted to some buckets, and serves its table.
 ENTRY_SOURCE = """#include "msl_kernel_registry.hpp"
 namespace msl_engine { const kernel_entry *flash_attention_kernels_f16(size_t *count); }
 extern "C" __attribute__((visibility("default"))) const msl_engine::kernel_entry *
 msl_engine_kernels_override(size_t *count) { return msl_engine::flash_attention_kernels_f16(count); }
 """
+
+
+def kernels_source(buckets: tuple[int, ...]) -> str:
+    """flash_attention_kernels_f16.cpp with the buckets of ``buckets`` (and FA_MAX_HEAD_DIM's)
+    only: the per-dtype kernels, those of each bucket, and their table."""
+    buckets = sorted({*buckets, MAX_HEAD_DIM})
+    return ('#include "flash_attention_kernels.hpp"\n\nFA_ENGINE_TARGET_BEGIN\nFA_DEFINE_DTYPE_KERNELS(half, f16)\n'
+            + "".join(f"FA_DEFINE_F16({bucket})\n" for bucket in buckets)
+            + "FA_ENGINE_TARGET_END\n\nFA_ENGINE_TABLE(f16, FA_ENGINE_DTYPE_ENTRIES(half, f16)"
+            + "".join(f" FA_ENGINE_F16_ENTRIES({bucket})" for bucket in buckets) + ")\n")
 
 
 @dataclass(frozen=True)
@@ -53,6 +77,7 @@ class Fault:
     pattern: str  # a regular expression (re.S), matched `count` times
     replacement: str
     catcher: str  # the test id (under tests/python/) expected among the failures
+    bucket: int  # the head_dim bucket the catcher runs (one of CATCHER_BUCKETS)
     count: int = 1
 
 
@@ -65,29 +90,30 @@ FAULTS = [
     # The forward's O rounded to float16 after every key tile's P V.
     Fault("O accumulated in float16", "flash_attention_forward.h",
           r"(accumulate_product<T>\(r\.o,[^;]*\);)", ROUND_O_TO_HALF,
-          "core/test_long_sequences.py::test_long_forward_of_few_rows_within_rule"),
+          "core/test_long_sequences.py::test_long_forward_of_few_rows_within_rule", 64),
     # O not multiplied by exp(m - m') on the second key tile (the running sum still is).
     Fault("rescale of O dropped on one tile", "flash_attention_forward.h",
           r"(r\.o\.f\[d\]\.thread_elements\(\)\[[01]\]\s*\*=\s*)correction;", r"\1(kv0 / BK == 1 ? 1.0f : correction);",
-          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]", count=2),
+          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]", 128,
+          count=2),
     # The element mask of a tile that the causal edge (or window) crosses lets key end through
     # (the window test of the decode kernel and dK/dV; TileWindow is the forward's and dQ's).
     Fault("off-by-one on the causal edge tile", "flash_attention_scores.h",
           r"key < keys\.end\b", "key <= keys.end",
-          "core/test_accuracy.py::test_forward_and_backward_within_rule[B2-H3-Hkv3-Nq7-Nk7-D8-causal]"),
+          "core/test_accuracy.py::test_forward_and_backward_within_rule[B2-H3-Hkv3-Nq7-Nk7-D8-causal]", 32),
     # The forward's key loop stops before a last tile that is not full.
     Fault("last key tile skipped", "flash_attention_forward.h",
           r"kv0 < key_end;(\s*kv0 \+= BK\)\s*\{\s*forward_tile<DP, BQ, BK[^>]*>\(r, tg,)", r"kv0 + BK <= key_end;\1",
-          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]"),
+          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]", 128),
     # dK/dV sum the group's first query head twice and never its last.
     Fault("dK/dV sum the wrong query head of a GQA group", "flash_attention_backward.h",
           r"(const uint h = kv_head \* group \+ )g;", r"\1(g + 1 < group ? g : 0);",
-          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H4-Hkv2-Nq32-Nk32-D32-full]"),
+          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H4-Hkv2-Nq32-Nk32-D32-full]", 32),
     # dQ takes the lse of the next row (the last row its own).
     Fault("dQ reads the lse of the neighbouring row", "flash_attention_backward.h",
           r"(const float row_lse = row < p\.seqlen_q \? backward_row_lse\(lse\[at_row)\]\)",
           r"\1 + (row + 1 < p.seqlen_q ? 1 : 0)])",
-          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]"),
+          "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]", 128),
 ]
 
 
@@ -118,22 +144,24 @@ def _compiler() -> str:
 
 
 def build_kernels(folder: Path, fault: Fault | None) -> Path:
-    """The CPU engine's float16 kernels compiled from a copy of Shaders/ with ``fault`` planted
-    (None: as they are) into folder/kernels.so."""
+    """The CPU engine's float16 kernels compiled from a copy of Shaders/ with ``fault`` planted into
+    folder/kernels.so: the buckets of ``CATCHER_BUCKETS`` as they are (``fault`` None), or the
+    fault's bucket with the fault planted."""
     shutil.copytree(ROOT / "Shaders", folder / "Shaders")
-    (folder / "Sources" / "MSLEngine").mkdir(parents=True)
-    for file in ("flash_attention_kernels.hpp", "flash_attention_kernels_f16.cpp"):
-        shutil.copy(ENGINE / file, folder / "Sources" / "MSLEngine")
+    engine = folder / "Sources" / "MSLEngine"  # the header includes ../../Shaders/
+    engine.mkdir(parents=True)
+    shutil.copy(ENGINE / "flash_attention_kernels.hpp", engine)
     if fault is not None:
         target = folder / "Shaders" / fault.file
         target.write_text(plant(target.read_text(), fault))
+    source = engine / "flash_attention_kernels_f16.cpp"
+    source.write_text(kernels_source(CATCHER_BUCKETS if fault is None else (fault.bucket,)))
     (folder / "entry.cpp").write_text(ENTRY_SOURCE)
     library = Path(_native.native().path).resolve()
     output = folder / "kernels.so"
     command = [_compiler(), "-O2", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden",
                f"-I{ENGINE / 'include'}", f"-I{ENGINE / 'msl'}", f"-I{ENGINE / 'engine'}",
-               str(folder / "Sources" / "MSLEngine" / "flash_attention_kernels_f16.cpp"), str(folder / "entry.cpp"),
-               str(library), f"-Wl,-rpath,{library.parent}", "-o", str(output)]
+               str(source), str(folder / "entry.cpp"), str(library), f"-Wl,-rpath,{library.parent}", "-o", str(output)]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, f"building {fault.name if fault else 'the unedited kernels'} failed:\n" \
         + result.stderr[-3000:]
@@ -173,8 +201,13 @@ def test_a_pattern_that_no_longer_matches_fails_naming_it():
         plant("kernel void restructured() {}", fault)
 
 
+def test_every_fault_runs_a_bucket_of_the_unedited_build():
+    assert all(fault.bucket in CATCHER_BUCKETS for fault in FAULTS)
+
+
 def test_the_unedited_kernels_built_so_pass(builds):
     run = run_catchers(builds[None])
+    assert MISSING_KERNEL not in run.stdout, f"a catcher runs a bucket outside CATCHER_BUCKETS\n{run.stdout[-3000:]}"
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
 
 
@@ -186,6 +219,8 @@ def test_planted_fault_is_caught(builds, fault):
     assert any(catcher.startswith(test) for test in CATCHERS), f"{fault.catcher} is not among CATCHERS"
     run = run_catchers(builds[fault.name], [catcher])
     failed = failed_tests(run)
+    assert MISSING_KERNEL not in run.stdout, f"{fault.name}: its catcher runs a bucket other than {fault.bucket}\n" \
+        + run.stdout[-3000:]
     assert run.returncode == 1 and failed, f"{fault.name}: not caught\n{run.stdout[-3000:]}{run.stderr[-2000:]}"
     assert "AssertionError" in run.stdout, f"{fault.name}: the tests failed by something else\n{run.stdout[-3000:]}"
     assert any(test.startswith(fault.catcher) for test in failed), \
