@@ -372,13 +372,13 @@ def test_plan_buffers_span_exactly_the_cache(bits):
 
 
 @pytest.mark.parametrize("bits", [None, 8], ids=["float16", "8-bit"])
-@pytest.mark.parametrize("seqlen_q,kernel", [(3, "_decode_kvcache_"), (5, "_spec_kvcache_"),
+@pytest.mark.parametrize("seqlen_q,kernel", [(3, "_decode_(mma_)?kvcache_"), (5, "_spec_kvcache_"),
                                              (40, "forward_(split_)?kvcache_")], ids=["decode", "spec", "tiled"])
 def test_kernels_clamp_a_wrong_table(ctx, seqlen_q, kernel, bits):
     """fa_plan_execute does not read the table on the host: a table with entries past both ends
     runs on the kernels' clamps (into [0, num_blocks)) and gives what the clamped table gives,
     without reading outside the cache (the sanitized CUDA build checks the same clamps): the decode
-    kernel's rows, and the tiled kernels' page cursors shared by K and V (the spec kernel's and the
+    kernels' rows (the MMA decode's for the 8-bit cache), and the tiled kernels' page cursors shared by K and V (the spec kernel's and the
     dense one's, unquantized and 8-bit), whose last move runs past the table row (its index clamped
     too)."""
     from flash_attention_metal import _abi, _validation
