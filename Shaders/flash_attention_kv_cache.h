@@ -663,34 +663,33 @@ struct PageChunks<T, PASSES, 0> {
     }
 };
 
-template <uint ROWS, uint DP, bool PAIRED, typename T, uint BITS, typename Tile>
-FA_ALWAYS_INLINE void load_keys(Tile tile, thread KVPages<T, ROWS, DP, BITS> &s, uint first,
-                                constant FlashAttentionParams &p, uint tid) {
+// One side's tile (K with VALUES false, V with it true) from the rows the cursors hold.
+template <uint ROWS, uint DP, bool PAIRED, bool VALUES, typename T, uint BITS, typename Tile>
+FA_ALWAYS_INLINE void load_pages(Tile tile, thread KVPages<T, ROWS, DP, BITS> &s,
+                                 thread TileStream<T, ROWS, DP> &side, thread const KVCacheHead<T> &cache,
+                                 uint first) {
     constexpr uint PASSES = TileStream<T, ROWS, DP>::PASSES;
     ulong rows[PASSES];
     ulong scale_rows[PASSES];
     FA_UNROLL
     for (uint i = 0; i < PASSES; ++i) {
-        rows[i] = s.at[i].k_row;
-        scale_rows[i] = s.at[i].k_scale_row;
+        rows[i] = VALUES ? s.at[i].v_row : s.at[i].k_row;
+        scale_rows[i] = VALUES ? s.at[i].v_scale_row : s.at[i].k_scale_row;
     }
-    copy_chunks<ROWS, DP, PAIRED>(tile, s.ks, PageChunks<T, PASSES, BITS>::at(s.k, s.ks.chunk, rows, scale_rows),
+    copy_chunks<ROWS, DP, PAIRED>(tile, side, PageChunks<T, PASSES, BITS>::at(cache, side.chunk, rows, scale_rows),
                                   first);
+}
+
+template <uint ROWS, uint DP, bool PAIRED, typename T, uint BITS, typename Tile>
+FA_ALWAYS_INLINE void load_keys(Tile tile, thread KVPages<T, ROWS, DP, BITS> &s, uint first,
+                                constant FlashAttentionParams &p, uint tid) {
+    load_pages<ROWS, DP, PAIRED, false>(tile, s, s.ks, s.k, first);
 }
 
 template <uint ROWS, uint DP, typename T, uint BITS, typename Tile>
 FA_ALWAYS_INLINE void load_values(Tile tile, thread KVPages<T, ROWS, DP, BITS> &s, uint first,
                                   constant FlashAttentionParams &p, uint tid) {
-    constexpr uint PASSES = TileStream<T, ROWS, DP>::PASSES;
-    ulong rows[PASSES];
-    ulong scale_rows[PASSES];
-    FA_UNROLL
-    for (uint i = 0; i < PASSES; ++i) {
-        rows[i] = s.at[i].v_row;
-        scale_rows[i] = s.at[i].v_scale_row;
-    }
-    copy_chunks<ROWS, DP, false>(tile, s.vs, PageChunks<T, PASSES, BITS>::at(s.v, s.vs.chunk, rows, scale_rows),
-                                 first);
+    load_pages<ROWS, DP, false, true>(tile, s, s.vs, s.v, first);
 }
 
 // The cursors moved on to the tile after the one just loaded.
