@@ -15,7 +15,8 @@
 //   (flash_attention_kernels.h).
 // - INSTANCES: `bucket`, one instance per dtype and head-dim bucket, named
 //   flash_attention_<KERNEL>_<dtype>_d<head_dim_max>; `decode_bucket`, the same for the buckets
-//   up to FA_DECODE_MAX_HEAD_DIM (FA_IF_DECODE); `tensor_bucket`, the same for the half and bfloat
+//   up to FA_DECODE_MAX_HEAD_DIM (FA_IF_DECODE); `decode_mma_bucket`, the same for the buckets
+//   the MMA decode serves (FA_IF_DECODE_MMA); `tensor_bucket`, the same for the half and bfloat
 //   buckets that have a Metal 4 tensor-op kernel (FA_IF_TENSOR, flash_attention_tensor.h), which
 //   only the tensor-op library (flash_attention_tensor.metal, MSL 4.0) and the CPU engine define;
 //   `dtype`, one per dtype, flash_attention_<KERNEL>_<dtype>; `once`, one, flash_attention_<KERNEL>.
@@ -46,7 +47,7 @@
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
     X(forward_decode_kvcache, decode_bucket, FA_KV_CACHE_SPLIT_BUFFERS, FA_READS_SCORE, decode_storage,          \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
-    X(forward_decode_mma_kvcache, decode_bucket, FA_KV_CACHE_SPLIT_BUFFERS, FA_READS_SCORE, decode_storage,      \
+    X(forward_decode_mma_kvcache, decode_mma_bucket, FA_KV_CACHE_SPLIT_BUFFERS, FA_READS_SCORE, decode_storage,      \
       FA_BUILTINS_SIMDGROUP, __VA_ARGS__)                                                                        \
     X(forward_spec, decode_bucket, FA_FORWARD_SPLIT_BUFFERS, FA_READS_SCORE, spec_storage, FA_BUILTINS_SIMDGROUP, \
       __VA_ARGS__)                                                                                               \
@@ -203,6 +204,7 @@
     FA_AT_BUCKET_##INSTANCES(DP, F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP))
 #define FA_AT_BUCKET_bucket(DP, ...) __VA_ARGS__
 #define FA_AT_BUCKET_decode_bucket(DP, ...) FA_IF_DECODE(DP, __VA_ARGS__)
+#define FA_AT_BUCKET_decode_mma_bucket(DP, ...) FA_IF_DECODE_MMA(DP, __VA_ARGS__)
 #define FA_AT_BUCKET_tensor_bucket(DP, ...)
 #define FA_AT_BUCKET_dtype(DP, ...)
 #define FA_AT_BUCKET_once(DP, ...)
@@ -210,6 +212,7 @@
     FA_AT_TENSOR_##INSTANCES(DP, F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP))
 #define FA_AT_TENSOR_bucket(DP, ...)
 #define FA_AT_TENSOR_decode_bucket(DP, ...)
+#define FA_AT_TENSOR_decode_mma_bucket(DP, ...)
 #define FA_AT_TENSOR_tensor_bucket(DP, ...) FA_IF_TENSOR(DP, __VA_ARGS__)
 #define FA_AT_TENSOR_dtype(DP, ...)
 #define FA_AT_TENSOR_once(DP, ...)
@@ -217,6 +220,7 @@
     FA_AT_DTYPE_##INSTANCES(F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP))
 #define FA_AT_DTYPE_bucket(...)
 #define FA_AT_DTYPE_decode_bucket(...)
+#define FA_AT_DTYPE_decode_mma_bucket(...)
 #define FA_AT_DTYPE_tensor_bucket(...)
 #define FA_AT_DTYPE_dtype(...) __VA_ARGS__
 #define FA_AT_DTYPE_once(...)
@@ -224,6 +228,7 @@
     FA_AT_ONCE_##INSTANCES(F(KERNEL, INSTANCES, BUFFERS, READS, STORAGE, BUILTINS, T, SUFFIX, DP))
 #define FA_AT_ONCE_bucket(...)
 #define FA_AT_ONCE_decode_bucket(...)
+#define FA_AT_ONCE_decode_mma_bucket(...)
 #define FA_AT_ONCE_tensor_bucket(...)
 #define FA_AT_ONCE_dtype(...)
 #define FA_AT_ONCE_once(...) __VA_ARGS__
@@ -232,6 +237,7 @@
 #define FA_KERNEL_NAME(KERNEL, INSTANCES, SUFFIX, DP) FA_KERNEL_NAME_##INSTANCES(KERNEL, SUFFIX, DP)
 #define FA_KERNEL_NAME_bucket(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX##_d##DP
 #define FA_KERNEL_NAME_decode_bucket(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX##_d##DP
+#define FA_KERNEL_NAME_decode_mma_bucket(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX##_d##DP
 #define FA_KERNEL_NAME_tensor_bucket(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX##_d##DP
 #define FA_KERNEL_NAME_dtype(KERNEL, SUFFIX, DP) flash_attention_##KERNEL##_##SUFFIX
 #define FA_KERNEL_NAME_once(KERNEL, SUFFIX, DP) flash_attention_##KERNEL

@@ -309,11 +309,13 @@ inline void kernel_merge(FA_PARAMETERS(FA_MERGE_BUFFERS, T), uint3 tgid, uint ti
 #define FA_STORAGE_TYPE(INSTANCES, STORAGE, T, DP) FA_STORAGE_TYPE_##INSTANCES(STORAGE, T, DP)
 #define FA_STORAGE_TYPE_bucket(STORAGE, T, DP) KernelTraits<T, DP>::STORAGE
 #define FA_STORAGE_TYPE_decode_bucket(STORAGE, T, DP) KernelTraits<T, DP>::STORAGE
+#define FA_STORAGE_TYPE_decode_mma_bucket(STORAGE, T, DP) KernelTraits<T, DP>::STORAGE
 #define FA_STORAGE_TYPE_tensor_bucket(STORAGE, T, DP) TensorKernelTraits<T, DP>::STORAGE
 #define FA_STORAGE_TYPE_dtype(STORAGE, T, DP) STORAGE<T>
 #define FA_STORAGE_TYPE_once(STORAGE, T, DP) STORAGE
 #define FA_BODY_ARGUMENTS_bucket(T, DP) <T, DP>
 #define FA_BODY_ARGUMENTS_decode_bucket(T, DP) <T, DP>
+#define FA_BODY_ARGUMENTS_decode_mma_bucket(T, DP) <T, DP>
 #define FA_BODY_ARGUMENTS_tensor_bucket(T, DP) <T, DP>
 #define FA_BODY_ARGUMENTS_dtype(T, DP) <T>
 #define FA_BODY_ARGUMENTS_once(T, DP)

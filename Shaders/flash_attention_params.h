@@ -333,6 +333,18 @@ typedef struct FlashAttentionParams {
 // 8-bit and 4-bit at 1.88x and 2.73x float16's keys per second at head_dim 128 by the cost model,
 // 1.88x and 2.50x at 64, where the vector decode gives 4-bit 2.84x and 2.02x at g = 1, 1.27x and
 // 1.01x at g = 8).
+// FA_IF_DECODE_MMA(DP, ...): the arguments where bucket DP has an MMA decode instance, the buckets
+// FA_DECODE_MMA_SERVES names (no instance elsewhere: no plan could reach it); KernelTraits
+// static_asserts that the two agree.
+#define FA_IF_DECODE_MMA(DP, ...) FA_IF_DECODE_MMA_##DP(__VA_ARGS__)
+#define FA_IF_DECODE_MMA_32(...) __VA_ARGS__
+#define FA_IF_DECODE_MMA_64(...) __VA_ARGS__
+#define FA_IF_DECODE_MMA_96(...)
+#define FA_IF_DECODE_MMA_128(...) __VA_ARGS__
+#define FA_IF_DECODE_MMA_192(...)
+#define FA_IF_DECODE_MMA_256(...)
+#define FA_IF_DECODE_MMA_512(...)
+#define FA_IF_DECODE_MMA_576(...)
 #define FA_DECODE_MMA_SERVES(DP, HEAD_DIM, HEAD_DIM_V, BITS, PACKED_ROWS)                          \
     (((DP) == 32 || (DP) == 64 || (DP) == 128) && (HEAD_DIM) == (DP) && (HEAD_DIM_V) == (DP) &&     \
      ((BITS) == 8 || (BITS) == 4) && FA_DECODE_SERVES(DP, PACKED_ROWS))

@@ -25,6 +25,7 @@ struct BucketTiles;
             dkv_block_k = DKV_BK,                                                                  \
             dkv_block_q = DKV_BQ,                                                                  \
             has_decode = 0 FA_IF_DECODE(DP, +1),                                                   \
+            has_decode_mma = 0 FA_IF_DECODE_MMA(DP, +1),                                           \
             spec_block_q = FA_SPEC_BLOCK_Q(FWD_BQ)                                                 \
         };                                                                                         \
     };
@@ -77,6 +78,8 @@ struct KernelTraits : BucketTiles<sizeof(T) == 4, DP> {
                   "accumulators per lane above the budget (flash_attention_params.h)");
     static_assert((Tiles::has_decode != 0) == (DP <= FA_DECODE_MAX_HEAD_DIM),
                   "FA_IF_DECODE_<DP> disagrees with FA_DECODE_MAX_HEAD_DIM");
+    static_assert((Tiles::has_decode_mma != 0) == FA_DECODE_MMA_SERVES(DP, DP, DP, 8, 1),
+                  "FA_IF_DECODE_MMA_<DP> disagrees with FA_DECODE_MMA_SERVES");
 };
 
 #endif

@@ -41,7 +41,7 @@ struct CatalogueKernel {
     func instanceName(for problem: Problem) -> String {
         switch instances {
         case Int(FA_KERNEL_INSTANCES_bucket), Int(FA_KERNEL_INSTANCES_decode_bucket),
-             Int(FA_KERNEL_INSTANCES_tensor_bucket):
+             Int(FA_KERNEL_INSTANCES_decode_mma_bucket), Int(FA_KERNEL_INSTANCES_tensor_bucket):
             return "flash_attention_\(name)_\(problem.dtype.kernelSuffix)_d\(problem.bucket.head_dim_max)"
         case Int(FA_KERNEL_INSTANCES_dtype):
             return "flash_attention_\(name)_\(problem.dtype.kernelSuffix)"

@@ -89,12 +89,14 @@ enum { FA_KERNELS(FA_KERNEL_ID) FA_KERNEL_COUNT };
 #undef FA_KERNEL_ID
 
 /* How a kernel is instantiated: FA_KERNEL_INSTANCES_BUCKET, flash_attention_<name>_<dtype>_d<head_dim_max>
- * per bucket (DECODE_BUCKET: the buckets up to FA_DECODE_MAX_HEAD_DIM; TENSOR_BUCKET: the half and
+ * per bucket (DECODE_BUCKET: the buckets up to FA_DECODE_MAX_HEAD_DIM; DECODE_MMA_BUCKET: those of
+ * FA_IF_DECODE_MMA; TENSOR_BUCKET: the half and
  * bfloat buckets of FA_TENSOR_BUCKET_MASK, in the tensor-op library); DTYPE,
  * flash_attention_<name>_<dtype>; ONCE, flash_attention_<name>. */
 enum {
     FA_KERNEL_INSTANCES_bucket,
     FA_KERNEL_INSTANCES_decode_bucket,
+    FA_KERNEL_INSTANCES_decode_mma_bucket,
     FA_KERNEL_INSTANCES_tensor_bucket,
     FA_KERNEL_INSTANCES_dtype,
     FA_KERNEL_INSTANCES_once

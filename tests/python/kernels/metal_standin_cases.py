@@ -155,6 +155,24 @@ def test_forward_backward_decode(cpu, metal, dtype, bucket, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_mma_decode_over_a_quantized_cache(cpu, metal, dtype, head_dim):
+    """A decode step over an 8-bit paged cache whose head_dim is its bucket's (FA_DECODE_MMA_SERVES):
+    the MMA decode, the same bits on both backends."""
+    from flash_attention_metal import quantized
+    rng = np.random.default_rng(head_dim + len(dtype))
+    pages = rng.permutation(8).astype(np.int32)[None]
+    k_cache, v_cache = (quantized.quantize(rng.standard_normal((8, 16, 1, head_dim)).astype(DTYPES[dtype]), 32, 8)
+                        for _ in range(2))
+    query = rng.standard_normal((1, 1, 3, head_dim)).astype(np.float32).astype(DTYPES[dtype])
+    cached = [fam.flash_attn_with_kvcache(query, k_cache, v_cache, cache_seqlens=100, block_table=pages, bits=8,
+                                          group_size=32, return_softmax_lse=True, context=c) for c in (cpu, metal)]
+    _record(metal)
+    assert any("decode_mma_kvcache" in d.kernel for d in metal.last_profile.dispatches)
+    _same(*cached, f"8-bit paged cache, MMA decode, {dtype} d{head_dim}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
 def test_merge(cpu, metal, dtype):
     rng = np.random.default_rng(7)
     out_a, out_b = (rng.standard_normal((2, 3, 5, 40)).astype(np.float32).astype(DTYPES[dtype]) for _ in "ab")
