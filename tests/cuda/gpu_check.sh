@@ -129,14 +129,16 @@ copy_sources() {
 # -tensor.o (kernel_objects names both).
 compile_kernels() {
     local tensor=${2%.o}-tensor.o tensor_job=""
+    # Each object is written under another name and moved into place, so a call cut short leaves
+    # no partial object for --reuse to take.
     if stale "$tensor"; then
-        "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table_tensor.cu" -o "$tensor" \
-            >"$tensor.log" 2>&1 &
+        { "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table_tensor.cu" -o "$tensor.part" \
+              && mv "$tensor.part" "$tensor"; } >"$tensor.log" 2>&1 &
         tensor_job=$!
     fi
     if stale "$2"; then
-        "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$2" >"$2.log" 2>&1 \
-            || return 1
+        { "$NVCC" "${FLAGS[@]}" -I"$1" --resource-usage -c "$GPU_DIR/launch_table.cu" -o "$2.part" \
+              && mv "$2.part" "$2"; } >"$2.log" 2>&1 || return 1
     fi
     [ -z "$tensor_job" ] || wait "$tensor_job"
 }
