@@ -37,61 +37,10 @@ inline ushort fragment_lane(uint row, uint col) {
     return ushort(((row & 4) << 2) | ((row & 3) << 1) | ((col & 4) << 1) | ((col & 2) >> 1));
 }
 
-// Where a lane's quarter of a row puts its elements: fragment f's pair (e = 0, 1) of the lane's
-// DP / 4 columns is word f / FPW's elements f % FPW and f % FPW + FPW (16 bits apart).
-template <uint DP, uint BITS>
-struct DecodeMMALayout {
-    enum : uint {
-        FRAGMENTS = DP / 8,       // fragments across head_dim
-        COLS = DP / 4,            // columns of a row per lane
-        WORDS = COLS * BITS / 32, // their words
-        EPW = 32 / BITS,          // elements per word
-        FPW = EPW / 2,            // fragments per word
-    };
-
-    // The column of fragment f's element e in the quarter starting at col0.
-    static inline uint column(uint col0, uint f, uint e) { return col0 + EPW * (f / FPW) + f % FPW + e * FPW; }
-};
-
 // Whether the MMA decode serves this launch's cache (see the top of this file).
 template <uint DP>
 inline bool decode_mma_serves(constant FlashAttentionParams &p) {
     return p.kv_bits != 0 && p.head_dim == DP && p.head_dim_v == DP;
-}
-
-// Whether a cache of T folds 1024 into the bias: its scales have at most 11 significant bits, so
-// scale x (1024 + q) is an exact float; a float cache's are wider, and it subtracts 1024 first.
-template <typename T>
-struct DecodeMMAFold {
-    enum : bool { value = sizeof(T) == 2 };
-};
-
-// Fragment f's pair of a lane's dequantized quarter into x, from its words: sb's (scale, bias) for
-// elements in place, (scale / 16, bias) for a 4-bit word's odd nibbles (16 q); with the fold,
-// the biases are bias - 1024 scale and bias - 64 scale and multiply 1024 + q and 1024 + 16 q
-// (exact halves) as they are.
-template <uint DP, uint BITS, typename T>
-inline void decode_mma_pair(thread const uint *w, uint f, thread const float *sb, thread float *x) {
-    typedef DecodeMMALayout<DP, BITS> L;
-    const uint word = w[f / L::FPW];
-    const uint j = f % L::FPW;
-    uint bits;
-    if (BITS == 8) {
-        bits = (j == 0 ? word : word >> 8) & 0x00ff00ffu;
-    } else {
-        const uint shifted = j < 2 ? word : word >> 8;
-        bits = shifted & (j % 2 == 0 ? 0x000f000fu : 0x00f000f0u);
-    }
-    const half2 h = as_type<half2>(bits | 0x64006400u);
-    const uint at = BITS == 4 && j % 2 == 1 ? 2 : 0;
-    float e0 = float(h.x);
-    float e1 = float(h.y);
-    if (!DecodeMMAFold<T>::value) {
-        e0 -= 1024.0f;
-        e1 -= 1024.0f;
-    }
-    x[0] = fma(sb[at], e0, sb[at + 1]);
-    x[1] = fma(sb[at], e1, sb[at + 1]);
 }
 
 // Fragments of 8 keys per SIMD-group and iteration: the outputs are rescaled once per N.
@@ -138,11 +87,7 @@ inline DecodeMMAQuarter<DP, BITS> decode_mma_quarter(device const uint *words, d
     }
     sc = simd_shuffle(sc, from);
     bi = simd_shuffle(bi, from);
-    const bool fold = DecodeMMAFold<T>::value;
-    x.sb[0] = sc;
-    x.sb[1] = fold ? fma(-1024.0f, sc, bi) : bi;
-    x.sb[2] = sc * 0.0625f;
-    x.sb[3] = fold ? fma(-64.0f, sc, bi) : bi;
+    decode_mma_fold<T>(sc, bi, x.sb);
     return x;
 }
 

@@ -8,8 +8,9 @@
 //
 // The tiled kernels read a cache by its kind, one key loop per kind (kv_cache_kind,
 // FA_WITH_CACHE_SOURCE): a contiguous unquantized cache as a plain tensor (DeviceKV), a paged one by
-// 16-byte chunks found by per-pass cursors that K and V share (PagedKV<T, 0>), a quantized one by
-// the same cursors and chunks dequantized in registers (PagedKV<T, BITS>), an unquantized paged one
+// 16-byte chunks whose rows one cursor per tile row finds for K and V and a SIMD-group's lanes share
+// (PagedKV<T, 0>), a quantized one by the same cursors and chunks dequantized in registers as the
+// MMA decode's lanes dequantize (PagedKV<T, BITS>), an unquantized paged one
 // off 16-byte boundaries element by element
 // (CacheKV: kv_elements, kv_chunk). The decode kernel's lanes load their slices of a row straight
 // into registers (CacheDecodeRows, kv_dequantize).
@@ -40,6 +41,8 @@ struct KVCacheHead {
     uint bits;                // 0: unquantized; 4 or 8
     uint group_size;
     uint group_shift;         // log2(group_size) (32, 64 or 128)
+    uint word_group_shift;    // log2(words per group): a row's offset in data >> it is its offset in
+                              // scales and biases (strides are whole rows of words, checked by the hosts)
 };
 
 // Entry `block` of a sequence's block table row (max_blocks entries), both clamped into range
@@ -174,6 +177,8 @@ inline KVCacheHead<T> kv_cache_head(constant FlashAttentionParams &p, device con
     c.bits = p.kv_bits;
     c.group_size = max(p.kv_group_size, 1u);
     c.group_shift = c.group_size >= 128 ? 7 : c.group_size >= 64 ? 6 : 5;
+    // A group's words: group_size * bits / 32 (4 to 32, a power of two).
+    c.word_group_shift = c.bits == 8 ? c.group_shift - 2 : c.bits == 4 ? c.group_shift - 3 : 0;
     c.table = table + (paged ? ulong(b) * p.kv_max_blocks : 0);
     c.block_stride = s.batch;
     c.row_stride = s.seq;
@@ -325,6 +330,71 @@ inline void kv_dequantize(device const uint *words, uint col, float scale, float
         const half q = as_type<half>(ushort(((w[0] >> (e * BITS)) & MASK) | 0x6400u)) - half(1024.0f);
         x[e] = fma(scale, float(q), bias);
     }
+}
+
+// The magic-number dequantization of word pairs that the MMA decode's lanes and the tiled kernels'
+// chunk copies share (flash_attention_decode_mma.h has the layout of a lane's quarter).
+
+// Where a lane's quarter of a row puts its elements: fragment f's pair (e = 0, 1) of the lane's
+// DP / 4 columns is word f / FPW's elements f % FPW and f % FPW + FPW (16 bits apart).
+template <uint DP, uint BITS>
+struct DecodeMMALayout {
+    enum : uint {
+        FRAGMENTS = DP / 8,       // fragments across head_dim
+        COLS = DP / 4,            // columns of a row per lane
+        WORDS = COLS * BITS / 32, // their words
+        EPW = 32 / BITS,          // elements per word
+        FPW = EPW / 2,            // fragments per word
+    };
+
+    // The column of fragment f's element e in the quarter starting at col0.
+    static inline uint column(uint col0, uint f, uint e) { return col0 + EPW * (f / FPW) + f % FPW + e * FPW; }
+};
+
+// Whether a cache of T folds 1024 into the bias: its scales have at most 11 significant bits, so
+// scale x (1024 + q) is an exact float; a float cache's are wider, and it subtracts 1024 first.
+template <typename T>
+struct DecodeMMAFold {
+    enum : bool { value = sizeof(T) == 2 };
+};
+
+// Fragment f's pair of a lane's dequantized quarter into x, from its words: sb's (scale, bias) for
+// elements in place, (scale / 16, bias) for a 4-bit word's odd nibbles (16 q); with the fold,
+// the biases are bias - 1024 scale and bias - 64 scale and multiply 1024 + q and 1024 + 16 q
+// (exact halves) as they are.
+template <uint DP, uint BITS, typename T>
+inline void decode_mma_pair(thread const uint *w, uint f, thread const float *sb, thread float *x) {
+    typedef DecodeMMALayout<DP, BITS> L;
+    const uint word = w[f / L::FPW];
+    const uint j = f % L::FPW;
+    uint bits;
+    if (BITS == 8) {
+        bits = (j == 0 ? word : word >> 8) & 0x00ff00ffu;
+    } else {
+        const uint shifted = j < 2 ? word : word >> 8;
+        bits = shifted & (j % 2 == 0 ? 0x000f000fu : 0x00f000f0u);
+    }
+    const half2 h = as_type<half2>(bits | 0x64006400u);
+    const uint at = BITS == 4 && j % 2 == 1 ? 2 : 0;
+    float e0 = float(h.x);
+    float e1 = float(h.y);
+    if (!DecodeMMAFold<T>::value) {
+        e0 -= 1024.0f;
+        e1 -= 1024.0f;
+    }
+    x[0] = fma(sb[at], e0, sb[at + 1]);
+    x[1] = fma(sb[at], e1, sb[at + 1]);
+}
+
+// A group's (scale, bias) as decode_mma_pair takes them: sb = scale, bias; scale / 16, bias for a
+// 4-bit word's odd nibbles; with the fold, the biases are bias - 1024 scale and bias - 64 scale.
+template <typename T>
+FA_ALWAYS_INLINE void decode_mma_fold(float scale, float bias, thread float *sb) {
+    const bool fold = DecodeMMAFold<T>::value;
+    sb[0] = scale;
+    sb[1] = fold ? fma(-1024.0f, scale, bias) : bias;
+    sb[2] = scale * 0.0625f;
+    sb[3] = fold ? fma(-64.0f, scale, bias) : bias;
 }
 
 // The decode kernel's rows of a cache (DeviceDecodeRows in flash_attention_decode.h has the
@@ -480,6 +550,55 @@ inline CacheDecodeRows<T> decode_rows(CacheKV<T> kv, constant FlashAttentionPara
     return r;
 }
 
+// One 16-byte tile chunk (V elements from column col, a multiple of V, of one group) of a packed
+// row dequantized. 2-byte tiles: the MMA decode's word pairs with 1024 folded into the bias
+// (decode_mma_pair on a "quarter" of V columns: one mask, one or, an fma per element, no
+// int-to-float convert, no subtraction); float tiles: kv_dequantize's elements.
+template <typename T, uint BITS, uint PER_WORD = TileWords<T>::PER_WORD>
+struct QuantChunk {
+    static FA_ALWAYS_INLINE uint4 load(device const uint *words, uint col, float scale, float bias) {
+        constexpr uint V = FA_CHUNK_BYTES / sizeof(T);
+        float x[V];
+        kv_dequantize<V, BITS>(words, col, scale, bias, x);
+        uint4 out;
+        FA_UNROLL
+        for (uint e = 0; e < V; ++e) {
+            out[e] = TileWords<T>::bits(T(x[e]));
+        }
+        return out;
+    }
+};
+
+template <typename T, uint BITS>
+struct QuantChunk<T, BITS, 2> {
+    static FA_ALWAYS_INLINE uint4 load(device const uint *words, uint col, float scale, float bias) {
+        constexpr uint V = FA_CHUNK_BYTES / sizeof(T);
+        typedef DecodeMMALayout<4 * V, BITS> L;  // its quarter of a row: V columns
+        uint w[L::WORDS];
+        FA_DEVICE_READ(words + col * BITS / 32, L::WORDS * 4);
+        FA_UNROLL
+        for (uint i = 0; i < L::WORDS; ++i) {
+            w[i] = words[col * BITS / 32 + i];
+        }
+        float sb[4];
+        decode_mma_fold<T>(scale, bias, sb);
+        float y[V];
+        FA_UNROLL
+        for (uint f = 0; f < V / 2; ++f) {
+            float x[2];
+            decode_mma_pair<4 * V, BITS, T>(w, f, sb, x);
+            y[L::column(0, f, 0)] = x[0];
+            y[L::column(0, f, 1)] = x[1];
+        }
+        uint4 out;
+        FA_UNROLL
+        for (uint i = 0; i < 4; ++i) {
+            out[i] = TileWords<T>::bits(T(y[2 * i])) | (TileWords<T>::bits(T(y[2 * i + 1])) << 16);
+        }
+        return out;
+    }
+};
+
 // The tiled kernels' chunks of a quantized cache (BITS 8 or 4, contiguous or paged; KVPages below
 // finds the rows): each thread's 16-byte chunk of a row dequantized from its words as the decode
 // kernel's lanes do (kv_dequantize: one or two word loads, no int-to-float convert), so the chunk
@@ -493,19 +612,10 @@ struct QuantChunks {
     device const T *biases;
     uint col;                          // the chunk's first column
 
-    inline uint4 load(uint k) const {
-        constexpr uint V = FA_CHUNK_BYTES / sizeof(T);
-        constexpr uint PER_WORD = TileWords<T>::PER_WORD;
+    FA_ALWAYS_INLINE uint4 load(uint k) const {
         FA_DEVICE_READ(scales + group[k], sizeof(T));
         FA_DEVICE_READ(biases + group[k], sizeof(T));
-        float x[V];
-        kv_dequantize<V, BITS>(words[k], col, float(scales[group[k]]), float(biases[group[k]]), x);
-        uint4 out = uint4(0);
-        FA_UNROLL
-        for (uint e = 0; e < V; ++e) {
-            out[e / PER_WORD] |= TileWords<T>::bits(T(x[e])) << (16 * (e % PER_WORD));
-        }
-        return out;
+        return QuantChunk<T, BITS>::load(words[k], col, float(scales[group[k]]), float(biases[group[k]]));
     }
 };
 
@@ -513,24 +623,20 @@ struct QuantChunks {
 // once: both caches are addressed through the same block table (K and V of a row share its block
 // and row within it), so the row's table entry is read, clamped and multiplied out once for both.
 struct KVPairCursor {
-    uint block;         // the row's entry of the table row (paged; contiguous: 0)
-    uint r;             // its row within that block (contiguous: the row)
-    ulong k_row;        // its offset in K's data and in V's (units of data)
-    ulong v_row;
-    ulong k_scale_row;  // quantized: in K's scales and biases, and in V's
-    ulong v_scale_row;
+    uint block;   // the row's entry of the table row (paged; contiguous: 0)
+    uint r;       // its row within that block (contiguous: the row)
+    ulong k_row;  // its offset in K's data and in V's (units of data; quantized, the offsets in
+    ulong v_row;  // scales and biases are these >> word_group_shift)
 };
 
 // How a cursor moves by one tile of ROWS rows, worked out once per launch (the one division of
 // ROWS by page_rows): ROWS = blocks x page_rows + rows; within a block its offsets grow by ROWS
-// rows of K, V and their scales.
+// rows of K and V.
 struct KVTileStep {
     ulong k;
     ulong v;
-    ulong k_scale;
-    ulong v_scale;
     uint rows;    // ROWS % page_rows (contiguous: ROWS)
-    uint blocks;  // ROWS / page_rows (contiguous: 0)
+    uint blocks;  // ROWS / page_rows (contiguous: 0); a wrapped row's block moves by blocks + 1
     uint within;  // a moved cursor is still in its block while its row is below this: page_rows
                   // where blocks is 0, else 0 (contiguous: every row)
 };
@@ -540,8 +646,6 @@ inline KVTileStep kv_tile_step(thread const KVCacheHead<T> &k, thread const KVCa
     KVTileStep s;
     s.k = ulong(ROWS) * k.row_stride;
     s.v = ulong(ROWS) * v.row_stride;
-    s.k_scale = ulong(ROWS) * k.scale_row_stride;
-    s.v_scale = ulong(ROWS) * v.scale_row_stride;
     s.blocks = k.page_rows == 0 ? 0 : ROWS / k.page_rows;
     s.rows = ROWS - s.blocks * k.page_rows;
     s.within = k.page_rows == 0 ? 0xffffffffu : (s.blocks == 0 ? k.page_rows : 0);
@@ -556,10 +660,6 @@ FA_ALWAYS_INLINE void kv_pair_seek(thread const KVCacheHead<T> &k, thread const 
     const ulong page = QUANTIZED && k.page_rows == 0 ? 0 : kv_page(k.table, k.max_blocks, k.num_blocks, at.block);
     at.k_row = page * k.block_stride + ulong(at.r) * k.row_stride;
     at.v_row = page * v.block_stride + ulong(at.r) * v.row_stride;
-    if (QUANTIZED) {
-        at.k_scale_row = page * k.scale_block_stride + ulong(at.r) * k.scale_row_stride;
-        at.v_scale_row = page * v.scale_block_stride + ulong(at.r) * v.scale_row_stride;
-    }
 }
 
 // The cursor moved on by one tile: within its block by adding the steps; else into the block
@@ -572,24 +672,23 @@ FA_ALWAYS_INLINE void kv_pair_next(thread const KVCacheHead<T> &k, thread const 
     if (at.r < step.within) {
         at.k_row += step.k;
         at.v_row += step.v;
-        if (QUANTIZED) {
-            at.k_scale_row += step.k_scale;
-            at.v_scale_row += step.v_scale;
-        }
         return;
     }
     const bool wrap = at.r >= k.page_rows;
-    at.r -= wrap ? k.page_rows : 0;
-    at.block += step.blocks + (wrap ? 1 : 0);
+    at.r = wrap ? at.r - k.page_rows : at.r;
+    at.block += wrap ? step.blocks + 1 : step.blocks;
     kv_pair_seek<QUANTIZED>(k, v, at);
 }
 
 // The tiled kernels' K and V tiles of a paged cache on 16-byte boundaries (BITS 0, scalar_copies 0)
 // or of a quantized one (BITS 8 or 4, contiguous or paged): each thread's chunk of every pass
 // copied by the dense forward's 16-byte chunk copy (copy_chunks, paired K included), dequantized in
-// registers when quantized (QuantChunks), its row found by one cursor per pass shared by K and V.
-// A cursor is located once per launch (a division by page_rows) and moved ROWS rows per tile
-// (kv_pair_next: within a block two 64-bit adds, four when quantized).
+// registers when quantized (QuantChunks). The rows are found once per SIMD-group, not per pass
+// and thread: lane l keeps the cursor of tile row l % ROWS (ROWS <= 32), shared by K and V, and a
+// thread takes each pass's row offsets from the lane of that row by a shuffle, so a tile runs one
+// cursor step per thread (and at most one block crossing: its table read and multiplies) however
+// many passes the copy makes. A cursor is located once per launch (a division by page_rows) and
+// moved ROWS rows per tile (kv_pair_next: within a block two 64-bit adds).
 template <typename T, uint ROWS, uint DP, uint BITS>
 struct KVPages {
     typedef T element;
@@ -599,7 +698,7 @@ struct KVPages {
     KVCacheHead<T> k;
     KVCacheHead<T> v;
     KVTileStep step;         // ROWS rows
-    KVPairCursor at[Geometry::PASSES];  // the thread's row of each pass in the next tile
+    KVPairCursor at;         // tile row lane % ROWS of the next tile
 };
 
 // The cursor at row t: the one division, t / page_rows (paged caches), once per launch and pass.
@@ -621,11 +720,8 @@ FA_ALWAYS_INLINE KVPages<T, ROWS, DP, BITS> kv_pages(KVCacheHead<T> k, KVCacheHe
     KVPages<T, ROWS, DP, BITS> s = {tile_stream<T, ROWS, DP>(k.data, first, p.seqlen_k, 0, p.head_dim, tid),
                                     tile_stream<T, ROWS, DP>(v.data, first, p.seqlen_k, 0, p.head_dim_v, tid),
                                     k, v, kv_tile_step<ROWS>(k, v)};
-    const uint row = s.ks.row < ROWS ? s.ks.row : 0;
-    FA_UNROLL
-    for (uint i = 0; i < S::PASSES; ++i) {
-        kv_pair_locate<BITS != 0>(k, v, first + row + i * S::STEP, s.at[i]);
-    }
+    static_assert(ROWS <= 32 && (ROWS & (ROWS - 1)) == 0, "a SIMD-group's lanes hold the tile's rows");
+    kv_pair_locate<BITS != 0>(k, v, first + tid % 32 % ROWS, s.at);
     return s;
 }
 
@@ -634,8 +730,7 @@ FA_ALWAYS_INLINE KVPages<T, ROWS, DP, BITS> kv_pages(KVCacheHead<T> k, KVCacheHe
 template <typename T, uint PASSES, uint BITS>
 struct PageChunks {
     typedef QuantChunks<T, PASSES, BITS> type;
-    static FA_ALWAYS_INLINE type at(thread const KVCacheHead<T> &c, uint chunk, thread const ulong *rows,
-                                    thread const ulong *scale_rows) {
+    static FA_ALWAYS_INLINE type at(thread const KVCacheHead<T> &c, uint chunk, thread const ulong *rows) {
         type from;
         from.scales = c.scales;
         from.biases = c.biases;
@@ -643,7 +738,7 @@ struct PageChunks {
         FA_UNROLL
         for (uint i = 0; i < PASSES; ++i) {
             from.words[i] = (device const uint *)c.data + rows[i];
-            from.group[i] = scale_rows[i] + (from.col >> c.group_shift);
+            from.group[i] = (rows[i] >> c.word_group_shift) + (from.col >> c.group_shift);
         }
         return from;
     }
@@ -652,8 +747,7 @@ struct PageChunks {
 template <typename T, uint PASSES>
 struct PageChunks<T, PASSES, 0> {
     typedef TileChunks<PASSES> type;
-    static FA_ALWAYS_INLINE type at(thread const KVCacheHead<T> &c, uint chunk, thread const ulong *rows,
-                                    thread const ulong *) {
+    static FA_ALWAYS_INLINE type at(thread const KVCacheHead<T> &c, uint chunk, thread const ulong *rows) {
         type from;
         FA_UNROLL
         for (uint i = 0; i < PASSES; ++i) {
@@ -668,16 +762,17 @@ template <uint ROWS, uint DP, bool PAIRED, bool VALUES, typename T, uint BITS, t
 FA_ALWAYS_INLINE void load_pages(Tile tile, thread KVPages<T, ROWS, DP, BITS> &s,
                                  thread TileStream<T, ROWS, DP> &side, thread const KVCacheHead<T> &cache,
                                  uint first) {
-    constexpr uint PASSES = TileStream<T, ROWS, DP>::PASSES;
+    typedef TileStream<T, ROWS, DP> S;
+    constexpr uint PASSES = S::PASSES;
+    // Every lane shuffles (uniform control flow); an idle thread's or a pass past the tile's rows
+    // reads some row's offsets and copies nothing.
+    const uint2 own = as_type<uint2>(VALUES ? s.at.v_row : s.at.k_row);
     ulong rows[PASSES];
-    ulong scale_rows[PASSES];
     FA_UNROLL
     for (uint i = 0; i < PASSES; ++i) {
-        rows[i] = VALUES ? s.at[i].v_row : s.at[i].k_row;
-        scale_rows[i] = VALUES ? s.at[i].v_scale_row : s.at[i].k_scale_row;
+        rows[i] = as_type<ulong>(simd_shuffle(own, ushort((side.row + i * S::STEP) % ROWS)));
     }
-    copy_chunks<ROWS, DP, PAIRED>(tile, side, PageChunks<T, PASSES, BITS>::at(cache, side.chunk, rows, scale_rows),
-                                  first);
+    copy_chunks<ROWS, DP, PAIRED>(tile, side, PageChunks<T, PASSES, BITS>::at(cache, side.chunk, rows), first);
 }
 
 template <uint ROWS, uint DP, bool PAIRED, typename T, uint BITS, typename Tile>
@@ -692,13 +787,10 @@ FA_ALWAYS_INLINE void load_values(Tile tile, thread KVPages<T, ROWS, DP, BITS> &
     load_pages<ROWS, DP, false, true>(tile, s, s.vs, s.v, first);
 }
 
-// The cursors moved on to the tile after the one just loaded.
+// The cursor moved on to the tile after the one just loaded.
 template <typename T, uint ROWS, uint DP, uint BITS>
 FA_ALWAYS_INLINE void next_tile(thread KVPages<T, ROWS, DP, BITS> &s) {
-    FA_UNROLL
-    for (uint i = 0; i < TileStream<T, ROWS, DP>::PASSES; ++i) {
-        kv_pair_next<BITS != 0>(s.k, s.v, s.step, s.at[i]);
-    }
+    kv_pair_next<BITS != 0>(s.k, s.v, s.step, s.at);
 }
 
 // The K/V source of the tiled kernels for an unquantized paged cache on 16-byte boundaries (BITS

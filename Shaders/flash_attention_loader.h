@@ -236,7 +236,7 @@ inline TileChunks<TileStream<T, ROWS, DP>::PASSES> strided_chunks(thread const T
 // chunk of row r and the same chunk of row r ^ 1, interleaved, give the chunk that it stores; the
 // partner thread (tid ^ CHUNKS) stores the other half. Every lane reaches the shuffles.
 template <uint ROWS, uint DP, typename T, typename Tile, typename Chunks>
-inline void copy_paired(Tile tile, thread const TileStream<T, ROWS, DP> &s, Chunks from, uint first) {
+FA_ALWAYS_INLINE void copy_paired(Tile tile, thread const TileStream<T, ROWS, DP> &s, Chunks from, uint first) {
     typedef TileStream<T, ROWS, DP> S;
     // Instantiated for every stream (C++14 has no `if constexpr`); copy_tile asserts the layout.
     constexpr uint HALF = S::CHUNKS > 1 ? S::CHUNKS / 2 : 1;
@@ -275,7 +275,7 @@ inline void copy_paired(Tile tile, thread const TileStream<T, ROWS, DP> &s, Chun
 // Copies rows [first, first + ROWS) into `tile` by 16-byte chunks, the thread's from `from` (in the
 // paired layout when PAIRED); s gives the thread's (row, chunk) and the bounds.
 template <uint ROWS, uint DP, bool PAIRED, typename T, typename Tile, typename Chunks>
-inline void copy_chunks(Tile tile, thread const TileStream<T, ROWS, DP> &s, Chunks from, uint first) {
+FA_ALWAYS_INLINE void copy_chunks(Tile tile, thread const TileStream<T, ROWS, DP> &s, Chunks from, uint first) {
     typedef TileStream<T, ROWS, DP> S;
     static_assert(!PAIRED || (PairedRows<T, DP>::ON != 0 && S::EXACT != 0 && ROWS % 2 == 0),
                   "paired tiles need whole row pairs and a power-of-two chunk count below 32");

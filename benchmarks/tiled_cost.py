@@ -10,7 +10,8 @@ off (docs/specialisation.md's prelude), as compiled (no extra inlining). Each me
 the shipped KV-cache kernels run for that kind (``kv_cache_kind``, flash_attention_kv_cache.h):
 
     float16 contiguous   DeviceKV (the dense forward's copy)
-    paged                PagedKV<T, 0> (16-byte chunks, a cursor per pass shared by K and V)
+    paged                PagedKV<T, 0> (16-byte chunks, a cursor per tile row shared by K and V
+                         and handed to the passes by SIMD shuffles)
     8-bit, 4-bit         PagedKV<T, 8 or 4> (MLX's format, group 64; contiguous and paged in one loop)
     elements             CacheKV's element copy: unquantized paged caches off 16-byte boundaries
 
