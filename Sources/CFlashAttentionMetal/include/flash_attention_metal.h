@@ -622,7 +622,8 @@ typedef struct fa_plan_target {
 
 /* *out_wanted = 1 where a host encoding on a GPU of `architecture` (NULL: the library's Metal
  * device) should compile fa_plan_tensor_kernel_source(): the GPU has matrix units, or
- * FLASH_ATTENTION_TENSOR_OPS is 1; 0 otherwise, and always with FLASH_ATTENTION_TENSOR_OPS=0. The same
+ * FLASH_ATTENTION_TENSOR_OPS is 1 on macOS/iOS 26.2 or later; 0 otherwise, and always with
+ * FLASH_ATTENTION_TENSOR_OPS=0. The same
  * test a Metal context makes before compiling the library. Errors: INVALID_ARGUMENT (null out_wanted). */
 fa_status fa_tensor_ops_wanted(const char *architecture, uint32_t *out_wanted);
 

@@ -155,7 +155,8 @@ public final class MetalFlashAttention: @unchecked Sendable {
     /// its reason goes into the support's detail (the profile's route) and the origin (the backend
     /// note). MTLLanguageVersion raw value 4 << 16 is version4_0 (macOS 26+, spelled by value so
     /// that older SDKs build): an imported C enum's init(rawValue:) accepts any value, so the OS
-    /// check, not the optional, keeps 4.0 from an OS without it (reached with the override).
+    /// check, not the optional, keeps 4.0 from an OS without it; the check asks for 26.2, the
+    /// floor of `TensorOps.wantsLibrary`.
     static func tensorLibrary(for device: MTLDevice, precompiled: String? = PrecompiledShaders.tensorPath)
         -> (library: MTLLibrary?, support: TensorOpsSupport, origin: String?) {
         let (units, what) = MetalBackend.architecture(of: device).map(TensorOpsSupport.units(architecture:))
@@ -177,9 +178,9 @@ public final class MetalFlashAttention: @unchecked Sendable {
                 absent = "\(path) was refused: \(error.localizedDescription)"
             }
         }
-        guard #available(macOS 26.0, iOS 26.0, tvOS 26.0, visionOS 26.0, *),
+        guard #available(macOS 26.2, iOS 26.2, tvOS 26.2, visionOS 26.2, *),
               let version = MTLLanguageVersion(rawValue: 4 << 16) else {
-            return lost("the tensor-op library needs MSL 4.0 (macOS 26 or iOS 26); \(absent)")
+            return lost("the tensor-op library needs MSL 4.0 on macOS 26.2 or iOS 26.2; \(absent)")
         }
         do {
             let library = try device.makeLibrary(source: EmbeddedShaders.tensorSource, options: compileOptions(version))
