@@ -44,14 +44,6 @@ constexpr TensorBackwardDescriptor tensor_gradient_product() {
 // The pad of a float32 score row in threadgroup memory (16 bytes: rows start on distinct banks).
 #define FA_TENSOR_SCORE_PAD 4
 
-// Sets every slot of a cooperative tensor to 0 (multiply_accumulate starts from its contents).
-template <typename C>
-inline void clear_slots(thread C &c) {
-    for (uint i = 0; i < c.get_capacity(); ++i) {
-        c[i] = 0.0f;
-    }
-}
-
 // Stores scale times a FA_TENSOR_ROWS x DP accumulator into the rows of `dst` (`stride` elements
 // apart): rows below `rows` and columns below `cols` only, each element rounded once to T.
 template <typename T, typename C>
