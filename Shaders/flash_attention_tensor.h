@@ -39,39 +39,43 @@ struct TensorPairForwardStorage {
     float row_norm[FA_SIMDGROUPS / 2][FA_TENSOR_ROWS];
 };
 
-// Whether bucket DP's forward splits head_dim over SIMD-group pairs, and its rows per threadgroup.
-constexpr bool tensor_forward_pairs(uint dp) {
+// The tensor-op backward's storage (flash_attention_tensor_backward.h, included below).
+struct TensorBackwardQueryStorage;
+struct TensorPairBackwardQueryStorage;
+struct TensorBackwardKeyValueStorage;
+
+// Whether bucket DP's forward and dQ split head_dim over SIMD-group pairs, and their query rows
+// per threadgroup (dK/dV keeps FA_TENSOR_BLOCK_Q keys).
+constexpr bool tensor_pairs(uint dp) {
     return dp >= FA_TENSOR_PAIR_DP;
 }
 
-constexpr uint tensor_forward_block_q(uint dp) {
-    return tensor_forward_pairs(dp) ? FA_TENSOR_PAIR_BLOCK_Q : FA_TENSOR_BLOCK_Q;
+constexpr uint tensor_block_q(uint dp) {
+    return tensor_pairs(dp) ? FA_TENSOR_PAIR_BLOCK_Q : FA_TENSOR_BLOCK_Q;
 }
 
-// The forward's storage and body by tiling (a tag: overloads, not a branch).
+// The forward's and dQ's storage and bodies by tiling (a tag: overloads, not a branch).
 template <bool PAIRS>
-struct TensorForwardTiling {
-    typedef TensorForwardStorage storage;
+struct TensorTiling {
+    typedef TensorForwardStorage forward_storage;
+    typedef TensorBackwardQueryStorage dq_storage;
 };
 
 template <>
-struct TensorForwardTiling<true> {
-    typedef TensorPairForwardStorage storage;
+struct TensorTiling<true> {
+    typedef TensorPairForwardStorage forward_storage;
+    typedef TensorPairBackwardQueryStorage dq_storage;
 };
-
-// The tensor-op backward's storage (flash_attention_tensor_backward.h, included below).
-struct TensorBackwardQueryStorage;
-struct TensorBackwardKeyValueStorage;
 
 // The tensor-op kernels of bucket DP (catalogue STORAGE of the tensor_bucket kernels).
 template <typename T, uint DP>
 struct TensorKernelTraits {
-    typedef typename TensorForwardTiling<tensor_forward_pairs(DP)>::storage tensor_forward_storage;
-    typedef TensorBackwardQueryStorage tensor_dq_storage;
+    typedef typename TensorTiling<tensor_pairs(DP)>::forward_storage tensor_forward_storage;
+    typedef typename TensorTiling<tensor_pairs(DP)>::dq_storage tensor_dq_storage;
     typedef TensorBackwardKeyValueStorage tensor_dkv_storage;
     static_assert(sizeof(T) == 2, "the tensor-op kernels take half and bfloat");
     static_assert(DP % 16 == 0, "head_dim buckets of the tensor-op kernels are whole 16-column fragments");
-    static_assert(!tensor_forward_pairs(DP) || DP % 32 == 0, "a pair's halves of head_dim are whole fragments");
+    static_assert(!tensor_pairs(DP) || DP % 32 == 0, "a pair's halves of head_dim are whole fragments");
     static_assert(sizeof(tensor_forward_storage) <= 32768, "threadgroup storage above 32 KiB");
     static_assert((FA_TENSOR_BUCKET_MASK >> (DP / 32) & 1) == 1, "FA_TENSOR_BUCKET_MASK disagrees with FA_IF_TENSOR");
     static_assert(FA_TENSOR_BLOCK_Q == FA_SIMDGROUPS * FA_TENSOR_ROWS, "a tensor-op SIMD-group owns FA_TENSOR_ROWS rows");
@@ -183,7 +187,7 @@ template <typename T, uint DP, typename Storage>
 inline void attention_forward_tensor(device const T *q, device const T *k, device const T *v, device T *out,
                                      device float *lse, device const uchar *mask, device const float *alibi,
                                      device const float *sinks, constant FlashAttentionParams &p,
-                                     Storage tg, uint3 tgid, uint sgid, uint lane, TensorForwardTiling<false>) {
+                                     Storage tg, uint3 tgid, uint sgid, uint lane, TensorTiling<false>) {
     constexpr uint R = FA_TENSOR_ROWS;
     constexpr uint BK = FA_TENSOR_BLOCK_K;
     constexpr uint HALF = BK / 2;
@@ -289,7 +293,7 @@ template <typename T, uint DP, typename Storage>
 inline void attention_forward_tensor(device const T *q, device const T *k, device const T *v, device T *out,
                                      device float *lse, device const uchar *mask, device const float *alibi,
                                      device const float *sinks, constant FlashAttentionParams &p,
-                                     Storage tg, uint3 tgid, uint sgid, uint lane, TensorForwardTiling<true>) {
+                                     Storage tg, uint3 tgid, uint sgid, uint lane, TensorTiling<true>) {
     constexpr uint R = FA_TENSOR_ROWS;
     constexpr uint BK = FA_TENSOR_BLOCK_K;
     constexpr uint LANES = 4;
@@ -393,12 +397,12 @@ template <typename T, uint DP, typename Storage>
 inline void kernel_forward_tensor(FA_PARAMETERS(FA_FORWARD_BUFFERS, T), Storage tg, uint3 tgid, uint sgid,
                                   uint lane) {
     constant FlashAttentionParams &p = sequence_params(params, tgid.z);
-    if (block_past_end((tgid.x + p.block_offset) * tensor_forward_block_q(DP), p.seqlen_q)) {
+    if (block_past_end((tgid.x + p.block_offset) * tensor_block_q(DP), p.seqlen_q)) {
         return;
     }
     attention_forward_tensor<T, DP>(FA_QUERY_ROWS(q), FA_KEY_ROWS(k), FA_KEY_ROWS(v), FA_QUERY_ROWS(out),
                                     lse + p.seq_q0, mask, sequence_alibi(p, alibi, tgid.z), sinks, p, tg,
-                                    sequence_tgid(p, tgid), sgid, lane, TensorForwardTiling<tensor_forward_pairs(DP)>());
+                                    sequence_tgid(p, tgid), sgid, lane, TensorTiling<tensor_pairs(DP)>());
 }
 
 #include "flash_attention_tensor_backward.h"

@@ -156,11 +156,11 @@ enum TensorOps {
             && rowStridesFitTensors(problem)
     }
 
-    /// Query rows per threadgroup of the tensor-op forward of `bucket`: FA_TENSOR_BLOCK_Q (4
+    /// Query rows per threadgroup of the tensor-op forward and dQ of `bucket`: FA_TENSOR_BLOCK_Q (4
     /// SIMD-groups of 16 rows), or FA_TENSOR_PAIR_BLOCK_Q from FA_TENSOR_PAIR_DP up, where two
-    /// SIMD-groups share 16 rows, each owning half of head_dim (`tensor_forward_block_q`,
-    /// flash_attention_tensor.h).
-    static func forwardBlockQ(_ bucket: FlashAttentionBucket) -> UInt32 {
+    /// SIMD-groups share 16 rows, each owning half of head_dim (`tensor_block_q`,
+    /// flash_attention_tensor.h). dK/dV keeps FA_TENSOR_BLOCK_Q keys.
+    static func queryBlock(_ bucket: FlashAttentionBucket) -> UInt32 {
         bucket.head_dim_max >= UInt32(FA_TENSOR_PAIR_DP) ? UInt32(FA_TENSOR_PAIR_BLOCK_Q) : UInt32(FA_TENSOR_BLOCK_Q)
     }
 
