@@ -16,6 +16,11 @@
 // relying on it (only under MLX's exact descriptor, only where the plan established M5) is future
 // work (docs/tensor-ops.md).
 //
+// From bucket FA_TENSOR_PAIR_DP (256) up, two SIMD-groups share each FA_TENSOR_ROWS rows, each
+// owning half of head_dim (MLX's d256 split; unsplit, O alone would be 128 floats a lane, all the
+// registers a thread addresses): FA_TENSOR_PAIR_BLOCK_Q rows a threadgroup, two threadgroup
+// barriers per key tile (the TensorTiling<true> overloads here and in the backward's dQ).
+//
 // Numerics: Q K^T with half/bfloat operands (exact products) into float32; P stays float32 and
 // enters P V with relaxed_precision (M5 truncates it to 10 mantissa bits: the accuracy rule's
 // tensor-op term); exponentials as every kernel's (exp_of); every mask, softcap, ALiBi, sink and

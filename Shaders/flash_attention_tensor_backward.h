@@ -5,7 +5,8 @@
 // residual; D and the residual come from the same pre-passes), with the four products on matmul2d:
 //   dQ:    S = Q K^T, dP = dO V^T (one 16 x 32 x head_dim product each), dQ += dS K
 //   dK/dV: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q
-// Deterministic, no atomics: every output element has one writer, every sum a fixed order.
+// Deterministic, no atomics: every output element has one writer, every sum a fixed order. dQ at
+// bucket FA_TENSOR_PAIR_DP and up splits head_dim over SIMD-group pairs as the forward does.
 //
 // Layout: nothing here assumes where a lane's elements lie. Elementwise work goes through
 // get_multidimensional_index / is_valid_element; every operand that moves between products (dS,
