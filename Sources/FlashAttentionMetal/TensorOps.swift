@@ -110,12 +110,16 @@ enum TensorOps {
     static let environmentVariable = "FLASH_ATTENTION_TENSOR_OPS"
 
     /// Whether a host compiles the tensor-op library: only where the route may take it, a device
-    /// with matrix units (`hasUnits`) or FLASH_ATTENTION_TENSOR_OPS=1; never with 0. A value the
-    /// route refuses compiles nothing (the plan then reports it).
+    /// with matrix units (`hasUnits`) or FLASH_ATTENTION_TENSOR_OPS=1 on macOS/iOS 26.2 or later
+    /// (MetalPerformancePrimitives' floor in MLX, `is_nax_available`, and in PyTorch,
+    /// `gemm_use_mpp`: neither uses it on 26.0 or 26.1); never with 0. A value the route refuses
+    /// compiles nothing (the plan then reports it).
     static func wantsLibrary(hasUnits: Bool) -> Bool {
         switch getenv(environmentVariable).map({ String(cString: $0) }) {
         case nil: return hasUnits
-        case "1": return true
+        case "1":
+            guard #available(macOS 26.2, iOS 26.2, tvOS 26.2, visionOS 26.2, *) else { return false }
+            return true
         default: return false
         }
     }
