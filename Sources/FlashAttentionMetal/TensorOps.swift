@@ -160,6 +160,14 @@ enum TensorOps {
             && rowStridesFitTensors(problem)
     }
 
+    /// Query rows per threadgroup of the tensor-op forward and dQ of `bucket`: FA_TENSOR_BLOCK_Q (4
+    /// SIMD-groups of 16 rows), or FA_TENSOR_PAIR_BLOCK_Q from FA_TENSOR_PAIR_DP up, where two
+    /// SIMD-groups share 16 rows, each owning half of head_dim (`tensor_block_q`,
+    /// flash_attention_tensor.h). dK/dV keeps FA_TENSOR_BLOCK_Q keys.
+    static func queryBlock(_ bucket: FlashAttentionBucket) -> UInt32 {
+        bucket.head_dim_max >= UInt32(FA_TENSOR_PAIR_DP) ? UInt32(FA_TENSOR_PAIR_BLOCK_Q) : UInt32(FA_TENSOR_BLOCK_Q)
+    }
+
     /// Whether every tensor's row stride fits the int32 strides of a Metal tensor, through which the
     /// tensor-op kernels read and write rows (`rows_tensor`, flash_attention_tensor.h).
     static func rowStridesFitTensors(_ problem: Problem) -> Bool {
