@@ -30,7 +30,9 @@
 # The build is most of a run (minutes: every kernel instance, fully unrolled). --build-only stops
 # after it, and --reuse skips every compile and link whose output is already in the build folder:
 # with FA_GPU_BUILD_DIR set, one call builds and the next runs the checks (a device session's
-# per-call limit). The device code of each unit is optimised on all cores (nvcc -split-compile).
+# per-call limit). --mutants-only runs the default steps' planted faults alone (with --reuse,
+# after a --no-mutants run on the same build folder). The device code of each unit is optimised
+# on all cores (nvcc -split-compile).
 #
 # The grids hold the Metal 4 tensor-op kernels too (names tensor_*: grid.tensor_cases, planned by
 # fa_plan_create_for (tensor-op library ready) under FLASH_ATTENTION_TENSOR_OPS=1; launch_table_tensor.cu, the
@@ -48,7 +50,7 @@
 # runs just those steps (a minute or two).
 #
 # Usage: tests/cuda/gpu_check.sh [--no-mutants] [--large | --large-only] [--tensor-ops-only]
-#                                [--build-only] [--reuse]
+#                                [--mutants-only] [--build-only] [--reuse]
 # Environment:
 #   NVCC               nvcc to use (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc)
 #   COMPUTE_SANITIZER  compute-sanitizer to use (default: next to nvcc, else on PATH)
@@ -69,6 +71,7 @@ DEFAULT=1   # the default steps: matrix check, replay and its accuracy, sanitize
 TENSOR=1    # the tensor-op steps (tensor_ops_check.cu), with the default steps or alone
 BUILD_ONLY=0
 REUSE=0     # skip the compiles and links whose output exists (a previous --build-only call's)
+CHECKS=1    # the default steps' checks; 0 (--mutants-only): only their planted faults
 for arg in "$@"; do
     case "$arg" in
         --no-mutants) MUTANTS=0 ;;
@@ -77,7 +80,8 @@ for arg in "$@"; do
         --tensor-ops-only) DEFAULT=0; LARGE=0 ;;
         --build-only) BUILD_ONLY=1 ;;
         --reuse) REUSE=1 ;;
-        *) echo "gpu_check: unknown argument '$arg' (usage: tests/cuda/gpu_check.sh [--no-mutants] [--large | --large-only] [--tensor-ops-only] [--build-only] [--reuse])" >&2
+        --mutants-only) CHECKS=0; TENSOR=0; LARGE=0 ;;
+        *) echo "gpu_check: unknown argument '$arg' (usage: tests/cuda/gpu_check.sh [--no-mutants] [--large | --large-only] [--tensor-ops-only] [--mutants-only] [--build-only] [--reuse])" >&2
            exit 2 ;;
     esac
 done
@@ -289,7 +293,7 @@ run_checked_step() {
     summaries+=("$line (${SECONDS}s)")
 }
 
-if [ "$DEFAULT" = 1 ]; then
+if [ "$DEFAULT" = 1 ] && [ "$CHECKS" = 1 ]; then
     # The SIMD-group emulation against the engine's expectations, before the kernels rely on it.
     run_checked_step cuda-matrix "$BUILD/matrix.log" "$BUILD/matrix_check"
 fi
@@ -321,19 +325,21 @@ if [ "$DEFAULT" = 1 ]; then
     # Accuracy grid through the library's plans: the replay checks determinism and writes outside
     # the outputs ("cuda-replay: N cases, M failures") and dumps next to the cases' inputs; judge.py
     # applies the accuracy rule ("cuda-replay-accuracy: N cases, M mismatches").
-    rm -f "$BUILD/cases-full/cases.txt"
-    run_checked_step cuda-replay "$BUILD/replay.log" "$BUILD/replay" "$BUILD/cases-full" --dump "$BUILD/cases-full"
-    run_checked_step cuda-replay-accuracy "$BUILD/replay-accuracy.log" \
-        python3 "$GPU_DIR/judge.py" --name cuda-replay-accuracy "$BUILD/cases-full"
-    # The tensor-op cases again in the permuted cooperative-tensor layout (docs/tensor-ops.md): the
-    # kernels assume no layout, so every output must keep its bits ("cuda-tensor-layouts: N cases,
-    # 0 differ").
-    rm -rf "$BUILD/tensor-permuted" && mkdir -p "$BUILD/tensor-permuted"
-    run_checked_step cuda-replay-permuted "$BUILD/replay-permuted.log" \
-        env FLASH_ATTENTION_TENSOR_LAYOUT=permuted "$BUILD/replay" "$BUILD/cases-full" --case tensor_ \
-        --dump "$BUILD/tensor-permuted" --name cuda-replay-permuted
-    run_checked_step cuda-tensor-layouts "$BUILD/tensor-layouts.log" \
-        python3 "$GPU_DIR/same_bits.py" --name cuda-tensor-layouts "$BUILD/cases-full" "$BUILD/tensor-permuted"
+    if [ "$CHECKS" = 1 ]; then
+        rm -f "$BUILD/cases-full/cases.txt"
+        run_checked_step cuda-replay "$BUILD/replay.log" "$BUILD/replay" "$BUILD/cases-full" --dump "$BUILD/cases-full"
+        run_checked_step cuda-replay-accuracy "$BUILD/replay-accuracy.log" \
+            python3 "$GPU_DIR/judge.py" --name cuda-replay-accuracy "$BUILD/cases-full"
+        # The tensor-op cases again in the permuted cooperative-tensor layout (docs/tensor-ops.md): the
+        # kernels assume no layout, so every output must keep its bits ("cuda-tensor-layouts: N cases,
+        # 0 differ").
+        rm -rf "$BUILD/tensor-permuted" && mkdir -p "$BUILD/tensor-permuted"
+        run_checked_step cuda-replay-permuted "$BUILD/replay-permuted.log" \
+            env FLASH_ATTENTION_TENSOR_LAYOUT=permuted "$BUILD/replay" "$BUILD/cases-full" --case tensor_ \
+            --dump "$BUILD/tensor-permuted" --name cuda-replay-permuted
+        run_checked_step cuda-tensor-layouts "$BUILD/tensor-layouts.log" \
+            python3 "$GPU_DIR/same_bits.py" --name cuda-tensor-layouts "$BUILD/cases-full" "$BUILD/tensor-permuted"
+    fi
 
     # Runs program $2 under compute-sanitizer tool $1 (limit $3 seconds, tool options after that)
     # with PROGRAM_ARGS, writing $BUILD/$LOG_NAME.log, and sets: SAN_STATUS (exit status, 124 on
@@ -396,7 +402,7 @@ if [ "$DEFAULT" = 1 ]; then
         check_tool "${1}synccheck" "$2" synccheck 120
         check_tool "${1}initcheck" "$2" initcheck 120
     }
-    PROGRAM_ARGS="$BUILD/cases-small --once" check_tools "replay-" "$BUILD/replay"
+    [ "$CHECKS" = 0 ] || PROGRAM_ARGS="$BUILD/cases-small --once" check_tools "replay-" "$BUILD/replay"
 
     # Planted race: no barriers at all. One small case suffices; racecheck must see hazards. $1:
     # the program, $2: its arguments.
