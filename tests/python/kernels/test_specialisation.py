@@ -77,7 +77,10 @@ def ir(clang: str, source: pathlib.Path, *flags: str) -> str:
 
 
 def optimised_ir(clang: str, source: pathlib.Path) -> str:
-    return ir(clang, source, "-O2")
+    """-O1: constant propagation and dead-code elimination fold a feature that is off as they do at
+    -O2 (a feature that -O1 leaves code of would fail here, never pass), at two thirds of the CPU time
+    of the every-kernel compile (38 s against 58 s)."""
+    return ir(clang, source, "-O1")
 
 
 FUNCTION = re.compile(r"^define [^@]*@\"?([\w.$]+)\"?\(.*?^}", re.MULTILINE | re.DOTALL)
