@@ -3,7 +3,8 @@
 #   ./build.sh         the release library (.build/release/libFlashAttentionMetal.so|.dylib) and, when
 #                      .venv has MLX, the MLX extension (python/flash_attention_metal/_mlx_ext);
 #                      on macOS also .build/release/flash_attention-<hash>-msl<version>.metallib (and the
-#                      features-off one for PyTorch) when `xcrun metal` works
+#                      features-off one for PyTorch, and the tensor-op kernels'
+#                      flash_attention-tensor-<hash>-msl4.0.metallib) when `xcrun metal` works
 #   ./build.sh run     set-up (.venv with the Python package), build, then the main job:
 #                      python -m flash_attention_metal check, then examples/smollm2_generate.py,
 #                      then 20 fine-tuning steps of examples/finetune_smollm2.py (with torch and transformers)
@@ -95,6 +96,16 @@ build_metallib() {
         compile_metallib "$version" "$macos" "$math" Shaders/flash_attention.metal \
             "$out/flash_attention-$hash-msl$version.metallib"
     done
+    # The tensor-op kernels' own library (docs/tensor-ops.md), named by the hash of the tensor-op
+    # source: MSL 4.0 for macOS 26.2, MLX's floor for its NAX kernels (Metal 4, SDK and deployment
+    # target 26.2). A compiler or SDK that refuses it (no MetalPerformancePrimitives) loses only this
+    # file: the library then compiles the embedded tensor-op source where the route wants it.
+    local tensor_hash
+    tensor_hash=$(sed -nE 's/^ *static let tensorSourceHash = "([0-9a-f]+)"$/\1/p' "$generated")
+    if ! compile_metallib 4.0 26.2 "$math" Shaders/flash_attention_tensor.metal \
+        "$out/flash_attention-tensor-$tensor_hash-msl4.0.metallib" 2> "$probe/log"; then
+        say "note: no tensor-op .metallib (MSL 4.0 for macOS 26.2): $(head -c 600 "$probe/log")"
+    fi
     python=${PYTHON:-.venv/bin/python}
     if [[ ! -f $out/flash_attention-$hash-msl3.1.metallib ]]; then
         say "note: no MSL 3.1 .metallib: no features-off .metallib for PyTorch either"
@@ -108,14 +119,16 @@ sys.stdout.write(plan.features_off_prelude() + plan.kernel_source())" > "$probe/
     rm -rf "$probe"
 }
 
-# compile_metallib VERSION MACOS MATH SOURCE OUT: one .metallib of SOURCE as MSL VERSION for MACOS.
+# compile_metallib VERSION MACOS MATH SOURCE OUT: one .metallib of SOURCE as MSL VERSION for MACOS;
+# returns the compiler's failure (fatal under set -e unless the caller tests it).
 compile_metallib() {
-    local air="${5%.metallib}.air"
+    local air="${5%.metallib}.air" status=0
     say "compiling $4 to $5 (MSL $1, macOS $2, $3)"
     # shellcheck disable=SC2086
-    xcrun -sdk macosx metal -std="metal$1" -target "air64-apple-macos$2" -Werror $3 -c "$4" -I Shaders -o "$air"
-    xcrun -sdk macosx metallib "$air" -o "$5"
+    xcrun -sdk macosx metal -std="metal$1" -target "air64-apple-macos$2" -Werror $3 -c "$4" -I Shaders -o "$air" &&
+        xcrun -sdk macosx metallib "$air" -o "$5" || status=$?
     rm -f "$air"
+    return "$status"
 }
 
 build_library() {

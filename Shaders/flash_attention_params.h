@@ -393,6 +393,11 @@ typedef struct FlashAttentionParams {
 #define FA_TENSOR_ROWS 16
 #define FA_TENSOR_BLOCK_Q 64
 #define FA_TENSOR_BLOCK_K 32
+// From bucket FA_TENSOR_PAIR_DP up the forward splits head_dim over SIMD-group pairs (MLX's d256
+// split): two SIMD-groups share 16 rows, each owning half of O's columns, so a threadgroup holds
+// FA_TENSOR_PAIR_BLOCK_Q (FA_TENSOR_BLOCK_Q / 2) rows. Plain numbers: Swift imports them.
+#define FA_TENSOR_PAIR_DP 256
+#define FA_TENSOR_PAIR_BLOCK_Q 32
 // Bytes one thread moves per load and store of a tile copy (flash_attention_loader.h); rows whose
 // address, strides or width are not multiples of it take the checked scalar copy (scalar_copies).
 #define FA_CHUNK_BYTES 16

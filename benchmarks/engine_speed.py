@@ -9,6 +9,10 @@ Each is timed against NumPy's unfused float32 attention of the same shape on one
 same process, so the ratio (engine seconds / NumPy seconds) survives a busy machine better than
 either time alone. Times are the minimum over ``--inner`` calls in a process and over
 ``--repeats`` processes; the processes of the builds alternate, so both see the same load.
+``--clock cpu`` times by the process's CPU time (all its threads) instead of the wall clock: on a
+shared machine the wall time of a call that outlasts a scheduler time slice grows with the load
+(the engine's, tens of milliseconds, far more than NumPy's), its CPU time much less. With more
+than one engine worker the CPU time sums the workers.
 
     python benchmarks/engine_speed.py                                      # this checkout's build
     python benchmarks/engine_speed.py --build base=/path/to/other/checkout --build new=.
@@ -81,12 +85,12 @@ def _engine_call(context, x: dict, workload: str):
     return (out, lse) + tuple(context.backward(x["dout"], x["q"], x["k"], x["v"], out, lse))
 
 
-def _min_seconds(function, count: int) -> float:
+def _min_seconds(function, count: int, clock=time.perf_counter) -> float:
     best = float("inf")
     for _ in range(count):
-        start = time.perf_counter()
+        start = clock()
         function()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
@@ -109,9 +113,10 @@ def child(args) -> int:
             _engine_call(context, x, workload)
         entry = {"digest": digest[:16]}
         if args.inner > 0:
-            entry["engine"] = _min_seconds(lambda: _engine_call(context, x, workload), args.inner)
+            clock = time.process_time if args.clock == "cpu" else time.perf_counter
+            entry["engine"] = _min_seconds(lambda: _engine_call(context, x, workload), args.inner, clock)
             entry["numpy"] = _min_seconds(lambda: _numpy_attention(np, x, workload == "train"),
-                                          max(5, 4 * args.inner))
+                                          max(5, 4 * args.inner), clock)
         result[workload] = entry
     print("ENGINE_SPEED " + json.dumps(result), flush=True)
     return 0
@@ -136,7 +141,7 @@ def _run_child(build, args, workloads, calls: int, inner: int, workers: int, val
     _, library, python = build
     env = dict(os.environ, **ONE_THREAD, FLASH_ATTENTION_METAL_LIBRARY=library, PYTHONPATH=python)
     command = [sys.executable, str(Path(__file__).resolve()), "--child", "--workloads", *workloads,
-               "--calls", str(calls), "--inner", str(inner), "--workers", str(workers)]
+               "--calls", str(calls), "--inner", str(inner), "--workers", str(workers), "--clock", args.clock]
     if valgrind:
         command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={valgrind}", "--dump-line=no",
                    "--compress-strings=no", *command]
@@ -188,6 +193,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="processes per build (alternating)")
     parser.add_argument("--inner", type=int, default=3, help="timed engine calls per process")
     parser.add_argument("--workers", type=int, default=0, help="engine worker threads (0: one per core)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time calls by the wall clock or by the process's CPU time (all its threads)")
     parser.add_argument("--instructions", action="store_true", help="count instructions per call (valgrind)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--calls", type=int, default=1, help=argparse.SUPPRESS)
@@ -206,7 +213,8 @@ def main() -> int:
             for workload in args.workloads:
                 counts[build[0], workload] = _count_instructions(build, workload, 1)
 
-    print(f"workers: {args.workers or 'one per core'}; {args.repeats} processes x {args.inner} calls per build")
+    print(f"workers: {args.workers or 'one per core'}; {args.repeats} processes x {args.inner} calls per build; "
+          f"{args.clock} clock")
     header = "| workload | build | engine s | NumPy s | ratio (min) | ratio (median) |"
     header += " instructions/call |" if args.instructions else ""
     print(header)

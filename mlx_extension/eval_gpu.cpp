@@ -72,10 +72,11 @@ std::mutex route_mutex;
 std::string last_route;
 
 // What MLX's device offers the tensor-op kernels (docs/tensor-ops.md): its architecture and the
-// tensor-op library, fa_plan_tensor_kernel_source() compiled by MLX as a library of its own
+// tensor-op library of its own: build.sh's fa_plan_tensor_metallib_path() (get_library(name, path),
+// which throws when Metal refuses the file), else fa_plan_tensor_kernel_source() compiled by MLX
 // (get_library(name, builder): MLX's language version, get_metal_version in
 // mlx/backend/metal/device.cpp, is MSL 4.0 on macOS 26 and 4.1 on 27, which
-// MetalPerformancePrimitives needs). Compiled once per process where fa_tensor_ops_wanted says so
+// MetalPerformancePrimitives needs). Made once per process where fa_tensor_ops_wanted says so
 // for the architecture MLX reads for its own NAX gate (Device::get_architecture(), from
 // MTLDevice.architecture.name unless MLX's environment overrides it). A failure (MLX's
 // build_library_ throws std::runtime_error with the compiler's message; or a pipeline of it,
@@ -114,9 +115,18 @@ TensorLibrary tensor_library(mx::metal::Device& device) {
     if (wanted == 0) return t;
     std::lock_guard<std::mutex> lock(tensor_mutex);
     if (!tensor_failure) {
+        static const char* const kName = "flash_attention_metal_tensor";
+        if (const char* path = fa_plan_tensor_metallib_path()) {
+            try {
+                t.library = device.get_library(kName, std::string(path));
+                t.state = FA_TENSOR_LIBRARY_READY;
+                return t;
+            } catch (const std::exception&) {
+                // Refused (built for a newer macOS than this one): the source below.
+            }
+        }
         try {
-            t.library = device.get_library("flash_attention_metal_tensor",
-                                           [] { return std::string(fa_plan_tensor_kernel_source()); });
+            t.library = device.get_library(kName, [] { return std::string(fa_plan_tensor_kernel_source()); });
             t.state = FA_TENSOR_LIBRARY_READY;
             return t;
         } catch (const std::exception& error) {

@@ -4,8 +4,9 @@
 // #include of a file in Shaders/ replaced by its text, the headers' own includes expanded where they
 // stand, each header once (every header has an include guard), because
 // MTLDevice.makeLibrary(source:options:) has no include path; and a hash of that source, which
-// names the precompiled library build.sh makes on a Mac (flash_attention-<hash>.metallib): the
-// library loads only a .metallib built from the source it embeds.
+// names the precompiled library build.sh makes on a Mac (flash_attention-<hash>-msl<version>.metallib;
+// the tensor-op source's hash names flash_attention-tensor-<hash>-msl4.0.metallib): the library loads
+// only a .metallib built from the source it embeds.
 //
 // Usage: EmbedShaders SHADERS_DIR OUTPUT.swift   write the Swift file
 //        EmbedShaders --hash SHADERS_DIR         print the hash
@@ -29,10 +30,14 @@ func swiftFile(_ source: String, tensorSource: String) -> String {
         /// The self-contained MSL source of the attention kernels, compiled at run time by the Metal
         /// backend with makeLibrary(source:options:).
         enum EmbeddedShaders {
-            /// Names the .metallib compiled from this source: flash_attention-<sourceHash>.metallib.
+            /// Names the .metallibs compiled from this source: flash_attention-<sourceHash>-msl<version>.metallib.
             static let sourceHash = "\(sourceHash(source))"
 
             static let source: String = \(rawLiteral(source))
+
+            /// Names the .metallib compiled from `tensorSource`:
+            /// flash_attention-tensor-<tensorSourceHash>-msl4.0.metallib.
+            static let tensorSourceHash = "\(sourceHash(tensorSource))"
 
             /// The Metal 4 tensor-op kernels' source (Shaders/flash_attention_tensor.metal), compiled
             /// as a library of its own at MSL 4.0, so that a failure loses only the tensor-op path.

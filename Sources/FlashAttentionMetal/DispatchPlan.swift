@@ -296,7 +296,7 @@ struct DispatchPlan {
     /// Forward. Dense: `flash_attention_forward_<dtype>_d<DP>` over (ceil(seqlen_q / forward_block_q),
     /// num_heads, batch) threadgroups, or, where the tensor-op route is enabled and
     /// `TensorOps.forwardServes` the problem, `flash_attention_forward_tensor_<dtype>_d<DP>` over
-    /// (ceil(seqlen_q / FA_TENSOR_BLOCK_Q), num_heads, batch). Split-KV (`problem.split`, short queries over long caches):
+    /// (ceil(seqlen_q / `TensorOps.queryBlock`), num_heads, batch). Split-KV (`problem.split`, short queries over long caches):
     /// `flash_attention_forward_decode_<dtype>_d<DP>`, `_spec_` or `flash_attention_forward_split_<dtype>_d<DP>`
     /// (`KeyValueSplit.kernel`; `_decode_kvcache_`, `_spec_kvcache_`, `_split_kvcache_` for a KV cache) over
     /// (chunks x row blocks, num_kv_heads, batch) threadgroups writes one partial result per chunk,
@@ -311,7 +311,7 @@ struct DispatchPlan {
         guard let split = problem.split else {
             // The tensor-op forward where the route takes it and it serves the problem.
             let tensor = problem.tensorOps.enabled && TensorOps.forwardServes(problem)
-            let blockQ = tensor ? UInt32(FA_TENSOR_BLOCK_Q) : b.forward_block_q
+            let blockQ = tensor ? TensorOps.queryBlock(b) : b.forward_block_q
             let rowBlocks = blocks(problem.gridSeqlenQ, blockQ)
             let kernel = tensor ? FA_KERNEL_forward_tensor : cache ? FA_KERNEL_forward_kvcache : FA_KERNEL_forward
             let dense = dispatch(kernel, problem,
@@ -382,7 +382,7 @@ struct DispatchPlan {
         // threadgroup per FA_TENSOR_BLOCK_Q query rows (dQ) or keys (dK/dV).
         let tensor = problem.tensorOps.enabled && TensorOps.backwardServes(problem)
         let dq = dispatch(tensor ? FA_KERNEL_backward_dq_tensor : FA_KERNEL_backward_dq, rows: problem.gridSeqlenQ,
-                          block: tensor ? UInt32(FA_TENSOR_BLOCK_Q) : b.dq_block_q, heads: problem.numHeads, flops: 6)
+                          block: tensor ? TensorOps.queryBlock(b) : b.dq_block_q, heads: problem.numHeads, flops: 6)
         var gradients = [delta, residual, dq]
         var workspace: [BufferRole] = [.delta, .lseResidual]
         if problem.dkvSplits > 1 {

@@ -266,6 +266,9 @@ private let tensorKernelSource = SharedCString(pointer: strdup(EmbeddedShaders.t
 /// The .metallib's path as a C string, made once; nil when there is none.
 private let metallibPath = SharedCString(pointer: PrecompiledShaders.path.flatMap { strdup($0) })
 
+/// The tensor-op .metallib's path as a C string, made once; nil when there is none.
+private let tensorMetallibPath = SharedCString(pointer: PrecompiledShaders.tensorPath.flatMap { strdup($0) })
+
 /// fa_plan_kernel_source: see flash_attention_metal.h.
 @_cdecl("fa_plan_kernel_source")
 public func _exportPlanKernelSource() -> UnsafePointer<CChar>? { kernelSource.pointer.map { UnsafePointer($0) } }
@@ -279,6 +282,12 @@ public func _exportPlanTensorKernelSource() -> UnsafePointer<CChar>? {
 /// fa_plan_metallib_path: see flash_attention_metal.h.
 @_cdecl("fa_plan_metallib_path")
 public func _exportPlanMetallibPath() -> UnsafePointer<CChar>? { metallibPath.pointer.map { UnsafePointer($0) } }
+
+/// fa_plan_tensor_metallib_path: see flash_attention_metal.h.
+@_cdecl("fa_plan_tensor_metallib_path")
+public func _exportPlanTensorMetallibPath() -> UnsafePointer<CChar>? {
+    tensorMetallibPath.pointer.map { UnsafePointer($0) }
+}
 
 /// fa_plan_execute: see flash_attention_metal.h.
 @_cdecl("fa_plan_execute")

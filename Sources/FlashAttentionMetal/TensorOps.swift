@@ -110,12 +110,16 @@ enum TensorOps {
     static let environmentVariable = "FLASH_ATTENTION_TENSOR_OPS"
 
     /// Whether a host compiles the tensor-op library: only where the route may take it, a device
-    /// with matrix units (`hasUnits`) or FLASH_ATTENTION_TENSOR_OPS=1; never with 0. A value the
-    /// route refuses compiles nothing (the plan then reports it).
+    /// with matrix units (`hasUnits`) or FLASH_ATTENTION_TENSOR_OPS=1 on macOS/iOS 26.2 or later
+    /// (MetalPerformancePrimitives' floor in MLX, `is_nax_available`, and in PyTorch,
+    /// `gemm_use_mpp`: neither uses it on 26.0 or 26.1); never with 0. A value the route refuses
+    /// compiles nothing (the plan then reports it).
     static func wantsLibrary(hasUnits: Bool) -> Bool {
         switch getenv(environmentVariable).map({ String(cString: $0) }) {
         case nil: return hasUnits
-        case "1": return true
+        case "1":
+            guard #available(macOS 26.2, iOS 26.2, tvOS 26.2, visionOS 26.2, *) else { return false }
+            return true
         default: return false
         }
     }
@@ -154,6 +158,14 @@ enum TensorOps {
         problem.dtype != .float32 && problem.kvCache == nil && problem.split == nil
             && UInt32(FA_TENSOR_BUCKET_MASK) & (1 << (problem.bucket.head_dim_max / 32)) != 0
             && rowStridesFitTensors(problem)
+    }
+
+    /// Query rows per threadgroup of the tensor-op forward and dQ of `bucket`: FA_TENSOR_BLOCK_Q (4
+    /// SIMD-groups of 16 rows), or FA_TENSOR_PAIR_BLOCK_Q from FA_TENSOR_PAIR_DP up, where two
+    /// SIMD-groups share 16 rows, each owning half of head_dim (`tensor_block_q`,
+    /// flash_attention_tensor.h). dK/dV keeps FA_TENSOR_BLOCK_Q keys.
+    static func queryBlock(_ bucket: FlashAttentionBucket) -> UInt32 {
+        bucket.head_dim_max >= UInt32(FA_TENSOR_PAIR_DP) ? UInt32(FA_TENSOR_PAIR_BLOCK_Q) : UInt32(FA_TENSOR_BLOCK_Q)
     }
 
     /// Whether every tensor's row stride fits the int32 strides of a Metal tensor, through which the

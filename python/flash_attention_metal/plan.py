@@ -257,7 +257,8 @@ def tensor_kernel_source(library: NativeLibrary | None = None) -> str:
 def tensor_ops_wanted(architecture: str | None = None, library: NativeLibrary | None = None) -> bool:
     """Whether a host encoding on a GPU of ``architecture`` (None: the library's Metal device)
     should compile ``tensor_kernel_source()`` (fa_tensor_ops_wanted): the GPU has matrix units or
-    FLASH_ATTENTION_TENSOR_OPS is 1, and it is not 0. Read again at every call."""
+    FLASH_ATTENTION_TENSOR_OPS is 1 (on macOS/iOS 26.2 or later), and it is not 0. Read again at
+    every call."""
     library = library or native()
     ffi = library.ffi
     wanted = ffi.new("uint32_t *")

@@ -188,7 +188,9 @@ if [ "$KERNELS" = 1 ]; then
 fi
 if [ "$DEFAULT" = 1 ]; then
     # The replay's inputs and case files, while the kernels compile (logs: cases-*.o.log).
+    # cases.list is the last file written: --reuse takes a folder that has it.
     for grid in small full; do
+        stale "$BUILD/cases-$grid/cases.list" || continue
         python3 "$GPU_DIR/cases.py" write "$PLANS/$grid.json" "$BUILD/cases-$grid" >"$BUILD/cases-$grid.o.log" 2>&1 &
         build_jobs+=("$!")
     done

@@ -622,7 +622,8 @@ typedef struct fa_plan_target {
 
 /* *out_wanted = 1 where a host encoding on a GPU of `architecture` (NULL: the library's Metal
  * device) should compile fa_plan_tensor_kernel_source(): the GPU has matrix units, or
- * FLASH_ATTENTION_TENSOR_OPS is 1; 0 otherwise, and always with FLASH_ATTENTION_TENSOR_OPS=0. The same
+ * FLASH_ATTENTION_TENSOR_OPS is 1 on macOS/iOS 26.2 or later; 0 otherwise, and always with
+ * FLASH_ATTENTION_TENSOR_OPS=0. The same
  * test a Metal context makes before compiling the library. Errors: INVALID_ARGUMENT (null out_wanted). */
 fa_status fa_tensor_ops_wanted(const char *architecture, uint32_t *out_wanted);
 
@@ -689,6 +690,14 @@ const char *fa_plan_kernel_source(void);
  * the prelude of every feature off (no function constants left), for hosts without function
  * constants such as torch.mps.load_metallib. Static storage. */
 const char *fa_plan_metallib_path(void);
+
+/* The path of the precompiled tensor-op kernels, flash_attention-tensor-<hash>-msl4.0.metallib, built
+ * by build.sh on a Mac with a macOS 26.2 SDK from exactly fa_plan_tensor_kernel_source() at MSL 4.0
+ * and found next to this library as fa_plan_metallib_path() is; NULL before macOS/iOS 26.2 or when
+ * there is none. A host that wants the tensor-op library (fa_tensor_ops_wanted) loads it when Metal
+ * accepts it, else compiles fa_plan_tensor_kernel_source(); its kernels take their function
+ * constants as the plan's specialisation says. Static storage. */
+const char *fa_plan_tensor_metallib_path(void);
 
 /* Runs `plan` on context's backend with the caller's buffers: buffers[role] for each fa_buffer_role
  * role below buffer_count (pass FA_BUFFER_ROLE_COUNT entries; a role at or past buffer_count counts

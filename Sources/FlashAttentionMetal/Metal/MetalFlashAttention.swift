@@ -48,9 +48,10 @@ public final class MetalFlashAttention: @unchecked Sendable {
     /// One pipeline per kernel name and specialization, built on first use.
     private let pipelines: MetalPipelines
 
-    /// Loads the precompiled `flash_attention-<hash>.metallib` that `./build.sh` puts next to the
-    /// library when Metal accepts it; else compiles the embedded MSL source (Shaders/ with its header
-    /// spliced in), which needs no Metal toolchain but takes seconds. Pipelines are built per kernel
+    /// Loads the precompiled `flash_attention-<hash>-msl<version>.metallib` that `./build.sh` puts
+    /// next to the library when Metal accepts it; else compiles the embedded MSL source (Shaders/
+    /// with its header spliced in), which needs no Metal toolchain but takes seconds. The tensor-op
+    /// kernels the same way, as a library of their own where wanted (`tensorLibrary`). Pipelines are built per kernel
     /// and specialization (the function constants of its features) on first use.
     /// - Throws: ``FlashAttentionError/backendUnavailable(_:)`` when `device` is not an Apple-silicon
     ///   GPU (family Apple7: M1, A14 and later), ``FlashAttentionError/executionFailed(_:)`` with the
@@ -64,7 +65,7 @@ public final class MetalFlashAttention: @unchecked Sendable {
         let kernels = try MetalFlashAttention.libraries(for: device)
         let tensor = MetalFlashAttention.tensorLibrary(for: device)
         tensorOps = tensor.support
-        origin = kernels.origin + (tensor.library == nil && tensor.support.hasUnits ? "; " + tensor.support.detail : "")
+        origin = kernels.origin + (tensor.origin.map { "; " + $0 } ?? "")
         pipelines = MetalPipelines(device: device, libraries: kernels.libraries + (tensor.library.map { [$0] } ?? []),
                                    lost: kernels.lost)
         gpuCores = MetalBackend.cores(of: device)
@@ -142,33 +143,51 @@ public final class MetalFlashAttention: @unchecked Sendable {
                        lost: lost)
     }
 
-    /// The tensor-op kernels' library (EmbeddedShaders.tensorSource, MSL 4.0) and what the device
-    /// offers them. Matrix units: `TensorOpsSupport.units` of MTLDevice.architecture.name (e.g.
-    /// `applegpu_g17s`, the M5's Apple GPU family 10); Metal has no query for the units themselves.
-    /// The library is compiled only where the route may take it (`TensorOps.wantsLibrary`: matrix
-    /// units, or FLASH_ATTENTION_TENSOR_OPS=1 when the context is made; never with 0). A compile failure
-    /// loses only this path; its reason goes into the support's detail (the profile's route and
-    /// the backend note). MTLLanguageVersion raw value 4 << 16 is version4_0 (macOS 26+, spelled by
-    /// value so that older SDKs build): an imported C enum's init(rawValue:) accepts any value, so
-    /// the OS check, not the optional, keeps 4.0 from an OS without it (reached with the override).
-    private static func tensorLibrary(for device: MTLDevice) -> (library: MTLLibrary?, support: TensorOpsSupport) {
+    /// The tensor-op kernels' library, what the device offers them, and where the kernels came
+    /// from for the backend note (nil where no library was wanted). Matrix units:
+    /// `TensorOpsSupport.units` of MTLDevice.architecture.name (e.g. `applegpu_g17s`, the M5's Apple
+    /// GPU family 10); Metal has no query for the units themselves. The library is made only where
+    /// the route may take it (`TensorOps.wantsLibrary`: matrix units, or FLASH_ATTENTION_TENSOR_OPS=1
+    /// when the context is made; never with 0): `precompiled` (build.sh's MSL 4.0 .metallib of
+    /// exactly EmbeddedShaders.tensorSource, PrecompiledShaders.tensorPath) when Metal accepts it
+    /// (MTLDevice.makeLibrary(URL:) throws otherwise, e.g. for a file built for a newer OS), else
+    /// the embedded tensor-op source compiled at MSL 4.0. A compile failure loses only this path;
+    /// its reason goes into the support's detail (the profile's route) and the origin (the backend
+    /// note). MTLLanguageVersion raw value 4 << 16 is version4_0 (macOS 26+, spelled by value so
+    /// that older SDKs build): an imported C enum's init(rawValue:) accepts any value, so the OS
+    /// check, not the optional, keeps 4.0 from an OS without it; the check asks for 26.2, the
+    /// floor of `TensorOps.wantsLibrary`.
+    static func tensorLibrary(for device: MTLDevice, precompiled: String? = PrecompiledShaders.tensorPath)
+        -> (library: MTLLibrary?, support: TensorOpsSupport, origin: String?) {
         let (units, what) = MetalBackend.architecture(of: device).map(TensorOpsSupport.units(architecture:))
             ?? (false, "MTLDevice.architecture needs macOS 14 or iOS 17")
         guard TensorOps.wantsLibrary(hasUnits: units) else {
-            return (nil, TensorOpsSupport(hasUnits: units, hasKernels: false, detail: what + "; no tensor-op library"))
+            return (nil, TensorOpsSupport(hasUnits: units, hasKernels: false, detail: what + "; no tensor-op library"), nil)
         }
-        guard #available(macOS 26.0, iOS 26.0, tvOS 26.0, visionOS 26.0, *),
+        func lost(_ why: String) -> (library: MTLLibrary?, support: TensorOpsSupport, origin: String?) {
+            (nil, TensorOpsSupport(hasUnits: units, hasKernels: false, detail: what + "; " + why),
+             "no tensor-op kernels: " + why)
+        }
+        var absent = "no \(PrecompiledShaders.tensorFileName) for this OS next to the library"
+        if let path = precompiled {
+            do {
+                let library = try device.makeLibrary(URL: URL(fileURLWithPath: path))
+                return (library, TensorOpsSupport(hasUnits: units, hasKernels: true, detail: what),
+                        "tensor-op kernels from \(path)")
+            } catch {
+                absent = "\(path) was refused: \(error.localizedDescription)"
+            }
+        }
+        guard #available(macOS 26.2, iOS 26.2, tvOS 26.2, visionOS 26.2, *),
               let version = MTLLanguageVersion(rawValue: 4 << 16) else {
-            return (nil, TensorOpsSupport(hasUnits: units, hasKernels: false,
-                                          detail: what + "; the tensor-op library needs MSL 4.0 (macOS 26 or iOS 26)"))
+            return lost("the tensor-op library needs MSL 4.0 on macOS 26.2 or iOS 26.2; \(absent)")
         }
         do {
             let library = try device.makeLibrary(source: EmbeddedShaders.tensorSource, options: compileOptions(version))
-            return (library, TensorOpsSupport(hasUnits: units, hasKernels: true, detail: what))
+            return (library, TensorOpsSupport(hasUnits: units, hasKernels: true, detail: what),
+                    "tensor-op kernels compiled from the embedded source at MSL 4.0 (\(absent))")
         } catch {
-            return (nil, TensorOpsSupport(hasUnits: units, hasKernels: false,
-                                          detail: what + "; the tensor-op library (MSL 4.0) did not compile: "
-                                              + error.localizedDescription))
+            return lost("the tensor-op library (MSL 4.0) did not compile: \(error.localizedDescription); \(absent)")
         }
     }
 

@@ -111,7 +111,14 @@ void msl_engine_fiber_trampoline();
     ".globl " MSL_ASM_SYMBOL(name) "\n" MSL_ASM_PRIVATE(name) ".p2align 4\n" MSL_ASM_SYMBOL(name) ":\n"
 
 #if defined(__x86_64__)
-// Frame: [mxcsr, x87 control word] r15 r14 r13 r12 rbx rbp, return address.
+// A suspended context's saved stack pointer points at the address it resumes at; whatever it
+// needs besides is below that on its stack. A full switch saves the callee-saved registers and
+// the floating-point control state (MXCSR, x87 control word) and restores them on resuming; it
+// loads the default state before continuing the other context, which is what a lane resumed or
+// started by it needs (a context resumed by a full switch restores its own). A hop (here for
+// ASan builds; inline in msl_fiber.hpp otherwise) saves the callee-saved registers only. A switch
+// continues the other context by popping that address and jumping to it. A new fiber starts at the
+// trampoline, its entry and argument above that address.
 #define MSL_X86_PUSH_CALLEE_SAVED \
     "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
 #define MSL_X86_POP_CALLEE_SAVED_AND_RETURN \
@@ -122,42 +129,50 @@ __asm__(".text\n"
         "  subq $8, %rsp\n"
         "  stmxcsr (%rsp)\n"
         "  fnstcw 4(%rsp)\n"
+        "  leaq 1f(%rip), %rax\n"
+        "  pushq %rax\n"
         "  movq %rsp, (%rdi)\n"
         "  movq %rsi, %rsp\n"
+        "  movq $0x037F00001F80, %rax\n" // default MXCSR (low half) and x87 control word
+        "  movq %rax, -8(%rsp)\n"
+        "  ldmxcsr -8(%rsp)\n"
+        "  fldcw -4(%rsp)\n"
+        "  popq %rax\n"
+        "  jmpq *%rax\n"
+        "1:\n"
         "  ldmxcsr (%rsp)\n"
         "  fldcw 4(%rsp)\n"
         "  addq $8, %rsp\n"
         MSL_X86_POP_CALLEE_SAVED_AND_RETURN
         MSL_ASM_FUNCTION(msl_engine_fiber_hop)
         MSL_X86_PUSH_CALLEE_SAVED
-        "  movabsq $0x037F00001F80, %rax\n"
+        "  leaq 1f(%rip), %rax\n"
         "  pushq %rax\n"
         "  movq %rsp, (%rdi)\n"
         "  movq %rsi, %rsp\n"
-        "  addq $8, %rsp\n"
+        "  popq %rax\n"
+        "  jmpq *%rax\n"
+        "1:\n"
         MSL_X86_POP_CALLEE_SAVED_AND_RETURN
         MSL_ASM_FUNCTION(msl_engine_fiber_trampoline)
-        "  movq %r12, %rdi\n"
-        "  callq *%r13\n"
+        "  movq (%rsp), %rax\n"
+        "  movq 8(%rsp), %rdi\n"
+        "  addq $8, %rsp\n"
+        "  callq *%rax\n"
         "  ud2\n");
 
 void fiber_prepare(fiber &f, fiber_stack stack, void (*entry)(void *), void *arg) {
     f.stack = stack;
     f.sanitizer_fake_stack = nullptr;
-    // The top is 16-byte aligned; after `ret` pops the trampoline address the stack pointer is
-    // 16-byte aligned again, as the trampoline's call requires.
+    // The top is 16-byte aligned; after the switch pops the trampoline address and the trampoline
+    // steps over the entry, the stack pointer is 16-byte aligned, as its call requires.
     auto *top = reinterpret_cast<unsigned long *>(
-        (reinterpret_cast<unsigned long>(stack.base + stack.size) & ~15ul) - 16);
-    unsigned long *frame = top - 8;
-    frame[0] = 0x037F00001F80ul; // default MXCSR (low half) and x87 control word (bits 32..47),
-                                 // as msl_engine_fiber_hop writes it
-    frame[1] = 0;                // r15
-    frame[2] = 0;                // r14
-    frame[3] = reinterpret_cast<unsigned long>(entry); // r13
-    frame[4] = reinterpret_cast<unsigned long>(arg);   // r12
-    frame[5] = 0;                // rbx
-    frame[6] = 0;                // rbp
-    frame[7] = reinterpret_cast<unsigned long>(&msl_engine_fiber_trampoline);
+        reinterpret_cast<unsigned long>(stack.base + stack.size) & ~15ul);
+    unsigned long *frame = top - 4;
+    frame[0] = reinterpret_cast<unsigned long>(&msl_engine_fiber_trampoline);
+    frame[1] = reinterpret_cast<unsigned long>(entry);
+    frame[2] = reinterpret_cast<unsigned long>(arg);
+    frame[3] = 0;
     f.stack_pointer = frame;
 }
 
@@ -255,7 +270,50 @@ void fiber_discard(fiber &f) {
 #endif
 }
 
+std::atomic<uintptr_t> fiber_region_base{0};
+std::atomic<uintptr_t> fiber_region_size{0};
+
+namespace {
+
+// 16 GiB of address space, reserved without memory: 16384 stacks (16 workers of 1024 threads).
+constexpr size_t kRegionSlots = 16384;
+static_assert(kStackSize + kFiberLocalWords * sizeof(void *) + 4096 <= kFiberSlotBytes,
+              "a stack, its words and a guard page fill one slot at most");
+
+// Slots of the reserved range handed out so far (under stack_cache_mutex).
+size_t region_slots_used = 0;
+
+// A new stack at the top of the next slot of the range; the rest of the slot below it stays
+// inaccessible (the guard). Empty when the range is full or cannot be reserved.
+fiber_stack region_stack(size_t page) {
+    if (fiber_region_size.load(std::memory_order_relaxed) == 0) {
+        int flags = MAP_PRIVATE | MAP_ANON;
+#ifdef MAP_NORESERVE
+        flags |= MAP_NORESERVE;
+#endif
+        const size_t bytes = (kRegionSlots + 1) * kFiberSlotBytes; // one more slot to align
+        void *range = mmap(nullptr, bytes, PROT_NONE, flags, -1, 0);
+        if (range == MAP_FAILED) return fiber_stack{};
+        const uintptr_t base =
+            (reinterpret_cast<uintptr_t>(range) + kFiberSlotBytes - 1) & ~(kFiberSlotBytes - 1);
+        fiber_region_base.store(base, std::memory_order_relaxed);
+        fiber_region_size.store(kRegionSlots * kFiberSlotBytes, std::memory_order_relaxed);
+    }
+    if (region_slots_used == kRegionSlots) return fiber_stack{};
+    char *slot_end = reinterpret_cast<char *>(fiber_region_base.load(std::memory_order_relaxed)) +
+                     (region_slots_used + 1) * kFiberSlotBytes;
+    // The stack and its words, rounded out to whole pages.
+    const size_t used = (kStackSize + kFiberLocalWords * sizeof(void *) + page - 1) & ~(page - 1);
+    if (mprotect(slot_end - used, used, PROT_READ | PROT_WRITE) != 0) return fiber_stack{};
+    ++region_slots_used;
+    char *top = slot_end - kFiberLocalWords * sizeof(void *);
+    return fiber_stack{top - kStackSize, kStackSize};
+}
+
+} // namespace
+
 fiber_stack acquire_fiber_stack() {
+    const size_t page = size_t(sysconf(_SC_PAGESIZE));
     {
         std::lock_guard<std::mutex> lock(stack_cache_mutex);
         auto &cache = stack_cache();
@@ -264,20 +322,24 @@ fiber_stack acquire_fiber_stack() {
             cache.pop_back();
             return s;
         }
+        const fiber_stack s = region_stack(page);
+        if (s.base != nullptr) return s;
     }
-    const size_t page = size_t(sysconf(_SC_PAGESIZE));
+    // Outside the range: found by no stack pointer, so its fibers take the thread-local path.
+    const size_t bytes = (kStackSize + kFiberLocalWords * sizeof(void *) + page - 1) & ~(page - 1);
     int flags = MAP_PRIVATE | MAP_ANON;
 #ifdef MAP_NORESERVE
     flags |= MAP_NORESERVE;
 #endif
-    void *region = mmap(nullptr, kStackSize + page, PROT_READ | PROT_WRITE, flags, -1, 0);
+    void *region = mmap(nullptr, bytes + page, PROT_READ | PROT_WRITE, flags, -1, 0);
     if (region == MAP_FAILED) return fiber_stack{};
     // The lowest page traps a stack overflow instead of letting it run into other memory.
     if (mprotect(region, page, PROT_NONE) != 0) {
-        munmap(region, kStackSize + page);
+        munmap(region, bytes + page);
         return fiber_stack{};
     }
-    return fiber_stack{static_cast<char *>(region) + page, kStackSize};
+    char *top = static_cast<char *>(region) + page + bytes - kFiberLocalWords * sizeof(void *);
+    return fiber_stack{top - kStackSize, kStackSize};
 }
 
 void release_fiber_stacks(const fiber_stack *stacks, size_t count) {

@@ -28,21 +28,21 @@ namespace msl_engine {
 // A lane waiting at a collective stays `ready`: its SIMD-group's arrived mask says it waits.
 enum class lane_state : uint8_t { ready, at_barrier, returned, faulted };
 
-/// One thread of the threadgroup being run.
-struct lane {
+/// One thread of the threadgroup being run. What a collective touches comes first, in the lane's
+/// first cache line (lanes_ is aligned to one): a SIMD-group's round of a collective visits 32 lanes.
+struct alignas(64) lane {
     fiber context;
-    builtins ids;
+    threadgroup_runner::simd_group *simd = nullptr; ///< its SIMD-group's state (groups_[group])
+    threadgroup_runner *runner = nullptr;
+    uint32_t lane_id = 0;
     lane_state state = lane_state::ready;
     uint32_t thread = 0;
     uint32_t group = 0;
-    threadgroup_runner::simd_group *simd = nullptr; ///< its SIMD-group's state (groups_[group])
-    uint32_t lane_id = 0;
-    threadgroup_runner *runner = nullptr;
-    // Where the lane waits (its part of a collective goes straight into its SIMD-group's slots).
+    // Where the lane waits at a barrier (at a collective its SIMD-group's state says where).
     const char *operation = nullptr;
     const char *file = nullptr;
     unsigned line = 0;
-    simd_combine_fn combine = nullptr;
+    builtins ids;
 };
 
 } // namespace msl_engine
@@ -58,8 +58,11 @@ namespace {
 // (in a shared library each access to that is a call to __tls_get_addr).
 thread_local threadgroup_runner *current_runner = nullptr;
 
-// The kernel thread calling into the engine, or null outside a dispatch.
-inline lane *current_lane() {
+// The kernel thread calling into the engine, or null outside a dispatch: on a lane's stack, the
+// lane its first fiber word names (run() writes it), with no thread-local read; elsewhere (a stack
+// outside the reserved range) the runner's running lane.
+__attribute__((always_inline)) inline lane *current_lane() {
+    if (void **locals = fiber_locals()) return static_cast<lane *>(locals[0]);
     const threadgroup_runner *r = current_runner;
     return r == nullptr ? nullptr : r->running();
 }
@@ -90,6 +93,16 @@ std::string fault_text(const simd_fault &f) {
                       f.lane);
     }
     return "unknown fault";
+}
+
+// A collective outside a dispatch: the caller is lane 0 of a one-lane SIMD-group. Out of line, so
+// that its slots do not enlarge the frame of every collective.
+[[gnu::noinline, gnu::cold]] void lone_collective(simd_combine_fn combine, const void *in, void *out,
+                                                  uint32_t arg) {
+    simd_slot slots[32] = {};
+    slots[0] = simd_slot{in, out, arg};
+    simd_fault ignored{};
+    combine(slots, 1u, &ignored);
 }
 
 } // namespace
@@ -167,8 +180,8 @@ void threadgroup_runner::suspend_at_barrier(lane &l) {
 
 // Inlined into runtime::simd_collective, its one caller: a collective is one call.
 __attribute__((always_inline)) inline void threadgroup_runner::suspend_at_collective(
-    lane &l, const void *in, void *out, uint32_t arg) {
-    on_simd(l, in, out, arg);
+    lane &l, const simd_site &site, const void *in, void *out, uint32_t arg) {
+    on_simd(l, site, in, out, arg);
     switch_from(l);
 }
 
@@ -250,6 +263,7 @@ msl_engine_status threadgroup_runner::run(const kernel_entry &kernel, const kern
         // i * 5 lines apart), so the hot tops of the lanes' stacks do not all compete for the
         // same sets of the level-1 cache, as they would a whole number of pages apart.
         const size_t shift = (size_t(i) * 5 % 64) * 64;
+        fiber_locals_of(stacks_[i])[0] = &l;
         fiber_prepare(l.context, fiber_stack{stacks_[i].base, stacks_[i].size - shift},
                       &threadgroup_runner::lane_main, &l);
         make_ready(i);
@@ -373,22 +387,23 @@ void threadgroup_runner::on_barrier(lane &l) {
     }
 }
 
-__attribute__((always_inline)) inline void threadgroup_runner::on_simd(lane &l, const void *in, void *out,
+__attribute__((always_inline)) inline void threadgroup_runner::on_simd(lane &l, const simd_site &site,
+                                                                     const void *in, void *out,
                                                                      uint32_t arg) {
     simd_group &g = *l.simd;
     if (g.arrived == 0) {
-        g.operation = l.operation;
-        g.file = l.file;
-        g.line = l.line;
-        g.combine = l.combine;
+        g.operation = site.operation;
+        g.file = site.file;
+        g.line = site.line;
+        g.combine = site.combine;
         // A combine function serves one operation: its name is compared once per change.
-        if (l.combine != g.counted_for) {
-            g.counted_for = l.combine;
-            g.counted = l.operation == runtime::matrix_multiply_accumulate_operation ||
-                        strcmp(l.operation, runtime::matrix_multiply_accumulate_operation) == 0;
+        if (site.combine != g.counted_for) {
+            g.counted_for = site.combine;
+            g.counted = site.operation == runtime::matrix_multiply_accumulate_operation ||
+                        strcmp(site.operation, runtime::matrix_multiply_accumulate_operation) == 0;
         }
-    } else if (g.combine != l.combine || !same_site(g.file, g.line, l.file, l.line)) {
-        simd_mismatch(l, g);
+    } else if (g.combine != site.combine || !same_site(g.file, g.line, site.file, site.line)) {
+        simd_mismatch(l, site.operation, site.file, site.line, g);
         return;
     }
     // Field by field: a copy of a whole slot would read its padding, which no store wrote, and
@@ -401,14 +416,15 @@ __attribute__((always_inline)) inline void threadgroup_runner::on_simd(lane &l, 
     if (g.arrived == g.active) complete(g);
 }
 
-void threadgroup_runner::simd_mismatch(const lane &l, const simd_group &g) {
+void threadgroup_runner::simd_mismatch(const lane &l, const char *operation, const char *file,
+                                       unsigned line, const simd_group &g) {
     fail(MSL_ENGINE_SIMDGROUP_DIVERGENCE,
          format("SIMD-group %u: lanes %s wait at %s at %s, but lane %u calls %s; every active "
                 "lane must reach the same SIMD-group function",
                 l.group,
                 index_ranges(32, [&](uint32_t i) { return ((g.arrived >> i) & 1u) != 0; }).c_str(),
                 g.operation, source_location(g.file, g.line).c_str(), l.lane_id,
-                describe_wait(l).c_str()));
+                format("%s at %s", operation, source_location(file, line).c_str()).c_str()));
 }
 
 void threadgroup_runner::complete(simd_group &g) {
@@ -486,20 +502,12 @@ void threadgroup_barrier(const char *file, unsigned line) {
 
 void simd_collective(const char *operation, simd_combine_fn combine, const void *in, void *out,
                      uint32_t arg, const char *file, unsigned line) {
-    threadgroup_runner *runner = current_runner;
-    lane *l = runner == nullptr ? nullptr : runner->running();
+    lane *l = current_lane();
     if (l == nullptr) {
-        simd_slot slots[32] = {};
-        slots[0] = simd_slot{in, out, arg};
-        simd_fault ignored{};
-        combine(slots, 1u, &ignored);
+        lone_collective(combine, in, out, arg);
         return;
     }
-    l->operation = operation;
-    l->file = file;
-    l->line = line;
-    l->combine = combine;
-    runner->suspend_at_collective(*l, in, out, arg);
+    l->runner->suspend_at_collective(*l, simd_site{operation, combine, file, line}, in, out, arg);
 }
 
 void device_read(const void *address, size_t bytes) {

@@ -19,6 +19,14 @@ namespace msl_engine {
 
 struct lane;
 
+/// Where a lane calls a SIMD-group function: the operation, its combine function, the call site.
+struct simd_site {
+    const char *operation;
+    simd_combine_fn combine;
+    const char *file;
+    unsigned line;
+};
+
 /// Executes threadgroups of kernels on the calling OS thread. One runner per worker thread; it
 /// keeps its fiber stacks between threadgroups and gives them back to the cache when destroyed.
 /// Not thread-safe: a runner belongs to one OS thread. Hidden: the engine's own calls to it are
@@ -72,12 +80,12 @@ class __attribute__((visibility("hidden"))) threadgroup_runner {
     /// Counts a read of `bytes` at `address` against the running threadgroup's buffer holding it.
     void count_read(const void *address, size_t bytes);
 
-    /// Called by lane `l` (running) once it has recorded where it waits (state at_barrier, or
-    /// for a collective its operation, combine function and site): does the bookkeeping with its part
-    /// of the collective (input, output, argument) and continues the next runnable lane directly,
-    /// or the scheduler when none can run; returns when `l` is resumed (the collective done).
+    /// Called by lane `l` (running) at a barrier once it has recorded where it waits (state
+    /// at_barrier, site), or at a collective with its site and its part (input, output,
+    /// argument): does the bookkeeping and continues the next runnable lane directly, or the
+    /// scheduler when none can run; returns when `l` is resumed (the collective done).
     void suspend_at_barrier(lane &l);
-    void suspend_at_collective(lane &l, const void *in, void *out, uint32_t arg);
+    void suspend_at_collective(lane &l, const simd_site &site, const void *in, void *out, uint32_t arg);
 
   private:
     struct simd_group {
@@ -102,8 +110,10 @@ class __attribute__((visibility("hidden"))) threadgroup_runner {
     void switch_from(lane &l);
     void on_return(lane &l);
     void on_barrier(lane &l);
-    void on_simd(lane &l, const void *in, void *out, uint32_t arg);
-    [[gnu::cold, gnu::noinline]] void simd_mismatch(const lane &l, const simd_group &g);
+    void on_simd(lane &l, const simd_site &site, const void *in, void *out, uint32_t arg);
+    [[gnu::cold, gnu::noinline]] void simd_mismatch(const lane &l, const char *operation,
+                                                    const char *file, unsigned line,
+                                                    const simd_group &g);
     void complete(simd_group &g);
     void diagnose_stall();
     void fail(msl_engine_status status, const std::string &what);

@@ -11,6 +11,7 @@ copies of the backend with a planted defect, which must make the comparison fail
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -117,6 +118,31 @@ def test_exported_plans_read_the_metal_devices_architecture(architecture, expect
                             timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == expected
+
+
+def test_info_says_where_the_tensor_op_kernels_came_from(tmp_path):
+    """On an M5 (the stand-in's FLASH_ATTENTION_METAL_STANDIN_ARCH), ``info``'s note says where the
+    Metal context's tensor-op kernels came from: the embedded source compiled at MSL 4.0 while no
+    tensor-op .metallib is beside the library, that file once it is there (a library file of the
+    stand-in's own; a real .metallib needs a Mac)."""
+    library = tmp_path / LIBRARY.name
+    shutil.copy(_library(), library)
+    env = dict(os.environ, **{fam.LIBRARY_ENV: str(library), "FLASH_ATTENTION_METAL_STANDIN_ARCH": "applegpu_g17s"})
+    env.pop("FLASH_ATTENTION_TENSOR_OPS", None)
+
+    def note() -> str:
+        result = subprocess.run([sys.executable, "-m", "flash_attention_metal", "info", "--backend", "metal"],
+                                env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return next(line for line in result.stdout.splitlines() if line.startswith("note"))
+
+    compiled = note()
+    found = re.search(r"tensor-op kernels compiled from the embedded source at MSL 4\.0 \(no "
+                      r"(flash_attention-tensor-[0-9a-f]+-msl4\.0\.metallib) for this OS next to the library\)", compiled)
+    assert found, compiled
+    metallib = tmp_path / found.group(1)
+    metallib.write_text("metal-standin-metallib tensor\n")
+    assert f"tensor-op kernels from {metallib}" in note()
 
 
 # Defects planted in a copy of MetalFlashAttention.swift: the original line, the planted one, and

@@ -109,6 +109,50 @@ def test_gradients_within_the_tensor_op_rule(ctx, monkeypatch, tensor_layout, na
     _assert_within_tensor_rule(metrics, f"{name} layout={tensor_layout}")
 
 
+# head_dim 256: dQ splits head_dim over SIMD-group pairs (32 query rows a threadgroup; 69 rows end
+# with a threadgroup whose second pair has none). Every option in both dtypes; head_dim 200 and
+# head_dim_v != head_dim leave the second member part or none of a matrix's columns.
+PAIR_CASES = {
+    "d256-causal-gqa": (1, 4, 2, 69, 45, 256, 256, dict(causal=True)),
+    "d256-softcap-sinks": (1, 2, 1, 40, 70, 256, 256, dict(softcap=1.5, sinks=True)),
+    "d256-bool-mask-alibi": (2, 2, 2, 33, 40, 256, 256, dict(alibi="per batch and head", attn_mask="bool")),
+    "d256-additive-mask-window": (1, 2, 2, 35, 37, 256, 256, dict(attn_mask="additive", window_size=(7, 3))),
+    "d200-dropout": (1, 2, 1, 37, 41, 200, 200, dict(dropout=(0.25, 77, 3), causal=True)),
+    "d256-dv128": (1, 2, 1, 36, 40, 256, 128, dict(causal=True)),
+    "d160-dv256": (1, 2, 2, 33, 29, 160, 256, dict(alibi="per head")),
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("name", PAIR_CASES)
+def test_head_dim_256_pairs_within_the_tensor_op_rule(ctx, monkeypatch, tensor_layout, name, dtype):
+    batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v, spec = PAIR_CASES[name]
+    q, k, v, dout = make_inputs(zlib.crc32(name.encode()), batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim,
+                                head_dim_v=head_dim_v, dtype=dtype)
+    options = _options(spec, np.random.default_rng(5), batch, heads, seqlen_q, seqlen_k, dtype)
+    reference_options = dict(options)
+    if "dropout" in spec:
+        p, seed, offset = spec["dropout"]
+        options.update(dropout_p=p, dropout_seed=seed, dropout_offset=offset)
+        reference_options["dropout_mask"] = dropout.reference_mask(spec["dropout"], batch, heads, seqlen_q, seqlen_k)
+    _, _, grads = _tensor_backward(ctx, monkeypatch, dout, q, k, v, **options)
+    (dq_dispatch,) = [d for d in ctx.last_profile.dispatches if "_backward_dq_tensor_" in d.kernel]
+    # One threadgroup per 32 query rows (FA_TENSOR_PAIR_BLOCK_Q).
+    assert dq_dispatch.kernel.endswith("_d256") and dq_dispatch.threadgroups[0] == -(-seqlen_q // 32)
+    metrics = accuracy.evaluate_backward(dout, q, k, v, *grads, tensor_ops=True, **reference_options)
+    _assert_within_tensor_rule(metrics, f"{name} layout={tensor_layout}")
+
+
+def test_head_dim_256_pairs_rerun_and_layouts_give_the_same_bits(ctx, monkeypatch):
+    """The pair dQ sums each score's two partials in one order: reruns and both layouts agree."""
+    q, k, v, dout = make_inputs(13, 1, 2, 1, 40, 50, 256)
+    results = []
+    for layout in LAYOUTS + ["m5"]:
+        monkeypatch.setenv("FLASH_ATTENTION_TENSOR_LAYOUT", layout)
+        results.append(_tensor_backward(ctx, monkeypatch, dout, q, k, v, causal=True)[2])
+    assert all(np.array_equal(a, b) for first, other in zip(results, results[1:]) for a, b in zip(first, other))
+
+
 def test_the_rule_can_fail_and_the_route_can_be_forbidden(ctx, monkeypatch):
     """A wrong gradient fails the tensor-op rule; FLASH_ATTENTION_TENSOR_OPS=0 keeps the simdgroup
     kernels; reruns of the tensor-op backward give the same bits (no atomics)."""

@@ -153,6 +153,85 @@ def test_long_forward_within_the_tensor_op_rule(ctx, tensor_ops):
     assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, tensor_ops=True), "forward 65 x 4100")
 
 
+# head_dim 256 splits head_dim over SIMD-group pairs (32 rows a threadgroup: a 69-row problem ends
+# with a threadgroup whose second pair has no rows). Every option in both dtypes; head_dim 200 and
+# head_dim_v != head_dim leave the second member of a pair part or none of a matrix's columns.
+PAIR_CASES = [
+    (256, 256, 2, 69, 70, dict(causal=True)),
+    (256, 256, 4, 40, 45, dict(window_size=(11, 6), sinks="sinks")),
+    (256, 256, 1, 33, 64, dict(softcap=1.5, alibi_slopes="per head")),
+    (256, 256, 2, 35, 37, dict(attn_mask="bool", causal=True)),
+    (256, 256, 4, 34, 33, dict(attn_mask="additive", alibi_slopes="per batch")),
+    (200, 200, 2, 37, 50, dict(window_size=(-1, 4))),
+    (256, 128, 2, 36, 40, dict(causal=True)),
+    (160, 256, 1, 33, 29, dict(sinks="sinks")),
+]
+
+
+def _pair_label(case) -> str:
+    head_dim, head_dim_v, kv_heads, seqlen_q, seqlen_k, options = case
+    return f"d{head_dim}-dv{head_dim_v}-kv{kv_heads}-{seqlen_q}x{seqlen_k}-" + "-".join(options)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", sorted(DTYPES))
+@pytest.mark.parametrize("case", PAIR_CASES, ids=[_pair_label(c) for c in PAIR_CASES])
+def test_head_dim_256_pairs_within_the_tensor_op_rule(ctx, tensor_ops, case, name, layout):
+    tensor_ops(layout)
+    head_dim, head_dim_v, kv_heads, seqlen_q, seqlen_k, options = case
+    dtype = DTYPES[name]
+    batch = 2
+    q, k, v, _ = make_inputs(7 + seqlen_q, batch, HEADS, kv_heads, seqlen_q, seqlen_k, head_dim,
+                             head_dim_v=head_dim_v, dtype=dtype)
+    made = _options(options, np.random.default_rng(seqlen_k), batch, seqlen_q, seqlen_k, dtype)
+    out, lse = ctx.forward(q, k, v, **made)
+    (dispatch,) = ctx.last_profile.dispatches
+    assert dispatch.kernel == f"flash_attention_forward_tensor_{'bf16' if name == 'bfloat16' else 'f16'}_d256"
+    # One threadgroup per 32 query rows (FA_TENSOR_PAIR_BLOCK_Q).
+    assert dispatch.threadgroups[0] == -(-seqlen_q // 32)
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, tensor_ops=True, **made),
+                       f"{_pair_label(case)} {name} {layout}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_head_dim_256_pairs_dropout_and_varlen(ctx, tensor_ops, layout):
+    """The pair forward's dropout (each member applies the same Philox factors to its rows' P) and
+    a packed batch whose sequences end inside a pair."""
+    tensor_ops(layout)
+    q, k, v, _ = make_inputs(6, 1, 2, 1, 37, 41, 256)
+    drop = (0.25, 77, 3)
+    out, lse = ctx.forward(q, k, v, causal=True, dropout_p=drop[0], dropout_seed=drop[1], dropout_offset=drop[2])
+    assert _kernels(ctx) == ["flash_attention_forward_tensor_f16_d256"]
+    mask = dropout.reference_mask(drop, 1, 2, 37, 41)
+    assert_within_rule(accuracy.evaluate_forward(q, k, v, out, lse, causal=True, dropout_mask=mask, tensor_ops=True),
+                       "d256 dropout")
+    lengths_q, lengths_k = [5, 40, 17], [9, 35, 30]
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((cu_q[-1], 2, 256)).astype(ml_dtypes.bfloat16)
+    k = rng.standard_normal((cu_k[-1], 1, 256)).astype(ml_dtypes.bfloat16)
+    v = rng.standard_normal((cu_k[-1], 1, 256)).astype(ml_dtypes.bfloat16)
+    out, lse = ctx.forward_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+    assert "flash_attention_forward_tensor_bf16_d256" in _kernels(ctx)
+    for b in range(len(lengths_q)):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        seq = [x[None].transpose(0, 2, 1, 3) for x in (q[rows], k[keys], v[keys], out[rows])]
+        assert_within_rule(accuracy.evaluate_forward(*seq, lse[:, rows][None], causal=True, tensor_ops=True),
+                           f"d256 sequence {b}")
+
+
+def test_head_dim_256_pairs_rerun_and_layouts_give_the_same_bits(ctx, tensor_ops):
+    """Deterministic: reruns and both layouts give the same bits (both members of a pair sum the
+    partial scores in one order)."""
+    q, k, v, _ = make_inputs(12, 1, 2, 2, 40, 70, 256)
+    results = []
+    for layout in LAYOUTS + ["m5"]:
+        tensor_ops(layout)
+        results.append(ctx.forward(q, k, v, causal=True))
+    assert all(np.array_equal(a, b) for first, other in zip(results, results[1:]) for a, b in zip(first, other))
+
+
 def test_layouts_give_the_same_bits(ctx, tensor_ops):
     """The kernel assumes no layout: both runs sum in the emulation's one order."""
     q, k, v, _ = make_inputs(9, 1, HEADS, 2, 70, 45, 64)
@@ -200,9 +279,11 @@ def test_routing_on_the_cpu_engine(ctx, monkeypatch):
 # The tensor-op kernel finds the row of each of O's slots with get_multidimensional_index. The plant
 # computes it from MLX's M5 fragment map instead (row fm + 8 (j / 4) of lane l's slot j,
 # fm = (l >> 2 & 4) | (l >> 1 & 3); O has one row of 16x16 fragments): right under the M5 layout,
-# wrong under any other.
-M5_ROW = "row_scale[(((lane >> 2) & 4) | ((lane >> 1) & 3)) + 8 * ((i % 8) / 4)]"
-# The per-tile rescale and the final 1 / l (each once in the header).
+# wrong under any other. The helpers that place O's rows (scale_rows, store_rows) take no lane, so
+# the plant asks the engine for it (the planted build is the CPU engine's).
+LANE = "msl_engine::runtime::simd_lane()"
+M5_ROW = f"row_scale[((({LANE} >> 2) & 4) | (({LANE} >> 1) & 3)) + 8 * ((i % 8) / 4)]"
+# The per-tile rescale and the final 1 / l (each once in the header, shared by every bucket).
 PLANTS = (("row_scale[o.get_multidimensional_index(i)[1]]", M5_ROW), ("row_scale[o_row]", M5_ROW))
 # The d64 float16 instance, served through the engine's test-only table override
 # (MSL_ENGINE_KERNELS_OVERRIDE, test_planted_faults.py), with the dense float16 forward of the largest

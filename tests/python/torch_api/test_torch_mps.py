@@ -17,8 +17,8 @@ kernel name, and check every argument against compile_shader's contract as PyTor
 - argument i is ``[[buffer(i)]]``; a tensor binds its storage's buffer at ``storage_offset() *
   element_size()`` bytes (never through ``data_ptr()``); any other argument is setBytes: a Python
   int as int64, a float as float32, a non-empty list of either as a vector of that type (every
-  element of the first one's type, ints within int64), through ``arg_casts`` when given; None and
-  other types are refused;
+  element of the first one's type, ints within int64), through ``arg_casts`` when given, below
+  4 KB (setBytes' limit); None and other types are refused;
 - ``threads`` and ``group_size`` are each an int or 1 to 3 ints of one length; ``threads`` is the
   grid in threads (dispatchThreads; by default the first tensor's numel), ``group_size`` the
   threadgroup (by default the pipeline's maximum), its product at most the pipeline's
@@ -201,6 +201,9 @@ class StandInKernel:
             return storage.data_ptr() + offset, storage.nbytes() - offset
         cast = casts.get(index, casts.get(None, "")) if casts else ""
         data = _set_bytes(argument, cast)
+        # MetalKernelFunction::setArg hands them to setBytes(_:length:index:), which "only works
+        # for data smaller than 4 kilobytes" (Apple's documentation of the method).
+        assert len(data) < 4096, f"{self.name}: setBytes of {len(data)} bytes at {index}: only below 4 KB"
         buffer = ffi.new("char[]", data)
         keep.append(buffer)
         return ffi.cast("uintptr_t", buffer), len(data)
@@ -423,6 +426,8 @@ def _forward_kernel(compiler):
     (lambda a, d: dict(arguments=[[2**63] + x[1:] if isinstance(x, list) else x for x in a]),
      "does not fit int64"),
     (lambda a, d: dict(arguments=[[] if isinstance(x, list) else x for x in a]), "an empty list"),
+    (lambda a, d: dict(arguments=[x + [0] * (512 - len(x)) if isinstance(x, list) else x for x in a]),
+     "only below 4 KB"),
     (lambda a, d: dict(threads=[t + 1 for t in d.threads_per_grid]), "not whole threadgroups"),
     (lambda a, d: dict(threads=list(d.threads_per_grid)[:2]), "dimensions differ"),
     (lambda a, d: dict(group_size=[2048, 1, 1]), "Threadgroup size exceeds 1024"),

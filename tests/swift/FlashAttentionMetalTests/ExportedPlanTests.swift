@@ -418,6 +418,7 @@ final class ExportedPlanTests: XCTestCase {
         XCTAssertFalse(EmbeddedShaders.source.contains("#include \""))
         #if os(Linux)
         XCTAssertNil(fa_plan_metallib_path())
+        XCTAssertNil(fa_plan_tensor_metallib_path())
         #endif
     }
 }

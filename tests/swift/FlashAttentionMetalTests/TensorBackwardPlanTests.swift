@@ -16,7 +16,8 @@ final class TensorBackwardPlanTests: XCTestCase {
     }
 
     /// 100 query rows and 130 keys: ceil(100 / 64) = 2 dQ blocks of 6 heads, ceil(130 / 64) = 3
-    /// dK/dV blocks of 3 KV heads.
+    /// dK/dV blocks of 3 KV heads; at head_dim 256 dQ (split over SIMD-group pairs) takes blocks of
+    /// FA_TENSOR_PAIR_BLOCK_Q = 32 rows, ceil(100 / 32) = 4, dK/dV keeps 64 keys.
     func testBackwardTakesTheTensorKernelsWhereTheyServe() throws {
         unsetenv(TensorOps.environmentVariable)
         let plan = try DispatchPlan.make(.backward, try problem(), device: nil, tensorOps: m5)
@@ -25,10 +26,13 @@ final class TensorBackwardPlanTests: XCTestCase {
                         "flash_attention_backward_dq_tensor_f16_d64", "flash_attention_backward_dkv_tensor_f16_d64"])
         XCTAssertEqual(plan.dispatches[2].threadgroupsPerGrid, GridSize(width: 2, height: 6, depth: 2))
         XCTAssertEqual(plan.dispatches[3].threadgroupsPerGrid, GridSize(width: 3, height: 3, depth: 2))
-        XCTAssertEqual(try DispatchPlan.make(.backward, try problem(headDim: 200, dtype: .bfloat16), device: nil,
-                                             tensorOps: m5).dispatches.map(\.kernelName).suffix(2),
+        let paired = try DispatchPlan.make(.backward, try problem(headDim: 200, dtype: .bfloat16), device: nil,
+                                           tensorOps: m5)
+        XCTAssertEqual(paired.dispatches.map(\.kernelName).suffix(2),
                        ["flash_attention_backward_dq_tensor_bf16_d256",
                         "flash_attention_backward_dkv_tensor_bf16_d256"])
+        XCTAssertEqual(paired.dispatches[2].threadgroupsPerGrid, GridSize(width: 4, height: 6, depth: 2))
+        XCTAssertEqual(paired.dispatches[3].threadgroupsPerGrid, GridSize(width: 3, height: 3, depth: 2))
         for (other, suffix) in [(try problem(dtype: .float32), "f32_d64"), (try problem(headDim: 192), "f16_d192"),
                                 (try problem(headDim: 32), "f16_d32")] {
             let names = try DispatchPlan.make(.backward, other, device: nil, tensorOps: m5).dispatches.map(\.kernelName)

@@ -83,7 +83,8 @@ final class TensorOpsRouteTests: XCTestCase {
     }
 
     /// The forward takes flash_attention_forward_tensor_<dtype>_d<DP> over blocks of
-    /// FA_TENSOR_BLOCK_Q rows where the route is enabled and the kernel serves the problem; float32,
+    /// FA_TENSOR_BLOCK_Q rows (FA_TENSOR_PAIR_BLOCK_Q at head_dim 256, split over SIMD-group pairs)
+    /// where the route is enabled and the kernel serves the problem; float32,
     /// head_dim 192 and split-KV shapes keep their kernels, as does a plan made without a backend's
     /// support (the CPU engine's); a piece keeps the route.
     func testPlansTakeTheTensorForwardWhereItServes() throws {
@@ -92,6 +93,9 @@ final class TensorOpsRouteTests: XCTestCase {
         XCTAssertEqual(plan.dispatches.map(\.kernelName), ["flash_attention_forward_tensor_f16_d64"])
         XCTAssertEqual(plan.dispatches[0].threadgroupsPerGrid, GridSize(width: 2, height: 6, depth: 2))
         XCTAssertEqual(plan.tensorOps.reason, "tensor ops: applegpu_g17s has matrix units")
+        let paired = try DispatchPlan.make(.forward, try problem(headDim: 256), device: nil, tensorOps: m5)
+        XCTAssertEqual(paired.dispatches.map(\.kernelName), ["flash_attention_forward_tensor_f16_d256"])
+        XCTAssertEqual(paired.dispatches[0].threadgroupsPerGrid, GridSize(width: 4, height: 6, depth: 2))
         XCTAssertEqual(DispatchPlan.make(.forward, planned: plan.problem.slice(batches: 1..<2, kvHeads: 0..<1))
             .dispatches.map(\.kernelName), ["flash_attention_forward_tensor_f16_d64"])
         XCTAssertEqual(try DispatchPlan.make(.forward, try problem(headDim: 80, dtype: .bfloat16), device: nil,

@@ -15,6 +15,8 @@ final class MetalBackendTests: XCTestCase {
         ("testBlockPiecesEqualTheCPUBackend", testBlockPiecesEqualTheCPUBackend),
         ("testKVCacheIsBoundInPlace", testKVCacheIsBoundInPlace),
         ("testTensorOpsRouteAndLibrary", testTensorOpsRouteAndLibrary),
+        ("testTensorOpsLibraryFromFile", testTensorOpsLibraryFromFile),
+        ("testPipelinesNeedEveryFunctionConstant", testPipelinesNeedEveryFunctionConstant),
     ]
 
     private let shape = AttentionShape(batch: 2, numHeads: 4, numKVHeads: 2, seqlenQ: 19, seqlenK: 23, headDim: 24)
@@ -192,6 +194,76 @@ final class MetalBackendTests: XCTestCase {
         XCTAssertEqual(try forwardKernels(lost), ["flash_attention_forward_f16_d64"])
         setenv(TensorOps.environmentVariable, "1", 1)
         XCTAssertEqual(try forwardKernels(lost), ["flash_attention_forward_f16_d64"])
+    }
+
+    /// The tensor-op library from build.sh's .metallib when Metal accepts the file (the stand-in
+    /// accepts its own library files only), else from the embedded source; the backend note says
+    /// which, and why the file was not used. A refused file and a failed compile lose only the
+    /// tensor-op path.
+    func testTensorOpsLibraryFromFile() throws {
+        defer {
+            for name in ["FLASH_ATTENTION_METAL_STANDIN_ARCH", "FLASH_ATTENTION_METAL_STANDIN_FAULT"] { unsetenv(name) }
+        }
+        setenv("FLASH_ATTENTION_METAL_STANDIN_ARCH", "applegpu_g17s", 1)
+        let device = try XCTUnwrap(MTLCreateSystemDefaultDevice())
+        let folder = FileManager.default.temporaryDirectory.appendingPathComponent("fa-tensor-metallib-\(getpid())")
+        try FileManager.default.createDirectory(at: folder, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: folder) }
+        let file = folder.appendingPathComponent(PrecompiledShaders.tensorFileName).path
+        try "metal-standin-metallib tensor\n".write(toFile: file, atomically: true, encoding: .utf8)
+
+        let loaded = MetalFlashAttention.tensorLibrary(for: device, precompiled: file)
+        XCTAssertNotNil(loaded.library)
+        XCTAssertTrue(loaded.support.hasUnits && loaded.support.hasKernels, loaded.support.detail)
+        XCTAssertEqual(loaded.origin, "tensor-op kernels from \(file)")
+        // The file needs no compiler: a source compile that would fail is never tried.
+        setenv("FLASH_ATTENTION_METAL_STANDIN_FAULT", "compile:tensor", 1)
+        XCTAssertNotNil(MetalFlashAttention.tensorLibrary(for: device, precompiled: file).library)
+        unsetenv("FLASH_ATTENTION_METAL_STANDIN_FAULT")
+
+        try "not a library\n".write(toFile: file, atomically: true, encoding: .utf8)
+        let compiled = MetalFlashAttention.tensorLibrary(for: device, precompiled: file)
+        XCTAssertNotNil(compiled.library)
+        let origin = try XCTUnwrap(compiled.origin)
+        XCTAssertTrue(origin.hasPrefix("tensor-op kernels compiled from the embedded source at MSL 4.0 (\(file) was "
+                                       + "refused: "), origin)
+        let absent = try XCTUnwrap(MetalFlashAttention.tensorLibrary(for: device, precompiled: nil).origin)
+        XCTAssertTrue(absent.contains("no \(PrecompiledShaders.tensorFileName) for this OS"), absent)
+
+        setenv("FLASH_ATTENTION_METAL_STANDIN_FAULT", "compile:tensor", 1)
+        let lost = MetalFlashAttention.tensorLibrary(for: device, precompiled: file)
+        XCTAssertNil(lost.library)
+        XCTAssertTrue(lost.support.hasUnits && !lost.support.hasKernels)
+        let why = try XCTUnwrap(lost.origin)
+        XCTAssertTrue(why.hasPrefix("no tensor-op kernels: the tensor-op library (MSL 4.0) did not compile: ")
+                      && why.contains("\(file) was refused"), why)
+        XCTAssertTrue(lost.support.detail.contains("did not compile"), lost.support.detail)
+    }
+
+    /// Metal builds a pipeline only from a function specialised with a value for every function
+    /// constant it uses (developer.apple.com/documentation/metal/mtllibrary/makefunction(name:) and
+    /// .../makefunction(name:constantvalues:)); the stand-in now refuses the others as Metal does,
+    /// and the backend's pipelines, made from the plan's specialisation, pass.
+    func testPipelinesNeedEveryFunctionConstant() throws {
+        let device = try XCTUnwrap(MTLCreateSystemDefaultDevice())
+        let options = MTLCompileOptions()
+        options.languageVersion = .version3_1
+        let library = try device.makeLibrary(source: EmbeddedShaders.source, options: options)
+        let name = "flash_attention_forward_f16_d64"
+        let unspecialised = try XCTUnwrap(library.makeFunction(name: name))
+        XCTAssertThrowsError(try device.makeComputePipelineState(function: unspecialised))
+        XCTAssertThrowsError(try library.makeFunction(name: name, constantValues: MTLFunctionConstantValues()))
+        // A kernel without function constants (the merge) needs none.
+        let merge = try XCTUnwrap(library.makeFunction(name: "flash_attention_merge_f16"))
+        XCTAssertNoThrow(try device.makeComputePipelineState(function: merge))
+
+        let p = try Problem.validate(shape, causal: true, softmaxScale: nil)
+        let kernels = try MetalFlashAttention(device: device)
+        for pass in [Pass.forward, .backward] {
+            for dispatch in try DispatchPlan.make(pass, p, device: kernels.gpuCores).dispatches {
+                XCTAssertNoThrow(try kernels.checkedPipeline(for: dispatch), dispatch.kernelName)
+            }
+        }
     }
 
     /// A KV cache (a read-write role) on page-aligned memory is bound in place even though its

@@ -1,4 +1,5 @@
 // Libraries, functions with their constants, and pipelines: the CPU engine's kernels by name.
+import CFlashAttentionMetal
 import Foundation
 import MSLEngine
 
@@ -91,6 +92,14 @@ final class StandInLibrary: MTLLibrary, @unchecked Sendable {
             throw NSError(domain: "MTLLibraryErrorDomain", code: 5,
                           userInfo: [NSLocalizedDescriptionKey: "Function \(name) was not found in the library"])
         }
+        // Compilation fails without a value for every function constant the function uses
+        // (mtllibrary/makefunction(name:constantvalues:)); values for others are ignored.
+        let used = catalogueConstants(of: name) ?? 0
+        if let missing = (0..<32).first(where: { used & (1 << $0) != 0 && constantValues.values[$0] == nil }) {
+            throw NSError(domain: "MTLLibraryErrorDomain", code: 5, userInfo: [
+                NSLocalizedDescriptionKey: "\(name): no value for function constant \(missing), which it uses",
+            ])
+        }
         let constants = constantValues.values.sorted { $0.key < $1.key }.map {
             msl_engine_function_constant(index: UInt32($0.key),
                                          type: ($0.value.type == .bool ? MSL_ENGINE_CONSTANT_BOOL
@@ -99,6 +108,23 @@ final class StandInLibrary: MTLLibrary, @unchecked Sendable {
         }
         return StandInFunction(device: device, name: name, constants: constants)
     }
+}
+
+/// The function constants kernel `name` uses (bit i: [[function_constant(i)]]), from the kernel
+/// catalogue's row whose name is the longest that `name` spells as flash_attention_<row>[_...];
+/// nil for a name of no row.
+func catalogueConstants(of name: String) -> UInt32? {
+    var best: (length: Int, constants: UInt32)?
+    var row = FlashAttentionKernel()
+    var index: UInt32 = 0
+    while fa_kernel(index, &row) != 0 {
+        let stem = "flash_attention_" + String(cString: row.name)
+        if (name == stem || name.hasPrefix(stem + "_")) && stem.count > (best?.length ?? 0) {
+            best = (stem.count, row.constants)
+        }
+        index += 1
+    }
+    return best?.constants
 }
 
 /// A kernel and, when made with constant values, those values. Which constants a kernel reads is
