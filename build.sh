@@ -229,15 +229,24 @@ find_clang_for_address_spaces() {
 }
 
 # The sanitized run (tests/run_sanitized.sh: one ASan and UBSan build and its run of every XCTest)
-# goes in the background beside the C program, the stand-in build and the parallel pytest run, its
-# output kept in .build/sanitizers/run.log and shown when it ends; pytest's serial tests (timed
-# ones) run after it, alone. A plain swift test runs only without it: it would build the package's
-# tests a second time (about 60 s of CPU) and run the same XCTests again, unsanitized.
+# goes in the background as soon as the release library is built, beside .venv's set-up, the MLX
+# extension, the C program, the stand-in build and the parallel pytest run (it fills the cores those
+# steps leave idle), its output kept in .build/sanitizers/run.log and shown when it ends; pytest's
+# serial tests (timed ones) run after it, alone. .venv is set up beside the release build (pip
+# mostly waits on downloads and the disk). A plain swift test runs only without the sanitized run:
+# it would build the package's tests a second time (about 60 s of CPU) and run the same XCTests
+# again, unsanitized.
 run_tests() {
+    local venv_log=.build/setup_venv.log venv_status=0
+    mkdir -p .build
+    setup_venv > "$venv_log" 2>&1 &
+    local venv=$!
+    trap "kill $venv 2>/dev/null || true" EXIT
     build_library
-    setup_venv
-    build_mlx_extension
-    find_clang_for_address_spaces
+    wait "$venv" || venv_status=$?
+    trap - EXIT
+    cat "$venv_log"
+    [[ $venv_status == 0 ]] || { echo "build.sh: setting up .venv failed (above)" >&2; exit "$venv_status"; }
     local sanitized="" sanitized_log=.build/sanitizers/run.log
     if [[ -f tests/run_sanitized.sh ]]; then
         say "sanitized run (tests/run_sanitized.sh) in the background, log $sanitized_log"
@@ -255,6 +264,8 @@ run_tests() {
     else
         warn "tests/run_sanitized.sh is missing: skipping the sanitized run"
     fi
+    build_mlx_extension
+    find_clang_for_address_spaces
     if [[ -z $sanitized ]]; then
         say "swift test"
         swift test

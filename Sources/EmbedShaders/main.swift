@@ -59,7 +59,13 @@ do {
         let folder = URL(fileURLWithPath: arguments[0])
         let source = try splicedSource(folder: folder, metal: "flash_attention.metal")
         let tensorSource = try splicedSource(folder: folder, metal: "flash_attention_tensor.metal")
-        try swiftFile(source, tensorSource: tensorSource).write(to: URL(fileURLWithPath: arguments[1]), atomically: true, encoding: .utf8)
+        let output = URL(fileURLWithPath: arguments[1])
+        let text = swiftFile(source, tensorSource: tensorSource)
+        // An unchanged file is left alone: SwiftPM reruns this tool whenever it relinks it (every
+        // build), and a rewritten file would recompile the library's Swift module each time.
+        if (try? String(contentsOf: output, encoding: .utf8)) != text {
+            try text.write(to: output, atomically: true, encoding: .utf8)
+        }
     }
 } catch {
     FileHandle.standardError.write("EmbedShaders: \(error)\n".data(using: .utf8)!)

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -76,9 +77,28 @@ QUICK_TESTS = {
 _HERE = Path(__file__).resolve().parent
 
 
+# The folder where the kernels' IR tests share identical clang compiles (the every-kernel -O0 compile
+# of the address-space check and of test_specialisation's constants check: 46 s of CPU each), named
+# by FA_IR_CACHE (tests/static/check_address_spaces.py, emit_ir). The first process of a run (the
+# xdist controller, whose workers inherit its environment) makes it and removes it at the end; one
+# set from outside is left alone.
+IR_CACHE_ENV = "FA_IR_CACHE"
+_ir_cache_made = None
+
+
 def pytest_configure(config):
+    global _ir_cache_made
     config.addinivalue_line("markers", f"{SERIAL_MARKER}: run alone, after the parallel run (conftest.py)")
     config.addinivalue_line("markers", f"{QUICK_MARKER}: the quick tier, ./build.sh test --quick (conftest.py)")
+    if not os.environ.get(IR_CACHE_ENV):
+        _ir_cache_made = tempfile.mkdtemp(prefix="fa-ir-cache-")
+        os.environ[IR_CACHE_ENV] = _ir_cache_made
+
+
+def pytest_unconfigure(config):
+    if _ir_cache_made is not None:
+        shutil.rmtree(_ir_cache_made, ignore_errors=True)
+        os.environ.pop(IR_CACHE_ENV, None)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -20,6 +20,8 @@ emitted, 2 no usable clang.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import os
 import pathlib
 import re
@@ -65,6 +67,40 @@ def clang_command(clang: str, source: pathlib.Path, *extra: str, version: tuple[
         "-cl-no-stdinc", "-nostdinc", "-I", str(HEADER_DIR), "-I", str(source.parent),
         f"-D__METAL_VERSION__={number}", *(["-D__HAVE_BFLOAT__"] if bfloat else []), "-Werror", *extra, str(source),
     ]
+
+
+#: A folder where identical compiles to LLVM IR are shared (emit_ir): tests/python/conftest.py sets it
+#: for one pytest run and its workers, so that the IR tests compile each input once.
+IR_CACHE_ENV = "FA_IR_CACHE"
+
+
+def emit_ir(clang: str, source: pathlib.Path, *extra: str,
+            version: tuple[int, bool] = MSL_VERSIONS[-1]) -> subprocess.CompletedProcess:
+    """clang's LLVM IR of ``source`` (-S -emit-llvm to stdout) with ``extra`` flags. With
+    $FA_IR_CACHE naming a folder, a successful compile is kept there under a hash of the clang, the
+    flags and the preprocessed source (line markers included), so that another one of the same input
+    (another version whose preprocessed source is the same, another test, another process) reads it
+    instead of compiling again; one process compiles while the others wait on its lock."""
+    command = clang_command(clang, source, *extra, "-S", "-emit-llvm", "-o", "-", version=version)
+    folder = os.environ.get(IR_CACHE_ENV)
+    if not folder:
+        return subprocess.run(command, capture_output=True, text=True)
+    preprocessed = subprocess.run(clang_command(clang, source, "-E", version=version), capture_output=True, text=True)
+    if preprocessed.returncode != 0:
+        return subprocess.run(command, capture_output=True, text=True)
+    key = hashlib.sha256("\0".join([clang, *extra, preprocessed.stdout]).encode()).hexdigest()
+    cached = pathlib.Path(folder) / f"{key}.ll"
+    pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
+    with open(cached.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if cached.is_file():
+            return subprocess.CompletedProcess(command, 0, cached.read_text(), "")
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode == 0:
+            partial = cached.with_suffix(".partial")
+            partial.write_text(result.stdout)
+            partial.replace(cached)
+        return result
 
 
 def usable(clang: str) -> str | None:
@@ -113,8 +149,7 @@ def compile_kernels(clang: str, source: pathlib.Path, version: tuple[int, bool],
     """Compiles one file at one (__METAL_VERSION__, bfloat); the number of kernels emitted, or None
     (after printing why) when it does not compile or a kernel of `defined` is not emitted."""
     where = f"{source} (MSL {version_name(version[0])})"
-    compiled = subprocess.run(clang_command(clang, source, "-S", "-emit-llvm", "-o", "-", version=version),
-                              capture_output=True, text=True)
+    compiled = emit_ir(clang, source, version=version)
     if compiled.returncode != 0:
         sys.stderr.write(compiled.stderr)
         print(f"check_address_spaces: {where}: does not compile as C++ for OpenCL 2021 (address spaces "

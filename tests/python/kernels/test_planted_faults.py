@@ -2,14 +2,15 @@
 
 Each fault is one textual edit of a copy of Shaders/ (a regular expression and its replacement).
 The copy is compiled into a shared object of the CPU engine's float16 kernels of the head_dim
-buckets the catcher runs (the engine's float16 translation unit, flash_attention_kernels_f16.cpp,
-restricted to those buckets, with the package's flags: about 5 s of one core per bucket), which the
-library loads in place of its built-in kernels through the test-only hook
-MSL_ENGINE_KERNELS_OVERRIDE (Sources/MSLEngine/engine/msl_registry.cpp). A child pytest then runs
-the test named as the fault's catcher against it, and it must fail by an assertion. The unedited
-copy, built the same way with every bucket of ``CATCHER_BUCKETS``, must pass every one of
-``CATCHERS``: a failure is the fault's, not the build's. A pattern that no longer matches the
-kernels (they are being restructured) fails the check itself, naming the fault and the pattern.
+bucket the catcher runs (the engine's float16 translation unit, flash_attention_kernels_f16.cpp,
+cut into one translation unit per part, the per-dtype kernels and each bucket's, with the
+package's flags: 7 to 11 s of one core per bucket), which the library loads in place of its
+built-in kernels through the test-only hook MSL_ENGINE_KERNELS_OVERRIDE
+(Sources/MSLEngine/engine/msl_registry.cpp). A child pytest then runs the test named as the
+fault's catcher against it, and it must fail by an assertion. The unedited copy, built the same
+way with every bucket of ``CATCHER_BUCKETS``, must pass every one of ``CATCHERS``: a failure is the
+fault's, not the build's. A pattern that no longer matches the kernels (they are being
+restructured) fails the check itself, naming the fault and the pattern.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ CATCHERS = [
 # run: the grid's head dims 8 to 128 and 256, the long forward's 64. The unedited build has them all;
 # a planted build only its catcher's (Fault.bucket): every bucket is one instance of the same
 # templates, and compiling all eight for each of the seven builds took 4 minutes of CPU. Every
-# build also has the bucket of FA_MAX_HEAD_DIM, whose forward kernel the CPU backend looks up to
-# tell that the engine has its kernels (CPUBackend.swift).
+# build also loads the bucket of FA_MAX_HEAD_DIM, whose forward kernel the CPU backend looks up to
+# tell that the engine has its kernels (CPUBackend.swift): unedited, compiled once into a shared
+# object of its own that every build links (its hidden symbols cannot mix with a build's edited
+# ones), since no catcher runs it.
 CATCHER_BUCKETS = (32, 64, 96, 128, 256)
 MAX_HEAD_DIM = int(re.search(r"^#define FA_MAX_HEAD_DIM (\d+)$",
                              (ROOT / "Shaders" / "flash_attention_params.h").read_text(), re.M).group(1))
@@ -50,24 +53,44 @@ MAX_HEAD_DIM = int(re.search(r"^#define FA_MAX_HEAD_DIM (\d+)$",
 # What the engine says when a dispatch names a kernel the table lacks (msl_dispatch.cpp).
 MISSING_KERNEL = "no kernel of that name is registered"
 
-# Exported by the shared object: the hook's entry point, returning the edited kernels' table.
-# The catchers run float16 alone, so every planted build compiles the engine's float16 translation
-# unit (flash_attention_kernels_f16.cpp) restricted to some buckets, and serves its table.
-ENTRY_SOURCE = """#include "msl_kernel_registry.hpp"
-namespace msl_engine { const kernel_entry *flash_attention_kernels_f16(size_t *count); }
-extern "C" __attribute__((visibility("default"))) const msl_engine::kernel_entry *
-msl_engine_kernels_override(size_t *count) { return msl_engine::flash_attention_kernels_f16(count); }
-"""
+# The table of a part (the per-dtype kernels, or one bucket's) is flash_attention_kernels_part_<name>,
+# exported: the shared object of FA_MAX_HEAD_DIM's bucket serves its table to the builds that link it.
+def part_table(part: str) -> str:
+    return f"flash_attention_kernels_part_{part}"
 
 
-def kernels_source(buckets: tuple[int, ...]) -> str:
-    """flash_attention_kernels_f16.cpp with the buckets of ``buckets`` (and FA_MAX_HEAD_DIM's)
-    only: the per-dtype kernels, those of each bucket, and their table."""
-    buckets = sorted({*buckets, MAX_HEAD_DIM})
-    return ('#include "flash_attention_kernels.hpp"\n\nFA_ENGINE_TARGET_BEGIN\nFA_DEFINE_DTYPE_KERNELS(half, f16)\n'
-            + "".join(f"FA_DEFINE_F16({bucket})\n" for bucket in buckets)
-            + "FA_ENGINE_TARGET_END\n\nFA_ENGINE_TABLE(f16, FA_ENGINE_DTYPE_ENTRIES(half, f16)"
-            + "".join(f" FA_ENGINE_F16_ENTRIES({bucket})" for bucket in buckets) + ")\n")
+def part_source(part: str) -> str:
+    """A translation unit of flash_attention_kernels_f16.cpp: the per-dtype float16 kernels
+    (``part`` "dtype") or those of one bucket (``part`` "d<bucket>"), and their table."""
+    define, entries = (("FA_DEFINE_DTYPE_KERNELS(half, f16)", "FA_ENGINE_DTYPE_ENTRIES(half, f16)") if part == "dtype"
+                       else (f"FA_DEFINE_F16({part[1:]})", f"FA_ENGINE_F16_ENTRIES({part[1:]})"))
+    return ('#include "flash_attention_kernels.hpp"\n\n'
+            f"namespace msl_engine {{ __attribute__((visibility(\"default\"))) const kernel_entry *{part_table(part)}"
+            "(size_t *count); }\n\n"
+            f"FA_ENGINE_TARGET_BEGIN\n{define}\nFA_ENGINE_TARGET_END\n\nFA_ENGINE_TABLE(part_{part}, {entries})\n")
+
+
+def entry_source(parts: list[str]) -> str:
+    """The hook's entry point (exported): the tables of ``parts`` (and FA_MAX_HEAD_DIM's) joined."""
+    parts = [*parts, f"d{MAX_HEAD_DIM}"]
+    declarations = "".join(f'__attribute__((visibility("default"))) const kernel_entry *{part_table(part)}'
+                           "(size_t *count);\n" for part in parts)
+    return ('#include "msl_kernel_registry.hpp"\n#include <vector>\n\n'
+            f"namespace msl_engine {{\n{declarations}}}\n\n"
+            'extern "C" __attribute__((visibility("default"))) const msl_engine::kernel_entry *\n'
+            "msl_engine_kernels_override(size_t *count) {\n"
+            "    static const std::vector<msl_engine::kernel_entry> table = [] {\n"
+            "        std::vector<msl_engine::kernel_entry> all;\n"
+            f"        for (auto part : {{{', '.join(f'msl_engine::{part_table(part)}' for part in parts)}}}) {{\n"
+            "            size_t n = 0;\n"
+            "            const msl_engine::kernel_entry *entries = part(&n);\n"
+            "            all.insert(all.end(), entries, entries + n);\n"
+            "        }\n"
+            "        return all;\n"
+            "    }();\n"
+            "    *count = table.size();\n"
+            "    return table.data();\n"
+            "}\n")
 
 
 @dataclass(frozen=True)
@@ -143,10 +166,23 @@ def _compiler() -> str:
     pytest.fail("no C++ compiler (clang++ or c++, or $CXX) to build the planted kernels")
 
 
-def build_kernels(folder: Path, fault: Fault | None) -> Path:
-    """The CPU engine's float16 kernels compiled from a copy of Shaders/ with ``fault`` planted into
-    folder/kernels.so: the buckets of ``CATCHER_BUCKETS`` as they are (``fault`` None), or the
-    fault's bucket with the fault planted."""
+def _compile(arguments: list[str], what: str) -> None:
+    """The package's flags (the engine's headers, C++17, -O2, hidden symbols) and ``arguments``."""
+    result = subprocess.run([_compiler(), "-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden",
+                             f"-I{ENGINE / 'include'}", f"-I{ENGINE / 'msl'}", f"-I{ENGINE / 'engine'}", *arguments],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, f"building {what} failed:\n" + result.stderr[-3000:]
+
+
+def _link(arguments: list[str], what: str) -> None:
+    """A shared object of ``arguments`` linked to the library (the engine's run time)."""
+    library = Path(_native.native().path).resolve()
+    _compile(["-shared", *arguments, str(library), f"-Wl,-rpath,{library.parent}"], what)
+
+
+def build_parts(folder: Path, fault: Fault | None, parts: list[str]) -> Path:
+    """A copy of Shaders/ with ``fault`` planted (None: unedited) and beside it, in the engine's
+    folder of the copy (returned), one translation unit per part of ``parts`` (part_source)."""
     shutil.copytree(ROOT / "Shaders", folder / "Shaders")
     engine = folder / "Sources" / "MSLEngine"  # the header includes ../../Shaders/
     engine.mkdir(parents=True)
@@ -154,17 +190,27 @@ def build_kernels(folder: Path, fault: Fault | None) -> Path:
     if fault is not None:
         target = folder / "Shaders" / fault.file
         target.write_text(plant(target.read_text(), fault))
-    source = engine / "flash_attention_kernels_f16.cpp"
-    source.write_text(kernels_source(CATCHER_BUCKETS if fault is None else (fault.bucket,)))
-    (folder / "entry.cpp").write_text(ENTRY_SOURCE)
-    library = Path(_native.native().path).resolve()
+    for part in parts:
+        (engine / f"part_{part}.cpp").write_text(part_source(part))
+    return engine
+
+
+def compile_part(engine: Path, part: str, what: str) -> Path:
+    """The object of one part of a build's copy (build_parts)."""
+    output = engine / f"part_{part}.o"
+    _compile(["-c", str(engine / f"part_{part}.cpp"), "-o", str(output)], f"{what} ({part})")
+    return output
+
+
+def build_kernels(folder: Path, objects: list[Path], max_bucket: Path, what: str) -> Path:
+    """folder/kernels.so: the hook's entry point over the tables of ``objects`` and of
+    ``max_bucket`` (FA_MAX_HEAD_DIM's shared object, linked)."""
+    parts = [object_.stem.removeprefix("part_") for object_ in objects]
+    entry = folder / "entry.cpp"
+    entry.write_text(entry_source(parts))
     output = folder / "kernels.so"
-    command = [_compiler(), "-O2", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden",
-               f"-I{ENGINE / 'include'}", f"-I{ENGINE / 'msl'}", f"-I{ENGINE / 'engine'}",
-               str(source), str(folder / "entry.cpp"), str(library), f"-Wl,-rpath,{library.parent}", "-o", str(output)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, f"building {fault.name if fault else 'the unedited kernels'} failed:\n" \
-        + result.stderr[-3000:]
+    _link([str(entry), *map(str, objects), str(max_bucket), f"-Wl,-rpath,{max_bucket.parent}", "-o", str(output)],
+          what)
     return output
 
 
@@ -182,12 +228,26 @@ def failed_tests(run: subprocess.CompletedProcess) -> list[str]:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """{fault name or None: kernels.so}, built two at a time."""
-    cases = [None] + FAULTS
+    """{fault name or None: kernels.so}: every part of every build compiled two at a time (the
+    unedited copy's dtype part, its buckets and FA_MAX_HEAD_DIM's; each fault's dtype part and
+    bucket), then each build linked."""
+    cases = {None: (None, ["dtype", *(f"d{bucket}" for bucket in CATCHER_BUCKETS if bucket != MAX_HEAD_DIM)])}
+    cases.update({fault.name: (fault, ["dtype", f"d{fault.bucket}"]) for fault in FAULTS})
+    folders = {name: tmp_path_factory.mktemp("kernels") for name in cases}
+    engines = {name: build_parts(folders[name], fault, parts) for name, (fault, parts) in cases.items()}
+    (engines[None] / "part_max.cpp").write_text(part_source(f"d{MAX_HEAD_DIM}"))
+    jobs = [(name, part) for name, (_, parts) in cases.items() for part in parts] + [(None, "max")]
+    jobs.sort(key=lambda job: job[1] == "dtype")  # the buckets (7 to 11 s each) first, the dtype parts (1 s) last
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {None if c is None else c.name: pool.submit(
-            build_kernels, tmp_path_factory.mktemp("kernels"), c) for c in cases}
-        return {name: future.result() for name, future in futures.items()}
+        objects = {job: pool.submit(compile_part, engines[job[0]], job[1], job[0] or "the unedited kernels")
+                   for job in jobs}
+        objects = {job: future.result() for job, future in objects.items()}
+    max_object = objects.pop((None, "max"))
+    max_bucket = folders[None] / f"kernels_d{MAX_HEAD_DIM}.so"
+    _link([str(max_object), "-o", str(max_bucket)], f"the bucket of FA_MAX_HEAD_DIM ({MAX_HEAD_DIM})")
+    return {name: build_kernels(folders[name], [objects[name, part] for part in parts], max_bucket,
+                                name or "the unedited kernels")
+            for name, (_, parts) in cases.items()}
 
 
 def test_every_pattern_matches_the_kernels():

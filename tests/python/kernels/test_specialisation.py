@@ -70,14 +70,17 @@ def clang() -> str:
 
 
 def ir(clang: str, source: pathlib.Path, *flags: str) -> str:
-    command = check_address_spaces.clang_command(clang, source, *flags, "-S", "-emit-llvm", "-o", "-")
-    result = subprocess.run(command, capture_output=True, text=True)
+    # Through the IR cache: the every-kernel compile at -O0 is the address-space check's at MSL 4.1.
+    result = check_address_spaces.emit_ir(clang, source, *flags)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
 
 def optimised_ir(clang: str, source: pathlib.Path) -> str:
-    return ir(clang, source, "-O2")
+    """-O1: constant propagation and dead-code elimination fold a feature that is off as they do at
+    -O2 (a feature that -O1 leaves code of would fail here, never pass), at two thirds of the CPU time
+    of the every-kernel compile (38 s against 58 s)."""
+    return ir(clang, source, "-O1")
 
 
 FUNCTION = re.compile(r"^define [^@]*@\"?([\w.$]+)\"?\(.*?^}", re.MULTILINE | re.DOTALL)
