@@ -175,7 +175,7 @@ def print_table(results: list[dict], names: list[str], resolution: int) -> None:
                         memory_ratio = _peak_memory.memory_ratio(memory, library["peak_memory_bytes"], resolution)
                 print(f"{head} {entry['ms']:10.3f} {entry['tflops'] * factor:9.3g} "
                       f"{_cell(entry.get('device_ms'), '.3f', 10)} {_cell(mib, '.2f', 9)} "
-                      f"{_cell(time_ratio, '.2f', 8)} {memory_ratio or '-':>8}")
+                      f"{_cell(time_ratio, '.3g', 8)} {memory_ratio or '-':>8}")
     for line in LEGEND:
         print(line)
 
