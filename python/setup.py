@@ -4,7 +4,7 @@ puts the native library into wheels and non-editable installs, so that `pip inst
 
 The library comes from, in order: $FLASH_ATTENTION_METAL_PREBUILT (a built libFlashAttentionMetal
 .so/.dylib, with its .metallib files beside it); the one build.sh links next to the package; else
-`swift build -c release` in the checkout this package sits in. The C header comes from the
+`swift build -c release` (as build.sh runs it) in the checkout this package sits in. The C header comes from the
 checkout. On Linux the Swift runtime libraries the library needs are copied beside it: its RUNPATH
 ends with $ORIGIN, so a machine without the Swift toolchain loads them from the package. Editable
 installs (build.sh's) keep using the package folder as it is.
@@ -49,7 +49,7 @@ def built_library() -> Path:
         raise SystemExit(f"building {LIBRARY} needs Swift 5.9 or later on PATH (https://www.swift.org/install); "
                          f"or run ./build.sh in the checkout first (it links the library next to the package), or "
                          f"set {PREBUILT_ENV} to a built one")
-    command = [swift, "build", "-c", "release", "--product", "FlashAttentionMetal"]
+    command = [swift, "build", "-c", "release", "-debug-info-format", "none", "--product", "FlashAttentionMetal"]
     if subprocess.run(command, cwd=CHECKOUT).returncode != 0:
         raise SystemExit(f"`{' '.join(command[1:])}` failed in {CHECKOUT} (its output is above); ./build.sh "
                          f"builds the same and says what it needs, or set {PREBUILT_ENV} to a built {LIBRARY}")
