@@ -12,7 +12,9 @@ later, MLX the newest its SDK has, up to 4.1), with __HAVE_BFLOAT__ from 3.1 as 
 defines it, so that every preprocessor path of the kernels is compiled; a file that includes
 <MetalPerformancePrimitives/...> (the tensor-op library, compiled at MSL 4.0) from 4.0 only.
 
-Usage: tests/static/check_address_spaces.py [--clang PATH] [FILE.metal ...]   (default: Shaders/*.metal)
+Usage: tests/static/check_address_spaces.py [--clang PATH] [--min-msl X.Y] [FILE.metal ...]
+                                            (default: Shaders/*.metal; --min-msl: only versions from X.Y,
+                                            for a source only a newer front end compiles)
        tests/static/check_address_spaces.py [--clang PATH] --probe   (only look for a usable clang)
 Exit status: 0 all compiled (--probe: a usable clang found), 1 a compile error or a kernel not
 emitted, 2 no usable clang.
@@ -116,16 +118,17 @@ def usable(clang: str) -> str | None:
         return None if run.returncode == 0 else (run.stderr.strip() or f"exit status {run.returncode}")
 
 
-def check(clang: str, source: pathlib.Path) -> bool:
+def check(clang: str, source: pathlib.Path, min_version: int = 0) -> bool:
     """Compiles one file at every version of MSL_VERSIONS, stopping at the first failure; prints
-    what it found; True when every defined kernel was emitted at every version. A version whose
+    what it found; True when every defined kernel was emitted at every version (from min_version,
+    e.g. 310). A version whose
     preprocessed source equals one already compiled is not compiled again (the same input gives
     the same result)."""
     compiled: dict[str, int] = {}
     # Metal 4's tensor ops exist from MSL 4.0: the host compiles their library at 4.0 only.
     tensor_ops = TENSOR_OPS_INCLUDE.search(source.read_text(encoding="utf-8")) is not None
     for version in MSL_VERSIONS:
-        if tensor_ops and version[0] < 400:
+        if (tensor_ops and version[0] < 400) or version[0] < min_version:
             continue
         where = f"{source} (MSL {version_name(version[0])})"
         preprocessed = subprocess.run(clang_command(clang, source, "-E", "-P", version=version),
@@ -168,6 +171,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clang", help="the clang to use (default: $CLANG, clang on PATH, or next to swift)")
     parser.add_argument("--probe", action="store_true", help="only look for a usable clang: exit 0 or 2")
+    parser.add_argument("--min-msl", default="3.0", help="the oldest MSL version to compile at (default: 3.0)")
     parser.add_argument("sources", nargs="*", type=pathlib.Path)
     args = parser.parse_args()
     sources = args.sources or sorted((ROOT / "Shaders").glob("*.metal"))
@@ -183,7 +187,13 @@ def main() -> int:
     if args.probe:
         print(f"check_address_spaces: {clang} compiles C++ for OpenCL 2021")
         return 0
-    results = [check(clang, source) for source in sources]
+    major, _, minor = args.min_msl.partition(".")
+    min_version = int(major) * 100 + int(minor or 0) * 10
+    if min_version not in {version for version, _ in MSL_VERSIONS}:
+        print(f"check_address_spaces: --min-msl {args.min_msl} is none of the versions a front end uses "
+              f"({', '.join(version_name(v) for v, _ in MSL_VERSIONS)})", file=sys.stderr)
+        return 2
+    results = [check(clang, source, min_version) for source in sources]
     return 0 if all(results) else 1
 
 

@@ -190,7 +190,9 @@ def test_metal_dispatches_get_the_constants_the_cpu_ones_get(ctx):
 def test_every_kernel_compiles_after_the_prelude(tmp_path):
     """The check emits every kernel the preprocessed source defines, or fails."""
     source = specialised_source(tmp_path, prelude(mask_type=1, softcap=True, alibi=True, sinks=True))
-    result = subprocess.run([sys.executable, str(CHECK), str(source)], capture_output=True, text=True)
+    # The prelude's one user, PyTorch's compile_shader, compiles at MSL 3.1 and later (docs/pytorch.md).
+    result = subprocess.run([sys.executable, str(CHECK), "--min-msl", "3.1", str(source)], capture_output=True,
+                            text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"specialised\.metal \(MSL [\d.]+\): [1-9]\d* kernels compiled", result.stdout), result.stdout
 
