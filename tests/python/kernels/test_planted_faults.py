@@ -8,7 +8,7 @@ package's flags: 7 to 11 s of one core per bucket), which the library loads in p
 built-in kernels through the test-only hook MSL_ENGINE_KERNELS_OVERRIDE
 (Sources/MSLEngine/engine/msl_registry.cpp). A child pytest then runs the test named as the
 fault's catcher against it, and it must fail by an assertion. The unedited copy, built the same
-way with every bucket of ``CATCHER_BUCKETS``, must pass every one of ``CATCHERS``: a failure is the
+way with the buckets of every fault's catcher, must pass every fault's catcher: a failure is the
 fault's, not the build's. A pattern that no longer matches the kernels (they are being
 restructured) fails the check itself, naming the fault and the pattern.
 """
@@ -32,21 +32,19 @@ ROOT = Path(__file__).resolve().parents[3]
 ENGINE = ROOT / "Sources" / "MSLEngine"
 OVERRIDE_VARIABLE = "MSL_ENGINE_KERNELS_OVERRIDE"
 
-# The accuracy tests each planted kernel runs (about 20 s in all on the CPU engine).
+# The accuracy tests the faults' catchers are cases of.
 CATCHERS = [
     "tests/python/core/test_accuracy.py::test_forward_and_backward_within_rule",
     "tests/python/core/test_long_sequences.py::test_long_forward_of_few_rows_within_rule",
 ]
 
-# The head_dim buckets (FA_HEAD_DIM_BUCKETS, Shaders/flash_attention_params.h) that the CATCHERS
-# run: the grid's head dims 8 to 128 and 256, the long forward's 64. The unedited build has them all;
-# a planted build only its catcher's (Fault.bucket): every bucket is one instance of the same
-# templates, and compiling all eight for each of the seven builds took 4 minutes of CPU. Every
+# A build has only the head_dim buckets (FA_HEAD_DIM_BUCKETS, Shaders/flash_attention_params.h) its
+# catchers run (Fault.bucket; the unedited build every fault's): every bucket is one instance of the
+# same templates, and compiling all eight for each of the seven builds took 4 minutes of CPU. Every
 # build also loads the bucket of FA_MAX_HEAD_DIM, whose forward kernel the CPU backend looks up to
 # tell that the engine has its kernels (CPUBackend.swift): unedited, compiled once into a shared
 # object of its own that every build links (its hidden symbols cannot mix with a build's edited
 # ones), since no catcher runs it.
-CATCHER_BUCKETS = (32, 64, 96, 128, 256)
 MAX_HEAD_DIM = int(re.search(r"^#define FA_MAX_HEAD_DIM (\d+)$",
                              (ROOT / "Shaders" / "flash_attention_params.h").read_text(), re.M).group(1))
 
@@ -100,7 +98,7 @@ class Fault:
     pattern: str  # a regular expression (re.S), matched `count` times
     replacement: str
     catcher: str  # the test id (under tests/python/) expected among the failures
-    bucket: int  # the head_dim bucket the catcher runs (one of CATCHER_BUCKETS)
+    bucket: int  # the head_dim bucket the catcher runs (one of FA_HEAD_DIM_BUCKETS)
     count: int = 1
 
 
@@ -138,6 +136,11 @@ FAULTS = [
           r"\1 + (row + 1 < p.seqlen_q ? 1 : 0)])",
           "core/test_accuracy.py::test_forward_and_backward_within_rule[B1-H2-Hkv2-Nq257-Nk257-D128-full]", 128),
 ]
+
+
+# What the unedited build has and must pass: every fault's bucket and catcher.
+UNEDITED_BUCKETS = sorted({fault.bucket for fault in FAULTS})
+UNEDITED_CATCHERS = sorted({f"tests/python/{fault.catcher}" for fault in FAULTS})
 
 
 class PatternMismatch(AssertionError):
@@ -214,7 +217,7 @@ def build_kernels(folder: Path, objects: list[Path], max_bucket: Path, what: str
     return output
 
 
-def run_catchers(kernels: Path, tests: list[str] = CATCHERS) -> subprocess.CompletedProcess:
+def run_catchers(kernels: Path, tests: list[str]) -> subprocess.CompletedProcess:
     """``tests`` (ids under the repository root) in a child pytest whose CPU engine runs ``kernels``."""
     env = dict(os.environ, **{OVERRIDE_VARIABLE: str(kernels), "FLASH_ATTENTION_METAL_BACKEND": "cpu"})
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", *tests],
@@ -231,7 +234,7 @@ def builds(tmp_path_factory):
     """{fault name or None: kernels.so}: every part of every build compiled two at a time (the
     unedited copy's dtype part, its buckets and FA_MAX_HEAD_DIM's; each fault's dtype part and
     bucket), then each build linked."""
-    cases = {None: (None, ["dtype", *(f"d{bucket}" for bucket in CATCHER_BUCKETS if bucket != MAX_HEAD_DIM)])}
+    cases = {None: (None, ["dtype", *(f"d{bucket}" for bucket in UNEDITED_BUCKETS if bucket != MAX_HEAD_DIM)])}
     cases.update({fault.name: (fault, ["dtype", f"d{fault.bucket}"]) for fault in FAULTS})
     folders = {name: tmp_path_factory.mktemp("kernels") for name in cases}
     engines = {name: build_parts(folders[name], fault, parts) for name, (fault, parts) in cases.items()}
@@ -261,20 +264,16 @@ def test_a_pattern_that_no_longer_matches_fails_naming_it():
         plant("kernel void restructured() {}", fault)
 
 
-def test_every_fault_runs_a_bucket_of_the_unedited_build():
-    assert all(fault.bucket in CATCHER_BUCKETS for fault in FAULTS)
-
-
 def test_the_unedited_kernels_built_so_pass(builds):
-    run = run_catchers(builds[None])
-    assert MISSING_KERNEL not in run.stdout, f"a catcher runs a bucket outside CATCHER_BUCKETS\n{run.stdout[-3000:]}"
+    run = run_catchers(builds[None], UNEDITED_CATCHERS)
+    assert MISSING_KERNEL not in run.stdout, f"a catcher runs a bucket outside its fault's\n{run.stdout[-3000:]}"
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.name for f in FAULTS])
 def test_planted_fault_is_caught(builds, fault):
-    # The catcher alone (the others' verdicts on this fault are asserted nowhere); it is one of the
-    # CATCHERS, so the unedited build passes it.
+    # The catcher alone (the others' verdicts on this fault are asserted nowhere); the unedited build
+    # passes it (UNEDITED_CATCHERS).
     catcher = f"tests/python/{fault.catcher}"
     assert any(catcher.startswith(test) for test in CATCHERS), f"{fault.catcher} is not among CATCHERS"
     run = run_catchers(builds[fault.name], [catcher])
